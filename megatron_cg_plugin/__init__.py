@@ -1,0 +1,23 @@
+"""megatron-cg-plugin: Transformer Engine CUDA graphs for Megatron-LM that cover more of training.
+
+Importing this package never imports Transformer Engine or touches CUDA; ``install()`` does the
+version checks and the (reversible) hook-in.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "install", "uninstall"]
+
+
+def install(config=None):
+    """Hook the plugin into Megatron's training loop. See ``megatron_cg_plugin.integration``."""
+    from megatron_cg_plugin import integration
+
+    return integration.install(config)
+
+
+def uninstall():
+    """Undo ``install()``: every patched Megatron global is restored by identity."""
+    from megatron_cg_plugin import integration
+
+    integration.uninstall()
