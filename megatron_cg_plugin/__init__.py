@@ -6,7 +6,9 @@ version checks and the (reversible) hook-in.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "install", "uninstall"]
+from megatron_cg_plugin.config import PluginConfig, add_plugin_args  # noqa: E402  (no torch, no TE)
+
+__all__ = ["__version__", "PluginConfig", "add_plugin_args", "install", "uninstall"]
 
 
 def install(config=None):

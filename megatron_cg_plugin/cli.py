@@ -1,0 +1,152 @@
+"""``megatron-cg``: the dry-run check and the golden-values commands.
+
+    megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
+    megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
+    megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import warnings
+from typing import Iterator, Sequence
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class CheckError(ValueError):
+    """The flags would not train; the message says what to change."""
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _gpu_host_stand_ins(args, *, capability: tuple[int, int]) -> Iterator[None]:
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host.
+
+    Only two things differ, both restored on exit: ``torch.cuda.get_device_capability`` answers
+    ``capability`` when there is no GPU here (Megatron queries it for grouped GEMM), and RoPE
+    fusion, whose kernel ships in TE, is left off when TE is not installed here (a speed choice that
+    no graph rule depends on).
+    """
+    import torch
+
+    from megatron_cg_plugin.launch import pretrain_gpt
+
+    saved_capability = torch.cuda.get_device_capability
+    saved_rope_fusion = getattr(args, "apply_rope_fusion", None)
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
+    if not pretrain_gpt.te_available():
+        args.apply_rope_fusion = False
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = saved_capability
+        args.apply_rope_fusion = saved_rope_fusion
+
+
+def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
+          capability: tuple[int, int] = (9, 0)) -> str:
+    """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text."""
+    from megatron_cg_plugin.launch import pretrain_gpt
+    from megatron_cg_plugin.plan.capture import plan_capture
+
+    with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
+        args = pretrain_gpt.parse_megatron_args(flags, validate=False)
+        # Friendlier messages first. TE is needed where the run happens, not on this machine.
+        facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
+        # Megatron's own checks as a backstop: validate_args and TransformerConfig.__post_init__.
+        from megatron.training.argument_utils import core_transformer_config_from_args
+        from megatron.training.arguments import validate_args
+
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
+                validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
+                core_transformer_config_from_args(args)
+        except (AssertionError, ValueError, TypeError) as error:
+            raise CheckError(f"Megatron rejects these flags: {error}") from error
+    plan = plan_capture(facts).describe()
+    if facts.te_graphs and not pretrain_gpt.te_available():
+        plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
+    return plan
+
+
+def _golden(argv: Sequence[str]) -> int:
+    from megatron_cg_plugin import golden
+
+    parser = argparse.ArgumentParser(prog="megatron-cg golden")
+    sub = parser.add_subparsers(dest="action", required=True)
+    compare = sub.add_parser("compare", help="compare a run's metrics with a golden file")
+    compare.add_argument("expected")
+    compare.add_argument("actual")
+    compare.add_argument("--deterministic", action="store_true",
+                         help="lm loss must match exactly (runs with --deterministic-mode)")
+    compare.add_argument("--metrics", nargs="+", default=None, help="compare only these metrics")
+    update = sub.add_parser("update", help="write a real run's metrics as the new golden file")
+    update.add_argument("actual")
+    update.add_argument("golden")
+    options = parser.parse_args(argv)
+    try:
+        actual = golden.GoldenValues.load(options.actual)
+        if options.action == "update":
+            golden.update(options.golden, actual)
+            print(f"wrote {options.golden} from {options.actual}")
+            return EXIT_OK
+        expected = golden.GoldenValues.load(options.expected)
+        mismatches = golden.compare(expected, actual, deterministic=options.deterministic,
+                                    metrics=options.metrics)
+    except (OSError, ValueError) as error:
+        print(f"megatron-cg golden: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(golden.format_report(mismatches))
+    return EXIT_MISMATCH if mismatches else EXIT_OK
+
+
+def _check(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-cg check", add_help=False)
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="number of ranks the run would use (sets the data-parallel size)")
+    options, flags = parser.parse_known_args(argv)
+    if options.nproc < 1:
+        print("megatron-cg check: --nproc must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        plan = check(flags, nproc=options.nproc, env=dict(os.environ))
+    except ValueError as error:
+        print(f"megatron-cg check: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print("flags OK\n" + plan)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU host);
+    # none of that changes a check or a comparison.
+    warnings.filterwarnings("ignore", category=UserWarning)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"check": _check, "golden": _golden}
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The plugin's one configuration object and the ``--cg-*`` flags that fill it.
+
+Everything the plugin does is decided by a ``PluginConfig``; no other module reads argparse or the
+environment. Megatron owns the rest of the flags (``--cuda-graph-*`` and friends); the plugin only
+adds its own here, through Megatron's ``extra_args_provider`` hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+PRESETS = ("tiny-gpt", "tiny-moe")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PluginConfig:
+    """What the plugin should do in one run.
+
+    Attributes:
+        preset: name of a launcher preset whose Megatron flags were expanded in front of the
+            user's flags (recorded for the report; expansion happens before parsing).
+        metrics_out: where to write this run's per-step metrics in Megatron's golden-values schema.
+        report_out: where to write the run report as JSON (the text table always goes to stdout
+            on rank 0 unless ``print_report`` is False).
+        print_report: print the run report table on rank 0 when training ends.
+    """
+
+    preset: str | None = None
+    metrics_out: Path | None = None
+    report_out: Path | None = None
+    print_report: bool = True
+
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+
+def validate_config(config: PluginConfig) -> None:
+    """The single place where a ``PluginConfig`` is checked; raises ``ValueError`` saying what to change."""
+    if config.preset is not None and config.preset not in PRESETS:
+        raise ValueError(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
+    for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
+        if path is not None and Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
+    if config.metrics_out is not None and config.report_out is not None:
+        if Path(config.metrics_out).resolve() == Path(config.report_out).resolve():
+            raise ValueError("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
+
+
+def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: adds the ``--cg-*`` flags and returns the parser."""
+    group = parser.add_argument_group("megatron-cg-plugin")
+    group.add_argument("--cg-preset", choices=PRESETS, default=None,
+                       help="Launcher preset whose Megatron flags come before yours (yours win).")
+    group.add_argument("--cg-metrics-out", type=Path, default=None,
+                       help="Write per-step metrics (lm loss, num-zeros, iteration-time, memory) "
+                            "in Megatron's golden-values JSON schema to this file.")
+    group.add_argument("--cg-report-out", type=Path, default=None,
+                       help="Write the run report (graphs captured/replayed, pool bytes, step times) as JSON.")
+    group.add_argument("--cg-no-report", action="store_true",
+                       help="Do not print the run report table at the end of training.")
+    return parser
+
+
+def config_from_args(args: Any) -> PluginConfig:
+    """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``."""
+    missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report")
+               if not hasattr(args, name)]
+    if missing:
+        raise ValueError(
+            "Megatron's arguments lack the plugin's --cg-* flags "
+            f"({', '.join(missing)}); parse them with extra_args_provider=megatron_cg_plugin.config.add_plugin_args."
+        )
+    return PluginConfig(
+        preset=args.cg_preset,
+        metrics_out=args.cg_metrics_out,
+        report_out=args.cg_report_out,
+        print_report=not args.cg_no_report,
+    )

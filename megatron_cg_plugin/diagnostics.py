@@ -1,0 +1,77 @@
+"""Allocator and replay diagnostics: private-pool bytes from the caching allocator's snapshot, and
+replay counters that wrap captured graph callables without changing what they do.
+
+The pure functions take snapshot segments as plain dicts (the format of
+``torch.cuda.memory_snapshot()``), so they are tested on CPU with hand-made snapshots.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+DEFAULT_POOL = (0, 0)  # the caching allocator's id for ordinary (non-graph) segments
+
+
+def pool_bytes_by_id(segments: Iterable[Mapping[str, Any]]) -> dict[tuple[int, int], int]:
+    """Reserved bytes per private memory pool id; ordinary allocator segments are left out."""
+    totals: dict[tuple[int, int], int] = defaultdict(int)
+    for segment in segments:
+        pool = tuple(segment.get("segment_pool_id", DEFAULT_POOL))
+        if pool != DEFAULT_POOL:
+            totals[pool] += int(segment["total_size"])
+    return dict(totals)
+
+
+def new_pool_bytes(before: Mapping[tuple[int, int], int], after: Mapping[tuple[int, int], int]) -> int:
+    """Bytes of the pools that exist in ``after`` but not in ``before`` (those a capture created)."""
+    return sum(size for pool, size in after.items() if pool not in before)
+
+
+def allocator_segments() -> list[dict[str, Any]]:
+    """The caching allocator's segments on this process's devices; empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return torch.cuda.memory_snapshot()
+
+
+class ReplayCounter:
+    """Counts forward replays per captured callable (one slot per layer)."""
+
+    def __init__(self, slots: int) -> None:
+        self.counts = [0] * slots
+
+    def wrap(self, graph: Callable, slot: int) -> "CountingGraph":
+        return CountingGraph(graph, self, slot)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+
+class CountingGraph:
+    """Calls the wrapped graphed callable and counts the call; every attribute (``reset``,
+    ``backward_dw`` ...) is forwarded, so Megatron's replay and teardown code sees no difference."""
+
+    __slots__ = ("graph", "_counter", "_slot")
+
+    def __init__(self, graph: Callable, counter: ReplayCounter, slot: int) -> None:
+        self.graph = graph
+        self._counter = counter
+        self._slot = slot
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._counter.counts[self._slot] += 1
+        return self.graph(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+
+def steady_median(seconds: Sequence[float], skip_first: int = 1) -> float | None:
+    """Median of per-step times after dropping the first ``skip_first`` (cold caches, capture)."""
+    kept = list(seconds[skip_first:])
+    return statistics.median(kept) if kept else None

@@ -1,0 +1,87 @@
+"""The only module that touches Megatron's globals: install and uninstall the plugin.
+
+``install()`` checks versions, applies every patch in ``patches.PATCHES`` (all or nothing) and
+creates the run's ``RunSession``; ``uninstall()`` restores each patched attribute to the very
+object it replaced. Both are idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_cg_plugin import compat
+from megatron_cg_plugin.config import PluginConfig, config_from_args
+from megatron_cg_plugin.patches import PatchSet
+from megatron_cg_plugin.session import RunSession
+
+
+@dataclasses.dataclass
+class _Installed:
+    session: RunSession
+    patches: PatchSet
+
+
+_installed: _Installed | None = None
+
+
+def _config_from_megatron_args() -> PluginConfig:
+    """The ``--cg-*`` flags Megatron parsed, or defaults when the script did not add them."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:  # Megatron asserts when its args were never parsed
+        return PluginConfig()
+    if args is None or not hasattr(args, "cg_preset"):
+        return PluginConfig()
+    return config_from_args(args)
+
+
+def install(config: PluginConfig | None = None) -> RunSession:
+    """Hooks the plugin into Megatron and returns the run's session.
+
+    Without ``config``, the ``--cg-*`` flags are read from Megatron's parsed arguments when training
+    starts (parse them with ``extra_args_provider=megatron_cg_plugin.add_plugin_args``).
+    Calling it again returns the same session; a different ``config`` is refused.
+    """
+    global _installed
+    if _installed is not None:
+        if config is not None and config != _installed.session.config:
+            raise RuntimeError(
+                "megatron_cg_plugin is already installed with a different config; call "
+                "megatron_cg_plugin.uninstall() first."
+            )
+        return _installed.session
+    compat.check_versions(compat.installed_versions(), require_te=False)
+    session = RunSession(config if config is not None else _config_from_megatron_args)
+    patches = PatchSet()
+    patches.apply_all(session)
+    _installed = _Installed(session, patches)
+    return session
+
+
+def uninstall() -> None:
+    """Restores every patched Megatron attribute by identity; harmless when not installed."""
+    global _installed
+    if _installed is None:
+        return
+    _installed.patches.revert_all()
+    _installed = None
+
+
+def active_session() -> RunSession | None:
+    return None if _installed is None else _installed.session
+
+
+def is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+
+
+def finish(print_fn: Any = print) -> Any:
+    """Ends the run's session: report and metrics files on rank 0. Returns the report, or None."""
+    if _installed is None:
+        return None
+    return _installed.session.finish(is_rank0=is_rank0(), print_fn=print_fn)

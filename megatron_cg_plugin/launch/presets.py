@@ -1,0 +1,56 @@
+"""Launcher presets: Megatron flag sets for a newcomer's first run, expanded before parsing.
+
+A preset's flags come first and the user's flags after, so anything the user passes wins
+(argparse keeps the last value). Presets only describe the model and the run; they never turn
+graphs on: that stays the user's ``--cuda-graph-impl transformer_engine``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_cg_plugin.config import PRESETS
+
+_COMMON = (
+    "--num-layers 2 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 4 "
+    "--seq-length 256 --max-position-embeddings 256 --position-embedding-type rope "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 30 "
+    "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 "
+    "--clip-grad 1.0 --bf16 --hidden-dropout 0.0 --attention-dropout 0.0 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --split 100,0,0 "
+    "--eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad "
+    "--seed 1234 --transformer-impl transformer_engine --no-gradient-accumulation-fusion "
+    "--num-workers 0"
+).split()
+
+PRESET_FLAGS: dict[str, tuple[str, ...]] = {
+    "tiny-gpt": tuple(_COMMON),
+    # Dropless alltoall MoE; add --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity
+    # to graph the whole MoE block (--cuda-graph-modules attn moe).
+    "tiny-moe": tuple(_COMMON) + tuple(
+        "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+        "--moe-grouped-gemm --swiglu --disable-bias-linear --moe-ffn-hidden-size 512".split()
+    ),
+}
+assert set(PRESET_FLAGS) == set(PRESETS)
+
+
+def find_preset(argv: Sequence[str]) -> str | None:
+    """The value of ``--cg-preset`` in ``argv`` (``--cg-preset X`` or ``--cg-preset=X``)."""
+    found = None
+    for index, token in enumerate(argv):
+        if token == "--cg-preset":
+            if index + 1 >= len(argv):
+                raise ValueError(f"--cg-preset needs a value: one of {', '.join(PRESETS)}.")
+            found = argv[index + 1]
+        elif token.startswith("--cg-preset="):
+            found = token.split("=", 1)[1]
+    if found is not None and found not in PRESET_FLAGS:
+        raise ValueError(f"--cg-preset {found!r} is unknown; use one of {', '.join(PRESETS)}.")
+    return found
+
+
+def expand_preset(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the preset's flags in front (the user's flags, coming later, override them)."""
+    preset = find_preset(argv)
+    return list(PRESET_FLAGS[preset]) + list(argv) if preset else list(argv)

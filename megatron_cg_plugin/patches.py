@@ -1,0 +1,162 @@
+"""Every change the plugin makes to Megatron's globals, in one list, with the reason each exists.
+
+Each patch replaces one module attribute, is applied only on the supported megatron-core range
+(``compat.SUPPORTED_MEGATRON_CORE``), checks the signature it relies on before replacing anything,
+and is reverted by restoring the very object it replaced. ``PatchSet.apply_all`` is all-or-nothing:
+if one patch fails, the ones already applied are reverted before the error propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from typing import Any, Callable
+
+from megatron_cg_plugin import compat
+
+HELPER_METHODS = (
+    "create_cudagraphs",
+    "cuda_graph_set_manual_hooks",
+    "delete_cuda_graphs",
+    "capture_finished",
+    "graphs_created",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One replaced attribute ``module.attribute``.
+
+    ``build(original, session)`` returns the replacement; ``expected_params`` are the parameters of
+    the original that the replacement relies on (for a class: of its ``__init__``), and
+    ``expected_methods`` the methods a replaced class must still have.
+    """
+
+    name: str
+    module: str
+    attribute: str
+    reason: str
+    build: Callable[[Any, Any], Any]
+    expected_params: tuple[str, ...] = ()
+    expected_methods: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+    def check(self, original: Any) -> None:
+        target = original.__init__ if inspect.isclass(original) else original
+        compat.check_parameters(target, self.expected_params, where=self.where)
+        missing = [name for name in self.expected_methods if not callable(getattr(original, name, None))]
+        if missing:
+            raise compat.SignatureMismatchError(
+                f"{self.where} lacks method(s) {', '.join(missing)}; install the supported megatron-core "
+                "(see docs/versions.md)."
+            )
+
+
+def _build_helper(original: type, session: Any) -> type:
+    from megatron_cg_plugin.helper import bind_helper_class
+
+    return bind_helper_class(original, session)
+
+
+def _build_training_log_tap(original: Callable, session: Any) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        session.on_training_log(
+            iteration=bound.arguments["iteration"],
+            loss_dict=bound.arguments["loss_dict"],
+            num_zeros_in_grad=bound.arguments.get("num_zeros_in_grad"),
+        )
+        return result
+
+    return training_log
+
+
+def _build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def compile_helpers() -> None:
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            original()  # a source checkout: let Megatron build the helpers as usual
+
+    return compile_helpers
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="helper-swap",
+        module="megatron.training.training",
+        attribute="TECudaGraphHelper",
+        reason="train() constructs the TE graph helper from this module global at call time "
+        "(training.py l.3715); swapping it is the only hook that puts the plugin's helper "
+        "(diagnostics, replay counters, later banks/slots) into Megatron's own loop.",
+        build=_build_helper,
+        expected_params=("model", "config", "seq_length", "micro_batch_size", "optimizers"),
+        expected_methods=HELPER_METHODS,
+    ),
+    Patch(
+        name="training-log-tap",
+        module="megatron.training.training",
+        attribute="training_log",
+        reason="the per-iteration lm loss (reduced over DP), num-zeros and iteration boundary are "
+        "only available here; the tap records them for golden values and the run report and "
+        "then calls Megatron's logger unchanged.",
+        build=_build_training_log_tap,
+        expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
+    ),
+    Patch(
+        name="prebuilt-dataset-helpers",
+        module="megatron.core.datasets.utils",
+        attribute="compile_helpers",
+        reason="initialize_megatron() runs `make` for the dataset C++ helpers on rank 0, but the "
+        "megatron-core wheel ships the compiled helpers_cpp and no Makefile, so every run "
+        "from the wheel exits; use the shipped module when it imports.",
+        build=_build_prebuilt_dataset_helpers,
+    ),
+)
+
+
+class PatchSet:
+    """Applies ``PATCHES`` for one session and reverts them by identity."""
+
+    def __init__(self, patches: tuple[Patch, ...] = PATCHES) -> None:
+        self._patches = patches
+        self._originals: list[tuple[Patch, Any, Any]] = []  # (patch, module object, original)
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._originals)
+
+    def apply_all(self, session: Any) -> None:
+        assert not self._originals, "patches already applied"
+        try:
+            for patch in self._patches:
+                module = importlib.import_module(patch.module)
+                original = getattr(module, patch.attribute)
+                patch.check(original)
+                replacement = patch.build(original, session)
+                setattr(module, patch.attribute, replacement)
+                self._originals.append((patch, module, original))
+        except BaseException:
+            self.revert_all()
+            raise
+
+    def revert_all(self) -> None:
+        while self._originals:
+            patch, module, original = self._originals.pop()
+            setattr(module, patch.attribute, original)
+
+    def original(self, name: str) -> Any:
+        for patch, _module, original in self._originals:
+            if patch.name == name:
+                return original
+        raise KeyError(name)

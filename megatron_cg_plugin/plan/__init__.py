@@ -1,0 +1,1 @@
+"""Pure planning logic: no torch.cuda, runs anywhere, unit-tested exhaustively."""

@@ -1,0 +1,72 @@
+"""What a run would capture, worked out from the flags alone (the ``megatron-cg check`` dry run).
+
+Mirrors how Megatron's ``TECudaGraphHelper`` picks layers (``_layer_is_graphable``) and microbatches
+(one when PP = 1, since static inputs are reused; every microbatch of the schedule otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_cg_plugin.rules import MOE_SCOPES, GraphFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturePlan:
+    impl: str
+    scope: str  # "layer" for whole-layer capture
+    graphed_layers: tuple[int, ...]  # 1-based global layer numbers
+    layers_per_stage: int
+    model_chunks: int
+    microbatches_per_step: int
+    microbatches_captured: int
+    warmup_steps: int
+
+    @property
+    def graphs_on_first_stage(self) -> int:
+        """Graphs TE captures on a first-stage rank: its graphed layers times captured microbatches."""
+        return sum(1 for n in self.graphed_layers if n <= self.layers_per_stage) * self.microbatches_captured
+
+    def describe(self) -> str:
+        if self.impl != "transformer_engine":
+            return f"--cuda-graph-impl {self.impl}: the plugin captures nothing (eager run)."
+        layers = ", ".join(str(n) for n in self.graphed_layers) or "none"
+        return "\n".join([
+            f"scope: {self.scope}",
+            f"graphed layers (global numbers): {layers}",
+            f"layers per pipeline stage: {self.layers_per_stage} in {self.model_chunks} model chunk(s)",
+            f"microbatches per step: {self.microbatches_per_step}; captured per layer: "
+            f"{self.microbatches_captured}",
+            f"graphs per rank on the first pipeline stage: {self.graphs_on_first_stage}",
+            f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
+        ])
+
+
+def layer_is_graphed(facts: GraphFacts, index: int) -> bool:
+    """``index`` is 0-based; dense/MoE layer kinds follow ``--moe-layer-freq``."""
+    if not facts.modules:
+        return True
+    moe_layer = facts.is_moe_layer(index)
+    if "attn" in facts.modules:
+        return True
+    if MOE_SCOPES & set(facts.modules) and moe_layer:
+        return True
+    return "mlp" in facts.modules and not moe_layer
+
+
+def plan_capture(facts: GraphFacts) -> CapturePlan:
+    data_parallel = facts.world_size // (facts.tensor_parallel * facts.pipeline_parallel * facts.context_parallel)
+    data_parallel = max(1, data_parallel)
+    global_batch = facts.global_batch_size or facts.micro_batch_size * data_parallel
+    microbatches = max(1, global_batch // (facts.micro_batch_size * data_parallel))
+    graphed = tuple(i + 1 for i in range(facts.num_layers) if layer_is_graphed(facts, i))
+    return CapturePlan(
+        impl=facts.cuda_graph_impl,
+        scope="+".join(facts.modules) if facts.modules else "layer",
+        graphed_layers=graphed if facts.te_graphs else (),
+        layers_per_stage=facts.num_layers // facts.pipeline_parallel,
+        model_chunks=facts.virtual_pipeline or 1,
+        microbatches_per_step=microbatches,
+        microbatches_captured=1 if facts.pipeline_parallel == 1 else microbatches,
+        warmup_steps=facts.warmup_steps,
+    )

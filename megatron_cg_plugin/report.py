@@ -1,0 +1,74 @@
+"""The run report: what was captured and replayed, what it cost, and what it bought.
+
+Built on rank 0 at the end of training from the session's records; printed as a table and
+written as JSON (field meanings: docs/report.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeReport:
+    """One captured scope (a set of ``--cuda-graph-modules``, or the whole layer)."""
+
+    scope: str
+    layers: int
+    graphs_captured: int
+    replays: int
+    capture_seconds: float
+    pool_bytes: int
+    replays_per_layer: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    preset: str | None
+    iterations: int
+    scopes: tuple[ScopeReport, ...]
+    eager_steps: int
+    graphed_steps: int
+    eager_step_ms: float | None
+    graphed_step_ms: float | None
+
+    @property
+    def step_time_reduction(self) -> float | None:
+        """Fraction of the eager steady-state step time that graphs removed (0.25 = 25% faster)."""
+        if not self.eager_step_ms or self.graphed_step_ms is None:
+            return None
+        return 1.0 - self.graphed_step_ms / self.eager_step_ms
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["step_time_reduction"] = self.step_time_reduction
+        return data
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def format_table(self) -> str:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}"
+
+        rows = [("scope", "layers", "graphs", "replays", "capture s", "pool MiB")]
+        for scope in self.scopes:
+            rows.append((scope.scope, str(scope.layers), str(scope.graphs_captured), str(scope.replays),
+                         f"{scope.capture_seconds:.2f}", f"{scope.pool_bytes / 2**20:.1f}"))
+        if not self.scopes:
+            rows.append(("(no graphs captured)", "-", "-", "-", "-", "-"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["megatron-cg-plugin run report"]
+        lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+        reduction = self.step_time_reduction
+        lines.append(
+            f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "
+            f"graphed {ms(self.graphed_step_ms)} ms ({self.graphed_steps} steps)"
+            + ("" if reduction is None else f", {100 * reduction:.1f}% less")
+        )
+        return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""Every compatibility rule for TE CUDA graphs, Megatron's and the plugin's, as data plus one
+``validate()``.
+
+Megatron enforces many of these with ``assert`` deep inside ``TransformerConfig.__post_init__`` or
+at model build time; here each one is checked up front, on the parsed flags, with a message that
+names the flag to change. ``megatron-cg check`` and the launcher both call ``validate()`` before
+anything touches a GPU, then let Megatron's own validation run as a backstop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
+
+
+class RuleViolation(ValueError):
+    """Flags that cannot work together; the message lists each broken rule and its fix."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        lines = [f"  [{name}] {message}" for name, message in violations]
+        super().__init__("these flags cannot work together:\n" + "\n".join(lines))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphFacts:
+    """The flags and environment facts the rules look at (all plain values)."""
+
+    cuda_graph_impl: str = "none"
+    modules: tuple[str, ...] = ()  # empty = whole layer
+    warmup_steps: int = 3
+    transformer_impl: str = "transformer_engine"
+    num_layers: int = 2
+    num_experts: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    capacity_factor: float | None = None
+    pad_to_capacity: bool = False
+    dispatcher: str = "allgather"
+    router_padding_for_fp8: bool = False
+    recompute_granularity: str | None = None
+    recompute_modules: tuple[str, ...] = ()
+    cpu_offloading: bool = False
+    gradient_accumulation_fusion: bool = False
+    apex_fused_wgrad: bool = False
+    hybrid_context_parallel: bool = False
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline: int | None = None
+    context_parallel: int = 1
+    world_size: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    te_available: bool = True
+    expandable_segments: bool = False
+    nccl_graph_register_off: bool = False
+
+    @property
+    def te_graphs(self) -> bool:
+        return self.cuda_graph_impl == "transformer_engine"
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts is not None and self.num_experts > 1
+
+    @property
+    def drop_and_pad(self) -> bool:
+        return self.capacity_factor is not None and self.pad_to_capacity
+
+    def is_moe_layer(self, index: int) -> bool:
+        """``index`` is 0-based, as in Megatron's ``moe_layer_freq``."""
+        if not self.moe:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return index % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[index])
+
+    @property
+    def all_layers_moe(self) -> bool:
+        return all(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``violated(facts)`` is True when the flags break the rule; ``fix`` says what to change."""
+
+    name: str
+    source: str  # "megatron" (mirrors a Megatron check) or "plugin"
+    violated: Callable[[GraphFacts], bool]
+    fix: str
+
+
+def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]:
+    return lambda f: f.te_graphs and check(f)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("te-installed", "plugin", _graphs(lambda f: not f.te_available),
+         "--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
+         "'megatron-cg-plugin[te]', or use --cuda-graph-impl none."),
+    Rule("te-layers", "megatron", _graphs(lambda f: f.transformer_impl != "transformer_engine"),
+         "TE CUDA graphs capture TE layers: use --transformer-impl transformer_engine."),
+    Rule("moe-xor-router", "megatron", _graphs(lambda f: {"moe", "moe_router"} <= set(f.modules)),
+         "--cuda-graph-modules lists both moe and moe_router: keep moe (whole MoE block, needs "
+         "drop-and-pad) or moe_router [moe_preprocess], not both."),
+    Rule("preprocess-needs-router", "megatron",
+         _graphs(lambda f: "moe_preprocess" in f.modules and "moe_router" not in f.modules),
+         "--cuda-graph-modules moe_preprocess needs moe_router too: add moe_router."),
+    Rule("moe-scope-needs-moe", "megatron",
+         _graphs(lambda f: bool(MOE_SCOPES & set(f.modules)) and not f.moe),
+         "--cuda-graph-modules moe/moe_router/moe_preprocess need an MoE model: set --num-experts > 1 "
+         "or drop those modules."),
+    Rule("mlp-scope-needs-dense", "megatron",
+         _graphs(lambda f: "mlp" in f.modules and f.moe and f.all_layers_moe),
+         "--cuda-graph-modules mlp graphs dense MLPs, but every layer is MoE: use moe or moe_router "
+         "instead of mlp, or make some layers dense with --moe-layer-freq."),
+    Rule("moe-scope-needs-drop-and-pad", "megatron",
+         _graphs(lambda f: "moe" in f.modules and not f.drop_and_pad),
+         "--cuda-graph-modules moe needs static expert shapes: add --moe-expert-capacity-factor "
+         "(e.g. 1.5) and --moe-pad-expert-input-to-capacity, or graph moe_router instead."),
+    Rule("preprocess-no-host-sync", "megatron",
+         _graphs(lambda f: "moe_preprocess" in f.modules and not f.drop_and_pad
+                 and f.dispatcher == "alltoall"
+                 and (f.capacity_factor is not None or f.router_padding_for_fp8)),
+         "moe_preprocess cannot be graphed when the alltoall preprocess copies to the host "
+         "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
+         "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity."),
+    Rule("whole-layer-moe-needs-drop-and-pad", "plugin",
+         _graphs(lambda f: not f.modules and f.moe and not f.drop_and_pad),
+         "whole-layer capture (empty --cuda-graph-modules) of MoE layers graphs the token "
+         "dispatcher, whose shapes change per step: add --moe-expert-capacity-factor and "
+         "--moe-pad-expert-input-to-capacity, or list modules such as attn moe_router."),
+    Rule("full-recompute", "megatron",
+         _graphs(lambda f: f.recompute_granularity == "full"),
+         "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration: use "
+         "--recompute-granularity selective or turn graphs off."),
+    Rule("moe-recompute-vs-router", "megatron",
+         _graphs(lambda f: f.recompute_granularity == "selective" and "moe" in f.recompute_modules
+                 and "moe_router" in f.modules),
+         "--recompute-modules moe cannot be combined with --cuda-graph-modules moe_router: drop one."),
+    Rule("cpu-offloading", "megatron", _graphs(lambda f: f.cpu_offloading),
+         "--cpu-offloading is not supported with CUDA graphs: use --fine-grained-activation-offloading "
+         "or turn graphs off."),
+    Rule("hybrid-cp", "plugin", _graphs(lambda f: f.hybrid_context_parallel),
+         "--hybrid-context-parallel with TE CUDA graphs needs per-CP-size graph banks, which this "
+         "plugin release does not provide yet: drop --hybrid-context-parallel or use "
+         "--cuda-graph-impl none."),
+    Rule("gradient-accumulation-fusion", "megatron",
+         lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
+         "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
+         "which is not installed: add --no-gradient-accumulation-fusion."),
+    Rule("expandable-segments", "megatron",
+         _graphs(lambda f: f.expandable_segments and not f.nccl_graph_register_off),
+         "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts memory under CUDA "
+         "graphs unless NCCL_GRAPH_REGISTER=0: export NCCL_GRAPH_REGISTER=0."),
+    Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0),
+         "--cuda-graph-warmup-steps must be >= 0."),
+    Rule("parallel-sizes", "megatron",
+         lambda f: f.world_size % (f.tensor_parallel * f.pipeline_parallel * f.context_parallel) != 0,
+         "the world size must be a multiple of TP x PP x CP: change --tensor-model-parallel-size, "
+         "--pipeline-model-parallel-size, --context-parallel-size or the number of ranks."),
+)
+
+
+def violations(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:
+    return [(rule.name, rule.fix) for rule in rules if rule.violated(facts)]
+
+
+def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
+    """Raises ``RuleViolation`` listing every broken rule (not just the first)."""
+    broken = violations(facts, rules)
+    if broken:
+        raise RuleViolation(broken)
+
+
+def _module_names(modules: Any) -> tuple[str, ...]:
+    if modules is None:
+        return ()
+    if isinstance(modules, str):
+        modules = modules.split()
+    return tuple(getattr(m, "name", str(m)) for m in modules)
+
+
+def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
+                    env: dict[str, str] | None = None) -> GraphFacts:
+    """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``)."""
+    env = env or {}
+    freq = getattr(args, "moe_layer_freq", 1)
+    recompute_modules = getattr(args, "recompute_modules", None) or ()
+    return GraphFacts(
+        cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
+        modules=_module_names(getattr(args, "cuda_graph_modules", None)),
+        warmup_steps=getattr(args, "cuda_graph_warmup_steps", 3),
+        transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
+        num_layers=args.num_layers,
+        num_experts=getattr(args, "num_experts", None),
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+        capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+        pad_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
+        dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
+        router_padding_for_fp8=bool(getattr(args, "moe_router_padding_for_fp8", False)),
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_modules=tuple(recompute_modules),
+        cpu_offloading=bool(getattr(args, "cpu_offloading", False)),
+        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
+        apex_fused_wgrad=apex_fused_wgrad,
+        hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
+        tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),
+        pipeline_parallel=getattr(args, "pipeline_model_parallel_size", 1),
+        virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel=getattr(args, "context_parallel_size", 1),
+        world_size=getattr(args, "world_size", 1) or 1,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=getattr(args, "global_batch_size", None),
+        te_available=te_available,
+        expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
+    )

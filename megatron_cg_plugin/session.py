@@ -1,0 +1,160 @@
+"""One training run as the plugin sees it: per-iteration metrics, the helpers Megatron created, and
+the report and files written when the run ends.
+
+The session is fed by the hooks (the launcher's forward step marks an iteration's start, the
+``training_log`` tap its end) and never reaches into Megatron itself; device access goes through a
+small ``DeviceProbe`` so the bookkeeping is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+from megatron_cg_plugin import diagnostics
+from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.golden import MetricsRecorder
+from megatron_cg_plugin.report import RunReport, ScopeReport
+
+
+class DeviceProbe(Protocol):
+    def synchronize(self) -> None: ...
+    def memory_allocated(self) -> int: ...
+    def max_memory_allocated(self) -> int: ...
+
+
+class CudaProbe:
+    """The real device: synchronizes so wall-clock step times cover the GPU work."""
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationRecord:
+    iteration: int
+    seconds: float | None  # None when the start was not marked (no launcher forward step)
+    graphed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureStats:
+    """What one helper captured; filled in by the helper after ``create_cudagraphs``."""
+
+    scope: str
+    layers: int
+    graphs: int
+    seconds: float
+    pool_bytes: int
+    replays: diagnostics.ReplayCounter
+
+
+class RunSession:
+    def __init__(self, config: PluginConfig | Callable[[], PluginConfig] | None = None, *,
+                 probe: DeviceProbe | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        # A callable defers the config until first use: install() may run before Megatron has
+        # parsed the --cg-* flags.
+        self._config_source = config if callable(config) else (lambda: config or PluginConfig())
+        self._config: PluginConfig | None = None
+        self.probe: DeviceProbe = probe or CudaProbe()
+        self.clock = clock
+        self.recorder = MetricsRecorder()
+        self.iterations: list[IterationRecord] = []
+        self.helpers: list[Any] = []
+        self._iteration_start: float | None = None
+
+    @property
+    def config(self) -> PluginConfig:
+        if self._config is None:
+            self._config = self._config_source()
+        return self._config
+
+    # -- hooks -------------------------------------------------------------------------------
+    def attach_helper(self, helper: Any) -> None:
+        self.helpers.append(helper)
+
+    def mark_iteration_start(self) -> None:
+        """Called on every microbatch's forward step; only the first of an iteration counts."""
+        if self._iteration_start is None:
+            self.probe.synchronize()
+            self._iteration_start = self.clock()
+
+    def on_training_log(self, *, iteration: int, loss_dict: Mapping[str, Any],
+                        num_zeros_in_grad: Any = None) -> None:
+        self.probe.synchronize()
+        now = self.clock()
+        seconds = None if self._iteration_start is None else now - self._iteration_start
+        self._iteration_start = None
+        graphed = any(helper.graphs_created() for helper in self.helpers)
+        self.iterations.append(IterationRecord(iteration, seconds, graphed))
+
+        values: dict[str, float] = {
+            "mem-allocated-bytes": float(self.probe.memory_allocated()),
+            "mem-max-allocated-bytes": float(self.probe.max_memory_allocated()),
+        }
+        if "lm loss" in loss_dict:
+            values["lm loss"] = _as_float(loss_dict["lm loss"])
+        if num_zeros_in_grad is not None:
+            values["num-zeros"] = _as_float(num_zeros_in_grad)
+        if seconds is not None:
+            values["iteration-time"] = seconds
+        self.recorder.record(iteration, values)
+
+    # -- results -----------------------------------------------------------------------------
+    def report(self) -> RunReport:
+        eager = [r.seconds for r in self.iterations if not r.graphed and r.seconds is not None]
+        graphed = [r.seconds for r in self.iterations if r.graphed and r.seconds is not None]
+        eager_median = diagnostics.steady_median(eager)
+        graphed_median = diagnostics.steady_median(graphed)
+        scopes = tuple(
+            ScopeReport(
+                scope=stats.scope,
+                layers=stats.layers,
+                graphs_captured=stats.graphs,
+                replays=stats.replays.total,
+                capture_seconds=stats.seconds,
+                pool_bytes=stats.pool_bytes,
+                replays_per_layer=tuple(stats.replays.counts),
+            )
+            for stats in (getattr(helper, "capture_stats", None) for helper in self.helpers)
+            if stats is not None
+        )
+        return RunReport(
+            preset=self.config.preset,
+            iterations=len(self.iterations),
+            scopes=scopes,
+            eager_steps=len(eager),
+            graphed_steps=len(graphed),
+            eager_step_ms=None if eager_median is None else 1e3 * eager_median,
+            graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
+        )
+
+    def finish(self, *, is_rank0: bool, print_fn: Callable[[str], None] = print) -> RunReport:
+        """Writes the metrics and report files (rank 0 only) and returns the report."""
+        report = self.report()
+        if is_rank0:
+            if self.config.metrics_out is not None:
+                self.recorder.golden().save(self.config.metrics_out)
+            if self.config.report_out is not None:
+                report.save(self.config.report_out)
+            if self.config.print_report:
+                print_fn(report.format_table())
+        return report
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item()) if hasattr(value, "item") else float(value)

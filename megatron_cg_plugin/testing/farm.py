@@ -1,0 +1,125 @@
+"""The GPU functional farm: each case trains the same tiny model eagerly and with TE graphs through
+the plugin's launcher on N ranks, and compares the per-step metrics.
+
+Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``; the summary table it
+writes is what ``docs/results/`` records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_cg_plugin.golden import GoldenValues
+from megatron_cg_plugin.testing.distributed import launch
+
+FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "functional" / "golden_values"
+# Step times are measured and recorded, never asserted; the golden comparison covers the rest.
+GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
+TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
+
+
+@dataclasses.dataclass(frozen=True)
+class FarmCase:
+    name: str
+    nproc: int
+    preset: str
+    flags: tuple[str, ...] = ()
+
+    def argv(self, *, graphed: bool, out_dir: Path, steps: int = FARM_STEPS) -> list[str]:
+        mode = "graphed" if graphed else "eager"
+        return [
+            "-m", "megatron_cg_plugin.pretrain_gpt",
+            "--cg-preset", self.preset, *self.flags,
+            "--cuda-graph-impl", "transformer_engine" if graphed else "none",
+            "--deterministic-mode", "--train-iters", str(steps),
+            "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
+            "--cg-report-out", str(out_dir / f"{self.name}.{mode}.report.json"),
+        ]
+
+    @property
+    def golden_path(self) -> Path:
+        return GOLDEN_DIR / f"golden_values_{self.name}.json"
+
+
+_DROP_AND_PAD = ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
+
+CASES: tuple[FarmCase, ...] = (
+    FarmCase("tiny_gpt_attn", 1, "tiny-gpt", ("--cuda-graph-modules", "attn")),
+    FarmCase("tiny_gpt_layer", 1, "tiny-gpt"),
+    FarmCase("tiny_moe_router", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")),
+    FarmCase("tiny_moe_droppad", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe", *_DROP_AND_PAD)),
+    FarmCase("tiny_gpt_layer_dp2", 2, "tiny-gpt"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    case: FarmCase
+    eager: GoldenValues
+    graphed: GoldenValues
+    report: dict[str, Any]
+    log_tail: str
+
+    def losses(self, which: GoldenValues) -> dict[int, float]:
+        return dict(which.metrics["lm loss"].values)
+
+    def window_median_ms(self, which: GoldenValues) -> float | None:
+        times = which.metrics.get("iteration-time")
+        if times is None:
+            return None
+        low, high = TIMING_WINDOW
+        window = [value for step, value in times.values.items() if low <= step <= high]
+        return 1e3 * statistics.median(window) if window else None
+
+    def summary(self) -> dict[str, Any]:
+        eager_ms, graphed_ms = self.window_median_ms(self.eager), self.window_median_ms(self.graphed)
+        scopes = self.report.get("scopes", [])
+        return {
+            "case": self.case.name,
+            "nproc": self.case.nproc,
+            "steps": len(self.losses(self.graphed)),
+            "losses_equal": self.losses(self.eager) == self.losses(self.graphed),
+            "eager_ms": eager_ms,
+            "graphed_ms": graphed_ms,
+            "reduction": None if not eager_ms or graphed_ms is None else 1 - graphed_ms / eager_ms,
+            "graphs": sum(scope["graphs_captured"] for scope in scopes),
+            "replays": sum(scope["replays"] for scope in scopes),
+            "pool_mib": sum(scope["pool_bytes"] for scope in scopes) / 2**20,
+            "capture_s": sum(scope["capture_seconds"] for scope in scopes),
+        }
+
+
+def run_case(case: FarmCase, out_dir: Path, *, steps: int = FARM_STEPS, timeout_s: float = 900) -> CaseResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tails = []
+    for graphed in (False, True):
+        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
+                        timeout_s=timeout_s, log_dir=out_dir / f"{case.name}.{'graphed' if graphed else 'eager'}.logs")
+        tails.append(result.stdout.get(0, "")[-4000:])
+    return CaseResult(
+        case=case,
+        eager=GoldenValues.load(out_dir / f"{case.name}.eager.metrics.json"),
+        graphed=GoldenValues.load(out_dir / f"{case.name}.graphed.metrics.json"),
+        report=json.loads((out_dir / f"{case.name}.graphed.report.json").read_text()),
+        log_tail=tails[-1],
+    )
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs | replays | pool MiB | capture s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        reduction = "-" if row["reduction"] is None else f"-{100 * row['reduction']:.1f}%"
+        lines.append(
+            f"| {row['case']} | {row['nproc']} | {row['steps']} | {'yes' if row['losses_equal'] else 'NO'} | "
+            f"{num(row['eager_ms'], '.2f')} | {num(row['graphed_ms'], '.2f')} | {reduction} | {row['graphs']} | "
+            f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} |")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""GPU functional farm: eager vs graphed training through Megatron's own loop, per step.
+
+Each case needs its GPUs and Transformer Engine and is skipped with the reason otherwise. Set
+MEGATRON_CG_FARM_OUT to keep the metrics, reports and logs (ci/run_gpu_functional.sh does), and
+MEGATRON_CG_UPDATE_GOLDEN=1 to (re)write the golden files from this real run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin import golden
+from megatron_cg_plugin.testing.distributed import gpus_available
+from megatron_cg_plugin.testing.farm import CASES, GOLDEN_METRICS, FarmCase, run_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
+
+
+def _skip_reason(case: FarmCase) -> str | None:
+    found = gpus_available()
+    if found < case.nproc:
+        return f"needs {case.nproc} CUDA GPU(s), found {found}"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "needs Transformer Engine (pip install 'megatron-cg-plugin[te]')"
+    return None
+
+
+@pytest.fixture(scope="session")
+def farm_out(tmp_path_factory) -> Path:
+    configured = os.environ.get("MEGATRON_CG_FARM_OUT")
+    return Path(configured) if configured else tmp_path_factory.mktemp("farm")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> None:
+    reason = _skip_reason(case)
+    if reason:
+        pytest.skip(reason)
+    result = run_case(case, farm_out)
+    summary = result.summary()
+    (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    eager, graphed = result.losses(result.eager), result.losses(result.graphed)
+    assert len(graphed) == len(eager) >= 20, f"expected >= 20 logged steps, got {len(eager)}/{len(graphed)}"
+    differing = {step: (eager[step], graphed[step]) for step in eager if eager[step] != graphed.get(step)}
+    assert not differing, f"lm loss differs eager vs graphed (step: eager, graphed): {differing}"
+    assert summary["graphs"] > 0 and summary["replays"] > 0, f"nothing captured or replayed: {summary}"
+
+    if os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1":
+        golden.update(case.golden_path, result.graphed)
+    if not case.golden_path.exists():
+        pytest.fail(f"no golden file {case.golden_path}: write it from a real GPU run with "
+                    "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
+    mismatches = golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
+                                deterministic=True, metrics=GOLDEN_METRICS)
+    assert not mismatches, golden.format_report(mismatches)
