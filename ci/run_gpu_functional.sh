@@ -9,8 +9,10 @@ out=${1:-${OUT:-/tmp/megatron-cg-farm}}
 shift || true
 mkdir -p "$out"
 export MEGATRON_CG_FARM_OUT="$out" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+set +e
 python3 -m pytest tests/functional -v -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/farm.log"
 status=${PIPESTATUS[0]}
+set -e
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path

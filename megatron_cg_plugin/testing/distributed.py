@@ -240,12 +240,16 @@ def _main(spec_json: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     spec = json.loads(spec_json)
-    args = tdrun.get_args_parser().parse_args([
+    parser = tdrun.get_args_parser()
+    # --shutdown-timeout arrived after torch 2.11: pass it only where this torch knows it.
+    known = {option for action in parser._actions for option in action.option_strings}
+    shutdown = [f"--shutdown-timeout={_SHUTDOWN_S}"] if "--shutdown-timeout" in known else []
+    args = parser.parse_args([
         "--nnodes=1", f"--nproc-per-node={spec['nproc']}", "--max-restarts=0",
         # c10d rendezvous hosted by this agent on loopback = torchrun --standalone, but on our port.
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{spec['port']}", f"--rdzv-id={spec['run_id']}",
         "--local-addr=127.0.0.1", f"--log-dir={spec['log_dir']}", "--redirects=3",
-        f"--shutdown-timeout={_SHUTDOWN_S}", *spec["argv"],
+        *shutdown, *spec["argv"],
     ])
     failures: dict[int, tuple[int, float]] = {}
     try:
