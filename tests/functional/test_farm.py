@@ -2,7 +2,8 @@
 
 Each case needs its GPUs and Transformer Engine and is skipped with the reason otherwise. Set
 MEGATRON_CG_FARM_OUT to keep the metrics, reports and logs (ci/run_gpu_functional.sh does), and
-MEGATRON_CG_UPDATE_GOLDEN=1 to (re)write the golden files from this real run.
+MEGATRON_CG_UPDATE_GOLDEN=1 to (re)write the golden files from this real run;
+MEGATRON_CG_FARM_TIMEOUT_S bounds each multi-rank launch (default 900 s).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     reason = _skip_reason(case)
     if reason:
         pytest.skip(reason)
-    result = run_case(case, farm_out)
+    result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")))
     summary = result.summary()
     (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
