@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 PRESETS = ("tiny-gpt", "tiny-moe")
+ON_CAPTURE_ERROR = ("raise", "eager")
+CONTRACT_CHECKS = ("full", "shapes", "off")
+STALE_GRAPH_CHECKS = ("refuse", "off")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,12 +29,25 @@ class PluginConfig:
         report_out: where to write the run report as JSON (the text table always goes to stdout
             on rank 0 unless ``print_report`` is False).
         print_report: print the run report table on rank 0 when training ends.
+        on_capture_error: after a failed (and fully rolled back) capture, ``raise`` stops the run
+            naming the layer and the cause; ``eager`` continues training without graphs.
+        contract_check: what each replay checks against its capture (``full``: tensor metadata,
+            aliasing, control values, parameter storage, process groups; ``shapes``: tensor shape
+            and dtype; ``off``).
+        stale_graph_check: ``refuse`` capture while eager autograd graphs that reach graphed
+            parameters are still alive (after collecting garbage), or ``off``.
+        inject_capture_failure: test hook: fail capture inside the capture of the N-th graphed
+            layer (1-based), to exercise the rollback.
     """
 
     preset: str | None = None
     metrics_out: Path | None = None
     report_out: Path | None = None
     print_report: bool = True
+    on_capture_error: str = "raise"
+    contract_check: str = "full"
+    stale_graph_check: str = "refuse"
+    inject_capture_failure: int | None = None
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -41,6 +57,13 @@ def validate_config(config: PluginConfig) -> None:
     """The single place where a ``PluginConfig`` is checked; raises ``ValueError`` saying what to change."""
     if config.preset is not None and config.preset not in PRESETS:
         raise ValueError(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
+    for flag, value, allowed in (("--cg-on-capture-error", config.on_capture_error, ON_CAPTURE_ERROR),
+                                 ("--cg-contract-check", config.contract_check, CONTRACT_CHECKS),
+                                 ("--cg-stale-graph-check", config.stale_graph_check, STALE_GRAPH_CHECKS)):
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
+    if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
+        raise ValueError("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
             raise ValueError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
@@ -61,12 +84,23 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Write the run report (graphs captured/replayed, pool bytes, step times) as JSON.")
     group.add_argument("--cg-no-report", action="store_true",
                        help="Do not print the run report table at the end of training.")
+    group.add_argument("--cg-on-capture-error", choices=ON_CAPTURE_ERROR, default="raise",
+                       help="After a failed capture (always rolled back): stop with the error (raise) "
+                            "or keep training without graphs (eager).")
+    group.add_argument("--cg-contract-check", choices=CONTRACT_CHECKS, default="full",
+                       help="What each graph replay checks against what it was captured for.")
+    group.add_argument("--cg-stale-graph-check", choices=STALE_GRAPH_CHECKS, default="refuse",
+                       help="Refuse capture while eager autograd graphs reaching graphed parameters are alive.")
+    group.add_argument("--cg-inject-capture-failure", type=int, default=None, metavar="N",
+                       help="Testing only: fail capture inside the N-th graphed layer (1-based).")
     return parser
 
 
 def config_from_args(args: Any) -> PluginConfig:
     """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``."""
-    missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report")
+    missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
+                                 "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
+                                 "cg_inject_capture_failure")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -78,4 +112,8 @@ def config_from_args(args: Any) -> PluginConfig:
         metrics_out=args.cg_metrics_out,
         report_out=args.cg_report_out,
         print_report=not args.cg_no_report,
+        on_capture_error=args.cg_on_capture_error,
+        contract_check=args.cg_contract_check,
+        stale_graph_check=args.cg_stale_graph_check,
+        inject_capture_failure=args.cg_inject_capture_failure,
     )

@@ -47,7 +47,13 @@ def install(config: PluginConfig | None = None) -> RunSession:
     """
     global _installed
     if _installed is not None:
-        if config is not None and config != _installed.session.config:
+        session = _installed.session
+        if config is not None and not session.config_resolved:
+            raise RuntimeError(
+                "megatron_cg_plugin is already installed with its config deferred to Megatron's "
+                "--cg-* flags; call megatron_cg_plugin.uninstall() before installing with a config."
+            )
+        if config is not None and config != session.config:
             raise RuntimeError(
                 "megatron_cg_plugin is already installed with a different config; call "
                 "megatron_cg_plugin.uninstall() first."

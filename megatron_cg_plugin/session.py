@@ -68,14 +68,18 @@ class RunSession:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         # A callable defers the config until first use: install() may run before Megatron has
         # parsed the --cg-* flags.
-        self._config_source = config if callable(config) else (lambda: config or PluginConfig())
-        self._config: PluginConfig | None = None
+        self._config: PluginConfig | None = config if isinstance(config, PluginConfig) else None
+        self._config_source: Callable[[], PluginConfig] = config if callable(config) else PluginConfig
         self.probe: DeviceProbe = probe or CudaProbe()
         self.clock = clock
         self.recorder = MetricsRecorder()
         self.iterations: list[IterationRecord] = []
         self.helpers: list[Any] = []
         self._iteration_start: float | None = None
+
+    @property
+    def config_resolved(self) -> bool:
+        return self._config is not None
 
     @property
     def config(self) -> PluginConfig:
@@ -85,6 +89,7 @@ class RunSession:
 
     # -- hooks -------------------------------------------------------------------------------
     def attach_helper(self, helper: Any) -> None:
+        self.config  # resolve a deferred config now, so bad --cg-* values fail before training
         self.helpers.append(helper)
 
     def mark_iteration_start(self) -> None:
@@ -95,6 +100,7 @@ class RunSession:
 
     def on_training_log(self, *, iteration: int, loss_dict: Mapping[str, Any],
                         num_zeros_in_grad: Any = None) -> None:
+        self.config  # resolve a deferred config at the first iteration at the latest
         self.probe.synchronize()
         now = self.clock()
         seconds = None if self._iteration_start is None else now - self._iteration_start

@@ -123,7 +123,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec, session: Any):
     from megatron.core.utils import get_attr_wrapped_model
 
-    session.mark_iteration_start()
+    if getattr(model, "training", True):  # evaluation steps are not training iterations
+        session.mark_iteration_start()
     batch = get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])

@@ -1,0 +1,81 @@
+"""The single seam between the plugin and Transformer Engine's graph capture.
+
+Everything the plugin needs from TE at capture time goes through a ``GraphBackend``: the capture
+call itself, a way to learn about every CUDA graph object it creates (so a failed capture can
+reset them), and the TE-global state a failed capture leaves behind. CPU tests swap in a fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+from megatron_cg_plugin.capture.transaction import Restorable, attribute, gc_state
+
+
+class GraphBackend(Protocol):
+    def make_graphed_callables(self, callables: tuple, sample_args: Sequence, **kwargs: Any) -> Sequence[Callable]: ...
+
+    def tracking(self, on_graph: Callable[[Any], None]) -> contextlib.AbstractContextManager[None]: ...
+
+    def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]: ...
+
+
+class TEBackend:
+    """Transformer Engine 2.20's ``make_graphed_callables``."""
+
+    def make_graphed_callables(self, callables: tuple, sample_args: Sequence, **kwargs: Any) -> Sequence[Callable]:
+        from transformer_engine.pytorch.graph import make_graphed_callables
+
+        return make_graphed_callables(callables, sample_args, **kwargs)
+
+    @contextlib.contextmanager
+    def tracking(self, on_graph: Callable[[Any], None]) -> Iterator[None]:
+        """Reports each ``torch.cuda.CUDAGraph`` created inside (TE looks the class up on
+        ``torch.cuda`` at call time); the original class is back on exit, whatever happens."""
+        import torch
+
+        original = torch.cuda.CUDAGraph
+
+        class TrackedCUDAGraph(original):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                on_graph(self)
+
+        torch.cuda.CUDAGraph = TrackedCUDAGraph
+        try:
+            yield
+        finally:
+            torch.cuda.CUDAGraph = original
+
+    def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
+        """What TE 2.20.2's ``make_graphed_callables`` changes and, on failure, leaves changed:
+        its capture flag, GC (disabled around each capture), the ``__call__`` it installs on each
+        module class (FP8 autocast wrapper), ``forward`` on modules (no ``_order``), and the FP8
+        meta tensors under delayed scaling. (It changes no allocator setting.)"""
+        import transformer_engine.pytorch.graph as te_graph
+
+        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag"), gc_state()]
+        for cls in {type(module): None for module in callables}:
+            items.append(attribute(cls, "__call__"))
+        items += [attribute(module, "forward", label=f"{type(module).__name__}#{i}.forward")
+                  for i, module in enumerate(callables)]
+        recipe = capture_kwargs.get("fp8_recipe")
+        if recipe is not None and any(_as_tuple(capture_kwargs.get("fp8_enabled", False))):
+            items.append(_fp8_meta_tensors(te_graph, callables, recipe))
+        return items
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _fp8_meta_tensors(te_graph: Any, modules: Sequence[Any], recipe: Any) -> Restorable:
+    def save() -> Any:
+        return te_graph.save_fp8_tensors(modules, recipe=recipe)  # TE returns clones
+
+    def restore(saved: Any) -> None:
+        if saved is not None:
+            te_graph.restore_fp8_tensors(modules, list(saved))  # TE pops from the list it is given
+
+    return Restorable("FP8 meta tensors (delayed scaling)", save, restore)

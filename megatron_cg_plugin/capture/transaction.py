@@ -1,0 +1,105 @@
+"""Capture as one transaction: either every graph is installed, or the process is left as if
+capture had never started.
+
+TE 2.20.2's ``make_graphed_callables`` restores nothing when it fails part-way (GC stays disabled,
+its capture flag stays set, module classes keep its patched ``__call__``, RNG and FP8 state are not
+put back). The transaction snapshots each such piece of state as a ``Restorable`` before capture,
+collects every graph object created while it is open, and on any error resets those graphs (newest
+first) and restores every snapshot (in reverse order) before the error propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any, Callable, Iterable, Sequence
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restorable:
+    """One piece of process state: ``save()`` returns a snapshot, ``restore(snapshot)`` puts it back."""
+
+    name: str
+    save: Callable[[], Any]
+    restore: Callable[[Any], None]
+
+
+def attribute(owner: Any, name: str, *, label: str | None = None) -> Restorable:
+    """``owner.name`` as set directly on ``owner`` (absent stays absent: inherited attributes such
+    as a class's ``__call__`` from ``nn.Module`` are deleted again, not frozen as a copy)."""
+
+    def save() -> Any:
+        return vars(owner).get(name, _MISSING)
+
+    def restore(value: Any) -> None:
+        if value is _MISSING:
+            if name in vars(owner):
+                delattr(owner, name)
+        elif vars(owner).get(name, _MISSING) is not value:
+            setattr(owner, name, value)
+
+    return Restorable(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", save, restore)
+
+
+def gc_state() -> Restorable:
+    def restore(enabled: bool) -> None:
+        (gc.enable if enabled else gc.disable)()
+
+    return Restorable("gc.isenabled", gc.isenabled, restore)
+
+
+class CaptureTransaction:
+    """Context manager around one capture.
+
+    Graph objects created inside are reported with ``track(graph)``; each needs a ``reset()``.
+    ``rolled_back`` tells, after exit, whether the capture failed and was undone.
+    """
+
+    def __init__(self, restorables: Sequence[Restorable]) -> None:
+        self._restorables = tuple(restorables)
+        self._snapshots: list[tuple[Restorable, Any]] = []
+        self.graphs: list[Any] = []
+        self.rolled_back = False
+        self.rollback_errors: list[str] = []
+
+    def track(self, graph: Any) -> None:
+        self.graphs.append(graph)
+
+    def __enter__(self) -> "CaptureTransaction":
+        self._snapshots = [(item, item.save()) for item in self._restorables]
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None:
+            self.rollback()
+        return False  # never swallow the error: the caller decides (raise or continue eagerly)
+
+    def rollback(self) -> None:
+        """Resets tracked graphs newest first, then restores every snapshot in reverse order.
+        Keeps going past individual failures so one broken piece cannot leave the rest undone."""
+        self.rolled_back = True
+        for graph in reversed(self.graphs):
+            try:
+                graph.reset()
+            except Exception as error:  # noqa: BLE001 - report, and keep restoring the rest
+                self.rollback_errors.append(f"reset of {graph!r}: {error}")
+        self.graphs.clear()
+        for item, snapshot in reversed(self._snapshots):
+            try:
+                item.restore(snapshot)
+            except Exception as error:  # noqa: BLE001
+                self.rollback_errors.append(f"restore of {item.name}: {error}")
+
+
+def restorables_for(objects: Iterable[tuple[Any, str]]) -> list[Restorable]:
+    """``attribute`` restorables for (owner, name) pairs, each owner/name once."""
+    seen: set[tuple[int, str]] = set()
+    result = []
+    for owner, name in objects:
+        key = (id(owner), name)
+        if key not in seen:
+            seen.add(key)
+            result.append(attribute(owner, name))
+    return result

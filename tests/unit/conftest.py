@@ -1,0 +1,48 @@
+"""Shared CPU fakes for the plugin's unit tests: a device probe and a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+
+class FakeProbe:
+    """Stands in for ``session.CudaProbe``: counts synchronizations, reports fixed memory."""
+
+    def __init__(self, allocated: int = 1_339_286_016, max_allocated: int = 3_418_015_744) -> None:
+        self.allocated = allocated
+        self.max_allocated = max_allocated
+        self.synchronize_calls = 0
+
+    def synchronize(self) -> None:
+        self.synchronize_calls += 1
+
+    def memory_allocated(self) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.max_allocated
+
+
+class FakeClock:
+    """A clock that only moves when the test says so (dyadic steps keep float sums exact)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def probe() -> FakeProbe:
+    return FakeProbe()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -1,0 +1,205 @@
+"""Tests for megatron_cg_plugin.config (PluginConfig, the --cg-* flags) and the launcher presets."""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.config import PRESETS, PluginConfig, add_plugin_args, config_from_args
+from megatron_cg_plugin.launch.presets import PRESET_FLAGS, expand_preset, find_preset
+
+# -- PluginConfig -----------------------------------------------------------------------------------
+
+
+def test_defaults():
+    config = PluginConfig()
+    assert (config.preset, config.metrics_out, config.report_out, config.print_report) == (None, None, None, True)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_known_presets_accepted(preset):
+    assert PluginConfig(preset=preset).preset == preset
+
+
+@pytest.mark.parametrize("bad", ["tiny", "TINY-GPT", "", "gpt"])
+def test_unknown_preset_rejected(bad):
+    with pytest.raises(ValueError, match="--cg-preset") as info:
+        PluginConfig(preset=bad)
+    for valid in PRESETS:
+        assert valid in str(info.value)
+
+
+@pytest.mark.parametrize("field, flag", [("metrics_out", "--cg-metrics-out"), ("report_out", "--cg-report-out")])
+def test_directory_output_rejected(tmp_path, field, flag):
+    with pytest.raises(ValueError, match=flag) as info:
+        PluginConfig(**{field: tmp_path})
+    assert "directory" in str(info.value)
+    assert str(tmp_path / "out.json") in str(info.value)
+
+
+def test_file_outputs_accepted(tmp_path):
+    existing = tmp_path / "existing.json"
+    existing.write_text("{}")
+    config = PluginConfig(metrics_out=existing, report_out=tmp_path / "new" / "report.json")
+    assert config.metrics_out == existing
+
+
+def test_same_output_file_rejected(tmp_path):
+    with pytest.raises(ValueError, match="--cg-metrics-out and --cg-report-out"):
+        PluginConfig(metrics_out=tmp_path / "x.json", report_out=tmp_path / "x.json")
+
+
+def test_same_output_file_rejected_through_different_spellings(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ValueError, match="same file"):
+        PluginConfig(metrics_out=Path("sub/../x.json"), report_out=tmp_path / "x.json")
+
+
+def test_frozen():
+    config = PluginConfig(preset="tiny-gpt")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.preset = "tiny-moe"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.print_report = False
+
+
+def test_replace_revalidates(tmp_path):
+    with pytest.raises(ValueError, match="--cg-report-out"):
+        dataclasses.replace(PluginConfig(), report_out=tmp_path)
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        PluginConfig("tiny-gpt")  # noqa
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    assert add_plugin_args(parser) is parser
+    return parser.parse_args(argv)
+
+
+def test_flags_into_config(tmp_path):
+    args = parse(["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"),
+                  "--cg-report-out", str(tmp_path / "r.json"), "--cg-no-report"])
+    config = config_from_args(args)
+    assert config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json",
+                                  report_out=tmp_path / "r.json", print_report=False)
+    assert isinstance(config.metrics_out, Path)
+
+
+def test_flag_defaults_into_config():
+    assert config_from_args(parse([])) == PluginConfig()
+
+
+def test_flag_rejects_unknown_preset(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--cg-preset", "huge"])
+    assert "--cg-preset" in capsys.readouterr().err
+
+
+def test_flags_validated_through_config(tmp_path):
+    args = parse(["--cg-metrics-out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--cg-metrics-out"):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("namespace", [
+    argparse.Namespace(),
+    argparse.Namespace(num_layers=2, cg_preset=None),  # partly there
+])
+def test_config_from_args_without_plugin_flags(namespace):
+    with pytest.raises(ValueError, match="add_plugin_args") as info:
+        config_from_args(namespace)
+    assert "cg_no_report" in str(info.value)
+
+
+# -- presets ----------------------------------------------------------------------------------------
+
+
+def test_presets_match_config():
+    assert set(PRESET_FLAGS) == set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_never_turn_graphs_on(preset):
+    assert not any(flag.startswith("--cuda-graph") for flag in PRESET_FLAGS[preset])
+
+
+@pytest.mark.parametrize("spelling", [["--cg-preset", "tiny-gpt"], ["--cg-preset=tiny-gpt"]])
+def test_expand_preset_puts_preset_first(spelling):
+    user = ["--num-layers", "4", *spelling, "--cuda-graph-impl", "transformer_engine"]
+    expanded = expand_preset(user)
+    preset = list(PRESET_FLAGS["tiny-gpt"])
+    assert expanded[:len(preset)] == preset
+    assert expanded[len(preset):] == user
+
+
+def test_expand_without_preset_is_identity():
+    user = ["--num-layers", "4"]
+    assert expand_preset(user) == user
+    assert expand_preset(user) is not user
+    assert expand_preset([]) == []
+
+
+def test_last_preset_wins():
+    assert find_preset(["--cg-preset", "tiny-gpt", "--cg-preset=tiny-moe"]) == "tiny-moe"
+    assert expand_preset(["--cg-preset=tiny-gpt", "--cg-preset", "tiny-moe"])[:len(PRESET_FLAGS["tiny-moe"])] == \
+        list(PRESET_FLAGS["tiny-moe"])
+
+
+@pytest.mark.parametrize("argv", [["--cg-preset", "huge"], ["--cg-preset=huge"], ["--cg-preset="]])
+def test_unknown_preset_lists_valid_ones(argv):
+    with pytest.raises(ValueError, match="unknown") as info:
+        expand_preset(argv)
+    for valid in PRESETS:
+        assert valid in str(info.value)
+
+
+def test_missing_preset_value():
+    with pytest.raises(ValueError, match="needs a value"):
+        expand_preset(["--num-layers", "4", "--cg-preset"])
+
+
+@pytest.fixture
+def megatron_parse(monkeypatch):
+    from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return lambda argv: parse_megatron_args(argv, validate=False)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_parses_with_megatron(megatron_parse, preset):
+    import sys
+
+    argv_before = list(sys.argv)
+    args = megatron_parse(["--cg-preset", preset])
+    assert sys.argv == argv_before  # the parser's sys.argv swap is undone
+    assert args.cg_preset == preset
+    assert args.num_layers == 2 and args.hidden_size == 256 and args.micro_batch_size == 2
+    assert args.global_batch_size == 8 and args.mock_data and args.bf16
+    assert args.gradient_accumulation_fusion is False
+    assert args.cuda_graph_impl == "none"
+    assert args.num_experts == (4 if preset == "tiny-moe" else None)
+    assert config_from_args(args) == PluginConfig(preset=preset)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_user_flags_override_preset(megatron_parse, preset):
+    args = megatron_parse(["--cg-preset", preset, "--num-layers", "4", "--micro-batch-size", "1",
+                           "--cuda-graph-impl", "transformer_engine"])
+    assert args.num_layers == 4 and args.micro_batch_size == 1
+    assert args.cuda_graph_impl == "transformer_engine"
+    assert args.hidden_size == 256  # untouched preset flags stay
+
+
+def test_user_flags_before_preset_also_win(megatron_parse):
+    args = megatron_parse(["--num-layers", "6", "--cg-preset=tiny-moe", "--num-experts", "8"])
+    assert args.num_layers == 6 and args.num_experts == 8

@@ -1,0 +1,550 @@
+"""Tests for megatron_cg_plugin.integration and megatron_cg_plugin.patches, on the real
+megatron-core installed here (no GPU, no Transformer Engine needed)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_cg_plugin
+from megatron_cg_plugin import compat, integration, patches
+from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
+from megatron_cg_plugin.config import PluginConfig, add_plugin_args
+from megatron_cg_plugin.helper import PluginHelperMixin
+from megatron_cg_plugin.patches import PATCHES, Patch, PatchSet
+from megatron_cg_plugin.session import RunSession
+
+training = importlib.import_module("megatron.training.training")
+dataset_utils = importlib.import_module("megatron.core.datasets.utils")
+global_vars = importlib.import_module("megatron.training.global_vars")
+
+ORIGINAL_HELPER = training.TECudaGraphHelper
+ORIGINAL_TRAINING_LOG = training.training_log
+ORIGINAL_COMPILE_HELPERS = dataset_utils.compile_helpers
+
+PATCH_BY_NAME = {patch.name: patch for patch in PATCHES}
+
+
+def current() -> tuple:
+    return (training.TECudaGraphHelper, training.training_log, dataset_utils.compile_helpers)
+
+
+def assert_pristine() -> None:
+    assert training.TECudaGraphHelper is ORIGINAL_HELPER
+    assert training.training_log is ORIGINAL_TRAINING_LOG
+    assert dataset_utils.compile_helpers is ORIGINAL_COMPILE_HELPERS
+    assert integration.active_session() is None
+
+
+@pytest.fixture(autouse=True)
+def clean_install():
+    integration.uninstall()
+    assert_pristine()
+    yield
+    integration.uninstall()
+    assert_pristine()
+
+
+@pytest.fixture
+def fake_module(monkeypatch):
+    """A throwaway module registered in sys.modules, to be the target of patches."""
+    made = []
+
+    def make(name="fake_target", **attrs):
+        module = types.ModuleType(f"{name}_{len(made)}_{id(made)}")
+        for key, value in attrs.items():
+            setattr(module, key, value)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        made.append(module)
+        return module
+
+    return make
+
+
+# ---------------------------------------------------------------- install / uninstall
+
+
+def test_install_replaces_each_target_and_uninstall_restores_by_identity():
+    session = megatron_cg_plugin.install()
+
+    assert isinstance(session, RunSession)
+    assert integration.active_session() is session
+    helper_cls, training_log, compile_helpers = current()
+    assert helper_cls is not ORIGINAL_HELPER
+    assert issubclass(helper_cls, ORIGINAL_HELPER)
+    assert issubclass(helper_cls, PluginHelperMixin)
+    assert helper_cls.session is session
+    assert training_log is not ORIGINAL_TRAINING_LOG
+    assert training_log.__wrapped__ is ORIGINAL_TRAINING_LOG
+    assert inspect.signature(training_log) == inspect.signature(ORIGINAL_TRAINING_LOG)
+    assert compile_helpers is not ORIGINAL_COMPILE_HELPERS
+    assert compile_helpers.__wrapped__ is ORIGINAL_COMPILE_HELPERS
+
+    megatron_cg_plugin.uninstall()
+    assert_pristine()
+
+
+def test_install_is_idempotent():
+    session = integration.install()
+    patched = current()
+    assert integration.install() is session
+    assert megatron_cg_plugin.install() is session
+    assert current() == patched  # not patched twice (a wrapper of a wrapper)
+    assert training.training_log.__wrapped__ is ORIGINAL_TRAINING_LOG
+
+
+def test_install_with_equal_config_returns_same_session(tmp_path):
+    config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json")
+    session = integration.install(config)
+    assert session.config is config
+    assert integration.install(PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json")) is session
+    assert integration.install(None) is session
+
+
+def test_install_with_different_config_is_refused_and_changes_nothing():
+    session = integration.install(PluginConfig(preset="tiny-gpt"))
+    patched = current()
+    with pytest.raises(RuntimeError, match="different config"):
+        integration.install(PluginConfig(preset="tiny-moe"))
+    assert current() == patched
+    assert integration.active_session() is session
+    assert session.config == PluginConfig(preset="tiny-gpt")
+    assert training.TECudaGraphHelper.session is session
+
+
+def test_uninstall_twice_and_without_install_is_harmless():
+    integration.uninstall()  # never installed
+    assert_pristine()
+    integration.install()
+    integration.uninstall()
+    integration.uninstall()
+    assert_pristine()
+
+
+def test_install_again_after_uninstall():
+    first = integration.install()
+    integration.uninstall()
+    second = integration.install(PluginConfig(preset="tiny-moe"))
+    assert second is not first
+    assert training.TECudaGraphHelper.session is second
+    assert training.training_log.__wrapped__ is ORIGINAL_TRAINING_LOG
+    assert dataset_utils.compile_helpers.__wrapped__ is ORIGINAL_COMPILE_HELPERS
+    integration.uninstall()
+    assert_pristine()
+
+
+def test_install_refuses_unsupported_megatron_core_and_patches_nothing(monkeypatch):
+    monkeypatch.setattr(compat, "installed_versions",
+                        lambda: Versions(torch.__version__, "0.18.0", None))
+    with pytest.raises(UnsupportedVersionError, match=r">=0\.19\.2,<0\.20\.0"):
+        integration.install()
+    assert_pristine()
+
+
+def test_install_refuses_unsupported_transformer_engine(monkeypatch):
+    monkeypatch.setattr(compat, "installed_versions",
+                        lambda: Versions(torch.__version__, "0.19.2", "2.19.0"))
+    with pytest.raises(UnsupportedVersionError, match="transformer-engine"):
+        integration.install()
+    assert_pristine()
+
+
+def test_install_without_transformer_engine_is_allowed(monkeypatch):
+    monkeypatch.setattr(compat, "installed_versions",
+                        lambda: Versions(torch.__version__, "0.19.2", None))
+    assert integration.install() is integration.active_session()
+
+
+def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration):  # no num_zeros_in_grad
+        return None
+
+    monkeypatch.setattr(training, "training_log", training_log)
+    with pytest.raises(SignatureMismatchError, match="num_zeros_in_grad"):
+        integration.install()
+    assert training.TECudaGraphHelper is ORIGINAL_HELPER  # applied first, then reverted
+    assert training.training_log is training_log
+    assert dataset_utils.compile_helpers is ORIGINAL_COMPILE_HELPERS
+    assert integration.active_session() is None
+
+
+def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_module):
+    target = fake_module(g=lambda a: a)
+    failing = Patch(name="failing", module=target.__name__, attribute="g", reason="test",
+                    build=lambda original, session: original, expected_params=("does_not_exist",))
+    monkeypatch.setattr(integration, "PatchSet", lambda: PatchSet(PATCHES + (failing,)))
+    with pytest.raises(SignatureMismatchError, match="does_not_exist"):
+        integration.install()
+    assert_pristine()
+    monkeypatch.undo()
+    assert integration.install() is integration.active_session()  # a later install still works
+
+
+def test_real_patches_match_installed_megatron():
+    assert [patch.name for patch in PATCHES] == ["helper-swap", "training-log-tap",
+                                                  "prebuilt-dataset-helpers"]
+    assert len({patch.where for patch in PATCHES}) == len(PATCHES)
+    for patch in PATCHES:
+        assert patch.reason.strip()
+        patch.check(getattr(importlib.import_module(patch.module), patch.attribute))
+
+
+# ---------------------------------------------------------------- deferred config
+
+
+def test_install_without_config_or_parsed_args_gives_default_config():
+    with pytest.raises(AssertionError):
+        global_vars.get_args()  # nothing parsed Megatron's arguments in this process
+    session = integration.install()
+    assert session.config == PluginConfig()
+
+
+def test_install_without_config_reads_cg_flags_when_training_starts(monkeypatch, tmp_path):
+    session = integration.install()  # before Megatron parsed anything
+    parser = add_plugin_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"),
+                              "--cg-no-report"])
+    monkeypatch.setattr(global_vars, "get_args", lambda: args)
+    assert session.config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json",
+                                          print_report=False)
+
+
+def test_install_without_config_and_args_lacking_cg_flags(monkeypatch):
+    monkeypatch.setattr(global_vars, "get_args", lambda: argparse.Namespace(seq_length=128))
+    assert integration.install().config == PluginConfig()
+
+
+# ---------------------------------------------------------------- finish
+
+
+def test_finish_without_install_returns_none():
+    printed = []
+    assert integration.finish(print_fn=printed.append) is None
+    assert printed == []
+
+
+def test_finish_writes_files_on_rank0(tmp_path, probe):
+    config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json")
+    session = integration.install(config)
+    session.probe = probe
+    session.on_training_log(iteration=1, loss_dict={"lm loss": 2.0})
+    printed = []
+    report = integration.finish(print_fn=printed.append)
+    assert report.iterations == 1 and report.preset == "tiny-gpt"
+    assert config.metrics_out.exists() and config.report_out.exists()
+    assert printed == [report.format_table()]
+
+
+# ---------------------------------------------------------------- PatchSet, transactional
+
+
+def _wrap_build(original, session):
+    def replacement(*args, **kwargs):
+        return ("wrapped", original(*args, **kwargs))
+
+    replacement.session = session
+    return replacement
+
+
+def _f(x, y=1):
+    return x + y
+
+
+def _g(a):
+    return a
+
+
+def test_patchset_applies_and_reverts_by_identity(fake_module):
+    target = fake_module(f=_f, g=_g)
+    good = Patch("good", target.__name__, "f", "test", _wrap_build, expected_params=("x",))
+    other = Patch("other", target.__name__, "g", "test", _wrap_build)
+    patch_set = PatchSet((good, other))
+    session = object()
+    patch_set.apply_all(session)
+    assert patch_set.applied
+    assert target.f(1) == ("wrapped", 2) and target.f.session is session
+    assert patch_set.original("good") is _f and patch_set.original("other") is _g
+    with pytest.raises(KeyError):
+        patch_set.original("missing")
+    patch_set.revert_all()
+    assert target.f is _f and target.g is _g
+    assert not patch_set.applied
+    patch_set.revert_all()  # harmless
+    patch_set.apply_all(session)  # can be applied again after a revert
+    assert target.f(1) == ("wrapped", 2)
+    patch_set.revert_all()
+    assert target.f is _f
+
+
+def test_patchset_refuses_double_apply(fake_module):
+    target = fake_module(f=_f)
+    patch_set = PatchSet((Patch("good", target.__name__, "f", "test", _wrap_build),))
+    patch_set.apply_all(None)
+    wrapped = target.f
+    with pytest.raises(AssertionError):
+        patch_set.apply_all(None)
+    assert target.f is wrapped
+    patch_set.revert_all()
+    assert target.f is _f
+
+
+def _raising_build(original, session):
+    raise RuntimeError("build failed")
+
+
+@pytest.mark.parametrize("second, error", [
+    (dict(attribute="g", expected_params=("no_such_param",)), SignatureMismatchError),
+    (dict(attribute="g", build=_raising_build), RuntimeError),
+    (dict(attribute="missing_attribute"), AttributeError),
+    (dict(attribute="g", module="no_such_module_for_cg_tests"), ModuleNotFoundError),
+    (dict(attribute="g", expected_methods=("reset",)), SignatureMismatchError),
+])
+def test_apply_all_is_all_or_nothing(fake_module, second, error):
+    target = fake_module(f=_f, g=_g)
+    good = Patch("good", target.__name__, "f", "test", _wrap_build, expected_params=("x", "y"))
+    fields = dict(name="bad", module=target.__name__, reason="test", build=_wrap_build)
+    fields.update(second)
+    patch_set = PatchSet((good, Patch(**fields)))
+    with pytest.raises(error):
+        patch_set.apply_all(object())
+    assert target.f is _f
+    assert target.g is _g
+    assert not patch_set.applied
+
+
+def test_signature_mismatch_names_the_parameter_and_target(fake_module):
+    target = fake_module(g=_g)
+    patch = Patch("bad", target.__name__, "g", "test", _wrap_build, expected_params=("a", "iteration"))
+    with pytest.raises(SignatureMismatchError) as info:
+        PatchSet((patch,)).apply_all(None)
+    assert f"{target.__name__}.g" in str(info.value)
+    assert "iteration" in str(info.value)
+
+
+def test_revert_restores_the_first_original_when_patches_stack(fake_module):
+    target = fake_module(f=_f)
+    first = Patch("first", target.__name__, "f", "test", _wrap_build)
+    second = Patch("second", target.__name__, "f", "test", _wrap_build)
+    patch_set = PatchSet((first, second))
+    patch_set.apply_all(None)
+    assert target.f(1) == ("wrapped", ("wrapped", 2))
+    patch_set.revert_all()
+    assert target.f is _f  # reverted last-applied first
+
+
+def test_class_patch_checks_init_and_methods(fake_module):
+    class Helper:
+        def __init__(self, model, config, seq_length, micro_batch_size, optimizers=[]):
+            pass
+
+    class OldHelper(Helper):
+        def __init__(self, model, config):
+            pass
+
+    for name in patches.HELPER_METHODS:
+        setattr(Helper, name, lambda self: None)
+    target = fake_module(Helper=Helper, OldHelper=OldHelper)
+    helper_patch = PATCH_BY_NAME["helper-swap"]
+
+    helper_patch.check(Helper)
+    with pytest.raises(SignatureMismatchError, match="seq_length, micro_batch_size, optimizers"):
+        helper_patch.check(OldHelper)
+
+    class NoDelete(Helper):
+        delete_cuda_graphs = None
+
+    with pytest.raises(SignatureMismatchError, match="lacks method\\(s\\) delete_cuda_graphs"):
+        helper_patch.check(NoDelete)
+    assert target.Helper is Helper
+
+
+# ---------------------------------------------------------------- training_log tap
+
+
+def _fake_training_log_factory(calls):
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
+                     max_attention_logit, pg_collection=None, is_first_iteration=False,
+                     seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None):
+        calls.append(dict(locals()))
+        return "report_memory_flag_out"
+
+    return training_log
+
+
+class RecordingSession:
+    def __init__(self):
+        self.logged = []
+
+    def on_training_log(self, **kwargs):
+        self.logged.append(kwargs)
+
+
+@pytest.fixture
+def tapped(fake_module):
+    calls = []
+    original = _fake_training_log_factory(calls)
+    target = fake_module(training_log=original)
+    tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
+    session = RecordingSession()
+    patch_set = PatchSet((tap,))
+    patch_set.apply_all(session)
+    yield types.SimpleNamespace(target=target, original=original, calls=calls, session=session)
+    patch_set.revert_all()
+    assert target.training_log is original
+
+
+def test_fake_training_log_has_megatrons_parameters():
+    calls = []
+    fake = inspect.signature(_fake_training_log_factory(calls)).parameters
+    assert list(fake) == list(inspect.signature(ORIGINAL_TRAINING_LOG).parameters)
+
+
+LOSS = {"lm loss": torch.tensor(10.5)}
+POSITIONAL = (LOSS, {}, 1e-4, 7, 65536.0, True, 0, 1.5, 40.0, 123, None)
+
+
+def test_training_log_tap_positional_call(tapped):
+    result = tapped.target.training_log(*POSITIONAL, pg_collection="pg", is_first_iteration=True)
+    assert result == "report_memory_flag_out"
+    (call,) = tapped.calls
+    assert call["loss_dict"] is LOSS and call["iteration"] == 7 and call["num_zeros_in_grad"] == 123
+    assert call["pg_collection"] == "pg" and call["is_first_iteration"] is True
+    assert call["learning_rate"] == 1e-4 and call["max_attention_logit"] is None
+    (logged,) = tapped.session.logged
+    assert logged == {"iteration": 7, "loss_dict": LOSS, "num_zeros_in_grad": 123}
+    assert logged["loss_dict"] is LOSS
+
+
+def test_training_log_tap_keyword_call(tapped):
+    names = list(inspect.signature(tapped.original).parameters)[:len(POSITIONAL)]
+    kwargs = dict(zip(names, POSITIONAL))
+    kwargs["iteration"], kwargs["num_zeros_in_grad"] = 9, None
+    result = tapped.target.training_log(**kwargs)
+    assert result == "report_memory_flag_out"
+    (call,) = tapped.calls
+    assert {name: call[name] for name in kwargs} == kwargs
+    assert tapped.session.logged == [{"iteration": 9, "loss_dict": LOSS, "num_zeros_in_grad": None}]
+
+
+def test_training_log_tap_mixed_call_like_megatrons_train_loop(tapped):
+    # train() passes the first eleven positionally and the rest by keyword (training.py l.3985).
+    tapped.target.training_log(*POSITIONAL[:3], iteration=3, loss_scale=1.0, report_memory_flag=False,
+                               skipped_iter=0, grad_norm=None, params_norm=None,
+                               num_zeros_in_grad=torch.tensor(5.0), max_attention_logit=None)
+    (logged,) = tapped.session.logged
+    assert logged["iteration"] == 3 and float(logged["num_zeros_in_grad"]) == 5.0
+
+
+def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
+    target = fake_module(training_log=_fake_training_log_factory([]))
+    tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
+    session = RunSession(None, probe=probe, clock=clock)
+    PatchSet((tap,)).apply_all(session)
+    target.training_log(*POSITIONAL)
+    golden = session.recorder.golden()
+    assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
+    assert dict(golden.metrics["num-zeros"].values) == {7: 123.0}
+
+
+def test_training_log_tap_propagates_original_errors(fake_module):
+    def training_log(loss_dict, iteration, num_zeros_in_grad):
+        raise ValueError("megatron failed")
+
+    target = fake_module(training_log=training_log)
+    tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
+    session = RecordingSession()
+    PatchSet((tap,)).apply_all(session)
+    with pytest.raises(ValueError, match="megatron failed"):
+        target.training_log({}, 1, None)
+    assert session.logged == []
+
+
+def test_installed_tap_wraps_megatrons_training_log(monkeypatch):
+    calls = []
+    fake = _fake_training_log_factory(calls)
+    monkeypatch.setattr(training, "training_log", fake)
+    session = integration.install()
+    session.probe = types.SimpleNamespace(synchronize=lambda: None, memory_allocated=lambda: 0,
+                                          max_memory_allocated=lambda: 0)
+    assert training.training_log(*POSITIONAL) == "report_memory_flag_out"
+    assert len(calls) == 1
+    assert [r.iteration for r in session.iterations] == [7]
+    integration.uninstall()
+    assert training.training_log is fake
+
+
+# ---------------------------------------------------------------- prebuilt dataset helpers
+
+
+@pytest.fixture
+def compile_patch(fake_module):
+    calls = []
+
+    def compile_helpers():
+        calls.append("make")
+
+    target = fake_module(compile_helpers=compile_helpers)
+    patch = dataclasses.replace(PATCH_BY_NAME["prebuilt-dataset-helpers"], module=target.__name__)
+    patch_set = PatchSet((patch,))
+    patch_set.apply_all(object())
+    yield types.SimpleNamespace(target=target, calls=calls)
+    patch_set.revert_all()
+    assert target.compile_helpers is compile_helpers
+
+
+def test_helpers_cpp_ships_in_the_wheel():
+    module = importlib.import_module("megatron.core.datasets.helpers_cpp")
+    assert Path(module.__file__).suffix in {".so", ".pyd"}
+
+
+def test_prebuilt_helpers_skip_the_build(compile_patch):
+    assert compile_patch.target.compile_helpers() is None
+    assert compile_patch.calls == []
+
+
+def _block_helpers_by_import_module(monkeypatch):
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name == "megatron.core.datasets.helpers_cpp":
+            raise ImportError(f"No module named {name!r}")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
+def _block_helpers_in_sys_modules(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)
+
+
+@pytest.mark.parametrize("block", [_block_helpers_by_import_module, _block_helpers_in_sys_modules])
+def test_missing_helpers_fall_back_to_building(compile_patch, monkeypatch, block):
+    block(monkeypatch)
+    compile_patch.target.compile_helpers()
+    assert compile_patch.calls == ["make"]
+
+
+def test_installed_compile_helpers_does_not_run_make(monkeypatch):
+    runs = []
+
+    def fake_run(*args, **kwargs):
+        runs.append(args)
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    integration.install()
+    dataset_utils.compile_helpers()
+    assert runs == []
+    integration.uninstall()
+    dataset_utils.compile_helpers()  # the original, restored: it runs make
+    assert len(runs) == 1 and runs[0][0][0] == "make"

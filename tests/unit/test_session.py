@@ -1,0 +1,321 @@
+"""Tests for megatron_cg_plugin.session.RunSession, driven by a fake device probe and clock."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.diagnostics import ReplayCounter
+from megatron_cg_plugin.golden import GoldenValues
+from megatron_cg_plugin.session import CaptureStats, IterationRecord, RunSession
+
+ALLOC, MAX_ALLOC = 1_339_286_016, 3_418_015_744
+
+
+class FakeHelper:
+    def __init__(self, created: bool = False, capture_stats: CaptureStats | None = None) -> None:
+        self.created = created
+        self.capture_stats = capture_stats
+
+    def graphs_created(self) -> bool:
+        return self.created
+
+
+class NoStatsHelper:
+    def graphs_created(self) -> bool:
+        return True
+
+
+def make_session(probe, clock, config=None) -> RunSession:
+    return RunSession(config, probe=probe, clock=clock)
+
+
+def step(session, clock, iteration, seconds, loss=None, **kwargs):
+    """One training iteration: forward step(s) mark the start, the training_log tap ends it."""
+    session.mark_iteration_start()
+    clock.advance(seconds)
+    session.on_training_log(iteration=iteration,
+                            loss_dict={} if loss is None else {"lm loss": loss}, **kwargs)
+
+
+def metric(session, name) -> dict[int, float]:
+    series = session.recorder.golden().metrics.get(name)
+    return {} if series is None else dict(series.values)
+
+
+# ---------------------------------------------------------------- iteration bookkeeping
+
+
+def test_mark_iteration_start_is_idempotent_within_an_iteration(probe, clock):
+    session = make_session(probe, clock)
+    clock.now = 10.0
+    session.mark_iteration_start()
+    clock.advance(1.0)
+    session.mark_iteration_start()  # second microbatch: must not move the start
+    clock.advance(0.5)
+    session.mark_iteration_start()
+    assert probe.synchronize_calls == 1  # later marks neither synchronize nor read the clock
+    clock.advance(1.0)
+    session.on_training_log(iteration=1, loss_dict={})
+    assert probe.synchronize_calls == 2
+    assert metric(session, "iteration-time") == {1: 2.5}
+    assert session.iterations == [IterationRecord(1, 2.5, False)]
+
+
+def test_each_iteration_gets_its_own_start(probe, clock):
+    session = make_session(probe, clock)
+    step(session, clock, 1, 2.0)
+    clock.advance(100.0)  # time between training_log and the next forward step is not counted
+    step(session, clock, 2, 0.75)
+    step(session, clock, 3, 0.25)
+    assert metric(session, "iteration-time") == {1: 2.0, 2: 0.75, 3: 0.25}
+
+
+def test_synchronizes_before_reading_the_clock(clock):
+    events = []
+
+    class OrderProbe:
+        def synchronize(self):
+            events.append("sync")
+
+        def memory_allocated(self):
+            return 0
+
+        def max_memory_allocated(self):
+            return 0
+
+    def ticking_clock():
+        events.append("clock")
+        return clock()
+
+    session = RunSession(None, probe=OrderProbe(), clock=ticking_clock)
+    session.mark_iteration_start()
+    session.on_training_log(iteration=1, loss_dict={})
+    assert events == ["sync", "clock", "sync", "clock"]
+
+
+def test_iteration_without_marked_start_has_no_time(probe, clock):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=1, loss_dict={"lm loss": 3.0})
+    step(session, clock, 2, 0.5, loss=2.0)
+    session.on_training_log(iteration=3, loss_dict={"lm loss": 1.0})
+    assert metric(session, "iteration-time") == {2: 0.5}
+    assert metric(session, "lm loss") == {1: 3.0, 2: 2.0, 3: 1.0}
+    assert [r.seconds for r in session.iterations] == [None, 0.5, None]
+
+
+@pytest.mark.parametrize("loss, expected", [
+    (torch.tensor(2.5), 2.5),
+    (torch.tensor([1.25]), 1.25),
+    (torch.tensor(10.95659, dtype=torch.float32), float(np.float32(10.95659))),
+    (3.25, 3.25),
+    (7, 7.0),
+    (np.float64(0.125), 0.125),
+])
+def test_lm_loss_from_tensor_or_number(probe, clock, loss, expected):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=4, loss_dict={"lm loss": loss, "other loss": 99.0})
+    values = metric(session, "lm loss")
+    assert values == {4: expected}
+    assert type(values[4]) is float
+    assert "other loss" not in session.recorder.golden().metrics
+
+
+def test_no_lm_loss_key_records_no_loss(probe, clock):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=1, loss_dict={"loss": 1.0})
+    assert "lm loss" not in session.recorder.golden().metrics
+
+
+@pytest.mark.parametrize("zeros, expected", [
+    (torch.tensor(56862.0), 56862.0),
+    (56922, 56922.0),
+    (0, 0.0),  # zero zeros is a value, not "absent"
+    (0.0, 0.0),
+])
+def test_num_zeros_when_given(probe, clock, zeros, expected):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=2, loss_dict={}, num_zeros_in_grad=zeros)
+    assert metric(session, "num-zeros") == {2: expected}
+
+
+def test_num_zeros_absent_when_none(probe, clock):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=1, loss_dict={}, num_zeros_in_grad=None)
+    session.on_training_log(iteration=2, loss_dict={})
+    assert "num-zeros" not in session.recorder.golden().metrics
+
+
+def test_memory_bytes_every_iteration(probe, clock):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=1, loss_dict={})
+    probe.allocated, probe.max_allocated = 5, 4096
+    session.on_training_log(iteration=2, loss_dict={})
+    assert metric(session, "mem-allocated-bytes") == {1: float(ALLOC), 2: 5.0}
+    assert metric(session, "mem-max-allocated-bytes") == {1: float(MAX_ALLOC), 2: 4096.0}
+
+
+def test_graphed_flag_follows_attached_helpers(probe, clock):
+    session = make_session(probe, clock)
+    step(session, clock, 1, 1.0)  # no helpers: eager
+    first, second = FakeHelper(), FakeHelper()
+    session.attach_helper(first)
+    session.attach_helper(second)
+    step(session, clock, 2, 1.0)
+    second.created = True  # any helper with graphs makes the step graphed
+    step(session, clock, 3, 1.0)
+    second.created = False  # graphs deleted
+    step(session, clock, 4, 1.0)
+    assert [r.graphed for r in session.iterations] == [False, False, True, False]
+    assert session.helpers == [first, second]
+
+
+# ---------------------------------------------------------------- report
+
+
+def test_report_steady_medians_skip_first_step_of_each_phase(probe, clock):
+    session = make_session(probe, clock, PluginConfig(preset="tiny-gpt"))
+    helper = FakeHelper()
+    session.attach_helper(helper)
+    for iteration, seconds in enumerate([8.0, 1.0, 1.5, 1.25], start=1):
+        step(session, clock, iteration, seconds)
+    session.on_training_log(iteration=5, loss_dict={})  # unmarked: counts as an iteration only
+    helper.created = True
+    for iteration, seconds in enumerate([4.0, 0.5, 0.75, 0.25, 1.0], start=6):
+        step(session, clock, iteration, seconds)
+
+    report = session.report()
+    assert report.preset == "tiny-gpt"
+    assert report.iterations == 10
+    assert report.eager_steps == 4
+    assert report.graphed_steps == 5
+    assert report.eager_step_ms == 1250.0  # median(1.0, 1.5, 1.25); 8.0 dropped
+    assert report.graphed_step_ms == 625.0  # median(0.5, 0.75, 0.25, 1.0); 4.0 dropped
+    assert report.step_time_reduction == 0.5
+    assert report.scopes == ()
+
+
+def test_report_without_steps(probe, clock):
+    report = make_session(probe, clock).report()
+    assert report.iterations == 0
+    assert report.eager_step_ms is None and report.graphed_step_ms is None
+    assert report.preset is None
+
+
+def test_report_single_step_per_phase_has_no_median(probe, clock):
+    session = make_session(probe, clock)
+    helper = FakeHelper()
+    session.attach_helper(helper)
+    step(session, clock, 1, 1.0)
+    helper.created = True
+    step(session, clock, 2, 0.5)
+    report = session.report()
+    assert (report.eager_steps, report.graphed_steps) == (1, 1)
+    assert report.eager_step_ms is None and report.graphed_step_ms is None
+
+
+def test_report_scopes_from_helpers_capture_stats(probe, clock):
+    session = make_session(probe, clock)
+    attn_counter, layer_counter = ReplayCounter(2), ReplayCounter(3)
+    attn_counter.counts[:] = [4, 6]
+    layer_counter.counts[:] = [1, 2, 3]
+    session.attach_helper(FakeHelper(True, CaptureStats("attn+moe_router", 2, 4, 1.5, 2048, attn_counter)))
+    session.attach_helper(FakeHelper(True, None))  # helper that captured nothing
+    session.attach_helper(NoStatsHelper())  # helper without the attribute at all
+    session.attach_helper(FakeHelper(True, CaptureStats("layer", 3, 6, 0.25, 0, layer_counter)))
+
+    scopes = session.report().scopes
+    assert [s.scope for s in scopes] == ["attn+moe_router", "layer"]
+    attn, layer = scopes
+    assert (attn.layers, attn.graphs_captured, attn.replays, attn.capture_seconds, attn.pool_bytes,
+            attn.replays_per_layer) == (2, 4, 10, 1.5, 2048, (4, 6))
+    assert (layer.replays, layer.replays_per_layer) == (6, (1, 2, 3))
+
+    layer_counter.counts[0] += 10  # the report reads the live counter when built
+    assert session.report().scopes[1].replays == 16
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults(probe, clock):
+    assert make_session(probe, clock).config == PluginConfig()
+
+
+def test_deferred_config_is_resolved_once_on_first_use(probe, clock):
+    calls = []
+
+    def source():
+        calls.append(1)
+        return PluginConfig(preset="tiny-moe")
+
+    session = make_session(probe, clock, source)
+    assert calls == []  # constructing the session does not resolve it
+    assert session.config.preset == "tiny-moe"
+    assert session.report().preset == "tiny-moe"
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------- finish
+
+
+def run_three_steps(session, clock):
+    step(session, clock, 1, 2.0, loss=torch.tensor(10.5), num_zeros_in_grad=torch.tensor(56862.0))
+    step(session, clock, 2, 0.5, loss=10.25, num_zeros_in_grad=56922.0)
+    step(session, clock, 3, 0.25, loss=torch.tensor(10.125), num_zeros_in_grad=0)
+
+
+def test_finish_on_rank0_writes_metrics_and_report(probe, clock, tmp_path):
+    config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "out" / "metrics.json",
+                          report_out=tmp_path / "out" / "report.json")
+    session = make_session(probe, clock, config)
+    run_three_steps(session, clock)
+    printed = []
+
+    report = session.finish(is_rank0=True, print_fn=printed.append)
+
+    golden = GoldenValues.load(config.metrics_out)
+    assert set(golden.metrics) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes",
+                                   "mem-max-allocated-bytes"}
+    assert dict(golden.metrics["lm loss"].values) == {1: 10.5, 2: 10.25, 3: 10.125}
+    assert dict(golden.metrics["num-zeros"].values) == {1: 56862.0, 2: 56922.0, 3: 0.0}
+    assert dict(golden.metrics["iteration-time"].values) == {1: 2.0, 2: 0.5, 3: 0.25}
+    assert dict(golden.metrics["mem-allocated-bytes"].values) == {1: ALLOC, 2: ALLOC, 3: ALLOC}
+    assert dict(golden.metrics["mem-max-allocated-bytes"].values) == {s: MAX_ALLOC for s in (1, 2, 3)}
+    for series in golden.metrics.values():
+        assert (series.start_step, series.end_step, series.step_interval) == (1, 3, 1)
+
+    saved = json.loads(config.report_out.read_text())
+    assert saved == json.loads(json.dumps(report.to_json()))
+    assert saved["preset"] == "tiny-gpt"
+    assert saved["iterations"] == 3
+    assert saved["eager_step_ms"] == 375.0  # median(0.5, 0.25) after the first step
+
+    assert printed == [report.format_table()]
+    assert "eager 375.00 ms (3 steps)" in printed[0]
+
+
+def test_finish_on_rank0_respects_missing_paths_and_print_flag(probe, clock, tmp_path):
+    session = make_session(probe, clock, PluginConfig(print_report=False))
+    run_three_steps(session, clock)
+    printed = []
+    report = session.finish(is_rank0=True, print_fn=printed.append)
+    assert printed == []
+    assert report.iterations == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finish_off_rank0_writes_nothing(probe, clock, tmp_path):
+    config = PluginConfig(metrics_out=tmp_path / "metrics.json", report_out=tmp_path / "report.json")
+    session = make_session(probe, clock, config)
+    run_three_steps(session, clock)
+    printed = []
+    report = session.finish(is_rank0=False, print_fn=printed.append)
+    assert printed == []
+    assert not config.metrics_out.exists() and not config.report_out.exists()
+    assert list(tmp_path.iterdir()) == []
+    assert report.iterations == 3  # the report is still returned
