@@ -12,6 +12,8 @@ import contextlib
 import io
 import os
 import sys
+import traceback
+import types
 import warnings
 from typing import Iterator, Sequence
 
@@ -40,48 +42,67 @@ def _env(**values: str) -> Iterator[None]:
 def _gpu_host_stand_ins(args, *, capability: tuple[int, int]) -> Iterator[None]:
     """Lets Megatron's validation run on a CPU machine as it would on the GPU host.
 
-    Only two things differ, both restored on exit: ``torch.cuda.get_device_capability`` answers
-    ``capability`` when there is no GPU here (Megatron queries it for grouped GEMM), and RoPE
-    fusion, whose kernel ships in TE, is left off when TE is not installed here (a speed choice that
-    no graph rule depends on).
+    Only these differ, all restored on exit: when there is no GPU here,
+    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
+    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
+    not installed here, RoPE fusion (a TE kernel, a speed choice no graph rule depends on) is off.
     """
     import torch
 
     from megatron_cg_plugin.launch import pretrain_gpt
 
-    saved_capability = torch.cuda.get_device_capability
+    saved = torch.cuda.get_device_capability, torch.cuda.get_device_properties
     saved_rope_fusion = getattr(args, "apply_rope_fusion", None)
     if not torch.cuda.is_available():
+        properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
+                                           name=f"stand-in sm_{capability[0]}{capability[1]}",
+                                           total_memory=0, multi_processor_count=0)
         torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
+        torch.cuda.get_device_properties = lambda *_args, **_kwargs: properties
     if not pretrain_gpt.te_available():
         args.apply_rope_fusion = False
     try:
         yield
     finally:
-        torch.cuda.get_device_capability = saved_capability
+        torch.cuda.get_device_capability, torch.cuda.get_device_properties = saved
         args.apply_rope_fusion = saved_rope_fusion
+
+
+def _megatron_rejects(error: BaseException) -> CheckError:
+    """Megatron's assert messages are sometimes empty: name the failing check's line too."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}"
+    message = str(error).strip() or "(no message)"
+    return CheckError(f"Megatron rejects these flags: {message} [{where}]")
 
 
 def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
           capability: tuple[int, int] = (9, 0)) -> str:
-    """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text."""
+    """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text.
+
+    Megatron's ``validate_args`` runs first (it also normalizes deprecated flags and derives sizes
+    such as the virtual pipeline), then the plugin's rules on the normalized flags, then
+    ``TransformerConfig``'s own checks as a backstop.
+    """
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.arguments import validate_args
+
     from megatron_cg_plugin.launch import pretrain_gpt
     from megatron_cg_plugin.plan.capture import plan_capture
 
     with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
-        # Friendlier messages first. TE is needed where the run happens, not on this machine.
-        facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
-        # Megatron's own checks as a backstop: validate_args and TransformerConfig.__post_init__.
-        from megatron.training.argument_utils import core_transformer_config_from_args
-        from megatron.training.arguments import validate_args
-
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
+        with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
+            try:
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
+            except (AssertionError, ValueError, TypeError, RuntimeError) as error:
+                raise _megatron_rejects(error) from error
+            # TE is needed where the run happens, not on this machine.
+            facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
+            try:
                 core_transformer_config_from_args(args)
-        except (AssertionError, ValueError, TypeError) as error:
-            raise CheckError(f"Megatron rejects these flags: {error}") from error
+            except (AssertionError, ValueError, TypeError, RuntimeError) as error:
+                raise _megatron_rejects(error) from error
     plan = plan_capture(facts).describe()
     if facts.te_graphs and not pretrain_gpt.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."

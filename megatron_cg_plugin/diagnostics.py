@@ -68,6 +68,10 @@ class CountingGraph:
         return self.graph(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found normally; "graph" itself is unset while copy/pickle
+        # builds an instance, and forwarding it would recurse.
+        if name == "graph" or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.graph, name)
 
 

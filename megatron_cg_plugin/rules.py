@@ -62,19 +62,30 @@ class GraphFacts:
 
     @property
     def moe(self) -> bool:
+        """Megatron allows the MoE graph scopes only with more than one expert."""
         return self.num_experts is not None and self.num_experts > 1
+
+    @property
+    def has_moe_layers(self) -> bool:
+        """Megatron builds MoE layers whenever --num-experts is set, even to 1."""
+        return self.num_experts is not None
+
+    @property
+    def moe_layer_freq_fits(self) -> bool:
+        return isinstance(self.moe_layer_freq, int) or len(self.moe_layer_freq) == self.num_layers
 
     @property
     def drop_and_pad(self) -> bool:
         return self.capacity_factor is not None and self.pad_to_capacity
 
     def is_moe_layer(self, index: int) -> bool:
-        """``index`` is 0-based, as in Megatron's ``moe_layer_freq``."""
-        if not self.moe:
+        """``index`` is 0-based, as in Megatron's ``moe_layer_freq``; a layer the pattern does not
+        cover counts as dense (the ``moe-layer-freq`` rule reports the short pattern)."""
+        if not self.has_moe_layers:
             return False
         if isinstance(self.moe_layer_freq, int):
             return index % self.moe_layer_freq == 0
-        return bool(self.moe_layer_freq[index])
+        return index < len(self.moe_layer_freq) and bool(self.moe_layer_freq[index])
 
     @property
     def all_layers_moe(self) -> bool:
@@ -111,6 +122,9 @@ RULES: tuple[Rule, ...] = (
          _graphs(lambda f: bool(MOE_SCOPES & set(f.modules)) and not f.moe),
          "--cuda-graph-modules moe/moe_router/moe_preprocess need an MoE model: set --num-experts > 1 "
          "or drop those modules."),
+    Rule("moe-layer-freq", "megatron", lambda f: f.has_moe_layers and not f.moe_layer_freq_fits,
+         "--moe-layer-freq lists a pattern whose length differs from --num-layers: give one 0/1 entry "
+         "per layer, or an integer frequency."),
     Rule("mlp-scope-needs-dense", "megatron",
          _graphs(lambda f: "mlp" in f.modules and f.moe and f.all_layers_moe),
          "--cuda-graph-modules mlp graphs dense MLPs, but every layer is MoE: use moe or moe_router "
@@ -127,7 +141,7 @@ RULES: tuple[Rule, ...] = (
          "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
          "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity."),
     Rule("whole-layer-moe-needs-drop-and-pad", "plugin",
-         _graphs(lambda f: not f.modules and f.moe and not f.drop_and_pad),
+         _graphs(lambda f: not f.modules and f.has_moe_layers and not f.drop_and_pad),
          "whole-layer capture (empty --cuda-graph-modules) of MoE layers graphs the token "
          "dispatcher, whose shapes change per step: add --moe-expert-capacity-factor and "
          "--moe-pad-expert-input-to-capacity, or list modules such as attn moe_router."),

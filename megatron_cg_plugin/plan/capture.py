@@ -17,15 +17,25 @@ class CapturePlan:
     scope: str  # "layer" for whole-layer capture
     graphed_layers: tuple[int, ...]  # 1-based global layer numbers
     layers_per_stage: int
+    pipeline_stages: int
     model_chunks: int
     microbatches_per_step: int
     microbatches_captured: int
     warmup_steps: int
 
     @property
+    def first_stage_layers(self) -> tuple[int, ...]:
+        """Global numbers of the layers on pipeline stage 0: with virtual stages, chunk c of the
+        first stage holds layers ``c * PP * per_chunk + 1 ... + per_chunk``."""
+        per_chunk = self.layers_per_stage // self.model_chunks
+        stride = per_chunk * self.pipeline_stages
+        return tuple(c * stride + i + 1 for c in range(self.model_chunks) for i in range(per_chunk))
+
+    @property
     def graphs_on_first_stage(self) -> int:
         """Graphs TE captures on a first-stage rank: its graphed layers times captured microbatches."""
-        return sum(1 for n in self.graphed_layers if n <= self.layers_per_stage) * self.microbatches_captured
+        first = set(self.first_stage_layers)
+        return sum(1 for n in self.graphed_layers if n in first) * self.microbatches_captured
 
     def describe(self) -> str:
         if self.impl != "transformer_engine":
@@ -65,6 +75,7 @@ def plan_capture(facts: GraphFacts) -> CapturePlan:
         scope="+".join(facts.modules) if facts.modules else "layer",
         graphed_layers=graphed if facts.te_graphs else (),
         layers_per_stage=facts.num_layers // facts.pipeline_parallel,
+        pipeline_stages=facts.pipeline_parallel,
         model_chunks=facts.virtual_pipeline or 1,
         microbatches_per_step=microbatches,
         microbatches_captured=1 if facts.pipeline_parallel == 1 else microbatches,

@@ -188,11 +188,6 @@ def test_replay_counter_starts_at_zero():
     assert ReplayCounter(0).total == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "diagnostics.CountingGraph.__getattr__ recurses forever on an instance whose 'graph' slot is "
-    "unset, which is how copy.copy/copy.deepcopy (and unpickling) build the copy: RecursionError. "
-    "A plain TE graphed callable copies fine, so deep-copying a layer whose cuda_graphs were "
-    "wrapped fails where it did not before."))
 @pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
 def test_counting_graph_can_be_copied(copier):
     counter = ReplayCounter(1)

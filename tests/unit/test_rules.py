@@ -45,11 +45,14 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                      "--no-gradient-accumulation-fusion"),
     "expandable-segments": (GraphFacts(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
     "warmup-steps": (GraphFacts(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
+    "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
+                                  moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
+                       "--moe-layer-freq"),
     "parallel-sizes": (GraphFacts(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
                        "--tensor-model-parallel-size"),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
-ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes"}
+ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -182,10 +185,6 @@ def test_mlp_scope_allowed_when_some_layer_is_dense():
     assert names(dataclasses.replace(all_moe, moe_layer_freq=2)) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: GraphFacts.is_moe_layer (rules.py:77) indexes moe_layer_freq[index] unchecked; a --moe-layer-freq "
-    "list shorter than --num-layers raises IndexError out of validate() instead of a RuleViolation naming "
-    "--moe-layer-freq (Megatron only rejects it later, at model build)"))
 def test_short_moe_layer_freq_list_is_a_rule_violation():
     facts = GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), num_experts=4, num_layers=4,
                        moe_layer_freq=(1, 1))
