@@ -4,13 +4,15 @@
 # pyenv's 3.12 is used.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+is_312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
 python=${PYTHON:-}
 if [ -z "$python" ]; then
+  # The first candidate that really runs 3.12 (a pyenv shim can exist and still refuse to run).
   for candidate in python3.12 /root/.pyenv/versions/3.12.1/bin/python "$HOME/.pyenv/versions/3.12.1/bin/python"; do
-    if command -v "$candidate" >/dev/null 2>&1; then python=$candidate; break; fi
+    if is_312 "$candidate"; then python=$candidate; break; fi
   done
 fi
-if [ -z "$python" ] || ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+if [ -z "$python" ] || ! is_312 "$python"; then
   echo "ci/setup_venv.sh: needs Python 3.12; set PYTHON=/path/to/python3.12" >&2
   exit 2
 fi
