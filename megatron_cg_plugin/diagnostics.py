@@ -7,6 +7,7 @@ The pure functions take snapshot segments as plain dicts (the format of
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -39,10 +40,11 @@ def allocator_segments() -> list[dict[str, Any]]:
 
 
 class ReplayCounter:
-    """Counts forward replays per captured callable (one slot per layer)."""
+    """Counts forward replays, and replays refused by their contract, per graphed layer (slot)."""
 
     def __init__(self, slots: int) -> None:
         self.counts = [0] * slots
+        self.rejected = [0] * slots
 
     def wrap(self, graph: Callable, slot: int) -> "CountingGraph":
         return CountingGraph(graph, self, slot)
@@ -51,19 +53,32 @@ class ReplayCounter:
     def total(self) -> int:
         return sum(self.counts)
 
+    @property
+    def total_rejected(self) -> int:
+        return sum(self.rejected)
+
 
 class CountingGraph:
     """Calls the wrapped graphed callable and counts the call; every attribute (``reset``,
-    ``backward_dw`` ...) is forwarded, so Megatron's replay and teardown code sees no difference."""
+    ``backward_dw`` ...) is forwarded, so Megatron's replay and teardown code sees no difference.
+    ``check``, when given, runs before each replay; a replay it refuses is counted as rejected."""
 
-    __slots__ = ("graph", "_counter", "_slot")
+    __slots__ = ("graph", "_counter", "_slot", "_check")
 
-    def __init__(self, graph: Callable, counter: ReplayCounter, slot: int) -> None:
+    def __init__(self, graph: Callable, counter: ReplayCounter, slot: int,
+                 check: Callable[[tuple, dict], None] | None = None) -> None:
         self.graph = graph
         self._counter = counter
         self._slot = slot
+        self._check = check
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._check is not None:
+            try:
+                self._check(args, kwargs)
+            except Exception:
+                self._counter.rejected[self._slot] += 1
+                raise
         self._counter.counts[self._slot] += 1
         return self.graph(*args, **kwargs)
 
@@ -73,6 +88,29 @@ class CountingGraph:
         if name == "graph" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.graph, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryState:
+    """Device and pinned-host memory at one moment (for capture baselines and teardown)."""
+
+    allocated: int
+    pools: dict[tuple[int, int], int]
+    pinned_host: int | None
+
+
+def memory_state() -> MemoryState:
+    import torch
+
+    pinned = None
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        try:
+            pinned = int(host_stats().get("allocated_bytes.current", 0))
+        except RuntimeError:  # older builds without host allocator stats
+            pinned = None
+    return MemoryState(allocated=torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
+                       pools=pool_bytes_by_id(allocator_segments()), pinned_host=pinned)
 
 
 def steady_median(seconds: Sequence[float], skip_first: int = 1) -> float | None:

@@ -1,14 +1,47 @@
-"""The plugin's ``TECudaGraphHelper``: Megatron's lifecycle, plus capture diagnostics and replay
-counters. It only adds around Megatron's own methods; capture itself is still Megatron's and TE's.
+"""The plugin's ``TECudaGraphHelper``: Megatron's lifecycle, with capture made transactional and
+fail-closed, replays checked against their contracts and counted, and teardown measured.
+
+``create_cudagraphs`` follows Megatron's own (start, input data, one ``make_graphed_callables`` call,
+graphs handed to the layers, finish), but calls TE through ``capture.backend`` inside a
+``CaptureTransaction``: on any error every graph created so far is reset and everything the
+capture changed is restored before the error is raised (``--cg-on-capture-error raise``) or
+training continues without graphs (``eager``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import logging
 import time
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 from megatron_cg_plugin import diagnostics
+from megatron_cg_plugin.capture import hygiene
+from megatron_cg_plugin.capture.backend import GraphBackend
+from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
+from megatron_cg_plugin.capture.transaction import (
+    CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, tensor_grads,
+)
 from megatron_cg_plugin.session import CaptureStats, RunSession
+
+logger = logging.getLogger(__name__)
+
+
+class CaptureFailedError(RuntimeError):
+    """Capture failed; everything it changed was rolled back before this was raised."""
+
+
+class InjectedCaptureFailure(RuntimeError):
+    """Raised inside a capture by ``--cg-inject-capture-failure`` (testing the rollback)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TeardownStats:
+    allocated_delta_bytes: int  # allocated bytes after teardown minus before capture
+    pool_bytes_left: int  # bytes still reserved by pools the capture created
+    pinned_host_delta_bytes: int | None
 
 
 def scope_label(modules: Iterable[Any]) -> str:
@@ -17,42 +50,234 @@ def scope_label(modules: Iterable[Any]) -> str:
     return "+".join(names) if names else "layer"
 
 
+def layer_label(layer: Any, index: int) -> str:
+    number = getattr(layer, "layer_number", None)
+    return f"layer {number}" if number is not None else f"graphed callable #{index + 1}"
+
+
+class _CaptureTracker:
+    """Wraps each layer's capture entry point (``_te_cuda_graph_capture``, what Megatron runs under
+    TE's capture) for the transaction: remembers which layer runs, and raises the injected failure
+    inside the capture of the chosen layer."""
+
+    def __init__(self, layers: list[Any], *, inject_at: int | None, is_capturing: Callable[[], bool]) -> None:
+        self.layers = layers
+        self.inject_at = inject_at
+        self.is_capturing = is_capturing
+        self.current: str | None = None
+
+    def restorables(self) -> list[Restorable]:
+        return [attribute(layer, "_te_cuda_graph_capture") for layer in self.layers]
+
+    def install(self) -> None:
+        for index, layer in enumerate(self.layers):
+            layer._te_cuda_graph_capture = self._wrap(layer._te_cuda_graph_capture, index, layer)
+
+    def _wrap(self, run: Callable, index: int, layer: Any) -> Callable:
+        label = layer_label(layer, index)
+
+        def capture_entry(*args: Any, **kwargs: Any) -> Any:
+            self.current = label
+            if self.inject_at == index + 1 and self.is_capturing():
+                raise InjectedCaptureFailure(f"injected failure inside the capture of {label}")
+            return run(*args, **kwargs)
+
+        return capture_entry
+
+
+def _rng_state() -> Restorable:
+    """Torch's CPU and CUDA generators and Megatron's RNG tracker (graph-safe generators are
+    snapshotted by state, older trackers by their state tensors)."""
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    def save() -> Any:
+        cuda = torch.cuda.default_generators[torch.cuda.current_device()].get_state() if torch.cuda.is_available() else None
+        tracker = get_cuda_rng_tracker().get_states()
+        return torch.get_rng_state(), cuda, {name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
+                                              for name, value in tracker.items()}
+
+    def restore(saved: Any) -> None:
+        cpu, cuda, tracker = saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.default_generators[torch.cuda.current_device()].set_state(cuda)
+        for value, state in tracker.values():
+            if state is not None:
+                value.set_state(state)
+        get_cuda_rng_tracker().set_states({name: value for name, (value, _) in tracker.items()})
+
+    return Restorable("RNG state (torch CPU/CUDA, Megatron tracker)", save, restore)
+
+
 class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
     session: ClassVar[RunSession]
+    backend: ClassVar[GraphBackend]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
+        self.teardown_stats: TeardownStats | None = None
+        self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
 
     def _graphed_layers(self) -> list[Any]:
         return [layer for layers in self.callables_per_chunk for layer in layers]
 
+    # -- capture ------------------------------------------------------------------------------
+    def _restorables(self, layers: list[Any], tracker: _CaptureTracker) -> list[Restorable]:
+        from megatron.core.transformer import cuda_graphs
+
+        params = [p for chunk in self.model for p in chunk.parameters()]
+        items = [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
+                 gc_state(), gc_freeze(), _rng_state(), tensor_grads(params)]
+        items += [attribute(layer, "cuda_graphs") for layer in layers]
+        items += [attribute(self, name) for name in ("_graphs_created", "_capture_finished", "num_microbatches")]
+        return items + tracker.restorables()
+
     def create_cudagraphs(self) -> None:
-        pools_before = diagnostics.pool_bytes_by_id(diagnostics.allocator_segments())
+        if not self.flattened_callables:
+            return super().create_cudagraphs()  # Megatron warns and finishes the phase
+        config = self.session.config
+        layers = self._graphed_layers()
+        scope = scope_label(self.config.cuda_graph_modules)
+        tracker = _CaptureTracker(self.flattened_callables, inject_at=config.inject_capture_failure,
+                                  is_capturing=self.backend.is_capturing)
         start = time.perf_counter()
-        super().create_cudagraphs()
-        seconds = time.perf_counter() - start
+        try:
+            if config.stale_graph_check == "refuse":
+                hygiene.ensure_no_stale_graphs(p for layer in self.flattened_callables for p in layer.parameters())
+            baseline = diagnostics.memory_state()
+            transaction = CaptureTransaction(self._restorables(layers, tracker))
+            with transaction:
+                tracker.install()
+                start_time = self._start_capturing()
+                sample_args, kwargs = self._get_cuda_graph_input_data()
+                transaction.add(self.backend.restorables(self.flattened_callables, kwargs))
+                with self.backend.tracking(transaction.track):
+                    graphs = self._capture(sample_args, kwargs)
+                counter = self._install_graphs(graphs, sample_args, kwargs.get("sample_kwargs"), config.contract_check)
+                self._graphs_created = True
+                self._finish_capturing(start_time)
+        except Exception as error:  # noqa: BLE001 - every failure is rolled back, then raised or logged
+            self._on_capture_failure(error, scope, tracker, start, layers)
+            return
+        finally:
+            # The capture wrappers are transaction-scoped: gone after success too.
+            for layer in self.flattened_callables:
+                vars(layer).pop("_te_cuda_graph_capture", None)
+        self._baseline = baseline
+        self.capture_stats = CaptureStats(
+            scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
+            seconds=time.perf_counter() - start,
+            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
+            replays=counter)
+
+    def _capture(self, sample_args: Any, kwargs: dict[str, Any]) -> Any:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            return self.backend.make_graphed_callables(tuple(self.flattened_callables), sample_args, **kwargs)
+
+    def _install_graphs(self, graphs: Any, sample_args: Any, sample_kwargs: Any, mode: str) -> diagnostics.ReplayCounter:
+        """Hands graph ``i`` to its layer and microbatch as Megatron does (inputs are organized per
+        chunk, per microbatch, per layer), each wrapped with its replay contract and counter."""
+        counter = diagnostics.ReplayCounter(len(self.flattened_callables))
+        layers_before = 0
+        slot = 0
+        for layers in self.callables_per_chunk:
+            for layer_number, layer in enumerate(layers):
+                wrapped = []
+                for microbatch in range(self.num_microbatches):
+                    if self.config.overlap_moe_expert_parallel_comm:
+                        index = (layers_before + layer_number) * self.num_microbatches + microbatch
+                    else:
+                        index = layers_before * self.num_microbatches + microbatch * len(layers) + layer_number
+                    check = None if mode == "off" else self._contract_check(
+                        layer, f"{layer_label(layer, slot)} microbatch {microbatch}", sample_args[index],
+                        (sample_kwargs or [None] * len(sample_args))[index] or {}, mode)
+                    wrapped.append(diagnostics.CountingGraph(graphs[index], counter, slot, check))
+                layer.cuda_graphs = wrapped
+                slot += 1
+            layers_before += len(layers)
+        return counter
+
+    @staticmethod
+    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: str) -> Callable:
+        contract = ReplayContract.record(name, args, kwargs, layer.named_parameters(), process_groups_of(layer))
+
+        def check(replay_args: tuple, replay_kwargs: dict) -> None:
+            full = mode == "full"
+            contract.check(replay_args, replay_kwargs, mode=mode,
+                           params=layer.named_parameters() if full else (),
+                           process_groups=process_groups_of(layer) if full else ())
+
+        return check
+
+    def _on_capture_failure(self, error: Exception, scope: str, tracker: _CaptureTracker, start: float,
+                            layers: list[Any]) -> None:
+        """After the transaction rolled back: Megatron's own post-capture reset, then raise or go eager."""
+        import torch
+
+        with contextlib.suppress(Exception):  # a sticky CUDA error must not hide the real cause
+            torch.cuda.synchronize()
+        with contextlib.suppress(Exception):
+            self._reset_after_capture()  # zero grad buffers, MoE metrics, temporary tensors
+        gc.collect()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+        self._capture_finished = True  # Megatron's loop must not try again every step
+        self._graphs_created = False
+        where = tracker.current or "before any layer ran"
+        cause = f"{type(error).__name__}: {error}"
+        self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
+                                          seconds=time.perf_counter() - start, pool_bytes=0,
+                                          replays=diagnostics.ReplayCounter(len(layers)),
+                                          failure=f"{where}: {cause}")
+        if self.session.config.on_capture_error == "raise":
+            raise CaptureFailedError(
+                f"CUDA graph capture ({scope}) failed in {where}: {cause}\nEverything the capture changed "
+                "was rolled back. Fix the cause (docs/troubleshooting.md), or pass "
+                "--cg-on-capture-error eager to keep training without graphs.") from error
+        logger.warning("CUDA graph capture (%s) failed in %s: %s; rolled back, training continues eagerly "
+                       "(--cg-on-capture-error eager).", scope, where, cause)
+
+    # -- teardown -----------------------------------------------------------------------------
+    def cuda_graph_set_manual_hooks(self) -> None:
+        if self.graphs_created():  # after a failed capture there is nothing to hook
+            super().cuda_graph_set_manual_hooks()
+
+    def delete_cuda_graphs(self) -> None:
+        """Frees every graph and its pools; harmless when there is nothing to delete. Afterwards a
+        new capture may run (``create_cudagraphs`` again)."""
         if not self.graphs_created():
             return
-        pools_after = diagnostics.pool_bytes_by_id(diagnostics.allocator_segments())
-        layers = self._graphed_layers()
-        counter = diagnostics.ReplayCounter(len(layers))
-        for slot, layer in enumerate(layers):
-            layer.cuda_graphs = [counter.wrap(graph, slot) for graph in layer.cuda_graphs]
-        self.capture_stats = CaptureStats(
-            scope=scope_label(self.config.cuda_graph_modules),
-            layers=len(layers),
-            graphs=sum(len(layer.cuda_graphs) for layer in layers),
-            seconds=seconds,
-            pool_bytes=diagnostics.new_pool_bytes(pools_before, pools_after),
-            replays=counter,
-        )
+        import torch
+
+        super().delete_cuda_graphs()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        after = diagnostics.memory_state()
+        if self._baseline is not None:
+            before = self._baseline
+            self.teardown_stats = TeardownStats(
+                allocated_delta_bytes=after.allocated - before.allocated,
+                pool_bytes_left=diagnostics.new_pool_bytes(before.pools, after.pools),
+                pinned_host_delta_bytes=None if after.pinned_host is None or before.pinned_host is None
+                else after.pinned_host - before.pinned_host)
+        self._capture_finished = False
 
 
-def bind_helper_class(base: type, session: RunSession) -> type:
-    """A subclass of ``base`` (Megatron's helper) whose instances report to ``session``."""
-    return type("PluginTECudaGraphHelper", (PluginHelperMixin, base), {"session": session,
-                                                                      "__module__": __name__})
+def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:
+    """A subclass of ``base`` (Megatron's helper) whose instances report to ``session`` and capture
+    through ``backend`` (TE's by default)."""
+    if backend is None:
+        from megatron_cg_plugin.capture.backend import TEBackend
+
+        backend = TEBackend()
+    return type("PluginTECudaGraphHelper", (PluginHelperMixin, base),
+                {"session": session, "backend": backend, "__module__": __name__})

@@ -23,6 +23,10 @@ class ScopeReport:
     capture_seconds: float
     pool_bytes: int
     replays_per_layer: tuple[int, ...] = ()
+    rejected: int = 0  # replays refused by their contract
+    failure: str | None = None  # set when capture failed and was rolled back
+    teardown_allocated_delta_bytes: int | None = None  # after delete_cuda_graphs, vs before capture
+    teardown_pool_bytes_left: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +60,21 @@ class RunReport:
         def ms(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f}"
 
-        rows = [("scope", "layers", "graphs", "replays", "capture s", "pool MiB")]
+        rows = [("scope", "layers", "graphs", "replays", "rejected", "capture s", "pool MiB")]
         for scope in self.scopes:
             rows.append((scope.scope, str(scope.layers), str(scope.graphs_captured), str(scope.replays),
-                         f"{scope.capture_seconds:.2f}", f"{scope.pool_bytes / 2**20:.1f}"))
+                         str(scope.rejected), f"{scope.capture_seconds:.2f}", f"{scope.pool_bytes / 2**20:.1f}"))
         if not self.scopes:
-            rows.append(("(no graphs captured)", "-", "-", "-", "-", "-"))
+            rows.append(("(no graphs captured)", "-", "-", "-", "-", "-", "-"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["megatron-cg-plugin run report"]
         lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+        for scope in self.scopes:
+            if scope.failure:
+                lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
+            if scope.teardown_allocated_delta_bytes is not None:
+                lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
+                             f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools")
         reduction = self.step_time_reduction
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "

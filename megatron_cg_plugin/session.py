@@ -60,6 +60,7 @@ class CaptureStats:
     seconds: float
     pool_bytes: int
     replays: diagnostics.ReplayCounter
+    failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
 
 
 class RunSession:
@@ -135,8 +136,13 @@ class RunSession:
                 capture_seconds=stats.seconds,
                 pool_bytes=stats.pool_bytes,
                 replays_per_layer=tuple(stats.replays.counts),
+                rejected=stats.replays.total_rejected,
+                failure=stats.failure,
+                teardown_allocated_delta_bytes=None if teardown is None else teardown.allocated_delta_bytes,
+                teardown_pool_bytes_left=None if teardown is None else teardown.pool_bytes_left,
             )
-            for stats in (getattr(helper, "capture_stats", None) for helper in self.helpers)
+            for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))
+                                    for h in self.helpers)
             if stats is not None
         )
         return RunReport(

@@ -20,6 +20,8 @@ class GraphBackend(Protocol):
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]: ...
 
+    def is_capturing(self) -> bool: ...
+
 
 class TEBackend:
     """Transformer Engine 2.20's ``make_graphed_callables``."""
@@ -28,6 +30,11 @@ class TEBackend:
         from transformer_engine.pytorch.graph import make_graphed_callables
 
         return make_graphed_callables(callables, sample_args, **kwargs)
+
+    def is_capturing(self) -> bool:
+        import torch
+
+        return torch.cuda.is_current_stream_capturing()
 
     @contextlib.contextmanager
     def tracking(self, on_graph: Callable[[Any], None]) -> Iterator[None]:

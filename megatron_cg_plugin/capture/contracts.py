@@ -157,5 +157,5 @@ def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:
         return ()
     if not torch.distributed.is_available():
         return ()
-    return tuple((name, value) for name, value in sorted(vars(collection).items())
+    return tuple((name, value) for name, value in sorted(getattr(collection, "__dict__", {}).items())
                  if isinstance(value, torch.distributed.ProcessGroup))

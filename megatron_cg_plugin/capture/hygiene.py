@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import types
 from typing import Any, Callable, Iterable
 
@@ -40,35 +41,59 @@ class StaleAutogradGraphError(RuntimeError):
             "tensor).")
 
 
-def _accumulated_variables(root: Any, seen: set[int]) -> Iterable[torch.Tensor]:
-    """Leaf tensors (``AccumulateGrad.variable``) reachable from an autograd node."""
+def _accumulated_variables(root: Any, seen: dict[int, Any]) -> Iterable[torch.Tensor]:
+    """Leaf tensors (``AccumulateGrad.variable``) reachable from an autograd node.
+
+    ``seen`` keeps each visited node's Python wrapper alive: wrappers are made on access, and the
+    id of a dropped one can be reused by the next, which would wrongly prune a branch."""
     stack = [root]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:
             yield variable
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
+def _frame_holders(target: Any) -> list[str]:
+    """Local variables of running functions (every thread's stack) that hold ``target``; running
+    frames are not reliably visible to ``gc.get_referrers``."""
+    found = []
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_filename == __file__:  # this scan's own variables
+                frame = frame.f_back
+                continue
+            names = [name for name, value in frame.f_locals.items() if value is target]
+            if names:
+                code = frame.f_code
+                found.append(f"local variable {', '.join(map(repr, names))} in {code.co_name}() "
+                             f"({code.co_filename}:{frame.f_lineno})")
+            frame = frame.f_back
+    return found
+
+
 def _describe_holder(referrer: Any, target: Any) -> str | None:
-    if isinstance(referrer, types.FrameType):
-        names = [name for name, value in referrer.f_locals.items() if value is target]
-        code = referrer.f_code
-        return f"local variable {', '.join(map(repr, names)) or '?'} in {code.co_name}() " \
-               f"({code.co_filename}:{referrer.f_lineno})"
+    """One referrer of ``target`` in words, or None for referrers that explain nothing (frames and
+    their locals dicts, reported by ``_frame_holders``)."""
+    if isinstance(referrer, (types.FrameType, types.ModuleType)):
+        return None
     if isinstance(referrer, dict):
         keys = [key for key, value in referrer.items() if value is target]
         owners = [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
-        owner = f" of {type(owners[0]).__name__}" if owners else " of a dict"
-        if owners and isinstance(owners[0], types.ModuleType):
-            owner = f" of module {owners[0].__name__}"
-        return f"attribute {', '.join(map(repr, keys))}{owner}"
+        if not owners:
+            return None  # a frame's locals snapshot, or a bare dict: nothing to name
+        owner = owners[0]
+        what = f"module {owner.__name__}" if isinstance(owner, types.ModuleType) else type(owner).__name__
+        return f"attribute {', '.join(map(repr, keys))} of {what}"
     if isinstance(referrer, (list, tuple)):
         return f"an element of a {type(referrer).__name__} of length {len(referrer)}"
+    attributes = [key for key, value in getattr(referrer, "__dict__", {}).items() if value is target]
+    if attributes:
+        return f"attribute {', '.join(map(repr, attributes))} of {type(referrer).__name__}"
     return None
 
 
@@ -76,14 +101,17 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
     """Live tensors whose autograd graph reaches any of ``params``' AccumulateGrad nodes."""
     param_ids = {id(p) for p in params}
     stale = []
-    for obj in gc.get_objects() if objects is None else objects:
-        if not isinstance(obj, torch.Tensor) or obj.grad_fn is None:
+    scanned = gc.get_objects() if objects is None else list(objects)
+    for obj in scanned:
+        # type(), not isinstance(): gc also lists dead weakref proxies, which raise on __class__.
+        if not issubclass(type(obj), torch.Tensor) or obj.grad_fn is None:
             continue
         # A fresh walk per root, so every holder is named even when graphs share nodes.
-        reached = {id(v) for v in _accumulated_variables(obj.grad_fn, set()) if id(v) in param_ids}
+        reached = {id(v) for v in _accumulated_variables(obj.grad_fn, {}) if id(v) in param_ids}
         if not reached:
             continue
-        holders = tuple(filter(None, (_describe_holder(r, obj) for r in gc.get_referrers(obj))))
+        referrers = [r for r in gc.get_referrers(obj) if r is not scanned]
+        holders = tuple(_frame_holders(obj)) + tuple(filter(None, (_describe_holder(r, obj) for r in referrers)))
         stale.append(StaleGraph(
             root=f"{type(obj.grad_fn).__name__} output, shape {tuple(obj.shape)}, {obj.dtype}",
             parameters=len(reached), holders=holders))

@@ -50,6 +50,33 @@ def gc_state() -> Restorable:
     return Restorable("gc.isenabled", gc.isenabled, restore)
 
 
+def gc_freeze() -> Restorable:
+    """Megatron freezes GC for capture (``gc.freeze()``); undo a freeze that capture added."""
+
+    def restore(count: int) -> None:
+        if count == 0 and gc.get_freeze_count() > 0:
+            gc.unfreeze()
+
+    return Restorable("gc.freeze", gc.get_freeze_count, restore)
+
+
+def tensor_grads(params: Iterable[Any]) -> Restorable:
+    """``.grad`` and Megatron's ``.main_grad`` of each parameter, by reference."""
+    params = list(params)
+
+    def save() -> list[tuple[Any, Any]]:
+        return [(p.grad, getattr(p, "main_grad", _MISSING)) for p in params]
+
+    def restore(saved: list[tuple[Any, Any]]) -> None:
+        for p, (grad, main_grad) in zip(params, saved):
+            if p.grad is not grad:
+                p.grad = grad
+            if main_grad is not _MISSING and getattr(p, "main_grad", _MISSING) is not main_grad:
+                p.main_grad = main_grad
+
+    return Restorable(f"grad/main_grad of {len(params)} parameters", save, restore)
+
+
 class CaptureTransaction:
     """Context manager around one capture.
 
@@ -70,6 +97,10 @@ class CaptureTransaction:
     def __enter__(self) -> "CaptureTransaction":
         self._snapshots = [(item, item.save()) for item in self._restorables]
         return self
+
+    def add(self, restorables: Iterable[Restorable]) -> None:
+        """Snapshots more state now (state that can only be named once capture has started)."""
+        self._snapshots += [(item, item.save()) for item in restorables]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if exc_type is not None:

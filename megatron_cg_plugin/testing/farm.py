@@ -25,10 +25,17 @@ TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
 
 @dataclasses.dataclass(frozen=True)
 class FarmCase:
+    """One farm case. ``expect_capture_failure``: the graphed run injects a capture failure and must
+    fall back to eager training (graphs 0, the failure in its report). ``golden`` names the case
+    whose golden file this one is compared with (default: its own), on ``golden_metrics``."""
+
     name: str
     nproc: int
     preset: str
     flags: tuple[str, ...] = ()
+    expect_capture_failure: bool = False
+    golden: str | None = None
+    golden_metrics: tuple[str, ...] = ()
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int = FARM_STEPS) -> list[str]:
         mode = "graphed" if graphed else "eager"
@@ -43,7 +50,11 @@ class FarmCase:
 
     @property
     def golden_path(self) -> Path:
-        return GOLDEN_DIR / f"golden_values_{self.name}.json"
+        return GOLDEN_DIR / f"golden_values_{self.golden or self.name}.json"
+
+    @property
+    def compared_metrics(self) -> tuple[str, ...]:
+        return self.golden_metrics or GOLDEN_METRICS
 
 
 _DROP_AND_PAD = ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
@@ -54,6 +65,11 @@ CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_moe_router", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")),
     FarmCase("tiny_moe_droppad", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe", *_DROP_AND_PAD)),
     FarmCase("tiny_gpt_layer_dp2", 2, "tiny-gpt"),
+    # Capture fails inside layer 2 and is rolled back; training must go on eagerly with the very
+    # losses of the eager run (and of tiny_gpt_layer's golden values: same model, same data).
+    FarmCase("tiny_gpt_layer_capture_failure", 1, "tiny-gpt",
+             ("--cg-inject-capture-failure", "2", "--cg-on-capture-error", "eager"),
+             expect_capture_failure=True, golden="tiny_gpt_layer", golden_metrics=("lm loss",)),
 )
 
 
@@ -91,6 +107,8 @@ class CaseResult:
             "replays": sum(scope["replays"] for scope in scopes),
             "pool_mib": sum(scope["pool_bytes"] for scope in scopes) / 2**20,
             "capture_s": sum(scope["capture_seconds"] for scope in scopes),
+            "rejected": sum(scope.get("rejected", 0) for scope in scopes),
+            "capture_failures": [scope["failure"] for scope in scopes if scope.get("failure")],
         }
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_cg_plugin import golden
 from megatron_cg_plugin.testing.distributed import gpus_available
-from megatron_cg_plugin.testing.farm import CASES, GOLDEN_METRICS, FarmCase, run_case
+from megatron_cg_plugin.testing.farm import CASES, FarmCase, run_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 
@@ -50,13 +50,19 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     assert len(graphed) == len(eager) >= 20, f"expected >= 20 logged steps, got {len(eager)}/{len(graphed)}"
     differing = {step: (eager[step], graphed[step]) for step in eager if eager[step] != graphed.get(step)}
     assert not differing, f"lm loss differs eager vs graphed (step: eager, graphed): {differing}"
-    assert summary["graphs"] > 0 and summary["replays"] > 0, f"nothing captured or replayed: {summary}"
+    assert summary["rejected"] == 0, f"replays refused by their contract: {summary}"
+    if case.expect_capture_failure:
+        assert summary["graphs"] == 0 and summary["replays"] == 0, f"graphs survived a failed capture: {summary}"
+        assert any("injected failure" in failure for failure in summary["capture_failures"]), summary
+    else:
+        assert summary["graphs"] > 0 and summary["replays"] > 0, f"nothing captured or replayed: {summary}"
+        assert not summary["capture_failures"], summary
 
-    if os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1":
+    if os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None:
         golden.update(case.golden_path, result.graphed)
     if not case.golden_path.exists():
         pytest.fail(f"no golden file {case.golden_path}: write it from a real GPU run with "
                     "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
     mismatches = golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
-                                deterministic=True, metrics=GOLDEN_METRICS)
+                                deterministic=True, metrics=case.compared_metrics)
     assert not mismatches, golden.format_report(mismatches)

@@ -188,6 +188,48 @@ def test_replay_counter_starts_at_zero():
     assert ReplayCounter(0).total == 0
 
 
+def test_counting_graph_check_runs_before_each_replay():
+    counter = ReplayCounter(2)
+    graph = FakeGraph("g")
+    seen = []
+
+    def check(args, kwargs):
+        seen.append((args, kwargs))
+        if kwargs.get("bad"):
+            raise ValueError("refused")
+
+    wrapped = CountingGraph(graph, counter, 1, check)
+    assert wrapped(1, key="v") == ("g", (1,), {"key": "v"})
+    with pytest.raises(ValueError, match="refused"):
+        wrapped(2, bad=True)
+    assert seen == [((1,), {"key": "v"}), ((2,), {"bad": True})]
+    assert graph.calls == [((1,), {"key": "v"})]  # a refused replay never reaches the graph
+    assert counter.counts == [0, 1] and counter.rejected == [0, 1]
+    assert counter.total == 1 and counter.total_rejected == 1
+
+
+def test_counting_graph_without_check_never_rejects():
+    counter = ReplayCounter(1)
+    wrapped = counter.wrap(FakeGraph("g"), 0)
+    wrapped()
+    assert counter.rejected == [0] and counter.total_rejected == 0
+
+
+def test_replay_counter_rejected_starts_at_zero():
+    counter = ReplayCounter(3)
+    assert counter.rejected == [0, 0, 0] and counter.total_rejected == 0
+
+
+def test_memory_state_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only path")
+    state = diagnostics.memory_state()
+    assert state.allocated == 0 and state.pools == {}
+    assert state.pinned_host is None or isinstance(state.pinned_host, int)
+
+
 @pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
 def test_counting_graph_can_be_copied(copier):
     counter = ReplayCounter(1)
@@ -249,10 +291,53 @@ def test_format_table_has_a_row_per_scope():
     text = report.format_table()
     assert text.splitlines()[0] == "megatron-cg-plugin run report"
     rows = table_rows(text)
-    assert rows[0] == ["scope", "layers", "graphs", "replays", "capture", "s", "pool", "MiB"]
-    assert rows[1] == ["attn", "2", "4", "36", "0.50", "3.0"]
-    assert rows[2] == ["layer", "12", "24", "1000", "12.35", "0.5"]
+    assert rows[0] == ["scope", "layers", "graphs", "replays", "rejected", "capture", "s", "pool", "MiB"]
+    assert rows[1] == ["attn", "2", "4", "36", "0", "0.50", "3.0"]
+    assert rows[2] == ["layer", "12", "24", "1000", "0", "12.35", "0.5"]
+    assert len(rows) == 3  # no failure or teardown lines without failures or teardown
     assert "(no graphs captured)" not in text
+
+
+def test_format_table_shows_rejected_replays():
+    text = run_report(scopes=(scope("attn", replays=10, rejected=3),)).format_table()
+    header, row = table_rows(text)
+    assert row[header.index("rejected")] == "3"
+    assert row[:5] == ["attn", "4", "8", "10", "3"]
+
+
+def test_format_table_reports_a_rolled_back_capture():
+    failure = "layer 3: RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    text = run_report(scopes=(scope("attn", graphs_captured=0, replays=0, pool_bytes=0, failure=failure),
+                              scope("layer")),
+                      graphed_steps=0, graphed_step_ms=None).format_table()
+    lines = text.splitlines()
+    assert f"  attn: capture failed and was rolled back: {failure}" in lines
+    assert sum("capture failed" in line for line in lines) == 1  # only the failed scope
+    assert lines[-1].startswith("  steady-state step time")
+    assert lines.index(f"  attn: capture failed and was rolled back: {failure}") > 3  # after the table rows
+
+
+def test_format_table_reports_teardown():
+    text = run_report(scopes=(scope("attn", teardown_allocated_delta_bytes=3 * MiB // 2,
+                                    teardown_pool_bytes_left=MiB // 4),
+                              scope("moe", teardown_allocated_delta_bytes=-MiB, teardown_pool_bytes_left=0),
+                              scope("layer"))).format_table()
+    lines = text.splitlines()
+    assert ("  attn: after teardown, allocated +1.50 MiB vs before capture, 0.25 MiB left in graph pools"
+            in lines)
+    assert "  moe: after teardown, allocated -1.00 MiB vs before capture, 0.00 MiB left in graph pools" in lines
+    assert not any(line.startswith("  layer: after teardown") for line in lines)  # never torn down
+
+
+def test_to_json_has_the_new_scope_fields():
+    data = run_report(scopes=(scope(rejected=2, failure="layer 1: X", teardown_allocated_delta_bytes=0,
+                                    teardown_pool_bytes_left=5),)).to_json()
+    fields = data["scopes"][0]
+    assert (fields["rejected"], fields["failure"], fields["teardown_allocated_delta_bytes"],
+            fields["teardown_pool_bytes_left"]) == (2, "layer 1: X", 0, 5)
+    defaults = run_report().to_json()["scopes"][0]
+    assert (defaults["rejected"], defaults["failure"], defaults["teardown_allocated_delta_bytes"],
+            defaults["teardown_pool_bytes_left"]) == (0, None, None, None)
 
 
 def test_format_table_columns_line_up():

@@ -1,0 +1,225 @@
+"""GPU probe for the capture lifecycle (one rank): rollback, contracts, teardown, stale graphs.
+
+Run by tests/functional/test_capture_lifecycle.py through the multi-rank launcher:
+    python lifecycle_probe.py --scenario lifecycle|stale-unchecked|stale-checked --out result.json
+A tiny megatron-core GPT with TE layers, captured with the plugin's helper (Megatron's own
+TECudaGraphHelper underneath), compared with an eager run of the same steps.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+
+S, B, V, H = 256, 2, 1024, 256
+
+
+def setup():
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    torch.distributed.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    parallel_state.initialize_model_parallel(1, 1)
+    init_num_microbatches_calculator(0, None, B, B, 1)
+
+
+def build(graphs: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+    torch.manual_seed(123)
+    extra = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=[]) if graphs else {}
+    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4, bf16=True,
+                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_te_rng_tracker=True, deterministic_mode=True, **extra)
+    model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=V, max_sequence_length=S).cuda()
+    wrapped = Float16Module(config, model)
+    wrapped.zero_grad_buffer = lambda: None  # no DDP in this probe; Megatron's helper calls it
+    return config, wrapped
+
+
+def batches(steps: int, seq: int = S):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(steps):
+        tokens = torch.randint(0, V, (B, seq), device="cuda", generator=gen)
+        yield tokens, torch.arange(seq, device="cuda").unsqueeze(0).expand(B, seq)
+
+
+class Trainer:
+    def __init__(self, model):
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(self, tokens, positions, keep_graph=False):
+        loss = self.model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        value = loss.item()
+        return (value, loss) if keep_graph else (value, None)
+
+
+def helper_for(config, model, plugin_config):
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    session = RunSession(plugin_config)
+    return session, bind_helper_class(TECudaGraphHelper, session)([model], config, S, B)
+
+
+def lifecycle(result):
+    from megatron_cg_plugin.capture.contracts import ContractViolation
+    from megatron_cg_plugin.config import PluginConfig
+
+    steps = 8
+    _, eager_model = build(graphs=False)
+    trainer = Trainer(eager_model)
+    eager = [trainer.step(*batch)[0] for batch in batches(steps)]
+    del trainer, eager_model
+    gc.collect(); torch.cuda.empty_cache()
+
+    config, model = build(graphs=True)
+    trainer = Trainer(model)
+    session, helper = helper_for(config, model, PluginConfig())
+    graphed, data = [], list(batches(steps))
+    for index, batch in enumerate(data):
+        if index == 2:
+            helper.create_cudagraphs()
+            result["first_capture_pool_bytes"] = helper.capture_stats.pool_bytes
+        if index == 6:  # teardown, then capture again
+            allocated_before_delete = torch.cuda.memory_allocated()
+            helper.delete_cuda_graphs()
+            stats = helper.teardown_stats
+            result["teardown"] = {
+                "allocated_delta_bytes": stats.allocated_delta_bytes,
+                "pool_bytes_left": stats.pool_bytes_left,
+                "pinned_host_delta_bytes": stats.pinned_host_delta_bytes,
+                "allocated_before_delete_mib": allocated_before_delete / 2**20,
+                "allocated_after_delete_mib": torch.cuda.memory_allocated() / 2**20,
+            }
+            helper.delete_cuda_graphs()  # a second call is harmless
+            helper.create_cudagraphs()
+            result["recaptured"] = helper.graphs_created()
+        graphed.append(trainer.step(*batch)[0])
+    result["eager_losses"], result["graphed_losses"] = eager, graphed
+    result["losses_equal"] = eager == graphed
+    result["replays"] = helper.capture_stats.replays.total
+
+    # Replay contracts: a shorter sequence, then fp32 hidden states (embedding made fp32).
+    violations = {}
+    tokens, positions = next(batches(1, seq=S // 2))
+    try:
+        model(tokens, positions, None, labels=tokens)
+    except ContractViolation as error:
+        violations["seq_length"] = {"field": error.field, "message": str(error)}
+    embedding = model.module.embedding.word_embeddings
+    saved = embedding.weight.data
+    embedding.weight.data = saved.float()
+    tokens, positions = next(batches(1))
+    try:
+        model(tokens, positions, None, labels=tokens)
+    except ContractViolation as error:
+        violations["dtype"] = {"field": error.field, "message": str(error)}
+    embedding.weight.data = saved
+    result["violations"] = violations
+    result["rejected"] = helper.capture_stats.replays.total_rejected
+
+    # Host cost of the contract check per replay, on real replay arguments, vs step time.
+    layer = helper.flattened_callables[0]
+    seen = {}
+    wrapper = layer.cuda_graphs[0]
+    original_check = wrapper._check
+
+    def spy(args, kwargs):
+        seen["call"] = (args, kwargs)
+        return original_check(args, kwargs)
+
+    wrapper._check = spy
+    step_times = []
+    for batch in batches(30):
+        torch.cuda.synchronize(); start = time.perf_counter()
+        trainer.step(*batch)
+        torch.cuda.synchronize(); step_times.append(time.perf_counter() - start)
+    wrapper._check = original_check
+    args, kwargs = seen["call"]
+    from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
+
+    per_replay = {}
+    for mode in ("full", "shapes"):
+        contract = ReplayContract.record("probe", args, kwargs, layer.named_parameters(), process_groups_of(layer))
+        start = time.perf_counter()
+        for _ in range(2000):
+            contract.check(args, kwargs, mode=mode,
+                           params=layer.named_parameters() if mode == "full" else (),
+                           process_groups=process_groups_of(layer) if mode == "full" else ())
+        per_replay[mode] = (time.perf_counter() - start) / 2000
+    replays_per_step = len(helper.flattened_callables)  # one microbatch per step, each layer once
+    step = statistics.median(step_times[5:])
+    result["overhead"] = {
+        "step_ms": 1e3 * step,
+        "replays_per_step": replays_per_step,
+        "check_us_per_replay": {mode: 1e6 * t for mode, t in per_replay.items()},
+        "full_check_fraction_of_step": replays_per_step * per_replay["full"] / step,
+    }
+    helper.delete_cuda_graphs()
+
+
+def stale(result, check: str):
+    from megatron_cg_plugin.config import PluginConfig
+
+    config, model = build(graphs=True)
+    trainer = Trainer(model)
+    data = list(batches(3))
+    trainer.step(*data[0])
+    _, loss = trainer.step(*data[1], keep_graph=True)  # an eager graph left alive: the trap
+    session, helper = helper_for(config, model, PluginConfig(stale_graph_check=check, on_capture_error="raise"))
+    try:
+        helper.create_cudagraphs()
+        result["captured"] = True
+    except Exception as error:  # noqa: BLE001 - the probe reports whatever happened
+        result["captured"] = False
+        result["error_type"] = type(error).__name__
+        result["error"] = str(error)
+        result["cause"] = repr(error.__cause__) if error.__cause__ else None
+    result["graphs_created"] = helper.graphs_created()
+    from megatron.core.transformer import cuda_graphs
+    result["megatron_capture_flag_after"] = cuda_graphs.is_graph_capturing()
+    del loss
+    # Training goes on eagerly after a refused or rolled-back capture.
+    result["eager_step_after"] = trainer.step(*data[2])[0]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", required=True, choices=["lifecycle", "stale-unchecked", "stale-checked"])
+    parser.add_argument("--out", required=True)
+    options = parser.parse_args()
+    setup()
+    result = {"scenario": options.scenario}
+    try:
+        if options.scenario == "lifecycle":
+            lifecycle(result)
+        else:
+            stale(result, "off" if options.scenario == "stale-unchecked" else "refuse")
+    except Exception:  # noqa: BLE001 - written out for the test to show
+        result["probe_error"] = traceback.format_exc()
+    with open(options.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps(result, default=str)[:4000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""GPU: rollback, replay contracts, teardown and stale-graph hygiene on a real TE capture.
+
+Each scenario runs tests/functional/_probes/lifecycle_probe.py on one rank (own process, so a
+CUDA-level failure in one cannot leak into another) and checks the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.testing.distributed import gpus_available, launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
+PROBE = Path(__file__).parent / "_probes" / "lifecycle_probe.py"
+MiB = 2**20
+
+
+def _run(scenario: str, out_dir: Path) -> dict:
+    if gpus_available() < 1:
+        pytest.skip("needs 1 CUDA GPU, found 0")
+    if importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("needs Transformer Engine (pip install 'megatron-cg-plugin[te]')")
+    out = out_dir / f"lifecycle_{scenario}.json"
+    launch([str(PROBE), "--scenario", scenario, "--out", str(out)], nproc=1, timeout_s=600,
+           log_dir=out_dir / f"lifecycle_{scenario}.logs")
+    result = json.loads(out.read_text())
+    assert "probe_error" not in result, result["probe_error"]
+    return result
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory) -> Path:
+    configured = os.environ.get("MEGATRON_CG_FARM_OUT")
+    return Path(configured) if configured else tmp_path_factory.mktemp("lifecycle")
+
+
+def test_contracts_teardown_and_recapture(out_dir: Path) -> None:
+    result = _run("lifecycle", out_dir)
+    assert result["losses_equal"], (result["eager_losses"], result["graphed_losses"])
+    assert result["replays"] > 0 and result["recaptured"]
+    teardown = result["teardown"]
+    assert abs(teardown["allocated_delta_bytes"]) <= MiB, teardown
+    assert teardown["pool_bytes_left"] == 0, teardown
+    assert teardown["pinned_host_delta_bytes"] in (0, None), teardown
+    assert result["violations"]["seq_length"]["field"] == "shape", result["violations"]
+    assert result["violations"]["dtype"]["field"] == "dtype", result["violations"]
+    assert result["rejected"] == 2
+    # Recorded, not asserted as a timing: the figure goes to docs/results.
+    assert result["overhead"]["check_us_per_replay"]["full"] > 0
+
+
+def test_stale_graph_breaks_capture_without_the_check(out_dir: Path) -> None:
+    """Regression: an eager `loss` kept alive makes TE capture fail on torch >= 2.9; the
+    transaction rolls it back and training continues eagerly."""
+    result = _run("stale-unchecked", out_dir)
+    assert not result["captured"] and not result["graphs_created"], result
+    assert result["error_type"] == "CaptureFailedError", result
+    assert not result["megatron_capture_flag_after"]
+    assert result["eager_step_after"] == result["eager_step_after"]  # finite, not NaN
+
+
+def test_stale_graph_is_refused_naming_its_holder(out_dir: Path) -> None:
+    result = _run("stale-checked", out_dir)
+    assert not result["captured"] and not result["graphs_created"], result
+    assert "StaleAutogradGraphError" in (result["cause"] or "") + result["error_type"], result
+    assert "'loss'" in result["error"], result["error"]
+    assert not result["megatron_capture_flag_after"]

@@ -1,0 +1,29 @@
+"""The docs that users act on must cover what the code can raise and patch."""
+
+import re
+from pathlib import Path
+
+from megatron_cg_plugin.patches import PATCHES
+from megatron_cg_plugin.rules import RULES
+
+ROOT = Path(__file__).resolve().parents[2]
+TROUBLESHOOTING = (ROOT / "docs" / "troubleshooting.md").read_text()
+
+
+def test_every_rule_is_in_troubleshooting():
+    missing = [rule.name for rule in RULES if f"`{rule.name}`" not in TROUBLESHOOTING]
+    assert not missing, f"add these rules to docs/troubleshooting.md: {missing}"
+
+
+def test_every_error_class_is_in_troubleshooting():
+    defined = set()
+    for path in (ROOT / "megatron_cg_plugin").rglob("*.py"):
+        defined |= set(re.findall(r"^class (\w+(?:Error|Violation|Failure))\(", path.read_text(), re.M))
+    missing = sorted(name for name in defined if name not in TROUBLESHOOTING)
+    assert defined and not missing, f"document these errors in docs/troubleshooting.md: {missing}"
+
+
+def test_every_patch_is_in_patches_doc():
+    text = (ROOT / "docs" / "patches.md").read_text()
+    missing = [patch.name for patch in PATCHES if f"`{patch.name}`" not in text or patch.where not in text]
+    assert not missing, f"add these patches (name and attribute) to docs/patches.md: {missing}"

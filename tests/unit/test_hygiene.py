@@ -1,0 +1,173 @@
+"""Tests for megatron_cg_plugin.capture.hygiene: finding eager autograd graphs still alive before
+capture, naming what holds them, and refusing capture while they exist."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from megatron_cg_plugin.capture.hygiene import (
+    StaleAutogradGraphError,
+    StaleGraph,
+    ensure_no_stale_graphs,
+    find_stale_graphs,
+)
+
+
+class Holder:
+    pass
+
+
+@pytest.fixture
+def weights():
+    return [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+
+
+class CountingCollect:
+    def __init__(self, real: bool = True) -> None:
+        self.calls = 0
+        self.real = real
+
+    def __call__(self):
+        self.calls += 1
+        return gc.collect() if self.real else 0
+
+
+# ====================================================================== find_stale_graphs
+
+
+def test_live_loss_reaching_the_params_is_found(weights):
+    w = weights[0]
+    loss = (w * 2).sum()
+    (stale,) = find_stale_graphs([w])
+    assert stale.root == "SumBackward0 output, shape (), torch.float32"
+    assert stale.parameters == 1
+    assert any(h.startswith("local variable 'loss' in test_live_loss_reaching_the_params_is_found() (")
+               and __file__ in h for h in stale.holders)
+    del loss
+
+
+def test_loss_reaching_other_params_is_not_found(weights):
+    w, other = weights[0], weights[1]
+    loss = (other * 2).sum()
+    assert find_stale_graphs([w]) == []
+    assert len(find_stale_graphs([other])) == 1
+    del loss
+
+
+def test_no_graph_no_stale(weights):
+    with torch.no_grad():
+        out = (weights[0] * 2).sum()
+    detached = (weights[0] * 2).detach()
+    assert find_stale_graphs(weights) == []
+    del out, detached
+
+
+def test_counts_every_graphed_parameter_reached(weights):
+    a, b, c = weights
+    loss = (a * b).sum() + c.sum()
+    (stale,) = [s for s in find_stale_graphs(weights) if s.root.startswith("AddBackward0")]
+    assert stale.parameters == 3
+    (partial,) = [s for s in find_stale_graphs([a, b]) if s.root.startswith("AddBackward0")]
+    assert partial.parameters == 2
+    del loss
+
+
+def test_holder_attribute_of_an_object(weights):
+    holder = Holder()
+    holder.out = (weights[0] * 3).mean()
+    (stale,) = find_stale_graphs(weights[:1])
+    assert "attribute 'out' of Holder" in stale.holders
+    assert not any("'holder'" in h for h in stale.holders)  # the local holds the object, not the tensor
+    del holder
+
+
+def test_holder_list_element(weights):
+    outputs = [1, (weights[0] * 3).mean(), "x"]
+    (stale,) = find_stale_graphs(weights[:1])
+    assert "an element of a list of length 3" in stale.holders
+    del outputs
+
+
+def test_every_holder_is_named(weights):
+    loss = (weights[0] * 2).sum()
+    kept = [loss]
+    holder = Holder()
+    holder.last_loss = loss
+    (stale,) = find_stale_graphs(weights[:1])
+    assert any("local variable 'loss'" in h for h in stale.holders)
+    assert "an element of a list of length 1" in stale.holders
+    assert "attribute 'last_loss' of Holder" in stale.holders
+    del loss, kept, holder
+
+
+def test_objects_argument_limits_the_scan(weights):
+    loss = (weights[0] * 2).sum()
+    assert find_stale_graphs(weights, objects=[]) == []
+    assert len(find_stale_graphs(weights, objects=[loss, 5, "x"])) == 1
+    assert len(find_stale_graphs(weights, objects=iter([loss]))) == 1
+    del loss
+
+
+# ====================================================================== ensure_no_stale_graphs
+
+
+def test_no_stale_graphs_does_not_collect(weights):
+    collect = CountingCollect()
+    ensure_no_stale_graphs(iter(weights), collect=collect)
+    assert collect.calls == 0
+
+
+def test_graph_held_only_by_a_cycle_is_collected_and_capture_allowed(weights):
+    was_enabled = gc.isenabled()
+    gc.disable()  # keep the cycle alive until the check collects it
+    try:
+        cycle = Holder()
+        cycle.me = cycle
+        cycle.loss = (weights[0] * 2).sum()
+        del cycle
+        assert len(find_stale_graphs(weights)) == 1  # still alive: only a collection frees it
+        collect = CountingCollect()
+        ensure_no_stale_graphs(weights, collect=collect)
+        assert collect.calls == 1
+        assert find_stale_graphs(weights) == []
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_live_graph_is_refused_after_one_collection(weights):
+    loss = (weights[1] * 2).sum()
+    collect = CountingCollect(real=False)
+    with pytest.raises(StaleAutogradGraphError) as info:
+        ensure_no_stale_graphs(weights, collect=collect)
+    assert collect.calls == 1
+    error = info.value
+    (stale,) = error.stale
+    assert isinstance(stale, StaleGraph) and stale.parameters == 1
+    message = str(error)
+    assert "1 autograd graph(s)" in message
+    assert "SumBackward0 output, shape (), torch.float32, reaching 1 graphed parameter(s)" in message
+    assert "local variable 'loss' in test_live_graph_is_refused_after_one_collection()" in message
+    assert "del loss" in message
+    del loss
+
+
+def test_error_without_holders_says_so():
+    error = StaleAutogradGraphError([StaleGraph(root="MulBackward0 output, shape (3,), torch.float32",
+                                                parameters=2, holders=())])
+    assert "no Python referrer found" in str(error)
+    assert "reaching 2 graphed parameter(s)" in str(error)
+
+
+def test_two_stale_graphs_are_both_listed(weights):
+    first = (weights[0] * 2).sum()
+    second = [(weights[2] * 5).mean()]
+    with pytest.raises(StaleAutogradGraphError) as info:
+        ensure_no_stale_graphs(weights, collect=CountingCollect(real=False))
+    assert len(info.value.stale) == 2
+    assert "2 autograd graph(s)" in str(info.value)
+    assert "'first'" in str(info.value) and "an element of a list of length 1" in str(info.value)
+    del first, second
