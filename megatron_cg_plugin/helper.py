@@ -146,9 +146,9 @@ class PluginHelperMixin:
         tracker = _CaptureTracker(self.flattened_callables, inject_at=config.inject_capture_failure,
                                   is_capturing=self.backend.is_capturing)
         start = time.perf_counter()
+        if config.stale_graph_check == "refuse" and not self._stale_graphs_allow_capture(scope, layers, start):
+            return
         try:
-            if config.stale_graph_check == "refuse":
-                hygiene.ensure_no_stale_graphs(p for layer in self.flattened_callables for p in layer.parameters())
             baseline = diagnostics.memory_state()
             transaction = CaptureTransaction(self._restorables(layers, tracker))
             with transaction:
@@ -158,6 +158,7 @@ class PluginHelperMixin:
                 transaction.add(self.backend.restorables(self.flattened_callables, kwargs))
                 with self.backend.tracking(transaction.track):
                     graphs = self._capture(sample_args, kwargs)
+                tracker.current = "installing the captured graphs"  # no layer's capture is running now
                 counter = self._install_graphs(graphs, sample_args, kwargs.get("sample_kwargs"), config.contract_check)
                 self._graphs_created = True
                 self._finish_capturing(start_time)
@@ -174,6 +175,28 @@ class PluginHelperMixin:
             seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
             replays=counter)
+
+    def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
+        """The stale-graph check runs before capture changes anything, so a refusal needs no
+        rollback: with ``raise`` the helper is left as it was (capture may be retried after the
+        holder lets go); with ``eager`` the phase is marked done and training goes on eagerly."""
+        params = [p for layer in self.flattened_callables for p in layer.parameters()]
+        try:
+            tolerated = hygiene.ensure_no_stale_graphs(params)
+        except hygiene.StaleAutogradGraphError as refusal:
+            if self.session.config.on_capture_error == "raise":
+                raise
+            self._capture_finished = True
+            self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
+                                              seconds=time.perf_counter() - start, pool_bytes=0,
+                                              replays=diagnostics.ReplayCounter(len(layers)),
+                                              failure=f"refused before capture: {refusal}")
+            logger.warning("%s; training continues eagerly (--cg-on-capture-error eager).", refusal)
+            return False
+        for graph in tolerated:
+            logger.info("capture proceeds with a tolerated live autograd graph: %s held by %s",
+                        graph.root, "; ".join(graph.holders))
+        return True
 
     def _capture(self, sample_args: Any, kwargs: dict[str, Any]) -> Any:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -259,8 +282,9 @@ class PluginHelperMixin:
 
         super().delete_cuda_graphs()
         gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         after = diagnostics.memory_state()
         if self._baseline is not None:
             before = self._baseline

@@ -71,7 +71,10 @@ def tensor_grads(params: Iterable[Any]) -> Restorable:
         for p, (grad, main_grad) in zip(params, saved):
             if p.grad is not grad:
                 p.grad = grad
-            if main_grad is not _MISSING and getattr(p, "main_grad", _MISSING) is not main_grad:
+            if main_grad is _MISSING:
+                if hasattr(p, "main_grad"):  # added during capture: absent stays absent
+                    del p.main_grad
+            elif getattr(p, "main_grad", _MISSING) is not main_grad:
                 p.main_grad = main_grad
 
     return Restorable(f"grad/main_grad of {len(params)} parameters", save, restore)

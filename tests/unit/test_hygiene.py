@@ -171,3 +171,35 @@ def test_two_stale_graphs_are_both_listed(weights):
     assert "2 autograd graph(s)" in str(info.value)
     assert "'first'" in str(info.value) and "an element of a list of length 1" in str(info.value)
     del first, second
+
+
+# -- graphs Megatron itself keeps (seen harmless on H200) are tolerated, not refused ------------------
+
+class MoEAlltoAllTokenDispatcher:  # the name is what matters: Megatron's dispatchers end in TokenDispatcher
+    pass
+
+
+class SomethingElse:
+    pass
+
+
+def test_graph_held_only_by_a_dispatchers_probs_is_tolerated():
+    weight = torch.nn.Parameter(torch.ones(3))
+    dispatcher = MoEAlltoAllTokenDispatcher()
+    dispatcher.probs = weight * 2
+    (graph,) = find_stale_graphs([weight])
+    assert graph.tolerated and graph.holders == ("attribute 'probs' of MoEAlltoAllTokenDispatcher",)
+    assert ensure_no_stale_graphs([weight], collect=lambda: None) == [graph]
+
+
+@pytest.mark.parametrize("holder", ["other-class", "other-attribute", "also-a-local"])
+def test_any_other_holder_is_refused(holder):
+    weight = torch.nn.Parameter(torch.ones(3))
+    owner = SomethingElse() if holder == "other-class" else MoEAlltoAllTokenDispatcher()
+    setattr(owner, "routing_map" if holder == "other-attribute" else "probs", weight * 2)
+    if holder == "also-a-local":
+        also = owner.probs  # noqa: F841 - a frame holding it too makes it a real stale graph
+    (graph,) = find_stale_graphs([weight])
+    assert not graph.tolerated
+    with pytest.raises(StaleAutogradGraphError):
+        ensure_no_stale_graphs([weight], collect=lambda: None)

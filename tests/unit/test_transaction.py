@@ -223,9 +223,6 @@ def test_tensor_grads_restores_none_grad():
     assert p.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transaction.py tensor_grads.restore: a main_grad that was absent at save time is skipped "
-    "(`main_grad is not _MISSING` guard), so a main_grad added during capture survives the rollback"))
 def test_tensor_grads_removes_a_main_grad_added_during_capture():
     p = torch.nn.Parameter(torch.ones(2))
     roundtrip(tensor_grads([p]), lambda: setattr(p, "main_grad", torch.ones(2)))
