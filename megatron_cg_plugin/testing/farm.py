@@ -135,7 +135,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs | replays | pool MiB | capture s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        reduction = "-" if row["reduction"] is None else f"-{100 * row['reduction']:.1f}%"
+        reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"
         lines.append(
             f"| {row['case']} | {row['nproc']} | {row['steps']} | {'yes' if row['losses_equal'] else 'NO'} | "
             f"{num(row['eager_ms'], '.2f')} | {num(row['graphed_ms'], '.2f')} | {reduction} | {row['graphs']} | "
