@@ -186,17 +186,21 @@ class PluginHelperMixin:
         except hygiene.StaleAutogradGraphError as refusal:
             if self.session.config.on_capture_error == "raise":
                 raise
-            self._capture_finished = True
-            self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
-                                              seconds=time.perf_counter() - start, pool_bytes=0,
-                                              replays=diagnostics.ReplayCounter(len(layers)),
-                                              failure=f"refused before capture: {refusal}")
+            self._record_failure(scope, layers, start, f"refused before capture: {refusal}")
             logger.warning("%s; training continues eagerly (--cg-on-capture-error eager).", refusal)
             return False
         for graph in tolerated:
             logger.info("capture proceeds with a tolerated live autograd graph: %s held by %s",
                         graph.root, "; ".join(graph.holders))
         return True
+
+    def _record_failure(self, scope: str, layers: list[Any], start: float, failure: str) -> None:
+        """No graphs for this phase: the report shows why, and Megatron's loop must not try again
+        every step."""
+        self._capture_finished = True
+        self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
+                                          seconds=time.perf_counter() - start, pool_bytes=0,
+                                          replays=diagnostics.ReplayCounter(len(layers)), failure=failure)
 
     def _capture(self, sample_args: Any, kwargs: dict[str, Any]) -> Any:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -252,14 +256,10 @@ class PluginHelperMixin:
         gc.collect()
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
-        self._capture_finished = True  # Megatron's loop must not try again every step
         self._graphs_created = False
         where = tracker.current or "before any layer ran"
         cause = f"{type(error).__name__}: {error}"
-        self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
-                                          seconds=time.perf_counter() - start, pool_bytes=0,
-                                          replays=diagnostics.ReplayCounter(len(layers)),
-                                          failure=f"{where}: {cause}")
+        self._record_failure(scope, layers, start, f"{where}: {cause}")
         if self.session.config.on_capture_error == "raise":
             raise CaptureFailedError(
                 f"CUDA graph capture ({scope}) failed in {where}: {cause}\nEverything the capture changed "
