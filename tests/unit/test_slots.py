@@ -1,0 +1,176 @@
+"""The slot planner: exhaustive examples and properties over Megatron's own PP/VPP orders and over
+random interleavings of variants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from megatron.core.pipeline_parallel.schedules import get_schedule_table
+from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
+
+from megatron_cg_plugin.plan.slots import OrderError, SlotPlan, plan_slots
+
+
+def megatron_order(microbatches: int, chunks: int, group: int, warmup: int) -> list[int]:
+    table = get_schedule_table(microbatches, chunks, group)
+    return convert_schedule_table_to_order(warmup, chunks, table)
+
+
+def warmup_of(microbatches: int, chunks: int, group: int, pp: int, rank: int) -> int:
+    """Megatron's warmup count for a pipeline rank (get_pp_rank_microbatches, training)."""
+    total = microbatches * chunks
+    if chunks == 1:
+        return min(pp - rank - 1, total)
+    return min((pp - rank - 1) * 2 + (chunks - 1) * group, total)
+
+
+def schedules(max_microbatches: int = 6):
+    """Every (microbatches, chunks, group, pp, rank) Megatron can run, small sizes."""
+    for chunks in range(1, 4):
+        for pp in range(1 if chunks == 1 else 2, 5):
+            for rank in range(pp):
+                for microbatches in range(1, max_microbatches + 1):
+                    for group in range(1, microbatches + 1):
+                        yield microbatches, chunks, group, pp, rank
+
+
+@st.composite
+def megatron_orders(draw):
+    chunks = draw(st.integers(1, 3))
+    pp = draw(st.integers(1 if chunks == 1 else 2, 8))
+    rank = draw(st.integers(0, pp - 1))
+    microbatches = draw(st.integers(1, 12))
+    group = draw(st.integers(1, microbatches))
+    return megatron_order(microbatches, chunks, group, warmup_of(microbatches, chunks, group, pp, rank))
+
+
+@st.composite
+def random_orders(draw):
+    """Any valid order: forwards and backwards of up to 3 chunks, FIFO per chunk, interleaved at random."""
+    chunks = draw(st.integers(1, 3))
+    per_chunk = draw(st.lists(st.integers(1, 6), min_size=chunks, max_size=chunks))
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    started = [0] * chunks
+    finished = [0] * chunks
+    order = []
+    while any(f < n for f, n in zip(finished, per_chunk)):
+        choices = [c + 1 for c in range(chunks) if started[c] < per_chunk[c]]
+        choices += [-(c + 1) for c in range(chunks) if finished[c] < started[c]]
+        entry = rng.choice(choices)
+        if entry > 0:
+            started[entry - 1] += 1
+        else:
+            finished[-entry - 1] += 1
+        order.append(entry)
+    return order
+
+
+@st.composite
+def planned(draw, orders=None):
+    order = draw(orders or st.one_of(megatron_orders(), random_orders()))
+    forwards = sum(1 for e in order if e > 0)
+    variants = draw(st.lists(st.sampled_from("ABCD"), min_size=forwards, max_size=forwards))
+    chunks = {abs(e) for e in order}
+    sizes = {(c, v): draw(st.integers(0, 10_000)) for c in chunks for v in "ABCD"}
+    return order, variants, sizes
+
+
+def check_invariants(plan: SlotPlan, sizes) -> None:
+    frames = plan.frames
+    for i, a in enumerate(frames):
+        assert a.forward_at < a.backward_at
+        for b in frames[i + 1:]:
+            if a.overlaps(b):
+                assert a.slot != b.slot, f"live together but share slot {a.slot}: {a} {b}"
+    assert plan.ring_size == plan.max_live  # optimal: never more slots than frames alive at once
+    assert set(f.slot for f in frames) == set(range(plan.ring_size))
+    for slot in range(plan.ring_size):
+        assert plan.slot_sizes[slot] == max(sizes.get((f.chunk, f.variant), 0) for f in frames if f.slot == slot)
+    largest = max(plan.slot_sizes, default=0)
+    assert plan.total_bytes <= plan.ring_size * largest
+
+
+@settings(max_examples=300, deadline=None)
+@given(planned())
+def test_properties_over_random_schedules(case):
+    order, variants, sizes = case
+    plan = plan_slots(order, variants, sizes)
+    check_invariants(plan, sizes)
+    assert plan_slots(order, variants, sizes) == plan  # deterministic
+
+
+@settings(max_examples=200, deadline=None)
+@given(megatron_orders())
+def test_backwards_are_fifo_per_chunk(order):
+    plan = plan_slots(order)
+    for chunk in {f.chunk for f in plan.frames}:
+        own = [f for f in plan.frames if f.chunk == chunk]
+        assert [f.microbatch for f in sorted(own, key=lambda f: f.backward_at)] == list(range(len(own)))
+
+
+def test_every_small_megatron_schedule():
+    """Exhaustive over small PP/VPP shapes: every rank, microbatch count and group size."""
+    count = 0
+    for microbatches, chunks, group, pp, rank in schedules():
+        warmup = warmup_of(microbatches, chunks, group, pp, rank)
+        plan = plan_slots(megatron_order(microbatches, chunks, group, warmup))
+        check_invariants(plan, {})
+        # Without VPP, 1F1B keeps warmup + 1 microbatches in flight (all of them if fewer).
+        if chunks == 1:
+            assert plan.ring_size == min(warmup + 1, microbatches)
+        count += 1
+    assert count > 500
+
+
+def test_an_impossible_megatron_order_is_rejected():
+    # VPP with no warmup would run chunk 2's backward before its forward.
+    with pytest.raises(OrderError, match="backward of chunk 2 at position 1"):
+        plan_slots(megatron_order(2, 2, 1, 0))
+
+
+def test_one_size_everywhere_costs_ring_times_size():
+    order = megatron_order(4, 2, 2, warmup_of(4, 2, 2, 2, 0))
+    forwards = sum(1 for e in order if e > 0)
+    plan = plan_slots(order, ["A"] * forwards, {(1, "A"): 7, (2, "A"): 7})
+    assert plan.total_bytes == plan.ring_size * 7
+
+
+def test_mutually_exclusive_variants_share_a_slot_sized_by_the_largest():
+    # One microbatch at a time (PP=1): A, then B, then C reuse the single slot.
+    plan = plan_slots([1, -1, 1, -1, 1, -1], ["A", "B", "C"], {(1, "A"): 10, (1, "B"): 30, (1, "C"): 20})
+    assert plan.ring_size == 1 and plan.slot_sizes == (30,)
+    assert plan.branches(0) == frozenset("ABC")
+
+
+def test_best_fit_keeps_big_slots_for_big_frames():
+    # A (big) and B (small) overlap, then again, in the opposite start order: a size-blind choice
+    # would put the second A in B's slot and grow it, paying for two big slots.
+    order = [1, 2, -1, -2, 2, 1, -2, -1]
+    plan = plan_slots(order, ["A", "B", "B", "A"], {(1, "A"): 100, (2, "B"): 10})
+    assert plan.ring_size == 2
+    assert sorted(plan.slot_sizes) == [10, 100]
+
+
+def test_interleaved_replays_never_share():
+    # A.fwd, B.fwd, A.bwd, B.bwd: both alive together -> two slots.
+    plan = plan_slots([1, 1, -1, -1], ["A", "B"])
+    assert plan.ring_size == 2 and plan.frames[0].slot != plan.frames[1].slot
+
+
+@pytest.mark.parametrize("order, message", [
+    ([1, -1.5, -1], "delay-wgrad"),
+    ([1, 0, -1], "entries are \\+chunk"),
+    ([-1, 1], "no pending forward"),
+    ([1, 1, -1], "forwards without a backward: chunk 1 microbatch 1"),
+])
+def test_bad_orders_are_rejected_with_the_reason(order, message):
+    with pytest.raises(OrderError, match=message):
+        plan_slots(order)
+
+
+def test_variants_must_match_the_forwards():
+    with pytest.raises(OrderError, match="2 variants given for 1 forwards"):
+        plan_slots([1, -1], ["A", "B"])
