@@ -60,13 +60,19 @@ def test_stale_graph_breaks_capture_without_the_check(out_dir: Path) -> None:
     result = _run("stale-unchecked", out_dir)
     assert not result["captured"] and not result["graphs_created"], result
     assert result["error_type"] == "CaptureFailedError", result
+    assert "capture" in result["cause"], result  # the CUDA stream-capture error, rolled back
     assert not result["megatron_capture_flag_after"]
+    if "eager_step_error" in result:
+        # Seen on TE 2.20.2 / torch 2.11: after CUDA invalidated the capture, TE's fused attention
+        # fails the next eager step ("Offset increment outside graph capture"); see
+        # docs/troubleshooting.md. The stale-graph check (on by default) prevents this path.
+        pytest.xfail(f"known limit after an invalidated capture: {result['eager_step_error'][:200]}")
     assert result["eager_step_after"] == result["eager_step_after"]  # finite, not NaN
 
 
 def test_stale_graph_is_refused_naming_its_holder(out_dir: Path) -> None:
     result = _run("stale-checked", out_dir)
     assert not result["captured"] and not result["graphs_created"], result
-    assert "StaleAutogradGraphError" in (result["cause"] or "") + result["error_type"], result
+    assert result["error_type"] == "StaleAutogradGraphError", result  # refused before capture
     assert "'loss'" in result["error"], result["error"]
     assert not result["megatron_capture_flag_after"]
