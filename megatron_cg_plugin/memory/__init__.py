@@ -1,0 +1,1 @@
+"""Graph memory shared across variants: slot ownership (and, later, arenas)."""
