@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from megatron_cg_plugin.capture.transaction import Restorable, attribute, gc_state
+from megatron_cg_plugin.capture.transaction import Restorable, attribute
 
 
 class GraphBackend(Protocol):
@@ -57,12 +57,13 @@ class TEBackend:
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
         """What TE 2.20.2's ``make_graphed_callables`` changes and, on failure, leaves changed:
-        its capture flag, GC (disabled around each capture), the ``__call__`` it installs on each
-        module class (FP8 autocast wrapper), ``forward`` on modules (no ``_order``), and the FP8
-        meta tensors under delayed scaling. (It changes no allocator setting.)"""
+        its capture flag, the ``__call__`` it installs on each module class (FP8 autocast wrapper),
+        ``forward`` on modules (no ``_order``), and the FP8 meta tensors under delayed scaling.
+        It also leaves GC disabled, which the transaction's owner snapshots for every capture
+        (Megatron freezes GC too). It changes no allocator setting."""
         import transformer_engine.pytorch.graph as te_graph
 
-        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag"), gc_state()]
+        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag")]
         for cls in {type(module): None for module in callables}:
             items.append(attribute(cls, "__call__"))
         items += [attribute(module, "forward", label=f"{type(module).__name__}#{i}.forward")

@@ -42,8 +42,7 @@ class ContractViolation(RuntimeError):
 
     def __init__(self, graph: str, field: str, captured: Any, actual: Any, where: str = "") -> None:
         self.graph, self.field, self.captured, self.actual = graph, field, captured, actual
-        kind = field.split(" ")[0] if field not in _HINTS else field
-        hint = _HINTS.get(field) or _HINTS.get(kind, "")
+        hint = _HINTS.get(field, "")
         location = f" ({where})" if where else ""
         super().__init__(
             f"CUDA graph replay refused for {graph}: {field}{location} was {captured!r} at capture, "

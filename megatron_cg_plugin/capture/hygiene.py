@@ -83,24 +83,32 @@ def _frame_holders(target: Any) -> list[str]:
     return found
 
 
+def _owners(referrer: Any) -> list[Any]:
+    """The objects whose attribute a referrer is: the owner of an instance or module ``__dict__``,
+    or the referrer itself; ``None`` stands for a holder that is not an attribute (list, frame,
+    a bare dict such as a frame's locals snapshot)."""
+    if isinstance(referrer, dict):
+        owners = [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
+        return owners or [None]
+    if isinstance(referrer, (list, tuple, types.FrameType)):
+        return [None]
+    return [referrer]
+
+
+def _attributes_holding(owner: Any, target: Any) -> list[str]:
+    return [key for key, value in getattr(owner, "__dict__", {}).items() if value is target]
+
+
 def _describe_holder(referrer: Any, target: Any) -> str | None:
     """One referrer of ``target`` in words, or None for referrers that explain nothing (frames and
-    their locals dicts, reported by ``_frame_holders``)."""
-    if isinstance(referrer, (types.FrameType, types.ModuleType)):
-        return None
-    if isinstance(referrer, dict):
-        keys = [key for key, value in referrer.items() if value is target]
-        owners = [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
-        if not owners:
-            return None  # a frame's locals snapshot, or a bare dict: nothing to name
-        owner = owners[0]
-        what = f"module {owner.__name__}" if isinstance(owner, types.ModuleType) else type(owner).__name__
-        return f"attribute {', '.join(map(repr, keys))} of {what}"
+    their locals snapshots, reported by ``_frame_holders``)."""
     if isinstance(referrer, (list, tuple)):
         return f"an element of a {type(referrer).__name__} of length {len(referrer)}"
-    attributes = [key for key, value in getattr(referrer, "__dict__", {}).items() if value is target]
-    if attributes:
-        return f"attribute {', '.join(map(repr, attributes))} of {type(referrer).__name__}"
+    for owner in _owners(referrer):
+        attributes = _attributes_holding(owner, target) if owner is not None else []
+        if attributes:
+            what = f"module {owner.__name__}" if isinstance(owner, types.ModuleType) else type(owner).__name__
+            return f"attribute {', '.join(map(repr, attributes))} of {what}"
     return None
 
 
@@ -131,21 +139,10 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
     return stale
 
 
-def _owners(referrer: Any) -> list[Any]:
-    """The objects whose attribute a referrer is: the owner of an instance ``__dict__``, or the
-    referrer itself; ``None`` stands for a holder that is not an attribute (list, frame, bare dict)."""
-    if isinstance(referrer, dict):
-        owners = [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
-        return owners or [None]
-    if isinstance(referrer, (list, tuple, types.FrameType)):
-        return [None]
-    return [referrer]
-
-
 def _tolerated(owner: Any, target: Any) -> bool:
     if owner is None:
         return False
-    attributes = [key for key, value in getattr(owner, "__dict__", {}).items() if value is target]
+    attributes = _attributes_holding(owner, target)
     return bool(attributes) and all(
         type(owner).__name__.endswith(suffix) and name == attribute
         for attribute in attributes for suffix, name in TOLERATED_HOLDERS)
