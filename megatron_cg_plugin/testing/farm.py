@@ -112,11 +112,15 @@ class CaseResult:
         }
 
 
-def run_case(case: FarmCase, out_dir: Path, *, steps: int = FARM_STEPS, timeout_s: float = 900) -> CaseResult:
+def run_case(case: FarmCase, out_dir: Path, *, steps: int = FARM_STEPS, timeout_s: float = 900,
+             devices: str | None = None) -> CaseResult:
+    """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
+    single-GPU cases can run side by side on a multi-GPU host."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else None
     tails = []
     for graphed in (False, True):
-        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
+        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc, env=env,
                         timeout_s=timeout_s, log_dir=out_dir / f"{case.name}.{'graphed' if graphed else 'eager'}.logs")
         tails.append(result.stdout.get(0, "")[-4000:])
     return CaseResult(

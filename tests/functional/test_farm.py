@@ -3,7 +3,9 @@
 Each case needs its GPUs and Transformer Engine and is skipped with the reason otherwise. Set
 MEGATRON_CG_FARM_OUT to keep the metrics, reports and logs (ci/run_gpu_functional.sh does), and
 MEGATRON_CG_UPDATE_GOLDEN=1 to (re)write the golden files from this real run;
-MEGATRON_CG_FARM_TIMEOUT_S bounds each multi-rank launch (default 900 s).
+MEGATRON_CG_FARM_TIMEOUT_S bounds each multi-rank launch (default 900 s). With pytest-xdist
+(`-n K`) single-GPU cases run side by side, one GPU each: a faster correctness run, but time with
+a serial run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def _skip_reason(case: FarmCase) -> str | None:
     return None
 
 
+def _devices_for(case: FarmCase) -> str | None:
+    """Under pytest-xdist (-n K), single-GPU cases spread over the host's GPUs by worker number;
+    step times are then shared-GPU figures, so time with a serial run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if case.nproc != 1 or not worker.startswith("gw"):
+        return None
+    return str(int(worker[2:]) % max(1, gpus_available()))
+
+
 @pytest.fixture(scope="session")
 def farm_out(tmp_path_factory) -> Path:
     configured = os.environ.get("MEGATRON_CG_FARM_OUT")
@@ -42,7 +53,8 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     reason = _skip_reason(case)
     if reason:
         pytest.skip(reason)
-    result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")))
+    result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")),
+                      devices=_devices_for(case))
     summary = result.summary()
     (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
