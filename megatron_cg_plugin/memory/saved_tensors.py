@@ -1,0 +1,164 @@
+"""Saved-tensor arenas: what a frame saves for backward, copied into memory no other variant owns.
+
+Graph variants that share one pool hand each other's freed blocks around; a backward that runs after
+another variant's forward would read overwritten saved tensors. Inside a forward (eager, warmup or
+capture) ``ArenaHooks`` packs every saved non-parameter tensor into the frame's arena: storages are
+copied once each (aliases stay aliases: two views of one storage come back as two views of one
+arena region, with their sizes, strides and offsets), version counters are carried over, and
+tensors that decompose for saving (TE's quantized wrappers: ``prepare_for_saving`` /
+``restore_from_saved``) are saved component by component and rebuilt. ``ArenaSizer`` measures, at
+warmup, how many bytes a frame needs, which sizes the arenas of the slot plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+ALIGNMENT = 256  # bytes; keeps every copied storage aligned for vectorized kernels
+
+
+class ArenaOverflowError(RuntimeError):
+    def __init__(self, arena: str, needed: int, capacity: int) -> None:
+        super().__init__(
+            f"saved-tensor arena {arena} needs {needed} bytes but holds {capacity}: the frame saves more "
+            "than at warmup (shapes changed since the arena was sized?). Re-measure with ArenaSizer at the "
+            "shapes you replay, or keep shapes fixed as at capture.")
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
+    storage = tensor.untyped_storage()
+    return tensor.device, storage.data_ptr()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """A saved tensor, as a view of an arena region."""
+
+    offset: int  # where its storage's copy starts in the arena, bytes
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # elements
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decomposed:
+    """A tensor saved through ``prepare_for_saving``: its components, and how to rebuild it."""
+
+    parts: tuple[Any, ...]
+    rebuild: Any
+
+
+class Arena:
+    """A flat byte buffer, allocated outside capture, filled front to back within a frame."""
+
+    def __init__(self, capacity: int, device: torch.device | str, name: str = "arena") -> None:
+        self.name = name
+        self.buffer = torch.empty(_aligned(capacity), dtype=torch.uint8, device=device)
+        self.used = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def reset(self) -> None:
+        """A new frame starts: the previous frame's backward has run (the slot plan guarantees it)."""
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> int:
+        offset = self.used
+        if offset + nbytes > self.capacity:
+            raise ArenaOverflowError(self.name, offset + nbytes, self.capacity)
+        self.used = offset + _aligned(nbytes)
+        return offset
+
+
+class _Packer:
+    """Shared pack/unpack logic: subclasses decide what happens to a storage the first time."""
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple[Any, int], int] = {}
+
+    def _place(self, tensor: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, torch.nn.Parameter):
+            return tensor  # parameters live outside any graph pool: nothing to protect
+        if hasattr(tensor, "prepare_for_saving"):
+            parts, rebuild = tensor.prepare_for_saving()
+            return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
+        key = _storage_key(tensor)
+        if key not in self._storages:
+            self._storages[key] = self._place(tensor)
+        return _Saved(self._storages[key], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                      tensor.storage_offset(), tensor._version)
+
+
+class ArenaSizer(_Packer):
+    """Measures a frame: the aligned bytes of every distinct storage it saves. Saved tensors are
+    kept as they are (warmup runs its backward normally); nothing is copied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def _place(self, tensor: torch.Tensor) -> int:
+        offset = self.nbytes
+        self.nbytes += _aligned(tensor.untyped_storage().nbytes())
+        return offset
+
+    def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pack(tensor)
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._measure, lambda tensor: tensor)
+
+
+class ArenaHooks(_Packer):
+    """Saved-tensor hooks that copy a frame's saved tensors into ``arena``.
+
+    Use one instance per frame: ``with ArenaHooks(arena).hooks(): forward``; the backward of that
+    frame then reads the arena copies, whatever happened to the originals since.
+    """
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__()
+        self.arena = arena
+        arena.reset()
+
+    def _place(self, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        offset = self.arena.reserve(storage.nbytes())
+        source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        # Copy on the current (compute) stream, in order with the forward's later in-place writes.
+        self.arena.buffer[offset:offset + storage.nbytes()].copy_(source)
+        return offset
+
+    def unpack(self, packed: Any) -> Any:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Decomposed):
+            parts = [None if p is None else self.unpack(p) for p in packed.parts]
+            return packed.rebuild.restore_from_saved(parts) if hasattr(packed.rebuild, "restore_from_saved") \
+                else packed.rebuild(parts)
+        # A fresh tensor on the arena's storage (not a view of the buffer), so it gets a version
+        # counter of its own, set to the original's.
+        element = torch.empty(0, dtype=packed.dtype).element_size()
+        tensor = torch.empty(0, dtype=packed.dtype, device=self.arena.buffer.device)
+        tensor.set_(self.arena.buffer.untyped_storage(), packed.offset // element + packed.storage_offset,
+                    packed.size, packed.stride)
+        torch._C._autograd._unsafe_set_version_counter((tensor,), (packed.version,))
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -1,0 +1,157 @@
+"""Saved-tensor arenas on CPU autograd: the backward reads the arena copies, whatever happens to the
+originals, with aliasing, strides, offsets and version counters as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_cg_plugin.memory.saved_tensors import ALIGNMENT, Arena, ArenaHooks, ArenaOverflowError, ArenaSizer
+
+
+class SaveAndSeen(torch.autograd.Function):
+    """Saves the given tensors; its backward records what it got back and uses their values."""
+
+    seen: tuple = ()
+
+    @staticmethod
+    def forward(ctx, x, *saved):
+        ctx.save_for_backward(*saved)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        restored = ctx.saved_tensors
+        SaveAndSeen.seen = restored
+        total = sum(t.float().sum() for t in restored if t is not None)
+        return (grad * total,) + (None,) * len(restored)
+
+
+def run(saved, corrupt=None, hooks_for=None):
+    x = torch.ones(2, requires_grad=True)
+    hooks = hooks_for(saved) if hooks_for else None
+    if hooks is None:
+        y = SaveAndSeen.apply(x, *saved)
+    else:
+        with hooks.hooks():
+            y = SaveAndSeen.apply(x, *saved)
+    if corrupt:
+        corrupt()
+    y.sum().backward()
+    return x.grad.clone(), SaveAndSeen.seen
+
+
+def arena_for(saved):
+    sizer = ArenaSizer()
+    with sizer.hooks():
+        SaveAndSeen.apply(torch.ones(2, requires_grad=True), *saved)
+    return ArenaHooks(Arena(sizer.nbytes, "cpu"))
+
+
+# Writing through ``.data`` bumps no version counter: a silent overwrite, as when another graph's
+# replay writes into reused pool memory.
+
+def test_backward_reads_the_copies_after_the_originals_are_overwritten():
+    base = torch.arange(12.0).reshape(3, 4)
+    views = (base.t(), base[1:], base[:, 2])
+    expected, _ = run(views)
+    got, _ = run(views, corrupt=lambda: base.data.fill_(float("nan")), hooks_for=arena_for)
+    assert torch.equal(got, expected)
+
+
+def test_without_the_arena_the_corruption_shows():
+    base = torch.arange(12.0).reshape(3, 4)
+    got, _ = run((base.t(),), corrupt=lambda: base.data.fill_(-1.0))
+    assert torch.equal(got, torch.full((2,), -12.0))  # backward saw the overwritten values
+
+
+def test_aliases_strides_offsets_and_versions_survive():
+    base = torch.arange(24.0).reshape(4, 6)
+    base.add_(0)  # bump the version counter
+    a, b, c = base.t(), base[1:, 2:], torch.ones(3)
+    _, restored = run((a, b, c), corrupt=lambda: base.zero_(), hooks_for=arena_for)
+    ra, rb, rc = restored
+    assert ra.untyped_storage().data_ptr() == rb.untyped_storage().data_ptr()  # one storage copied once
+    assert rc.untyped_storage().data_ptr() == ra.untyped_storage().data_ptr()  # same arena, other region
+    assert (ra.shape, ra.stride(), ra.storage_offset() % (ALIGNMENT // 4)) == (a.shape, a.stride(), 0)
+    assert (rb.shape, rb.stride()) == (b.shape, b.stride())
+    assert torch.equal(ra, torch.arange(24.0).reshape(4, 6).t()) and torch.equal(rc, torch.ones(3))
+    assert (a._version, ra._version) == (2, 1)  # the original moved on (zero_); the copy keeps save time
+
+
+def test_parameters_are_not_copied():
+    weight = torch.nn.Parameter(torch.ones(3))
+    hooks = ArenaHooks(Arena(ALIGNMENT, "cpu"))
+    assert hooks.pack(weight) is weight and hooks.unpack(weight) is weight
+    assert hooks.arena.used == 0
+
+
+class Decomposable(torch.Tensor):
+    """Stands in for TE's quantized wrappers: saves as (data, scale) and is rebuilt from them."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        obj = torch.Tensor._make_subclass(cls, data)
+        obj.scale = scale
+        return obj
+
+    def prepare_for_saving(self):
+        return [self.as_subclass(torch.Tensor), self.scale], Rebuilder()
+
+
+class Rebuilder:
+    def restore_from_saved(self, parts):
+        data, scale = parts
+        return data * scale
+
+
+def test_decomposing_wrappers_are_saved_by_parts_and_rebuilt():
+    data, scale = torch.arange(4.0), torch.tensor(3.0)
+    hooks = ArenaHooks(Arena(4 * ALIGNMENT, "cpu"))
+    packed = hooks.pack(Decomposable(data, scale))
+    data.fill_(0)
+    scale.fill_(0)
+    assert torch.equal(hooks.unpack(packed), torch.arange(4.0) * 3)
+
+
+def test_overflow_names_need_and_capacity():
+    hooks = ArenaHooks(Arena(ALIGNMENT, "cpu", name="slot 1"))
+    with pytest.raises(ArenaOverflowError, match=f"arena slot 1 needs {4 * 100} bytes but holds {ALIGNMENT}"):
+        hooks.pack(torch.ones(100))
+
+
+def test_sizer_counts_each_storage_once_aligned():
+    base = torch.ones(10)  # 40 bytes -> one aligned block
+    sizer = ArenaSizer()
+    for view in (base, base[2:], base[:3]):
+        sizer.pack(view)
+    sizer.pack(torch.ones(100))  # 400 bytes -> two blocks
+    assert sizer.nbytes == ALIGNMENT + 2 * ALIGNMENT
+
+
+@st.composite
+def saved_views(draw):
+    rows, cols = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    base = torch.randn(rows, cols, generator=torch.Generator().manual_seed(draw(st.integers(0, 999))))
+    views = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["whole", "t", "rows", "col", "other"]))
+        r = draw(st.integers(0, rows - 1))
+        c = draw(st.integers(0, cols - 1))
+        views.append({"whole": base, "t": base.t(), "rows": base[r:], "col": base[:, c],
+                      "other": torch.randn(draw(st.integers(1, 5)))}[kind])
+    return base, tuple(views)
+
+
+@settings(max_examples=150, deadline=None)
+@given(saved_views())
+def test_property_arena_backward_equals_uncorrupted_backward(case):
+    base, views = case
+    expected, _ = run(views)
+    originals = [v.clone() for v in views]
+    got, restored = run(views, corrupt=lambda: [v.data.fill_(float("nan")) for v in views], hooks_for=arena_for)
+    assert torch.equal(got, expected)
+    for original, back, view in zip(originals, restored, views):
+        assert torch.equal(back, original) and back.stride() == view.stride()
