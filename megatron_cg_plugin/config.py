@@ -38,6 +38,8 @@ class PluginConfig:
             parameters are still alive (after collecting garbage), or ``off``.
         inject_capture_failure: test hook: fail capture inside the capture of the N-th graphed
             layer (1-based), to exercise the rollback.
+        bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank
+            (powers of two from it up to DP x CP).
     """
 
     preset: str | None = None
@@ -48,6 +50,7 @@ class PluginConfig:
     contract_check: str = "full"
     stale_graph_check: str = "refuse"
     inject_capture_failure: int | None = None
+    bank_min_cp: int = 1
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -64,6 +67,8 @@ def validate_config(config: PluginConfig) -> None:
             raise ValueError(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
         raise ValueError("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
+    if config.bank_min_cp < 1 or config.bank_min_cp & (config.bank_min_cp - 1):
+        raise ValueError(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
             raise ValueError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
@@ -93,6 +98,8 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Refuse capture while eager autograd graphs reaching graphed parameters are alive.")
     group.add_argument("--cg-inject-capture-failure", type=int, default=None, metavar="N",
                        help="Testing only: fail capture inside the N-th graphed layer (1-based).")
+    group.add_argument("--cg-bank-min-cp", type=int, default=1, metavar="K",
+                       help="Hybrid CP: capture graph banks for CP sizes K, 2K, ... up to DP x CP.")
     return parser
 
 
@@ -100,7 +107,7 @@ def config_from_args(args: Any) -> PluginConfig:
     """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``."""
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
-                                 "cg_inject_capture_failure")
+                                 "cg_inject_capture_failure", "cg_bank_min_cp")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -116,4 +123,5 @@ def config_from_args(args: Any) -> PluginConfig:
         contract_check=args.cg_contract_check,
         stale_graph_check=args.cg_stale_graph_check,
         inject_capture_failure=args.cg_inject_capture_failure,
+        bank_min_cp=args.cg_bank_min_cp,
     )

@@ -45,6 +45,8 @@ class GraphFacts:
     gradient_accumulation_fusion: bool = False
     apex_fused_wgrad: bool = False
     hybrid_context_parallel: bool = False
+    delay_wgrad_compute: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     virtual_pipeline: int | None = None
@@ -73,6 +75,11 @@ class GraphFacts:
     @property
     def moe_layer_freq_fits(self) -> bool:
         return isinstance(self.moe_layer_freq, int) or len(self.moe_layer_freq) == self.num_layers
+
+    @property
+    def data_context_parallel(self) -> int:
+        """DP x CP: the ranks hybrid context parallelism splits into power-of-two CP groups."""
+        return max(1, self.world_size // (self.tensor_parallel * self.pipeline_parallel))
 
     @property
     def drop_and_pad(self) -> bool:
@@ -160,6 +167,24 @@ RULES: tuple[Rule, ...] = (
          "--hybrid-context-parallel with TE CUDA graphs needs per-CP-size graph banks, which this "
          "plugin release does not provide yet: drop --hybrid-context-parallel or use "
          "--cuda-graph-impl none."),
+    Rule("hybrid-cp-pipeline", "megatron", _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
+         "--hybrid-context-parallel needs --pipeline-model-parallel-size 1."),
+    Rule("hybrid-cp-power-of-two", "plugin",
+         _graphs(lambda f: f.hybrid_context_parallel and f.data_context_parallel & (f.data_context_parallel - 1) != 0),
+         "graph banks under --hybrid-context-parallel exist per power-of-two CP size, so DP x CP (ranks / "
+         "(TP x PP)) must be a power of two: change the number of ranks or the TP/PP sizes."),
+    Rule("hybrid-cp-delayed-wgrad", "plugin",
+         _graphs(lambda f: f.hybrid_context_parallel and f.delay_wgrad_compute),
+         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
+         "graph memory cannot protect: drop --delay-wgrad-compute with graph banks."),
+    Rule("hybrid-cp-ep-overlap", "plugin",
+         _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
+         "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
+         "drop it with --hybrid-context-parallel."),
+    Rule("hybrid-cp-mamba", "plugin",
+         _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
+         "graph banks capture transformer layers: remove mamba from --cuda-graph-modules with "
+         "--hybrid-context-parallel."),
     Rule("gradient-accumulation-fusion", "megatron",
          lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
          "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
@@ -220,6 +245,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
+        delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),
+        overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
         tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),
         pipeline_parallel=getattr(args, "pipeline_model_parallel_size", 1),
         virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None),
