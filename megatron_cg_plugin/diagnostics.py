@@ -46,8 +46,8 @@ class ReplayCounter:
         self.counts = [0] * slots
         self.rejected = [0] * slots
 
-    def wrap(self, graph: Callable, slot: int) -> "CountingGraph":
-        return CountingGraph(graph, self, slot)
+    def wrap(self, graph: Callable, slot: int, check: Callable[[tuple, dict], None] | None = None) -> "CountingGraph":
+        return CountingGraph(graph, self, slot, check)
 
     @property
     def total(self) -> int:

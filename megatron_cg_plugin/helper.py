@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterable
 
 from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.capture import hygiene
@@ -123,9 +123,6 @@ class PluginHelperMixin:
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
 
-    def _graphed_layers(self) -> list[Any]:
-        return [layer for layers in self.callables_per_chunk for layer in layers]
-
     # -- capture ------------------------------------------------------------------------------
     def _restorables(self, layers: list[Any], tracker: _CaptureTracker) -> list[Restorable]:
         from megatron.core.transformer import cuda_graphs
@@ -141,9 +138,9 @@ class PluginHelperMixin:
         if not self.flattened_callables:
             return super().create_cudagraphs()  # Megatron warns and finishes the phase
         config = self.session.config
-        layers = self._graphed_layers()
+        layers = self.flattened_callables  # every graphed layer, chunk by chunk
         scope = scope_label(self.config.cuda_graph_modules)
-        tracker = _CaptureTracker(self.flattened_callables, inject_at=config.inject_capture_failure,
+        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure,
                                   is_capturing=self.backend.is_capturing)
         start = time.perf_counter()
         if config.stale_graph_check == "refuse" and not self._stale_graphs_allow_capture(scope, layers, start):
@@ -213,6 +210,7 @@ class PluginHelperMixin:
         """Hands graph ``i`` to its layer and microbatch as Megatron does (inputs are organized per
         chunk, per microbatch, per layer), each wrapped with its replay contract and counter."""
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
+        sample_kwargs = sample_kwargs or [{}] * len(sample_args)
         layers_before = 0
         slot = 0
         for layers in self.callables_per_chunk:
@@ -225,8 +223,8 @@ class PluginHelperMixin:
                         index = layers_before * self.num_microbatches + microbatch * len(layers) + layer_number
                     check = None if mode == "off" else self._contract_check(
                         layer, f"{layer_label(layer, slot)} microbatch {microbatch}", sample_args[index],
-                        (sample_kwargs or [None] * len(sample_args))[index] or {}, mode)
-                    wrapped.append(diagnostics.CountingGraph(graphs[index], counter, slot, check))
+                        sample_kwargs[index] or {}, mode)
+                    wrapped.append(counter.wrap(graphs[index], slot, check))
                 layer.cuda_graphs = wrapped
                 slot += 1
             layers_before += len(layers)
