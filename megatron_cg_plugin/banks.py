@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from megatron_cg_plugin.capture.contracts import group_label
+from megatron_cg_plugin.config import is_power_of_two
+
 
 class BankSelectionError(RuntimeError):
     """A microbatch whose CP size or group matches no captured bank."""
-
-
-def is_power_of_two(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
 
 
 def bank_sizes(dp_cp_size: int, min_cp: int = 1) -> tuple[int, ...]:
@@ -46,10 +45,6 @@ class GraphBank:
     rejected: int = 0
 
 
-def _group_label(group: Any) -> str:
-    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
-
-
 class BankRouter:
     def __init__(self, banks: Mapping[int, GraphBank]) -> None:
         self.banks = dict(sorted(banks.items()))
@@ -73,8 +68,8 @@ class BankRouter:
         if cp_group is not bank.group:
             bank.rejected += 1
             raise BankSelectionError(
-                f"microbatch with CP size {size} brings process group {_group_label(cp_group)}, but the "
-                f"bank for CP size {size} was captured with {_group_label(bank.group)}: graphs bake in "
+                f"microbatch with CP size {size} brings process group {group_label(cp_group)}, but the "
+                f"bank for CP size {size} was captured with {group_label(bank.group)}: graphs bake in "
                 "their communicators, so only that very group may replay them.")
         bank.replays += 1
         return bank

@@ -18,6 +18,10 @@ CONTRACT_CHECKS = ("full", "shapes", "off")
 STALE_GRAPH_CHECKS = ("refuse", "off")
 
 
+def is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PluginConfig:
     """What the plugin should do in one run.
@@ -67,7 +71,7 @@ def validate_config(config: PluginConfig) -> None:
             raise ValueError(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
         raise ValueError("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
-    if config.bank_min_cp < 1 or config.bank_min_cp & (config.bank_min_cp - 1):
+    if not is_power_of_two(config.bank_min_cp):
         raise ValueError(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from megatron_cg_plugin.config import is_power_of_two
+
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
 
 
@@ -80,6 +82,10 @@ class GraphFacts:
     def data_context_parallel(self) -> int:
         """DP x CP: the ranks hybrid context parallelism splits into power-of-two CP groups."""
         return max(1, self.world_size // (self.tensor_parallel * self.pipeline_parallel))
+
+    @property
+    def data_parallel(self) -> int:
+        return max(1, self.data_context_parallel // self.context_parallel)
 
     @property
     def drop_and_pad(self) -> bool:
@@ -170,7 +176,7 @@ RULES: tuple[Rule, ...] = (
     Rule("hybrid-cp-pipeline", "megatron", _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
          "--hybrid-context-parallel needs --pipeline-model-parallel-size 1."),
     Rule("hybrid-cp-power-of-two", "plugin",
-         _graphs(lambda f: f.hybrid_context_parallel and f.data_context_parallel & (f.data_context_parallel - 1) != 0),
+         _graphs(lambda f: f.hybrid_context_parallel and not is_power_of_two(f.data_context_parallel)),
          "graph banks under --hybrid-context-parallel exist per power-of-two CP size, so DP x CP (ranks / "
          "(TP x PP)) must be a power of two: change the number of ranks or the TP/PP sizes."),
     Rule("hybrid-cp-delayed-wgrad", "plugin",

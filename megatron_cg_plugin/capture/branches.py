@@ -14,7 +14,7 @@ from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from megatron_cg_plugin.capture.contracts import TensorSpec
+from megatron_cg_plugin.capture.contracts import TensorSpec, alias_topology
 
 
 class BranchMismatchError(ValueError):
@@ -34,18 +34,6 @@ class TensorLayout:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorLayout":
         return cls(TensorSpec.of(tensor), tensor.untyped_storage().nbytes())
-
-
-def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:
-    """Per tensor: ``("state", name)`` if it views module state, else the index of the first tensor
-    sharing its storage."""
-    state_ptrs = {t.untyped_storage().data_ptr(): name for name, t in (state or {}).items()}
-    first: dict[int, int] = {}
-    topology = []
-    for index, tensor in enumerate(tensors):
-        ptr = tensor.untyped_storage().data_ptr()
-        topology.append(("state", state_ptrs[ptr]) if ptr in state_ptrs else first.setdefault(ptr, index))
-    return tuple(topology)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,10 +63,16 @@ class TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()), tensor.device, tensor.requires_grad)
 
 
-def _alias_pattern(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """For each tensor, the index of the first tensor sharing its storage (itself if none)."""
+def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:
+    """Per tensor: ``("state", name)`` if it views module ``state``, else the index of the first
+    tensor sharing its storage (itself if none)."""
+    state_ptrs = {t.untyped_storage().data_ptr(): name for name, t in (state or {}).items()}
     first: dict[int, int] = {}
-    return tuple(first.setdefault(t.untyped_storage().data_ptr(), i) for i, t in enumerate(tensors))
+    topology = []
+    for index, tensor in enumerate(tensors):
+        ptr = tensor.untyped_storage().data_ptr()
+        topology.append(("state", state_ptrs[ptr]) if ptr in state_ptrs else first.setdefault(ptr, index))
+    return tuple(topology)
 
 
 def _flatten(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -93,7 +99,7 @@ class ReplayContract:
         return cls(
             graph=graph,
             inputs=tuple((name, TensorSpec.of(v) if isinstance(v, torch.Tensor) else v) for name, v in inputs),
-            alias=_alias_pattern(tensors),
+            alias=alias_topology(tensors),
             param_storage=tuple((name, p.data_ptr()) for name, p in params),
             process_groups=tuple(process_groups),
         )
@@ -120,7 +126,7 @@ class ReplayContract:
                 raise ContractViolation(self.graph, "control", expected, value, name)
         if mode != "full":
             return
-        alias = _alias_pattern(tensors)
+        alias = alias_topology(tensors)
         if alias != self.alias:
             raise ContractViolation(self.graph, "alias", self.alias, alias)
         for (name, ptr), (_, param) in zip(self.param_storage, params):
@@ -128,7 +134,7 @@ class ReplayContract:
                 raise ContractViolation(self.graph, "parameter storage", hex(ptr), hex(param.data_ptr()), name)
         for (name, group), (_, now) in zip(self.process_groups, process_groups):
             if now is not group:
-                raise ContractViolation(self.graph, "process group", _group_label(group), _group_label(now), name)
+                raise ContractViolation(self.graph, "process group", group_label(group), group_label(now), name)
 
     def _check_tensor(self, name: str, spec: TensorSpec, value: torch.Tensor, *, full: bool) -> None:
         if tuple(value.shape) != spec.shape:
@@ -145,8 +151,8 @@ class ReplayContract:
             raise ContractViolation(self.graph, "requires_grad", spec.requires_grad, value.requires_grad, name)
 
 
-def _group_label(group: Any) -> str:
-    return f"{type(group).__name__}@{id(group):#x}"
+def group_label(group: Any) -> str:
+    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
 
 
 def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:

@@ -65,8 +65,7 @@ def layer_is_graphed(facts: GraphFacts, index: int) -> bool:
 
 
 def plan_capture(facts: GraphFacts) -> CapturePlan:
-    data_parallel = facts.world_size // (facts.tensor_parallel * facts.pipeline_parallel * facts.context_parallel)
-    data_parallel = max(1, data_parallel)
+    data_parallel = facts.data_parallel
     global_batch = facts.global_batch_size or facts.micro_batch_size * data_parallel
     microbatches = max(1, global_batch // (facts.micro_batch_size * data_parallel))
     graphed = tuple(i + 1 for i in range(facts.num_layers) if layer_is_graphed(facts, i))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from megatron_cg_plugin.capture.branches import BranchMismatchError, BranchSignature, alias_topology, check_branches
+from megatron_cg_plugin.capture.branches import BranchMismatchError, BranchSignature, check_branches
+from megatron_cg_plugin.capture.contracts import alias_topology
 from megatron_cg_plugin.memory.guard import SlotGuard, SlotReuseError
 from megatron_cg_plugin.plan.slots import plan_slots
 

@@ -173,7 +173,7 @@ def test_process_groups_by_identity():
     lookalike = types.SimpleNamespace(name="tp")
     assert lookalike == tp  # equal, but a different communicator
     error = violation(contract, (x(),), groups=[("dp", dp), ("tp", lookalike)])
-    assert_message(error, "process group", contracts._group_label(tp), contracts._group_label(lookalike), "tp")
+    assert_message(error, "process group", contracts.group_label(tp), contracts.group_label(lookalike), "tp")
     assert f"{id(tp):#x}" in str(error) and f"{id(lookalike):#x}" in str(error)
     contract.check((x(),), {}, mode="shapes", process_groups=[("dp", dp), ("tp", lookalike)])
 
