@@ -27,7 +27,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankFailure", "MultiRankError", "LaunchResult", "launch", "gpus_available", "require_gpus"]
+__all__ = ["RankFailure", "MultiRankError", "LaunchResult", "launch", "gpus_available", "gpu_stack_missing",
+           "require_gpus"]
 
 _MARKER = "MCG_LAUNCH_ID"  # set in every rank's env, so stray ranks can be found after a kill
 _SHUTDOWN_S = 5  # elastic's SIGTERM -> SIGKILL grace for ranks
@@ -225,6 +226,18 @@ def gpus_available() -> int:
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     except Exception:  # CPU-only build, missing driver, broken NVML
         return 0
+
+
+def gpu_stack_missing(n: int) -> str | None:
+    """Why a GPU functional test cannot run here (too few GPUs, no Transformer Engine), or None."""
+    import importlib.util
+
+    found = gpus_available()
+    if found < n:
+        return f"needs {n} CUDA GPU(s), found {found}"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "needs Transformer Engine (pip install 'megatron-cg-plugin[te]')"
+    return None
 
 
 def require_gpus(n: int):

@@ -6,14 +6,12 @@ CUDA-level failure in one cannot leak into another) and checks the JSON it write
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.testing.distributed import gpus_available, launch
+from megatron_cg_plugin.testing.distributed import gpu_stack_missing, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 PROBE = Path(__file__).parent / "_probes" / "lifecycle_probe.py"
@@ -21,10 +19,9 @@ MiB = 2**20
 
 
 def _run(scenario: str, out_dir: Path) -> dict:
-    if gpus_available() < 1:
-        pytest.skip("needs 1 CUDA GPU, found 0")
-    if importlib.util.find_spec("transformer_engine") is None:
-        pytest.skip("needs Transformer Engine (pip install 'megatron-cg-plugin[te]')")
+    reason = gpu_stack_missing(1)
+    if reason:
+        pytest.skip(reason)
     out = out_dir / f"lifecycle_{scenario}.json"
     launch([str(PROBE), "--scenario", scenario, "--out", str(out)], nproc=1, timeout_s=600,
            log_dir=out_dir / f"lifecycle_{scenario}.logs")
@@ -33,14 +30,8 @@ def _run(scenario: str, out_dir: Path) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory) -> Path:
-    configured = os.environ.get("MEGATRON_CG_FARM_OUT")
-    return Path(configured) if configured else tmp_path_factory.mktemp("lifecycle")
-
-
-def test_contracts_teardown_and_recapture(out_dir: Path) -> None:
-    result = _run("lifecycle", out_dir)
+def test_contracts_teardown_and_recapture(farm_out: Path) -> None:
+    result = _run("lifecycle", farm_out)
     assert result["losses_equal"], (result["eager_losses"], result["graphed_losses"])
     assert result["replays"] > 0 and result["recaptured"]
     teardown = result["teardown"]
@@ -54,10 +45,10 @@ def test_contracts_teardown_and_recapture(out_dir: Path) -> None:
     assert result["overhead"]["check_us_per_replay"]["full"] > 0
 
 
-def test_stale_graph_breaks_capture_without_the_check(out_dir: Path) -> None:
+def test_stale_graph_breaks_capture_without_the_check(farm_out: Path) -> None:
     """Regression: an eager `loss` kept alive makes TE capture fail on torch >= 2.9; the
     transaction rolls it back and training continues eagerly."""
-    result = _run("stale-unchecked", out_dir)
+    result = _run("stale-unchecked", farm_out)
     assert not result["captured"] and not result["graphs_created"], result
     assert result["error_type"] == "CaptureFailedError", result
     assert "capture" in result["cause"], result  # the CUDA stream-capture error, rolled back
@@ -70,8 +61,8 @@ def test_stale_graph_breaks_capture_without_the_check(out_dir: Path) -> None:
     assert result["eager_step_after"] == result["eager_step_after"]  # finite, not NaN
 
 
-def test_stale_graph_is_refused_naming_its_holder(out_dir: Path) -> None:
-    result = _run("stale-checked", out_dir)
+def test_stale_graph_is_refused_naming_its_holder(farm_out: Path) -> None:
+    result = _run("stale-checked", farm_out)
     assert not result["captured"] and not result["graphs_created"], result
     assert result["error_type"] == "StaleAutogradGraphError", result  # refused before capture
     assert "'loss'" in result["error"], result["error"]

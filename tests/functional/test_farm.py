@@ -10,7 +10,6 @@ a serial run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -18,19 +17,10 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin import golden
-from megatron_cg_plugin.testing.distributed import gpus_available
+from megatron_cg_plugin.testing.distributed import gpu_stack_missing, gpus_available
 from megatron_cg_plugin.testing.farm import CASES, FarmCase, run_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
-
-
-def _skip_reason(case: FarmCase) -> str | None:
-    found = gpus_available()
-    if found < case.nproc:
-        return f"needs {case.nproc} CUDA GPU(s), found {found}"
-    if importlib.util.find_spec("transformer_engine") is None:
-        return "needs Transformer Engine (pip install 'megatron-cg-plugin[te]')"
-    return None
 
 
 def _devices_for(case: FarmCase) -> str | None:
@@ -42,15 +32,9 @@ def _devices_for(case: FarmCase) -> str | None:
     return str(int(worker[2:]) % max(1, gpus_available()))
 
 
-@pytest.fixture(scope="session")
-def farm_out(tmp_path_factory) -> Path:
-    configured = os.environ.get("MEGATRON_CG_FARM_OUT")
-    return Path(configured) if configured else tmp_path_factory.mktemp("farm")
-
-
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> None:
-    reason = _skip_reason(case)
+    reason = gpu_stack_missing(case.nproc)
     if reason:
         pytest.skip(reason)
     result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")),

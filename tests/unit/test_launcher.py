@@ -110,3 +110,14 @@ def test_gpu_helpers_on_any_machine():
     assert mark.args == (True,)
     assert mark.kwargs["reason"] == f"needs {k + 1} CUDA GPUs, found {k}"
     assert require_gpus(0).args == (False,)
+
+
+def test_gpu_stack_missing_names_what_is_missing(monkeypatch):
+    from megatron_cg_plugin.testing import distributed
+
+    monkeypatch.setattr(distributed, "gpus_available", lambda: 1)
+    assert distributed.gpu_stack_missing(2) == "needs 2 CUDA GPU(s), found 1"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert "Transformer Engine" in distributed.gpu_stack_missing(1)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    assert distributed.gpu_stack_missing(1) is None
