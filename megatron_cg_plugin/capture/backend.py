@@ -63,7 +63,8 @@ class TEBackend:
         (Megatron freezes GC too). It changes no allocator setting."""
         import transformer_engine.pytorch.graph as te_graph
 
-        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag")]
+        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag"),
+                 _generators_out_of_capture()]
         for cls in {type(module): None for module in callables}:
             items.append(attribute(cls, "__call__"))
         items += [attribute(module, "forward", label=f"{type(module).__name__}#{i}.forward")
@@ -72,6 +73,36 @@ class TEBackend:
         if recipe is not None and any(_as_tuple(capture_kwargs.get("fp8_enabled", False))):
             items.append(_fp8_meta_tensors(te_graph, callables, recipe))
         return items
+
+
+def _generators_out_of_capture() -> Restorable:
+    """A capture that CUDA invalidates never reaches torch's capture epilogue, so the generators
+    registered with it (the default one and TE's graph-safe tracker states) stay in capture mode and
+    the next eager random op fails ("Offset increment outside graph capture encountered
+    unexpectedly"). Restoring runs one empty capture with the same generators registered: its
+    prologue/epilogue put them back out of capture mode while keeping their state objects, which
+    graphs captured earlier still use. Seeds and offsets are restored afterwards by the RNG
+    snapshot (restored later: snapshots are restored in reverse order)."""
+
+    def restore(_: None) -> None:
+        import warnings
+
+        import torch
+        from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
+
+        if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+            return
+        graph = torch.cuda.CUDAGraph()  # the default generator registers itself
+        if graph_safe_rng_available():
+            for generator in get_all_rng_states().values():
+                graph.register_generator_state(generator)
+        with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
+            warnings.simplefilter("ignore")  # "the CUDA Graph is empty": intended
+            graph.capture_begin()
+            graph.capture_end()
+        graph.reset()
+
+    return Restorable("random generators out of capture mode", lambda: None, restore)
 
 
 def _as_tuple(value: Any) -> tuple:

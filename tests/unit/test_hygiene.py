@@ -197,9 +197,10 @@ def test_any_other_holder_is_refused(holder):
     weight = torch.nn.Parameter(torch.ones(3))
     owner = SomethingElse() if holder == "other-class" else MoEAlltoAllTokenDispatcher()
     setattr(owner, "routing_map" if holder == "other-attribute" else "probs", weight * 2)
-    if holder == "also-a-local":
-        also = owner.probs  # noqa: F841 - a frame holding it too makes it a real stale graph
+    # A frame holding it too makes it a real stale graph.
+    also_held_here = owner.probs if holder == "also-a-local" else None
     (graph,) = find_stale_graphs([weight])
     assert not graph.tolerated
     with pytest.raises(StaleAutogradGraphError):
         ensure_no_stale_graphs([weight], collect=lambda: None)
+    assert also_held_here is None or also_held_here is owner.probs
