@@ -75,6 +75,22 @@ class TEBackend:
         return items
 
 
+def register_graph_safe_generators(graph: Any) -> None:
+    """Registers TE's graph-safe RNG tracker states with ``graph``, as TE's own capture does, so
+    random ops inside the graph advance them on every replay."""
+    from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
+
+    if graph_safe_rng_available():
+        for generator in get_all_rng_states().values():
+            graph.register_generator_state(generator)
+
+
+def fp8_autocast_active() -> bool:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    return FP8GlobalStateManager.is_fp8_enabled()
+
+
 def _generators_out_of_capture() -> Restorable:
     """A capture that CUDA invalidates never reaches torch's capture epilogue, so the generators
     registered with it (the default one and TE's graph-safe tracker states) stay in capture mode and
@@ -88,14 +104,11 @@ def _generators_out_of_capture() -> Restorable:
         import warnings
 
         import torch
-        from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
 
         if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
             return
         graph = torch.cuda.CUDAGraph()  # the default generator registers itself
-        if graph_safe_rng_available():
-            for generator in get_all_rng_states().values():
-                graph.register_generator_state(generator)
+        register_graph_safe_generators(graph)
         with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
             warnings.simplefilter("ignore")  # "the CUDA Graph is empty": intended
             graph.capture_begin()
