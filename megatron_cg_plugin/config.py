@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 PRESETS = ("tiny-gpt", "tiny-moe")
 ON_CAPTURE_ERROR = ("raise", "eager")
 CONTRACT_CHECKS = ("full", "shapes", "off")
 STALE_GRAPH_CHECKS = ("refuse", "off")
+SLOT_DEBUG_ENV = "MEGATRON_CG_SLOT_DEBUG"
 
 
 def is_power_of_two(value: int) -> bool:
@@ -44,6 +46,8 @@ class PluginConfig:
             layer (1-based), to exercise the rollback.
         bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank
             (powers of two from it up to DP x CP).
+        slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
+            owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """
 
     preset: str | None = None
@@ -55,6 +59,7 @@ class PluginConfig:
     stale_graph_check: str = "refuse"
     inject_capture_failure: int | None = None
     bank_min_cp: int = 1
+    slot_debug: bool = False
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -107,8 +112,17 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: Any) -> PluginConfig:
-    """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``."""
+def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """``MEGATRON_CG_SLOT_DEBUG``: unset, ``0`` or empty is off, ``1`` is on; anything else is refused."""
+    value = (os.environ if environ is None else environ).get(SLOT_DEBUG_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SLOT_DEBUG_ENV}={value!r} is not understood; set it to 1 (on) or 0 (off).")
+    return value == "1"
+
+
+def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> PluginConfig:
+    """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``
+    (and the environment, for the debug switch)."""
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
                                  "cg_inject_capture_failure", "cg_bank_min_cp")
@@ -128,4 +142,5 @@ def config_from_args(args: Any) -> PluginConfig:
         stale_graph_check=args.cg_stale_graph_check,
         inject_capture_failure=args.cg_inject_capture_failure,
         bank_min_cp=args.cg_bank_min_cp,
+        slot_debug=slot_debug_from_environment(environ),
     )

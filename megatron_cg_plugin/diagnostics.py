@@ -30,6 +30,13 @@ def new_pool_bytes(before: Mapping[tuple[int, int], int], after: Mapping[tuple[i
     return sum(size for pool, size in after.items() if pool not in before)
 
 
+def live_blocks(segments: Iterable[Mapping[str, Any]], pool: tuple[int, int]) -> dict[int, int]:
+    """Allocated blocks (address -> bytes) of the private pool ``pool``."""
+    return {int(block["address"]): int(block["size"])
+            for segment in segments if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == tuple(pool)
+            for block in segment["blocks"] if block["state"] == "active_allocated"}
+
+
 def allocator_segments() -> list[dict[str, Any]]:
     """The caching allocator's segments on this process's devices; empty without CUDA."""
     import torch

@@ -59,10 +59,11 @@ def install(config: PluginConfig | None = None) -> RunSession:
                 "megatron_cg_plugin.uninstall() first."
             )
         return _installed.session
-    compat.check_versions(compat.installed_versions(), require_te=False)
+    versions = compat.installed_versions()
+    compat.check_versions(versions, require_te=False)
     session = RunSession(config if config is not None else _config_from_megatron_args)
     patches = PatchSet()
-    patches.apply_all(session)
+    patches.apply_all(session, with_te=versions.transformer_engine is not None)
     _installed = _Installed(session, patches)
     return session
 

@@ -1,7 +1,7 @@
-"""Every change the plugin makes to Megatron's globals, in one list, with the reason each exists.
+"""Every change the plugin makes to Megatron's and TE's globals, in one list, with the reason each exists.
 
-Each patch replaces one module attribute, is applied only on the supported megatron-core range
-(``compat.SUPPORTED_MEGATRON_CORE``), checks the signature it relies on before replacing anything,
+Each patch replaces one module attribute, is applied only on the supported megatron-core and TE
+ranges (``compat``; TE patches only where TE is installed), checks the signature it relies on before replacing anything,
 and is reverted by restoring the very object it replaced. ``PatchSet.apply_all`` is all-or-nothing:
 if one patch fails, the ones already applied are reverted before the error propagates.
 """
@@ -41,6 +41,7 @@ class Patch:
     build: Callable[[Any, Any], Any]
     expected_params: tuple[str, ...] = ()
     expected_methods: tuple[str, ...] = ()
+    needs_te: bool = False  # skipped where Transformer Engine is not installed
 
     @property
     def where(self) -> str:
@@ -91,6 +92,30 @@ def _build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callabl
     return compile_helpers
 
 
+def _build_strided_weak_ref(original: Callable, session: Any) -> Callable:
+    """TE's ``make_weak_ref`` rebuilds every tensor as row-major from its data pointer and shape.
+    Non-contiguous tensors go through it as their flat addressed span (row-major by construction)
+    and come back as a view with their own strides; containers are walked here so nested tensors
+    get the same treatment; everything else is TE's."""
+    import torch
+
+    from megatron_cg_plugin.memory.layout import span_of
+
+    @functools.wraps(original)
+    def make_weak_ref(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.numel() and not x.is_contiguous():
+            return original(span_of(x)).as_strided(tuple(x.shape), tuple(x.stride()))
+        if isinstance(x, tuple):
+            return tuple(make_weak_ref(item) for item in x)
+        if isinstance(x, list):
+            return [make_weak_ref(item) for item in x]
+        if isinstance(x, dict):
+            return {key: make_weak_ref(value) for key, value in x.items()}
+        return original(x)
+
+    return make_weak_ref
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="helper-swap",
@@ -122,6 +147,18 @@ PATCHES: tuple[Patch, ...] = (
         "from the wheel exits; use the shipped module when it imports.",
         build=_build_prebuilt_dataset_helpers,
     ),
+    Patch(
+        name="strided-weak-ref",
+        module="transformer_engine.pytorch.graph",
+        attribute="make_weak_ref",
+        reason="TE 2.20's make_weak_ref (utils.py l.1050-1088, imported by name into graph.py) rebuilds "
+        "tensors from data pointer and shape only, so transposed or expanded static outputs and "
+        "gradients come back row-major after make_graphed_callables weak-refs them (buffer reuse "
+        "path); the replacement keeps their strides.",
+        build=_build_strided_weak_ref,
+        expected_params=("x",),
+        needs_te=True,
+    ),
 )
 
 
@@ -136,10 +173,12 @@ class PatchSet:
     def applied(self) -> bool:
         return bool(self._originals)
 
-    def apply_all(self, session: Any) -> None:
+    def apply_all(self, session: Any, *, with_te: bool = True) -> None:
         assert not self._originals, "patches already applied"
         try:
             for patch in self._patches:
+                if patch.needs_te and not with_te:
+                    continue
                 module = importlib.import_module(patch.module)
                 original = getattr(module, patch.attribute)
                 patch.check(original)

@@ -8,14 +8,21 @@ arena region, with their sizes, strides and offsets), version counters are carri
 tensors that decompose for saving (TE's quantized wrappers: ``prepare_for_saving`` /
 ``restore_from_saved``) are saved component by component and rebuilt. ``ArenaSizer`` measures, at
 warmup, how many bytes a frame needs, which sizes the arenas of the slot plan.
+
+Saved-tensor hooks only see ``save_for_backward``. Custom autograd Functions may also keep tensors as
+``ctx`` attributes (directly, in lists/tuples/dicts, or in per-call dataclasses such as TE's
+``FusedAttnBwdArgs``); ``protect_ctx_tensors`` packs those too, after the forward, and rebinds the
+attributes to the arena copies. Objects shared beyond one call (modules, quantizers) are not
+entered: rebinding their tensors would change the model, not one frame.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 ALIGNMENT = 256  # bytes; keeps every copied storage aligned for vectorized kernels
 
@@ -84,22 +91,47 @@ class Arena:
 class _Packer:
     """Shared pack/unpack logic: subclasses decide what happens to a storage the first time."""
 
-    def __init__(self) -> None:
-        self._storages: dict[tuple[Any, int], int] = {}
+    def __init__(self, device: torch.device | None) -> None:
+        # storage address -> (arena offset, weak reference): a storage freed during the forward and
+        # a new one allocated at the same address are different storages, told apart by expiry.
+        self._storages: dict[tuple[Any, int], tuple[int, StorageWeakRef]] = {}
+        self.device = device  # tensors elsewhere (host scalars) are kept as they are
 
     def _place(self, tensor: torch.Tensor) -> int:
         raise NotImplementedError
 
+    def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a ctx attribute holding ``tensor`` should hold instead."""
+        raise NotImplementedError
+
+    def protect_ctx_tensors(self, outputs: Sequence[torch.Tensor]) -> int:
+        """Packs (and, for arenas, rebinds) the tensors custom Functions reachable from ``outputs``
+        keep on ``ctx``; returns how many were found."""
+        found = 0
+
+        def replace(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal found
+            found += 1
+            return self._protected(tensor)
+
+        for node in _custom_function_nodes(outputs):
+            for name, value in list(vars(node).items()):
+                new = _map_tensors(value, replace)
+                if new is not value:
+                    setattr(node, name, new)
+        return found
+
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device):
             return tensor  # parameters live outside any graph pool: nothing to protect
         if hasattr(tensor, "prepare_for_saving"):
             parts, rebuild = tensor.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
         key = _storage_key(tensor)
-        if key not in self._storages:
-            self._storages[key] = self._place(tensor)
-        return _Saved(self._storages[key], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+        known = self._storages.get(key)
+        if known is None or known[1].expired():
+            known = self._storages[key] = (self._place(tensor), StorageWeakRef(tensor.untyped_storage()))
+        return _Saved(known[0], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                       tensor.storage_offset(), tensor._version)
 
 
@@ -107,8 +139,8 @@ class ArenaSizer(_Packer):
     """Measures a frame: the aligned bytes of every distinct storage it saves. Saved tensors are
     kept as they are (warmup runs its backward normally); nothing is copied."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__(None if device is None else torch.device(device))
         self.nbytes = 0
 
     def _place(self, tensor: torch.Tensor) -> int:
@@ -119,6 +151,8 @@ class ArenaSizer(_Packer):
     def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
         self.pack(tensor)
         return tensor
+
+    _protected = _measure  # measuring only: ctx keeps its tensors
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._measure, lambda tensor: tensor)
@@ -132,7 +166,7 @@ class ArenaHooks(_Packer):
     """
 
     def __init__(self, arena: Arena) -> None:
-        super().__init__()
+        super().__init__(arena.buffer.device)
         self.arena = arena
         arena.reset()
 
@@ -143,6 +177,9 @@ class ArenaHooks(_Packer):
         # Copy on the current (compute) stream, in order with the forward's later in-place writes.
         self.arena.buffer[offset:offset + storage.nbytes()].copy_(source)
         return offset
+
+    def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.unpack(self.pack(tensor))
 
     def unpack(self, packed: Any) -> Any:
         if isinstance(packed, torch.Tensor):
@@ -162,3 +199,48 @@ class ArenaHooks(_Packer):
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _custom_function_nodes(outputs: Sequence[torch.Tensor]) -> Iterator[Any]:
+    """The custom autograd Function nodes (their ``ctx``) reachable backwards from ``outputs``."""
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            yield node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _is_frame_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
+    """``value`` with every frame tensor in it replaced by ``fn(tensor)``; containers are rebuilt
+    (tuples) or updated in place (lists, dicts, per-call dataclasses). Returns ``value`` itself when
+    it holds no tensor."""
+    if _is_frame_tensor(value):
+        return fn(value)
+    if depth > 4:
+        return value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        items = tuple(_map_tensors(item, fn, depth + 1) for item in value)
+        return items if any(a is not b for a, b in zip(items, value)) else value
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            value[index] = _map_tensors(item, fn, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            value[key] = _map_tensors(item, fn, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            new = _map_tensors(item, fn, depth + 1)
+            if new is not item:
+                setattr(value, field.name, new)
+    return value
+

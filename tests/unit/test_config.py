@@ -203,3 +203,18 @@ def test_user_flags_override_preset(megatron_parse, preset):
 def test_user_flags_before_preset_also_win(megatron_parse):
     args = megatron_parse(["--num-layers", "6", "--cg-preset=tiny-moe", "--num-experts", "8"])
     assert args.num_layers == 6 and args.num_experts == 8
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_slot_debug_from_environment(value, expected):
+    from megatron_cg_plugin.config import SLOT_DEBUG_ENV, slot_debug_from_environment
+
+    environ = {} if value is None else {SLOT_DEBUG_ENV: value}
+    assert slot_debug_from_environment(environ) is expected
+
+
+def test_slot_debug_refuses_what_it_does_not_understand():
+    from megatron_cg_plugin.config import slot_debug_from_environment
+
+    with pytest.raises(ValueError, match="MEGATRON_CG_SLOT_DEBUG='yes' is not understood; set it to 1"):
+        slot_debug_from_environment({"MEGATRON_CG_SLOT_DEBUG": "yes"})

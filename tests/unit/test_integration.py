@@ -191,10 +191,12 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
 
 def test_real_patches_match_installed_megatron():
     assert [patch.name for patch in PATCHES] == ["helper-swap", "training-log-tap",
-                                                  "prebuilt-dataset-helpers"]
+                                                  "prebuilt-dataset-helpers", "strided-weak-ref"]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
         assert patch.reason.strip()
+        if patch.needs_te:
+            continue  # TE is not installable on CPU; its patch is checked on the GPU host
         patch.check(getattr(importlib.import_module(patch.module), patch.attribute))
 
 
@@ -548,3 +550,43 @@ def test_installed_compile_helpers_does_not_run_make(monkeypatch):
     integration.uninstall()
     dataset_utils.compile_helpers()  # the original, restored: it runs make
     assert len(runs) == 1 and runs[0][0][0] == "make"
+
+
+# ---------------------------------------------------------------- TE patches
+
+
+def test_te_patches_are_skipped_without_te(fake_module):
+    target = fake_module(f=_f)
+    te_only = Patch("te-only", target.__name__, "f", "test", _wrap_build, needs_te=True)
+    patch_set = PatchSet((te_only,))
+    patch_set.apply_all(None, with_te=False)
+    assert target.f is _f and not patch_set.applied
+    patch_set.apply_all(None, with_te=True)
+    assert target.f is not _f
+    patch_set.revert_all()
+    assert target.f is _f
+
+
+def _row_major_weak_ref(x):
+    """What TE 2.20's make_weak_ref does to a tensor: same data pointer, shape, row-major strides."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), x.storage_offset(), tuple(x.shape))
+
+
+def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
+    (patch,) = [p for p in PATCHES if p.name == "strided-weak-ref"]
+    make_weak_ref = patch.build(_row_major_weak_ref, None)
+    base = torch.arange(24.0).reshape(4, 6)
+    views = {"transposed": base.t(), "sliced": base[1:, ::2], "expanded": torch.arange(3.0).reshape(3, 1).expand(3, 5)}
+    for name, view in views.items():
+        assert _row_major_weak_ref(view).stride() != view.stride(), name  # TE's behaviour, the bug
+        ref = make_weak_ref(view)
+        assert ref.stride() == view.stride() and ref.shape == view.shape, name
+        assert ref.data_ptr() == view.data_ptr() and torch.equal(ref, view), name
+    nested = make_weak_ref({"a": [views["transposed"], (views["expanded"], 3)], "b": None})
+    assert nested["a"][0].stride() == views["transposed"].stride()
+    assert nested["a"][1][0].stride() == views["expanded"].stride() and nested["a"][1][1] == 3
+    assert nested["b"] is None
+    contiguous = torch.ones(3)
+    assert make_weak_ref(contiguous).data_ptr() == contiguous.data_ptr()

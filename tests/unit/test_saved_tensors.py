@@ -3,6 +3,10 @@ originals, with aliasing, strides, offsets and version counters as they were."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -155,3 +159,101 @@ def test_property_arena_backward_equals_uncorrupted_backward(case):
     assert torch.equal(got, expected)
     for original, back, view in zip(originals, restored, views):
         assert torch.equal(back, original) and back.stride() == view.stride()
+
+
+# ---------------------------------------------------------------- storages reused within a forward
+
+
+def test_a_storage_freed_and_reallocated_at_the_same_address_is_copied_again():
+    """With hooks the originals are not kept, so the allocator may hand a freed storage's address to
+    the next tensor; that is a different storage and needs its own copy (a regression: keyed by
+    address alone, the later tensors came back with the first one's values). Storages over one
+    numpy buffer reproduce the reuse deterministically."""
+    buffer = np.zeros(1024, dtype=np.float32)
+
+    def at_the_same_address(value):
+        buffer[:] = value
+        return torch.from_numpy(buffer)
+
+    def chain(make_saved, hooks):
+        x = torch.ones(2, requires_grad=True)
+        y = x
+        with hooks.hooks() if hooks else contextlib.nullcontext():
+            for value in range(1, 5):
+                saved = make_saved(value)
+                y = SaveAndSeen.apply(y, saved)
+                del saved
+        y.sum().backward()
+        return x.grad.clone()
+
+    expected = chain(lambda value: torch.full((1024,), float(value)), None)
+    got = chain(at_the_same_address, ArenaHooks(Arena(8 * 1024 * 4, "cpu")))
+    assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------- tensors kept on ctx
+
+
+@dataclasses.dataclass
+class PerCallArgs:
+    kept: torch.Tensor | None = None
+
+
+class SharedState:
+    """Stands for module-owned objects (quantizers): not entered, its tensors not rebound."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class KeepOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, b, c, d, shared):
+        ctx.direct = a
+        ctx.nested = [(b,), {"c": c}]
+        ctx.args = PerCallArgs(kept=d)
+        ctx.shared = shared
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = ctx.direct.sum() + ctx.nested[0][0].sum() + ctx.nested[1]["c"].sum() + ctx.args.kept.sum()
+        return (grad * total,) + (None,) * 5
+
+
+def test_ctx_attributes_are_copied_and_rebound_but_shared_objects_are_not():
+    def run_once(protect, corrupt):
+        x = torch.ones(3, requires_grad=True)
+        tensors = [torch.full((4,), float(v)) for v in (1, 2, 3, 4)]
+        shared = SharedState(torch.zeros(2))
+        sizer = ArenaSizer()
+        with sizer.hooks():
+            KeepOnCtx.apply(torch.ones(3, requires_grad=True), *tensors, shared)
+        hooks = ArenaHooks(Arena(sizer.nbytes + 4 * ALIGNMENT, "cpu"))
+        with hooks.hooks():
+            y = KeepOnCtx.apply(x, *tensors, shared)
+        found = hooks.protect_ctx_tensors([y]) if protect else 0
+        if corrupt:
+            for tensor in tensors:
+                tensor.data.fill_(-100.0)
+        y.sum().backward()
+        return x.grad.clone(), found, shared
+
+    clean, _, _ = run_once(protect=False, corrupt=False)
+    corrupted, _, _ = run_once(protect=False, corrupt=True)
+    protected, found, shared = run_once(protect=True, corrupt=True)
+    assert not torch.equal(corrupted, clean)  # the test can fail: ctx tensors are not saved tensors
+    assert torch.equal(protected, clean)
+    assert found == 4
+    assert torch.equal(shared.tensor, torch.zeros(2))
+
+
+def test_sizer_counts_ctx_tensors_not_already_saved():
+    x = torch.ones(3, requires_grad=True)
+    tensors = [torch.full((4,), float(v)) for v in (1, 2, 3, 4)]
+    sizer = ArenaSizer()
+    with sizer.hooks():
+        y = KeepOnCtx.apply(x, *tensors, SharedState(torch.zeros(2)))
+    assert sizer.nbytes == 0  # nothing went through save_for_backward
+    assert sizer.protect_ctx_tensors([y]) == 4
+    assert sizer.nbytes == 4 * ALIGNMENT

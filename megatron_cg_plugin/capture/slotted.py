@@ -1,0 +1,426 @@
+"""Slot-shared capture: mutually exclusive variants of the same layers in one CUDA graph pool.
+
+TE 2.20.2's ``make_graphed_callables`` keeps a forward's backward state in pool blocks that the
+allocator hands to the next capture sharing the pool once that backward is captured, so replays of
+two variants that interleave (A.fwd, B.fwd, A.bwd) corrupt each other. Here each variant is
+captured once per slot of a slot ring (``plan.slots``), all into one pool, and everything the
+forward leaves for its backward is copied, inside the forward graph, into the slot's arena
+(``memory.saved_tensors``): tensors saved through ``save_for_backward`` and tensors kept on ``ctx``.
+Arenas and every graph boundary (inputs, outputs, incoming and returned gradients) live outside the
+pool, allocated before capture; the pool then only holds each graph's temporaries, which the
+captures may share freely because graphs replay one at a time on one stream. After each forward
+capture the pool must hold no block that the capture left alive besides the outputs (checked from
+the allocator's snapshot: ``SlotCoverageError`` otherwise), so nothing the backward reads can be
+handed to another capture.
+
+Sizes: one arena per slot, sized by the largest variant measured at warmup; boundary storage per
+(slot, I/O branch): variants with identical boundary layouts share it (as do variants naming the
+same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter gradients go through one buffer shared by every graph and
+are cloned after each backward replay (autograd may keep a returned gradient as ``.grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+
+from megatron_cg_plugin import diagnostics
+from megatron_cg_plugin.capture import backend as te_seam
+from megatron_cg_plugin.capture import hygiene
+from megatron_cg_plugin.capture.branches import BranchSignature, check_branches
+from megatron_cg_plugin.capture.contracts import ContractViolation, TensorSpec
+from megatron_cg_plugin.capture.transaction import CaptureTransaction
+from megatron_cg_plugin.memory.guard import SlotGuard
+from megatron_cg_plugin.memory.layout import span_elements, span_of
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
+
+
+class SlotCoverageError(RuntimeError):
+    """A forward capture left pool memory alive that no arena protects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One graph variant: ``fn(*sample_args)`` returns a tensor or a tuple of tensors.
+
+    Variants with the same ``io_branch`` share boundary storage in each slot (their inputs, outputs
+    and gradients must then have identical layouts, or capture is refused); without one, variants
+    share it exactly when their layouts are identical.
+    """
+
+    name: Hashable
+    fn: Callable[..., Any]
+    sample_args: tuple[torch.Tensor, ...]
+    io_branch: Hashable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlottedStats:
+    ring_size: int
+    variants: int
+    graphs: int
+    capture_seconds: float
+    pool_bytes: int  # reserved by the shared pool
+    arena_bytes: int
+    boundary_bytes: int  # inputs, outputs, incoming and returned gradients, parameter-gradient buffers
+    saved_bytes: dict[Hashable, int]  # per variant, measured at warmup
+    ctx_tensors: dict[Hashable, int]  # per variant: tensors found on ctx and protected
+    retained_bytes: int  # pool blocks still allocated after every capture (library workspaces)
+    uncovered_bytes: int  # backward state outside the arenas (0 when protected; strict refuses more)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.arena_bytes + self.boundary_bytes
+
+
+# ---------------------------------------------------------------------------------------------- storage
+class Surface:
+    """Boundary storage with a tensor's layout (shape, stride, dtype) outside any pool. ``load``
+    copies a tensor of that layout in by its addressed span, so transposed, strided and expanded
+    (self-overlapping) tensors keep their layout and nothing is materialized twice."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.buffer = torch.empty(span_elements(like), dtype=like.dtype, device=like.device)
+        self.view = self.buffer.as_strided(tuple(like.shape), tuple(like.stride()), 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def load(self, tensor: torch.Tensor) -> None:
+        if span_elements(tensor) and tensor.stride() == self.view.stride():
+            span_of(self.view).copy_(span_of(tensor))
+        else:
+            self.view.copy_(tensor)
+
+
+def _as_tuple(outputs: Any, variant: Hashable) -> tuple[torch.Tensor, ...]:
+    items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    if not all(isinstance(item, torch.Tensor) for item in items):
+        raise TypeError(f"variant {variant!r}: fn must return a tensor or a tuple of tensors, got "
+                        f"{[type(item).__name__ for item in items]}; wrap it to return only tensors.")
+    return tuple(items)
+
+
+# ---------------------------------------------------------------------------------------------- warmup
+@dataclasses.dataclass
+class _Measure:
+    saved_bytes: int
+    ctx_tensors: int
+    outputs: tuple[torch.Tensor, ...]  # warmup outputs, as layout templates
+    input_grads: tuple[torch.Tensor | None, ...]
+    params_used: tuple[bool, ...]
+
+
+def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int) -> _Measure:
+    """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame."""
+    measure = None
+    for _ in range(iterations):
+        inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in variant.sample_args]
+        sizer = ArenaSizer(device=inputs[0].device if inputs else None)
+        with sizer.hooks():
+            outputs = _as_tuple(variant.fn(*inputs), variant.name)
+        ctx_count = sizer.protect_ctx_tensors(outputs)
+        differentiable = [o for o in outputs if o.requires_grad]
+        targets = [i for i in inputs if i.requires_grad] + list(params)
+        grads = torch.autograd.grad(differentiable, targets, [torch.ones_like(o) for o in differentiable],
+                                    allow_unused=True) if differentiable else (None,) * len(targets)
+        input_grads = iter(grads[:len(targets) - len(params)])
+        measure = _Measure(
+            saved_bytes=max(sizer.nbytes, measure.saved_bytes if measure else 0), ctx_tensors=ctx_count,
+            outputs=tuple(o.detach().requires_grad_(o.requires_grad) for o in outputs),  # layout templates
+            input_grads=tuple(next(input_grads) if i.requires_grad else None for i in inputs),
+            params_used=tuple(g is not None for g in grads[len(targets) - len(params):]))
+    assert measure is not None  # iterations >= 1, checked by the caller
+    return measure
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+class _Boundary:
+    """The boundary storage of one (slot, I/O branch)."""
+
+    def __init__(self, variant: Variant, measure: _Measure) -> None:
+        self.inputs = []
+        for sample in variant.sample_args:
+            static = torch.empty_strided(tuple(sample.shape), tuple(sample.stride()), dtype=sample.dtype,
+                                         device=sample.device)
+            self.inputs.append(static.requires_grad_(sample.requires_grad))
+        self.outputs = [Surface(o) for o in measure.outputs]
+        self.grad_outputs = [torch.empty(tuple(o.shape), dtype=o.dtype, device=o.device) if o.requires_grad
+                             else None for o in measure.outputs]
+        self.input_grads = [None if g is None else Surface(g) for g in measure.input_grads]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.inputs + [g for g in self.grad_outputs if g is not None]
+        return sum(t.untyped_storage().nbytes() for t in tensors) + \
+            sum(s.nbytes for s in self.outputs + [g for g in self.input_grads if g is not None])
+
+
+class _Entry:
+    """The graphs of one variant in one slot, and what their replays read and write."""
+
+    def __init__(self, variant: Variant, slot: int, boundary: _Boundary, params: Sequence[torch.nn.Parameter],
+                 param_grads: Sequence[torch.Tensor], guard: SlotGuard | None) -> None:
+        self.variant, self.slot, self.boundary = variant, slot, boundary
+        self.params, self.param_grads = tuple(params), tuple(param_grads)
+        self.guard = guard
+        self.forward_graph: Any = None
+        self.backward_graph: Any = None
+        self.params_used: tuple[bool, ...] = ()
+        self.output_requires_grad: tuple[bool, ...] = ()
+        self.specs = tuple(TensorSpec.of(a) for a in variant.sample_args)
+        self.frames = 0
+        self.frame: str | None = None
+        self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
+
+    @property
+    def name(self) -> str:
+        return f"variant {self.variant.name!r} in slot {self.slot}"
+
+    def replay_forward(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if len(args) != len(self.specs):
+            raise ContractViolation(self.name, "number of inputs", len(self.specs), len(args))
+        for index, (arg, spec, static) in enumerate(zip(args, self.specs, self.boundary.inputs)):
+            for field, captured, actual in (("shape", spec.shape, tuple(arg.shape)), ("dtype", spec.dtype, arg.dtype),
+                                            ("device", spec.device, arg.device)):
+                if captured != actual:
+                    raise ContractViolation(self.name, field, captured, actual, where=f"input {index}")
+            if arg.data_ptr() != static.data_ptr():
+                static.detach().copy_(arg)
+        self.frames += 1
+        self.frame = f"{self.name} (forward #{self.frames})"
+        if self.guard is not None:
+            self.guard.acquire(self.slot, self.frame)
+        self.forward_graph.replay()
+        return tuple(surface.view.detach() for surface in self.boundary.outputs)
+
+    def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        for grad, static in zip(grads, self.boundary.grad_outputs):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif grad.data_ptr() != static.data_ptr():
+                static.copy_(grad)
+        self.backward_graph.replay()
+        if self.guard is not None:
+            self.guard.release(self.slot, self.frame or self.name)
+        input_grads = tuple(None if surface is None else surface.view.detach() for surface in self.boundary.input_grads)
+        # Real parameter gradients are cloned: the buffer is shared by every graph, and autograd may
+        # keep a returned gradient as ``.grad``. Unused parameters get no gradient at all.
+        param_grads = tuple(buffer.clone() if used else None for buffer, used in zip(self.param_grads, self.params_used))
+        return input_grads + param_grads
+
+
+class _SlotReplay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
+        ctx.entry = entry
+        outputs = entry.replay_forward(tensors[:len(entry.specs)])
+        ctx.mark_non_differentiable(*[o for o, rg in zip(outputs, entry.output_requires_grad) if not rg])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, *ctx.entry.replay_backward(grads))
+
+
+class SlottedGraphs:
+    """What ``capture_slotted`` returns: ``graphs.callable(variant, slot)(*inputs)`` replays that
+    variant's forward graph for a frame in ``slot``; autograd replays the matching backward.
+
+    Outputs and returned input gradients are views of the slot's boundary storage: consume them
+    before the slot's next forward (the slot plan guarantees the next forward comes after this
+    frame's backward)."""
+
+    def __init__(self, entries: dict[tuple[Hashable, int], _Entry], stats: SlottedStats, keep_alive: list[Any]) -> None:
+        self._entries = entries
+        self.stats = stats
+        self._keep_alive = keep_alive  # arenas and boundary storage the graphs read and write
+
+    def callable(self, variant: Hashable, slot: int) -> Callable[..., Any]:
+        try:
+            entry = self._entries[variant, slot]
+        except KeyError:
+            variants = sorted({str(v) for v, _ in self._entries})
+            raise KeyError(f"no graph for variant {variant!r} in slot {slot}: captured variants {variants}, "
+                           f"slots 0..{self.stats.ring_size - 1}") from None
+
+        def replay(*inputs: torch.Tensor) -> Any:
+            outputs = _SlotReplay.apply(entry, *inputs, *entry.params)
+            return outputs[0] if len(outputs) == 1 else outputs
+
+        return replay
+
+    def reset(self) -> None:
+        """Frees every graph (and, once the caller drops its references, the pool and arenas)."""
+        for entry in self._entries.values():
+            for graph in (entry.forward_graph, entry.backward_graph):
+                if graph is not None:
+                    graph.reset()
+        self._entries.clear()
+        self._keep_alive.clear()
+
+
+# ---------------------------------------------------------------------------------------------- capture
+def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Iterable[torch.nn.Parameter], *,
+                    protect: bool = True, pool: Any = None, warmup_iterations: int = 2, debug: bool = False,
+                    strict: bool = True) -> SlottedGraphs:
+    """Captures every variant once per slot of a ring of ``ring_size`` into one graph pool.
+
+    ``parameters`` are the layers' parameters (shared by all variants). ``protect=False`` captures
+    the same graphs without arenas (shared pool, nothing protected: the corruption this module
+    exists to prevent; for tests and measurements). ``debug`` turns on the host-side slot guard
+    (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
+    leaves unprotected pool memory alive; otherwise its bytes are only reported.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    _validate(variants, ring_size, warmup_iterations)
+    hygiene.ensure_no_stale_graphs(params)  # an eager graph alive at capture breaks the backward capture
+    start = time.perf_counter()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
+        measures = {v.name: _warmup(v, params, warmup_iterations) for v in variants}
+    torch.cuda.current_stream().wait_stream(stream)
+    branch_of = io_branches(variants, measures, ring_size)
+
+    arena_bytes = max(m.saved_bytes for m in measures.values())
+    device = variants[0].sample_args[0].device if variants[0].sample_args else torch.device("cuda")
+    arenas = [Arena(arena_bytes, device, name=f"slot {s}") for s in range(ring_size)] if protect else []
+    boundaries = {(s, branch_of[v.name]): _Boundary(v, measures[v.name]) for s in range(ring_size) for v in variants}
+    param_grads = [torch.empty_like(p) for p in params]
+    guard = SlotGuard(ring_size) if debug else None
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    entries = {(v.name, s): _Entry(v, s, boundaries[s, branch_of[v.name]], params, param_grads, guard)
+               for s in range(ring_size) for v in variants}
+    retained = 0
+    torch.cuda.synchronize()
+    with CaptureTransaction([]) as transaction:
+        for (name, slot), entry in entries.items():
+            arena = arenas[slot] if protect else None
+            retained += _capture_entry(entry, arena, pool, stream, transaction, strict)
+    torch.cuda.synchronize()
+    segments = diagnostics.allocator_segments()
+    stats = SlottedStats(
+        ring_size=ring_size, variants=len(variants), graphs=2 * len(entries),
+        capture_seconds=time.perf_counter() - start,
+        pool_bytes=diagnostics.pool_bytes_by_id(segments).get(tuple(pool), 0),
+        arena_bytes=sum(a.capacity for a in arenas),
+        boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
+        saved_bytes={name: m.saved_bytes for name, m in measures.items()},
+        ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
+        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()))
+    return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool])
+
+
+def _validate(variants: Sequence[Variant], ring_size: int, warmup_iterations: int) -> None:
+    if ring_size < 1:
+        raise ValueError(f"ring_size {ring_size}: give the slot ring of the plan (plan_slots(...).ring_size >= 1).")
+    if warmup_iterations < 1:
+        raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")
+    if not variants:
+        raise ValueError("no variants given; pass at least one Variant.")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names repeat ({names}); give each variant its own name.")
+    for variant in variants:
+        if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in variant.sample_args):
+            raise ValueError(f"variant {variant.name!r}: sample_args must be CUDA tensors.")
+    if te_seam.fp8_autocast_active():
+        raise ValueError("slot-shared capture runs without FP8 autocast for now (quantizer state outside "
+                         "saved tensors is not protected here); capture outside fp8_autocast.")
+
+
+def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure], ring_size: int) -> dict[Hashable, Hashable]:
+    """The I/O branch of each variant: its ``io_branch`` if named (all variants naming one must have
+    interchangeable layouts: ``BranchMismatchError`` otherwise), else its boundary layout, so that
+    variants with identical layouts share storage."""
+    signatures = {v.name: BranchSignature.of(list(measures[v.name].outputs) + list(v.sample_args),
+                                            [g for g in measures[v.name].input_grads if g is not None])
+                  for v in variants}
+    named: dict[Hashable, dict[Hashable, BranchSignature]] = {}
+    for v in variants:
+        if v.io_branch is not None:
+            named.setdefault(v.io_branch, {})[v.name] = signatures[v.name]
+    for branches in named.values():
+        for slot in range(ring_size):
+            check_branches(slot, branches)
+    return {v.name: ("named", v.io_branch) if v.io_branch is not None else ("layout", signatures[v.name])
+            for v in variants}
+
+
+def _live(pool: Any) -> dict[int, int]:
+    return diagnostics.live_blocks(diagnostics.allocator_segments(), pool)
+
+
+def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, transaction: CaptureTransaction,
+                   strict: bool) -> int:
+    """Captures one variant's forward and backward for one slot; returns the pool bytes still
+    allocated afterwards that were not before (library workspaces; 0 normally)."""
+    boundary, variant = entry.boundary, entry.variant
+    for static, sample in zip(boundary.inputs, variant.sample_args):
+        static.detach().copy_(sample)
+    before = _live(pool)
+    hooks = ArenaHooks(arena) if arena is not None else None
+
+    forward = torch.cuda.CUDAGraph()
+    transaction.track(forward)
+    te_seam.register_graph_safe_generators(forward)
+    with torch.cuda.graph(forward, pool=pool, stream=stream):
+        with hooks.hooks() if hooks else contextlib.nullcontext():
+            outputs = _as_tuple(variant.fn(*boundary.inputs), variant.name)
+        if hooks:
+            hooks.protect_ctx_tensors(outputs)
+        for surface, output in zip(boundary.outputs, outputs):
+            surface.load(output)
+    entry.forward_graph = forward
+    entry.output_requires_grad = tuple(o.requires_grad for o in outputs)
+    if hooks:
+        _check_coverage(entry, before, _live(pool), outputs, strict)
+
+    differentiable = [(o, g) for o, g in zip(outputs, boundary.grad_outputs) if o.requires_grad]
+    inputs_with_grad = [i for i in boundary.inputs if i.requires_grad]
+    backward = torch.cuda.CUDAGraph()
+    transaction.track(backward)
+    te_seam.register_graph_safe_generators(backward)
+    with torch.cuda.graph(backward, pool=pool, stream=stream):
+        grads = torch.autograd.grad([o for o, _ in differentiable], inputs_with_grad + list(entry.params),
+                                    [g for _, g in differentiable], allow_unused=True) if differentiable else ()
+        grads = list(grads) or [None] * (len(inputs_with_grad) + len(entry.params))
+        input_grads = iter(grads[:len(inputs_with_grad)])
+        for static, surface in zip(boundary.inputs, boundary.input_grads):
+            grad = next(input_grads) if static.requires_grad else None
+            if surface is not None and grad is not None:
+                surface.load(grad)
+        for buffer, grad in zip(entry.param_grads, grads[len(inputs_with_grad):]):
+            if grad is not None:
+                buffer.copy_(grad)
+    entry.backward_graph = backward
+    entry.params_used = tuple(g is not None for g in grads[len(inputs_with_grad):])
+    del outputs, differentiable, grads, input_grads, hooks
+    after = _live(pool)
+    return sum(size for address, size in after.items() if address not in before)
+
+
+def _check_coverage(entry: _Entry, before: dict[int, int], after: dict[int, int], outputs: Sequence[torch.Tensor],
+                    strict: bool) -> None:
+    """Between a forward capture and its backward capture, the pool may hold only the forward's
+    outputs (their blocks are released by the backward capture; the backward never reads them
+    unless saved, and saved tensors are in the arena). Anything else alive there is backward state
+    outside the arena, which another capture could be handed."""
+    output_ptrs = [o.untyped_storage().data_ptr() for o in outputs]
+    uncovered = {address: size for address, size in after.items() if address not in before
+                 and not any(address <= ptr < address + size for ptr in output_ptrs)}
+    entry.uncovered_bytes = sum(uncovered.values())
+    if uncovered and strict:
+        raise SlotCoverageError(
+            f"{entry.name}: after its forward capture {len(uncovered)} pool block(s), {sum(uncovered.values())} bytes, "
+            "are still alive besides the outputs: backward state kept outside save_for_backward and ctx "
+            "attributes (a module attribute or a global cache filled during capture?). Slot sharing cannot "
+            "protect it; capture this variant in its own pool, or pass strict=False to measure.")

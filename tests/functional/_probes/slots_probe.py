@@ -1,0 +1,246 @@
+"""GPU probe for slot-shared graph memory (one GPU): exactness of interleaved replays, and memory.
+
+Run by tests/functional/test_slots.py through the launcher:
+    python slots_probe.py --out result.json
+A stack of two TE TransformerLayers (h=512, batch 4, bf16); variants are the local sequence lengths
+of CP sizes 1, 2, 4, 8 at sequence 1024 (the CP-size stand-ins). Each order's frames run forward
+and backward through the graphs in the order's interleaving; every output, input gradient and
+parameter gradient is compared bitwise with an eager run of the same frame.
+"""
+
+import argparse
+import gc
+import json
+import os
+import random
+import traceback
+
+import torch
+
+S, B, H, HEADS = 1024, 4, 512, 8
+CP_SIZES = (1, 2, 4, 8)
+
+
+def build():
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(1234)
+    layers = torch.nn.ModuleList(
+        te.TransformerLayer(H, 4 * H, HEADS, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
+                            layer_number=i + 1, self_attn_mask_type="causal") for i in range(2)).cuda()
+
+    def stack(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return layers, stack
+
+
+def variants_for(n, stack, equal_sizes=False):
+    """CP-size stand-ins (local sequence S/cp), or n same-size variants (sequence buckets of one size)."""
+    from megatron_cg_plugin.capture.slotted import Variant
+
+    result = []
+    for index, cp in enumerate(CP_SIZES[:n]):
+        seq = S if equal_sizes else S // cp
+        sample = torch.randn(seq, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        result.append(Variant(name=f"bucket{index}" if equal_sizes else f"cp{cp}", fn=stack, sample_args=(sample,)))
+    return result
+
+
+def orders(n):
+    """(label, order, variant per forward): ring-wrapping orders and a VPP order (Megatron's table)."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
+
+    names = [f"cp{cp}" for cp in CP_SIZES[:n]]
+    rng = random.Random(n)
+    wrap = [1, 1, -1, -1] * 3  # A.fwd, B.fwd, A.bwd, B.bwd, three times: the ring of 2 wraps
+    wrap_variants = [names[i % n] for i in range(6)][::-1]
+    deep = [1, 1, 1, -1, 1, -1, 1, -1, -1, -1]  # three live frames, then a sliding window
+    vpp = convert_schedule_table_to_order(4, 2, get_schedule_table(4, 2, 2))  # PP=2 rank 0, VPP=2, 4 microbatches
+    result = [("wrap-ring2", wrap, wrap_variants), ("sliding-ring3", deep, [names[i % n] for i in range(5)])]
+    forwards = sum(1 for e in vpp if e > 0)
+    result.append(("megatron-vpp", vpp, [rng.choice(names) for _ in range(forwards)]))
+    return result
+
+
+def run_eager(stack, params, x, grad):
+    x = x.detach().requires_grad_(True)
+    out = stack(x)
+    grads = torch.autograd.grad(out, [x] + params, grad)
+    return [out.detach().clone()] + [g.clone() for g in grads]
+
+
+def run_order(stack, params, graphs, order, plan, seq_of):
+    """Runs the order through the graphs; returns per-frame [out, dx, dparams...] and the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    inputs, grads_in = [], []
+    for frame in plan.frames:
+        seq = seq_of[frame.variant]
+        inputs.append(torch.randn(seq, B, H, device="cuda", dtype=torch.bfloat16, generator=gen))
+        grads_in.append(torch.randn(seq, B, H, device="cuda", dtype=torch.bfloat16, generator=gen))
+    reference = [run_eager(stack, params, x, g) for x, g in zip(inputs, grads_in)]
+
+    live, results = {}, [None] * len(plan.frames)
+    by_forward = sorted(plan.frames, key=lambda f: f.forward_at)
+    position_to_frame = {f.forward_at: f for f in by_forward}
+    backward_to_frame = {f.backward_at: f for f in plan.frames}
+    for position in range(len(order)):
+        if position in position_to_frame:
+            frame = position_to_frame[position]
+            x = inputs[frame.index].detach().requires_grad_(True)
+            out = graphs.callable(frame.variant, frame.slot)(x)
+            live[frame.index] = (x, out, out.detach().clone())
+        else:
+            frame = backward_to_frame[position]
+            x, out, out_copy = live.pop(frame.index)
+            grads = torch.autograd.grad(out, [x] + params, grads_in[frame.index])
+            results[frame.index] = [out_copy] + [g.clone() for g in grads]
+    exact = [all(torch.equal(a, b) for a, b in zip(got, want)) for got, want in zip(results, reference)]
+    worst = max(max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+                for got, want in zip(results, reference))
+    return exact, worst
+
+
+def reserved():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def exactness(result):
+    from megatron_cg_plugin.capture.slotted import capture_slotted
+    from megatron_cg_plugin.plan.slots import plan_slots
+
+    layers, stack = build()
+    params = list(layers.parameters())
+    seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
+    for n in (2, 4):
+        variants = variants_for(n, stack)
+        for label, order, chosen in orders(n):
+            plan = plan_slots(order, chosen)
+            for mode in ("slots", "shared-pool"):
+                key = f"n{n}/{label}/{mode}"
+                graphs = None
+                try:
+                    graphs = capture_slotted(variants, plan.ring_size, params, protect=mode == "slots", debug=True)
+                    exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
+                    result[key] = {"ring": plan.ring_size, "frames": len(plan.frames), "exact": all(exact),
+                                   "exact_frames": sum(exact), "max_abs_diff": worst,
+                                   "uncovered_bytes": graphs.stats.uncovered_bytes,
+                                   "retained_bytes": graphs.stats.retained_bytes,
+                                   "ctx_tensors": graphs.stats.ctx_tensors,
+                                   "saved_bytes": graphs.stats.saved_bytes}
+                    graphs.reset()
+                except Exception:  # noqa: BLE001 - reported per case
+                    result[key] = {"error": traceback.format_exc()[-3000:]}
+                del graphs
+                gc.collect()
+                torch.cuda.empty_cache()
+                print(key, json.dumps(result[key], default=str)[:400], flush=True)
+
+
+def memory(result):
+    """Graph memory (reserved-bytes delta) for N = 1, 2, 4 variants at one slot ring, slots vs one
+    pool per graph pair (what separate make_graphed_callables calls per variant and microbatch do)."""
+    from megatron_cg_plugin.capture.slotted import capture_slotted
+
+    layers, stack = build()
+    params = list(layers.parameters())
+    ring = 2
+    for family, equal_sizes in (("cp-stand-ins", False), ("equal-size", True)):
+        table = {}
+        for n in (1, 2, 4):
+            variants = variants_for(n, stack, equal_sizes)
+            base = reserved()
+            graphs = capture_slotted(variants, ring, params)
+            slots = reserved() - base
+            stats = graphs.stats
+            graphs.reset()
+            del graphs
+            base = reserved()
+            separate = [capture_slotted([v], 1, params, protect=False) for v in variants for _ in range(ring)]
+            separate_bytes = reserved() - base
+            for graphs in separate:
+                graphs.reset()
+            del separate
+            table[n] = {"variants": [v.name for v in variants], "slots_mib": slots / 2**20,
+                        "separate_pools_mib": separate_bytes / 2**20, "pool_mib": stats.pool_bytes / 2**20,
+                        "arena_mib": stats.arena_bytes / 2**20, "boundary_mib": stats.boundary_bytes / 2**20,
+                        "retained_mib": stats.retained_bytes / 2**20, "capture_s": stats.capture_seconds}
+        for n in table:
+            table[n]["slots_vs_one_variant"] = table[n]["slots_mib"] / table[1]["slots_mib"]
+            table[n]["separate_vs_one_variant"] = table[n]["separate_pools_mib"] / table[1]["slots_mib"]
+        result[f"memory/{family}"] = table
+        print(family, json.dumps(table), flush=True)
+
+
+def checks(result):
+    """The debug guard on a wrong order, a replay contract, and the strided make_weak_ref patch."""
+    from megatron_cg_plugin.capture.contracts import ContractViolation
+    from megatron_cg_plugin.capture.slotted import capture_slotted
+    from megatron_cg_plugin.memory.guard import SlotReuseError
+    from megatron_cg_plugin.patches import PATCHES
+    import transformer_engine.pytorch.graph as te_graph
+
+    layers, stack = build()
+    params = list(layers.parameters())
+    variants = variants_for(2, stack)
+    graphs = capture_slotted(variants, 1, params, debug=True)
+    x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    first = graphs.callable("cp1", 0)(x)
+    try:  # a second live frame in the one slot: what a wrong plan would do
+        graphs.callable("cp2", 0)(torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16))
+        result["guard"] = "not refused"
+    except SlotReuseError as error:
+        result["guard"] = str(error)
+    first.backward(torch.ones_like(first))
+    try:
+        graphs.callable("cp1", 0)(torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16))
+        result["contract"] = "not refused"
+    except ContractViolation as error:
+        result["contract"] = {"field": error.field, "message": str(error)}
+    graphs.reset()
+
+    (patch,) = [p for p in PATCHES if p.name == "strided-weak-ref"]
+    original = te_graph.make_weak_ref
+    patch.check(original)
+    patched = patch.build(original, None)
+    base = torch.arange(24.0, device="cuda").reshape(4, 6)
+    weak = {}
+    for name, view in (("transposed", base.t()), ("expanded", base[:, :1].expand(4, 6)), ("sliced", base[1:, ::2])):
+        te_ref, our_ref = original(view), patched(view)
+        weak[name] = {"te_keeps_strides": te_ref.stride() == view.stride(),
+                      "patched_keeps_strides": our_ref.stride() == view.stride(),
+                      "patched_same_memory": our_ref.data_ptr() == view.data_ptr(),
+                      "patched_equal": bool(torch.equal(our_ref, view))}
+    result["weak_ref"] = weak
+    print(json.dumps({k: result[k] for k in ("guard", "contract", "weak_ref")}, default=str)[:2000], flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks"], default="all")
+    options = parser.parse_args()
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    result = {}
+    try:
+        if options.part in ("all", "checks"):
+            checks(result)
+        if options.part in ("all", "exactness"):
+            exactness(result)
+        if options.part in ("all", "memory"):
+            memory(result)
+    except Exception:  # noqa: BLE001 - written out for the test to show
+        result["probe_error"] = traceback.format_exc()
+    with open(options.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

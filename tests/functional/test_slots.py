@@ -1,0 +1,68 @@
+"""GPU: slot-shared graph memory on a stack of two TE TransformerLayers (issue 4's acceptance).
+
+One probe run (tests/functional/_probes/slots_probe.py, its own process) captures 2 and 4 variants
+(the local sequence lengths of CP sizes 1, 2, 4, 8) into one pool, replays them in orders that wrap
+the slot ring (A.fwd, B.fwd, A.bwd, B.bwd; a sliding window of three; a Megatron VPP order) and
+compares every output and gradient bitwise with eager; the same with a plain shared pool must show
+the corruption. It also measures graph memory for N = 1, 2, 4 and checks the debug guard, a replay
+contract and the strided make_weak_ref patch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.testing.distributed import gpu_stack_missing, launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
+PROBE = Path(__file__).parent / "_probes" / "slots_probe.py"
+ORDERS = ("wrap-ring2", "sliding-ring3", "megatron-vpp")
+
+
+@pytest.fixture(scope="module")
+def probe(farm_out: Path) -> dict:
+    reason = gpu_stack_missing(1)
+    if reason:
+        pytest.skip(reason)
+    farm_out.mkdir(parents=True, exist_ok=True)
+    out = farm_out / "slots.json"
+    launch([str(PROBE), "--out", str(out)], nproc=1, timeout_s=900, log_dir=farm_out / "slots.logs")
+    result = json.loads(out.read_text())
+    assert "probe_error" not in result, result["probe_error"]
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("order", ORDERS)
+def test_interleaved_replays_are_bitwise_eager(probe: dict, n: int, order: str) -> None:
+    case = probe[f"n{n}/{order}/slots"]
+    assert "error" not in case, case.get("error")
+    assert case["exact"], case
+    assert case["uncovered_bytes"] == 0, case
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_plain_shared_pool_shows_the_corruption(probe: dict, n: int) -> None:
+    cases = [probe[f"n{n}/{order}/shared-pool"] for order in ORDERS]
+    assert all("error" not in case for case in cases), cases
+    assert not any(case["exact"] for case in cases), cases
+
+
+@pytest.mark.parametrize("family", ["cp-stand-ins", "equal-size"])
+def test_graph_memory_for_n_variants_stays_near_one_variant(probe: dict, family: str) -> None:
+    table = probe[f"memory/{family}"]
+    for n in ("2", "4"):
+        assert table[n]["slots_vs_one_variant"] <= 1.15, table
+    assert table["4"]["separate_pools_mib"] > table["4"]["slots_mib"], table
+
+
+def test_debug_guard_contract_and_strided_weak_refs(probe: dict) -> None:
+    assert "slot 0 is still owned by variant 'cp1' in slot 0 (forward #1)" in probe["guard"], probe["guard"]
+    assert "variant 'cp2' in slot 0" in probe["guard"], probe["guard"]
+    assert probe["contract"]["field"] == "shape", probe["contract"]
+    for name, check in probe["weak_ref"].items():
+        assert check["patched_keeps_strides"] and check["patched_same_memory"] and check["patched_equal"], (name, check)
+    assert not probe["weak_ref"]["transposed"]["te_keeps_strides"]  # the TE behaviour the patch exists for

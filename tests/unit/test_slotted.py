@@ -1,0 +1,98 @@
+"""Slot-shared capture, the parts that run without a GPU: layouts by span, boundary surfaces,
+I/O-branch checks and argument validation. Capture and replay are checked on an H200 by
+tests/functional/test_slots.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cg_plugin.capture.branches import BranchMismatchError
+from megatron_cg_plugin.capture.slotted import (
+    Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches,
+)
+from megatron_cg_plugin.memory.layout import span_elements, span_of
+
+BASE = torch.arange(24.0).reshape(4, 6)
+LAYOUTS = {
+    "contiguous": BASE,
+    "transposed": BASE.t(),
+    "strided": BASE[::2, 1::2],
+    "offset": BASE[1:],
+    "expanded": torch.arange(4.0).reshape(4, 1).expand(4, 6),
+    "scalar": torch.tensor(3.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_span_covers_exactly_the_addressed_elements(name):
+    tensor = LAYOUTS[name]
+    span = span_of(tensor)
+    addressed = {tensor.storage_offset() + sum(i * s for i, s in zip(index, tensor.stride()))
+                 for index in torch.cartesian_prod(*[torch.arange(n) for n in tensor.shape]).reshape(-1, tensor.dim()).tolist()} \
+        if tensor.dim() else {tensor.storage_offset()}
+    assert span_elements(tensor) == max(addressed) - min(addressed) + 1
+    assert span.data_ptr() == tensor.data_ptr() and span.is_contiguous()
+
+
+def test_empty_tensors_have_no_span():
+    assert span_elements(torch.empty(0, 5)) == 0
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_surface_keeps_layout_and_values(name):
+    tensor = LAYOUTS[name]
+    surface = Surface(tensor)
+    surface.load(tensor)
+    assert surface.view.shape == tensor.shape and surface.view.stride() == tensor.stride()
+    assert torch.equal(surface.view, tensor)
+    assert surface.nbytes == span_elements(tensor) * tensor.element_size()
+
+
+def test_surface_loads_a_differently_strided_tensor_by_value():
+    surface = Surface(BASE)
+    surface.load(BASE.t().contiguous().t())  # same shape, column-major
+    assert torch.equal(surface.view, BASE) and surface.view.is_contiguous()
+
+
+def test_outputs_must_be_tensors():
+    assert _as_tuple(BASE, "v") == (BASE,)
+    with pytest.raises(TypeError, match="variant 'v': fn must return a tensor or a tuple of tensors"):
+        _as_tuple((BASE, 3), "v")
+
+
+def _measure(*outputs, input_grads=()):
+    return _Measure(saved_bytes=0, ctx_tensors=0, outputs=tuple(outputs), input_grads=tuple(input_grads),
+                    params_used=())
+
+
+def test_variants_naming_one_io_branch_must_match_layouts():
+    a = Variant("a", lambda x: x, (torch.zeros(4, 6),), io_branch="shared")
+    b = Variant("b", lambda x: x, (torch.zeros(4, 6),), io_branch="shared")
+    branches = io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.clone())}, ring_size=2)
+    assert branches["a"] == branches["b"]
+    with pytest.raises(BranchMismatchError, match="outputs\\[0\\].stride"):
+        io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.t().contiguous().t())}, ring_size=2)
+
+
+def test_unnamed_variants_share_storage_exactly_when_layouts_match():
+    same = [Variant(name, lambda x: x, (torch.zeros(4, 6),)) for name in ("a", "b")]
+    other = Variant("c", lambda x: x, (torch.zeros(2, 6),))
+    measures = {"a": _measure(BASE), "b": _measure(BASE.clone()), "c": _measure(BASE[:2])}
+    branches = io_branches(same + [other], measures, ring_size=1)
+    assert branches["a"] == branches["b"] != branches["c"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ring_size=0), "ring_size 0"),
+    (dict(warmup_iterations=0), "warmup_iterations must be >= 1"),
+    (dict(variants=[]), "no variants given"),
+    (dict(variants=[Variant("a", abs, ()), Variant("a", abs, ())]), "variant names repeat"),
+    (dict(variants=[Variant("cpu", abs, (torch.zeros(2),))]), "sample_args must be CUDA tensors"),
+])
+def test_bad_arguments_are_refused_before_anything_is_allocated(kwargs, message):
+    args = dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], ring_size=1, warmup_iterations=1) | kwargs
+    with pytest.raises(ValueError, match=message):
+        _validate(args["variants"], args["ring_size"], args["warmup_iterations"])
+    with pytest.raises(ValueError, match=message):
+        capture_slotted(args["variants"], args["ring_size"], [], warmup_iterations=args["warmup_iterations"])
