@@ -1,6 +1,6 @@
 """Slot-shared capture, the parts that run without a GPU: layouts by span, boundary surfaces,
 I/O-branch checks and argument validation. Capture and replay are checked on an H200 by
-tests/functional/test_slots.py."""
+tests/functional/test_slot_memory.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """GPU probe for slot-shared graph memory (one GPU): exactness of interleaved replays, and memory.
 
-Run by tests/functional/test_slots.py through the launcher:
+Run by tests/functional/test_slot_memory.py through the launcher:
     python slots_probe.py --out result.json
 A stack of two TE TransformerLayers (h=512, batch 4, bf16); variants are the local sequence lengths
 of CP sizes 1, 2, 4, 8 at sequence 1024 (the CP-size stand-ins). Each order's frames run forward
