@@ -85,6 +85,21 @@ def register_graph_safe_generators(graph: Any) -> None:
             graph.register_generator_state(generator)
 
 
+@contextlib.contextmanager
+def te_capture_flag() -> Iterator[None]:
+    """TE's own "inside make_graphed_callables" flag, set around a capture the plugin runs itself:
+    TE modules pick graph-safe paths under it (cuDNN's graph mode, the CP tail handling without a
+    device-to-host slice). Its previous value is back on exit, whatever happens."""
+    import transformer_engine.pytorch.graph as te_graph
+
+    before = te_graph._IS_GRAPH_CAPTURING
+    te_graph.set_capture_start()
+    try:
+        yield
+    finally:
+        te_graph._IS_GRAPH_CAPTURING = before
+
+
 def fp8_autocast_active() -> bool:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 

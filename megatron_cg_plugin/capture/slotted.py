@@ -283,6 +283,27 @@ def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Ite
     _validate(variants, ring_size, warmup_iterations)
     hygiene.ensure_no_stale_graphs(params)  # an eager graph alive at capture breaks the backward capture
     start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    with te_seam.te_capture_flag():
+        entries, arenas, boundaries, param_grads, measures, retained = _capture_all(
+            variants, ring_size, params, protect, pool, warmup_iterations, debug, strict)
+    torch.cuda.synchronize()
+    segments = diagnostics.allocator_segments()
+    stats = SlottedStats(
+        ring_size=ring_size, variants=len(variants), graphs=2 * len(entries),
+        capture_seconds=time.perf_counter() - start,
+        pool_bytes=diagnostics.pool_bytes_by_id(segments).get(tuple(pool), 0),
+        arena_bytes=sum(a.capacity for a in arenas),
+        boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
+        saved_bytes={name: m.saved_bytes for name, m in measures.items()},
+        ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
+        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()))
+    return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool])
+
+
+def _capture_all(variants: Sequence[Variant], ring_size: int, params: list[torch.nn.Parameter], protect: bool,
+                 pool: Any, warmup_iterations: int, debug: bool, strict: bool) -> tuple:
+    """Warmup, sizing, allocation and every capture (TE's capture flag set by the caller)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
@@ -296,27 +317,15 @@ def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Ite
     boundaries = {(s, branch_of[v.name]): _Boundary(v, measures[v.name]) for s in range(ring_size) for v in variants}
     param_grads = [torch.empty_like(p) for p in params]
     guard = SlotGuard(ring_size) if debug else None
-    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     entries = {(v.name, s): _Entry(v, s, boundaries[s, branch_of[v.name]], params, param_grads, guard)
                for s in range(ring_size) for v in variants}
     retained = 0
     torch.cuda.synchronize()
     with CaptureTransaction([]) as transaction:
-        for (name, slot), entry in entries.items():
+        for (_, slot), entry in entries.items():
             arena = arenas[slot] if protect else None
             retained += _capture_entry(entry, arena, pool, stream, transaction, strict)
-    torch.cuda.synchronize()
-    segments = diagnostics.allocator_segments()
-    stats = SlottedStats(
-        ring_size=ring_size, variants=len(variants), graphs=2 * len(entries),
-        capture_seconds=time.perf_counter() - start,
-        pool_bytes=diagnostics.pool_bytes_by_id(segments).get(tuple(pool), 0),
-        arena_bytes=sum(a.capacity for a in arenas),
-        boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
-        saved_bytes={name: m.saved_bytes for name, m in measures.items()},
-        ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
-        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()))
-    return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool])
+    return entries, arenas, boundaries, param_grads, measures, retained
 
 
 def _validate(variants: Sequence[Variant], ring_size: int, warmup_iterations: int) -> None:

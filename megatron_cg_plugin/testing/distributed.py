@@ -240,6 +240,30 @@ def gpu_stack_missing(n: int) -> str | None:
     return None
 
 
+def run_probe(probe: "os.PathLike[str] | str", out_dir: "os.PathLike[str] | str", name: str, *, nproc: int = 1,
+              args: Sequence[str] = (), timeout_s: float = 900) -> list[dict]:
+    """Runs a GPU probe script on ``nproc`` ranks and returns the JSON result of each rank.
+
+    Skips the calling test (with the reason) where the GPUs or TE are missing. The probe gets
+    ``--out OUT_DIR/NAME.json``; on one rank it writes that file, on several ``NAME.rankN.json``.
+    A result with ``probe_error`` fails the test with the probe's traceback."""
+    import pytest  # lazily: the package must not depend on pytest
+    from pathlib import Path
+
+    reason = gpu_stack_missing(nproc)
+    if reason:
+        pytest.skip(reason)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}.json"
+    launch([str(probe), *args, "--out", str(out)], nproc=nproc, timeout_s=timeout_s, log_dir=out_dir / f"{name}.logs")
+    paths = [out] if nproc == 1 else [out_dir / f"{name}.rank{rank}.json" for rank in range(nproc)]
+    results = [json.loads(path.read_text()) for path in paths]
+    for result in results:
+        assert "probe_error" not in result, result["probe_error"]
+    return results
+
+
 def require_gpus(n: int):
     import pytest  # lazily: the package must not depend on pytest
 

@@ -6,12 +6,11 @@ CUDA-level failure in one cannot leak into another) and checks the JSON it write
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.testing.distributed import gpu_stack_missing, launch
+from megatron_cg_plugin.testing.distributed import run_probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 PROBE = Path(__file__).parent / "_probes" / "lifecycle_probe.py"
@@ -19,15 +18,7 @@ MiB = 2**20
 
 
 def _run(scenario: str, out_dir: Path) -> dict:
-    reason = gpu_stack_missing(1)
-    if reason:
-        pytest.skip(reason)
-    out = out_dir / f"lifecycle_{scenario}.json"
-    launch([str(PROBE), "--scenario", scenario, "--out", str(out)], nproc=1, timeout_s=600,
-           log_dir=out_dir / f"lifecycle_{scenario}.logs")
-    result = json.loads(out.read_text())
-    assert "probe_error" not in result, result["probe_error"]
-    return result
+    return run_probe(PROBE, out_dir, f"lifecycle_{scenario}", args=("--scenario", scenario), timeout_s=600)[0]
 
 
 def test_contracts_teardown_and_recapture(farm_out: Path) -> None:

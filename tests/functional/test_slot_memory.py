@@ -10,12 +10,11 @@ contract and the strided make_weak_ref patch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.testing.distributed import gpu_stack_missing, launch
+from megatron_cg_plugin.testing.distributed import run_probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 PROBE = Path(__file__).parent / "_probes" / "slots_probe.py"
@@ -24,15 +23,7 @@ ORDERS = ("wrap-ring2", "sliding-ring3", "megatron-vpp")
 
 @pytest.fixture(scope="module")
 def probe(farm_out: Path) -> dict:
-    reason = gpu_stack_missing(1)
-    if reason:
-        pytest.skip(reason)
-    farm_out.mkdir(parents=True, exist_ok=True)
-    out = farm_out / "slots.json"
-    launch([str(PROBE), "--out", str(out)], nproc=1, timeout_s=900, log_dir=farm_out / "slots.logs")
-    result = json.loads(out.read_text())
-    assert "probe_error" not in result, result["probe_error"]
-    return result
+    return run_probe(PROBE, farm_out, "slots")[0]
 
 
 @pytest.mark.parametrize("n", [2, 4])

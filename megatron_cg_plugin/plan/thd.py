@@ -1,0 +1,84 @@
+"""Fixed-capacity THD layouts for graphed packed sequences (pure Python, no CUDA).
+
+A graph replays fixed shapes, so a packed (THD) microbatch must always bring the same number of
+tokens per rank and ``cu_seqlens`` buffers of the same length. Under (hybrid) context parallelism
+of size ``cp``, TE splits every sequence into ``2 * cp`` chunks (rank r keeps chunks r and
+2cp-1-r), so each sequence is padded to a multiple of ``2 * cp``; the pack then holds
+``cp * tokens_per_rank`` tokens globally. The layout:
+
+- ``cu_seqlens``: cumulative actual lengths, ``cu_seqlens_padded``: cumulative padded lengths
+  (TE's ``pad_between_seqs`` form), each ``max_seqs + 2`` entries long;
+- after the real sequences a dummy sequence of actual length 0 covers the rest of the buffer, so
+  ``cu_seqlens_padded[-1]`` is exactly the pack's token count (kernels that walk the padded layout,
+  fused RoPE and the CP tail handling, then cover every token);
+- unused entries repeat the last value (zero-length sequences).
+
+The same layout feeds the eager run, so graphed and eager runs compute on identical shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from megatron_cg_plugin.config import is_power_of_two
+
+
+class ThdCapacityError(ValueError):
+    """A pack that does not fit the capacity the graphs were captured with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ThdLayout:
+    cp_size: int
+    tokens: int  # global tokens in the pack: cp_size * tokens_per_rank
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...]
+    sequences: int  # real sequences (the dummy not counted)
+
+    @property
+    def max_seqlen(self) -> int:
+        """The bound graphs are captured with: the whole pack (no sequence can be longer)."""
+        return self.tokens
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    multiple = 2 * cp_size
+    return (length + multiple - 1) // multiple * multiple
+
+
+def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank: int, max_seqs: int) -> ThdLayout:
+    """The fixed-capacity layout of a pack of sequences with these actual ``lengths``.
+
+    Raises ``ThdCapacityError`` naming what to raise when the pack has more sequences than
+    ``max_seqs`` (``--cg-thd-max-seqs``) or more padded tokens than ``cp_size * tokens_per_rank``
+    (``--max-seqlen-per-dp-cp-rank``)."""
+    if not is_power_of_two(cp_size):
+        raise ValueError(f"CP size {cp_size} must be a power of two.")
+    if tokens_per_rank < 2 or tokens_per_rank % 2:
+        raise ValueError(f"tokens per rank {tokens_per_rank} must be even and >= 2 (TE splits each rank's share in halves).")
+    if max_seqs < 1:
+        raise ValueError(f"--cg-thd-max-seqs {max_seqs} must be >= 1.")
+    if any(length < 1 for length in lengths):
+        raise ValueError(f"sequence lengths must be >= 1, got {list(lengths)}.")
+    if len(lengths) > max_seqs:
+        raise ThdCapacityError(
+            f"the pack holds {len(lengths)} sequences but graphs were captured for at most {max_seqs}; "
+            f"raise --cg-thd-max-seqs to at least {len(lengths)} (or pack fewer sequences per microbatch).")
+    tokens = cp_size * tokens_per_rank
+    padded = [padded_length(length, cp_size) for length in lengths]
+    if sum(padded) > tokens:
+        raise ThdCapacityError(
+            f"the pack needs {sum(padded)} tokens after padding each sequence to a multiple of {2 * cp_size} "
+            f"(CP size {cp_size}) but holds {tokens} ({cp_size} x {tokens_per_rank} per rank); raise "
+            "--max-seqlen-per-dp-cp-rank, or let the scheduler pick a larger CP size for it.")
+    cu, cu_padded = [0], [0]
+    for length, pad in zip(lengths, padded):
+        cu.append(cu[-1] + length)
+        cu_padded.append(cu_padded[-1] + pad)
+    cu.append(cu[-1])  # the dummy: no actual tokens ...
+    cu_padded.append(tokens)  # ... covering the rest of the buffer
+    while len(cu) < max_seqs + 2:
+        cu.append(cu[-1])
+        cu_padded.append(cu_padded[-1])
+    return ThdLayout(cp_size, tokens, tuple(cu), tuple(cu_padded), len(lengths))

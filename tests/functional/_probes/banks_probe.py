@@ -1,0 +1,194 @@
+"""GPU probe for dynamic-CP graph banks (2 ranks): two megatron-core TE TransformerLayers under
+hybrid context parallelism, banks for CP 1 and 2 in one pool, replayed per microbatch.
+
+Run by tests/functional/test_graph_banks.py through the launcher:
+    python banks_probe.py --out result.json
+Every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
+per rank, CP-2 microbatches span both ranks (the DP x CP group). Outputs, input gradients and
+parameter gradients of the graphed run are compared bitwise with an eager run of the same packs.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+import traceback
+
+for name, value in (("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0"), ("NVTE_TORCH_COMPILE", "0"), ("NVTE_FLASH_ATTN", "0")):
+    os.environ.setdefault(name, value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+TOKENS_PER_RANK, MAX_SEQS, H, HEADS = 256, 4, 256, 4
+SCHEDULE = [1, 2, 2, 1, 2, 1, 1, 2]  # CP size of each microbatch, the same on both ranks
+
+
+def setup():
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1, hybrid_context_parallel=True)
+    model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+    return {1: None, 2: parallel_state.get_hybrid_data_context_parallel_groups(group_size=2)}
+
+
+def build():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cg_plugin.capture.banked import banked_layer_class, ensure_dynamic_cp_stream
+
+    ensure_dynamic_cp_stream()  # eager hybrid CP needs it too (Megatron leaves it None at static CP 1)
+    torch.manual_seed(1234)  # the same weights on both ranks
+    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, bf16=True,
+                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
+                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True)
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec.module = banked_layer_class(spec.module)
+    layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(2)).cuda()
+    return layers
+
+
+def packs(groups):
+    """Per microbatch: (cp size, group, cu, cu_padded, max_seqlen, hidden, grad) on this rank."""
+    from megatron_cg_plugin.capture.banked import packed_seq_params
+    from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
+
+    rank = dist.get_rank()
+    result = []
+    for index, size in enumerate(SCHEDULE):
+        # A CP-2 pack is one pack over both ranks (same layout); CP-1 packs differ per rank.
+        rng = random.Random(index * 100 + (0 if size > 1 else rank + 1))
+        budget, lengths = size * TOKENS_PER_RANK, []
+        while len(lengths) < rng.randint(1, MAX_SEQS):
+            length = rng.randint(1, budget)
+            if sum(padded_length(n, size) for n in lengths) + padded_length(length, size) > budget:
+                break
+            lengths.append(length)
+        layout = fixed_capacity_layout(lengths or [1], size, TOKENS_PER_RANK, MAX_SEQS)
+        gen = torch.Generator(device="cuda").manual_seed(index * 10 + rank)
+        hidden = torch.randn(TOKENS_PER_RANK, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        grad = torch.randn(TOKENS_PER_RANK, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        params = packed_seq_params(torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda"),
+                                   torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda"),
+                                   size, groups[size], layout.max_seqlen)
+        result.append((size, params, hidden, grad, layout.cu_seqlens))
+    return result
+
+
+def step(layers, params_list, pack):
+    """Forward and backward of one microbatch through the layers (banked calls replay graphs)."""
+    _, params, hidden, grad, _ = pack
+    x = hidden.detach().requires_grad_(True)
+    out = x
+    for layer in layers:
+        out, _ = layer(hidden_states=out, attention_mask=None, packed_seq_params=params)
+    grads = torch.autograd.grad(out, [x] + params_list, grad)
+    return [out.detach().clone()] + [g.clone() for g in grads]
+
+
+def timed(fn, repeats=10):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[2:])
+
+
+def reserved():
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def run(result, groups):
+    from megatron_cg_plugin.banks import BankSelectionError
+    from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks, packed_seq_params
+    from megatron_cg_plugin.plan.thd import ThdCapacityError
+
+    layers = build()
+    params_list = [p for p in layers.parameters() if p.requires_grad]
+    data = packs(groups)
+    capacity = ThdCapacity(TOKENS_PER_RANK, MAX_SEQS)
+    eager = [step(layers, params_list, pack) for pack in data]
+    eager_ms = {size: timed(lambda p=next(p for p in data if p[0] == size): step(layers, params_list, p))
+                for size in (1, 2)}
+
+    # Pool bytes with one bank, then with two.
+    base = reserved()
+    one = capture_banks(layers, {1: None}, capacity)
+    one_bank_bytes = reserved() - base
+    one_report = one.report()
+    one.reset()
+    del one
+    base = reserved()
+    banked = capture_banks(layers, groups, capacity, debug=True)
+    two_bank_bytes = reserved() - base
+
+    graphed = [step(layers, params_list, pack) for pack in data]
+    exact = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
+    worst = [max((a.float() - b.float()).abs().max().item() for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
+    graphed_ms = {size: timed(lambda p=next(p for p in data if p[0] == size): step(layers, params_list, p))
+                  for size in (1, 2)}
+
+    training_report = banked.report()  # before the refusals below add their rejections
+
+    # Fail-closed checks: a look-alike group, an unknown CP size, a pack beyond capacity.
+    refusals = {}
+    size2 = next(p for p in data if p[0] == 2)
+    lookalike = dist.new_group(ranks=[0, 1])
+    cases = {
+        "lookalike_group": packed_seq_params(size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 2, lookalike,
+                                             size2[1].max_seqlen_q),
+        "unknown_cp_size": packed_seq_params(size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 4, lookalike,
+                                             size2[1].max_seqlen_q),
+        "cu_beyond_capacity": packed_seq_params(torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"),
+                                                torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"), 1, None,
+                                                TOKENS_PER_RANK),
+    }
+    for name, params in cases.items():
+        try:
+            step(layers, params_list, (0, params, size2[2], size2[3], None))
+            refusals[name] = "not refused"
+        except (BankSelectionError, ThdCapacityError) as error:
+            refusals[name] = f"{type(error).__name__}: {error}"
+    report = banked.report()
+    banked.reset()
+    result.update(
+        rank=dist.get_rank(), schedule=SCHEDULE, exact=exact, all_exact=all(exact), max_abs_diff=worst,
+        layouts=[list(p[4]) for p in data], eager_ms=eager_ms, graphed_ms=graphed_ms,
+        one_bank_reserved_bytes=one_bank_bytes, two_bank_reserved_bytes=two_bank_bytes,
+        one_bank_report=one_report, training_report=training_report, report=report, refusals=refusals)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    options = parser.parse_args()
+    result = {}
+    try:
+        groups = setup()
+        run(result, groups)
+    except Exception:  # noqa: BLE001 - written out for the test to show
+        result["probe_error"] = traceback.format_exc()
+    out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps(result, default=str)[:3000], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""GPU (2 ranks): dynamic-CP graph banks on megatron-core TE TransformerLayers under hybrid CP.
+
+One probe run (tests/functional/_probes/banks_probe.py) captures banks for CP sizes 1 and 2 into one
+pool, replays a schedule of fixed-capacity THD packs (CP-1 packs per rank, CP-2 packs over both
+ranks) and compares outputs and all gradients bitwise with the eager run of the same packs; it also
+measures pool bytes with one and two banks, step times, and checks the fail-closed refusals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.testing.distributed import run_probe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
+PROBE = Path(__file__).parent / "_probes" / "banks_probe.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(farm_out: Path) -> list[dict]:
+    return run_probe(PROBE, farm_out, "banks", nproc=2)
+
+
+def test_banked_replays_are_bitwise_eager_on_every_rank(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["all_exact"], (result["rank"], result["exact"], result["max_abs_diff"])
+
+
+def test_every_bank_replays_without_rejections(ranks: list[dict]) -> None:
+    for result in ranks:
+        banks = {row["cp_size"]: row for row in result["training_report"]["banks"]}
+        assert set(banks) == {1, 2}
+        assert all(row["replays"] > 0 and row["rejected"] == 0 for row in banks.values()), banks
+        assert result["training_report"]["unknown_size_rejections"] == 0
+
+
+def test_two_banks_cost_at_most_15_percent_more_pool_than_one(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["two_bank_reserved_bytes"] <= 1.15 * result["one_bank_reserved_bytes"], result
+
+
+def test_wrong_group_unknown_size_and_overfull_pack_are_refused(ranks: list[dict]) -> None:
+    for result in ranks:
+        refusals = result["refusals"]
+        assert refusals["lookalike_group"].startswith("BankSelectionError") and "very group" in refusals["lookalike_group"]
+        assert refusals["unknown_cp_size"].startswith("BankSelectionError") and "CP size 4" in refusals["unknown_cp_size"]
+        assert refusals["cu_beyond_capacity"].startswith("ThdCapacityError") and "--cg-thd-max-seqs" in refusals["cu_beyond_capacity"]
