@@ -2,10 +2,14 @@
 hybrid context parallelism, banks for CP 1 and 2 in one pool, replayed per microbatch.
 
 Run by tests/functional/test_graph_banks.py through the launcher:
-    python banks_probe.py --out result.json
-Every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
+    python banks_probe.py --scenario layers|training --out result.json
+``layers``: every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
 per rank, CP-2 microbatches span both ranks (the DP x CP group). Outputs, input gradients and
 parameter gradients of the graphed run are compared bitwise with an eager run of the same packs.
+``training``: a tiny megatron-core GPT (learned absolute positions, banked layers) trains 30 steps
+of 4 THD microbatches each (CP sizes 1 and 2, tokens split per sequence across the CP group as
+Megatron does), gradients summed over the DP x CP group and normalized per token, Adam; the
+per-step loss of the graphed run is compared with the eager run from the same initial weights.
 """
 
 import argparse
@@ -174,14 +178,139 @@ def run(result, groups):
         one_bank_report=one_report, training_report=training_report, report=report, refusals=refusals)
 
 
+VOCAB, STEPS, STEP_SCHEDULE = 512, 30, [1, 2, 2, 1]  # CP size of each microbatch of a step
+
+
+def build_gpt():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cg_plugin.capture.banked import banked_layer_class, ensure_dynamic_cp_stream
+
+    ensure_dynamic_cp_stream()
+    model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+    torch.manual_seed(1234)
+    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, bf16=True,
+                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
+                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                               attention_backend=AttnBackend.fused)  # matches NVTE_FLASH_ATTN=0 above
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    spec.module = banked_layer_class(spec.module)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=2 * TOKENS_PER_RANK,
+                     position_embedding_type="learned_absolute").cuda()
+    return Float16Module(config, model)
+
+
+def training_batches(groups):
+    """Per step, per microbatch: this rank's tokens, labels, loss mask, positions and PackedSeqParams.
+    CP-2 packs are the same on both ranks and split per sequence (TE's thd_get_partitioned_indices)."""
+    import transformer_engine_torch as tex
+
+    from megatron_cg_plugin.capture.banked import packed_seq_params
+    from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
+
+    rank = dist.get_rank()
+    steps = []
+    for step_index in range(STEPS):
+        microbatches = []
+        for index, size in enumerate(STEP_SCHEDULE):
+            rng = random.Random(step_index * 1000 + index * 10 + (0 if size > 1 else rank + 1))
+            budget, lengths = size * TOKENS_PER_RANK, []
+            for _ in range(rng.randint(1, MAX_SEQS)):
+                length = rng.randint(8, budget // 2)
+                if sum(padded_length(n, size) for n in lengths) + padded_length(length, size) > budget:
+                    break
+                lengths.append(length)
+            layout = fixed_capacity_layout(lengths or [8], size, TOKENS_PER_RANK, MAX_SEQS)
+            tokens = torch.zeros(layout.tokens, dtype=torch.long)
+            labels = torch.zeros(layout.tokens, dtype=torch.long)
+            loss_mask = torch.zeros(layout.tokens, dtype=torch.float)
+            positions = torch.zeros(layout.tokens, dtype=torch.long)
+            for seq, length in enumerate(lengths):
+                start = layout.cu_seqlens_padded[seq]
+                text = torch.tensor([rng.randrange(VOCAB) for _ in range(length + 1)])
+                tokens[start:start + length] = text[:-1]
+                labels[start:start + length] = text[1:]
+                loss_mask[start:start + length] = 1.0
+                positions[start:start + length] = torch.arange(length)
+            cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
+            cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
+            local = [t.cuda() for t in (tokens, labels, loss_mask, positions)]
+            if size > 1:
+                index_on_rank = tex.thd_get_partitioned_indices(cu_padded, layout.tokens, size,
+                                                                dist.get_rank(groups[size]))
+                local = [t.index_select(0, index_on_rank) for t in local]
+            params = packed_seq_params(cu, cu_padded, size, groups[size], layout.max_seqlen)
+            microbatches.append((size, params, *[t.unsqueeze(0) for t in local]))
+        steps.append(microbatches)
+    return steps
+
+
+def train(model, steps, on_step=None):
+    """Megatron's per-token-loss recipe: each microbatch backpropagates its summed token loss, then
+    gradients and token counts are summed over the DP x CP group and gradients divided by the tokens."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, times = [], []
+    for index, microbatches in enumerate(steps):
+        if on_step is not None:
+            on_step(index)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        loss_sum = torch.zeros((), device="cuda")
+        tokens = torch.zeros((), device="cuda")
+        for size, packed, input_ids, labels, loss_mask, positions in microbatches:
+            per_token = model(input_ids, positions, None, labels=labels, packed_seq_params=packed)
+            loss = (per_token.float() * loss_mask).sum()
+            loss.backward()
+            loss_sum += loss.detach()
+            tokens += loss_mask.sum()
+        for p in params:
+            dist.all_reduce(p.grad)
+        totals = torch.stack([loss_sum, tokens])
+        dist.all_reduce(totals)
+        for p in params:
+            p.grad.div_(totals[1])
+        optimizer.step()
+        losses.append((totals[0] / totals[1]).item())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return losses, times
+
+
+def training(result, groups):
+    from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+
+    steps = training_batches(groups)
+    eager_losses, eager_times = train(build_gpt(), steps)
+    model = build_gpt()
+    layers = list(model.module.decoder.layers)
+    banks = capture_banks(layers, groups, ThdCapacity(TOKENS_PER_RANK, MAX_SEQS))
+    graphed_losses, graphed_times = train(model, steps)
+    report = banks.report()
+    banks.reset()
+    result.update(
+        rank=dist.get_rank(), steps=STEPS, microbatch_cp_sizes=STEP_SCHEDULE,
+        eager_losses=eager_losses, graphed_losses=graphed_losses, losses_equal=eager_losses == graphed_losses,
+        eager_step_ms=1e3 * statistics.median(eager_times[3:]), graphed_step_ms=1e3 * statistics.median(graphed_times[3:]),
+        report=report)
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", choices=["layers", "training"], default="layers")
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        run(result, groups)
+        (run if options.scenario == "layers" else training)(result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")
