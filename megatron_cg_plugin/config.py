@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-PRESETS = ("tiny-gpt", "tiny-moe")
+PRESETS = ("tiny-gpt", "tiny-moe", "tiny-gpt-hybrid-cp")
 ON_CAPTURE_ERROR = ("raise", "eager")
 CONTRACT_CHECKS = ("full", "shapes", "off")
 STALE_GRAPH_CHECKS = ("refuse", "off")
@@ -46,6 +46,11 @@ class PluginConfig:
             layer (1-based), to exercise the rollback.
         bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank
             (powers of two from it up to DP x CP).
+        graph_banks: under --hybrid-context-parallel, capture one graph bank per power-of-two CP
+            size (from ``bank_min_cp`` to DP x CP) for every layer, all in one pool, and replay the
+            bank of each packed microbatch's CP size.
+        thd_max_seqs: the most packed sequences a THD microbatch may hold with graph banks (the
+            ``cu_seqlens`` buffers are fixed at capture).
         slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
             owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """
@@ -59,6 +64,8 @@ class PluginConfig:
     stale_graph_check: str = "refuse"
     inject_capture_failure: int | None = None
     bank_min_cp: int = 1
+    graph_banks: bool = False
+    thd_max_seqs: int = 8
     slot_debug: bool = False
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ def validate_config(config: PluginConfig) -> None:
             raise ValueError(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
         raise ValueError("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
+    if config.thd_max_seqs < 1:
+        raise ValueError(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
     if not is_power_of_two(config.bank_min_cp):
         raise ValueError(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
@@ -109,6 +118,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Testing only: fail capture inside the N-th graphed layer (1-based).")
     group.add_argument("--cg-bank-min-cp", type=int, default=1, metavar="K",
                        help="Hybrid CP: capture graph banks for CP sizes K, 2K, ... up to DP x CP.")
+    group.add_argument("--cg-graph-banks", action="store_true",
+                       help="Hybrid CP: one graph bank per power-of-two CP size for every layer, in one pool.")
+    group.add_argument("--cg-thd-max-seqs", type=int, default=8, metavar="N",
+                       help="Graph banks: the most packed sequences per THD microbatch (fixed at capture).")
     return parser
 
 
@@ -125,7 +138,7 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
     (and the environment, for the debug switch)."""
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
-                                 "cg_inject_capture_failure", "cg_bank_min_cp")
+                                 "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -142,5 +155,7 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
         stale_graph_check=args.cg_stale_graph_check,
         inject_capture_failure=args.cg_inject_capture_failure,
         bank_min_cp=args.cg_bank_min_cp,
+        graph_banks=args.cg_graph_banks,
+        thd_max_seqs=args.cg_thd_max_seqs,
         slot_debug=slot_debug_from_environment(environ),
     )

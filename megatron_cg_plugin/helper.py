@@ -137,6 +137,8 @@ class PluginHelperMixin:
     def create_cudagraphs(self) -> None:
         if not self.flattened_callables:
             return super().create_cudagraphs()  # Megatron warns and finishes the phase
+        if self.session.config.graph_banks:
+            return self._create_banks()
         config = self.session.config
         layers = self.flattened_callables  # every graphed layer, chunk by chunk
         scope = scope_label(self.config.cuda_graph_modules)
@@ -172,6 +174,52 @@ class PluginHelperMixin:
             seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
             replays=counter)
+
+    def _create_banks(self) -> None:
+        """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
+        (``capture.banked``); ``capture_banks`` leaves no layer banked if it fails."""
+        import torch
+        from megatron.core import parallel_state
+
+        from megatron_cg_plugin.banks import bank_sizes
+        from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+
+        config = self.session.config
+        layers = self.flattened_callables
+        unbanked = sorted({type(layer).__name__ for layer in layers if not getattr(type(layer), "graph_banks", False)})
+        if unbanked:
+            raise CaptureFailedError(
+                f"--cg-graph-banks needs the banked layer class in the model's layer spec, but {unbanked} were "
+                "built; use the plugin's launcher (python -m megatron_cg_plugin.pretrain_gpt), or set "
+                "transformer_layer_spec.module = megatron_cg_plugin.capture.banked.banked_layer_class(...).")
+        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        sizes = bank_sizes(dp_cp, config.bank_min_cp)
+        groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
+                  for size in sizes}
+        capacity = ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
+        scope = f"layer (banks CP {'/'.join(map(str, sizes))})"
+        start = time.perf_counter()
+        baseline = diagnostics.memory_state()
+        try:
+            banked = capture_banks(layers, groups, capacity, debug=config.slot_debug)
+        except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
+            self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+            if config.on_capture_error == "raise":
+                raise CaptureFailedError(f"graph bank capture failed: {type(error).__name__}: {error}\nNo layer "
+                                         "was left banked. Fix the cause (docs/troubleshooting.md), or pass "
+                                         "--cg-on-capture-error eager.") from error
+            logger.warning("graph bank capture failed (%s); training continues eagerly.", error)
+            return
+        self._banks = banked
+        self._baseline = baseline
+        self._graphs_created = True
+        self._capture_finished = True
+        self.capture_stats = CaptureStats(
+            scope=scope, layers=len(layers), graphs=2 * len(sizes) * len(layers), seconds=time.perf_counter() - start,
+            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
+            replays=banked.replay_counts(), banks=lambda: banked.report()["banks"])
 
     def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
         """The stale-graph check runs before capture changes anything, so a refusal needs no
@@ -268,7 +316,7 @@ class PluginHelperMixin:
 
     # -- teardown -----------------------------------------------------------------------------
     def cuda_graph_set_manual_hooks(self) -> None:
-        if self.graphs_created():  # after a failed capture there is nothing to hook
+        if self.graphs_created() and getattr(self, "_banks", None) is None:  # nothing to hook after a failure; banks refuse the hooks' flags
             super().cuda_graph_set_manual_hooks()
 
     def delete_cuda_graphs(self) -> None:
@@ -278,6 +326,9 @@ class PluginHelperMixin:
             return
         import torch
 
+        banks = vars(self).pop("_banks", None)
+        if banks is not None:
+            banks.reset()
         super().delete_cuda_graphs()
         gc.collect()
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it

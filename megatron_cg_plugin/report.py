@@ -27,6 +27,7 @@ class ScopeReport:
     failure: str | None = None  # set when capture failed and was rolled back
     teardown_allocated_delta_bytes: int | None = None  # after delete_cuda_graphs, vs before capture
     teardown_pool_bytes_left: int | None = None
+    banks: tuple[dict[str, int], ...] = ()  # graph banks: per CP size, replays and rejections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,9 @@ class RunReport:
         for scope in self.scopes:
             if scope.failure:
                 lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
+            for bank in scope.banks:
+                lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "
+                             f"{bank['rejected']} rejected")
             if scope.teardown_allocated_delta_bytes is not None:
                 lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
                              f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools")

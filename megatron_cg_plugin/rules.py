@@ -47,6 +47,9 @@ class GraphFacts:
     gradient_accumulation_fusion: bool = False
     apex_fused_wgrad: bool = False
     hybrid_context_parallel: bool = False
+    graph_banks: bool = False  # --cg-graph-banks
+    position_embedding_type: str = "learned_absolute"
+    overlap_param_gather: bool = False
     delay_wgrad_compute: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     tensor_parallel: int = 1
@@ -169,10 +172,21 @@ RULES: tuple[Rule, ...] = (
     Rule("cpu-offloading", "megatron", _graphs(lambda f: f.cpu_offloading),
          "--cpu-offloading is not supported with CUDA graphs: use --fine-grained-activation-offloading "
          "or turn graphs off."),
-    Rule("hybrid-cp", "plugin", _graphs(lambda f: f.hybrid_context_parallel),
-         "--hybrid-context-parallel with TE CUDA graphs needs per-CP-size graph banks, which this "
-         "plugin release does not provide yet: drop --hybrid-context-parallel or use "
-         "--cuda-graph-impl none."),
+    Rule("hybrid-cp", "plugin", _graphs(lambda f: f.hybrid_context_parallel and not f.graph_banks),
+         "--hybrid-context-parallel with TE CUDA graphs needs one graph bank per CP size (Megatron's "
+         "own replay refuses packed sequences): add --cg-graph-banks, or use --cuda-graph-impl none."),
+    Rule("banks-need-hybrid-cp", "plugin", _graphs(lambda f: f.graph_banks and not f.hybrid_context_parallel),
+         "--cg-graph-banks captures one bank per CP size of --hybrid-context-parallel: add "
+         "--hybrid-context-parallel, or drop --cg-graph-banks."),
+    Rule("banks-rope", "plugin", _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("rope", "yarn", "mrope")),
+         "graph banks replay hidden states and the THD layout only; RoPE under dynamic CP (Megatron applies "
+         "THD RoPE with the static CP group) is not supported yet: use --position-embedding-type "
+         "learned_absolute with --cg-graph-banks."),
+    Rule("banks-scope", "plugin", _graphs(lambda f: f.graph_banks and bool(f.modules)),
+         "graph banks capture whole transformer layers: drop --cuda-graph-modules with --cg-graph-banks."),
+    Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
+         "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
+         "--overlap-param-gather with --cg-graph-banks."),
     Rule("hybrid-cp-pipeline", "megatron", _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
          "--hybrid-context-parallel needs --pipeline-model-parallel-size 1."),
     Rule("hybrid-cp-power-of-two", "plugin",
@@ -187,10 +201,6 @@ RULES: tuple[Rule, ...] = (
          _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
          "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
          "drop it with --hybrid-context-parallel."),
-    Rule("hybrid-cp-mamba", "plugin",
-         _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
-         "graph banks capture transformer layers: remove mamba from --cuda-graph-modules with "
-         "--hybrid-context-parallel."),
     Rule("gradient-accumulation-fusion", "megatron",
          lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
          "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
@@ -251,6 +261,9 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
+        graph_banks=bool(getattr(args, "cg_graph_banks", False)),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),
         overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
         tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),

@@ -59,8 +59,9 @@ class CaptureStats:
     graphs: int
     seconds: float
     pool_bytes: int
-    replays: diagnostics.ReplayCounter
+    replays: Any  # diagnostics.ReplayCounter; for graph banks its read side over the banks (BankReplayCounts)
     failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
+    banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
 
 
 class RunSession:
@@ -140,6 +141,7 @@ class RunSession:
                 failure=stats.failure,
                 teardown_allocated_delta_bytes=None if teardown is None else teardown.allocated_delta_bytes,
                 teardown_pool_bytes_left=None if teardown is None else teardown.pool_bytes_left,
+                banks=() if stats.banks is None else tuple(stats.banks()),
             )
             for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))
                                     for h in self.helpers)

@@ -88,7 +88,7 @@ def banked_layer_class(base: type) -> type:
         _check_layout(vars(self)["_bank_capacity"], bank.cp_size, params)
         return bank.payload(hidden_states, params.cu_seqlens_q, params.cu_seqlens_q_padded), None
 
-    return type(f"Banked{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__,
+    return type(f"Banked{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__, "graph_banks": True,
                                                      "__doc__": f"{base.__name__} with dynamic-CP graph banks."})
 
 
@@ -133,6 +133,9 @@ class BankedLayers:
                 "boundary_bytes": sum(s.boundary_bytes for s in stats),
                 "capture_seconds": sum(s.capture_seconds for s in stats)}
 
+    def replay_counts(self) -> "BankReplayCounts":
+        return BankReplayCounts(self)
+
     def reset(self) -> None:
         for layer in self.layers:
             vars(layer).pop("_bank_router", None)
@@ -140,6 +143,30 @@ class BankedLayers:
         for graphs in self.graphs.values():
             graphs.reset()
         self.graphs.clear()
+
+
+class BankReplayCounts:
+    """The read side of ``diagnostics.ReplayCounter`` over the banks' routers, per layer, live."""
+
+    def __init__(self, banked: BankedLayers) -> None:
+        self._routers = [banked.routers[id(layer)] for layer in banked.layers]
+
+    @property
+    def counts(self) -> list[int]:
+        return [sum(bank.replays for bank in router.banks.values()) for router in self._routers]
+
+    @property
+    def rejected(self) -> list[int]:
+        return [sum(bank.rejected for bank in router.banks.values()) + router.unknown_size_rejections
+                for router in self._routers]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def total_rejected(self) -> int:
+        return sum(self.rejected)
 
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,

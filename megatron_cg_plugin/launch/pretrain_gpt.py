@@ -77,6 +77,47 @@ class BatchSpec:
     context_parallel_size: int
     pipeline_model_parallel_size: int
     create_attention_mask: bool
+    hybrid_context_parallel: bool = False
+    tokens_per_rank: int | None = None  # --max-seqlen-per-dp-cp-rank (hybrid CP)
+    thd_max_seqs: int = 1  # --cg-thd-max-seqs (hybrid CP)
+
+
+def get_hybrid_cp_batch(data_iterator: Any, spec: BatchSpec) -> tuple[dict[str, Any], Any]:
+    """One microbatch of Megatron's hybrid-CP schedule as a fixed-capacity THD pack on this rank.
+
+    The schedule hands over one document (1-D tokens, labels, loss mask, positions) with its CP size
+    (``local_cp_size``). Megatron 0.19.2's own path fails on these (``get_batch_on_this_tp_rank``
+    reads a second dimension the 1-D sample lacks); here the document is padded to the pack of
+    ``cp x --max-seqlen-per-dp-cp-rank`` tokens (``plan.thd``: the same layout graphed and eager),
+    split per sequence across the CP group with TE's partitioned indices (as Megatron does), and
+    described by a ``PackedSeqParams`` with the hybrid group of that size."""
+    import torch.distributed as dist
+    import transformer_engine_torch as tex
+    from megatron.core import parallel_state
+
+    from megatron_cg_plugin.capture.banked import ensure_dynamic_cp_stream, packed_seq_params
+    from megatron_cg_plugin.plan.thd import fixed_capacity_layout
+
+    ensure_dynamic_cp_stream()  # eager hybrid CP at static CP 1 needs it as much as graphs (here: device set)
+    sample = next(data_iterator)
+    size = int(sample["local_cp_size"])
+    length = int(sample["tokens"].numel())
+    layout = fixed_capacity_layout([length], size, spec.tokens_per_rank, spec.thd_max_seqs)
+    batch = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        value = sample[key].reshape(-1).cuda(non_blocking=True)
+        padded = torch.zeros(layout.tokens, dtype=value.dtype, device=value.device)
+        padded[:length] = value
+        batch[key] = padded
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
+    cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
+    group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
+    if size > 1:
+        index = tex.thd_get_partitioned_indices(cu_padded, layout.tokens, size, dist.get_rank(group))
+        batch = {key: value.index_select(0, index) for key, value in batch.items()}
+    batch = {key: value.unsqueeze(0) for key, value in batch.items()}
+    batch["attention_mask"] = None
+    return batch, packed_seq_params(cu, cu_padded, size, group, layout.max_seqlen)
 
 
 def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict[str, Any]:
@@ -125,6 +166,11 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec, session: An
 
     if getattr(model, "training", True):  # evaluation steps are not training iterations
         session.mark_iteration_start()
+    if spec.hybrid_context_parallel:
+        batch, packed = get_hybrid_cp_batch(data_iterator, spec)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed)
+        return output, functools.partial(loss_func, batch["loss_mask"])
     batch = get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
@@ -151,6 +197,7 @@ def datasets_provider(train_val_test_num_samples: Sequence[int], vp_stage: int |
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
     )
 
     def built_on_this_rank() -> bool:
@@ -160,10 +207,46 @@ def datasets_provider(train_val_test_num_samples: Sequence[int], vp_stage: int |
                                          built_on_this_rank, config).build()
 
 
+def check_hybrid_cp_launch(args: Any) -> None:
+    """What this launcher's hybrid-CP data path needs beyond Megatron's own checks (each of these
+    otherwise fails later with an assertion or an IndexError deep inside Megatron)."""
+    if not getattr(args, "hybrid_context_parallel", False):
+        return
+    needed = []
+    if getattr(args, "rerun_mode", "disabled") != "disabled":
+        needed.append("--rerun-mode disabled (Megatron's hybrid-CP loader is not a RerunDataIterator)")
+    if not getattr(args, "dataloader_inter_document_masking", False):
+        needed.append("--dataloader-inter-document-masking (the hybrid-CP scheduler splits samples into documents)")
+    if not getattr(args, "max_seqlen_per_dp_cp_rank", None):
+        needed.append("--max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)")
+    if args.tensor_model_parallel_size != 1:
+        needed.append("--tensor-model-parallel-size 1 (this launcher's hybrid-CP data path does not broadcast over TP)")
+    if needed:
+        raise ValueError("--hybrid-context-parallel with this launcher needs: " + "; ".join(needed) + ".")
+
+
+def banked_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron's default GPT layer spec with the layer class swapped for the banked one
+    (``capture.banked``): graph banks are injected through the spec, no class is patched."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.training.models.gpt import default_layer_spec
+
+    from megatron_cg_plugin.capture.banked import banked_layer_class
+
+    spec = default_layer_spec(config, vp_stage)
+    if not (isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
+        raise ValueError(f"--cg-graph-banks supports models whose layer spec is one TransformerLayer spec; this model's "
+                         f"is {type(spec).__name__} ({getattr(spec, 'module', None)!r}): drop --cg-graph-banks.")
+    spec.module = banked_layer_class(spec.module)
+    return spec
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_megatron_args(argv)
     check_plugin_rules(args, dict(os.environ))
+    check_hybrid_cp_launch(args)
     session = integration.install(config_from_args(args))
     try:
         from megatron.core.enums import ModelType
@@ -176,10 +259,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             context_parallel_size=args.context_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             create_attention_mask=args.create_attention_mask_in_dataloader,
+            hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
+            tokens_per_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
+            thd_max_seqs=session.config.thd_max_seqs,
         )
         provider = functools.partial(datasets_provider, args=args)
         provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)
-        full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        model_config = gpt_config_from_args(args)
+        if spec.hybrid_context_parallel and session.config.graph_banks and args.cuda_graph_impl == "transformer_engine":
+            model_config.transformer_layer_spec = banked_layer_spec
+        full_config = pretrain_cfg_container_from_args(args, model_config)
         pretrain(full_config, provider, ModelType.encoder_or_decoder,
                  functools.partial(forward_step, spec=spec, session=session))
         integration.finish()

@@ -36,8 +36,10 @@ class FarmCase:
     expect_capture_failure: bool = False
     golden: str | None = None
     golden_metrics: tuple[str, ...] = ()
+    steps: int = FARM_STEPS
 
-    def argv(self, *, graphed: bool, out_dir: Path, steps: int = FARM_STEPS) -> list[str]:
+    def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
+        steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
         return [
             "-m", "megatron_cg_plugin.pretrain_gpt",
@@ -70,6 +72,8 @@ CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_gpt_layer_capture_failure", 1, "tiny-gpt",
              ("--cg-inject-capture-failure", "2", "--cg-on-capture-error", "eager"),
              expect_capture_failure=True, golden="tiny_gpt_layer", golden_metrics=("lm loss",)),
+    # Hybrid CP with one graph bank per CP size (1 and 2), 30 steps.
+    FarmCase("tiny_gpt_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp", ("--cg-graph-banks",), steps=30),
 )
 
 
@@ -112,7 +116,7 @@ class CaseResult:
         }
 
 
-def run_case(case: FarmCase, out_dir: Path, *, steps: int = FARM_STEPS, timeout_s: float = 900,
+def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout_s: float = 900,
              devices: str | None = None) -> CaseResult:
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
     single-GPU cases can run side by side on a multi-GPU host."""

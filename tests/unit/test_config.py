@@ -183,8 +183,14 @@ def test_every_preset_parses_with_megatron(megatron_parse, preset):
     args = megatron_parse(["--cg-preset", preset])
     assert sys.argv == argv_before  # the parser's sys.argv swap is undone
     assert args.cg_preset == preset
-    assert args.num_layers == 2 and args.hidden_size == 256 and args.micro_batch_size == 2
-    assert args.global_batch_size == 8 and args.mock_data and args.bf16
+    hybrid = preset == "tiny-gpt-hybrid-cp"
+    assert args.num_layers == 2 and args.hidden_size == 256 and args.micro_batch_size == (1 if hybrid else 2)
+    assert args.global_batch_size == (4 if hybrid else 8) and args.mock_data and args.bf16
+    assert args.hybrid_context_parallel is hybrid
+    if hybrid:  # what the launcher's hybrid-CP data path needs (check_hybrid_cp_launch)
+        assert args.max_seqlen_per_dp_cp_rank == 256 and args.rerun_mode == "disabled"
+        assert args.dataloader_inter_document_masking and args.calculate_per_token_loss
+        assert args.position_embedding_type == "learned_absolute"
     assert args.gradient_accumulation_fusion is False
     assert args.cuda_graph_impl == "none"
     assert args.num_experts == (4 if preset == "tiny-moe" else None)
@@ -218,3 +224,23 @@ def test_slot_debug_refuses_what_it_does_not_understand():
 
     with pytest.raises(ValueError, match="MEGATRON_CG_SLOT_DEBUG='yes' is not understood; set it to 1"):
         slot_debug_from_environment({"MEGATRON_CG_SLOT_DEBUG": "yes"})
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("--rerun-mode", "--rerun-mode disabled"),
+    ("--dataloader-inter-document-masking", "--dataloader-inter-document-masking"),
+    ("--max-seqlen-per-dp-cp-rank", "--max-seqlen-per-dp-cp-rank N"),
+])
+def test_hybrid_cp_launch_names_what_the_data_path_needs(megatron_parse, drop, message):
+    from megatron_cg_plugin.launch.pretrain_gpt import check_hybrid_cp_launch
+    from megatron_cg_plugin.launch.presets import PRESET_FLAGS
+
+    flags = list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])
+    index = flags.index(drop)
+    del flags[index:index + (1 if drop == "--dataloader-inter-document-masking" else 2)]
+    if drop == "--rerun-mode":
+        flags += ["--rerun-mode", "validate_results"]
+    args = megatron_parse(flags)
+    check_hybrid_cp_launch(megatron_parse(list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])))  # the preset itself passes
+    with pytest.raises(ValueError, match=f"--hybrid-context-parallel with this launcher needs: .*{message}"):
+        check_hybrid_cp_launch(args)

@@ -45,16 +45,21 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                      "--no-gradient-accumulation-fusion"),
     "expandable-segments": (GraphFacts(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
     "warmup-steps": (GraphFacts(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
-    "hybrid-cp-pipeline": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, world_size=4,
+    "hybrid-cp-pipeline": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=4,
                                       pipeline_parallel=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, world_size=6),
+    "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=6),
                                "power of two"),
-    "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True,
+    "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                            delay_wgrad_compute=True), "--delay-wgrad-compute"),
-    "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True,
+    "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                         overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
-    "hybrid-cp-mamba": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, modules=("mamba",)),
-                        "remove mamba"),
+    "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
+    "banks-rope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                              position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
+    "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, modules=("attn",)),
+                    "drop --cuda-graph-modules"),
+    "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                              overlap_param_gather=True), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
                                   moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
                        "--moe-layer-freq"),
@@ -112,9 +117,7 @@ def test_each_rule_fires_alone_with_its_fix(name):
     with pytest.raises(RuleViolation) as info:
         validate(facts)
     fired = [n for n, _ in info.value.violations]
-    # Until graph banks are wired into capture, every hybrid-CP graph run is also refused as a whole.
-    umbrella = {"hybrid-cp"} if facts.hybrid_context_parallel and name != "hybrid-cp" else set()
-    assert name in fired and set(fired) - {name} == umbrella, fired
+    assert fired == [name], fired
     assert isinstance(info.value, ValueError)
     message = str(info.value)
     assert f"[{name}]" in message
