@@ -182,7 +182,22 @@ class _Entry:
     def name(self) -> str:
         return f"variant {self.variant.name!r} in slot {self.slot}"
 
+    def release(self) -> None:
+        """Resets the graphs and drops every buffer they used (reports may keep the entry alive)."""
+        for graph in (self.forward_graph, self.backward_graph):
+            if graph is not None:
+                graph.reset()
+        self.forward_graph = self.backward_graph = None
+        self.boundary = None
+        self.param_grads = ()
+
+    def _check_live(self) -> None:
+        if self.forward_graph is None:
+            raise RuntimeError(f"the graphs of {self.name} were reset (delete_cuda_graphs or SlottedGraphs.reset); "
+                               "capture again before replaying.")
+
     def replay_forward(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        self._check_live()
         if len(args) != len(self.specs):
             raise ContractViolation(self.name, "number of inputs", len(self.specs), len(args))
         for index, (arg, spec, static) in enumerate(zip(args, self.specs, self.boundary.inputs)):
@@ -258,11 +273,10 @@ class SlottedGraphs:
         return replay
 
     def reset(self) -> None:
-        """Frees every graph (and, once the caller drops its references, the pool and arenas)."""
+        """Frees every graph, arena and boundary buffer (the pool goes once the caller drops its
+        handle). Callables handed out before keep only an emptied entry and refuse to replay."""
         for entry in self._entries.values():
-            for graph in (entry.forward_graph, entry.backward_graph):
-                if graph is not None:
-                    graph.reset()
+            entry.release()
         self._entries.clear()
         self._keep_alive.clear()
 

@@ -96,3 +96,36 @@ def test_bad_arguments_are_refused_before_anything_is_allocated(kwargs, message)
         _validate(args["variants"], args["ring_size"], args["warmup_iterations"])
     with pytest.raises(ValueError, match=message):
         capture_slotted(args["variants"], args["ring_size"], [], warmup_iterations=args["warmup_iterations"])
+
+
+class FakeGraph:
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
+    """Reports keep routers and callables alive after teardown; the buffers must go anyway."""
+    from megatron_cg_plugin.capture.slotted import SlottedGraphs, SlottedStats, _Boundary, _Entry
+
+    sample = torch.zeros(4, 6, requires_grad=True)
+    variant = Variant("v", lambda x: x * 2, (sample,))
+    boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
+    param = torch.nn.Parameter(torch.ones(3))
+    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None)
+    entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
+    graphs_before = (entry.forward_graph, entry.backward_graph)
+    stats = SlottedStats(ring_size=1, variants=1, graphs=2, capture_seconds=0.0, pool_bytes=0, arena_bytes=0,
+                         boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={}, retained_bytes=0,
+                         uncovered_bytes=0)
+    graphs = SlottedGraphs({("v", 0): entry}, stats, [boundary])
+    replay = graphs.callable("v", 0)
+    graphs.reset()
+    assert [g.resets for g in graphs_before] == [1, 1]
+    assert entry.boundary is None and entry.param_grads == () and entry.forward_graph is None
+    with pytest.raises(RuntimeError, match="were reset .* capture again"):
+        replay(torch.zeros(4, 6))
+    with pytest.raises(KeyError, match="no graph for variant 'v' in slot 0"):
+        graphs.callable("v", 0)
