@@ -14,26 +14,13 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 from megatron_cg_plugin.capture.contracts import group_label
-from megatron_cg_plugin.config import is_power_of_two
+from megatron_cg_plugin.plan.banks import bank_sizes
+
+__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "bank_sizes"]
 
 
 class BankSelectionError(RuntimeError):
     """A microbatch whose CP size or group matches no captured bank."""
-
-
-def bank_sizes(dp_cp_size: int, min_cp: int = 1) -> tuple[int, ...]:
-    """The CP sizes to capture a bank for: powers of two from ``min_cp`` up to DP x CP."""
-    if not is_power_of_two(dp_cp_size):
-        raise ValueError(f"hybrid context parallelism needs DP x CP to be a power of two, got {dp_cp_size}: "
-                         "change the number of ranks or --context-parallel-size.")
-    if not is_power_of_two(min_cp) or min_cp > dp_cp_size:
-        raise ValueError(f"--cg-bank-min-cp {min_cp} must be a power of two no larger than DP x CP "
-                         f"({dp_cp_size}).")
-    sizes, size = [], min_cp
-    while size <= dp_cp_size:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes)
 
 
 @dataclasses.dataclass

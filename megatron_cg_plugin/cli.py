@@ -17,6 +17,8 @@ import types
 import warnings
 from typing import Iterator, Sequence
 
+from megatron_cg_plugin.config import PRESETS
+
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -144,6 +146,14 @@ def _check(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-cg check", add_help=False)
     parser.add_argument("--nproc", type=int, default=1,
                         help="number of ranks the run would use (sets the data-parallel size)")
+    if any(flag in ("-h", "--help") for flag in argv):
+        # Megatron 0.19.2's own --help crashes (a bare '%' in one of its help strings), so say what
+        # this command takes here; the flags themselves are Megatron's and the plugin's --cg-*.
+        print("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
+              "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
+              "The flags are Megatron's plus the plugin's --cg-* (docs/troubleshooting.md lists every rule); "
+              f"presets: --cg-preset {{{','.join(PRESETS)}}}.")
+        return EXIT_OK
     options, flags = parser.parse_known_args(argv)
     if options.nproc < 1:
         print("megatron-cg check: --nproc must be >= 1", file=sys.stderr)

@@ -46,15 +46,11 @@ def allocator_segments() -> list[dict[str, Any]]:
     return torch.cuda.memory_snapshot()
 
 
-class ReplayCounter:
-    """Counts forward replays, and replays refused by their contract, per graphed layer (slot)."""
+class ReplayTotals:
+    """The read side of replay counting: ``counts`` and ``rejected`` per graphed layer, and totals."""
 
-    def __init__(self, slots: int) -> None:
-        self.counts = [0] * slots
-        self.rejected = [0] * slots
-
-    def wrap(self, graph: Callable, slot: int, check: Callable[[tuple, dict], None] | None = None) -> "CountingGraph":
-        return CountingGraph(graph, self, slot, check)
+    counts: Sequence[int]
+    rejected: Sequence[int]
 
     @property
     def total(self) -> int:
@@ -63,6 +59,17 @@ class ReplayCounter:
     @property
     def total_rejected(self) -> int:
         return sum(self.rejected)
+
+
+class ReplayCounter(ReplayTotals):
+    """Counts forward replays, and replays refused by their contract, per graphed layer (slot)."""
+
+    def __init__(self, slots: int) -> None:
+        self.counts = [0] * slots
+        self.rejected = [0] * slots
+
+    def wrap(self, graph: Callable, slot: int, check: Callable[[tuple, dict], None] | None = None) -> "CountingGraph":
+        return CountingGraph(graph, self, slot, check)
 
 
 class CountingGraph:

@@ -48,8 +48,10 @@ class GraphFacts:
     apex_fused_wgrad: bool = False
     hybrid_context_parallel: bool = False
     graph_banks: bool = False  # --cg-graph-banks
+    bank_min_cp: int = 1  # --cg-bank-min-cp
     position_embedding_type: str = "learned_absolute"
     overlap_param_gather: bool = False
+    activation_offloading: bool = False  # --fine-grained-activation-offloading
     delay_wgrad_compute: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     tensor_parallel: int = 1
@@ -184,6 +186,10 @@ RULES: tuple[Rule, ...] = (
          "learned_absolute with --cg-graph-banks."),
     Rule("banks-scope", "plugin", _graphs(lambda f: f.graph_banks and bool(f.modules)),
          "graph banks capture whole transformer layers: drop --cuda-graph-modules with --cg-graph-banks."),
+    Rule("banks-offload", "plugin", _graphs(lambda f: f.graph_banks and f.activation_offloading),
+         "activation offloading installs its own saved-tensor hooks, which would bypass the arenas that keep "
+         "graph banks apart, and the delayed offload flush is not wired into bank replays yet: drop "
+         "--fine-grained-activation-offloading with --cg-graph-banks."),
     Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
          "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
          "--overlap-param-gather with --cg-graph-banks."),
@@ -262,8 +268,10 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
         graph_banks=bool(getattr(args, "cg_graph_banks", False)),
+        bank_min_cp=getattr(args, "cg_bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        activation_offloading=bool(getattr(args, "fine_grained_activation_offloading", False)),
         delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),
         overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
         tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),

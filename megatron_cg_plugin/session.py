@@ -59,7 +59,7 @@ class CaptureStats:
     graphs: int
     seconds: float
     pool_bytes: int
-    replays: Any  # diagnostics.ReplayCounter; for graph banks its read side over the banks (BankReplayCounts)
+    replays: diagnostics.ReplayTotals  # a ReplayCounter; for graph banks, BankReplayCounts
     failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
     banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
 

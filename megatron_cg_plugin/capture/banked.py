@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
+from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 
@@ -145,8 +146,8 @@ class BankedLayers:
         self.graphs.clear()
 
 
-class BankReplayCounts:
-    """The read side of ``diagnostics.ReplayCounter`` over the banks' routers, per layer, live."""
+class BankReplayCounts(ReplayTotals):
+    """Replay counts per layer, read live from the banks' routers (for the run report)."""
 
     def __init__(self, banked: BankedLayers) -> None:
         self._routers = [banked.routers[id(layer)] for layer in banked.layers]
@@ -159,14 +160,6 @@ class BankReplayCounts:
     def rejected(self) -> list[int]:
         return [sum(bank.rejected for bank in router.banks.values()) + router.unknown_size_rejections
                 for router in self._routers]
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts)
-
-    @property
-    def total_rejected(self) -> int:
-        return sum(self.rejected)
 
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_cg_plugin.plan.banks import bank_sizes
 from megatron_cg_plugin.rules import MOE_SCOPES, GraphFacts
 
 
@@ -22,6 +23,7 @@ class CapturePlan:
     microbatches_per_step: int
     microbatches_captured: int
     warmup_steps: int
+    banks: tuple[int, ...] = ()  # CP sizes with a graph bank (--cg-graph-banks under hybrid CP)
 
     @property
     def first_stage_layers(self) -> tuple[int, ...]:
@@ -35,7 +37,8 @@ class CapturePlan:
     def graphs_on_first_stage(self) -> int:
         """Graphs TE captures on a first-stage rank: its graphed layers times captured microbatches."""
         first = set(self.first_stage_layers)
-        return sum(1 for n in self.graphed_layers if n in first) * self.microbatches_captured
+        per_layer = len(self.banks) if self.banks else self.microbatches_captured
+        return sum(1 for n in self.graphed_layers if n in first) * per_layer
 
     def describe(self) -> str:
         if self.impl != "transformer_engine":
@@ -47,6 +50,8 @@ class CapturePlan:
             f"layers per pipeline stage: {self.layers_per_stage} in {self.model_chunks} model chunk(s)",
             f"microbatches per step: {self.microbatches_per_step}; captured per layer: "
             f"{self.microbatches_captured}",
+            *([f"graph banks for CP sizes {', '.join(map(str, self.banks))}: each layer captured once per bank, "
+               "all banks in one slot-shared pool"] if self.banks else []),
             f"graphs per rank on the first pipeline stage: {self.graphs_on_first_stage}",
             f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
         ])
@@ -79,4 +84,6 @@ def plan_capture(facts: GraphFacts) -> CapturePlan:
         microbatches_per_step=microbatches,
         microbatches_captured=1 if facts.pipeline_parallel == 1 else microbatches,
         warmup_steps=facts.warmup_steps,
+        banks=bank_sizes(facts.data_context_parallel, facts.bank_min_cp)
+        if facts.te_graphs and facts.graph_banks and facts.hybrid_context_parallel else (),
     )

@@ -330,3 +330,19 @@ def test_golden_compare_malformed_file(capsys, files, tmp_path):
     assert code == 2 and "lm loss" in err
     bad.write_text("not json")
     assert golden_cmd(capsys, "compare", files("ok.json", values()), str(bad))[0] == 2
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_check_help_does_not_reach_megatrons_broken_help(capsys, flag):
+    code, out, _ = run(capsys, flag)
+    assert code == cli.EXIT_OK
+    assert "usage: megatron-cg check [--nproc N]" in out and "tiny-gpt-hybrid-cp" in out
+
+
+def test_check_hybrid_cp_with_graph_banks(capsys):
+    hybrid = ("--nproc", "2", "--cg-preset", "tiny-gpt-hybrid-cp", "--cuda-graph-impl", "transformer_engine")
+    code, out, err = run(capsys, *hybrid, "--cg-graph-banks")
+    assert code == cli.EXIT_OK, err
+    assert "graph banks for CP sizes 1, 2" in out and "graphs per rank on the first pipeline stage: 4" in out
+    code, _, err = run(capsys, *hybrid)
+    assert code == cli.EXIT_BAD_INPUT and "[hybrid-cp]" in err

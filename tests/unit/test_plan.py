@@ -1,5 +1,6 @@
 """Tests for megatron_cg_plugin.plan.capture: which layers and microbatches a run would capture."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -235,3 +236,15 @@ def test_graphed_layers_are_a_sorted_subset(facts):
         assert "attn" not in facts.modules
         assert ("mlp" not in facts.modules) if not moe_layer else not (
             {"moe", "moe_router", "moe_preprocess"} & set(facts.modules))
+
+
+@pytest.mark.parametrize("world, min_cp, banks", [(2, 1, (1, 2)), (4, 1, (1, 2, 4)), (4, 2, (2, 4)), (8, 8, (8,))])
+def test_graph_banks_in_the_plan(world, min_cp, banks):
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
+                       world_size=world, bank_min_cp=min_cp, num_layers=3)
+    plan = plan_capture(facts)
+    assert plan.banks == banks
+    assert plan.graphs_on_first_stage == 3 * len(banks)
+    assert f"graph banks for CP sizes {', '.join(map(str, banks))}" in plan.describe()
+    assert plan_capture(dataclasses.replace(facts, graph_banks=False)).banks == ()
+    assert plan_capture(dataclasses.replace(facts, cuda_graph_impl="none")).banks == ()

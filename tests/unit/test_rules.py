@@ -58,6 +58,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                               position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, modules=("attn",)),
                     "drop --cuda-graph-modules"),
+    "banks-offload": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                 activation_offloading=True), "--fine-grained-activation-offloading"),
     "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                               overlap_param_gather=True), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,

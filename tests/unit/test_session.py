@@ -239,6 +239,22 @@ def test_report_scopes_from_helpers_capture_stats(probe, clock):
     assert session.report().scopes[1].replays == 16
 
 
+def test_report_lists_graph_banks_live(probe, clock):
+    session = make_session(probe, clock)
+    banks = [{"cp_size": 1, "replays": 3, "rejected": 0}, {"cp_size": 2, "replays": 5, "rejected": 1}]
+    counter = ReplayCounter(2)
+    session.attach_helper(FakeHelper(True, CaptureStats("layer (banks CP 1/2)", 2, 8, 1.0, 0, counter,
+                                                        banks=lambda: [dict(b) for b in banks])))
+    report = session.report()
+    assert report.scopes[0].banks == tuple(banks)
+    table = report.format_table()
+    assert "layer (banks CP 1/2): bank CP 1: 3 replays, 0 rejected" in table
+    assert "layer (banks CP 1/2): bank CP 2: 5 replays, 1 rejected" in table
+    assert report.to_json()["scopes"][0]["banks"][1] == {"cp_size": 2, "replays": 5, "rejected": 1}
+    banks[0]["replays"] = 7
+    assert session.report().scopes[0].banks[0]["replays"] == 7
+
+
 # ---------------------------------------------------------------- config
 
 
