@@ -120,6 +120,7 @@ class PluginHelperMixin:
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: TeardownStats | None = None
+        self._banks: Any = None  # capture.banked.BankedLayers while graph banks are installed
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
 
@@ -316,7 +317,8 @@ class PluginHelperMixin:
 
     # -- teardown -----------------------------------------------------------------------------
     def cuda_graph_set_manual_hooks(self) -> None:
-        if self.graphs_created() and getattr(self, "_banks", None) is None:  # nothing to hook after a failure; banks refuse the hooks' flags
+        # Nothing to hook after a failed capture; graph banks refuse the flags the hooks serve.
+        if self.graphs_created() and self._banks is None:
             super().cuda_graph_set_manual_hooks()
 
     def delete_cuda_graphs(self) -> None:
@@ -326,9 +328,9 @@ class PluginHelperMixin:
             return
         import torch
 
-        banks = vars(self).pop("_banks", None)
-        if banks is not None:
-            banks.reset()
+        if self._banks is not None:
+            self._banks.reset()
+            self._banks = None
         super().delete_cuda_graphs()
         gc.collect()
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it

@@ -215,6 +215,7 @@ class _Entry:
         return tuple(surface.view.detach() for surface in self.boundary.outputs)
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        self._check_live()  # a forward replayed before a reset, its backward after
         for grad, static in zip(grads, self.boundary.grad_outputs):
             if static is None:
                 continue

@@ -1073,3 +1073,51 @@ def test_failed_capture_shows_in_the_report_table(probe, memory):
     assert ("  layer: capture failed and was rolled back: layer 2: RuntimeError: fake CUDA error: "
             "capture of graph 2 failed") in text.splitlines()
     assert "after teardown" not in text
+
+
+# ====================================================================== graph banks (capture is GPU-tested)
+
+
+class BankedFakeLayer(FakeLayer):
+    graph_banks = True  # what banked_layer_class marks
+
+
+@pytest.fixture
+def hybrid_groups(monkeypatch):
+    from megatron.core import parallel_state
+
+    group = object()
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda with_context_parallel=False: 2)
+    monkeypatch.setattr(parallel_state, "get_hybrid_data_context_parallel_groups", lambda group_size: group)
+    return group
+
+
+def test_banks_need_the_banked_layer_class(probe, hybrid_groups):
+    _, _, _, helper = build(probe, graph_banks=True)
+    with pytest.raises(CaptureFailedError, match=r"needs the banked layer class .* \[.FakeLayer.\] were built"):
+        helper.create_cudagraphs()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "eager"])
+def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monkeypatch, on_error):
+    import megatron_cg_plugin.capture.banked as banked
+
+    seen = {}
+
+    def failing_capture(layers, groups, capacity, **kwargs):
+        seen.update(groups=groups, capacity=capacity)
+        raise RuntimeError("NCCL went away")
+
+    monkeypatch.setattr(banked, "capture_banks", failing_capture)
+    _, _, _, helper = build(probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3,
+                            on_capture_error=on_error)
+    helper.config.max_seqlen_per_dp_cp_rank = 256
+    if on_error == "raise":
+        with pytest.raises(CaptureFailedError, match="graph bank capture failed: RuntimeError: NCCL went away"):
+            helper.create_cudagraphs()
+    else:
+        helper.create_cudagraphs()
+    assert seen["groups"] == {1: None, 2: hybrid_groups}
+    assert (seen["capacity"].tokens_per_rank, seen["capacity"].max_seqs) == (256, 3)
+    assert not helper.graphs_created() and helper.capture_finished()  # no retry every step
+    assert "NCCL went away" in helper.capture_stats.failure and helper.capture_stats.graphs == 0
