@@ -163,7 +163,7 @@ class BankReplayCounts(ReplayTotals):
 
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
-                  dtype: torch.dtype = torch.bfloat16, debug: bool = False, warmup_iterations: int = 2) -> BankedLayers:
+                  debug: bool = False, warmup_iterations: int = 2) -> BankedLayers:
     """Captures one bank per CP size in ``groups`` (CP size -> its process group; None for 1) for
     every layer (instances of a ``banked_layer_class``), all layers and banks into one pool.
 
@@ -184,8 +184,9 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     result = BankedLayers({}, {}, layers)
     try:
         for layer in layers:
-            hidden_size = layer.config.hidden_size
-            hidden = torch.randn(capacity.tokens_per_rank, 1, hidden_size, device="cuda", dtype=dtype, requires_grad=True)
+            # The hidden states a layer gets: [tokens, 1, hidden] in the model's parameter dtype.
+            hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
+                                 dtype=layer.config.params_dtype, requires_grad=True)
             variants = []
             for size in sizes:
                 # One sequence filling the pack: a valid layout of the captured shapes (replays bring their own).
