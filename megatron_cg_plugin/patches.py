@@ -1,8 +1,8 @@
 """Every change the plugin makes to Megatron's and TE's globals, in one list, with the reason each exists.
 
 Each patch replaces one module attribute, is applied only on the supported megatron-core and TE
-ranges (``compat``; TE patches only where TE is installed), checks the signature it relies on before replacing anything,
-and is reverted by restoring the very object it replaced. ``PatchSet.apply_all`` is all-or-nothing:
+ranges (``compat``; TE patches only where TE is installed), checks the signature it relies on
+before replacing anything, and is reverted by restoring the very object it replaced. ``PatchSet.apply_all`` is all-or-nothing:
 if one patch fails, the ones already applied are reverted before the error propagates.
 """
 

@@ -123,7 +123,7 @@ class _Packer:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device):
-            return tensor  # parameters live outside any graph pool: nothing to protect
+            return tensor  # parameters and host tensors live outside any graph pool: nothing to protect
         if hasattr(tensor, "prepare_for_saving"):
             parts, rebuild = tensor.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
