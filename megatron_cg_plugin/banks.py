@@ -1,5 +1,5 @@
 """Dynamic-CP graph banks: one bank of graphs per power-of-two context-parallel size, and the
-router that picks a microbatch's bank (issue 5; the selection logic, not yet wired to capture).
+router that picks a microbatch's bank (captured and replayed by ``capture.banked``).
 
 Under Megatron's hybrid context parallelism each microbatch chooses its CP size
 (``PackedSeqParams.local_cp_size``, a power of two) and the process group of that size
@@ -30,6 +30,7 @@ class GraphBank:
     payload: Any = None  # the bank's graphed callables, once captured
     replays: int = 0
     rejected: int = 0
+    offload_groups_flushed: int = 0  # delayed offload groups (--delay-offload-until-cuda-graph) flushed after its replays
 
 
 class BankRouter:
@@ -62,5 +63,5 @@ class BankRouter:
         return bank
 
     def report(self) -> list[dict[str, int]]:
-        return [{"cp_size": bank.cp_size, "replays": bank.replays, "rejected": bank.rejected}
-                for bank in self.banks.values()]
+        return [{"cp_size": bank.cp_size, "replays": bank.replays, "rejected": bank.rejected,
+                 "offload_groups_flushed": bank.offload_groups_flushed} for bank in self.banks.values()]

@@ -47,7 +47,8 @@ def _gpu_host_stand_ins(args, *, capability: tuple[int, int]) -> Iterator[None]:
     Only these differ, all restored on exit: when there is no GPU here,
     ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
     ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
-    not installed here, RoPE fusion (a TE kernel, a speed choice no graph rule depends on) is off.
+    not installed here, RoPE fusion (a TE kernel) is off, so the plugin's rules, which do depend on
+    it, must read the flags outside this context.
     """
     import torch
 
@@ -99,8 +100,9 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
             except (AssertionError, ValueError, TypeError, RuntimeError) as error:
                 raise _megatron_rejects(error) from error
-            # TE is needed where the run happens, not on this machine.
-            facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
+        # TE is needed where the run happens, not on this machine.
+        facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
+        with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
             try:
                 core_transformer_config_from_args(args)
             except (AssertionError, ValueError, TypeError, RuntimeError) as error:

@@ -192,17 +192,18 @@ class PluginHelperMixin:
             raise CaptureFailedError(
                 f"--cg-graph-banks needs the banked layer class in the model's layer spec, but {unbanked} were "
                 "built; use the plugin's launcher (python -m megatron_cg_plugin.pretrain_gpt), or set "
-                "transformer_layer_spec.module = megatron_cg_plugin.capture.banked.banked_layer_class(...).")
+                "megatron_cg_plugin.dynamic_cp.adapt_layer_spec(spec, rope=..., banks=True) on the model's layer spec.")
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
         groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
                   for size in sizes}
         capacity = ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
-        scope = f"layer (banks CP {'/'.join(map(str, sizes))})"
+        scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
         start = time.perf_counter()
         baseline = diagnostics.memory_state()
         try:
-            banked = capture_banks(layers, groups, capacity, debug=config.slot_debug)
+            banked = capture_banks(layers, groups, capacity, rope_tables=self._bank_rope_tables(groups, capacity),
+                                   debug=config.slot_debug)
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
             self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
             with contextlib.suppress(Exception):
@@ -218,9 +219,23 @@ class PluginHelperMixin:
         self._graphs_created = True
         self._capture_finished = True
         self.capture_stats = CaptureStats(
-            scope=scope, layers=len(layers), graphs=2 * len(sizes) * len(layers), seconds=time.perf_counter() - start,
+            scope=scope, layers=len(layers), graphs=banked.graph_count, seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
             replays=banked.replay_counts(), banks=lambda: banked.report()["banks"])
+
+    def _bank_rope_tables(self, groups: dict[int, Any], capacity: Any) -> dict[int, Any] | None:
+        """Per CP size, the RoPE table the model passes for a pack of that size: the very call
+        ``GPTModel.forward`` makes (its result is cached, so replays usually bring this object)."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        try:
+            model = get_attr_wrapped_model(self.model[0], "position_embedding_type", return_model_obj=True)
+        except RuntimeError:  # not a GPT-style model: no position embedding of its own
+            return None
+        if model.position_embedding_type != "rope":
+            return None
+        return {size: model.rotary_pos_emb(size * capacity.tokens_per_rank, packed_seq=True, cp_group=group)
+                for size, group in groups.items()}
 
     def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
         """The stale-graph check runs before capture changes anything, so a refusal needs no

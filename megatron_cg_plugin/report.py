@@ -74,8 +74,10 @@ class RunReport:
             if scope.failure:
                 lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
             for bank in scope.banks:
+                flushed = bank.get("offload_groups_flushed")
                 lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "
-                             f"{bank['rejected']} rejected")
+                             f"{bank['rejected']} rejected" + (f", {flushed} delayed offload groups flushed after them"
+                                                               if flushed else ""))
             if scope.teardown_allocated_delta_bytes is not None:
                 lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
                              f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools")

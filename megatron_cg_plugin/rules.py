@@ -15,6 +15,12 @@ from typing import Any, Callable
 from megatron_cg_plugin.config import is_power_of_two
 
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
+# Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
+OFFLOAD_INSIDE_SCOPE = {
+    "attn": frozenset({"attn_norm", "qkv_linear", "core_attn", "attn_proj"}),
+    "mlp": frozenset({"mlp_norm"}),
+    "moe": frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"}),
+}
 
 
 class RuleViolation(ValueError):
@@ -50,8 +56,10 @@ class GraphFacts:
     graph_banks: bool = False  # --cg-graph-banks
     bank_min_cp: int = 1  # --cg-bank-min-cp
     position_embedding_type: str = "learned_absolute"
+    apply_rope_fusion: bool = True  # --no-rope-fusion clears it
     overlap_param_gather: bool = False
     activation_offloading: bool = False  # --fine-grained-activation-offloading
+    offload_modules: tuple[str, ...] = ()
     delay_wgrad_compute: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     tensor_parallel: int = 1
@@ -95,6 +103,15 @@ class GraphFacts:
     @property
     def drop_and_pad(self) -> bool:
         return self.capacity_factor is not None and self.pad_to_capacity
+
+    @property
+    def offloaded_in_graphs(self) -> frozenset[str]:
+        """The offloaded modules that would run inside the graphed scope (every one for whole layers)."""
+        if not self.activation_offloading:
+            return frozenset()
+        scopes = self.modules or tuple(OFFLOAD_INSIDE_SCOPE)
+        inside = frozenset().union(*(OFFLOAD_INSIDE_SCOPE.get(scope, frozenset()) for scope in scopes))
+        return inside & frozenset(self.offload_modules)
 
     def is_moe_layer(self, index: int) -> bool:
         """``index`` is 0-based, as in Megatron's ``moe_layer_freq``; a layer the pattern does not
@@ -180,16 +197,27 @@ RULES: tuple[Rule, ...] = (
     Rule("banks-need-hybrid-cp", "plugin", _graphs(lambda f: f.graph_banks and not f.hybrid_context_parallel),
          "--cg-graph-banks captures one bank per CP size of --hybrid-context-parallel: add "
          "--hybrid-context-parallel, or drop --cg-graph-banks."),
-    Rule("banks-rope", "plugin", _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("rope", "yarn", "mrope")),
-         "graph banks replay hidden states and the THD layout only; RoPE under dynamic CP (Megatron applies "
-         "THD RoPE with the static CP group) is not supported yet: use --position-embedding-type "
-         "learned_absolute with --cg-graph-banks."),
-    Rule("banks-scope", "plugin", _graphs(lambda f: f.graph_banks and bool(f.modules)),
-         "graph banks capture whole transformer layers: drop --cuda-graph-modules with --cg-graph-banks."),
-    Rule("banks-offload", "plugin", _graphs(lambda f: f.graph_banks and f.activation_offloading),
-         "activation offloading installs its own saved-tensor hooks, which would bypass the arenas that keep "
-         "graph banks apart, and the delayed offload flush is not wired into bank replays yet: drop "
-         "--fine-grained-activation-offloading with --cg-graph-banks."),
+    Rule("banks-rope-type", "plugin",
+         _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("yarn", "mrope")),
+         "graph banks bind one RoPE table per CP size for --position-embedding-type rope; yarn and mrope "
+         "tables are not supported: use --position-embedding-type rope or learned_absolute."),
+    Rule("banks-rope-fusion", "plugin",
+         _graphs(lambda f: f.graph_banks and f.position_embedding_type == "rope" and not f.apply_rope_fusion),
+         "Megatron's unfused THD RoPE reads sequence lengths on the host (.tolist()), which a graph cannot "
+         "capture: drop --no-rope-fusion with --cg-graph-banks."),
+    Rule("hybrid-cp-rope-static-cp", "plugin",
+         lambda f: f.hybrid_context_parallel and f.position_embedding_type == "rope" and f.context_parallel > 1,
+         "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
+         "microbatches with the static one, which must then have one rank: use --context-parallel-size 1."),
+    Rule("banks-scope", "plugin",
+         _graphs(lambda f: f.graph_banks and bool({"moe_router", "moe_preprocess"} & set(f.modules))),
+         "graph banks capture the whole layer or the attn, mlp and moe scopes; moe_router and moe_preprocess "
+         "hand router state across the graph boundary, which banks do not carry: use --cuda-graph-modules "
+         "attn moe (with drop-and-pad) or attn with --cg-graph-banks."),
+    Rule("banks-offload-in-graph", "plugin", _graphs(lambda f: f.graph_banks and bool(f.offloaded_in_graphs)),
+         "--offload-modules names modules inside the graphed scope, whose saved-tensor hooks would bypass the "
+         "arenas that keep graph banks apart: offload only modules outside --cuda-graph-modules (e.g. core_attn "
+         "with --cuda-graph-modules mlp); Megatron's delayed offload flush runs after each bank replay."),
     Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
          "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
          "--overlap-param-gather with --cg-graph-banks."),
@@ -270,8 +298,10 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         graph_banks=bool(getattr(args, "cg_graph_banks", False)),
         bank_min_cp=getattr(args, "cg_bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         activation_offloading=bool(getattr(args, "fine_grained_activation_offloading", False)),
+        offload_modules=tuple(getattr(args, "offload_modules", None) or ()),
         delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),
         overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
         tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),

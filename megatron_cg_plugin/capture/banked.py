@@ -1,23 +1,33 @@
 """Dynamic-CP graph banks on Megatron TransformerLayers: one bank per CP size, one shared pool.
 
 Under hybrid context parallelism each packed (THD) microbatch runs with its own power-of-two CP size
-and the process group of that size. ``capture_banks`` captures, for every graphed layer, one graph
-per CP size (a *bank*) with the real group of that size, all into one memory pool through the
-slot-shared capture (``capture.slotted``): the banks are mutually exclusive variants of the layer,
-so they share arenas and boundary storage sized by the largest instead of adding up. The layer
-class comes from ``banked_layer_class`` (injected through the layer spec, no class is patched): a
-call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``, requires the very
-group object the bank was captured with (``banks.BankRouter``, fail closed), checks the THD layout
-against the captured capacity (``plan.thd``) and replays; other calls run eagerly.
+and the process group of that size. ``capture_banks`` captures, for every graphed layer, Megatron's
+own capture callable (``TransformerLayer._te_cuda_graph_capture``, which honours
+``--cuda-graph-modules``) into one memory pool through the slot-shared capture
+(``capture.slotted``): the banks are mutually exclusive variants of the layer, so they share arenas
+and boundary storage sized by the largest instead of adding up.
 
-Graph inputs are the hidden states and the two ``cu_seqlens`` buffers of the fixed-capacity layout;
-``max_seqlen`` is bound to the pack size at capture (the eager run uses the same bound).
+- Scopes with attention (the whole layer, ``attn``, ``attn mlp``, ``attn moe``): one graph per CP
+  size, captured with the real group of that size; graph inputs are the hidden states and the two
+  ``cu_seqlens`` buffers of the fixed-capacity layout; ``max_seqlen`` and the RoPE table are bound
+  per CP size at capture (the eager run uses the same bound, ``plan.thd``).
+- Scopes without attention (``mlp``, ``moe``): the graphed part never sees the CP layout (tokens
+  per rank are fixed), so one graph serves every CP size; attention runs eagerly with the
+  microbatch's group.
+
+The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
+patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
+requires the very group object the bank was captured with (``banks.BankRouter``, fail closed), checks
+the THD layout against the captured capacity and hands the bank's graph to Megatron's own replay
+path (``_te_cuda_graph_replay``): its scope-specific post-processing and the delayed offload flush
+(``--delay-offload-until-cuda-graph``) run after each bank replay as after any TE graph replay.
+Other calls run eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -27,9 +37,8 @@ from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_s
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
-_UNSUPPORTED = ("attention_mask", "context", "context_mask", "rotary_pos_emb", "rotary_pos_cos",
-                "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias", "inference_context",
-                "sequence_len_offset", "padding_mask")
+_UNSUPPORTED = ("attention_mask", "context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
+                "rotary_pos_cos_sin", "attention_bias", "inference_context", "sequence_len_offset", "padding_mask")
 
 
 class BankReplayError(RuntimeError):
@@ -69,25 +78,108 @@ def ensure_dynamic_cp_stream() -> None:
         TEDotProductAttention.cp_stream = torch.cuda.Stream()
 
 
+def attention_in_graph(cuda_graph_modules: Any) -> bool:
+    """Whether Megatron's capture callable runs attention for these ``--cuda-graph-modules``
+    (none listed: the whole layer)."""
+    names = {getattr(m, "name", str(m)) for m in cuda_graph_modules or ()}
+    return not names or "attn" in names
+
+
+class BankGraph:
+    """One bank's graph and the inputs it binds besides the hidden states: the THD layout and, when
+    captured with RoPE, the rotary table of the bank's ``max_seqlen`` bound."""
+
+    def __init__(self, replay: Callable[..., Any], *, takes_layout: bool, rope_table: torch.Tensor | None) -> None:
+        self._replay = replay
+        self.takes_layout = takes_layout
+        self.rope_table = rope_table  # held for the graph's lifetime: the graph reads it in place
+
+    def bind(self, params: Any, rope: torch.Tensor | None) -> Callable[..., tuple]:
+        """The callable Megatron's replay path calls with the hidden states (and keyword arguments
+        such as ``is_first_microbatch`` that only FP8 weight caching reads; banks run without FP8)."""
+        extra: tuple[torch.Tensor, ...] = ()
+        if self.takes_layout:
+            self._load_rope(rope)
+            extra = (params.cu_seqlens_q, params.cu_seqlens_q_padded)
+
+        def replay(hidden_states: torch.Tensor, **_: Any) -> tuple:
+            outputs = self._replay(hidden_states, *extra)
+            return outputs if isinstance(outputs, tuple) else (outputs,)
+
+        return replay
+
+    def _load_rope(self, rope: torch.Tensor | None) -> None:
+        if (rope is None) != (self.rope_table is None):
+            raise BankReplayError(
+                f"the bank was captured {'without' if self.rope_table is None else 'with'} a RoPE table but the call "
+                f"passes {'one' if rope is not None else 'none'}: capture and training must use the same "
+                "--position-embedding-type.")
+        if rope is None or rope is self.rope_table:  # the model's cached table: nothing to copy
+            return
+        if rope.shape != self.rope_table.shape or rope.dtype != self.rope_table.dtype:
+            raise ThdCapacityError(
+                f"rotary table {tuple(rope.shape)} {rope.dtype} but the bank was captured with "
+                f"{tuple(self.rope_table.shape)} {self.rope_table.dtype}: the pack's max_seqlen must be its bound, "
+                "CP size x --max-seqlen-per-dp-cp-rank (plan.thd.fixed_capacity_layout), in eager and graphed runs.")
+        self.rope_table.copy_(rope)
+
+
+@dataclasses.dataclass
+class LayerBanks:
+    """What a banked layer holds once captured: its router, the capacity and the scope."""
+
+    router: BankRouter
+    capacity: ThdCapacity
+    attention: bool
+
+    def replay(self, layer: Any, base: type, args: tuple, kwargs: dict) -> Any:
+        unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+        if unsupported or len(args) > 1:
+            raise BankReplayError(
+                f"layer {layer.layer_number}: a graph bank replays hidden states, the THD layout and the RoPE "
+                f"table only, but the call also passes {unsupported or 'extra positional arguments'}; train "
+                "without attention masks or biases (packed sequences carry the layout) with --cg-graph-banks.")
+        hidden_states = args[0] if args else kwargs.pop("hidden_states")
+        params = kwargs["packed_seq_params"]
+        bank = self.router.select(params.local_cp_size, params.cp_group)
+        if self.attention:
+            _check_layout(self.capacity, bank.cp_size, params)
+            graph = bank.payload.bind(params, kwargs.get("rotary_pos_emb"))
+            kwargs = {}  # the layout and the table are graph inputs now; Megatron's replay takes tensors only
+        else:
+            graph = bank.payload.bind(params, None)  # Megatron runs attention eagerly with kwargs
+        # Megatron's replay path calls ``self.cuda_graphs[i]``: for this call it holds the bank's graph.
+        previous = layer.cuda_graphs
+        layer.cuda_graphs = [graph]
+        try:
+            waiting = _delayed_offload_groups(layer)
+            output = base._te_cuda_graph_replay(layer, hidden_states, **kwargs)
+            bank.offload_groups_flushed += waiting
+            return output
+        finally:
+            layer.cuda_graphs = previous
+
+
+def _delayed_offload_groups(layer: Any) -> int:
+    """Offload groups Megatron delayed until a graph replay (``--delay-offload-until-cuda-graph``;
+    its replay path flushes them right after the graph), read for the run report only."""
+    if not getattr(layer.config, "delay_offload_until_cuda_graph", False):
+        return 0
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    return len(getattr(PipelineOffloadManager.get_instance(), "_delayed_offload_groups", ()))
+
+
 def banked_layer_class(base: type) -> type:
     """A subclass of Megatron's ``TransformerLayer`` class ``base`` whose training calls with packed
     sequences replay the bank of the microbatch's CP size once ``capture_banks`` has run."""
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        router = vars(self).get("_bank_router")
-        params = kwargs.get("packed_seq_params")
-        if router is None or params is None or not self.training or not torch.is_grad_enabled():
+        banks = vars(self).get("_graph_banks")
+        if banks is None or kwargs.get("packed_seq_params") is None or not self.training \
+                or not torch.is_grad_enabled():
             return base.__call__(self, *args, **kwargs)
-        unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
-        if unsupported or len(args) > 1:
-            raise BankReplayError(
-                f"layer {self.layer_number}: a graph bank replays hidden states and the THD layout only, "
-                f"but the call also passes {unsupported or 'extra positional arguments'}; use learned "
-                "absolute positions (no RoPE) and no attention mask with --cg-graph-banks for now.")
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        bank = router.select(params.local_cp_size, params.cp_group)
-        _check_layout(vars(self)["_bank_capacity"], bank.cp_size, params)
-        return bank.payload(hidden_states, params.cu_seqlens_q, params.cu_seqlens_q_padded), None
+        return banks.replay(self, base, args, kwargs)
 
     return type(f"Banked{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__, "graph_banks": True,
                                                      "__doc__": f"{base.__name__} with dynamic-CP graph banks."})
@@ -123,9 +215,9 @@ class BankedLayers:
         banks: dict[int, dict[str, int]] = {}
         for router in self.routers.values():
             for row in router.report():
-                entry = banks.setdefault(row["cp_size"], {"cp_size": row["cp_size"], "replays": 0, "rejected": 0})
-                entry["replays"] += row["replays"]
-                entry["rejected"] += row["rejected"]
+                entry = banks.setdefault(row["cp_size"], dict.fromkeys(row, 0) | {"cp_size": row["cp_size"]})
+                for key in row.keys() - {"cp_size"}:
+                    entry[key] += row[key]
         stats = [g.stats for g in self.graphs.values()]
         return {"banks": list(banks.values()),
                 "unknown_size_rejections": sum(r.unknown_size_rejections for r in self.routers.values()),
@@ -134,13 +226,16 @@ class BankedLayers:
                 "boundary_bytes": sum(s.boundary_bytes for s in stats),
                 "capture_seconds": sum(s.capture_seconds for s in stats)}
 
+    @property
+    def graph_count(self) -> int:
+        return sum(g.stats.graphs for g in self.graphs.values())
+
     def replay_counts(self) -> "BankReplayCounts":
         return BankReplayCounts(self)
 
     def reset(self) -> None:
         for layer in self.layers:
-            vars(layer).pop("_bank_router", None)
-            vars(layer).pop("_bank_capacity", None)
+            vars(layer).pop("_graph_banks", None)
         for graphs in self.graphs.values():
             graphs.reset()
         self.graphs.clear()
@@ -163,12 +258,15 @@ class BankReplayCounts(ReplayTotals):
 
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
-                  debug: bool = False, warmup_iterations: int = 2) -> BankedLayers:
-    """Captures one bank per CP size in ``groups`` (CP size -> its process group; None for 1) for
-    every layer (instances of a ``banked_layer_class``), all layers and banks into one pool.
+                  rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
+                  warmup_iterations: int = 2) -> BankedLayers:
+    """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
+    ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
-    Every rank of a CP group must call this with the same layers and sizes (the captures of a bank
-    communicate). On failure every graph captured so far is reset and no layer is left banked."""
+    ``rope_tables``: per CP size, the RoPE table the model passes for a pack of that size (its
+    ``rotary_pos_emb`` of the pack's ``max_seqlen``); None without RoPE. Every rank of a CP group
+    must call this with the same layers and sizes (the captures of a bank communicate). On failure
+    every graph captured so far is reset and no layer is left banked."""
     import torch.distributed as dist
 
     layers = list(layers)
@@ -180,6 +278,12 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
         if size > 1 and (group is None or dist.get_world_size(group) != size):
             raise ValueError(f"the group for CP size {size} has {None if group is None else dist.get_world_size(group)} "
                              "ranks; pass parallel_state.get_hybrid_data_context_parallel_groups(group_size=size).")
+    if rope_tables is not None and set(rope_tables) != set(sizes):
+        raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
+    offloading = [layer.layer_number for layer in layers if getattr(layer, "offload_module_in_cuda_graph", False)]
+    if offloading:
+        raise ValueError(f"layers {offloading} offload modules inside the graphed scope; graph banks keep backward "
+                         "state in their own arenas: offload only modules outside --cuda-graph-modules.")
     pool = torch.cuda.graph_pool_handle()
     result = BankedLayers({}, {}, layers)
     try:
@@ -187,30 +291,43 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
             # The hidden states a layer gets: [tokens, 1, hidden] in the model's parameter dtype.
             hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
                                  dtype=layer.config.params_dtype, requires_grad=True)
-            variants = []
-            for size in sizes:
-                # One sequence filling the pack: a valid layout of the captured shapes (replays bring their own).
-                layout = fixed_capacity_layout([size * capacity.tokens_per_rank], size, capacity.tokens_per_rank,
-                                               capacity.max_seqs)
-                cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
-                cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
-
-                def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                            layer: Any = layer, size: int = size, bound: int = layout.max_seqlen) -> torch.Tensor:
-                    params = packed_seq_params(cu_seqlens, cu_seqlens_padded, size, groups[size], bound)
-                    return layer.forward(hidden_states, attention_mask=None, packed_seq_params=params)[0]
-
-                variants.append(Variant(f"cp{size}", forward, (hidden, cu, cu_padded), io_branch="thd"))
+            attention = attention_in_graph(layer.config.cuda_graph_modules)
+            variants = ([_attention_variant(layer, size, groups[size], capacity, hidden,
+                                            None if rope_tables is None else rope_tables[size]) for size in sizes]
+                        if attention else [Variant("any-cp", layer._te_cuda_graph_capture, (hidden,))])
             graphs = capture_slotted(variants, 1, layer.parameters(), pool=pool, debug=debug,
                                      warmup_iterations=warmup_iterations)
             result.graphs[id(layer)] = graphs
-            result.routers[id(layer)] = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None,
-                                                                    payload=graphs.callable(f"cp{size}", 0))
-                                                    for size in sizes})
+
+            def payload(size: int) -> BankGraph:
+                if not attention:  # one graph for every CP size
+                    return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None)
+                return BankGraph(graphs.callable(f"cp{size}", 0), takes_layout=True,
+                                 rope_table=None if rope_tables is None else rope_tables[size])
+
+            router = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None, payload=payload(size))
+                                 for size in sizes})
+            result.routers[id(layer)] = router
     except BaseException:
         result.reset()
         raise
     for layer in layers:
-        vars(layer)["_bank_router"] = result.routers[id(layer)]
-        vars(layer)["_bank_capacity"] = capacity
+        vars(layer)["_graph_banks"] = LayerBanks(result.routers[id(layer)], capacity,
+                                                  attention_in_graph(layer.config.cuda_graph_modules))
     return result
+
+
+def _attention_variant(layer: Any, size: int, group: Any, capacity: ThdCapacity, hidden: torch.Tensor,
+                       rope_table: torch.Tensor | None) -> Variant:
+    """The bank of CP size ``size``: Megatron's capture callable on a pack of that size."""
+    # One sequence filling the pack: a valid layout of the captured shapes (replays bring their own).
+    layout = fixed_capacity_layout([size * capacity.tokens_per_rank], size, capacity.tokens_per_rank, capacity.max_seqs)
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
+    cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
+
+    def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> Any:
+        params = packed_seq_params(cu_seqlens, cu_seqlens_padded, size, group, layout.max_seqlen)
+        return layer._te_cuda_graph_capture(hidden_states, attention_mask=None, packed_seq_params=params,
+                                            rotary_pos_emb=rope_table)
+
+    return Variant(f"cp{size}", forward, (hidden, cu, cu_padded), io_branch="thd")

@@ -23,19 +23,22 @@ _COMMON = (
     "--num-workers 0"
 ).split()
 
+# Dropless alltoall MoE of 4 experts (top 2).
+MOE_FLAGS = tuple(
+    "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+    "--moe-grouped-gemm --swiglu --disable-bias-linear --moe-ffn-hidden-size 512".split()
+)
+
 PRESET_FLAGS: dict[str, tuple[str, ...]] = {
     "tiny-gpt": tuple(_COMMON),
-    # Dropless alltoall MoE; add --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity
-    # to graph the whole MoE block (--cuda-graph-modules attn moe).
-    "tiny-moe": tuple(_COMMON) + tuple(
-        "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
-        "--moe-grouped-gemm --swiglu --disable-bias-linear --moe-ffn-hidden-size 512".split()
-    ),
+    # Add --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity to graph the whole
+    # MoE block (--cuda-graph-modules attn moe).
+    "tiny-moe": tuple(_COMMON) + MOE_FLAGS,
     # Hybrid (dynamic) context parallelism on 2+ ranks: each document of a 512-token sample runs with
-    # CP 1 or 2 (256 tokens per rank); learned absolute positions (graph banks do not take RoPE yet).
-    # Add --cuda-graph-impl transformer_engine --cg-graph-banks for one graph bank per CP size.
+    # CP 1 or 2 (256 tokens per rank), RoPE with each microbatch's CP group. Add
+    # --cuda-graph-impl transformer_engine --cg-graph-banks for one graph bank per CP size.
     "tiny-gpt-hybrid-cp": tuple(_COMMON) + tuple(
-        "--seq-length 512 --max-position-embeddings 512 --position-embedding-type learned_absolute "
+        "--seq-length 512 --max-position-embeddings 512 "
         "--micro-batch-size 1 --global-batch-size 4 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 256 "
         "--dataloader-type single --calculate-per-token-loss --rerun-mode disabled "
         "--dataloader-inter-document-masking".split()

@@ -21,6 +21,7 @@ import torch
 
 from megatron_cg_plugin import integration, rules
 from megatron_cg_plugin.config import add_plugin_args, config_from_args
+from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.launch.presets import expand_preset
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
@@ -225,23 +226,6 @@ def check_hybrid_cp_launch(args: Any) -> None:
         raise ValueError("--hybrid-context-parallel with this launcher needs: " + "; ".join(needed) + ".")
 
 
-def banked_layer_spec(config: Any, vp_stage: int | None = None) -> Any:
-    """Megatron's default GPT layer spec with the layer class swapped for the banked one
-    (``capture.banked``): graph banks are injected through the spec, no class is patched."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-    from megatron.training.models.gpt import default_layer_spec
-
-    from megatron_cg_plugin.capture.banked import banked_layer_class
-
-    spec = default_layer_spec(config, vp_stage)
-    if not (isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
-        raise ValueError(f"--cg-graph-banks supports models whose layer spec is one TransformerLayer spec; this model's "
-                         f"is {type(spec).__name__} ({getattr(spec, 'module', None)!r}): drop --cg-graph-banks.")
-    spec.module = banked_layer_class(spec.module)
-    return spec
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_megatron_args(argv)
@@ -266,8 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         provider = functools.partial(datasets_provider, args=args)
         provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)
         model_config = gpt_config_from_args(args)
-        if spec.hybrid_context_parallel and session.config.graph_banks and args.cuda_graph_impl == "transformer_engine":
-            model_config.transformer_layer_spec = banked_layer_spec
+        if spec.hybrid_context_parallel:
+            # Eager and graphed runs alike: RoPE with each microbatch's CP group; banks when graphed.
+            model_config.transformer_layer_spec = hybrid_cp_layer_spec(
+                rope=args.position_embedding_type == "rope",
+                banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine")
         full_config = pretrain_cfg_container_from_args(args, model_config)
         pretrain(full_config, provider, ModelType.encoder_or_decoder,
                  functools.partial(forward_step, spec=spec, session=session))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
+from megatron_cg_plugin.launch.presets import MOE_FLAGS
 from megatron_cg_plugin.testing.distributed import launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
@@ -37,6 +38,7 @@ class FarmCase:
     golden: str | None = None
     golden_metrics: tuple[str, ...] = ()
     steps: int = FARM_STEPS
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of both runs
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
@@ -60,6 +62,8 @@ class FarmCase:
 
 
 _DROP_AND_PAD = ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
+# Megatron's fine-grained offloading needs TE's v1 offload path (its validate_args checks).
+_OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
 
 CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_gpt_attn", 1, "tiny-gpt", ("--cuda-graph-modules", "attn")),
@@ -72,8 +76,26 @@ CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_gpt_layer_capture_failure", 1, "tiny-gpt",
              ("--cg-inject-capture-failure", "2", "--cg-on-capture-error", "eager"),
              expect_capture_failure=True, golden="tiny_gpt_layer", golden_metrics=("lm loss",)),
-    # Hybrid CP with one graph bank per CP size (1 and 2), 30 steps.
-    FarmCase("tiny_gpt_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp", ("--cg-graph-banks",), steps=30),
+    # Hybrid CP with one graph bank per CP size (1 and 2), 30 steps: whole layers, learned positions.
+    FarmCase("tiny_gpt_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--position-embedding-type", "learned_absolute"), steps=30),
+    # The same with RoPE (fused, one table per bank), whole layers and the attention scope.
+    FarmCase("tiny_gpt_hybrid_cp_banks_rope", 2, "tiny-gpt-hybrid-cp", ("--cg-graph-banks",), steps=30),
+    FarmCase("tiny_gpt_hybrid_cp_banks_attn", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--cuda-graph-modules", "attn"), steps=30),
+    # MLP scope: one graph for every CP size, attention eager with its activations offloaded.
+    FarmCase("tiny_gpt_hybrid_cp_banks_mlp_offload", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--cuda-graph-modules", "mlp", "--fine-grained-activation-offloading",
+              "--offload-modules", "core_attn"), steps=30, env=_OFFLOAD_ENV),
+    # MoE under hybrid CP: attention banks plus the whole (drop-and-pad) MoE block in the graphs.
+    FarmCase("tiny_moe_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--cuda-graph-modules", "attn", "moe", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
+    # Attention banks with the eager (dropless) experts offloaded: their offload is delayed while a
+    # graph replays and flushed after the next bank replay (Megatron's replay path).
+    FarmCase("tiny_moe_hybrid_cp_banks_attn_offload", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--cuda-graph-modules", "attn", *MOE_FLAGS, "--fine-grained-activation-offloading",
+              "--offload-modules", "expert_fc1", "moe_act", "--delay-offload-until-cuda-graph"),
+             steps=30, env=_OFFLOAD_ENV),
 )
 
 
@@ -121,10 +143,12 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
     single-GPU cases can run side by side on a multi-GPU host."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else None
+    env = dict(case.env)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     tails = []
     for graphed in (False, True):
-        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc, env=env,
+        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc, env=env or None,
                         timeout_s=timeout_s, log_dir=out_dir / f"{case.name}.{'graphed' if graphed else 'eager'}.logs")
         tails.append(result.stdout.get(0, "")[-4000:])
     return CaseResult(

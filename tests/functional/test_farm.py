@@ -53,6 +53,9 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     else:
         assert summary["graphs"] > 0 and summary["replays"] > 0, f"nothing captured or replayed: {summary}"
         assert not summary["capture_failures"], summary
+        # Graph banks (hybrid CP): every CP size's bank replays, none refuses.
+        banks = [bank for scope in result.report.get("scopes", []) for bank in scope.get("banks") or ()]
+        assert all(bank["replays"] > 0 and bank["rejected"] == 0 for bank in banks), banks
 
     if os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None:
         golden.update(case.golden_path, result.graphed)

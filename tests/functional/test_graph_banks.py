@@ -1,10 +1,13 @@
 """GPU (2 ranks): dynamic-CP graph banks on megatron-core TE TransformerLayers under hybrid CP.
 
-Probe tests/functional/_probes/banks_probe.py, two scenarios. ``layers``: banks for CP sizes 1 and
+Probe tests/functional/_probes/banks_probe.py, three scenarios. ``layers``: banks for CP sizes 1 and
 2 captured into one pool, a schedule of fixed-capacity THD packs (CP-1 packs per rank, CP-2 packs
 over both ranks) replayed and compared bitwise with eager (outputs and all gradients), pool bytes
 with one and two banks, and the fail-closed refusals. ``training``: a tiny GPT trains 30 steps with
-banks and must reproduce the eager run's per-step loss.
+banks and must reproduce the eager run's per-step loss. ``rope``: one layer with fused RoPE; a
+sequence run with CP 2 must match the same sequence run with CP 1 (with the plugin's dynamic-CP
+attention; Megatron's stock attention rotates with the static group and does not), and banks
+captured with the RoPE tables replay bitwise like eager.
 """
 
 from __future__ import annotations
@@ -27,6 +30,30 @@ def ranks(farm_out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def training(farm_out: Path) -> list[dict]:
     return run_probe(PROBE, farm_out, "banks_training", nproc=2, args=("--scenario", "training"))
+
+
+@pytest.fixture(scope="module")
+def rope(farm_out: Path) -> list[dict]:
+    return run_probe(PROBE, farm_out, "banks_rope", nproc=2, args=("--scenario", "rope"))
+
+
+# bf16 outputs of two CP layouts differ by rounding only: a few units in the last place of the output scale.
+BF16_LAYOUT_TOLERANCE = 2**-5
+
+
+def test_rope_under_cp2_matches_cp1_only_with_the_microbatch_group(rope: list[dict]) -> None:
+    for result in rope:
+        scale = result["output_scale"]
+        assert result["dynamic_cp2_vs_cp1_max_abs"] <= BF16_LAYOUT_TOLERANCE * scale, result
+        # Megatron's stock attention: far outside rounding (wrong positions), the bug the subclass fixes.
+        assert result["stock_cp2_vs_cp1_max_abs"] > 10 * BF16_LAYOUT_TOLERANCE * scale, result
+
+
+def test_banks_with_rope_tables_replay_bitwise_eager(rope: list[dict]) -> None:
+    for result in rope:
+        assert all(exact for _, exact in result["graphed_equal_eager"]), result
+        banks = {row["cp_size"]: row for row in result["report"]["banks"]}
+        assert banks[1]["replays"] == 1 and banks[2]["replays"] == 2 and not any(r["rejected"] for r in banks.values())
 
 
 def test_tiny_gpt_trains_30_steps_with_banks_and_the_eager_losses(training: list[dict]) -> None:

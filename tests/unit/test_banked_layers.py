@@ -1,6 +1,6 @@
-"""The banked layer class on CPU: routing by CP size and group, THD layout checks, eager fallback,
-fail-closed refusals and the per-bank report. Capture itself runs on GPUs
-(tests/functional/test_graph_banks.py)."""
+"""The banked layer class on CPU: routing by CP size and group, THD layout and RoPE table checks,
+the hand-over to Megatron's replay path per scope, eager fallback, fail-closed refusals and the
+per-bank report. Capture itself runs on GPUs (tests/functional/test_graph_banks.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,33 @@ import pytest
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, BankSelectionError, GraphBank
-from megatron_cg_plugin.capture.banked import BankedLayers, BankReplayError, ThdCapacity, banked_layer_class
+from megatron_cg_plugin.capture.banked import (BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity,
+                                               attention_in_graph, banked_layer_class)
 from megatron_cg_plugin.plan.thd import ThdCapacityError
 
 CAPACITY = ThdCapacity(tokens_per_rank=8, max_seqs=2)
 
 
 class FakeLayer(torch.nn.Module):
-    """Stands for Megatron's TransformerLayer: its own call returns ("eager", context)."""
+    """Stands for Megatron's TransformerLayer: its own call returns ("eager", context); its replay
+    path (``_te_cuda_graph_replay``) calls ``cuda_graphs[0]`` with the hidden states, as Megatron's does."""
 
     layer_number = 3
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(delay_offload_until_cuda_graph=False)
+        self.cuda_graphs: list = []
+        self.replay_kwargs: list[dict] = []
+
     def __call__(self, *args, **kwargs):
         return "eager", kwargs.get("context")
+
+    def _te_cuda_graph_replay(self, hidden_states, **kwargs):
+        self.replay_kwargs.append(kwargs)
+        outputs = self.cuda_graphs[0](hidden_states, is_first_microbatch=False)
+        assert isinstance(outputs, tuple)  # Megatron takes list() of it
+        return outputs[0], None
 
 
 def packed(cp_size=1, group=None, cu_length=4, max_seqlen=8):
@@ -31,29 +45,92 @@ def packed(cp_size=1, group=None, cu_length=4, max_seqlen=8):
                                  cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=max_seqlen)
 
 
+def bank_layer(*, attention=True, rope_tables=None, group=None, base=FakeLayer):
+    calls = []
+
+    def graph(size):
+        return BankGraph(lambda *inputs: calls.append((size, *inputs)) or f"graph cp{size}", takes_layout=attention,
+                         rope_table=None if rope_tables is None else rope_tables[size])
+
+    layer = banked_layer_class(base)()
+    router = BankRouter({1: GraphBank(1, None, graph(1)), 2: GraphBank(2, group, graph(2))})
+    vars(layer)["_graph_banks"] = LayerBanks(router, CAPACITY, attention)
+    return layer, calls
+
+
 @pytest.fixture
 def banked():
     group = object()
-    calls = []
-
-    def payload(size):
-        return lambda hidden, cu, cu_padded: calls.append((size, hidden, cu, cu_padded)) or f"graph cp{size}"
-
-    layer = banked_layer_class(FakeLayer)()
-    vars(layer)["_bank_router"] = BankRouter({1: GraphBank(1, None, payload(1)), 2: GraphBank(2, group, payload(2))})
-    vars(layer)["_bank_capacity"] = CAPACITY
+    layer, calls = bank_layer(group=group)
     return layer, group, calls
 
 
-def test_the_bank_of_the_microbatch_cp_size_replays(banked):
+def test_the_bank_of_the_microbatch_cp_size_replays_through_megatrons_replay_path(banked):
     layer, group, calls = banked
     hidden = torch.ones(8, 1, 4)
     assert layer(hidden_states=hidden, packed_seq_params=packed()) == ("graph cp1", None)
     params = packed(2, group, max_seqlen=16)
-    assert layer(hidden, packed_seq_params=params) == ("graph cp2", None)
+    assert layer(hidden, packed_seq_params=params, rotary_pos_emb=None) == ("graph cp2", None)
     assert [c[0] for c in calls] == [1, 2] and calls[1][1] is hidden and calls[1][2] is params.cu_seqlens_q
-    assert vars(layer)["_bank_router"].report() == [{"cp_size": 1, "replays": 1, "rejected": 0},
-                                                    {"cp_size": 2, "replays": 1, "rejected": 0}]
+    # Attention is graphed: the layout is a graph input, so Megatron's replay gets no keyword arguments.
+    assert layer.replay_kwargs == [{}, {}]
+    assert layer.cuda_graphs == []  # the bank's graph is lent for the call only
+    assert vars(layer)["_graph_banks"].router.report() == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+                                                           {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0}]
+
+
+def test_scopes_without_attention_replay_the_shared_graph_after_eager_attention():
+    group = object()
+    layer, calls = bank_layer(attention=False, group=group)
+    hidden = torch.ones(8, 1, 4)
+    params = packed(2, group, cu_length=7)  # the layout is not a graph input here: not checked
+    assert layer(hidden_states=hidden, packed_seq_params=params)[0] == "graph cp2"
+    assert calls == [(2, hidden)]
+    assert layer.replay_kwargs == [{"packed_seq_params": params}]  # Megatron runs attention with them
+
+
+def test_scope_of_megatrons_modules():
+    assert attention_in_graph([]) and attention_in_graph(None)
+    assert attention_in_graph([types.SimpleNamespace(name="attn"), types.SimpleNamespace(name="moe")])
+    assert attention_in_graph(["attn"]) and not attention_in_graph(["mlp"]) and not attention_in_graph(["moe"])
+
+
+def test_rope_tables_are_bound_per_bank():
+    tables = {1: torch.zeros(8, 1, 1, 4), 2: torch.zeros(16, 1, 1, 4)}
+    layer, calls = bank_layer(rope_tables=tables)
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed(), rotary_pos_emb=tables[1])  # the same object
+    assert tables[1].abs().sum() == 0
+    fresh = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 1, 1, 4)
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed(), rotary_pos_emb=fresh)
+    assert torch.equal(tables[1], fresh) and tables[2].abs().sum() == 0  # copied into the bank's table only
+    with pytest.raises(ThdCapacityError, match=r"rotary table \(16, 1, 1, 4\).*captured with \(8, 1, 1, 4\)"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed(), rotary_pos_emb=tables[2])
+    with pytest.raises(BankReplayError, match="captured with a RoPE table but the call passes none"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    plain, _ = bank_layer()
+    with pytest.raises(BankReplayError, match="captured without a RoPE table but the call passes one"):
+        plain(hidden_states=torch.ones(1), packed_seq_params=packed(), rotary_pos_emb=fresh)
+    assert len(calls) == 2 and layer.cuda_graphs == []
+
+
+def test_delayed_offload_groups_waiting_at_a_replay_are_counted_as_flushed_by_it(monkeypatch):
+    import megatron_cg_plugin.capture.banked as banked_module
+
+    queue = ["group of layer 2", "group of layer 2"]  # Megatron's delayed offload queue
+    monkeypatch.setattr(banked_module, "_delayed_offload_groups", lambda _layer: len(queue))
+
+    class FlushingLayer(FakeLayer):
+        def _te_cuda_graph_replay(self, hidden_states, **kwargs):  # graph, flush, then eager experts delay one
+            output = super()._te_cuda_graph_replay(hidden_states, **kwargs)
+            queue[:] = ["group of this layer"]
+            return output
+
+    group = object()
+    layer, _ = bank_layer(group=group, base=FlushingLayer)
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed(2, group, max_seqlen=16))
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    rows = vars(layer)["_graph_banks"].router.report()
+    assert [row["offload_groups_flushed"] for row in rows] == [1, 2]
 
 
 def test_calls_the_banks_cannot_serve_run_eagerly(banked):
@@ -79,27 +156,40 @@ def test_refusals(banked):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(cu_length=5))
     with pytest.raises(ThdCapacityError, match="max_seqlen 9 exceeds the captured bound 8"):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(max_seqlen=9))
-    with pytest.raises(BankReplayError, match="rotary_pos_emb"):
-        layer(hidden_states=torch.ones(1), packed_seq_params=packed(), rotary_pos_emb=torch.ones(1))
+    with pytest.raises(BankReplayError, match="attention_mask"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed(), attention_mask=torch.ones(1))
+    with pytest.raises(BankReplayError, match="extra positional"):
+        layer(torch.ones(1), torch.ones(1), packed_seq_params=packed())
     cross = packed()
     cross.cu_seqlens_kv = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(BankReplayError, match="self-attention"):
         layer(hidden_states=torch.ones(1), packed_seq_params=cross)
-    assert calls == []
+    assert calls == [] and layer.replay_kwargs == []
+
+
+def test_a_failing_replay_gives_the_layer_its_graphs_back():
+    layer, _ = bank_layer()
+    mine = ["megatron's own"]
+    layer.cuda_graphs = mine
+    vars(layer)["_graph_banks"].router.banks[1].payload = BankGraph(
+        lambda *inputs: (_ for _ in ()).throw(RuntimeError("replay failed")), takes_layout=True, rope_table=None)
+    with pytest.raises(RuntimeError, match="replay failed"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    assert layer.cuda_graphs is mine
 
 
 def test_report_sums_layers_and_reset_unbanks(banked):
     layer, group, _ = banked
     layer(hidden_states=torch.ones(1), packed_seq_params=packed())
-    other = banked_layer_class(FakeLayer)()
-    vars(other)["_bank_router"] = BankRouter({1: GraphBank(1, None, lambda *a: "g"), 2: GraphBank(2, group, None)})
-    vars(other)["_bank_capacity"] = CAPACITY
+    other, _ = bank_layer(group=group)
     other(hidden_states=torch.ones(1), packed_seq_params=packed())
     with pytest.raises(BankSelectionError):
         other(hidden_states=torch.ones(1), packed_seq_params=packed(2, object()))
-    layers = BankedLayers({1: vars(layer)["_bank_router"], 2: vars(other)["_bank_router"]}, {}, [layer, other])
+    routers = {1: vars(layer)["_graph_banks"].router, 2: vars(other)["_graph_banks"].router}
+    layers = BankedLayers(routers, {}, [layer, other])
     report = layers.report()
-    assert report["banks"] == [{"cp_size": 1, "replays": 2, "rejected": 0}, {"cp_size": 2, "replays": 0, "rejected": 1}]
+    assert report["banks"] == [{"cp_size": 1, "replays": 2, "rejected": 0, "offload_groups_flushed": 0}, {"cp_size": 2, "replays": 0, "rejected": 1, "offload_groups_flushed": 0}]
+    assert layers.graph_count == 0
     layers.reset()
-    assert "_bank_router" not in vars(layer) and "_bank_router" not in vars(other)
+    assert "_graph_banks" not in vars(layer) and "_graph_banks" not in vars(other)
     assert layer(hidden_states=torch.ones(1), packed_seq_params=packed()) == ("eager", None)

@@ -36,9 +36,9 @@ def test_router_counts_replays_and_fails_closed():
         router.select(4, groups[2])
     with pytest.raises(BankSelectionError, match="CP size 8, but banks were captured for CP sizes \\[1, 2, 4\\]"):
         router.select(8, None)
-    assert router.report() == [{"cp_size": 1, "replays": 1, "rejected": 0},
-                               {"cp_size": 2, "replays": 1, "rejected": 0},
-                               {"cp_size": 4, "replays": 0, "rejected": 1}]
+    assert router.report() == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+                               {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+                               {"cp_size": 4, "replays": 0, "rejected": 1, "offload_groups_flushed": 0}]
     assert router.unknown_size_rejections == 1
 
 
@@ -63,6 +63,6 @@ def test_bank_and_group_selection_on_four_gloo_ranks(tmp_path):
         assert "captured with" in data["errors"]["wrong_size_group"]
         assert "banks were captured for CP sizes [1, 2, 4]" in data["errors"]["unknown_size"]
         assert "captured with" in data["errors"]["look_alike_group"]  # same ranks, another object: refused
-        assert data["report"] == [{"cp_size": 1, "replays": 1, "rejected": 0},
-                                  {"cp_size": 2, "replays": 1, "rejected": 2},
-                                  {"cp_size": 4, "replays": 1, "rejected": 0}]
+        assert data["report"] == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+                                  {"cp_size": 2, "replays": 1, "rejected": 2, "offload_groups_flushed": 0},
+                                  {"cp_size": 4, "replays": 1, "rejected": 0, "offload_groups_flushed": 0}]

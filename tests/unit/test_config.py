@@ -190,7 +190,7 @@ def test_every_preset_parses_with_megatron(megatron_parse, preset):
     if hybrid:  # what the launcher's hybrid-CP data path needs (check_hybrid_cp_launch)
         assert args.max_seqlen_per_dp_cp_rank == 256 and args.rerun_mode == "disabled"
         assert args.dataloader_inter_document_masking and args.calculate_per_token_loss
-        assert args.position_embedding_type == "learned_absolute"
+        assert args.position_embedding_type == "rope" and args.apply_rope_fusion
     assert args.gradient_accumulation_fusion is False
     assert args.cuda_graph_impl == "none"
     assert args.num_experts == (4 if preset == "tiny-moe" else None)

@@ -54,12 +54,17 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                         overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
     "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
-    "banks-rope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
-                              position_embedding_type="rope"), "--position-embedding-type learned_absolute"),
-    "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, modules=("attn",)),
-                    "drop --cuda-graph-modules"),
-    "banks-offload": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
-                                 activation_offloading=True), "--fine-grained-activation-offloading"),
+    "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                   position_embedding_type="yarn"), "--position-embedding-type rope"),
+    "banks-rope-fusion": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                     position_embedding_type="rope", apply_rope_fusion=False), "--no-rope-fusion"),
+    "hybrid-cp-rope-static-cp": (GraphFacts(hybrid_context_parallel=True, position_embedding_type="rope",
+                                            context_parallel=2, world_size=2), "--context-parallel-size 1"),
+    "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                               modules=("attn", "moe_router"), num_experts=4), "--cuda-graph-modules attn moe"),
+    "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                          modules=("attn",), activation_offloading=True,
+                                          offload_modules=("core_attn",)), "--offload-modules"),
     "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                               overlap_param_gather=True), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
@@ -69,7 +74,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                        "--tensor-model-parallel-size"),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
-ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq"}
+ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -108,6 +113,16 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
     GraphFacts(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
     GraphFacts(cuda_graph_impl=TE, warmup_steps=0),
+    # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
+    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+               position_embedding_type="rope", modules=("attn",)),
+    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+               modules=("mlp",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
+    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+               modules=("attn", "moe"), **MOE_DROP_PAD),
+    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+               modules=("attn",), activation_offloading=True, offload_modules=("expert_fc1", "moe_act"),
+               **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
     assert violations(valid) == []
@@ -330,3 +345,16 @@ def test_validate_raises_iff_violations(facts):
         assert "moe-xor-router" in [n for n, _ in broken]
     if not facts.te_graphs:
         assert broken == []  # nothing in this strategy touches the always-on rules
+
+
+@pytest.mark.parametrize("modules, offloaded, inside", [
+    ((), ("core_attn", "expert_fc1"), {"core_attn", "expert_fc1"}),  # whole layer: everything is inside
+    (("attn",), ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"), {"attn_norm", "core_attn", "attn_proj"}),
+    (("mlp",), ("core_attn", "mlp_norm"), {"mlp_norm"}),
+    (("moe",), ("qkv_linear", "expert_fc1", "moe_act", "mlp_norm"), {"expert_fc1", "moe_act", "mlp_norm"}),
+    (("attn", "moe"), ("qkv_linear", "moe_act"), {"qkv_linear", "moe_act"}),
+])
+def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
+    facts = GraphFacts(cuda_graph_impl=TE, modules=modules, activation_offloading=True, offload_modules=offloaded)
+    assert facts.offloaded_in_graphs == inside
+    assert dataclasses.replace(facts, activation_offloading=False).offloaded_in_graphs == frozenset()

@@ -302,15 +302,117 @@ def training(result, groups):
         report=report)
 
 
+ROPE_LENGTH = 200  # one sequence, shorter than a rank's share so CP 1 and CP 2 can both hold it
+
+
+def rope_layer(*, dynamic_cp: bool):
+    """One TE TransformerLayer with fused RoPE, the same weights each call; ``dynamic_cp`` swaps in
+    the plugin's attention (RoPE with the microbatch's CP group) and the banked layer class."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cg_plugin.capture.banked import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.dynamic_cp import adapt_layer_spec
+
+    ensure_dynamic_cp_stream()
+    torch.manual_seed(1234)
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=HEADS, bf16=True,
+                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
+                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                               apply_rope_fusion=True, attention_backend=AttnBackend.fused)
+    spec = adapt_layer_spec(get_gpt_layer_with_transformer_engine_spec(), rope=dynamic_cp, banks=dynamic_cp)
+    return build_module(spec, config=config, layer_number=1).cuda()
+
+
+def rope_pack(size, groups, sequence, rotary):
+    """The sequence alone in a fixed-capacity pack of CP size ``size``: this rank's hidden states,
+    the token indices they hold in the pack, the PackedSeqParams and the model's RoPE table."""
+    import transformer_engine_torch as tex
+
+    from megatron_cg_plugin.capture.banked import packed_seq_params
+    from megatron_cg_plugin.plan.thd import fixed_capacity_layout
+
+    layout = fixed_capacity_layout([ROPE_LENGTH], size, TOKENS_PER_RANK, MAX_SEQS)
+    full = torch.zeros(layout.tokens, 1, H, device="cuda", dtype=torch.bfloat16)
+    full[:ROPE_LENGTH] = sequence
+    cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
+    cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
+    if size > 1:
+        index = tex.thd_get_partitioned_indices(cu_padded, layout.tokens, size, dist.get_rank(groups[size]))
+    else:
+        index = torch.arange(layout.tokens, device="cuda")
+    params = packed_seq_params(cu, cu_padded, size, groups[size], layout.max_seqlen)
+    table = rotary(layout.max_seqlen, packed_seq=True, cp_group=groups[size])  # what GPTModel passes
+    return full.index_select(0, index), index, params, table
+
+
+def rope_forward(layer, size, groups, sequence, rotary, grad_seed=5):
+    """Forward and backward of the pack; returns the outputs of the sequence's tokens in sequence
+    order (gathered over the CP group), the input gradient and the parameter gradients."""
+    hidden, index, params, table = rope_pack(size, groups, sequence, rotary)
+    x = hidden.detach().requires_grad_(True)
+    out, _ = layer(hidden_states=x, attention_mask=None, packed_seq_params=params, rotary_pos_emb=table)
+    grad = torch.randn(out.shape, device="cuda", dtype=out.dtype,
+                       generator=torch.Generator(device="cuda").manual_seed(grad_seed))
+    weights = [p for p in layer.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out, [x] + weights, grad)
+    if size > 1:
+        outs = [torch.empty_like(out) for _ in range(size)]
+        indices = [torch.empty_like(index) for _ in range(size)]
+        dist.all_gather(outs, out.detach().contiguous(), group=groups[size])
+        dist.all_gather(indices, index, group=groups[size])
+        full = torch.empty(size * TOKENS_PER_RANK, 1, H, device="cuda", dtype=out.dtype)
+        for part, where in zip(outs, indices):
+            full[where] = part
+    else:
+        full = out.detach()
+    return [full[:ROPE_LENGTH].clone()] + [g.clone() for g in grads]
+
+
+def rope(result, groups):
+    """RoPE under dynamic CP: a sequence run with CP 2 must give the outputs of the same sequence
+    run with CP 1 (the stock attention, rotating with the static CP-1 group, does not); and graph
+    banks captured with the RoPE tables replay bitwise like the eager layer."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+
+    sequence = torch.randn(ROPE_LENGTH, 1, H, device="cuda", dtype=torch.bfloat16,
+                           generator=torch.Generator(device="cuda").manual_seed(7))  # the same on both ranks
+    rotary = RotaryEmbedding(kv_channels=H // HEADS, rotary_percent=1.0)
+
+    def cp2_vs_cp1(layer):
+        cp1 = rope_forward(layer, 1, groups, sequence, rotary)[0].float()
+        cp2 = rope_forward(layer, 2, groups, sequence, rotary)[0].float()
+        return (cp2 - cp1).abs().max().item(), cp1.abs().max().item()
+
+    stock_diff, scale = cp2_vs_cp1(rope_layer(dynamic_cp=False))
+    layer = rope_layer(dynamic_cp=True)
+    dynamic_diff, _ = cp2_vs_cp1(layer)
+    eager = {size: rope_forward(layer, size, groups, sequence, rotary) for size in (1, 2)}
+    tables = {size: rotary(size * TOKENS_PER_RANK, packed_seq=True, cp_group=groups[size]) for size in (1, 2)}
+    banks = capture_banks([layer], groups, ThdCapacity(TOKENS_PER_RANK, MAX_SEQS), rope_tables=tables)
+    # Interleaved CP sizes, as the hybrid-CP schedule hands them out.
+    graphed = [(size, rope_forward(layer, size, groups, sequence, rotary)) for size in (2, 1, 2)]
+    exact = [[size, all(torch.equal(a, b) for a, b in zip(got, eager[size]))] for size, got in graphed]
+    report = banks.report()
+    banks.reset()
+    result.update(rank=dist.get_rank(), output_scale=scale, stock_cp2_vs_cp1_max_abs=stock_diff,
+                  dynamic_cp2_vs_cp1_max_abs=dynamic_diff, graphed_equal_eager=exact, report=report)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["layers", "training"], default="layers")
+    parser.add_argument("--scenario", choices=["layers", "training", "rope"], default="layers")
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        (run if options.scenario == "layers" else training)(result, groups)
+        {"layers": run, "training": training, "rope": rope}[options.scenario](result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")
