@@ -270,6 +270,11 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     import torch.distributed as dist
 
     layers = list(layers)
+    not_te = [layer.layer_number for layer in layers if layer.config.cuda_graph_impl != "transformer_engine"]
+    if not_te:
+        raise ValueError(f"layers {not_te} were built without cuda_graph_impl='transformer_engine'; banks replay "
+                         "through Megatron's TE graph path: pass --cuda-graph-impl transformer_engine (or set it "
+                         "in the TransformerConfig).")
     sizes = sorted(groups)
     if any(size > 1 for size in sizes):
         ensure_dynamic_cp_stream()

@@ -11,7 +11,7 @@ import torch
 
 from megatron_cg_plugin.banks import BankRouter, BankSelectionError, GraphBank
 from megatron_cg_plugin.capture.banked import (BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity,
-                                               attention_in_graph, banked_layer_class)
+                                               attention_in_graph, banked_layer_class, capture_banks)
 from megatron_cg_plugin.plan.thd import ThdCapacityError
 
 CAPACITY = ThdCapacity(tokens_per_rank=8, max_seqs=2)
@@ -25,7 +25,7 @@ class FakeLayer(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.config = types.SimpleNamespace(delay_offload_until_cuda_graph=False)
+        self.config = types.SimpleNamespace(delay_offload_until_cuda_graph=False, cuda_graph_impl="transformer_engine")
         self.cuda_graphs: list = []
         self.replay_kwargs: list[dict] = []
 
@@ -193,3 +193,11 @@ def test_report_sums_layers_and_reset_unbanks(banked):
     layers.reset()
     assert "_graph_banks" not in vars(layer) and "_graph_banks" not in vars(other)
     assert layer(hidden_states=torch.ones(1), packed_seq_params=packed()) == ("eager", None)
+
+
+def test_layers_built_without_te_graphs_are_refused_before_any_capture():
+    layer = banked_layer_class(FakeLayer)()
+    layer.config.cuda_graph_impl = "none"
+    with pytest.raises(ValueError, match=r"layers \[3\] were built without cuda_graph_impl='transformer_engine'"):
+        capture_banks([layer], {1: None}, CAPACITY)
+    assert "_graph_banks" not in vars(layer)

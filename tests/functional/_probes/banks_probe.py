@@ -53,7 +53,8 @@ def build():
     config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, bf16=True,
                                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                                use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
-                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True)
+                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                               cuda_graph_impl="transformer_engine")
     spec = get_gpt_layer_with_transformer_engine_spec()
     spec.module = banked_layer_class(spec.module)
     layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(2)).cuda()
@@ -198,6 +199,7 @@ def build_gpt():
                                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                                use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
                                max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                               cuda_graph_impl="transformer_engine",
                                attention_backend=AttnBackend.fused)  # matches NVTE_FLASH_ATTN=0 above
     spec = get_gpt_layer_with_transformer_engine_spec()
     spec.module = banked_layer_class(spec.module)
@@ -322,6 +324,7 @@ def rope_layer(*, dynamic_cp: bool):
                                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                                use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
                                max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                               cuda_graph_impl="transformer_engine",
                                apply_rope_fusion=True, attention_backend=AttnBackend.fused)
     spec = adapt_layer_spec(get_gpt_layer_with_transformer_engine_spec(), rope=dynamic_cp, banks=dynamic_cp)
     return build_module(spec, config=config, layer_number=1).cuda()
