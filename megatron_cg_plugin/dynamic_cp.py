@@ -75,10 +75,11 @@ def _layer_specs(spec: Any) -> list[Any]:
 
 
 def adapt_layer_spec(spec: Any, *, rope: bool, banks: bool) -> Any:
-    """``spec`` (a layer or block spec) with the dynamic-CP attention (``rope``) and the banked layer
-    class (``banks``) swapped in; each swap wraps the class the spec already names."""
+    """A copy of ``spec`` (a layer or block spec) with the dynamic-CP attention (``rope``) and the
+    banked layer class (``banks``) swapped in; each swap wraps the class the spec already names."""
     from megatron_cg_plugin.capture.banked import banked_layer_class
 
+    spec = copy.deepcopy(spec)  # specs may share submodule objects with other specs: never edit the caller's
     for layer_spec in _layer_specs(spec):
         attention = getattr(layer_spec.submodules, "self_attention", None)
         if rope and attention is not None and isinstance(getattr(attention, "module", None), type):

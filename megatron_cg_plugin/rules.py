@@ -210,10 +210,10 @@ RULES: tuple[Rule, ...] = (
          "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
          "microbatches with the static one, which must then have one rank: use --context-parallel-size 1."),
     Rule("banks-scope", "plugin",
-         _graphs(lambda f: f.graph_banks and bool({"moe_router", "moe_preprocess"} & set(f.modules))),
-         "graph banks capture the whole layer or the attn, mlp and moe scopes; moe_router and moe_preprocess "
-         "hand router state across the graph boundary, which banks do not carry: use --cuda-graph-modules "
-         "attn moe (with drop-and-pad) or attn with --cg-graph-banks."),
+         _graphs(lambda f: f.graph_banks and f.has_moe_layers and (not f.modules or bool(MOE_SCOPES & set(f.modules)))),
+         "graph banks capture dense layers whole or the attn and mlp scopes; a graphed MoE block keeps token-dispatcher "
+         "state on module attributes past the graph, which the banks' slot-shared memory cannot protect (capture "
+         "fails with SlotCoverageError): use --cuda-graph-modules attn with --cg-graph-banks (experts run eagerly)."),
     Rule("banks-offload-in-graph", "plugin", _graphs(lambda f: f.graph_banks and bool(f.offloaded_in_graphs)),
          "--offload-modules names modules inside the graphed scope, whose saved-tensor hooks would bypass the "
          "arenas that keep graph banks apart: offload only modules outside --cuda-graph-modules (e.g. core_attn "

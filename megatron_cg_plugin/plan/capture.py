@@ -24,6 +24,7 @@ class CapturePlan:
     microbatches_captured: int
     warmup_steps: int
     banks: tuple[int, ...] = ()  # CP sizes with a graph bank (--cg-graph-banks under hybrid CP)
+    banks_share_one_graph: bool = False  # the graphed scope has no attention: one graph serves every CP size
 
     @property
     def first_stage_layers(self) -> tuple[int, ...]:
@@ -37,7 +38,7 @@ class CapturePlan:
     def graphs_on_first_stage(self) -> int:
         """Graphs TE captures on a first-stage rank: its graphed layers times captured microbatches."""
         first = set(self.first_stage_layers)
-        per_layer = len(self.banks) if self.banks else self.microbatches_captured
+        per_layer = (1 if self.banks_share_one_graph else len(self.banks)) if self.banks else self.microbatches_captured
         return sum(1 for n in self.graphed_layers if n in first) * per_layer
 
     def describe(self) -> str:
@@ -50,8 +51,10 @@ class CapturePlan:
             f"layers per pipeline stage: {self.layers_per_stage} in {self.model_chunks} model chunk(s)",
             f"microbatches per step: {self.microbatches_per_step}; captured per layer: "
             f"{self.microbatches_captured}",
-            *([f"graph banks for CP sizes {', '.join(map(str, self.banks))}: each layer captured once per bank, "
-               "all banks in one slot-shared pool"] if self.banks else []),
+            *([f"graph banks for CP sizes {', '.join(map(str, self.banks))}: "
+               + ("one graph per layer serves every bank (no attention in the graphed scope)"
+                  if self.banks_share_one_graph else "each layer captured once per bank")
+               + ", all in one slot-shared pool"] if self.banks else []),
             f"graphs per rank on the first pipeline stage: {self.graphs_on_first_stage}",
             f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
         ])
@@ -86,4 +89,5 @@ def plan_capture(facts: GraphFacts) -> CapturePlan:
         warmup_steps=facts.warmup_steps,
         banks=bank_sizes(facts.data_context_parallel, facts.bank_min_cp)
         if facts.te_graphs and facts.graph_banks and facts.hybrid_context_parallel else (),
+        banks_share_one_graph=bool(facts.modules) and "attn" not in facts.modules,
     )

@@ -87,11 +87,8 @@ CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_gpt_hybrid_cp_banks_mlp_offload", 2, "tiny-gpt-hybrid-cp",
              ("--cg-graph-banks", "--cuda-graph-modules", "mlp", "--fine-grained-activation-offloading",
               "--offload-modules", "core_attn"), steps=30, env=_OFFLOAD_ENV),
-    # MoE under hybrid CP: attention banks plus the whole (drop-and-pad) MoE block in the graphs.
-    FarmCase("tiny_moe_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--cuda-graph-modules", "attn", "moe", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
-    # Attention banks with the eager (dropless) experts offloaded: their offload is delayed while a
-    # graph replays and flushed after the next bank replay (Megatron's replay path).
+    # MoE under hybrid CP: attention banks, the eager (dropless) experts offloaded; their offload is
+    # delayed while a graph replays and flushed after the next bank replay (Megatron's replay path).
     FarmCase("tiny_moe_hybrid_cp_banks_attn_offload", 2, "tiny-gpt-hybrid-cp",
              ("--cg-graph-banks", "--cuda-graph-modules", "attn", *MOE_FLAGS, "--fine-grained-activation-offloading",
               "--offload-modules", "expert_fc1", "moe_act", "--delay-offload-until-cuda-graph"),

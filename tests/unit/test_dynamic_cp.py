@@ -78,7 +78,9 @@ def test_layer_spec_adaptation():
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    spec = adapt_layer_spec(local_layer_spec(), rope=True, banks=True)
+    original = local_layer_spec()
+    spec = adapt_layer_spec(original, rope=True, banks=True)
+    assert original.module is TransformerLayer and original.submodules.self_attention.module is SelfAttention
     assert issubclass(spec.module, TransformerLayer) and spec.module.graph_banks
     attention = spec.submodules.self_attention.module
     assert issubclass(attention, SelfAttention) and attention.__name__ == "DynamicCpSelfAttention"

@@ -248,3 +248,12 @@ def test_graph_banks_in_the_plan(world, min_cp, banks):
     assert f"graph banks for CP sizes {', '.join(map(str, banks))}" in plan.describe()
     assert plan_capture(dataclasses.replace(facts, graph_banks=False)).banks == ()
     assert plan_capture(dataclasses.replace(facts, cuda_graph_impl="none")).banks == ()
+
+
+@pytest.mark.parametrize("modules, per_layer", [((), 2), (("attn",), 2), (("mlp",), 1), (("attn", "mlp"), 2)])
+def test_banks_without_attention_in_the_scope_share_one_graph_per_layer(modules, per_layer):
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
+                       world_size=2, num_layers=3, modules=modules)
+    plan = plan_capture(facts)
+    assert plan.banks == (1, 2) and plan.graphs_on_first_stage == 3 * per_layer
+    assert ("one graph per layer serves every bank" in plan.describe()) == (per_layer == 1)

@@ -61,7 +61,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-rope-static-cp": (GraphFacts(hybrid_context_parallel=True, position_embedding_type="rope",
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
-                               modules=("attn", "moe_router"), num_experts=4), "--cuda-graph-modules attn moe"),
+                               modules=("attn", "moe"), **MOE_DROP_PAD), "--cuda-graph-modules attn with"),
     "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                           modules=("attn",), activation_offloading=True,
                                           offload_modules=("core_attn",)), "--offload-modules"),
@@ -118,8 +118,6 @@ def test_baseline_passes():
                position_embedding_type="rope", modules=("attn",)),
     GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
                modules=("mlp",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
-    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
-               modules=("attn", "moe"), **MOE_DROP_PAD),
     GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
@@ -345,6 +343,14 @@ def test_validate_raises_iff_violations(facts):
         assert "moe-xor-router" in [n for n, _ in broken]
     if not facts.te_graphs:
         assert broken == []  # nothing in this strategy touches the always-on rules
+
+
+@pytest.mark.parametrize("modules", [(), ("attn", "moe"), ("attn", "moe_router"), ("moe",)])
+def test_banks_refuse_every_scope_that_graphs_the_moe_block(modules):
+    facts = GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+                       modules=modules, **MOE_DROP_PAD)
+    assert "banks-scope" in names(facts)
+    assert "banks-scope" not in names(dataclasses.replace(facts, modules=("attn",)))
 
 
 @pytest.mark.parametrize("modules, offloaded, inside", [
