@@ -112,6 +112,27 @@ def _describe_holder(referrer: Any, target: Any) -> str | None:
     return None
 
 
+def describe_holders(target: Any, *, ignore: Iterable[Any] = ()) -> tuple[str, ...]:
+    """What keeps ``target`` alive, in words: running functions' locals and attributes of objects
+    (referrers in ``ignore``, such as a scan's own object list, are skipped)."""
+    ignored = {id(obj) for obj in ignore}
+    referrers = [r for r in gc.get_referrers(target) if id(r) not in ignored]
+    # List comprehensions only: a generator expression would capture `target` in a closure cell,
+    # which gc then reports as one more holder.
+    return tuple(_frame_holders(target)) + tuple([text for r in referrers if (text := _describe_holder(r, target))])
+
+
+def tensors_in(blocks: dict[int, int], objects: Iterable[Any] | None = None) -> list[torch.Tensor]:
+    """Live tensors whose storage starts inside one of ``blocks`` (address -> bytes)."""
+    found = []
+    for obj in gc.get_objects() if objects is None else objects:
+        if issubclass(type(obj), torch.Tensor):  # type(): gc lists dead weakref proxies too
+            ptr = obj.untyped_storage().data_ptr()
+            if any(address <= ptr < address + size for address, size in blocks.items()):
+                found.append(obj)
+    return found
+
+
 def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | None = None) -> list[StaleGraph]:
     """Live tensors whose autograd graph reaches any of ``params``' AccumulateGrad nodes."""
     param_ids = {id(p) for p in params}
@@ -125,17 +146,13 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
         reached = {id(v) for v in _accumulated_variables(obj.grad_fn, {}) if id(v) in param_ids}
         if not reached:
             continue
-        referrers = [r for r in gc.get_referrers(obj) if r is not scanned]
-        frames = _frame_holders(obj)
-        # List comprehensions only: a generator expression would capture `obj` in a closure cell,
-        # which gc then reports as one more holder.
-        holders = tuple(frames) + tuple([text for r in referrers if (text := _describe_holder(r, obj))])
-        owners = [owner for r in referrers for owner in _owners(r)]
+        holders = describe_holders(obj, ignore=[scanned])
+        owners = [owner for r in gc.get_referrers(obj) if r is not scanned for owner in _owners(r)]
         tolerated = [_tolerated(owner, obj) for owner in owners]
         stale.append(StaleGraph(
             root=f"{type(obj.grad_fn).__name__} output, shape {tuple(obj.shape)}, {obj.dtype}",
             parameters=len(reached), holders=holders,
-            tolerated=not frames and bool(owners) and all(tolerated)))
+            tolerated=not _frame_holders(obj) and bool(owners) and all(tolerated)))
     return stale
 
 

@@ -443,8 +443,11 @@ def _check_coverage(entry: _Entry, before: dict[int, int], after: dict[int, int]
                  and not any(address <= ptr < address + size for ptr in output_ptrs)}
     entry.uncovered_bytes = sum(uncovered.values())
     if uncovered and strict:
+        held = [f"{tuple(t.shape)} {t.dtype} held by {'; '.join(hygiene.describe_holders(t)) or 'no Python referrer'}"
+                for t in hygiene.tensors_in(uncovered)]
         raise SlotCoverageError(
             f"{entry.name}: after its forward capture {len(uncovered)} pool block(s), {sum(uncovered.values())} bytes, "
             "are still alive besides the outputs: backward state kept outside save_for_backward and ctx "
             "attributes (a module attribute or a global cache filled during capture?). Slot sharing cannot "
-            "protect it; capture this variant in its own pool, or pass strict=False to measure.")
+            "protect it; capture this variant in its own pool, or pass strict=False to measure. Tensors there: "
+            + ("; ".join(held) or "none reachable from Python (a C++ workspace or cache)") + ".")

@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.hygiene import (
     StaleAutogradGraphError,
     StaleGraph,
@@ -204,3 +205,21 @@ def test_any_other_holder_is_refused(holder):
     with pytest.raises(StaleAutogradGraphError):
         ensure_no_stale_graphs([weight], collect=lambda: None)
     assert also_held_here is None or also_held_here is owner.probs
+
+
+def test_tensors_in_blocks_and_their_holders_are_named():
+    class Dispatcher:
+        pass
+
+    dispatcher = Dispatcher()
+    dispatcher.routing_map = torch.zeros(16, dtype=torch.bool)
+    elsewhere = torch.zeros(4)
+    block = {dispatcher.routing_map.untyped_storage().data_ptr(): 16}
+    found = hygiene.tensors_in(block, objects=[dispatcher.routing_map, elsewhere])
+    assert len(found) == 1 and found[0] is dispatcher.routing_map
+    holders = hygiene.describe_holders(found[0])
+    assert "attribute 'routing_map' of Dispatcher" in holders
+    assert "an element of a list of length 1" in holders  # `found` itself
+    mask = dispatcher.routing_map
+    assert any("local variable 'mask'" in h for h in hygiene.describe_holders(mask))
+    assert hygiene.tensors_in({}, objects=[elsewhere]) == []

@@ -41,20 +41,27 @@ def setup():
     return {1: None, 2: parallel_state.get_hybrid_data_context_parallel_groups(group_size=2)}
 
 
+def layer_config(num_layers, **extra):
+    """The probes' TransformerConfig: bf16, deterministic, hybrid CP, TE graphs (banks replay
+    through Megatron's TE graph path)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=num_layers, hidden_size=H, num_attention_heads=HEADS, bf16=True,
+                             params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                             use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
+                             max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                             cuda_graph_impl="transformer_engine", **extra)
+
+
 def build():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_cg_plugin.capture.banked import banked_layer_class, ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()  # eager hybrid CP needs it too (Megatron leaves it None at static CP 1)
     torch.manual_seed(1234)  # the same weights on both ranks
-    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, bf16=True,
-                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
-                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
-                               cuda_graph_impl="transformer_engine")
+    config = layer_config(2)
     spec = get_gpt_layer_with_transformer_engine_spec()
     spec.module = banked_layer_class(spec.module)
     layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(2)).cuda()
@@ -188,19 +195,13 @@ def build_gpt():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_cg_plugin.capture.banked import banked_layer_class, ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()
     model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
     torch.manual_seed(1234)
-    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, bf16=True,
-                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
-                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
-                               cuda_graph_impl="transformer_engine",
-                               attention_backend=AttnBackend.fused)  # matches NVTE_FLASH_ATTN=0 above
+    config = layer_config(2, attention_backend=AttnBackend.fused)  # matches NVTE_FLASH_ATTN=0 above
     spec = get_gpt_layer_with_transformer_engine_spec()
     spec.module = banked_layer_class(spec.module)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=2 * TOKENS_PER_RANK,
@@ -313,19 +314,13 @@ def rope_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_cg_plugin.capture.banked import ensure_dynamic_cp_stream
     from megatron_cg_plugin.dynamic_cp import adapt_layer_spec
 
     ensure_dynamic_cp_stream()
     torch.manual_seed(1234)
-    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=HEADS, bf16=True,
-                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
-                               max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
-                               cuda_graph_impl="transformer_engine",
-                               apply_rope_fusion=True, attention_backend=AttnBackend.fused)
+    config = layer_config(1, apply_rope_fusion=True, attention_backend=AttnBackend.fused)
     spec = adapt_layer_spec(get_gpt_layer_with_transformer_engine_spec(), rope=True, banks=True)
     return build_module(spec, config=config, layer_number=1).cuda()
 
