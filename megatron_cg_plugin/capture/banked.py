@@ -7,13 +7,15 @@ own capture callable (``TransformerLayer._te_cuda_graph_capture``, which honours
 (``capture.slotted``): the banks are mutually exclusive variants of the layer, so they share arenas
 and boundary storage sized by the largest instead of adding up.
 
-- Scopes with attention (the whole layer, ``attn``, ``attn mlp``, ``attn moe``): one graph per CP
-  size, captured with the real group of that size; graph inputs are the hidden states and the two
-  ``cu_seqlens`` buffers of the fixed-capacity layout; ``max_seqlen`` and the RoPE table are bound
-  per CP size at capture (the eager run uses the same bound, ``plan.thd``).
-- Scopes without attention (``mlp``, ``moe``): the graphed part never sees the CP layout (tokens
-  per rank are fixed), so one graph serves every CP size; attention runs eagerly with the
-  microbatch's group.
+- Scopes with attention (the whole layer, ``attn``, ``attn mlp``): one graph per CP size, captured
+  with the real group of that size; graph inputs are the hidden states and the two ``cu_seqlens``
+  buffers of the fixed-capacity layout; ``max_seqlen`` and the RoPE table are bound per CP size at
+  capture (the eager run uses the same bound, ``plan.thd``).
+- Scopes without attention (``mlp``): the graphed part never sees the CP layout (tokens per rank
+  are fixed), so one graph serves every CP size; attention runs eagerly with the microbatch's group.
+- A graphed MoE block keeps dispatcher state on module attributes past the graph, which the
+  slot-shared capture refuses (``SlotCoverageError``); the ``banks-scope`` rule refuses those scopes
+  up front.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
