@@ -112,14 +112,17 @@ def _describe_holder(referrer: Any, target: Any) -> str | None:
     return None
 
 
-def describe_holders(target: Any, *, ignore: Iterable[Any] = ()) -> tuple[str, ...]:
-    """What keeps ``target`` alive, in words: running functions' locals and attributes of objects
-    (referrers in ``ignore``, such as a scan's own object list, are skipped)."""
+def _referrer_holders(target: Any, ignore: Iterable[Any] = ()) -> tuple[str, ...]:
     ignored = {id(obj) for obj in ignore}
     referrers = [r for r in gc.get_referrers(target) if id(r) not in ignored]
     # List comprehensions only: a generator expression would capture `target` in a closure cell,
     # which gc then reports as one more holder.
-    return tuple(_frame_holders(target)) + tuple([text for r in referrers if (text := _describe_holder(r, target))])
+    return tuple([text for r in referrers if (text := _describe_holder(r, target))])
+
+
+def describe_holders(target: Any) -> tuple[str, ...]:
+    """What keeps ``target`` alive, in words: running functions' locals and attributes of objects."""
+    return tuple(_frame_holders(target)) + _referrer_holders(target)
 
 
 def tensors_in(blocks: dict[int, int], objects: Iterable[Any] | None = None) -> list[torch.Tensor]:
@@ -146,13 +149,14 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
         reached = {id(v) for v in _accumulated_variables(obj.grad_fn, {}) if id(v) in param_ids}
         if not reached:
             continue
-        holders = describe_holders(obj, ignore=[scanned])
+        frames = _frame_holders(obj)
+        holders = tuple(frames) + _referrer_holders(obj, ignore=[scanned])
         owners = [owner for r in gc.get_referrers(obj) if r is not scanned for owner in _owners(r)]
         tolerated = [_tolerated(owner, obj) for owner in owners]
         stale.append(StaleGraph(
             root=f"{type(obj.grad_fn).__name__} output, shape {tuple(obj.shape)}, {obj.dtype}",
             parameters=len(reached), holders=holders,
-            tolerated=not _frame_holders(obj) and bool(owners) and all(tolerated)))
+            tolerated=not frames and bool(owners) and all(tolerated)))
     return stale
 
 
