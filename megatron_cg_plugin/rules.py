@@ -221,6 +221,9 @@ RULES: tuple[Rule, ...] = (
     Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
          "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
          "--overlap-param-gather with --cg-graph-banks."),
+    Rule("hybrid-cp-mamba-scope", "plugin", _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
+         "graph banks under --hybrid-context-parallel capture TransformerLayers (attention, MLP); Mamba layers "
+         "have no per-CP-size bank: drop mamba from --cuda-graph-modules."),
     Rule("hybrid-cp-pipeline", "megatron", _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
          "--hybrid-context-parallel needs --pipeline-model-parallel-size 1."),
     Rule("hybrid-cp-power-of-two", "plugin",
@@ -250,6 +253,11 @@ RULES: tuple[Rule, ...] = (
          "the world size must be a multiple of TP x PP x CP: change --tensor-model-parallel-size, "
          "--pipeline-model-parallel-size, --context-parallel-size or the number of ranks."),
 )
+
+
+def markdown_rows(rules: tuple[Rule, ...] = RULES) -> str:
+    """The rules table of docs/troubleshooting.md, one row per rule."""
+    return "\n".join(f"| `{rule.name}` | {rule.source} | {rule.fix} |" for rule in rules)
 
 
 def violations(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:

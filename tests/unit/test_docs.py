@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from megatron_cg_plugin.patches import PATCHES
-from megatron_cg_plugin.rules import RULES
+from megatron_cg_plugin.rules import RULES, markdown_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TROUBLESHOOTING = (ROOT / "docs" / "troubleshooting.md").read_text()
@@ -13,6 +13,12 @@ TROUBLESHOOTING = (ROOT / "docs" / "troubleshooting.md").read_text()
 def test_every_rule_is_in_troubleshooting():
     missing = [rule.name for rule in RULES if f"`{rule.name}`" not in TROUBLESHOOTING]
     assert not missing, f"add these rules to docs/troubleshooting.md: {missing}"
+
+
+def test_the_rules_table_says_what_the_rules_say():
+    assert markdown_rows() in TROUBLESHOOTING, (
+        "docs/troubleshooting.md's rules table differs from rules.py: paste the output of "
+        "python -c 'from megatron_cg_plugin.rules import markdown_rows; print(markdown_rows())'")
 
 
 def test_every_error_class_is_in_troubleshooting():

@@ -53,6 +53,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                            delay_wgrad_compute=True), "--delay-wgrad-compute"),
     "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                         overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+    "hybrid-cp-mamba-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+                                         world_size=2, modules=("attn", "mamba")), "drop mamba"),
     "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
     "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                    position_embedding_type="yarn"), "--position-embedding-type rope"),
