@@ -40,6 +40,9 @@ def dynamic_cp_attention_class(base: type) -> type:
     Megatron reads the group as ``self.pg_collection.cp`` at each RoPE call; for one forward the
     module holds a copy of its collection with ``cp`` replaced (the shared collection is never
     changed), then gets its own back."""
+    from megatron_cg_plugin.compat import check_parameters
+
+    check_parameters(base.forward, ("packed_seq_params", "rotary_pos_emb"), where=f"{base.__name__}.forward")
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         static = self.pg_collection

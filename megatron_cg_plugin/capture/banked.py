@@ -271,7 +271,12 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     every graph captured so far is reset and no layer is left banked."""
     import torch.distributed as dist
 
+    from megatron_cg_plugin.compat import check_parameters
+
     layers = list(layers)
+    for layer_class in {type(layer) for layer in layers}:  # the call the banks' capture makes
+        check_parameters(layer_class._forward_attention, ("attention_mask", "rotary_pos_emb", "packed_seq_params"),
+                         where=f"{layer_class.__name__}._forward_attention")
     not_te = [layer.layer_number for layer in layers if layer.config.cuda_graph_impl != "transformer_engine"]
     if not_te:
         raise ValueError(f"layers {not_te} were built without cuda_graph_impl='transformer_engine'; banks replay "

@@ -32,6 +32,9 @@ class FakeLayer(torch.nn.Module):
     def __call__(self, *args, **kwargs):
         return "eager", kwargs.get("context")
 
+    def _forward_attention(self, hidden_states, attention_mask=None, rotary_pos_emb=None, packed_seq_params=None):
+        raise AssertionError("the fakes never run attention")
+
     def _te_cuda_graph_replay(self, hidden_states, **kwargs):
         self.replay_kwargs.append(kwargs)
         outputs = self.cuda_graphs[0](hidden_states, is_first_microbatch=False)
@@ -201,3 +204,14 @@ def test_layers_built_without_te_graphs_are_refused_before_any_capture():
     with pytest.raises(ValueError, match=r"layers \[3\] were built without cuda_graph_impl='transformer_engine'"):
         capture_banks([layer], {1: None}, CAPACITY)
     assert "_graph_banks" not in vars(layer)
+
+
+def test_layers_whose_attention_call_changed_are_refused_before_any_capture():
+    from megatron_cg_plugin.compat import SignatureMismatchError
+
+    class Changed(FakeLayer):
+        def _forward_attention(self, hidden_states, mask=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(SignatureMismatchError, match="attention_mask, rotary_pos_emb, packed_seq_params"):
+        capture_banks([banked_layer_class(Changed)()], {1: None}, CAPACITY)

@@ -45,9 +45,9 @@ class FakeAttention:
         self.pg_collection = collection
         self.seen = []
 
-    def forward(self, hidden, **kwargs):
+    def forward(self, hidden, packed_seq_params=None, rotary_pos_emb=None, fail=False):
         self.seen.append(self.pg_collection.cp)
-        if kwargs.get("fail"):
+        if fail:
             raise RuntimeError("attention failed")
         return hidden
 
@@ -65,6 +65,17 @@ def test_attention_uses_the_microbatch_group_for_one_call_only():
     with pytest.raises(RuntimeError, match="attention failed"):
         attention.forward("h", packed_seq_params=params(2, pair), fail=True)
     assert attention.pg_collection is shared
+
+
+def test_an_attention_whose_forward_lost_the_packed_parameters_is_refused():
+    from megatron_cg_plugin.compat import SignatureMismatchError
+
+    class Renamed:
+        def forward(self, hidden, packed_params=None, rotary_pos_emb=None):
+            return hidden
+
+    with pytest.raises(SignatureMismatchError, match=r"Renamed.forward no longer takes parameter\(s\) packed_seq_params"):
+        dynamic_cp_attention_class(Renamed)
 
 
 def local_layer_spec():
