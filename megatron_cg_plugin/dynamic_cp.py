@@ -39,9 +39,12 @@ def dynamic_cp_attention_class(base: type) -> type:
 
     Megatron reads the group as ``self.pg_collection.cp`` at each RoPE call; for one forward the
     module holds a copy of its collection with ``cp`` replaced (the shared collection is never
-    changed), then gets its own back."""
+    changed), then gets its own back. A class made here is returned as it is: block specs list one
+    layer spec object once per layer."""
     from megatron_cg_plugin.compat import check_parameters
 
+    if getattr(base, "dynamic_cp_rope", False):
+        return base
     check_parameters(base.forward, ("packed_seq_params", "rotary_pos_emb"), where=f"{base.__name__}.forward")
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -58,7 +61,7 @@ def dynamic_cp_attention_class(base: type) -> type:
             self.pg_collection = static
 
     return type(f"DynamicCp{base.__name__}", (base,), {
-        "forward": forward, "__module__": __name__,
+        "forward": forward, "__module__": __name__, "dynamic_cp_rope": True,
         "__doc__": f"{base.__name__} applying THD RoPE with the microbatch's CP group (hybrid CP)."})
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from megatron_cg_plugin.config import is_power_of_two
 
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
+PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 OFFLOAD_INSIDE_SCOPE = {
     "attn": frozenset({"attn_norm", "qkv_linear", "core_attn", "attn_proj"}),
@@ -210,10 +211,11 @@ RULES: tuple[Rule, ...] = (
          "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
          "microbatches with the static one, which must then have one rank: use --context-parallel-size 1."),
     Rule("banks-scope", "plugin",
-         _graphs(lambda f: f.graph_banks and f.has_moe_layers and (not f.modules or bool(MOE_SCOPES & set(f.modules)))),
-         "graph banks capture dense layers whole or the attn and mlp scopes; a graphed MoE block keeps token-dispatcher "
-         "state on module attributes past the graph, which the banks' slot-shared memory cannot protect (capture "
-         "fails with SlotCoverageError): use --cuda-graph-modules attn with --cg-graph-banks (experts run eagerly)."),
+         _graphs(lambda f: f.graph_banks and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
+         "graph banks graph an MoE block whole (--cuda-graph-modules attn moe, or no modules, with drop-and-pad) "
+         "or leave it eager (attn); moe_router/moe_preprocess end the graph inside the block and hand routing state "
+         "to its eager rest, which is not verified with banks: use --cuda-graph-modules attn moe "
+         "(--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity) or attn with --cg-graph-banks."),
     Rule("banks-offload-in-graph", "plugin", _graphs(lambda f: f.graph_banks and bool(f.offloaded_in_graphs)),
          "--offload-modules names modules inside the graphed scope, whose saved-tensor hooks would bypass the "
          "arenas that keep graph banks apart: offload only modules outside --cuda-graph-modules (e.g. core_attn "

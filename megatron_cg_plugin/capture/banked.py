@@ -13,9 +13,12 @@ and boundary storage sized by the largest instead of adding up.
   capture (the eager run uses the same bound, ``plan.thd``).
 - Scopes without attention (``mlp``): the graphed part never sees the CP layout (tokens per rank
   are fixed), so one graph serves every CP size; attention runs eagerly with the microbatch's group.
-- A graphed MoE block keeps dispatcher state on module attributes past the graph, which the
-  slot-shared capture refuses (``SlotCoverageError``); the ``banks-scope`` rule refuses those scopes
-  up front.
+- A graphed MoE block (``moe``, drop-and-pad): the token dispatcher keeps per-forward state on its
+  attributes (Megatron's ``cudagraph_attrs``), which would outlive the graph and which the
+  slot-shared capture refuses (``SlotCoverageError``); the capture clears those attributes as the
+  forward returns (``capture.scratch``), so that state stays a temporary inside the graph.
+  Partial MoE scopes (``moe_router``) end the graph inside the MoE block and hand routing state
+  to its eager rest; not shown with banks, so the ``banks-scope`` rule refuses them.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
@@ -34,8 +37,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
-from megatron_cg_plugin.diagnostics import ReplayTotals
+from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
@@ -174,7 +178,10 @@ def _delayed_offload_groups(layer: Any) -> int:
 
 def banked_layer_class(base: type) -> type:
     """A subclass of Megatron's ``TransformerLayer`` class ``base`` whose training calls with packed
-    sequences replay the bank of the microbatch's CP size once ``capture_banks`` has run."""
+    sequences replay the bank of the microbatch's CP size once ``capture_banks`` has run. A banked
+    class is returned as it is (block specs list one layer spec object once per layer)."""
+    if getattr(base, "graph_banks", False):
+        return base
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         banks = vars(self).get("_graph_banks")
@@ -296,6 +303,11 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     if offloading:
         raise ValueError(f"layers {offloading} offload modules inside the graphed scope; graph banks keep backward "
                          "state in their own arenas: offload only modules outside --cuda-graph-modules.")
+    # The last eager step's dispatcher state keeps that step's autograd graph, which reaches the
+    # parameters of every layer before it: dropped before any capture (capture.scratch).
+    scratch = {id(layer): moe_dispatcher_scratch(layer) for layer in layers}
+    for attributes in scratch.values():
+        clear(attributes)
     pool = torch.cuda.graph_pool_handle()
     result = BankedLayers({}, {}, layers)
     try:
@@ -304,9 +316,11 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
             hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
                                  dtype=layer.config.params_dtype, requires_grad=True)
             attention = attention_in_graph(layer.config.cuda_graph_modules)
-            variants = ([_attention_variant(layer, size, groups[size], capacity, hidden,
+            # Megatron's capture callable; a graphed MoE block's dispatcher state stays inside the graph.
+            capture = clearing(layer._te_cuda_graph_capture, scratch[id(layer)])
+            variants = ([_attention_variant(capture, size, groups[size], capacity, hidden,
                                             None if rope_tables is None else rope_tables[size]) for size in sizes]
-                        if attention else [Variant("any-cp", layer._te_cuda_graph_capture, (hidden,))])
+                        if attention else [Variant("any-cp", capture, (hidden,))])
             graphs = capture_slotted(variants, 1, layer.parameters(), pool=pool, debug=debug,
                                      warmup_iterations=warmup_iterations)
             result.graphs[id(layer)] = graphs
@@ -329,9 +343,9 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     return result
 
 
-def _attention_variant(layer: Any, size: int, group: Any, capacity: ThdCapacity, hidden: torch.Tensor,
-                       rope_table: torch.Tensor | None) -> Variant:
-    """The bank of CP size ``size``: Megatron's capture callable on a pack of that size."""
+def _attention_variant(capture: Callable[..., Any], size: int, group: Any, capacity: ThdCapacity,
+                       hidden: torch.Tensor, rope_table: torch.Tensor | None) -> Variant:
+    """The bank of CP size ``size``: Megatron's capture callable ``capture`` on a pack of that size."""
     # One sequence filling the pack: a valid layout of the captured shapes (replays bring their own).
     layout = fixed_capacity_layout([size * capacity.tokens_per_rank], size, capacity.tokens_per_rank, capacity.max_seqs)
     cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
@@ -339,7 +353,6 @@ def _attention_variant(layer: Any, size: int, group: Any, capacity: ThdCapacity,
 
     def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> Any:
         params = packed_seq_params(cu_seqlens, cu_seqlens_padded, size, group, layout.max_seqlen)
-        return layer._te_cuda_graph_capture(hidden_states, attention_mask=None, packed_seq_params=params,
-                                            rotary_pos_emb=rope_table)
+        return capture(hidden_states, attention_mask=None, packed_seq_params=params, rotary_pos_emb=rope_table)
 
     return Variant(f"cp{size}", forward, (hidden, cu, cu_padded), io_branch="thd")

@@ -93,6 +93,11 @@ CASES: tuple[FarmCase, ...] = (
              ("--cg-graph-banks", "--cuda-graph-modules", "attn", *MOE_FLAGS, "--fine-grained-activation-offloading",
               "--offload-modules", "expert_fc1", "moe_act", "--delay-offload-until-cuda-graph"),
              steps=30, env=_OFFLOAD_ENV),
+    # MoE under hybrid CP with the MoE block graphed in every bank (drop-and-pad): attn moe, whole layer.
+    FarmCase("tiny_moe_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", "--cuda-graph-modules", "attn", "moe", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
+    FarmCase("tiny_moe_hybrid_cp_banks_layer", 2, "tiny-gpt-hybrid-cp",
+             ("--cg-graph-banks", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
 )
 
 

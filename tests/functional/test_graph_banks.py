@@ -1,6 +1,6 @@
 """GPU (2 ranks): dynamic-CP graph banks on megatron-core TE TransformerLayers under hybrid CP.
 
-Probe tests/functional/_probes/banks_probe.py, three scenarios. ``layers``: banks for CP sizes 1 and
+Probe tests/functional/_probes/banks_probe.py, four scenarios. ``layers``: banks for CP sizes 1 and
 2 captured into one pool, a schedule of fixed-capacity THD packs (CP-1 packs per rank, CP-2 packs
 over both ranks) replayed and compared bitwise with eager (outputs and all gradients), pool bytes
 with one and two banks, and the fail-closed refusals. ``training``: a tiny GPT trains 30 steps with
@@ -8,7 +8,8 @@ banks and must reproduce the eager run's per-step loss. ``rope``: one layer with
 sequence run with CP 2 must reach core attention with the rotated queries and keys of the same
 sequence run with CP 1 (with the plugin's dynamic-CP attention; Megatron's stock call with the
 static group runs out of bounds there), and banks
-captured with the RoPE tables replay bitwise like eager.
+captured with the RoPE tables replay bitwise like eager. ``moe``: the ``layers`` schedule through MoE
+layers whose MoE block is graphed (drop-and-pad), bitwise like eager.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def rope(farm_out: Path) -> list[dict]:
     return run_probe(PROBE, farm_out, "banks_rope", nproc=2, args=("--scenario", "rope"))
 
 
+@pytest.fixture(scope="module")
+def moe(farm_out: Path) -> list[dict]:
+    return run_probe(PROBE, farm_out, "banks_moe", nproc=2, args=("--scenario", "moe"))
+
+
 # Rotated queries and keys of one token in two CP layouts: the projections are per token, so only a
 # wrong rotation makes them differ beyond bf16 rounding (2**-8 relative).
 BF16_ROUNDING = 2**-7
@@ -53,6 +59,13 @@ def test_banks_with_rope_tables_replay_bitwise_eager(rope: list[dict]) -> None:
         assert all(exact for _, exact in result["graphed_equal_eager"]), result
         banks = {row["cp_size"]: row for row in result["report"]["banks"]}
         assert banks[1]["replays"] == 1 and banks[2]["replays"] == 2 and not any(r["rejected"] for r in banks.values())
+
+
+def test_banks_graphing_the_moe_block_replay_bitwise_eager(moe: list[dict]) -> None:
+    for result in moe:
+        assert result["all_exact"], result
+        banks = {row["cp_size"]: row for row in result["report"]["banks"]}
+        assert set(banks) == {1, 2} and all(r["replays"] > 0 and not r["rejected"] for r in banks.values()), banks
 
 
 def test_tiny_gpt_trains_30_steps_with_banks_and_the_eager_losses(training: list[dict]) -> None:

@@ -102,6 +102,19 @@ def test_layer_spec_adaptation():
     assert all(getattr(s.module, "graph_banks", False) for s in adapted.layer_specs)
 
 
+def test_a_layer_spec_listed_once_per_layer_is_adapted_once():
+    """Megatron's MoE block specs list one layer spec object for every layer: wrapping it again per
+    layer would make a subclass of a subclass (and its signature check would see *args)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    shared = local_layer_spec()
+    adapted = adapt_layer_spec(types.SimpleNamespace(layer_specs=[shared, shared, shared]), rope=True, banks=True)
+    for layer_spec in adapted.layer_specs:
+        assert layer_spec.module.__bases__ == (TransformerLayer,)
+        assert layer_spec.submodules.self_attention.module.__bases__ == (SelfAttention,)
+
+
 def test_layer_specs_other_than_transformer_layers_are_refused():
     from megatron.core.transformer.spec_utils import ModuleSpec
 

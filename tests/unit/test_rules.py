@@ -63,7 +63,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-rope-static-cp": (GraphFacts(hybrid_context_parallel=True, position_embedding_type="rope",
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
-                               modules=("attn", "moe"), **MOE_DROP_PAD), "--cuda-graph-modules attn with"),
+                               modules=("attn", "moe_router"), **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
     "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
                                           modules=("attn",), activation_offloading=True,
                                           offload_modules=("core_attn",)), "--offload-modules"),
@@ -347,12 +347,15 @@ def test_validate_raises_iff_violations(facts):
         assert broken == []  # nothing in this strategy touches the always-on rules
 
 
-@pytest.mark.parametrize("modules", [(), ("attn", "moe"), ("attn", "moe_router"), ("moe",)])
-def test_banks_refuse_every_scope_that_graphs_the_moe_block(modules):
+@pytest.mark.parametrize("modules, refused", [
+    ((), False), (("attn", "moe"), False), (("moe",), False), (("attn",), False),  # MoE block whole or eager
+    (("attn", "moe_router"), True), (("attn", "moe_router", "moe_preprocess"), True), (("moe_router",), True),
+])
+def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
     facts = GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
                        modules=modules, **MOE_DROP_PAD)
-    assert "banks-scope" in names(facts)
-    assert "banks-scope" not in names(dataclasses.replace(facts, modules=("attn",)))
+    assert ("banks-scope" in names(facts)) == refused
+    assert "banks-scope" not in names(dataclasses.replace(facts, num_experts=None, modules=("attn",)))
 
 
 @pytest.mark.parametrize("modules, offloaded, inside", [

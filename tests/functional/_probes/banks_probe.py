@@ -2,7 +2,7 @@
 hybrid context parallelism, banks for CP 1 and 2 in one pool, replayed per microbatch.
 
 Run by tests/functional/test_graph_banks.py through the launcher:
-    python banks_probe.py --scenario layers|training --out result.json
+    python banks_probe.py --scenario layers|training|rope|moe --out result.json
 ``layers``: every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
 per rank, CP-2 microbatches span both ranks (the DP x CP group). Outputs, input gradients and
 parameter gradients of the graphed run are compared bitwise with an eager run of the same packs.
@@ -10,6 +10,8 @@ parameter gradients of the graphed run are compared bitwise with an eager run of
 of 4 THD microbatches each (CP sizes 1 and 2, tokens split per sequence across the CP group as
 Megatron does), gradients summed over the DP x CP group and normalized per token, Adam; the
 per-step loss of the graphed run is compared with the eager run from the same initial weights.
+``rope``: RoPE under dynamic CP (see ``rope``). ``moe``: the ``layers`` schedule through two MoE
+layers whose MoE block (drop-and-pad, alltoall) is graphed with attention, compared bitwise.
 """
 
 import argparse
@@ -53,7 +55,15 @@ def layer_config(num_layers, **extra):
                              cuda_graph_impl="transformer_engine", **extra)
 
 
-def build():
+# The tiny MoE of the farm (presets.MOE_FLAGS) with drop-and-pad, its MoE block graphed with attention.
+MOE_SPEC = dict(num_experts=4, moe_grouped_gemm=True)
+MOE_CONFIG = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                  moe_ffn_hidden_size=512, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  add_bias_linear=False, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+                  cuda_graph_modules=["attn", "moe"])
+
+
+def build(spec_options=None, **config_extra):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -61,8 +71,8 @@ def build():
 
     ensure_dynamic_cp_stream()  # eager hybrid CP needs it too (Megatron leaves it None at static CP 1)
     torch.manual_seed(1234)  # the same weights on both ranks
-    config = layer_config(2)
-    spec = get_gpt_layer_with_transformer_engine_spec()
+    config = layer_config(2, **config_extra)
+    spec = get_gpt_layer_with_transformer_engine_spec(**(spec_options or {}))
     spec.module = banked_layer_class(spec.module)
     layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(2)).cuda()
     return layers
@@ -117,6 +127,12 @@ def timed(fn, repeats=10):
     return 1e3 * statistics.median(times[2:])
 
 
+def step_ms(layers, params_list, data):
+    """Median milliseconds of one microbatch per CP size (its first pack of that size)."""
+    return {size: timed(lambda pack=next(p for p in data if p[0] == size): step(layers, params_list, pack))
+            for size in (1, 2)}
+
+
 def reserved():
     import gc
 
@@ -124,6 +140,33 @@ def reserved():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved()
+
+
+def compare(graphed, eager):
+    """Per microbatch: whether every output and gradient is bitwise equal, and the largest difference."""
+    exact = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
+    worst = [max((a.float() - b.float()).abs().max().item() for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
+    return exact, worst
+
+
+def moe(result, groups):
+    """MoE layers whose MoE block is graphed with attention (drop-and-pad): banks for CP 1 and 2
+    replay the schedule bitwise like eager (outputs, input and parameter gradients)."""
+    from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+
+    layers = build(MOE_SPEC, **MOE_CONFIG)
+    params_list = [p for p in layers.parameters() if p.requires_grad]
+    data = packs(groups)
+    eager = [step(layers, params_list, pack) for pack in data]
+    eager_ms = step_ms(layers, params_list, data)
+    banked = capture_banks(layers, groups, ThdCapacity(TOKENS_PER_RANK, MAX_SEQS), debug=True)
+    graphed = [step(layers, params_list, pack) for pack in data]
+    exact, worst = compare(graphed, eager)
+    graphed_ms = step_ms(layers, params_list, data)
+    report = banked.report()
+    banked.reset()
+    result.update(rank=dist.get_rank(), schedule=SCHEDULE, exact=exact, all_exact=all(exact), max_abs_diff=worst,
+                  eager_ms=eager_ms, graphed_ms=graphed_ms, report=report)
 
 
 def run(result, groups):
@@ -136,8 +179,7 @@ def run(result, groups):
     data = packs(groups)
     capacity = ThdCapacity(TOKENS_PER_RANK, MAX_SEQS)
     eager = [step(layers, params_list, pack) for pack in data]
-    eager_ms = {size: timed(lambda p=next(p for p in data if p[0] == size): step(layers, params_list, p))
-                for size in (1, 2)}
+    eager_ms = step_ms(layers, params_list, data)
 
     # Pool bytes with one bank, then with two.
     base = reserved()
@@ -151,10 +193,8 @@ def run(result, groups):
     two_bank_bytes = reserved() - base
 
     graphed = [step(layers, params_list, pack) for pack in data]
-    exact = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
-    worst = [max((a.float() - b.float()).abs().max().item() for a, b in zip(g, e)) for g, e in zip(graphed, eager)]
-    graphed_ms = {size: timed(lambda p=next(p for p in data if p[0] == size): step(layers, params_list, p))
-                  for size in (1, 2)}
+    exact, worst = compare(graphed, eager)
+    graphed_ms = step_ms(layers, params_list, data)
 
     training_report = banked.report()  # before the refusals below add their rejections
 
@@ -426,13 +466,13 @@ def rope(result, groups):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["layers", "training", "rope"], default="layers")
+    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe"], default="layers")
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        {"layers": run, "training": training, "rope": rope}[options.scenario](result, groups)
+        {"layers": run, "training": training, "rope": rope, "moe": moe}[options.scenario](result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")
