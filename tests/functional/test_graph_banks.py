@@ -24,24 +24,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 PROBE = Path(__file__).parent / "_probes" / "banks_probe.py"
 
 
-@pytest.fixture(scope="module")
-def ranks(farm_out: Path) -> list[dict]:
-    return run_probe(PROBE, farm_out, "banks", nproc=2, args=("--scenario", "layers"))
+def _scenario(fixture: str, scenario: str, name: str):
+    """Module fixture ``fixture``: the probe's ``scenario`` on 2 ranks, one result per rank (files ``name``)."""
+
+    @pytest.fixture(scope="module", name=fixture)
+    def results(farm_out: Path) -> list[dict]:
+        return run_probe(PROBE, farm_out, name, nproc=2, args=("--scenario", scenario))
+
+    return results
 
 
-@pytest.fixture(scope="module")
-def training(farm_out: Path) -> list[dict]:
-    return run_probe(PROBE, farm_out, "banks_training", nproc=2, args=("--scenario", "training"))
-
-
-@pytest.fixture(scope="module")
-def rope(farm_out: Path) -> list[dict]:
-    return run_probe(PROBE, farm_out, "banks_rope", nproc=2, args=("--scenario", "rope"))
-
-
-@pytest.fixture(scope="module")
-def moe(farm_out: Path) -> list[dict]:
-    return run_probe(PROBE, farm_out, "banks_moe", nproc=2, args=("--scenario", "moe"))
+ranks = _scenario("ranks", "layers", "banks")
+training = _scenario("training", "training", "banks_training")
+rope = _scenario("rope", "rope", "banks_rope")
+moe = _scenario("moe", "moe", "banks_moe")
 
 
 # Rotated queries and keys of one token in two CP layouts: the projections are per token, so only a
