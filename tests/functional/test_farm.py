@@ -40,11 +40,14 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")),
                       devices=_devices_for(case))
     summary = result.summary()
+
+    def golden_mismatches() -> list:
+        return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed, deterministic=True,
+                              metrics=case.compared_metrics)
+
     updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None
     if updating and case.golden_path.exists():  # what the rewrite replaces, so a regression still shows
-        summary["previous_golden_mismatches"] = golden.format_report(golden.compare(
-            golden.GoldenValues.load(case.golden_path), result.graphed, deterministic=True,
-            metrics=case.compared_metrics))
+        summary["previous_golden_mismatches"] = golden.format_report(golden_mismatches())
     (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     eager, graphed = result.losses(result.eager), result.losses(result.graphed)
@@ -67,6 +70,5 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     if not case.golden_path.exists():
         pytest.fail(f"no golden file {case.golden_path}: write it from a real GPU run with "
                     "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
-    mismatches = golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
-                                deterministic=True, metrics=case.compared_metrics)
+    mismatches = golden_mismatches()
     assert not mismatches, golden.format_report(mismatches)
