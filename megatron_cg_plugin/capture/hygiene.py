@@ -28,7 +28,9 @@ class StaleGraph:
 
 # Holders Megatron itself keeps between steps, with which TE capture was seen to succeed (the
 # farm's MoE cases on H200: the alltoall dispatcher keeps the last microbatch's routing `probs`).
-# Graphs held only by these are reported, not refused.
+# Graphs held only by these are reported, not refused, for TE's capture; slot-shared capture takes
+# the gradient of every parameter directly and failed on such a graph (H200, a graphed MoE block:
+# "operation would make the legacy stream depend on a capturing blocking stream"), so it refuses them.
 TOLERATED_HOLDERS = (("TokenDispatcher", "probs"),)
 
 
@@ -169,16 +171,16 @@ def _tolerated(owner: Any, target: Any) -> bool:
         for attribute in attributes for suffix, name in TOLERATED_HOLDERS)
 
 
-def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *,
+def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *, tolerate: bool = True,
                            collect: Callable[[], Any] = gc.collect) -> list[StaleGraph]:
-    """Collects garbage if stale graphs are found (the safe fix), then refuses if any that are not
-    tolerated remain. Returns the tolerated ones, for the log."""
+    """Collects garbage if stale graphs are found (the safe fix), then refuses if any remain that
+    are not tolerated (``tolerate=False``: any). Returns the tolerated ones, for the log."""
     params = list(params)
     if not find_stale_graphs(params):
         return []
     collect()
     stale = find_stale_graphs(params)
-    refused = [graph for graph in stale if not graph.tolerated]
+    refused = [graph for graph in stale if not (tolerate and graph.tolerated)]
     if refused:
         raise StaleAutogradGraphError(refused)
     return stale

@@ -296,7 +296,8 @@ def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Ite
     """
     params = [p for p in parameters if p.requires_grad]
     _validate(variants, ring_size, warmup_iterations)
-    hygiene.ensure_no_stale_graphs(params)  # an eager graph alive at capture breaks the backward capture
+    # An eager graph alive at capture breaks the backward capture, also where TE's capture tolerates it.
+    hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     with te_seam.te_capture_flag():

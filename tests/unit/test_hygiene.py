@@ -193,6 +193,16 @@ def test_graph_held_only_by_a_dispatchers_probs_is_tolerated():
     assert ensure_no_stale_graphs([weight], collect=lambda: None) == [graph]
 
 
+def test_slot_shared_capture_tolerates_no_stale_graph():
+    """Its backward capture takes every parameter's gradient, which a dispatcher's stale ``probs``
+    broke on H200; graph banks clear that state before capture (capture.scratch)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    dispatcher = MoEAlltoAllTokenDispatcher()
+    dispatcher.probs = weight * 2
+    with pytest.raises(StaleAutogradGraphError, match="attribute 'probs' of MoEAlltoAllTokenDispatcher"):
+        ensure_no_stale_graphs([weight], tolerate=False, collect=lambda: None)
+
+
 @pytest.mark.parametrize("holder", ["other-class", "other-attribute", "also-a-local"])
 def test_any_other_holder_is_refused(holder):
     weight = torch.nn.Parameter(torch.ones(3))
