@@ -1,5 +1,6 @@
-"""``megatron-cg``: the dry-run check and the golden-values commands.
+"""``megatron-cg``: run a Megatron script with the plugin, the dry-run check, golden values.
 
+    megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
     megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
@@ -12,7 +13,6 @@ import contextlib
 import io
 import os
 import sys
-import traceback
 import types
 import warnings
 from typing import Iterator, Sequence
@@ -41,42 +41,45 @@ def _env(**values: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _gpu_host_stand_ins(args, *, capability: tuple[int, int]) -> Iterator[None]:
-    """Lets Megatron's validation run on a CPU machine as it would on the GPU host.
-
-    Only these differ, all restored on exit: when there is no GPU here,
-    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
-    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
-    not installed here, RoPE fusion (a TE kernel) is off, so the plugin's rules, which do depend on
-    it, must read the flags outside this context.
-    """
+def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host: when there is no
+    GPU here, ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device
+    of ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules). Both are
+    restored on exit."""
     import torch
 
-    from megatron_cg_plugin.launch import pretrain_gpt
-
     saved = torch.cuda.get_device_capability, torch.cuda.get_device_properties
-    saved_rope_fusion = getattr(args, "apply_rope_fusion", None)
     if not torch.cuda.is_available():
         properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
                                            name=f"stand-in sm_{capability[0]}{capability[1]}",
                                            total_memory=0, multi_processor_count=0)
         torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
         torch.cuda.get_device_properties = lambda *_args, **_kwargs: properties
-    if not pretrain_gpt.te_available():
-        args.apply_rope_fusion = False
     try:
         yield
     finally:
         torch.cuda.get_device_capability, torch.cuda.get_device_properties = saved
-        args.apply_rope_fusion = saved_rope_fusion
+
+
+@contextlib.contextmanager
+def _without_te_rope_fusion(args) -> Iterator[None]:
+    """Where TE is not installed here, ``TransformerConfig`` refuses RoPE fusion (a TE kernel) that
+    the GPU host has: its backstop check runs with fusion off, restored after."""
+    from megatron_cg_plugin import compat
+
+    saved = getattr(args, "apply_rope_fusion", None)
+    if not compat.te_available():
+        args.apply_rope_fusion = False
+    try:
+        yield
+    finally:
+        args.apply_rope_fusion = saved
 
 
 def _megatron_rejects(error: BaseException) -> CheckError:
-    """Megatron's assert messages are sometimes empty: name the failing check's line too."""
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}"
-    message = str(error).strip() or "(no message)"
-    return CheckError(f"Megatron rejects these flags: {message} [{where}]")
+    from megatron_cg_plugin.enforce import megatron_rejection
+
+    return CheckError(f"Megatron rejects these flags: {megatron_rejection(error)}")
 
 
 def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
@@ -84,31 +87,32 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text.
 
     Megatron's ``validate_args`` runs first (it also normalizes deprecated flags and derives sizes
-    such as the virtual pipeline), then the plugin's rules on the normalized flags, then
-    ``TransformerConfig``'s own checks as a backstop.
+    such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
+    launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import validate_args
 
+    from megatron_cg_plugin import compat, rules
     from megatron_cg_plugin.launch import pretrain_gpt
     from megatron_cg_plugin.plan.capture import plan_capture
 
     with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
-        with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
+        with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
             except (AssertionError, ValueError, TypeError, RuntimeError) as error:
                 raise _megatron_rejects(error) from error
-        # TE is needed where the run happens, not on this machine.
-        facts = pretrain_gpt.check_plugin_rules(args, env, te_present=True)
-        with contextlib.redirect_stdout(io.StringIO()), _gpu_host_stand_ins(args, capability=capability):
-            try:
-                core_transformer_config_from_args(args)
-            except (AssertionError, ValueError, TypeError, RuntimeError) as error:
-                raise _megatron_rejects(error) from error
+            # TE is needed where the run happens, not on this machine.
+            facts, _config = rules.check_run(args, env=env, launcher=True, te_present=True)
+            with _without_te_rope_fusion(args):
+                try:
+                    core_transformer_config_from_args(args)
+                except (AssertionError, ValueError, TypeError, RuntimeError) as error:
+                    raise _megatron_rejects(error) from error
     plan = plan_capture(facts).describe()
-    if facts.te_graphs and not pretrain_gpt.te_available():
+    if facts.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
     return plan
 
@@ -169,15 +173,22 @@ def _check(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _run(argv: Sequence[str]) -> int:
+    from megatron_cg_plugin.launch import run_script
+
+    return run_script.main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU host);
-    # none of that changes a check or a comparison.
-    warnings.filterwarnings("ignore", category=UserWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "golden": _golden}
+    commands = {"check": _check, "golden": _golden, "run": _run}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_BAD_INPUT
+    if argv[0] != "run":  # a run's warnings are the script's own business
+        # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU
+        # host); none of that changes a check or a comparison.
+        warnings.filterwarnings("ignore", category=UserWarning)
     return commands[argv[0]](argv[1:])
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import inspect
 import re
 from typing import Callable, Iterable
@@ -95,6 +96,16 @@ def installed_versions() -> Versions:
         megatron_core=_distribution_version("megatron-core", "megatron_core"),
         transformer_engine=_distribution_version("transformer-engine", "transformer_engine"),
     )
+
+
+def te_available() -> bool:
+    """Transformer Engine is importable (found without importing it: that is slow and needs CUDA)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def apex_fused_wgrad_available() -> bool:
+    """APEX's fused weight-gradient kernel, which --gradient-accumulation-fusion needs."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def check_parameters(target: Callable, expected: Iterable[str], *, where: str) -> None:

@@ -72,31 +72,52 @@ class PluginConfig:
         validate_config(self)
 
 
-def validate_config(config: PluginConfig) -> None:
-    """The single place where a ``PluginConfig`` is checked; raises ``ValueError`` saying what to change."""
+class ConfigError(ValueError):
+    """Plugin flags with bad values; ``problems`` holds one message per flag, each naming the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(" ".join(problems))
+
+
+def config_problems(config: PluginConfig) -> list[str]:
+    """What is wrong with ``config``, one message per problem (empty when it is valid)."""
+    problems = []
     if config.preset is not None and config.preset not in PRESETS:
-        raise ValueError(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
+        problems.append(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
     for flag, value, allowed in (("--cg-on-capture-error", config.on_capture_error, ON_CAPTURE_ERROR),
                                  ("--cg-contract-check", config.contract_check, CONTRACT_CHECKS),
                                  ("--cg-stale-graph-check", config.stale_graph_check, STALE_GRAPH_CHECKS)):
         if value not in allowed:
-            raise ValueError(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
+            problems.append(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
-        raise ValueError("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
+        problems.append("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
     if config.thd_max_seqs < 1:
-        raise ValueError(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
+        problems.append(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
     if not is_power_of_two(config.bank_min_cp):
-        raise ValueError(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
+        problems.append(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
-            raise ValueError(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
+            problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
     if config.metrics_out is not None and config.report_out is not None:
         if Path(config.metrics_out).resolve() == Path(config.report_out).resolve():
-            raise ValueError("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
+            problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
+    return problems
+
+
+def validate_config(config: PluginConfig) -> None:
+    """The single place where a ``PluginConfig`` is checked; raises ``ConfigError`` (a ``ValueError``)
+    listing every problem, each saying what to change."""
+    problems = config_problems(config)
+    if problems:
+        raise ConfigError(problems)
 
 
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the ``--cg-*`` flags and returns the parser."""
+    """Megatron ``extra_args_provider``: adds the ``--cg-*`` flags and returns the parser. Adding them
+    twice is harmless (``install()`` adds them to every Megatron parser, and a script may too)."""
+    if "--cg-preset" in parser._option_string_actions:
+        return parser
     group = parser.add_argument_group("megatron-cg-plugin")
     group.add_argument("--cg-preset", choices=PRESETS, default=None,
                        help="Launcher preset whose Megatron flags come before yours (yours win).")

@@ -38,12 +38,17 @@ def _config_from_megatron_args() -> PluginConfig:
     return config_from_args(args)
 
 
-def install(config: PluginConfig | None = None) -> RunSession:
+def install(config: PluginConfig | None = None, *, launcher: bool = False) -> RunSession:
     """Hooks the plugin into Megatron and returns the run's session.
 
-    Without ``config``, the ``--cg-*`` flags are read from Megatron's parsed arguments when training
-    starts (parse them with ``extra_args_provider=megatron_cg_plugin.add_plugin_args``).
-    Calling it again returns the same session; a different ``config`` is refused.
+    Called before the script parses its arguments, it makes Megatron's parser accept the ``--cg-*``
+    flags whatever ``extra_args_provider`` the script passes, and runs the plugin's rules when
+    Megatron validates the arguments (a broken run stops there, one line per rule). Without
+    ``config`` the run's config is what the ``--cg-*`` flags say. When training ends, rank 0 prints
+    the run report and writes the files the flags ask for. Called after the arguments were parsed,
+    it runs the rules on them at once. ``launcher`` is for the plugin's own launcher, whose data
+    path has rules of its own. Calling it again returns the same session; a different ``config``
+    is refused.
     """
     global _installed
     if _installed is not None:
@@ -61,11 +66,33 @@ def install(config: PluginConfig | None = None) -> RunSession:
         return _installed.session
     versions = compat.installed_versions()
     compat.check_versions(versions, require_te=False)
-    session = RunSession(config if config is not None else _config_from_megatron_args)
+    session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
     patches = PatchSet()
     patches.apply_all(session, with_te=versions.transformer_engine is not None)
+    try:
+        _enforce_on_parsed_args(session)
+    except BaseException:
+        patches.revert_all()
+        raise
     _installed = _Installed(session, patches)
     return session
+
+
+def _enforce_on_parsed_args(session: RunSession) -> None:
+    """A script that parsed its arguments before ``install()``: its flags get the rules now."""
+    import os
+
+    from megatron.training.global_vars import get_args
+
+    from megatron_cg_plugin.enforce import enforce
+
+    try:
+        args = get_args()
+    except AssertionError:  # Megatron asserts when its args were never parsed
+        return
+    if args is not None:
+        session.resolve_config(enforce(args, environ=os.environ, launcher=session.launcher,
+                                       config=session.explicit_config))
 
 
 def uninstall() -> None:
@@ -81,14 +108,9 @@ def active_session() -> RunSession | None:
     return None if _installed is None else _installed.session
 
 
-def is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
-
-
 def finish(print_fn: Any = print) -> Any:
-    """Ends the run's session: report and metrics files on rank 0. Returns the report, or None."""
+    """Ends the run's session (done by itself when Megatron's ``train()`` returns): report and
+    metrics files on rank 0. Returns the report, or None when not installed."""
     if _installed is None:
         return None
-    return _installed.session.finish(is_rank0=is_rank0(), print_fn=print_fn)
+    return _installed.session.finish(print_fn=print_fn)

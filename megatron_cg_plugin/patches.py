@@ -81,6 +81,55 @@ def _build_training_log_tap(original: Callable, session: Any) -> Callable:
     return training_log
 
 
+def _build_plugin_args(original: Callable, session: Any) -> Callable:
+    from megatron_cg_plugin.config import add_plugin_args
+    from megatron_cg_plugin.parse_errors import shorten
+
+    @functools.wraps(original)
+    def add_megatron_arguments(parser: Any) -> Any:
+        return shorten(add_plugin_args(original(parser)))
+
+    return add_megatron_arguments
+
+
+def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
+    import os
+
+    from megatron_cg_plugin import enforce
+
+    @functools.wraps(original)
+    def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(args, *rest, **kwargs)
+        except AssertionError as error:  # Megatron's own checks: one line, not a traceback
+            raise enforce.refuse([("megatron", enforce.megatron_rejection(error))], "Megatron rejects these flags:",
+                                 environ=os.environ) from None
+        session.resolve_config(enforce.enforce(args, environ=os.environ, launcher=session.launcher,
+                                               config=session.explicit_config))
+        return result
+
+    return validate_args
+
+
+def _build_train_step_timer(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        session.mark_iteration_start()
+        return original(*args, **kwargs)
+
+    return train_step
+
+
+def _build_train_end_report(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def train(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        session.finish()
+        return result
+
+    return train
+
+
 def _build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def compile_helpers() -> None:
@@ -117,6 +166,45 @@ def _build_strided_weak_ref(original: Callable, session: Any) -> Callable:
 
 
 PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="plugin-args",
+        module="megatron.training.arguments",
+        attribute="add_megatron_arguments",
+        reason="parse_args() builds every Megatron parser through this module global (arguments.py l.121), "
+        "whatever extra_args_provider the script passes; the wrapper adds the --cg-* flags (once) so any "
+        "Megatron script accepts them, and makes the parser's errors one line (parse_errors.shorten).",
+        build=_build_plugin_args,
+        expected_params=("parser",),
+    ),
+    Patch(
+        name="validate-args-rules",
+        module="megatron.training.arguments",
+        attribute="validate_args",
+        reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
+        "after Megatron's own checks the wrapper runs the plugin's rules (the list megatron-cg check runs) and "
+        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule.",
+        build=_build_validate_args_rules,
+        expected_params=("args", "defaults"),
+    ),
+    Patch(
+        name="train-step-timer",
+        module="megatron.training.training",
+        attribute="train_step",
+        reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
+        "there times every iteration of any script for the report (the training_log tap marks the end).",
+        build=_build_train_step_timer,
+        expected_params=("forward_step_func", "data_iterator", "model"),
+    ),
+    Patch(
+        name="train-end-report",
+        module="megatron.training.training",
+        attribute="train",
+        reason="pretrain() calls this module global (training.py l.1423) and it returns after Megatron tore "
+        "its graphs down (l.4100); the wrapper then prints the run report on rank 0 and writes the "
+        "--cg-metrics-out / --cg-report-out files, so a script needs no call of its own.",
+        build=_build_train_end_report,
+        expected_params=("forward_step_func", "model", "optimizer"),
+    ),
     Patch(
         name="helper-swap",
         module="megatron.training.training",

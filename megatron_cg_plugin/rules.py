@@ -1,18 +1,19 @@
-"""Every compatibility rule for TE CUDA graphs, Megatron's and the plugin's, as data plus one
-``validate()``.
+"""Every rule a run must satisfy, Megatron's and the plugin's, as data plus one ``validate()``.
 
 Megatron enforces many of these with ``assert`` deep inside ``TransformerConfig.__post_init__`` or
-at model build time; here each one is checked up front, on the parsed flags, with a message that
-names the flag to change. ``megatron-cg check`` and the launcher both call ``validate()`` before
-anything touches a GPU, then let Megatron's own validation run as a backstop.
+at model build time, and some only fail later still (a missing dataset file, an APEX kernel, a
+hybrid-CP loader option); here each one is checked up front, on the parsed flags, with a message
+that names the flag to change. The one list serves ``megatron-cg check``, the launcher and
+``install()`` in any Megatron script (through ``validate_args``), so a dry run refuses exactly what
+a run would refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
-from megatron_cg_plugin.config import is_power_of_two
+from megatron_cg_plugin.config import ConfigError, PluginConfig, config_from_args, is_power_of_two
 
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
 PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
@@ -25,12 +26,14 @@ OFFLOAD_INSIDE_SCOPE = {
 
 
 class RuleViolation(ValueError):
-    """Flags that cannot work together; the message lists each broken rule and its fix."""
+    """Flags a run cannot train with; the message lists each broken rule and its fix, a line each."""
+
+    HEADING = "these flags break the plugin's rules (docs/troubleshooting.md):"
 
     def __init__(self, violations: list[tuple[str, str]]) -> None:
         self.violations = violations
         lines = [f"  [{name}] {message}" for name, message in violations]
-        super().__init__("these flags cannot work together:\n" + "\n".join(lines))
+        super().__init__(self.HEADING + "\n" + "\n".join(lines))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +76,13 @@ class GraphFacts:
     te_available: bool = True
     expandable_segments: bool = False
     nccl_graph_register_off: bool = False
+    fp8: bool = False  # --fp8-format
+    launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
+    rerun_mode: str = "disabled"
+    inter_document_masking: bool = False  # --dataloader-inter-document-masking
+    max_seqlen_per_dp_cp_rank: int | None = None
+    config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
+    missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
 
     @property
     def te_graphs(self) -> bool:
@@ -136,6 +146,11 @@ class Rule:
     source: str  # "megatron" (mirrors a Megatron check) or "plugin"
     violated: Callable[[GraphFacts], bool]
     fix: str
+    # What the facts add to the fix (the files that are missing, the bad values), if anything.
+    detail: Callable[[GraphFacts], str] | None = None
+
+    def message(self, facts: GraphFacts) -> str:
+        return self.fix if self.detail is None else f"{self.fix} {self.detail(facts)}"
 
 
 def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]:
@@ -240,6 +255,29 @@ RULES: tuple[Rule, ...] = (
          _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
          "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
          "drop it with --hybrid-context-parallel."),
+    Rule("hybrid-cp-rerun-mode", "megatron",
+         lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
+         "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
+         "RerunDataIterator)."),
+    Rule("hybrid-cp-document-masking", "megatron",
+         lambda f: f.hybrid_context_parallel and not f.inter_document_masking,
+         "--hybrid-context-parallel splits each sample into its documents: add "
+         "--dataloader-inter-document-masking."),
+    Rule("hybrid-cp-seqlen-per-rank", "megatron",
+         lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
+         "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)."),
+    Rule("hybrid-cp-launcher-tp", "plugin",
+         lambda f: f.launcher and f.hybrid_context_parallel and f.tensor_parallel != 1,
+         "the launcher's hybrid-CP data path does not broadcast over tensor parallelism: use "
+         "--tensor-model-parallel-size 1 with --hybrid-context-parallel."),
+    Rule("banks-fp8", "plugin", _graphs(lambda f: f.graph_banks and f.fp8),
+         "graph banks capture through slot-shared memory, which does not protect FP8 quantizer state yet: drop "
+         "--fp8-format with --cg-graph-banks."),
+    Rule("cg-flags", "plugin", lambda f: bool(f.config_problems),
+         "a --cg-* flag has a value the plugin cannot use:", detail=lambda f: " ".join(f.config_problems)),
+    Rule("data-files", "plugin", lambda f: bool(f.missing_files),
+         "a dataset or tokenizer file named by the flags does not exist (--data-path PREFIX needs PREFIX.bin and "
+         "PREFIX.idx); fix the path:", detail=lambda f: ", ".join(f.missing_files)),
     Rule("gradient-accumulation-fusion", "megatron",
          lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
          "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
@@ -263,7 +301,7 @@ def markdown_rows(rules: tuple[Rule, ...] = RULES) -> str:
 
 
 def violations(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:
-    return [(rule.name, rule.fix) for rule in rules if rule.violated(facts)]
+    return [(rule.name, rule.message(facts)) for rule in rules if rule.violated(facts)]
 
 
 def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
@@ -282,8 +320,11 @@ def _module_names(modules: Any) -> tuple[str, ...]:
 
 
 def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
-                    env: dict[str, str] | None = None) -> GraphFacts:
-    """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``)."""
+                    env: Mapping[str, str] | None = None, launcher: bool = False,
+                    config: PluginConfig | None = None, config_problems: Sequence[str] = (),
+                    missing_files: Sequence[str] = ()) -> GraphFacts:
+    """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``);
+    ``config``, when given, supplies the plugin's settings instead of the ``--cg-*`` flags."""
     env = env or {}
     freq = getattr(args, "moe_layer_freq", 1)
     recompute_modules = getattr(args, "recompute_modules", None) or ()
@@ -305,8 +346,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-        graph_banks=bool(getattr(args, "cg_graph_banks", False)),
-        bank_min_cp=getattr(args, "cg_bank_min_cp", 1) or 1,
+        graph_banks=config.graph_banks if config else bool(getattr(args, "cg_graph_banks", False)),
+        bank_min_cp=config.bank_min_cp if config else getattr(args, "cg_bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
@@ -324,4 +365,38 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         te_available=te_available,
         expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
+        fp8=getattr(args, "fp8", None) is not None,
+        launcher=launcher,
+        rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
+        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
+        max_seqlen_per_dp_cp_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
+        config_problems=tuple(config_problems),
+        missing_files=tuple(missing_files),
     )
+
+
+def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, config: PluginConfig | None = None,
+              te_present: bool | None = None) -> tuple[GraphFacts, PluginConfig | None]:
+    """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
+    ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
+    the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
+    returns the facts and the config. ``te_present`` overrides the probe (the CPU dry run checks
+    flags for a GPU host it is not running on)."""
+    from megatron_cg_plugin import compat
+    from megatron_cg_plugin.data.sources import missing_files
+
+    problems: list[str] = []
+    if config is None and not hasattr(args, "cg_preset"):  # a parser without the --cg-* flags: defaults
+        config = PluginConfig()
+    if config is None:
+        try:
+            config = config_from_args(args)
+        except ConfigError as error:
+            problems = error.problems
+        except ValueError as error:  # the namespace lacks the --cg-* flags
+            problems = [str(error)]
+    facts = facts_from_args(args, te_available=compat.te_available() if te_present is None else te_present,
+                            apex_fused_wgrad=compat.apex_fused_wgrad_available(), env=env, launcher=launcher,
+                            config=config, config_problems=problems, missing_files=missing_files(args))
+    validate(facts)
+    return facts, config

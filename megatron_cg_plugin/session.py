@@ -22,6 +22,7 @@ class DeviceProbe(Protocol):
     def synchronize(self) -> None: ...
     def memory_allocated(self) -> int: ...
     def max_memory_allocated(self) -> int: ...
+    def is_rank0(self) -> bool: ...
 
 
 class CudaProbe:
@@ -41,6 +42,11 @@ class CudaProbe:
         import torch
 
         return torch.cuda.max_memory_allocated()
+
+    def is_rank0(self) -> bool:
+        import torch.distributed as dist
+
+        return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,21 +73,35 @@ class CaptureStats:
 class RunSession:
     def __init__(self, config: PluginConfig | Callable[[], PluginConfig] | None = None, *,
                  probe: DeviceProbe | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, launcher: bool = False) -> None:
         # A callable defers the config until first use: install() may run before Megatron has
-        # parsed the --cg-* flags.
-        self._config: PluginConfig | None = config if isinstance(config, PluginConfig) else None
+        # parsed the --cg-* flags (Megatron's validate_args then resolves it, see resolve_config).
+        self._explicit = config if isinstance(config, PluginConfig) else None
+        self._config: PluginConfig | None = self._explicit
         self._config_source: Callable[[], PluginConfig] = config if callable(config) else PluginConfig
+        self.launcher = launcher  # the plugin's launcher feeds the data: its own rules apply
         self.probe: DeviceProbe = probe or CudaProbe()
         self.clock = clock
         self.recorder = MetricsRecorder()
         self.iterations: list[IterationRecord] = []
         self.helpers: list[Any] = []
         self._iteration_start: float | None = None
+        self._finished: RunReport | None = None
 
     @property
     def config_resolved(self) -> bool:
         return self._config is not None
+
+    @property
+    def explicit_config(self) -> PluginConfig | None:
+        """The config given to ``install()``, which wins over the ``--cg-*`` flags."""
+        return self._explicit
+
+    def resolve_config(self, config: PluginConfig | None) -> None:
+        """Megatron validated the flags: the run's config is the one they describe (unless one was
+        given explicitly, or already used)."""
+        if self._config is None and config is not None:
+            self._config = config
 
     @property
     def config(self) -> PluginConfig:
@@ -157,10 +177,13 @@ class RunSession:
             graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
         )
 
-    def finish(self, *, is_rank0: bool, print_fn: Callable[[str], None] = print) -> RunReport:
-        """Writes the metrics and report files (rank 0 only) and returns the report."""
-        report = self.report()
-        if is_rank0:
+    def finish(self, *, print_fn: Callable[[str], None] = print) -> RunReport:
+        """Once per run, when training ends: writes the metrics and report files and prints the
+        report (rank 0 only). Returns the report; later calls return the same one."""
+        if self._finished is not None:
+            return self._finished
+        report = self._finished = self.report()
+        if self.probe.is_rank0():
             if self.config.metrics_out is not None:
                 self.recorder.golden().save(self.config.metrics_out)
             if self.config.report_out is not None:

@@ -40,6 +40,7 @@ from megatron_cg_plugin.banks import BankRouter, GraphBank
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
+from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
@@ -59,29 +60,6 @@ class ThdCapacity:
     @property
     def cu_length(self) -> int:
         return self.max_seqs + 2  # leading 0, the sequences, the dummy
-
-
-def packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, group: Any,
-                      max_seqlen: int) -> Any:
-    """Megatron's ``PackedSeqParams`` for a fixed-capacity THD pack of CP size ``cp_size``: the
-    form both the capture and the eager run use."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, local_cp_size=cp_size,
-                           cp_group=group if cp_size > 1 else None, pad_between_seqs=True)
-
-
-def ensure_dynamic_cp_stream() -> None:
-    """Megatron creates the side stream TE's CP attention needs (``TEDotProductAttention.cp_stream``)
-    only when the static CP size is > 1; hybrid CP switches CP on per microbatch, so eager and
-    graphed runs alike need it whatever the static size (without it TE's P2P attention fails on
-    ``None.wait_event``). Sets it once; an existing stream is kept."""
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-    if TEDotProductAttention.cp_stream is None:
-        TEDotProductAttention.cp_stream = torch.cuda.Stream()
 
 
 def attention_in_graph(cuda_graph_modules: Any) -> bool:

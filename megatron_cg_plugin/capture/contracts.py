@@ -1,20 +1,31 @@
 """Replay contracts: what a graph was captured for, checked before every replay (fail closed).
 
-A CUDA graph replays fixed kernels on fixed addresses. TE copies new inputs into the captured
-static buffers with ``copy_``, which silently casts a wrong dtype and broadcasts some wrong shapes,
-and the graph keeps reading parameters at their captured addresses and talking over the captured
-communicators. So each graph records, at capture, the metadata of its tensor inputs, their alias
-pattern, its non-tensor control values, the storage of its layer's parameters and the identity of
-its process groups; each replay is checked against that record and refused with the field, the
-captured value and the actual value.
+A CUDA graph replays fixed kernels on fixed addresses. TE hands each replay's tensor inputs to the
+graph in one of two ways (``graph.py``, ``Graphed.forward``): an input at its static buffer's own
+address is read in place, any other is ``copy_``'d into the static buffer. ``copy_`` honours any
+memory layout but casts a wrong dtype silently and broadcasts some wrong shapes; an input read in
+place must have the captured layout. The graph also keeps reading parameters at their captured
+addresses and talking over the captured communicators.
+
+So a contract compares only what changes a replay's result or safety:
+- every tensor: shape and dtype (``shapes`` and ``full``); device, and a gradient the capture did
+  not compute (``full``);
+- a tensor read in place: its strides, ignoring those of size-1 dimensions, which address nothing;
+- a tensor to be copied: that it shares no memory with any static buffer, which a copy into that
+  buffer would overwrite before it is read;
+- non-tensor arguments by value, parameters by storage, process groups by identity (``full``).
+Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
+like any other. A violation names the graph, the field, the captured and the actual value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 CONTRACT_MODES = ("full", "shapes", "off")
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
@@ -23,11 +34,13 @@ REPLAY_ONLY_KWARGS = frozenset({"is_first_microbatch", "cuda_graph_stream", "cud
 _HINTS = {
     "shape": "graphs replay fixed shapes: keep --seq-length, --micro-batch-size and the parallel sizes as at capture",
     "dtype": "inputs must keep the captured dtype (TE would cast silently)",
-    "stride": "inputs must keep the captured memory layout; make them contiguous as at capture",
+    "stride": "an input passed in the graph's own static buffer is read in place and must keep the captured "
+              "memory layout",
     "device": "inputs must stay on the device the graph was captured on",
-    "requires_grad": "requires_grad of an input changed; the captured backward assumes the old value",
+    "requires_grad": "an input now requires a gradient that the captured backward does not compute",
     "kind": "an input changed between tensor and non-tensor",
-    "alias": "inputs that shared storage at capture must share it now (and vice versa)",
+    "alias": "an input shares memory with a static buffer of this graph, which copying the inputs in would "
+             "overwrite before it is read; pass a separate tensor",
     "control": "a non-tensor argument differs from its captured value; graphs bake control values in",
     "arguments": "the set of arguments differs from the captured call",
     "parameter storage": "a parameter was reallocated after capture (e.g. a checkpoint loaded into new "
@@ -63,30 +76,66 @@ class TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()), tensor.device, tensor.requires_grad)
 
 
+def addressed_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int | None, ...]:
+    """The strides that address memory: a size-1 dimension's stride is never used (None here)."""
+    return tuple(None if size == 1 else step for size, step in zip(shape, stride, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInput:
+    """A tensor argument as captured: its metadata and where TE's static buffer for it lives."""
+
+    spec: TensorSpec
+    data_ptr: int  # an input at this address is read in place, any other is copied in
+    storage_ptr: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "StaticInput":
+        return cls(TensorSpec.of(tensor), tensor.data_ptr(), _storage_ptr(tensor))
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:
     """Per tensor: ``("state", name)`` if it views module ``state``, else the index of the first
     tensor sharing its storage (itself if none)."""
-    state_ptrs = {t.untyped_storage().data_ptr(): name for name, t in (state or {}).items()}
+    state_ptrs = {_storage_ptr(t): name for name, t in (state or {}).items()}
     first: dict[int, int] = {}
     topology = []
     for index, tensor in enumerate(tensors):
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = _storage_ptr(tensor)
         topology.append(("state", state_ptrs[ptr]) if ptr in state_ptrs else first.setdefault(ptr, index))
     return tuple(topology)
 
 
-def _flatten(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    items = [(f"arg{i}", value) for i, value in enumerate(args)]
-    items += [(f"{key}=", value) for key, value in sorted(kwargs.items())
+def flatten_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Every leaf of a call, named by its place: ``arg0``, ``arg1[2]``, ``mask=``, ``extra=['k']``.
+    Replay-only and None keyword arguments are left out (TE drops them as well)."""
+    items: list[tuple[str, Any]] = []
+    named = [(f"arg{index}", value) for index, value in enumerate(args)]
+    named += [(f"{key}=", value) for key, value in sorted(kwargs.items())
               if key not in REPLAY_ONLY_KWARGS and value is not None]
+    for name, value in named:
+        leaves, _ = pytree.tree_flatten_with_path(value)
+        items += [(name + pytree.keystr(path), leaf) for path, leaf in leaves]
     return items
+
+
+def _same_value(expected: Any, actual: Any) -> bool:
+    if expected is actual:
+        return True
+    try:
+        return bool(expected == actual)
+    except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors: not comparable by value
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplayContract:
     graph: str
-    inputs: tuple[tuple[str, Any], ...]  # (name, TensorSpec or control value)
-    alias: tuple[int, ...]
+    inputs: tuple[tuple[str, Any], ...]  # (name, StaticInput or control value)
     param_storage: tuple[tuple[str, int], ...]
     process_groups: tuple[tuple[str, Any], ...]  # (name, group object): compared by identity
 
@@ -94,61 +143,73 @@ class ReplayContract:
     def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any],
                params: Iterable[tuple[str, torch.Tensor]] = (),
                process_groups: Iterable[tuple[str, Any]] = ()) -> "ReplayContract":
-        inputs = _flatten(args, kwargs)
-        tensors = [value for _, value in inputs if isinstance(value, torch.Tensor)]
         return cls(
             graph=graph,
-            inputs=tuple((name, TensorSpec.of(v) if isinstance(v, torch.Tensor) else v) for name, v in inputs),
-            alias=alias_topology(tensors),
+            inputs=tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
+                         for name, v in flatten_call(args, kwargs)),
             param_storage=tuple((name, p.data_ptr()) for name, p in params),
             process_groups=tuple(process_groups),
         )
 
+    @functools.cached_property
+    def static_storages(self) -> frozenset[int]:
+        return frozenset(value.storage_ptr for _, value in self.inputs if isinstance(value, StaticInput))
+
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str,
               params: Iterable[tuple[str, torch.Tensor]] = (),
               process_groups: Iterable[tuple[str, Any]] = ()) -> None:
-        """Raises ``ContractViolation`` on the first difference. ``shapes`` checks tensor shape and
-        dtype only; ``full`` everything; ``off`` nothing."""
+        """Raises ``ContractViolation`` on the first difference. ``shapes`` checks the arguments and
+        tensor shape and dtype; ``full`` everything in the module docstring; ``off`` nothing."""
         if mode == "off":
             return
-        actual = _flatten(args, kwargs)
+        actual = flatten_call(args, kwargs)
         names = [name for name, _ in actual]
         if names != [name for name, _ in self.inputs]:
             raise ContractViolation(self.graph, "arguments", [n for n, _ in self.inputs], names)
-        tensors = []
-        for (name, expected), (_, value) in zip(self.inputs, actual):
-            if isinstance(expected, TensorSpec) != isinstance(value, torch.Tensor):
-                raise ContractViolation(self.graph, "kind", type(expected).__name__, type(value).__name__, name)
+        full = mode == "full"
+        for (name, expected), (_, value) in zip(self.inputs, actual, strict=True):
+            if isinstance(expected, StaticInput) != isinstance(value, torch.Tensor):
+                captured_kind = "TensorSpec" if isinstance(expected, StaticInput) else type(expected).__name__
+                raise ContractViolation(self.graph, "kind", captured_kind, type(value).__name__, name)
             if isinstance(value, torch.Tensor):
-                tensors.append(value)
-                self._check_tensor(name, expected, value, full=mode == "full")
-            elif mode == "full" and value != expected:
+                self._check_tensor(name, expected, value, full=full)
+            elif full and not _same_value(expected, value):
                 raise ContractViolation(self.graph, "control", expected, value, name)
-        if mode != "full":
+        if not full:
             return
-        alias = alias_topology(tensors)
-        if alias != self.alias:
-            raise ContractViolation(self.graph, "alias", self.alias, alias)
-        for (name, ptr), (_, param) in zip(self.param_storage, params):
+        params, process_groups = list(params), list(process_groups)
+        if len(params) != len(self.param_storage):
+            raise ContractViolation(self.graph, "parameter storage", len(self.param_storage), len(params),
+                                    "number of parameters")
+        for (name, ptr), (_, param) in zip(self.param_storage, params, strict=True):
             if param.data_ptr() != ptr:
                 raise ContractViolation(self.graph, "parameter storage", hex(ptr), hex(param.data_ptr()), name)
-        for (name, group), (_, now) in zip(self.process_groups, process_groups):
+        if len(process_groups) != len(self.process_groups):
+            raise ContractViolation(self.graph, "process group", [n for n, _ in self.process_groups],
+                                    [n for n, _ in process_groups])
+        for (name, group), (_, now) in zip(self.process_groups, process_groups, strict=True):
             if now is not group:
                 raise ContractViolation(self.graph, "process group", group_label(group), group_label(now), name)
 
-    def _check_tensor(self, name: str, spec: TensorSpec, value: torch.Tensor, *, full: bool) -> None:
+    def _check_tensor(self, name: str, static: StaticInput, value: torch.Tensor, *, full: bool) -> None:
+        spec = static.spec
         if tuple(value.shape) != spec.shape:
             raise ContractViolation(self.graph, "shape", spec.shape, tuple(value.shape), name)
         if value.dtype != spec.dtype:
             raise ContractViolation(self.graph, "dtype", spec.dtype, value.dtype, name)
         if not full:
             return
-        if tuple(value.stride()) != spec.stride:
-            raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
         if value.device != spec.device:
             raise ContractViolation(self.graph, "device", spec.device, value.device, name)
-        if value.requires_grad != spec.requires_grad:
+        if value.requires_grad and not spec.requires_grad:
             raise ContractViolation(self.graph, "requires_grad", spec.requires_grad, value.requires_grad, name)
+        if value.data_ptr() == static.data_ptr:  # read in place: the layout is the graph's
+            captured = addressed_strides(spec.shape, spec.stride)
+            now = addressed_strides(value.shape, value.stride())
+            if now != captured:
+                raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
+        elif value.numel() and _storage_ptr(value) in self.static_storages:
+            raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
 
 
 def group_label(group: Any) -> str:

@@ -62,7 +62,21 @@ def find_preset(argv: Sequence[str]) -> str | None:
     return found
 
 
+# Megatron's data-source flags: any of them replaces the preset's mock data (Megatron refuses two sources).
+DATA_SOURCE_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+                     "--data-args-path", "--per-split-data-args-path")
+
+
+def names_data_source(argv: Sequence[str]) -> bool:
+    return any(token.split("=", 1)[0] in DATA_SOURCE_FLAGS for token in argv)
+
+
 def expand_preset(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the preset's flags in front (the user's flags, coming later, override them)."""
+    """``argv`` with the preset's flags in front (the user's flags, coming later, override them).
+    A data source of the user's replaces the preset's ``--mock-data``, which a later flag could
+    not unset."""
     preset = find_preset(argv)
-    return list(PRESET_FLAGS[preset]) + list(argv) if preset else list(argv)
+    if not preset:
+        return list(argv)
+    flags = [flag for flag in PRESET_FLAGS[preset] if not (flag == "--mock-data" and names_data_source(argv))]
+    return flags + list(argv)

@@ -82,3 +82,21 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
         cu.append(cu[-1])
         cu_padded.append(cu_padded[-1])
     return ThdLayout(cp_size, tokens, tuple(cu), tuple(cu_padded), len(lengths))
+
+
+def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: int) -> list[int]:
+    """The pack's token indices that CP rank ``rank`` of ``cp_size`` keeps, in its local order: of
+    every sequence (padded to a multiple of ``2 * cp_size``), chunk ``rank`` then chunk
+    ``2 * cp_size - 1 - rank``. The same split as TE's ``thd_get_partitioned_indices`` (its
+    ``thd_partition_indices_kernel``), computed on the host, where the layout already is."""
+    if not is_power_of_two(cp_size) or not 0 <= rank < cp_size:
+        raise ValueError(f"rank {rank} of CP size {cp_size}: the size must be a power of two and 0 <= rank < size.")
+    indices: list[int] = []
+    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(f"a sequence of {end - start} padded tokens cannot be split over CP size {cp_size}; "
+                             f"pad it to a multiple of {2 * cp_size} (fixed_capacity_layout does).")
+        chunk = (end - start) // (2 * cp_size)
+        for index in (rank, 2 * cp_size - 1 - rank):
+            indices.extend(range(start + index * chunk, start + (index + 1) * chunk))
+    return indices

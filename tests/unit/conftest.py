@@ -8,9 +8,10 @@ import pytest
 class FakeProbe:
     """Stands in for ``session.CudaProbe``: counts synchronizations, reports fixed memory."""
 
-    def __init__(self, allocated: int = 1_339_286_016, max_allocated: int = 3_418_015_744) -> None:
+    def __init__(self, allocated: int = 1_339_286_016, max_allocated: int = 3_418_015_744, rank0: bool = True) -> None:
         self.allocated = allocated
         self.max_allocated = max_allocated
+        self.rank0 = rank0
         self.synchronize_calls = 0
 
     def synchronize(self) -> None:
@@ -21,6 +22,9 @@ class FakeProbe:
 
     def max_memory_allocated(self) -> int:
         return self.max_allocated
+
+    def is_rank0(self) -> bool:
+        return self.rank0
 
 
 class FakeClock:

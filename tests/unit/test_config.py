@@ -226,21 +226,30 @@ def test_slot_debug_refuses_what_it_does_not_understand():
         slot_debug_from_environment({"MEGATRON_CG_SLOT_DEBUG": "yes"})
 
 
-@pytest.mark.parametrize("drop, message", [
-    ("--rerun-mode", "--rerun-mode disabled"),
-    ("--dataloader-inter-document-masking", "--dataloader-inter-document-masking"),
-    ("--max-seqlen-per-dp-cp-rank", "--max-seqlen-per-dp-cp-rank N"),
+@pytest.mark.parametrize("drop, rule, message", [
+    ("--rerun-mode", "hybrid-cp-rerun-mode", "--rerun-mode disabled"),
+    ("--dataloader-inter-document-masking", "hybrid-cp-document-masking", "--dataloader-inter-document-masking"),
+    ("--max-seqlen-per-dp-cp-rank", "hybrid-cp-seqlen-per-rank", "--max-seqlen-per-dp-cp-rank N"),
 ])
-def test_hybrid_cp_launch_names_what_the_data_path_needs(megatron_parse, drop, message):
-    from megatron_cg_plugin.launch.pretrain_gpt import check_hybrid_cp_launch
+def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, drop, rule, message):
     from megatron_cg_plugin.launch.presets import PRESET_FLAGS
+    from megatron_cg_plugin.rules import RuleViolation, check_run
 
     flags = list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])
     index = flags.index(drop)
     del flags[index:index + (1 if drop == "--dataloader-inter-document-masking" else 2)]
     if drop == "--rerun-mode":
         flags += ["--rerun-mode", "validate_results"]
-    args = megatron_parse(flags)
-    check_hybrid_cp_launch(megatron_parse(list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])))  # the preset itself passes
-    with pytest.raises(ValueError, match=f"--hybrid-context-parallel with this launcher needs: .*{message}"):
-        check_hybrid_cp_launch(args)
+    check_run(megatron_parse(list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])), env={}, launcher=True)  # the preset passes
+    with pytest.raises(RuleViolation) as info:
+        check_run(megatron_parse(flags), env={}, launcher=True)
+    assert [(name, message in text) for name, text in info.value.violations] == [(rule, True)]
+
+
+def test_preset_mock_data_gives_way_to_a_data_path(megatron_parse):
+    args = megatron_parse(["--cg-preset", "tiny-gpt", "--data-path", "0.3", "/data/a_text_document",
+                           "0.7", "/data/b_text_document", "--split", "99,1,0"])
+    assert not args.mock_data and args.data_path == ["0.3", "/data/a_text_document", "0.7", "/data/b_text_document"]
+    assert args.split == "99,1,0"
+    assert megatron_parse(["--cg-preset", "tiny-gpt", "--train-data-path=/d/t"]).mock_data is False
+    assert megatron_parse(["--cg-preset", "tiny-gpt"]).mock_data is True

@@ -38,11 +38,30 @@ def current() -> tuple:
     return (training.TECudaGraphHelper, training.training_log, dataset_utils.compile_helpers)
 
 
+def _target(patch: Patch):
+    return getattr(importlib.import_module(patch.module), patch.attribute)
+
+
+# Every patch the CPU can apply (TE's needs Transformer Engine), by identity.
+ORIGINALS = {patch.name: _target(patch) for patch in PATCHES if not patch.needs_te}
+
+
 def assert_pristine() -> None:
     assert training.TECudaGraphHelper is ORIGINAL_HELPER
     assert training.training_log is ORIGINAL_TRAINING_LOG
     assert dataset_utils.compile_helpers is ORIGINAL_COMPILE_HELPERS
+    assert {name: _target(PATCH_BY_NAME[name]) for name in ORIGINALS} == ORIGINALS
     assert integration.active_session() is None
+
+
+def test_install_replaces_every_patch_target_and_uninstall_restores_each_by_identity():
+    integration.install()
+    for name, original in ORIGINALS.items():
+        replaced = _target(PATCH_BY_NAME[name])
+        assert replaced is not original, name
+    integration.uninstall()
+    for name, original in ORIGINALS.items():
+        assert _target(PATCH_BY_NAME[name]) is original, name
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +209,8 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
 
 
 def test_real_patches_match_installed_megatron():
-    assert [patch.name for patch in PATCHES] == ["helper-swap", "training-log-tap",
+    assert [patch.name for patch in PATCHES] == ["plugin-args", "validate-args-rules", "train-step-timer",
+                                                  "train-end-report", "helper-swap", "training-log-tap",
                                                   "prebuilt-dataset-helpers", "strided-weak-ref"]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
@@ -220,9 +240,34 @@ def test_install_without_config_reads_cg_flags_when_training_starts(monkeypatch,
                                           print_report=False)
 
 
+def megatron_namespace(monkeypatch, *flags: str) -> argparse.Namespace:
+    """What a script that parsed Megatron's flags without the plugin's holds."""
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["script", "--num-layers", "2", "--hidden-size", "64",
+                                      "--num-attention-heads", "4", "--micro-batch-size", "1", *flags])
+    return parse_args()
+
+
 def test_install_without_config_and_args_lacking_cg_flags(monkeypatch):
-    monkeypatch.setattr(global_vars, "get_args", lambda: argparse.Namespace(seq_length=128))
+    args = megatron_namespace(monkeypatch, "--no-gradient-accumulation-fusion")
+    assert not hasattr(args, "cg_preset")
+    monkeypatch.setattr(global_vars, "get_args", lambda: args)
     assert integration.install().config == PluginConfig()
+
+
+def test_install_after_the_script_parsed_runs_the_rules_at_once(monkeypatch, capsys):
+    from megatron_cg_plugin.enforce import RunRefused
+
+    args = megatron_namespace(monkeypatch, "--cuda-graph-impl", "transformer_engine")  # APEX fusion left on
+    monkeypatch.setattr(global_vars, "get_args", lambda: args)
+    monkeypatch.setattr(compat, "te_available", lambda: True)
+    with pytest.raises(RunRefused) as info:
+        integration.install()
+    assert info.value.code == 2
+    assert [name for name, _ in info.value.violations] == ["gradient-accumulation-fusion"]
+    assert "--no-gradient-accumulation-fusion" in capsys.readouterr().err
+    assert_pristine()  # nothing left half-installed
 
 
 # ---------------------------------------------------------------- finish

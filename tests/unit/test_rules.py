@@ -13,6 +13,8 @@ TE = "transformer_engine"
 # A valid run with TE graphs on: the starting point every violating example changes.
 BASELINE = GraphFacts(cuda_graph_impl=TE)
 MOE_DROP_PAD = dict(num_experts=4, capacity_factor=1.5, pad_to_capacity=True)
+# Hybrid CP with what Megatron's hybrid-CP loader needs.
+HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seqlen_per_dp_cp_rank=256)
 
 # rule name -> (facts that break exactly that rule, a flag/env the message must tell the user to change)
 VIOLATING: dict[str, tuple[GraphFacts, str]] = {
@@ -40,43 +42,57 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                            recompute_granularity="selective", recompute_modules=("moe",)),
                                 "--recompute-modules moe"),
     "cpu-offloading": (GraphFacts(cuda_graph_impl=TE, cpu_offloading=True), "--cpu-offloading"),
-    "hybrid-cp": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    "hybrid-cp": (GraphFacts(cuda_graph_impl=TE, **HYBRID), "--hybrid-context-parallel"),
     "gradient-accumulation-fusion": (GraphFacts(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
                                      "--no-gradient-accumulation-fusion"),
     "expandable-segments": (GraphFacts(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
     "warmup-steps": (GraphFacts(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
-    "hybrid-cp-pipeline": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=4,
+    "hybrid-cp-pipeline": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=4,
                                       pipeline_parallel=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=6),
+    "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
                                "power of two"),
-    "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                            delay_wgrad_compute=True), "--delay-wgrad-compute"),
-    "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                         overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
-    "hybrid-cp-mamba-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "hybrid-cp-mamba-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                          world_size=2, modules=("attn", "mamba")), "drop mamba"),
     "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
-    "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                    position_embedding_type="yarn"), "--position-embedding-type rope"),
-    "banks-rope-fusion": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "banks-rope-fusion": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                      position_embedding_type="rope", apply_rope_fusion=False), "--no-rope-fusion"),
-    "hybrid-cp-rope-static-cp": (GraphFacts(hybrid_context_parallel=True, position_embedding_type="rope",
+    "hybrid-cp-rope-static-cp": (GraphFacts(**HYBRID, position_embedding_type="rope",
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
-    "banks-scope": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "banks-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                modules=("attn", "moe_router"), **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                           modules=("attn",), activation_offloading=True,
                                           offload_modules=("core_attn",)), "--offload-modules"),
-    "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True,
+    "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                               overlap_param_gather=True), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
                                   moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
                        "--moe-layer-freq"),
     "parallel-sizes": (GraphFacts(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
                        "--tensor-model-parallel-size"),
+    "hybrid-cp-rerun-mode": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results"),
+                             "--rerun-mode disabled"),
+    "hybrid-cp-document-masking": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
+                                              graph_banks=True), "--dataloader-inter-document-masking"),
+    "hybrid-cp-seqlen-per-rank": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
+                                             graph_banks=True), "--max-seqlen-per-dp-cp-rank"),
+    "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
+                                         tensor_parallel=2), "--tensor-model-parallel-size 1"),
+    "banks-fp8": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True), "--fp8-format"),
+    "cg-flags": (GraphFacts(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
+                 "--cg-thd-max-seqs 0 must be >= 1."),
+    "data-files": (GraphFacts(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")), "/data/a.bin, /data/a.idx"),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
-ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp"}
+ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
+             "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
+             "cg-flags", "data-files"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -116,11 +132,11 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
     GraphFacts(cuda_graph_impl=TE, warmup_steps=0),
     # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
-    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                position_embedding_type="rope", modules=("attn",)),
-    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("mlp",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
-    GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
@@ -171,6 +187,19 @@ def test_validate_accepts_a_custom_rule_set():
     only_warmup = tuple(r for r in RULES if r.name == "warmup-steps")
     validate(facts, only_warmup)
     assert violations(VIOLATING["warmup-steps"][0], only_warmup) == [("warmup-steps", only_warmup[0].fix)]
+
+
+def test_a_rule_with_detail_names_what_the_facts_hold():
+    facts, _ = VIOLATING["data-files"]
+    (name, message), = violations(facts)
+    rule = next(r for r in RULES if r.name == name)
+    assert message == f"{rule.fix} /data/a.bin, /data/a.idx"
+    assert "/data/a.bin" not in rule.fix  # the docs table shows the fix, the run the files
+
+
+def test_the_launcher_tp_rule_is_the_launchers_own():
+    facts, _ = VIOLATING["hybrid-cp-launcher-tp"]
+    assert names(dataclasses.replace(facts, launcher=False)) == []  # a user's own data path may broadcast
 
 
 @pytest.mark.parametrize("num_experts, is_moe", [(None, False), (0, False), (1, False), (2, True), (8, True)])
@@ -352,7 +381,7 @@ def test_validate_raises_iff_violations(facts):
     (("attn", "moe_router"), True), (("attn", "moe_router", "moe_preprocess"), True), (("moe_router",), True),
 ])
 def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
-    facts = GraphFacts(cuda_graph_impl=TE, hybrid_context_parallel=True, graph_banks=True, world_size=2,
+    facts = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                        modules=modules, **MOE_DROP_PAD)
     assert ("banks-scope" in names(facts)) == refused
     assert "banks-scope" not in names(dataclasses.replace(facts, num_experts=None, modules=("attn",)))

@@ -292,7 +292,7 @@ def test_finish_on_rank0_writes_metrics_and_report(probe, clock, tmp_path):
     run_three_steps(session, clock)
     printed = []
 
-    report = session.finish(is_rank0=True, print_fn=printed.append)
+    report = session.finish(print_fn=printed.append)
 
     golden = GoldenValues.load(config.metrics_out)
     assert set(golden.metrics) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes",
@@ -319,7 +319,7 @@ def test_finish_on_rank0_respects_missing_paths_and_print_flag(probe, clock, tmp
     session = make_session(probe, clock, PluginConfig(print_report=False))
     run_three_steps(session, clock)
     printed = []
-    report = session.finish(is_rank0=True, print_fn=printed.append)
+    report = session.finish(print_fn=printed.append)
     assert printed == []
     assert report.iterations == 3
     assert list(tmp_path.iterdir()) == []
@@ -327,11 +327,37 @@ def test_finish_on_rank0_respects_missing_paths_and_print_flag(probe, clock, tmp
 
 def test_finish_off_rank0_writes_nothing(probe, clock, tmp_path):
     config = PluginConfig(metrics_out=tmp_path / "metrics.json", report_out=tmp_path / "report.json")
+    probe.rank0 = False
     session = make_session(probe, clock, config)
     run_three_steps(session, clock)
     printed = []
-    report = session.finish(is_rank0=False, print_fn=printed.append)
+    report = session.finish(print_fn=printed.append)
     assert printed == []
     assert not config.metrics_out.exists() and not config.report_out.exists()
     assert list(tmp_path.iterdir()) == []
     assert report.iterations == 3  # the report is still returned
+
+
+def test_finish_runs_once_per_run(probe, clock, tmp_path):
+    # Megatron's train() ends the run (the train-end-report patch); a script's own finish() after it
+    # must neither print the report again nor rewrite the files.
+    config = PluginConfig(metrics_out=tmp_path / "metrics.json")
+    session = make_session(probe, clock, config)
+    run_three_steps(session, clock)
+    printed = []
+    first = session.finish(print_fn=printed.append)
+    config.metrics_out.unlink()
+    assert session.finish(print_fn=printed.append) is first
+    assert len(printed) == 1 and not config.metrics_out.exists()
+
+
+def test_resolve_config_takes_the_flags_unless_a_config_was_given(probe, clock):
+    deferred = RunSession(lambda: PluginConfig(contract_check="off"), probe=probe, clock=clock)
+    assert not deferred.config_resolved and deferred.explicit_config is None
+    deferred.resolve_config(PluginConfig(contract_check="shapes"))
+    assert deferred.config.contract_check == "shapes"
+    deferred.resolve_config(PluginConfig(contract_check="full"))  # resolved once: kept
+    assert deferred.config.contract_check == "shapes"
+    explicit = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
+    explicit.resolve_config(PluginConfig())
+    assert explicit.config == PluginConfig(print_report=False) == explicit.explicit_config

@@ -1,0 +1,90 @@
+"""Where a run's tokens come from: Megatron's mock data or its indexed datasets (``--data-path``
+with blends and ``--split``, or per-split paths), with Megatron's own tokenizers.
+
+``missing_files`` is what ``megatron-cg check`` and every run check before any GPU work (the
+``data-files`` rule); ``build_datasets`` is the launcher's dataset provider. Both read the blend
+with Megatron's own parser (``get_blend_and_blend_per_split``), so they agree with Megatron's
+loader on what a flag names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+# Megatron's tokenizers that load a model file named by --tokenizer-model (HuggingFace takes hub
+# names there too, so it is not checked).
+_TOKENIZER_MODEL_FILES = frozenset({"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                    "TikTokenizer"})
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path  # msc:// and other object-store prefixes are not files here
+
+
+def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
+    """The dataset prefixes the flags name, and the argument files that could not be read."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    unreadable = [path for path in (getattr(args, "data_args_path", None), getattr(args, "per_split_data_args_path", None))
+                  if path is not None and _is_local(path) and not os.path.isfile(path)]
+    if unreadable:
+        return [], unreadable
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    blends = [blend] if blend is not None else [split for split in blend_per_split or () if split is not None]
+    return [prefix for prefixes, _weights in blends for prefix in prefixes], []
+
+
+def missing_files(args: Any) -> list[str]:
+    """Every dataset and tokenizer file the parsed flags name that does not exist here."""
+    if getattr(args, "mock_data", False):
+        return []
+    prefixes, missing = _blend_prefixes(args)
+    for prefix in prefixes:
+        if _is_local(prefix):
+            missing += [path for path in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(path)]
+    tokenizer_files = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
+    if getattr(args, "tokenizer_type", None) in _TOKENIZER_MODEL_FILES:
+        tokenizer_files.append(getattr(args, "tokenizer_model", None))
+    missing += [path for path in tokenizer_files if path and _is_local(path) and not os.path.exists(path)]
+    return missing
+
+
+def dataset_config(args: Any) -> Any:
+    """Megatron's ``GPTDatasetConfig`` from the parsed flags, mock or real."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.training.global_vars import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = (None, None) if args.mock_data else get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
+    )
+
+
+def build_datasets(train_val_test_num_samples: Sequence[int], vp_stage: int | None = None, *, args: Any):
+    """Megatron's dataset provider: train, validation and test datasets from mock or indexed data."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    def built_on_this_rank() -> bool:
+        return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_this_rank,
+                                         dataset_config(args)).build()

@@ -1,0 +1,60 @@
+"""How a run whose flags break a rule stops: before any GPU work, with one line per broken rule
+(printed once, by rank 0), exit code 2 and no traceback.
+
+``enforce(args, ...)`` runs the shared rule list (``rules.check_run``) on Megatron's parsed
+arguments; ``install()`` calls it from Megatron's ``validate_args`` in any training script, the
+launcher through the same hook. Megatron's own argument assertions are shortened the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any, Mapping
+
+from megatron_cg_plugin import rules
+from megatron_cg_plugin.config import PluginConfig
+
+EXIT_REFUSED = 2
+
+
+class RunRefused(SystemExit):
+    """The run stops before any GPU work; ``violations`` are the (rule, message) pairs."""
+
+    def __init__(self, violations: list[tuple[str, str]], heading: str) -> None:
+        super().__init__(EXIT_REFUSED)
+        self.violations = violations
+        self.heading = heading
+
+    @property
+    def text(self) -> str:
+        return "\n".join([self.heading] + [f"  [{name}] {message}" for name, message in self.violations])
+
+
+def megatron_rejection(error: BaseException) -> str:
+    """Megatron's assert messages are sometimes empty: name the failing check's line too."""
+    frames = traceback.extract_tb(error.__traceback__)
+    message = str(error).strip() or "(no message)"
+    if not frames:
+        return message
+    frame = frames[-1]
+    return f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
+
+
+def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[str, str]) -> RunRefused:
+    """Prints the refusal on rank 0 (every rank stops) and returns the exception to raise."""
+    refusal = RunRefused(violations, heading)
+    if environ.get("RANK", "0") == "0":
+        print(f"megatron-cg-plugin: {refusal.text}", file=sys.stderr, flush=True)
+    return refusal
+
+
+def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
+            config: PluginConfig | None = None) -> PluginConfig | None:
+    """Runs every rule on ``args``; raises ``RunRefused`` listing the broken ones, else returns the
+    plugin config the flags describe (``config`` itself when given)."""
+    try:
+        _facts, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
+    except rules.RuleViolation as violation:
+        raise refuse(violation.violations, rules.RuleViolation.HEADING, environ=environ) from None
+    return resolved

@@ -1,0 +1,106 @@
+"""``megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]``: an unmodified Megatron training script
+(Megatron-LM's ``pretrain_gpt.py``, ``pretrain_mamba.py``, your own) with the plugin installed.
+
+The script runs as ``__main__``, with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS``
+sets them, after ``install()``: its parser accepts the ``--cg-*`` flags, the plugin's rules run when
+Megatron validates the flags, and rank 0 prints the run report when training ends. One process runs
+here, with single-process rendezvous variables (no torchrun needed); with ``--nproc-per-node N`` the
+ranks are started through ``torch.distributed.run``'s API (a standalone rendezvous on this host,
+``NCCL_NVLS_ENABLE=0``), each running this command for one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
+
+EXIT_BAD_INPUT = 2
+RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
+
+
+def parser() -> argparse.ArgumentParser:
+    result = argparse.ArgumentParser(
+        prog="megatron-cg run", description="Run a Megatron training script with megatron-cg-plugin installed.")
+    result.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                        help="ranks on this host (default 1: this process, no torchrun needed)")
+    result.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
+    result.add_argument("args", nargs=argparse.REMAINDER, help="the script's flags (Megatron's and --cg-*)")
+    return result
+
+
+@contextlib.contextmanager
+def script_search_path(script: Path) -> Iterator[None]:
+    """``sys.path[0]`` is the script's folder, as ``python SCRIPT`` makes it (its sibling modules,
+    such as Megatron-LM's ``gpt_builders``, import from there)."""
+    saved = list(sys.path)
+    sys.path[0:1] = [str(script.resolve().parent)]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def exit_code(error: SystemExit) -> int:
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def run_in_process(script: Path, args: Sequence[str]) -> int:
+    """Runs ``script`` in this process with the plugin installed; returns its exit code."""
+    from megatron_cg_plugin import integration
+
+    with single_process_rendezvous(), argv_as([str(script), *args]), script_search_path(script):
+        integration.install()
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as error:
+            return exit_code(error)
+        finally:
+            integration.uninstall()
+    return 0
+
+
+def launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
+    """``nproc`` local ranks through ``torch.distributed.run``, each running this command once."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in every multi-GPU run
+    launch_args = torchrun.get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", RANK_ENTRY, str(script), *args])
+    try:
+        torchrun.run(launch_args)
+    except ChildFailedError as failure:
+        ranks = ", ".join(f"rank {rank} (exit code {info.exitcode})" for rank, info in sorted(failure.failures.items()))
+        print(f"megatron-cg run: {script} failed on {ranks}; its output is above.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    script = Path(options.script)
+    if not script.is_file():
+        print(f"megatron-cg run: no such script {script}; give the path of a Python training script.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if options.nproc_per_node < 1:
+        print("megatron-cg run: --nproc-per-node must be >= 1.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if options.nproc_per_node == 1:
+        return run_in_process(script, options.args)
+    return launch_ranks(options.nproc_per_node, script, options.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

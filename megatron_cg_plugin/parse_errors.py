@@ -1,0 +1,74 @@
+"""Megatron's command-line parser, made to fail in one line.
+
+Megatron's parser prints its whole usage (about 700 lines) before the line that matters, and a
+bad ``--cuda-graph-modules`` value escapes argparse as a ``KeyError`` traceback (its type function
+indexes an enum). ``shorten`` fixes both on one parser object: an unknown flag gets one line naming
+it and the closest valid flags, a bad value one line listing the valid ones. Nothing global changes:
+the parser lives for one ``parse_args`` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import sys
+from typing import Any, Callable, NoReturn
+
+GRAPH_MODULE_FLAGS = frozenset({"--cuda-graph-modules", "--cuda-graph-scope"})
+
+
+def suggestions(flag: str, options: list[str]) -> list[str]:
+    """The valid flags closest to ``flag`` (its name only, without ``=value``)."""
+    return difflib.get_close_matches(flag.split("=", 1)[0], options, n=3, cutoff=0.6)
+
+
+def short_message(parser: argparse.ArgumentParser, message: str) -> str:
+    """One line for an argparse error: unknown flags with their closest valid spellings."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return f"{parser.prog}: error: {message}"
+    options = [option for option in parser._option_string_actions if option.startswith("--")]
+    unknown = [token for token in message[len(prefix):].split() if token.startswith("-")]
+    parts = []
+    for flag in unknown or message[len(prefix):].split():
+        close = suggestions(flag, options)
+        parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+    return f"{parser.prog}: error: unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+
+
+def _error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    print(short_message(parser, message), file=sys.stderr)
+    parser.exit(2)
+
+
+def graph_module_type(parse: Callable[[str], Any], valid: list[str]) -> Callable[[str], Any]:
+    """Megatron's ``--cuda-graph-modules`` type with a bad value reported as argparse errors are."""
+
+    @functools.wraps(parse)
+    def parse_module(value: str) -> Any:
+        try:
+            return parse(value)
+        except KeyError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a CUDA graph module; use any of {' '.join(valid)} (none: the whole layer)") from None
+
+    return parse_module
+
+
+def _graph_module_names() -> list[str]:
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    return [member.name for member in CudaGraphModule]
+
+
+def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Makes this parser's errors one line (see the module docstring); returns it. Idempotent."""
+    if getattr(parser, "_megatron_cg_short_errors", False):
+        return parser
+    parser.error = functools.partial(_error, parser)  # type: ignore[method-assign]
+    parser._megatron_cg_short_errors = True  # type: ignore[attr-defined]
+    for action in parser._actions:
+        if GRAPH_MODULE_FLAGS & set(action.option_strings) and action.type is not None:
+            action.type = graph_module_type(action.type, _graph_module_names())
+    return parser
