@@ -2,8 +2,9 @@
 (Megatron-LM's ``pretrain_gpt.py``, ``pretrain_mamba.py``, your own) with the plugin installed.
 
 The script runs as ``__main__``, with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS``
-sets them, after ``install()``: its parser accepts the ``--cg-*`` flags, the plugin's rules run when
-Megatron validates the flags, and rank 0 prints the run report when training ends. One process runs
+sets them, after ``install()``: its parser accepts the ``--cg-*`` flags (``--cg-preset`` puts a
+preset's Megatron flags before yours, as in the launcher), the plugin's rules run when Megatron
+validates the flags, and rank 0 prints the run report when training ends. One process runs
 here, with single-process rendezvous variables (no torchrun needed); with ``--nproc-per-node N`` the
 ranks are started through ``torch.distributed.run``'s API (a standalone rendezvous on this host,
 ``NCCL_NVLS_ENABLE=0``), each running this command for one process.
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
 EXIT_BAD_INPUT = 2
@@ -97,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.nproc_per_node < 1:
         print("megatron-cg run: --nproc-per-node must be >= 1.", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if options.nproc_per_node == 1:
-        return run_in_process(script, options.args)
+    if options.nproc_per_node == 1:  # each rank expands --cg-preset, as the launcher does
+        return run_in_process(script, expand_preset(options.args))
     return launch_ranks(options.nproc_per_node, script, options.args)
 
 

@@ -1,5 +1,6 @@
-"""The GPU functional farm: each case trains the same tiny model eagerly and with TE graphs through
-the plugin's launcher on N ranks, and compares the per-step metrics.
+"""The GPU functional farm: each case trains the same model eagerly and with TE graphs on N ranks,
+through the plugin's launcher or through ``megatron-cg run`` with a user's own Megatron script, on
+mock data or on a real indexed dataset it builds, and compares the per-step metrics.
 
 Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``; the summary table it
 writes is what ``docs/results/`` records.
@@ -18,34 +19,72 @@ from megatron_cg_plugin.launch.presets import MOE_FLAGS
 from megatron_cg_plugin.testing.distributed import launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "functional" / "golden_values"
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN_DIR = REPO / "tests" / "functional" / "golden_values"
+USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
 GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
+
+
+def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
+    """Builds the case's real indexed dataset under ``out_dir`` (once) and returns its flags.
+    ``synthetic``: seeded pre-tokenized documents (NullTokenizer, the same bytes everywhere);
+    ``sentencepiece``: text tokenized by a SentencePiece model trained on it here."""
+    from megatron_cg_plugin.testing import datasets
+
+    if data is None:
+        return ()
+    root = out_dir / "data"
+    if data == "synthetic":
+        prefix = root / "synthetic_text_document"
+        if not prefix.with_suffix(".idx").exists():
+            datasets.write_indexed_dataset(prefix, datasets.synthetic_documents(400, vocab_size=1024, seed=1234),
+                                           eod=1023)
+        return ("--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "1024")
+    if data == "sentencepiece":
+        prefix, model = root / "spm_text_document", root / "spm.model"
+        if not prefix.with_suffix(".idx").exists():
+            corpus = datasets.synthetic_corpus(400, seed=1234)
+            datasets.train_sentencepiece(corpus, root / "spm")
+            documents, eod = datasets.tokenize_corpus(corpus, model)
+            datasets.write_indexed_dataset(prefix, documents, eod=eod)
+        return ("--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "SentencePieceTokenizer",
+                "--tokenizer-model", str(model))
+    raise ValueError(f"unknown farm data {data!r}: use synthetic or sentencepiece")
 
 
 @dataclasses.dataclass(frozen=True)
 class FarmCase:
     """One farm case. ``expect_capture_failure``: the graphed run injects a capture failure and must
     fall back to eager training (graphs 0, the failure in its report). ``golden`` names the case
-    whose golden file this one is compared with (default: its own), on ``golden_metrics``."""
+    whose golden file this one is compared with (default: its own), on ``golden_metrics``; with
+    ``check_golden`` False the case compares eager with graphed only. ``script`` runs a training
+    script through ``megatron-cg run`` instead of the launcher; ``data`` trains on a real indexed
+    dataset the farm builds (``data_flags``)."""
 
     name: str
     nproc: int
-    preset: str
+    preset: str | None
     flags: tuple[str, ...] = ()
     expect_capture_failure: bool = False
     golden: str | None = None
     golden_metrics: tuple[str, ...] = ()
     steps: int = FARM_STEPS
     env: tuple[tuple[str, str], ...] = ()  # extra environment of both runs
+    script: str | None = None
+    data: str | None = None
+    check_golden: bool = True
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
+        entry = (["-m", "megatron_cg_plugin.cli", "run", str(REPO / self.script)] if self.script
+                 else ["-m", "megatron_cg_plugin.pretrain_gpt"])
         return [
-            "-m", "megatron_cg_plugin.pretrain_gpt",
-            "--cg-preset", self.preset, *self.flags,
+            *entry,
+            *(("--cg-preset", self.preset) if self.preset else ()), *self.flags, *data_flags(self.data, out_dir),
             "--cuda-graph-impl", "transformer_engine" if graphed else "none",
             "--deterministic-mode", "--train-iters", str(steps),
             "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
@@ -64,6 +103,19 @@ class FarmCase:
 _DROP_AND_PAD = ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
 # Megatron's fine-grained offloading needs TE's v1 offload path (its validate_args checks).
 _OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
+
+# A realistic dense shape (issue 11): micro-batch size 1, 12 layers, h=1024, seq 2048, the default
+# contract check. Spelled out (no preset), so a user's script gets exactly the same flags.
+GPT_12X1024 = tuple(
+    "--num-layers 12 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 "
+    "--seq-length 2048 --max-position-embeddings 2048 --position-embedding-type rope "
+    "--micro-batch-size 1 --global-batch-size 8 "
+    "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 "
+    "--clip-grad 1.0 --bf16 --hidden-dropout 0.0 --attention-dropout 0.0 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 100,0,0 "
+    "--eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad "
+    "--seed 1234 --transformer-impl transformer_engine --no-gradient-accumulation-fusion "
+    "--num-workers 0".split())
 
 CASES: tuple[FarmCase, ...] = (
     FarmCase("tiny_gpt_attn", 1, "tiny-gpt", ("--cuda-graph-modules", "attn")),
@@ -98,6 +150,19 @@ CASES: tuple[FarmCase, ...] = (
              ("--cg-graph-banks", "--cuda-graph-modules", "attn", "moe", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
     FarmCase("tiny_moe_hybrid_cp_banks_layer", 2, "tiny-gpt-hybrid-cp",
              ("--cg-graph-banks", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
+    # Real indexed datasets built by the farm: pre-tokenized (golden values), and text through a
+    # SentencePiece model trained on the spot (its tokens depend on the sentencepiece release, so
+    # eager == graphed only).
+    FarmCase("tiny_gpt_real_data", 1, "tiny-gpt", data="synthetic"),
+    FarmCase("tiny_moe_real_data_spm", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe", *_DROP_AND_PAD),
+             data="sentencepiece", check_golden=False),
+    # Realistic shapes at micro-batch size 1 with the default contract check, through the launcher and
+    # through megatron-cg run with a user's own script.
+    FarmCase("gpt_12x1024_layer", 1, None, GPT_12X1024),
+    FarmCase("gpt_12x1024_attn", 1, None, (*GPT_12X1024, "--cuda-graph-modules", "attn")),
+    FarmCase("gpt_12x1024_layer_user_script", 1, None, GPT_12X1024, script=USER_SCRIPT),
+    FarmCase("gpt_12x1024_attn_user_script", 1, None, (*GPT_12X1024, "--cuda-graph-modules", "attn"),
+             script=USER_SCRIPT),
 )
 
 

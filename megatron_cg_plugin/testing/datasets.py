@@ -1,0 +1,100 @@
+"""Small real Megatron datasets, built on the spot: nothing is downloaded.
+
+``write_indexed_dataset`` writes documents of token ids with megatron-core's own
+``IndexedDatasetBuilder`` (the ``.bin``/``.idx`` pair ``--data-path PREFIX`` reads), each document
+ending in the tokenizer's EOD id, as Megatron's ``preprocess_data.py --append-eod`` does.
+``synthetic_documents`` makes seeded token documents for ``--tokenizer-type NullTokenizer``
+(pre-tokenized data: the same bytes on every machine, so golden values hold);
+``train_sentencepiece`` and ``tokenize_corpus`` give a ``--tokenizer-type SentencePieceTokenizer``
+run real text. ``python -m megatron_cg_plugin.testing.datasets OUT_DIR`` writes both kinds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+WORDS = ("graph", "replay", "capture", "memory", "pool", "layer", "token", "expert", "router", "stream",
+         "kernel", "tensor", "gradient", "optimizer", "batch", "sequence", "attention", "rank", "bank",
+         "arena", "offload", "scale", "the", "a", "of", "and", "in", "to", "is", "with", "each", "every")
+
+
+def write_indexed_dataset(prefix: str | Path, documents: Iterable[Sequence[int]], *, eod: int,
+                          dtype: str = "int32") -> Path:
+    """Writes ``PREFIX.bin`` and ``PREFIX.idx`` holding ``documents`` (each followed by ``eod``)."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=getattr(numpy, dtype))
+    count = 0
+    for document in documents:
+        builder.add_document(torch.tensor([*document, eod], dtype=torch.int64), [len(document) + 1])
+        count += 1
+    if not count:
+        raise ValueError("write_indexed_dataset needs at least one document.")
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def synthetic_documents(count: int, *, vocab_size: int, seed: int, min_length: int = 16,
+                        max_length: int = 600) -> list[list[int]]:
+    """Seeded documents of token ids in ``[0, vocab_size - 1)`` (the last id is NullTokenizer's EOD)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size - 1) for _ in range(rng.randint(min_length, max_length))] for _ in range(count)]
+
+
+def synthetic_corpus(count: int, *, seed: int, min_words: int = 8, max_words: int = 300) -> list[str]:
+    """Seeded text documents of English-looking words."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "."
+            for _ in range(count)]
+
+
+def train_sentencepiece(corpus: Sequence[str], model_prefix: str | Path, *, vocab_size: int = 256) -> Path:
+    """A SentencePiece model trained on ``corpus``: ``MODEL_PREFIX.model`` (one thread, reproducible)."""
+    import sentencepiece
+
+    model_prefix = Path(model_prefix)
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_prefix=str(model_prefix), vocab_size=vocab_size, model_type="bpe",
+        num_threads=1, bos_id=-1, eos_id=1, unk_id=0, pad_id=-1, minloglevel=2)
+    return model_prefix.with_suffix(".model")
+
+
+def tokenize_corpus(corpus: Iterable[str], model: str | Path) -> tuple[list[list[int]], int]:
+    """The corpus as token ids, and the model's EOD (end of sentence) id."""
+    import sentencepiece
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    return [processor.encode(text) for text in corpus], processor.eos_id()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_cg_plugin.testing.datasets",
+                                     description="Write small real Megatron datasets (nothing is downloaded).")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--documents", type=int, default=400)
+    parser.add_argument("--vocab-size", type=int, default=1024, help="NullTokenizer dataset: --vocab-size of the run")
+    parser.add_argument("--seed", type=int, default=1234)
+    options = parser.parse_args(argv)
+    tokens = write_indexed_dataset(options.out_dir / "synthetic_text_document",
+                                   synthetic_documents(options.documents, vocab_size=options.vocab_size,
+                                                       seed=options.seed), eod=options.vocab_size - 1)
+    print(f"NullTokenizer data: --data-path {tokens} --tokenizer-type NullTokenizer --vocab-size {options.vocab_size}")
+    corpus = synthetic_corpus(options.documents, seed=options.seed)
+    model = train_sentencepiece(corpus, options.out_dir / "spm")
+    documents, eod = tokenize_corpus(corpus, model)
+    text = write_indexed_dataset(options.out_dir / "spm_text_document", documents, eod=eod)
+    print(f"SentencePiece data: --data-path {text} --tokenizer-type SentencePieceTokenizer --tokenizer-model {model}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
