@@ -118,6 +118,9 @@ def flatten_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[s
     named += [(f"{key}=", value) for key, value in sorted(kwargs.items())
               if key not in REPLAY_ONLY_KWARGS and value is not None]
     for name, value in named:
+        if not isinstance(value, (list, tuple, dict)):  # a leaf (the common case): skip pytree's walk
+            items.append((name, value))
+            continue
         leaves, _ = pytree.tree_flatten_with_path(value)
         items += [(name + pytree.keystr(path), leaf) for path, leaf in leaves]
     return items
