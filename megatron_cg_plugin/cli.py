@@ -40,46 +40,42 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _fused_rope_stand_in(*_args, **_kwargs):
+    raise RuntimeError("a stand-in for TE's fused RoPE, for megatron-cg check on a machine without TE")
+
+
 @contextlib.contextmanager
 def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """Lets Megatron's validation run on a CPU machine as it would on the GPU host: when there is no
-    GPU here, ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device
-    of ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules). Both are
-    restored on exit."""
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
+    differ, all restored on exit: when there is no GPU here, ``torch.cuda.get_device_capability``
+    and ``get_device_properties`` describe a device of ``capability`` (Megatron asks for grouped
+    GEMM and for the TP/CP connection rules); when TE is not installed here, Megatron's fused-RoPE
+    functions (TE kernels, which ``TransformerConfig`` requires for RoPE fusion) are stand-ins that
+    are never called."""
     import torch
+    from megatron.core.models.common.embeddings import rope_utils
 
     saved = torch.cuda.get_device_capability, torch.cuda.get_device_properties
+    saved_rope = rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd
     if not torch.cuda.is_available():
         properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
                                            name=f"stand-in sm_{capability[0]}{capability[1]}",
                                            total_memory=0, multi_processor_count=0)
         torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
         torch.cuda.get_device_properties = lambda *_args, **_kwargs: properties
+    if saved_rope == (None, None):  # TE's kernels did not import here
+        rope_utils.fused_apply_rotary_pos_emb = rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_stand_in
     try:
         yield
     finally:
         torch.cuda.get_device_capability, torch.cuda.get_device_properties = saved
-
-
-@contextlib.contextmanager
-def _without_te_rope_fusion(args) -> Iterator[None]:
-    """Where TE is not installed here, ``TransformerConfig`` refuses RoPE fusion (a TE kernel) that
-    the GPU host has: its backstop check runs with fusion off, restored after."""
-    from megatron_cg_plugin import compat
-
-    saved = getattr(args, "apply_rope_fusion", None)
-    if not compat.te_available():
-        args.apply_rope_fusion = False
-    try:
-        yield
-    finally:
-        args.apply_rope_fusion = saved
+        rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd = saved_rope
 
 
 def _megatron_rejects(error: BaseException) -> CheckError:
-    from megatron_cg_plugin.enforce import megatron_rejection
+    from megatron_cg_plugin.enforce import MEGATRON_HEADING, megatron_rejection
 
-    return CheckError(f"Megatron rejects these flags: {megatron_rejection(error)}")
+    return CheckError(f"{MEGATRON_HEADING} {megatron_rejection(error)}")
 
 
 def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
@@ -90,10 +86,10 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
     launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
-    from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import validate_args
 
     from megatron_cg_plugin import compat, rules
+    from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
     from megatron_cg_plugin.launch import pretrain_gpt
     from megatron_cg_plugin.plan.capture import plan_capture
 
@@ -102,15 +98,14 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
         with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
-            except (AssertionError, ValueError, TypeError, RuntimeError) as error:
+            except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error) from error
             # TE is needed where the run happens, not on this machine.
             facts, _config = rules.check_run(args, env=env, launcher=True, te_present=True)
-            with _without_te_rope_fusion(args):
-                try:
-                    core_transformer_config_from_args(args)
-                except (AssertionError, ValueError, TypeError, RuntimeError) as error:
-                    raise _megatron_rejects(error) from error
+            try:
+                transformer_config_backstop(args)
+            except MEGATRON_REJECTIONS as error:
+                raise _megatron_rejects(error) from error
     plan = plan_capture(facts).describe()
     if facts.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."

@@ -16,6 +16,10 @@ from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
 
 EXIT_REFUSED = 2
+# What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
+# from validate_args and TransformerConfig.__post_init__.
+MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError)
+MEGATRON_HEADING = "Megatron rejects these flags:"
 
 
 class RunRefused(SystemExit):
@@ -49,12 +53,31 @@ def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[
     return refusal
 
 
+def refuse_megatron(error: BaseException, *, environ: Mapping[str, str]) -> RunRefused:
+    return refuse([("megatron", megatron_rejection(error))], MEGATRON_HEADING, environ=environ)
+
+
+def transformer_config_backstop(args: Any) -> None:
+    """``TransformerConfig``'s own checks, as the launcher's model build will run them
+    (``gpt_config_from_args``): raises what Megatron raises."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    core_transformer_config_from_args(args)
+
+
 def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
             config: PluginConfig | None = None) -> PluginConfig | None:
     """Runs every rule on ``args``; raises ``RunRefused`` listing the broken ones, else returns the
-    plugin config the flags describe (``config`` itself when given)."""
+    plugin config the flags describe (``config`` itself when given). For the plugin's launcher,
+    whose model config is Megatron's ``TransformerConfig`` of these flags, that config's checks run
+    too, as ``megatron-cg check`` runs them (a user's script builds its own config)."""
     try:
         _facts, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
     except rules.RuleViolation as violation:
         raise refuse(violation.violations, rules.RuleViolation.HEADING, environ=environ) from None
+    if launcher:
+        try:
+            transformer_config_backstop(args)
+        except MEGATRON_REJECTIONS as error:
+            raise refuse_megatron(error, environ=environ) from None
     return resolved

@@ -23,13 +23,21 @@ def suggestions(flag: str, options: list[str]) -> list[str]:
     return difflib.get_close_matches(flag.split("=", 1)[0], options, n=3, cutoff=0.6)
 
 
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def short_message(parser: argparse.ArgumentParser, message: str) -> str:
     """One line for an argparse error: unknown flags with their closest valid spellings."""
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return f"{parser.prog}: error: {message}"
     options = [option for option in parser._option_string_actions if option.startswith("--")]
-    unknown = [token for token in message[len(prefix):].split() if token.startswith("-")]
+    unknown = [token for token in message[len(prefix):].split() if token.startswith("-") and not _is_number(token)]
     parts = []
     for flag in unknown or message[len(prefix):].split():
         close = suggestions(flag, options)

@@ -101,9 +101,8 @@ def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
         try:
             result = original(args, *rest, **kwargs)
-        except AssertionError as error:  # Megatron's own checks: one line, not a traceback
-            raise enforce.refuse([("megatron", enforce.megatron_rejection(error))], "Megatron rejects these flags:",
-                                 environ=os.environ) from None
+        except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
+            raise enforce.refuse_megatron(error, environ=os.environ) from None
         session.resolve_config(enforce.enforce(args, environ=os.environ, launcher=session.launcher,
                                                config=session.explicit_config))
         return result

@@ -21,7 +21,7 @@ like any other. A violation names the graph, the field, the captured and the act
 from __future__ import annotations
 
 import dataclasses
-import functools
+import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -83,15 +83,23 @@ def addressed_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int 
 
 @dataclasses.dataclass(frozen=True)
 class StaticInput:
-    """A tensor argument as captured: its metadata and where TE's static buffer for it lives."""
+    """A tensor argument as captured: its metadata and where TE's static buffer for it lives.
+
+    The buffer is held weakly: TE keeps it alive as long as the graph; once it is gone its address
+    means nothing (a later tensor may land there), so it is neither "read in place" nor aliased."""
 
     spec: TensorSpec
     data_ptr: int  # an input at this address is read in place, any other is copied in
     storage_ptr: int
+    buffer: weakref.ref = dataclasses.field(compare=False, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "StaticInput":
-        return cls(TensorSpec.of(tensor), tensor.data_ptr(), _storage_ptr(tensor))
+        return cls(TensorSpec.of(tensor), tensor.data_ptr(), _storage_ptr(tensor), weakref.ref(tensor))
+
+    @property
+    def alive(self) -> bool:
+        return self.buffer() is not None
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -154,9 +162,10 @@ class ReplayContract:
             process_groups=tuple(process_groups),
         )
 
-    @functools.cached_property
     def static_storages(self) -> frozenset[int]:
-        return frozenset(value.storage_ptr for _, value in self.inputs if isinstance(value, StaticInput))
+        """The storages of the static buffers still alive."""
+        return frozenset(value.storage_ptr for _, value in self.inputs
+                         if isinstance(value, StaticInput) and value.alive)
 
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str,
               params: Iterable[tuple[str, torch.Tensor]] = (),
@@ -206,12 +215,12 @@ class ReplayContract:
             raise ContractViolation(self.graph, "device", spec.device, value.device, name)
         if value.requires_grad and not spec.requires_grad:
             raise ContractViolation(self.graph, "requires_grad", spec.requires_grad, value.requires_grad, name)
-        if value.data_ptr() == static.data_ptr:  # read in place: the layout is the graph's
+        if value.data_ptr() == static.data_ptr and static.alive:  # read in place: the layout is the graph's
             captured = addressed_strides(spec.shape, spec.stride)
             now = addressed_strides(value.shape, value.stride())
             if now != captured:
                 raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
-        elif value.numel() and _storage_ptr(value) in self.static_storages:
+        elif value.numel() and _storage_ptr(value) in self.static_storages():
             raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
 
 

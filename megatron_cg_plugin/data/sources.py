@@ -26,8 +26,11 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
     """The dataset prefixes the flags name, and the argument files that could not be read."""
     from megatron.training.utils import get_blend_and_blend_per_split
 
-    unreadable = [path for path in (getattr(args, "data_args_path", None), getattr(args, "per_split_data_args_path", None))
-                  if path is not None and _is_local(path) and not os.path.isfile(path)]
+    argument_files = [path for path in (getattr(args, "data_args_path", None),
+                                        getattr(args, "per_split_data_args_path", None)) if path is not None]
+    if any(not _is_local(path) for path in argument_files):
+        return [], []  # an object store's listing is read by the run, not checked here
+    unreadable = [path for path in argument_files if not os.path.isfile(path)]
     if unreadable:
         return [], unreadable
     blend, blend_per_split = get_blend_and_blend_per_split(args)
@@ -37,9 +40,7 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
 
 def missing_files(args: Any) -> list[str]:
     """Every dataset and tokenizer file the parsed flags name that does not exist here."""
-    if getattr(args, "mock_data", False):
-        return []
-    prefixes, missing = _blend_prefixes(args)
+    prefixes, missing = ([], []) if getattr(args, "mock_data", False) else _blend_prefixes(args)
     for prefix in prefixes:
         if _is_local(prefix):
             missing += [path for path in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(path)]

@@ -93,6 +93,8 @@ def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: in
         raise ValueError(f"rank {rank} of CP size {cp_size}: the size must be a power of two and 0 <= rank < size.")
     indices: list[int] = []
     for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        if end < start:
+            raise ValueError(f"cu_seqlens_padded must not decrease, got {list(cu_seqlens_padded)}.")
         if (end - start) % (2 * cp_size):
             raise ValueError(f"a sequence of {end - start} padded tokens cannot be split over CP size {cp_size}; "
                              f"pad it to a multiple of {2 * cp_size} (fixed_capacity_layout does).")

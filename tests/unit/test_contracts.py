@@ -25,8 +25,15 @@ def x(*shape, dtype=torch.float32, requires_grad=False):
     return torch.zeros(*(shape or (4, 2, 3)), dtype=dtype, requires_grad=requires_grad)
 
 
+# A contract records where its static buffers live; TE keeps them alive as long as the graph. Here
+# the tests keep them, so a later tensor cannot land at a freed buffer's address (a false "alias").
+STATIC_BUFFERS: list = []
+
+
 def record(args=None, kwargs=None, params=(), groups=()):
-    return ReplayContract.record(GRAPH, (x(),) if args is None else args, kwargs or {}, params, groups)
+    args = (x(),) if args is None else args
+    STATIC_BUFFERS.append((args, kwargs))
+    return ReplayContract.record(GRAPH, args, kwargs or {}, params, groups)
 
 
 def violation(contract, args, kwargs=None, mode="full", params=(), groups=()) -> ContractViolation:
@@ -250,7 +257,7 @@ def test_shapes_checks_only_shape_dtype_kind_and_arguments():
 def test_replay_only_kwargs_are_ignored(name):
     contract = record()
     contract.check((x(),), {name: object()}, mode="full")
-    at_capture = ReplayContract.record(GRAPH, (x(),), {name: True})
+    at_capture = record((x(),), {name: True})
     at_capture.check((x(),), {}, mode="full")
     assert REPLAY_ONLY_KWARGS == {"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"}
 
@@ -289,3 +296,30 @@ def test_process_groups_of_keeps_only_groups_sorted_by_name():
     contract.check((x(),), {}, mode="full", process_groups=process_groups_of(layer))
     collection.tp = dist.ProcessGroup(dist.HashStore(), 0, 1)  # re-created communicator
     assert violation(contract, (x(),), groups=process_groups_of(layer)).field == "process group"
+
+
+def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
+    # TE keeps its static buffers alive; once one is gone, a tensor landing at its address is
+    # copied in like any other, so neither its layout nor its memory is held against it.
+    import weakref
+
+    from megatron_cg_plugin.capture.contracts import StaticInput
+
+    here = x()  # stands for a new tensor at the address where the static buffer was
+    relaid = here.as_strided((4, 2, 3), (1, 4, 8))
+    second = x()
+    gone = x()
+    dead = weakref.ref(gone)
+    del gone
+
+    def contract_with(buffer):
+        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
+        return ReplayContract(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))), (), ())
+
+    alive = contract_with(weakref.ref(here))
+    assert violation(alive, (relaid, second)).field == "stride"  # read in place, another layout
+    assert violation(alive, (x(), here[:, :1].expand(4, 2, 3))).field == "alias"  # inside arg0's buffer
+    freed = contract_with(dead)
+    assert not freed.inputs[0][1].alive
+    freed.check((relaid, second), {}, mode="full")  # copied: any layout
+    freed.check((x(), here[:, :1].expand(4, 2, 3)), {}, mode="full")  # that memory is no buffer now

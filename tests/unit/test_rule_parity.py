@@ -1,0 +1,167 @@
+"""The dry run and the run refuse the same flags: for each row of a table, the rules that
+``megatron-cg check`` (``cli.check``) reports broken are the ones the launcher's validation
+(``install(launcher=True)`` + ``parse_megatron_args``, through Megatron's own ``validate_args``)
+refuses, and both are what the row expects. Megatron's own rejections count as the rule
+``megatron`` (``CheckError`` in the dry run, ``RunRefused`` naming ``megatron`` in the run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+import pytest
+
+from megatron_cg_plugin import cli, compat, enforce, integration, rules
+from megatron_cg_plugin.launch import pretrain_gpt
+from megatron_cg_plugin.launch.presets import PRESET_FLAGS
+from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
+
+global_vars = importlib.import_module("megatron.training.global_vars")
+microbatches = importlib.import_module("megatron.core.num_microbatches_calculator")
+
+TE = ("--cuda-graph-impl", "transformer_engine")
+GPT = ("--cg-preset", "tiny-gpt")
+MOE = ("--cg-preset", "tiny-moe")
+BANKS = ("--cg-graph-banks",)
+ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER",
+            "CUDA_DEVICE_MAX_CONNECTIONS")
+MEGATRON = "megatron"  # Megatron's own validate_args (or TransformerConfig) rejects the flags
+
+
+def without(flags: tuple[str, ...], flag: str, values: int = 1) -> tuple[str, ...]:
+    index = flags.index(flag)
+    return flags[:index] + flags[index + 1 + values:]
+
+
+HYBRID_CP = PRESET_FLAGS["tiny-gpt-hybrid-cp"]
+assert "--rerun-mode" in HYBRID_CP and without(HYBRID_CP, "--rerun-mode") != HYBRID_CP
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    flags: tuple[str, ...]  # "{tmp}" is replaced by the test's tmp_path, "{data}" by a real dataset prefix
+    expected: frozenset[str]
+    nproc: int = 1
+    environ: tuple[tuple[str, str], ...] = ()  # set for both paths (Megatron reads os.environ)
+
+
+ROWS = (
+    Row("tiny-gpt-graphed", GPT + TE, frozenset()),
+    Row("tiny-gpt-eager", GPT, frozenset()),
+    Row("tiny-moe-whole-layer-dropless", MOE + TE, frozenset({"whole-layer-moe-needs-drop-and-pad"})),
+    Row("tiny-moe-whole-layer-drop-and-pad",
+        MOE + TE + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"), frozenset()),
+    Row("hybrid-cp-without-rerun-mode-disabled", without(HYBRID_CP, "--rerun-mode"),
+        frozenset({"hybrid-cp-rerun-mode"}), nproc=2),
+    Row("hybrid-cp-banks", HYBRID_CP + TE + BANKS, frozenset(), nproc=2),
+    Row("hybrid-cp-graphed-without-banks", HYBRID_CP + TE, frozenset({"hybrid-cp"}), nproc=2),
+    Row("hybrid-cp-banks-fp8", HYBRID_CP + TE + BANKS + ("--fp8-format", "hybrid"), frozenset({"banks-fp8"}), nproc=2),
+    Row("hybrid-cp-launcher-tp", HYBRID_CP + ("--tensor-model-parallel-size", "2"),
+        frozenset({"hybrid-cp-launcher-tp"}), nproc=4, environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
+    Row("thd-max-seqs-0", GPT + ("--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
+    Row("report-out-directory", GPT + ("--cg-report-out", "{tmp}"), frozenset({"cg-flags"})),
+    Row("bank-min-cp-3", GPT + ("--cg-bank-min-cp", "3"), frozenset({"cg-flags"})),
+    Row("banks-without-hybrid-cp", GPT + TE + BANKS, frozenset({"banks-need-hybrid-cp"})),
+    Row("missing-data-prefix", GPT + ("--data-path", "{tmp}/no_such_prefix"), frozenset({"data-files"})),
+    Row("real-data-prefix", GPT + TE + ("--data-path", "{data}"), frozenset()),
+    Row("fp8-without-banks", GPT + TE + ("--fp8-format", "hybrid"), frozenset()),
+    Row("several-rules-at-once",
+        MOE + TE + BANKS + ("--recompute-granularity", "full", "--recompute-method", "uniform"),
+        frozenset({"whole-layer-moe-needs-drop-and-pad", "full-recompute", "banks-need-hybrid-cp"})),
+    Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
+    Row("megatron-assertion-with-message", GPT + ("--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
+)
+
+# Rows that once disagreed: Megatron's ValueError in validate_args, and TransformerConfig's own
+# checks (which the launcher's validation now runs as check does).
+FORMER_MISMATCHES = (
+    Row("megatron-value-error", GPT + ("--fp4-param-gather",), frozenset({MEGATRON})),
+    Row("transformer-config-only", GPT + ("--fp8-param-gather", "--use-distributed-optimizer"), frozenset({MEGATRON})),
+)
+
+
+def reset_megatron_globals() -> None:
+    global_vars.unset_global_variables()
+    microbatches.unset_num_microbatches_calculator()
+
+
+@pytest.fixture(autouse=True)
+def clean_process(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    integration.uninstall()
+    reset_megatron_globals()
+    yield
+    integration.uninstall()
+    reset_megatron_globals()
+    assert integration.active_session() is None
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    prefix = tmp_path_factory.mktemp("parity_data") / "tokens"
+    write_indexed_dataset(prefix, synthetic_documents(40, vocab_size=1024, seed=3, max_length=300), eod=1023)
+    return str(prefix)
+
+
+def dry_run_verdict(flags: list[str], nproc: int) -> tuple[frozenset[str], dict[str, str]]:
+    """The rules ``megatron-cg check`` reports broken (and their messages)."""
+    assert integration.active_session() is None  # check validates with Megatron's own validate_args
+    try:
+        plan = cli.check(flags, nproc=nproc, env={})
+    except rules.RuleViolation as violation:
+        return frozenset(name for name, _ in violation.violations), dict(violation.violations)
+    except cli.CheckError as error:
+        prefix = "Megatron rejects these flags: "
+        assert str(error).startswith(prefix), error
+        return frozenset({MEGATRON}), {MEGATRON: str(error)[len(prefix):]}
+    assert "scope:" in plan or "eager run" in plan, plan
+    return frozenset(), {}
+
+
+def run_verdict(flags: list[str], nproc: int, monkeypatch) -> tuple[frozenset[str], dict[str, str]]:
+    """The rules the launcher's validation refuses the run for, on rank 0 of ``nproc``."""
+    with monkeypatch.context() as patch:
+        patch.setenv("WORLD_SIZE", str(nproc))  # as cli.check's _env sets them
+        patch.setenv("RANK", "0")
+        patch.setenv("LOCAL_RANK", "0")
+        patch.setattr(compat, "te_available", lambda: True)  # check assumes TE on the GPU host
+        integration.install(launcher=True)
+        try:
+            with cli.gpu_host_stand_ins():
+                args = pretrain_gpt.parse_megatron_args(flags)
+        except enforce.RunRefused as refusal:
+            return frozenset(name for name, _ in refusal.violations), dict(refusal.violations)
+        finally:
+            integration.uninstall()
+            reset_megatron_globals()
+    assert args.world_size == nproc
+    return frozenset(), {}
+
+
+def _flags(row: Row, tmp_path, data_prefix) -> list[str]:
+    return [flag.replace("{tmp}", str(tmp_path)).replace("{data}", data_prefix) for flag in row.flags]
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, id=row.id) for row in (*ROWS, *FORMER_MISMATCHES)])
+def test_dry_run_and_run_refuse_the_same_rules(row, tmp_path, data_prefix, monkeypatch, capsys):
+    flags = _flags(row, tmp_path, data_prefix)
+    for key, value in row.environ:
+        monkeypatch.setenv(key, value)
+    dry, dry_messages = dry_run_verdict(flags, row.nproc)
+    assert os.environ.get("WORLD_SIZE") is None  # check put the environment back
+    run, run_messages = run_verdict(flags, row.nproc, monkeypatch)
+    capsys.readouterr()
+    assert dry == run, f"check: {sorted(dry)}, run: {sorted(run)}"
+    assert dry == row.expected
+    assert dry_messages == run_messages  # the same words for the same rule
+
+
+def test_table_covers_every_kind_of_rule():
+    names = set().union(*(row.expected for row in ROWS))
+    assert {"cg-flags", "data-files", "banks-fp8", "hybrid-cp-rerun-mode", MEGATRON} <= names
+    assert names - {MEGATRON} <= {rule.name for rule in rules.RULES}
+    assert sum(not row.expected for row in ROWS) >= 4  # valid rows too
+    assert len({row.id for row in ROWS}) == len(ROWS) >= 10

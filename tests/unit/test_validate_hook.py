@@ -1,0 +1,181 @@
+"""Tests for the ``validate-args-rules`` patch: with ``install()`` active, Megatron's own
+``parse_and_validate_args`` (megatron-core 0.19.2, on CPU with ``gpu_host_stand_ins``) runs the
+plugin's rules and stops a broken run with one line per rule (``enforce.RunRefused``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from megatron_cg_plugin import compat, enforce, integration, rules
+from megatron_cg_plugin.cli import gpu_host_stand_ins
+from megatron_cg_plugin.launch.presets import PRESET_FLAGS
+
+arguments = importlib.import_module("megatron.training.arguments")
+global_vars = importlib.import_module("megatron.training.global_vars")
+microbatches = importlib.import_module("megatron.core.num_microbatches_calculator")
+
+TINY_GPT = list(PRESET_FLAGS["tiny-gpt"])  # spelled out: Megatron's parser does not expand --cg-preset
+TE = ["--cuda-graph-impl", "transformer_engine"]
+WITH_FUSION = [flag for flag in TINY_GPT if flag != "--no-gradient-accumulation-fusion"]
+PLUGIN_HEADING = f"megatron-cg-plugin: {rules.RuleViolation.HEADING}"
+MEGATRON_HEADING = "megatron-cg-plugin: Megatron rejects these flags:"
+
+
+def reset_megatron_globals() -> None:
+    global_vars.unset_global_variables()  # args, tokenizer, timers, ... and the microbatch calculator
+    global_vars.destroy_global_vars()
+    microbatches.unset_num_microbatches_calculator()
+
+
+@pytest.fixture(autouse=True)
+def plugin(monkeypatch):
+    """The plugin installed (its config deferred to the --cg-* flags), TE present as on the GPU host,
+    a one-rank environment and no Megatron globals; everything put back after."""
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(compat, "te_available", lambda: True)
+    integration.uninstall()
+    reset_megatron_globals()
+    session = integration.install()
+    try:
+        yield session
+    finally:
+        integration.uninstall()
+        reset_megatron_globals()
+    assert integration.active_session() is None
+
+
+def parse_and_validate(monkeypatch, flags):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+    with gpu_host_stand_ins():
+        return arguments.parse_and_validate_args()
+
+
+def refused(monkeypatch, capsys, flags) -> tuple[enforce.RunRefused, str]:
+    with pytest.raises(enforce.RunRefused) as info:
+        parse_and_validate(monkeypatch, flags)
+    err = capsys.readouterr().err
+    assert isinstance(info.value, SystemExit)
+    assert info.value.code == 2
+    assert "Traceback" not in err
+    return info.value, err
+
+
+def plugin_block(err: str, heading: str) -> list[str]:
+    """The refusal the plugin printed: its heading and the lines under it."""
+    lines = err.splitlines()
+    assert lines.count(heading) == 1, err
+    start = lines.index(heading)
+    return lines[start:]
+
+
+def test_rule_violation_stops_validation_with_one_line_per_rule(plugin, monkeypatch, capsys):
+    refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
+    assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
+    assert refusal.heading == rules.RuleViolation.HEADING
+    block = plugin_block(err, PLUGIN_HEADING)
+    assert len(block) == 2, err
+    assert block[1].startswith("  [gradient-accumulation-fusion] ")
+    assert "--no-gradient-accumulation-fusion" in block[1]
+    assert not plugin.config_resolved  # a refused run does not get a config
+
+
+def test_several_broken_rules_each_get_a_line(monkeypatch, capsys):
+    flags = [*WITH_FUSION, *TE, "--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--cg-graph-banks"]
+    refusal, err = refused(monkeypatch, capsys, flags)
+    names = [name for name, _ in refusal.violations]
+    assert sorted(names) == ["banks-need-hybrid-cp", "full-recompute", "gradient-accumulation-fusion"]
+    block = plugin_block(err, PLUGIN_HEADING)
+    assert len(block) == 1 + len(names)
+    assert [line.split("]")[0] for line in block[1:]] == [f"  [{name}" for name in names]
+
+
+def test_without_te_the_te_rule_fires_too(monkeypatch, capsys):
+    monkeypatch.setattr(compat, "te_available", lambda: False)
+    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, *TE])
+    assert [name for name, _ in refusal.violations] == ["te-installed"]
+
+
+def test_other_ranks_stay_silent_but_stop_too(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
+    assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
+    assert "megatron-cg-plugin" not in err
+    assert err.strip() == ""
+
+
+def test_bad_cg_value_is_the_cg_flags_rule(monkeypatch, capsys):
+    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cg-thd-max-seqs", "0"])
+    assert [name for name, _ in refusal.violations] == ["cg-flags"]
+    assert "--cg-thd-max-seqs 0 must be >= 1" in refusal.violations[0][1]
+    assert len(plugin_block(err, PLUGIN_HEADING)) == 2
+
+
+def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
+    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--data-path", "x"])  # with the preset's --mock-data
+    assert refusal.heading == "Megatron rejects these flags:"
+    assert [name for name, _ in refusal.violations] == ["megatron"]
+    message = refusal.violations[0][1]
+    assert message.startswith("A single data source must be provided")
+    assert "megatron/training/arguments.py:" in message  # the failing check's line
+    block = plugin_block(err, MEGATRON_HEADING)
+    assert block == [MEGATRON_HEADING, f"  [megatron] {message}"]
+
+
+def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsys):
+    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
+    [(name, message)] = refusal.violations
+    assert name == "megatron"
+    assert message.startswith("(no message) [megatron/training/arguments.py:")
+    assert "num_attention_heads" in message
+
+
+@pytest.mark.parametrize("flags", [
+    ["--fp4-param-gather"],  # ValueError: must be used together with --fp4-format
+    ["--no-position-embedding", "--position-embedding-type", "learned_absolute"],  # RuntimeError
+])
+def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
+    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *flags])
+    assert [name for name, _ in refusal.violations] == ["megatron"]
+    assert len(plugin_block(err, MEGATRON_HEADING)) == 2
+
+
+def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypatch, capsys, tmp_path):
+    report = tmp_path / "report.json"
+    args = parse_and_validate(monkeypatch, [*TINY_GPT, *TE, "--cg-contract-check", "shapes", "--cg-no-report",
+                                            "--cg-report-out", str(report), "--cg-thd-max-seqs", "4"])
+    assert "megatron-cg-plugin" not in capsys.readouterr().err
+    assert global_vars.get_args() is args  # parse_and_validate_args went on to set Megatron's globals
+    assert plugin.config_resolved
+    config = integration.active_session().config
+    assert config.contract_check == "shapes"
+    assert config.print_report is False
+    assert config.report_out == report
+    assert config.thd_max_seqs == 4
+    assert config.graph_banks is False
+
+
+def test_explicit_config_wins_over_cg_flags(monkeypatch):
+    from megatron_cg_plugin.config import PluginConfig
+
+    integration.uninstall()
+    explicit = PluginConfig(contract_check="off")
+    session = integration.install(explicit)
+    parse_and_validate(monkeypatch, [*TINY_GPT, "--cg-contract-check", "shapes"])
+    assert session.config is explicit
+
+
+def test_uninstalled_validation_does_not_run_the_rules(monkeypatch):
+    integration.uninstall()
+    args = parse_and_validate(monkeypatch, [*WITH_FUSION, *TE])  # would break gradient-accumulation-fusion
+    assert args.gradient_accumulation_fusion is True
+    assert not hasattr(args, "cg_preset")  # nor add the --cg-* flags
