@@ -38,6 +38,7 @@ def test_partitioned_indices_match_transformer_engine() -> None:
     if reason:
         pytest.skip(reason)
     import torch
+    import transformer_engine.pytorch  # noqa: F401  (loads the extension module that follows)
     import transformer_engine_torch as tex
 
     compared = 0
