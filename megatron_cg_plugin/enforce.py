@@ -1,5 +1,5 @@
 """How a run whose flags break a rule stops: before any GPU work, with one line per broken rule
-(printed once, by rank 0), exit code 2 and no traceback.
+(printed by rank 0 and each node's first rank), exit code 2 and no traceback.
 
 ``enforce(args, ...)`` runs the shared rule list (``rules.check_run``) on Megatron's parsed
 arguments; ``install()`` calls it from Megatron's ``validate_args`` in any training script, the
@@ -46,9 +46,11 @@ def megatron_rejection(error: BaseException) -> str:
 
 
 def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[str, str]) -> RunRefused:
-    """Prints the refusal on rank 0 (every rank stops) and returns the exception to raise."""
+    """Prints the refusal on rank 0 and on each node's first rank (every rank stops) and returns
+    the exception to raise."""
     refusal = RunRefused(violations, heading)
-    if environ.get("RANK", "0") == "0":
+    # Once per node: files and environment differ between hosts, so another node's verdict may too.
+    if environ.get("RANK", "0") == "0" or environ.get("LOCAL_RANK", "0") == "0":
         print(f"megatron-cg-plugin: {refusal.text}", file=sys.stderr, flush=True)
     return refusal
 
@@ -81,3 +83,8 @@ def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
         except MEGATRON_REJECTIONS as error:
             raise refuse_megatron(error, environ=environ) from None
     return resolved
+
+
+def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) -> None:
+    """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves it."""
+    session.resolve_config(enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config))

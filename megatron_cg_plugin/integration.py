@@ -47,17 +47,15 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     ``config`` the run's config is what the ``--cg-*`` flags say. When training ends, rank 0 prints
     the run report and writes the files the flags ask for. Called after the arguments were parsed,
     it runs the rules on them at once. ``launcher`` is for the plugin's own launcher, whose data
-    path has rules of its own. Calling it again returns the same session; a different ``config``
+    path has rules of its own. Calling it again returns the same session: a ``config`` given then
+    is taken while the first call's config is still deferred (not yet used), else a different one
     is refused.
     """
     global _installed
     if _installed is not None:
         session = _installed.session
         if config is not None and not session.config_resolved:
-            raise RuntimeError(
-                "megatron_cg_plugin is already installed with its config deferred to Megatron's "
-                "--cg-* flags; call megatron_cg_plugin.uninstall() before installing with a config."
-            )
+            session.adopt_config(config)  # e.g. a script's own install(config) under megatron-cg run
         if config is not None and config != session.config:
             raise RuntimeError(
                 "megatron_cg_plugin is already installed with a different config; call "
@@ -84,15 +82,14 @@ def _enforce_on_parsed_args(session: RunSession) -> None:
 
     from megatron.training.global_vars import get_args
 
-    from megatron_cg_plugin.enforce import enforce
+    from megatron_cg_plugin.enforce import enforce_for_session
 
     try:
         args = get_args()
     except AssertionError:  # Megatron asserts when its args were never parsed
         return
     if args is not None:
-        session.resolve_config(enforce(args, environ=os.environ, launcher=session.launcher,
-                                       config=session.explicit_config))
+        enforce_for_session(args, session, environ=os.environ)
 
 
 def uninstall() -> None:

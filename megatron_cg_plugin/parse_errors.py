@@ -70,6 +70,13 @@ def _graph_module_names() -> list[str]:
     return [member.name for member in CudaGraphModule]
 
 
+def plugin_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: the ``--cg-*`` flags and one-line errors (both idempotent)."""
+    from megatron_cg_plugin.config import add_plugin_args
+
+    return shorten(add_plugin_args(parser))
+
+
 def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Makes this parser's errors one line (see the module docstring); returns it. Idempotent."""
     if getattr(parser, "_megatron_cg_short_errors", False):

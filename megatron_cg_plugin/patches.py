@@ -82,12 +82,11 @@ def _build_training_log_tap(original: Callable, session: Any) -> Callable:
 
 
 def _build_plugin_args(original: Callable, session: Any) -> Callable:
-    from megatron_cg_plugin.config import add_plugin_args
-    from megatron_cg_plugin.parse_errors import shorten
+    from megatron_cg_plugin.parse_errors import plugin_args_provider
 
     @functools.wraps(original)
     def add_megatron_arguments(parser: Any) -> Any:
-        return shorten(add_plugin_args(original(parser)))
+        return plugin_args_provider(original(parser))
 
     return add_megatron_arguments
 
@@ -103,8 +102,7 @@ def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
             result = original(args, *rest, **kwargs)
         except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
             raise enforce.refuse_megatron(error, environ=os.environ) from None
-        session.resolve_config(enforce.enforce(args, environ=os.environ, launcher=session.launcher,
-                                               config=session.explicit_config))
+        enforce.enforce_for_session(args, session, environ=os.environ)
         return result
 
     return validate_args
@@ -122,7 +120,11 @@ def _build_train_step_timer(original: Callable, session: Any) -> Callable:
 def _build_train_end_report(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def train(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except SystemExit:  # --exit-interval, --exit-duration-in-mins, signals: Megatron's normal exits
+            session.finish()
+            raise
         session.finish()
         return result
 
@@ -199,8 +201,9 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.training.training",
         attribute="train",
         reason="pretrain() calls this module global (training.py l.1423) and it returns after Megatron tore "
-        "its graphs down (l.4100); the wrapper then prints the run report on rank 0 and writes the "
-        "--cg-metrics-out / --cg-report-out files, so a script needs no call of its own.",
+        "its graphs down (l.4100), or exits through sys.exit (--exit-interval, --exit-duration-in-mins, "
+        "l.4155); the wrapper then prints the run report on rank 0 and writes the --cg-metrics-out / "
+        "--cg-report-out files, so a script needs no call of its own.",
         build=_build_train_end_report,
         expected_params=("forward_step_func", "model", "optimizer"),
     ),

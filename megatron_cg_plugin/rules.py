@@ -77,6 +77,7 @@ class GraphFacts:
     expandable_segments: bool = False
     nccl_graph_register_off: bool = False
     fp8: bool = False  # --fp8-format
+    sft: bool = False  # --sft: the dataset marks document boundaries itself
     launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
     rerun_mode: str = "disabled"
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
@@ -260,9 +261,9 @@ RULES: tuple[Rule, ...] = (
          "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
          "RerunDataIterator)."),
     Rule("hybrid-cp-document-masking", "megatron",
-         lambda f: f.hybrid_context_parallel and not f.inter_document_masking,
+         lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
          "--hybrid-context-parallel splits each sample into its documents: add "
-         "--dataloader-inter-document-masking."),
+         "--dataloader-inter-document-masking (or train --sft data, whose samples carry them)."),
     Rule("hybrid-cp-seqlen-per-rank", "megatron",
          lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
          "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)."),
@@ -366,6 +367,7 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
         fp8=getattr(args, "fp8", None) is not None,
+        sft=bool(getattr(args, "sft", False)),
         launcher=launcher,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
@@ -390,13 +392,14 @@ def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, conf
         config = PluginConfig()
     if config is None:
         try:
-            config = config_from_args(args)
+            config = config_from_args(args, environ=env)
         except ConfigError as error:
             problems = error.problems
-        except ValueError as error:  # the namespace lacks the --cg-* flags
+        except ValueError as error:  # MEGATRON_CG_SLOT_DEBUG with a value it does not understand
             problems = [str(error)]
     facts = facts_from_args(args, te_available=compat.te_available() if te_present is None else te_present,
                             apex_fused_wgrad=compat.apex_fused_wgrad_available(), env=env, launcher=launcher,
-                            config=config, config_problems=problems, missing_files=missing_files(args))
+                            config=config, config_problems=problems,
+                            missing_files=missing_files(args, indexed_data=launcher))
     validate(facts)
     return facts, config

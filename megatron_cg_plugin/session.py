@@ -1,7 +1,7 @@
 """One training run as the plugin sees it: per-iteration metrics, the helpers Megatron created, and
 the report and files written when the run ends.
 
-The session is fed by the hooks (the launcher's forward step marks an iteration's start, the
+The session is fed by the hooks (the ``train_step`` timer marks an iteration's start, the
 ``training_log`` tap its end) and never reaches into Megatron itself; device access goes through a
 small ``DeviceProbe`` so the bookkeeping is tested on CPU.
 """
@@ -52,7 +52,7 @@ class CudaProbe:
 @dataclasses.dataclass(frozen=True)
 class IterationRecord:
     iteration: int
-    seconds: float | None  # None when the start was not marked (no launcher forward step)
+    seconds: float | None  # None when the start was not marked (no train_step timer)
     graphed: bool
 
 
@@ -97,6 +97,11 @@ class RunSession:
         """The config given to ``install()``, which wins over the ``--cg-*`` flags."""
         return self._explicit
 
+    def adopt_config(self, config: PluginConfig) -> None:
+        """A config given explicitly before the deferred one was used: it wins from now on."""
+        assert self._config is None, "the config was already used"
+        self._explicit = self._config = config
+
     def resolve_config(self, config: PluginConfig | None) -> None:
         """Megatron validated the flags: the run's config is the one they describe (unless one was
         given explicitly, or already used)."""
@@ -115,7 +120,8 @@ class RunSession:
         self.helpers.append(helper)
 
     def mark_iteration_start(self) -> None:
-        """Called on every microbatch's forward step; only the first of an iteration counts."""
+        """Called as each iteration starts (and by any caller per microbatch); only the first of an
+        iteration counts."""
         if self._iteration_start is None:
             self.probe.synchronize()
             self._iteration_start = self.clock()

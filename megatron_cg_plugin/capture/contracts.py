@@ -179,12 +179,13 @@ class ReplayContract:
         if names != [name for name, _ in self.inputs]:
             raise ContractViolation(self.graph, "arguments", [n for n, _ in self.inputs], names)
         full = mode == "full"
+        static_storages = self.static_storages() if full else frozenset()
         for (name, expected), (_, value) in zip(self.inputs, actual, strict=True):
             if isinstance(expected, StaticInput) != isinstance(value, torch.Tensor):
                 captured_kind = "TensorSpec" if isinstance(expected, StaticInput) else type(expected).__name__
                 raise ContractViolation(self.graph, "kind", captured_kind, type(value).__name__, name)
             if isinstance(value, torch.Tensor):
-                self._check_tensor(name, expected, value, full=full)
+                self._check_tensor(name, expected, value, full=full, static_storages=static_storages)
             elif full and not _same_value(expected, value):
                 raise ContractViolation(self.graph, "control", expected, value, name)
         if not full:
@@ -203,7 +204,8 @@ class ReplayContract:
             if now is not group:
                 raise ContractViolation(self.graph, "process group", group_label(group), group_label(now), name)
 
-    def _check_tensor(self, name: str, static: StaticInput, value: torch.Tensor, *, full: bool) -> None:
+    def _check_tensor(self, name: str, static: StaticInput, value: torch.Tensor, *, full: bool,
+                      static_storages: frozenset[int]) -> None:
         spec = static.spec
         if tuple(value.shape) != spec.shape:
             raise ContractViolation(self.graph, "shape", spec.shape, tuple(value.shape), name)
@@ -220,7 +222,7 @@ class ReplayContract:
             now = addressed_strides(value.shape, value.stride())
             if now != captured:
                 raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
-        elif value.numel() and _storage_ptr(value) in self.static_storages():
+        elif value.numel() and _storage_ptr(value) in static_storages:
             raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
 
 

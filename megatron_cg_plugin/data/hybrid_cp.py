@@ -32,6 +32,15 @@ from megatron_cg_plugin.plan.thd import fixed_capacity_layout, partitioned_indic
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
+def cp_size_of(sample: Mapping[str, Any]) -> int:
+    """The CP size the hybrid-CP scheduler picked for ``sample`` (checking it is such a sample)."""
+    missing = [key for key in (*SAMPLE_KEYS, "local_cp_size") if key not in sample]
+    if missing:
+        raise KeyError(f"a hybrid-CP sample lacks {missing}: feed the iterator Megatron's hybrid-CP loader yields "
+                       "(--hybrid-context-parallel with --dataloader-inter-document-masking).")
+    return int(sample["local_cp_size"])
+
+
 def pack_hybrid_cp_sample(sample: Mapping[str, Any], *, tokens_per_rank: int, max_seqs: int, group: Any = None,
                           rank: int = 0, device: Any = None) -> tuple[dict[str, Any], Any]:
     """One hybrid-CP sample as this rank's share of its fixed-capacity THD pack.
@@ -40,11 +49,7 @@ def pack_hybrid_cp_sample(sample: Mapping[str, Any], *, tokens_per_rank: int, ma
     ``sample["local_cp_size"] > 1``. Returns the batch (``[1, tokens / cp]`` tensors, no attention
     mask) and its ``PackedSeqParams``. Raises ``plan.thd.ThdCapacityError`` naming the flag to
     raise when the document does not fit."""
-    missing = [key for key in (*SAMPLE_KEYS, "local_cp_size") if key not in sample]
-    if missing:
-        raise KeyError(f"a hybrid-CP sample lacks {missing}: feed the iterator Megatron's hybrid-CP loader yields "
-                       "(--hybrid-context-parallel with --dataloader-inter-document-masking).")
-    size = int(sample["local_cp_size"])
+    size = cp_size_of(sample)
     length = int(sample["tokens"].numel())
     layout = fixed_capacity_layout([length], size, tokens_per_rank, max_seqs)
     device = sample["tokens"].device if device is None else torch.device(device)
@@ -75,7 +80,7 @@ def get_hybrid_cp_batch(data_iterator: Iterator[Mapping[str, Any]], *, tokens_pe
 
     ensure_dynamic_cp_stream()  # eager hybrid CP at static CP 1 needs it as much as graphs
     sample = next(data_iterator)
-    size = int(sample["local_cp_size"])
+    size = cp_size_of(sample)
     group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
     rank = dist.get_rank(group) if group is not None else 0
     return pack_hybrid_cp_sample(sample, tokens_per_rank=tokens_per_rank, max_seqs=max_seqs, group=group,

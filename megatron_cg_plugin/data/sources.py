@@ -33,14 +33,21 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
     unreadable = [path for path in argument_files if not os.path.isfile(path)]
     if unreadable:
         return [], unreadable
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    try:
+        blend, blend_per_split = get_blend_and_blend_per_split(args)
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a malformed argument file
+        return [], [f"{' '.join(argument_files)} (cannot be read as Megatron's data arguments: "
+                    f"{type(error).__name__}: {error})"]
     blends = [blend] if blend is not None else [split for split in blend_per_split or () if split is not None]
     return [prefix for prefixes, _weights in blends for prefix in prefixes], []
 
 
-def missing_files(args: Any) -> list[str]:
-    """Every dataset and tokenizer file the parsed flags name that does not exist here."""
-    prefixes, missing = ([], []) if getattr(args, "mock_data", False) else _blend_prefixes(args)
+def missing_files(args: Any, *, indexed_data: bool) -> list[str]:
+    """Every tokenizer file the parsed flags name that does not exist here, and with
+    ``indexed_data`` (the launcher's data path: Megatron's ``GPTDataset``) every dataset prefix's
+    ``.bin``/``.idx``; a script's own loader may read other formats from ``--data-path``."""
+    no_prefixes = getattr(args, "mock_data", False) or not indexed_data
+    prefixes, missing = ([], []) if no_prefixes else _blend_prefixes(args)
     for prefix in prefixes:
         if _is_local(prefix):
             missing += [path for path in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(path)]

@@ -20,21 +20,15 @@ from typing import Any, Sequence
 import torch
 
 from megatron_cg_plugin import integration
-from megatron_cg_plugin.config import add_plugin_args
 from megatron_cg_plugin.data.hybrid_cp import get_hybrid_cp_batch
 from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
-from megatron_cg_plugin.parse_errors import shorten
+from megatron_cg_plugin.parse_errors import plugin_args_provider
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-
-
-def plugin_args_provider(parser: Any) -> Any:
-    """Megatron ``extra_args_provider``: the ``--cg-*`` flags and one-line parse errors."""
-    return shorten(add_plugin_args(parser))
 
 
 def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
@@ -158,3 +152,4 @@ def run(args: Any, session: Any) -> None:
             banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine")
     pretrain(pretrain_cfg_container_from_args(args, model_config), provider, ModelType.encoder_or_decoder,
              functools.partial(forward_step, spec=spec))
+    integration.finish()  # already done when train() ran; a run that skipped training still reports

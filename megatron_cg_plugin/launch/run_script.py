@@ -60,10 +60,14 @@ def exit_code(error: SystemExit) -> int:
 
 def run_in_process(script: Path, args: Sequence[str]) -> int:
     """Runs ``script`` in this process with the plugin installed; returns its exit code."""
-    from megatron_cg_plugin import integration
+    from megatron_cg_plugin import compat, integration
 
     with single_process_rendezvous(), argv_as([str(script), *args]), script_search_path(script):
-        integration.install()
+        try:
+            integration.install()
+        except (compat.UnsupportedVersionError, compat.SignatureMismatchError) as error:
+            print(f"megatron-cg run: {error}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         try:
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as error:

@@ -97,50 +97,50 @@ def test_synthetic_documents_are_seeded_and_leave_the_eod_id_out():
 def test_mock_data_names_no_files():
     args = parsed(*GPT)
     assert args.mock_data
-    assert sources.missing_files(args) == []
+    assert sources.missing_files(args, indexed_data=True) == []
 
 
 def test_existing_prefix_is_not_missing(prefix):
     args = parsed(*GPT, "--data-path", prefix)
     assert not args.mock_data  # the user's data replaces the preset's mock data
-    assert sources.missing_files(args) == []
+    assert sources.missing_files(args, indexed_data=True) == []
 
 
 def test_missing_prefix_names_both_files(tmp_path):
     missing = tmp_path / "gone"
-    assert sources.missing_files(parsed(*GPT, "--data-path", str(missing))) == [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--data-path", str(missing)), indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
 def test_blend_with_weights_names_only_the_missing_prefix(prefix, tmp_path):
     missing = str(tmp_path / "B")
     args = parsed(*GPT, "--data-path", "0.5", prefix, "0.5", missing)
-    assert sources.missing_files(args) == [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
 def test_half_written_dataset_names_the_missing_half(prefix, tmp_path):
     half = tmp_path / "half"
     (tmp_path / "half.bin").write_bytes(open(f"{prefix}.bin", "rb").read())
-    assert sources.missing_files(parsed(*GPT, "--data-path", str(half))) == [f"{half}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--data-path", str(half)), indexed_data=True) == [f"{half}.idx"]
 
 
 def test_per_split_paths_are_each_checked(prefix, tmp_path):
     valid, test = str(tmp_path / "valid"), str(tmp_path / "test")
     args = parsed(*GPT, "--train-data-path", prefix, "--valid-data-path", valid, "--test-data-path", test)
     assert not args.mock_data
-    assert sources.missing_files(args) == [f"{valid}.bin", f"{valid}.idx", f"{test}.bin", f"{test}.idx"]
-    assert sources.missing_files(parsed(*GPT, "--train-data-path", prefix)) == []
+    assert sources.missing_files(args, indexed_data=True) == [f"{valid}.bin", f"{valid}.idx", f"{test}.bin", f"{test}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--train-data-path", prefix), indexed_data=True) == []
 
 
 def test_data_args_file_missing_is_named(tmp_path):
     args_file = str(tmp_path / "data_args.txt")
-    assert sources.missing_files(parsed(*GPT, "--data-args-path", args_file)) == [args_file]
+    assert sources.missing_files(parsed(*GPT, "--data-args-path", args_file), indexed_data=True) == [args_file]
 
 
 def test_data_args_file_is_read_for_its_prefixes(prefix, tmp_path):
     args_file = tmp_path / "data_args.txt"
     missing = str(tmp_path / "elsewhere")
     args_file.write_text(f"0.7 {prefix}\n0.3 {missing}\n")
-    assert sources.missing_files(parsed(*GPT, "--data-args-path", str(args_file))) == \
+    assert sources.missing_files(parsed(*GPT, "--data-args-path", str(args_file)), indexed_data=True) == \
         [f"{missing}.bin", f"{missing}.idx"]
 
 
@@ -148,50 +148,50 @@ def test_per_split_data_args_file(prefix, tmp_path):
     args_file = tmp_path / "splits.json"
     missing = str(tmp_path / "valid_gone")
     args_file.write_text(json.dumps({"train": prefix, "valid": f"1.0 {missing}", "test": prefix}))
-    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file))) == \
+    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file)), indexed_data=True) == \
         [f"{missing}.bin", f"{missing}.idx"]
     absent = str(tmp_path / "no_splits.json")
-    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", absent)) == [absent]
+    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", absent), indexed_data=True) == [absent]
 
 
 def test_sentencepiece_model_missing_is_named(prefix, tmp_path):
     model = str(tmp_path / "spm.model")
     args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model)
-    assert sources.missing_files(args) == [model]
+    assert sources.missing_files(args, indexed_data=True) == [model]
     open(model, "wb").close()
-    assert sources.missing_files(args) == []
+    assert sources.missing_files(args, indexed_data=True) == []
 
 
 def test_vocab_and_merge_files_missing_are_named(prefix, tmp_path):
     vocab, merges = str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
     args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
                   "--merge-file", merges)
-    assert sources.missing_files(args) == [vocab, merges]
+    assert sources.missing_files(args, indexed_data=True) == [vocab, merges]
 
 
 def test_huggingface_hub_name_is_not_a_file(prefix):
     args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
                   "--tokenizer-model", "gpt2")
-    assert sources.missing_files(args) == []
+    assert sources.missing_files(args, indexed_data=True) == []
 
 
 def test_object_store_prefixes_are_skipped(tmp_path):
     missing = str(tmp_path / "local_gone")
     args = parsed(*GPT, "--data-path", "0.5", "msc://bucket/tokens", "0.5", missing,
                   "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "msc://bucket/spm.model")
-    assert sources.missing_files(args) == [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
 @pytest.mark.parametrize("flag", ["--data-args-path", "--per-split-data-args-path"])
 def test_object_store_argument_files_are_skipped(flag):
-    assert sources.missing_files(parsed(*GPT, flag, "msc://bucket/args.txt")) == []
+    assert sources.missing_files(parsed(*GPT, flag, "msc://bucket/args.txt"), indexed_data=True) == []
 
 
 def test_mock_data_still_checks_the_tokenizer_model(tmp_path):
     model = str(tmp_path / "spm.model")
     args = parsed(*GPT, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model)
     assert args.mock_data
-    assert sources.missing_files(args) == [model]
+    assert sources.missing_files(args, indexed_data=True) == [model]
 
 
 def test_check_with_a_real_prefix_passes(prefix, capsys):
@@ -469,3 +469,20 @@ def test_partitioned_indices_properties(case):
             assert mine == first + second
         assert cursor == len(share)
     assert seen == set(range(total))
+
+
+def test_a_scripts_own_data_path_is_not_held_to_indexed_files(tmp_path):
+    # megatron-cg run / install(): a script's loader may read --data-path as jsonl (--sft) or anything
+    # else; only its tokenizer files are checked. The launcher's GPTDataset needs .bin and .idx.
+    args = parsed(*GPT, "--sft", "--data-path", str(tmp_path / "train.jsonl"),
+                  "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "no.model"))
+    assert sources.missing_files(args, indexed_data=False) == [str(tmp_path / "no.model")]
+    assert sources.missing_files(args, indexed_data=True)[:2] == [f"{tmp_path / 'train.jsonl'}.bin",
+                                                                  f"{tmp_path / 'train.jsonl'}.idx"]
+
+
+def test_malformed_data_arguments_are_named_not_raised(tmp_path):
+    split_file = tmp_path / "split.json"
+    split_file.write_text('{"train": "a", "valid": "b"}')  # no "test"
+    (problem,) = sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(split_file)), indexed_data=True)
+    assert str(split_file) in problem and "KeyError" in problem

@@ -635,3 +635,51 @@ def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
     assert nested["b"] is None
     contiguous = torch.ones(3)
     assert make_weak_ref(contiguous).data_ptr() == contiguous.data_ptr()
+
+
+# ---------------------------------------------------------------- hooks into the training loop
+
+
+def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
+    session = RunSession(PluginConfig(print_report=False), probe=probe)
+    train = patches._build_train_end_report(lambda: "done", session)
+    assert train() == "done" and session._finished is not None
+
+    session = RunSession(PluginConfig(print_report=False), probe=probe)
+
+    def exits():  # --exit-interval / --exit-duration-in-mins end train() with sys.exit
+        raise SystemExit(0)
+
+    with pytest.raises(SystemExit):
+        patches._build_train_end_report(exits, session)()
+    assert session._finished is not None
+
+    session = RunSession(PluginConfig(print_report=False), probe=probe)
+
+    def crashes():
+        raise RuntimeError("CUDA error")
+
+    with pytest.raises(RuntimeError):
+        patches._build_train_end_report(crashes, session)()
+    assert session._finished is None  # a crashed run writes no files that look like a finished one
+
+
+def test_train_step_timer_marks_each_iteration(probe, clock):
+    session = RunSession(PluginConfig(), probe=probe, clock=clock)
+    calls = []
+    step = patches._build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
+    assert step(1, data_iterator=2) == "stepped" and calls == [((1,), {"data_iterator": 2})]
+    clock.advance(0.5)
+    session.on_training_log(iteration=1, loss_dict={})
+    assert session.iterations[0].seconds == 0.5
+
+
+def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
+    # megatron-cg run installs with the config deferred; the script's install(config) then wins.
+    first = integration.install()
+    assert not first.config_resolved
+    config = PluginConfig(contract_check="shapes")
+    assert integration.install(config) is first
+    assert first.config == config and first.explicit_config == config
+    with pytest.raises(RuntimeError, match="different config"):
+        integration.install(PluginConfig(contract_check="off"))

@@ -398,3 +398,9 @@ def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
     facts = GraphFacts(cuda_graph_impl=TE, modules=modules, activation_offloading=True, offload_modules=offloaded)
     assert facts.offloaded_in_graphs == inside
     assert dataclasses.replace(facts, activation_offloading=False).offloaded_in_graphs == frozenset()
+
+
+def test_sft_data_carries_document_boundaries_for_hybrid_cp():
+    facts = GraphFacts(**dict(HYBRID, inter_document_masking=False), sft=True)
+    assert names(facts) == []
+    assert names(dataclasses.replace(facts, sft=False)) == ["hybrid-cp-document-masking"]

@@ -259,3 +259,18 @@ def test_a_failing_rank_fails_the_run(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 1
     assert "rank 1 (exit code 7)" in result.stderr
+
+
+def test_an_unsupported_stack_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from megatron_cg_plugin import compat
+
+    script = tmp_path / "never_runs.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+
+    def refuse(*_args, **_kwargs):
+        raise compat.UnsupportedVersionError("megatron-core 0.18.0 is not supported: install megatron-core>=0.19.2")
+
+    monkeypatch.setattr(compat, "check_versions", refuse)
+    assert run_script.main([str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "megatron-cg run: megatron-core 0.18.0 is not supported: install megatron-core>=0.19.2"

@@ -113,6 +113,16 @@ def test_other_ranks_stay_silent_but_stop_too(monkeypatch, capsys):
     assert err.strip() == ""
 
 
+def test_each_nodes_first_rank_says_why_it_stops(monkeypatch, capsys):
+    # Files and environment differ between hosts: a second node's first rank prints its own verdict.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
+    assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
+    assert "[gradient-accumulation-fusion]" in err
+
+
 def test_bad_cg_value_is_the_cg_flags_rule(monkeypatch, capsys):
     refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cg-thd-max-seqs", "0"])
     assert [name for name, _ in refusal.violations] == ["cg-flags"]
