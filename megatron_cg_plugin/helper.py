@@ -304,6 +304,7 @@ class PluginHelperMixin:
                            params=layer.named_parameters() if full else (),
                            process_groups=process_groups_of(layer) if full else ())
 
+        check.contract = contract  # for diagnostics: what the replay is held to
         return check
 
     def _on_capture_failure(self, error: Exception, scope: str, tracker: _CaptureTracker, start: float,

@@ -25,6 +25,7 @@ def test_contracts_teardown_and_recapture(farm_out: Path) -> None:
     result = _run("lifecycle", farm_out)
     assert result["losses_equal"], (result["eager_losses"], result["graphed_losses"])
     assert result["replays"] > 0 and result["recaptured"]
+    assert result["static_inputs_alive_after_capture"] and result["static_inputs_alive_after_replays"], result
     teardown = result["teardown"]
     assert abs(teardown["allocated_delta_bytes"]) <= MiB, teardown
     assert teardown["pool_bytes_left"] == 0, teardown

@@ -80,6 +80,14 @@ def helper_for(config, model, plugin_config):
     return session, bind_helper_class(TECudaGraphHelper, session)([model], config, S, B)
 
 
+def static_inputs_alive(helper) -> bool:
+    from megatron_cg_plugin.capture.contracts import StaticInput
+
+    statics = [value for layer in helper.flattened_callables for wrapper in layer.cuda_graphs
+               for _, value in wrapper._check.contract.inputs if isinstance(value, StaticInput)]
+    return bool(statics) and all(static.alive for static in statics)
+
+
 def lifecycle(result):
     from megatron_cg_plugin.capture.contracts import ContractViolation
     from megatron_cg_plugin.config import PluginConfig
@@ -99,6 +107,11 @@ def lifecycle(result):
         if index == 2:
             helper.create_cudagraphs()
             result["first_capture_pool_bytes"] = helper.capture_stats.pool_bytes
+            # Contracts hold TE's static buffers weakly: right after capture, and after training on,
+            # every one must still be alive (else the layout and alias checks would go unchecked).
+            result["static_inputs_alive_after_capture"] = static_inputs_alive(helper)
+        if index == 5:
+            result["static_inputs_alive_after_replays"] = static_inputs_alive(helper)
         if index == 6:  # teardown, then capture again
             allocated_before_delete = torch.cuda.memory_allocated()
             helper.delete_cuda_graphs()
