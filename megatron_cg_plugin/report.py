@@ -85,6 +85,6 @@ class RunReport:
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "
             f"graphed {ms(self.graphed_step_ms)} ms ({self.graphed_steps} steps)"
-            + ("" if reduction is None else f", {100 * reduction:.1f}% less")
+            + ("" if reduction is None else f", {abs(100 * reduction):.1f}% {'less' if reduction >= 0 else 'more'}")
         )
         return "\n".join(lines)

@@ -363,6 +363,11 @@ def test_format_table_reduction_percentage():
     assert last.endswith(", 25.0% less")
 
 
+def test_format_table_graphed_slower_says_more():
+    last = run_report(eager_step_ms=10.0, graphed_step_ms=12.5).format_table().splitlines()[-1]
+    assert last.endswith(", 25.0% more")
+
+
 def test_format_table_without_eager_steps():
     text = run_report(eager_steps=0, eager_step_ms=None).format_table()
     assert "eager - ms (0 steps)" in text
