@@ -50,13 +50,16 @@ def ensure_dynamic_cp_stream() -> None:
     """Megatron creates the side stream TE's CP attention needs (``TEDotProductAttention.cp_stream``)
     only when the static CP size is > 1; hybrid CP switches CP on per microbatch, so eager and
     graphed runs alike need it whatever the static size (without it TE's P2P attention fails on
-    ``None.wait_event``). Sets it once; an existing stream is kept."""
+    ``None.wait_event``). Sets it once (``patches.LENT``, restored by ``uninstall()``); an existing
+    stream is kept."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     if TEDotProductAttention.cp_stream is None:
         import torch
 
-        TEDotProductAttention.cp_stream = torch.cuda.Stream()
+        from megatron_cg_plugin.patches import lend
+
+        lend(TEDotProductAttention, "cp_stream", torch.cuda.Stream(), "dynamic-cp-stream")  # uninstall() undoes it
 
 
 def dynamic_cp_attention_class(base: type) -> type:

@@ -1,8 +1,9 @@
 """The only module that touches Megatron's globals: install and uninstall the plugin.
 
-``install()`` checks versions, applies every patch in ``patches.PATCHES`` (all or nothing) and
-creates the run's ``RunSession``; ``uninstall()`` restores each patched attribute to the very
-object it replaced. Both are idempotent.
+``install()`` checks versions and the private functions the plugin relies on
+(``patches.PRIVATE_API``), applies every patch in ``patches.PATCHES`` (all or nothing) and creates
+the run's ``RunSession``; ``uninstall()`` restores each patched and lent attribute
+(``patches.LENT``) to the very object it replaced. Both are idempotent.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from megatron_cg_plugin import compat
 from megatron_cg_plugin.config import PluginConfig, config_from_args
-from megatron_cg_plugin.patches import PatchSet
+from megatron_cg_plugin.patches import PatchSet, check_private_api, revert_lent
 from megatron_cg_plugin.session import RunSession
 
 
@@ -64,9 +65,11 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
         return _installed.session
     versions = compat.installed_versions()
     compat.check_versions(versions, require_te=False)
+    with_te = versions.transformer_engine is not None
+    check_private_api(with_te=with_te)
     session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
     patches = PatchSet()
-    patches.apply_all(session, with_te=versions.transformer_engine is not None)
+    patches.apply_all(session, with_te=with_te)
     try:
         _enforce_on_parsed_args(session)
     except BaseException:
@@ -97,6 +100,7 @@ def uninstall() -> None:
     global _installed
     if _installed is None:
         return
+    revert_lent()
     _installed.patches.revert_all()
     _installed = None
 

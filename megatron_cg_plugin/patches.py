@@ -1,9 +1,16 @@
-"""Every change the plugin makes to Megatron's and TE's globals, in one list, with the reason each exists.
+"""Every change the plugin makes to Megatron's, TE's and torch's state, in lists, with the reason
+each exists.
 
-Each patch replaces one module attribute, is applied only on the supported megatron-core and TE
-ranges (``compat``; TE patches only where TE is installed), checks the signature it relies on
-before replacing anything, and is reverted by restoring the very object it replaced. ``PatchSet.apply_all`` is all-or-nothing:
-if one patch fails, the ones already applied are reverted before the error propagates.
+- ``PATCHES``: module attributes replaced by ``install()``. Each is applied only on the supported
+  megatron-core and TE ranges (``compat``; TE patches only where TE is installed), checks the
+  signature it relies on before replacing anything, and is reverted by restoring the very object
+  it replaced. ``PatchSet.apply_all`` is all-or-nothing: if one patch fails, the ones already
+  applied are reverted before the error propagates.
+- ``LENT``: attributes the plugin sets at run time (``lend``) and ``uninstall()`` restores, by
+  identity, with the patches.
+- ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
+- ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
+  ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
 """
 
 from __future__ import annotations
@@ -250,6 +257,120 @@ PATCHES: tuple[Patch, ...] = (
         needs_te=True,
     ),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignState:
+    """A change that is not an install-time replacement: ``target`` is ``module:attribute.path``;
+    ``where`` says which code makes it (and, for ``SCOPED``, which ``with`` block restores it)."""
+
+    name: str
+    target: str
+    reason: str
+    where: str
+    expected_params: tuple[str, ...] = ()  # PRIVATE_API: the parameters relied on
+    needs_te: bool = False
+
+    def resolve(self) -> Any:
+        module_name, _, path = self.target.partition(":")
+        value: Any = importlib.import_module(module_name)
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+
+
+LENT: tuple[ForeignState, ...] = (
+    ForeignState(
+        "dynamic-cp-stream", "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream",
+        "Megatron creates the side stream TE's CP attention needs only when the static CP size is > 1; hybrid CP "
+        "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
+        "attention fails on None.wait_event without it).",
+        "dynamic_cp.ensure_dynamic_cp_stream", needs_te=True),
+)
+
+SCOPED: tuple[ForeignState, ...] = (
+    ForeignState(
+        "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
+        "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
+        "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
+        "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
+    ForeignState(
+        "cpu-device-stand-ins", "torch:cuda.get_device_capability",
+        "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
+        "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
+        "connection rules).",
+        "cli.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
+    ForeignState(
+        "fused-rope-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+        "TransformerConfig refuses RoPE fusion when TE's fused RoPE did not import, as on a CPU machine; the dry "
+        "run checks flags for a GPU host that has it, so both symbols are stand-ins that are never called.",
+        "cli.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
+)
+
+PRIVATE_API: tuple[ForeignState, ...] = (
+    ForeignState("megatron-start-capturing", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._start_capturing",
+                 "the plugin's create_cudagraphs follows Megatron's own lifecycle step by step.", "helper.py",
+                 ("self",)),
+    ForeignState("megatron-cuda-graph-input-data",
+                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_cuda_graph_input_data",
+                 "the sample arguments and make_graphed_callables keywords Megatron would capture with.", "helper.py",
+                 ("self",)),
+    ForeignState("megatron-finish-capturing", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._finish_capturing",
+                 "Megatron's end of capture (timing log, offload reset).", "helper.py", ("self", "start_time")),
+    ForeignState("megatron-reset-after-capture",
+                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
+                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "helper.py",
+                 ("self",)),
+    ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+                 "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
+                 "helper.py, capture/banked.py"),
+    ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
+                 "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
+                 "capture/banked.py"),
+    ForeignState("megatron-forward-attention", "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
+                 "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
+                 "capture/banked.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
+    ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
+                 "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
+                 "in-place check sees what it would have seen without the arena.", "memory/saved_tensors.py"),
+    ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
+                 "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/backend.py",
+                 needs_te=True),
+)
+
+_lent: list[tuple[Any, str, Any]] = []  # (owner, attribute, the value before the first lend)
+
+
+def lend(owner: Any, attribute: str, value: Any, change: str) -> None:
+    """Sets ``owner.attribute`` (a change listed in ``LENT``); ``revert_lent`` restores the value it
+    had before the first lend, by identity."""
+    assert change in {entry.name for entry in LENT}, f"{change!r} is not listed in patches.LENT"
+    if not any(held is owner and name == attribute for held, name, _ in _lent):
+        _lent.append((owner, attribute, getattr(owner, attribute)))
+    setattr(owner, attribute, value)
+
+
+def revert_lent() -> None:
+    while _lent:
+        owner, attribute, original = _lent.pop()
+        setattr(owner, attribute, original)
+
+
+def check_private_api(*, with_te: bool) -> None:
+    """Raises ``compat.SignatureMismatchError`` naming the first private function that moved."""
+    for entry in PRIVATE_API:
+        if entry.needs_te and not with_te:
+            continue
+        try:
+            target = entry.resolve()
+        except (ImportError, AttributeError) as error:
+            raise compat.SignatureMismatchError(
+                f"{entry.target} is gone ({error}); the plugin relies on it ({entry.reason}) Install the supported "
+                "megatron-core / TE (docs/versions.md).") from None
+        if not callable(target):
+            raise compat.SignatureMismatchError(f"{entry.target} is no longer callable; install the supported versions.")
+        if entry.expected_params:  # builtins (torch's C functions) carry no signature to check
+            compat.check_parameters(target, entry.expected_params, where=entry.target)
 
 
 class PatchSet:

@@ -683,3 +683,90 @@ def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
     assert first.config == config and first.explicit_config == config
     with pytest.raises(RuntimeError, match="different config"):
         integration.install(PluginConfig(contract_check="off"))
+
+
+# ---------------------------------------------------------------- foreign state beyond PATCHES
+
+
+def test_every_foreign_state_entry_resolves_and_is_documented():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
+    for entry in (*patches.LENT, *patches.SCOPED, *patches.PRIVATE_API):
+        assert entry.reason.strip() and entry.where.strip(), entry
+        assert f"`{entry.name}`" in text and entry.target.replace(":", ".") in text, entry.name
+        if not entry.needs_te:
+            entry.resolve()  # present in the installed megatron-core / torch
+
+
+def test_lent_attributes_are_restored_by_uninstall_by_identity():
+    class Owner:
+        cp_stream = None
+
+    original = Owner.cp_stream
+    integration.install()
+    first, second = object(), object()
+    patches.lend(Owner, "cp_stream", first, "dynamic-cp-stream")
+    patches.lend(Owner, "cp_stream", second, "dynamic-cp-stream")  # lent twice: the first original is kept
+    assert Owner.cp_stream is second
+    integration.uninstall()
+    assert Owner.cp_stream is original
+
+
+def test_only_listed_changes_can_be_lent():
+    with pytest.raises(AssertionError, match="not listed"):
+        patches.lend(types.SimpleNamespace(x=1), "x", 2, "an-unlisted-change")
+
+
+def test_scoped_cpu_stand_ins_are_restored_by_identity():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_cg_plugin.cli import gpu_host_stand_ins
+
+    before = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
+              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+    with pytest.raises(KeyError):
+        with gpu_host_stand_ins():
+            assert torch.cuda.get_device_capability() == (9, 0)
+            assert rope_utils.fused_apply_rotary_pos_emb is not None
+            raise KeyError("restored on an error too")
+    after = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
+             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+    assert all(a is b for a, b in zip(before, after, strict=True))
+
+
+def test_scoped_te_capture_flag_is_restored(monkeypatch):
+    from megatron_cg_plugin.capture import backend
+
+    graph = types.ModuleType("transformer_engine.pytorch.graph")
+    graph._IS_GRAPH_CAPTURING = False
+
+    def set_capture_start():
+        graph._IS_GRAPH_CAPTURING = True
+
+    graph.set_capture_start = set_capture_start
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.graph", graph)
+    sys.modules["transformer_engine.pytorch"].graph = graph
+    with pytest.raises(ValueError):
+        with backend.te_capture_flag():
+            assert graph._IS_GRAPH_CAPTURING is True
+            raise ValueError("capture failed")
+    assert graph._IS_GRAPH_CAPTURING is False
+
+
+def test_install_refuses_a_moved_private_megatron_method_and_patches_nothing(monkeypatch):
+    from megatron.core.transformer import cuda_graphs
+
+    monkeypatch.delattr(cuda_graphs.TECudaGraphHelper, "_finish_capturing")
+    with pytest.raises(SignatureMismatchError, match="_finish_capturing"):
+        integration.install()
+    assert_pristine()
+
+
+def test_install_refuses_a_private_method_whose_parameters_changed(monkeypatch):
+    from megatron.core.transformer import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "_finish_capturing", lambda self: None)
+    with pytest.raises(SignatureMismatchError, match="start_time"):
+        integration.install()
+    assert_pristine()
