@@ -227,6 +227,22 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
     )
 
 
+ACCEPT_GOLDEN_CHANGE = "MEGATRON_CG_ACCEPT_GOLDEN_CHANGE"
+
+
+def golden_rewrite_refusal(case: str, previous_mismatches: Sequence[Any] | None,
+                           environ: dict[str, str]) -> str | None:
+    """Why an update-mode run must not replace a golden file, or None: a run that differs from the
+    file it would replace is a regression until someone says otherwise (``ACCEPT_GOLDEN_CHANGE=1``).
+    ``previous_mismatches``: ``golden.compare`` with that file (None: there is no file yet)."""
+    from megatron_cg_plugin.golden import format_report
+
+    if not previous_mismatches or environ.get(ACCEPT_GOLDEN_CHANGE) == "1":
+        return None
+    return (f"{case}: this run differs from the golden file it would replace:\n{format_report(previous_mismatches)}\n"
+            f"Fix the regression, or set {ACCEPT_GOLDEN_CHANGE}=1 to accept the change (and say why in the commit).")
+
+
 def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_cg_plugin import golden
 from megatron_cg_plugin.testing.distributed import gpu_stack_missing, gpus_available
-from megatron_cg_plugin.testing.farm import CASES, FarmCase, run_case
+from megatron_cg_plugin.testing.farm import CASES, FarmCase, golden_rewrite_refusal, run_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 
@@ -45,10 +45,13 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
         return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed, deterministic=True,
                               metrics=case.compared_metrics)
 
-    updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None
-    if updating and case.golden_path.exists():  # what the rewrite replaces, so a regression still shows
-        summary["previous_golden_mismatches"] = golden.format_report(golden_mismatches())
+    updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None and case.check_golden
+    previous = golden_mismatches() if updating and case.golden_path.exists() else None
+    if previous is not None:  # what the rewrite replaces, so a regression still shows
+        summary["previous_golden_mismatches"] = golden.format_report(previous)
     (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    refusal = golden_rewrite_refusal(case.name, previous, dict(os.environ))
+    assert refusal is None, refusal
 
     eager, graphed = result.losses(result.eager), result.losses(result.graphed)
     assert len(graphed) == len(eager) >= 20, f"expected >= 20 logged steps, got {len(eager)}/{len(graphed)}"
