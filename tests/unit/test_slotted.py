@@ -129,3 +129,42 @@ def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
         replay(torch.zeros(4, 6))
     with pytest.raises(KeyError, match="no graph for variant 'v' in slot 0"):
         graphs.callable("v", 0)
+
+
+# ---------------------------------------------------------------- the coverage refusal
+
+
+def _coverage_entry():
+    import types
+
+    return types.SimpleNamespace(name="variant 'v' in slot 0", uncovered_bytes=None)
+
+
+def test_coverage_refuses_pool_blocks_alive_besides_the_outputs_naming_their_holder():
+    from megatron_cg_plugin.capture.slotted import SlotCoverageError, _check_coverage
+
+    output = torch.zeros(16)
+    kept = torch.zeros(8)  # backward state a module kept outside save_for_backward (say)
+    out_block, kept_block = output.untyped_storage().data_ptr(), kept.untyped_storage().data_ptr()
+    before = {1: 4}  # a block that was there before the capture is no one's business
+    after = {1: 4, out_block: 64, kept_block: 32}
+    entry = _coverage_entry()
+    with pytest.raises(SlotCoverageError) as info:
+        _check_coverage(entry, before, after, [output], strict=True)
+    message = str(info.value)
+    assert "1 pool block(s), 32 bytes" in message and "(8,) torch.float32" in message
+    assert "kept" in message  # the holder: this test's local variable
+    assert entry.uncovered_bytes == 32
+
+
+def test_coverage_passes_when_only_the_outputs_are_alive_and_measures_when_not_strict():
+    from megatron_cg_plugin.capture.slotted import _check_coverage
+
+    output, kept = torch.zeros(16), torch.zeros(8)
+    after = {output.untyped_storage().data_ptr(): 64}
+    entry = _coverage_entry()
+    _check_coverage(entry, {}, after, [output], strict=True)
+    assert entry.uncovered_bytes == 0
+    after[kept.untyped_storage().data_ptr()] = 32
+    _check_coverage(entry, {}, after, [output], strict=False)  # measured, not refused
+    assert entry.uncovered_bytes == 32
