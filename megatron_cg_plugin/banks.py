@@ -13,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from megatron_cg_plugin.capture.contracts import group_label
 from megatron_cg_plugin.plan.banks import bank_sizes
 
-__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "bank_sizes"]
+__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "bank_sizes", "group_label"]
+
+
+def group_label(group: Any) -> str:
+    """A process group named by identity (two groups of equal ranks are different communicators)."""
+    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
 
 
 class BankSelectionError(RuntimeError):

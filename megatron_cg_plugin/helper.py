@@ -24,6 +24,7 @@ from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, tensor_grads,
 )
+from megatron_cg_plugin.rules import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ class TeardownStats:
 
 def scope_label(modules: Iterable[Any]) -> str:
     """``[attn, moe_router]`` -> ``'attn+moe_router'``; an empty list means the whole layer."""
-    names = [getattr(module, "name", str(module)) for module in modules or ()]
-    return "+".join(names) if names else "layer"
+    return "+".join(module_names(modules)) or "layer"
 
 
 def layer_label(layer: Any, index: int) -> str:

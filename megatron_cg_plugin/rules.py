@@ -312,7 +312,8 @@ def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
         raise RuleViolation(broken)
 
 
-def _module_names(modules: Any) -> tuple[str, ...]:
+def module_names(modules: Any) -> tuple[str, ...]:
+    """``--cuda-graph-modules`` as names, from Megatron's enum members, strings or a spaced string."""
     if modules is None:
         return ()
     if isinstance(modules, str):
@@ -331,7 +332,7 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
     recompute_modules = getattr(args, "recompute_modules", None) or ()
     return GraphFacts(
         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
-        modules=_module_names(getattr(args, "cuda_graph_modules", None)),
+        modules=module_names(getattr(args, "cuda_graph_modules", None)),
         warmup_steps=getattr(args, "cuda_graph_warmup_steps", 3),
         transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
         num_layers=args.num_layers,

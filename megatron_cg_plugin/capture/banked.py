@@ -42,6 +42,7 @@ from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_s
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
+from megatron_cg_plugin.rules import module_names
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
 _UNSUPPORTED = ("attention_mask", "context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
@@ -65,7 +66,7 @@ class ThdCapacity:
 def attention_in_graph(cuda_graph_modules: Any) -> bool:
     """Whether Megatron's capture callable runs attention for these ``--cuda-graph-modules``
     (none listed: the whole layer)."""
-    names = {getattr(m, "name", str(m)) for m in cuda_graph_modules or ()}
+    names = module_names(cuda_graph_modules)
     return not names or "attn" in names
 
 

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from megatron_cg_plugin.banks import group_label
+
 CONTRACT_MODES = ("full", "shapes", "off")
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 REPLAY_ONLY_KWARGS = frozenset({"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"})
@@ -224,10 +226,6 @@ class ReplayContract:
                 raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
         elif value.numel() and _storage_ptr(value) in static_storages:
             raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
-
-
-def group_label(group: Any) -> str:
-    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
 
 
 def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:
