@@ -77,24 +77,10 @@ def _entries(order: Sequence[float]) -> list[int]:
     return entries
 
 
-def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = None,
-               sizes: Mapping[tuple[int, Hashable], int] | None = None) -> SlotPlan:
-    """Plans the slot ring for ``order``.
-
-    ``variants`` gives the variant of each forward, in order (default: one variant); ``sizes`` the
-    bytes a frame of (chunk, variant) needs. Raises ``OrderError`` for fractional entries, a
-    backward without a live forward of its chunk, or forwards never followed by their backward.
-    """
-    entries = _entries(order)
-    forwards = sum(1 for e in entries if e > 0)
-    if variants is None:
-        variants = [DEFAULT_VARIANT] * forwards
-    if len(variants) != forwards:
-        raise OrderError(f"{len(variants)} variants given for {forwards} forwards; give one per forward.")
-    sizes = sizes or {}
-
+def _spans(entries: Sequence[int], variants: Sequence[Hashable]) -> list[list]:
+    """Each forward's [chunk, microbatch, variant, forward_at, backward_at], matched to its backward."""
     pending: dict[int, deque[int]] = defaultdict(deque)  # chunk -> forward indices awaiting backward
-    spans: list[list] = []  # [chunk, microbatch, variant, forward_at, backward_at]
+    spans: list[list] = []
     per_chunk: dict[int, int] = defaultdict(int)
     for position, entry in enumerate(entries):
         chunk = abs(entry)
@@ -111,7 +97,11 @@ def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = Non
     if unmatched:
         raise OrderError(f"forwards without a backward: {', '.join(unmatched)}; a training order runs "
                          "every forward's backward.")
+    return spans
 
+
+def _assign_slots(spans: Sequence[list], sizes: Mapping[tuple[int, Hashable], int]) -> tuple[list[int], list[int]]:
+    """Interval colouring in forward order: each frame's slot, and each slot's size (its largest frame)."""
     slot_sizes: list[int] = []
     free: list[int] = []  # slots not in use, kept sorted by index
     releases: list[tuple[int, int]] = []  # (backward_at, slot), min-heap
@@ -134,7 +124,25 @@ def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = Non
         slot_sizes[slot] = max(slot_sizes[slot], need)
         assigned[index] = slot
         heapq.heappush(releases, (spans[index][4], slot))
+    return assigned, slot_sizes
 
+
+def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = None,
+               sizes: Mapping[tuple[int, Hashable], int] | None = None) -> SlotPlan:
+    """Plans the slot ring for ``order``.
+
+    ``variants`` gives the variant of each forward, in order (default: one variant); ``sizes`` the
+    bytes a frame of (chunk, variant) needs. Raises ``OrderError`` for fractional entries, a
+    backward without a live forward of its chunk, or forwards never followed by their backward.
+    """
+    entries = _entries(order)
+    forwards = sum(1 for e in entries if e > 0)
+    if variants is None:
+        variants = [DEFAULT_VARIANT] * forwards
+    if len(variants) != forwards:
+        raise OrderError(f"{len(variants)} variants given for {forwards} forwards; give one per forward.")
+    spans = _spans(entries, variants)
+    assigned, slot_sizes = _assign_slots(spans, sizes or {})
     frames = tuple(Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3],
                          backward_at=s[4], slot=assigned[i]) for i, s in enumerate(spans))
     return SlotPlan(frames=frames, ring_size=len(slot_sizes), slot_sizes=tuple(slot_sizes))

@@ -141,6 +141,32 @@ def _kill_all(proc: subprocess.Popen, launch_id: str) -> None:
         time.sleep(0.1)
 
 
+def _timed_out(argv: Sequence[str], nproc: int, timeout_s: float, root: str, launch_id: str, port: int,
+               launcher_log: str) -> MultiRankError:
+    out, err = _rank_logs(root, launch_id, nproc)
+    tails = "".join(f"--- rank {r} ---\n[stderr tail]\n{_tail(err[r])}\n[stdout tail]\n{_tail(out[r])}\n"
+                    for r in range(nproc) if out[r] or err[r])
+    tails = tails or f"no rank wrote output (rendezvous on 127.0.0.1:{port} never completed?)\n"
+    return MultiRankError(
+        f"multi-rank launch of {argv} timed out after {timeout_s:g} s (timeout); all {nproc} ranks "
+        f"were killed. Output so far:\n{tails}--- launcher ---\n{_tail(_read(launcher_log))}\n", timed_out=True)
+
+
+def _ranks_failed(argv: Sequence[str], nproc: int, failed: dict[int, tuple[int, float]], out: dict[int, str],
+                  err: dict[int, str]) -> MultiRankError:
+    # Elastic also reports the siblings it tore down after the first failure;
+    # list root causes (not killed by SIGTERM/SIGKILL, else the earliest) first.
+    order = sorted(failed, key=lambda r: (failed[r][1], r))
+    roots = [r for r in order if failed[r][0] not in (-signal.SIGTERM, -signal.SIGKILL)] or order[:1]
+    failures = [RankFailure(r, failed[r][0], _tail(err.get(r, "")), _tail(out.get(r, "")), r not in roots)
+                for r in roots + [r for r in order if r not in roots]]
+    names = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if not f.terminated)
+    killed = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if f.terminated)
+    msg = f"{len(roots)} of {nproc} ranks failed running {argv}: {names}"
+    msg += f"; then terminated by the launcher: {killed}\n" if killed else "\n"
+    return MultiRankError(msg + "".join(str(f) for f in failures if not f.terminated), failures=failures)
+
+
 def launch(
     argv: Sequence[str],
     *,
@@ -183,14 +209,7 @@ def launch(
             _kill_all(proc, launch_id)
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
-            out, err = _rank_logs(root, launch_id, nproc)
-            tails = "".join(f"--- rank {r} ---\n[stderr tail]\n{_tail(err[r])}\n[stdout tail]\n{_tail(out[r])}\n"
-                            for r in range(nproc) if out[r] or err[r])
-            tails = tails or f"no rank wrote output (rendezvous on 127.0.0.1:{spec['port']} never completed?)\n"
-            raise MultiRankError(
-                f"multi-rank launch of {argv} timed out after {timeout_s:g} s (timeout); all {nproc} ranks "
-                f"were killed. Output so far:\n{tails}--- launcher ---\n{_tail(_read(launcher_log))}\n",
-                timed_out=True) from None
+            raise _timed_out(argv, nproc, timeout_s, root, launch_id, spec["port"], launcher_log) from None
         wall = time.monotonic() - start
         out, err = _rank_logs(root, launch_id, nproc)
         try:
@@ -203,17 +222,7 @@ def launch(
         if not failed:  # the launcher itself broke (rendezvous, bad args...)
             raise MultiRankError(f"launcher for {argv} exited with code {rc} before reporting ranks:\n"
                                  f"{_tail(_read(launcher_log))}")
-        # Elastic also reports the siblings it tore down after the first failure;
-        # list root causes (not killed by SIGTERM/SIGKILL, else the earliest) first.
-        order = sorted(failed, key=lambda r: (failed[r][1], r))
-        roots = [r for r in order if failed[r][0] not in (-signal.SIGTERM, -signal.SIGKILL)] or order[:1]
-        failures = [RankFailure(r, failed[r][0], _tail(err.get(r, "")), _tail(out.get(r, "")), r not in roots)
-                    for r in roots + [r for r in order if r not in roots]]
-        names = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if not f.terminated)
-        killed = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if f.terminated)
-        msg = f"{len(roots)} of {nproc} ranks failed running {argv}: {names}"
-        msg += f"; then terminated by the launcher: {killed}\n" if killed else "\n"
-        raise MultiRankError(msg + "".join(str(f) for f in failures if not f.terminated), failures=failures)
+        raise _ranks_failed(argv, nproc, failed, out, err)
     finally:
         if tmp:
             tmp.cleanup()
