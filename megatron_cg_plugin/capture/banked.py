@@ -255,11 +255,32 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     ``rotary_pos_emb`` of the pack's ``max_seqlen``); None without RoPE. Every rank of a CP group
     must call this with the same layers and sizes (the captures of a bank communicate). On failure
     every graph captured so far is reset and no layer is left banked."""
+    layers = list(layers)
+    sizes = sorted(groups)
+    _validate_bank_capture(layers, groups, sizes, rope_tables)
+    scratch = _prepare_bank_capture(layers, sizes)
+    pool = torch.cuda.graph_pool_handle()
+    result = BankedLayers({}, {}, layers)
+    try:
+        for layer in layers:
+            _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
+                                 debug=debug, warmup_iterations=warmup_iterations)
+    except BaseException:
+        result.reset()
+        raise
+    for layer in layers:  # banked only once every layer's banks exist
+        vars(layer)["_graph_banks"] = LayerBanks(result.routers[id(layer)], capacity,
+                                                  attention_in_graph(layer.config.cuda_graph_modules))
+    return result
+
+
+def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: list[int],
+                           rope_tables: Mapping[int, torch.Tensor] | None) -> None:
+    """Everything ``capture_banks`` refuses, before anything is captured (``ValueError`` naming the fix)."""
     import torch.distributed as dist
 
     from megatron_cg_plugin.compat import check_parameters
 
-    layers = list(layers)
     for layer_class in {type(layer) for layer in layers}:  # the call the banks' capture makes
         check_parameters(layer_class._forward_attention, ("attention_mask", "rotary_pos_emb", "packed_seq_params"),
                          where=f"{layer_class.__name__}._forward_attention")
@@ -268,9 +289,6 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
         raise ValueError(f"layers {not_te} were built without cuda_graph_impl='transformer_engine'; banks replay "
                          "through Megatron's TE graph path: pass --cuda-graph-impl transformer_engine (or set it "
                          "in the TransformerConfig).")
-    sizes = sorted(groups)
-    if any(size > 1 for size in sizes):
-        ensure_dynamic_cp_stream()
     for size in sizes:
         group = groups[size]
         if size > 1 and (group is None or dist.get_world_size(group) != size):
@@ -282,44 +300,46 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     if offloading:
         raise ValueError(f"layers {offloading} offload modules inside the graphed scope; graph banks keep backward "
                          "state in their own arenas: offload only modules outside --cuda-graph-modules.")
-    # The last eager step's dispatcher state keeps that step's autograd graph, which reaches the
-    # parameters of every layer before it: dropped before any capture (capture.scratch).
+
+
+def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]:
+    """The CP side stream, and each layer's MoE dispatcher scratch cleared: the last eager step's
+    dispatcher state keeps that step's autograd graph, which reaches the parameters of every layer
+    before it (``capture.scratch``). Returns the scratch attributes per layer (by id)."""
+    if any(size > 1 for size in sizes):
+        ensure_dynamic_cp_stream()
     scratch = {id(layer): moe_dispatcher_scratch(layer) for layer in layers}
     for attributes in scratch.values():
         clear(attributes)
-    pool = torch.cuda.graph_pool_handle()
-    result = BankedLayers({}, {}, layers)
-    try:
-        for layer in layers:
-            # The hidden states a layer gets: [tokens, 1, hidden] in the model's parameter dtype.
-            hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
-                                 dtype=layer.config.params_dtype, requires_grad=True)
-            attention = attention_in_graph(layer.config.cuda_graph_modules)
-            # Megatron's capture callable; a graphed MoE block's dispatcher state stays inside the graph.
-            capture = clearing(layer._te_cuda_graph_capture, scratch[id(layer)])
-            variants = ([_attention_variant(capture, size, groups[size], capacity, hidden,
-                                            None if rope_tables is None else rope_tables[size]) for size in sizes]
-                        if attention else [Variant("any-cp", capture, (hidden,))])
-            graphs = capture_slotted(variants, 1, layer.parameters(), pool=pool, debug=debug,
-                                     warmup_iterations=warmup_iterations)
-            result.graphs[id(layer)] = graphs
+    return scratch
 
-            def payload(size: int) -> BankGraph:
-                if not attention:  # one graph for every CP size
-                    return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None)
-                return BankGraph(graphs.callable(f"cp{size}", 0), takes_layout=True,
-                                 rope_table=None if rope_tables is None else rope_tables[size])
 
-            router = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None, payload=payload(size))
-                                 for size in sizes})
-            result.routers[id(layer)] = router
-    except BaseException:
-        result.reset()
-        raise
-    for layer in layers:
-        vars(layer)["_graph_banks"] = LayerBanks(result.routers[id(layer)], capacity,
-                                                  attention_in_graph(layer.config.cuda_graph_modules))
-    return result
+def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any], capacity: ThdCapacity,
+                         rope_tables: Mapping[int, torch.Tensor] | None, scratch: Any, result: "BankedLayers", *,
+                         pool: Any, debug: bool, warmup_iterations: int) -> None:
+    """One layer's banks in the shared ``pool``: a graph per CP size when attention is graphed,
+    else one graph for every size. Its graphs go into ``result`` as soon as they exist (so a later
+    failure resets them), then its router."""
+    # The hidden states a layer gets: [tokens, 1, hidden] in the model's parameter dtype.
+    hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
+                         dtype=layer.config.params_dtype, requires_grad=True)
+    attention = attention_in_graph(layer.config.cuda_graph_modules)
+    # Megatron's capture callable; a graphed MoE block's dispatcher state stays inside the graph.
+    capture = clearing(layer._te_cuda_graph_capture, scratch)
+    variants = ([_attention_variant(capture, size, groups[size], capacity, hidden,
+                                    None if rope_tables is None else rope_tables[size]) for size in sizes]
+                if attention else [Variant("any-cp", capture, (hidden,))])
+    graphs = result.graphs[id(layer)] = capture_slotted(variants, 1, layer.parameters(), pool=pool, debug=debug,
+                                                         warmup_iterations=warmup_iterations)
+
+    def payload(size: int) -> BankGraph:
+        if not attention:  # one graph for every CP size
+            return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None)
+        return BankGraph(graphs.callable(f"cp{size}", 0), takes_layout=True,
+                         rope_table=None if rope_tables is None else rope_tables[size])
+
+    result.routers[id(layer)] = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None,
+                                                            payload=payload(size)) for size in sizes})
 
 
 def _attention_variant(capture: Callable[..., Any], size: int, group: Any, capacity: ThdCapacity,
