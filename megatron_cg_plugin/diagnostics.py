@@ -131,3 +131,19 @@ def steady_median(seconds: Sequence[float], skip_first: int = 1) -> float | None
     """Median of per-step times after dropping the first ``skip_first`` (cold caches, capture)."""
     kept = list(seconds[skip_first:])
     return statistics.median(kept) if kept else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TeardownStats:
+    allocated_delta_bytes: int  # allocated bytes after teardown minus before capture
+    pool_bytes_left: int  # bytes still reserved by pools the capture created
+    pinned_host_delta_bytes: int | None
+
+
+def teardown_stats(before: MemoryState, after: MemoryState) -> TeardownStats:
+    """What a teardown left behind, against the memory state before capture."""
+    return TeardownStats(
+        allocated_delta_bytes=after.allocated - before.allocated,
+        pool_bytes_left=new_pool_bytes(before.pools, after.pools),
+        pinned_host_delta_bytes=None if after.pinned_host is None or before.pinned_host is None
+        else after.pinned_host - before.pinned_host)

@@ -11,7 +11,6 @@ training continues without graphs (``eager``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import time
@@ -22,7 +21,7 @@ from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
 from megatron_cg_plugin.capture.transaction import (
-    CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, tensor_grads,
+    CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
 from megatron_cg_plugin.rules import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
@@ -36,13 +35,6 @@ class CaptureFailedError(RuntimeError):
 
 class InjectedCaptureFailure(RuntimeError):
     """Raised inside a capture by ``--cg-inject-capture-failure`` (testing the rollback)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TeardownStats:
-    allocated_delta_bytes: int  # allocated bytes after teardown minus before capture
-    pool_bytes_left: int  # bytes still reserved by pools the capture created
-    pinned_host_delta_bytes: int | None
 
 
 def scope_label(modules: Iterable[Any]) -> str:
@@ -85,31 +77,6 @@ class _CaptureTracker:
         return capture_entry
 
 
-def _rng_state() -> Restorable:
-    """Torch's CPU and CUDA generators and Megatron's RNG tracker (graph-safe generators are
-    snapshotted by state, older trackers by their state tensors)."""
-    import torch
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    def save() -> Any:
-        cuda = torch.cuda.default_generators[torch.cuda.current_device()].get_state() if torch.cuda.is_available() else None
-        tracker = get_cuda_rng_tracker().get_states()
-        return torch.get_rng_state(), cuda, {name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
-                                              for name, value in tracker.items()}
-
-    def restore(saved: Any) -> None:
-        cpu, cuda, tracker = saved
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.default_generators[torch.cuda.current_device()].set_state(cuda)
-        for value, state in tracker.values():
-            if state is not None:
-                value.set_state(state)
-        get_cuda_rng_tracker().set_states({name: value for name, (value, _) in tracker.items()})
-
-    return Restorable("RNG state (torch CPU/CUDA, Megatron tracker)", save, restore)
-
-
 class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
@@ -119,7 +86,7 @@ class PluginHelperMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
-        self.teardown_stats: TeardownStats | None = None
+        self.teardown_stats: diagnostics.TeardownStats | None = None
         self._banks: Any = None  # capture.banked.BankedLayers while graph banks are installed
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
@@ -130,7 +97,7 @@ class PluginHelperMixin:
 
         params = [p for chunk in self.model for p in chunk.parameters()]
         items = [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
-                 gc_state(), gc_freeze(), _rng_state(), tensor_grads(params)]
+                 gc_state(), gc_freeze(), rng_state(), tensor_grads(params)]
         items += [attribute(layer, "cuda_graphs") for layer in layers]
         items += [attribute(self, name) for name in ("_graphs_created", "_capture_finished", "num_microbatches")]
         return items + tracker.restorables()
@@ -183,7 +150,7 @@ class PluginHelperMixin:
         from megatron.core import parallel_state
 
         from megatron_cg_plugin.banks import bank_sizes
-        from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+        from megatron_cg_plugin.capture.banked import ThdCapacity, bank_rope_tables, capture_banks
 
         config = self.session.config
         layers = self.flattened_callables
@@ -202,7 +169,7 @@ class PluginHelperMixin:
         start = time.perf_counter()
         baseline = diagnostics.memory_state()
         try:
-            banked = capture_banks(layers, groups, capacity, rope_tables=self._bank_rope_tables(groups, capacity),
+            banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
                                    debug=config.slot_debug)
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
             self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
@@ -222,20 +189,6 @@ class PluginHelperMixin:
             scope=scope, layers=len(layers), graphs=banked.graph_count, seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
             replays=banked.replay_counts(), banks=lambda: banked.report()["banks"])
-
-    def _bank_rope_tables(self, groups: dict[int, Any], capacity: Any) -> dict[int, Any] | None:
-        """Per CP size, the RoPE table the model passes for a pack of that size: the very call
-        ``GPTModel.forward`` makes (its result is cached, so replays usually bring this object)."""
-        from megatron.core.utils import get_attr_wrapped_model
-
-        try:
-            model = get_attr_wrapped_model(self.model[0], "position_embedding_type", return_model_obj=True)
-        except RuntimeError:  # not a GPT-style model: no position embedding of its own
-            return None
-        if model.position_embedding_type != "rope":
-            return None
-        return {size: model.rotary_pos_emb(size * capacity.tokens_per_rank, packed_seq=True, cp_group=group)
-                for size, group in groups.items()}
 
     def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
         """The stale-graph check runs before capture changes anything, so a refusal needs no
@@ -352,14 +305,8 @@ class PluginHelperMixin:
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        after = diagnostics.memory_state()
         if self._baseline is not None:
-            before = self._baseline
-            self.teardown_stats = TeardownStats(
-                allocated_delta_bytes=after.allocated - before.allocated,
-                pool_bytes_left=diagnostics.new_pool_bytes(before.pools, after.pools),
-                pinned_host_delta_bytes=None if after.pinned_host is None or before.pinned_host is None
-                else after.pinned_host - before.pinned_host)
+            self.teardown_stats = diagnostics.teardown_stats(self._baseline, diagnostics.memory_state())
         self._capture_finished = False
 
 

@@ -274,6 +274,22 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     return result
 
 
+def bank_rope_tables(model: Any, groups: Mapping[int, Any], capacity: ThdCapacity) -> dict[int, Any] | None:
+    """Per CP size, the RoPE table ``model`` passes for a pack of that size: the very call
+    ``GPTModel.forward`` makes (its result is cached, so replays usually bring this object). None
+    for a model without RoPE."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        model = get_attr_wrapped_model(model, "position_embedding_type", return_model_obj=True)
+    except RuntimeError:  # not a GPT-style model: no position embedding of its own
+        return None
+    if model.position_embedding_type != "rope":
+        return None
+    return {size: model.rotary_pos_emb(size * capacity.tokens_per_rank, packed_seq=True, cp_group=group)
+            for size, group in groups.items()}
+
+
 def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: list[int],
                            rope_tables: Mapping[int, torch.Tensor] | None) -> None:
     """Everything ``capture_banks`` refuses, before anything is captured (``ValueError`` naming the fix)."""

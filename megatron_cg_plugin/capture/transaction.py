@@ -137,3 +137,28 @@ def restorables_for(objects: Iterable[tuple[Any, str]]) -> list[Restorable]:
             seen.add(key)
             result.append(attribute(owner, name))
     return result
+
+
+def rng_state() -> Restorable:
+    """Torch's CPU and CUDA generators and Megatron's RNG tracker (graph-safe generators are
+    snapshotted by state, older trackers by their state tensors)."""
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    def save() -> Any:
+        cuda = torch.cuda.default_generators[torch.cuda.current_device()].get_state() if torch.cuda.is_available() else None
+        tracker = get_cuda_rng_tracker().get_states()
+        return torch.get_rng_state(), cuda, {name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
+                                              for name, value in tracker.items()}
+
+    def restore(saved: Any) -> None:
+        cpu, cuda, tracker = saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.default_generators[torch.cuda.current_device()].set_state(cuda)
+        for value, state in tracker.values():
+            if state is not None:
+                value.set_state(state)
+        get_cuda_rng_tracker().set_states({name: value for name, (value, _) in tracker.items()})
+
+    return Restorable("RNG state (torch CPU/CUDA, Megatron tracker)", save, restore)

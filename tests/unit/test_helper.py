@@ -21,12 +21,11 @@ from megatron_cg_plugin.capture.contracts import ContractViolation
 from megatron_cg_plugin.capture.hygiene import StaleAutogradGraphError
 from megatron_cg_plugin.capture.transaction import attribute, gc_state
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.diagnostics import CountingGraph, MemoryState
+from megatron_cg_plugin.diagnostics import CountingGraph, MemoryState, TeardownStats
 from megatron_cg_plugin.helper import (
     CaptureFailedError,
     InjectedCaptureFailure,
     PluginHelperMixin,
-    TeardownStats,
     _CaptureTracker,
     bind_helper_class,
     scope_label,
