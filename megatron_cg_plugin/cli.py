@@ -2,6 +2,7 @@
 
     megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
     megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
+    megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
 """
@@ -86,12 +87,25 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
     launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
+    from megatron_cg_plugin import compat
+    from megatron_cg_plugin.plan.capture import plan_capture
+
+    _args, facts = validated_args(flags, nproc=nproc, env=env, capability=capability)
+    plan = plan_capture(facts).describe()
+    if facts.te_graphs and not compat.te_available():
+        plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
+    return plan
+
+
+def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
+                   capability: tuple[int, int] = (9, 0)):
+    """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args and
+    the rules' facts, or raises ``RuleViolation`` / ``CheckError``."""
     from megatron.training.arguments import validate_args
 
-    from megatron_cg_plugin import compat, rules
+    from megatron_cg_plugin import rules
     from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
     from megatron_cg_plugin.launch import pretrain_gpt
-    from megatron_cg_plugin.plan.capture import plan_capture
 
     with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
@@ -106,10 +120,46 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
                 transformer_config_backstop(args)
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error) from error
-    plan = plan_capture(facts).describe()
-    if facts.te_graphs and not compat.te_available():
-        plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
-    return plan
+    return args, facts
+
+
+def moe_plan_text(args, router_load: str) -> str:
+    """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
+    and the fraction of tokens ``router_load`` would drop (``plan.moe``)."""
+    from megatron_cg_plugin.plan.moe import MoeCapacityPlan, parse_load, tokens_per_rank
+    from megatron_cg_plugin.rules import GraphFacts
+
+    if not args.num_experts:
+        return "MoE: none (a dense model)."
+    facts = GraphFacts(num_layers=args.num_layers, num_experts=args.num_experts,
+                       moe_layer_freq=args.moe_layer_freq if isinstance(args.moe_layer_freq, int)
+                       else tuple(args.moe_layer_freq))
+    layers = [index + 1 for index in range(args.num_layers) if facts.is_moe_layer(index)]
+    if args.moe_expert_capacity_factor is None:
+        return (f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
+                "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
+                "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity.")
+    plan = MoeCapacityPlan(
+        tokens_per_rank=tokens_per_rank(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                        context_parallel=args.context_parallel_size,
+                                        tensor_parallel=args.tensor_model_parallel_size,
+                                        sequence_parallel=args.sequence_parallel),
+        topk=args.moe_router_topk, num_experts=args.num_experts, capacity_factor=args.moe_expert_capacity_factor,
+        expert_parallel=args.expert_model_parallel_size,
+        tensor_parallel=args.expert_tensor_parallel_size or 1)
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    shapes = plan.gemm_shapes(args.hidden_size, ffn, gated=bool(args.swiglu))
+    dropped = plan.dropped_fraction(parse_load(router_load, args.num_experts))
+    padded = "" if args.moe_pad_expert_input_to_capacity else (
+        " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
+    return "\n".join([
+        f"MoE layers {layers}: {plan.tokens_per_rank} tokens x top-{plan.topk} per rank and microbatch, "
+        f"{plan.num_experts} experts ({plan.local_experts} local), capacity factor {plan.capacity_factor}",
+        f"  capacity: {plan.capacity} slots per expert per source rank{padded}; each local expert's GEMMs take "
+        f"{plan.tokens_per_local_expert} rows (x TP {plan.tensor_parallel} x EP {plan.expert_parallel})",
+        f"  expert GEMMs (rows, in, out): fc1 {shapes['fc1']}, fc2 {shapes['fc2']}",
+        f"  dropped tokens for a {router_load} router: {100 * dropped:.1f}%",
+    ])
 
 
 def _golden(argv: Sequence[str]) -> int:
@@ -168,6 +218,32 @@ def _check(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _plan(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-cg plan", add_help=False)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--router-load", default="uniform")
+    if any(flag in ("-h", "--help") for flag in argv):
+        print("usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
+              "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
+              "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
+              "load. Graph memory is not predicted yet.")
+        return EXIT_OK
+    options, flags = parser.parse_known_args(argv)
+    if options.nproc < 1:
+        print("megatron-cg plan: --nproc must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from megatron_cg_plugin.plan.capture import plan_capture
+
+    try:
+        args, facts = validated_args(flags, nproc=options.nproc, env=dict(os.environ))
+        text = plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load)
+    except ValueError as error:
+        print(f"megatron-cg plan: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text + "\ngraph memory: not predicted yet (the planner is measured against GPU runs first).")
+    return EXIT_OK
+
+
 def _run(argv: Sequence[str]) -> int:
     from megatron_cg_plugin.launch import run_script
 
@@ -176,7 +252,7 @@ def _run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "golden": _golden, "run": _run}
+    commands = {"check": _check, "golden": _golden, "plan": _plan, "run": _run}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -346,3 +346,36 @@ def test_check_hybrid_cp_with_graph_banks(capsys):
     assert "graph banks for CP sizes 1, 2" in out and "graphs per rank on the first pipeline stage: 4" in out
     code, _, err = run(capsys, *hybrid)
     assert code == cli.EXIT_BAD_INPUT and "[hybrid-cp]" in err
+
+
+# ---------------------------------------------------------------- megatron-cg plan
+
+
+def test_plan_prints_the_moe_capacity_plan(capsys):
+    from megatron_cg_plugin.plan.moe import MoeCapacityPlan
+
+    code = cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine",
+                     "--cuda-graph-modules", "attn", "moe", "--moe-expert-capacity-factor", "1.5",
+                     "--moe-pad-expert-input-to-capacity", "--router-load", "4,1,1,1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    expected = MoeCapacityPlan(tokens_per_rank=512, topk=2, num_experts=4, capacity_factor=1.5)
+    assert f"capacity: {expected.capacity} slots per expert per source rank;" in out
+    assert "fc1 (384, 256, 1024), fc2 (384, 512, 256)" in out  # SwiGLU doubles fc1's output
+    assert f"dropped tokens for a 4,1,1,1 router: {100 * expected.dropped_fraction([4, 1, 1, 1]):.1f}%" in out
+    assert "scope:" in out and "graph memory: not predicted yet" in out
+
+
+def test_plan_dense_and_dropless_models(capsys):
+    assert cli.main(["plan", "--cg-preset", "tiny-gpt"]) == 0
+    assert "MoE: none (a dense model)." in capsys.readouterr().out
+    assert cli.main(["plan", "--cg-preset", "tiny-moe"]) == 0
+    assert "dropless (no --moe-expert-capacity-factor)" in capsys.readouterr().out
+
+
+def test_plan_refuses_what_check_refuses_and_a_bad_router_load(capsys):
+    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine"]) == 2
+    assert "[whole-layer-moe-needs-drop-and-pad]" in capsys.readouterr().err
+    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "1.0",
+                     "--router-load", "1,2"]) == 2
+    assert "2 shares for 4 experts" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""The fixed-capacity MoE plan (pure Python): what Megatron's drop-and-pad dispatcher fixes at
+capture, from the flags alone.
+
+With ``--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity`` every expert takes
+exactly its capacity from every source rank, so the graphed MoE block has static shapes. Megatron
+0.19.2 computes it in ``moe_utils.get_capacity`` from the tokens entering a rank's router times
+top-k (``token_dispatcher.py``: ``num_tokens = routing_map.size(0) * topk``):
+``ceil((N * K / E) * F)`` slots per expert per source rank, the formula NeMo Automodel's
+fixed-capacity scope uses too. Each local expert's grouped GEMM then sees that capacity from every
+rank of its TP x EP group; tokens over an expert's capacity are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+
+def megatron_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Megatron's ``get_capacity``, in the same float arithmetic."""
+    return math.ceil((num_tokens / num_experts) * capacity_factor)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeCapacityPlan:
+    """One MoE layer's fixed capacity on one rank, per microbatch."""
+
+    tokens_per_rank: int  # N: tokens entering this rank's router
+    topk: int
+    num_experts: int
+    capacity_factor: float
+    expert_parallel: int = 1
+    tensor_parallel: int = 1  # the expert TP size: each local expert gathers from TP x EP ranks
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_rank < 1 or self.topk < 1 or self.num_experts < 1:
+            raise ValueError(f"tokens per rank, top-k and experts must be >= 1, got {self.tokens_per_rank}, "
+                             f"{self.topk}, {self.num_experts}.")
+        if self.topk > self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.topk} exceeds --num-experts {self.num_experts}.")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor {self.capacity_factor} must be > 0.")
+        if self.num_experts % self.expert_parallel:
+            raise ValueError(f"--num-experts {self.num_experts} must be a multiple of "
+                             f"--expert-model-parallel-size {self.expert_parallel}.")
+
+    @property
+    def assignments(self) -> int:
+        """Token-to-expert assignments on this rank: N x K."""
+        return self.tokens_per_rank * self.topk
+
+    @property
+    def capacity(self) -> int:
+        """Slots per expert per source rank."""
+        return megatron_capacity(self.assignments, self.num_experts, self.capacity_factor)
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_parallel
+
+    @property
+    def tokens_per_local_expert(self) -> int:
+        """The rows of each local expert's GEMM: its capacity from every rank of TP x EP."""
+        return self.capacity * self.tensor_parallel * self.expert_parallel
+
+    def gemm_shapes(self, hidden: int, ffn_hidden: int, *, gated: bool) -> dict[str, tuple[int, int, int]]:
+        """Per local expert, (rows, in, out) of fc1 and fc2 (fc1 doubles its output for a gated
+        activation such as SwiGLU; the expert TP size splits the ffn dimension)."""
+        if ffn_hidden % self.tensor_parallel:
+            raise ValueError(f"the expert ffn size {ffn_hidden} must be a multiple of the expert TP size "
+                             f"{self.tensor_parallel}.")
+        rows, ffn = self.tokens_per_local_expert, ffn_hidden // self.tensor_parallel
+        return {"fc1": (rows, hidden, ffn * (2 if gated else 1)), "fc2": (rows, ffn, hidden)}
+
+    def dropped_fraction(self, load: Sequence[float]) -> float:
+        """The fraction of this rank's assignments dropped when the router sends ``load[e]`` of
+        them to expert ``e`` (fractions, normalised here): each expert keeps at most its capacity."""
+        if len(load) != self.num_experts:
+            raise ValueError(f"the router load lists {len(load)} experts; give one share per expert "
+                             f"({self.num_experts}).")
+        if any(share < 0 for share in load) or sum(load) <= 0:
+            raise ValueError("router load shares must be >= 0 and not all 0.")
+        total = sum(load)
+        routed = [self.assignments * share / total for share in load]
+        return sum(max(0.0, tokens - self.capacity) for tokens in routed) / self.assignments
+
+
+def uniform_load(num_experts: int) -> list[float]:
+    return [1.0] * num_experts
+
+
+def zipf_load(num_experts: int, exponent: float) -> list[float]:
+    """A skewed router: expert ``e`` (0-based) gets a share proportional to ``1 / (e + 1) ** exponent``."""
+    if exponent < 0:
+        raise ValueError(f"the Zipf exponent {exponent} must be >= 0 (0 is uniform).")
+    return [1.0 / (expert + 1) ** exponent for expert in range(num_experts)]
+
+
+def parse_load(text: str, num_experts: int) -> list[float]:
+    """``uniform``, ``zipf:S`` or a comma-separated share per expert."""
+    if text == "uniform":
+        return uniform_load(num_experts)
+    if text.startswith("zipf:"):
+        try:
+            return zipf_load(num_experts, float(text.split(":", 1)[1]))
+        except ValueError as error:
+            raise ValueError(f"--router-load {text!r}: {error}; write zipf:S with S >= 0, e.g. zipf:1.0.") from None
+    try:
+        shares = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--router-load {text!r} is not understood: use uniform, zipf:S, or one share per "
+                         "expert separated by commas.") from None
+    if len(shares) != num_experts:
+        raise ValueError(f"--router-load lists {len(shares)} shares for {num_experts} experts.")
+    return shares
+
+
+def tokens_per_rank(*, seq_length: int, micro_batch_size: int, context_parallel: int, tensor_parallel: int,
+                    sequence_parallel: bool) -> int:
+    """Tokens entering one rank's MoE router per microbatch: the rank's sequence share (CP, and
+    TP under sequence parallelism) times the micro-batch size."""
+    shards = context_parallel * (tensor_parallel if sequence_parallel else 1)
+    if seq_length % shards:
+        raise ValueError(f"--seq-length {seq_length} must be a multiple of CP x (TP with sequence parallelism) "
+                         f"= {shards}.")
+    return seq_length // shards * micro_batch_size

@@ -1,0 +1,70 @@
+"""The in-process bench's block schedule and statistics, with a fake step whose speed drifts."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_cg_plugin.plan.bench import Block, Spread, interleaved_blocks, run_schedule, summarize
+
+
+@given(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True), st.integers(1, 12))
+def test_every_round_runs_every_arm_once_and_the_order_rotates(arms, rounds):
+    schedule = interleaved_blocks(arms, rounds)
+    assert len(schedule) == len(arms) * rounds
+    for r in range(rounds):
+        this_round = [b.arm for b in schedule if b.round == r]
+        assert sorted(this_round) == sorted(arms)
+        assert this_round == arms[r % len(arms):] + arms[:r % len(arms)]
+    if len(arms) > 1 and rounds >= len(arms):  # every arm leads a round
+        assert {[b.arm for b in schedule if b.round == r][0] for r in range(rounds)} == set(arms)
+
+
+@pytest.mark.parametrize("arms, rounds", [([], 3), (["a", "a"], 2), (["a"], 0)])
+def test_bad_schedules_are_refused(arms, rounds):
+    with pytest.raises(ValueError):
+        interleaved_blocks(arms, rounds)
+
+
+def fake_run(base: dict, drift_per_block: float, steps: int = 20):
+    """A machine that slows down steadily: step time = base[arm] x (1 + drift x blocks so far)."""
+    clock = {"blocks": 0}
+
+    def run_block(block: Block) -> list[float]:
+        factor = 1 + drift_per_block * clock["blocks"]
+        clock["blocks"] += 1
+        return [base[block.arm] * factor] * steps
+
+    return run_block
+
+
+def test_interleaved_ratios_cancel_drift_that_separate_runs_would_not():
+    base = {"eager": 0.020, "stock": 0.010, "plugin": 0.0102}
+    lines = []
+    schedule = interleaved_blocks(list(base), 8)
+    summary = summarize(run_schedule(schedule, fake_run(base, drift_per_block=0.03), progress=lines.append))
+    true = base["plugin"] / base["stock"]
+    ratio = summary.ratios[("plugin", "stock")]
+    assert abs(ratio.median - true) / true < 0.05  # the drift within a round is all that is left
+    # Run one arm after the other instead, and the same drift swamps a 2% difference.
+    sequential = [Block(r, arm) for arm in ("stock", "plugin") for r in range(8)]
+    apart = summarize(run_schedule(sequential, fake_run(base, drift_per_block=0.03)))
+    assert apart.ratios[("plugin", "stock")].median / true > 1.15
+    assert len(lines) == len(schedule) and lines[0].startswith("block 1/24: round 0 eager: 20 steps")
+    assert summary.arms["eager"].low < summary.arms["eager"].median < summary.arms["eager"].high
+
+
+def test_skipped_warmup_steps_and_the_spread():
+    blocks = {Block(0, "a"): [9.0, 1.0, 1.0], Block(1, "a"): [9.0, 3.0, 3.0],
+              Block(0, "b"): [9.0, 2.0, 2.0], Block(1, "b"): [9.0, 2.0, 2.0]}
+    summary = summarize(blocks, skip_steps=1)
+    assert summary.arms["a"] == Spread(2.0, 1.0, 3.0, (1.0, 3.0))
+    assert summary.ratios[("a", "b")].values == (0.5, 1.5)
+    assert summary.ratios[("b", "a")].median == pytest.approx((2.0 + 2 / 3) / 2)
+    with pytest.raises(ValueError, match="no step left"):
+        summarize(blocks, skip_steps=3)
+
+
+def test_spread_format():
+    assert Spread.of([0.010, 0.012, 0.011]).format(" ms", 1e3) == "11 ms [10, 12] (n=3)"
+    with pytest.raises(ValueError):
+        Spread.of([])
