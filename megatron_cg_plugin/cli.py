@@ -148,7 +148,8 @@ def moe_plan_text(args, router_load: str) -> str:
         expert_parallel=args.expert_model_parallel_size,
         tensor_parallel=args.expert_tensor_parallel_size or 1)
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
-    shapes = plan.gemm_shapes(args.hidden_size, ffn, gated=bool(args.swiglu))
+    shapes = plan.gemm_shapes(args.hidden_size, ffn,
+                              gated=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)))
     dropped = plan.dropped_fraction(parse_load(router_load, args.num_experts))
     padded = "" if args.moe_pad_expert_input_to_capacity else (
         " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
@@ -157,6 +158,9 @@ def moe_plan_text(args, router_load: str) -> str:
         f"{plan.num_experts} experts ({plan.local_experts} local), capacity factor {plan.capacity_factor}",
         f"  capacity: {plan.capacity} slots per expert per source rank{padded}; each local expert's GEMMs take "
         f"{plan.tokens_per_local_expert} rows (x TP {plan.tensor_parallel} x EP {plan.expert_parallel})",
+        *([f"  the capacity exceeds the {plan.tokens_per_rank} tokens per rank (factor x top-k > experts): Megatron "
+           "pads each expert to the tokens alone, and its alltoall dispatcher fails; use a factor of at most "
+           f"{plan.num_experts / plan.topk:g}"] if plan.exceeds_tokens else []),
         f"  expert GEMMs (rows, in, out): fc1 {shapes['fc1']}, fc2 {shapes['fc2']}",
         f"  dropped tokens for a {router_load} router: {100 * dropped:.1f}%",
     ])

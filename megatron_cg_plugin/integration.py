@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_cg_plugin import compat
 from megatron_cg_plugin.config import PluginConfig, config_from_args
-from megatron_cg_plugin.patches import PatchSet, check_private_api, revert_lent
+from megatron_cg_plugin.patches import PatchSet, check_private_api, revert_lent, start_lending
 from megatron_cg_plugin.session import RunSession
 
 
@@ -70,9 +70,11 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
     patches = PatchSet()
     patches.apply_all(session, with_te=with_te)
+    start_lending()
     try:
         _enforce_on_parsed_args(session)
     except BaseException:
+        revert_lent()
         patches.revert_all()
         raise
     _installed = _Installed(session, patches)

@@ -338,22 +338,36 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  needs_te=True),
 )
 
-_lent: list[tuple[Any, str, Any]] = []  # (owner, attribute, the value before the first lend)
+_lent: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, value before the first lend, the lent value)
+_recording = False  # True while the plugin is installed: uninstall() then restores what was lent
+
+
+def start_lending() -> None:
+    global _recording
+    _recording = True
 
 
 def lend(owner: Any, attribute: str, value: Any, change: str) -> None:
-    """Sets ``owner.attribute`` (a change listed in ``LENT``); ``revert_lent`` restores the value it
-    had before the first lend, by identity."""
-    assert change in {entry.name for entry in LENT}, f"{change!r} is not listed in patches.LENT"
-    if not any(held is owner and name == attribute for held, name, _ in _lent):
-        _lent.append((owner, attribute, getattr(owner, attribute)))
+    """Sets ``owner.attribute`` (a change listed in ``LENT``). While the plugin is installed,
+    ``revert_lent`` (``uninstall()``) restores the value it had before the first lend; outside an
+    installed run (a probe, a bare test) the change is the caller's own and stays."""
+    if change not in {entry.name for entry in LENT}:
+        raise ValueError(f"{change!r} is not listed in patches.LENT; list every foreign change there.")
+    if _recording and not any(held is owner and name == attribute for held, name, _, _ in _lent):
+        _lent.append((owner, attribute, getattr(owner, attribute), value))
+    elif _recording:
+        _lent[:] = [(o, n, before, value if (o is owner and n == attribute) else lent) for o, n, before, lent in _lent]
     setattr(owner, attribute, value)
 
 
 def revert_lent() -> None:
+    """Restores each lent attribute, unless something else has replaced the lent value since."""
+    global _recording
+    _recording = False
     while _lent:
-        owner, attribute, original = _lent.pop()
-        setattr(owner, attribute, original)
+        owner, attribute, original, lent = _lent.pop()
+        if getattr(owner, attribute) is lent:
+            setattr(owner, attribute, original)
 
 
 def check_private_api(*, with_te: bool) -> None:

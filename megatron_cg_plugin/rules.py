@@ -78,6 +78,8 @@ class GraphFacts:
     nccl_graph_register_off: bool = False
     fp8: bool = False  # --fp8-format
     sft: bool = False  # --sft: the dataset marks document boundaries itself
+    moe_topk: int = 2
+    sequence_parallel: bool = False
     launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
     rerun_mode: str = "disabled"
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
@@ -192,6 +194,16 @@ RULES: tuple[Rule, ...] = (
          "moe_preprocess cannot be graphed when the alltoall preprocess copies to the host "
          "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
          "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity."),
+    Rule("moe-capacity-over-tokens", "megatron",
+         lambda f: f.has_moe_layers and f.drop_and_pad and f.dispatcher == "alltoall" and f.num_experts
+         and f.capacity_factor * f.moe_topk > f.num_experts,
+         "--moe-expert-capacity-factor x --moe-router-topk exceeds --num-experts, so each expert's capacity is larger "
+         "than the rank's tokens, which Megatron's alltoall dispatcher cannot lay out (a view error in permute): use "
+         "a capacity factor of at most num-experts / topk."),
+    Rule("moe-tp-needs-sequence-parallel", "megatron",
+         lambda f: f.has_moe_layers and f.tensor_parallel > 1 and not f.sequence_parallel,
+         "Megatron trains MoE layers under tensor parallelism only with sequence parallelism (moe_layer.py raises "
+         "otherwise): add --sequence-parallel."),
     Rule("whole-layer-moe-needs-drop-and-pad", "plugin",
          _graphs(lambda f: not f.modules and f.has_moe_layers and not f.drop_and_pad),
          "whole-layer capture (empty --cuda-graph-modules) of MoE layers graphs the token "
@@ -369,6 +381,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
         fp8=getattr(args, "fp8", None) is not None,
         sft=bool(getattr(args, "sft", False)),
+        moe_topk=getattr(args, "moe_router_topk", 2) or 2,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         launcher=launcher,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),

@@ -3,15 +3,17 @@ statistics.
 
 On these machines the same command in two processes gave a 14 ms and then a 35 ms median step, so
 arms are only compared inside one process, in blocks interleaved round by round: every round runs
-each arm once, in an order that rotates from round to round (so no arm always follows the same
-one), and drift that lasts longer than a round hits every arm alike. An arm's figure is the median
-of its block medians, quoted with their spread; a ratio of two arms is taken per round (the two
-blocks nearest in time) and quoted the same way.
+each arm once, in the arms' order in even rounds and reversed in odd ones. Over each pair of rounds
+every two arms then sit at mirrored places, so a drift that is linear over the pair cancels from
+their ratio. An arm's figure is the median of its block medians, quoted with their spread; a ratio
+of two arms is the geometric mean of its two per-round ratios in each pair of rounds, and its
+median and spread over the pairs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from typing import Callable, Mapping, Sequence
 
@@ -23,13 +25,12 @@ class Block:
 
 
 def interleaved_blocks(arms: Sequence[str], rounds: int) -> list[Block]:
-    """``rounds`` rounds of every arm once; round ``r`` starts ``r`` places further in ``arms``."""
+    """``rounds`` rounds (an even number) of every arm once: in ``arms``' order, then reversed."""
     if len(set(arms)) != len(arms) or not arms:
         raise ValueError(f"arms must be distinct and not empty, got {list(arms)}.")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}.")
-    count = len(arms)
-    return [Block(r, arms[(r + i) % count]) for r in range(rounds) for i in range(count)]
+    if rounds < 2 or rounds % 2:
+        raise ValueError(f"rounds must be an even number >= 2 (pairs of mirrored rounds), got {rounds}.")
+    return [Block(r, arm) for r in range(rounds) for arm in (arms if r % 2 == 0 else list(reversed(arms)))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,9 @@ class BenchSummary:
 
 
 def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int = 0) -> BenchSummary:
-    """Per arm the median of its block medians; per pair of arms the per-round ratio of block
-    medians. ``skip_steps`` drops each block's first steps (a block that captured graphs warms up)."""
+    """Per arm the median of its block medians; per pair of arms the ratio of block medians over
+    each pair of mirrored rounds (module docstring). ``skip_steps`` drops each block's first steps
+    (a block that captured graphs warms up)."""
     medians: dict[Block, float] = {}
     for block, steps in block_steps.items():
         kept = list(steps)[skip_steps:]
@@ -68,27 +70,33 @@ def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int =
     arms = sorted({block.arm for block in medians})
     per_arm = {arm: Spread.of([medians[b] for b in sorted(medians, key=lambda b: b.round) if b.arm == arm])
                for arm in arms}
-    rounds = sorted({block.round for block in medians})
+    pairs = sorted({block.round // 2 for block in medians})
     ratios = {}
     for a in arms:
         for b in arms:
             if a == b:
                 continue
-            paired = [medians[Block(r, a)] / medians[Block(r, b)] for r in rounds
-                      if Block(r, a) in medians and Block(r, b) in medians]
+            paired = []
+            for pair in pairs:
+                rounds = (2 * pair, 2 * pair + 1)
+                if all(Block(r, arm) in medians for r in rounds for arm in (a, b)):
+                    first, second = (medians[Block(r, a)] / medians[Block(r, b)] for r in rounds)
+                    paired.append(math.sqrt(first * second))
             if paired:
                 ratios[(a, b)] = Spread.of(paired)
     return BenchSummary(per_arm, ratios)
 
 
 def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequence[float]],
-                 progress: Callable[[str], None] = lambda line: None) -> dict[Block, list[float]]:
-    """Runs every block in order (``run_block`` returns its step times) and reports each."""
+                 progress: Callable[[str], None] = lambda line: None, *, skip_steps: int = 0) -> dict[Block, list[float]]:
+    """Runs every block in order (``run_block`` returns its step times) and reports each, its median
+    without the first ``skip_steps`` as ``summarize`` will take it."""
     results: dict[Block, list[float]] = {}
     for index, block in enumerate(schedule):
         steps = list(run_block(block))
         results[block] = steps
-        median = statistics.median(steps) if steps else float("nan")
+        kept = steps[skip_steps:]
+        median = statistics.median(kept) if kept else float("nan")
         progress(f"block {index + 1}/{len(schedule)}: round {block.round} {block.arm}: "
                  f"{len(steps)} steps, median {median * 1e3:.2f} ms")
     return results

@@ -56,13 +56,24 @@ class MoeCapacityPlan:
         return megatron_capacity(self.assignments, self.num_experts, self.capacity_factor)
 
     @property
+    def exceeds_tokens(self) -> bool:
+        """The capacity is larger than the rank's tokens (F x K > E): Megatron's router then pads each
+        expert to the N tokens alone, and its alltoall dispatcher cannot lay the capacity out."""
+        return self.capacity > self.tokens_per_rank
+
+    @property
+    def slots(self) -> int:
+        """What each expert takes from each source rank: its capacity, or all N tokens when that is less."""
+        return min(self.capacity, self.tokens_per_rank)
+
+    @property
     def local_experts(self) -> int:
         return self.num_experts // self.expert_parallel
 
     @property
     def tokens_per_local_expert(self) -> int:
-        """The rows of each local expert's GEMM: its capacity from every rank of TP x EP."""
-        return self.capacity * self.tensor_parallel * self.expert_parallel
+        """The rows of each local expert's GEMM: its slots from every rank of TP x EP."""
+        return self.slots * self.tensor_parallel * self.expert_parallel
 
     def gemm_shapes(self, hidden: int, ffn_hidden: int, *, gated: bool) -> dict[str, tuple[int, int, int]]:
         """Per local expert, (rows, in, out) of fc1 and fc2 (fc1 doubles its output for a gated
@@ -73,17 +84,38 @@ class MoeCapacityPlan:
         rows, ffn = self.tokens_per_local_expert, ffn_hidden // self.tensor_parallel
         return {"fc1": (rows, hidden, ffn * (2 if gated else 1)), "fc2": (rows, ffn, hidden)}
 
-    def dropped_fraction(self, load: Sequence[float]) -> float:
-        """The fraction of this rank's assignments dropped when the router sends ``load[e]`` of
-        them to expert ``e`` (fractions, normalised here): each expert keeps at most its capacity."""
+    def routed(self, load: Sequence[float]) -> list[float]:
+        """The assignments each expert gets when the router prefers expert ``e`` in proportion to
+        ``load[e]``. A token picks K different experts, so no expert gets more than N: what a full
+        expert would get goes to the others, in proportion to their shares (water-filling)."""
         if len(load) != self.num_experts:
             raise ValueError(f"the router load lists {len(load)} experts; give one share per expert "
                              f"({self.num_experts}).")
-        if any(share < 0 for share in load) or sum(load) <= 0:
-            raise ValueError("router load shares must be >= 0 and not all 0.")
-        total = sum(load)
-        routed = [self.assignments * share / total for share in load]
-        return sum(max(0.0, tokens - self.capacity) for tokens in routed) / self.assignments
+        if any(share < 0 for share in load):
+            raise ValueError("router load shares must be >= 0.")
+        if sum(1 for share in load if share > 0) < self.topk:
+            raise ValueError(f"a router picks {self.topk} different experts per token: give at least {self.topk} "
+                             "experts a share.")
+        routed = [0.0] * self.num_experts
+        full: set[int] = set()
+        left = float(self.assignments)
+        while left > 1e-9 * self.assignments:
+            open_shares = {e: share for e, share in enumerate(load) if share > 0 and e not in full}
+            total = sum(open_shares.values())
+            spill = 0.0
+            for expert, share in open_shares.items():
+                routed[expert] += left * share / total
+                if routed[expert] >= self.tokens_per_rank:
+                    spill += routed[expert] - self.tokens_per_rank
+                    routed[expert] = float(self.tokens_per_rank)
+                    full.add(expert)
+            left = spill
+        return routed
+
+    def dropped_fraction(self, load: Sequence[float]) -> float:
+        """The fraction of this rank's assignments dropped for the router load ``load`` (``routed``):
+        each expert keeps at most its capacity."""
+        return sum(max(0.0, tokens - self.capacity) for tokens in self.routed(load)) / self.assignments
 
 
 def uniform_load(num_experts: int) -> list[float]:
@@ -118,9 +150,12 @@ def parse_load(text: str, num_experts: int) -> list[float]:
 
 def tokens_per_rank(*, seq_length: int, micro_batch_size: int, context_parallel: int, tensor_parallel: int,
                     sequence_parallel: bool) -> int:
-    """Tokens entering one rank's MoE router per microbatch: the rank's sequence share (CP, and
-    TP under sequence parallelism) times the micro-batch size."""
-    shards = context_parallel * (tensor_parallel if sequence_parallel else 1)
+    """Tokens entering one rank's MoE router per microbatch: the rank's sequence share (CP, and TP,
+    which Megatron's MoE layers train with only under sequence parallelism) times the micro-batch size."""
+    if tensor_parallel > 1 and not sequence_parallel:
+        raise ValueError("Megatron trains MoE layers under tensor parallelism only with sequence parallelism "
+                         "(moe_layer.py refuses it): add --sequence-parallel.")
+    shards = context_parallel * tensor_parallel
     if seq_length % shards:
         raise ValueError(f"--seq-length {seq_length} must be a multiple of CP x (TP with sequence parallelism) "
                          f"= {shards}.")

@@ -712,8 +712,31 @@ def test_lent_attributes_are_restored_by_uninstall_by_identity():
 
 
 def test_only_listed_changes_can_be_lent():
-    with pytest.raises(AssertionError, match="not listed"):
+    with pytest.raises(ValueError, match="not listed"):
         patches.lend(types.SimpleNamespace(x=1), "x", 2, "an-unlisted-change")
+
+
+def test_a_lend_outside_an_installed_run_is_the_callers_and_stays():
+    class Owner:
+        cp_stream = None
+
+    lent = object()
+    patches.lend(Owner, "cp_stream", lent, "dynamic-cp-stream")  # a probe, no plugin installed
+    integration.install()
+    integration.uninstall()
+    assert Owner.cp_stream is lent  # a later install/uninstall does not undo what it never made
+
+
+def test_a_lent_attribute_replaced_since_is_left_alone():
+    class Owner:
+        cp_stream = None
+
+    integration.install()
+    patches.lend(Owner, "cp_stream", object(), "dynamic-cp-stream")
+    theirs = object()
+    Owner.cp_stream = theirs  # someone else's stream now
+    integration.uninstall()
+    assert Owner.cp_stream is theirs
 
 
 def test_scoped_cpu_stand_ins_are_restored_by_identity():

@@ -44,19 +44,40 @@ def test_expert_and_tensor_parallel_sizes():
         plan.gemm_shapes(256, 511, gated=False)
 
 
-def test_tokens_per_rank_split_by_cp_and_by_tp_only_under_sequence_parallelism():
+def test_tokens_per_rank_split_by_cp_and_tp():
     assert tokens_per_rank(seq_length=4096, micro_batch_size=1, context_parallel=2, tensor_parallel=4,
                            sequence_parallel=True) == 512
-    assert tokens_per_rank(seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=4,
+    assert tokens_per_rank(seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=1,
                            sequence_parallel=False) == 4096
+    with pytest.raises(ValueError, match="--sequence-parallel"):  # Megatron's MoE layer refuses it
+        tokens_per_rank(seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=4,
+                        sequence_parallel=False)
     with pytest.raises(ValueError, match="multiple of CP"):
         tokens_per_rank(seq_length=100, micro_batch_size=1, context_parallel=3, tensor_parallel=1,
                         sequence_parallel=False)
 
 
-def test_everything_on_one_expert_drops_all_but_its_capacity():
-    plan = tiny_moe()
-    assert plan.dropped_fraction([1, 0, 0, 0]) == pytest.approx(1 - 384 / 1024)
+def test_a_token_picks_k_different_experts():
+    plan = tiny_moe()  # N=512, K=2, capacity 384
+    # Two experts share everything: each gets every token once (512), keeps 384.
+    assert plan.routed([1, 1, 0, 0]) == [512.0, 512.0, 0.0, 0.0]
+    assert plan.dropped_fraction([1, 1, 0, 0]) == pytest.approx(2 * (512 - 384) / 1024)
+    # Expert 0 preferred 4:1:1:1 would get 585 of 1024, more than its 512 tokens: the rest spills.
+    routed = plan.routed([4, 1, 1, 1])
+    assert routed[0] == 512.0 and routed[1] == pytest.approx(512 / 3) == routed[2] == routed[3]
+    assert plan.dropped_fraction([4, 1, 1, 1]) == pytest.approx(0.125)
+    with pytest.raises(ValueError, match="at least 2 experts"):
+        plan.routed([1, 0, 0, 0])
+
+
+def test_a_capacity_over_the_tokens_pads_to_the_tokens():
+    # Factor 3 x top-2 > 4 experts: capacity 768 for 512 tokens; Megatron's router pads each expert
+    # to the tokens alone (and its alltoall dispatcher cannot lay the capacity out: a rule refuses it).
+    plan = tiny_moe(capacity_factor=3.0)
+    assert plan.capacity == 768 and plan.exceeds_tokens
+    assert plan.slots == 512 and plan.tokens_per_local_expert == 512
+    assert plan.dropped_fraction([1, 1, 0, 0]) == 0.0
+    assert not tiny_moe(capacity_factor=2.0).exceeds_tokens  # factor x top-k == experts: exactly the tokens
 
 
 def test_a_uniform_router_under_capacity_factor_one_drops_only_the_shortfall():
@@ -66,7 +87,8 @@ def test_a_uniform_router_under_capacity_factor_one_drops_only_the_shortfall():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=8, max_size=8).filter(lambda l: sum(l) > 0),
+@given(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=8, max_size=8).filter(
+    lambda l: sum(1 for share in l if share > 0) >= 2),
        st.floats(0.1, 4.0), st.floats(0.1, 4.0))
 def test_dropped_fraction_is_a_fraction_and_falls_as_capacity_grows(load, factor_a, factor_b):
     low, high = sorted((factor_a, factor_b))
@@ -76,6 +98,9 @@ def test_dropped_fraction_is_a_fraction_and_falls_as_capacity_grows(load, factor
     # Kept assignments never exceed the capacity of the experts that received any.
     receiving = sum(1 for share in load if share > 0)
     assert (1 - dropped_small) * small.assignments <= receiving * small.capacity + 1e-6
+    routed = small.routed(load)
+    assert sum(routed) == pytest.approx(small.assignments)  # every assignment lands somewhere
+    assert max(routed) <= small.tokens_per_rank + 1e-6  # no expert twice for one token
 
 
 def test_zipf_load_skews_towards_the_first_expert():
@@ -113,5 +138,5 @@ def test_dropped_fraction_needs_one_share_per_expert():
     with pytest.raises(ValueError, match="one share per expert"):
         tiny_moe().dropped_fraction([1, 1])
     with pytest.raises(ValueError, match=">= 0"):
-        tiny_moe().dropped_fraction([1, -1, 0, 0])
+        tiny_moe().dropped_fraction([1, -1, 1, 0])
     assert math.isclose(tiny_moe().dropped_fraction([2, 2, 2, 2]), 0.0)
