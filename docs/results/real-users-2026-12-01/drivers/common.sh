@@ -1,5 +1,5 @@
 # Sourced by the GPU session drivers: the stack and the deterministic environment.
-cd "$(git -C "$(dirname "${BASH_SOURCE[0]}")" rev-parse --show-toplevel)"  # the project root
+cd "$(dirname "${BASH_SOURCE[0]}")/../../../.."  # the project root (the drivers ran from .gpu-run/, one level down)
 bash .gpu/install.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD MEGATRON_LM_DIR=$PWD/.megatron-lm PYTHONUNBUFFERED=1
 export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0
