@@ -1,0 +1,165 @@
+"""Farm cases as data, in Megatron's functional-test format (first part: load, validate, render).
+
+A case is a folder holding Megatron's ``model_config.yaml`` (``ENV_VARS``, ``MODEL_ARGS`` in
+Megatron's flag spellings, optional ``METRICS``, ``TEST_TYPE``, ``MODE``) beside its
+``golden_values_*.json``. The plugin's own additions are ``--cg-*`` flags in ``MODEL_ARGS`` and one
+``CG_FARM`` block (ranks, comparison, expected refusals). Files are read with ``yaml.safe_load``;
+nothing in a case file executes: Megatron's ``BEFORE_SCRIPT``/``AFTER_SCRIPT`` hooks are refused,
+as are unknown keys and placeholders (``${DATA_PATH}``) that nothing resolves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+CASE_FILE = "model_config.yaml"
+# Megatron's model_config.yaml keys (core_r0.19.0's test cases), and what the farm does with each.
+KNOWN_KEYS = frozenset({"ENV_VARS", "MODEL_ARGS", "METRICS", "TEST_TYPE", "MODE", "LAUNCHER", "BEFORE_SCRIPT",
+                        "AFTER_SCRIPT", "THROUGHPUT_TEST_PARAMS", "TEST_EVALUATION", "MODEL_ENV_VARS", "CG_FARM"})
+NEVER_RUN = {"BEFORE_SCRIPT": "the farm runs no script from a case file",
+             "AFTER_SCRIPT": "the farm runs no script from a case file"}
+SUPPORTED_MODES = ("pretraining",)
+SUPPORTED_TEST_TYPES = ("regular", "release")
+# Test types whose first half is a regular run: the farm runs that half and says so.
+FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
+                                        "the first half saves, which the farm does not keep"}
+FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal"})
+COMPARISONS = ("golden", "eager-only")
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class CaseError(ValueError):
+    """A case file the farm cannot run; the message names the file, the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FarmSettings:
+    """The ``CG_FARM`` block: ranks, whether the golden file is compared or eager vs graphed only,
+    and rule names the graphed run is expected to be refused with (a negative case)."""
+
+    nproc: int = 1
+    compare: str = "golden"
+    expect_refusal: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    folder: Path
+    env: dict[str, str]
+    model_args: dict[str, Any]
+    metrics: tuple[str, ...] | None
+    farm: FarmSettings
+    notes: tuple[str, ...] = ()  # what the farm runs differently from Megatron's CI, and why
+
+    def flags(self, placeholders: Mapping[str, str]) -> list[str]:
+        """``MODEL_ARGS`` as a command line, placeholders resolved from ``placeholders``."""
+        return render_flags(self.model_args, placeholders, where=f"{self.folder / CASE_FILE}")
+
+
+def _refuse(path: Path, message: str) -> CaseError:
+    return CaseError(f"{path}: {message}")
+
+
+def load_case(folder: str | Path) -> Case:
+    """Reads and validates ``folder/model_config.yaml``; raises ``CaseError`` naming what to fix."""
+    import yaml
+
+    folder = Path(folder)
+    path = folder / CASE_FILE
+    if not path.is_file():
+        raise CaseError(f"{folder} holds no {CASE_FILE}: a case is a folder with Megatron's model_config.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise _refuse(path, f"is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise _refuse(path, "must be a mapping with ENV_VARS and MODEL_ARGS.")
+    unknown = sorted(set(data) - KNOWN_KEYS)
+    if unknown:
+        raise _refuse(path, f"unknown key(s) {unknown}; Megatron's case files use {sorted(KNOWN_KEYS - {'CG_FARM'})}, "
+                            "and the plugin adds CG_FARM.")
+    for key, reason in NEVER_RUN.items():
+        if key in data:
+            raise _refuse(path, f"{key} is refused: {reason}; move what it prepares into the environment.")
+    mode = data.get("MODE", "pretraining")
+    if mode not in SUPPORTED_MODES:
+        raise _refuse(path, f"MODE {mode!r} is not run by the farm (it runs {', '.join(SUPPORTED_MODES)}).")
+    test_type = str(data.get("TEST_TYPE", "regular")).strip()
+    if test_type not in SUPPORTED_TEST_TYPES and test_type not in FIRST_HALF_TEST_TYPES:
+        raise _refuse(path, f"TEST_TYPE {test_type!r} needs a checkpoint from an earlier run, which the farm does "
+                            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(SUPPORTED_TEST_TYPES)}).")
+    notes = (f"TEST_TYPE {test_type} {FIRST_HALF_TEST_TYPES[test_type]}",) if test_type in FIRST_HALF_TEST_TYPES else ()
+    model_args = data.get("MODEL_ARGS")
+    if not isinstance(model_args, dict) or not model_args:
+        raise _refuse(path, "MODEL_ARGS must map Megatron flags (--num-layers: 2, ...) to their values.")
+    bad = [key for key in model_args if not isinstance(key, str) or not key.startswith("--")]
+    if bad:
+        raise _refuse(path, f"MODEL_ARGS keys must be flags spelled as Megatron spells them (--flag), got {bad}.")
+    env = data.get("ENV_VARS") or {}
+    if not isinstance(env, dict):
+        raise _refuse(path, "ENV_VARS must map variable names to values.")
+    metrics = data.get("METRICS")
+    if metrics is not None and (not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics)):
+        raise _refuse(path, "METRICS must be a list of metric names (\"lm loss\", \"num-zeros\", ...).")
+    return Case(name=folder.name, folder=folder, env={str(k): _env_value(v) for k, v in env.items()},
+                model_args=dict(model_args), metrics=None if metrics is None else tuple(metrics),
+                farm=_farm_settings(path, data.get("CG_FARM") or {}), notes=notes)
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _farm_settings(path: Path, block: Any) -> FarmSettings:
+    if not isinstance(block, dict):
+        raise _refuse(path, "CG_FARM must be a mapping (nproc, compare, expect_refusal).")
+    unknown = sorted(set(block) - FARM_KEYS)
+    if unknown:
+        raise _refuse(path, f"CG_FARM has unknown key(s) {unknown}; use {sorted(FARM_KEYS)}.")
+    nproc = block.get("nproc", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise _refuse(path, f"CG_FARM nproc {nproc!r} must be an integer >= 1.")
+    compare = block.get("compare", "golden")
+    if compare not in COMPARISONS:
+        raise _refuse(path, f"CG_FARM compare {compare!r} is unknown; use one of {', '.join(COMPARISONS)}.")
+    refusals = block.get("expect_refusal") or []
+    if isinstance(refusals, str):
+        refusals = [refusals]
+    return FarmSettings(nproc=nproc, compare=compare, expect_refusal=tuple(str(r) for r in refusals))
+
+
+def _values(flag: str, value: Any) -> list[str]:
+    """One MODEL_ARGS entry's values on the command line, as Megatron's functional tests render it:
+    true is the bare flag, false leaves it out, "[a b]" is a list of values."""
+    if value is True:
+        return [flag]
+    if value is False or value is None:
+        return []
+    if isinstance(value, list):
+        return [flag, *(str(item) for item in value)]
+    text = str(value)
+    if text.startswith("[") and text.endswith("]"):
+        return [flag, *text[1:-1].split()]
+    return [flag, text]
+
+
+def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str], *, where: str) -> list[str]:
+    """``MODEL_ARGS`` as a command line, every ``${NAME}`` replaced from ``placeholders``; raises
+    ``CaseError`` naming each placeholder nothing resolves."""
+    flags: list[str] = []
+    unresolved: set[str] = set()
+    for flag, value in model_args.items():
+        for token in _values(flag, value):
+            names = PLACEHOLDER.findall(token)
+            unresolved.update(name for name in names if name not in placeholders)
+            flags.append(PLACEHOLDER.sub(lambda m: placeholders.get(m.group(1), m.group(0)), token))
+    if unresolved:
+        raise CaseError(f"{where}: placeholder(s) {', '.join('${' + n + '}' for n in sorted(unresolved))} are not "
+                        "resolved; give their values (e.g. --data-path for ${DATA_PATH}) or drop the flags that use them.")
+    return flags
