@@ -163,3 +163,68 @@ def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str],
         raise CaseError(f"{where}: placeholder(s) {', '.join('${' + n + '}' for n in sorted(unresolved))} are not "
                         "resolved; give their values (e.g. --data-path for ${DATA_PATH}) or drop the flags that use them.")
     return flags
+
+
+# ---------------------------------------------------------------------------------------------- --fit-gpus
+PARALLEL_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                  "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+                  "etp": "--expert-tensor-parallel-size"}
+# Flags that describe a pipeline of several stages; they go with PP (none of them means anything at PP 1).
+PIPELINE_ONLY_FLAGS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                       "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                       "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
+                       "--account-for-loss-in-pipeline-split")
+MEGATRON_CI_GPUS = 8  # Megatron's functional cases run on one 8-GPU node unless they say otherwise
+
+
+def _size(model_args: Mapping[str, Any], flag: str) -> int:
+    value = model_args.get(flag, 1)
+    return int(value) if value not in (None, False) else 1
+
+
+def _shrink(sizes: dict[str, int], order: tuple[str, ...], fits: Any) -> None:
+    """Halves (an odd size: to 1) the first of ``order`` above 1 until ``fits()``."""
+    while not fits():
+        name = next(name for name in order if sizes[name] > 1)
+        sizes[name] = sizes[name] // 2 if sizes[name] % 2 == 0 else 1
+
+
+def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGATRON_CI_GPUS
+             ) -> tuple[dict[str, Any], list[str]]:
+    """``MODEL_ARGS`` scaled down to ``gpus`` GPUs: PP, then CP, then TP halve until their product
+    divides ``gpus``, EP then ETP likewise; PP's own flags go with PP 1; the global batch keeps its
+    microbatches per data-parallel rank (``from_gpus`` is what the case was written for). Returns
+    the new arguments and one line per flag changed."""
+    if gpus < 1:
+        raise CaseError(f"--fit-gpus {gpus} must be >= 1.")
+    args = dict(model_args)
+    sizes = {name: _size(args, flag) for name, flag in PARALLEL_FLAGS.items()}
+    if "etp" not in {name for name, flag in PARALLEL_FLAGS.items() if flag in args}:
+        sizes["etp"] = sizes["tp"]  # Megatron defaults the expert TP size to TP
+    before = dict(sizes)
+    # Pipeline stages go first (their layout flags go with them), then CP, then TP; EP before ETP.
+    _shrink(sizes, ("pp", "cp", "tp"), lambda: gpus % (sizes["tp"] * sizes["pp"] * sizes["cp"]) == 0)
+    sizes["etp"] = min(sizes["etp"], sizes["tp"])
+    _shrink(sizes, ("ep", "etp"), lambda: gpus % (sizes["ep"] * sizes["etp"] * sizes["pp"]) == 0)
+    changes = []
+    for name, flag in PARALLEL_FLAGS.items():
+        if sizes[name] != before[name] or (flag in args and int(args[flag]) != sizes[name]):
+            changes.append(f"{flag} {before[name]} -> {sizes[name]}")
+            args[flag] = sizes[name]
+    if sizes["pp"] == 1:
+        for flag in PIPELINE_ONLY_FLAGS:
+            if flag in args and args[flag] not in (None, False):
+                changes.append(f"{flag} {args.pop(flag)!r} dropped (PP 1)")
+    if sizes["tp"] == 1 and args.get("--sequence-parallel") is True:
+        args.pop("--sequence-parallel")
+        changes.append("--sequence-parallel dropped (TP 1)")
+    old_dp = max(1, from_gpus // (before["tp"] * before["pp"] * before["cp"]))
+    new_dp = gpus // (sizes["tp"] * sizes["pp"] * sizes["cp"])
+    if "--global-batch-size" in args and old_dp != new_dp:
+        old_gbs = int(args["--global-batch-size"])
+        new_gbs = max(_size(args, "--micro-batch-size") * new_dp, old_gbs * new_dp // old_dp)
+        if new_gbs != old_gbs:
+            args["--global-batch-size"] = new_gbs
+            changes.append(f"--global-batch-size {old_gbs} -> {new_gbs} (data-parallel size {old_dp} -> {new_dp}, "
+                           "the same microbatches per step)")
+    return args, changes

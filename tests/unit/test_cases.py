@@ -4,6 +4,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from megatron_cg_plugin.testing.cases import CaseError, FarmSettings, load_case, render_flags
 
@@ -114,3 +116,64 @@ def test_megatron_lms_own_graph_case_loads(tmp_path):
     index = flags.index("--cuda-graph-modules")
     assert flags[index + 1:index + 5] == ["attn", "mlp", "moe_router", "moe_preprocess"]
     assert flags[flags.index("--fp8-recipe") + 1] == "blockwise"
+
+
+# ---------------------------------------------------------------- --fit-gpus
+
+from megatron_cg_plugin.testing.cases import fit_gpus  # noqa: E402
+
+MOE_CASE = {"--tensor-model-parallel-size": 4, "--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2,
+            "--expert-tensor-parallel-size": 2, "--pipeline-model-parallel-layout": "Et|(tt|)*6mL",
+            "--sequence-parallel": True, "--num-experts": 8, "--micro-batch-size": 2, "--global-batch-size": 32}
+
+
+@pytest.mark.parametrize("model_args, gpus, expected, changed", [
+    # Megatron-LM's scoped-graph MoE case (TP4 PP2 EP2 ETP2, 8 GPUs) on one GPU.
+    (MOE_CASE, 1, {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                   "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1,
+                   "--num-experts": 8, "--micro-batch-size": 2, "--global-batch-size": 32},
+     ["--pipeline-model-parallel-layout", "--sequence-parallel dropped"]),
+    # The same on 2 GPUs keeps TP 2 and its sequence parallelism.
+    (MOE_CASE, 2, {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 1,
+                   "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 2,
+                   "--sequence-parallel": True, "--num-experts": 8, "--micro-batch-size": 2,
+                   "--global-batch-size": 32}, ["--tensor-model-parallel-size 4 -> 2"]),
+    # A DP-only case: 8 ranks of DP become 1, the global batch keeps its 4 microbatches per rank.
+    ({"--micro-batch-size": 4, "--global-batch-size": 128}, 1,
+     {"--micro-batch-size": 4, "--global-batch-size": 16}, ["--global-batch-size 128 -> 16"]),
+    # Fitting already in its parallel sizes: written for 8 GPUs (DP 4), so on 2 the global batch shrinks.
+    ({"--tensor-model-parallel-size": 2, "--micro-batch-size": 1, "--global-batch-size": 8}, 2,
+     {"--tensor-model-parallel-size": 2, "--micro-batch-size": 1, "--global-batch-size": 2},
+     ["--global-batch-size 8 -> 2"]),
+    # Written for the GPUs at hand: nothing changes.
+    ({"--tensor-model-parallel-size": 2, "--micro-batch-size": 1, "--global-batch-size": 8}, 8,
+     {"--tensor-model-parallel-size": 2, "--micro-batch-size": 1, "--global-batch-size": 8}, []),
+])
+def test_fit_gpus_table(model_args, gpus, expected, changed):
+    fitted, changes = fit_gpus(model_args, gpus)
+    assert fitted == expected
+    assert all(any(piece in change for change in changes) for piece in changed), changes
+    if not changed:
+        assert changes == []
+    tp, pp, cp = (fitted.get(flag, 1) for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                                   "--context-parallel-size"))
+    assert gpus % (tp * pp * cp) == 0
+
+
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]),
+       st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]))
+def test_fit_gpus_always_fits(gpus, tp, pp, ep, cp):
+    fitted, _ = fit_gpus({"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
+                          "--expert-model-parallel-size": ep, "--context-parallel-size": cp,
+                          "--micro-batch-size": 1, "--global-batch-size": 64}, gpus)
+    size = lambda flag: fitted.get(flag, 1)  # noqa: E731
+    assert gpus % (size("--tensor-model-parallel-size") * size("--pipeline-model-parallel-size")
+                   * size("--context-parallel-size")) == 0
+    assert gpus % (size("--expert-model-parallel-size") * size("--expert-tensor-parallel-size")
+                   * size("--pipeline-model-parallel-size")) == 0
+    assert size("--tensor-model-parallel-size") <= tp and size("--expert-model-parallel-size") <= ep
+
+
+def test_fit_gpus_refuses_zero():
+    with pytest.raises(CaseError, match="--fit-gpus 0"):
+        fit_gpus({}, 0)
