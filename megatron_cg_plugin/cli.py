@@ -16,7 +16,7 @@ import os
 import sys
 import types
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from megatron_cg_plugin.config import PRESETS
 
@@ -197,55 +197,57 @@ def _golden(argv: Sequence[str]) -> int:
     return EXIT_MISMATCH if mismatches else EXIT_OK
 
 
-def _check(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-cg check", add_help=False)
+def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
+                     produce: Callable[[argparse.Namespace, list[str]], str],
+                     extra_options: Sequence[tuple[str, str]] = ()) -> int:
+    """``check`` and ``plan``: their own options (``--nproc``, ``extra_options`` as (flag, default)),
+    the launcher flags after them, ``produce``'s text on success, one line and exit 2 on bad input."""
+    parser = argparse.ArgumentParser(prog=prog, add_help=False)
     parser.add_argument("--nproc", type=int, default=1,
                         help="number of ranks the run would use (sets the data-parallel size)")
+    for flag, default in extra_options:
+        parser.add_argument(flag, default=default)
     if any(flag in ("-h", "--help") for flag in argv):
         # Megatron 0.19.2's own --help crashes (a bare '%' in one of its help strings), so say what
         # this command takes here; the flags themselves are Megatron's and the plugin's --cg-*.
-        print("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
-              "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
-              "The flags are Megatron's plus the plugin's --cg-* (docs/troubleshooting.md lists every rule); "
-              f"presets: --cg-preset {{{','.join(PRESETS)}}}.")
+        print(usage)
         return EXIT_OK
     options, flags = parser.parse_known_args(argv)
     if options.nproc < 1:
-        print("megatron-cg check: --nproc must be >= 1", file=sys.stderr)
+        print(f"{prog}: --nproc must be >= 1", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        plan = check(flags, nproc=options.nproc, env=dict(os.environ))
+        text = produce(options, flags)
     except ValueError as error:
-        print(f"megatron-cg check: {error}", file=sys.stderr)
+        print(f"{prog}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print("flags OK\n" + plan)
+    print(text)
     return EXIT_OK
+
+
+def _check(argv: Sequence[str]) -> int:
+    usage = ("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
+             "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
+             "The flags are Megatron's plus the plugin's --cg-* (docs/troubleshooting.md lists every rule); "
+             f"presets: --cg-preset {{{','.join(PRESETS)}}}.")
+    return _dry_run_command(argv, prog="megatron-cg check", usage=usage, produce=lambda options, flags:
+                            "flags OK\n" + check(flags, nproc=options.nproc, env=dict(os.environ)))
 
 
 def _plan(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-cg plan", add_help=False)
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--router-load", default="uniform")
-    if any(flag in ("-h", "--help") for flag in argv):
-        print("usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
-              "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
-              "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
-              "load. Graph memory is not predicted yet.")
-        return EXIT_OK
-    options, flags = parser.parse_known_args(argv)
-    if options.nproc < 1:
-        print("megatron-cg plan: --nproc must be >= 1", file=sys.stderr)
-        return EXIT_BAD_INPUT
     from megatron_cg_plugin.plan.capture import plan_capture
 
-    try:
+    def produce(options: argparse.Namespace, flags: list[str]) -> str:
         args, facts = validated_args(flags, nproc=options.nproc, env=dict(os.environ))
-        text = plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load)
-    except ValueError as error:
-        print(f"megatron-cg plan: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(text + "\ngraph memory: not predicted yet (the planner is measured against GPU runs first).")
-    return EXIT_OK
+        return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load)
+                + "\ngraph memory: not predicted yet (the planner is measured against GPU runs first).")
+
+    usage = ("usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
+             "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
+             "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
+             "load. Graph memory is not predicted yet.")
+    return _dry_run_command(argv, prog="megatron-cg plan", usage=usage, produce=produce,
+                            extra_options=(("--router-load", "uniform"),))
 
 
 def _run(argv: Sequence[str]) -> int:
