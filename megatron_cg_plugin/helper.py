@@ -1,11 +1,12 @@
 """The plugin's ``TECudaGraphHelper``: Megatron's lifecycle, with capture made transactional and
 fail-closed, replays checked against their contracts and counted, and teardown measured.
 
-``create_cudagraphs`` follows Megatron's own (start, input data, one ``make_graphed_callables`` call,
-graphs handed to the layers, finish), but calls TE through ``capture.backend`` inside a
-``CaptureTransaction``: on any error every graph created so far is reset and everything the
-capture changed is restored before the error is raised (``--cg-on-capture-error raise``) or
-training continues without graphs (``eager``).
+``create_cudagraphs`` runs Megatron's own (start, input data, one ``make_graphed_callables`` call,
+graph i handed to its layer and microbatch, finish) inside a ``CaptureTransaction``, with the
+plugin's capture call standing in for TE's (``capture.backend``): on any error every graph created
+so far is reset and everything the capture changed is restored before the error is raised
+(``--cg-on-capture-error raise``) or training continues without graphs (``eager``). The graphs
+Megatron handed out are then wrapped with their replay contracts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from typing import Any, Callable, ClassVar, Iterable
 
-from megatron_cg_plugin import diagnostics
+from megatron_cg_plugin import diagnostics, patches
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
@@ -77,6 +78,27 @@ class _CaptureTracker:
         return capture_entry
 
 
+class _CaptureCall:
+    """Stands in for TE's ``make_graphed_callables`` inside Megatron's ``create_cudagraphs``: the
+    capture goes through the backend with every graph tracked by the transaction (and what TE
+    changes restorable), and the sample arguments and returned graphs are kept for the contracts."""
+
+    def __init__(self, backend: GraphBackend, transaction: CaptureTransaction, tracker: _CaptureTracker) -> None:
+        self.backend, self.transaction, self.tracker = backend, transaction, tracker
+        self.graphs: Any = None
+        self.sample_args: Any = None
+        self.sample_kwargs: Any = None
+
+    def __call__(self, callables: tuple, sample_args: Any, **kwargs: Any) -> Any:
+        self.transaction.add(self.backend.restorables(callables, kwargs))
+        with self.backend.tracking(self.transaction.track):
+            graphs = self.backend.make_graphed_callables(callables, sample_args, **kwargs)
+        self.tracker.current = "after the capture (Megatron handing out the graphs, finishing)"  # no layer runs now
+        self.graphs, self.sample_args = tuple(graphs), sample_args
+        self.sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
+        return graphs
+
+
 class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
@@ -120,15 +142,14 @@ class PluginHelperMixin:
             transaction = CaptureTransaction(self._restorables(layers, tracker))
             with transaction:
                 tracker.install()
-                start_time = self._start_capturing()
-                sample_args, kwargs = self._get_cuda_graph_input_data()
-                transaction.add(self.backend.restorables(self.flattened_callables, kwargs))
-                with self.backend.tracking(transaction.track):
-                    graphs = self._capture(sample_args, kwargs)
-                tracker.current = "installing the captured graphs"  # no layer's capture is running now
-                counter = self._install_graphs(graphs, sample_args, kwargs.get("sample_kwargs"), config.contract_check)
-                self._graphs_created = True
-                self._finish_capturing(start_time)
+                capture = _CaptureCall(self.backend, transaction, tracker)
+                from megatron.core.transformer import cuda_graphs
+
+                # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
+                # and microbatch, finish) with the plugin's capture call in place of TE's.
+                with patches.scoped(cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
+                    super().create_cudagraphs()
+                counter = self._hold_to_contracts(capture, config.contract_check)
         except Exception as error:  # noqa: BLE001 - every failure is rolled back, then raised or logged
             self._on_capture_failure(error, scope, tracker, start, layers)
             return
@@ -170,7 +191,7 @@ class PluginHelperMixin:
         baseline = diagnostics.memory_state()
         try:
             banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
-                                   debug=config.slot_debug)
+                                   debug=config.slot_debug, contract_check=config.contract_check)
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
             self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
             with contextlib.suppress(Exception):
@@ -216,35 +237,24 @@ class PluginHelperMixin:
                                           seconds=time.perf_counter() - start, pool_bytes=0,
                                           replays=diagnostics.ReplayCounter(len(layers)), failure=failure)
 
-    def _capture(self, sample_args: Any, kwargs: dict[str, Any]) -> Any:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        rng = get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
-        with rng:
-            return self.backend.make_graphed_callables(tuple(self.flattened_callables), sample_args, **kwargs)
-
-    def _install_graphs(self, graphs: Any, sample_args: Any, sample_kwargs: Any, mode: str) -> diagnostics.ReplayCounter:
-        """Hands graph ``i`` to its layer and microbatch as Megatron does (inputs are organized per
-        chunk, per microbatch, per layer), each wrapped with its replay contract and counter."""
+    def _hold_to_contracts(self, capture: "_CaptureCall", mode: str) -> diagnostics.ReplayCounter:
+        """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
+        graph's own sample arguments, found by identity) and its replay counter."""
+        if capture.graphs is None:
+            raise CaptureFailedError(
+                "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
+                "release captures differently; install the supported megatron-core (docs/versions.md).")
+        index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
-        sample_kwargs = sample_kwargs or [{}] * len(sample_args)
-        layers_before = 0
-        slot = 0
-        for layers in self.callables_per_chunk:
-            for layer_number, layer in enumerate(layers):
-                wrapped = []
-                for microbatch in range(self.num_microbatches):
-                    if self.config.overlap_moe_expert_parallel_comm:
-                        index = (layers_before + layer_number) * self.num_microbatches + microbatch
-                    else:
-                        index = layers_before * self.num_microbatches + microbatch * len(layers) + layer_number
-                    check = None if mode == "off" else self._contract_check(
-                        layer, f"{layer_label(layer, slot)} microbatch {microbatch}", sample_args[index],
-                        sample_kwargs[index] or {}, mode)
-                    wrapped.append(counter.wrap(graphs[index], slot, check))
-                layer.cuda_graphs = wrapped
-                slot += 1
-            layers_before += len(layers)
+        for slot, layer in enumerate(self.flattened_callables):
+            wrapped = []
+            for microbatch, graph in enumerate(layer.cuda_graphs):
+                index = index_of[id(graph)]
+                check = None if mode == "off" else self._contract_check(
+                    layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
+                    capture.sample_kwargs[index] or {}, mode)
+                wrapped.append(counter.wrap(graph, slot, check))
+            layer.cuda_graphs = wrapped
         return counter
 
     @staticmethod

@@ -15,11 +15,12 @@ each exists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_cg_plugin import compat
 
@@ -270,6 +271,7 @@ class ForeignState:
     where: str
     expected_params: tuple[str, ...] = ()  # PRIVATE_API: the parameters relied on
     needs_te: bool = False
+    calls: tuple[str, ...] = ()  # PRIVATE_API: module globals the function must still call by name
 
     def resolve(self) -> Any:
         module_name, _, path = self.target.partition(":")
@@ -290,6 +292,13 @@ LENT: tuple[ForeignState, ...] = (
 
 SCOPED: tuple[ForeignState, ...] = (
     ForeignState(
+        "megatron-capture-call", "megatron.core.transformer.cuda_graphs:make_graphed_callables",
+        "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
+        "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
+        "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
+        "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
+        needs_te=True),  # Megatron imports it from TE
+    ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
@@ -308,15 +317,10 @@ SCOPED: tuple[ForeignState, ...] = (
 )
 
 PRIVATE_API: tuple[ForeignState, ...] = (
-    ForeignState("megatron-start-capturing", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._start_capturing",
-                 "the plugin's create_cudagraphs follows Megatron's own lifecycle step by step.", "helper.py",
-                 ("self",)),
-    ForeignState("megatron-cuda-graph-input-data",
-                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_cuda_graph_input_data",
-                 "the sample arguments and make_graphed_callables keywords Megatron would capture with.", "helper.py",
-                 ("self",)),
-    ForeignState("megatron-finish-capturing", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._finish_capturing",
-                 "Megatron's end of capture (timing log, offload reset).", "helper.py", ("self", "start_time")),
+    ForeignState("megatron-create-cudagraphs", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
+                 "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
+                 "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
+                 "helper.py", ("self",), calls=("make_graphed_callables",)),
     ForeignState("megatron-reset-after-capture",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
                  "Megatron's own post-capture reset, run after a failed capture is rolled back.", "helper.py",
@@ -370,6 +374,20 @@ def revert_lent() -> None:
             setattr(owner, attribute, original)
 
 
+@contextlib.contextmanager
+def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None]:
+    """Sets ``owner.attribute`` (a change listed in ``SCOPED``) for the ``with`` block; the value
+    before is back on exit, whatever happens."""
+    if change not in {entry.name for entry in SCOPED}:
+        raise ValueError(f"{change!r} is not listed in patches.SCOPED; list every foreign change there.")
+    before = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, before)
+
+
 def check_private_api(*, with_te: bool) -> None:
     """Raises ``compat.SignatureMismatchError`` naming the first private function that moved."""
     for entry in PRIVATE_API:
@@ -385,6 +403,11 @@ def check_private_api(*, with_te: bool) -> None:
             raise compat.SignatureMismatchError(f"{entry.target} is no longer callable; install the supported versions.")
         if entry.expected_params:  # builtins (torch's C functions) carry no signature to check
             compat.check_parameters(target, entry.expected_params, where=entry.target)
+        missing = [name for name in entry.calls if name not in target.__code__.co_names]
+        if missing:
+            raise compat.SignatureMismatchError(
+                f"{entry.target} no longer calls {', '.join(missing)}, which the plugin stands in for ({entry.reason}) "
+                "Install the supported megatron-core / TE (docs/versions.md).")
 
 
 class PatchSet:

@@ -41,6 +41,7 @@ from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_s
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
+from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 from megatron_cg_plugin.rules import module_names
 
@@ -139,20 +140,36 @@ class LayerBanks:
         try:
             waiting = _delayed_offload_groups(layer)
             output = base._te_cuda_graph_replay(layer, hidden_states, **kwargs)
-            bank.offload_groups_flushed += waiting
+            _check_flushed(layer, waiting)
+            bank.offload_groups_flushed += len(waiting)
             return output
         finally:
             layer.cuda_graphs = previous
 
 
-def _delayed_offload_groups(layer: Any) -> int:
-    """Offload groups Megatron delayed until a graph replay (``--delay-offload-until-cuda-graph``;
-    its replay path flushes them right after the graph), read for the run report only."""
+def _delayed_offload_groups(layer: Any) -> list[Any]:
+    """The offload groups Megatron delayed until a graph replay (``--delay-offload-until-cuda-graph``;
+    its replay path runs them right after the graph), as a copy of its queue."""
     if not getattr(layer.config, "delay_offload_until_cuda_graph", False):
-        return 0
+        return []
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
-    return len(getattr(PipelineOffloadManager.get_instance(), "_delayed_offload_groups", ()))
+    return list(getattr(PipelineOffloadManager.get_instance(), "_delayed_offload_groups", ()))
+
+
+def _check_flushed(layer: Any, waiting: list[Any]) -> None:
+    """Every group waiting before a bank replay must be gone after it: Megatron's replay path
+    flushes the queue after the graph (groups the eager rest of the layer delays may follow)."""
+    if not waiting:
+        return
+    now = _delayed_offload_groups(layer)
+    left = [group for group in waiting if any(group is queued for queued in now)]
+    if left:
+        raise BankReplayError(
+            f"layer {layer.layer_number}: {len(left)} of the {len(waiting)} offload groups delayed until this graph "
+            "replay are still queued after it: Megatron's replay path (TransformerLayer._te_cuda_graph_replay) "
+            "did not flush them, so their activations would stay on the GPU; this megatron-core release handles "
+            "the delayed flush differently: train without --delay-offload-until-cuda-graph.")
 
 
 def banked_layer_class(base: type) -> type:
@@ -247,14 +264,15 @@ class BankReplayCounts(ReplayTotals):
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
-                  warmup_iterations: int = 2) -> BankedLayers:
+                  warmup_iterations: int = 2, contract_check: str = "full") -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
     ``rope_tables``: per CP size, the RoPE table the model passes for a pack of that size (its
     ``rotary_pos_emb`` of the pack's ``max_seqlen``); None without RoPE. Every rank of a CP group
-    must call this with the same layers and sizes (the captures of a bank communicate). On failure
-    every graph captured so far is reset and no layer is left banked."""
+    must call this with the same layers and sizes (the captures of a bank communicate). ``debug``,
+    ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. On failure every graph
+    captured so far is reset and no layer is left banked."""
     layers = list(layers)
     sizes = sorted(groups)
     _validate_bank_capture(layers, groups, sizes, rope_tables)
@@ -264,7 +282,7 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     try:
         for layer in layers:
             _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
-                                 debug=debug, warmup_iterations=warmup_iterations)
+                                 debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check)
     except BaseException:
         result.reset()
         raise
@@ -332,7 +350,7 @@ def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]
 
 def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any], capacity: ThdCapacity,
                          rope_tables: Mapping[int, torch.Tensor] | None, scratch: Any, result: "BankedLayers", *,
-                         pool: Any, debug: bool, warmup_iterations: int) -> None:
+                         pool: Any, **capture_options: Any) -> None:
     """One layer's banks in the shared ``pool``: a graph per CP size when attention is graphed,
     else one graph for every size. Its graphs go into ``result`` as soon as they exist (so a later
     failure resets them), then its router."""
@@ -345,8 +363,8 @@ def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any]
     variants = ([_attention_variant(capture, size, groups[size], capacity, hidden,
                                     None if rope_tables is None else rope_tables[size]) for size in sizes]
                 if attention else [Variant("any-cp", capture, (hidden,))])
-    graphs = result.graphs[id(layer)] = capture_slotted(variants, 1, layer.parameters(), pool=pool, debug=debug,
-                                                         warmup_iterations=warmup_iterations)
+    graphs = result.graphs[id(layer)] = capture_slotted(
+        variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options)
 
     def payload(size: int) -> BankGraph:
         if not attention:  # one graph for every CP size

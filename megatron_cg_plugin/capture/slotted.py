@@ -32,11 +32,12 @@ from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.capture import backend as te_seam
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.branches import BranchSignature, check_branches
-from megatron_cg_plugin.capture.contracts import ContractViolation, TensorSpec
+from megatron_cg_plugin.capture.contracts import CONTRACT_MODES, ContractViolation, ReplayContract
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.memory.guard import SlotGuard
 from megatron_cg_plugin.memory.layout import span_elements, span_of
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
+from megatron_cg_plugin.plan.slots import SlotPlan
 
 
 class SlotCoverageError(RuntimeError):
@@ -66,6 +67,7 @@ class SlottedStats:
     capture_seconds: float
     pool_bytes: int  # reserved by the shared pool
     arena_bytes: int
+    slot_arena_bytes: tuple[int, ...]  # per slot: the largest frame of the variants the plan puts there
     boundary_bytes: int  # inputs, outputs, incoming and returned gradients, parameter-gradient buffers
     saved_bytes: dict[Hashable, int]  # per variant, measured at warmup
     ctx_tensors: dict[Hashable, int]  # per variant: tensors found on ctx and protected
@@ -165,7 +167,7 @@ class _Entry:
     """The graphs of one variant in one slot, and what their replays read and write."""
 
     def __init__(self, variant: Variant, slot: int, boundary: _Boundary, params: Sequence[torch.nn.Parameter],
-                 param_grads: Sequence[torch.Tensor], guard: SlotGuard | None) -> None:
+                 param_grads: Sequence[torch.Tensor], guard: SlotGuard | None, contract_check: str = "full") -> None:
         self.variant, self.slot, self.boundary = variant, slot, boundary
         self.params, self.param_grads = tuple(params), tuple(param_grads)
         self.guard = guard
@@ -173,10 +175,17 @@ class _Entry:
         self.backward_graph: Any = None
         self.params_used: tuple[bool, ...] = ()
         self.output_requires_grad: tuple[bool, ...] = ()
-        self.specs = tuple(TensorSpec.of(a) for a in variant.sample_args)
+        self.input_count = len(variant.sample_args)
+        # The same contract as TE's graphs: the boundary inputs are the static buffers (an input at
+        # their address is read in place, any other copied in), the parameters are read in place.
+        self.contract_check = contract_check
+        self.contract = ReplayContract.record(self.name, boundary.inputs, {}, self._named_params())
         self.frames = 0
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
+
+    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(f"parameter {index}", param) for index, param in enumerate(self.params)]
 
     @property
     def name(self) -> str:
@@ -198,13 +207,12 @@ class _Entry:
 
     def replay_forward(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self._check_live()
-        if len(args) != len(self.specs):
-            raise ContractViolation(self.name, "number of inputs", len(self.specs), len(args))
-        for index, (arg, spec, static) in enumerate(zip(args, self.specs, self.boundary.inputs)):
-            for field, captured, actual in (("shape", spec.shape, tuple(arg.shape)), ("dtype", spec.dtype, arg.dtype),
-                                            ("device", spec.device, arg.device)):
-                if captured != actual:
-                    raise ContractViolation(self.name, field, captured, actual, where=f"input {index}")
+        if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
+            raise ContractViolation(self.name, "arguments", [name for name, _ in self.contract.inputs],
+                                    [f"arg{index}" for index in range(len(args))])
+        full = self.contract_check == "full"
+        self.contract.check(args, {}, mode=self.contract_check, params=self._named_params() if full else ())
+        for arg, static in zip(args, self.boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)
         self.frames += 1
@@ -235,15 +243,15 @@ class _Entry:
 
 class _SlotReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, entry: _Entry, input_count: int, *tensors: torch.Tensor) -> Any:
         ctx.entry = entry
-        outputs = entry.replay_forward(tensors[:len(entry.specs)])
+        outputs = entry.replay_forward(tensors[:input_count])
         ctx.mark_non_differentiable(*[o for o, rg in zip(outputs, entry.output_requires_grad) if not rg])
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return (None, *ctx.entry.replay_backward(grads))
+        return (None, None, *ctx.entry.replay_backward(grads))
 
 
 class SlottedGraphs:
@@ -268,7 +276,7 @@ class SlottedGraphs:
                            f"slots 0..{self.stats.ring_size - 1}") from None
 
         def replay(*inputs: torch.Tensor) -> Any:
-            outputs = _SlotReplay.apply(entry, *inputs, *entry.params)
+            outputs = _SlotReplay.apply(entry, len(inputs), *inputs, *entry.params)
             return outputs[0] if len(outputs) == 1 else outputs
 
         return replay
@@ -283,33 +291,36 @@ class SlottedGraphs:
 
 
 # ---------------------------------------------------------------------------------------------- capture
-def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Iterable[torch.nn.Parameter], *,
+def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
                     protect: bool = True, pool: Any = None, warmup_iterations: int = 2, debug: bool = False,
-                    strict: bool = True) -> SlottedGraphs:
-    """Captures every variant once per slot of a ring of ``ring_size`` into one graph pool.
+                    strict: bool = True, contract_check: str = "full") -> SlottedGraphs:
+    """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
+    into one graph pool; each slot's arena is sized by the largest of its own variants.
 
     ``parameters`` are the layers' parameters (shared by all variants). ``protect=False`` captures
     the same graphs without arenas (shared pool, nothing protected: the corruption this module
     exists to prevent; for tests and measurements). ``debug`` turns on the host-side slot guard
     (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
-    leaves unprotected pool memory alive; otherwise its bytes are only reported.
+    leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
+    is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
     """
     params = [p for p in parameters if p.requires_grad]
-    _validate(variants, ring_size, warmup_iterations)
+    slots_of = _validate(variants, plan, warmup_iterations, contract_check)
     # An eager graph alive at capture breaks the backward capture, also where TE's capture tolerates it.
     hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check)
     with te_seam.te_capture_flag():
         entries, arenas, boundaries, param_grads, measures, retained = _capture_all(
-            variants, ring_size, params, protect, pool, warmup_iterations, debug, strict)
+            variants, plan.ring_size, slots_of, params, pool, options)
     torch.cuda.synchronize()
     segments = diagnostics.allocator_segments()
     stats = SlottedStats(
-        ring_size=ring_size, variants=len(variants), graphs=2 * len(entries),
+        ring_size=plan.ring_size, variants=len(variants), graphs=2 * len(entries),
         capture_seconds=time.perf_counter() - start,
         pool_bytes=diagnostics.pool_bytes_by_id(segments).get(tuple(pool), 0),
-        arena_bytes=sum(a.capacity for a in arenas),
+        arena_bytes=sum(a.capacity for a in arenas), slot_arena_bytes=tuple(a.capacity for a in arenas),
         boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
         saved_bytes={name: m.saved_bytes for name, m in measures.items()},
         ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
@@ -317,52 +328,94 @@ def capture_slotted(variants: Sequence[Variant], ring_size: int, parameters: Ite
     return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool])
 
 
-def _capture_all(variants: Sequence[Variant], ring_size: int, params: list[torch.nn.Parameter], protect: bool,
-                 pool: Any, warmup_iterations: int, debug: bool, strict: bool) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class _CaptureOptions:
+    protect: bool
+    warmup_iterations: int
+    debug: bool
+    strict: bool
+    contract_check: str
+
+
+def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
+                 params: list[torch.nn.Parameter], pool: Any, options: _CaptureOptions) -> tuple:
     """Warmup, sizing, allocation and every capture (TE's capture flag set by the caller)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
-        measures = {v.name: _warmup(v, params, warmup_iterations) for v in variants}
+        measures = {v.name: _warmup(v, params, options.warmup_iterations) for v in variants}
     torch.cuda.current_stream().wait_stream(stream)
-    branch_of = io_branches(variants, measures, ring_size)
+    branch_of = io_branches(variants, measures, slots_of)
 
-    arena_bytes = max(m.saved_bytes for m in measures.values())
     device = variants[0].sample_args[0].device if variants[0].sample_args else torch.device("cuda")
-    arenas = [Arena(arena_bytes, device, name=f"slot {s}") for s in range(ring_size)] if protect else []
-    boundaries = {(s, branch_of[v.name]): _Boundary(v, measures[v.name]) for s in range(ring_size) for v in variants}
+    placed = [(v, slot) for v in variants for slot in slots_of[v.name]]
+    arenas = [Arena(arena_bytes, device, name=f"slot {slot}")
+              for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures))] \
+        if options.protect else []
+    boundaries = {(slot, branch_of[v.name]): _Boundary(v, measures[v.name]) for v, slot in placed}
     param_grads = [torch.empty_like(p) for p in params]
-    guard = SlotGuard(ring_size) if debug else None
-    entries = {(v.name, s): _Entry(v, s, boundaries[s, branch_of[v.name]], params, param_grads, guard)
-               for s in range(ring_size) for v in variants}
+    guard = SlotGuard(ring_size) if options.debug else None
+    entries = {(v.name, slot): _Entry(v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard,
+                                      options.contract_check)
+               for v, slot in placed}
     retained = 0
     torch.cuda.synchronize()
     with CaptureTransaction([]) as transaction:
         for (_, slot), entry in entries.items():
-            arena = arenas[slot] if protect else None
-            retained += _capture_entry(entry, arena, pool, stream, transaction, strict)
+            arena = arenas[slot] if options.protect else None
+            retained += _capture_entry(entry, arena, pool, stream, transaction, options.strict)
     return entries, arenas, boundaries, param_grads, measures, retained
 
 
-def _validate(variants: Sequence[Variant], ring_size: int, warmup_iterations: int) -> None:
-    if ring_size < 1:
-        raise ValueError(f"ring_size {ring_size}: give the slot ring of the plan (plan_slots(...).ring_size >= 1).")
+def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
+                     measures: dict[Hashable, _Measure]) -> list[int]:
+    """Per slot, the bytes its arena needs: the largest frame of the variants the plan puts there
+    (measured at warmup), so a slot only small variants use gets a small arena."""
+    sizes = [0] * ring_size
+    for name, slots in slots_of.items():
+        for slot in slots:
+            sizes[slot] = max(sizes[slot], measures[name].saved_bytes)
+    return sizes
+
+
+def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, tuple[int, ...]]:
+    """The slots ``plan`` gives each variant (``ValueError`` if the plan and the names differ)."""
+    slots_of = {name: tuple(sorted({f.slot for f in plan.frames if f.variant == name})) for name in names}
+    unplanned = sorted(str(name) for name, slots in slots_of.items() if not slots)
+    unknown = sorted({str(f.variant) for f in plan.frames} - {str(name) for name in names})
+    if unplanned or unknown:
+        raise ValueError(f"the plan and the variants differ: variants in no frame of the plan {unplanned}, frames "
+                         f"of variants not given {unknown}; plan with the same variant names you capture.")
+    return slots_of
+
+
+def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: int,
+              contract_check: str) -> dict[Hashable, tuple[int, ...]]:
+    """Everything capture refuses, before anything is allocated; returns each variant's slots."""
+    if not isinstance(plan, SlotPlan):
+        raise TypeError(f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
+                        "(plan.slots), or plan.slots.exclusive_plan(names) for variants that never overlap.")
     if warmup_iterations < 1:
         raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")
+    if contract_check not in CONTRACT_MODES:
+        raise ValueError(f"contract_check {contract_check!r}: use one of {', '.join(CONTRACT_MODES)}.")
     if not variants:
         raise ValueError("no variants given; pass at least one Variant.")
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names repeat ({names}); give each variant its own name.")
+    slots_of = planned_slots(plan, names)
     for variant in variants:
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in variant.sample_args):
             raise ValueError(f"variant {variant.name!r}: sample_args must be CUDA tensors.")
     if te_seam.fp8_autocast_active():
         raise ValueError("slot-shared capture runs without FP8 autocast for now (quantizer state outside "
                          "saved tensors is not protected here); capture outside fp8_autocast.")
+    return slots_of
 
 
-def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure], ring_size: int) -> dict[Hashable, Hashable]:
+def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure],
+                slots_of: dict[Hashable, tuple[int, ...]]) -> dict[Hashable, Hashable]:
     """The I/O branch of each variant: its ``io_branch`` if named (all variants naming one must have
     interchangeable layouts: ``BranchMismatchError`` otherwise), else its boundary layout, so that
     variants with identical layouts share storage."""
@@ -374,8 +427,8 @@ def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure],
         if v.io_branch is not None:
             named.setdefault(v.io_branch, {})[v.name] = signatures[v.name]
     for branches in named.values():
-        for slot in range(ring_size):
-            check_branches(slot, branches)
+        for slot in sorted({slot for name in branches for slot in slots_of[name]}):
+            check_branches(slot, {name: sig for name, sig in branches.items() if slot in slots_of[name]})
     return {v.name: ("named", v.io_branch) if v.io_branch is not None else ("layout", signatures[v.name])
             for v in variants}
 

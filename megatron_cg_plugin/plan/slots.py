@@ -146,3 +146,9 @@ def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = Non
     frames = tuple(Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3],
                          backward_at=s[4], slot=assigned[i]) for i, s in enumerate(spans))
     return SlotPlan(frames=frames, ring_size=len(slot_sizes), slot_sizes=tuple(slot_sizes))
+
+
+def exclusive_plan(variants: Sequence[Hashable]) -> SlotPlan:
+    """The plan of variants that never overlap (each frame's backward before the next forward, as
+    the dynamic-CP banks of one layer): one slot that every variant uses."""
+    return plan_slots([1, -1] * len(variants), list(variants))

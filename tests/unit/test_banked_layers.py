@@ -116,24 +116,62 @@ def test_rope_tables_are_bound_per_bank():
     assert len(calls) == 2 and layer.cuda_graphs == []
 
 
-def test_delayed_offload_groups_waiting_at_a_replay_are_counted_as_flushed_by_it(monkeypatch):
-    import megatron_cg_plugin.capture.banked as banked_module
+@pytest.fixture
+def offload_manager(monkeypatch):
+    """Megatron's own offload manager singleton, made without its CUDA streams (CPU)."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
 
-    queue = ["group of layer 2", "group of layer 2"]  # Megatron's delayed offload queue
-    monkeypatch.setattr(banked_module, "_delayed_offload_groups", lambda _layer: len(queue))
+    manager = object.__new__(PipelineOffloadManager)
+    manager._delayed_offload_groups = []
+    monkeypatch.setattr(PipelineOffloadManager, "OFFLOAD_MGR", manager)
+    return manager
 
-    class FlushingLayer(FakeLayer):
-        def _te_cuda_graph_replay(self, hidden_states, **kwargs):  # graph, flush, then eager experts delay one
+
+def _delayed_group(name, ran):
+    return (lambda group_name, released: ran.append(group_name), name, [])
+
+
+def test_delayed_offload_groups_are_flushed_by_the_replay_and_the_queue_left_empty(offload_manager):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as interface,
+    )
+
+    class MegatronReplay(FakeLayer):
+        def _te_cuda_graph_replay(self, hidden_states, **kwargs):  # Megatron 0.19: graph, then the flush
             output = super()._te_cuda_graph_replay(hidden_states, **kwargs)
-            queue[:] = ["group of this layer"]
+            interface.flush_delayed_groups()
             return output
 
+    ran = []
     group = object()
-    layer, _ = bank_layer(group=group, base=FlushingLayer)
+    layer, _ = bank_layer(group=group, base=MegatronReplay)
+    layer.config.delay_offload_until_cuda_graph = True
+    offload_manager._delayed_offload_groups = [_delayed_group("layer 2 attn", ran), _delayed_group("layer 2 mlp", ran)]
     layer(hidden_states=torch.ones(1), packed_seq_params=packed(2, group, max_seqlen=16))
+    assert ran == ["layer 2 attn", "layer 2 mlp"] and offload_manager._delayed_offload_groups == []
+    offload_manager._delayed_offload_groups = [_delayed_group("layer 3 attn", ran)]
     layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    assert offload_manager._delayed_offload_groups == []
     rows = vars(layer)["_graph_banks"].router.report()
     assert [row["offload_groups_flushed"] for row in rows] == [1, 2]
+
+
+def test_a_replay_that_leaves_delayed_groups_queued_is_refused(offload_manager):
+    class NoFlush(FakeLayer):
+        def _te_cuda_graph_replay(self, hidden_states, **kwargs):
+            output = super()._te_cuda_graph_replay(hidden_states, **kwargs)
+            offload_manager._delayed_offload_groups.append(_delayed_group("this layer's eager mlp", []))
+            return output  # a release that no longer flushes after the graph
+
+    layer, _ = bank_layer(base=NoFlush)
+    layer.config.delay_offload_until_cuda_graph = True
+    offload_manager._delayed_offload_groups = [_delayed_group("layer 2 attn", [])]
+    with pytest.raises(BankReplayError, match="1 of the 1 offload groups delayed until this graph replay are still "
+                                              "queued"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    offload_manager._delayed_offload_groups = []  # only groups delayed after the flush: fine
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    assert len(offload_manager._delayed_offload_groups) == 1
 
 
 def test_calls_the_banks_cannot_serve_run_eagerly(banked):

@@ -290,6 +290,8 @@ class FakeMegatronHelper:
         self.manual_hooks_calls = 0
         self.fail_reset_after_capture = False
         self.fail_input_data = False
+        self.skip_capture = False  # a release whose create_cudagraphs no longer calls make_graphed_callables
+        self.hand_out = list  # the microbatch order graphs are handed to a layer in
 
     def capture_finished(self):
         return self._capture_finished
@@ -335,9 +337,20 @@ class FakeMegatronHelper:
         self.events.append("finish")
 
     def create_cudagraphs(self):
+        """Megatron 0.19's: the module's ``make_graphed_callables`` (looked up at call time), graph i
+        handed to its layer and microbatch by Megatron's arithmetic (``hand_out`` may reorder)."""
         start_time = self._start_capturing()
-        if self.flattened_callables:
-            raise AssertionError("the plugin must not delegate a real capture to Megatron")
+        if self.flattened_callables and not self.skip_capture:
+            sample_args, kwargs = self._get_cuda_graph_input_data()
+            graphs = mcg.make_graphed_callables(tuple(self.flattened_callables), sample_args, **kwargs)
+            before = 0
+            for layers in self.callables_per_chunk:
+                for position, layer in enumerate(layers):
+                    layer.cuda_graphs = [graphs[expected_index(before, len(layers), position, mb, self.num_microbatches,
+                                                               self.config.overlap_moe_expert_parallel_comm)]
+                                         for mb in self.hand_out(range(self.num_microbatches))]
+                before += len(layers)
+            self._graphs_created = True
         self._finish_capturing(start_time)
 
     def cuda_graph_set_manual_hooks(self):
@@ -404,11 +417,17 @@ def collections(monkeypatch):
     return calls
 
 
+def _te_capture_unreached(*args, **kwargs):
+    raise AssertionError("Megatron called TE's make_graphed_callables: the plugin's capture call was not in place")
+
+
 @pytest.fixture(autouse=True)
 def _clean_globals(monkeypatch):
     """Whatever a failing test leaves behind must not leak into the next one."""
     monkeypatch.setattr(mcg, "_IS_GRAPH_CAPTURING", False)
+    monkeypatch.setattr(mcg, "make_graphed_callables", _te_capture_unreached, raising=False)  # TE's, on a GPU host
     yield
+    assert mcg.make_graphed_callables is _te_capture_unreached  # the plugin's stand-in was scoped
     gc.enable()
     if "__call__" in vars(FakeLayer):
         del FakeLayer.__call__
@@ -700,6 +719,27 @@ def test_every_layer_gets_its_graphs_in_megatrons_order(probe, memory, layout, m
         before += count
     assert helper.graphs_created() and helper.capture_finished()
     assert helper.num_microbatches == microbatches
+
+
+def test_contracts_follow_the_graphs_megatron_hands_out_by_identity(probe, memory):
+    """Whatever order Megatron hands a layer its graphs in, each is held to its own sample arguments."""
+    session, backend, model, helper = build(probe, layout=(2,), microbatches=3)
+    helper.hand_out = lambda microbatches: list(microbatches)[::-1]
+    helper.create_cudagraphs()
+    for layer in all_layers(model):
+        for wrapper in layer.cuda_graphs:
+            (_, static), *_ = wrapper._check.contract.inputs
+            assert static.data_ptr == helper.sample_args[wrapper.graph.index][0].data_ptr()
+    assert [w.graph.index for w in all_layers(model)[0].cuda_graphs] == [4, 2, 0]
+
+
+def test_a_megatron_that_captures_without_make_graphed_callables_is_rolled_back(probe, memory):
+    session, backend, model, helper = build(probe, layout=(2,))
+    helper.skip_capture = True
+    before = Snapshot(model, backend, helper)
+    with pytest.raises(CaptureFailedError, match="returned without calling make_graphed_callables"):
+        helper.create_cudagraphs()
+    before.assert_restored(model, backend, helper)
 
 
 def test_capture_stats_and_cleanup_after_success(probe, memory, capture_clock):

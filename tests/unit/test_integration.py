@@ -756,6 +756,24 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
     assert all(a is b for a, b in zip(before, after, strict=True))
 
 
+def test_scoped_megatron_capture_call_is_restored_by_identity_and_unlisted_changes_refused(monkeypatch):
+    from megatron.core.transformer import cuda_graphs
+
+    def te_make_graphed_callables(*args, **kwargs):
+        return "TE's"
+
+    monkeypatch.setattr(cuda_graphs, "make_graphed_callables", te_make_graphed_callables, raising=False)
+    with pytest.raises(KeyError):
+        with patches.scoped(cuda_graphs, "make_graphed_callables", len, "megatron-capture-call"):
+            assert cuda_graphs.make_graphed_callables is len
+            raise KeyError("restored on an error too")
+    assert cuda_graphs.make_graphed_callables is te_make_graphed_callables
+    with pytest.raises(ValueError, match="'unlisted' is not listed in patches.SCOPED"):
+        with patches.scoped(cuda_graphs, "make_graphed_callables", len, "unlisted"):
+            pass
+    assert cuda_graphs.make_graphed_callables is te_make_graphed_callables
+
+
 def test_scoped_te_capture_flag_is_restored(monkeypatch):
     from megatron_cg_plugin.capture import backend
 
@@ -780,16 +798,28 @@ def test_scoped_te_capture_flag_is_restored(monkeypatch):
 def test_install_refuses_a_moved_private_megatron_method_and_patches_nothing(monkeypatch):
     from megatron.core.transformer import cuda_graphs
 
-    monkeypatch.delattr(cuda_graphs.TECudaGraphHelper, "_finish_capturing")
-    with pytest.raises(SignatureMismatchError, match="_finish_capturing"):
+    monkeypatch.delattr(cuda_graphs.TECudaGraphHelper, "_reset_after_capture")
+    with pytest.raises(SignatureMismatchError, match="_reset_after_capture"):
         integration.install()
     assert_pristine()
 
 
 def test_install_refuses_a_private_method_whose_parameters_changed(monkeypatch):
+    from megatron.core.transformer import transformer_layer
+
+    monkeypatch.setattr(transformer_layer.TransformerLayer, "_forward_attention", lambda self, hidden_states: None)
+    with pytest.raises(SignatureMismatchError, match="attention_mask"):
+        integration.install()
+    assert_pristine()
+
+
+def test_install_refuses_a_create_cudagraphs_that_no_longer_calls_make_graphed_callables(monkeypatch):
     from megatron.core.transformer import cuda_graphs
 
-    monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "_finish_capturing", lambda self: None)
-    with pytest.raises(SignatureMismatchError, match="start_time"):
+    def create_cudagraphs(self):  # a release that captures through another function
+        return capture_graphs(self)
+
+    monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "create_cudagraphs", create_cudagraphs)
+    with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables"):
         integration.install()
     assert_pristine()

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from megatron_cg_plugin.capture.branches import BranchMismatchError
+from megatron_cg_plugin.capture.contracts import ContractViolation
 from megatron_cg_plugin.capture.slotted import (
-    Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches,
+    Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches, planned_slots,
+    slot_arena_bytes,
 )
 from megatron_cg_plugin.memory.layout import span_elements, span_of
+from megatron_cg_plugin.plan.slots import exclusive_plan, plan_slots
 
 BASE = torch.arange(24.0).reshape(4, 6)
 LAYOUTS = {
@@ -61,66 +64,134 @@ def test_outputs_must_be_tensors():
         _as_tuple((BASE, 3), "v")
 
 
-def _measure(*outputs, input_grads=()):
-    return _Measure(saved_bytes=0, ctx_tensors=0, outputs=tuple(outputs), input_grads=tuple(input_grads),
+def _measure(*outputs, input_grads=(), saved_bytes=0):
+    return _Measure(saved_bytes=saved_bytes, ctx_tensors=0, outputs=tuple(outputs), input_grads=tuple(input_grads),
                     params_used=())
 
 
 def test_variants_naming_one_io_branch_must_match_layouts():
     a = Variant("a", lambda x: x, (torch.zeros(4, 6),), io_branch="shared")
     b = Variant("b", lambda x: x, (torch.zeros(4, 6),), io_branch="shared")
-    branches = io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.clone())}, ring_size=2)
+    both_slots = {"a": (0, 1), "b": (0, 1)}
+    branches = io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.clone())}, both_slots)
     assert branches["a"] == branches["b"]
-    with pytest.raises(BranchMismatchError, match="outputs\\[0\\].stride"):
-        io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.t().contiguous().t())}, ring_size=2)
+    transposed = {"a": _measure(BASE), "b": _measure(BASE.t().contiguous().t())}
+    with pytest.raises(BranchMismatchError, match="slot 1: .*outputs\\[0\\].stride"):
+        io_branches([a, b], transposed, {"a": (0, 1), "b": (1,)})
+    io_branches([a, b], transposed, {"a": (0,), "b": (1,)})  # never in one slot: nothing is shared
 
 
 def test_unnamed_variants_share_storage_exactly_when_layouts_match():
     same = [Variant(name, lambda x: x, (torch.zeros(4, 6),)) for name in ("a", "b")]
     other = Variant("c", lambda x: x, (torch.zeros(2, 6),))
     measures = {"a": _measure(BASE), "b": _measure(BASE.clone()), "c": _measure(BASE[:2])}
-    branches = io_branches(same + [other], measures, ring_size=1)
+    branches = io_branches(same + [other], measures, {"a": (0,), "b": (0,), "c": (0,)})
     assert branches["a"] == branches["b"] != branches["c"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(ring_size=0), "ring_size 0"),
+    (dict(plan=2), "pass the SlotPlan of plan_slots"),
     (dict(warmup_iterations=0), "warmup_iterations must be >= 1"),
+    (dict(contract_check="strict"), "contract_check 'strict': use one of full, shapes, off"),
     (dict(variants=[]), "no variants given"),
     (dict(variants=[Variant("a", abs, ()), Variant("a", abs, ())]), "variant names repeat"),
+    (dict(plan=exclusive_plan(["cpu", "other"])), r"frames of variants not given \['other'\]"),
+    (dict(variants=[Variant("cpu", abs, (torch.zeros(2),)), Variant("b", abs, ())]),
+     r"variants in no frame of the plan \['b'\]"),
     (dict(variants=[Variant("cpu", abs, (torch.zeros(2),))]), "sample_args must be CUDA tensors"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_allocated(kwargs, message):
-    args = dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], ring_size=1, warmup_iterations=1) | kwargs
-    with pytest.raises(ValueError, match=message):
-        _validate(args["variants"], args["ring_size"], args["warmup_iterations"])
-    with pytest.raises(ValueError, match=message):
-        capture_slotted(args["variants"], args["ring_size"], [], warmup_iterations=args["warmup_iterations"])
+    args = dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], plan=exclusive_plan(["cpu"]),
+                warmup_iterations=1, contract_check="full") | kwargs
+    error = TypeError if isinstance(args["plan"], int) else ValueError
+    with pytest.raises(error, match=message):
+        _validate(args["variants"], args["plan"], args["warmup_iterations"], args["contract_check"])
+    with pytest.raises(error, match=message):
+        capture_slotted(args["variants"], args["plan"], [], warmup_iterations=args["warmup_iterations"],
+                        contract_check=args["contract_check"])
+
+
+def test_the_plan_places_variants_and_sizes_each_slot_by_its_own_variants():
+    """Megatron's 1F1B with two microbatches in flight: frames A, B overlap, C reuses A's slot."""
+    plan = plan_slots([1, 1, -1, 1, -1, -1], ["big", "small", "small2"])
+    assert plan.ring_size == 2
+    names = ["big", "small", "small2"]
+    slots_of = planned_slots(plan, names)
+    assert slots_of == {"big": (0,), "small": (1,), "small2": (0,)}
+    measures = {"big": _measure(saved_bytes=1000), "small": _measure(saved_bytes=10),
+                "small2": _measure(saved_bytes=30)}
+    # A slot only small variants use gets a small arena (a ring of the largest would be 2000 bytes).
+    assert slot_arena_bytes(plan.ring_size, slots_of, measures) == [1000, 10]
+    assert slot_arena_bytes(1, planned_slots(exclusive_plan(names), names), measures) == [1000]
 
 
 class FakeGraph:
     def __init__(self):
         self.resets = 0
+        self.replays = 0
 
     def reset(self):
         self.resets += 1
 
+    def replay(self):
+        self.replays += 1
 
-def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
-    """Reports keep routers and callables alive after teardown; the buffers must go anyway."""
+
+def _slotted_graphs(contract_check="full"):
+    """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
     from megatron_cg_plugin.capture.slotted import SlottedGraphs, SlottedStats, _Boundary, _Entry
 
     sample = torch.zeros(4, 6, requires_grad=True)
     variant = Variant("v", lambda x: x * 2, (sample,))
     boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
     param = torch.nn.Parameter(torch.ones(3))
-    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None)
+    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check)
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
-    graphs_before = (entry.forward_graph, entry.backward_graph)
+    entry.output_requires_grad = (False,)
     stats = SlottedStats(ring_size=1, variants=1, graphs=2, capture_seconds=0.0, pool_bytes=0, arena_bytes=0,
-                         boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={}, retained_bytes=0,
+                         slot_arena_bytes=(), boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={}, retained_bytes=0,
                          uncovered_bytes=0)
-    graphs = SlottedGraphs({("v", 0): entry}, stats, [boundary])
+    return SlottedGraphs({("v", 0): entry}, stats, [boundary]), entry, param
+
+
+def test_slot_replays_are_held_to_the_replay_contract():
+    graphs, entry, param = _slotted_graphs()
+    replay = graphs.callable("v", 0)
+    fresh = torch.full((4, 6), 3.0)
+    replay(fresh)
+    assert torch.equal(entry.boundary.inputs[0], fresh) and entry.forward_graph.replays == 1  # copied in
+    with pytest.raises(ContractViolation, match=r"variant 'v' in slot 0: shape \(arg0\) was \(4, 6\) at capture, "
+                                                r"is \(2, 6\) now\. graphs replay fixed shapes"):
+        replay(torch.zeros(2, 6))
+    with pytest.raises(ContractViolation, match=r"dtype \(arg0\) was torch.float32"):
+        replay(torch.zeros(4, 6, dtype=torch.float64))
+    with pytest.raises(ContractViolation, match="alias .*overwrite before it is read"):
+        replay(entry.boundary.inputs[0].detach().as_strided((4, 6), (0, 1), 1))  # inside the static buffer
+    with pytest.raises(ContractViolation, match=r"stride \(arg0\) was \(6, 1\) at capture, is \(1, 4\)"):
+        replay(entry.boundary.inputs[0].detach().as_strided((4, 6), (1, 4)))  # read in place, other layout
+    with pytest.raises(ContractViolation, match="arguments was \\['arg0'\\] at capture, is \\['arg0', 'arg1'\\]"):
+        replay(fresh, fresh)
+    param.data = torch.ones(3)  # reallocated, as a checkpoint load into new tensors does
+    with pytest.raises(ContractViolation, match="parameter storage \\(parameter 0\\)"):
+        replay(fresh)
+    assert entry.forward_graph.replays == 1  # nothing refused was replayed
+
+
+def test_shapes_mode_checks_shapes_only_and_off_checks_only_the_count():
+    graphs, entry, param = _slotted_graphs("shapes")
+    param.data = torch.ones(3)
+    graphs.callable("v", 0)(torch.zeros(4, 6))  # parameter storage is a ``full`` check
+    with pytest.raises(ContractViolation, match="shape"):
+        graphs.callable("v", 0)(torch.zeros(2, 6))
+    graphs, entry, _ = _slotted_graphs("off")
+    with pytest.raises(ContractViolation, match="arguments"):  # inputs and parameters are told apart by count
+        graphs.callable("v", 0)(torch.zeros(4, 6), torch.zeros(4, 6))
+
+
+def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
+    """Reports keep routers and callables alive after teardown; the buffers must go anyway."""
+    graphs, entry, _ = _slotted_graphs()
+    graphs_before = (entry.forward_graph, entry.backward_graph)
     replay = graphs.callable("v", 0)
     graphs.reset()
     assert [g.resets for g in graphs_before] == [1, 1]

@@ -126,9 +126,14 @@ def exactness(result):
                 key = f"n{n}/{label}/{mode}"
                 graphs = None
                 try:
-                    graphs = capture_slotted(variants, plan.ring_size, params, protect=mode == "slots", debug=True)
+                    used = [v for v in variants if v.name in set(chosen)]
+                    graphs = capture_slotted(used, plan, params, protect=mode == "slots", debug=True)
                     exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
+                    saved = graphs.stats.saved_bytes
                     result[key] = {"ring": plan.ring_size, "frames": len(plan.frames), "exact": all(exact),
+                                   "slot_variants": [sorted(map(str, plan.branches(s))) for s in range(plan.ring_size)],
+                                   "slot_arena_bytes": graphs.stats.slot_arena_bytes,
+                                   "ring_of_largest_bytes": plan.ring_size * max(saved.values()),
                                    "exact_frames": sum(exact), "max_abs_diff": worst,
                                    "uncovered_bytes": graphs.stats.uncovered_bytes,
                                    "retained_bytes": graphs.stats.retained_bytes,
@@ -147,6 +152,7 @@ def memory(result):
     """Graph memory (reserved-bytes delta) for N = 1, 2, 4 variants at one slot ring, slots vs one
     pool per graph pair (what separate make_graphed_callables calls per variant and microbatch do)."""
     from megatron_cg_plugin.capture.slotted import capture_slotted
+    from megatron_cg_plugin.plan.slots import exclusive_plan, plan_slots
 
     layers, stack = build()
     params = list(layers.parameters())
@@ -156,13 +162,16 @@ def memory(result):
         for n in (1, 2, 4):
             variants = variants_for(n, stack, equal_sizes)
             base = reserved()
-            graphs = capture_slotted(variants, ring, params)
+            names = [v.name for v in variants]  # every variant in both slots: pairs of overlapping frames
+            graphs = capture_slotted(variants, plan_slots(([1] * ring + [-1] * ring) * n,
+                                                          [name for name in names for _ in range(ring)]), params)
             slots = reserved() - base
             stats = graphs.stats
             graphs.reset()
             del graphs
             base = reserved()
-            separate = [capture_slotted([v], 1, params, protect=False) for v in variants for _ in range(ring)]
+            separate = [capture_slotted([v], exclusive_plan([v.name]), params, protect=False)
+                        for v in variants for _ in range(ring)]
             separate_bytes = reserved() - base
             for graphs in separate:
                 graphs.reset()
@@ -189,7 +198,7 @@ def checks(result):
     layers, stack = build()
     params = list(layers.parameters())
     variants = variants_for(2, stack)
-    graphs = capture_slotted(variants, 1, params, debug=True)
+    graphs = capture_slotted(variants, exclusive_plan([v.name for v in variants]), params, debug=True)
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     first = graphs.callable("cp1", 0)(x)
     try:  # a second live frame in the one slot: what a wrong plan would do
