@@ -138,6 +138,14 @@ class TeardownStats:
     allocated_delta_bytes: int  # allocated bytes after teardown minus before capture
     pool_bytes_left: int  # bytes still reserved by pools the capture created
     pinned_host_delta_bytes: int | None
+    pool_holders: tuple[str, ...] = ()  # what keeps blocks of those pools allocated, in words
+
+
+def blocks_of_new_pools(before: MemoryState, segments: Iterable[Mapping[str, Any]]) -> dict[int, int]:
+    """Allocated blocks (address -> bytes) of every private pool that did not exist ``before``."""
+    segments = list(segments)
+    new_pools = set(pool_bytes_by_id(segments)) - set(before.pools)
+    return {address: size for pool in new_pools for address, size in live_blocks(segments, pool).items()}
 
 
 def teardown_stats(before: MemoryState, after: MemoryState) -> TeardownStats:

@@ -12,6 +12,7 @@ Megatron handed out are then wrapped with their replay contracts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -21,6 +22,7 @@ from megatron_cg_plugin import diagnostics, patches
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
+from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
@@ -311,13 +313,35 @@ class PluginHelperMixin:
             self._banks.reset()
             self._banks = None
         super().delete_cuda_graphs()
+        self._clear_moe_scratch()
         gc.collect()
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         if self._baseline is not None:
-            self.teardown_stats = diagnostics.teardown_stats(self._baseline, diagnostics.memory_state())
+            self.teardown_stats = self._measure_teardown(self._baseline)
         self._capture_finished = False
+
+    def _clear_moe_scratch(self) -> None:
+        """An MoE layer's dispatcher keeps the last forward's per-forward state on its attributes
+        (``capture.scratch``); after a capture that is the last graph's, in its pool, which would
+        then outlive the graphs. The next forward sets it anew."""
+        for layer in self.flattened_callables:
+            if getattr(getattr(getattr(layer, "mlp", None), "token_dispatcher", None), "cudagraph_attrs", None):
+                clear(moe_dispatcher_scratch(layer))
+
+    @staticmethod
+    def _measure_teardown(baseline: diagnostics.MemoryState) -> diagnostics.TeardownStats:
+        """What teardown left, and what holds the pool blocks still allocated (for the report)."""
+        stats = diagnostics.teardown_stats(baseline, diagnostics.memory_state())
+        if not stats.pool_bytes_left:
+            return stats
+        blocks = diagnostics.blocks_of_new_pools(baseline, diagnostics.allocator_segments())
+        holders = tuple(f"{tuple(t.shape)} {t.dtype} held by {'; '.join(hygiene.describe_holders(t)) or 'nothing in Python'}"
+                        for t in hygiene.tensors_in(blocks)[:4])
+        logger.warning("after delete_cuda_graphs %.2f MiB stay in graph pools: %s", stats.pool_bytes_left / 2**20,
+                       "; ".join(holders) or "no Python tensor there (a library workspace)")
+        return dataclasses.replace(stats, pool_holders=holders)
 
 
 def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:

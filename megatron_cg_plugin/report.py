@@ -27,6 +27,7 @@ class ScopeReport:
     failure: str | None = None  # set when capture failed and was rolled back
     teardown_allocated_delta_bytes: int | None = None  # after delete_cuda_graphs, vs before capture
     teardown_pool_bytes_left: int | None = None
+    teardown_pool_holders: tuple[str, ...] = ()  # what keeps those pool bytes allocated
     banks: tuple[dict[str, int], ...] = ()  # graph banks: per CP size, replays and rejections
 
 
@@ -80,7 +81,8 @@ class RunReport:
                                                                if flushed else ""))
             if scope.teardown_allocated_delta_bytes is not None:
                 lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
-                             f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools")
+                             f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools"
+                             + (f" ({'; '.join(scope.teardown_pool_holders)})" if scope.teardown_pool_holders else ""))
         reduction = self.step_time_reduction
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "

@@ -167,6 +167,7 @@ class RunSession:
                 failure=stats.failure,
                 teardown_allocated_delta_bytes=None if teardown is None else teardown.allocated_delta_bytes,
                 teardown_pool_bytes_left=None if teardown is None else teardown.pool_bytes_left,
+                teardown_pool_holders=() if teardown is None else teardown.pool_holders,
                 banks=() if stats.banks is None else tuple(stats.banks()),
             )
             for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))

@@ -229,6 +229,7 @@ class BankedLayers:
                 "pool_bytes": max((s.pool_bytes for s in stats), default=0),  # one pool shared by all layers
                 "arena_bytes": sum(s.arena_bytes for s in stats),
                 "boundary_bytes": sum(s.boundary_bytes for s in stats),
+                "retained_bytes": sum(s.retained_bytes for s in stats),  # pool blocks still allocated after capture
                 "capture_seconds": sum(s.capture_seconds for s in stats)}
 
     @property

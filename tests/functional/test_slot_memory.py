@@ -57,3 +57,14 @@ def test_debug_guard_contract_and_strided_weak_refs(probe: dict) -> None:
     for name, check in probe["weak_ref"].items():
         assert check["patched_keeps_strides"] and check["patched_same_memory"] and check["patched_equal"], (name, check)
     assert not probe["weak_ref"]["transposed"]["te_keeps_strides"]  # the TE behaviour the patch exists for
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("order", ORDERS)
+def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dict, n: int, order: str) -> None:
+    case = probe[f"n{n}/{order}/slots"]
+    saved = case["saved_bytes"]
+    for slot, (variants, arena) in enumerate(zip(case["slot_variants"], case["slot_arena_bytes"], strict=True)):
+        largest = max(saved[v] for v in variants)
+        assert largest <= arena < largest + 512, (slot, variants, arena, saved)  # 512: the arena's alignment
+    assert sum(case["slot_arena_bytes"]) <= case["ring_of_largest_bytes"] + 512 * len(case["slot_arena_bytes"]), case

@@ -1005,6 +1005,32 @@ def test_teardown_reports_leaked_pools(probe, memory, cuda_sync):
     assert "after teardown, allocated +1.00 MiB vs before capture, 2.00 MiB left in graph pools" in text
 
 
+def test_teardown_names_what_holds_the_pool_blocks_left(probe, memory, cuda_sync, monkeypatch):
+    backend = FakeTEBackend(memory=memory, leak_at=2)
+    session, backend, model, helper = build(probe, layout=(2,), backend=backend)
+    helper.create_cudagraphs()
+    kept_after_teardown = torch.zeros(3, 5)  # a capture output some object still holds
+    leaked_pool = backend.graphs[1].pool
+    block = {"address": kept_after_teardown.untyped_storage().data_ptr(), "size": 60, "state": "active_allocated"}
+    monkeypatch.setattr(diagnostics, "allocator_segments",
+                        lambda: [{"segment_pool_id": leaked_pool, "total_size": 2 * MiB, "blocks": [block]}])
+    helper.delete_cuda_graphs()
+    (holder,) = helper.teardown_stats.pool_holders
+    assert holder.startswith("(3, 5) torch.float32 held by") and "kept_after_teardown" in holder
+    assert "2.00 MiB left in graph pools ((3, 5) torch.float32 held by" in session.report().format_table()
+
+
+def test_teardown_drops_the_moe_dispatchers_per_forward_state(probe, memory, cuda_sync):
+    session, backend, model, helper = build(probe, layout=(2,))
+    moe_layer = all_layers(model)[1]
+    dispatcher = types.SimpleNamespace(cudagraph_attrs=["routing_map", "probs"], routing_map=torch.ones(2),
+                                       probs=torch.ones(2))
+    moe_layer.is_moe_layer, moe_layer.mlp = True, types.SimpleNamespace(token_dispatcher=dispatcher)
+    helper.create_cudagraphs()
+    helper.delete_cuda_graphs()
+    assert dispatcher.routing_map is None and dispatcher.probs is None  # the last graph's, in its pool
+
+
 def test_delete_without_graphs_is_harmless(probe, memory, cuda_sync):
     session, backend, model, helper = build(probe)
     helper.delete_cuda_graphs()

@@ -817,7 +817,7 @@ def test_install_refuses_a_create_cudagraphs_that_no_longer_calls_make_graphed_c
     from megatron.core.transformer import cuda_graphs
 
     def create_cudagraphs(self):  # a release that captures through another function
-        return capture_graphs(self)
+        return self._capture_graphs()
 
     monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "create_cudagraphs", create_cudagraphs)
     with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables"):

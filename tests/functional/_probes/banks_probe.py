@@ -2,7 +2,7 @@
 hybrid context parallelism, banks for CP 1 and 2 in one pool, replayed per microbatch.
 
 Run by tests/functional/test_graph_banks.py through the launcher:
-    python banks_probe.py --scenario layers|training|rope|moe --out result.json
+    python banks_probe.py --scenario layers|training|rope|moe|bank-memory --out result.json
 ``layers``: every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
 per rank, CP-2 microbatches span both ranks (the DP x CP group). Outputs, input gradients and
 parameter gradients of the graphed run are compared bitwise with an eager run of the same packs.
@@ -12,6 +12,8 @@ Megatron does), gradients summed over the DP x CP group and normalized per token
 per-step loss of the graphed run is compared with the eager run from the same initial weights.
 ``rope``: RoPE under dynamic CP (see ``rope``). ``moe``: the ``layers`` schedule through two MoE
 layers whose MoE block (drop-and-pad, alltoall) is graphed with attention, compared bitwise.
+``bank-memory`` (any number of ranks, CP size 1 only): what the banks' pool holds, from the
+allocator's trace.
 """
 
 import argparse
@@ -38,8 +40,11 @@ def setup():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1, hybrid_context_parallel=True)
+    single = dist.get_world_size() == 1  # bank-memory only: CP size 1 (hybrid CP needs an even number of ranks)
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=1, hybrid_context_parallel=not single)
     model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
+    if single:
+        return {1: None}
     return {1: None, 2: parallel_state.get_hybrid_data_context_parallel_groups(group_size=2)}
 
 
@@ -48,11 +53,12 @@ def layer_config(num_layers, **extra):
     through Megatron's TE graph path)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=num_layers, hidden_size=H, num_attention_heads=HEADS, bf16=True,
-                             params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                             use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=True,
-                             max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
-                             cuda_graph_impl="transformer_engine", **extra)
+    options = dict(num_layers=num_layers, hidden_size=H, num_attention_heads=HEADS, bf16=True,
+                   params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                   use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=dist.get_world_size() > 1,
+                   max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
+                   cuda_graph_impl="transformer_engine")
+    return TransformerConfig(**(options | extra))
 
 
 # The tiny MoE of the farm (presets.MOE_FLAGS) with drop-and-pad, its MoE block graphed with attention.
@@ -467,15 +473,60 @@ def rope(result, groups):
     result.update(rank=dist.get_rank(), cp2_vs_cp1_relative=dynamic, graphed_equal_eager=exact, report=report)
 
 
+def largest_pool_allocations(snapshot, pool, count=8):
+    """The largest allocations the capture made in ``pool`` (from the allocator's trace), each
+    with the first frames outside torch: what the pool's reserved bytes are for."""
+    segments = {seg["address"]: seg for seg in snapshot["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool}
+
+    def in_pool(address):
+        return any(start <= address < start + seg["total_size"] for start, seg in segments.items())
+
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace
+              if e["action"] in ("alloc", "segment_alloc") and in_pool(e["addr"])]
+    events.sort(key=lambda e: -e["size"])
+    return [{"action": e["action"], "mib": e["size"] / 2**20,
+             "frames": [f"{f['filename'].split('site-packages/')[-1].split('/tmp/site/')[-1]}:{f['line']} {f['name']}"
+                        for f in e.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]][:6]}
+            for e in events[:count]]
+
+
+def bank_memory(result, groups):
+    """One GPU, CP size 1: what a banked layer pair's pool holds (dense layers and MoE layers),
+    against its arenas and boundary storage."""
+    from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
+
+    for name, spec, config in (("dense", None, {}), ("moe", MOE_SPEC, MOE_CONFIG)):
+        layers = build(spec, **config)
+        base = reserved()
+        torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+        banked = capture_banks(layers, {1: None}, ThdCapacity(TOKENS_PER_RANK, MAX_SEQS))
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        report = banked.report()
+        pools = {tuple(seg["segment_pool_id"]) for seg in snapshot["segments"]
+                 if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)}
+        result[name] = {
+            "reserved_delta_mib": (reserved() - base) / 2**20, "pool_mib": report["pool_bytes"] / 2**20,
+            "arena_mib": report["arena_bytes"] / 2**20, "boundary_mib": report["boundary_bytes"] / 2**20,
+            "pools": {str(pool): {"segments_mib": [seg["total_size"] / 2**20 for seg in snapshot["segments"]
+                                                   if tuple(seg.get("segment_pool_id", (0, 0))) == pool],
+                                  "largest_allocations": largest_pool_allocations(snapshot, pool)}
+                      for pool in pools}}
+        banked.reset()
+        del banked, layers
+    result["rank"] = dist.get_rank()
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe"], default="layers")
+    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe", "bank-memory"], default="layers")
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        {"layers": run, "training": training, "rope": rope, "moe": moe}[options.scenario](result, groups)
+        {"layers": run, "training": training, "rope": rope, "moe": moe,
+         "bank-memory": bank_memory}[options.scenario](result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")

@@ -192,6 +192,7 @@ def checks(result):
     from megatron_cg_plugin.capture.contracts import ContractViolation
     from megatron_cg_plugin.capture.slotted import capture_slotted
     from megatron_cg_plugin.memory.guard import SlotReuseError
+    from megatron_cg_plugin.plan.slots import exclusive_plan
     from megatron_cg_plugin.patches import PATCHES
     import transformer_engine.pytorch.graph as te_graph
 
