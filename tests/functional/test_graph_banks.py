@@ -72,7 +72,6 @@ def test_tiny_gpt_trains_30_steps_with_banks_and_the_eager_losses(training: list
         assert set(banks) == {1, 2} and all(row["replays"] > 0 and row["rejected"] == 0 for row in banks.values())
         assert result["report"]["unknown_size_rejections"] == 0
         # Step times are recorded (docs/results), not asserted.
-        assert result["eager_step_ms"] > 0 and result["graphed_step_ms"] > 0
 
 
 def test_banked_replays_are_bitwise_eager_on_every_rank(ranks: list[dict]) -> None:

@@ -656,11 +656,15 @@ def test_failure_in_warmup_names_the_layer_and_rolls_back(probe, memory):
     before.assert_restored(model, backend, helper)
 
 
-def test_failure_before_any_layer_ran(probe, memory):
+@pytest.mark.parametrize("megatron_flaw, message", [
+    ("fail_input_data", "before any layer ran: ValueError: fake schedule error"),
+    ("skip_capture", "returned without calling make_graphed_callables"),  # a release that captures otherwise
+])
+def test_failure_before_any_layer_ran(probe, memory, megatron_flaw, message):
     session, backend, model, helper = build(probe, layout=(2,))
-    helper.fail_input_data = True
+    setattr(helper, megatron_flaw, True)
     before = Snapshot(model, backend, helper)
-    with pytest.raises(CaptureFailedError, match="before any layer ran: ValueError: fake schedule error"):
+    with pytest.raises(CaptureFailedError, match=message):
         helper.create_cudagraphs()
     assert helper.events[0] == "start"  # Megatron's capture flag had been set
     before.assert_restored(model, backend, helper)
@@ -731,15 +735,6 @@ def test_contracts_follow_the_graphs_megatron_hands_out_by_identity(probe, memor
             (_, static), *_ = wrapper._check.contract.inputs
             assert static.data_ptr == helper.sample_args[wrapper.graph.index][0].data_ptr()
     assert [w.graph.index for w in all_layers(model)[0].cuda_graphs] == [4, 2, 0]
-
-
-def test_a_megatron_that_captures_without_make_graphed_callables_is_rolled_back(probe, memory):
-    session, backend, model, helper = build(probe, layout=(2,))
-    helper.skip_capture = True
-    before = Snapshot(model, backend, helper)
-    with pytest.raises(CaptureFailedError, match="returned without calling make_graphed_callables"):
-        helper.create_cudagraphs()
-    before.assert_restored(model, backend, helper)
 
 
 def test_capture_stats_and_cleanup_after_success(probe, memory, capture_clock):
