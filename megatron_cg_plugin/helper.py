@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Iterable
 from megatron_cg_plugin import diagnostics, patches
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend
-from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
+from megatron_cg_plugin.capture.contracts import ReplayContract
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
@@ -261,13 +261,10 @@ class PluginHelperMixin:
 
     @staticmethod
     def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: str) -> Callable:
-        contract = ReplayContract.record(name, args, kwargs, layer.named_parameters(), process_groups_of(layer))
+        contract = ReplayContract.record(name, args, kwargs, module=layer)
 
         def check(replay_args: tuple, replay_kwargs: dict) -> None:
-            full = mode == "full"
-            contract.check(replay_args, replay_kwargs, mode=mode,
-                           params=layer.named_parameters() if full else (),
-                           process_groups=process_groups_of(layer) if full else ())
+            contract.check(replay_args, replay_kwargs, mode=mode)
 
         check.contract = contract  # for diagnostics: what the replay is held to
         return check

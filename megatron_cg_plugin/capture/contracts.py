@@ -13,7 +13,9 @@ So a contract compares only what changes a replay's result or safety:
 - a tensor read in place: its strides, ignoring those of size-1 dimensions, which address nothing;
 - a tensor to be copied: that it shares no memory with any static buffer, which a copy into that
   buffer would overwrite before it is read;
-- non-tensor arguments by value, parameters by storage, process groups by identity (``full``).
+- non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
+  both are looked up again where they live (the owner's ``_parameters``, the layer's
+  ``pg_collection``), not by walking the module on every replay.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """
@@ -21,8 +23,9 @@ like any other. A violation names the graph, the field, the captured and the act
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -146,68 +149,93 @@ def _same_value(expected: Any, actual: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Held:
+    """State a graph reads in place besides its inputs, found again by ``lookup`` at each check: a
+    parameter (``captured``: its storage address) or a process group (``captured``: the object)."""
+
+    name: str
+    captured: Any
+    lookup: Callable[[], Any] = dataclasses.field(compare=False, repr=False)
+
+
+def _parameters_of(module: Any) -> tuple[Held, ...]:
+    """Every parameter of ``module``, looked up again where it lives (its owner's ``_parameters``):
+    a parameter replaced by a new one is seen, and the walk over submodules is made only once."""
+    return tuple(Held(f"{prefix}.{attribute}" if prefix else attribute, param.data_ptr(),
+                      functools.partial(owner._parameters.get, attribute))
+                 for prefix, owner in module.named_modules() for attribute, param in owner._parameters.items()
+                 if param is not None)
+
+
+def _groups_of(module: Any) -> tuple[Held, ...]:
+    def lookup(name: str) -> Any:
+        return getattr(getattr(module, "pg_collection", None), name, None)
+
+    return tuple(Held(name, group, functools.partial(lookup, name)) for name, group in process_groups_of(module))
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplayContract:
     graph: str
     inputs: tuple[tuple[str, Any], ...]  # (name, StaticInput or control value)
-    param_storage: tuple[tuple[str, int], ...]
-    process_groups: tuple[tuple[str, Any], ...]  # (name, group object): compared by identity
+    parameters: tuple[Held, ...]
+    process_groups: tuple[Held, ...]
+    # Storage address -> the static input there: what a copied-in input must not alias (alive ones).
+    static_by_storage: Mapping[int, StaticInput] = dataclasses.field(compare=False, repr=False)
 
     @classmethod
-    def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any],
-               params: Iterable[tuple[str, torch.Tensor]] = (),
-               process_groups: Iterable[tuple[str, Any]] = ()) -> "ReplayContract":
+    def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, module: Any = None,
+               params: Iterable[tuple[str, torch.Tensor]] = ()) -> "ReplayContract":
+        """The contract of a graph captured with ``args``/``kwargs``: ``module``'s parameters and
+        process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture)."""
+        inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
+                       for name, v in flatten_call(args, kwargs))
+        held = tuple(Held(name, p.data_ptr(), functools.partial(lambda tensor: tensor, p)) for name, p in params)
         return cls(
-            graph=graph,
-            inputs=tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
-                         for name, v in flatten_call(args, kwargs)),
-            param_storage=tuple((name, p.data_ptr()) for name, p in params),
-            process_groups=tuple(process_groups),
+            graph=graph, inputs=inputs,
+            parameters=held + (_parameters_of(module) if module is not None else ()),
+            process_groups=_groups_of(module) if module is not None else (),
+            static_by_storage={value.storage_ptr: value for _, value in inputs if isinstance(value, StaticInput)},
         )
 
     def static_storages(self) -> frozenset[int]:
         """The storages of the static buffers still alive."""
-        return frozenset(value.storage_ptr for _, value in self.inputs
-                         if isinstance(value, StaticInput) and value.alive)
+        return frozenset(ptr for ptr, value in self.static_by_storage.items() if value.alive)
 
-    def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str,
-              params: Iterable[tuple[str, torch.Tensor]] = (),
-              process_groups: Iterable[tuple[str, Any]] = ()) -> None:
+    def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str) -> None:
         """Raises ``ContractViolation`` on the first difference. ``shapes`` checks the arguments and
         tensor shape and dtype; ``full`` everything in the module docstring; ``off`` nothing."""
         if mode == "off":
             return
         actual = flatten_call(args, kwargs)
-        names = [name for name, _ in actual]
-        if names != [name for name, _ in self.inputs]:
-            raise ContractViolation(self.graph, "arguments", [n for n, _ in self.inputs], names)
+        if len(actual) != len(self.inputs) or any(a[0] != e[0] for a, e in zip(actual, self.inputs)):
+            raise ContractViolation(self.graph, "arguments", [n for n, _ in self.inputs], [n for n, _ in actual])
         full = mode == "full"
-        static_storages = self.static_storages() if full else frozenset()
         for (name, expected), (_, value) in zip(self.inputs, actual, strict=True):
             if isinstance(expected, StaticInput) != isinstance(value, torch.Tensor):
                 captured_kind = "TensorSpec" if isinstance(expected, StaticInput) else type(expected).__name__
                 raise ContractViolation(self.graph, "kind", captured_kind, type(value).__name__, name)
             if isinstance(value, torch.Tensor):
-                self._check_tensor(name, expected, value, full=full, static_storages=static_storages)
+                self._check_tensor(name, expected, value, full=full)
             elif full and not _same_value(expected, value):
                 raise ContractViolation(self.graph, "control", expected, value, name)
-        if not full:
-            return
-        params, process_groups = list(params), list(process_groups)
-        if len(params) != len(self.param_storage):
-            raise ContractViolation(self.graph, "parameter storage", len(self.param_storage), len(params),
-                                    "number of parameters")
-        for (name, ptr), (_, param) in zip(self.param_storage, params, strict=True):
-            if param.data_ptr() != ptr:
-                raise ContractViolation(self.graph, "parameter storage", hex(ptr), hex(param.data_ptr()), name)
-        if len(process_groups) != len(self.process_groups):
-            raise ContractViolation(self.graph, "process group", [n for n, _ in self.process_groups],
-                                    [n for n, _ in process_groups])
-        for (name, group), (_, now) in zip(self.process_groups, process_groups, strict=True):
-            if now is not group:
-                raise ContractViolation(self.graph, "process group", group_label(group), group_label(now), name)
+        if full:
+            self._check_held()
 
-    def _check_tensor(self, name: str, static: StaticInput, value: torch.Tensor, *, full: bool,
-                      static_storages: frozenset[int]) -> None:
+    def _check_held(self) -> None:
+        for held in self.parameters:
+            now = held.lookup()
+            ptr = None if now is None else now.data_ptr()
+            if ptr != held.captured:
+                raise ContractViolation(self.graph, "parameter storage", hex(held.captured),
+                                        "gone" if ptr is None else hex(ptr), held.name)
+        for held in self.process_groups:
+            now = held.lookup()
+            if now is not held.captured:
+                raise ContractViolation(self.graph, "process group", group_label(held.captured), group_label(now),
+                                        held.name)
+
+    def _check_tensor(self, name: str, static: StaticInput, value: torch.Tensor, *, full: bool) -> None:
         spec = static.spec
         if tuple(value.shape) != spec.shape:
             raise ContractViolation(self.graph, "shape", spec.shape, tuple(value.shape), name)
@@ -224,8 +252,10 @@ class ReplayContract:
             now = addressed_strides(value.shape, value.stride())
             if now != captured:
                 raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
-        elif value.numel() and _storage_ptr(value) in static_storages:
-            raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
+        elif value.numel():
+            aliased = self.static_by_storage.get(_storage_ptr(value))
+            if aliased is not None and aliased.alive:
+                raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
 
 
 def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:

@@ -179,7 +179,7 @@ class _Entry:
         # The same contract as TE's graphs: the boundary inputs are the static buffers (an input at
         # their address is read in place, any other copied in), the parameters are read in place.
         self.contract_check = contract_check
-        self.contract = ReplayContract.record(self.name, boundary.inputs, {}, self._named_params())
+        self.contract = ReplayContract.record(self.name, boundary.inputs, {}, params=self._named_params())
         self.frames = 0
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
@@ -210,8 +210,7 @@ class _Entry:
         if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
             raise ContractViolation(self.name, "arguments", [name for name, _ in self.contract.inputs],
                                     [f"arg{index}" for index in range(len(args))])
-        full = self.contract_check == "full"
-        self.contract.check(args, {}, mode=self.contract_check, params=self._named_params() if full else ())
+        self.contract.check(args, {}, mode=self.contract_check)
         for arg, static in zip(args, self.boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)

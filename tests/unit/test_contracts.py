@@ -30,16 +30,32 @@ def x(*shape, dtype=torch.float32, requires_grad=False):
 STATIC_BUFFERS: list = []
 
 
-def record(args=None, kwargs=None, params=(), groups=()):
+def record(args=None, kwargs=None, params=(), module=None):
     args = (x(),) if args is None else args
     STATIC_BUFFERS.append((args, kwargs))
-    return ReplayContract.record(GRAPH, args, kwargs or {}, params, groups)
+    return ReplayContract.record(GRAPH, args, kwargs or {}, params=params, module=module)
 
 
-def violation(contract, args, kwargs=None, mode="full", params=(), groups=()) -> ContractViolation:
+def violation(contract, args, kwargs=None, mode="full") -> ContractViolation:
     with pytest.raises(ContractViolation) as info:
-        contract.check(args, kwargs or {}, mode=mode, params=params, process_groups=groups)
+        contract.check(args, kwargs or {}, mode=mode)
     return info.value
+
+
+def process_group():
+    import torch.distributed as dist
+
+    return dist.ProcessGroup(dist.HashStore(), 0, 1)
+
+
+class Layer(torch.nn.Module):
+    """A Megatron-shaped layer: parameters in submodules, process groups in ``pg_collection``."""
+
+    def __init__(self, **groups) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 3)
+        self.norm = torch.nn.LayerNorm(3)
+        self.pg_collection = types.SimpleNamespace(**groups)
 
 
 def assert_message(error: ContractViolation, field: str, captured, actual, where: str = "") -> None:
@@ -65,7 +81,7 @@ def test_record_specs_and_flattening():
     assert contract.inputs[0][1].data_ptr == a.data_ptr()
     assert contract.inputs[1] == ("arg1", 3)
     assert contract.inputs[2] == ("flag=", "causal")
-    assert contract.param_storage == () and contract.process_groups == ()
+    assert contract.parameters == () and contract.process_groups == ()
 
 
 def test_nested_arguments_are_flattened_and_named_by_place():
@@ -104,11 +120,9 @@ def test_a_control_value_holding_tensors_is_compared_without_raising():
 
 def test_matching_replay_passes_in_every_mode():
     p = torch.nn.Parameter(torch.ones(3))
-    group = object()
-    contract = record((x(requires_grad=True), 2), {"mask": x(1, 1)}, [("w", p)], [("tp", group)])
+    contract = record((x(requires_grad=True), 2), {"mask": x(1, 1)}, [("w", p)], Layer(tp=process_group()))
     for mode in CONTRACT_MODES:
-        contract.check((x(requires_grad=True), 2), {"mask": x(1, 1)}, mode=mode, params=[("w", p)],
-                       process_groups=[("tp", group)])
+        contract.check((x(requires_grad=True), 2), {"mask": x(1, 1)}, mode=mode)
 
 
 # ====================================================================== per field
@@ -212,44 +226,62 @@ def test_arguments(args, kwargs, actual):
 def test_parameter_storage():
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     contract = record(params=[("w", p), ("b", q)])
-    contract.check((x(),), {}, mode="full", params=[("w", p), ("b", q)])
+    contract.check((x(),), {}, mode="full")
     p.data.copy_(torch.full((3,), 2.0))  # in place: same storage, fine
-    contract.check((x(),), {}, mode="full", params=[("w", p), ("b", q)])
+    contract.check((x(),), {}, mode="full")
     old = hex(q.data_ptr())
     q.data = torch.zeros(2)  # a checkpoint loaded into new tensors
-    error = violation(contract, (x(),), params=[("w", p), ("b", q)])
+    error = violation(contract, (x(),))
     assert_message(error, "parameter storage", old, hex(q.data_ptr()), "b")
-    contract.check((x(),), {}, mode="shapes", params=[("w", p), ("b", q)])
+    contract.check((x(),), {}, mode="shapes")
+
+
+def test_a_layers_parameters_are_found_again_where_they_live():
+    layer = Layer()
+    contract = record(module=layer)
+    assert [held.name for held in contract.parameters] == ["linear.weight", "linear.bias", "norm.weight", "norm.bias"]
+    contract.check((x(),), {}, mode="full")
+    old = hex(layer.norm.bias.data_ptr())
+    layer.norm.bias = torch.nn.Parameter(torch.zeros(3))  # replaced by a new parameter object
+    assert_message(violation(contract, (x(),)), "parameter storage", old, hex(layer.norm.bias.data_ptr()), "norm.bias")
+    layer.norm.bias = None
+    assert_message(violation(contract, (x(),)), "parameter storage", old, "gone", "norm.bias")
 
 
 def test_process_groups_by_identity():
-    tp, dp = types.SimpleNamespace(name="tp"), types.SimpleNamespace(name="dp")
-    contract = record(groups=[("dp", dp), ("tp", tp)])
-    contract.check((x(),), {}, mode="full", process_groups=[("dp", dp), ("tp", tp)])
-    lookalike = types.SimpleNamespace(name="tp")
-    assert lookalike == tp  # equal, but a different communicator
-    error = violation(contract, (x(),), groups=[("dp", dp), ("tp", lookalike)])
+    tp, dp = process_group(), process_group()
+    layer = Layer(dp=dp, tp=tp, sizes=[1, 2])
+    contract = record(module=layer)
+    assert [held.name for held in contract.process_groups] == ["dp", "tp"]
+    contract.check((x(),), {}, mode="full")
+    layer.pg_collection.tp = lookalike = process_group()  # a re-created communicator
+    error = violation(contract, (x(),))
     assert_message(error, "process group", contracts.group_label(tp), contracts.group_label(lookalike), "tp")
     assert f"{id(tp):#x}" in str(error) and f"{id(lookalike):#x}" in str(error)
-    contract.check((x(),), {}, mode="shapes", process_groups=[("dp", dp), ("tp", lookalike)])
+    contract.check((x(),), {}, mode="shapes")
+    layer.pg_collection = types.SimpleNamespace(dp=dp, tp=tp)  # a new collection of the same groups: fine
+    contract.check((x(),), {}, mode="full")
 
 
 # ====================================================================== modes and ignored kwargs
 
 
 def test_off_checks_nothing():
-    contract = record((x(requires_grad=True), 1), {"mask": x(1)}, [("w", torch.nn.Parameter(torch.ones(1)))])
+    p = torch.nn.Parameter(torch.ones(1))
+    contract = record((x(requires_grad=True), 1), {"mask": x(1)}, [("w", p)])
+    p.data = torch.zeros(1)
     contract.check((), {"other": 5}, mode="off")
-    contract.check(("not a tensor",), {}, mode="off", params=[("w", torch.nn.Parameter(torch.ones(1)))])
+    contract.check(("not a tensor",), {}, mode="off")
 
 
 def test_shapes_checks_only_shape_dtype_kind_and_arguments():
     base = torch.zeros(8, 3)
     p = torch.nn.Parameter(torch.ones(1))
-    contract = record((base[:4], base[4:], 1), params=[("w", p)], groups=[("tp", object())])
+    layer = Layer(tp=process_group())
+    contract = record((base[:4], base[4:], 1), params=[("w", p)], module=layer)
     p.data = torch.zeros(1)
-    contract.check((base[4:], base[:4].requires_grad_(), 2), {}, mode="shapes",
-                   params=[("w", p)], process_groups=[("tp", object())])
+    layer.pg_collection.tp = process_group()
+    contract.check((base[4:], base[:4].requires_grad_(), 2), {}, mode="shapes")
     assert violation(contract, (x(4, 3), x(4, 4), 1), mode="shapes").field == "shape"
 
 
@@ -290,36 +322,3 @@ def test_process_groups_of_keeps_only_groups_sorted_by_name():
     ep = dist.ProcessGroup(dist.HashStore(), 0, 1)
     collection = types.SimpleNamespace(tp=tp, ep=ep, pp=None, sizes=[1, 2])
     assert process_groups_of(types.SimpleNamespace(pg_collection=collection)) == (("ep", ep), ("tp", tp))
-
-    layer = types.SimpleNamespace(pg_collection=collection)
-    contract = record(groups=process_groups_of(layer))
-    contract.check((x(),), {}, mode="full", process_groups=process_groups_of(layer))
-    collection.tp = dist.ProcessGroup(dist.HashStore(), 0, 1)  # re-created communicator
-    assert violation(contract, (x(),), groups=process_groups_of(layer)).field == "process group"
-
-
-def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
-    # TE keeps its static buffers alive; once one is gone, a tensor landing at its address is
-    # copied in like any other, so neither its layout nor its memory is held against it.
-    import weakref
-
-    from megatron_cg_plugin.capture.contracts import StaticInput
-
-    here = x()  # stands for a new tensor at the address where the static buffer was
-    relaid = here.as_strided((4, 2, 3), (1, 4, 8))
-    second = x()
-    gone = x()
-    dead = weakref.ref(gone)
-    del gone
-
-    def contract_with(buffer):
-        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
-        return ReplayContract(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))), (), ())
-
-    alive = contract_with(weakref.ref(here))
-    assert violation(alive, (relaid, second)).field == "stride"  # read in place, another layout
-    assert violation(alive, (x(), here[:, :1].expand(4, 2, 3))).field == "alias"  # inside arg0's buffer
-    freed = contract_with(dead)
-    assert not freed.inputs[0][1].alive
-    freed.check((relaid, second), {}, mode="full")  # copied: any layout
-    freed.check((x(), here[:, :1].expand(4, 2, 3)), {}, mode="full")  # that memory is no buffer now

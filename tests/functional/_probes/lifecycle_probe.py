@@ -168,16 +168,14 @@ def lifecycle(result):
         torch.cuda.synchronize(); step_times.append(time.perf_counter() - start)
     wrapper._check = original_check
     args, kwargs = seen["call"]
-    from megatron_cg_plugin.capture.contracts import ReplayContract, process_groups_of
+    from megatron_cg_plugin.capture.contracts import ReplayContract
 
     per_replay = {}
     for mode in ("full", "shapes"):
-        contract = ReplayContract.record("probe", args, kwargs, layer.named_parameters(), process_groups_of(layer))
+        contract = ReplayContract.record("probe", args, kwargs, module=layer)
         start = time.perf_counter()
         for _ in range(2000):
-            contract.check(args, kwargs, mode=mode,
-                           params=layer.named_parameters() if mode == "full" else (),
-                           process_groups=process_groups_of(layer) if mode == "full" else ())
+            contract.check(args, kwargs, mode=mode)
         per_replay[mode] = (time.perf_counter() - start) / 2000
     replays_per_step = len(helper.flattened_callables)  # one microbatch per step, each layer once
     step = statistics.median(step_times[5:])
