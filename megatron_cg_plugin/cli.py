@@ -3,6 +3,8 @@
     megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
     megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
     megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
+    megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms eager,stock,plugin --bench-out DIR] <launcher flags>
+                                                        eager vs Megatron's graphs vs the plugin's, in one process
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
 """
@@ -250,6 +252,23 @@ def _plan(argv: Sequence[str]) -> int:
                             extra_options=(("--router-load", "uniform"),))
 
 
+def _bench(argv: Sequence[str]) -> int:
+    if any(flag in ("-h", "--help") for flag in argv):
+        print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
+              "[--bench-arms eager,stock,plugin] [--bench-out bench-out] [--bench-no-plot] <launcher flags>\n\n"
+              "Trains the launcher's model in interleaved blocks of each arm in one process and writes "
+              "bench.json, bench.md and bench.png (docs/performance.md).")
+        return EXIT_OK
+    from megatron_cg_plugin.bench_output import BenchOutputError
+    from megatron_cg_plugin.launch import bench
+
+    try:
+        return bench.main(argv)
+    except (bench.BenchError, BenchOutputError) as error:
+        print(f"megatron-cg bench: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
 def _run(argv: Sequence[str]) -> int:
     from megatron_cg_plugin.launch import run_script
 
@@ -258,11 +277,11 @@ def _run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"check": _check, "golden": _golden, "plan": _plan, "run": _run}
+    commands = {"bench": _bench, "check": _check, "golden": _golden, "plan": _plan, "run": _run}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] != "run":  # a run's warnings are the script's own business
+    if argv[0] not in ("run", "bench"):  # a run's warnings are the script's own business
         # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU
         # host); none of that changes a check or a comparison.
         warnings.filterwarnings("ignore", category=UserWarning)

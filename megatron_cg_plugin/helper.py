@@ -112,6 +112,7 @@ class PluginHelperMixin:
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: diagnostics.TeardownStats | None = None
         self._banks: Any = None  # capture.banked.BankedLayers while graph banks are installed
+        self.first_capture_sample: tuple | None = None  # (layer, args, kwargs) while graphs exist
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
 
@@ -247,6 +248,10 @@ class PluginHelperMixin:
                 "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
                 "release captures differently; install the supported megatron-core (docs/versions.md).")
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
+        first = self.flattened_callables[0]
+        index = index_of[id(first.cuda_graphs[0])]
+        # What the first layer's first graph was captured with (the bench times its contract check).
+        self.first_capture_sample = (first, capture.sample_args[index], capture.sample_kwargs[index] or {})
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
@@ -310,6 +315,7 @@ class PluginHelperMixin:
             self._banks.reset()
             self._banks = None
         super().delete_cuda_graphs()
+        self.first_capture_sample = None
         self._clear_moe_scratch()
         gc.collect()
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it

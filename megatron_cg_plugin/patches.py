@@ -292,6 +292,11 @@ LENT: tuple[ForeignState, ...] = (
 
 SCOPED: tuple[ForeignState, ...] = (
     ForeignState(
+        "bench-train-step", "megatron.training.training:train_step",
+        "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
+        "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
+        "launch.bench.main (patches.scoped around the launcher's pretrain())"),
+    ForeignState(
         "megatron-capture-call", "megatron.core.transformer.cuda_graphs:make_graphed_callables",
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
         "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "

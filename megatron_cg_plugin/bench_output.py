@@ -1,0 +1,174 @@
+"""What ``megatron-cg bench`` writes: the result as JSON, a markdown table and a PNG plot of step
+time per block and arm (pure Python; the plot needs the optional ``bench`` extra, matplotlib)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_cg_plugin.plan.bench import BenchSummary, Block, Spread, summarize
+
+ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
+
+
+class BenchOutputError(RuntimeError):
+    """An output the bench was asked for cannot be written; the message says what to install or change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRecord:
+    """One block: its step times, and for a graphed arm what its capture took."""
+
+    round: int
+    arm: str
+    step_seconds: tuple[float, ...]
+    peak_allocated_bytes: int
+    capture_seconds: float | None = None
+    pool_bytes: int | None = None  # graph private pools the block's capture created
+
+    @property
+    def block(self) -> Block:
+        return Block(self.round, self.arm)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    method: str  # how the arms share the process (one model, a fresh helper per graphed block)
+    steps_per_block: int
+    skip_steps: int
+    blocks: tuple[BlockRecord, ...]
+    busy_fraction: dict[str, float | None]  # per arm: kernel time / wall time of profiled steps
+    contract_check_us: dict[str, float]  # per --cg-contract-check mode: host cost of one layer replay's check
+    replays_per_step: int | None  # graphed layer replays per training step (plugin arm)
+    flags: tuple[str, ...]
+
+    def summary(self) -> BenchSummary:
+        return summarize({record.block: record.step_seconds for record in self.blocks}, skip_steps=self.skip_steps)
+
+    def per_arm(self, field: str) -> dict[str, Spread]:
+        """Per graphed arm, the spread of a block field (``capture_seconds``, ``pool_bytes``, ...)."""
+        values: dict[str, list[float]] = {}
+        for record in self.blocks:
+            value = getattr(record, field)
+            if value is not None:
+                values.setdefault(record.arm, []).append(float(value))
+        return {arm: Spread.of(found) for arm, found in values.items()}
+
+
+def to_json(result: BenchResult) -> dict[str, Any]:
+    summary = result.summary()
+
+    def spread(value: Spread) -> dict[str, Any]:
+        return {"median": value.median, "low": value.low, "high": value.high, "n": len(value.values)}
+
+    return {
+        "method": result.method, "flags": list(result.flags), "steps_per_block": result.steps_per_block,
+        "skip_steps": result.skip_steps,
+        "step_seconds": {arm: spread(value) for arm, value in summary.arms.items()},
+        "ratios": {f"{a}/{b}": spread(value) for (a, b), value in summary.ratios.items()},
+        "capture_seconds": {arm: spread(v) for arm, v in result.per_arm("capture_seconds").items()},
+        "pool_bytes": {arm: spread(v) for arm, v in result.per_arm("pool_bytes").items()},
+        "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
+        "busy_fraction": result.busy_fraction, "contract_check_us": result.contract_check_us,
+        "replays_per_step": result.replays_per_step,
+        "blocks": [dataclasses.asdict(record) for record in result.blocks],
+    }
+
+
+def markdown(result: BenchResult) -> str:
+    summary = result.summary()
+    arms = [arm for arm in ARMS if arm in summary.arms] + sorted(set(summary.arms) - set(ARMS))
+    capture, pools, peaks = (result.per_arm(f) for f in ("capture_seconds", "pool_bytes", "peak_allocated_bytes"))
+    lines = ["| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | peak allocated MiB "
+             "| GPU busy |", "| --- | --- | --- | --- | --- | --- |"]
+    for arm in arms:
+        busy = result.busy_fraction.get(arm)
+        lines.append(f"| {arm} | {summary.arms[arm].format(scale=1e3)} | "
+                     f"{capture[arm].format() if arm in capture else '-'} | "
+                     f"{pools[arm].format(scale=2**-20) if arm in pools else '-'} | "
+                     f"{peaks[arm].format(scale=2**-20) if arm in peaks else '-'} | "
+                     f"{'-' if busy is None else f'{busy:.2f}'} |")
+    lines += ["", "| ratio | median [spread] over pairs of mirrored rounds |", "| --- | --- |"]
+    for a, b in _ordered_pairs(arms):
+        if (a, b) in summary.ratios:
+            lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} |")
+    if result.contract_check_us:
+        per_step = result.replays_per_step
+        lines += ["", "| --cg-contract-check | host us per layer replay | per step |", "| --- | --- | --- |"]
+        for mode, micros in result.contract_check_us.items():
+            lines.append(f"| {mode} | {micros:.1f} | "
+                         f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |")
+    return "\n".join(lines)
+
+
+def _ordered_pairs(arms: Sequence[str]) -> list[tuple[str, str]]:
+    """Each arm against every arm before it: plugin / stock, plugin / eager, stock / eager."""
+    return [(a, b) for i, a in enumerate(arms) for b in reversed(arms[:i])][::-1]
+
+
+def plot_available() -> None:
+    """Raises ``BenchOutputError`` before any GPU work when the plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchOutputError("the bench's PNG plot needs matplotlib: pip install 'megatron-cg-plugin[bench]', "
+                               "or pass --bench-no-plot.") from None
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Step time of every block, per arm, in schedule order (drift shows as a slope all arms share)."""
+    plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for arm in sorted({record.arm for record in result.blocks}):
+        points = [(index, step * 1e3) for index, record in enumerate(result.blocks) if record.arm == arm
+                  for step in record.step_seconds[result.skip_steps:]]
+        axis.scatter([p[0] for p in points], [p[1] for p in points], s=6, label=arm)
+    axis.set_xlabel("block (schedule order)")
+    axis.set_ylabel("step time (ms)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write(result: BenchResult, out: Path, *, with_plot: bool) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json", out / "bench.md"]
+    written[0].write_text(json.dumps(to_json(result), indent=2))
+    written[1].write_text(markdown(result) + "\n")
+    if with_plot:
+        written.append(out / "bench.png")
+        plot(result, written[-1])
+    return written
+
+
+def from_json(data: dict[str, Any]) -> BenchResult:
+    """The result back from ``bench.json`` (to plot it on another machine)."""
+    blocks = tuple(BlockRecord(**{**block, "step_seconds": tuple(block["step_seconds"])}) for block in data["blocks"])
+    return BenchResult(data["method"], data["steps_per_block"], data["skip_steps"], blocks, data["busy_fraction"],
+                       data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]))
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m megatron_cg_plugin.bench_output bench.json``: draws bench.png beside it (for a
+    bench run with --bench-no-plot on a host without matplotlib)."""
+    if len(argv) != 1:
+        print("usage: python -m megatron_cg_plugin.bench_output BENCH_JSON")
+        return 2
+    source = Path(argv[0])
+    plot(from_json(json.loads(source.read_text())), source.with_suffix(".png"))
+    print(f"wrote {source.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,302 @@
+"""``megatron-cg bench <launcher flags>``: eager, Megatron's own graphs and the plugin's graphs,
+measured in one process, in interleaved blocks (``plan.bench``).
+
+The launcher builds Megatron's model, optimizer and data from the flags and enters Megatron's own
+``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
+``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
+loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
+``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``), captures, trains its steps and
+tears down, so the next graphed block captures again. Every step is a real Megatron
+``train_step`` on the next batch, so the weights move on through the run as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from megatron_cg_plugin import bench_output, diagnostics, patches
+from megatron_cg_plugin.bench_output import ARMS, BenchResult, BlockRecord
+from megatron_cg_plugin.plan.bench import Block, interleaved_blocks, run_schedule
+
+METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
+          "captures, trains and tears down (capture runs again in the next block)")
+CONTRACT_MODES = ("full", "shapes", "off")
+
+
+class BenchError(ValueError):
+    """The bench cannot run as asked; the message names what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    rounds: int = 8
+    steps: int = 20
+    skip_steps: int = 2  # per block: the first steps after a capture warm up
+    arms: tuple[str, ...] = ARMS
+    warmup_steps: int = 3  # eager steps before the first block (Megatron's --cuda-graph-warmup-steps)
+    profile_steps: int = 3  # per arm, after the schedule: the GPU-busy fraction
+    out: Path = Path("bench-out")
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.arms) - set(ARMS))
+        if unknown or not self.arms:
+            raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of {','.join(ARMS)}.")
+        if self.steps <= self.skip_steps:
+            raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
+        try:
+            interleaved_blocks(self.arms, self.rounds)
+        except ValueError as error:
+            raise BenchError(f"--bench-rounds {self.rounds}: {error}") from None
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.rounds * len(self.arms) * self.steps + len(self.arms) * self.profile_steps
+
+
+def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
+    """The bench's own ``--bench-*`` options, and the launcher flags left."""
+    parser = argparse.ArgumentParser(prog="megatron-cg bench", add_help=False)
+    parser.add_argument("--bench-rounds", type=int, default=BenchOptions.rounds)
+    parser.add_argument("--bench-steps", type=int, default=BenchOptions.steps)
+    parser.add_argument("--bench-skip-steps", type=int, default=BenchOptions.skip_steps)
+    parser.add_argument("--bench-arms", default=",".join(ARMS))
+    parser.add_argument("--bench-out", type=Path, default=BenchOptions.out)
+    parser.add_argument("--bench-no-plot", action="store_true")
+    known, flags = parser.parse_known_args(list(argv))
+    options = BenchOptions(rounds=known.bench_rounds, steps=known.bench_steps, skip_steps=known.bench_skip_steps,
+                           arms=tuple(a for a in known.bench_arms.split(",") if a), out=known.bench_out,
+                           plot=not known.bench_no_plot)
+    return options, flags
+
+
+class Trainer(Protocol):
+    """What the bench needs of training: a step, a capture per graphed arm, its teardown."""
+
+    def step(self) -> None: ...
+
+    def capture(self, arm: str) -> Any: ...
+
+    def release(self, helper: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def peak_allocated(self, reset: bool = False) -> int: ...
+
+    def pool_bytes(self) -> dict: ...
+
+
+def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] = (),
+              clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
+              profile: Callable[[Callable[[], None], int], float | None] | None = None,
+              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
+    """Runs the interleaved schedule through ``trainer`` and measures every block; then, per arm,
+    ``profile`` (the GPU-busy fraction of a few steps) and, on a plugin capture, ``contract_cost``."""
+    records: list[BlockRecord] = []
+
+    def timed_steps(count: int) -> list[float]:
+        seconds = []
+        for _ in range(count):
+            trainer.synchronize()
+            start = clock()
+            trainer.step()
+            trainer.synchronize()
+            seconds.append(clock() - start)
+        return seconds
+
+    def run_block(block: Block) -> list[float]:
+        helper, capture_seconds, pool_bytes = _capture(trainer, block.arm, clock)
+        trainer.peak_allocated(reset=True)
+        try:
+            steps = timed_steps(options.steps)
+        finally:
+            trainer.release(helper)
+        records.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
+                                   pool_bytes))
+        return steps
+
+    timed_steps(options.warmup_steps)
+    run_schedule(interleaved_blocks(options.arms, options.rounds), run_block, progress, skip_steps=options.skip_steps)
+    busy: dict[str, float | None] = {}
+    costs: dict[str, float] = {}
+    replays = None
+    for arm in options.arms:
+        helper, _, _ = _capture(trainer, arm, clock)
+        try:
+            busy[arm] = None if profile is None else profile(trainer.step, options.profile_steps)
+            if arm == "plugin" and contract_cost is not None:
+                costs, replays = contract_cost(helper)
+        finally:
+            trainer.release(helper)
+        progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
+    return BenchResult(METHOD, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags))
+
+
+def _capture(trainer: Trainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
+    if arm == "eager":
+        return None, None, None
+    before = trainer.pool_bytes()
+    trainer.synchronize()
+    start = clock()
+    helper = trainer.capture(arm)
+    trainer.synchronize()
+    seconds = clock() - start
+    return helper, seconds, diagnostics.new_pool_bytes(before, trainer.pool_bytes())
+
+
+# -- Megatron's side ------------------------------------------------------------------------------
+
+class MegatronTrainer:
+    """Megatron's ``train_step`` with the arguments ``train()`` passes it, on the model, optimizer
+    and data ``pretrain()`` built; graph helpers as Megatron's ``train()`` makes them."""
+
+    def __init__(self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict) -> None:
+        import torch
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+        from megatron.training import get_args
+        from megatron.training import training
+
+        self.torch, self.training, self.args = torch, training, get_args()
+        self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
+        _, _, self.model, self.optimizer, _, self.config, _ = step_args
+        self.iteration = self.step_kwargs.pop("iteration", None) or 0
+        self.last: Any = None
+        plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
+        if getattr(plugin, "session", None) is None:
+            raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
+        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin}
+
+    def step(self) -> None:
+        self.args.curr_iteration = self.iteration
+        self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+        self.iteration += 1
+
+    def capture(self, arm: str) -> Any:
+        helper = self.helpers[arm](model=self.model, config=self.config, seq_length=self.args.seq_length,
+                                   micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
+        hooks = self.training.should_disable_forward_pre_hook(self.args)
+        if hooks:  # as Megatron's train() does around its capture
+            self.training.disable_forward_pre_hook(self.model, param_sync=False)
+        helper.create_cudagraphs()
+        if hooks:
+            self.training.enable_forward_pre_hook(self.model)
+            helper.cuda_graph_set_manual_hooks()
+        if not helper.graphs_created():
+            raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
+                             "did the capture fail? see the log above).")
+        return helper
+
+    def release(self, helper: Any) -> None:
+        if helper is not None and helper.graphs_created():
+            helper.delete_cuda_graphs()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def peak_allocated(self, reset: bool = False) -> int:
+        if reset:
+            self.torch.cuda.reset_peak_memory_stats()
+        return self.torch.cuda.max_memory_allocated()
+
+    def pool_bytes(self) -> dict:
+        return diagnostics.memory_state().pools
+
+
+def gpu_busy_fraction(step: Callable[[], None], steps: int) -> float | None:
+    """Kernel time over wall time of ``steps`` steps under torch's profiler: how close a step is to
+    the sum of its kernels (1.0 is the physical limit). None if the profiler saw no kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernel_us = sum(event.self_device_time_total for event in trace.key_averages())
+    return kernel_us * 1e-6 / wall if kernel_us else None
+
+
+def contract_check_cost(helper: Any, repeats: int = 2000) -> tuple[dict[str, float], int]:
+    """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
+    first graph, replayed with fresh tensors of its captured inputs), and replays per step."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    layer, args, kwargs = helper.first_capture_sample
+    fresh = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    costs = {}
+    for mode in CONTRACT_MODES:
+        check = helper._contract_check(layer, "bench", args, kwargs, mode)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            check(*fresh)
+        costs[mode] = (time.perf_counter() - start) / repeats * 1e6
+    return costs, len(helper.flattened_callables) * helper.num_microbatches
+
+
+def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Callable[..., Any],
+                     sink: list[BenchResult]) -> Callable[..., Any]:
+    """Stands in for Megatron's ``train_step``: its first call runs the bench through the real
+    ``train_step`` and returns the last step's result; ``train()``'s loop then ends."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if sink:
+            raise BenchError("Megatron's loop went on after the bench; this megatron-core reads --train-iters "
+                             "differently: install the supported version (docs/versions.md).")
+        trainer = MegatronTrainer(train_step, args, kwargs)
+        sink.append(run_bench(options, trainer, flags=flags, profile=gpu_busy_fraction,
+                              contract_cost=contract_check_cost if "plugin" in options.arms else None))
+        trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
+        return trainer.last
+
+    return step
+
+
+def main(argv: Sequence[str]) -> int:
+    from megatron.training import training
+
+    from megatron_cg_plugin import integration
+    from megatron_cg_plugin.launch import pretrain_gpt
+    from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
+
+    options, flags = parse_bench_argv(argv)
+    if options.plot:
+        bench_output.plot_available()
+    graphed = [arm for arm in options.arms if arm != "eager"]
+    if graphed and "transformer_engine" not in flags:
+        raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
+                         "(or --bench-arms eager).")
+    # Enough iterations for every block (the bench's value wins over the flags').
+    flags = [*flags, "--train-iters", str(options.total_steps)]
+    results: list[BenchResult] = []
+    with single_process_rendezvous():
+        session = integration.install(launcher=True)
+        try:
+            args = pretrain_gpt.parse_megatron_args(flags)
+            if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
+                raise BenchError("--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the "
+                                 "bench's first step; leave it at its default (3) or set it >= 1.")
+            driver = bench_train_step(options, flags, training.train_step, results)
+            with patches.scoped(training, "train_step", driver, "bench-train-step"):
+                pretrain_gpt.run(args, session)
+        finally:
+            integration.uninstall()
+    if not results:
+        raise BenchError("Megatron's pretrain() returned without training (are --train-iters and --do-train "
+                         "set? see the log above).")
+    for path in bench_output.write(results[0], options.out, with_plot=options.plot):
+        print(f"megatron-cg bench: wrote {path}")
+    print(bench_output.markdown(results[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,194 @@
+"""megatron-cg bench on CPU: the block loop with a fake trainer and clock, its outputs, its options,
+and the contract-cost measurement on a real plugin check."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from megatron_cg_plugin import bench_output, cli
+from megatron_cg_plugin.bench_output import BenchOutputError
+from megatron_cg_plugin.launch import bench
+from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
+
+STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126}
+
+
+class FakeTrainer:
+    """Steps take their arm's time on a fake clock that also drifts 1% per block."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.arm = "eager"
+        self.events: list[str] = []
+        self.pools: dict = {}
+        self.blocks = 0
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        self.clock.now += STEP_SECONDS[self.arm] * (1 + 0.01 * self.blocks)
+
+    def capture(self, arm: str):
+        self.events.append(f"capture {arm}")
+        self.arm = arm
+        self.pools[(len(self.events), 0)] = 64 << 20
+        self.clock.now += 2.0 if arm == "stock" else 2.1
+        return arm
+
+    def release(self, helper) -> None:
+        self.events.append(f"release {helper}")
+        self.pools.clear()
+        self.arm = "eager"
+        self.blocks += 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def peak_allocated(self, reset: bool = False) -> int:
+        return 1 << 30
+
+    def pool_bytes(self) -> dict:
+        return dict(self.pools)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def bench_with_fakes(**options):
+    clock = Clock()
+    trainer = FakeTrainer(clock)
+    lines: list[str] = []
+    profiled: list[str] = []
+
+    def profile(step, count):
+        profiled.append(trainer.arm)
+        for _ in range(count):
+            step()
+        return 0.9 if trainer.arm != "eager" else 0.5
+
+    result = run_bench(BenchOptions(**({"rounds": 4, "steps": 6, "skip_steps": 1} | options)), trainer, clock=clock,
+                       progress=lines.append, profile=profile,
+                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24))
+    return result, trainer, lines, profiled
+
+
+def test_every_graphed_block_captures_trains_and_tears_down_in_the_interleaved_order():
+    result, trainer, lines, profiled = bench_with_fakes()
+    # Round 0 forward, round 1 reversed, ...; then one profiled capture per graphed arm.
+    captures = [e for e in trainer.events if e.startswith("capture")]
+    assert captures == ["capture stock", "capture plugin", "capture plugin", "capture stock"] * 2 + \
+        ["capture stock", "capture plugin"]
+    events = trainer.events
+    assert all(events[i + 1] == f"release {e.split()[1]}" for i, e in enumerate(events) if e.startswith("capture"))
+    assert [(r.round, r.arm) for r in result.blocks][:6] == [(0, "eager"), (0, "stock"), (0, "plugin"),
+                                                             (1, "plugin"), (1, "stock"), (1, "eager")]
+    assert trainer.steps == 3 + 4 * 3 * 6 + 3 * 3  # warmup, the blocks, the profiles
+    assert len(lines) == 12 + 3 and lines[0].startswith("block 1/12: round 0 eager: 6 steps, median 30.")
+    assert profiled == ["eager", "stock", "plugin"] and result.busy_fraction["plugin"] == 0.9
+    assert result.contract_check_us["full"] == 7.0 and result.replays_per_step == 24
+
+
+def test_ratios_come_out_of_the_drift_and_graphed_blocks_record_their_capture():
+    result, *_ = bench_with_fakes()
+    summary = result.summary()
+    assert summary.ratios["plugin", "stock"].median == pytest.approx(1.05, rel=2e-3)  # 12.6 / 12 despite drift
+    assert summary.ratios["stock", "eager"].median == pytest.approx(0.4, rel=2e-3)
+    for record in result.blocks:
+        assert (record.capture_seconds is None) == (record.arm == "eager")
+        assert record.pool_bytes in (None, 64 << 20) and record.peak_allocated_bytes == 1 << 30
+    assert result.per_arm("capture_seconds")["plugin"].median == pytest.approx(2.1)
+
+
+def test_outputs_json_and_markdown(tmp_path):
+    result, *_ = bench_with_fakes()
+    written = bench_output.write(result, tmp_path, with_plot=False)
+    assert [p.name for p in written] == ["bench.json", "bench.md"]
+    data = json.loads(written[0].read_text())
+    assert data["ratios"]["plugin/stock"]["n"] == 2 and len(data["blocks"]) == 12
+    assert data["step_seconds"]["eager"]["median"] == pytest.approx(0.030 * 1.055)  # blocks 0, 5, 6, 11 drifted
+    table = written[1].read_text()
+    assert "| plugin / stock | 1.05 [" in table and "| stock / eager |" in table
+    assert "| full | 7.0 | 0.17 ms (24 replays) |" in table
+    assert "| eager |" in table and "| - | - |" in table  # no capture, no pool for eager
+    assert bench_output.from_json(data) == result  # bench.json holds the whole result (plotted elsewhere)
+
+
+def test_a_missing_matplotlib_is_said_before_anything_runs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(BenchOutputError, match=r"pip install 'megatron-cg-plugin\[bench\]', or pass --bench-no-plot"):
+        bench_output.plot_available()
+
+
+def test_a_failing_capture_stops_the_bench_with_its_error():
+    class Failing(FakeTrainer):
+        def capture(self, arm):
+            raise RuntimeError(f"{arm} capture failed")
+
+    clock = Clock()
+    with pytest.raises(RuntimeError, match="stock capture failed"):
+        run_bench(BenchOptions(rounds=2, steps=3, skip_steps=1), Failing(clock), clock=clock, progress=lambda _: None)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(arms=("eager", "fast")), "--bench-arms eager,fast: use a comma-separated subset of eager,stock,plugin"),
+    (dict(arms=()), "--bench-arms"),
+    (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
+    (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
+])
+def test_bad_options_are_refused_naming_the_flag(options, message):
+    with pytest.raises(BenchError, match=message):
+        BenchOptions(**options)
+
+
+def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
+    options, flags = parse_bench_argv(["--cg-preset", "tiny-gpt", "--bench-rounds", "6", "--bench-arms",
+                                       "stock,plugin", "--cuda-graph-impl", "transformer_engine", "--bench-no-plot"])
+    assert (options.rounds, options.arms, options.plot) == (6, ("stock", "plugin"), False)
+    assert flags == ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine"]
+    assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3
+
+
+def test_cli_refuses_graphed_arms_without_te_graphs_before_any_gpu_work(capsys):
+    assert cli.main(["bench", "--bench-no-plot", "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    assert "pass --cuda-graph-impl transformer_engine (or --bench-arms eager)" in capsys.readouterr().err
+
+
+def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(monkeypatch):
+    import types
+
+    args = types.SimpleNamespace(train_iters=500, iteration=0)
+
+    class Trainer:
+        def __init__(self, train_step, step_args, step_kwargs):
+            self.args, self.last = args, ("loss dict",)
+
+    monkeypatch.setattr(bench, "MegatronTrainer", Trainer)
+    monkeypatch.setattr(bench, "run_bench", lambda options, trainer, **kwargs: "result")
+    sink: list = []
+    step = bench.bench_train_step(BenchOptions(), [], train_step=None, sink=sink)
+    assert step("forward", "data", iteration=0) == ("loss dict",)
+    assert sink == ["result"] and args.train_iters == 1  # the loop's iteration 0 was its last
+    with pytest.raises(BenchError, match="went on after the bench"):
+        step("forward", "data", iteration=1)
+
+
+def test_contract_cost_times_every_mode_on_the_first_captured_layer():
+    from megatron_cg_plugin.helper import PluginHelperMixin
+
+    layer = torch.nn.Linear(4, 4)
+    layer.pg_collection = None
+    helper = type("Helper", (), {"_contract_check": staticmethod(PluginHelperMixin._contract_check)})()
+    helper.first_capture_sample = (layer, (torch.zeros(8, 2, 4),), {"attention_mask": torch.ones(2, 1, 8, 8)})
+    helper.flattened_callables, helper.num_microbatches = [layer] * 3, 4
+    costs, replays = bench.contract_check_cost(helper, repeats=50)
+    assert set(costs) == {"full", "shapes", "off"} and all(us > 0 for us in costs.values())
+    assert costs["off"] < costs["full"] and replays == 12
