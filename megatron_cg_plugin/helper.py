@@ -138,6 +138,9 @@ class PluginHelperMixin:
         tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure,
                                   is_capturing=self.backend.is_capturing)
         start = time.perf_counter()
+        # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
+        # (the next forward sets it anew), so the stale-graph check has nothing to collect.
+        self._clear_moe_scratch()
         if config.stale_graph_check == "refuse" and not self._stale_graphs_allow_capture(scope, layers, start):
             return
         try:
@@ -327,8 +330,9 @@ class PluginHelperMixin:
 
     def _clear_moe_scratch(self) -> None:
         """An MoE layer's dispatcher keeps the last forward's per-forward state on its attributes
-        (``capture.scratch``); after a capture that is the last graph's, in its pool, which would
-        then outlive the graphs. The next forward sets it anew."""
+        (``capture.scratch``): before a capture, the last eager step's, with its autograd graph;
+        after one, the last graph's, in its pool, which would then outlive the graphs. The next
+        forward sets it anew."""
         for layer in self.flattened_callables:
             if getattr(getattr(getattr(layer, "mlp", None), "token_dispatcher", None), "cudagraph_attrs", None):
                 clear(moe_dispatcher_scratch(layer))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import ARMS, BenchResult, BlockRecord
-from megatron_cg_plugin.plan.bench import Block, interleaved_blocks, run_schedule
+from megatron_cg_plugin.plan.bench import Block, busy_seconds, interleaved_blocks, run_schedule, summarize
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
           "captures, trains and tears down (capture runs again in the next block)")
@@ -96,7 +97,8 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
               profile: Callable[[Callable[[], None], int], float | None] | None = None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
     """Runs the interleaved schedule through ``trainer`` and measures every block; then, per arm,
-    ``profile`` (the GPU-busy fraction of a few steps) and, on a plugin capture, ``contract_cost``."""
+    ``profile`` (kernel seconds per step, for the GPU-busy fraction) and, on a plugin capture,
+    ``contract_cost``."""
     records: list[BlockRecord] = []
 
     def timed_steps(count: int) -> list[float]:
@@ -125,10 +127,13 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
     busy: dict[str, float | None] = {}
     costs: dict[str, float] = {}
     replays = None
+    medians = summarize({r.block: r.step_seconds for r in records}, skip_steps=options.skip_steps).arms
     for arm in options.arms:
         helper, _, _ = _capture(trainer, arm, clock)
         try:
-            busy[arm] = None if profile is None else profile(trainer.step, options.profile_steps)
+            # Kernel time per step over the arm's unprofiled median step (the profiler slows the host down).
+            kernel = None if profile is None else profile(trainer.step, options.profile_steps)
+            busy[arm] = None if kernel is None else kernel / medians[arm].median
             if arm == "plugin" and contract_cost is not None:
                 costs, replays = contract_cost(helper)
         finally:
@@ -207,26 +212,28 @@ class MegatronTrainer:
         return diagnostics.memory_state().pools
 
 
-def gpu_busy_fraction(step: Callable[[], None], steps: int) -> float | None:
-    """Kernel time over wall time of ``steps`` steps under torch's profiler: how close a step is to
-    the sum of its kernels (1.0 is the physical limit). None if the profiler saw no kernel."""
+def kernel_seconds_per_step(step: Callable[[], None], steps: int) -> float | None:
+    """GPU-busy seconds of one step under torch's profiler (the union of its device activity, over
+    ``steps`` steps); over the step's wall time it says how close the step is to the sum of its
+    kernels (1.0 is the physical limit). None if the profiler saw no device activity."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
-        start = time.perf_counter()
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    kernel_us = sum(event.self_device_time_total for event in trace.key_averages())
-    return kernel_us * 1e-6 / wall if kernel_us else None
+    intervals = [(event.time_range.start, event.time_range.end) for event in trace.events()
+                 if event.device_type == DeviceType.CUDA]
+    return busy_seconds(intervals) * 1e-6 / steps if intervals else None
 
 
-def contract_check_cost(helper: Any, repeats: int = 2000) -> tuple[dict[str, float], int]:
+def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
     """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
-    first graph, replayed with fresh tensors of its captured inputs), and replays per step."""
+    first graph, replayed with fresh tensors of its captured inputs), and layer replays per step
+    (every graphed layer once per microbatch)."""
     import torch
     from torch.utils import _pytree as pytree
 
@@ -239,7 +246,7 @@ def contract_check_cost(helper: Any, repeats: int = 2000) -> tuple[dict[str, flo
         for _ in range(repeats):
             check(*fresh)
         costs[mode] = (time.perf_counter() - start) / repeats * 1e6
-    return costs, len(helper.flattened_callables) * helper.num_microbatches
+    return costs, len(helper.flattened_callables) * microbatches
 
 
 def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Callable[..., Any],
@@ -251,9 +258,12 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
         if sink:
             raise BenchError("Megatron's loop went on after the bench; this megatron-core reads --train-iters "
                              "differently: install the supported version (docs/versions.md).")
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
         trainer = MegatronTrainer(train_step, args, kwargs)
-        sink.append(run_bench(options, trainer, flags=flags, profile=gpu_busy_fraction,
-                              contract_cost=contract_check_cost if "plugin" in options.arms else None))
+        cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
+        sink.append(run_bench(options, trainer, flags=flags, profile=kernel_seconds_per_step,
+                              contract_cost=cost if "plugin" in options.arms else None))
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
         return trainer.last
 

@@ -100,3 +100,15 @@ def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequenc
         progress(f"block {index + 1}/{len(schedule)}: round {block.round} {block.arm}: "
                  f"{len(steps)} steps, median {median * 1e3:.2f} ms")
     return results
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """How long at least one of ``intervals`` (start, end) runs: kernels on several streams overlap,
+    and CUDA graph replays are listed beside their kernels, so summing durations counts time twice."""
+    total, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= covered_until:
+            continue
+        total += end - max(start, covered_until)
+        covered_until = end
+    return total

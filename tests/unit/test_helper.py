@@ -1015,13 +1015,15 @@ def test_teardown_names_what_holds_the_pool_blocks_left(probe, memory, cuda_sync
     assert "2.00 MiB left in graph pools ((3, 5) torch.float32 held by" in session.report().format_table()
 
 
-def test_teardown_drops_the_moe_dispatchers_per_forward_state(probe, memory, cuda_sync):
+def test_capture_and_teardown_drop_the_moe_dispatchers_per_forward_state(probe, memory, cuda_sync):
     session, backend, model, helper = build(probe, layout=(2,))
     moe_layer = all_layers(model)[1]
     dispatcher = types.SimpleNamespace(cudagraph_attrs=["routing_map", "probs"], routing_map=torch.ones(2),
                                        probs=torch.ones(2))
     moe_layer.is_moe_layer, moe_layer.mlp = True, types.SimpleNamespace(token_dispatcher=dispatcher)
     helper.create_cudagraphs()
+    assert dispatcher.routing_map is None  # the last eager step's, holding its autograd graph
+    dispatcher.routing_map = dispatcher.probs = torch.ones(2)  # what the capture leaves there
     helper.delete_cuda_graphs()
     assert dispatcher.routing_map is None and dispatcher.probs is None  # the last graph's, in its pool
 

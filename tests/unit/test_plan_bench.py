@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.bench import Block, Spread, interleaved_blocks, run_schedule, summarize
+from megatron_cg_plugin.plan.bench import Block, Spread, busy_seconds, interleaved_blocks, run_schedule, summarize
 
 
 @given(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True), st.integers(1, 6))
@@ -71,3 +71,19 @@ def test_spread_format():
     assert Spread.of([0.010, 0.012, 0.011]).format(" ms", 1e3) == "11 ms [10, 12] (n=3)"
     with pytest.raises(ValueError):
         Spread.of([])
+
+
+def test_busy_time_is_the_union_of_overlapping_activity():
+    # A graph replay listed beside its two kernels, a kernel on a second stream, a gap, a last kernel.
+    assert busy_seconds([(0, 10), (1, 4), (5, 9), (8, 12), (20, 25)]) == 17
+    assert busy_seconds([]) == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 100), st.integers(1, 30)), max_size=30))
+def test_busy_time_is_at_most_the_sum_and_at_least_the_longest(pairs):
+    intervals = [(start, start + length) for start, length in pairs]
+    total = busy_seconds(intervals)
+    assert total <= sum(length for _, length in pairs)
+    assert total >= max((length for _, length in pairs), default=0)
+    covered = {t for start, end in intervals for t in range(start, end)}
+    assert total == len(covered)  # integer intervals: the covered unit steps
