@@ -2,7 +2,7 @@
 # Runs the GPU functional farm on a host with CUDA GPUs, TE and megatron-core importable
 # (PYTHONPATH or an installed venv), and writes the summary table.
 #   bash ci/run_gpu_functional.sh [OUT_DIR] [extra pytest args]
-# MEGATRON_CG_UPDATE_GOLDEN=1 rewrites tests/functional/golden_values/ from this run.
+# MEGATRON_CG_UPDATE_GOLDEN=1 rewrites each case's golden_values_dev_dgx_h200.json (tests/functional/test_cases/) from this run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/megatron-cg-farm}}

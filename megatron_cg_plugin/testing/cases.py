@@ -26,7 +26,9 @@ SUPPORTED_TEST_TYPES = ("regular", "release")
 # Test types whose first half is a regular run: the farm runs that half and says so.
 FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
                                         "the first half saves, which the farm does not keep"}
-FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal"})
+FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
+                       "golden_case", "golden_metrics"})
+FARM_DATA = ("synthetic", "sentencepiece")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -38,11 +40,20 @@ class CaseError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class FarmSettings:
     """The ``CG_FARM`` block: ranks, whether the golden file is compared or eager vs graphed only,
-    and rule names the graphed run is expected to be refused with (a negative case)."""
+    rule names the graphed run is expected to be refused with (a negative case), and how the farm
+    runs the case: steps, a training script run through ``megatron-cg run`` (repository path),
+    a real dataset the farm builds (``synthetic`` or ``sentencepiece``), an injected capture failure
+    the graphed run must survive, and the case (and metrics) whose golden file it is held to."""
 
     nproc: int = 1
     compare: str = "golden"
     expect_refusal: tuple[str, ...] = ()
+    steps: int | None = None
+    script: str | None = None
+    data: str | None = None
+    expect_capture_failure: bool = False
+    golden_case: str | None = None
+    golden_metrics: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,20 +129,32 @@ def _env_value(value: Any) -> str:
 
 def _farm_settings(path: Path, block: Any) -> FarmSettings:
     if not isinstance(block, dict):
-        raise _refuse(path, "CG_FARM must be a mapping (nproc, compare, expect_refusal).")
+        raise _refuse(path, "CG_FARM must be a mapping (nproc, compare, expect_refusal, ...).")
     unknown = sorted(set(block) - FARM_KEYS)
     if unknown:
         raise _refuse(path, f"CG_FARM has unknown key(s) {unknown}; use {sorted(FARM_KEYS)}.")
-    nproc = block.get("nproc", 1)
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise _refuse(path, f"CG_FARM nproc {nproc!r} must be an integer >= 1.")
+    for key in ("nproc", "steps"):
+        value = block.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _refuse(path, f"CG_FARM {key} {value!r} must be an integer >= 1.")
     compare = block.get("compare", "golden")
     if compare not in COMPARISONS:
         raise _refuse(path, f"CG_FARM compare {compare!r} is unknown; use one of {', '.join(COMPARISONS)}.")
-    refusals = block.get("expect_refusal") or []
-    if isinstance(refusals, str):
-        refusals = [refusals]
-    return FarmSettings(nproc=nproc, compare=compare, expect_refusal=tuple(str(r) for r in refusals))
+    data = block.get("data")
+    if data is not None and data not in FARM_DATA:
+        raise _refuse(path, f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
+                            "in MODEL_ARGS for a dataset of your own).")
+    if not isinstance(block.get("expect_capture_failure", False), bool):
+        raise _refuse(path, "CG_FARM expect_capture_failure must be true or false.")
+    return FarmSettings(nproc=block.get("nproc", 1), compare=compare, expect_refusal=_names(block, "expect_refusal"),
+                        steps=block.get("steps"), script=block.get("script"), data=data,
+                        expect_capture_failure=block.get("expect_capture_failure", False),
+                        golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"))
+
+
+def _names(block: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = block.get(key) or []
+    return (value,) if isinstance(value, str) else tuple(str(item) for item in value)
 
 
 def _values(flag: str, value: Any) -> list[str]:

@@ -2,8 +2,9 @@
 through the plugin's launcher or through ``megatron-cg run`` with a user's own Megatron script, on
 mock data or on a real indexed dataset it builds, and compares the per-step metrics.
 
-Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``; the summary table it
-writes is what ``docs/results/`` records.
+Cases are folders in Megatron's functional-test format under ``tests/functional/test_cases``
+(``testing.cases``). Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``;
+the summary table it writes is what ``docs/results/`` records.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
-from megatron_cg_plugin.launch.presets import MOE_FLAGS
+from megatron_cg_plugin.testing.cases import CASE_FILE, Case, CaseError, load_case
 from megatron_cg_plugin.testing.distributed import launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
-GOLDEN_DIR = REPO / "tests" / "functional" / "golden_values"
+CASES_DIR = REPO / "tests" / "functional" / "test_cases"  # <model>/<case>/model_config.yaml beside its golden file
+GOLDEN_FILE = "golden_values_dev_dgx_h200.json"  # Megatron's golden_values_{dev,lts}_dgx_<gpu>.json naming
 USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
 GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
@@ -57,19 +59,20 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class FarmCase:
-    """One farm case. ``expect_capture_failure``: the graphed run injects a capture failure and must
-    fall back to eager training (graphs 0, the failure in its report). ``golden`` names the case
-    whose golden file this one is compared with (default: its own), on ``golden_metrics``; with
-    ``check_golden`` False the case compares eager with graphed only. ``script`` runs a training
-    script through ``megatron-cg run`` instead of the launcher; ``data`` trains on a real indexed
-    dataset the farm builds (``data_flags``)."""
+    """One farm case, read from its folder (``testing.cases``: Megatron's ``model_config.yaml`` with
+    a ``CG_FARM`` block). ``expect_capture_failure``: the graphed run injects a capture failure and
+    must fall back to eager training (graphs 0, the failure in its report). ``golden_case`` names the
+    case whose golden file this one is compared with (default: its own), on ``golden_metrics``;
+    with ``check_golden`` False the case compares eager with graphed only. ``script`` runs a
+    training script through ``megatron-cg run`` instead of the launcher; ``data`` trains on a real
+    indexed dataset the farm builds (``data_flags``)."""
 
     name: str
     nproc: int
-    preset: str | None
-    flags: tuple[str, ...] = ()
+    flags: tuple[str, ...]
+    folder: Path
     expect_capture_failure: bool = False
-    golden: str | None = None
+    golden_case: str | None = None
     golden_metrics: tuple[str, ...] = ()
     steps: int = FARM_STEPS
     env: tuple[tuple[str, str], ...] = ()  # extra environment of both runs
@@ -77,14 +80,21 @@ class FarmCase:
     data: str | None = None
     check_golden: bool = True
 
+    @classmethod
+    def from_case(cls, case: Case, placeholders: dict[str, str] | None = None) -> "FarmCase":
+        farm = case.farm
+        return cls(name=case.name, nproc=farm.nproc, flags=tuple(case.flags(placeholders or {})), folder=case.folder,
+                   expect_capture_failure=farm.expect_capture_failure, golden_case=farm.golden_case,
+                   golden_metrics=farm.golden_metrics, steps=farm.steps or FARM_STEPS, env=tuple(case.env.items()),
+                   script=farm.script, data=farm.data, check_golden=farm.compare == "golden")
+
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
         entry = (["-m", "megatron_cg_plugin.cli", "run", str(REPO / self.script)] if self.script
                  else ["-m", "megatron_cg_plugin.pretrain_gpt"])
         return [
-            *entry,
-            *(("--cg-preset", self.preset) if self.preset else ()), *self.flags, *data_flags(self.data, out_dir),
+            *entry, *self.flags, *data_flags(self.data, out_dir),
             "--cuda-graph-impl", "transformer_engine" if graphed else "none",
             "--deterministic-mode", "--train-iters", str(steps),
             "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
@@ -93,77 +103,31 @@ class FarmCase:
 
     @property
     def golden_path(self) -> Path:
-        return GOLDEN_DIR / f"golden_values_{self.golden or self.name}.json"
+        folder = self.folder if self.golden_case is None else case_folder(self.golden_case, self.folder.parents[1])
+        return folder / GOLDEN_FILE
 
     @property
     def compared_metrics(self) -> tuple[str, ...]:
         return self.golden_metrics or GOLDEN_METRICS
 
 
-_DROP_AND_PAD = ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
-# Megatron's fine-grained offloading needs TE's v1 offload path (its validate_args checks).
-_OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
+def case_folders(root: Path = CASES_DIR) -> list[Path]:
+    """Every case folder under ``root`` (``<model>/<case>/model_config.yaml``), in path order."""
+    return sorted(path.parent for path in root.glob(f"*/*/{CASE_FILE}"))
 
-# A realistic dense shape (issue 11): micro-batch size 1, 12 layers, h=1024, seq 2048, the default
-# contract check. Spelled out (no preset), so a user's script gets exactly the same flags.
-GPT_12X1024 = tuple(
-    "--num-layers 12 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16 "
-    "--seq-length 2048 --max-position-embeddings 2048 --position-embedding-type rope "
-    "--micro-batch-size 1 --global-batch-size 8 "
-    "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 "
-    "--clip-grad 1.0 --bf16 --hidden-dropout 0.0 --attention-dropout 0.0 "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --split 100,0,0 "
-    "--eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad "
-    "--seed 1234 --transformer-impl transformer_engine --no-gradient-accumulation-fusion "
-    "--num-workers 0".split())
 
-CASES: tuple[FarmCase, ...] = (
-    FarmCase("tiny_gpt_attn", 1, "tiny-gpt", ("--cuda-graph-modules", "attn")),
-    FarmCase("tiny_gpt_layer", 1, "tiny-gpt"),
-    FarmCase("tiny_moe_router", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")),
-    FarmCase("tiny_moe_droppad", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe", *_DROP_AND_PAD)),
-    FarmCase("tiny_gpt_layer_dp2", 2, "tiny-gpt"),
-    # Capture fails inside layer 2 and is rolled back; training must go on eagerly with the very
-    # losses of the eager run (and of tiny_gpt_layer's golden values: same model, same data).
-    FarmCase("tiny_gpt_layer_capture_failure", 1, "tiny-gpt",
-             ("--cg-inject-capture-failure", "2", "--cg-on-capture-error", "eager"),
-             expect_capture_failure=True, golden="tiny_gpt_layer", golden_metrics=("lm loss",)),
-    # Hybrid CP with one graph bank per CP size (1 and 2), 30 steps: whole layers, learned positions.
-    FarmCase("tiny_gpt_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--position-embedding-type", "learned_absolute"), steps=30),
-    # The same with RoPE (fused, one table per bank), whole layers and the attention scope.
-    FarmCase("tiny_gpt_hybrid_cp_banks_rope", 2, "tiny-gpt-hybrid-cp", ("--cg-graph-banks",), steps=30),
-    FarmCase("tiny_gpt_hybrid_cp_banks_attn", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--cuda-graph-modules", "attn"), steps=30),
-    # MLP scope: one graph for every CP size, attention eager with its activations offloaded.
-    FarmCase("tiny_gpt_hybrid_cp_banks_mlp_offload", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--cuda-graph-modules", "mlp", "--fine-grained-activation-offloading",
-              "--offload-modules", "core_attn"), steps=30, env=_OFFLOAD_ENV),
-    # MoE under hybrid CP: attention banks, the eager (dropless) experts offloaded; their offload is
-    # delayed while a graph replays and flushed after the next bank replay (Megatron's replay path).
-    FarmCase("tiny_moe_hybrid_cp_banks_attn_offload", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--cuda-graph-modules", "attn", *MOE_FLAGS, "--fine-grained-activation-offloading",
-              "--offload-modules", "expert_fc1", "moe_act", "--delay-offload-until-cuda-graph"),
-             steps=30, env=_OFFLOAD_ENV),
-    # MoE under hybrid CP with the MoE block graphed in every bank (drop-and-pad): attn moe, whole layer.
-    FarmCase("tiny_moe_hybrid_cp_banks", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", "--cuda-graph-modules", "attn", "moe", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
-    FarmCase("tiny_moe_hybrid_cp_banks_layer", 2, "tiny-gpt-hybrid-cp",
-             ("--cg-graph-banks", *MOE_FLAGS, *_DROP_AND_PAD), steps=30),
-    # Real indexed datasets built by the farm: pre-tokenized (golden values), and text through a
-    # SentencePiece model trained on the spot (its tokens depend on the sentencepiece release, so
-    # eager == graphed only).
-    FarmCase("tiny_gpt_real_data", 1, "tiny-gpt", data="synthetic"),
-    FarmCase("tiny_moe_real_data_spm", 1, "tiny-moe", ("--cuda-graph-modules", "attn", "moe", *_DROP_AND_PAD),
-             data="sentencepiece", check_golden=False),
-    # Realistic shapes at micro-batch size 1 with the default contract check, through the launcher and
-    # through megatron-cg run with a user's own script.
-    FarmCase("gpt_12x1024_layer", 1, None, GPT_12X1024),
-    FarmCase("gpt_12x1024_attn", 1, None, (*GPT_12X1024, "--cuda-graph-modules", "attn")),
-    FarmCase("gpt_12x1024_layer_user_script", 1, None, GPT_12X1024, script=USER_SCRIPT),
-    FarmCase("gpt_12x1024_attn_user_script", 1, None, (*GPT_12X1024, "--cuda-graph-modules", "attn"),
-             script=USER_SCRIPT),
-)
+def case_folder(name: str, root: Path = CASES_DIR) -> Path:
+    found = [folder for folder in case_folders(root) if folder.name == name]
+    if len(found) != 1:
+        raise CaseError(f"golden_case {name!r} names {len(found)} case folders under {root}; name exactly one case.")
+    return found[0]
+
+
+def load_cases(root: Path = CASES_DIR) -> tuple[FarmCase, ...]:
+    return tuple(FarmCase.from_case(load_case(folder)) for folder in case_folders(root))
+
+
+CASES: tuple[FarmCase, ...] = load_cases()
 
 
 @dataclasses.dataclass(frozen=True)

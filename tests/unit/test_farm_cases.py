@@ -1,0 +1,65 @@
+"""The farm's cases as data: every folder under tests/functional/test_cases loads, renders the
+command line the farm runs, and finds its golden file; bad CG_FARM blocks are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.testing import farm
+from megatron_cg_plugin.testing.cases import CaseError, load_case
+
+
+def test_every_case_folder_is_a_farm_case_with_its_golden_file():
+    names = [case.name for case in farm.CASES]
+    assert len(names) == len(set(names)) and len(names) == len(farm.case_folders())
+    for case in farm.CASES:
+        assert case.nproc >= 1 and case.steps >= 20
+        assert case.golden_path.exists() == case.check_golden, case.name  # eager-only cases keep no file
+
+
+def test_a_case_renders_the_launcher_command_line(tmp_path):
+    (case,) = [c for c in farm.CASES if c.name == "tiny_moe_droppad"]
+    assert case.argv(graphed=True, out_dir=tmp_path) == [
+        "-m", "megatron_cg_plugin.pretrain_gpt", "--cg-preset", "tiny-moe", "--cuda-graph-modules", "attn", "moe",
+        "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+        "--cuda-graph-impl", "transformer_engine", "--deterministic-mode", "--train-iters", "24",
+        "--cg-metrics-out", str(tmp_path / "tiny_moe_droppad.graphed.metrics.json"),
+        "--cg-report-out", str(tmp_path / "tiny_moe_droppad.graphed.report.json")]
+    eager = case.argv(graphed=False, out_dir=tmp_path)
+    assert eager[eager.index("--cuda-graph-impl") + 1] == "none"
+
+
+def test_farm_settings_reach_the_case():
+    by_name = {case.name: case for case in farm.CASES}
+    failure = by_name["tiny_gpt_layer_capture_failure"]
+    assert failure.expect_capture_failure and failure.compared_metrics == ("lm loss",)
+    assert failure.golden_path == by_name["tiny_gpt_layer"].golden_path  # held to another case's file
+    offload = by_name["tiny_moe_hybrid_cp_banks_attn_offload"]
+    assert (offload.nproc, offload.steps, dict(offload.env)) == (2, 30, {"NVTE_CPU_OFFLOAD_V1": "1"})
+    assert by_name["gpt_12x1024_attn_user_script"].argv(graphed=True, out_dir=Path("o"))[:3] == [
+        "-m", "megatron_cg_plugin.cli", "run"]
+    assert by_name["tiny_moe_real_data_spm"].data == "sentencepiece" and not by_name["tiny_moe_real_data_spm"].check_golden
+
+
+@pytest.mark.parametrize("block, message", [
+    ("steps: 0", "CG_FARM steps 0 must be an integer >= 1"),
+    ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
+    ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
+    ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
+])
+def test_bad_farm_blocks_are_refused_naming_the_key(tmp_path, block, message):
+    (tmp_path / "model_config.yaml").write_text(f"MODEL_ARGS:\n  --num-layers: 2\nCG_FARM:\n  {block}\n")
+    with pytest.raises(CaseError, match=message):
+        load_case(tmp_path)
+
+
+def test_a_golden_case_must_name_exactly_one_case(tmp_path):
+    for name in ("a", "b"):
+        folder = tmp_path / "gpt" / name
+        folder.mkdir(parents=True)
+        (folder / "model_config.yaml").write_text("MODEL_ARGS:\n  --num-layers: 2\nCG_FARM:\n  golden_case: missing\n")
+    (case, _) = farm.load_cases(tmp_path)
+    with pytest.raises(CaseError, match="golden_case 'missing' names 0 case folders"):
+        case.golden_path
