@@ -45,7 +45,7 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
         return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed, deterministic=True,
                               metrics=case.compared_metrics)
 
-    updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden is None and case.check_golden
+    updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden_case is None and case.check_golden
     previous = golden_mismatches() if updating and case.golden_path.exists() else None
     if previous is not None:  # what the rewrite replaces, so a regression still shows
         summary["previous_golden_mismatches"] = golden.format_report(previous)
