@@ -5,6 +5,8 @@
     megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
     megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms eager,stock,plugin --bench-out DIR] <launcher flags>
                                                         eager vs Megatron's graphs vs the plugin's, in one process
+    megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
+                                                        eager vs graphed on cases in Megatron's model_config.yaml format
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
 """
@@ -269,6 +271,48 @@ def _bench(argv: Sequence[str]) -> int:
         return EXIT_BAD_INPUT
 
 
+def _farm(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.testing.cases import CaseError
+
+    parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
+        "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
+        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them."))
+    parser.add_argument("cases", nargs="+", type=Path, help="case folders holding model_config.yaml")
+    parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
+    parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
+    parser.add_argument("--out", type=Path, default=Path("farm-out"), help="metrics, reports and logs")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the case's, else 24)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    options = parser.parse_args(argv)
+    try:
+        prepared = [farm.prepare_case(folder, out_dir=options.out, gpus=options.fit_gpus, data_path=options.data_path,
+                                      steps=options.steps) for folder in options.cases]
+    except CaseError as error:
+        print(f"megatron-cg farm: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    failed = 0
+    rows = []
+    for case, notes in prepared:
+        print(f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
+              f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}")
+        for note in notes:
+            print(f"   {note}")
+        if options.dry_run:
+            print("   python " + " ".join(case.argv(graphed=True, out_dir=options.out)))
+            continue
+        result = farm.run_case(case, options.out)
+        rows.append(result.summary())
+        problems = farm.problems_of(case, result)
+        failed += bool(problems)
+        print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
+    if rows:
+        print(farm.format_summary(rows))
+    return EXIT_MISMATCH if failed else EXIT_OK
+
+
 def _run(argv: Sequence[str]) -> int:
     from megatron_cg_plugin.launch import run_script
 
@@ -277,7 +321,7 @@ def _run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "check": _check, "golden": _golden, "plan": _plan, "run": _run}
+    commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "plan": _plan, "run": _run}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_BAD_INPUT

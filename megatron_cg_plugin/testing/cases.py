@@ -65,6 +65,7 @@ class Case:
     metrics: tuple[str, ...] | None
     farm: FarmSettings
     notes: tuple[str, ...] = ()  # what the farm runs differently from Megatron's CI, and why
+    plugin_case: bool = True  # has a CG_FARM block (written for this farm), not one of Megatron's own
 
     def flags(self, placeholders: Mapping[str, str]) -> list[str]:
         """``MODEL_ARGS`` as a command line, placeholders resolved from ``placeholders``."""
@@ -118,7 +119,7 @@ def load_case(folder: str | Path) -> Case:
         raise _refuse(path, "METRICS must be a list of metric names (\"lm loss\", \"num-zeros\", ...).")
     return Case(name=folder.name, folder=folder, env={str(k): _env_value(v) for k, v in env.items()},
                 model_args=dict(model_args), metrics=None if metrics is None else tuple(metrics),
-                farm=_farm_settings(path, data.get("CG_FARM") or {}), notes=notes)
+                farm=_farm_settings(path, data.get("CG_FARM") or {}), notes=notes, plugin_case="CG_FARM" in data)
 
 
 def _env_value(value: Any) -> str:

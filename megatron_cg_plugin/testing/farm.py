@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
-from megatron_cg_plugin.testing.cases import CASE_FILE, Case, CaseError, load_case
+from megatron_cg_plugin.testing.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, load_case, render_flags
 from megatron_cg_plugin.testing.distributed import launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
@@ -80,14 +80,6 @@ class FarmCase:
     data: str | None = None
     check_golden: bool = True
 
-    @classmethod
-    def from_case(cls, case: Case, placeholders: dict[str, str] | None = None) -> "FarmCase":
-        farm = case.farm
-        return cls(name=case.name, nproc=farm.nproc, flags=tuple(case.flags(placeholders or {})), folder=case.folder,
-                   expect_capture_failure=farm.expect_capture_failure, golden_case=farm.golden_case,
-                   golden_metrics=farm.golden_metrics, steps=farm.steps or FARM_STEPS, env=tuple(case.env.items()),
-                   script=farm.script, data=farm.data, check_golden=farm.compare == "golden")
-
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
@@ -124,7 +116,49 @@ def case_folder(name: str, root: Path = CASES_DIR) -> Path:
 
 
 def load_cases(root: Path = CASES_DIR) -> tuple[FarmCase, ...]:
-    return tuple(FarmCase.from_case(load_case(folder)) for folder in case_folders(root))
+    """The farm's own cases (their runs write nothing the folder's location matters for)."""
+    return tuple(prepare_case(folder, out_dir=Path("farm-out"))[0] for folder in case_folders(root))
+
+
+def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, data_path: str | None = None,
+                 steps: int | None = None) -> tuple[FarmCase, list[str]]:
+    """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
+    flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
+    per change, comparison included (the golden file only where the run is the one it recorded)."""
+    from megatron_cg_plugin.testing.case_adapt import adapt_case_args
+    from megatron_cg_plugin.testing.cases import fit_gpus
+
+    case = load_case(folder)
+    notes = list(case.notes)
+    args = dict(case.model_args)
+    placeholders: dict[str, str] = {}
+    if not case.plugin_case:  # Megatron's own: written for its CI's mounts and an 8-GPU node
+        if gpus is None:
+            raise CaseError(f"{case.folder}: a Megatron case is written for {MEGATRON_CI_GPUS} GPUs; pass --fit-gpus N "
+                            "to scale its parallel sizes to the GPUs you have.")
+        args, placeholders, changes = adapt_case_args(args, data_path=data_path, out_dir=out_dir)
+        notes += changes
+    fitted: list[str] = []
+    if gpus is not None:
+        written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
+        args, fitted = fit_gpus(args, gpus, from_gpus=written_for)
+        if gpus != written_for:
+            fitted.insert(0, f"ranks {written_for} -> {gpus}")
+        notes += fitted
+    compare = case.farm.compare
+    # The farm's own golden files are this hardware's at the case's sizes; Megatron's are not.
+    if compare == "golden" and (not case.plugin_case or fitted):
+        recorded = sorted(p.name for p in case.folder.glob("golden_values_*.json")) or ["none"]
+        compare = "eager-only"
+        notes.append(f"eager vs graphed only: the golden values here ({', '.join(recorded)}) were recorded on other "
+                     "hardware, parallel sizes or data than this run")
+    farm_case = FarmCase(
+        name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
+        folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
+        golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
+        steps=steps or case.farm.steps or FARM_STEPS, env=tuple(case.env.items()), script=case.farm.script,
+        data=case.farm.data, check_golden=compare == "golden")
+    return farm_case, notes
 
 
 CASES: tuple[FarmCase, ...] = load_cases()
@@ -189,6 +223,47 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
         report=json.loads((out_dir / f"{case.name}.graphed.report.json").read_text()),
         log_tail=tails[-1],
     )
+
+
+def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True) -> list[str]:
+    """Everything wrong with a case's runs (empty: it passed): eager vs graphed per step, the
+    capture and replay figures of the report, and (``with_golden``) the golden file where the case
+    keeps one."""
+    from megatron_cg_plugin import golden
+
+    summary = result.summary()
+    eager, graphed = result.losses(result.eager), result.losses(result.graphed)
+    problems = []
+    if not len(graphed) == len(eager) >= 20:
+        problems.append(f"expected >= 20 logged steps, got {len(eager)} eager / {len(graphed)} graphed")
+    differing = {step: (eager[step], graphed.get(step)) for step in eager if eager[step] != graphed.get(step)}
+    if differing:
+        problems.append(f"lm loss differs eager vs graphed (step: eager, graphed): {differing}")
+    if summary["rejected"]:
+        problems.append(f"{summary['rejected']} replays refused by their contract")
+    if case.expect_capture_failure:
+        if summary["graphs"] or summary["replays"]:
+            problems.append(f"graphs survived a failed capture: {summary}")
+        if not any("injected failure" in failure for failure in summary["capture_failures"]):
+            problems.append(f"the injected capture failure is not in the report: {summary['capture_failures']}")
+    else:
+        if not (summary["graphs"] and summary["replays"]):
+            problems.append(f"nothing captured or replayed: {summary}")
+        problems += [f"capture failed: {failure}" for failure in summary["capture_failures"]]
+        # Graph banks (hybrid CP): every CP size's bank replays, none refuses.
+        banks = [bank for scope in result.report.get("scopes", []) for bank in scope.get("banks") or ()]
+        problems += [f"bank CP {bank['cp_size']}: {bank['replays']} replays, {bank['rejected']} rejected"
+                     for bank in banks if not bank["replays"] or bank["rejected"]]
+    if case.check_golden and with_golden:
+        if not case.golden_path.exists():
+            problems.append(f"no golden file {case.golden_path}: write it from a real GPU run with "
+                            "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
+        else:
+            mismatches = golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
+                                        deterministic=True, metrics=case.compared_metrics)
+            if mismatches:
+                problems.append(golden.format_report(mismatches))
+    return problems
 
 
 ACCEPT_GOLDEN_CHANGE = "MEGATRON_CG_ACCEPT_GOLDEN_CHANGE"

@@ -1,0 +1,65 @@
+"""A Megatron functional-test case made runnable here: flags that need infrastructure the farm does
+not have (checkpoints, TensorBoard, W&B, the CI's data mounts) are mapped to what is at hand or
+dropped, each with the reason, before ``--fit-gpus`` scales the parallel sizes (pure Python).
+
+- Checkpoint flags are dropped: the farm keeps no checkpoint (a ``ckpt-resume`` case runs its
+  regular half, ``cases.FIRST_HALF_TEST_TYPES``).
+- TensorBoard and W&B flags are dropped: the farm's metrics come from the plugin's
+  ``--cg-metrics-out``, in the golden-values schema Megatron's CI reads from TensorBoard.
+- Data: with ``data_path`` every ``${DATA_PATH}`` resolves to it (the files must exist: the
+  ``data-files`` rule says which do not); without, the data and tokenizer flags make way for mock
+  data and ``NullTokenizer`` with the case's vocabulary size.
+- ``--train-iters``, ``--exit-interval``, ``--exit-duration-in-mins`` and ``--cuda-graph-impl`` are
+  the farm's: it sets the steps and runs the case once eager and once graphed.
+Any other placeholder is left for ``render_flags`` to refuse by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+CHECKPOINT_FLAGS = ("--save", "--load", "--save-interval", "--async-save", "--use-persistent-ckpt-worker",
+                    "--ckpt-format", "--ckpt-fully-parallel-load", "--ckpt-fully-parallel-save",
+                    "--ckpt-assume-constant-structure", "--use-checkpoint-opt_param-scheduler",
+                    "--dist-ckpt-optim-fully-reshardable", "--dist-ckpt-strictness", "--auto-detect-ckpt-format",
+                    "--pretrained-checkpoint", "--finetune", "--no-load-optim", "--no-load-rng",
+                    "--ckpt-convert-save", "--ckpt-convert-format", "--non-persistent-save-interval")
+LOGGER_FLAGS = ("--tensorboard-dir", "--tensorboard-log-interval", "--tensorboard-queue-size", "--wandb-project",
+                "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity")
+DATA_FLAGS = ("--data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-type",
+              "--tokenizer-model", "--data-args-path", "--per-split-data-args-path", "--train-data-path",
+              "--valid-data-path", "--test-data-path", "--mock-data", "--object-storage-cache-path")
+FARM_OWNED_FLAGS = ("--train-iters", "--exit-interval", "--exit-duration-in-mins", "--cuda-graph-impl")
+MOCK_VOCAB_SIZE = 32768  # NullTokenizer's vocabulary when the case names none (GPT-2 BPE rounds to 50304)
+
+
+def _is_logger_flag(flag: str) -> bool:
+    return flag in LOGGER_FLAGS or flag.endswith("-to-tensorboard") or flag.startswith("--wandb-")
+
+
+def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path
+                    ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The case's ``MODEL_ARGS`` for a farm run; returns them, the placeholders the farm resolves,
+    and one line per flag changed or dropped."""
+    args: dict[str, Any] = {}
+    changes: list[str] = []
+    reasons = [(lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
+               (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
+               (lambda flag: flag in FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
+               (lambda flag: data_path is None and flag in DATA_FLAGS, "mock data (no --data-path given)")]
+    for flag, value in model_args.items():
+        reason = next((why for matches, why in reasons if matches(flag)), None)
+        if reason is None or value is False:
+            args[flag] = value
+        else:
+            changes.append(f"{flag} dropped: {reason}")
+    placeholders = {"DATA_CACHE_PATH": str(out_dir / "data_cache")}
+    if data_path is None:
+        vocab = args.get("--vocab-size", MOCK_VOCAB_SIZE)
+        args.update({"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": vocab})
+        changes.append(f"--mock-data --tokenizer-type NullTokenizer --vocab-size {vocab} added (pass --data-path "
+                       "DIR for the case's own dataset, DIR standing for ${DATA_PATH})")
+    else:
+        placeholders["DATA_PATH"] = data_path
+    return args, placeholders, changes

@@ -1,0 +1,125 @@
+"""megatron-cg farm on CPU: Megatron-style cases mapped to what the farm has (checkpoints,
+TensorBoard, data), fitted to the GPUs at hand, compared eager vs graphed only where the golden
+file is not this run's; --dry-run prints what would run."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin import cli
+from megatron_cg_plugin.testing.case_adapt import adapt_case_args
+from megatron_cg_plugin.testing.farm import prepare_case
+
+MEGATRON_LM = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+
+# Shaped like Megatron-LM's test_cases/*/model_config.yaml (written here, not copied from it).
+MEGATRON_STYLE = """\
+ENV_VARS:
+  CUDA_DEVICE_MAX_CONNECTIONS: 1
+MODEL_ARGS:
+  --num-layers: 4
+  --hidden-size: 256
+  --num-attention-heads: 4
+  --tensor-model-parallel-size: 2
+  --pipeline-model-parallel-size: 2
+  --pipeline-model-parallel-layout: Et|(tt|)*2L
+  --sequence-parallel: true
+  --micro-batch-size: 2
+  --global-batch-size: 16
+  --train-iters: 100
+  --data-path: ${DATA_PATH}/text/my-gpt3_00_text_document
+  --vocab-file: ${DATA_PATH}/text/bpe/vocab.json
+  --data-cache-path: ${DATA_CACHE_PATH}
+  --save: ${CHECKPOINT_SAVE_PATH}
+  --load: ${CHECKPOINT_LOAD_PATH}
+  --save-interval: 50
+  --tensorboard-dir: ${TENSORBOARD_PATH}
+  --log-memory-to-tensorboard: true
+  --cuda-graph-impl: transformer_engine
+  --cuda-graph-modules: "[attn mlp]"
+TEST_TYPE: ckpt-resume
+METRICS:
+  - "lm loss"
+"""
+
+
+def write_case(root: Path, text: str, name: str = "gpt3_style_case") -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "model_config.yaml").write_text(text)
+    (folder / "golden_values_dev_dgx_h100.json").write_text("{}")
+    return folder
+
+
+def test_infrastructure_flags_are_dropped_and_mock_data_takes_the_datasets_place(tmp_path):
+    args, placeholders, changes = adapt_case_args(
+        {"--save": "${CHECKPOINT_SAVE_PATH}", "--tensorboard-dir": "x", "--log-timers-to-tensorboard": True,
+         "--wandb-project": "p", "--data-path": "${DATA_PATH}/d", "--vocab-file": "v", "--train-iters": 9,
+         "--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False}, data_path=None, out_dir=tmp_path)
+    assert args == {"--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False, "--mock-data": True,
+                    "--tokenizer-type": "NullTokenizer"}
+    assert placeholders == {"DATA_CACHE_PATH": str(tmp_path / "data_cache")}
+    assert "--save dropped: the farm keeps no checkpoint" in changes
+    assert "--log-timers-to-tensorboard dropped: metrics come from --cg-metrics-out, not TensorBoard or W&B" in changes
+    assert "--train-iters dropped: the farm sets the steps and runs eager and graphed" in changes
+
+
+def test_a_data_path_stands_for_the_cases_data_root(tmp_path):
+    args, placeholders, changes = adapt_case_args({"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"},
+                                                  data_path="/datasets", out_dir=tmp_path)
+    assert args == {"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"}
+    assert placeholders["DATA_PATH"] == "/datasets" and changes == []
+
+
+def test_a_megatron_case_is_fitted_mapped_and_compared_eager_vs_graphed_only(tmp_path):
+    case, notes = prepare_case(write_case(tmp_path, MEGATRON_STYLE), out_dir=tmp_path / "out", gpus=1)
+    flags = list(case.flags)
+    assert "${" not in " ".join(flags) and "--save" not in flags and "--tensorboard-dir" not in flags
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "1"
+    assert "--pipeline-model-parallel-layout" not in flags and "--sequence-parallel" not in flags
+    assert flags[flags.index("--global-batch-size") + 1] == "8"  # 2 DP ranks -> 1, microbatches kept
+    assert "--mock-data" in flags and case.nproc == 1 and not case.check_golden
+    assert any(note.startswith("TEST_TYPE ckpt-resume runs as a regular training run") for note in notes)
+    assert any("golden_values_dev_dgx_h100.json" in note and "eager vs graphed only" in note for note in notes)
+    argv = case.argv(graphed=False, out_dir=tmp_path)
+    assert argv[argv.index("--cuda-graph-impl") + 1] == "none"  # the farm's, not the case's
+
+
+def test_cli_dry_run_prints_every_change_and_the_command(tmp_path, capsys):
+    folder = write_case(tmp_path, MEGATRON_STYLE)
+    assert cli.main(["farm", str(folder), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "== gpt3_style_case: 1 rank(s), 24 steps, eager vs graphed" in out
+    assert "--tensor-model-parallel-size 2 -> 1" in out and "--save dropped" in out
+    assert "python -m megatron_cg_plugin.pretrain_gpt --num-layers 4" in out
+
+
+def test_cli_refuses_a_megatron_case_without_fit_gpus(tmp_path, capsys):
+    folder = write_case(tmp_path, MEGATRON_STYLE)
+    assert cli.main(["farm", str(folder), "--dry-run"]) == cli.EXIT_BAD_INPUT
+    assert "a Megatron case is written for 8 GPUs; pass --fit-gpus N" in capsys.readouterr().err
+
+
+def test_the_farms_own_case_keeps_its_golden_file(tmp_path):
+    root = Path(__file__).resolve().parents[1] / "functional" / "test_cases"
+    case, notes = prepare_case(root / "gpt" / "tiny_gpt_layer", out_dir=tmp_path)
+    assert case.check_golden and notes == []
+    fitted, notes = prepare_case(root / "gpt" / "tiny_gpt_layer_dp2", out_dir=tmp_path, gpus=1)
+    assert not fitted.check_golden and any("eager vs graphed only" in note for note in notes)
+
+
+@pytest.mark.skipif(not MEGATRON_LM.is_dir(), reason="needs the Megatron-LM mirror (fetched for reading, not vendored)")
+@pytest.mark.parametrize("name", ["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
+                                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph"])
+def test_megatron_lms_graph_cases_fit_one_gpu_on_mock_data(tmp_path, name):
+    text = subprocess.run(["git", "-C", str(MEGATRON_LM), "show",
+                           f"core_r0.19.0:tests/functional_tests/test_cases/moe/{name}/model_config.yaml"],
+                          capture_output=True, text=True, check=True).stdout
+    case, notes = prepare_case(write_case(tmp_path, text, name), out_dir=tmp_path / "out", gpus=1)
+    flags = " ".join(case.flags)
+    assert "${" not in flags and "--mock-data" in flags and "--load" not in case.flags
+    for size in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
+        assert case.flags[case.flags.index(size) + 1] == "1", (size, notes)
