@@ -276,6 +276,7 @@ def _farm(argv: Sequence[str]) -> int:
 
     from megatron_cg_plugin.testing import farm
     from megatron_cg_plugin.testing.cases import CaseError
+    from megatron_cg_plugin.testing.distributed import MultiRankError
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
@@ -303,7 +304,12 @@ def _farm(argv: Sequence[str]) -> int:
         if options.dry_run:
             print("   python " + " ".join(case.argv(graphed=True, out_dir=options.out)))
             continue
-        result = farm.run_case(case, options.out)
+        try:
+            result = farm.run_case(case, options.out)
+        except MultiRankError as error:  # a run that failed: the next cases still run
+            failed += 1
+            print(f"   FAIL: {error}")
+            continue
         rows.append(result.summary())
         problems = farm.problems_of(case, result)
         failed += bool(problems)

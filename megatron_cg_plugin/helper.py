@@ -251,20 +251,24 @@ class PluginHelperMixin:
                 "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
                 "release captures differently; install the supported megatron-core (docs/versions.md).")
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
-        first = self.flattened_callables[0]
-        index = index_of[id(first.cuda_graphs[0])]
-        # What the first layer's first graph was captured with (the bench times its contract check).
-        self.first_capture_sample = (first, capture.sample_args[index], capture.sample_kwargs[index] or {})
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
+        first_sample = None
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
             for microbatch, graph in enumerate(layer.cuda_graphs):
-                index = index_of[id(graph)]
+                index = index_of.get(id(graph))
+                if index is None:
+                    raise CaptureFailedError(
+                        f"{layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
+                        "megatron-core release hands graphs out differently; install the supported one (docs/versions.md).")
+                if first_sample is None:  # what the first layer's first graph was captured with (the bench)
+                    first_sample = (layer, capture.sample_args[index], capture.sample_kwargs[index] or {})
                 check = None if mode == "off" else self._contract_check(
                     layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
                     capture.sample_kwargs[index] or {}, mode)
                 wrapped.append(counter.wrap(graph, slot, check))
             layer.cuda_graphs = wrapped
+        self.first_capture_sample = first_sample
         return counter
 
     @staticmethod

@@ -180,8 +180,17 @@ class ReplayContract:
     inputs: tuple[tuple[str, Any], ...]  # (name, StaticInput or control value)
     parameters: tuple[Held, ...]
     process_groups: tuple[Held, ...]
-    # Storage address -> the static input there: what a copied-in input must not alias (alive ones).
-    static_by_storage: Mapping[int, StaticInput] = dataclasses.field(compare=False, repr=False)
+    # Storage address -> the static inputs there: what a copied-in input must not alias (alive ones).
+    static_by_storage: Mapping[int, tuple[StaticInput, ...]] = dataclasses.field(compare=False, repr=False)
+
+    @classmethod
+    def of_inputs(cls, graph: str, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...] = (),
+                  process_groups: tuple[Held, ...] = ()) -> "ReplayContract":
+        by_storage: dict[int, tuple[StaticInput, ...]] = {}
+        for _, value in inputs:
+            if isinstance(value, StaticInput):
+                by_storage[value.storage_ptr] = by_storage.get(value.storage_ptr, ()) + (value,)
+        return cls(graph, inputs, parameters, process_groups, by_storage)
 
     @classmethod
     def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, module: Any = None,
@@ -191,16 +200,12 @@ class ReplayContract:
         inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
                        for name, v in flatten_call(args, kwargs))
         held = tuple(Held(name, p.data_ptr(), functools.partial(lambda tensor: tensor, p)) for name, p in params)
-        return cls(
-            graph=graph, inputs=inputs,
-            parameters=held + (_parameters_of(module) if module is not None else ()),
-            process_groups=_groups_of(module) if module is not None else (),
-            static_by_storage={value.storage_ptr: value for _, value in inputs if isinstance(value, StaticInput)},
-        )
+        return cls.of_inputs(graph, inputs, held + (_parameters_of(module) if module is not None else ()),
+                             _groups_of(module) if module is not None else ())
 
     def static_storages(self) -> frozenset[int]:
         """The storages of the static buffers still alive."""
-        return frozenset(ptr for ptr, value in self.static_by_storage.items() if value.alive)
+        return frozenset(ptr for ptr, values in self.static_by_storage.items() if any(v.alive for v in values))
 
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str) -> None:
         """Raises ``ContractViolation`` on the first difference. ``shapes`` checks the arguments and
@@ -253,8 +258,7 @@ class ReplayContract:
             if now != captured:
                 raise ContractViolation(self.graph, "stride", spec.stride, tuple(value.stride()), name)
         elif value.numel():
-            aliased = self.static_by_storage.get(_storage_ptr(value))
-            if aliased is not None and aliased.alive:
+            if any(static.alive for static in self.static_by_storage.get(_storage_ptr(value), ())):
                 raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
 
 

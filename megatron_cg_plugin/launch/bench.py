@@ -184,13 +184,7 @@ class MegatronTrainer:
     def capture(self, arm: str) -> Any:
         helper = self.helpers[arm](model=self.model, config=self.config, seq_length=self.args.seq_length,
                                    micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
-        hooks = self.training.should_disable_forward_pre_hook(self.args)
-        if hooks:  # as Megatron's train() does around its capture
-            self.training.disable_forward_pre_hook(self.model, param_sync=False)
         helper.create_cudagraphs()
-        if hooks:
-            self.training.enable_forward_pre_hook(self.model)
-            helper.cuda_graph_set_manual_hooks()
         if not helper.graphs_created():
             raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
                              "did the capture fail? see the log above).")
@@ -270,6 +264,22 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
     return step
 
 
+def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
+    """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work."""
+    graphed = [arm for arm in options.arms if arm != "eager"]
+    if graphed and args.cuda_graph_impl != "transformer_engine":
+        raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
+                         "(or --bench-arms eager).")
+    if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
+        raise BenchError("--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the bench's "
+                         "first step; leave it at its default (3) or set it >= 1.")
+    if args.use_distributed_optimizer and args.overlap_param_gather:
+        raise BenchError("the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
+                         "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
+    if args.save:
+        raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
+
+
 def main(argv: Sequence[str]) -> int:
     from megatron.training import training
 
@@ -280,20 +290,14 @@ def main(argv: Sequence[str]) -> int:
     options, flags = parse_bench_argv(argv)
     if options.plot:
         bench_output.plot_available()
-    graphed = [arm for arm in options.arms if arm != "eager"]
-    if graphed and "transformer_engine" not in flags:
-        raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
-                         "(or --bench-arms eager).")
-    # Enough iterations for every block (the bench's value wins over the flags').
-    flags = [*flags, "--train-iters", str(options.total_steps)]
+    # Enough iterations for every block, and no validation pass after them (the bench's values win).
+    flags = [*flags, "--train-iters", str(options.total_steps), "--eval-iters", "0"]
     results: list[BenchResult] = []
     with single_process_rendezvous():
         session = integration.install(launcher=True)
         try:
             args = pretrain_gpt.parse_megatron_args(flags)
-            if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
-                raise BenchError("--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the "
-                                 "bench's first step; leave it at its default (3) or set it >= 1.")
+            refuse_unbenchable(args, options)
             driver = bench_train_step(options, flags, training.train_step, results)
             with patches.scoped(training, "train_step", driver, "bench-train-step"):
                 pretrain_gpt.run(args, session)

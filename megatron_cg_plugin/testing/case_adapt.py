@@ -9,8 +9,12 @@ dropped, each with the reason, before ``--fit-gpus`` scales the parallel sizes (
 - Data: with ``data_path`` every ``${DATA_PATH}`` resolves to it (the files must exist: the
   ``data-files`` rule says which do not); without, the data and tokenizer flags make way for mock
   data and ``NullTokenizer`` with the case's vocabulary size.
-- ``--train-iters``, ``--exit-interval``, ``--exit-duration-in-mins`` and ``--cuda-graph-impl`` are
-  the farm's: it sets the steps and runs the case once eager and once graphed.
+- ``--train-iters`` (and the sample-based schedule flags), ``--exit-interval``,
+  ``--exit-duration-in-mins`` and ``--cuda-graph-impl`` are the farm's: it sets the steps and runs
+  the case once eager and once graphed.
+- What ``--deterministic-mode`` refuses (fused cross-entropy, TP communication overlap, a
+  non-deterministic ``NVTE_ALLOW_NONDETERMINISTIC_ALGO``) goes: eager and graphed are compared bit
+  for bit.
 Any other placeholder is left for ``render_flags`` to refuse by name.
 """
 
@@ -30,7 +34,12 @@ LOGGER_FLAGS = ("--tensorboard-dir", "--tensorboard-log-interval", "--tensorboar
 DATA_FLAGS = ("--data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-type",
               "--tokenizer-model", "--data-args-path", "--per-split-data-args-path", "--train-data-path",
               "--valid-data-path", "--test-data-path", "--mock-data", "--object-storage-cache-path")
-FARM_OWNED_FLAGS = ("--train-iters", "--exit-interval", "--exit-duration-in-mins", "--cuda-graph-impl")
+FARM_OWNED_FLAGS = ("--train-iters", "--exit-interval", "--exit-duration-in-mins", "--cuda-graph-impl",
+                    "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
+# What the farm's --deterministic-mode refuses (megatron/training/determinism.py, core 0.19.2:
+# ARG_VALUES_REQUIRED_FOR_DETERMINISM, ACCEPTED_ENV_VAR_VALUES; a unit test holds these to it).
+NONDETERMINISTIC_FLAGS = {"--cross-entropy-loss-fusion": "cross_entropy_loss_fusion", "--tp-comm-overlap": "tp_comm_overlap"}
+DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
 MOCK_VOCAB_SIZE = 32768  # NullTokenizer's vocabulary when the case names none (GPT-2 BPE rounds to 50304)
 
 
@@ -47,6 +56,8 @@ def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out
     reasons = [(lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
                (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
                (lambda flag: flag in FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
+               (lambda flag: flag in NONDETERMINISTIC_FLAGS, "--deterministic-mode refuses it (eager == graphed is "
+                                                             "compared bit for bit)"),
                (lambda flag: data_path is None and flag in DATA_FLAGS, "mock data (no --data-path given)")]
     for flag, value in model_args.items():
         reason = next((why for matches, why in reasons if matches(flag)), None)
@@ -63,3 +74,14 @@ def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out
     else:
         placeholders["DATA_PATH"] = data_path
     return args, placeholders, changes
+
+
+def adapt_case_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The case's ``ENV_VARS`` with the values ``--deterministic-mode`` refuses set to its own."""
+    env = dict(env)
+    changes = []
+    for name, accepted in DETERMINISTIC_ENV.items():
+        if name in env and env[name] not in accepted:
+            changes.append(f"{name}={env[name]} -> {accepted[0]}: --deterministic-mode refuses it")
+            env[name] = accepted[0]
+    return env, changes

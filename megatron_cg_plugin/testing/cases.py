@@ -193,8 +193,10 @@ def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str],
 PARALLEL_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                   "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
                   "etp": "--expert-tensor-parallel-size"}
-# Flags that describe a pipeline of several stages; they go with PP (none of them means anything at PP 1).
+# Flags that describe the case's pipeline stage by stage; they go when PP changes (a layout of 4 stages
+# is wrong for 2, and none of them means anything at PP 1).
 PIPELINE_ONLY_FLAGS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                       "--num-virtual-stages-per-pipeline-rank",
                        "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
                        "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                        "--account-for-loss-in-pipeline-split")
@@ -235,10 +237,10 @@ def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGAT
         if sizes[name] != before[name] or (flag in args and int(args[flag]) != sizes[name]):
             changes.append(f"{flag} {before[name]} -> {sizes[name]}")
             args[flag] = sizes[name]
-    if sizes["pp"] == 1:
+    if sizes["pp"] != before["pp"]:
         for flag in PIPELINE_ONLY_FLAGS:
             if flag in args and args[flag] not in (None, False):
-                changes.append(f"{flag} {args.pop(flag)!r} dropped (PP 1)")
+                changes.append(f"{flag} {args.pop(flag)!r} dropped (PP {before['pp']} -> {sizes['pp']})")
     if sizes["tp"] == 1 and args.get("--sequence-parallel") is True:
         args.pop("--sequence-parallel")
         changes.append("--sequence-parallel dropped (TP 1)")

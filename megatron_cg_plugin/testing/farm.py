@@ -125,19 +125,20 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
     per change, comparison included (the golden file only where the run is the one it recorded)."""
-    from megatron_cg_plugin.testing.case_adapt import adapt_case_args
+    from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
     from megatron_cg_plugin.testing.cases import fit_gpus
 
     case = load_case(folder)
     notes = list(case.notes)
-    args = dict(case.model_args)
+    args, env = dict(case.model_args), dict(case.env)
     placeholders: dict[str, str] = {}
     if not case.plugin_case:  # Megatron's own: written for its CI's mounts and an 8-GPU node
         if gpus is None:
             raise CaseError(f"{case.folder}: a Megatron case is written for {MEGATRON_CI_GPUS} GPUs; pass --fit-gpus N "
                             "to scale its parallel sizes to the GPUs you have.")
         args, placeholders, changes = adapt_case_args(args, data_path=data_path, out_dir=out_dir)
-        notes += changes
+        env, env_changes = adapt_case_env(env)
+        notes += changes + env_changes
     fitted: list[str] = []
     if gpus is not None:
         written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
@@ -156,7 +157,7 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
-        steps=steps or case.farm.steps or FARM_STEPS, env=tuple(case.env.items()), script=case.farm.script,
+        steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
         data=case.farm.data, check_golden=compare == "golden")
     return farm_case, notes
 

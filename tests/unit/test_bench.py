@@ -160,9 +160,29 @@ def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
     assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3
 
 
-def test_cli_refuses_graphed_arms_without_te_graphs_before_any_gpu_work(capsys):
-    assert cli.main(["bench", "--bench-no-plot", "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
-    assert "pass --cuda-graph-impl transformer_engine (or --bench-arms eager)" in capsys.readouterr().err
+def test_cli_refuses_bad_bench_options_before_any_gpu_work(capsys):
+    assert cli.main(["bench", "--bench-rounds", "3", "--bench-no-plot", "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    assert "--bench-rounds 3: rounds must be an even number" in capsys.readouterr().err
+
+
+ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
+            overlap_param_gather=False, save=None)
+
+
+@pytest.mark.parametrize("changed, message", [
+    (dict(cuda_graph_impl="none"), "pass --cuda-graph-impl transformer_engine \\(or --bench-arms eager\\)"),
+    (dict(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs"),
+    (dict(use_distributed_optimizer=True, overlap_param_gather=True), "drop --overlap-param-gather for the bench"),
+    (dict(save="/ckpt"), "drop --save for the bench"),
+])
+def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, message):
+    import types
+
+    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), BenchOptions())  # the benchable run
+    with pytest.raises(BenchError, match=message):
+        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), BenchOptions())
+    if "cuda_graph_impl" in changed:  # an eager-only bench needs no graphs
+        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), BenchOptions(arms=("eager",)))
 
 
 def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(monkeypatch):

@@ -322,3 +322,48 @@ def test_process_groups_of_keeps_only_groups_sorted_by_name():
     ep = dist.ProcessGroup(dist.HashStore(), 0, 1)
     collection = types.SimpleNamespace(tp=tp, ep=ep, pp=None, sizes=[1, 2])
     assert process_groups_of(types.SimpleNamespace(pg_collection=collection)) == (("ep", ep), ("tp", tp))
+
+
+def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
+    # TE keeps its static buffers alive; once one is gone, a tensor landing at its address is
+    # copied in like any other, so neither its layout nor its memory is held against it.
+    import weakref
+
+    from megatron_cg_plugin.capture.contracts import StaticInput
+
+    here = x()  # stands for a new tensor at the address where the static buffer was
+    relaid = here.as_strided((4, 2, 3), (1, 4, 8))
+    second = x()
+    gone = x()
+    dead = weakref.ref(gone)
+    del gone
+
+    def contract_with(buffer):
+        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
+        return ReplayContract.of_inputs(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))))
+
+    alive = contract_with(weakref.ref(here))
+    assert violation(alive, (relaid, second)).field == "stride"  # read in place, another layout
+    assert violation(alive, (x(), here[:, :1].expand(4, 2, 3))).field == "alias"  # inside arg0's buffer
+    freed = contract_with(dead)
+    assert not freed.inputs[0][1].alive
+    freed.check((relaid, second), {}, mode="full")  # copied: any layout
+    freed.check((x(), here[:, :1].expand(4, 2, 3)), {}, mode="full")  # that memory is no buffer now
+
+
+def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
+    import weakref
+
+    from megatron_cg_plugin.capture.contracts import StaticInput
+
+    storage = torch.zeros(2, 4, 2, 3)
+    first, second = storage[0], storage[1]  # TE's static buffers may be views of one allocation
+    gone = x()
+    dead = weakref.ref(gone)
+    del gone
+    live_first = StaticInput.of(first)
+    dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(), dead)
+    contract = ReplayContract.of_inputs(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
+    assert contract.static_storages() == {storage.untyped_storage().data_ptr()}
+    inside = storage.view(-1)[1:25].view(4, 2, 3)  # neither buffer's address, but their memory
+    assert violation(contract, (x(), inside)).field == "alias"

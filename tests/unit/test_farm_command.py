@@ -123,3 +123,39 @@ def test_megatron_lms_graph_cases_fit_one_gpu_on_mock_data(tmp_path, name):
     assert "${" not in flags and "--mock-data" in flags and "--load" not in case.flags
     for size in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
         assert case.flags[case.flags.index(size) + 1] == "1", (size, notes)
+
+
+def test_what_deterministic_mode_refuses_goes_with_a_note(tmp_path):
+    from megatron_cg_plugin.testing.case_adapt import adapt_case_env
+
+    args, _, changes = adapt_case_args({"--cross-entropy-loss-fusion": True, "--tp-comm-overlap": True,
+                                        "--train-samples": 1000, "--num-layers": 2}, data_path="/d", out_dir=tmp_path)
+    assert args == {"--num-layers": 2}
+    assert "--cross-entropy-loss-fusion dropped: --deterministic-mode refuses it (eager == graphed is compared bit " \
+           "for bit)" in changes
+    env, notes = adapt_case_env({"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "X": "y"})
+    assert env == {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "X": "y"}
+    assert notes == ["NVTE_ALLOW_NONDETERMINISTIC_ALGO=1 -> 0: --deterministic-mode refuses it"]
+
+
+def test_the_determinism_tables_are_megatrons():
+    from megatron.training import determinism
+
+    from megatron_cg_plugin.testing import case_adapt
+
+    assert set(case_adapt.NONDETERMINISTIC_FLAGS.values()) == set(determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM)
+    assert all(value is False for value in determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM.values())
+    assert {k: set(v) for k, v in case_adapt.DETERMINISTIC_ENV.items()} == \
+        {k: set(v) for k, v in determinism.ACCEPTED_ENV_VAR_VALUES.items()}
+
+
+def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
+    from megatron_cg_plugin.testing.cases import fit_gpus
+
+    args, changes = fit_gpus({"--pipeline-model-parallel-size": 4, "--pipeline-model-parallel-layout": "Et|(tt|)*3L",
+                              "--num-virtual-stages-per-pipeline-rank": 2}, 2)
+    assert args["--pipeline-model-parallel-size"] == 2
+    assert "--pipeline-model-parallel-layout" not in args and "--num-virtual-stages-per-pipeline-rank" not in args
+    assert "--pipeline-model-parallel-layout 'Et|(tt|)*3L' dropped (PP 4 -> 2)" in changes
+    kept, _ = fit_gpus({"--pipeline-model-parallel-size": 2, "--pipeline-model-parallel-layout": "Et|tL"}, 2)
+    assert kept["--pipeline-model-parallel-layout"] == "Et|tL"  # the stages the layout was written for
