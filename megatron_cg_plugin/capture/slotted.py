@@ -37,7 +37,7 @@ from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.memory.guard import SlotGuard
 from megatron_cg_plugin.memory.layout import span_elements, span_of
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
-from megatron_cg_plugin.plan.slots import SlotPlan
+from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
 
 
 class SlotCoverageError(RuntimeError):
@@ -370,11 +370,7 @@ def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
                      measures: dict[Hashable, _Measure]) -> list[int]:
     """Per slot, the bytes its arena needs: the largest frame of the variants the plan puts there
     (measured at warmup), so a slot only small variants use gets a small arena."""
-    sizes = [0] * ring_size
-    for name, slots in slots_of.items():
-        for slot in slots:
-            sizes[slot] = max(sizes[slot], measures[name].saved_bytes)
-    return sizes
+    return per_slot_max(ring_size, slots_of, {name: measure.saved_bytes for name, measure in measures.items()})
 
 
 def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, tuple[int, ...]]:

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-ALIGNMENT = 256  # bytes; keeps every copied storage aligned for vectorized kernels
+# One alignment (plan.slots.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
+from megatron_cg_plugin.plan.slots import arena_aligned as _aligned
 
 
 class ArenaOverflowError(RuntimeError):
@@ -33,10 +34,6 @@ class ArenaOverflowError(RuntimeError):
             f"saved-tensor arena {arena} needs {needed} bytes but holds {capacity}: the frame saves more "
             "than at warmup (shapes changed since the arena was sized?). Re-measure with ArenaSizer at the "
             "shapes you replay, or keep shapes fixed as at capture.")
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:

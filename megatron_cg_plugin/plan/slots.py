@@ -17,6 +17,11 @@ from collections import defaultdict, deque
 from typing import Hashable, Mapping, Sequence
 
 DEFAULT_VARIANT = "default"
+ARENA_ALIGNMENT = 256  # bytes; every storage copied into an arena starts aligned for vectorized kernels
+
+
+def arena_aligned(nbytes: int) -> int:
+    return (nbytes + ARENA_ALIGNMENT - 1) // ARENA_ALIGNMENT * ARENA_ALIGNMENT
 
 
 class OrderError(ValueError):
@@ -152,3 +157,13 @@ def exclusive_plan(variants: Sequence[Hashable]) -> SlotPlan:
     """The plan of variants that never overlap (each frame's backward before the next forward, as
     the dynamic-CP banks of one layer): one slot that every variant uses."""
     return plan_slots([1, -1] * len(variants), list(variants))
+
+
+def per_slot_max(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]], bytes_of: Mapping[Hashable, int]) -> list[int]:
+    """Per slot, the largest ``bytes_of`` among the variants placed there (``slots_of``: each
+    variant's slots): an arena shared by a slot's variants, sized by the largest of them only."""
+    sizes = [0] * ring_size
+    for variant, slots in slots_of.items():
+        for slot in slots:
+            sizes[slot] = max(sizes[slot], bytes_of[variant])
+    return sizes

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.memory.saved_tensors import ALIGNMENT, Arena, ArenaHooks, ArenaOverflowError, ArenaSizer
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer
+from megatron_cg_plugin.plan.slots import ARENA_ALIGNMENT as ALIGNMENT
 
 
 class SaveAndSeen(torch.autograd.Function):

@@ -1,0 +1,125 @@
+"""Which saves of a graphed frame go to pinned host memory (pure Python, no CUDA): the policy from
+Megatron's own offload flags, the storage-level alias rule, the reload groups and the host arena
+sizes.
+
+Megatron's fine-grained offloading (``--fine-grained-activation-offloading --offload-modules ...``)
+names groups of saves by module (``attn_norm``, ``core_attn``, ``expert_fc1`` ...). At warmup the
+slot capture records, for every storage a frame saves, the group each of its saves was made in,
+its size and whether a save was marked not to be offloaded; the plan made from that record is what
+capture follows:
+- a save qualifies as Megatron's would (``ChunkOffloadHandler``): its group is listed, the tensor
+  has at least ``--min-offloaded-tensor-size`` elements, and it is not marked ``_do_not_offload``;
+- **alias rule**: a storage goes to the host only if every save of it qualifies; if any view of it
+  stays on the GPU, every view does (one copy each way, views rebuilt from it keep their aliases);
+- groups are reloaded in backward order (the reverse of the forward's), and while one is unpacked
+  the next may be prefetched;
+- ``--activation-offload-fraction`` keeps the latest forward groups on the GPU, as Megatron does;
+- host arenas are keyed like the GPU saved-tensor arenas, one per slot, sized by the largest
+  offloaded bytes of the variants the slot plan puts there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Mapping, Sequence
+
+from megatron_cg_plugin.plan.slots import arena_aligned, per_slot_max
+
+# Megatron 0.19.2's offload groups (TransformerConfig's allowed offload_modules).
+MEGATRON_OFFLOAD_MODULES = frozenset({"core_attn", "attn_proj", "expert_fc1", "fused_group_mlp", "moe_act",
+                                      "attn_norm", "mlp_norm", "qkv_linear"})
+MEGATRON_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements: Megatron's default
+
+
+@dataclasses.dataclass(frozen=True)
+class Save:
+    """One save of a frame, as warmup saw it."""
+
+    storage: Hashable  # the storage the saved tensor views (its device and address at warmup)
+    storage_bytes: int
+    numel: int  # elements of the saved view
+    group: str | None  # Megatron's offload group the save was made in (None: outside every group)
+    do_not_offload: bool = False  # the tensor was marked _do_not_offload / _TE_do_not_offload
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    modules: frozenset[str]
+    min_tensor_elements: int = MEGATRON_MIN_OFFLOADED_TENSOR_SIZE
+    fraction: float = 1.0  # --activation-offload-fraction
+
+    @classmethod
+    def from_flags(cls, offload_modules: Sequence[str], *, min_tensor_elements: int = MEGATRON_MIN_OFFLOADED_TENSOR_SIZE,
+                   fraction: float = 1.0) -> "OffloadPolicy":
+        unknown = sorted(set(offload_modules) - MEGATRON_OFFLOAD_MODULES)
+        if unknown:
+            raise ValueError(f"--offload-modules {' '.join(unknown)}: Megatron offloads only "
+                             f"{', '.join(sorted(MEGATRON_OFFLOAD_MODULES))}.")
+        if min_tensor_elements < 0 or not 0.0 <= fraction <= 1.0:
+            raise ValueError("--min-offloaded-tensor-size must be >= 0 and --activation-offload-fraction in [0, 1].")
+        return cls(frozenset(offload_modules), min_tensor_elements, fraction)
+
+    def qualifies(self, save: Save) -> bool:
+        return (save.group in self.modules and save.numel >= self.min_tensor_elements
+                and not save.do_not_offload)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    groups: tuple[tuple[str, tuple[Hashable, ...]], ...]  # (group, its storages), in forward order
+    kept: tuple[Hashable, ...]  # storages that stay in the GPU arena
+    storage_bytes: Mapping[Hashable, int]
+
+    @property
+    def offloaded(self) -> frozenset[Hashable]:
+        return frozenset(storage for _, storages in self.groups for storage in storages)
+
+    @property
+    def host_bytes(self) -> int:
+        """The frame's bytes in its host arena (each storage aligned as in the GPU arena)."""
+        return sum(arena_aligned(self.storage_bytes[s]) for s in self.offloaded)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(arena_aligned(self.storage_bytes[s]) for s in self.kept)
+
+    def reload_order(self) -> tuple[str, ...]:
+        """Groups in the order the backward needs them: the reverse of the forward's."""
+        return tuple(group for group, _ in reversed(self.groups))
+
+    def prefetch_after(self, group: str) -> str | None:
+        """The group to start reloading while ``group`` is unpacked (None for the last)."""
+        order = self.reload_order()
+        index = order.index(group)
+        return order[index + 1] if index + 1 < len(order) else None
+
+
+def plan_offload(saves: Sequence[Save], policy: OffloadPolicy) -> OffloadPlan:
+    """The frame's plan from its warmup record (module docstring)."""
+    by_storage: dict[Hashable, list[Save]] = {}
+    for save in saves:
+        by_storage.setdefault(save.storage, []).append(save)
+    first_group: dict[Hashable, str] = {}
+    kept = []
+    for storage, views in by_storage.items():
+        if all(policy.qualifies(view) for view in views):
+            first_group[storage] = views[0].group  # type: ignore[assignment]  (qualifies: a listed group)
+        else:
+            kept.append(storage)
+    groups: dict[str, list[Hashable]] = {}
+    for storage, group in first_group.items():  # forward order: dicts keep the order of first saves
+        groups.setdefault(group, []).append(storage)
+    ordered = list(groups.items())
+    # Megatron keeps the latest forward groups on the GPU to meet the fraction (their reload would come first).
+    disabled = int(len(ordered) * (1 - policy.fraction))
+    if disabled:
+        kept += [storage for _, storages in ordered[-disabled:] for storage in storages]
+        ordered = ordered[:-disabled]
+    return OffloadPlan(tuple((group, tuple(storages)) for group, storages in ordered), tuple(kept),
+                       {storage: views[0].storage_bytes for storage, views in by_storage.items()})
+
+
+def host_arena_bytes(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]],
+                     plans: Mapping[Hashable, OffloadPlan]) -> list[int]:
+    """Per slot, the host arena: the largest offloaded bytes of the variants the plan puts there."""
+    return per_slot_max(ring_size, slots_of, {variant: plan.host_bytes for variant, plan in plans.items()})
