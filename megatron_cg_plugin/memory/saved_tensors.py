@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from megatron_cg_plugin.plan.offload import Save
 # One alignment (plan.slots.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.plan.slots import arena_aligned as _aligned
 
@@ -134,19 +135,33 @@ class _Packer:
 
 class ArenaSizer(_Packer):
     """Measures a frame: the aligned bytes of every distinct storage it saves. Saved tensors are
-    kept as they are (warmup runs its backward normally); nothing is copied."""
+    kept as they are (warmup runs its backward normally); nothing is copied.
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    With ``group`` (a callable naming the offload group running now, Megatron's ``attn_norm``,
+    ``core_attn`` ...), every save is also recorded as a ``plan.offload.Save``: its storage by the
+    order the frame first saved it in (the same at capture, where addresses differ), its size and
+    group, and whether it is marked not to be offloaded. ``plan.offload.plan_offload`` makes the
+    frame's offload plan from ``saves``."""
+
+    def __init__(self, device: torch.device | str | None = None, group: Callable[[], str | None] | None = None) -> None:
         super().__init__(None if device is None else torch.device(device))
         self.nbytes = 0
+        self._group = group
+        self._ordinal: dict[tuple[Any, int], int] = {}
+        self.saves: list[Save] = []
 
     def _place(self, tensor: torch.Tensor) -> int:
+        self._ordinal[_storage_key(tensor)] = len(self._ordinal)  # a new storage at a reused address: a new one
         offset = self.nbytes
         self.nbytes += _aligned(tensor.untyped_storage().nbytes())
         return offset
 
     def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pack(tensor)
+        packed = self.pack(tensor)
+        if self._group is not None and isinstance(packed, _Saved):
+            marked = bool(getattr(tensor, "_do_not_offload", False) or getattr(tensor, "_TE_do_not_offload", False))
+            self.saves.append(Save(self._ordinal[_storage_key(tensor)], tensor.untyped_storage().nbytes(),
+                                   tensor.numel(), self._group(), marked))
         return tensor
 
     _protected = _measure  # measuring only: ctx keeps its tensors

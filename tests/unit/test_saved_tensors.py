@@ -258,3 +258,30 @@ def test_sizer_counts_ctx_tensors_not_already_saved():
     assert sizer.nbytes == 0  # nothing went through save_for_backward
     assert sizer.protect_ctx_tensors([y]) == 4
     assert sizer.nbytes == 4 * ALIGNMENT
+
+
+def test_warmup_records_each_save_with_its_offload_group_for_the_plan():
+    from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
+
+    running = {"group": None}
+    sizer = ArenaSizer(group=lambda: running["group"])
+    x = torch.randn(64, 32, requires_grad=True)
+    with sizer.hooks():
+        running["group"] = "attn_norm"
+        h = x * 2.0  # saves x (a leaf that requires grad: a parameter-like input, kept)
+        normed = torch.nn.functional.layer_norm(h, (32,))  # saves h and the statistics
+        running["group"] = "core_attn"
+        scores = normed @ normed.t()  # saves normed twice: one storage, two saves
+        running["group"] = None
+        out = scores.sin()  # saves scores outside every group
+    storages = {save.storage for save in sizer.saves}
+    assert storages == set(range(len(storages)))  # ordinals in the order storages were first saved
+    by_group = {}
+    for save in sizer.saves:
+        by_group.setdefault(save.group, set()).add(save.storage)
+    assert by_group.keys() == {"attn_norm", "core_attn", None}
+    plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0))
+    # normed is saved only inside core_attn: it goes; what attn_norm or no group saved stays.
+    assert plan.offloaded == by_group["core_attn"] - by_group["attn_norm"] - by_group[None]
+    assert plan.offloaded and not plan.offloaded & set(plan.kept)
+    out.sum().backward()  # warmup's backward runs normally
