@@ -1,4 +1,4 @@
-source "$(dirname "$0")/../../consolidation-2026-12-01/drivers/common.sh"  # the same stack and environment
+source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"  # the same stack and environment
 # Issue 13: megatron-cg bench on the four benchmark models (one process each, arms interleaved inside it).
 B="python3 -m megatron_cg_plugin.cli bench --bench-no-plot --bench-rounds 6"
 G="--cuda-graph-impl transformer_engine"

@@ -1,4 +1,4 @@
-source "$(dirname "$0")/common.sh"
+source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"  # the same stack and environment
 # Issue 12: where the banks' 256 MiB allocations come from (Python frames), deterministic and not.
 P=tests/functional/_probes/banks_probe.py
 (timeout 200 torchrun --nproc-per-node 1 --master-port 29511 $P --scenario bank-memory --out $F/bank_memory.json > $F/bank_memory.log 2>&1; echo "rc=$?" >> $F/bank_memory.log) &

@@ -1,4 +1,4 @@
-source "$(dirname "$0")/common.sh"
+source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"  # the same stack and environment
 # Issue 12: is the second 258 MiB segment fragmentation (the freed workspace segment split by the next layer's
 # capture)? The same probe with blocks above 200 MiB never split.
 P=tests/functional/_probes/banks_probe.py

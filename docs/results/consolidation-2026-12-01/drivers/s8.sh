@@ -1,4 +1,4 @@
-source "$(dirname "$0")/common.sh"
+source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"  # the same stack and environment
 # Issue 12, second part: the slot probe (plan-driven capture_slotted, one contract), the banks' pool on one GPU,
 # and every single-GPU farm case after Megatron took over handing out the graphs.
 (MEGATRON_CG_FARM_OUT=$F/slots timeout 300 python3 -m pytest tests/functional/test_slot_memory.py -v -rs -p no:cacheprovider > $F/slots.log 2>&1; echo "slots rc=$?" >> $F/slots.log;
