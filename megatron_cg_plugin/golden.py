@@ -214,6 +214,7 @@ def default_tolerances(deterministic: bool) -> dict[str, Tolerance]:
     """Megatron's functional-test thresholds. Timing uses a median from step 5 to skip warm-up."""
     return {
         "lm loss": Tolerance(exact=True) if deterministic else Tolerance(rtol=0.05),
+        "mtp_1 loss": Tolerance(exact=True) if deterministic else Tolerance(rtol=0.05),
         "num-zeros": Tolerance(rtol=0.20),
         "iteration-time": Tolerance(rtol=0.05, median_window=(5, 20)),
         "mem-allocated-bytes": Tolerance(rtol=0.05),

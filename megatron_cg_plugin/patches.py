@@ -89,6 +89,31 @@ def _build_training_log_tap(original: Callable, session: Any) -> Callable:
     return training_log
 
 
+def _build_mtp_loss_tap(original: type, session: Any) -> type:
+    """Megatron's MTP logging helper with ``track_mtp_metrics`` tapped: it adds each MTP layer's
+    reduced loss of the iteration into ``total_loss_dict`` (``mtp_N loss``); the tap hands the
+    iteration's additions to the session, which records them with the iteration's other metrics."""
+    track = original.track_mtp_metrics
+    compat.check_parameters(track, ("loss_scale", "iteration", "total_loss_dict"),
+                            where=f"{original.__module__}.{original.__qualname__}.track_mtp_metrics")
+    signature = inspect.signature(track)
+
+    def track_mtp_metrics(*args: Any, **kwargs: Any) -> Any:
+        totals = signature.bind(*args, **kwargs).arguments.get("total_loss_dict")
+        before = {} if totals is None else {name: totals[name] for name in totals if _is_mtp_loss(name)}
+        result = track(*args, **kwargs)
+        if totals is not None:
+            session.on_mtp_losses({name: totals[name] - before.get(name, 0) for name in totals if _is_mtp_loss(name)})
+        return result
+
+    return type(original.__name__, (original,), {"track_mtp_metrics": staticmethod(track_mtp_metrics),
+                                                 "__module__": __name__, "__doc__": original.__doc__})
+
+
+def _is_mtp_loss(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith("mtp_") and name.endswith(" loss")
+
+
 def _build_plugin_args(original: Callable, session: Any) -> Callable:
     from megatron_cg_plugin.parse_errors import plugin_args_provider
 
@@ -235,6 +260,17 @@ PATCHES: tuple[Patch, ...] = (
         "then calls Megatron's logger unchanged.",
         build=_build_training_log_tap,
         expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
+    ),
+    Patch(
+        name="mtp-loss-tap",
+        module="megatron.training.training",
+        attribute="MTPLossLoggingHelper",
+        reason="training_log() reduces each multi-token-prediction layer's loss in this class's "
+        "track_mtp_metrics (imported by name into training.py, l.125) and keeps it only for its own "
+        "log line and TensorBoard; the tap records the iteration's mtp_N loss for golden values "
+        "(Megatron's METRICS name them) and then returns Megatron's result unchanged.",
+        build=_build_mtp_loss_tap,
+        expected_methods=("track_mtp_metrics",),
     ),
     Patch(
         name="prebuilt-dataset-helpers",

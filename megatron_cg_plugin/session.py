@@ -86,6 +86,7 @@ class RunSession:
         self.iterations: list[IterationRecord] = []
         self.helpers: list[Any] = []
         self._iteration_start: float | None = None
+        self._pending_mtp: dict[str, float] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
 
     @property
@@ -146,7 +147,13 @@ class RunSession:
             values["num-zeros"] = _as_float(num_zeros_in_grad)
         if seconds is not None:
             values["iteration-time"] = seconds
+        values.update(self._pending_mtp)  # recorded inside this training_log call (patch mtp-loss-tap)
+        self._pending_mtp = {}
         self.recorder.record(iteration, values)
+
+    def on_mtp_losses(self, losses: Mapping[str, Any]) -> None:
+        """The iteration's multi-token-prediction losses (``mtp_1 loss`` ...), kept for its record."""
+        self._pending_mtp.update({name: _as_float(value) for name, value in losses.items()})
 
     # -- results -----------------------------------------------------------------------------
     def report(self) -> RunReport:

@@ -27,6 +27,7 @@ USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing 
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
 GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
+DETERMINISTIC_METRICS = ("lm loss", "mtp_1 loss", "num-zeros")  # Megatron's DeterministicTest metrics (pretraining)
 
 
 def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
@@ -79,6 +80,9 @@ class FarmCase:
     script: str | None = None
     data: str | None = None
     check_golden: bool = True
+    # Compared eager vs graphed at every step, bit for bit: lm loss, and the case's METRICS that
+    # Megatron checks deterministically (mtp_1 loss, num-zeros).
+    equal_metrics: tuple[str, ...] = ("lm loss",)
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
@@ -158,7 +162,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
         steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
-        data=case.farm.data, check_golden=compare == "golden")
+        data=case.farm.data, check_golden=compare == "golden",
+        equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))
     return farm_case, notes
 
 
@@ -237,9 +242,15 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     problems = []
     if not len(graphed) == len(eager) >= 20:
         problems.append(f"expected >= 20 logged steps, got {len(eager)} eager / {len(graphed)} graphed")
-    differing = {step: (eager[step], graphed.get(step)) for step in eager if eager[step] != graphed.get(step)}
-    if differing:
-        problems.append(f"lm loss differs eager vs graphed (step: eager, graphed): {differing}")
+    for metric in case.equal_metrics:
+        series = [run.metrics.get(metric) for run in (result.eager, result.graphed)]
+        if None in series:
+            problems.append(f"{metric} was not recorded by the {'eager' if series[0] is None else 'graphed'} run")
+            continue
+        first, second = (dict(s.values) for s in series)
+        differing = {step: (first[step], second.get(step)) for step in first if first[step] != second.get(step)}
+        if differing:
+            problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}")
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
     if case.expect_capture_failure:

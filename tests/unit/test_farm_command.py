@@ -159,3 +159,23 @@ def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
     assert "--pipeline-model-parallel-layout 'Et|(tt|)*3L' dropped (PP 4 -> 2)" in changes
     kept, _ = fit_gpus({"--pipeline-model-parallel-size": 2, "--pipeline-model-parallel-layout": "Et|tL"}, 2)
     assert kept["--pipeline-model-parallel-layout"] == "Et|tL"  # the stages the layout was written for
+
+
+def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed(tmp_path):
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
+    from megatron_cg_plugin.testing.farm import CaseResult, problems_of
+
+    text = MEGATRON_STYLE.replace('  - "lm loss"\n', '  - "lm loss"\n  - "mtp_1 loss"\n  - "iteration-time"\n')
+    case, _ = prepare_case(write_case(tmp_path, text), out_dir=tmp_path / "out", gpus=1)
+    assert case.equal_metrics == ("lm loss", "mtp_1 loss")  # iteration time is measured, never compared
+
+    def run(mtp):
+        steps = range(1, 25)
+        return GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in steps}), "mtp_1 loss": MetricSeries(mtp)})
+
+    report = {"scopes": [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0}]}
+    same = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({s: 2.0 for s in range(1, 25)}), report, "")
+    assert problems_of(case, same) == []
+    off = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({**{s: 2.0 for s in range(1, 25)}, 9: 2.5}),
+                     report, "")
+    assert problems_of(case, off) == ["mtp_1 loss differs eager vs graphed (step: eager, graphed): {9: (2.0, 2.5)}"]

@@ -211,13 +211,41 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
 def test_real_patches_match_installed_megatron():
     assert [patch.name for patch in PATCHES] == ["plugin-args", "validate-args-rules", "train-step-timer",
                                                   "train-end-report", "helper-swap", "training-log-tap",
-                                                  "prebuilt-dataset-helpers", "strided-weak-ref"]
+                                                  "mtp-loss-tap", "prebuilt-dataset-helpers", "strided-weak-ref"]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
         assert patch.reason.strip()
         if patch.needs_te:
             continue  # TE is not installable on CPU; its patch is checked on the GPU host
         patch.check(getattr(importlib.import_module(patch.module), patch.attribute))
+
+
+def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    class Helper:  # shaped like Megatron's: adds each layer's reduced loss of the iteration
+        tracker = {}
+
+        @staticmethod
+        def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+            for index, loss in enumerate(Helper.tracker.pop("losses", [])):
+                name = f"mtp_{index + 1} loss"
+                total_loss_dict[name] = total_loss_dict.get(name, 0.0) + loss * loss_scale
+            return "Megatron's result"
+
+    session = RunSession(PluginConfig(), probe=probe)
+    tapped = patches._build_mtp_loss_tap(Helper, session)
+    assert issubclass(tapped, Helper) and tapped.tracker is Helper.tracker
+    totals = {"lm loss": 9.0, "mtp_1 loss": 4.0}  # accumulated since the last log line
+    Helper.tracker["losses"] = [3.0, 5.0]
+    assert tapped.track_mtp_metrics(0.5, 7, None, None, totals) == "Megatron's result"
+    assert totals == {"lm loss": 9.0, "mtp_1 loss": 5.5, "mtp_2 loss": 2.5}  # Megatron's dict as it would be
+    session.on_training_log(iteration=7, loss_dict={"lm loss": 2.0})
+    values = session.recorder.golden().metrics
+    assert values["mtp_1 loss"].values == {7: 1.5} and values["mtp_2 loss"].values == {7: 2.5}
+    session.on_training_log(iteration=8, loss_dict={"lm loss": 2.0})  # no MTP this time: nothing carried over
+    assert 8 not in session.recorder.golden().metrics["mtp_1 loss"].values
+    patches._build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
 
 
 # ---------------------------------------------------------------- deferred config
