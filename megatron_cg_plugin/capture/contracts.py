@@ -31,8 +31,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.banks import group_label
+from megatron_cg_plugin.config import CONTRACT_CHECKS
 
-CONTRACT_MODES = ("full", "shapes", "off")
+CONTRACT_MODES = CONTRACT_CHECKS  # --cg-contract-check's values
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 REPLAY_ONLY_KWARGS = frozenset({"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"})
 

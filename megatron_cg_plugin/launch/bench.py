@@ -22,11 +22,11 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import ARMS, BenchResult, BlockRecord
+from megatron_cg_plugin.config import CONTRACT_CHECKS
 from megatron_cg_plugin.plan.bench import Block, busy_seconds, interleaved_blocks, run_schedule, summarize
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
           "captures, trains and tears down (capture runs again in the next block)")
-CONTRACT_MODES = ("full", "shapes", "off")
 
 
 class BenchError(ValueError):
@@ -234,7 +234,7 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     layer, args, kwargs = helper.first_capture_sample
     fresh = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
     costs = {}
-    for mode in CONTRACT_MODES:
+    for mode in CONTRACT_CHECKS:
         check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
         for _ in range(repeats):
