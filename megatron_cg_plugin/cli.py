@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import os
+import shlex
 import sys
 import types
 import warnings
@@ -45,8 +46,18 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _fused_rope_stand_in(*_args, **_kwargs):
-    raise RuntimeError("a stand-in for TE's fused RoPE, for megatron-cg check on a machine without TE")
+def _te_kernel_stand_in(*_args, **_kwargs):
+    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
+
+
+# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
+_TE_KERNELS = (
+    ("megatron.core.models.common.embeddings.rope_utils",
+     ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")),  # --apply-rope-fusion
+    ("megatron.core.transformer.moe.moe_utils",
+     ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+      "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),  # --moe-permute-fusion
+)
 
 
 @contextlib.contextmanager
@@ -54,27 +65,42 @@ def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None
     """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
     differ, all restored on exit: when there is no GPU here, ``torch.cuda.get_device_capability``
     and ``get_device_properties`` describe a device of ``capability`` (Megatron asks for grouped
-    GEMM and for the TP/CP connection rules); when TE is not installed here, Megatron's fused-RoPE
-    functions (TE kernels, which ``TransformerConfig`` requires for RoPE fusion) are stand-ins that
-    are never called."""
+    GEMM and for the TP/CP connection rules); when TE is not installed here, the TE kernels of
+    ``_TE_KERNELS`` (which ``TransformerConfig`` requires for RoPE and permutation fusion) are
+    stand-ins that are never called, and Megatron's cached TE version is the lowest release the
+    plugin supports (its config checks gate features on it; unset, they would read 0.0.0)."""
+    import importlib
+
     import torch
-    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core import utils as megatron_utils
+
+    from megatron_cg_plugin import compat
 
     saved = torch.cuda.get_device_capability, torch.cuda.get_device_properties
-    saved_rope = rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd
     if not torch.cuda.is_available():
         properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
                                            name=f"stand-in sm_{capability[0]}{capability[1]}",
                                            total_memory=0, multi_processor_count=0)
         torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
         torch.cuda.get_device_properties = lambda *_args, **_kwargs: properties
-    if saved_rope == (None, None):  # TE's kernels did not import here
-        rope_utils.fused_apply_rotary_pos_emb = rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_stand_in
+    saved_kernels = []
+    for module_name, names in _TE_KERNELS:
+        module = importlib.import_module(module_name)
+        for name in names:
+            if getattr(module, name, None) is None:  # TE's kernel did not import here
+                saved_kernels.append((module, name, getattr(module, name, None)))
+                setattr(module, name, _te_kernel_stand_in)
+    saved_te_version = megatron_utils._te_version
+    if not compat.te_available():
+        megatron_utils._te_version = megatron_utils.PkgVersion(
+            ".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
     try:
         yield
     finally:
         torch.cuda.get_device_capability, torch.cuda.get_device_properties = saved
-        rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd = saved_rope
+        for module, name, value in saved_kernels:
+            setattr(module, name, value)
+        megatron_utils._te_version = saved_te_version
 
 
 def _megatron_rejects(error: BaseException) -> CheckError:
@@ -302,7 +328,7 @@ def _farm(argv: Sequence[str]) -> int:
         for note in notes:
             print(f"   {note}")
         if options.dry_run:
-            print("   python " + " ".join(case.argv(graphed=True, out_dir=options.out)))
+            print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
             continue
         try:
             result = farm.run_case(case, options.out)

@@ -351,10 +351,17 @@ SCOPED: tuple[ForeignState, ...] = (
         "connection rules).",
         "cli.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
     ForeignState(
-        "fused-rope-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
-        "TransformerConfig refuses RoPE fusion when TE's fused RoPE did not import, as on a CPU machine; the dry "
-        "run checks flags for a GPU host that has it, so both symbols are stand-ins that are never called.",
+        "te-kernel-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+        "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
+        "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
+        "fused permute/unpermute/sort-chunks symbols (cli._TE_KERNELS) are stand-ins that are never called.",
         "cli.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
+    ForeignState(
+        "te-version-stand-in", "megatron.core.utils:_te_version",
+        "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
+        "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
+        "TE release the plugin supports, the one the GPU host will have at least.",
+        "cli.gpu_host_stand_ins (with block around the dry run; only where TE is not installed)"),
 )
 
 PRIVATE_API: tuple[ForeignState, ...] = (

@@ -12,6 +12,8 @@ dropped, each with the reason, before ``--fit-gpus`` scales the parallel sizes (
 - ``--train-iters`` (and the sample-based schedule flags), ``--exit-interval``,
   ``--exit-duration-in-mins`` and ``--cuda-graph-impl`` are the farm's: it sets the steps and runs
   the case once eager and once graphed.
+- Without APEX's fused weight-gradient kernel on this host, ``--no-gradient-accumulation-fusion``
+  is added (Megatron's default needs it; the ``gradient-accumulation-fusion`` rule says so).
 - What ``--deterministic-mode`` refuses (fused cross-entropy, TP communication overlap, a
   non-deterministic ``NVTE_ALLOW_NONDETERMINISTIC_ALGO``) goes: eager and graphed are compared bit
   for bit.
@@ -47,10 +49,11 @@ def _is_logger_flag(flag: str) -> bool:
     return flag in LOGGER_FLAGS or flag.endswith("-to-tensorboard") or flag.startswith("--wandb-")
 
 
-def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path
-                    ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path,
+                    apex_wgrad: bool) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """The case's ``MODEL_ARGS`` for a farm run; returns them, the placeholders the farm resolves,
-    and one line per flag changed or dropped."""
+    and one line per flag changed or dropped. ``apex_wgrad``: APEX's fused weight-gradient kernel
+    is installed where the case runs."""
     args: dict[str, Any] = {}
     changes: list[str] = []
     reasons = [(lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
@@ -65,6 +68,10 @@ def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out
             args[flag] = value
         else:
             changes.append(f"{flag} dropped: {reason}")
+    if not apex_wgrad and args.get("--no-gradient-accumulation-fusion") is not True:
+        args["--no-gradient-accumulation-fusion"] = True
+        changes.append("--no-gradient-accumulation-fusion added: APEX's fused weight-gradient kernel, which "
+                       "Megatron's default --gradient-accumulation-fusion needs, is not installed here")
     placeholders = {"DATA_CACHE_PATH": str(out_dir / "data_cache")}
     if data_path is None:
         vocab = args.get("--vocab-size", MOCK_VOCAB_SIZE)

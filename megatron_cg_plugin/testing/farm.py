@@ -129,6 +129,7 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
     per change, comparison included (the golden file only where the run is the one it recorded)."""
+    from megatron_cg_plugin import compat
     from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
     from megatron_cg_plugin.testing.cases import fit_gpus
 
@@ -140,7 +141,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         if gpus is None:
             raise CaseError(f"{case.folder}: a Megatron case is written for {MEGATRON_CI_GPUS} GPUs; pass --fit-gpus N "
                             "to scale its parallel sizes to the GPUs you have.")
-        args, placeholders, changes = adapt_case_args(args, data_path=data_path, out_dir=out_dir)
+        args, placeholders, changes = adapt_case_args(args, data_path=data_path, out_dir=out_dir,
+                                                      apex_wgrad=compat.apex_fused_wgrad_available())
         env, env_changes = adapt_case_env(env)
         notes += changes + env_changes
     fitted: list[str] = []

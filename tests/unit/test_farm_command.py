@@ -58,7 +58,8 @@ def test_infrastructure_flags_are_dropped_and_mock_data_takes_the_datasets_place
     args, placeholders, changes = adapt_case_args(
         {"--save": "${CHECKPOINT_SAVE_PATH}", "--tensorboard-dir": "x", "--log-timers-to-tensorboard": True,
          "--wandb-project": "p", "--data-path": "${DATA_PATH}/d", "--vocab-file": "v", "--train-iters": 9,
-         "--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False}, data_path=None, out_dir=tmp_path)
+         "--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False}, data_path=None, out_dir=tmp_path,
+        apex_wgrad=True)
     assert args == {"--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False, "--mock-data": True,
                     "--tokenizer-type": "NullTokenizer"}
     assert placeholders == {"DATA_CACHE_PATH": str(tmp_path / "data_cache")}
@@ -69,9 +70,19 @@ def test_infrastructure_flags_are_dropped_and_mock_data_takes_the_datasets_place
 
 def test_a_data_path_stands_for_the_cases_data_root(tmp_path):
     args, placeholders, changes = adapt_case_args({"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"},
-                                                  data_path="/datasets", out_dir=tmp_path)
+                                                  data_path="/datasets", out_dir=tmp_path, apex_wgrad=True)
     assert args == {"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"}
     assert placeholders["DATA_PATH"] == "/datasets" and changes == []
+
+
+@pytest.mark.parametrize("case_flag", [None, False, True])
+def test_without_apex_gradient_accumulation_fusion_is_turned_off_and_said_so(tmp_path, case_flag):
+    model_args = {"--num-layers": 2} | ({} if case_flag is None else {"--no-gradient-accumulation-fusion": case_flag})
+    args, _, changes = adapt_case_args(model_args, data_path="/d", out_dir=tmp_path, apex_wgrad=False)
+    assert args["--no-gradient-accumulation-fusion"] is True
+    assert any(c.startswith("--no-gradient-accumulation-fusion added: APEX") for c in changes) == (case_flag is not True)
+    args, _, changes = adapt_case_args(model_args, data_path="/d", out_dir=tmp_path, apex_wgrad=True)
+    assert args == model_args and changes == []
 
 
 def test_a_megatron_case_is_fitted_mapped_and_compared_eager_vs_graphed_only(tmp_path):
@@ -129,7 +140,8 @@ def test_what_deterministic_mode_refuses_goes_with_a_note(tmp_path):
     from megatron_cg_plugin.testing.case_adapt import adapt_case_env
 
     args, _, changes = adapt_case_args({"--cross-entropy-loss-fusion": True, "--tp-comm-overlap": True,
-                                        "--train-samples": 1000, "--num-layers": 2}, data_path="/d", out_dir=tmp_path)
+                                        "--train-samples": 1000, "--num-layers": 2}, data_path="/d", out_dir=tmp_path,
+                                       apex_wgrad=True)
     assert args == {"--num-layers": 2}
     assert "--cross-entropy-loss-fusion dropped: --deterministic-mode refuses it (eager == graphed is compared bit " \
            "for bit)" in changes

@@ -768,19 +768,26 @@ def test_a_lent_attribute_replaced_since_is_left_alone():
 
 
 def test_scoped_cpu_stand_ins_are_restored_by_identity():
+    from megatron.core import utils as megatron_utils
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.moe import moe_utils
 
     from megatron_cg_plugin.cli import gpu_host_stand_ins
 
     before = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
-              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+              moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
     with pytest.raises(KeyError):
         with gpu_host_stand_ins():
             assert torch.cuda.get_device_capability() == (9, 0)
             assert rope_utils.fused_apply_rotary_pos_emb is not None
+            assert moe_utils.fused_permute is not None
+            # Megatron's TE-gated config checks see a supported TE, not 0.0.0.
+            assert megatron_utils.is_te_min_version("2.6.0dev0")
             raise KeyError("restored on an error too")
     after = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
-             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd)
+             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
+             moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
     assert all(a is b for a, b in zip(before, after, strict=True))
 
 
