@@ -268,14 +268,21 @@ def _plan(argv: Sequence[str]) -> int:
     from megatron_cg_plugin.plan.capture import plan_capture
 
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
-        args, facts = validated_args(flags, nproc=options.nproc, env=dict(os.environ))
-        return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load)
-                + "\ngraph memory: not predicted yet (the planner is measured against GPU runs first).")
+        from megatron_cg_plugin.enforce import predict_graph_memory
+
+        env = dict(os.environ)
+        args, facts = validated_args(flags, nproc=options.nproc, env=env)
+        memory = predict_graph_memory(args, facts, environ=env)
+        return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load) + "\n"
+                + ("graph pool: nothing graphed, or layers the planner does not model" if memory is None
+                   else memory.describe()))
 
     usage = ("usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
              "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
              "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
-             "load. Graph memory is not predicted yet.")
+             "load, and the graph pool the capture will reserve (predicted from the shapes: docs/performance.md). "
+             "Set NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or --deterministic-mode) as the run will, for cuDNN's deterministic "
+             "attention backward workspace.")
     return _dry_run_command(argv, prog="megatron-cg plan", usage=usage, produce=produce,
                             extra_options=(("--router-load", "uniform"),))
 

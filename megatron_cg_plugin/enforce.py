@@ -8,6 +8,8 @@ launcher through the same hook. Megatron's own argument assertions are shortened
 
 from __future__ import annotations
 
+import logging
+
 import sys
 import traceback
 from typing import Any, Mapping
@@ -73,8 +75,13 @@ def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
     plugin config the flags describe (``config`` itself when given). For the plugin's launcher,
     whose model config is Megatron's ``TransformerConfig`` of these flags, that config's checks run
     too, as ``megatron-cg check`` runs them (a user's script builds its own config)."""
+    return _enforce(args, environ=environ, launcher=launcher, config=config)[1]
+
+
+def _enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
+             config: PluginConfig | None) -> tuple[rules.GraphFacts, PluginConfig | None]:
     try:
-        _facts, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
+        facts, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
     except rules.RuleViolation as violation:
         raise refuse(violation.violations, rules.RuleViolation.HEADING, environ=environ) from None
     if launcher:
@@ -82,9 +89,28 @@ def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
             transformer_config_backstop(args)
         except MEGATRON_REJECTIONS as error:
             raise refuse_megatron(error, environ=environ) from None
-    return resolved
+    return facts, resolved
 
 
 def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) -> None:
-    """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves it."""
-    session.resolve_config(enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config))
+    """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves
+    it. The session also keeps the planner's graph-memory prediction, for the report to set beside
+    the measured pool."""
+    facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
+    session.resolve_config(resolved)
+    session.predicted_graph_memory = predict_graph_memory(args, facts, environ=environ)
+
+
+def predict_graph_memory(args: Any, facts: rules.GraphFacts, *, environ: Mapping[str, str]) -> Any:
+    """``plan.graph_memory``'s prediction for the run, or None where the planner cannot model its
+    layers (the reason is logged; a prediction never stops a run)."""
+    from megatron_cg_plugin.plan.graph_memory import plan_from_args
+
+    if not facts.te_graphs:
+        return None
+    deterministic = environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0" or bool(getattr(args, "deterministic_mode", False))
+    try:
+        return plan_from_args(args, facts, deterministic=deterministic)
+    except (ValueError, AttributeError) as error:  # a user script's parser may lack flags
+        logging.getLogger(__name__).warning("graph memory not predicted: %s", error)
+        return None

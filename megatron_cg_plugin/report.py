@@ -40,6 +40,12 @@ class RunReport:
     graphed_steps: int
     eager_step_ms: float | None
     graphed_step_ms: float | None
+    predicted_pool_bytes: int | None = None  # megatron-cg plan's graph-pool prediction for these flags
+    prediction_leaves_out: tuple[str, ...] = ()
+
+    @property
+    def measured_pool_bytes(self) -> int:
+        return sum(scope.pool_bytes for scope in self.scopes if not scope.failure)
 
     @property
     def step_time_reduction(self) -> float | None:
@@ -83,6 +89,12 @@ class RunReport:
                 lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
                              f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools"
                              + (f" ({'; '.join(scope.teardown_pool_holders)})" if scope.teardown_pool_holders else ""))
+        if self.predicted_pool_bytes is not None and self.measured_pool_bytes:
+            lines.append(f"  graph pool: predicted {self.predicted_pool_bytes / 2**20:.0f} MiB, measured "
+                         f"{self.measured_pool_bytes / 2**20:.0f} MiB "
+                         f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
+                         + (f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
+                            if self.prediction_leaves_out else ""))
         reduction = self.step_time_reduction
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "

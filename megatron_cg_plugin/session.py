@@ -88,6 +88,7 @@ class RunSession:
         self._iteration_start: float | None = None
         self._pending_mtp: dict[str, float] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
+        self.predicted_graph_memory: Any = None  # plan.graph_memory.GraphMemoryPlan, set by the rules' check
 
     @property
     def config_resolved(self) -> bool:
@@ -189,6 +190,8 @@ class RunSession:
             graphed_steps=len(graphed),
             eager_step_ms=None if eager_median is None else 1e3 * eager_median,
             graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
+            predicted_pool_bytes=None if self.predicted_graph_memory is None else self.predicted_graph_memory.pool_bytes,
+            prediction_leaves_out=() if self.predicted_graph_memory is None else self.predicted_graph_memory.unpredicted,
         )
 
     def finish(self, *, print_fn: Callable[[str], None] = print) -> RunReport:

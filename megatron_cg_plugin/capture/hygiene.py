@@ -127,13 +127,22 @@ def describe_holders(target: Any) -> tuple[str, ...]:
     return tuple(_frame_holders(target)) + _referrer_holders(target)
 
 
+def _storage_address(tensor: torch.Tensor) -> int | None:
+    """Where the tensor's storage starts; None for tensors without real storage (fake, functional
+    and other wrapper subclasses that torch.compile or a library leaves alive)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def tensors_in(blocks: dict[int, int], objects: Iterable[Any] | None = None) -> list[torch.Tensor]:
     """Live tensors whose storage starts inside one of ``blocks`` (address -> bytes)."""
     found = []
     for obj in gc.get_objects() if objects is None else objects:
         if issubclass(type(obj), torch.Tensor):  # type(): gc lists dead weakref proxies too
-            ptr = obj.untyped_storage().data_ptr()
-            if any(address <= ptr < address + size for address, size in blocks.items()):
+            ptr = _storage_address(obj)
+            if ptr is not None and any(address <= ptr < address + size for address, size in blocks.items()):
                 found.append(obj)
     return found
 

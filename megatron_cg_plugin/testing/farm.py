@@ -242,8 +242,8 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     summary = result.summary()
     eager, graphed = result.losses(result.eager), result.losses(result.graphed)
     problems = []
-    if not len(graphed) == len(eager) >= 20:
-        problems.append(f"expected >= 20 logged steps, got {len(eager)} eager / {len(graphed)} graphed")
+    if not len(graphed) == len(eager) == case.steps:  # every step asked for (--steps), in both runs
+        problems.append(f"expected {case.steps} logged steps, got {len(eager)} eager / {len(graphed)} graphed")
     for metric in case.equal_metrics:
         series = [run.metrics.get(metric) for run in (result.eager, result.graphed)]
         if None in series:

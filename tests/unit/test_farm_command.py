@@ -191,3 +191,5 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
     off = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({**{s: 2.0 for s in range(1, 25)}, 9: 2.5}),
                      report, "")
     assert problems_of(case, off) == ["mtp_1 loss differs eager vs graphed (step: eager, graphed): {9: (2.0, 2.5)}"]
+    short, _ = prepare_case(write_case(tmp_path / "short", text), out_dir=tmp_path / "out", gpus=1, steps=12)
+    assert problems_of(short, same) == ["expected 12 logged steps, got 24 eager / 24 graphed"]

@@ -233,3 +233,22 @@ def test_tensors_in_blocks_and_their_holders_are_named():
     mask = dispatcher.routing_map
     assert any("local variable 'mask'" in h for h in hygiene.describe_holders(mask))
     assert hygiene.tensors_in({}, objects=[elsewhere]) == []
+
+
+class _StoragelessTensor(torch.Tensor):
+    """A wrapper subclass without storage, like the fake and functional tensors torch.compile leaves."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_tensors_without_storage_are_passed_over_not_fatal():
+    # Seen on GPU: Megatron's gpt3_mcore_te_tp1_pp4_swiglu case died in the teardown measurement.
+    held = torch.zeros(8)
+    block = {held.untyped_storage().data_ptr(): 32}
+    assert hygiene.tensors_in(block, objects=[_StoragelessTensor((4,)), held]) == [held]

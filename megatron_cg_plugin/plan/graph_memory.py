@@ -1,0 +1,385 @@
+"""Graph private-pool bytes predicted from the model's shapes, before any GPU is used (pure Python).
+
+A TE-graphed Transformer layer allocates, during capture, what its forward saves for backward,
+its outputs, and the backward's gradients and workspaces, all in the graph pool. This module writes
+each graphed scope down as the program of allocations and frees that Megatron 0.19.2's TE layers
+make under capture (read from allocator traces of real captures on an H200: ``docs/performance.md``),
+with sizes from the shapes, and replays the program through the caching allocator's rules
+(``plan.allocator``): the pool reserves its segments, so rounding and fragmentation are counted.
+
+What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
+RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
+drop-and-pad or the router/preprocess scope, bf16. What it leaves out is said by
+``GraphMemoryPlan.unpredicted``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+from megatron_cg_plugin.plan.allocator import PoolModel
+
+BF16 = 2
+FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeShape:
+    experts: int  # local experts
+    topk: int
+    ffn: int  # --moe-ffn-hidden-size
+    rows: int  # token rows the experts see: E x capacity with drop-and-pad, tokens x top-k dropless
+    shared_ffn: int = 0  # --moe-shared-expert-intermediate-size
+    router_fp32: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """One rank's view of a Transformer layer for one microbatch."""
+
+    seq: int  # tokens of a sequence on this rank (seq / CP)
+    micro_batch: int
+    hidden: int
+    ffn: int
+    heads: int  # attention heads on this rank (/ TP)
+    query_groups: int  # on this rank
+    head_dim: int
+    gated: bool = False  # SwiGLU
+    bias: bool = True
+    rmsnorm: bool = False
+    rope: bool = False
+    hidden_dropout: bool = False
+    deterministic: bool = True  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: cuDNN's deterministic backward
+    moe: MoeShape | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "micro_batch", "hidden", "ffn", "heads", "query_groups", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.heads % self.query_groups:
+            raise ValueError(f"{self.heads} attention heads do not divide into {self.query_groups} query groups.")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+    def act(self, width: int, itemsize: int = BF16) -> int:
+        """Bytes of a [tokens, width] activation."""
+        return self.tokens * width * itemsize
+
+
+class _Program:
+    """Allocations and frees in capture order; names are unique per graph."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.ops: list[tuple[str, str, int]] = []
+
+    def alloc(self, name: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.ops.append(("alloc", self.prefix + name, nbytes))
+
+    def free(self, *names: str) -> None:
+        self.ops += [("free", self.prefix + name, 0) for name in names]
+
+    def temp(self, name: str, nbytes: int) -> None:
+        self.alloc(name, nbytes)
+        self.free(name)
+
+
+def _norm_forward(p: _Program, s: LayerShape, name: str) -> None:
+    p.alloc(f"{name}.rsigma", s.tokens * FP32)
+    if not s.rmsnorm:
+        p.alloc(f"{name}.mu", s.tokens * FP32)
+    p.alloc(f"{name}.out", s.act(s.hidden))
+    p.temp(f"{name}.flag", 1)
+
+
+def _norm_backward(p: _Program, s: LayerShape, name: str, grad: str) -> str:
+    """TE's fused norm + linear backward: the input gradient, the norm's weight (and bias) grads."""
+    p.alloc(f"{name}.dx", s.act(s.hidden))
+    p.alloc(f"{name}.dgamma", s.hidden * BF16)
+    if not s.rmsnorm:
+        p.alloc(f"{name}.dbeta", s.hidden * BF16)
+    p.temp(f"{name}.scratch", s.act(s.hidden))
+    p.free(grad, f"{name}.rsigma", *(() if s.rmsnorm else (f"{name}.mu",)))
+    return f"{name}.dx"
+
+
+def _bda_forward(p: _Program, s: LayerShape, out: str, branch: str) -> None:
+    p.alloc(f"{out}.seed", 8)
+    if s.hidden_dropout:
+        p.alloc(f"{out}.mask", s.tokens * s.hidden)
+    p.alloc(out, s.act(s.hidden))
+    p.free(branch, f"{out}.seed")
+
+
+def _bda_backward(p: _Program, s: LayerShape, out: str) -> str:
+    p.alloc(f"{out}.grad", s.act(s.hidden))
+    p.temp(f"{out}.partial", 4096)
+    if s.bias:
+        p.alloc(f"{out}.dbias", s.hidden * BF16)
+    if s.hidden_dropout:
+        p.free(f"{out}.mask")
+    return f"{out}.grad"
+
+
+def _attention_forward(p: _Program, s: LayerShape) -> None:
+    q, kv = s.act(s.heads * s.head_dim), s.act(s.query_groups * s.head_dim)
+    _norm_forward(p, s, "ln1")
+    p.alloc("qkv", q + 2 * kv)
+    if s.rope:  # TE's fused RoPE writes q and k anew; the layout check makes v contiguous
+        p.alloc("q", q)
+        p.alloc("k", kv)
+        p.alloc("v", kv)
+    p.alloc("o", q)
+    p.alloc("rng", 16)
+    p.temp("fa.scratch", 256)
+    p.alloc("softmax_stats", s.micro_batch * s.heads * s.seq * FP32)
+    p.alloc("proj", s.act(s.hidden))
+    if s.rope:
+        p.free("qkv")
+    _bda_forward(p, s, "x1", "proj")
+
+
+def attention_workspace(s: LayerShape) -> int:
+    """cuDNN fused attention's backward workspace (measured, TE 2.20.2 on sm_90): the softmax-stat
+    gradients, under deterministic mode an s x s bf16 buffer per head, and with GQA the key and
+    value gradients expanded to every head."""
+    nbytes = s.micro_batch * s.heads * s.seq * FP32 + 256
+    if s.deterministic:
+        nbytes += s.micro_batch * s.heads * s.seq * s.seq * BF16
+    if s.query_groups < s.heads:
+        nbytes += 2 * s.act(s.heads * s.head_dim)
+    return nbytes
+
+
+def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
+    q, kv = s.act(s.heads * s.head_dim), s.act(s.query_groups * s.head_dim)
+    grad = _bda_backward(p, s, "x1")
+    p.alloc("proj.dgrad", s.act(s.hidden))
+    p.alloc("proj.wgrad", s.hidden * s.heads * s.head_dim * BF16)
+    p.free(grad)
+    p.alloc("dq", q)
+    p.alloc("dk", kv)
+    p.alloc("dv", kv)
+    p.temp("fa.workspace", attention_workspace(s))
+    p.free("proj.dgrad", "o", "rng", "softmax_stats")
+    if s.rope:
+        p.alloc("dq.rope", q)
+        p.alloc("dk.rope", kv)
+        p.free("dq", "dk", "q", "k", "v")
+    p.alloc("dqkv", q + 2 * kv)
+    p.free(*(("dq.rope", "dk.rope") if s.rope else ("dq", "dk", "qkv")), "dv")
+    p.alloc("ln1.dgrad", s.act(s.hidden))
+    p.alloc("qkv.wgrad", (q + 2 * kv) // s.tokens * s.hidden)
+    if s.bias:
+        p.alloc("qkv.dbias", (q + 2 * kv) // s.tokens)
+    p.free("dqkv", "ln1.out")
+    dx = _norm_backward(p, s, "ln1", "ln1.dgrad")
+    p.alloc("dinput", s.act(s.hidden))  # the residual's gradient plus the norm's: the graph's grad input
+    p.free(dx, grad_in)
+    return "dinput"
+
+
+def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str) -> None:
+    fc1 = 2 * ffn if s.gated else ffn
+    p.alloc(f"{name}.fc1", s.act(fc1))
+    p.alloc(f"{name}.act", s.act(ffn))
+    p.alloc(f"{name}.fc2", s.act(s.hidden))
+
+
+def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str) -> str:
+    fc1 = 2 * ffn if s.gated else ffn
+    p.alloc(f"{name}.fc2.dgrad", s.act(ffn))
+    p.alloc(f"{name}.fc2.wgrad", s.hidden * ffn * BF16)
+    p.free(grad)
+    p.alloc(f"{name}.act.dgrad", s.act(fc1))
+    p.free(f"{name}.fc2.dgrad", f"{name}.act", f"{name}.fc1")
+    if s.bias:
+        p.alloc(f"{name}.fc1.dbias", fc1 * BF16)
+    p.alloc(f"{name}.fc1.dgrad", s.act(s.hidden))
+    p.alloc(f"{name}.fc1.wgrad", fc1 * s.hidden * BF16)
+    p.free(f"{name}.act.dgrad")
+    return f"{name}.fc1.dgrad"
+
+
+def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: bool) -> None:
+    router = FP32 if moe.router_fp32 else BF16
+    p.alloc("router.logits", s.tokens * moe.experts * router)
+    p.alloc("router.probs", s.tokens * moe.experts * FP32)
+    p.alloc("router.map", s.tokens * moe.experts)
+    if not through_experts:  # the graph ends after the router and the dispatcher's preprocess
+        return
+    rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1)
+    p.alloc("permuted", rows.act(s.hidden))
+    _mlp_forward(p, rows, moe.ffn, "experts")
+    p.alloc("unpermuted", s.act(s.hidden))
+    p.free("experts.fc2")
+    if moe.shared_ffn:
+        _mlp_forward(p, s, moe.shared_ffn, "shared")
+        p.free("shared.fc2")
+
+
+def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, *, through_experts: bool) -> str:
+    if through_experts:
+        rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False)
+        p.alloc("unpermuted.grad", rows.act(s.hidden))
+        expert_grad = _mlp_backward(p, rows, moe.ffn, "experts", "unpermuted.grad")
+        p.alloc("permuted.grad", s.act(s.hidden))
+        p.free(expert_grad, "permuted")
+        if moe.shared_ffn:
+            shared_grad = _mlp_backward(p, dataclasses.replace(s, bias=False), moe.shared_ffn, "shared", grad)
+            p.free(shared_grad)
+        grad = "permuted.grad"
+    p.alloc("router.dlogits", s.tokens * moe.experts * FP32)
+    p.free("router.logits", "router.probs", "router.map", "router.dlogits")
+    p.alloc("ln2.dgrad", s.act(s.hidden))
+    p.free(grad, "ln2.out")
+    return "ln2.dgrad"
+
+
+SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "router"}
+
+
+def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Program, _Program]:
+    """The forward and backward programs of one graphed layer for ``parts`` of it."""
+    fwd, bwd = _Program(prefix), _Program(prefix)
+    moe = shape.moe
+    if "attn" in parts:
+        _attention_forward(fwd, shape)
+    if moe is None and "mlp" in parts:
+        _norm_forward(fwd, shape, "ln2")
+        _mlp_forward(fwd, shape, shape.ffn, "mlp")
+        _bda_forward(fwd, shape, "out", "mlp.fc2")
+    if moe is not None and parts & {"moe", "router"}:
+        _norm_forward(fwd, shape, "ln2")
+        _moe_forward(fwd, shape, moe, through_experts="moe" in parts)
+        if "moe" in parts:
+            _bda_forward(fwd, shape, "out", "unpermuted")
+    # Backward, in reverse.
+    grad = "grad_output"
+    if moe is None and "mlp" in parts:
+        grad = _bda_backward(bwd, shape, "out")
+        grad = _mlp_backward(bwd, shape, shape.ffn, "mlp", grad)
+        bwd.free("ln2.out")
+        grad = _norm_backward(bwd, shape, "ln2", grad)
+        bwd.free("x1")
+    if moe is not None and parts & {"moe", "router"}:
+        grad = _bda_backward(bwd, shape, "out") if "moe" in parts else grad
+        grad = _moe_backward(bwd, shape, moe, grad, through_experts="moe" in parts)
+        grad = _norm_backward(bwd, shape, "ln2", grad)
+        bwd.free("x1")
+    if "attn" in parts:
+        grad = _attention_backward(bwd, shape, grad)
+    return fwd, bwd
+
+
+def scope_parts(modules: Sequence[str]) -> frozenset[str]:
+    """Megatron's ``--cuda-graph-modules`` as the parts of a layer one graph holds."""
+    if not modules:
+        return frozenset({"attn", "mlp", "moe"})
+    unknown = [m for m in modules if m not in SCOPE_PARTS]
+    if unknown:
+        raise ValueError(f"--cuda-graph-modules {' '.join(unknown)}: the memory planner knows only "
+                         f"{', '.join(SCOPE_PARTS)}.")
+    return frozenset(SCOPE_PARTS[m] for m in modules)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemoryPlan:
+    pool_bytes: int  # what the graph pool reserves after capture
+    peak_live_bytes: int  # the largest sum of live allocations during capture
+    graphs: int
+    unpredicted: tuple[str, ...] = ()  # parts of the run the prediction leaves out
+
+    def describe(self) -> str:
+        lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
+                 f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
+        lines += [f"  not predicted: {what}" for what in self.unpredicted]
+        return "\n".join(lines)
+
+
+def _replay(ops: Iterator[tuple[str, str, int]]) -> PoolModel:
+    pool = PoolModel()
+    live: dict[str, int] = {}
+    for action, name, nbytes in ops:
+        if action == "alloc":
+            assert name not in live, name
+            live[name] = pool.malloc(nbytes)
+        elif name in live:  # a free of something this configuration never allocated is no-op
+            pool.free(live.pop(name))
+    return pool
+
+
+def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> GraphMemoryPlan:
+    """The pool of one TE capture (Megatron's PP = 1 order: every layer's forward graph, then the
+    backward graphs in reverse). Each backward graph's weight gradients are freed when the next
+    backward capture starts (Megatron has reduced them into its main grads by then), forward
+    outputs and grad inputs stay to the end."""
+    parts = scope_parts(modules)
+    programs = [_graph(shape, parts, f"L{index}.") for index, shape in enumerate(layers)]
+
+    def ops() -> Iterator[tuple[str, str, int]]:
+        for fwd, _ in programs:
+            yield from fwd.ops
+        held: list[str] = []
+        for fwd, bwd in reversed(programs):
+            yield from (("free", name, 0) for name in held)
+            yield from bwd.ops
+            held = [name for action, name, _ in bwd.ops if action == "alloc" and name.endswith(("wgrad", "dbias",
+                                                                                                  "dgamma", "dbeta"))]
+
+    pool = _replay(ops())
+    return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated, graphs=len(programs))
+
+
+def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
+    """The prediction for a run from Megatron's parsed and validated ``args`` and the rules' ``facts``
+    (attributes only: this module stays free of Megatron and torch). ``deterministic``: the run's
+    NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
+    from megatron_cg_plugin.plan.capture import plan_capture
+    from megatron_cg_plugin.plan.moe import MoeCapacityPlan
+
+    capture = plan_capture(facts)
+    unpredicted = [what for what, present in (
+        ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
+        ("graph banks and slot-shared arenas (their arenas are in the capture report)", bool(capture.banks)),
+        ("FP8 (quantized saves and scaling state)", facts.fp8),
+        ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
+        ("multi-token-prediction layers", bool(getattr(args, "mtp_num_layers", None))),
+        ("activation recomputation inside the graphs", facts.recompute_granularity is not None),
+        ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),
+    ) if present]
+    tp, cp = facts.tensor_parallel, facts.context_parallel
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
+    head_dim = args.kv_channels or args.hidden_size // heads
+    dense = LayerShape(
+        seq=args.seq_length // cp, micro_batch=args.micro_batch_size, hidden=args.hidden_size,
+        ffn=args.ffn_hidden_size // tp, heads=max(1, heads // tp), query_groups=max(1, groups // tp),
+        head_dim=head_dim, gated=bool(args.swiglu), bias=bool(args.add_bias_linear),
+        rmsnorm=args.normalization == "RMSNorm", rope=args.position_embedding_type in ("rope", "yarn"),
+        hidden_dropout=args.hidden_dropout > 0, deterministic=deterministic)
+    moe_shape = None
+    if facts.num_experts:
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        local = facts.num_experts // ep
+        tokens = dense.tokens
+        if facts.capacity_factor is not None and facts.pad_to_capacity:
+            capacity = MoeCapacityPlan(tokens_per_rank=tokens, topk=args.moe_router_topk, num_experts=facts.num_experts,
+                                       capacity_factor=facts.capacity_factor, expert_parallel=ep)
+            rows = local * capacity.tokens_per_local_expert
+        else:
+            rows = tokens * args.moe_router_topk  # dropless: the router's assignments
+        moe_shape = MoeShape(experts=local, topk=args.moe_router_topk, ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                             rows=rows, shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+                             router_fp32=getattr(args, "moe_router_dtype", None) == "fp32")
+    first = set(capture.first_stage_layers)
+    layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None)
+              for n in capture.graphed_layers if n in first]
+    if not layers:
+        return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
+    plan = plan_graph_memory(layers, facts.modules)
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted))
