@@ -110,11 +110,11 @@ def _ordered_pairs(arms: Sequence[str]) -> list[tuple[str, str]]:
 
 def plot_available() -> None:
     """Raises ``BenchOutputError`` before any GPU work when the plot cannot be drawn."""
-    try:
-        import matplotlib  # noqa: F401  (only whether it imports)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
         raise BenchOutputError("the bench's PNG plot needs matplotlib: pip install 'megatron-cg-plugin[bench]', "
-                               "or pass --bench-no-plot.") from None
+                               "or pass --bench-no-plot.")
 
 
 def plot(result: BenchResult, path: Path) -> None:

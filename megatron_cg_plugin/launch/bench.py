@@ -43,6 +43,7 @@ class BenchOptions:
     profile_steps: int = 3  # per arm, after the schedule: the GPU-busy fraction
     out: Path = Path("bench-out")
     plot: bool = True
+    profile_dir: Path | None = None  # per arm, the profiled steps' host operators by self CPU time
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.arms) - set(ARMS))
@@ -69,10 +70,11 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-arms", default=",".join(ARMS))
     parser.add_argument("--bench-out", type=Path, default=BenchOptions.out)
     parser.add_argument("--bench-no-plot", action="store_true")
+    parser.add_argument("--bench-profile-dir", type=Path)
     known, flags = parser.parse_known_args(list(argv))
     options = BenchOptions(rounds=known.bench_rounds, steps=known.bench_steps, skip_steps=known.bench_skip_steps,
                            arms=tuple(a for a in known.bench_arms.split(",") if a), out=known.bench_out,
-                           plot=not known.bench_no_plot)
+                           plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir)
     return options, flags
 
 
@@ -94,7 +96,7 @@ class Trainer(Protocol):
 
 def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] = (),
               clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
-              profile: Callable[[Callable[[], None], int], float | None] | None = None,
+              profile: Callable[[Callable[[], None], int, str], float | None] | None = None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
     """Runs the interleaved schedule through ``trainer`` and measures every block; then, per arm,
     ``profile`` (kernel seconds per step, for the GPU-busy fraction) and, on a plugin capture,
@@ -132,7 +134,7 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
         helper, _, _ = _capture(trainer, arm, clock)
         try:
             # Kernel time per step over the arm's unprofiled median step (the profiler slows the host down).
-            kernel = None if profile is None else profile(trainer.step, options.profile_steps)
+            kernel = None if profile is None else profile(trainer.step, options.profile_steps, arm)
             busy[arm] = None if kernel is None else kernel / medians[arm].median
             if arm == "plugin" and contract_cost is not None:
                 costs, replays = contract_cost(helper)
@@ -206,10 +208,13 @@ class MegatronTrainer:
         return diagnostics.memory_state().pools
 
 
-def kernel_seconds_per_step(step: Callable[[], None], steps: int) -> float | None:
+def kernel_seconds_per_step(step: Callable[[], None], steps: int, arm: str, *,
+                            table_dir: Path | None = None) -> float | None:
     """GPU-busy seconds of one step under torch's profiler (the union of its device activity, over
     ``steps`` steps); over the step's wall time it says how close the step is to the sum of its
-    kernels (1.0 is the physical limit). None if the profiler saw no device activity."""
+    kernels (1.0 is the physical limit). None if the profiler saw no device activity. With
+    ``table_dir``, the arm's host operators by self CPU time go to ``<arm>.host_ops.txt`` there,
+    to compare where two arms spend their host time."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -219,6 +224,11 @@ def kernel_seconds_per_step(step: Callable[[], None], steps: int) -> float | Non
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    if table_dir is not None:
+        table_dir.mkdir(parents=True, exist_ok=True)
+        (table_dir / f"{arm}.host_ops.txt").write_text(
+            f"{steps} profiled steps of the {arm} arm\n"
+            + trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
     intervals = [(event.time_range.start, event.time_range.end) for event in trace.events()
                  if event.device_type == DeviceType.CUDA]
     return busy_seconds(intervals) * 1e-6 / steps if intervals else None
@@ -256,7 +266,8 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
 
         trainer = MegatronTrainer(train_step, args, kwargs)
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
-        sink.append(run_bench(options, trainer, flags=flags, profile=kernel_seconds_per_step,
+        profile = functools.partial(kernel_seconds_per_step, table_dir=options.profile_dir)
+        sink.append(run_bench(options, trainer, flags=flags, profile=profile,
                               contract_cost=cost if "plugin" in options.arms else None))
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
         return trainer.last

@@ -348,6 +348,9 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("graph banks and slot-shared arenas (their arenas are in the capture report)", bool(capture.banks)),
         ("FP8 (quantized saves and scaling state)", facts.fp8),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
+        ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
+         getattr(getattr(args, "attention_backend", None), "name", getattr(args, "attention_backend", None))
+         in ("unfused", "local")),
         ("multi-token-prediction layers", bool(getattr(args, "mtp_num_layers", None))),
         ("activation recomputation inside the graphs", facts.recompute_granularity is not None),
         ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),

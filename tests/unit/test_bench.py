@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,7 +71,8 @@ def bench_with_fakes(**options):
     lines: list[str] = []
     profiled: list[str] = []
 
-    def profile(step, count):
+    def profile(step, count, arm):
+        assert arm == trainer.arm  # the profile is told whose steps it times
         profiled.append(trainer.arm)
         for _ in range(count):
             step()
@@ -154,8 +157,10 @@ def test_bad_options_are_refused_naming_the_flag(options, message):
 
 def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
     options, flags = parse_bench_argv(["--cg-preset", "tiny-gpt", "--bench-rounds", "6", "--bench-arms",
-                                       "stock,plugin", "--cuda-graph-impl", "transformer_engine", "--bench-no-plot"])
+                                       "stock,plugin", "--cuda-graph-impl", "transformer_engine", "--bench-no-plot",
+                                       "--bench-profile-dir", "prof"])
     assert (options.rounds, options.arms, options.plot) == (6, ("stock", "plugin"), False)
+    assert options.profile_dir == Path("prof")
     assert flags == ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine"]
     assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3
 

@@ -364,7 +364,7 @@ def test_plan_prints_the_moe_capacity_plan(capsys):
     assert "fc1 (384, 256, 1024), fc2 (384, 512, 256)" in out  # SwiGLU doubles fc1's output
     # By hand: expert 0 would get 4/7 of 1024 but takes each of its 512 tokens once, keeps 384 of them.
     assert "dropped tokens for a 4,1,1,1 router: 12.5%" in out
-    assert "scope:" in out and "graph memory: not predicted yet" in out
+    assert "scope:" in out and "graph pool (predicted): " in out
 
 
 def test_plan_dense_and_dropless_models(capsys):

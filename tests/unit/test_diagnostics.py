@@ -416,3 +416,11 @@ def test_save_accepts_a_string_path(tmp_path):
     path = tmp_path / "r.json"
     run_report(scopes=()).save(str(path))
     assert json.loads(path.read_text())["scopes"] == []
+
+
+def test_the_report_sets_the_planners_prediction_beside_the_measured_pool():
+    text = run_report(predicted_pool_bytes=48 * MiB, prediction_leaves_out=("FP8 (quantized saves)",)).format_table()
+    assert "graph pool: predicted 48 MiB, measured 64 MiB (0.75x); the prediction leaves out FP8 (quantized saves)" in text
+    assert "graph pool: predicted" not in run_report().format_table()  # nothing predicted, nothing said
+    data = run_report(predicted_pool_bytes=48 * MiB).to_json()
+    assert data["predicted_pool_bytes"] == 48 * MiB

@@ -1,0 +1,175 @@
+"""The graph-pool planner: the caching-allocator model (plan.allocator) and the capture programs of
+TE layers (plan.graph_memory), on CPU. Its GPU check is docs/results/planner-2026-12-01."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_cg_plugin.plan import allocator
+from megatron_cg_plugin.plan.allocator import PoolModel, round_request, segment_size
+from megatron_cg_plugin.plan.graph_memory import (LayerShape, MoeShape, attention_workspace, plan_from_args,
+                                                  plan_graph_memory, scope_parts)
+from megatron_cg_plugin.rules import GraphFacts
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("size, rounded, segment", [
+    (1, 512, 2 * MiB), (512, 512, 2 * MiB), (513, 1024, 2 * MiB), (MiB, MiB, 2 * MiB),
+    (MiB + 1, MiB + 512, 20 * MiB), (10 * MiB - 512, 10 * MiB - 512, 20 * MiB),
+    (10 * MiB, 10 * MiB, 10 * MiB), (134349056, 134349312, 130 * MiB),  # cuDNN's s=2048 workspace: the 130 MiB segment seen
+])
+def test_requests_round_and_take_the_segments_the_caching_allocator_makes(size, rounded, segment):
+    assert round_request(size) == rounded
+    assert segment_size(rounded) == segment
+
+
+def test_small_requests_share_a_2mib_segment_and_large_ones_split_only_above_1mib():
+    pool = PoolModel()
+    handles = [pool.malloc(256 * 1024) for _ in range(8)]  # 8 x 256 KiB fill one 2 MiB segment
+    assert pool.reserved == 2 * MiB
+    pool.malloc(1)
+    assert pool.reserved == 4 * MiB
+    big = pool.malloc(3 * MiB)  # a 20 MiB segment, split: 17 MiB stay free
+    assert pool.reserved == 24 * MiB
+    pool.malloc(15 * MiB)  # >= 10 MiB: fits the 17 MiB remainder (best fit), no new segment
+    assert pool.reserved == 24 * MiB
+    for handle in handles + [big]:
+        pool.free(handle)
+    assert pool.allocated == round_request(1) + 15 * MiB
+
+
+def test_a_freed_block_merges_with_its_free_neighbours():
+    pool = PoolModel()
+    a, b, c = (pool.malloc(4 * MiB) for _ in range(3))  # one 20 MiB segment: 4 + 4 + 4, 8 free
+    pool.free(a)
+    pool.free(c)
+    pool.free(b)  # a, b, c and the tail are one 20 MiB block again
+    pool.malloc(20 * MiB)
+    assert pool.reserved == 20 * MiB
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 24 * MiB), st.booleans()), min_size=1, max_size=60))
+def test_the_pool_never_holds_less_than_its_live_bytes_and_frees_balance(requests):
+    pool = PoolModel()
+    live = []
+    for size, free_one in requests:
+        live.append(pool.malloc(size))
+        assert pool.allocated <= pool.peak_allocated <= pool.reserved
+        if free_one and len(live) > 1:
+            pool.free(live.pop(0))
+    reserved = pool.reserved
+    for handle in live:
+        pool.free(handle)
+    assert pool.allocated == 0 and pool.reserved == reserved  # graph pools keep their segments
+    # Everything free again: each segment is one block, so the largest request fits without growing.
+    pool.malloc(max(s for s, _ in requests))
+    assert pool.reserved == reserved
+
+
+def tiny(**changes):
+    base = dict(seq=256, micro_batch=2, hidden=256, ffn=1024, heads=4, query_groups=4, head_dim=64, rope=True)
+    return LayerShape(**(base | changes))
+
+
+def test_the_attention_workspace_is_the_one_measured():
+    assert attention_workspace(tiny()) == 1057024  # traces/dense_tiny_dropout: fused_attn_bwd
+    big = tiny(seq=2048, micro_batch=1, hidden=1024, heads=16, query_groups=16)
+    assert attention_workspace(big) == 134349056  # traces/dense_1024
+    assert attention_workspace(dataclasses.replace(big, deterministic=False)) == 131072 + 256
+    gqa = tiny(seq=512, hidden=512, heads=8, query_groups=2)
+    assert attention_workspace(gqa) - attention_workspace(dataclasses.replace(gqa, query_groups=8)) == 2 * MiB
+
+
+def test_tiny_pools_are_one_20mib_segment_and_a_few_2mib_ones():
+    attn = plan_graph_memory([tiny()] * 2, ["attn"])
+    assert attn.pool_bytes == 26 * MiB  # the farm's tiny_gpt_attn measured 26 MiB
+    assert attn.peak_live_bytes < 6 * MiB
+    # Not deterministic: the workspace stays in the small pool, so no 20 MiB segment.
+    assert plan_graph_memory([tiny(deterministic=False)] * 2, ["attn"]).pool_bytes < 20 * MiB
+
+
+def test_more_layers_more_tokens_and_wider_scopes_never_take_less():
+    shapes = [tiny(seq=1024, micro_batch=1, hidden=1024, heads=16, query_groups=16, ffn=4096)]
+    two, four = plan_graph_memory(shapes * 2, []), plan_graph_memory(shapes * 4, [])
+    assert four.pool_bytes > two.pool_bytes and four.peak_live_bytes > two.peak_live_bytes
+    attn = plan_graph_memory(shapes * 2, ["attn"])
+    assert attn.pool_bytes < two.pool_bytes  # the MLP's saves come on top
+    longer = [dataclasses.replace(shapes[0], seq=2048)] * 2
+    assert plan_graph_memory(longer, []).pool_bytes > two.pool_bytes
+
+
+def test_dropout_masks_and_gated_mlps_are_counted():
+    shapes = [tiny(seq=1024, hidden=1024, heads=16, query_groups=16, ffn=4096)]
+    plain = plan_graph_memory(shapes * 2, [])
+    masks = plan_graph_memory([dataclasses.replace(shapes[0], hidden_dropout=True)] * 2, [])
+    gated = plan_graph_memory([dataclasses.replace(shapes[0], gated=True)] * 2, [])
+    assert masks.peak_live_bytes - plain.peak_live_bytes >= 2 * shapes[0].tokens * shapes[0].hidden  # a byte each
+    assert gated.peak_live_bytes > plain.peak_live_bytes  # fc1's doubled output is saved
+
+
+def test_moe_scopes_count_the_experts_only_when_the_graph_holds_them():
+    moe = MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384)
+    shape = tiny(gated=True, bias=False, moe=moe)
+    whole = plan_graph_memory([shape] * 2, ["attn", "moe"])
+    router = plan_graph_memory([shape] * 2, ["attn", "moe_router", "moe_preprocess"])
+    assert whole.peak_live_bytes > router.peak_live_bytes
+    more_rows = plan_graph_memory([dataclasses.replace(shape, moe=dataclasses.replace(moe, rows=8 * 384))] * 2,
+                                  ["attn", "moe"])
+    assert more_rows.peak_live_bytes > whole.peak_live_bytes
+
+
+def test_unknown_scopes_and_bad_shapes_are_refused_by_name():
+    with pytest.raises(ValueError, match="--cuda-graph-modules mamba: the memory planner knows only"):
+        scope_parts(["mamba"])
+    with pytest.raises(ValueError, match="6 attention heads do not divide into 4 query groups"):
+        tiny(heads=6, query_groups=4)
+    with pytest.raises(ValueError, match="seq must be >= 1"):
+        tiny(seq=0)
+
+
+def megatron_args(**changes):
+    base = dict(num_attention_heads=4, group_query_attention=False, num_query_groups=None, kv_channels=None,
+                hidden_size=256, seq_length=256, micro_batch_size=2, ffn_hidden_size=1024, swiglu=False,
+                add_bias_linear=True, normalization="LayerNorm", position_embedding_type="rope", hidden_dropout=0.0,
+                moe_router_topk=2, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=None,
+                moe_router_dtype=None, expert_model_parallel_size=1, multi_latent_attention=False,
+                mtp_num_layers=None, attention_backend=types.SimpleNamespace(name="auto"))
+    return types.SimpleNamespace(**(base | changes))
+
+
+def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",))
+    plan = plan_from_args(megatron_args(), facts, deterministic=True)
+    assert plan.pool_bytes == plan_graph_memory([tiny()] * 2, ["attn"]).pool_bytes and plan.unpredicted == ()
+    left_out = plan_from_args(megatron_args(multi_latent_attention=True, mtp_num_layers=1,
+                                            attention_backend=types.SimpleNamespace(name="unfused")),
+                              dataclasses.replace(facts, fp8=True), deterministic=True).unpredicted
+    assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
+    assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, deterministic=True).describe()
+
+
+def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
+                       capacity_factor=1.5, pad_to_capacity=True)
+    args = megatron_args(swiglu=True, add_bias_linear=False)
+    plan = plan_from_args(args, facts, deterministic=True)
+    expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
+                                 ["attn", "moe"])
+    assert plan.pool_bytes == expected.pool_bytes == 28 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
+
+
+def test_no_graphed_layer_predicts_an_empty_pool():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4,
+                       capacity_factor=None)
+    assert plan_from_args(megatron_args(), facts, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
+
+
+def test_segment_constants_are_the_allocators():
+    assert (allocator.SMALL_REQUEST, allocator.SMALL_SEGMENT, allocator.LARGE_SEGMENT) == (MiB, 2 * MiB, 20 * MiB)
