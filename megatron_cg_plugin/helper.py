@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 from megatron_cg_plugin import diagnostics, patches
 from megatron_cg_plugin.capture import hygiene
@@ -101,6 +101,21 @@ class _CaptureCall:
         return graphs
 
 
+class _Phases:
+    """Seconds per named phase of a capture: ``with phases("name"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - begin
+
+
 class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
@@ -138,24 +153,32 @@ class PluginHelperMixin:
         tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure,
                                   is_capturing=self.backend.is_capturing)
         start = time.perf_counter()
+        phases = _Phases()  # where capture time goes, for the report (the plugin's cost is the non-capture part)
         # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
         # (the next forward sets it anew), so the stale-graph check has nothing to collect.
         self._clear_moe_scratch()
-        if config.stale_graph_check == "refuse" and not self._stale_graphs_allow_capture(scope, layers, start):
-            return
+        if config.stale_graph_check == "refuse":
+            with phases("stale-graph check"):
+                allowed = self._stale_graphs_allow_capture(scope, layers, start)
+            if not allowed:
+                return
         try:
-            baseline = diagnostics.memory_state()
-            transaction = CaptureTransaction(self._restorables(layers, tracker))
-            with transaction:
+            with contextlib.ExitStack() as scope_of_transaction:
+                with phases("rollback snapshot"):
+                    baseline = diagnostics.memory_state()
+                    transaction = scope_of_transaction.enter_context(
+                        CaptureTransaction(self._restorables(layers, tracker)))
                 tracker.install()
                 capture = _CaptureCall(self.backend, transaction, tracker)
                 from megatron.core.transformer import cuda_graphs
 
                 # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
                 # and microbatch, finish) with the plugin's capture call in place of TE's.
-                with patches.scoped(cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
+                with phases("Megatron and TE capture"), patches.scoped(
+                        cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
                     super().create_cudagraphs()
-                counter = self._hold_to_contracts(capture, config.contract_check)
+                with phases("replay contracts"):
+                    counter = self._hold_to_contracts(capture, config.contract_check)
         except Exception as error:  # noqa: BLE001 - every failure is rolled back, then raised or logged
             self._on_capture_failure(error, scope, tracker, start, layers)
             return
@@ -168,7 +191,7 @@ class PluginHelperMixin:
             scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
             seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=counter)
+            replays=counter, phases=dict(phases.seconds))
 
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool

@@ -29,6 +29,7 @@ class ScopeReport:
     teardown_pool_bytes_left: int | None = None
     teardown_pool_holders: tuple[str, ...] = ()  # what keeps those pool bytes allocated
     banks: tuple[dict[str, int], ...] = ()  # graph banks: per CP size, replays and rejections
+    capture_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase of capture_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,9 @@ class RunReport:
         for scope in self.scopes:
             if scope.failure:
                 lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
+            if scope.capture_phases:
+                lines.append(f"  {scope.scope}: capture phases: " + ", ".join(
+                    f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items()))
             for bank in scope.banks:
                 flushed = bank.get("offload_groups_flushed")
                 lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "

@@ -68,6 +68,7 @@ class CaptureStats:
     replays: diagnostics.ReplayTotals  # a ReplayCounter; for graph banks, BankReplayCounts
     failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
     banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per capture phase
 
 
 class RunSession:
@@ -177,6 +178,7 @@ class RunSession:
                 teardown_pool_bytes_left=None if teardown is None else teardown.pool_bytes_left,
                 teardown_pool_holders=() if teardown is None else teardown.pool_holders,
                 banks=() if stats.banks is None else tuple(stats.banks()),
+                capture_phases=dict(stats.phases),
             )
             for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))
                                     for h in self.helpers)

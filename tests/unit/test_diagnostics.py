@@ -424,3 +424,9 @@ def test_the_report_sets_the_planners_prediction_beside_the_measured_pool():
     assert "graph pool: predicted" not in run_report().format_table()  # nothing predicted, nothing said
     data = run_report(predicted_pool_bytes=48 * MiB).to_json()
     assert data["predicted_pool_bytes"] == 48 * MiB
+
+
+def test_capture_phases_are_printed_per_scope():
+    text = run_report(scopes=(scope(capture_phases={"stale-graph check": 0.25, "Megatron and TE capture": 1.5}),)
+                      ).format_table()
+    assert "attn+moe_router: capture phases: stale-graph check 0.25 s, Megatron and TE capture 1.50 s" in text

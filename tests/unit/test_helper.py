@@ -746,7 +746,10 @@ def test_capture_stats_and_cleanup_after_success(probe, memory, capture_clock):
     assert stats.scope == "attn+moe_router"
     assert (stats.layers, stats.graphs) == (3, 6)
     assert stats.pool_bytes == 6 * 2 * MiB  # the six new pools; the older (1, 0) pool left out
-    assert stats.seconds == 2.5
+    # The stepping clock: 2.5 s per reading; each phase reads it twice, in between the others' readings.
+    assert list(stats.phases) == ["rollback snapshot", "Megatron and TE capture", "replay contracts"]
+    assert all(seconds == 2.5 for seconds in stats.phases.values())
+    assert stats.seconds == 2.5 * 7
     assert stats.failure is None
     assert stats.replays.counts == [0, 0, 0]
     assert [g.resets for g in backend.graphs] == [0] * 6  # success: nothing rolled back
