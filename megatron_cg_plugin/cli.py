@@ -156,7 +156,7 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
 def moe_plan_text(args, router_load: str) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
     and the fraction of tokens ``router_load`` would drop (``plan.moe``)."""
-    from megatron_cg_plugin.plan.moe import MoeCapacityPlan, parse_load, tokens_per_rank
+    from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
     from megatron_cg_plugin.rules import GraphFacts
 
     if not args.num_experts:
@@ -169,14 +169,7 @@ def moe_plan_text(args, router_load: str) -> str:
         return (f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
                 "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
                 "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity.")
-    plan = MoeCapacityPlan(
-        tokens_per_rank=tokens_per_rank(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                        context_parallel=args.context_parallel_size,
-                                        tensor_parallel=args.tensor_model_parallel_size,
-                                        sequence_parallel=args.sequence_parallel),
-        topk=args.moe_router_topk, num_experts=args.num_experts, capacity_factor=args.moe_expert_capacity_factor,
-        expert_parallel=args.expert_model_parallel_size,
-        tensor_parallel=args.expert_tensor_parallel_size or 1)
+    plan = capacity_plan_from_args(args)
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     shapes = plan.gemm_shapes(args.hidden_size, ffn,
                               gated=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)))

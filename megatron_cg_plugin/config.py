@@ -51,6 +51,8 @@ class PluginConfig:
             bank of each packed microbatch's CP size.
         thd_max_seqs: the most packed sequences a THD microbatch may hold with graph banks (the
             ``cu_seqlens`` buffers are fixed at capture).
+        moe_drop_stats: count, in the run, the token-to-expert assignments MoE routers drop at a
+            fixed capacity (forward hooks on the routers; the report gives the fraction).
         slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
             owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """
@@ -66,6 +68,7 @@ class PluginConfig:
     bank_min_cp: int = 1
     graph_banks: bool = False
     thd_max_seqs: int = 8
+    moe_drop_stats: bool = False
     slot_debug: bool = False
 
     def __post_init__(self) -> None:
@@ -143,6 +146,8 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Hybrid CP: one graph bank per power-of-two CP size for every layer, in one pool.")
     group.add_argument("--cg-thd-max-seqs", type=int, default=8, metavar="N",
                        help="Graph banks: the most packed sequences per THD microbatch (fixed at capture).")
+    group.add_argument("--cg-moe-drop-stats", action="store_true",
+                       help="Count the token-to-expert assignments MoE routers drop at a fixed capacity (report).")
     return parser
 
 
@@ -159,7 +164,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
     (and the environment, for the debug switch)."""
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
-                                 "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs")
+                                 "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs",
+                                 "cg_moe_drop_stats")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -178,5 +184,6 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
         bank_min_cp=args.cg_bank_min_cp,
         graph_banks=args.cg_graph_banks,
         thd_max_seqs=args.cg_thd_max_seqs,
+        moe_drop_stats=args.cg_moe_drop_stats,
         slot_debug=slot_debug_from_environment(environ),
     )

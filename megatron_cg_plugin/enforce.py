@@ -99,6 +99,17 @@ def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) 
     facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
     session.predicted_graph_memory = predict_graph_memory(args, facts, environ=environ)
+    session.moe_capacity_plan = _capacity_plan(args)
+
+
+def _capacity_plan(args: Any) -> Any:
+    from megatron_cg_plugin.plan.moe import capacity_plan_from_args
+
+    try:
+        return capacity_plan_from_args(args)
+    except (ValueError, AttributeError) as error:  # Megatron's own checks refuse these flags first
+        logging.getLogger(__name__).warning("MoE capacity not planned: %s", error)
+        return None
 
 
 def predict_graph_memory(args: Any, facts: rules.GraphFacts, *, environ: Mapping[str, str]) -> Any:

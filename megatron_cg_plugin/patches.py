@@ -153,13 +153,28 @@ def _build_train_step_timer(original: Callable, session: Any) -> Callable:
 def _build_train_end_report(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def train(*args: Any, **kwargs: Any) -> Any:
-        try:
-            result = original(*args, **kwargs)
-        except SystemExit:  # --exit-interval, --exit-duration-in-mins, signals: Megatron's normal exits
+        from megatron_cg_plugin.moe_stats import RouterDropTap
+
+        tap = RouterDropTap() if session.config.moe_drop_stats else None
+        if tap is not None:  # train(forward_step_func, model, ...): the model chunks' routers
+            tap.attach(kwargs.get("model", args[1] if len(args) > 1 else ()))
+
+        def finish() -> None:
+            if tap is not None:
+                session.moe_dropped_fraction = tap.dropped_fraction()
             session.finish()
-            raise
-        session.finish()
-        return result
+
+        try:
+            try:
+                result = original(*args, **kwargs)
+            except SystemExit:  # --exit-interval, --exit-duration-in-mins, signals: Megatron's normal exits
+                finish()
+                raise
+            finish()
+            return result
+        finally:  # a crash too: no hook stays on Megatron's routers
+            if tap is not None:
+                tap.remove()
 
     return train
 
@@ -339,6 +354,12 @@ SCOPED: tuple[ForeignState, ...] = (
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
         "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
         needs_te=True),  # Megatron imports it from TE
+    ForeignState(
+        "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
+        "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
+        "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
+        "(captured along with the graphs that hold the router).",
+        "moe_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
     ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "

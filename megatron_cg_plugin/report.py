@@ -43,6 +43,9 @@ class RunReport:
     graphed_step_ms: float | None
     predicted_pool_bytes: int | None = None  # megatron-cg plan's graph-pool prediction for these flags
     prediction_leaves_out: tuple[str, ...] = ()
+    moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: assignments the routers dropped
+    moe_planned_capacity: int | None = None  # slots per expert per source rank (plan.moe)
+    moe_uniform_dropped_fraction: float | None = None  # what the plan expects a uniform router to drop
 
     @property
     def measured_pool_bytes(self) -> int:
@@ -99,6 +102,12 @@ class RunReport:
                          f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
                          + (f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
                             if self.prediction_leaves_out else ""))
+        if self.moe_dropped_fraction is not None:
+            plan = ("" if self.moe_planned_capacity is None else
+                    f"; the plan: {self.moe_planned_capacity} slots per expert per source rank, "
+                    f"{100 * (self.moe_uniform_dropped_fraction or 0):.2f}% dropped by a uniform router")
+            lines.append(f"  MoE routers dropped {100 * self.moe_dropped_fraction:.2f}% of token-to-expert assignments "
+                         f"at their capacity{plan}")
         reduction = self.step_time_reduction
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Protocol
 from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import MetricsRecorder
+from megatron_cg_plugin.plan.moe import uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
 
 
@@ -90,6 +91,8 @@ class RunSession:
         self._pending_mtp: dict[str, float] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
         self.predicted_graph_memory: Any = None  # plan.graph_memory.GraphMemoryPlan, set by the rules' check
+        self.moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: rank 0's routers over the run
+        self.moe_capacity_plan: Any = None  # plan.moe.MoeCapacityPlan of a fixed-capacity MoE, set by the rules' check
 
     @property
     def config_resolved(self) -> bool:
@@ -194,6 +197,10 @@ class RunSession:
             graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
             predicted_pool_bytes=None if self.predicted_graph_memory is None else self.predicted_graph_memory.pool_bytes,
             prediction_leaves_out=() if self.predicted_graph_memory is None else self.predicted_graph_memory.unpredicted,
+            moe_dropped_fraction=self.moe_dropped_fraction,
+            moe_planned_capacity=None if self.moe_capacity_plan is None else self.moe_capacity_plan.capacity,
+            moe_uniform_dropped_fraction=None if self.moe_capacity_plan is None else
+            self.moe_capacity_plan.dropped_fraction(uniform_load(self.moe_capacity_plan.num_experts)),
         )
 
     def finish(self, *, print_fn: Callable[[str], None] = print) -> RunReport:

@@ -160,3 +160,17 @@ def tokens_per_rank(*, seq_length: int, micro_batch_size: int, context_parallel:
         raise ValueError(f"--seq-length {seq_length} must be a multiple of CP x (TP with sequence parallelism) "
                          f"= {shards}.")
     return seq_length // shards * micro_batch_size
+
+
+def capacity_plan_from_args(args) -> MoeCapacityPlan | None:
+    """The plan for Megatron's parsed ``args`` (attributes only), or None for a dense or dropless model."""
+    if not args.num_experts or args.moe_expert_capacity_factor is None:
+        return None
+    return MoeCapacityPlan(
+        tokens_per_rank=tokens_per_rank(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                        context_parallel=args.context_parallel_size,
+                                        tensor_parallel=args.tensor_model_parallel_size,
+                                        sequence_parallel=args.sequence_parallel),
+        topk=args.moe_router_topk, num_experts=args.num_experts, capacity_factor=args.moe_expert_capacity_factor,
+        expert_parallel=args.expert_model_parallel_size,
+        tensor_parallel=args.expert_tensor_parallel_size or 1)

@@ -91,11 +91,19 @@ class FarmCase:
                  else ["-m", "megatron_cg_plugin.pretrain_gpt"])
         return [
             *entry, *self.flags, *data_flags(self.data, out_dir),
+            *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
+              else []),  # the routers' measured drops, beside the capacity plan in the summary
             "--cuda-graph-impl", "transformer_engine" if graphed else "none",
             "--deterministic-mode", "--train-iters", str(steps),
             "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
             "--cg-report-out", str(out_dir / f"{self.name}.{mode}.report.json"),
         ]
+
+    @property
+    def is_moe(self) -> bool:
+        from megatron_cg_plugin.launch.presets import expand_preset
+
+        return "--num-experts" in expand_preset(list(self.flags))
 
     @property
     def golden_path(self) -> Path:
@@ -208,6 +216,10 @@ class CaseResult:
             "capture_s": sum(scope["capture_seconds"] for scope in scopes),
             "rejected": sum(scope.get("rejected", 0) for scope in scopes),
             "capture_failures": [scope["failure"] for scope in scopes if scope.get("failure")],
+            # MoE cases (--cg-moe-drop-stats): what the routers dropped, beside the capacity plan's uniform router.
+            "moe_dropped": self.report.get("moe_dropped_fraction"),
+            "moe_capacity": self.report.get("moe_planned_capacity"),
+            "moe_uniform_dropped": self.report.get("moe_uniform_dropped_fraction"),
         }
 
 
@@ -296,16 +308,25 @@ def golden_rewrite_refusal(case: str, previous_mismatches: Sequence[Any] | None,
             f"Fix the regression, or set {ACCEPT_GOLDEN_CHANGE}=1 to accept the change (and say why in the commit).")
 
 
+def _moe_cell(row: dict[str, Any]) -> str:
+    if row.get("moe_dropped") is None:
+        return "-"
+    plan = "" if row.get("moe_capacity") is None else (
+        f" (plan: {row['moe_capacity']} slots, {100 * (row.get('moe_uniform_dropped') or 0):.1f}%)")
+    return f"{100 * row['moe_dropped']:.2f}%{plan}"
+
+
 def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs | replays | pool MiB | capture s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs | replays | pool MiB "
+             "| capture s | MoE dropped (plan: capacity, uniform router) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"
         lines.append(
             f"| {row['case']} | {row['nproc']} | {row['steps']} | {'yes' if row['losses_equal'] else 'NO'} | "
             f"{num(row['eager_ms'], '.2f')} | {num(row['graphed_ms'], '.2f')} | {reduction} | {row['graphs']} | "
-            f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} |")
+            f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} | {_moe_cell(row)} |")
     return "\n".join(lines)

@@ -193,3 +193,16 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
     assert problems_of(case, off) == ["mtp_1 loss differs eager vs graphed (step: eager, graphed): {9: (2.0, 2.5)}"]
     short, _ = prepare_case(write_case(tmp_path / "short", text), out_dir=tmp_path / "out", gpus=1, steps=12)
     assert problems_of(short, same) == ["expected 12 logged steps, got 24 eager / 24 graphed"]
+
+
+def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_the_plan(tmp_path):
+    from megatron_cg_plugin.testing.farm import CASES_DIR, format_summary
+
+    moe, _ = prepare_case(CASES_DIR / "moe" / "tiny_moe_droppad", out_dir=tmp_path)
+    dense, _ = prepare_case(CASES_DIR / "gpt" / "tiny_gpt_layer", out_dir=tmp_path)
+    assert "--cg-moe-drop-stats" in moe.argv(graphed=False, out_dir=tmp_path)  # the preset names the experts
+    assert "--cg-moe-drop-stats" not in dense.argv(graphed=True, out_dir=tmp_path)
+    row = dict(case="c", nproc=1, steps=24, losses_equal=True, eager_ms=1.0, graphed_ms=0.5, reduction=0.5, graphs=2,
+               replays=8, pool_mib=28.0, capture_s=1.0, moe_dropped=0.0312, moe_capacity=384, moe_uniform_dropped=0.0)
+    assert "| 3.12% (plan: 384 slots, 0.0%) |" in format_summary([row])
+    assert format_summary([row | {"moe_dropped": None}]).endswith("| - |")
