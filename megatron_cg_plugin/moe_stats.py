@@ -2,8 +2,9 @@
 in the run (``--cg-moe-drop-stats``), to set beside the capacity plan (``plan.moe``).
 
 Forward hooks on the run's ``TopKRouter`` modules count, on the device and without a host sync,
-the assignments each router call keeps (its final routing map, after capacity dropping) and the
-assignments it was asked for (tokens x top-k). Inside a captured graph the hook's two additions are
+the assignments each router call keeps (the slots of its final routing map, after capacity
+dropping, that carry a probability: with padding to capacity the map also marks padded slots) and
+the assignments it was asked for (tokens x top-k). Inside a captured graph the hook's two additions are
 captured too, so replays keep counting. The hooks live for ``train()`` and are removed after it.
 """
 
@@ -30,10 +31,12 @@ class RouterDropTap:
     def _count(self, module: Any, _inputs: Any, output: Any) -> None:
         import torch
 
-        _probs, routing_map = output
+        probs, routing_map = output
         if self._counts is None:
             self._counts = torch.zeros(2, dtype=torch.int64, device=routing_map.device)
-        self._counts[0] += routing_map.sum()
+        # Kept: routed slots with a probability. Drop-and-pad marks every capacity slot in the map,
+        # the padding too (tokens the router did not pick for that expert, with probability 0).
+        self._counts[0] += (routing_map & (probs != 0)).sum()
         self._counts[1] += routing_map.shape[0] * module.topk
 
     def dropped_fraction(self) -> float | None:

@@ -17,7 +17,12 @@ class FakeRouter(torch.nn.Module):
         self.routing_map = routing_map
 
     def forward(self, hidden):
-        return torch.zeros_like(self.routing_map, dtype=torch.float32), self.routing_map
+        probs = self.routing_map.float() * 0.5
+        if self.padded is not None:  # drop-and-pad: padded slots are in the map with probability 0
+            probs = probs * ~self.padded
+        return probs, self.routing_map
+
+    padded = None
 
 
 def test_the_tap_counts_what_the_routers_kept_of_what_they_were_asked(monkeypatch):
@@ -38,6 +43,20 @@ def test_the_tap_counts_what_the_routers_kept_of_what_they_were_asked(monkeypatc
     chunk[0](None)  # no hook left: nothing more counted
     assert tap.dropped_fraction() == 1 - 14 / 16
     assert not chunk[0]._forward_hooks
+
+
+def test_padded_capacity_slots_are_not_counted_as_kept(monkeypatch):
+    # Seen on GPU: with --moe-pad-expert-input-to-capacity the map marks every capacity slot, and the
+    # tap read 150% kept (-50% dropped) before it required a probability.
+    from megatron.core.transformer.moe import router
+
+    monkeypatch.setattr(router, "TopKRouter", FakeRouter)
+    padded_router = FakeRouter(torch.ones(4, 3, dtype=torch.bool))  # 12 slots in the map
+    padded_router.padded = torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 1]], dtype=torch.bool)
+    tap = RouterDropTap()
+    tap.attach([torch.nn.Sequential(padded_router)])
+    padded_router(None)
+    assert tap.dropped_fraction() == 0.0  # 8 routed of 8 asked; the 4 padded slots do not count
 
 
 def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_crashes(monkeypatch):
