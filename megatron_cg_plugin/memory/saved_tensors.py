@@ -148,10 +148,13 @@ class ArenaSizer(_Packer):
         self.nbytes = 0
         self._group = group
         self._ordinal: dict[tuple[Any, int], int] = {}
+        self.storages = 0  # distinct storages saved so far
         self.saves: list[Save] = []
 
     def _place(self, tensor: torch.Tensor) -> int:
-        self._ordinal[_storage_key(tensor)] = len(self._ordinal)  # a new storage at a reused address: a new one
+        # Numbered in the order of first saves; a new storage at a reused address gets a new number.
+        self._ordinal[_storage_key(tensor)] = self.storages
+        self.storages += 1
         offset = self.nbytes
         self.nbytes += _aligned(tensor.untyped_storage().nbytes())
         return offset

@@ -1,0 +1,229 @@
+"""Activation offload inside slot-shared graphs: the saved-tensor hook that keeps most of a frame's
+saves in its GPU arena and moves those the offload plan selects (``plan.offload``) to the slot's
+pinned host arena, and back for backward.
+
+Forward: a selected storage is first copied, on the compute stream, into a staging buffer (a later
+in-place write of the same forward cannot race the device-to-host copy then: ``record_stream``
+protects a block's lifetime, not its values), and the staging buffer goes to the host arena on the
+D2H stream. ``join_forward`` makes the compute stream wait for every copy before the forward graph
+ends and lets the staging buffers go. An offloaded storage takes no GPU arena space.
+
+Backward: the first unpack of a save of group ``g`` reloads every storage of ``g`` into fresh
+device buffers on the H2D stream and waits for it; it then starts reloading the group the backward
+needs next (``OffloadPlan.prefetch_after``), so that copy overlaps ``g``'s backward. Views of one
+storage come back as views of one reloaded buffer (the plan offloads a storage only if every view
+of it qualifies). ``join_backward`` joins whatever was prefetched but never unpacked.
+
+The copies go through ``Transfers``: ``CudaTransfers`` on the GPU (side streams, captured with the
+graphs), ``InlineTransfers`` for tests on CPU (plain copies, a log of what was asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Protocol
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, _storage_key
+from megatron_cg_plugin.plan.offload import OffloadPlan
+from megatron_cg_plugin.plan.slots import arena_aligned
+
+
+class HostArenaError(RuntimeError):
+    """Pinned host memory for the offload arenas could not be had."""
+
+
+class HostArena:
+    """One slot's pinned host arena, allocated before capture and filled front to back per frame."""
+
+    def __init__(self, capacity: int, name: str = "host arena", *, pin: bool = True) -> None:
+        self.name = name
+        try:
+            self.buffer = torch.empty(arena_aligned(capacity), dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError as error:  # cudaHostAlloc failed: too much pinned memory asked
+            raise HostArenaError(
+                f"{name}: could not pin {arena_aligned(capacity)} bytes of host memory for offloaded activations "
+                f"({error}); offload fewer modules (--offload-modules), raise --min-offloaded-tensor-size, or "
+                "free host memory (other pinned buffers, dataloader workers).") from None
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> int:
+        offset = self.used
+        if offset + nbytes > self.buffer.numel():
+            raise HostArenaError(f"{self.name} needs {offset + nbytes} bytes but holds {self.buffer.numel()}: the "
+                                 "frame offloads more than at warmup (shapes changed since the arenas were sized?).")
+        self.used = offset + arena_aligned(nbytes)
+        return offset
+
+
+class Transfers(Protocol):
+    def stage(self, source: torch.Tensor) -> torch.Tensor: ...
+
+    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None: ...
+
+    def join_forward(self) -> None: ...
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
+
+    def wait(self, buffer: torch.Tensor) -> None: ...
+
+    def join_backward(self) -> None: ...
+
+
+class CudaTransfers:
+    """D2H and H2D copies on their own streams, forked from and joined to the current stream."""
+
+    def __init__(self) -> None:
+        self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        self._staged: list[torch.Tensor] = []
+        self._loaded: dict[int, Any] = {}  # id(buffer) -> the H2D event that fills it
+
+    def stage(self, source: torch.Tensor) -> torch.Tensor:
+        return source.clone()  # on the compute stream, in order with the forward's later writes
+
+    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
+        self.d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.d2h):
+            host.copy_(staged, non_blocking=True)
+        self._staged.append(staged)
+
+    def join_forward(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.d2h)
+        self._staged.clear()  # freed on the compute stream, which now follows every D2H copy
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        self.h2d.wait_stream(torch.cuda.current_stream())  # the buffer's block is free for the copy
+        with torch.cuda.stream(self.h2d):
+            buffer.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._loaded[id(buffer)] = event
+        return buffer
+
+    def wait(self, buffer: torch.Tensor) -> None:
+        event = self._loaded.pop(id(buffer), None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def join_backward(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.h2d)
+        self._loaded.clear()
+
+
+class InlineTransfers:
+    """Plain copies, in order, and a log of them (CPU tests)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def stage(self, source: torch.Tensor) -> torch.Tensor:
+        self.log.append(("stage", source.numel()))
+        return source.clone()
+
+    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
+        self.log.append(("d2h", staged.numel()))
+        host.copy_(staged)
+
+    def join_forward(self) -> None:
+        self.log.append(("join forward", 0))
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.log.append(("h2d", host.numel()))
+        return host.clone().to(device)
+
+    def wait(self, buffer: torch.Tensor) -> None:
+        self.log.append(("wait", buffer.numel()))
+
+    def join_backward(self) -> None:
+        self.log.append(("join backward", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offloaded:
+    """A saved tensor whose storage went to the host arena."""
+
+    storage: Hashable  # the storage's ordinal in the frame (as in the plan)
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    version: int
+
+
+class OffloadingArenaHooks(ArenaHooks):
+    """``ArenaHooks`` for one frame that follows ``plan``: its offloaded storages go to ``host``."""
+
+    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers) -> None:
+        super().__init__(arena)
+        host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
+        self.host, self.plan, self.transfers = host, plan, transfers
+        self._group_of = {storage: group for group, storages in plan.groups for storage in storages}
+        self._ordinal: dict[tuple[Any, int], int] = {}  # storage key -> ordinal, as ArenaSizer numbered them
+        self._storages_seen = 0
+        self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
+        self._reloaded: dict[int, torch.Tensor] = {}  # ordinal -> device buffer, in backward
+        self._requested: set[str] = set()
+        self.offloaded_bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, torch.nn.Parameter) or tensor.device != self.device or hasattr(tensor, "prepare_for_saving"):
+            return super().pack(tensor)
+        key = _storage_key(tensor)
+        known = self._storages.get(key)
+        if known is None or known[1].expired():  # a new storage (maybe at a reused address): the next ordinal
+            self._ordinal[key] = self._storages_seen
+            self._storages_seen += 1
+        ordinal = self._ordinal[key]
+        if ordinal not in self._group_of:
+            return super().pack(tensor)
+        if known is None or known[1].expired():
+            self._storages[key] = (self._offload(ordinal, tensor), StorageWeakRef(tensor.untyped_storage()))
+        return _Offloaded(ordinal, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                          tensor._version)
+
+    def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        offset = self.host.reserve(nbytes)
+        span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self.transfers.to_host(self.host.buffer[offset:offset + nbytes], self.transfers.stage(span))
+        self._host_span[ordinal] = (offset, nbytes)
+        self.offloaded_bytes += nbytes
+        return offset
+
+    def join_forward(self) -> None:
+        self.transfers.join_forward()
+
+    def unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Offloaded):
+            return super().unpack(packed)
+        group = self._group_of[packed.storage]
+        self._request(group)
+        buffer = self._reloaded[packed.storage]
+        self.transfers.wait(buffer)
+        following = self.plan.prefetch_after(group)
+        if following is not None:
+            self._request(following)  # overlaps this group's backward
+        tensor = torch.empty(0, dtype=packed.dtype, device=buffer.device)
+        tensor.set_(buffer.untyped_storage(), packed.storage_offset, packed.size, packed.stride)
+        torch._C._autograd._unsafe_set_version_counter((tensor,), (packed.version,))
+        return tensor
+
+    def _request(self, group: str) -> None:
+        if group in self._requested:
+            return
+        self._requested.add(group)
+        for storage in dict(self.plan.groups)[group]:
+            span = self._host_span.get(storage)
+            if span is not None:  # a storage the plan names but this frame never saved is skipped
+                offset, nbytes = span
+                self._reloaded[storage] = self.transfers.to_device(self.host.buffer[offset:offset + nbytes],
+                                                                   self.arena.buffer.device)
+
+    def join_backward(self) -> None:
+        self.transfers.join_backward()
+        self._reloaded.clear()
+        self._requested.clear()
