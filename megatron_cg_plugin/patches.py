@@ -355,6 +355,13 @@ SCOPED: tuple[ForeignState, ...] = (
         "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
         needs_te=True),  # Megatron imports it from TE
     ForeignState(
+        "offload-group-names",
+        "megatron.core.pipeline_parallel.fine_grained_activation_offload:FineGrainedActivationOffloadingInterface.__enter__",
+        "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
+        "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
+        "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
+        "capture.offload_groups.OffloadGroupTracker.scoped (patches.scoped around slot-shared warmup and capture)"),
+    ForeignState(
         "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
         "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "

@@ -36,7 +36,9 @@ from megatron_cg_plugin.capture.contracts import CONTRACT_MODES, ContractViolati
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.memory.guard import SlotGuard
 from megatron_cg_plugin.memory.layout import span_elements, span_of
+from megatron_cg_plugin.memory.offload import CudaTransfers, HostArena, OffloadingArenaHooks, Transfers
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
+from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
 from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
 
 
@@ -60,6 +62,17 @@ class Variant:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotOffload:
+    """In-graph activation offload for slot-shared capture (``memory.offload``): ``policy`` selects
+    saves by Megatron's offload group, ``group`` names the group running now (for Megatron's layers:
+    ``capture.offload_groups.OffloadGroupTracker.current``), ``transfers`` makes the copy engine."""
+
+    policy: OffloadPolicy
+    group: Callable[[], str | None]
+    transfers: Callable[[], Transfers] = CudaTransfers
+
+
+@dataclasses.dataclass(frozen=True)
 class SlottedStats:
     ring_size: int
     variants: int
@@ -73,6 +86,8 @@ class SlottedStats:
     ctx_tensors: dict[Hashable, int]  # per variant: tensors found on ctx and protected
     retained_bytes: int  # pool blocks still allocated after every capture (library workspaces)
     uncovered_bytes: int  # backward state outside the arenas (0 when protected; strict refuses more)
+    offloaded_bytes: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # per variant, to the host
+    host_arena_bytes: tuple[int, ...] = ()  # per slot, pinned
 
     @property
     def total_bytes(self) -> int:
@@ -116,14 +131,17 @@ class _Measure:
     outputs: tuple[torch.Tensor, ...]  # warmup outputs, as layout templates
     input_grads: tuple[torch.Tensor | None, ...]
     params_used: tuple[bool, ...]
+    saves: tuple = ()  # plan.offload.Save of every save, when an offload group source is given
 
 
-def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int) -> _Measure:
-    """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame."""
+def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int,
+            group: Callable[[], str | None] | None = None) -> _Measure:
+    """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame;
+    with ``group``, every save is recorded with its offload group (the last iteration's record)."""
     measure = None
     for _ in range(iterations):
         inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in variant.sample_args]
-        sizer = ArenaSizer(device=inputs[0].device if inputs else None)
+        sizer = ArenaSizer(device=inputs[0].device if inputs else None, group=group)
         with sizer.hooks():
             outputs = _as_tuple(variant.fn(*inputs), variant.name)
         ctx_count = sizer.protect_ctx_tensors(outputs)
@@ -136,7 +154,8 @@ def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: 
             saved_bytes=max(sizer.nbytes, measure.saved_bytes if measure else 0), ctx_tensors=ctx_count,
             outputs=tuple(o.detach().requires_grad_(o.requires_grad) for o in outputs),  # layout templates
             input_grads=tuple(next(input_grads) if i.requires_grad else None for i in inputs),
-            params_used=tuple(g is not None for g in grads[len(targets) - len(params):]))
+            params_used=tuple(g is not None for g in grads[len(targets) - len(params):]),
+            saves=tuple(sizer.saves))
     assert measure is not None  # iterations >= 1, checked by the caller
     return measure
 
@@ -292,7 +311,8 @@ class SlottedGraphs:
 # ---------------------------------------------------------------------------------------------- capture
 def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
                     protect: bool = True, pool: Any = None, warmup_iterations: int = 2, debug: bool = False,
-                    strict: bool = True, contract_check: str = "full") -> SlottedGraphs:
+                    strict: bool = True, contract_check: str = "full",
+                    offload: SlotOffload | None = None) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
@@ -302,6 +322,8 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
     leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
     is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
+    ``offload`` moves the saves its policy selects to pinned host arenas inside the graphs
+    (``SlotOffload``); each slot's GPU arena then holds only the saves that stay.
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check)
@@ -309,9 +331,11 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
-    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check)
+    if offload is not None and not protect:
+        raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
+    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload)
     with te_seam.te_capture_flag():
-        entries, arenas, boundaries, param_grads, measures, retained = _capture_all(
+        entries, arenas, boundaries, param_grads, measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, options)
     torch.cuda.synchronize()
     segments = diagnostics.allocator_segments()
@@ -323,8 +347,10 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
         boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
         saved_bytes={name: m.saved_bytes for name, m in measures.items()},
         ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
-        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()))
-    return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool])
+        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()),
+        offloaded_bytes={name: p.host_bytes for name, p in offloading.plans.items()},
+        host_arena_bytes=tuple(h.buffer.numel() for h in offloading.host_arenas))
+    return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool, offloading])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +360,23 @@ class _CaptureOptions:
     debug: bool
     strict: bool
     contract_check: str
+    offload: SlotOffload | None = None
+
+
+@dataclasses.dataclass
+class _Offloading:
+    """The offload side of one slot-shared capture: each variant's plan, each slot's host arena."""
+
+    plans: dict[Hashable, OffloadPlan]
+    host_arenas: list[HostArena]
+    transfers: Transfers | None
+
+    def frame(self, variant: Hashable, slot: int) -> tuple[HostArena, OffloadPlan, Transfers] | None:
+        plan = self.plans.get(variant)
+        if plan is None or not plan.offloaded:
+            return None
+        assert self.transfers is not None
+        return self.host_arenas[slot], plan, self.transfers
 
 
 def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
@@ -341,15 +384,23 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     """Warmup, sizing, allocation and every capture (TE's capture flag set by the caller)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    group = options.offload.group if options.offload is not None else None
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
-        measures = {v.name: _warmup(v, params, options.warmup_iterations) for v in variants}
+        measures = {v.name: _warmup(v, params, options.warmup_iterations, group) for v in variants}
     torch.cuda.current_stream().wait_stream(stream)
     branch_of = io_branches(variants, measures, slots_of)
 
     device = variants[0].sample_args[0].device if variants[0].sample_args else torch.device("cuda")
     placed = [(v, slot) for v in variants for slot in slots_of[v.name]]
+    offloading = _Offloading({}, [], None)
+    if options.offload is not None:
+        plans = {name: plan_offload(m.saves, options.offload.policy) for name, m in measures.items()}
+        # Pinned before any capture: memory that cannot be had is refused here, naming the bytes.
+        offloading = _Offloading(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
+                                         in enumerate(host_arena_bytes(ring_size, slots_of, plans))],
+                                 options.offload.transfers())
     arenas = [Arena(arena_bytes, device, name=f"slot {slot}")
-              for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures))] \
+              for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
         if options.protect else []
     boundaries = {(slot, branch_of[v.name]): _Boundary(v, measures[v.name]) for v, slot in placed}
     param_grads = [torch.empty_like(p) for p in params]
@@ -362,15 +413,20 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     with CaptureTransaction([]) as transaction:
         for (_, slot), entry in entries.items():
             arena = arenas[slot] if options.protect else None
-            retained += _capture_entry(entry, arena, pool, stream, transaction, options.strict)
-    return entries, arenas, boundaries, param_grads, measures, retained
+            retained += _capture_entry(entry, arena, pool, stream, transaction, options.strict,
+                                       offloading.frame(entry.variant.name, slot))
+    return entries, arenas, boundaries, param_grads, measures, retained, offloading
 
 
 def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
-                     measures: dict[Hashable, _Measure]) -> list[int]:
+                     measures: dict[Hashable, _Measure], offload_plans: dict[Hashable, OffloadPlan] | None = None
+                     ) -> list[int]:
     """Per slot, the bytes its arena needs: the largest frame of the variants the plan puts there
-    (measured at warmup), so a slot only small variants use gets a small arena."""
-    return per_slot_max(ring_size, slots_of, {name: measure.saved_bytes for name, measure in measures.items()})
+    (measured at warmup), so a slot only small variants use gets a small arena. A variant with an
+    offload plan needs only the storages that stay on the GPU."""
+    plans = offload_plans or {}
+    return per_slot_max(ring_size, slots_of, {name: plans[name].device_bytes if name in plans else m.saved_bytes
+                                              for name, m in measures.items()})
 
 
 def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, tuple[int, ...]]:
@@ -433,14 +489,17 @@ def _live(pool: Any) -> dict[int, int]:
 
 
 def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, transaction: CaptureTransaction,
-                   strict: bool) -> int:
+                   strict: bool, offload: tuple[HostArena, OffloadPlan, Transfers] | None = None) -> int:
     """Captures one variant's forward and backward for one slot; returns the pool bytes still
-    allocated afterwards that were not before (library workspaces; 0 normally)."""
+    allocated afterwards that were not before (library workspaces; 0 normally). With ``offload``
+    (the slot's host arena, the variant's plan, the copy engine) the planned saves go to the host,
+    and both graphs join the copy streams before they end."""
     boundary, variant = entry.boundary, entry.variant
     for static, sample in zip(boundary.inputs, variant.sample_args):
         static.detach().copy_(sample)
     before = _live(pool)
-    hooks = ArenaHooks(arena) if arena is not None else None
+    hooks = (ArenaHooks(arena) if offload is None else OffloadingArenaHooks(arena, *offload)) \
+        if arena is not None else None
 
     forward = torch.cuda.CUDAGraph()
     transaction.track(forward)
@@ -450,6 +509,8 @@ def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, t
             outputs = _as_tuple(variant.fn(*boundary.inputs), variant.name)
         if hooks:
             hooks.protect_ctx_tensors(outputs)
+        if isinstance(hooks, OffloadingArenaHooks):
+            hooks.join_forward()  # every D2H copy inside the forward graph
         for surface, output in zip(boundary.outputs, outputs):
             surface.load(output)
     entry.forward_graph = forward
@@ -474,6 +535,8 @@ def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, t
         for buffer, grad in zip(entry.param_grads, grads[len(inputs_with_grad):]):
             if grad is not None:
                 buffer.copy_(grad)
+        if isinstance(hooks, OffloadingArenaHooks):
+            hooks.join_backward()  # a prefetched group the backward never unpacked is joined too
     entry.backward_graph = backward
     entry.params_used = tuple(g is not None for g in grads[len(inputs_with_grad):])
     del outputs, differentiable, grads, input_grads, hooks

@@ -68,3 +68,14 @@ def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dic
         largest = max(saved[v] for v in variants)
         assert largest <= arena < largest + 512, (slot, variants, arena, saved)  # 512: the arena's alignment
     assert sum(case["slot_arena_bytes"]) <= case["ring_of_largest_bytes"] + 512 * len(case["slot_arena_bytes"]), case
+
+
+@pytest.mark.parametrize("mode", ["layer0", "both"])
+def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe: dict, mode: str) -> None:
+    """Issue 14: the planned saves go to pinned host arenas inside the graphs and come back for
+    backward; replays stay bitwise eager, and the GPU arenas shrink by what went to the host."""
+    base, case = probe["offload/wrap-ring2/none"], probe[f"offload/wrap-ring2/{mode}"]
+    assert "error" not in base and "error" not in case, case.get("error") or base.get("error")
+    assert case["exact"] and case["uncovered_bytes"] == 0, case
+    assert sum(case["host_arena_bytes"]) > 0 and all(b > 0 for b in case["offloaded_bytes"].values())
+    assert case["arena_bytes"] < base["arena_bytes"], (case, base)

@@ -125,3 +125,25 @@ def test_storages_get_new_ordinals_at_reused_addresses_in_warmup_and_in_the_fram
             t = torch.rand(64, requires_grad=True)
             t.exp().sum()  # exp saves its output, freed at the end of the iteration
     assert sorted({s.storage for s in sizer.saves}) == list(range(sizer.storages))
+
+
+def test_megatrons_offload_interface_only_names_its_group_inside_the_tracker_and_is_restored_after():
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    from megatron_cg_plugin.capture.offload_groups import OffloadGroupTracker
+
+    interface = fgo.FineGrainedActivationOffloadingInterface
+    before = (interface.__enter__, interface.__exit__, interface.group_offload)
+    tracker = OffloadGroupTracker()
+    x = torch.ones(2)
+    with tracker.scoped():
+        with interface(True, x, "attn_norm") as inside:
+            assert inside is x and tracker.current() == "attn_norm"
+            with interface(False, x, "core_attn"):  # a module the user does not offload: not a group
+                assert tracker.current() == "attn_norm"
+            with interface(True, x, "qkv_linear"):
+                assert tracker.current() == "qkv_linear"
+            assert tracker.current() == "attn_norm"
+        assert tracker.current() is None
+        assert interface(True, x, "attn_norm").group_offload(x, forced_released_tensors=[x]) is x
+    assert (interface.__enter__, interface.__exit__, interface.group_offload) == before

@@ -231,10 +231,80 @@ def checks(result):
     print(json.dumps({k: result[k] for k in ("guard", "contract", "weak_ref")}, default=str)[:2000], flush=True)
 
 
+GROUP = [None]
+
+
+def grouped(layers):
+    """The stack with an offload group per layer (stand-ins for Megatron's names: layer 0 is
+    "core_attn", layer 1 "mlp_norm"), as Megatron's interface would name them."""
+    names = ("core_attn", "mlp_norm")
+
+    def stack(x):
+        for layer, name in zip(layers, names):
+            GROUP[0] = name
+            x = layer(x)
+        GROUP[0] = None
+        return x
+
+    return stack
+
+
+def offload(result):
+    """In-graph activation offload (issue 14): the wrap-ring2 order with 2 variants, offloading
+    layer 0's saves or both layers', against the same capture without offload; bitwise eager,
+    GPU arena and host arena bytes, and the replay time of a forward + backward with and without."""
+    from megatron_cg_plugin.capture.slotted import SlotOffload, capture_slotted
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.plan.slots import plan_slots
+
+    layers, _ = build()
+    stack = grouped(layers)
+    params = list(layers.parameters())
+    seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
+    variants = variants_for(2, stack)
+    label, order, chosen = orders(2)[0]
+    plan = plan_slots(order, chosen)
+    for mode, modules in (("none", None), ("layer0", {"core_attn"}), ("both", {"core_attn", "mlp_norm"})):
+        key = f"offload/{label}/{mode}"
+        graphs = None
+        try:
+            option = None if modules is None else SlotOffload(OffloadPolicy(frozenset(modules), min_tensor_elements=0),
+                                                              group=lambda: GROUP[0])
+            graphs = capture_slotted(variants, plan, params, offload=option, debug=True)
+            exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
+            x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
+            times = []
+            for _ in range(12):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = graphs.callable("cp1", 0)(x)
+                out.backward(grad)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            stats = graphs.stats
+            result[key] = {"exact": all(exact), "exact_frames": sum(exact), "max_abs_diff": worst,
+                           "arena_bytes": stats.arena_bytes, "slot_arena_bytes": stats.slot_arena_bytes,
+                           "host_arena_bytes": stats.host_arena_bytes, "offloaded_bytes": stats.offloaded_bytes,
+                           "saved_bytes": stats.saved_bytes, "pool_bytes": stats.pool_bytes,
+                           "uncovered_bytes": stats.uncovered_bytes,
+                           "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
+            graphs.reset()
+        except Exception:  # noqa: BLE001 - reported per case
+            result[key] = {"error": traceback.format_exc()[-3000:]}
+        del graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(key, json.dumps(result[key], default=str)[:600], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks"], default="all")
+    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks", "offload"], default="all")
     options = parser.parse_args()
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -246,6 +316,8 @@ def main():
             exactness(result)
         if options.part in ("all", "memory"):
             memory(result)
+        if options.part in ("all", "offload"):
+            offload(result)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     with open(options.out, "w") as f:
