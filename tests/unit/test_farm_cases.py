@@ -24,6 +24,7 @@ def test_a_case_renders_the_launcher_command_line(tmp_path):
     assert case.argv(graphed=True, out_dir=tmp_path) == [
         "-m", "megatron_cg_plugin.pretrain_gpt", "--cg-preset", "tiny-moe", "--cuda-graph-modules", "attn", "moe",
         "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+        "--cg-moe-drop-stats",  # a MoE case: the routers' drops beside the capacity plan
         "--cuda-graph-impl", "transformer_engine", "--deterministic-mode", "--train-iters", "24",
         "--cg-metrics-out", str(tmp_path / "tiny_moe_droppad.graphed.metrics.json"),
         "--cg-report-out", str(tmp_path / "tiny_moe_droppad.graphed.report.json")]
