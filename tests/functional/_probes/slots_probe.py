@@ -123,29 +123,39 @@ def exactness(result):
         for label, order, chosen in orders(n):
             plan = plan_slots(order, chosen)
             for mode in ("slots", "shared-pool"):
-                key = f"n{n}/{label}/{mode}"
-                graphs = None
-                try:
-                    used = [v for v in variants if v.name in set(chosen)]
-                    graphs = capture_slotted(used, plan, params, protect=mode == "slots", debug=True)
+                used = [v for v in variants if v.name in set(chosen)]
+
+                def describe(graphs):
                     exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
                     saved = graphs.stats.saved_bytes
-                    result[key] = {"ring": plan.ring_size, "frames": len(plan.frames), "exact": all(exact),
-                                   "slot_variants": [sorted(map(str, plan.branches(s))) for s in range(plan.ring_size)],
-                                   "slot_arena_bytes": graphs.stats.slot_arena_bytes,
-                                   "ring_of_largest_bytes": plan.ring_size * max(saved.values()),
-                                   "exact_frames": sum(exact), "max_abs_diff": worst,
-                                   "uncovered_bytes": graphs.stats.uncovered_bytes,
-                                   "retained_bytes": graphs.stats.retained_bytes,
-                                   "ctx_tensors": graphs.stats.ctx_tensors,
-                                   "saved_bytes": graphs.stats.saved_bytes}
-                    graphs.reset()
-                except Exception:  # noqa: BLE001 - reported per case
-                    result[key] = {"error": traceback.format_exc()[-3000:]}
-                del graphs
-                gc.collect()
-                torch.cuda.empty_cache()
-                print(key, json.dumps(result[key], default=str)[:400], flush=True)
+                    return {"ring": plan.ring_size, "frames": len(plan.frames), "exact": all(exact),
+                            "slot_variants": [sorted(map(str, plan.branches(s))) for s in range(plan.ring_size)],
+                            "slot_arena_bytes": graphs.stats.slot_arena_bytes,
+                            "ring_of_largest_bytes": plan.ring_size * max(saved.values()),
+                            "exact_frames": sum(exact), "max_abs_diff": worst,
+                            "uncovered_bytes": graphs.stats.uncovered_bytes,
+                            "retained_bytes": graphs.stats.retained_bytes,
+                            "ctx_tensors": graphs.stats.ctx_tensors,
+                            "saved_bytes": graphs.stats.saved_bytes}
+
+                record_case(result, f"n{n}/{label}/{mode}",
+                            lambda: capture_slotted(used, plan, params, protect=mode == "slots", debug=True), describe)
+
+
+def record_case(result, key, capture, describe, width=400):
+    """Captures with ``capture()``, records ``describe(graphs)`` (or the error) under ``key``, then
+    frees the graphs before the next case."""
+    graphs = None
+    try:
+        graphs = capture()
+        result[key] = describe(graphs)
+        graphs.reset()
+    except Exception:  # noqa: BLE001 - reported per case
+        result[key] = {"error": traceback.format_exc()[-3000:]}
+    del graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(key, json.dumps(result[key], default=str)[:width], flush=True)
 
 
 def memory(result):
@@ -265,40 +275,31 @@ def offload(result):
     label, order, chosen = orders(2)[0]
     plan = plan_slots(order, chosen)
     for mode, modules in (("none", None), ("layer0", {"core_attn"}), ("both", {"core_attn", "mlp_norm"})):
-        key = f"offload/{label}/{mode}"
-        graphs = None
-        try:
-            option = None if modules is None else SlotOffload(OffloadPolicy(frozenset(modules), min_tensor_elements=0),
-                                                              group=lambda: GROUP[0])
-            graphs = capture_slotted(variants, plan, params, offload=option, debug=True)
+        option = None if modules is None else SlotOffload(OffloadPolicy(frozenset(modules), min_tensor_elements=0),
+                                                          group=lambda: GROUP[0])
+
+        def describe(graphs):
             exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
             x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             grad = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
             times = []
             for _ in range(12):
                 torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                out = graphs.callable("cp1", 0)(x)
-                out.backward(grad)
+                graphs.callable("cp1", 0)(x).backward(grad)
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             stats = graphs.stats
-            result[key] = {"exact": all(exact), "exact_frames": sum(exact), "max_abs_diff": worst,
-                           "arena_bytes": stats.arena_bytes, "slot_arena_bytes": stats.slot_arena_bytes,
-                           "host_arena_bytes": stats.host_arena_bytes, "offloaded_bytes": stats.offloaded_bytes,
-                           "saved_bytes": stats.saved_bytes, "pool_bytes": stats.pool_bytes,
-                           "uncovered_bytes": stats.uncovered_bytes,
-                           "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
-            graphs.reset()
-        except Exception:  # noqa: BLE001 - reported per case
-            result[key] = {"error": traceback.format_exc()[-3000:]}
-        del graphs
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(key, json.dumps(result[key], default=str)[:600], flush=True)
+            return {"exact": all(exact), "exact_frames": sum(exact), "max_abs_diff": worst,
+                    "arena_bytes": stats.arena_bytes, "slot_arena_bytes": stats.slot_arena_bytes,
+                    "host_arena_bytes": stats.host_arena_bytes, "offloaded_bytes": stats.offloaded_bytes,
+                    "saved_bytes": stats.saved_bytes, "pool_bytes": stats.pool_bytes,
+                    "uncovered_bytes": stats.uncovered_bytes, "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
+
+        record_case(result, f"offload/{label}/{mode}",
+                    lambda: capture_slotted(variants, plan, params, offload=option, debug=True), describe, width=600)
 
 
 def main():
