@@ -38,22 +38,31 @@ def segment_size(request: int) -> int:
     return -(-request // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Block:
     segment: int
     offset: int
     size: int
-    free: bool
+    small: bool
+    free: bool = True
+    prev: "_Block | None" = None  # the neighbours in the segment, for merging
+    next: "_Block | None" = None
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.size, self.segment, self.offset  # best fit: smallest, then lowest address
 
 
 class PoolModel:
     """One graph pool: ``malloc`` returns a handle, ``free`` takes it back; ``reserved`` is what the
-    pool holds (its segments), ``allocated`` and ``peak_allocated`` the live bytes."""
+    pool holds (its segments), ``allocated`` and ``peak_allocated`` the live bytes. Free blocks are
+    kept sorted by size per pool (small, large), so a best-fit lookup is a bisection."""
 
     def __init__(self) -> None:
-        self._segments: list[list[_Block]] = []  # blocks of each segment, by offset
-        self._small_segments: set[int] = set()
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._at: dict[tuple[int, int], _Block] = {}  # (segment, offset) -> free block
         self._live: dict[int, _Block] = {}
+        self._segments = 0
         self._next_handle = 0
         self.reserved = 0
         self.allocated = 0
@@ -62,21 +71,23 @@ class PoolModel:
     def malloc(self, size: int) -> int:
         request = round_request(size)
         small = request <= SMALL_REQUEST
-        block = self._best_fit(request, small)
-        if block is None:
+        free = self._free[small]
+        index = bisect.bisect_left(free, (request, -1, -1))
+        if index < len(free):
+            _, segment, offset = free.pop(index)
+            block = self._at.pop((segment, offset))
+        else:
             total = segment_size(request)
-            index = len(self._segments)
-            self._segments.append([_Block(index, 0, total, True)])
-            if small:
-                self._small_segments.add(index)
+            block = _Block(self._segments, 0, total, small)
+            self._segments += 1
             self.reserved += total
-            block = self._segments[index][0]
         remaining = block.size - request
         if remaining >= MIN_BLOCK if small else remaining > SMALL_REQUEST:
-            blocks = self._segments[block.segment]
-            position = blocks.index(block)
-            blocks.insert(position + 1, _Block(block.segment, block.offset + request, remaining, True))
-            block.size = request
+            rest = _Block(block.segment, block.offset + request, remaining, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, request
+            self._add_free(rest)
         block.free = False
         handle = self._next_handle
         self._next_handle += 1
@@ -89,19 +100,28 @@ class PoolModel:
         block = self._live.pop(handle)
         self.allocated -= block.size
         block.free = True
-        blocks = self._segments[block.segment]
-        position = blocks.index(block)
-        if position + 1 < len(blocks) and blocks[position + 1].free:
-            block.size += blocks.pop(position + 1).size
-        if position > 0 and blocks[position - 1].free:
-            previous = blocks[position - 1]
-            previous.size += blocks.pop(position).size
+        following = block.next
+        if following is not None and following.free:
+            self._remove_free(following)
+            block.size += following.size
+            block.next = following.next
+            if following.next is not None:
+                following.next.prev = block
+        previous = block.prev
+        if previous is not None and previous.free:
+            self._remove_free(previous)
+            previous.size += block.size
+            previous.next = block.next
+            if block.next is not None:
+                block.next.prev = previous
+            block = previous
+        self._add_free(block)
 
-    def _best_fit(self, request: int, small: bool) -> _Block | None:
-        candidates = [(block.size, block.segment, block.offset, block)
-                      for index, blocks in enumerate(self._segments) if (index in self._small_segments) == small
-                      for block in blocks if block.free and block.size >= request]
-        if not candidates:
-            return None
-        sizes = sorted(candidates, key=lambda c: c[:3])
-        return sizes[bisect.bisect_left([c[0] for c in sizes], request)][3]
+    def _add_free(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], block.key)
+        self._at[block.segment, block.offset] = block
+
+    def _remove_free(self, block: _Block) -> None:
+        free = self._free[block.small]
+        del free[bisect.bisect_left(free, block.key)]
+        del self._at[block.segment, block.offset]

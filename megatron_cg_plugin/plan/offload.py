@@ -59,6 +59,18 @@ class OffloadPolicy:
             raise ValueError("--min-offloaded-tensor-size must be >= 0 and --activation-offload-fraction in [0, 1].")
         return cls(frozenset(offload_modules), min_tensor_elements, fraction)
 
+    @classmethod
+    def from_args(cls, args) -> "OffloadPolicy | None":
+        """The policy of Megatron's parsed flags (``--fine-grained-activation-offloading
+        --offload-modules ... --min-offloaded-tensor-size N --activation-offload-fraction F``), or
+        None when they offload nothing. Attributes only: megatron-core 0.19.2's names."""
+        modules = tuple(getattr(args, "offload_modules", None) or ())
+        if not getattr(args, "fine_grained_activation_offloading", False) or not modules:
+            return None
+        return cls.from_flags(modules, min_tensor_elements=getattr(args, "min_offloaded_tensor_size",
+                                                                   MEGATRON_MIN_OFFLOADED_TENSOR_SIZE),
+                              fraction=getattr(args, "activation_offload_fraction", 1.0))
+
     def qualifies(self, save: Save) -> bool:
         return (save.group in self.modules and save.numel >= self.min_tensor_elements
                 and not save.do_not_offload)

@@ -88,3 +88,18 @@ def test_every_storage_is_either_offloaded_whole_or_kept_whole(records, chosen):
     for storage in plan.kept:  # kept: one view did not (fraction 1.0 disables no group)
         assert not all(policy.qualifies(r) for r in records if r.storage == storage)
     assert sorted(plan.reload_order()) == sorted(group for group, _ in plan.groups)
+
+
+def test_the_policy_comes_from_megatrons_own_flags():
+    import types
+
+    args = types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj"],
+                                 min_offloaded_tensor_size=4096, activation_offload_fraction=0.5)
+    policy = OffloadPolicy.from_args(args)
+    assert (policy.modules, policy.min_tensor_elements, policy.fraction) == (frozenset({"core_attn", "attn_proj"}), 4096, 0.5)
+    assert OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=False,
+                                                         offload_modules=["core_attn"])) is None
+    assert OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True,
+                                                         offload_modules=[])) is None
+    with pytest.raises(ValueError, match="--offload-modules mlp: Megatron offloads only"):
+        OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["mlp"]))
