@@ -425,7 +425,7 @@ def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
     (measured at warmup), so a slot only small variants use gets a small arena. A variant with an
     offload plan needs only the storages that stay on the GPU."""
     plans = offload_plans or {}
-    return per_slot_max(ring_size, slots_of, {name: plans[name].device_bytes if name in plans else m.saved_bytes
+    return per_slot_max(ring_size, slots_of, {name: m.saved_bytes - (plans[name].host_bytes if name in plans else 0)
                                               for name, m in measures.items()})
 
 

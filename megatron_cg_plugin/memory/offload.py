@@ -35,6 +35,10 @@ class HostArenaError(RuntimeError):
     """Pinned host memory for the offload arenas could not be had."""
 
 
+class OffloadPlanError(RuntimeError):
+    """A frame under capture saves differently from its warmup, so the offload plan no longer fits."""
+
+
 class HostArena:
     """One slot's pinned host arena, allocated before capture and filled front to back per frame."""
 
@@ -59,6 +63,8 @@ class HostArena:
 
 
 class Transfers(Protocol):
+    def reset(self) -> None: ...
+
     def stage(self, source: torch.Tensor) -> torch.Tensor: ...
 
     def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None: ...
@@ -77,8 +83,13 @@ class CudaTransfers:
 
     def __init__(self) -> None:
         self.d2h, self.h2d = torch.cuda.Stream(), torch.cuda.Stream()
+        self.reset()
+
+    def reset(self) -> None:
+        """A new frame (also after a capture that failed half-way)."""
         self._staged: list[torch.Tensor] = []
         self._loaded: dict[int, Any] = {}  # id(buffer) -> the H2D event that fills it
+        self._h2d_forked = False
 
     def stage(self, source: torch.Tensor) -> torch.Tensor:
         return source.clone()  # on the compute stream, in order with the forward's later writes
@@ -90,12 +101,14 @@ class CudaTransfers:
         self._staged.append(staged)
 
     def join_forward(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.d2h)
+        if self._staged:  # only a stream the capture forked may be joined into it
+            torch.cuda.current_stream().wait_stream(self.d2h)
         self._staged.clear()  # freed on the compute stream, which now follows every D2H copy
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         self.h2d.wait_stream(torch.cuda.current_stream())  # the buffer's block is free for the copy
+        self._h2d_forked = True
         with torch.cuda.stream(self.h2d):
             buffer.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
@@ -109,8 +122,10 @@ class CudaTransfers:
             torch.cuda.current_stream().wait_event(event)
 
     def join_backward(self) -> None:
-        torch.cuda.current_stream().wait_stream(self.h2d)
+        if self._h2d_forked:
+            torch.cuda.current_stream().wait_stream(self.h2d)
         self._loaded.clear()
+        self._h2d_forked = False
 
 
 class InlineTransfers:
@@ -118,6 +133,9 @@ class InlineTransfers:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
+
+    def reset(self) -> None:
+        self.log.append(("reset", 0))
 
     def stage(self, source: torch.Tensor) -> torch.Tensor:
         self.log.append(("stage", source.numel()))
@@ -165,12 +183,15 @@ class OffloadingArenaHooks(ArenaHooks):
         self._storages_seen = 0
         self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
         self._reloaded: dict[int, torch.Tensor] = {}  # ordinal -> device buffer, in backward
+        self._unpacks_left: dict[int, int] = {}  # ordinal -> saves of it not unpacked yet
         self._requested: set[str] = set()
+        self._staging_group: str | None = None
         self.offloaded_bytes = 0
+        transfers.reset()
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, torch.nn.Parameter) or tensor.device != self.device or hasattr(tensor, "prepare_for_saving"):
-            return super().pack(tensor)
+        if self.kept_as_is(tensor) or hasattr(tensor, "prepare_for_saving"):
+            return super().pack(tensor)  # a decomposed tensor's parts come back through here
         key = _storage_key(tensor)
         known = self._storages.get(key)
         if known is None or known[1].expired():  # a new storage (maybe at a reused address): the next ordinal
@@ -181,12 +202,23 @@ class OffloadingArenaHooks(ArenaHooks):
             return super().pack(tensor)
         if known is None or known[1].expired():
             self._storages[key] = (self._offload(ordinal, tensor), StorageWeakRef(tensor.untyped_storage()))
+        self._unpacks_left[ordinal] = self._unpacks_left.get(ordinal, 0) + 1
         return _Offloaded(ordinal, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
                           tensor._version)
 
     def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
+        if nbytes != self.plan.storage_bytes[ordinal]:
+            raise OffloadPlanError(
+                f"storage {ordinal} of the frame holds {nbytes} bytes under capture but {self.plan.storage_bytes[ordinal]} "
+                "at warmup: the forward saves differently under capture (a branch on torch.cuda.is_current_stream_"
+                "capturing(), shapes that changed?), so its offload plan does not fit; keep the forward the same or "
+                "capture without offload.")
+        group = self._group_of[ordinal]
+        if group != self._staging_group:  # the previous group's copies are done before this one stages
+            self.transfers.join_forward()
+            self._staging_group = group
         offset = self.host.reserve(nbytes)
         span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         self.transfers.to_host(self.host.buffer[offset:offset + nbytes], self.transfers.stage(span))
@@ -196,6 +228,16 @@ class OffloadingArenaHooks(ArenaHooks):
 
     def join_forward(self) -> None:
         self.transfers.join_forward()
+        self._staging_group = None
+
+    def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
+        packed = self.pack(tensor)
+        if isinstance(packed, _Offloaded):
+            raise OffloadPlanError(
+                f"a tensor kept on an autograd ctx shares storage {packed.storage} with an offloaded save: ctx tensors "
+                "stay in the GPU arena, and so must every view of their storage; the warmup recorded it otherwise "
+                "(an offload group name that outlives the forward?).")
+        return self.unpack(packed)
 
     def unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Offloaded):
@@ -204,6 +246,9 @@ class OffloadingArenaHooks(ArenaHooks):
         self._request(group)
         buffer = self._reloaded[packed.storage]
         self.transfers.wait(buffer)
+        self._unpacks_left[packed.storage] -= 1
+        if not self._unpacks_left[packed.storage]:  # the last save of it: the tensors made below keep it alive
+            del self._reloaded[packed.storage]
         following = self.plan.prefetch_after(group)
         if following is not None:
             self._request(following)  # overlaps this group's backward

@@ -119,9 +119,15 @@ class _Packer:
                     setattr(node, name, new)
         return found
 
+    def kept_as_is(self, tensor: torch.Tensor) -> bool:
+        """Parameters and host tensors live outside any graph pool, and an empty storage holds
+        nothing (its address, 0, is every empty storage's): nothing to protect or number."""
+        return (isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device)
+                or (not hasattr(tensor, "prepare_for_saving") and tensor.untyped_storage().nbytes() == 0))
+
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device):
-            return tensor  # parameters and host tensors live outside any graph pool: nothing to protect
+        if self.kept_as_is(tensor):
+            return tensor
         if hasattr(tensor, "prepare_for_saving"):
             parts, rebuild = tensor.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
@@ -150,6 +156,7 @@ class ArenaSizer(_Packer):
         self._ordinal: dict[tuple[Any, int], int] = {}
         self.storages = 0  # distinct storages saved so far
         self.saves: list[Save] = []
+        self._in_ctx = False
 
     def _place(self, tensor: torch.Tensor) -> int:
         # Numbered in the order of first saves; a new storage at a reused address gets a new number.
@@ -159,15 +166,27 @@ class ArenaSizer(_Packer):
         self.nbytes += _aligned(tensor.untyped_storage().nbytes())
         return offset
 
-    def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
-        packed = self.pack(tensor)
+    def pack(self, tensor: torch.Tensor) -> Any:
+        # Recorded here, not in the hook: the parts of a decomposed tensor come through here too.
+        packed = super().pack(tensor)
         if self._group is not None and isinstance(packed, _Saved):
             marked = bool(getattr(tensor, "_do_not_offload", False) or getattr(tensor, "_TE_do_not_offload", False))
             self.saves.append(Save(self._ordinal[_storage_key(tensor)], tensor.untyped_storage().nbytes(),
-                                   tensor.numel(), self._group(), marked))
+                                   tensor.numel(), None if self._in_ctx else self._group(), marked))
+        return packed
+
+    def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pack(tensor)
         return tensor
 
-    _protected = _measure  # measuring only: ctx keeps its tensors
+    def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Measuring only: ctx keeps its tensors. A ctx tensor is outside every offload group: it
+        stays in the GPU arena, and so does every view of its storage (the alias rule)."""
+        self._in_ctx = True
+        try:
+            return self._measure(tensor)
+        finally:
+            self._in_ctx = False
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._measure, lambda tensor: tensor)

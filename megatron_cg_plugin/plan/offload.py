@@ -12,7 +12,8 @@ capture follows:
 - **alias rule**: a storage goes to the host only if every save of it qualifies; if any view of it
   stays on the GPU, every view does (one copy each way, views rebuilt from it keep their aliases);
 - groups are reloaded in backward order (the reverse of the forward's), and while one is unpacked
-  the next may be prefetched;
+  the next may be prefetched; a storage saved in several groups is reloaded with the last of them,
+  the first the backward reaches;
 - ``--activation-offload-fraction`` keeps the latest forward groups on the GPU, as Megatron does;
 - host arenas are keyed like the GPU saved-tensor arenas, one per slot, sized by the largest
   offloaded bytes of the variants the slot plan puts there.
@@ -111,17 +112,20 @@ def plan_offload(saves: Sequence[Save], policy: OffloadPolicy) -> OffloadPlan:
     by_storage: dict[Hashable, list[Save]] = {}
     for save in saves:
         by_storage.setdefault(save.storage, []).append(save)
-    first_group: dict[Hashable, str] = {}
+    reload_group: dict[Hashable, str] = {}
     kept = []
     for storage, views in by_storage.items():
         if all(policy.qualifies(view) for view in views):
-            first_group[storage] = views[0].group  # type: ignore[assignment]  (qualifies: a listed group)
+            reload_group[storage] = views[-1].group  # type: ignore[assignment]  (qualifies: a listed group)
         else:
             kept.append(storage)
     groups: dict[str, list[Hashable]] = {}
-    for storage, group in first_group.items():  # forward order: dicts keep the order of first saves
+    for storage, group in reload_group.items():
         groups.setdefault(group, []).append(storage)
-    ordered = list(groups.items())
+    first_seen: dict[str | None, int] = {}
+    for index, save in enumerate(saves):
+        first_seen.setdefault(save.group, index)
+    ordered = sorted(groups.items(), key=lambda item: first_seen[item[0]])  # the groups in forward order
     # Megatron keeps the latest forward groups on the GPU to meet the fraction (their reload would come first).
     disabled = int(len(ordered) * (1 - policy.fraction))
     if disabled:

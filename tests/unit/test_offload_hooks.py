@@ -39,6 +39,10 @@ def grads(hooks=None, after_forward=lambda: None):
     return x.grad, w.grad
 
 
+def last_index(items, value):
+    return len(items) - 1 - items[::-1].index(value)
+
+
 def warmup_plan(modules, min_elements=0):
     sizer = ArenaSizer(device="cpu", group=lambda: GROUP[0])
     grads(sizer)
@@ -61,16 +65,22 @@ def test_offloaded_saves_leave_the_gpu_arena_and_backward_equals_eager():
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
     assert arena.used == plan.device_bytes  # only the kept storages are in the GPU arena
     assert host.used == plan.host_bytes and hooks.offloaded_bytes > 0
-    # Forward: every offloaded storage staged on the compute stream, then copied to the host, then joined.
-    forward = transfers.log[:transfers.log.index(("join forward", 0)) + 1]
-    assert [kind for kind, _ in forward] == ["stage", "d2h"] * len(plan.offloaded) + ["join forward"]
+    # Forward: each group's storages staged on the compute stream and copied to the host, the previous
+    # group's copies joined before the next group stages (staging memory stays one group's), all joined at the end.
+    kinds = [kind for kind, _ in transfers.log]
+    forward = kinds[:last_index(kinds, "join forward") + 1]
+    expected = ["reset"]
+    for _, storages in plan.groups:
+        expected += ["join forward"] + ["stage", "d2h"] * len(storages)
+    assert forward == expected + ["join forward"]
 
 
 def test_backward_reloads_the_group_it_needs_first_and_prefetches_the_next():
     sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
     hooks, _, _, transfers = frame(plan, sizer)
     grads(hooks, after_forward=hooks.join_forward)
-    backward = [kind for kind, _ in transfers.log[transfers.log.index(("join forward", 0)) + 1:]]
+    kinds = [kind for kind, _ in transfers.log]
+    backward = kinds[last_index(kinds, "join forward") + 1:]
     # mlp_norm is needed first: its reload, its wait, then core_attn's reload starts before core_attn is unpacked.
     first_wait = backward.index("wait")
     assert backward[:first_wait] == ["h2d"]  # mlp_norm: one storage
@@ -147,3 +157,72 @@ def test_megatrons_offload_interface_only_names_its_group_inside_the_tracker_and
         assert tracker.current() is None
         assert interface(True, x, "attn_norm").group_offload(x, forced_released_tensors=[x]) is x
     assert (interface.__enter__, interface.__exit__, interface.group_offload) == before
+
+
+def test_empty_storages_are_neither_numbered_nor_recorded():
+    # Every empty storage has address 0: numbering them would shift warmup's ordinals against capture's.
+    sizer = ArenaSizer(device="cpu", group=lambda: "core_attn")
+    empty = torch.empty(0)
+    assert sizer.pack(empty) is empty and sizer.pack(torch.empty(0, 4)) is not None
+    assert sizer.storages == 0 and sizer.saves == []
+
+
+class Decomposed:
+    """A TE-style quantized wrapper: saved by its parts."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, data, scale):
+        self.data, self.scale = data, scale
+
+    def prepare_for_saving(self):
+        return [self.data, self.scale], self
+
+    def restore_from_saved(self, parts):
+        return Decomposed(*parts)
+
+
+def test_the_parts_of_a_decomposed_save_are_recorded_for_the_plan():
+    sizer = ArenaSizer(device="cpu", group=lambda: "core_attn")
+    sizer.pack(Decomposed(torch.rand(8), torch.rand(1)))
+    assert [save.storage for save in sizer.saves] == [0, 1]  # both parts: the plan keeps or offloads each
+    plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=4))
+    assert plan.offloaded == {0} and plan.kept == (1,)  # the one-element scale stays: below the size
+
+
+def test_a_ctx_tensor_on_an_offloaded_storage_and_a_changed_save_are_refused():
+    x = torch.rand(4, 4)
+    sizer = ArenaSizer(device="cpu", group=lambda: "core_attn")
+    sizer._measure(x)
+    plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0))
+    hooks, _, _, _ = frame(plan, sizer)
+    hooks.pack(x)
+    with pytest.raises(offload.OffloadPlanError, match="shares storage 0 with an offloaded save"):
+        hooks._protected(x)
+    other, _, _, _ = frame(plan, sizer)
+    with pytest.raises(offload.OffloadPlanError, match="storage 0 of the frame holds 32 bytes under capture but 64"):
+        other.pack(torch.rand(8))  # the frame's first storage is not the one warmup saw
+
+
+def test_a_ctx_tensor_is_recorded_outside_every_group_so_its_storage_stays():
+    x = torch.rand(4, 4)
+    sizer = ArenaSizer(device="cpu", group=lambda: "core_attn")  # a group name that outlives the forward
+    sizer._measure(x)
+    sizer._protected(x.t())  # the same storage, kept on a ctx
+    plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0))
+    assert plan.offloaded == frozenset() and plan.kept == (0,)
+
+
+def test_a_reloaded_buffer_is_let_go_after_its_last_save_is_unpacked():
+    x = torch.rand(3, 3)
+    sizer = ArenaSizer(device="cpu", group=lambda: "core_attn")
+    sizer._measure(x)
+    sizer._measure(x.t())
+    plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0))
+    hooks, _, _, _ = frame(plan, sizer)
+    first, second = hooks.pack(x), hooks.pack(x.t())
+    hooks.join_forward()
+    hooks.unpack(first)
+    assert 0 in hooks._reloaded  # one save of it still to come
+    hooks.unpack(second)
+    assert hooks._reloaded == {}  # the unpacked tensors alone keep the buffer now

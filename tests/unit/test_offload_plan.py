@@ -103,3 +103,11 @@ def test_the_policy_comes_from_megatrons_own_flags():
                                                          offload_modules=[])) is None
     with pytest.raises(ValueError, match="--offload-modules mlp: Megatron offloads only"):
         OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["mlp"]))
+
+
+def test_a_storage_saved_in_two_groups_reloads_with_the_later_one():
+    # The backward reaches the later group first: reloading with the earlier one would block it.
+    policy = OffloadPolicy.from_flags(["attn_norm", "core_attn"])
+    plan = plan_offload([save("x", "attn_norm"), save("y", "attn_norm"), save("x", "core_attn")], policy)
+    assert plan.groups == (("attn_norm", ("y",)), ("core_attn", ("x",)))
+    assert plan.reload_order() == ("core_attn", "attn_norm")
