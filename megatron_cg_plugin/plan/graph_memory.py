@@ -354,6 +354,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("multi-token-prediction layers", bool(getattr(args, "mtp_num_layers", None))),
         ("activation recomputation inside the graphs", facts.recompute_granularity is not None),
         ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),
+        ("activation offloading (offloaded saves leave the pool)", facts.activation_offloading or facts.cpu_offloading),
     ) if present]
     tp, cp = facts.tensor_parallel, facts.context_parallel
     heads = args.num_attention_heads

@@ -152,6 +152,9 @@ def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
                                             attention_backend=types.SimpleNamespace(name="unfused")),
                               dataclasses.replace(facts, fp8=True), deterministic=True).unpredicted
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
+    offloaded = plan_from_args(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
+                               deterministic=True).unpredicted
+    assert offloaded == ("activation offloading (offloaded saves leave the pool)",)
     assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, deterministic=True).describe()
 
 
