@@ -100,22 +100,22 @@ class PoolModel:
         block = self._live.pop(handle)
         self.allocated -= block.size
         block.free = True
-        following = block.next
-        if following is not None and following.free:
-            self._remove_free(following)
-            block.size += following.size
-            block.next = following.next
-            if following.next is not None:
-                following.next.prev = block
-        previous = block.prev
-        if previous is not None and previous.free:
-            self._remove_free(previous)
-            previous.size += block.size
-            previous.next = block.next
-            if block.next is not None:
-                block.next.prev = previous
-            block = previous
         self._add_free(block)
+        if block.next is not None and block.next.free:
+            block = self._merge(block, block.next)
+        if block.prev is not None and block.prev.free:
+            self._merge(block.prev, block)
+
+    def _merge(self, first: _Block, second: _Block) -> _Block:
+        """Two free neighbours (both listed) become ``first``, grown over ``second``, listed."""
+        self._remove_free(first)
+        self._remove_free(second)
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        self._add_free(first)
+        return first
 
     def _add_free(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], block.key)
