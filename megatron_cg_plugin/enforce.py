@@ -9,7 +9,6 @@ launcher through the same hook. Megatron's own argument assertions are shortened
 from __future__ import annotations
 
 import logging
-
 import sys
 import traceback
 from typing import Any, Mapping
