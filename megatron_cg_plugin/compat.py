@@ -103,6 +103,25 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def device_capability() -> tuple[int, int] | None:
+    """The current GPU's compute capability; None where there is none (``megatron-cg check`` on CPU
+    describes the sm_90 host it checks for through ``cli.gpu_host_stand_ins``)."""
+    import torch
+
+    try:
+        major, minor = torch.cuda.get_device_capability()
+    except (RuntimeError, AssertionError, AttributeError):  # no CUDA driver or device here
+        return None
+    return int(major), int(minor)
+
+
+def torch_cuda_version() -> tuple[int, int] | None:
+    """The CUDA release torch was built with (None for a CPU build)."""
+    import torch
+
+    return None if not torch.version.cuda else parse_version(torch.version.cuda)[:2]
+
+
 def apex_fused_wgrad_available() -> bool:
     """APEX's fused weight-gradient kernel, which --gradient-accumulation-fusion needs."""
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None

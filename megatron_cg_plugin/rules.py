@@ -77,6 +77,10 @@ class GraphFacts:
     expandable_segments: bool = False
     nccl_graph_register_off: bool = False
     fp8: bool = False  # --fp8-format
+    fp8_recipe: str = "delayed"  # --fp8-recipe
+    fp4: bool = False  # --fp4-format
+    device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
+    cuda_version: tuple[int, int] | None = None  # torch's CUDA build
     sft: bool = False  # --sft: the dataset marks document boundaries itself
     moe_topk: int = 2
     sequence_parallel: bool = False
@@ -286,6 +290,22 @@ RULES: tuple[Rule, ...] = (
     Rule("banks-fp8", "plugin", _graphs(lambda f: f.graph_banks and f.fp8),
          "graph banks capture through slot-shared memory, which does not protect FP8 quantizer state yet: drop "
          "--fp8-format with --cg-graph-banks."),
+    Rule("fp8-recipe-device", "plugin",
+         _graphs(lambda f: f.fp8 and f.device_capability is not None and (
+             (f.fp8_recipe == "mxfp8" and f.device_capability < (10, 0))
+             or (f.fp8_recipe == "blockwise" and (f.device_capability < (9, 0)
+                                                  or (f.cuda_version is not None and f.cuda_version < (12, 9)))))),
+         "this GPU cannot run the --fp8-recipe asked for (TE 2.20: MXFP8 needs compute capability 10.0+, "
+         "blockwise scaling 9.0+ with CUDA 12.9+): use --fp8-recipe tensorwise (current scaling) or delayed, or "
+         "blockwise on sm_90 with a CUDA 12.9+ build of torch and TE.",
+         detail=lambda f: f"(--fp8-recipe {f.fp8_recipe}, compute capability "
+                          f"{'.'.join(map(str, f.device_capability or ()))}, CUDA "
+                          f"{'.'.join(map(str, f.cuda_version or ())) or 'unknown'})"),
+    Rule("fp4-device", "plugin", _graphs(lambda f: f.fp4 and f.device_capability is not None
+                                         and f.device_capability < (10, 0)),
+         "--fp4-format (NVFP4) needs compute capability 10.0+ (TE 2.20); on this GPU use --fp8-format with "
+         "--fp8-recipe tensorwise or delayed.",
+         detail=lambda f: f"(compute capability {'.'.join(map(str, f.device_capability or ()))})"),
     Rule("cg-flags", "plugin", lambda f: bool(f.config_problems),
          "a --cg-* flag has a value the plugin cannot use:", detail=lambda f: " ".join(f.config_problems)),
     Rule("data-files", "plugin", lambda f: bool(f.missing_files),
@@ -336,9 +356,11 @@ def module_names(modules: Any) -> tuple[str, ...]:
 def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
                     env: Mapping[str, str] | None = None, launcher: bool = False,
                     config: PluginConfig | None = None, config_problems: Sequence[str] = (),
-                    missing_files: Sequence[str] = ()) -> GraphFacts:
+                    missing_files: Sequence[str] = (), device_capability: tuple[int, int] | None = None,
+                    cuda_version: tuple[int, int] | None = None) -> GraphFacts:
     """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``);
-    ``config``, when given, supplies the plugin's settings instead of the ``--cg-*`` flags."""
+    ``config``, when given, supplies the plugin's settings instead of the ``--cg-*`` flags;
+    ``device_capability`` and ``cuda_version`` describe the GPU and torch build (probed by ``check_run``)."""
     env = env or {}
     freq = getattr(args, "moe_layer_freq", 1)
     recompute_modules = getattr(args, "recompute_modules", None) or ()
@@ -380,6 +402,11 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
         fp8=getattr(args, "fp8", None) is not None,
+        fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
+                       or "delayed"),
+        fp4=getattr(args, "fp4", None) is not None,
+        device_capability=device_capability,
+        cuda_version=cuda_version,
         sft=bool(getattr(args, "sft", False)),
         moe_topk=getattr(args, "moe_router_topk", 2) or 2,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
@@ -415,6 +442,7 @@ def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, conf
     facts = facts_from_args(args, te_available=compat.te_available() if te_present is None else te_present,
                             apex_fused_wgrad=compat.apex_fused_wgrad_available(), env=env, launcher=launcher,
                             config=config, config_problems=problems,
-                            missing_files=missing_files(args, indexed_data=launcher))
+                            missing_files=missing_files(args, indexed_data=launcher),
+                            device_capability=compat.device_capability(), cuda_version=compat.torch_cuda_version())
     validate(facts)
     return facts, config

@@ -85,6 +85,9 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
                                          tensor_parallel=2), "--tensor-model-parallel-size 1"),
     "banks-fp8": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True), "--fp8-format"),
+    "fp8-recipe-device": (GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0),
+                                     cuda_version=(13, 0)), "(--fp8-recipe mxfp8, compute capability 9.0, CUDA 13.0)"),
+    "fp4-device": (GraphFacts(cuda_graph_impl=TE, fp4=True, device_capability=(9, 0)), "(compute capability 9.0)"),
     "cg-flags": (GraphFacts(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
                  "--cg-thd-max-seqs 0 must be >= 1."),
     "data-files": (GraphFacts(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")), "/data/a.bin, /data/a.idx"),
@@ -136,6 +139,12 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
     GraphFacts(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
     GraphFacts(cuda_graph_impl=TE, warmup_steps=0),
+    # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU is unknown.
+    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)),
+    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(10, 0), cuda_version=(13, 0)),
+    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="tensorwise", device_capability=(9, 0)),
+    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8"),
+    GraphFacts(cuda_graph_impl=TE, fp4=True, device_capability=(10, 0)),
     # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                position_embedding_type="rope", modules=("attn",)),
@@ -410,3 +419,10 @@ def test_sft_data_carries_document_boundaries_for_hybrid_cp():
     facts = GraphFacts(**dict(HYBRID, inter_document_masking=False), sft=True)
     assert names(facts) == []
     assert names(dataclasses.replace(facts, sft=False)) == ["hybrid-cp-document-masking"]
+
+
+def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
+    facts = GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0),
+                       cuda_version=(12, 8))
+    assert names(facts) == ["fp8-recipe-device"]
+    assert names(dataclasses.replace(facts, cuda_graph_impl="none")) == []  # eager runs are TE's to refuse
