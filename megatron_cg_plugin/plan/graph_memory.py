@@ -340,7 +340,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     (attributes only: this module stays free of Megatron and torch). ``deterministic``: the run's
     NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
     from megatron_cg_plugin.plan.capture import plan_capture
-    from megatron_cg_plugin.plan.moe import MoeCapacityPlan
+    from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 
     capture = plan_capture(facts)
     unpredicted = [what for what, present in (
@@ -370,13 +370,9 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     if facts.num_experts:
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         local = facts.num_experts // ep
-        tokens = dense.tokens
-        if facts.capacity_factor is not None and facts.pad_to_capacity:
-            capacity = MoeCapacityPlan(tokens_per_rank=tokens, topk=args.moe_router_topk, num_experts=facts.num_experts,
-                                       capacity_factor=facts.capacity_factor, expert_parallel=ep)
-            rows = local * capacity.tokens_per_local_expert
-        else:
-            rows = tokens * args.moe_router_topk  # dropless: the router's assignments
+        capacity = capacity_plan_from_args(args) if facts.pad_to_capacity else None  # the plan megatron-cg plan prints
+        # Padded: each local expert takes its capacity from every source rank; dropless: the router's assignments.
+        rows = local * capacity.tokens_per_local_expert if capacity else dense.tokens * args.moe_router_topk
         moe_shape = MoeShape(experts=local, topk=args.moe_router_topk, ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                              rows=rows, shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
                              router_fp32=getattr(args, "moe_router_dtype", None) == "fp32")

@@ -140,7 +140,9 @@ def megatron_args(**changes):
                 add_bias_linear=True, normalization="LayerNorm", position_embedding_type="rope", hidden_dropout=0.0,
                 moe_router_topk=2, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=None,
                 moe_router_dtype=None, expert_model_parallel_size=1, multi_latent_attention=False,
-                mtp_num_layers=None, attention_backend=types.SimpleNamespace(name="auto"))
+                mtp_num_layers=None, attention_backend=types.SimpleNamespace(name="auto"), num_experts=None,
+                moe_expert_capacity_factor=None, context_parallel_size=1, tensor_model_parallel_size=1,
+                sequence_parallel=False, expert_tensor_parallel_size=1)
     return types.SimpleNamespace(**(base | changes))
 
 
@@ -161,7 +163,7 @@ def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
 def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=1.5, pad_to_capacity=True)
-    args = megatron_args(swiglu=True, add_bias_linear=False)
+    args = megatron_args(swiglu=True, add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5)
     plan = plan_from_args(args, facts, deterministic=True)
     expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
                                  ["attn", "moe"])
