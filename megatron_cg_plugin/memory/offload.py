@@ -26,7 +26,7 @@ from typing import Any, Hashable, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, _storage_key
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
 from megatron_cg_plugin.plan.offload import OffloadPlan
 from megatron_cg_plugin.plan.slots import arena_aligned
 
@@ -252,10 +252,7 @@ class OffloadingArenaHooks(ArenaHooks):
         following = self.plan.prefetch_after(group)
         if following is not None:
             self._request(following)  # overlaps this group's backward
-        tensor = torch.empty(0, dtype=packed.dtype, device=buffer.device)
-        tensor.set_(buffer.untyped_storage(), packed.storage_offset, packed.size, packed.stride)
-        torch._C._autograd._unsafe_set_version_counter((tensor,), (packed.version,))
-        return tensor
+        return saved_view(buffer, 0, packed)  # the reloaded buffer holds just this storage
 
     def _request(self, group: str) -> None:
         if group in self._requested:

@@ -222,17 +222,21 @@ class ArenaHooks(_Packer):
             parts = [None if p is None else self.unpack(p) for p in packed.parts]
             return packed.rebuild.restore_from_saved(parts) if hasattr(packed.rebuild, "restore_from_saved") \
                 else packed.rebuild(parts)
-        # A fresh tensor on the arena's storage (not a view of the buffer), so it gets a version
-        # counter of its own, set to the original's.
         element = torch.empty(0, dtype=packed.dtype).element_size()
-        tensor = torch.empty(0, dtype=packed.dtype, device=self.arena.buffer.device)
-        tensor.set_(self.arena.buffer.untyped_storage(), packed.offset // element + packed.storage_offset,
-                    packed.size, packed.stride)
-        torch._C._autograd._unsafe_set_version_counter((tensor,), (packed.version,))
-        return tensor
+        return saved_view(self.arena.buffer, packed.offset // element, packed)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def saved_view(buffer: torch.Tensor, element_offset: int, packed: Any) -> torch.Tensor:
+    """The saved tensor ``packed`` (dtype, size, stride, storage offset, version) rebuilt on
+    ``buffer``'s storage, its storage starting ``element_offset`` elements in: a fresh tensor (not a
+    view of the buffer), so it gets a version counter of its own, set to the original's."""
+    tensor = torch.empty(0, dtype=packed.dtype, device=buffer.device)
+    tensor.set_(buffer.untyped_storage(), element_offset + packed.storage_offset, packed.size, packed.stride)
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (packed.version,))
+    return tensor
 
 
 def _custom_function_nodes(outputs: Sequence[torch.Tensor]) -> Iterator[Any]:
