@@ -11,6 +11,10 @@ from typing import Any, Sequence
 from megatron_cg_plugin.plan.bench import BenchSummary, Block, Spread, summarize
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
+# Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
+# (--cg-slot-capture), without and with in-graph offload of the modules Megatron's offload flags name.
+SLOT_ARMS = ("slot", "slot-offload")
+ALL_ARMS = ARMS + SLOT_ARMS
 
 
 class BenchOutputError(RuntimeError):
@@ -27,6 +31,8 @@ class BlockRecord:
     peak_allocated_bytes: int
     capture_seconds: float | None = None
     pool_bytes: int | None = None  # graph private pools the block's capture created
+    arena_bytes: int | None = None  # slot arms: the layers' GPU saved-tensor arenas (outside the pools)
+    host_arena_bytes: int | None = None  # slot arms: their pinned host arenas
 
     @property
     def block(self) -> Block:
@@ -43,6 +49,7 @@ class BenchResult:
     contract_check_us: dict[str, float]  # per --cg-contract-check mode: host cost of one layer replay's check
     replays_per_step: int | None  # graphed layer replays per training step (plugin arm)
     flags: tuple[str, ...]
+    copies: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # per arm: DeviceTime fields
 
     def summary(self) -> BenchSummary:
         return summarize({record.block: record.step_seconds for record in self.blocks}, skip_steps=self.skip_steps)
@@ -72,24 +79,38 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "pool_bytes": {arm: spread(v) for arm, v in result.per_arm("pool_bytes").items()},
         "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
         "busy_fraction": result.busy_fraction, "contract_check_us": result.contract_check_us,
-        "replays_per_step": result.replays_per_step,
+        "replays_per_step": result.replays_per_step, "copies": result.copies,
+        "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
+        "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
         "blocks": [dataclasses.asdict(record) for record in result.blocks],
     }
 
 
 def markdown(result: BenchResult) -> str:
     summary = result.summary()
-    arms = [arm for arm in ARMS if arm in summary.arms] + sorted(set(summary.arms) - set(ARMS))
-    capture, pools, peaks = (result.per_arm(f) for f in ("capture_seconds", "pool_bytes", "peak_allocated_bytes"))
-    lines = ["| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | peak allocated MiB "
-             "| GPU busy |", "| --- | --- | --- | --- | --- | --- |"]
+    arms = [arm for arm in ALL_ARMS if arm in summary.arms] + sorted(set(summary.arms) - set(ALL_ARMS))
+    capture, pools, arenas, hosts, peaks = (result.per_arm(f) for f in (
+        "capture_seconds", "pool_bytes", "arena_bytes", "host_arena_bytes", "peak_allocated_bytes"))
+
+    def mib(spreads: dict[str, Spread], arm: str) -> str:
+        return spreads[arm].format(scale=2**-20) if arm in spreads else "-"
+
+    lines = ["| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | GPU arenas MiB "
+             "| pinned host arenas MiB | peak allocated MiB | GPU busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
         busy = result.busy_fraction.get(arm)
         lines.append(f"| {arm} | {summary.arms[arm].format(scale=1e3)} | "
-                     f"{capture[arm].format() if arm in capture else '-'} | "
-                     f"{pools[arm].format(scale=2**-20) if arm in pools else '-'} | "
-                     f"{peaks[arm].format(scale=2**-20) if arm in peaks else '-'} | "
-                     f"{'-' if busy is None else f'{busy:.2f}'} |")
+                     f"{capture[arm].format() if arm in capture else '-'} | {mib(pools, arm)} | {mib(arenas, arm)} | "
+                     f"{mib(hosts, arm)} | {mib(peaks, arm)} | {'-' if busy is None else f'{busy:.2f}'} |")
+    copying = {arm: c for arm, c in result.copies.items() if c.get("d2h_seconds") or c.get("h2d_seconds")}
+    if copying:
+        lines += ["", "| arm | D2H ms per step | H2D ms per step | copy time overlapped by kernels |",
+                  "| --- | --- | --- | --- |"]
+        for arm, c in copying.items():
+            total = c["d2h_seconds"] + c["h2d_seconds"]
+            lines.append(f"| {arm} | {c['d2h_seconds'] * 1e3:.2f} | {c['h2d_seconds'] * 1e3:.2f} | "
+                         f"{c['copy_overlap_seconds'] / total:.0%} |")
     lines += ["", "| ratio | median [spread] over pairs of mirrored rounds |", "| --- | --- |"]
     for a, b in _ordered_pairs(arms):
         if (a, b) in summary.ratios:
@@ -153,7 +174,8 @@ def from_json(data: dict[str, Any]) -> BenchResult:
     """The result back from ``bench.json`` (to plot it on another machine)."""
     blocks = tuple(BlockRecord(**{**block, "step_seconds": tuple(block["step_seconds"])}) for block in data["blocks"])
     return BenchResult(data["method"], data["steps_per_block"], data["skip_steps"], blocks, data["busy_fraction"],
-                       data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]))
+                       data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]),
+                       data.get("copies", {}))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -53,6 +53,10 @@ class PluginConfig:
             ``cu_seqlens`` buffers are fixed at capture).
         moe_drop_stats: count, in the run, the token-to-expert assignments MoE routers drop at a
             fixed capacity (forward hooks on the routers; the report gives the fraction).
+        slot_capture: capture every graphed layer of a plain run (PP=1) through slot-shared capture
+            instead of TE's ``make_graphed_callables``: each layer's backward state in an arena
+            outside the pool, and, with Megatron's fine-grained offload flags, the offloaded
+            modules inside the graphed scope moved to pinned host arenas inside the graphs.
         slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
             owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """
@@ -69,6 +73,7 @@ class PluginConfig:
     graph_banks: bool = False
     thd_max_seqs: int = 8
     moe_drop_stats: bool = False
+    slot_capture: bool = False
     slot_debug: bool = False
 
     def __post_init__(self) -> None:
@@ -102,6 +107,9 @@ def config_problems(config: PluginConfig) -> list[str]:
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
             problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
+    if config.slot_capture and config.graph_banks:
+        problems.append("--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
+                        "capture that way: drop --cg-slot-capture.")
     if config.metrics_out is not None and config.report_out is not None:
         if Path(config.metrics_out).resolve() == Path(config.report_out).resolve():
             problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
@@ -148,6 +156,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Graph banks: the most packed sequences per THD microbatch (fixed at capture).")
     group.add_argument("--cg-moe-drop-stats", action="store_true",
                        help="Count the token-to-expert assignments MoE routers drop at a fixed capacity (report).")
+    group.add_argument("--cg-slot-capture", action="store_true",
+                       help="PP=1: capture layers through slot-shared capture (arenas outside the pool); with "
+                            "--fine-grained-activation-offloading, offloaded modules inside the graphs go to pinned "
+                            "host arenas.")
     return parser
 
 
@@ -165,7 +177,7 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
                                  "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs",
-                                 "cg_moe_drop_stats")
+                                 "cg_moe_drop_stats", "cg_slot_capture")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -185,5 +197,6 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
         graph_banks=args.cg_graph_banks,
         thd_max_seqs=args.cg_thd_max_seqs,
         moe_drop_stats=args.cg_moe_drop_stats,
+        slot_capture=args.cg_slot_capture,
         slot_debug=slot_debug_from_environment(environ),
     )

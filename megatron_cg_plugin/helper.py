@@ -120,7 +120,7 @@ class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
     session: ClassVar[RunSession]
-    backend: ClassVar[GraphBackend]
+    backend: ClassVar[GraphBackend | None]  # None: chosen by the run's config (capture_backend)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,9 +149,9 @@ class PluginHelperMixin:
             return self._create_banks()
         config = self.session.config
         layers = self.flattened_callables  # every graphed layer, chunk by chunk
-        scope = scope_label(self.config.cuda_graph_modules)
-        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure,
-                                  is_capturing=self.backend.is_capturing)
+        scope = scope_label(self.config.cuda_graph_modules) + (" (slot-shared)" if config.slot_capture else "")
+        backend = self.capture_backend()
+        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
         start = time.perf_counter()
         phases = _Phases()  # where capture time goes, for the report (the plugin's cost is the non-capture part)
         # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
@@ -169,7 +169,7 @@ class PluginHelperMixin:
                     transaction = scope_of_transaction.enter_context(
                         CaptureTransaction(self._restorables(layers, tracker)))
                 tracker.install()
-                capture = _CaptureCall(self.backend, transaction, tracker)
+                capture = _CaptureCall(backend, transaction, tracker)
                 from megatron.core.transformer import cuda_graphs
 
                 # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
@@ -191,7 +191,20 @@ class PluginHelperMixin:
             scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
             seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=counter, phases=dict(phases.seconds))
+            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
+
+    def capture_backend(self) -> GraphBackend:
+        """The class's backend if bound with one, else what the config asks for: slot-shared
+        capture with in-graph offload under ``--cg-slot-capture``, TE's capture otherwise."""
+        if self.backend is not None:
+            return self.backend
+        if self.session.config.slot_capture:
+            from megatron_cg_plugin.capture.slot_backend import SlotBackend
+
+            return SlotBackend(debug=self.session.config.slot_debug)
+        from megatron_cg_plugin.capture.backend import TEBackend
+
+        return TEBackend()
 
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
@@ -378,12 +391,16 @@ class PluginHelperMixin:
         return dataclasses.replace(stats, pool_holders=holders)
 
 
+def _slot_layer_stats(graphs: Any) -> tuple | None:
+    """Per graphed layer, what its slot-shared graphs hold (None for TE's graphs)."""
+    from megatron_cg_plugin.capture.slot_backend import SlotLayerGraph
+
+    stats = tuple(graph.stats for graph in graphs or () if isinstance(graph, SlotLayerGraph))
+    return stats or None
+
+
 def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:
     """A subclass of ``base`` (Megatron's helper) whose instances report to ``session`` and capture
-    through ``backend`` (TE's by default)."""
-    if backend is None:
-        from megatron_cg_plugin.capture.backend import TEBackend
-
-        backend = TEBackend()
+    through ``backend`` (by default the one the run's config asks for: ``capture_backend``)."""
     return type("PluginTECudaGraphHelper", (PluginHelperMixin, base),
                 {"session": session, "backend": backend, "__module__": __name__})

@@ -362,6 +362,13 @@ SCOPED: tuple[ForeignState, ...] = (
         "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
         "capture.offload_groups.OffloadGroupTracker.scoped (patches.scoped around slot-shared warmup and capture)"),
     ForeignState(
+        "offload-in-graph-flag", "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, Megatron's "
+        "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
+        "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
+        "copy streams, so it is False during warmup and capture.",
+        "capture.offload_groups.InGraphOffload.capturing (patches.scoped around slot-shared warmup and capture)"),
+    ForeignState(
         "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
         "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "

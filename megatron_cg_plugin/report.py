@@ -30,6 +30,9 @@ class ScopeReport:
     teardown_pool_holders: tuple[str, ...] = ()  # what keeps those pool bytes allocated
     banks: tuple[dict[str, int], ...] = ()  # graph banks: per CP size, replays and rejections
     capture_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase of capture_seconds
+    arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
+    host_arena_bytes: int | None = None  # their pinned host arenas (in-graph offload)
+    offloaded_bytes: int | None = None  # moved to the host by the replays counted (per-replay bytes x replays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,12 @@ class RunReport:
             if scope.capture_phases:
                 lines.append(f"  {scope.scope}: capture phases: " + ", ".join(
                     f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items()))
+            if scope.arena_bytes is not None:
+                per_step = (f", {scope.offloaded_bytes / self.graphed_steps / 2**20:.1f} MiB per graphed step"
+                            if scope.offloaded_bytes and self.graphed_steps else "")
+                lines.append(f"  {scope.scope}: GPU arenas {scope.arena_bytes / 2**20:.1f} MiB, pinned host arenas "
+                             f"{scope.host_arena_bytes / 2**20:.1f} MiB, offloaded "
+                             f"{(scope.offloaded_bytes or 0) / 2**20:.1f} MiB in all{per_step}")
             for bank in scope.banks:
                 flushed = bank.get("offload_groups_flushed")
                 lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "

@@ -58,6 +58,7 @@ class GraphFacts:
     apex_fused_wgrad: bool = False
     hybrid_context_parallel: bool = False
     graph_banks: bool = False  # --cg-graph-banks
+    slot_capture: bool = False  # --cg-slot-capture
     bank_min_cp: int = 1  # --cg-bank-min-cp
     position_embedding_type: str = "learned_absolute"
     apply_rope_fusion: bool = True  # --no-rope-fusion clears it
@@ -248,10 +249,28 @@ RULES: tuple[Rule, ...] = (
          "or leave it eager (attn); moe_router/moe_preprocess end the graph inside the block and hand routing state "
          "to its eager rest, which is not verified with banks: use --cuda-graph-modules attn moe "
          "(--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity) or attn with --cg-graph-banks."),
-    Rule("banks-offload-in-graph", "plugin", _graphs(lambda f: f.graph_banks and bool(f.offloaded_in_graphs)),
-         "--offload-modules names modules inside the graphed scope, whose saved-tensor hooks would bypass the "
-         "arenas that keep graph banks apart: offload only modules outside --cuda-graph-modules (e.g. core_attn "
-         "with --cuda-graph-modules mlp); Megatron's delayed offload flush runs after each bank replay."),
+    Rule("offload-in-graph-warmup", "megatron",
+         _graphs(lambda f: bool(f.offloaded_in_graphs) and f.warmup_steps < 1),
+         "offloading modules inside the graphed scope needs eager steps before capture (Megatron asserts "
+         "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
+         "--cuda-graph-warmup-steps 1 or more."),
+    Rule("slot-capture-pipeline", "plugin",
+         _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
+                                              or f.overlap_moe_expert_parallel_comm)),
+         "--cg-slot-capture captures one graph per layer, for runs where each microbatch's backward follows its "
+         "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
+         "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
+    Rule("slot-capture-fp8", "plugin", _graphs(lambda f: f.slot_capture and (f.fp8 or f.fp4)),
+         "--cg-slot-capture does not protect FP8 quantizer state in slot-shared memory yet: drop --fp8-format / "
+         "--fp4-format, or drop --cg-slot-capture (TE's graphs handle FP8)."),
+    Rule("slot-capture-scope", "plugin",
+         _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
+         "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
+         "eager (attn); moe_router/moe_preprocess hand routing state to the eager rest, which slot capture does not "
+         "verify: use --cuda-graph-modules attn moe or attn."),
+    Rule("slot-capture-delayed-wgrad", "plugin", _graphs(lambda f: f.slot_capture and f.delay_wgrad_compute),
+         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
+         "memory cannot protect: drop --delay-wgrad-compute with --cg-slot-capture."),
     Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
          "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
          "--overlap-param-gather with --cg-graph-banks."),
@@ -383,6 +402,7 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
         graph_banks=config.graph_banks if config else bool(getattr(args, "cg_graph_banks", False)),
+        slot_capture=config.slot_capture if config else bool(getattr(args, "cg_slot_capture", False)),
         bank_min_cp=config.bank_min_cp if config else getattr(args, "cg_bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),

@@ -26,17 +26,21 @@ requires the very group object the bank was captured with (``banks.BankRouter``,
 the THD layout against the captured capacity and hands the bank's graph to Megatron's own replay
 path (``_te_cuda_graph_replay``): its scope-specific post-processing and the delayed offload flush
 (``--delay-offload-until-cuda-graph``) run after each bank replay as after any TE graph replay.
-Other calls run eagerly.
+Other calls run eagerly. With Megatron's fine-grained offload flags, the offloaded modules inside the
+graphed scope are offloaded inside the bank graphs, to pinned host arenas keyed like the GPU arenas
+(``capture.offload_groups.InGraphOffload``); Megatron's own offload keeps the modules outside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
+from megatron_cg_plugin.capture.offload_groups import InGraphOffload
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
@@ -265,25 +269,32 @@ class BankReplayCounts(ReplayTotals):
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
-                  warmup_iterations: int = 2, contract_check: str = "full") -> BankedLayers:
+                  warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True) -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
     ``rope_tables``: per CP size, the RoPE table the model passes for a pack of that size (its
     ``rotary_pos_emb`` of the pack's ``max_seqlen``); None without RoPE. Every rank of a CP group
     must call this with the same layers and sizes (the captures of a bank communicate). ``debug``,
-    ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. On failure every graph
-    captured so far is reset and no layer is left banked."""
+    ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. With ``offload`` the
+    modules Megatron's fine-grained offload flags name inside the graphed scope go to pinned host
+    arenas inside the bank graphs (``capture.offload_groups.InGraphOffload``). On failure every
+    graph captured so far is reset and no layer is left banked."""
     layers = list(layers)
     sizes = sorted(groups)
     _validate_bank_capture(layers, groups, sizes, rope_tables)
     scratch = _prepare_bank_capture(layers, sizes)
-    pool = torch.cuda.graph_pool_handle()
+    # One pool and one capture stream for all layers (the allocator reuses pool blocks per stream).
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     result = BankedLayers({}, {}, layers)
+    in_graph = InGraphOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
     try:
-        for layer in layers:
-            _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
-                                 debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check)
+        with in_graph.capturing() if in_graph is not None else contextlib.nullcontext():
+            for layer in layers:
+                _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
+                                     stream=stream,
+                                     debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
+                                     offload=None if in_graph is None else in_graph.slot_offload())
     except BaseException:
         result.reset()
         raise
@@ -331,10 +342,6 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
                              "ranks; pass parallel_state.get_hybrid_data_context_parallel_groups(group_size=size).")
     if rope_tables is not None and set(rope_tables) != set(sizes):
         raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
-    offloading = [layer.layer_number for layer in layers if getattr(layer, "offload_module_in_cuda_graph", False)]
-    if offloading:
-        raise ValueError(f"layers {offloading} offload modules inside the graphed scope; graph banks keep backward "
-                         "state in their own arenas: offload only modules outside --cuda-graph-modules.")
 
 
 def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]:

@@ -8,14 +8,21 @@ only names the group: ``__enter__`` pushes the name (when the module is one the 
 returns the tensor, ``__exit__`` pops it, and ``group_offload`` returns its tensor unchanged (the
 plugin's hook copies the group's saves itself). ``current`` is the group running now, which the
 warmup records beside every save (``memory.saved_tensors.ArenaSizer``).
+
+``InGraphOffload`` is what slot-shared capture of Megatron's layers (``--cg-slot-capture``, graph
+banks) takes from Megatron's offload flags: the policy, the tracker, and the capture scope, in which
+the layers' ``offload_module_in_cuda_graph`` is off too, so their capture callable does not join
+Megatron's offload streams (the arenas bring their own).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from megatron_cg_plugin import patches
+from megatron_cg_plugin.capture.slotted import SlotOffload
+from megatron_cg_plugin.plan.offload import OffloadPolicy
 
 
 class OffloadGroupTracker:
@@ -49,3 +56,36 @@ class OffloadGroupTracker:
                 patches.scoped(interface, "__exit__", exit_, "offload-group-names"), \
                 patches.scoped(interface, "group_offload", group_offload, "offload-group-names"):
             yield self
+
+
+class InGraphOffload:
+    """Megatron's offload flags for slot-shared capture of a set of layers: the capture scope
+    (``capturing``: Megatron's offload hooks kept out, its groups named) and, when the saves are
+    to be offloaded inside the graphs, the policy. Megatron's hooks must stay out of slot-shared
+    capture either way: saves they took would bypass the arenas."""
+
+    def __init__(self, policy: OffloadPolicy | None, layers: Sequence[Any]) -> None:
+        self.policy = policy  # None: every save stays in the GPU arenas
+        self.layers = list(layers)
+        self.tracker = OffloadGroupTracker()
+
+    @classmethod
+    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> "InGraphOffload | None":
+        """From Megatron's TransformerConfig (its offload fields); None when it offloads nothing.
+        ``offload=False`` keeps Megatron's hooks out but offloads nothing inside the graphs."""
+        if not getattr(config, "fine_grained_activation_offloading", False):
+            return None
+        return cls(OffloadPolicy.from_args(config) if offload else None, layers)
+
+    def slot_offload(self) -> SlotOffload | None:
+        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Warmup and capture: Megatron's interface names groups; its in-graph offload streams stay out."""
+        with self.tracker.scoped(), contextlib.ExitStack() as stack:
+            for layer in self.layers:
+                if getattr(layer, "offload_module_in_cuda_graph", False):
+                    stack.enter_context(patches.scoped(layer, "offload_module_in_cuda_graph", False,
+                                                       "offload-in-graph-flag"))
+            yield

@@ -310,8 +310,8 @@ class SlottedGraphs:
 
 # ---------------------------------------------------------------------------------------------- capture
 def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
-                    protect: bool = True, pool: Any = None, warmup_iterations: int = 2, debug: bool = False,
-                    strict: bool = True, contract_check: str = "full",
+                    protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
+                    debug: bool = False, strict: bool = True, contract_check: str = "full",
                     offload: SlotOffload | None = None) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
@@ -323,7 +323,9 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
     is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
     ``offload`` moves the saves its policy selects to pinned host arenas inside the graphs
-    (``SlotOffload``); each slot's GPU arena then holds only the saves that stay.
+    (``SlotOffload``); each slot's GPU arena then holds only the saves that stay. Captures sharing
+    a ``pool`` should share the capture ``stream`` too: the allocator hands a freed pool block
+    only to allocations on the stream it came from.
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check)
@@ -336,7 +338,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload)
     with te_seam.te_capture_flag():
         entries, arenas, boundaries, param_grads, measures, retained, offloading = _capture_all(
-            variants, plan.ring_size, slots_of, params, pool, options)
+            variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
     torch.cuda.synchronize()
     segments = diagnostics.allocator_segments()
     stats = SlottedStats(
@@ -380,9 +382,8 @@ class _Offloading:
 
 
 def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
-                 params: list[torch.nn.Parameter], pool: Any, options: _CaptureOptions) -> tuple:
+                 params: list[torch.nn.Parameter], pool: Any, stream: Any, options: _CaptureOptions) -> tuple:
     """Warmup, sizing, allocation and every capture (TE's capture flag set by the caller)."""
-    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     group = options.offload.group if options.offload is not None else None
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture

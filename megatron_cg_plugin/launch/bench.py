@@ -5,8 +5,9 @@ The launcher builds Megatron's model, optimizer and data from the flags and ente
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
 ``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
-``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``), captures, trains its steps and
-tears down, so the next graphed block captures again. Every step is a real Megatron
+``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's with slot-shared
+capture for ``slot`` and with in-graph offload too for ``slot-offload``), captures, trains its
+steps and tears down, so the next graphed block captures again. Every step is a real Megatron
 ``train_step`` on the next batch, so the weights move on through the run as in training.
 """
 
@@ -21,9 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
-from megatron_cg_plugin.bench_output import ARMS, BenchResult, BlockRecord
+from megatron_cg_plugin.bench_output import ALL_ARMS, ARMS, SLOT_ARMS, BenchResult, BlockRecord
 from megatron_cg_plugin.config import CONTRACT_CHECKS
-from megatron_cg_plugin.plan.bench import Block, busy_seconds, interleaved_blocks, run_schedule, summarize
+from megatron_cg_plugin.plan.bench import Block, DeviceTime, interleaved_blocks, run_schedule, summarize
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
           "captures, trains and tears down (capture runs again in the next block)")
@@ -46,9 +47,10 @@ class BenchOptions:
     profile_dir: Path | None = None  # per arm, the profiled steps' host operators by self CPU time
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.arms) - set(ARMS))
+        unknown = sorted(set(self.arms) - set(ALL_ARMS))
         if unknown or not self.arms:
-            raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of {','.join(ARMS)}.")
+            raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
+                             f"{','.join(ALL_ARMS)}.")
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -96,11 +98,11 @@ class Trainer(Protocol):
 
 def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] = (),
               clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
-              profile: Callable[[Callable[[], None], int, str], float | None] | None = None,
+              profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None = None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
     """Runs the interleaved schedule through ``trainer`` and measures every block; then, per arm,
-    ``profile`` (kernel seconds per step, for the GPU-busy fraction) and, on a plugin capture,
-    ``contract_cost``."""
+    ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap) and,
+    on a plugin capture, ``contract_cost``."""
     records: list[BlockRecord] = []
 
     def timed_steps(count: int) -> list[float]:
@@ -121,27 +123,39 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
         finally:
             trainer.release(helper)
         records.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
-                                   pool_bytes))
+                                   pool_bytes, *_arena_bytes(helper)))
         return steps
 
     timed_steps(options.warmup_steps)
     run_schedule(interleaved_blocks(options.arms, options.rounds), run_block, progress, skip_steps=options.skip_steps)
     busy: dict[str, float | None] = {}
+    copies: dict[str, dict[str, float]] = {}
     costs: dict[str, float] = {}
     replays = None
     medians = summarize({r.block: r.step_seconds for r in records}, skip_steps=options.skip_steps).arms
     for arm in options.arms:
         helper, _, _ = _capture(trainer, arm, clock)
         try:
-            # Kernel time per step over the arm's unprofiled median step (the profiler slows the host down).
-            kernel = None if profile is None else profile(trainer.step, options.profile_steps, arm)
-            busy[arm] = None if kernel is None else kernel / medians[arm].median
+            # Device time per step over the arm's unprofiled median step (the profiler slows the host down).
+            device = None if profile is None else profile(trainer.step, options.profile_steps, arm)
+            busy[arm] = None if device is None else device.busy_seconds / medians[arm].median
+            if device is not None:
+                copies[arm] = dataclasses.asdict(device)
             if arm == "plugin" and contract_cost is not None:
                 costs, replays = contract_cost(helper)
         finally:
             trainer.release(helper)
         progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
-    return BenchResult(METHOD, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags))
+    return BenchResult(METHOD, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags),
+                       copies)
+
+
+def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
+    """A slot arm's GPU and pinned host arenas (outside the graph pools); None for other arms."""
+    layers = getattr(getattr(helper, "capture_stats", None), "slot_layers", None)
+    if not layers:
+        return None, None
+    return sum(layer.arena_bytes for layer in layers), sum(layer.host_arena_bytes for layer in layers)
 
 
 def _capture(trainer: Trainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
@@ -176,7 +190,12 @@ class MegatronTrainer:
         plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
         if getattr(plugin, "session", None) is None:
             raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
-        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin}
+        from megatron_cg_plugin.capture.slot_backend import SlotBackend
+        from megatron_cg_plugin.helper import bind_helper_class
+
+        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin, **{
+            arm: bind_helper_class(TECudaGraphHelper, plugin.session, SlotBackend(offload=arm == "slot-offload"))
+            for arm in SLOT_ARMS}}
 
     def step(self) -> None:
         self.args.curr_iteration = self.iteration
@@ -208,11 +227,13 @@ class MegatronTrainer:
         return diagnostics.memory_state().pools
 
 
-def kernel_seconds_per_step(step: Callable[[], None], steps: int, arm: str, *,
-                            table_dir: Path | None = None) -> float | None:
-    """GPU-busy seconds of one step under torch's profiler (the union of its device activity, over
-    ``steps`` steps); over the step's wall time it says how close the step is to the sum of its
-    kernels (1.0 is the physical limit). None if the profiler saw no device activity. With
+def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
+                         table_dir: Path | None = None) -> DeviceTime | None:
+    """Device time of one step under torch's profiler, over ``steps`` steps: GPU-busy seconds (the
+    union of its device activity; over the step's wall time it says how close the step is to the
+    sum of its kernels, 1.0 being the physical limit), device-to-host and host-to-device copy
+    seconds, and how much of the copying ran while a kernel ran. None if the profiler saw no
+    device activity. With
     ``table_dir``, the arm's host operators by self CPU time go to ``<arm>.host_ops.txt`` there,
     to compare where two arms spend their host time."""
     import torch
@@ -229,9 +250,14 @@ def kernel_seconds_per_step(step: Callable[[], None], steps: int, arm: str, *,
         (table_dir / f"{arm}.host_ops.txt").write_text(
             f"{steps} profiled steps of the {arm} arm\n"
             + trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
-    intervals = [(event.time_range.start, event.time_range.end) for event in trace.events()
-                 if event.device_type == DeviceType.CUDA]
-    return busy_seconds(intervals) * 1e-6 / steps if intervals else None
+    by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
+    for event in trace.events():
+        if event.device_type == DeviceType.CUDA:
+            kind = "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel"
+            by_kind[kind].append((event.time_range.start, event.time_range.end))
+    if not any(by_kind.values()):
+        return None
+    return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)
 
 
 def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
@@ -266,7 +292,7 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
 
         trainer = MegatronTrainer(train_step, args, kwargs)
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
-        profile = functools.partial(kernel_seconds_per_step, table_dir=options.profile_dir)
+        profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
         sink.append(run_bench(options, trainer, flags=flags, profile=profile,
                               contract_cost=cost if "plugin" in options.arms else None))
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
@@ -289,6 +315,16 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
                          "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
+    if set(options.arms) & set(SLOT_ARMS):  # the rules --cg-slot-capture itself would get
+        from megatron_cg_plugin import rules
+        from megatron_cg_plugin.config import PluginConfig
+
+        facts = rules.facts_from_args(args, te_available=True, apex_fused_wgrad=True,
+                                      config=PluginConfig(slot_capture=True))
+        broken = [message for name, message in rules.violations(facts) if name.startswith("slot-capture")]
+        if broken:
+            raise BenchError(f"the {'/'.join(a for a in options.arms if a in SLOT_ARMS)} arm(s) capture with "
+                             f"--cg-slot-capture, which these flags break: {' '.join(broken)}")
 
 
 def main(argv: Sequence[str]) -> int:

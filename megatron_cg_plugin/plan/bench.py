@@ -112,3 +112,24 @@ def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
         total += end - max(start, covered_until)
         covered_until = end
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTime:
+    """Per profiled step: how long the GPU was busy, how long it copied to and from the host
+    (activation offload), and how much of the copying ran while a kernel ran (hidden by compute)."""
+
+    busy_seconds: float
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+    copy_overlap_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, kernels: Sequence[tuple[float, float]], d2h: Sequence[tuple[float, float]],
+           h2d: Sequence[tuple[float, float]], *, steps: int, scale: float = 1.0) -> "DeviceTime":
+        """From device intervals (start, end) over ``steps`` steps, ``scale`` seconds per unit."""
+        copies = [*d2h, *h2d]
+        overlap = busy_seconds(kernels) + busy_seconds(copies) - busy_seconds([*kernels, *copies])
+        per_step = scale / steps
+        return cls(busy_seconds([*kernels, *copies]) * per_step, busy_seconds(d2h) * per_step,
+                   busy_seconds(h2d) * per_step, overlap * per_step)

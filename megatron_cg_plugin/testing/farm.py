@@ -280,6 +280,12 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
         banks = [bank for scope in result.report.get("scopes", []) for bank in scope.get("banks") or ()]
         problems += [f"bank CP {bank['cp_size']}: {bank['replays']} replays, {bank['rejected']} rejected"
                      for bank in banks if not bank["replays"] or bank["rejected"]]
+        # In-graph offload (--cg-slot-capture with Megatron's offload flags): the replays moved saves to the host.
+        if "--cg-slot-capture" in case.flags and "--fine-grained-activation-offloading" in case.flags:
+            scopes = result.report.get("scopes", [])
+            if not any(scope.get("offloaded_bytes") for scope in scopes):
+                problems.append("--cg-slot-capture with --fine-grained-activation-offloading offloaded nothing inside "
+                                f"the graphs: {[(s.get('scope'), s.get('offloaded_bytes')) for s in scopes]}")
     if case.check_golden and with_golden:
         if not case.golden_path.exists():
             problems.append(f"no golden file {case.golden_path}: write it from a real GPU run with "

@@ -70,7 +70,7 @@ def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dic
     assert sum(case["slot_arena_bytes"]) <= case["ring_of_largest_bytes"] + 512 * len(case["slot_arena_bytes"]), case
 
 
-@pytest.mark.parametrize("mode", ["layer0", "both"])
+@pytest.mark.parametrize("mode", ["layer0", "both", "both-serial"])
 def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe: dict, mode: str) -> None:
     """Issue 14: the planned saves go to pinned host arenas inside the graphs and come back for
     backward; replays stay bitwise eager, and the GPU arenas shrink by what went to the host."""
@@ -79,3 +79,19 @@ def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe
     assert case["exact"] and case["uncovered_bytes"] == 0, case
     assert sum(case["host_arena_bytes"]) > 0 and all(b > 0 for b in case["offloaded_bytes"].values())
     assert case["arena_bytes"] < base["arena_bytes"], (case, base)
+
+
+def test_a_save_written_later_in_the_forward_reaches_backward_as_saved_through_the_snapshot(probe: dict) -> None:
+    """The D2H copy reads a compute-stream snapshot, so a later in-place write of the saved storage
+    in the same forward (the D2H stream held back by a sleep) cannot reach the host copy; without
+    the snapshot the same replays differ from eager (the case can fail)."""
+    case, unprotected = probe["offload-edges/mutated"], probe["offload-edges/mutated-no-snapshot"]
+    assert "error" not in case and "error" not in unprotected, case.get("error") or unprotected.get("error")
+    assert case["offloaded_storages"] >= 1 and case["exact"], case
+    assert unprotected["exact_frames"] == 0, unprotected
+
+
+def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_views_keep_aliases(probe: dict) -> None:
+    case = probe["offload-edges/mixed-views"]
+    assert "error" not in case, case.get("error")
+    assert case["kept_storages"] >= 1 and case["offloaded_storages"] >= 1 and case["exact"], case

@@ -15,6 +15,7 @@ from megatron_cg_plugin import bench_output, cli
 from megatron_cg_plugin.bench_output import BenchOutputError
 from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
+from megatron_cg_plugin.plan.bench import DeviceTime
 
 STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126}
 
@@ -76,7 +77,7 @@ def bench_with_fakes(**options):
         profiled.append(trainer.arm)
         for _ in range(count):
             step()
-        return 0.009 if trainer.arm != "eager" else 0.015  # kernel seconds per step
+        return DeviceTime(0.009 if trainer.arm != "eager" else 0.015)  # device seconds per step
 
     result = run_bench(BenchOptions(**({"rounds": 4, "steps": 6, "skip_steps": 1} | options)), trainer, clock=clock,
                        progress=lines.append, profile=profile,
@@ -223,3 +224,44 @@ def test_contract_cost_times_every_mode_on_the_first_captured_layer():
     costs, replays = bench.contract_check_cost(helper, microbatches=4, repeats=50)
     assert set(costs) == {"full", "shapes", "off"} and all(us > 0 for us in costs.values())
     assert costs["off"] < costs["full"] and replays == 12
+
+
+def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(tmp_path):
+    import types
+
+    class SlotTrainer(FakeTrainer):
+        def capture(self, arm):
+            super().capture(arm)
+            layers = (types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),) * 2
+            return types.SimpleNamespace(arm=arm, capture_stats=types.SimpleNamespace(slot_layers=layers))
+
+        def release(self, helper):
+            super().release(helper.arm)
+
+    STEP_SECONDS.update({"slot": 0.0125, "slot-offload": 0.0130})
+    clock = Clock()
+    trainer = SlotTrainer(clock)
+
+    def profile(step, count, arm):
+        for _ in range(count):
+            step()
+        return DeviceTime(0.01, d2h_seconds=0.002 if arm == "slot-offload" else 0.0,
+                          h2d_seconds=0.002 if arm == "slot-offload" else 0.0, copy_overlap_seconds=0.003)
+
+    result = run_bench(BenchOptions(rounds=2, steps=3, skip_steps=1, arms=("stock", "slot", "slot-offload")), trainer,
+                       clock=clock, progress=lambda _: None, profile=profile)
+    arenas = {r.arm: (r.arena_bytes, r.host_arena_bytes) for r in result.blocks}
+    assert arenas == {"stock": (6 << 20, 0), "slot": (6 << 20, 0), "slot-offload": (6 << 20, 10 << 20)}
+    table = bench_output.markdown(result)
+    assert "| slot-offload | 2.00 | 2.00 | 75% |" in table and "| slot | 2.00 |" not in table  # only arms that copied
+    assert bench_output.from_json(json.loads(json.dumps(bench_output.to_json(result)))) == result
+
+
+def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
+    import types
+
+    args = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2, world_size=2)
+    bench.refuse_unbenchable(args, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
+    with pytest.raises(BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*"
+                                         "--pipeline-model-parallel-size 1"):
+        bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "slot-offload")))

@@ -87,3 +87,12 @@ def test_busy_time_is_at_most_the_sum_and_at_least_the_longest(pairs):
     assert total >= max((length for _, length in pairs), default=0)
     covered = {t for start, end in intervals for t in range(start, end)}
     assert total == len(covered)  # integer intervals: the covered unit steps
+
+
+def test_device_time_splits_copies_from_kernels_and_measures_their_overlap():
+    from megatron_cg_plugin.plan.bench import DeviceTime
+
+    kernels = [(0, 10), (12, 20)]
+    d2h, h2d = [(8, 14)], [(25, 27)]  # 8-10 and 12-14 under kernels, 10-12 and 25-27 alone
+    time = DeviceTime.of(kernels, d2h, h2d, steps=2, scale=1.0)
+    assert time == DeviceTime(busy_seconds=(18 + 2 + 2) / 2, d2h_seconds=3, h2d_seconds=1, copy_overlap_seconds=2)

@@ -66,9 +66,16 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                modules=("attn", "moe_router"), **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "banks-offload-in-graph": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                          modules=("attn",), activation_offloading=True,
-                                          offload_modules=("core_attn",)), "--offload-modules"),
+    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
+                                           offload_modules=("core_attn",), warmup_steps=0),
+                                "--cuda-graph-warmup-steps 1"),
+    "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
+                              "--pipeline-model-parallel-size 1"),
+    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-format"),
+    "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
+                                      **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
+    "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
+                                   "--delay-wgrad-compute"),
     "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                               overlap_param_gather=True), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
@@ -153,6 +160,13 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
+    # Offload inside the graphed scope: banks and --cg-slot-capture protect it (issue 14).
+    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+               modules=("attn",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True,
+               offload_modules=("attn_norm", "core_attn", "mlp_norm")),
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True,
+               offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
     assert violations(valid) == []

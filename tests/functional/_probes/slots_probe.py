@@ -261,9 +261,11 @@ def grouped(layers):
 
 def offload(result):
     """In-graph activation offload (issue 14): the wrap-ring2 order with 2 variants, offloading
-    layer 0's saves or both layers', against the same capture without offload; bitwise eager,
-    GPU arena and host arena bytes, and the replay time of a forward + backward with and without."""
+    layer 0's saves or both layers', with the copies on side streams (async) or on the compute
+    stream (serial), against the same capture without offload; bitwise eager, GPU arena and host
+    arena bytes, and the replay time of a forward + backward with and without."""
     from megatron_cg_plugin.capture.slotted import SlotOffload, capture_slotted
+    from megatron_cg_plugin.memory.offload import CudaTransfers, SerialTransfers
     from megatron_cg_plugin.plan.offload import OffloadPolicy
     from megatron_cg_plugin.plan.slots import plan_slots
 
@@ -274,9 +276,12 @@ def offload(result):
     variants = variants_for(2, stack)
     label, order, chosen = orders(2)[0]
     plan = plan_slots(order, chosen)
-    for mode, modules in (("none", None), ("layer0", {"core_attn"}), ("both", {"core_attn", "mlp_norm"})):
+    cp1_slot = next(frame.slot for frame in plan.frames if frame.variant == "cp1")
+    for mode, modules, transfers in (("none", None, None), ("layer0", {"core_attn"}, CudaTransfers),
+                                     ("both", {"core_attn", "mlp_norm"}, CudaTransfers),
+                                     ("both-serial", {"core_attn", "mlp_norm"}, SerialTransfers)):
         option = None if modules is None else SlotOffload(OffloadPolicy(frozenset(modules), min_tensor_elements=0),
-                                                          group=lambda: GROUP[0])
+                                                          group=lambda: GROUP[0], transfers=transfers)
 
         def describe(graphs):
             exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
@@ -287,7 +292,7 @@ def offload(result):
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                graphs.callable("cp1", 0)(x).backward(grad)
+                graphs.callable("cp1", cp1_slot)(x).backward(grad)
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
@@ -300,6 +305,105 @@ def offload(result):
 
         record_case(result, f"offload/{label}/{mode}",
                     lambda: capture_slotted(variants, plan, params, offload=option, debug=True), describe, width=600)
+
+
+def sleepy_transfers(snapshot):
+    """Side-stream copies whose D2H stream first sleeps (so the copy runs long after the save), with
+    or without the compute-stream snapshot the plugin takes before a D2H copy."""
+    from megatron_cg_plugin.memory.offload import CudaTransfers
+
+    class Sleepy(CudaTransfers):
+        def stage(self, source):
+            return super().stage(source) if snapshot else source
+
+        def to_host(self, host, staged):
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h):
+                torch.cuda._sleep(20_000_000)  # ~10 ms: the compute stream's later write lands first
+            super().to_host(host, staged)
+
+    return Sleepy
+
+
+def offload_edges(result):
+    """Issue 14's edge cases, each replayed (3 frames) against its eager reference:
+    - ``mutated``: a save's storage is written in place later in the same forward (through
+      ``.data``: no version bump, as a fused kernel writes), while the D2H stream sleeps. The
+      backward must see the value at save time (eager with a synchronous copy at save), with the
+      compute-stream snapshot; without it the copy reads the later write (``mutated-no-snapshot``
+      must differ, or the case proves nothing);
+    - ``mixed-views``: a storage saved once inside the offloaded group and once outside stays on
+      the GPU whole; a storage saved as two views inside the group comes back as two views of one
+      reloaded buffer."""
+    from megatron_cg_plugin.capture.slotted import SlotOffload, Variant, capture_slotted
+    from megatron_cg_plugin.memory.saved_tensors import ArenaSizer
+    from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.plan.slots import exclusive_plan
+
+    n = 512
+    weight = None  # each case its own parameter: no eager graph of one case reaches the next case's capture
+
+    def mutated(x):
+        h = x @ weight
+        GROUP[0] = "core_attn"
+        buf = torch.sigmoid(h)  # sigmoid saves its output: offloaded
+        GROUP[0] = None
+        out = buf * 3.0
+        buf.data.mul_(0.5)  # a later in-place write of the saved storage, in the same forward
+        return out
+
+    def mixed(x):
+        h = x @ weight
+        GROUP[0] = "core_attn"
+        shared = torch.tanh(h)  # saved in the group (tanh's output) ...
+        pair = torch.exp(h)
+        both = pair.t() @ pair  # ... pair saved twice, as two views of one storage, in the group
+        GROUP[0] = None
+        mixed_use = shared * torch.cos(h)  # ... and shared saved again outside it: it stays on the GPU
+        return both.sum(0) + mixed_use.sum(0)
+
+    def save_time_reference(fn, x, grad):
+        """Eager, each save copied at save time (a synchronous offload): the semantics to match."""
+        x = x.detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            out = fn(x)
+        grads = torch.autograd.grad(out, [x, weight], grad)
+        return [out.detach().clone()] + [g.clone() for g in grads]
+
+    policy = OffloadPolicy(frozenset({"core_attn"}), min_tensor_elements=0)
+    cases = (("mutated", mutated, sleepy_transfers(True)), ("mutated-no-snapshot", mutated, sleepy_transfers(False)),
+             ("mixed-views", mixed, None))
+    for name, fn, transfers in cases:
+        torch.manual_seed(99)
+        weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
+        sample = torch.randn(n, n, device="cuda", requires_grad=True)
+        option = SlotOffload(policy, group=lambda: GROUP[0], **({"transfers": transfers} if transfers else {}))
+
+        def describe(graphs, fn=fn):
+            exact = []
+            for frame in range(3):
+                gen = torch.Generator(device="cuda").manual_seed(frame)
+                x = torch.randn(n, n, device="cuda", generator=gen)
+                with torch.no_grad():
+                    grad_shape = fn(x).shape
+                grad = torch.randn(grad_shape, device="cuda", generator=gen)
+                want = save_time_reference(fn, x, grad)
+                xg = x.detach().requires_grad_(True)
+                out = graphs.callable(name, 0)(xg)
+                got = [out.detach().clone()] + [g.clone() for g in torch.autograd.grad(out, [xg, weight], grad)]
+                exact.append(all(torch.equal(a, b) for a, b in zip(got, want)))
+            sizer = ArenaSizer(device=sample.device, group=lambda: GROUP[0])
+            with sizer.hooks():
+                fn(sample.detach().requires_grad_(True))
+            warm_plan = plan_offload(sizer.saves, policy)
+            return {"exact": all(exact), "exact_frames": sum(exact), "offloaded_bytes": graphs.stats.offloaded_bytes,
+                    "kept_storages": len(warm_plan.kept), "offloaded_storages": len(warm_plan.offloaded),
+                    "uncovered_bytes": graphs.stats.uncovered_bytes}
+
+        record_case(result, f"offload-edges/{name}",
+                    lambda fn=fn, option=option, weight=weight: capture_slotted(
+                        [Variant(name, fn, (sample,))], exclusive_plan([name]), [weight], offload=option, debug=True),
+                    describe, width=600)
 
 
 def main():
@@ -319,6 +423,7 @@ def main():
             memory(result)
         if options.part in ("all", "offload"):
             offload(result)
+            offload_edges(result)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     with open(options.out, "w") as f:

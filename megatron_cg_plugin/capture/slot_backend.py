@@ -1,0 +1,165 @@
+"""``--cg-slot-capture``: Megatron's own ``create_cudagraphs`` with slot-shared capture standing in
+for TE's ``make_graphed_callables``, so a plain run (PP=1, one graph per layer) gets what graph banks
+have: each layer's backward state in an arena outside the pool, and in-graph activation offload.
+
+Megatron's lifecycle stays Megatron's: it builds each layer's sample arguments, calls the capture
+and hands graph i to layer i; its replay path (``_te_cuda_graph_replay``: scope post-processing,
+the delayed offload flush) calls the graph with the layer's tensors. Here every layer is captured
+by ``capture_slotted`` as one variant in one slot, all layers into one pool; the graphs' temporaries
+share the pool, and what a layer's forward leaves for its backward goes to that layer's arena.
+
+With Megatron's fine-grained offload flags (``--fine-grained-activation-offloading
+--offload-modules ...``), the saves of the offloaded modules inside the graphed scope go to a
+pinned host arena per layer, inside the graphs (``memory.offload``); Megatron's own offload keeps
+the modules outside the scope. During warmup and capture Megatron's offload interface only names
+its groups (``capture.offload_groups``), and the layers' ``offload_module_in_cuda_graph`` is off,
+so the capture callable does not join Megatron's offload streams (the arenas make their own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture
+from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.capture.transaction import Restorable
+from megatron_cg_plugin.plan.slots import exclusive_plan
+from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+
+VARIANT = "layer"
+# Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
+# first-microbatch switch (slot capture runs without FP8) and Megatron's offload streams (the
+# arenas' own streams do the copies).
+_NOT_INPUTS = ("is_first_microbatch", "cuda_graph_stream", "cuda_graph_event")
+
+
+class SlotCaptureError(ValueError):
+    """A capture ``--cg-slot-capture`` cannot serve; the message names what to change."""
+
+
+class SlotReplayError(RuntimeError):
+    """A replay call of a slot-captured layer its graph cannot serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSlotStats:
+    """What one layer's slot-shared graphs hold, for the run report."""
+
+    arena_bytes: int  # GPU arena: the saves that stay on the GPU
+    host_arena_bytes: int  # pinned host arena: the saves offloaded
+    offloaded_bytes: int  # per forward replay, to the host
+    boundary_bytes: int
+
+
+class SlotLayerGraph:
+    """One layer's graph as Megatron's replay path calls it: ``graph(hidden_states, **kwargs)``
+    returns the tuple of outputs; ``reset()`` frees it (Megatron's ``delete_cuda_graphs``)."""
+
+    def __init__(self, graphs: SlottedGraphs, label: str, arg_count: int, input_names: tuple[str, ...]) -> None:
+        self._graphs = graphs
+        self._replay = graphs.callable(VARIANT, 0)
+        self.label, self.arg_count, self.input_names = label, arg_count, input_names
+
+    @property
+    def stats(self) -> LayerSlotStats:
+        stats = self._graphs.stats
+        return LayerSlotStats(arena_bytes=stats.arena_bytes, host_arena_bytes=sum(stats.host_arena_bytes),
+                              offloaded_bytes=sum(stats.offloaded_bytes.values()), boundary_bytes=stats.boundary_bytes)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        unknown = sorted(name for name, value in kwargs.items()
+                         if name not in self.input_names and name not in _NOT_INPUTS and value is not None)
+        missing = [name for name in self.input_names if kwargs.get(name) is None]
+        if len(args) != self.arg_count or unknown or missing:
+            raise SlotReplayError(
+                f"{self.label}: the graph was captured with {self.arg_count} positional tensor(s) and keyword tensors "
+                f"{list(self.input_names)}, but the replay passes {len(args)} positional, {unknown} unknown and "
+                f"{missing} missing: the call differs from the sample Megatron captured with (a changed "
+                "--cuda-graph-modules or attention mask setting between capture and training?).")
+        outputs = self._replay(*args, *(kwargs[name] for name in self.input_names))
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    def reset(self) -> None:
+        self._graphs.reset()
+
+
+def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
+    """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
+    fp8 = kwargs.get("fp8_enabled", False)
+    if any(fp8 if isinstance(fp8, tuple) else (fp8,)):
+        raise SlotCaptureError("--cg-slot-capture captures without FP8 for now (quantizer state outside saved tensors "
+                               "is not protected in slot-shared memory): drop --fp8-format, or drop --cg-slot-capture.")
+    if len(sample_args) != len(callables):
+        raise SlotCaptureError(
+            f"Megatron asks for {len(sample_args)} graphs of {len(callables)} layers (one per microbatch in flight: "
+            "pipeline parallelism or --overlap-moe-expert-parallel-comm); --cg-slot-capture captures one graph per "
+            "layer: use --pipeline-model-parallel-size 1 without EP overlap, or drop --cg-slot-capture.")
+    for layer in callables:
+        scopes = set(module_names(getattr(layer.config, "cuda_graph_modules", None)))
+        if getattr(layer, "is_moe_layer", False) and scopes & PARTIAL_MOE_SCOPES:
+            raise SlotCaptureError(
+                f"--cuda-graph-modules {' '.join(sorted(scopes))} ends the graph inside the MoE block and hands routing "
+                "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
+
+
+def _moe_block_in_graph(layer: Any) -> bool:
+    scopes = module_names(layer.config.cuda_graph_modules)
+    return getattr(layer, "is_moe_layer", False) and (not scopes or "moe" in scopes)
+
+
+def _layer_variant(layer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Variant, tuple[str, ...]]:
+    """The layer's capture call as a variant: positional tensors, then keyword tensors by name."""
+    names = tuple(name for name, value in kwargs.items() if value is not None)
+    arg_count = len(args)
+    # A graphed MoE block leaves its dispatcher's per-forward state on attributes: a temporary of the graph.
+    call: Callable[..., Any] = clearing(layer, moe_dispatcher_scratch(layer)) if _moe_block_in_graph(layer) else layer
+
+    def forward(*tensors: Any) -> Any:
+        return call(*tensors[:arg_count], **dict(zip(names, tensors[arg_count:])))
+
+    return Variant(VARIANT, forward, (*args, *(kwargs[name] for name in names))), names
+
+
+class SlotBackend(TEBackend):
+    """A ``GraphBackend`` whose capture call is slot-shared capture, layer by layer, into one pool.
+    Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
+
+    def __init__(self, *, offload: bool = True, debug: bool = False) -> None:
+        self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
+        self.debug = debug
+
+    def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
+        return [_generators_out_of_capture()]  # TE's capture flag is restored by capture_slotted itself
+
+    def make_graphed_callables(self, callables: tuple, sample_args: Sequence, **kwargs: Any) -> Sequence[Callable]:
+        import torch
+
+        check_slot_capture_call(callables, sample_args, kwargs)
+        sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
+        offload = InGraphOffload.from_config(callables[0].config, callables, offload=self.offload)
+        warmup = max(1, int(kwargs.get("num_warmup_iters", 2)))
+        # One pool and one capture stream for every layer: the allocator reuses a freed pool block
+        # only for the stream it was allocated on, so layers captured on streams of their own
+        # would each grow the pool by their temporaries.
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        graphs: list[SlotLayerGraph] = []
+        try:
+            with offload.capturing() if offload is not None else contextlib.nullcontext():
+                for index, (layer, args, layer_kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)):
+                    variant, names = _layer_variant(layer, tuple(args), dict(layer_kwargs))
+                    slotted = capture_slotted(
+                        [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
+                        warmup_iterations=warmup,
+                        debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
+                        offload=None if offload is None else offload.slot_offload())
+                    label = f"layer {getattr(layer, 'layer_number', index + 1)}"
+                    graphs.append(SlotLayerGraph(slotted, label, len(args), names))
+        except BaseException:
+            for graph in graphs:
+                graph.reset()
+            raise
+        return tuple(graphs)

@@ -1,0 +1,153 @@
+"""``--cg-slot-capture`` (capture/slot_backend.py, capture/offload_groups.InGraphOffload) on CPU: what
+the capture call refuses, how a replay call maps onto the graph's inputs, Megatron's offload
+interface and the layers' in-graph flag during capture, and which backend the helper picks. The
+capture itself needs a GPU: tests/functional/test_slot_capture_megatron.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from megatron.core.pipeline_parallel import fine_grained_activation_offload as megatron_offload
+
+from megatron_cg_plugin.capture import slot_backend
+from megatron_cg_plugin.capture.backend import TEBackend
+from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.capture.slot_backend import (
+    SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call,
+)
+from megatron_cg_plugin.config import ConfigError, PluginConfig
+from megatron_cg_plugin.helper import bind_helper_class
+from megatron_cg_plugin.plan.offload import OffloadPolicy
+from megatron_cg_plugin.session import RunSession
+
+
+def layer(modules=(), moe=False):
+    config = types.SimpleNamespace(cuda_graph_modules=[types.SimpleNamespace(name=m) for m in modules])
+    return types.SimpleNamespace(config=config, is_moe_layer=moe, layer_number=1)
+
+
+def test_fp8_capture_is_refused_naming_the_flag():
+    with pytest.raises(SlotCaptureError, match="--fp8-format"):
+        check_slot_capture_call([layer()], [()], {"fp8_enabled": (True,)})
+
+
+def test_one_graph_per_microbatch_in_flight_is_refused_naming_pipeline_parallelism():
+    with pytest.raises(SlotCaptureError, match="--pipeline-model-parallel-size 1"):
+        check_slot_capture_call([layer()], [(), ()], {})
+
+
+def test_partial_moe_scope_is_refused_and_whole_blocks_pass():
+    with pytest.raises(SlotCaptureError, match="attn moe"):
+        check_slot_capture_call([layer(("attn", "moe_router"), moe=True)], [()], {})
+    check_slot_capture_call([layer(("attn", "moe"), moe=True), layer(("attn", "moe_router"))], [(), ()],
+                            {"fp8_enabled": False})
+
+
+class FakeSlotted:
+    def __init__(self):
+        self.calls = []
+        self.was_reset = False
+        self.stats = types.SimpleNamespace(arena_bytes=10, host_arena_bytes=(4, 0), offloaded_bytes={"layer": 4},
+                                           boundary_bytes=3)
+
+    def callable(self, variant, slot):
+        assert (variant, slot) == ("layer", 0)
+
+        def replay(*tensors):
+            self.calls.append(tensors)
+            return tensors[0] * 2
+
+        return replay
+
+    def reset(self):
+        self.was_reset = True
+
+
+def test_replay_maps_keyword_tensors_in_capture_order_and_ignores_what_is_no_input():
+    slotted = FakeSlotted()
+    graph = SlotLayerGraph(slotted, "layer 1", 1, ("attention_mask", "rotary_pos_emb"))
+    hidden, mask, rope = torch.ones(2), torch.zeros(2, dtype=torch.bool), torch.full((2,), 3.0)
+    out = graph(hidden, rotary_pos_emb=rope, attention_mask=mask, is_first_microbatch=True, cuda_graph_stream=object())
+    assert isinstance(out, tuple) and torch.equal(out[0], hidden * 2)  # Megatron takes list(...) of it
+    assert slotted.calls[0][1] is mask and slotted.calls[0][2] is rope
+    assert graph.stats == slot_backend.LayerSlotStats(arena_bytes=10, host_arena_bytes=4, offloaded_bytes=4,
+                                                      boundary_bytes=3)
+    graph.reset()
+    assert slotted.was_reset
+
+
+@pytest.mark.parametrize("call, problem", [
+    (lambda g, t: g(t, t), "2 positional"),
+    (lambda g, t: g(t), "['attention_mask'] missing"),
+    (lambda g, t: g(t, attention_mask=t, context=t), "['context'] unknown"),
+])
+def test_a_replay_call_unlike_the_capture_is_refused(call, problem):
+    graph = SlotLayerGraph(FakeSlotted(), "layer 1", 1, ("attention_mask",))
+    with pytest.raises(SlotReplayError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        call(graph, torch.ones(1))
+
+
+def test_layer_variant_passes_keyword_tensors_by_name_and_drops_none():
+    seen = {}
+
+    def fake_layer(hidden, **kwargs):
+        seen.update(kwargs, hidden=hidden)
+        return (hidden,)
+
+    fake_layer.config = types.SimpleNamespace(cuda_graph_modules=[])
+    hidden, mask = torch.ones(1), torch.zeros(1)
+    variant, names = _layer_variant(fake_layer, (hidden,), {"attention_mask": mask, "rotary_pos_emb": None})
+    assert names == ("attention_mask",) and len(variant.sample_args) == 2
+    variant.fn(*variant.sample_args)
+    assert seen["hidden"] is hidden and seen["attention_mask"] is mask and "rotary_pos_emb" not in seen
+
+
+def test_in_graph_offload_names_groups_and_turns_the_layers_flag_off_only_while_capturing():
+    interface = megatron_offload.FineGrainedActivationOffloadingInterface
+    enter_before = interface.__dict__["__enter__"]
+    layers = [torch.nn.Module(), torch.nn.Module()]
+    layers[0].offload_module_in_cuda_graph = True
+    layers[1].offload_module_in_cuda_graph = False
+    offload = InGraphOffload(OffloadPolicy.from_flags(["core_attn"]), layers)
+    tensor = torch.ones(2)
+    with offload.capturing():
+        assert layers[0].offload_module_in_cuda_graph is False
+        with interface(True, tensor, "core_attn") as inside:
+            assert inside is tensor and offload.slot_offload().group() == "core_attn"
+            assert interface(True, tensor, "core_attn").group_offload(tensor) is tensor
+        with interface(False, tensor, "attn_norm"):  # a module the run does not offload: no group
+            assert offload.tracker.current() is None
+    assert layers[0].offload_module_in_cuda_graph is True and layers[1].offload_module_in_cuda_graph is False
+    assert interface.__dict__["__enter__"] is enter_before
+
+
+def test_in_graph_offload_follows_megatrons_config_fields():
+    config = types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_norm"],
+                                   min_offloaded_tensor_size=16, activation_offload_fraction=0.5)
+    offload = InGraphOffload.from_config(config, [])
+    assert offload.policy == OffloadPolicy(frozenset({"core_attn", "mlp_norm"}), 16, 0.5)
+    assert InGraphOffload.from_config(types.SimpleNamespace(fine_grained_activation_offloading=False), []) is None
+    # Without in-graph offload, Megatron's hooks are still kept out of the capture; nothing goes to the host.
+    kept_out = InGraphOffload.from_config(config, [], offload=False)
+    assert kept_out.policy is None and kept_out.slot_offload() is None
+
+
+class Base:
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("slot_capture, expected", [(False, TEBackend), (True, SlotBackend)])
+def test_the_helper_captures_through_the_backend_the_config_asks_for(slot_capture, expected):
+    session = RunSession(PluginConfig(slot_capture=slot_capture))
+    helper = bind_helper_class(Base, session)()
+    assert type(helper.capture_backend()) is expected
+    given = object()
+    assert bind_helper_class(Base, session, backend=given)().capture_backend() is given
+
+
+def test_slot_capture_and_graph_banks_together_are_refused():
+    with pytest.raises(ConfigError, match="drop --cg-slot-capture"):
+        PluginConfig(slot_capture=True, graph_banks=True)
