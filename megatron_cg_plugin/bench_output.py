@@ -12,8 +12,9 @@ from megatron_cg_plugin.plan.bench import BenchSummary, Block, Spread, summarize
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
-# (--cg-slot-capture), without and with in-graph offload of the modules Megatron's offload flags name.
-SLOT_ARMS = ("slot", "slot-offload")
+# (--cg-slot-capture), without and with offload of the modules Megatron's offload flags name, the
+# copies inside the graphs (slot-offload) or between replays (slot-offload-staged): --cg-offload-copies.
+SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
 ALL_ARMS = ARMS + SLOT_ARMS
 
 

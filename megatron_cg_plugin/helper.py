@@ -201,7 +201,7 @@ class PluginHelperMixin:
         if self.session.config.slot_capture:
             from megatron_cg_plugin.capture.slot_backend import SlotBackend
 
-            return SlotBackend(debug=self.session.config.slot_debug)
+            return SlotBackend(copies=self.session.config.offload_copies, debug=self.session.config.slot_debug)
         from megatron_cg_plugin.capture.backend import TEBackend
 
         return TEBackend()
@@ -233,7 +233,8 @@ class PluginHelperMixin:
         baseline = diagnostics.memory_state()
         try:
             banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
-                                   debug=config.slot_debug, contract_check=config.contract_check)
+                                   debug=config.slot_debug, contract_check=config.contract_check,
+                                   offload_copies=config.offload_copies)
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
             self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
             with contextlib.suppress(Exception):

@@ -41,6 +41,7 @@ import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
 from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
@@ -269,7 +270,8 @@ class BankReplayCounts(ReplayTotals):
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
-                  warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True) -> BankedLayers:
+                  warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True,
+                  offload_copies: str = "in-graph") -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
@@ -278,7 +280,8 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     must call this with the same layers and sizes (the captures of a bank communicate). ``debug``,
     ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. With ``offload`` the
     modules Megatron's fine-grained offload flags name inside the graphed scope go to pinned host
-    arenas inside the bank graphs (``capture.offload_groups.InGraphOffload``). On failure every
+    arenas (``capture.offload_groups.InGraphOffload``), copied between replays through one staging
+    ring for all layers or inside the graphs (``offload_copies``, ``--cg-offload-copies``). On failure every
     graph captured so far is reset and no layer is left banked."""
     layers = list(layers)
     sizes = sorted(groups)
@@ -288,13 +291,14 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     result = BankedLayers({}, {}, layers)
     in_graph = InGraphOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
+    ring = StagingRing(torch.cuda.current_device()) if offload_copies == "between-replays" else None
     try:
         with in_graph.capturing() if in_graph is not None else contextlib.nullcontext():
             for layer in layers:
                 _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
                                      stream=stream,
                                      debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
-                                     offload=None if in_graph is None else in_graph.slot_offload())
+                                     offload=None if in_graph is None else in_graph.slot_offload(ring))
     except BaseException:
         result.reset()
         raise

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 
 from megatron_cg_plugin import patches
 from megatron_cg_plugin.capture.slotted import SlotOffload
+from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPolicy
 
 
@@ -77,8 +78,10 @@ class InGraphOffload:
             return None
         return cls(OffloadPolicy.from_args(config) if offload else None, layers)
 
-    def slot_offload(self) -> SlotOffload | None:
-        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current)
+    def slot_offload(self, staging: StagingRing | None = None) -> SlotOffload | None:
+        """The offload of one capture: copies between replays through ``staging`` (shared by every
+        layer's capture), or inside the graphs without it."""
+        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current, staging=staging)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

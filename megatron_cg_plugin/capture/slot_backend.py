@@ -27,6 +27,7 @@ from megatron_cg_plugin.capture.offload_groups import InGraphOffload
 from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
+from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
 
@@ -49,7 +50,7 @@ class SlotReplayError(RuntimeError):
 class LayerSlotStats:
     """What one layer's slot-shared graphs hold, for the run report."""
 
-    arena_bytes: int  # GPU arena: the saves that stay on the GPU
+    arena_bytes: int  # GPU: the arena of the saves that stay, and the staging buffers this layer added to the ring
     host_arena_bytes: int  # pinned host arena: the saves offloaded
     offloaded_bytes: int  # per forward replay, to the host
     boundary_bytes: int
@@ -67,7 +68,8 @@ class SlotLayerGraph:
     @property
     def stats(self) -> LayerSlotStats:
         stats = self._graphs.stats
-        return LayerSlotStats(arena_bytes=stats.arena_bytes, host_arena_bytes=sum(stats.host_arena_bytes),
+        return LayerSlotStats(arena_bytes=stats.arena_bytes + stats.staging_bytes,
+                              host_arena_bytes=sum(stats.host_arena_bytes),
                               offloaded_bytes=sum(stats.offloaded_bytes.values()), boundary_bytes=stats.boundary_bytes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple:
@@ -128,8 +130,9 @@ class SlotBackend(TEBackend):
     """A ``GraphBackend`` whose capture call is slot-shared capture, layer by layer, into one pool.
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
-    def __init__(self, *, offload: bool = True, debug: bool = False) -> None:
+    def __init__(self, *, offload: bool = True, copies: str = "in-graph", debug: bool = False) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
+        self.copies = copies  # --cg-offload-copies
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
@@ -146,6 +149,7 @@ class SlotBackend(TEBackend):
         # only for the stream it was allocated on, so layers captured on streams of their own
         # would each grow the pool by their temporaries.
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
         graphs: list[SlotLayerGraph] = []
         try:
             with offload.capturing() if offload is not None else contextlib.nullcontext():
@@ -155,7 +159,7 @@ class SlotBackend(TEBackend):
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
-                        offload=None if offload is None else offload.slot_offload())
+                        offload=None if offload is None else offload.slot_offload(ring))
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
                     graphs.append(SlotLayerGraph(slotted, label, len(args), names))
         except BaseException:

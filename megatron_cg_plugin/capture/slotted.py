@@ -36,8 +36,11 @@ from megatron_cg_plugin.capture.contracts import CONTRACT_MODES, ContractViolati
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.memory.guard import SlotGuard
 from megatron_cg_plugin.memory.layout import span_elements, span_of
-from megatron_cg_plugin.memory.offload import CudaTransfers, HostArena, OffloadingArenaHooks, Transfers
+from megatron_cg_plugin.memory.offload import (
+    CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers,
+)
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
+from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
 from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
 
@@ -70,6 +73,9 @@ class SlotOffload:
     policy: OffloadPolicy
     group: Callable[[], str | None]
     transfers: Callable[[], Transfers] = CudaTransfers
+    # Given: the copies run between replays through this ring of staging buffers, shared by every
+    # capture that passes it (memory.staging); None: inside the graphs, through ``transfers``.
+    staging: StagingRing | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +93,8 @@ class SlottedStats:
     retained_bytes: int  # pool blocks still allocated after every capture (library workspaces)
     uncovered_bytes: int  # backward state outside the arenas (0 when protected; strict refuses more)
     offloaded_bytes: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # per variant, to the host
-    host_arena_bytes: tuple[int, ...] = ()  # per slot, pinned
+    host_arena_bytes: tuple[int, ...] = ()  # pinned: per slot (in-graph copies) or per graph (between replays)
+    staging_bytes: int = 0  # GPU staging buffers this capture added to the ring (between replays)
 
     @property
     def total_bytes(self) -> int:
@@ -202,6 +209,7 @@ class _Entry:
         self.frames = 0
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
+        self.staged: StagedFrame | None = None  # offload between replays: the copies around them
 
     def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"parameter {index}", param) for index, param in enumerate(self.params)]
@@ -218,6 +226,7 @@ class _Entry:
         self.forward_graph = self.backward_graph = None
         self.boundary = None
         self.param_grads = ()
+        self.staged = None
 
     def _check_live(self) -> None:
         if self.forward_graph is None:
@@ -237,7 +246,11 @@ class _Entry:
         self.frame = f"{self.name} (forward #{self.frames})"
         if self.guard is not None:
             self.guard.acquire(self.slot, self.frame)
+        if self.staged is not None:
+            self.staged.before_forward()
         self.forward_graph.replay()
+        if self.staged is not None:
+            self.staged.after_forward()
         return tuple(surface.view.detach() for surface in self.boundary.outputs)
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
@@ -249,7 +262,11 @@ class _Entry:
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
                 static.copy_(grad)
+        if self.staged is not None:
+            self.staged.before_backward()
         self.backward_graph.replay()
+        if self.staged is not None:
+            self.staged.after_backward()
         if self.guard is not None:
             self.guard.release(self.slot, self.frame or self.name)
         input_grads = tuple(None if surface is None else surface.view.detach() for surface in self.boundary.input_grads)
@@ -351,7 +368,8 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
         ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
         retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()),
         offloaded_bytes={name: p.host_bytes for name, p in offloading.plans.items()},
-        host_arena_bytes=tuple(h.buffer.numel() for h in offloading.host_arenas))
+        host_arena_bytes=tuple(h.buffer.numel() for h in offloading.host_arenas),
+        staging_bytes=offloading.staging_bytes)
     return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool, offloading])
 
 
@@ -367,18 +385,39 @@ class _CaptureOptions:
 
 @dataclasses.dataclass
 class _Offloading:
-    """The offload side of one slot-shared capture: each variant's plan, each slot's host arena."""
+    """The offload side of one slot-shared capture: each variant's plan, the pinned host arenas
+    (per slot for in-graph copies, per graph for copies between replays) and the copy engine."""
 
     plans: dict[Hashable, OffloadPlan]
     host_arenas: list[HostArena]
     transfers: Transfers | None
+    staged: dict[tuple[Hashable, int], StagedFrame] = dataclasses.field(default_factory=dict)
+    staging_bytes: int = 0
 
     def frame(self, variant: Hashable, slot: int) -> tuple[HostArena, OffloadPlan, Transfers] | None:
         plan = self.plans.get(variant)
-        if plan is None or not plan.offloaded:
+        if plan is None or not plan.offloaded or self.transfers is None:
             return None
-        assert self.transfers is not None
         return self.host_arenas[slot], plan, self.transfers
+
+    @classmethod
+    def plan(cls, offload: "SlotOffload", measures: dict[Hashable, "_Measure"], ring_size: int,
+             slots_of: dict[Hashable, tuple[int, ...]], placed: list[tuple[Variant, int]]) -> "_Offloading":
+        """Plans from the warmup records; pinned memory is taken here, before any capture, so what
+        cannot be had is refused naming the bytes (``HostArenaError``)."""
+        plans = {name: plan_offload(m.saves, offload.policy) for name, m in measures.items()}
+        if offload.staging is None:
+            return cls(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
+                               in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers())
+        ring, before = offload.staging, offload.staging.nbytes
+        hosts, staged = [], {}
+        for slot in range(ring_size):  # one position in the ring per slot: a slot's variants never overlap
+            ring.advance()
+            for variant in (v for v, s in placed if s == slot and plans[v.name].offloaded):
+                plan = plans[variant.name]
+                hosts.append(HostArena(plan.host_bytes, name=f"host arena of {variant.name!r} in slot {slot}"))
+                staged[variant.name, slot] = ring.frame(plan.host_bytes, hosts[-1], f"{variant.name!r} in slot {slot}")
+        return cls(plans, hosts, None, staged, ring.nbytes - before)
 
 
 def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
@@ -393,13 +432,8 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
 
     device = variants[0].sample_args[0].device if variants[0].sample_args else torch.device("cuda")
     placed = [(v, slot) for v in variants for slot in slots_of[v.name]]
-    offloading = _Offloading({}, [], None)
-    if options.offload is not None:
-        plans = {name: plan_offload(m.saves, options.offload.policy) for name, m in measures.items()}
-        # Pinned before any capture: memory that cannot be had is refused here, naming the bytes.
-        offloading = _Offloading(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
-                                         in enumerate(host_arena_bytes(ring_size, slots_of, plans))],
-                                 options.offload.transfers())
+    offloading = _Offloading({}, [], None) if options.offload is None else \
+        _Offloading.plan(options.offload, measures, ring_size, slots_of, placed)
     arenas = [Arena(arena_bytes, device, name=f"slot {slot}")
               for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
         if options.protect else []
@@ -412,10 +446,13 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     retained = 0
     torch.cuda.synchronize()
     with CaptureTransaction([]) as transaction:
-        for (_, slot), entry in entries.items():
-            arena = arenas[slot] if options.protect else None
+        for key, entry in entries.items():
+            arena = arenas[key[1]] if options.protect else None
+            staged = offloading.staged.get(key)
             retained += _capture_entry(entry, arena, pool, stream, transaction, options.strict,
-                                       offloading.frame(entry.variant.name, slot))
+                                       offloading.frame(*key), None if staged is None else offloading.plans[key[0]],
+                                       staged)
+            entry.staged = staged
     return entries, arenas, boundaries, param_grads, measures, retained, offloading
 
 
@@ -490,17 +527,21 @@ def _live(pool: Any) -> dict[int, int]:
 
 
 def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, transaction: CaptureTransaction,
-                   strict: bool, offload: tuple[HostArena, OffloadPlan, Transfers] | None = None) -> int:
+                   strict: bool, offload: tuple[HostArena, OffloadPlan, Transfers] | None = None,
+                   staged_plan: OffloadPlan | None = None, staged: StagedFrame | None = None) -> int:
     """Captures one variant's forward and backward for one slot; returns the pool bytes still
     allocated afterwards that were not before (library workspaces; 0 normally). With ``offload``
     (the slot's host arena, the variant's plan, the copy engine) the planned saves go to the host,
-    and both graphs join the copy streams before they end."""
+    and both graphs join the copy streams before they end; with ``staged`` (and its plan) they go
+    to the frame's staging buffer, and the copies run between replays."""
     boundary, variant = entry.boundary, entry.variant
     for static, sample in zip(boundary.inputs, variant.sample_args):
         static.detach().copy_(sample)
     before = _live(pool)
-    hooks = (ArenaHooks(arena) if offload is None else OffloadingArenaHooks(arena, *offload)) \
-        if arena is not None else None
+    hooks: ArenaHooks | None = None
+    if arena is not None:
+        hooks = OffloadingArenaHooks(arena, *offload) if offload is not None else \
+            StagedArenaHooks(arena, staged.staging, staged_plan) if staged is not None else ArenaHooks(arena)
 
     forward = torch.cuda.CUDAGraph()
     transaction.track(forward)

@@ -6,7 +6,8 @@ The launcher builds Megatron's model, optimizer and data from the flags and ente
 ``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
 ``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's with slot-shared
-capture for ``slot`` and with in-graph offload too for ``slot-offload``), captures, trains its
+capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs) and
+``slot-offload-staged`` (copies between replays)), captures, trains its
 steps and tears down, so the next graphed block captures again. Every step is a real Megatron
 ``train_step`` on the next batch, so the weights move on through the run as in training.
 """
@@ -194,7 +195,8 @@ class MegatronTrainer:
         from megatron_cg_plugin.helper import bind_helper_class
 
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin, **{
-            arm: bind_helper_class(TECudaGraphHelper, plugin.session, SlotBackend(offload=arm == "slot-offload"))
+            arm: bind_helper_class(TECudaGraphHelper, plugin.session, SlotBackend(
+                offload=arm != "slot", copies="between-replays" if arm.endswith("staged") else "in-graph"))
             for arm in SLOT_ARMS}}
 
     def step(self) -> None:

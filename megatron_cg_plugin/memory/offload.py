@@ -200,64 +200,50 @@ class _Offloaded:
     version: int
 
 
-class OffloadingArenaHooks(ArenaHooks):
-    """``ArenaHooks`` for one frame that follows ``plan``: its offloaded storages go to ``host``."""
+class PlannedArenaHooks(ArenaHooks):
+    """``ArenaHooks`` for one frame that follows an offload ``plan``: storages are numbered as
+    ``ArenaSizer`` numbered them at warmup; the kept ones go to the GPU arena, the offloaded ones to
+    ``_offload`` (subclasses: in-graph copies to the host, or a staging buffer)."""
 
-    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers) -> None:
+    def __init__(self, arena: Arena, plan: OffloadPlan) -> None:
         super().__init__(arena)
-        host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
-        self.host, self.plan, self.transfers = host, plan, transfers
+        self.plan = plan
         self._group_of = {storage: group for group, storages in plan.groups for storage in storages}
         self._ordinal: dict[tuple[Any, int], int] = {}  # storage key -> ordinal, as ArenaSizer numbered them
         self._storages_seen = 0
-        self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
-        self._reloaded: dict[int, torch.Tensor] = {}  # ordinal -> device buffer, in backward
         self._unpacks_left: dict[int, int] = {}  # ordinal -> saves of it not unpacked yet
-        self._requested: set[str] = set()
-        self._staging_group: str | None = None
         self.offloaded_bytes = 0
-        transfers.reset()
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.kept_as_is(tensor) or hasattr(tensor, "prepare_for_saving"):
             return super().pack(tensor)  # a decomposed tensor's parts come back through here
         key = _storage_key(tensor)
         known = self._storages.get(key)
-        if known is None or known[1].expired():  # a new storage (maybe at a reused address): the next ordinal
+        new = known is None or known[1].expired()
+        if new:  # a new storage (maybe at a reused address): the next ordinal
             self._ordinal[key] = self._storages_seen
             self._storages_seen += 1
         ordinal = self._ordinal[key]
         if ordinal not in self._group_of:
             return super().pack(tensor)
-        if known is None or known[1].expired():
+        if new:
+            self._check_bytes(ordinal, tensor.untyped_storage().nbytes())
             self._storages[key] = (self._offload(ordinal, tensor), StorageWeakRef(tensor.untyped_storage()))
+            self.offloaded_bytes += tensor.untyped_storage().nbytes()
         self._unpacks_left[ordinal] = self._unpacks_left.get(ordinal, 0) + 1
         return _Offloaded(ordinal, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
                           tensor._version)
 
     def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
+        raise NotImplementedError
+
+    def _check_bytes(self, ordinal: int, nbytes: int) -> None:
         if nbytes != self.plan.storage_bytes[ordinal]:
             raise OffloadPlanError(
                 f"storage {ordinal} of the frame holds {nbytes} bytes under capture but {self.plan.storage_bytes[ordinal]} "
                 "at warmup: the forward saves differently under capture (a branch on torch.cuda.is_current_stream_"
                 "capturing(), shapes that changed?), so its offload plan does not fit; keep the forward the same or "
                 "capture without offload.")
-        group = self._group_of[ordinal]
-        if group != self._staging_group:  # the previous group's copies are done before this one stages
-            self.transfers.join_forward()
-            self._staging_group = group
-        offset = self.host.reserve(nbytes)
-        span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.transfers.to_host(self.host.buffer[offset:offset + nbytes], self.transfers.stage(span))
-        self._host_span[ordinal] = (offset, nbytes)
-        self.offloaded_bytes += nbytes
-        return offset
-
-    def join_forward(self) -> None:
-        self.transfers.join_forward()
-        self._staging_group = None
 
     def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
         packed = self.pack(tensor)
@@ -267,6 +253,64 @@ class OffloadingArenaHooks(ArenaHooks):
                 "stay in the GPU arena, and so must every view of their storage; the warmup recorded it otherwise "
                 "(an offload group name that outlives the forward?).")
         return self.unpack(packed)
+
+
+class StagedArenaHooks(PlannedArenaHooks):
+    """Offload between replays (``memory.staging``): the offloaded storages go, inside the forward
+    graph, to ``staging`` (the frame's staging buffer), on the compute stream like the arena copies;
+    backward reads them there once the ring has brought them back."""
+
+    def __init__(self, arena: Arena, staging: Arena, plan: OffloadPlan) -> None:
+        super().__init__(arena, plan)
+        self.staging = staging
+        staging.reset()
+        self._staged_at: dict[int, int] = {}  # ordinal -> byte offset in the staging buffer
+
+    def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        offset = self.staging.reserve(storage.nbytes())
+        source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self.staging.buffer[offset:offset + storage.nbytes()].copy_(source)
+        self._staged_at[ordinal] = offset
+        return offset
+
+    def unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Offloaded):
+            return super().unpack(packed)
+        element = torch.empty(0, dtype=packed.dtype).element_size()
+        return saved_view(self.staging.buffer, self._staged_at[packed.storage] // element, packed)
+
+
+class OffloadingArenaHooks(PlannedArenaHooks):
+    """In-graph offload: the frame's offloaded storages go to ``host`` through ``transfers``
+    inside the forward graph, and come back inside the backward graph (module docstring)."""
+
+    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers) -> None:
+        super().__init__(arena, plan)
+        host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
+        self.host, self.transfers = host, transfers
+        self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
+        self._reloaded: dict[int, torch.Tensor] = {}  # ordinal -> device buffer, in backward
+        self._requested: set[str] = set()
+        self._staging_group: str | None = None
+        transfers.reset()
+
+    def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        group = self._group_of[ordinal]
+        if group != self._staging_group:  # the previous group's copies are done before this one stages
+            self.transfers.join_forward()
+            self._staging_group = group
+        offset = self.host.reserve(nbytes)
+        span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self.transfers.to_host(self.host.buffer[offset:offset + nbytes], self.transfers.stage(span))
+        self._host_span[ordinal] = (offset, nbytes)
+        return offset
+
+    def join_forward(self) -> None:
+        self.transfers.join_forward()
+        self._staging_group = None
 
     def unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Offloaded):

@@ -70,7 +70,7 @@ def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dic
     assert sum(case["slot_arena_bytes"]) <= case["ring_of_largest_bytes"] + 512 * len(case["slot_arena_bytes"]), case
 
 
-@pytest.mark.parametrize("mode", ["layer0", "both", "both-serial"])
+@pytest.mark.parametrize("mode", ["layer0", "both", "both-serial", "both-staged"])
 def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe: dict, mode: str) -> None:
     """Issue 14: the planned saves go to pinned host arenas inside the graphs and come back for
     backward; replays stay bitwise eager, and the GPU arenas shrink by what went to the host."""
@@ -89,6 +89,8 @@ def test_a_save_written_later_in_the_forward_reaches_backward_as_saved_through_t
     assert "error" not in case and "error" not in unprotected, case.get("error") or unprotected.get("error")
     assert case["offloaded_storages"] >= 1 and case["exact"], case
     assert unprotected["exact_frames"] == 0, unprotected
+    staged = probe["offload-edges/mutated-staged"]  # copies between replays: staged in the graph, in stream order
+    assert "error" not in staged and staged["exact"], staged
 
 
 def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_views_keep_aliases(probe: dict) -> None:

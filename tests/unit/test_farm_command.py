@@ -206,3 +206,21 @@ def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_
                replays=8, pool_mib=28.0, capture_s=1.0, moe_dropped=0.0312, moe_capacity=384, moe_uniform_dropped=0.0)
     assert "| 3.12% (plan: 384 slots, 0.0%) |" in format_summary([row])
     assert format_summary([row | {"moe_dropped": None}]).endswith("| - |")
+
+
+def test_a_slot_offload_case_whose_graphs_moved_nothing_to_the_host_fails():
+    import dataclasses
+
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
+    from megatron_cg_plugin.testing.farm import CASES, CaseResult, problems_of
+
+    case = dataclasses.replace(next(c for c in CASES if c.name == "tiny_gpt_slot_offload"), check_golden=False)
+    run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)}),
+                        "num-zeros": MetricSeries({s: 0.0 for s in range(1, case.steps + 1)})})
+
+    def report(offloaded):
+        return {"scopes": [{"scope": "layer (slot-shared)", "graphs_captured": 2, "replays": 40, "pool_bytes": 0,
+                            "capture_seconds": 1.0, "offloaded_bytes": offloaded}]}
+
+    assert problems_of(case, CaseResult(case, run, run, report(1 << 20), "")) == []
+    assert "offloaded nothing inside the graphs" in problems_of(case, CaseResult(case, run, run, report(0), ""))[0]

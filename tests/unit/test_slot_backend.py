@@ -49,8 +49,8 @@ class FakeSlotted:
     def __init__(self):
         self.calls = []
         self.was_reset = False
-        self.stats = types.SimpleNamespace(arena_bytes=10, host_arena_bytes=(4, 0), offloaded_bytes={"layer": 4},
-                                           boundary_bytes=3)
+        self.stats = types.SimpleNamespace(arena_bytes=8, staging_bytes=2, host_arena_bytes=(4, 0),
+                                           offloaded_bytes={"layer": 4}, boundary_bytes=3)
 
     def callable(self, variant, slot):
         assert (variant, slot) == ("layer", 0)

@@ -266,6 +266,7 @@ def offload(result):
     arena bytes, and the replay time of a forward + backward with and without."""
     from megatron_cg_plugin.capture.slotted import SlotOffload, capture_slotted
     from megatron_cg_plugin.memory.offload import CudaTransfers, SerialTransfers
+    from megatron_cg_plugin.memory.staging import StagingRing
     from megatron_cg_plugin.plan.offload import OffloadPolicy
     from megatron_cg_plugin.plan.slots import plan_slots
 
@@ -279,9 +280,12 @@ def offload(result):
     cp1_slot = next(frame.slot for frame in plan.frames if frame.variant == "cp1")
     for mode, modules, transfers in (("none", None, None), ("layer0", {"core_attn"}, CudaTransfers),
                                      ("both", {"core_attn", "mlp_norm"}, CudaTransfers),
-                                     ("both-serial", {"core_attn", "mlp_norm"}, SerialTransfers)):
-        option = None if modules is None else SlotOffload(OffloadPolicy(frozenset(modules), min_tensor_elements=0),
-                                                          group=lambda: GROUP[0], transfers=transfers)
+                                     ("both-serial", {"core_attn", "mlp_norm"}, SerialTransfers),
+                                     ("both-staged", {"core_attn", "mlp_norm"}, None)):
+        # both-staged: the copies between replays, through a staging ring (one buffer per slot).
+        option = None if modules is None else SlotOffload(
+            OffloadPolicy(frozenset(modules), min_tensor_elements=0), group=lambda: GROUP[0],
+            **({"transfers": transfers} if transfers else {"staging": StagingRing("cuda")}))
 
         def describe(graphs):
             exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
@@ -301,7 +305,8 @@ def offload(result):
                     "arena_bytes": stats.arena_bytes, "slot_arena_bytes": stats.slot_arena_bytes,
                     "host_arena_bytes": stats.host_arena_bytes, "offloaded_bytes": stats.offloaded_bytes,
                     "saved_bytes": stats.saved_bytes, "pool_bytes": stats.pool_bytes,
-                    "uncovered_bytes": stats.uncovered_bytes, "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
+                    "uncovered_bytes": stats.uncovered_bytes, "staging_bytes": stats.staging_bytes,
+                    "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
 
         record_case(result, f"offload/{label}/{mode}",
                     lambda: capture_slotted(variants, plan, params, offload=option, debug=True), describe, width=600)
@@ -337,6 +342,7 @@ def offload_edges(result):
       reloaded buffer."""
     from megatron_cg_plugin.capture.slotted import SlotOffload, Variant, capture_slotted
     from megatron_cg_plugin.memory.saved_tensors import ArenaSizer
+    from megatron_cg_plugin.memory.staging import StagingRing
     from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
     from megatron_cg_plugin.plan.slots import exclusive_plan
 
@@ -372,12 +378,14 @@ def offload_edges(result):
 
     policy = OffloadPolicy(frozenset({"core_attn"}), min_tensor_elements=0)
     cases = (("mutated", mutated, sleepy_transfers(True)), ("mutated-no-snapshot", mutated, sleepy_transfers(False)),
-             ("mixed-views", mixed, None))
+             ("mutated-staged", mutated, "staged"), ("mixed-views", mixed, None))
     for name, fn, transfers in cases:
         torch.manual_seed(99)
         weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
         sample = torch.randn(n, n, device="cuda", requires_grad=True)
-        option = SlotOffload(policy, group=lambda: GROUP[0], **({"transfers": transfers} if transfers else {}))
+        copies = {"staging": StagingRing("cuda")} if transfers == "staged" else \
+            {"transfers": transfers} if transfers else {}
+        option = SlotOffload(policy, group=lambda: GROUP[0], **copies)
 
         def describe(graphs, fn=fn):
             exact = []
