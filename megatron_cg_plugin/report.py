@@ -46,6 +46,7 @@ class RunReport:
     graphed_step_ms: float | None
     predicted_pool_bytes: int | None = None  # megatron-cg plan's graph-pool prediction for these flags
     prediction_leaves_out: tuple[str, ...] = ()
+    predicted_host_arena_bytes: int | None = None  # --cg-slot-capture with offload: megatron-cg plan's pinned bytes
     moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: assignments the routers dropped
     moe_planned_capacity: int | None = None  # slots per expert per source rank (plan.moe)
     moe_uniform_dropped_fraction: float | None = None  # what the plan expects a uniform router to drop
@@ -111,6 +112,10 @@ class RunReport:
                          f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
                          + (f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
                             if self.prediction_leaves_out else ""))
+        measured_host = sum(scope.host_arena_bytes or 0 for scope in self.scopes if not scope.failure)
+        if self.predicted_host_arena_bytes is not None and measured_host:
+            lines.append(f"  pinned host arenas: predicted {self.predicted_host_arena_bytes / 2**20:.1f} MiB, measured "
+                         f"{measured_host / 2**20:.1f} MiB")
         if self.moe_dropped_fraction is not None:
             plan = ("" if self.moe_planned_capacity is None else
                     f"; the plan: {self.moe_planned_capacity} slots per expert per source rank, "

@@ -210,6 +210,7 @@ class RunSession:
             graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
             predicted_pool_bytes=None if self.predicted_graph_memory is None else self.predicted_graph_memory.pool_bytes,
             prediction_leaves_out=() if self.predicted_graph_memory is None else self.predicted_graph_memory.unpredicted,
+            predicted_host_arena_bytes=getattr(self.predicted_graph_memory, "host_arena_bytes", None),
             moe_dropped_fraction=self.moe_dropped_fraction,
             moe_planned_capacity=None if self.moe_capacity_plan is None else self.moe_capacity_plan.capacity,
             moe_uniform_dropped_fraction=None if self.moe_capacity_plan is None else

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Iterator, Sequence
 
 from megatron_cg_plugin.plan.allocator import PoolModel
+from megatron_cg_plugin.plan.offload import OffloadPolicy, Save, plan_offload
 
 BF16 = 2
 FP32 = 4
@@ -293,10 +294,13 @@ class GraphMemoryPlan:
     peak_live_bytes: int  # the largest sum of live allocations during capture
     graphs: int
     unpredicted: tuple[str, ...] = ()  # parts of the run the prediction leaves out
+    host_arena_bytes: int | None = None  # --cg-slot-capture with offload: the layers' pinned host arenas
 
     def describe(self) -> str:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
                  f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
+        if self.host_arena_bytes is not None:
+            lines.append(f"pinned host arenas (predicted, in-graph offload): {self.host_arena_bytes / 2**20:.1f} MiB")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
         return "\n".join(lines)
 
@@ -335,6 +339,44 @@ def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> G
     return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated, graphs=len(programs))
 
 
+def attention_saves(s: LayerShape) -> list[Save]:
+    """What a graphed attention block of Megatron 0.19.2's TE layer spec saves for backward, in
+    forward order, with Megatron's offload group of each save. The input norm is fused into the QKV
+    linear (``input_layernorm`` is an IdentityOp), so ``attn_norm`` saves nothing and the linear
+    saves the layer input, the norm's output and statistics; attention saves q, k and v (separate
+    storages after the fused RoPE, views of one QKV storage without it), its output, softmax
+    statistics and RNG state; the output projection saves attention's output again. The pre-MLP
+    norm is fused into the first MLP linear the same way: no offload group holds MLP saves."""
+    q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
+
+    def save(storage: str, width: int, group: str, itemsize: int = BF16, tokens: int | None = None) -> Save:
+        rows = s.tokens if tokens is None else tokens
+        return Save(storage, rows * width * itemsize, rows * width, group)
+
+    saves = [save("input", s.hidden, "qkv_linear"), save("ln1.out", s.hidden, "qkv_linear"),
+             save("ln1.rsigma", 1, "qkv_linear", FP32)]
+    if not s.rmsnorm:
+        saves.append(save("ln1.mu", 1, "qkv_linear", FP32))
+    if s.rope:
+        saves += [save("q", q, "core_attn"), save("k", kv, "core_attn"), save("v", kv, "core_attn")]
+    else:  # three views of one storage
+        saves += [dataclasses.replace(save("qkv", q + 2 * kv, "core_attn"), numel=s.tokens * width)
+                  for width in (q, kv, kv)]
+    stats = s.micro_batch * s.heads * s.seq
+    return saves + [save("o", q, "core_attn"), Save("softmax_stats", stats * FP32, stats, "core_attn"),
+                    Save("rng", 16, 2, "core_attn"), save("o", q, "attn_proj")]
+
+
+def offloaded_host_bytes(layers: Sequence[LayerShape], modules: Sequence[str], policy: OffloadPolicy) -> int:
+    """The pinned host arenas of in-graph offload under ``--cg-slot-capture`` (one per layer): the
+    storages ``plan.offload.plan_offload`` moves out of each layer's attention saves (the only
+    graphed saves Megatron's offload groups hold; a dropless MoE block is never graphed, and Megatron
+    refuses offload with drop-and-pad)."""
+    if "attn" not in scope_parts(modules):
+        return 0
+    return sum(plan_offload(attention_saves(shape), policy).host_bytes for shape in layers)
+
+
 def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     """The prediction for a run from Megatron's parsed and validated ``args`` and the rules' ``facts``
     (attributes only: this module stays free of Megatron and torch). ``deterministic``: the run's
@@ -345,7 +387,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     capture = plan_capture(facts)
     unpredicted = [what for what, present in (
         ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
-        ("graph banks and slot-shared arenas (their arenas are in the capture report)", bool(capture.banks)),
+        ("graph banks and slot-shared arenas (their arenas are in the capture report)",
+         bool(capture.banks) or facts.slot_capture),
         ("FP8 (quantized saves and scaling state)", facts.fp8),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
@@ -382,4 +425,6 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
     plan = plan_graph_memory(layers, facts.modules)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted))
+    policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
+    host = None if policy is None else offloaded_host_bytes(layers, facts.modules, policy)
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), host_arena_bytes=host)

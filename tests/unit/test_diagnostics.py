@@ -430,3 +430,11 @@ def test_capture_phases_are_printed_per_scope():
     text = run_report(scopes=(scope(capture_phases={"stale-graph check": 0.25, "Megatron and TE capture": 1.5}),)
                       ).format_table()
     assert "attn+moe_router: capture phases: stale-graph check 0.25 s, Megatron and TE capture 1.50 s" in text
+
+
+def test_the_report_sets_the_predicted_host_arenas_beside_the_measured_ones():
+    slotted = scope(arena_bytes=6 * MiB, host_arena_bytes=3 * MiB // 2, offloaded_bytes=300 * MiB)
+    text = run_report(scopes=(slotted,), predicted_host_arena_bytes=3 * MiB // 2).format_table()
+    assert "pinned host arenas: predicted 1.5 MiB, measured 1.5 MiB" in text
+    assert "GPU arenas 6.0 MiB, pinned host arenas 1.5 MiB, offloaded 300.0 MiB in all, 20.0 MiB per graphed step" in text
+    assert "pinned host arenas: predicted" not in run_report(predicted_host_arena_bytes=MiB).format_table()

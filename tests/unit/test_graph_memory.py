@@ -178,3 +178,43 @@ def test_no_graphed_layer_predicts_an_empty_pool():
 
 def test_segment_constants_are_the_allocators():
     assert (allocator.SMALL_REQUEST, allocator.SMALL_SEGMENT, allocator.LARGE_SEGMENT) == (MiB, 2 * MiB, 20 * MiB)
+
+
+def big(**changes):
+    return LayerShape(**({"seq": 2048, "micro_batch": 1, "hidden": 1024, "ffn": 4096, "heads": 16, "query_groups": 16,
+                          "head_dim": 64, "rope": True} | changes))
+
+
+def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_groups_offload():
+    from megatron_cg_plugin.plan.graph_memory import offloaded_host_bytes
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+    act = 2048 * 1024 * 2  # a [tokens, hidden] bf16 activation: 4 MiB
+    every = OffloadPolicy.from_flags(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"])
+    # Input, norm output, q, k, v and the attention output (its stats and RNG are under the 1M-element minimum).
+    assert offloaded_host_bytes([big()] * 12, ["attn", "mlp"], every) == 12 * 6 * act  # 288 MiB, as measured
+    # Without attn_proj, the attention output is saved outside the offloaded groups too: it stays (alias rule).
+    core = OffloadPolicy.from_flags(["core_attn"])
+    assert offloaded_host_bytes([big()], ["attn"], core) == 3 * act
+    # Without RoPE, q, k and v are views of one QKV storage, moved whole; GQA shrinks k and v.
+    assert offloaded_host_bytes([big(rope=False)], ["attn"], core) == 3 * act
+    assert offloaded_host_bytes([big(query_groups=4)], ["attn"], core) == act  # k, v: 512K elements, under 1M
+    any_size = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0)
+    assert offloaded_host_bytes([big(query_groups=4)], ["attn"], any_size) == act + 2 * act // 4 + 128 * 1024 + 256  # with the stats and the RNG state (aligned)
+    # The minimum size, an MLP-only graph and a policy without attention groups offload nothing.
+    tiny_shape = tiny(rope=True)
+    small = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=10**9)
+    assert offloaded_host_bytes([tiny_shape], ["attn"], small) == 0
+    assert offloaded_host_bytes([big()], ["mlp"], every) == 0
+    assert offloaded_host_bytes([big()], ["attn"], OffloadPolicy.from_flags(["mlp_norm"])) == 0
+
+
+def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True,
+                       activation_offloading=True, offload_modules=("core_attn",))
+    args = megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                         min_offloaded_tensor_size=65536, activation_offload_fraction=1.0)
+    plan = plan_from_args(args, facts, deterministic=True)
+    assert plan.host_arena_bytes == 2 * 3 * 256 * 2 * 256 * 2  # q, k, v of the tiny model's two layers
+    assert "pinned host arenas (predicted, in-graph offload): 1.5 MiB" in plan.describe()
+    assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), deterministic=True).host_arena_bytes is None
