@@ -392,12 +392,13 @@ class PluginHelperMixin:
         return dataclasses.replace(stats, pool_holders=holders)
 
 
-def _slot_layer_stats(graphs: Any) -> tuple | None:
-    """Per graphed layer, what its slot-shared graphs hold (None for TE's graphs)."""
+def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
+    """Per graphed layer, what its slot-shared graphs hold, read live (the delayed-flush counts grow
+    in training); None for TE's graphs."""
     from megatron_cg_plugin.capture.slot_backend import SlotLayerGraph
 
-    stats = tuple(graph.stats for graph in graphs or () if isinstance(graph, SlotLayerGraph))
-    return stats or None
+    slotted = tuple(graph for graph in graphs or () if isinstance(graph, SlotLayerGraph))
+    return (lambda: tuple(graph.stats for graph in slotted)) if slotted else None
 
 
 def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:

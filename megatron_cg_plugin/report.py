@@ -33,6 +33,7 @@ class ScopeReport:
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     host_arena_bytes: int | None = None  # their pinned host arenas (in-graph offload)
     offloaded_bytes: int | None = None  # moved to the host by the replays counted (per-replay bytes x replays)
+    offload_groups_flushed: int | None = None  # Megatron's delayed offload groups seen flushed after the replays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,9 @@ class RunReport:
                             if scope.offloaded_bytes and self.graphed_steps else "")
                 lines.append(f"  {scope.scope}: GPU arenas {scope.arena_bytes / 2**20:.1f} MiB, pinned host arenas "
                              f"{scope.host_arena_bytes / 2**20:.1f} MiB, offloaded "
-                             f"{(scope.offloaded_bytes or 0) / 2**20:.1f} MiB in all{per_step}")
+                             f"{(scope.offloaded_bytes or 0) / 2**20:.1f} MiB in all{per_step}"
+                             + (f"; {scope.offload_groups_flushed} delayed offload groups seen flushed after the replays"
+                                if scope.offload_groups_flushed else ""))
             for bank in scope.banks:
                 flushed = bank.get("offload_groups_flushed")
                 lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "

@@ -70,18 +70,19 @@ class CaptureStats:
     failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
     banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per capture phase
-    slot_layers: tuple | None = None  # --cg-slot-capture: per layer, capture.slot_backend.LayerSlotStats
+    slot_layers: Callable[[], tuple] | None = None  # --cg-slot-capture: live per-layer slot_backend.LayerSlotStats
 
 
 def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
     """Slot-shared capture's arenas, and the bytes its graphs offloaded: each layer's per-replay
     bytes times the forward replays counted for that layer."""
-    if not stats.slot_layers:
+    if stats.slot_layers is None:
         return {}
-    layers = stats.slot_layers
+    layers = stats.slot_layers()
     return {"arena_bytes": sum(layer.arena_bytes for layer in layers),
             "host_arena_bytes": sum(layer.host_arena_bytes for layer in layers),
-            "offloaded_bytes": sum(layer.offloaded_bytes * replays for layer, replays in zip(layers, stats.replays.counts))}
+            "offloaded_bytes": sum(layer.offloaded_bytes * replays for layer, replays in zip(layers, stats.replays.counts)),
+            "offload_groups_flushed": sum(layer.offload_groups_flushed for layer in layers)}
 
 
 class RunSession:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
-from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.capture.offload_groups import InGraphOffload, delayed_offload_groups, still_queued
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
@@ -143,7 +143,7 @@ class LayerBanks:
         previous = layer.cuda_graphs
         layer.cuda_graphs = [graph]
         try:
-            waiting = _delayed_offload_groups(layer)
+            waiting = delayed_offload_groups(layer.config)
             output = base._te_cuda_graph_replay(layer, hidden_states, **kwargs)
             _check_flushed(layer, waiting)
             bank.offload_groups_flushed += len(waiting)
@@ -152,23 +152,10 @@ class LayerBanks:
             layer.cuda_graphs = previous
 
 
-def _delayed_offload_groups(layer: Any) -> list[Any]:
-    """The offload groups Megatron delayed until a graph replay (``--delay-offload-until-cuda-graph``;
-    its replay path runs them right after the graph), as a copy of its queue."""
-    if not getattr(layer.config, "delay_offload_until_cuda_graph", False):
-        return []
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
-    return list(getattr(PipelineOffloadManager.get_instance(), "_delayed_offload_groups", ()))
-
-
 def _check_flushed(layer: Any, waiting: list[Any]) -> None:
     """Every group waiting before a bank replay must be gone after it: Megatron's replay path
     flushes the queue after the graph (groups the eager rest of the layer delays may follow)."""
-    if not waiting:
-        return
-    now = _delayed_offload_groups(layer)
-    left = [group for group in waiting if any(group is queued for queued in now)]
+    left = still_queued(waiting, delayed_offload_groups(layer.config)) if waiting else []
     if left:
         raise BankReplayError(
             f"layer {layer.layer_number}: {len(left)} of the {len(waiting)} offload groups delayed until this graph "

@@ -92,3 +92,18 @@ class InGraphOffload:
                     stack.enter_context(patches.scoped(layer, "offload_module_in_cuda_graph", False,
                                                        "offload-in-graph-flag"))
             yield
+
+
+def delayed_offload_groups(config: Any) -> list[Any]:
+    """The offload groups Megatron delayed until a graph replay (``--delay-offload-until-cuda-graph``;
+    its replay path runs them right after the graph), as a copy of its queue; empty without the flag."""
+    if not getattr(config, "delay_offload_until_cuda_graph", False):
+        return []
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    return list(getattr(PipelineOffloadManager.get_instance(), "_delayed_offload_groups", ()))
+
+
+def still_queued(waiting: Sequence[Any], now: Sequence[Any]) -> list[Any]:
+    """The groups of ``waiting`` that are still in the queue ``now`` (by identity)."""
+    return [group for group in waiting if any(group is queued for queued in now)]

@@ -4,7 +4,9 @@ have: each layer's backward state in an arena outside the pool, and in-graph act
 
 Megatron's lifecycle stays Megatron's: it builds each layer's sample arguments, calls the capture
 and hands graph i to layer i; its replay path (``_te_cuda_graph_replay``: scope post-processing,
-the delayed offload flush) calls the graph with the layer's tensors. Here every layer is captured
+the delayed offload flush) calls the graph with the layer's tensors. With
+``--delay-offload-until-cuda-graph`` each graph call also checks that the groups queued at the
+previous one were flushed (``DelayedFlushWatch``), and counts them. Here every layer is captured
 by ``capture_slotted`` as one variant in one slot, all layers into one pool; the graphs' temporaries
 share the pool, and what a layer's forward leaves for its backward goes to that layer's arena.
 
@@ -23,7 +25,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture
-from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.capture.offload_groups import InGraphOffload, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
@@ -54,23 +56,53 @@ class LayerSlotStats:
     host_arena_bytes: int  # pinned host arena: the saves offloaded
     offloaded_bytes: int  # per forward replay, to the host
     boundary_bytes: int
+    offload_groups_flushed: int = 0  # Megatron's delayed offload groups seen flushed after this layer's replays
+
+
+class DelayedFlushWatch:
+    """Megatron's delayed offload flush (``--delay-offload-until-cuda-graph``), observed: the groups
+    queued when a layer's graph is called must be gone by the next graph call, because Megatron's
+    replay path flushes the queue right after each graph. Each verified group counts for the graph
+    whose replay flushed it."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._waiting: list[Any] = []
+        self._flusher: SlotLayerGraph | None = None
+
+    def on_replay(self, graph: "SlotLayerGraph") -> None:
+        now = delayed_offload_groups(self.config)
+        left = still_queued(self._waiting, now)
+        if left:
+            raise SlotReplayError(
+                f"{len(left)} of the {len(self._waiting)} offload groups delayed until the replay of "
+                f"{self._flusher.label if self._flusher else 'a graph'} are still queued: Megatron's replay path did "
+                "not flush them after the graph, so their activations stay on the GPU; this megatron-core release "
+                "handles the delayed flush differently: train without --delay-offload-until-cuda-graph.")
+        if self._flusher is not None:
+            self._flusher.offload_groups_flushed += len(self._waiting)
+        self._waiting, self._flusher = now, graph
 
 
 class SlotLayerGraph:
     """One layer's graph as Megatron's replay path calls it: ``graph(hidden_states, **kwargs)``
     returns the tuple of outputs; ``reset()`` frees it (Megatron's ``delete_cuda_graphs``)."""
 
-    def __init__(self, graphs: SlottedGraphs, label: str, arg_count: int, input_names: tuple[str, ...]) -> None:
+    def __init__(self, graphs: SlottedGraphs, label: str, arg_count: int, input_names: tuple[str, ...],
+                 flush_watch: DelayedFlushWatch | None = None) -> None:
         self._graphs = graphs
         self._replay = graphs.callable(VARIANT, 0)
         self.label, self.arg_count, self.input_names = label, arg_count, input_names
+        self._flush_watch = flush_watch
+        self.offload_groups_flushed = 0
 
     @property
     def stats(self) -> LayerSlotStats:
         stats = self._graphs.stats
         return LayerSlotStats(arena_bytes=stats.arena_bytes + stats.staging_bytes,
                               host_arena_bytes=sum(stats.host_arena_bytes),
-                              offloaded_bytes=sum(stats.offloaded_bytes.values()), boundary_bytes=stats.boundary_bytes)
+                              offloaded_bytes=sum(stats.offloaded_bytes.values()), boundary_bytes=stats.boundary_bytes,
+                              offload_groups_flushed=self.offload_groups_flushed)
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple:
         unknown = sorted(name for name, value in kwargs.items()
@@ -82,6 +114,8 @@ class SlotLayerGraph:
                 f"{list(self.input_names)}, but the replay passes {len(args)} positional, {unknown} unknown and "
                 f"{missing} missing: the call differs from the sample Megatron captured with (a changed "
                 "--cuda-graph-modules or attention mask setting between capture and training?).")
+        if self._flush_watch is not None:
+            self._flush_watch.on_replay(self)
         outputs = self._replay(*args, *(kwargs[name] for name in self.input_names))
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -149,6 +183,8 @@ class SlotBackend(TEBackend):
         # only for the stream it was allocated on, so layers captured on streams of their own
         # would each grow the pool by their temporaries.
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        config = callables[0].config
+        watch = DelayedFlushWatch(config) if getattr(config, "delay_offload_until_cuda_graph", False) else None
         ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
         graphs: list[SlotLayerGraph] = []
         try:
@@ -161,7 +197,7 @@ class SlotBackend(TEBackend):
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
                         offload=None if offload is None else offload.slot_offload(ring))
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
-                    graphs.append(SlotLayerGraph(slotted, label, len(args), names))
+                    graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch))
         except BaseException:
             for graph in graphs:
                 graph.reset()

@@ -153,9 +153,10 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
 
 def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
     """A slot arm's GPU and pinned host arenas (outside the graph pools); None for other arms."""
-    layers = getattr(getattr(helper, "capture_stats", None), "slot_layers", None)
-    if not layers:
+    live = getattr(getattr(helper, "capture_stats", None), "slot_layers", None)
+    if live is None:
         return None, None
+    layers = live()
     return sum(layer.arena_bytes for layer in layers), sum(layer.host_arena_bytes for layer in layers)
 
 

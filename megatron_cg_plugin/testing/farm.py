@@ -280,12 +280,17 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
         banks = [bank for scope in result.report.get("scopes", []) for bank in scope.get("banks") or ()]
         problems += [f"bank CP {bank['cp_size']}: {bank['replays']} replays, {bank['rejected']} rejected"
                      for bank in banks if not bank["replays"] or bank["rejected"]]
-        # In-graph offload (--cg-slot-capture with Megatron's offload flags): the replays moved saves to the host.
+        # In-graph offload (--cg-slot-capture with Megatron's offload flags): the replays moved saves to the host,
+        # and with the delayed flush, delayed groups were seen flushed after the replays.
         if "--cg-slot-capture" in case.flags and "--fine-grained-activation-offloading" in case.flags:
             scopes = result.report.get("scopes", [])
             if not any(scope.get("offloaded_bytes") for scope in scopes):
                 problems.append("--cg-slot-capture with --fine-grained-activation-offloading offloaded nothing inside "
                                 f"the graphs: {[(s.get('scope'), s.get('offloaded_bytes')) for s in scopes]}")
+            if "--delay-offload-until-cuda-graph" in case.flags and not any(
+                    scope.get("offload_groups_flushed") for scope in scopes):
+                problems.append("--delay-offload-until-cuda-graph: no delayed offload group was seen flushed after a "
+                                "slot-shared replay")
     if case.check_golden and with_golden:
         if not case.golden_path.exists():
             problems.append(f"no golden file {case.golden_path}: write it from a real GPU run with "

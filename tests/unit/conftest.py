@@ -50,3 +50,14 @@ def probe() -> FakeProbe:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def offload_manager(monkeypatch):
+    """Megatron's own offload manager singleton, made without its CUDA streams (CPU)."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    manager = object.__new__(PipelineOffloadManager)
+    manager._delayed_offload_groups = []
+    monkeypatch.setattr(PipelineOffloadManager, "OFFLOAD_MGR", manager)
+    return manager

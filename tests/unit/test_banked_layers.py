@@ -116,17 +116,6 @@ def test_rope_tables_are_bound_per_bank():
     assert len(calls) == 2 and layer.cuda_graphs == []
 
 
-@pytest.fixture
-def offload_manager(monkeypatch):
-    """Megatron's own offload manager singleton, made without its CUDA streams (CPU)."""
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
-
-    manager = object.__new__(PipelineOffloadManager)
-    manager._delayed_offload_groups = []
-    monkeypatch.setattr(PipelineOffloadManager, "OFFLOAD_MGR", manager)
-    return manager
-
-
 def _delayed_group(name, ran):
     return (lambda group_name, released: ran.append(group_name), name, [])
 

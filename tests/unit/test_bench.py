@@ -233,7 +233,7 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(tmp_p
         def capture(self, arm):
             super().capture(arm)
             layers = (types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),) * 2
-            return types.SimpleNamespace(arm=arm, capture_stats=types.SimpleNamespace(slot_layers=layers))
+            return types.SimpleNamespace(arm=arm, capture_stats=types.SimpleNamespace(slot_layers=lambda: layers))
 
         def release(self, helper):
             super().release(helper.arm)

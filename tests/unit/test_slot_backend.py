@@ -151,3 +151,21 @@ def test_the_helper_captures_through_the_backend_the_config_asks_for(slot_captur
 def test_slot_capture_and_graph_banks_together_are_refused():
     with pytest.raises(ConfigError, match="drop --cg-slot-capture"):
         PluginConfig(slot_capture=True, graph_banks=True)
+
+
+def test_the_delayed_offload_flush_is_observed_at_the_next_graph_call_and_counted(offload_manager):
+    from megatron_cg_plugin.capture.slot_backend import DelayedFlushWatch
+
+    watch = DelayedFlushWatch(types.SimpleNamespace(delay_offload_until_cuda_graph=True))
+    first, second = (SlotLayerGraph(FakeSlotted(), f"layer {n}", 1, (), watch) for n in (1, 2))
+    offload_manager._delayed_offload_groups = [("group", "layer 0 experts", [])]
+    first(torch.ones(1))  # Megatron flushes the queue right after this replay...
+    offload_manager._delayed_offload_groups = []
+    second(torch.ones(1))  # ...which the next call sees, and counts for the first graph
+    assert (first.offload_groups_flushed, second.offload_groups_flushed) == (1, 0)
+    assert first.stats.offload_groups_flushed == 1
+    offload_manager._delayed_offload_groups = kept = [("group", "layer 1 experts", [])]
+    first(torch.ones(1))
+    offload_manager._delayed_offload_groups = list(kept)  # not flushed after the replay
+    with pytest.raises(SlotReplayError, match="1 of the 1 offload groups delayed until the replay of layer 1 are still"):
+        second(torch.ones(1))
