@@ -115,6 +115,9 @@ def config_problems(config: PluginConfig) -> list[str]:
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
             problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
+    if config.offload_copies != PluginConfig.offload_copies and not (config.slot_capture or config.graph_banks):
+        problems.append(f"--cg-offload-copies {config.offload_copies} only chooses how slot-shared capture copies "
+                        "offloaded saves: add --cg-slot-capture (or --cg-graph-banks), or drop it.")
     if config.slot_capture and config.graph_banks:
         problems.append("--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
                         "capture that way: drop --cg-slot-capture.")

@@ -367,7 +367,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
         "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
         "copy streams, so it is False during warmup and capture.",
-        "capture.offload_groups.InGraphOffload.capturing (patches.scoped around slot-shared warmup and capture)"),
+        "capture.offload_groups.MegatronOffload.capturing (patches.scoped around slot-shared warmup and capture)"),
     ForeignState(
         "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
         "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "

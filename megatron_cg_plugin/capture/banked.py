@@ -28,7 +28,7 @@ path (``_te_cuda_graph_replay``): its scope-specific post-processing and the del
 (``--delay-offload-until-cuda-graph``) run after each bank replay as after any TE graph replay.
 Other calls run eagerly. With Megatron's fine-grained offload flags, the offloaded modules inside the
 graphed scope are offloaded inside the bank graphs, to pinned host arenas keyed like the GPU arenas
-(``capture.offload_groups.InGraphOffload``); Megatron's own offload keeps the modules outside.
+(``capture.offload_groups.MegatronOffload``); Megatron's own offload keeps the modules outside.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
-from megatron_cg_plugin.capture.offload_groups import InGraphOffload, delayed_offload_groups, still_queued
+from megatron_cg_plugin.capture.offload_groups import MegatronOffload, delayed_offload_groups, still_queued
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.slot_backend import check_offload_copies
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
@@ -267,7 +268,7 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     must call this with the same layers and sizes (the captures of a bank communicate). ``debug``,
     ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. With ``offload`` the
     modules Megatron's fine-grained offload flags name inside the graphed scope go to pinned host
-    arenas (``capture.offload_groups.InGraphOffload``), copied between replays through one staging
+    arenas (``capture.offload_groups.MegatronOffload``), copied between replays through one staging
     ring for all layers or inside the graphs (``offload_copies``, ``--cg-offload-copies``). On failure every
     graph captured so far is reset and no layer is left banked."""
     layers = list(layers)
@@ -277,15 +278,16 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     # One pool and one capture stream for all layers (the allocator reuses pool blocks per stream).
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     result = BankedLayers({}, {}, layers)
-    in_graph = InGraphOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
+    check_offload_copies(offload_copies)
+    megatron_offload = MegatronOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
     ring = StagingRing(torch.cuda.current_device()) if offload_copies == "between-replays" else None
     try:
-        with in_graph.capturing() if in_graph is not None else contextlib.nullcontext():
+        with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext():
             for layer in layers:
                 _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
                                      stream=stream,
                                      debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
-                                     offload=None if in_graph is None else in_graph.slot_offload(ring))
+                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(ring))
     except BaseException:
         result.reset()
         raise

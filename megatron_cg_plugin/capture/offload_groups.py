@@ -9,10 +9,10 @@ returns the tensor, ``__exit__`` pops it, and ``group_offload`` returns its tens
 plugin's hook copies the group's saves itself). ``current`` is the group running now, which the
 warmup records beside every save (``memory.saved_tensors.ArenaSizer``).
 
-``InGraphOffload`` is what slot-shared capture of Megatron's layers (``--cg-slot-capture``, graph
+``MegatronOffload`` is what slot-shared capture of Megatron's layers (``--cg-slot-capture``, graph
 banks) takes from Megatron's offload flags: the policy, the tracker, and the capture scope, in which
 the layers' ``offload_module_in_cuda_graph`` is off too, so their capture callable does not join
-Megatron's offload streams (the arenas bring their own).
+Megatron's offload streams (the plugin's copies bring their own).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class OffloadGroupTracker:
             yield self
 
 
-class InGraphOffload:
+class MegatronOffload:
     """Megatron's offload flags for slot-shared capture of a set of layers: the capture scope
     (``capturing``: Megatron's offload hooks kept out, its groups named) and, when the saves are
     to be offloaded inside the graphs, the policy. Megatron's hooks must stay out of slot-shared
@@ -71,9 +71,10 @@ class InGraphOffload:
         self.tracker = OffloadGroupTracker()
 
     @classmethod
-    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> "InGraphOffload | None":
-        """From Megatron's TransformerConfig (its offload fields); None when it offloads nothing.
-        ``offload=False`` keeps Megatron's hooks out but offloads nothing inside the graphs."""
+    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> "MegatronOffload | None":
+        """From Megatron's TransformerConfig (its offload fields); None without
+        ``--fine-grained-activation-offloading``. Its policy is None (every save stays in the GPU
+        arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``."""
         if not getattr(config, "fine_grained_activation_offloading", False):
             return None
         return cls(OffloadPolicy.from_args(config) if offload else None, layers)

@@ -12,10 +12,11 @@ share the pool, and what a layer's forward leaves for its backward goes to that 
 
 With Megatron's fine-grained offload flags (``--fine-grained-activation-offloading
 --offload-modules ...``), the saves of the offloaded modules inside the graphed scope go to a
-pinned host arena per layer, inside the graphs (``memory.offload``); Megatron's own offload keeps
-the modules outside the scope. During warmup and capture Megatron's offload interface only names
-its groups (``capture.offload_groups``), and the layers' ``offload_module_in_cuda_graph`` is off,
-so the capture callable does not join Megatron's offload streams (the arenas make their own).
+pinned host arena per layer, copied inside the graphs or between replays (``--cg-offload-copies``:
+``memory.offload``, ``memory.staging``); Megatron's own offload keeps the modules outside the
+scope. During warmup and capture Megatron's offload interface only names its groups
+(``capture.offload_groups``), and the layers' ``offload_module_in_cuda_graph`` is off, so the
+capture callable does not join Megatron's offload streams (the plugin's copies bring their own).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture
-from megatron_cg_plugin.capture.offload_groups import InGraphOffload, delayed_offload_groups, still_queued
+from megatron_cg_plugin.capture.offload_groups import MegatronOffload, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
+from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
@@ -83,6 +85,10 @@ class DelayedFlushWatch:
             self._flusher.offload_groups_flushed += len(self._waiting)
         self._waiting, self._flusher = now, graph
 
+    def clear(self) -> None:
+        """The graphs go: Megatron's queue entries (and the tensors they hold) are let go."""
+        self._waiting, self._flusher = [], None
+
 
 class SlotLayerGraph:
     """One layer's graph as Megatron's replay path calls it: ``graph(hidden_states, **kwargs)``
@@ -121,6 +127,13 @@ class SlotLayerGraph:
 
     def reset(self) -> None:
         self._graphs.reset()
+        if self._flush_watch is not None:
+            self._flush_watch.clear()
+
+
+def check_offload_copies(copies: str) -> None:
+    if copies not in OFFLOAD_COPIES:
+        raise ValueError(f"offload copies {copies!r}: use one of {', '.join(OFFLOAD_COPIES)} (--cg-offload-copies).")
 
 
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
@@ -165,6 +178,7 @@ class SlotBackend(TEBackend):
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
     def __init__(self, *, offload: bool = True, copies: str = "in-graph", debug: bool = False) -> None:
+        check_offload_copies(copies)
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
         self.copies = copies  # --cg-offload-copies
         self.debug = debug
@@ -177,7 +191,7 @@ class SlotBackend(TEBackend):
 
         check_slot_capture_call(callables, sample_args, kwargs)
         sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
-        offload = InGraphOffload.from_config(callables[0].config, callables, offload=self.offload)
+        offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload)
         warmup = max(1, int(kwargs.get("num_warmup_iters", 2)))
         # One pool and one capture stream for every layer: the allocator reuses a freed pool block
         # only for the stream it was allocated on, so layers captured on streams of their own

@@ -66,9 +66,11 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class SlotOffload:
-    """In-graph activation offload for slot-shared capture (``memory.offload``): ``policy`` selects
-    saves by Megatron's offload group, ``group`` names the group running now (for Megatron's layers:
-    ``capture.offload_groups.OffloadGroupTracker.current``), ``transfers`` makes the copy engine."""
+    """Activation offload for slot-shared capture (``memory.offload``): ``policy`` selects saves by
+    Megatron's offload group, ``group`` names the group running now (for Megatron's layers:
+    ``capture.offload_groups.OffloadGroupTracker.current``). The copies run inside the graphs
+    through the engine ``transfers`` makes, or, with ``staging``, between replays through that
+    ring of staging buffers (``memory.staging``)."""
 
     policy: OffloadPolicy
     group: Callable[[], str | None]
@@ -322,6 +324,9 @@ class SlottedGraphs:
         for entry in self._entries.values():
             entry.release()
         self._entries.clear()
+        for kept in self._keep_alive:
+            if isinstance(kept, _Offloading):
+                kept.release()
         self._keep_alive.clear()
 
 
@@ -339,8 +344,8 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
     leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
     is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
-    ``offload`` moves the saves its policy selects to pinned host arenas inside the graphs
-    (``SlotOffload``); each slot's GPU arena then holds only the saves that stay. Captures sharing
+    ``offload`` moves the saves its policy selects to pinned host arenas, copied inside the graphs
+    or between replays (``SlotOffload``); each slot's GPU arena then holds only the saves that stay. Captures sharing
     a ``pool`` should share the capture ``stream`` too: the allocator hands a freed pool block
     only to allocations on the stream it came from.
     """
@@ -393,6 +398,13 @@ class _Offloading:
     transfers: Transfers | None
     staged: dict[tuple[Hashable, int], StagedFrame] = dataclasses.field(default_factory=dict)
     staging_bytes: int = 0
+
+    def release(self) -> None:
+        """The graphs go: the staging ring (shared with other captures) lets go of these frames."""
+        rings = {id(frame.ring): frame.ring for frame in self.staged.values()}
+        for ring in rings.values():
+            ring.release()
+        self.staged.clear()
 
     def frame(self, variant: Hashable, slot: int) -> tuple[HostArena, OffloadPlan, Transfers] | None:
         plan = self.plans.get(variant)

@@ -325,6 +325,11 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
         facts = rules.facts_from_args(args, te_available=True, apex_fused_wgrad=True,
                                       config=PluginConfig(slot_capture=True))
         broken = [message for name, message in rules.violations(facts) if name.startswith("slot-capture")]
+        offloading = [arm for arm in options.arms if arm.startswith("slot-offload")]
+        if offloading and not (getattr(args, "fine_grained_activation_offloading", False)
+                               and getattr(args, "offload_modules", None)):
+            broken.append(f"the {'/'.join(offloading)} arm(s) offload what Megatron's flags select, and these offload "
+                          "nothing: add --fine-grained-activation-offloading --offload-modules ...")
         if broken:
             raise BenchError(f"the {'/'.join(a for a in options.arms if a in SLOT_ARMS)} arm(s) capture with "
                              f"--cg-slot-capture, which these flags break: {' '.join(broken)}")

@@ -25,12 +25,15 @@ and a log) for tests on CPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
 
 from megatron_cg_plugin.memory.offload import HostArena
 from megatron_cg_plugin.memory.saved_tensors import Arena
+
+logger = logging.getLogger(__name__)
 
 
 class CopyEngine(Protocol):
@@ -39,6 +42,8 @@ class CopyEngine(Protocol):
     def copy(self, destination: torch.Tensor, source: torch.Tensor, after: Any, kind: str) -> Any: ...  # -> its token
 
     def compute_waits(self, token: Any) -> None: ...
+
+    def drain(self) -> None: ...  # the compute stream waits for every copy issued
 
 
 class CudaCopies:
@@ -64,6 +69,9 @@ class CudaCopies:
         if token is not None:
             torch.cuda.current_stream().wait_event(token)
 
+    def drain(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+
 
 class InlineCopies:
     """Plain copies at once, and a log of them (CPU tests)."""
@@ -80,6 +88,9 @@ class InlineCopies:
         return None
 
     def compute_waits(self, token: Any) -> None:
+        pass
+
+    def drain(self) -> None:
         pass
 
 
@@ -102,7 +113,7 @@ class StagingRing:
             raise ValueError(f"staging ring depth {depth}: use 1 or more buffers.")
         self.device, self.depth = torch.device(device), depth
         self.copies = copies if copies is not None else CudaCopies()
-        self.buffers: list[StagingBuffer] = []
+        self.buffers: dict[int, StagingBuffer] = {}  # ring position -> its buffer, made at its first claim
         self._position = -1
         self._own: list[StagingBuffer] = []  # buffers of frames larger than their ring buffer
         self.waiting: list[StagedFrame] = []  # forwarded frames whose backward has not run, in forward order
@@ -111,7 +122,7 @@ class StagingRing:
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.arena.capacity for buffer in self.buffers + self._own)
+        return sum(buffer.arena.capacity for buffer in [*self.buffers.values(), *self._own])
 
     def advance(self) -> None:
         """The next layer: its frames take the next buffer of the ring."""
@@ -121,13 +132,23 @@ class StagingRing:
         """A frame of ``nbytes`` offloaded bytes in the current layer's buffer (allocated at the
         first claim, sized by it; a larger frame gets a buffer of its own)."""
         index = max(self._position, 0)
-        if index >= len(self.buffers):
-            self.buffers.append(StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer {index}")))
+        if index not in self.buffers:  # a position whose layers offloaded nothing so far has none yet
+            self.buffers[index] = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer {index}"))
         buffer = self.buffers[index]
         if buffer.arena.capacity < nbytes:  # a larger layer than the ring was sized by: no sharing
+            logger.warning("staging: %s offloads %d bytes, more than the %d of its ring buffer; it gets a buffer of "
+                           "its own (GPU memory the ring does not share)", name, nbytes, buffer.arena.capacity)
             buffer = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer of {name}"))
             self._own.append(buffer)
         return StagedFrame(self, buffer, host, nbytes, name)
+
+    def release(self) -> None:
+        """The graphs go (reset, or a failed capture): copies in flight finish before the buffers
+        may be reused, and no frame stays waiting or resident (they refer back to the ring)."""
+        self.copies.drain()
+        self.waiting.clear()
+        for buffer in [*self.buffers.values(), *self._own]:
+            buffer.resident = buffer.ready = buffer.last_copy = None
 
 
 class StagedFrame:

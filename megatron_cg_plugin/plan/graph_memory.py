@@ -300,7 +300,7 @@ class GraphMemoryPlan:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
                  f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
         if self.host_arena_bytes is not None:
-            lines.append(f"pinned host arenas (predicted, in-graph offload): {self.host_arena_bytes / 2**20:.1f} MiB")
+            lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
         return "\n".join(lines)
 

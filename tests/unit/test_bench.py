@@ -226,19 +226,21 @@ def test_contract_cost_times_every_mode_on_the_first_captured_layer():
     assert costs["off"] < costs["full"] and replays == 12
 
 
-def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(tmp_path):
+def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monkeypatch):
     import types
 
     class SlotTrainer(FakeTrainer):
         def capture(self, arm):
             super().capture(arm)
             layers = (types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),) * 2
-            return types.SimpleNamespace(arm=arm, capture_stats=types.SimpleNamespace(slot_layers=lambda: layers))
+            stats = types.SimpleNamespace(slot_layers=lambda: layers) if arm.startswith("slot") else None
+            return types.SimpleNamespace(arm=arm, capture_stats=stats)
 
         def release(self, helper):
             super().release(helper.arm)
 
-    STEP_SECONDS.update({"slot": 0.0125, "slot-offload": 0.0130})
+    monkeypatch.setitem(STEP_SECONDS, "slot", 0.0125)
+    monkeypatch.setitem(STEP_SECONDS, "slot-offload", 0.0130)
     clock = Clock()
     trainer = SlotTrainer(clock)
 
@@ -251,17 +253,25 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(tmp_p
     result = run_bench(BenchOptions(rounds=2, steps=3, skip_steps=1, arms=("stock", "slot", "slot-offload")), trainer,
                        clock=clock, progress=lambda _: None, profile=profile)
     arenas = {r.arm: (r.arena_bytes, r.host_arena_bytes) for r in result.blocks}
-    assert arenas == {"stock": (6 << 20, 0), "slot": (6 << 20, 0), "slot-offload": (6 << 20, 10 << 20)}
+    assert arenas == {"stock": (None, None), "slot": (6 << 20, 0), "slot-offload": (6 << 20, 10 << 20)}
     table = bench_output.markdown(result)
-    assert "| slot-offload | 2.00 | 2.00 | 75% |" in table and "| slot | 2.00 |" not in table  # only arms that copied
+    copies_table = table.split("| arm | D2H ms per step")[1].split("\n\n")[0]
+    assert "| slot-offload | 2.00 | 2.00 | 75% |" in copies_table
+    assert "| slot |" not in copies_table and "| stock |" not in copies_table  # only the arms that copied
     assert bench_output.from_json(json.loads(json.dumps(bench_output.to_json(result)))) == result
 
 
 def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
     import types
 
-    args = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2, world_size=2)
+    offload = dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+    args = types.SimpleNamespace(**ARGS, **offload, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2,
+                                 world_size=2)
     bench.refuse_unbenchable(args, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
     with pytest.raises(BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*"
                                          "--pipeline-model-parallel-size 1"):
         bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "slot-offload")))
+    plain = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1)
+    bench.refuse_unbenchable(plain, BenchOptions(arms=("stock", "slot")))
+    with pytest.raises(BenchError, match="slot-offload-staged arm\\(s\\) offload .* add --fine-grained"):
+        bench.refuse_unbenchable(plain, BenchOptions(arms=("slot", "slot-offload-staged")))

@@ -216,5 +216,5 @@ def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
                          min_offloaded_tensor_size=65536, activation_offload_fraction=1.0)
     plan = plan_from_args(args, facts, deterministic=True)
     assert plan.host_arena_bytes == 2 * 3 * 256 * 2 * 256 * 2  # q, k, v of the tiny model's two layers
-    assert "pinned host arenas (predicted, in-graph offload): 1.5 MiB" in plan.describe()
+    assert "pinned host arenas (predicted, --cg-slot-capture offload): 1.5 MiB" in plan.describe()
     assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), deterministic=True).host_arena_bytes is None

@@ -1,4 +1,4 @@
-"""``--cg-slot-capture`` (capture/slot_backend.py, capture/offload_groups.InGraphOffload) on CPU: what
+"""``--cg-slot-capture`` (capture/slot_backend.py, capture/offload_groups.MegatronOffload) on CPU: what
 the capture call refuses, how a replay call maps onto the graph's inputs, Megatron's offload
 interface and the layers' in-graph flag during capture, and which backend the helper picks. The
 capture itself needs a GPU: tests/functional/test_slot_capture_megatron.py."""
@@ -13,7 +13,7 @@ from megatron.core.pipeline_parallel import fine_grained_activation_offload as m
 
 from megatron_cg_plugin.capture import slot_backend
 from megatron_cg_plugin.capture.backend import TEBackend
-from megatron_cg_plugin.capture.offload_groups import InGraphOffload
+from megatron_cg_plugin.capture.offload_groups import MegatronOffload
 from megatron_cg_plugin.capture.slot_backend import (
     SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call,
 )
@@ -110,7 +110,7 @@ def test_in_graph_offload_names_groups_and_turns_the_layers_flag_off_only_while_
     layers = [torch.nn.Module(), torch.nn.Module()]
     layers[0].offload_module_in_cuda_graph = True
     layers[1].offload_module_in_cuda_graph = False
-    offload = InGraphOffload(OffloadPolicy.from_flags(["core_attn"]), layers)
+    offload = MegatronOffload(OffloadPolicy.from_flags(["core_attn"]), layers)
     tensor = torch.ones(2)
     with offload.capturing():
         assert layers[0].offload_module_in_cuda_graph is False
@@ -126,11 +126,11 @@ def test_in_graph_offload_names_groups_and_turns_the_layers_flag_off_only_while_
 def test_in_graph_offload_follows_megatrons_config_fields():
     config = types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_norm"],
                                    min_offloaded_tensor_size=16, activation_offload_fraction=0.5)
-    offload = InGraphOffload.from_config(config, [])
+    offload = MegatronOffload.from_config(config, [])
     assert offload.policy == OffloadPolicy(frozenset({"core_attn", "mlp_norm"}), 16, 0.5)
-    assert InGraphOffload.from_config(types.SimpleNamespace(fine_grained_activation_offloading=False), []) is None
+    assert MegatronOffload.from_config(types.SimpleNamespace(fine_grained_activation_offloading=False), []) is None
     # Without in-graph offload, Megatron's hooks are still kept out of the capture; nothing goes to the host.
-    kept_out = InGraphOffload.from_config(config, [], offload=False)
+    kept_out = MegatronOffload.from_config(config, [], offload=False)
     assert kept_out.policy is None and kept_out.slot_offload() is None
 
 
@@ -169,3 +169,11 @@ def test_the_delayed_offload_flush_is_observed_at_the_next_graph_call_and_counte
     offload_manager._delayed_offload_groups = list(kept)  # not flushed after the replay
     with pytest.raises(SlotReplayError, match="1 of the 1 offload groups delayed until the replay of layer 1 are still"):
         second(torch.ones(1))
+
+
+def test_unknown_copy_modes_and_a_copy_mode_without_slot_capture_are_refused():
+    with pytest.raises(ValueError, match="use one of in-graph, between-replays"):
+        SlotBackend(copies="sideways")
+    with pytest.raises(ConfigError, match="add --cg-slot-capture"):
+        PluginConfig(offload_copies="between-replays")
+    PluginConfig(offload_copies="between-replays", slot_capture=True)
