@@ -38,7 +38,7 @@ from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
 # first-microbatch switch (slot capture runs without FP8) and Megatron's offload streams (the
-# arenas' own streams do the copies).
+# plugin's copies have streams of their own).
 _NOT_INPUTS = ("is_first_microbatch", "cuda_graph_stream", "cuda_graph_event")
 
 

@@ -345,9 +345,9 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
     is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
     ``offload`` moves the saves its policy selects to pinned host arenas, copied inside the graphs
-    or between replays (``SlotOffload``); each slot's GPU arena then holds only the saves that stay. Captures sharing
-    a ``pool`` should share the capture ``stream`` too: the allocator hands a freed pool block
-    only to allocations on the stream it came from.
+    or between replays (``SlotOffload``); each slot's GPU arena then holds only the saves that
+    stay. Captures sharing a ``pool`` should share the capture ``stream`` too: the allocator hands a
+    freed pool block only to allocations on the stream it came from.
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check)
@@ -400,7 +400,8 @@ class _Offloading:
     staging_bytes: int = 0
 
     def release(self) -> None:
-        """The graphs go: the staging ring (shared with other captures) lets go of these frames."""
+        """The graphs go (teardown resets every capture sharing the ring): the staging ring drains
+        its copies and lets go of every frame."""
         rings = {id(frame.ring): frame.ring for frame in self.staged.values()}
         for ring in rings.values():
             ring.release()
