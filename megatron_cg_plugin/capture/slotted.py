@@ -407,11 +407,18 @@ class _Offloading:
             ring.release()
         self.staged.clear()
 
-    def frame(self, variant: Hashable, slot: int) -> tuple[HostArena, OffloadPlan, Transfers] | None:
-        plan = self.plans.get(variant)
-        if plan is None or not plan.offloaded or self.transfers is None:
-            return None
-        return self.host_arenas[slot], plan, self.transfers
+    def hooks(self, key: tuple[Hashable, int], arena: Arena) -> ArenaHooks:
+        """The saved-tensor hooks of one (variant, slot) capture: its planned saves to the slot's
+        host arena through in-graph copies, to its staging buffer (copies between replays), or,
+        with nothing to offload, every save to the arena."""
+        plan = self.plans.get(key[0])
+        if plan is None or not plan.offloaded:
+            return ArenaHooks(arena)
+        staged = self.staged.get(key)
+        if staged is not None:
+            return StagedArenaHooks(arena, staged.staging, plan)
+        assert self.transfers is not None  # in-graph copies: plan() made the engine
+        return OffloadingArenaHooks(arena, self.host_arenas[key[1]], plan, self.transfers)
 
     @classmethod
     def plan(cls, offload: "SlotOffload", measures: dict[Hashable, "_Measure"], ring_size: int,
@@ -460,12 +467,9 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     torch.cuda.synchronize()
     with CaptureTransaction([]) as transaction:
         for key, entry in entries.items():
-            arena = arenas[key[1]] if options.protect else None
-            staged = offloading.staged.get(key)
-            retained += _capture_entry(entry, arena, pool, stream, transaction, options.strict,
-                                       offloading.frame(*key), None if staged is None else offloading.plans[key[0]],
-                                       staged)
-            entry.staged = staged
+            hooks = offloading.hooks(key, arenas[key[1]]) if options.protect else None
+            retained += _capture_entry(entry, hooks, pool, stream, transaction, options.strict)
+            entry.staged = offloading.staged.get(key)
     return entries, arenas, boundaries, param_grads, measures, retained, offloading
 
 
@@ -539,22 +543,16 @@ def _live(pool: Any) -> dict[int, int]:
     return diagnostics.live_blocks(diagnostics.allocator_segments(), pool)
 
 
-def _capture_entry(entry: _Entry, arena: Arena | None, pool: Any, stream: Any, transaction: CaptureTransaction,
-                   strict: bool, offload: tuple[HostArena, OffloadPlan, Transfers] | None = None,
-                   staged_plan: OffloadPlan | None = None, staged: StagedFrame | None = None) -> int:
+def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: Any, transaction: CaptureTransaction,
+                   strict: bool) -> int:
     """Captures one variant's forward and backward for one slot; returns the pool bytes still
-    allocated afterwards that were not before (library workspaces; 0 normally). With ``offload``
-    (the slot's host arena, the variant's plan, the copy engine) the planned saves go to the host,
-    and both graphs join the copy streams before they end; with ``staged`` (and its plan) they go
-    to the frame's staging buffer, and the copies run between replays."""
+    allocated afterwards that were not before (library workspaces; 0 normally). ``hooks`` (None
+    without arenas) take the forward's saves; in-graph offload hooks (``OffloadingArenaHooks``)
+    send the planned ones to the host, and both graphs join their copy streams before they end."""
     boundary, variant = entry.boundary, entry.variant
     for static, sample in zip(boundary.inputs, variant.sample_args):
         static.detach().copy_(sample)
     before = _live(pool)
-    hooks: ArenaHooks | None = None
-    if arena is not None:
-        hooks = OffloadingArenaHooks(arena, *offload) if offload is not None else \
-            StagedArenaHooks(arena, staged.staging, staged_plan) if staged is not None else ArenaHooks(arena)
 
     forward = torch.cuda.CUDAGraph()
     transaction.track(forward)
