@@ -151,23 +151,53 @@ class PluginHelperMixin:
         layers = self.flattened_callables  # every graphed layer, chunk by chunk
         scope = scope_label(self.config.cuda_graph_modules) + (" (slot-shared)" if config.slot_capture else "")
         backend = self.capture_backend()
-        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
         start = time.perf_counter()
         phases = _Phases()  # where capture time goes, for the report (the plugin's cost is the non-capture part)
         # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
-        # (the next forward sets it anew), so the stale-graph check has nothing to collect.
+        # (the next forward sets it anew), so no stale-graph check has it to collect.
         self._clear_moe_scratch()
-        if config.stale_graph_check == "refuse":
+        if config.stale_graph_check == "before":
             with phases("stale-graph check"):
                 allowed = self._stale_graphs_allow_capture(scope, layers, start)
             if not allowed:
                 return
+        # The default check costs nothing on success: it looks for eager graphs only after a failed
+        # (rolled-back) capture, and captures once more if collecting garbage freed them all.
+        attempts = 2 if config.stale_graph_check == "refuse" else 1
+        for attempt in range(1, attempts + 1):
+            tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
+            try:
+                baseline, capture, counter = self._capture_in_transaction(backend, tracker, phases)
+                break
+            except Exception as error:  # noqa: BLE001 - every failure is rolled back, then retried, raised or logged
+                self._release_failed_capture()
+                if attempt < attempts:
+                    with phases("stale-graph check"):
+                        verdict = self._stale_graphs_after_failure(error, scope, layers, start)
+                    if verdict == "retry":
+                        continue
+                    if verdict == "refused":
+                        return
+                self._on_capture_failure(error, scope, tracker, start, layers)
+                return
+        self._baseline = baseline
+        self.capture_stats = CaptureStats(
+            scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
+            seconds=time.perf_counter() - start,
+            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
+            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs),
+            attempts=attempt)
+
+    def _capture_in_transaction(self, backend: GraphBackend, tracker: _CaptureTracker,
+                                phases: _Phases) -> tuple[diagnostics.MemoryState, "_CaptureCall", diagnostics.ReplayCounter]:
+        """One capture through Megatron's ``create_cudagraphs``; on any error everything it changed
+        is rolled back before the error propagates."""
         try:
             with contextlib.ExitStack() as scope_of_transaction:
                 with phases("rollback snapshot"):
                     baseline = diagnostics.memory_state()
                     transaction = scope_of_transaction.enter_context(
-                        CaptureTransaction(self._restorables(layers, tracker)))
+                        CaptureTransaction(self._restorables(self.flattened_callables, tracker)))
                 tracker.install()
                 capture = _CaptureCall(backend, transaction, tracker)
                 from megatron.core.transformer import cuda_graphs
@@ -178,20 +208,12 @@ class PluginHelperMixin:
                         cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
                     super().create_cudagraphs()
                 with phases("replay contracts"):
-                    counter = self._hold_to_contracts(capture, config.contract_check)
-        except Exception as error:  # noqa: BLE001 - every failure is rolled back, then raised or logged
-            self._on_capture_failure(error, scope, tracker, start, layers)
-            return
+                    counter = self._hold_to_contracts(capture, self.session.config.contract_check)
         finally:
             # The capture wrappers are transaction-scoped: gone after success too.
             for layer in self.flattened_callables:
                 vars(layer).pop("_te_cuda_graph_capture", None)
-        self._baseline = baseline
-        self.capture_stats = CaptureStats(
-            scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
-            seconds=time.perf_counter() - start,
-            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
+        return baseline, capture, counter
 
     def capture_backend(self) -> GraphBackend:
         """The class's backend if bound with one, else what the config asks for: slot-shared
@@ -254,23 +276,54 @@ class PluginHelperMixin:
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
             replays=banked.replay_counts(), banks=lambda: banked.report()["banks"])
 
+    def _graphed_parameters(self) -> list[Any]:
+        return [p for layer in self.flattened_callables for p in layer.parameters()]
+
     def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
-        """The stale-graph check runs before capture changes anything, so a refusal needs no
-        rollback: with ``raise`` the helper is left as it was (capture may be retried after the
-        holder lets go); with ``eager`` the phase is marked done and training goes on eagerly."""
-        params = [p for layer in self.flattened_callables for p in layer.parameters()]
+        """``--cg-stale-graph-check before``: the check runs before capture changes anything, so a
+        refusal needs no rollback."""
         try:
-            tolerated = hygiene.ensure_no_stale_graphs(params)
+            tolerated = hygiene.ensure_no_stale_graphs(self._graphed_parameters())
         except hygiene.StaleAutogradGraphError as refusal:
-            if self.session.config.on_capture_error == "raise":
-                raise
-            self._record_failure(scope, layers, start, f"refused before capture: {refusal}")
-            logger.warning("%s; training continues eagerly (--cg-on-capture-error eager).", refusal)
+            self._refuse(refusal, scope, layers, start, "refused before capture")
             return False
         for graph in tolerated:
             logger.info("capture proceeds with a tolerated live autograd graph: %s held by %s",
                         graph.root, "; ".join(graph.holders))
         return True
+
+    def _stale_graphs_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float) -> str:
+        """After a failed, rolled-back capture: ``retry`` when eager graphs held only by garbage
+        were there (now collected), ``refused`` when live ones are (named), ``unrelated`` when none."""
+        try:
+            if not hygiene.diagnose_failed_capture(self._graphed_parameters(), error):
+                return "unrelated"
+        except hygiene.StaleAutogradGraphError as refusal:
+            self._empty_cache()
+            self._refuse(refusal, scope, layers, start, "refused after a failed capture")
+            return "refused"
+        logger.warning("CUDA graph capture (%s) failed while garbage held eager autograd graphs (%s: %s); "
+                       "collected, capturing again.", scope, type(error).__name__, error)
+        self._empty_cache()
+        return "retry"
+
+    @staticmethod
+    def _empty_cache() -> None:
+        """Gives the failed capture's pool back (harmless without CUDA)."""
+        import torch
+
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+    def _refuse(self, refusal: hygiene.StaleAutogradGraphError, scope: str, layers: list[Any], start: float,
+                when: str) -> None:
+        """A stale-graph refusal: nothing is left captured; with ``raise`` the helper is left as it
+        was (capture may be retried after the holder lets go); with ``eager`` the phase is marked
+        done and training goes on eagerly."""
+        if self.session.config.on_capture_error == "raise":
+            raise refusal
+        self._record_failure(scope, layers, start, f"{when}: {refusal}")
+        logger.warning("%s; training continues eagerly (--cg-on-capture-error eager).", refusal)
 
     def _record_failure(self, scope: str, layers: list[Any], start: float, failure: str) -> None:
         """No graphs for this phase: the report shows why, and Megatron's loop must not try again
@@ -318,19 +371,22 @@ class PluginHelperMixin:
         check.contract = contract  # for diagnostics: what the replay is held to
         return check
 
-    def _on_capture_failure(self, error: Exception, scope: str, tracker: _CaptureTracker, start: float,
-                            layers: list[Any]) -> None:
-        """After the transaction rolled back: Megatron's own post-capture reset, then raise or go eager."""
+    def _release_failed_capture(self) -> None:
+        """After the transaction rolled back: Megatron's own post-capture reset. Garbage is
+        collected later, once the stale-graph check has looked at it."""
         import torch
 
         with contextlib.suppress(Exception):  # a sticky CUDA error must not hide the real cause
             torch.cuda.synchronize()
         with contextlib.suppress(Exception):
             self._reset_after_capture()  # zero grad buffers, MoE metrics, temporary tensors
-        gc.collect()
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
         self._graphs_created = False
+
+    def _on_capture_failure(self, error: Exception, scope: str, tracker: _CaptureTracker, start: float,
+                            layers: list[Any]) -> None:
+        """After the rollback and Megatron's reset: free what the capture held, then raise or go eager."""
+        gc.collect()
+        self._empty_cache()
         where = tracker.current or "before any layer ran"
         cause = f"{type(error).__name__}: {error}"
         self._record_failure(scope, layers, start, f"{where}: {cause}")

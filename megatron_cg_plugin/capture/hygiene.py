@@ -5,6 +5,9 @@ left alive from an eager step (a ``loss`` variable, a list of outputs) keeps tho
 the eager stream; capture then dies with "operation would make the legacy stream depend on a
 capturing blocking stream". The safe fix is to collect unreachable garbage (reference cycles
 holding graphs); anything still alive after that is refused, naming what holds it.
+
+Listing the heap costs ~0.2 s in a Megatron process, so by default it runs only after a capture
+failed and was rolled back (``diagnose_failed_capture``); ``ensure_no_stale_graphs`` runs it before.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
+import traceback
 import types
 from typing import Any, Callable, Iterable
 
@@ -35,16 +39,19 @@ TOLERATED_HOLDERS = (("TokenDispatcher", "probs"),)
 
 
 class StaleAutogradGraphError(RuntimeError):
-    def __init__(self, stale: list[StaleGraph]) -> None:
+    def __init__(self, stale: list[StaleGraph], *, after_failure: bool = False) -> None:
         self.stale = stale
+        self.after_failure = after_failure
         lines = []
         for graph in stale:
             held = "; ".join(graph.holders) or "no Python referrer found (held from C++ or a closure)"
             lines.append(f"  - {graph.root}, reaching {graph.parameters} graphed parameter(s), held by: {held}")
+        opening = ("CUDA graph capture failed and was rolled back, and the likely cause is still there"
+                   if after_failure else "CUDA graph capture refused")
         super().__init__(
-            f"CUDA graph capture refused: {len(stale)} autograd graph(s) from an eager step are still "
+            f"{opening}: {len(stale)} autograd graph(s) from an eager step are still "
             "alive and keep AccumulateGrad nodes of graphed parameters bound to the eager stream; with "
-            "torch >= 2.9 capture would fail with 'operation would make the legacy stream depend on a "
+            "torch >= 2.9 capture fails with 'operation would make the legacy stream depend on a "
             "capturing blocking stream'.\n" + "\n".join(lines) +
             "\nDrop these references before capture (e.g. `del loss`, or keep `loss.item()` instead of the "
             "tensor).")
@@ -180,6 +187,38 @@ def _tolerated(owner: Any, target: Any) -> bool:
         for attribute in attributes for suffix, name in TOLERATED_HOLDERS)
 
 
+def _untolerated(graphs: list[StaleGraph], tolerate: bool) -> list[StaleGraph]:
+    return [graph for graph in graphs if not (tolerate and graph.tolerated)]
+
+
+def _release_frames(error: BaseException) -> None:
+    """Drops the locals of the finished frames in ``error``'s tracebacks (its causes' too): the
+    failed capture's own outputs, whose graphs reach the parameters, would otherwise be found as
+    stale. The tracebacks stay printable."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException, *, tolerate: bool = True,
+                            collect: Callable[[], Any] = gc.collect) -> bool:
+    """After a capture failed and was rolled back: were eager graphs the cause? False when none
+    that is not tolerated reaches ``params`` (the failure has another cause); True when collecting
+    garbage freed every one, so capture may be tried again; otherwise raises
+    ``StaleAutogradGraphError`` naming what holds the rest (from ``error``)."""
+    _release_frames(error)
+    params = list(params)
+    if not _untolerated(find_stale_graphs(params), tolerate):
+        return False
+    collect()
+    remaining = _untolerated(find_stale_graphs(params), tolerate)
+    if remaining:
+        raise StaleAutogradGraphError(remaining, after_failure=True) from error
+    return True
+
+
 def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *, tolerate: bool = True,
                            collect: Callable[[], Any] = gc.collect) -> list[StaleGraph]:
     """Collects garbage if stale graphs are found (the safe fix), then refuses if any remain that
@@ -189,7 +228,7 @@ def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *, tolerate: bool = T
         return []
     collect()
     stale = find_stale_graphs(params)
-    refused = [graph for graph in stale if not (tolerate and graph.tolerated)]
+    refused = _untolerated(stale, tolerate)
     if refused:
         raise StaleAutogradGraphError(refused)
     return stale

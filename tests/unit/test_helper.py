@@ -8,6 +8,7 @@ import contextlib
 import enum
 import gc
 import re
+import sys
 import time
 import types
 
@@ -17,6 +18,7 @@ from megatron.core.transformer import cuda_graphs as mcg
 
 from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin import helper as helper_module
+from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.contracts import ContractViolation
 from megatron_cg_plugin.capture.hygiene import StaleAutogradGraphError
 from megatron_cg_plugin.capture.transaction import attribute, gc_state
@@ -103,6 +105,15 @@ class FakeGraphedCallable:
         self.cuda_graph.reset()
 
 
+def _eager_graph_reaches(params) -> bool:
+    """What CUDA sees: a live autograd graph holding a parameter's AccumulateGrad node. Not
+    ``find_stale_graphs``, whose holder search refreshes frames' ``f_locals`` snapshots."""
+    ids = {id(p) for p in params}
+    return any(issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None
+               and any(id(v) in ids for v in hygiene._accumulated_variables(obj.grad_fn, {}))
+               for obj in gc.get_objects())
+
+
 class FakeTEBackend:
     """A ``GraphBackend`` emulating TE 2.20's ``make_graphed_callables``: it mutates "TE globals"
     (a capture flag, a new module attribute, ``__call__`` of each module class, GC), warms every
@@ -112,11 +123,13 @@ class FakeTEBackend:
     ``fail_at`` (1-based graph number) raises inside that graph's capture, after the layer ran.
     ``graph_first``: the graph object is created (and reported) before its capture as TE does;
     otherwise only once its capture succeeded. ``drop_last`` returns one graphed callable too few.
+    ``fail_while_stale`` fails the capture as torch >= 2.9 does while an eager autograd graph
+    reaching a captured layer's parameters is alive.
     """
 
     def __init__(self, *, memory: FakeMemory | None = None, fail_at: int | None = None,
                  graph_first: bool = True, drop_last: bool = False, leak_at: int | None = None,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, fail_while_stale: bool = False) -> None:
         self.te = types.ModuleType("fake_transformer_engine_graph")
         self.te._IS_GRAPH_CAPTURING = False
         self.memory = memory
@@ -125,6 +138,7 @@ class FakeTEBackend:
         self.drop_last = drop_last
         self.leak_at = leak_at
         self.warmup = warmup
+        self.fail_while_stale = fail_while_stale
         self.reset_log: list[int] = []
         self.graphs: list[FakeCudaGraph] = []
         self.captured_layers: list[torch.nn.Module] = []  # the layer run for graph i
@@ -189,6 +203,9 @@ class FakeTEBackend:
                 self.captured_layers.append(layer)
                 self.capturing_seen.append(self.is_capturing())
                 layer._te_cuda_graph_capture(*sample_args[i], **sample_kwargs[i])
+                if self.fail_while_stale and _eager_graph_reaches(layer.parameters()):
+                    raise RuntimeError("CUDA error: operation would make the legacy stream depend on a "
+                                       "capturing blocking stream")
                 if self.fail_at == number:
                     raise RuntimeError(f"fake CUDA error: capture of graph {number} failed")
             finally:
@@ -1069,34 +1086,47 @@ def _stale_error(error: BaseException) -> StaleAutogradGraphError | None:
     return error
 
 
-def test_live_loss_refuses_capture_and_changes_nothing(probe, memory):
-    session, backend, model, helper = build(probe, layout=(2,), stale_graph_check="refuse")
+def stale_build(probe, when, **config):
+    """``refuse`` looks after a failed capture (the backend fails as CUDA does); ``before`` looks first."""
+    return build(probe, layout=(2,), backend=FakeTEBackend(fail_while_stale=True), stale_graph_check=when, **config)
+
+
+@pytest.mark.parametrize("when", ["refuse", "before"])
+def test_live_loss_refuses_capture_and_changes_nothing(probe, when):
+    session, backend, model, helper = stale_build(probe, when)
     layer = all_layers(model)[0]
     before = Snapshot(model, backend, helper)
     loss = (layer.weight * 2).sum()
 
-    with pytest.raises((StaleAutogradGraphError, CaptureFailedError)) as info:
+    with pytest.raises(StaleAutogradGraphError) as info:
         helper.create_cudagraphs()
 
     assert "'loss'" in str(info.value)
-    assert _stale_error(info.value) is not None
-    assert backend.calls == [] and backend.graphs == []
-    assert "start" not in helper.events
+    if when == "before":  # refused before anything ran
+        assert backend.calls == [] and "start" not in helper.events
+        assert info.value.__cause__ is None
+    else:  # one attempt, failed on the live graph and rolled back; not tried again
+        assert len(backend.calls) == 1 and "legacy stream" in str(info.value.__cause__)
+        assert backend.reset_log  # the failed attempt's graphs were reset
     before.assert_restored(model, backend, helper)
     assert not helper.graphs_created()
     assert loss.grad_fn is not None  # the refusal did not touch the user's graph
 
 
-def test_stale_graph_refusal_leaves_the_helper_able_to_capture(probe, memory):
-    session, backend, model, helper = build(probe, layout=(2,), stale_graph_check="refuse")
+@pytest.mark.parametrize("when", ["refuse", "before"])
+def test_stale_graph_refusal_leaves_the_helper_able_to_capture(probe, when):
+    session, backend, model, helper = stale_build(probe, when)
     loss = (all_layers(model)[0].weight * 2).sum()
-    with pytest.raises((StaleAutogradGraphError, CaptureFailedError)):
+    with pytest.raises(StaleAutogradGraphError):
         helper.create_cudagraphs()
     assert helper.capture_finished() is False
-    assert helper.reset_after_capture_calls == 0
     del loss
     helper.create_cudagraphs()
-    assert helper.graphs_created()
+    # On Python 3.12 the refusal's holder search left a snapshot of this frame's locals (f_locals),
+    # which keeps `loss` alive until read again: the first attempt fails on it, the check reads the
+    # snapshot anew (freeing it), and the second attempt captures.
+    snapshot_kept = when == "refuse" and sys.version_info < (3, 13)
+    assert helper.graphs_created() and helper.capture_stats.attempts == (2 if snapshot_kept else 1)
 
 
 def test_capture_succeeds_once_the_loss_is_gone(probe, memory):
@@ -1108,15 +1138,65 @@ def test_capture_succeeds_once_the_loss_is_gone(probe, memory):
     assert helper.graphs_created()
 
 
-def test_stale_graph_in_eager_mode_names_the_holder(probe, memory):
-    session, backend, model, helper = build(probe, layout=(2,), on_capture_error="eager",
-                                            stale_graph_check="refuse")
+@pytest.mark.parametrize("when, words", [("refuse", "refused after a failed capture"),
+                                         ("before", "refused before capture")])
+def test_stale_graph_in_eager_mode_names_the_holder(probe, when, words):
+    session, backend, model, helper = stale_build(probe, when, on_capture_error="eager")
     kept = [(all_layers(model)[1].weight * 3).mean()]
     helper.create_cudagraphs()
-    assert "refused before capture" in helper.capture_stats.failure
+    assert words in helper.capture_stats.failure
     assert "an element of a list of length 1" in helper.capture_stats.failure
-    assert backend.calls == [] and not helper.graphs_created()
+    assert not helper.graphs_created() and helper.capture_finished()
     del kept
+
+
+@pytest.mark.parametrize("when, attempts", [("refuse", 2), ("before", 1)])
+def test_graph_held_by_garbage_is_collected_and_capture_succeeds(probe, when, attempts):
+    """``refuse``: the first capture fails on it, the check collects it, the second succeeds;
+    ``before``: collected before the only capture."""
+    session, backend, model, helper = stale_build(probe, when)
+    was_enabled = gc.isenabled()
+    gc.disable()  # the cycle lives until a collection
+    try:
+        cycle = types.SimpleNamespace(loss=(all_layers(model)[0].weight * 2).sum())
+        cycle.me = cycle
+        del cycle
+        helper.create_cudagraphs()
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert helper.graphs_created() and helper.capture_stats.failure is None
+    assert len(backend.calls) == attempts and helper.capture_stats.attempts == attempts
+    assert "stale-graph check" in helper.capture_stats.phases
+    assert all(w.graph.cuda_graph in backend.graphs[-2:] for layer in all_layers(model) for w in layer.cuda_graphs)
+    lines = session.report().format_table().splitlines()
+    assert any("captured at attempt 2" in line for line in lines) == (attempts == 2)
+
+
+def test_the_default_check_lists_the_heap_only_after_a_failure(probe, monkeypatch):
+    scans = []
+    real = hygiene.find_stale_graphs
+    monkeypatch.setattr(hygiene, "find_stale_graphs", lambda *a, **k: scans.append(1) or real(*a, **k))
+    session, backend, model, helper = build(probe, layout=(2,), stale_graph_check="refuse")
+    helper.create_cudagraphs()
+    assert helper.graphs_created() and scans == [] and "stale-graph check" not in helper.capture_stats.phases
+
+
+def test_an_unrelated_failure_is_not_retried(probe, memory):
+    session, backend, model, helper = build(probe, layout=(2,), backend=FakeTEBackend(memory=memory, fail_at=2),
+                                            stale_graph_check="refuse")
+    with pytest.raises(CaptureFailedError, match="capture of graph 2 failed"):
+        helper.create_cudagraphs()
+    assert len(backend.calls) == 1 and not helper.graphs_created()
+
+
+def test_with_the_check_off_a_live_loss_fails_the_capture_unexplained(probe):
+    session, backend, model, helper = stale_build(probe, "off")
+    loss = (all_layers(model)[0].weight * 2).sum()
+    with pytest.raises(CaptureFailedError, match="legacy stream") as info:
+        helper.create_cudagraphs()
+    assert _stale_error(info.value) is None and len(backend.calls) == 1
+    del loss
 
 
 def test_stale_graph_check_off_captures_with_a_live_loss(probe, memory):

@@ -12,6 +12,7 @@ from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.hygiene import (
     StaleAutogradGraphError,
     StaleGraph,
+    diagnose_failed_capture,
     ensure_no_stale_graphs,
     find_stale_graphs,
 )
@@ -172,6 +173,72 @@ def test_two_stale_graphs_are_both_listed(weights):
     assert "2 autograd graph(s)" in str(info.value)
     assert "'first'" in str(info.value) and "an element of a list of length 1" in str(info.value)
     del first, second
+
+
+# -- after a failed capture (the default: the heap is listed only then) -----------------------------
+
+def _failed_capture(weights, keep_output: bool = False) -> RuntimeError:
+    """A capture that fails after making outputs whose graphs reach the params, as TE's does;
+    the error's traceback keeps the frame, and with it ``output``."""
+    def capture():
+        output = (weights[0] * 3).sum()  # noqa: F841 - held by this frame, as a failed capture's outputs are
+        raise RuntimeError("operation would make the legacy stream depend on a capturing blocking stream")
+    try:
+        capture()
+    except RuntimeError as error:
+        return error
+
+
+def test_failure_with_no_eager_graph_is_unrelated_and_collects_nothing(weights):
+    collect = CountingCollect()
+    assert diagnose_failed_capture(weights, _failed_capture(weights), collect=collect) is False
+    assert collect.calls == 0
+
+
+def test_the_failed_captures_own_outputs_are_not_taken_for_eager_graphs(weights):
+    """The traceback's frames are released first; without that their outputs look stale."""
+    error = _failed_capture(weights)
+    assert len(find_stale_graphs(weights)) == 1  # the output, alive in the traceback's frame
+    assert diagnose_failed_capture(weights, error, collect=CountingCollect(real=False)) is False
+    assert "legacy stream" in "".join(__import__("traceback").format_exception(error))  # still printable
+
+
+def test_failure_while_garbage_held_a_graph_asks_for_another_attempt(weights):
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cycle = Holder()
+        cycle.me, cycle.loss = cycle, (weights[1] * 2).sum()
+        del cycle
+        collect = CountingCollect()
+        assert diagnose_failed_capture(weights, _failed_capture(weights), collect=collect) is True
+        assert collect.calls == 1 and find_stale_graphs(weights) == []
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_failure_while_a_live_graph_is_held_names_it_from_the_capture_error(weights):
+    loss = (weights[2] * 2).sum()
+    error = _failed_capture(weights)
+    with pytest.raises(StaleAutogradGraphError) as info:
+        diagnose_failed_capture(weights, error, collect=CountingCollect(real=False))
+    assert info.value.__cause__ is error and info.value.after_failure
+    assert str(info.value).startswith("CUDA graph capture failed and was rolled back, and the likely cause")
+    assert "local variable 'loss'" in str(info.value)
+    (stale,) = info.value.stale
+    assert stale.root.startswith("SumBackward0")
+    del loss
+
+
+def test_tolerated_holders_do_not_explain_a_failure():
+    weight = torch.nn.Parameter(torch.ones(3))
+    dispatcher = MoEAlltoAllTokenDispatcher()
+    dispatcher.probs = weight * 2
+    error = RuntimeError("some other capture failure")
+    assert diagnose_failed_capture([weight], error, collect=lambda: None) is False
+    with pytest.raises(StaleAutogradGraphError):
+        diagnose_failed_capture([weight], error, tolerate=False, collect=lambda: None)
 
 
 # -- graphs Megatron itself keeps (seen harmless on H200) are tolerated, not refused ------------------

@@ -1,7 +1,7 @@
 """GPU probe for the capture lifecycle (one rank): rollback, contracts, teardown, stale graphs.
 
 Run by tests/functional/test_capture_lifecycle.py through the multi-rank launcher:
-    python lifecycle_probe.py --scenario lifecycle|stale-unchecked|stale-checked --out result.json
+    python lifecycle_probe.py --scenario lifecycle|stale-unchecked|stale-checked|stale-before|stale-garbage --out result.json
 A tiny megatron-core GPT with TE layers, captured with the plugin's helper (Megatron's own
 TECudaGraphHelper underneath), compared with an eager run of the same steps.
 """
@@ -188,7 +188,9 @@ def lifecycle(result):
     helper.delete_cuda_graphs()
 
 
-def stale(result, check: str):
+def stale(result, check: str, held_by: str = "local"):
+    """An eager step's graph kept alive at capture: by a local variable (``loss``), or by garbage
+    (a reference cycle, with automatic collection off so that it lives until the plugin collects)."""
     from megatron_cg_plugin.config import PluginConfig
 
     data = list(batches(4))
@@ -202,6 +204,11 @@ def stale(result, check: str):
     losses = [trainer.step(*data[0])[0]]
     value, loss = trainer.step(*data[1], keep_graph=True)  # an eager graph left alive: the trap
     losses.append(value)
+    if held_by == "garbage":
+        cycle = {"loss": loss}
+        cycle["me"] = cycle
+        del loss, cycle
+        gc.disable()
     session, helper = helper_for(config, model, PluginConfig(stale_graph_check=check, on_capture_error="raise"))
     try:
         helper.create_cudagraphs()
@@ -211,22 +218,36 @@ def stale(result, check: str):
         result["error_type"] = type(error).__name__
         result["error"] = str(error)
         result["cause"] = repr(error.__cause__) if error.__cause__ else None
+    gc.enable()
     result["graphs_created"] = helper.graphs_created()
+    stats = helper.capture_stats
+    result["attempts"] = None if stats is None else stats.attempts
+    result["capture_phases"] = None if stats is None else stats.phases
     from megatron.core.transformer import cuda_graphs
     result["megatron_capture_flag_after"] = cuda_graphs.is_graph_capturing()
-    del loss
-    # Training should go on eagerly after a refused or rolled-back capture.
+    if held_by == "local":
+        del loss
+    # Training should go on, graphed or eagerly, after a capture, a refusal or a rollback.
     try:
         losses += [trainer.step(*batch)[0] for batch in data[2:]]
     except Exception as error:  # noqa: BLE001 - reported for the test to show
         result["eager_step_error"] = f"{type(error).__name__}: {error}"
+    result["replays"] = None if stats is None else stats.replays.total
     result["losses"] = losses
     result["losses_equal_eager"] = losses == result["eager_losses"]
 
 
+SCENARIOS = {  # name -> (--cg-stale-graph-check, what holds the eager graph)
+    "stale-unchecked": ("off", "local"),
+    "stale-checked": ("refuse", "local"),
+    "stale-before": ("before", "local"),
+    "stale-garbage": ("refuse", "garbage"),
+}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["lifecycle", "stale-unchecked", "stale-checked"])
+    parser.add_argument("--scenario", required=True, choices=["lifecycle", *SCENARIOS])
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     setup()
@@ -235,7 +256,7 @@ def main():
         if options.scenario == "lifecycle":
             lifecycle(result)
         else:
-            stale(result, "off" if options.scenario == "stale-unchecked" else "refuse")
+            stale(result, *SCENARIOS[options.scenario])
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     with open(options.out, "w") as f:
