@@ -161,32 +161,23 @@ class PluginHelperMixin:
                 allowed = self._stale_graphs_allow_capture(scope, layers, start)
             if not allowed:
                 return
-        # The default check costs nothing on success: it looks for eager graphs only after a failed
-        # (rolled-back) capture, and captures once more if collecting garbage freed them all.
-        attempts = 2 if config.stale_graph_check == "refuse" else 1
-        for attempt in range(1, attempts + 1):
-            tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
-            try:
-                baseline, capture, counter = self._capture_in_transaction(backend, tracker, phases)
-                break
-            except Exception as error:  # noqa: BLE001 - every failure is rolled back, then retried, raised or logged
-                self._release_failed_capture()
-                if attempt < attempts:
-                    with phases("stale-graph check"):
-                        verdict = self._stale_graphs_after_failure(error, scope, layers, start)
-                    if verdict == "retry":
-                        continue
-                    if verdict == "refused":
-                        return
-                self._on_capture_failure(error, scope, tracker, start, layers)
+        # The default check costs nothing on success: it lists the heap only after a failed, rolled-back
+        # capture. Garbage needs no check: Megatron's _start_capturing collects it first (0.19.2 l.2662).
+        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
+        try:
+            baseline, capture, counter = self._capture_in_transaction(backend, tracker, phases)
+        except Exception as error:  # noqa: BLE001 - every failure is rolled back, then explained, raised or logged
+            self._release_failed_capture()
+            if config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(error, scope, layers, start):
                 return
+            self._on_capture_failure(error, scope, tracker, start, layers)
+            return
         self._baseline = baseline
         self.capture_stats = CaptureStats(
             scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
             seconds=time.perf_counter() - start,
             pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs),
-            attempts=attempt)
+            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
 
     def _capture_in_transaction(self, backend: GraphBackend, tracker: _CaptureTracker,
                                 phases: _Phases) -> tuple[diagnostics.MemoryState, "_CaptureCall", diagnostics.ReplayCounter]:
@@ -292,20 +283,16 @@ class PluginHelperMixin:
                         graph.root, "; ".join(graph.holders))
         return True
 
-    def _stale_graphs_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float) -> str:
-        """After a failed, rolled-back capture: ``retry`` when eager graphs held only by garbage
-        were there (now collected), ``refused`` when live ones are (named), ``unrelated`` when none."""
+    def _stale_graphs_refuse_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float) -> bool:
+        """After a failed, rolled-back capture: True when eager graphs reaching the graphed
+        parameters are alive (refused, naming their holders, in place of the bare CUDA error)."""
         try:
-            if not hygiene.diagnose_failed_capture(self._graphed_parameters(), error):
-                return "unrelated"
+            hygiene.diagnose_failed_capture(self._graphed_parameters(), error)
         except hygiene.StaleAutogradGraphError as refusal:
             self._empty_cache()
             self._refuse(refusal, scope, layers, start, "refused after a failed capture")
-            return "refused"
-        logger.warning("CUDA graph capture (%s) failed while garbage held eager autograd graphs (%s: %s); "
-                       "collected, capturing again.", scope, type(error).__name__, error)
-        self._empty_cache()
-        return "retry"
+            return True
+        return False
 
     @staticmethod
     def _empty_cache() -> None:

@@ -30,7 +30,6 @@ class ScopeReport:
     teardown_pool_holders: tuple[str, ...] = ()  # what keeps those pool bytes allocated
     banks: tuple[dict[str, int], ...] = ()  # graph banks: per CP size, replays and rejections
     capture_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase of capture_seconds
-    capture_attempts: int = 1  # 2: the first failed while garbage held eager autograd graphs
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     host_arena_bytes: int | None = None  # their pinned host arenas (in-graph offload)
     offloaded_bytes: int | None = None  # moved to the host by the replays counted (per-replay bytes x replays)
@@ -90,9 +89,6 @@ class RunReport:
         for scope in self.scopes:
             if scope.failure:
                 lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
-            if scope.capture_attempts > 1:
-                lines.append(f"  {scope.scope}: captured at attempt {scope.capture_attempts}: the first failed while "
-                             "garbage held eager autograd graphs, which were collected")
             if scope.capture_phases:
                 lines.append(f"  {scope.scope}: capture phases: " + ", ".join(
                     f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items()))

@@ -71,7 +71,6 @@ class CaptureStats:
     banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per capture phase
     slot_layers: Callable[[], tuple] | None = None  # --cg-slot-capture: live per-layer slot_backend.LayerSlotStats
-    attempts: int = 1  # 2: the first failed while garbage held eager graphs (collected, captured again)
 
 
 def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
@@ -196,7 +195,6 @@ class RunSession:
                 teardown_pool_holders=() if teardown is None else teardown.pool_holders,
                 banks=() if stats.banks is None else tuple(stats.banks()),
                 capture_phases=dict(stats.phases),
-                capture_attempts=stats.attempts,
                 **_slot_fields(stats),
             )
             for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))

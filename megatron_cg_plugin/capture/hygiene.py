@@ -203,20 +203,18 @@ def _release_frames(error: BaseException) -> None:
 
 
 def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException, *, tolerate: bool = True,
-                            collect: Callable[[], Any] = gc.collect) -> bool:
-    """After a capture failed and was rolled back: were eager graphs the cause? False when none
-    that is not tolerated reaches ``params`` (the failure has another cause); True when collecting
-    garbage freed every one, so capture may be tried again; otherwise raises
-    ``StaleAutogradGraphError`` naming what holds the rest (from ``error``)."""
+                            collect: Callable[[], Any] = gc.collect) -> None:
+    """After a capture failed and was rolled back: raises ``StaleAutogradGraphError`` (from
+    ``error``) naming what holds the eager graphs that reach ``params`` and survive a garbage
+    collection; returns if there are none (the failure has another cause)."""
     _release_frames(error)
     params = list(params)
     if not _untolerated(find_stale_graphs(params), tolerate):
-        return False
+        return
     collect()
     remaining = _untolerated(find_stale_graphs(params), tolerate)
     if remaining:
         raise StaleAutogradGraphError(remaining, after_failure=True) from error
-    return True
 
 
 def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *, tolerate: bool = True,

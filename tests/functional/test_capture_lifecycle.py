@@ -57,7 +57,7 @@ def test_stale_graph_is_refused_after_the_failed_capture_naming_its_holder(farm_
     assert not result["captured"] and not result["graphs_created"], result
     assert result["error_type"] == "StaleAutogradGraphError", result
     assert "failed and was rolled back" in result["error"] and "'loss'" in result["error"], result["error"]
-    assert "capturing blocking stream" in result["cause"], result["cause"]  # CUDA's own error, chained
+    assert "during capture" in result["cause"], result["cause"]  # CUDA's own error, chained
     assert not result["megatron_capture_flag_after"]
     assert "eager_step_error" not in result, result["eager_step_error"]
     assert result["losses_equal_eager"], (result["losses"], result["eager_losses"])
@@ -73,13 +73,12 @@ def test_stale_graph_is_refused_before_capture_with_the_before_check(farm_out: P
     assert result["losses_equal_eager"], (result["losses"], result["eager_losses"])
 
 
-def test_graph_held_by_garbage_fails_one_capture_then_captures(farm_out: Path) -> None:
-    """The first capture fails on the cycle's graph and is rolled back; the check collects the
-    cycle and the second capture's graphs train equal to eager."""
+def test_graph_held_by_garbage_never_reaches_the_capture(farm_out: Path) -> None:
+    """Megatron's _start_capturing collects garbage before capturing, so the default check, which
+    looks only after a failure, has nothing to do (H200: captured at once, losses equal eager)."""
     result = _run("stale-garbage", farm_out)
     assert result["captured"] and result["graphs_created"], result
-    assert result["attempts"] == 2, result
-    assert "stale-graph check" in result["capture_phases"], result
+    assert "stale-graph check" not in result["capture_phases"], result
     assert "eager_step_error" not in result, result["eager_step_error"]
     assert result["replays"] > 0, result
     assert result["losses_equal_eager"], (result["losses"], result["eager_losses"])

@@ -221,7 +221,6 @@ def stale(result, check: str, held_by: str = "local"):
     gc.enable()
     result["graphs_created"] = helper.graphs_created()
     stats = helper.capture_stats
-    result["attempts"] = None if stats is None else stats.attempts
     result["capture_phases"] = None if stats is None else stats.phases
     from megatron.core.transformer import cuda_graphs
     result["megatron_capture_flag_after"] = cuda_graphs.is_graph_capturing()
