@@ -82,3 +82,26 @@ def test_graph_held_by_garbage_never_reaches_the_capture(farm_out: Path) -> None
     assert "eager_step_error" not in result, result["eager_step_error"]
     assert result["replays"] > 0, result
     assert result["losses_equal_eager"], (result["losses"], result["eager_losses"])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_failed_fp8_capture_leaves_the_fp8_state_as_it_was(farm_out: Path, recipe: str) -> None:
+    """Injected inside layer 2's capture, after TE's warmup moved every amax history: the rollback
+    restores each module's scales and histories and the global amax buffers, and eager FP8
+    training goes on equal to a run that never captured."""
+    result = _run(f"fp8-failure-{recipe}", farm_out)
+    assert "probe_error" not in result, result["probe_error"]
+    assert "injected failure" in result["failure"], result["failure"]
+    assert not result["graphs_created"]
+    if recipe == "delayed":
+        assert result["fp8_tensors_compared"] > 0, result  # delayed scaling keeps per-module meta
+    assert result["fp8_state_changed"] == [], result["fp8_state_changed"]
+    assert result["losses_equal_eager"], (result["losses"], result["eager_losses"])
+
+
+def test_without_the_fp8_meta_restore_the_failed_capture_leaves_changed_amax_histories(farm_out: Path) -> None:
+    """The guard above is needed: TE restores the FP8 meta only after a capture that succeeded."""
+    result = _run("fp8-failure-delayed-unrestored", farm_out)
+    assert "probe_error" not in result, result["probe_error"]
+    assert "injected failure" in result["failure"], result["failure"]
+    assert any(name.endswith("amax_history") for name in result["fp8_state_changed"]), result["fp8_state_changed"]

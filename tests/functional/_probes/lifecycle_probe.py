@@ -30,7 +30,7 @@ def setup():
     init_num_microbatches_calculator(0, None, B, B, 1)
 
 
-def build(graphs: bool):
+def build(graphs: bool, fp8: str | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -40,6 +40,8 @@ def build(graphs: bool):
     model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
     torch.manual_seed(123)
     extra = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=[]) if graphs else {}
+    if fp8 is not None:  # hybrid format; "delayed" or "tensorwise" (current) scaling
+        extra.update(fp8="hybrid", fp8_recipe=fp8, fp8_amax_history_len=16, fp8_amax_compute_algo="max")
     config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4, bf16=True,
                                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                                use_te_rng_tracker=True, deterministic_mode=True, **extra)
@@ -63,6 +65,9 @@ class Trainer:
 
     def step(self, tokens, positions, keep_graph=False):
         self.opt.zero_grad(set_to_none=False)  # at the start, as Megatron's loop does
+        # As Megatron's schedule does before each step's first microbatch: TE's FP8 weight cache is
+        # refreshed then (without it, FP8 weights quantized once at the first forward are reused).
+        self.model.set_is_first_microbatch()
         loss = self.model(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
         self.opt.step()
@@ -236,6 +241,66 @@ def stale(result, check: str, held_by: str = "local"):
     result["losses_equal_eager"] = losses == result["eager_losses"]
 
 
+def fp8_state(model) -> dict:
+    """Every FP8 tensor TE keeps between steps: each module's delayed-scaling meta (scales, amax
+    histories) and the global buffers the amax reduction reads, cloned."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    state = {}
+    for name, module in model.named_modules():
+        for key, meta in getattr(module, "fp8_meta", {}).items():
+            for field in ("scale", "amax_history"):
+                if isinstance(getattr(meta, field, None), torch.Tensor):
+                    state[f"{name}.{key}.{field}"] = getattr(meta, field).clone()
+    for buffer in ("global_amax_buffer", "global_amax_history_buffer", "global_scale_buffer"):
+        for key, tensors in getattr(FP8GlobalStateManager.quantization_state, buffer).items():
+            state[f"{buffer}[{key}]"] = [t.clone() for t in tensors]
+    return state
+
+
+def same_state(before: dict, after: dict) -> list[str]:
+    """Names whose tensors differ (or exist on one side only)."""
+    def equal(a, b):
+        if isinstance(a, list):
+            return isinstance(b, list) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return sorted(name for name in before.keys() | after.keys()
+                  if name not in before or name not in after or not equal(before[name], after[name]))
+
+
+def fp8_failure(result, recipe: str, restore_fp8_meta: bool = True):
+    """A failure injected inside an FP8 capture (layer 2, after TE's warmup of both layers and
+    layer 1's capture): the FP8 state is as before, and eager training goes on equal to a run
+    that never captured. ``restore_fp8_meta=False`` drops the transaction's FP8 meta restorable
+    (the guard under test), which must show as changed state."""
+    from megatron_cg_plugin.capture import backend
+    from megatron_cg_plugin.capture.transaction import Restorable
+    from megatron_cg_plugin.config import PluginConfig
+
+    if not restore_fp8_meta:
+        backend._fp8_meta_tensors = lambda *args: Restorable("nothing", lambda: None, lambda saved: None)
+
+    data = list(batches(6))
+    _, eager_model = build(graphs=False, fp8=recipe)
+    reference = Trainer(eager_model)
+    result["eager_losses"] = [reference.step(*batch)[0] for batch in data]
+    del reference, eager_model
+
+    config, model = build(graphs=True, fp8=recipe)
+    trainer = Trainer(model)
+    losses = [trainer.step(*batch)[0] for batch in data[:2]]
+    before = fp8_state(model)
+    session, helper = helper_for(config, model, PluginConfig(inject_capture_failure=2, on_capture_error="eager"))
+    helper.create_cudagraphs()
+    result["failure"] = helper.capture_stats.failure
+    result["graphs_created"] = helper.graphs_created()
+    result["fp8_tensors_compared"] = len(before)
+    result["fp8_state_changed"] = same_state(before, fp8_state(model))
+    losses += [trainer.step(*batch)[0] for batch in data[2:]]
+    result["losses"] = losses
+    result["losses_equal_eager"] = losses == result["eager_losses"]
+
+
 SCENARIOS = {  # name -> (--cg-stale-graph-check, what holds the eager graph)
     "stale-unchecked": ("off", "local"),
     "stale-checked": ("refuse", "local"),
@@ -246,7 +311,8 @@ SCENARIOS = {  # name -> (--cg-stale-graph-check, what holds the eager graph)
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["lifecycle", *SCENARIOS])
+    parser.add_argument("--scenario", required=True, choices=["lifecycle", "fp8-failure-delayed", "fp8-failure-tensorwise",
+                                                            "fp8-failure-delayed-unrestored", *SCENARIOS])
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     setup()
@@ -254,6 +320,9 @@ def main():
     try:
         if options.scenario == "lifecycle":
             lifecycle(result)
+        elif options.scenario.startswith("fp8-failure-"):
+            recipe, _, unrestored = options.scenario.removeprefix("fp8-failure-").partition("-")
+            fp8_failure(result, recipe, restore_fp8_meta=not unrestored)
         else:
             stale(result, *SCENARIOS[options.scenario])
     except Exception:  # noqa: BLE001 - written out for the test to show
