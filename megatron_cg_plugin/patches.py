@@ -380,6 +380,14 @@ SCOPED: tuple[ForeignState, ...] = (
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
         "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
     ForeignState(
+        "slot-fp8-weight-cache-off",
+        "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor",
+        "under a graph autocast a TE module reads its cached FP8 weight with TE's global weight-update flag as the "
+        "no-op switch whenever the flag exists (an earlier make_graphed_callables made it), so a slot-shared graph "
+        "captured then would keep a stale weight; slot-shared capture quantizes weights inside its graphs and sets "
+        "the flag to None while it captures.",
+        "capture.backend.fp8_weight_cache_off (with block around slot-shared capture with FP8)", needs_te=True),
+    ForeignState(
         "cpu-device-stand-ins", "torch:cuda.get_device_capability",
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
@@ -420,6 +428,10 @@ PRIVATE_API: tuple[ForeignState, ...] = (
     ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
                  "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
                  "in-place check sees what it would have seen without the arena.", "memory/saved_tensors.py"),
+    ForeignState("te-graph-autocast", "transformer_engine.pytorch.quantization:autocast.__init__",
+                 "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
+                 "uses (_graph=True: no global amax buffer, no reduction at exit).", "capture/backend.py",
+                 ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"), needs_te=True),
     ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
                  "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/backend.py",
                  needs_te=True),

@@ -80,6 +80,7 @@ class GraphFacts:
     fp8: bool = False  # --fp8-format
     fp8_recipe: str = "delayed"  # --fp8-recipe
     fp4: bool = False  # --fp4-format
+    fp8_attention: bool = False  # --fp8-dot-product-attention or --fp8-multi-head-attention
     device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
     cuda_version: tuple[int, int] | None = None  # torch's CUDA build
     sft: bool = False  # --sft: the dataset marks document boundaries itself
@@ -260,9 +261,14 @@ RULES: tuple[Rule, ...] = (
          "--cg-slot-capture captures one graph per layer, for runs where each microbatch's backward follows its "
          "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
          "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
-    Rule("slot-capture-fp8", "plugin", _graphs(lambda f: f.slot_capture and (f.fp8 or f.fp4)),
-         "--cg-slot-capture does not protect FP8 quantizer state in slot-shared memory yet: drop --fp8-format / "
-         "--fp4-format, or drop --cg-slot-capture (TE's graphs handle FP8)."),
+    Rule("slot-capture-fp8", "plugin",
+         _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (f.fp8_recipe != "tensorwise" or f.fp8_attention)))),
+         "--cg-slot-capture takes FP8 with current scaling only (--fp8-recipe tensorwise, without "
+         "--fp8-dot-product-attention / --fp8-multi-head-attention): delayed scaling's amax histories and FP8 "
+         "attention's quantizers live outside the saved tensors slot-shared memory protects. Use --fp8-recipe "
+         "tensorwise, or drop --cg-slot-capture (TE's graphs take every FP8 recipe).",
+         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe}"
+         + (", FP8 attention)" if f.fp8_attention else ")")),
     Rule("slot-capture-scope", "plugin",
          _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
          "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
@@ -425,6 +431,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
                        or "delayed"),
         fp4=getattr(args, "fp4", None) is not None,
+        fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
+                           or getattr(args, "fp8_multi_head_attention", False)),
         device_capability=device_capability,
         cuda_version=cuda_version,
         sft=bool(getattr(args, "sft", False)),

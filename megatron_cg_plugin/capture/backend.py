@@ -100,6 +100,44 @@ def te_capture_flag() -> Iterator[None]:
         te_graph._IS_GRAPH_CAPTURING = before
 
 
+def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
+    """The autocast TE's ``make_graphed_callables`` runs warmup and capture under (``_graph=True``:
+    modules join no global amax buffer and its exit runs no reduction); a fresh one per use."""
+    from transformer_engine.pytorch.quantization import autocast
+
+    return autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group, _graph=True)
+
+
+def slot_fp8_refusal(recipe: Any) -> str | None:
+    """Why slot-shared capture cannot take this FP8 recipe yet, or None. Current (tensorwise)
+    scaling keeps no state between calls, so a slot's saves are all its backward reads; delayed
+    scaling's histories and FP8 attention's delayed-scaling S/dP quantizers live outside them."""
+    if recipe is None or not recipe.float8_current_scaling():
+        return (f"FP8 recipe {type(recipe).__name__}: slot-shared capture takes current scaling only for now "
+                "(--fp8-recipe tensorwise); delayed scaling's amax histories live outside the saved tensors")
+    if recipe.fp8_dpa or recipe.fp8_mha:
+        return ("FP8 attention (--fp8-dot-product-attention / --fp8-multi-head-attention): its S and dP quantizers "
+                "use delayed scaling, whose state slot-shared capture does not protect yet; drop the flag")
+    return None
+
+
+@contextlib.contextmanager
+def fp8_weight_cache_off() -> Iterator[None]:
+    """While TE's global weight-update flag exists (made by an earlier ``make_graphed_callables``),
+    a module under a graph autocast reads its cached FP8 weight with that flag as the no-op switch,
+    so a graph captured then would keep a stale weight whenever the flag says skip. Slot-shared
+    capture quantizes the weights inside its graphs instead: the flag is gone while it captures."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    state = FP8GlobalStateManager.quantization_state
+    before = state.skip_fp8_weight_update_tensor
+    state.skip_fp8_weight_update_tensor = None
+    try:
+        yield
+    finally:
+        state.skip_fp8_weight_update_tensor = before
+
+
 def fp8_autocast_active() -> bool:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 

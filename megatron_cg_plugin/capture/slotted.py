@@ -81,6 +81,19 @@ class SlotOffload:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotFp8:
+    """FP8 for the variants of one capture, as TE's ``make_graphed_callables`` takes it: warmup and
+    capture run under TE's graph autocast with ``recipe`` and the amax reduction ``group``
+    (``enabled=False``: a layer Megatron keeps in bf16). Current scaling only
+    (``te_seam.slot_fp8_refusal``). Weights are quantized inside the graphs, not cached: a fresh
+    quantization of the same weights gives the bits a cached one would."""
+
+    recipe: Any
+    group: Any = None
+    enabled: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class SlottedStats:
     ring_size: int
     variants: int
@@ -334,7 +347,7 @@ class SlottedGraphs:
 def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
                     protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
                     debug: bool = False, strict: bool = True, contract_check: str = "full",
-                    offload: SlotOffload | None = None) -> SlottedGraphs:
+                    offload: SlotOffload | None = None, fp8: SlotFp8 | None = None) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
@@ -347,10 +360,14 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     ``offload`` moves the saves its policy selects to pinned host arenas, copied inside the graphs
     or between replays (``SlotOffload``); each slot's GPU arena then holds only the saves that
     stay. Captures sharing a ``pool`` should share the capture ``stream`` too: the allocator hands a
-    freed pool block only to allocations on the stream it came from.
+    freed pool block only to allocations on the stream it came from. ``fp8`` runs the variants'
+    warmup and capture under TE's graph autocast (``SlotFp8``); replays then belong inside the
+    caller's own FP8 autocast with the same recipe, as TE's graphed callables do.
     """
     params = [p for p in parameters if p.requires_grad]
-    slots_of = _validate(variants, plan, warmup_iterations, contract_check)
+    slots_of = _validate(variants, plan, warmup_iterations, contract_check, fp8)
+    if fp8 is not None:
+        variants = [dataclasses.replace(v, fn=_under_fp8(v.fn, fp8)) for v in variants]
     # An eager graph alive at capture breaks the backward capture, also where TE's capture tolerates it.
     hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
@@ -358,7 +375,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     if offload is not None and not protect:
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
     options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload)
-    with te_seam.te_capture_flag():
+    with te_seam.te_capture_flag(), te_seam.fp8_weight_cache_off() if fp8 is not None else contextlib.nullcontext():
         entries, arenas, boundaries, param_grads, measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
     torch.cuda.synchronize()
@@ -495,8 +512,16 @@ def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, t
     return slots_of
 
 
+def _under_fp8(fn: Callable[..., Any], fp8: SlotFp8) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with te_seam.fp8_capture_autocast(fp8.enabled, fp8.recipe, fp8.group):
+            return fn(*args)
+
+    return run
+
+
 def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: int,
-              contract_check: str) -> dict[Hashable, tuple[int, ...]]:
+              contract_check: str, fp8: SlotFp8 | None = None) -> dict[Hashable, tuple[int, ...]]:
     """Everything capture refuses, before anything is allocated; returns each variant's slots."""
     if not isinstance(plan, SlotPlan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
@@ -515,8 +540,10 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in variant.sample_args):
             raise ValueError(f"variant {variant.name!r}: sample_args must be CUDA tensors.")
     if te_seam.fp8_autocast_active():
-        raise ValueError("slot-shared capture runs without FP8 autocast for now (quantizer state outside "
-                         "saved tensors is not protected here); capture outside fp8_autocast.")
+        raise ValueError("slot-shared capture was called inside an FP8 autocast, whose exit would reduce amaxes "
+                         "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
+    if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe)):
+        raise ValueError(f"slot-shared capture with {refusal}.")
     return slots_of
 
 

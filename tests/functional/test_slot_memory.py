@@ -97,3 +97,16 @@ def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_
     case = probe["offload-edges/mixed-views"]
     assert "error" not in case, case.get("error")
     assert case["kept_storages"] >= 1 and case["offloaded_storages"] >= 1 and case["exact"], case
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fp8_current_scaling_replays_are_bitwise_eager_fp8_and_need_the_arenas(probe: dict, n: int) -> None:
+    """Issue 15: FP8 (hybrid, current scaling) inside slot-shared capture; the quantized saves
+    (data and scale-inverse by parts) go to the arenas like any other save."""
+    case = probe[f"fp8/n{n}/wrap-ring2/slots"]
+    assert "error" not in case, case.get("error")
+    assert case["exact"], case
+    assert case["uncovered_bytes"] == 0, case
+    shared = probe[f"fp8/n{n}/wrap-ring2/shared-pool"]
+    assert "error" not in shared, shared.get("error")
+    assert not shared["exact"], shared

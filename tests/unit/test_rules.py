@@ -71,7 +71,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                 "--cuda-graph-warmup-steps 1"),
     "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
-    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-format"),
+    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-recipe tensorwise"),
     "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
                                       **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
     "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
@@ -167,6 +167,10 @@ def test_baseline_passes():
                offload_modules=("attn_norm", "core_attn", "mlp_norm")),
     GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True,
                offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
+    # FP8 current scaling in slot-shared capture (issue 15), with in-graph offload too.
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise", activation_offloading=True,
+               offload_modules=("attn_norm", "core_attn", "mlp_norm")),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
     assert violations(valid) == []
@@ -440,3 +444,25 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
                        cuda_version=(12, 8))
     assert names(facts) == ["fp8-recipe-device"]
     assert names(dataclasses.replace(facts, cuda_graph_impl="none")) == []  # eager runs are TE's to refuse
+
+
+@pytest.mark.parametrize("change, detail", [
+    (dict(fp8_recipe="delayed"), "(--fp8-recipe delayed)"),
+    (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
+    (dict(fp8_attention=True), "(--fp8-recipe tensorwise, FP8 attention)"),
+    (dict(fp8=False, fp4=True), "(--fp4-format)"),
+])
+def test_slot_capture_takes_fp8_with_current_scaling_only(change, detail):
+    facts = dataclasses.replace(GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
+                                **change)
+    (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
+    assert detail in message and "--fp8-recipe tensorwise" in message
+
+
+@pytest.mark.parametrize("flag", ["fp8_dot_product_attention", "fp8_multi_head_attention"])
+def test_facts_read_megatrons_fp8_attention_flags(parse, flag):
+    args = parse("--cg-preset", "tiny-gpt", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
+    assert facts.fp8 and facts.fp8_recipe == "tensorwise" and not facts.fp8_attention
+    setattr(args, flag, True)
+    assert facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={}).fp8_attention
