@@ -17,7 +17,7 @@ import gc
 import sys
 import traceback
 import types
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -195,18 +195,38 @@ def _release_frames(error: BaseException) -> None:
     """Drops the locals of the finished frames in ``error``'s tracebacks (its causes' too): the
     failed capture's own outputs, whose graphs reach the parameters, would otherwise be found as
     stale. The tracebacks stay printable."""
+    for link in _chain(error):
+        traceback.clear_frames(link.__traceback__)
+
+
+# What CUDA reports when a capture meets an eager graph's AccumulateGrad nodes (torch >= 2.9): the
+# error itself, or the invalidated capture it leaves behind where torch catches the first one.
+STALE_GRAPH_SYMPTOMS = ("legacy stream depend on a capturing blocking stream",
+                        "operation failed due to a previous error during capture")
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
+        yield error
         error = error.__cause__ or error.__context__
+
+
+def shows_stale_graph_symptoms(error: BaseException) -> bool:
+    return any(symptom in str(e) for e in _chain(error) for symptom in STALE_GRAPH_SYMPTOMS)
 
 
 def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException, *, tolerate: bool = True,
                             collect: Callable[[], Any] = gc.collect) -> None:
-    """After a capture failed and was rolled back: raises ``StaleAutogradGraphError`` (from
-    ``error``) naming what holds the eager graphs that reach ``params`` and survive a garbage
-    collection; returns if there are none (the failure has another cause)."""
+    """After a capture failed and was rolled back with CUDA's symptoms of a live eager graph
+    (``STALE_GRAPH_SYMPTOMS``): raises ``StaleAutogradGraphError`` (from ``error``) naming what
+    holds the eager graphs that reach ``params`` and survive a garbage collection. Returns if
+    there are none, or if the failure shows other symptoms: then it has another cause, and a
+    failed capture's own leftovers (held from C++, reaching the parameters) must not be taken
+    for eager graphs (H200: an FP8 error in warmup left four)."""
+    if not shows_stale_graph_symptoms(error):
+        return
     _release_frames(error)
     params = list(params)
     if not _untolerated(find_stale_graphs(params), tolerate):

@@ -84,9 +84,11 @@ class SlotOffload:
 class SlotFp8:
     """FP8 for the variants of one capture, as TE's ``make_graphed_callables`` takes it: warmup and
     capture run under TE's graph autocast with ``recipe`` and the amax reduction ``group``
-    (``enabled=False``: a layer Megatron keeps in bf16). Current scaling only
-    (``te_seam.slot_fp8_refusal``). Weights are quantized inside the graphs, not cached: a fresh
-    quantization of the same weights gives the bits a cached one would."""
+    (``enabled=False``: a layer kept in bf16). Current scaling only (``te_seam.slot_fp8_refusal``).
+    Weights are quantized inside the graphs, not cached (TE's global weight-update flag is off while
+    capturing): the variants must call TE modules without ``is_first_microbatch``, with which a
+    module reads its cached FP8 weight instead, which nothing here refreshes. Megatron's TE layers
+    pass it, so ``--cg-slot-capture`` still refuses FP8 (rule ``slot-capture-fp8``)."""
 
     recipe: Any
     group: Any = None

@@ -231,11 +231,26 @@ def test_failure_while_a_live_graph_is_held_names_it_from_the_capture_error(weig
     del loss
 
 
+def test_a_failure_without_cudas_symptoms_is_not_put_on_live_graphs(weights):
+    """Another cause (an FP8 error in warmup, on the H200) may leave graphs reaching the params
+    behind, held from C++; they must not replace the real error."""
+    loss = (weights[0] * 2).sum()
+    collect = CountingCollect(real=False)
+    error = RuntimeError("FP8 data is required to generate FP8 data transpose")
+    assert diagnose_failed_capture(weights, error, collect=collect) is None
+    assert collect.calls == 0
+    chained = RuntimeError("capture of layer 2 failed")
+    chained.__cause__ = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    with pytest.raises(StaleAutogradGraphError):
+        diagnose_failed_capture(weights, chained, collect=collect)
+    del loss
+
+
 def test_tolerated_holders_do_not_explain_a_failure():
     weight = torch.nn.Parameter(torch.ones(3))
     dispatcher = MoEAlltoAllTokenDispatcher()
     dispatcher.probs = weight * 2
-    error = RuntimeError("some other capture failure")
+    error = RuntimeError("CUDA error: operation failed due to a previous error during capture")
     assert diagnose_failed_capture([weight], error, collect=lambda: None) is None
     with pytest.raises(StaleAutogradGraphError):
         diagnose_failed_capture([weight], error, tolerate=False, collect=lambda: None)

@@ -71,7 +71,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                 "--cuda-graph-warmup-steps 1"),
     "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
-    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-recipe tensorwise"),
+    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-format"),
     "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
                                       **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
     "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
@@ -167,10 +167,6 @@ def test_baseline_passes():
                offload_modules=("attn_norm", "core_attn", "mlp_norm")),
     GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True,
                offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
-    # FP8 current scaling in slot-shared capture (issue 15), with in-graph offload too.
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise", activation_offloading=True,
-               offload_modules=("attn_norm", "core_attn", "mlp_norm")),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
     assert violations(valid) == []
@@ -448,15 +444,15 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
 
 @pytest.mark.parametrize("change, detail", [
     (dict(fp8_recipe="delayed"), "(--fp8-recipe delayed)"),
-    (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
+    (dict(fp8_recipe="tensorwise"), "(--fp8-recipe tensorwise)"),
     (dict(fp8_attention=True), "(--fp8-recipe tensorwise, FP8 attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
-def test_slot_capture_takes_fp8_with_current_scaling_only(change, detail):
+def test_slot_capture_refuses_every_fp8_recipe_naming_it(change, detail):
     facts = dataclasses.replace(GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
                                 **change)
     (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
-    assert detail in message and "--fp8-recipe tensorwise" in message
+    assert detail in message and "drop --cg-slot-capture" in message
 
 
 @pytest.mark.parametrize("flag", ["fp8_dot_product_attention", "fp8_multi_head_attention"])
