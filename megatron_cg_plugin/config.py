@@ -43,8 +43,9 @@ class PluginConfig:
             and dtype; ``off``).
         stale_graph_check: ``refuse`` capture while eager autograd graphs that reach graphed
             parameters are still alive (after collecting garbage), looking for them only once a
-            capture failed and was rolled back, and naming their holders in place of CUDA's error;
-            ``before``: look before every capture (~0.2 s in a Megatron process); ``off``.
+            capture failed and was rolled back with CUDA's symptoms of such graphs, and naming their
+            holders in place of CUDA's error; ``before``: look before every capture (~0.2 s in a
+            Megatron process); ``off``. Graph banks look before each layer's capture whatever is set.
         inject_capture_failure: test hook: fail capture inside the capture of the N-th graphed
             layer (1-based), to exercise the rollback.
         bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank

@@ -168,7 +168,8 @@ class PluginHelperMixin:
             baseline, capture, counter = self._capture_in_transaction(backend, tracker, phases)
         except Exception as error:  # noqa: BLE001 - every failure is rolled back, then explained, raised or logged
             self._release_failed_capture()
-            if config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(error, scope, layers, start):
+            if config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(
+                    error, scope, layers, start, tracker.current or "before any layer ran"):
                 return
             self._on_capture_failure(error, scope, tracker, start, layers)
             return
@@ -270,11 +271,16 @@ class PluginHelperMixin:
     def _graphed_parameters(self) -> list[Any]:
         return [p for layer in self.flattened_callables for p in layer.parameters()]
 
+    def _tolerate_stale_graphs(self) -> bool:
+        """TE's capture was seen to succeed with the graphs ``hygiene.TOLERATED_HOLDERS`` name;
+        slot-shared capture takes every parameter's gradient and failed on one."""
+        return not self.session.config.slot_capture
+
     def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
         """``--cg-stale-graph-check before``: the check runs before capture changes anything, so a
         refusal needs no rollback."""
         try:
-            tolerated = hygiene.ensure_no_stale_graphs(self._graphed_parameters())
+            tolerated = hygiene.ensure_no_stale_graphs(self._graphed_parameters(), tolerate=self._tolerate_stale_graphs())
         except hygiene.StaleAutogradGraphError as refusal:
             self._refuse(refusal, scope, layers, start, "refused before capture")
             return False
@@ -283,16 +289,29 @@ class PluginHelperMixin:
                         graph.root, "; ".join(graph.holders))
         return True
 
-    def _stale_graphs_refuse_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float) -> bool:
-        """After a failed, rolled-back capture: True when eager graphs reaching the graphed
-        parameters are alive (refused, naming their holders, in place of the bare CUDA error)."""
+    def _stale_graphs_refuse_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float,
+                                           where: str) -> bool:
+        """After a failed, rolled-back capture: True when it was refused for live eager graphs
+        reaching the graphed parameters (named, in place of the bare CUDA error). A refusal raised
+        inside the capture (slot-shared capture's own check) is that refusal. The diagnosis never
+        hides the capture's own failure: if it fails itself, the failure goes on as it came."""
+        found = next((link for link in hygiene.chain(error) if isinstance(link, hygiene.StaleAutogradGraphError)), None)
         try:
-            hygiene.diagnose_failed_capture(self._graphed_parameters(), error)
+            if found is None:
+                hygiene.diagnose_failed_capture(self._graphed_parameters(), error,
+                                                tolerate=self._tolerate_stale_graphs())
         except hygiene.StaleAutogradGraphError as refusal:
-            self._empty_cache()
-            self._refuse(refusal, scope, layers, start, "refused after a failed capture")
-            return True
-        return False
+            found = refusal
+        except Exception as diagnosis_error:  # noqa: BLE001 - the capture's failure is what must be reported
+            logger.warning("the stale-graph check after the failed capture failed itself (%s: %s); reporting the "
+                           "capture's failure as it came.", type(diagnosis_error).__name__, diagnosis_error)
+            return False
+        if found is None:
+            return False
+        self._empty_cache()
+        self._refuse(found, scope, layers, start,
+                     f"refused after a failed capture ({where}: {type(error).__name__}: {error})")
+        return True
 
     @staticmethod
     def _empty_cache() -> None:
@@ -304,9 +323,10 @@ class PluginHelperMixin:
 
     def _refuse(self, refusal: hygiene.StaleAutogradGraphError, scope: str, layers: list[Any], start: float,
                 when: str) -> None:
-        """A stale-graph refusal: nothing is left captured; with ``raise`` the helper is left as it
-        was (capture may be retried after the holder lets go); with ``eager`` the phase is marked
-        done and training goes on eagerly."""
+        """A stale-graph refusal: nothing is left captured. With ``raise`` the phase stays open, so
+        capture may run again once the holder lets go (before a capture the helper is exactly as it
+        was; after a failed one, rolled back and reset by Megatron's post-capture reset). With
+        ``eager`` the phase is marked done, the report says why, and training goes on eagerly."""
         if self.session.config.on_capture_error == "raise":
             raise refusal
         self._record_failure(scope, layers, start, f"{when}: {refusal}")

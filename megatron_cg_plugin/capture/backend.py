@@ -112,12 +112,18 @@ def slot_fp8_refusal(recipe: Any) -> str | None:
     """Why slot-shared capture cannot take this FP8 recipe yet, or None. Current (tensorwise)
     scaling keeps no state between calls, so a slot's saves are all its backward reads; delayed
     scaling's histories and FP8 attention's delayed-scaling S/dP quantizers live outside them."""
-    if recipe is None or not recipe.float8_current_scaling():
-        return (f"FP8 recipe {type(recipe).__name__}: slot-shared capture takes current scaling only for now "
-                "(--fp8-recipe tensorwise); delayed scaling's amax histories live outside the saved tensors")
+    if recipe is None:
+        return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe) with a current-scaling recipe."
+    if recipe.delayed():
+        return ("slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise): delayed "
+                "scaling's amax histories live outside the saved tensors the arenas protect.")
+    if not recipe.float8_current_scaling():
+        return (f"slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise); "
+                f"{type(recipe).__name__} is not verified in slot-shared graphs.")
     if recipe.fp8_dpa or recipe.fp8_mha:
-        return ("FP8 attention (--fp8-dot-product-attention / --fp8-multi-head-attention): its S and dP quantizers "
-                "use delayed scaling, whose state slot-shared capture does not protect yet; drop the flag")
+        return ("slot-shared capture takes no FP8 attention yet (--fp8-dot-product-attention / "
+                "--fp8-multi-head-attention): its S and dP quantizers use delayed scaling, whose state the arenas "
+                "do not protect; drop the flag.")
     return None
 
 
@@ -129,13 +135,12 @@ def fp8_weight_cache_off() -> Iterator[None]:
     capture quantizes the weights inside its graphs instead: the flag is gone while it captures."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    state = FP8GlobalStateManager.quantization_state
-    before = state.skip_fp8_weight_update_tensor
-    state.skip_fp8_weight_update_tensor = None
+    before = FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor
+    FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = None
     try:
         yield
-    finally:
-        state.skip_fp8_weight_update_tensor = before
+    finally:  # read anew: a reset inside the block replaces the state object
+        FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = before
 
 
 def fp8_autocast_active() -> bool:

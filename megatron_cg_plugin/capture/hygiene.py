@@ -1,4 +1,4 @@
-"""Stream hygiene before capture: find eager autograd graphs that are still alive.
+"""Stream hygiene around capture: find eager autograd graphs that are still alive.
 
 torch >= 2.9 binds each parameter's AccumulateGrad node to the stream it was created on. A graph
 left alive from an eager step (a ``loss`` variable, a list of outputs) keeps those nodes, bound to
@@ -7,7 +7,8 @@ capturing blocking stream". The safe fix is to collect unreachable garbage (refe
 holding graphs); anything still alive after that is refused, naming what holds it.
 
 Listing the heap costs ~0.2 s in a Megatron process, so by default it runs only after a capture
-failed and was rolled back (``diagnose_failed_capture``); ``ensure_no_stale_graphs`` runs it before.
+failed and was rolled back with CUDA's symptoms of such a graph (``diagnose_failed_capture``);
+``ensure_no_stale_graphs`` runs it before.
 """
 
 from __future__ import annotations
@@ -195,17 +196,19 @@ def _release_frames(error: BaseException) -> None:
     """Drops the locals of the finished frames in ``error``'s tracebacks (its causes' too): the
     failed capture's own outputs, whose graphs reach the parameters, would otherwise be found as
     stale. The tracebacks stay printable."""
-    for link in _chain(error):
+    for link in chain(error):
         traceback.clear_frames(link.__traceback__)
 
 
 # What CUDA reports when a capture meets an eager graph's AccumulateGrad nodes (torch >= 2.9): the
-# error itself, or the invalidated capture it leaves behind where torch catches the first one.
-STALE_GRAPH_SYMPTOMS = ("legacy stream depend on a capturing blocking stream",
-                        "operation failed due to a previous error during capture")
+# error itself, or the invalidated capture it leaves behind where torch catches the first one. The
+# second follows any error inside a capture, so on it alone only graphs with a Python holder count.
+STALE_GRAPH_ERROR = "legacy stream depend on a capturing blocking stream"
+INVALIDATED_CAPTURE = "operation failed due to a previous error during capture"
 
 
-def _chain(error: BaseException | None) -> Iterator[BaseException]:
+def chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, its cause or context, and theirs."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -213,26 +216,34 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
+def _cuda_says(error: BaseException, symptom: str) -> bool:
+    # The plugin's own refusal quotes CUDA's error; it is no CUDA report.
+    return any(symptom in str(e) for e in chain(error) if not isinstance(e, StaleAutogradGraphError))
+
+
 def shows_stale_graph_symptoms(error: BaseException) -> bool:
-    return any(symptom in str(e) for e in _chain(error) for symptom in STALE_GRAPH_SYMPTOMS)
+    return _cuda_says(error, STALE_GRAPH_ERROR) or _cuda_says(error, INVALIDATED_CAPTURE)
 
 
 def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException, *, tolerate: bool = True,
                             collect: Callable[[], Any] = gc.collect) -> None:
-    """After a capture failed and was rolled back with CUDA's symptoms of a live eager graph
-    (``STALE_GRAPH_SYMPTOMS``): raises ``StaleAutogradGraphError`` (from ``error``) naming what
-    holds the eager graphs that reach ``params`` and survive a garbage collection. Returns if
-    there are none, or if the failure shows other symptoms: then it has another cause, and a
-    failed capture's own leftovers (held from C++, reaching the parameters) must not be taken
-    for eager graphs (H200: an FP8 error in warmup left four)."""
+    """After a capture failed and was rolled back with CUDA's symptoms of a live eager graph:
+    raises ``StaleAutogradGraphError`` (from ``error``) naming what holds the eager graphs that
+    reach ``params`` and survive a garbage collection. Returns if there are none, or if the
+    failure shows other symptoms: then it has another cause, and a failed capture's own leftovers
+    (held from C++, reaching the parameters) must not be taken for eager graphs (H200: an FP8
+    error in warmup left four). On the invalidated-capture error alone, which any error inside a
+    capture leaves, only graphs with a Python holder are named."""
     if not shows_stale_graph_symptoms(error):
         return
+    named_only = not _cuda_says(error, STALE_GRAPH_ERROR)
     _release_frames(error)
     params = list(params)
     if not _untolerated(find_stale_graphs(params), tolerate):
         return
     collect()
-    remaining = _untolerated(find_stale_graphs(params), tolerate)
+    remaining = [graph for graph in _untolerated(find_stale_graphs(params), tolerate)
+                 if graph.holders or not named_only]
     if remaining:
         raise StaleAutogradGraphError(remaining, after_failure=True) from error
 

@@ -138,7 +138,7 @@ def check_offload_copies(copies: str) -> None:
 
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
     """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
-    if any(_fp8_enabled(kwargs, index) for index in range(len(callables))):
+    if _any_fp8(kwargs):
         raise SlotCaptureError(
             "--cg-slot-capture captures Megatron's layers without FP8 for now: they pass is_first_microbatch, so TE "
             "reads its cached FP8 weights, which slot capture does not refresh yet (H200: 'FP8 data is required to "
@@ -157,10 +157,10 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
                 "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
 
 
-def _fp8_enabled(kwargs: dict[str, Any], index: int) -> bool:
+def _any_fp8(kwargs: dict[str, Any]) -> bool:
     """Megatron's ``fp8_enabled``: one flag for every layer, or one per layer (bf16 first/last layers)."""
     enabled = kwargs.get("fp8_enabled", False)
-    return bool(enabled[index] if isinstance(enabled, (tuple, list)) else enabled)
+    return any(enabled) if isinstance(enabled, (tuple, list)) else bool(enabled)
 
 
 def _moe_block_in_graph(layer: Any) -> bool:
@@ -217,7 +217,8 @@ class SlotBackend(TEBackend):
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
-                        offload=None if offload is None else offload.slot_offload(ring))
+                        offload=None if offload is None else offload.slot_offload(ring),
+                        check_stale=False)  # the helper's stale-graph check covers every layer at once
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
                     graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch))
         except BaseException:

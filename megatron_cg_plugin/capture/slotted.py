@@ -349,7 +349,8 @@ class SlottedGraphs:
 def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
                     protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
                     debug: bool = False, strict: bool = True, contract_check: str = "full",
-                    offload: SlotOffload | None = None, fp8: SlotFp8 | None = None) -> SlottedGraphs:
+                    offload: SlotOffload | None = None, fp8: SlotFp8 | None = None,
+                    check_stale: bool = True) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
@@ -364,14 +365,16 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     stay. Captures sharing a ``pool`` should share the capture ``stream`` too: the allocator hands a
     freed pool block only to allocations on the stream it came from. ``fp8`` runs the variants'
     warmup and capture under TE's graph autocast (``SlotFp8``); replays then belong inside the
-    caller's own FP8 autocast with the same recipe, as TE's graphed callables do.
+    caller's own FP8 autocast with the same recipe, as TE's graphed callables do. ``check_stale``
+    refuses capture while eager autograd graphs reach the parameters (``hygiene``; ~0.2 s);
+    ``False`` where the caller checks (the plugin's helper, once per capture phase).
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check, fp8)
     if fp8 is not None:
         variants = [dataclasses.replace(v, fn=_under_fp8(v.fn, fp8)) for v in variants]
-    # An eager graph alive at capture breaks the backward capture, also where TE's capture tolerates it.
-    hygiene.ensure_no_stale_graphs(params, tolerate=False)
+    if check_stale:  # an eager graph alive at capture breaks the backward capture, also where TE's tolerates it
+        hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     if offload is not None and not protect:
@@ -544,8 +547,10 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
     if te_seam.fp8_autocast_active():
         raise ValueError("slot-shared capture was called inside an FP8 autocast, whose exit would reduce amaxes "
                          "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
+    if fp8 is not None and not isinstance(fp8, SlotFp8):
+        raise TypeError(f"fp8 is a {type(fp8).__name__}; pass SlotFp8(recipe, group, enabled).")
     if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe)):
-        raise ValueError(f"slot-shared capture with {refusal}.")
+        raise ValueError(refusal)
     return slots_of
 
 

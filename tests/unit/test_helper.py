@@ -8,7 +8,6 @@ import contextlib
 import enum
 import gc
 import re
-import sys
 import time
 import types
 
@@ -1120,6 +1119,8 @@ def test_stale_graph_refusal_leaves_the_helper_able_to_capture(probe, when):
     with pytest.raises(StaleAutogradGraphError):
         helper.create_cudagraphs()
     assert helper.capture_finished() is False
+    # Before: nothing ran. After a failed capture: rolled back and reset as Megatron resets.
+    assert helper.reset_after_capture_calls == (1 if when == "refuse" else 0)
     del loss
     # Python 3.12: the holder search read this frame's f_locals, whose snapshot keeps `loss` alive
     # after `del` until the locals are read again, as here (3.13 keeps no snapshot).
@@ -1184,6 +1185,46 @@ def test_a_failure_with_another_cause_is_reported_as_itself_even_with_a_live_gra
     assert _stale_error(info.value) is None  # not CUDA's stale-graph symptoms: the live graph is not blamed
     assert len(backend.calls) == 1 and not helper.graphs_created()
     del loss
+
+
+def test_eager_mode_refusal_after_a_failure_keeps_the_layer_and_cudas_error(probe):
+    session, backend, model, helper = stale_build(probe, "refuse", on_capture_error="eager")
+    loss = (all_layers(model)[0].weight * 2).sum()
+    helper.create_cudagraphs()
+    failure = helper.capture_stats.failure
+    assert failure.startswith("refused after a failed capture (layer 1: RuntimeError: CUDA error: operation would")
+    assert "'loss'" in failure
+    del loss
+
+
+def test_a_diagnosis_that_fails_itself_leaves_the_capture_failure_as_it_came(probe, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("diagnosis blew up")
+
+    monkeypatch.setattr(hygiene, "diagnose_failed_capture", broken)
+    session, backend, model, helper = stale_build(probe, "refuse", on_capture_error="eager")
+    loss = (all_layers(model)[0].weight * 2).sum()
+    helper.create_cudagraphs()  # eager mode: training goes on
+    assert "legacy stream" in helper.capture_stats.failure and helper.capture_finished()
+    del loss
+
+
+class RefusingBackend(FakeTEBackend):
+    """Raises the plugin's own refusal inside the capture, as slot-shared capture's check does."""
+
+    def make_graphed_callables(self, callables, sample_args, **kwargs):
+        self.calls.append(dict(kwargs, n=len(sample_args)))
+        raise StaleAutogradGraphError([hygiene.StaleGraph(root="SumBackward0 output", parameters=1,
+                                                          holders=("local variable 'x'",))])
+
+
+def test_a_refusal_raised_inside_the_capture_is_that_refusal_without_another_scan(probe, monkeypatch):
+    scans = []
+    monkeypatch.setattr(hygiene, "find_stale_graphs", lambda *a, **k: scans.append(1) or [])
+    session, backend, model, helper = build(probe, layout=(2,), backend=RefusingBackend(), stale_graph_check="refuse")
+    with pytest.raises(StaleAutogradGraphError, match="local variable 'x'"):
+        helper.create_cudagraphs()
+    assert scans == []
 
 
 def test_with_the_check_off_a_live_loss_fails_the_capture_unexplained(probe):

@@ -177,11 +177,12 @@ def test_two_stale_graphs_are_both_listed(weights):
 
 # -- after a failed capture (the default: the heap is listed only then) -----------------------------
 
-def _failed_capture(weights, keep_output: bool = False) -> RuntimeError:
+def _failed_capture(weights) -> RuntimeError:
     """A capture that fails after making outputs whose graphs reach the params, as TE's does;
     the error's traceback keeps the frame, and with it ``output``."""
     def capture():
-        output = (weights[0] * 3).sum()  # noqa: F841 - held by this frame, as a failed capture's outputs are
+        output = (weights[0] * 3).sum()  # held by this frame, as a failed capture's outputs are
+        assert output.requires_grad
         raise RuntimeError("operation would make the legacy stream depend on a capturing blocking stream")
     try:
         capture()
@@ -244,6 +245,29 @@ def test_a_failure_without_cudas_symptoms_is_not_put_on_live_graphs(weights):
     with pytest.raises(StaleAutogradGraphError):
         diagnose_failed_capture(weights, chained, collect=collect)
     del loss
+
+
+def test_the_plugins_own_refusal_is_no_cuda_symptom(weights):
+    refusal = StaleAutogradGraphError([StaleGraph(root="SumBackward0", parameters=1, holders=())])
+    assert "legacy stream depend on a capturing blocking stream" in str(refusal)  # it quotes CUDA
+    assert not hygiene.shows_stale_graph_symptoms(refusal)
+    wrapped = RuntimeError("capture failed")
+    wrapped.__cause__ = refusal
+    assert not hygiene.shows_stale_graph_symptoms(wrapped)
+
+
+def test_on_the_invalidated_capture_alone_only_graphs_with_a_python_holder_are_named(weights):
+    """Any error inside a capture invalidates it, and the failed capture's leftovers have no Python
+    holder; CUDA's own stale-graph error names them all."""
+    def closure():
+        kept = (weights[1] * 2).sum()
+        return lambda: kept  # held by a closure cell: no holder to name
+    keep = closure()
+    invalidated = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    assert diagnose_failed_capture(weights, invalidated, collect=CountingCollect(real=False)) is None
+    with pytest.raises(StaleAutogradGraphError, match="no Python referrer found"):
+        diagnose_failed_capture(weights, _failed_capture(weights), collect=CountingCollect(real=False))
+    assert keep().requires_grad
 
 
 def test_tolerated_holders_do_not_explain_a_failure():

@@ -28,15 +28,15 @@ def layer(modules=(), moe=False):
     return types.SimpleNamespace(config=config, is_moe_layer=moe, layer_number=1)
 
 
-@pytest.mark.parametrize("enabled", [(True,), True, (False, True)])
-def test_fp8_capture_is_refused_naming_the_flag(enabled):
-    callables = [layer() for _ in range(len(enabled) if isinstance(enabled, tuple) else 1)]
+@pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2), ((False, True), 3)])
+def test_fp8_capture_is_refused_naming_the_flag(enabled, layers):
+    callables = [layer() for _ in range(layers)]
     with pytest.raises(SlotCaptureError, match="--fp8-format"):
-        check_slot_capture_call(callables, [()] * len(callables), {"fp8_enabled": enabled, "fp8_recipe": object()})
+        check_slot_capture_call(callables, [()] * layers, {"fp8_enabled": enabled})
 
 
 def test_layers_megatron_keeps_in_bf16_need_no_fp8_check():
-    check_slot_capture_call([layer()], [()], {"fp8_enabled": (False,), "fp8_recipe": object()})
+    check_slot_capture_call([layer()], [()], {"fp8_enabled": (False,)})
 
 
 def test_one_graph_per_microbatch_in_flight_is_refused_naming_pipeline_parallelism():

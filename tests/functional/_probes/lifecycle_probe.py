@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 import traceback
+import weakref
 
 import torch
 
@@ -209,12 +210,14 @@ def stale(result, check: str, held_by: str = "local"):
     losses = [trainer.step(*data[0])[0]]
     value, loss = trainer.step(*data[1], keep_graph=True)  # an eager graph left alive: the trap
     losses.append(value)
+    session, helper = helper_for(config, model, PluginConfig(stale_graph_check=check, on_capture_error="raise"))
+    held = weakref.ref(loss)
     if held_by == "garbage":
         cycle = {"loss": loss}
         cycle["me"] = cycle
         del loss, cycle
         gc.disable()
-    session, helper = helper_for(config, model, PluginConfig(stale_graph_check=check, on_capture_error="raise"))
+    result["graph_alive_at_capture"] = held() is not None
     try:
         helper.create_cudagraphs()
         result["captured"] = True
@@ -223,7 +226,9 @@ def stale(result, check: str, held_by: str = "local"):
         result["error_type"] = type(error).__name__
         result["error"] = str(error)
         result["cause"] = repr(error.__cause__) if error.__cause__ else None
-    gc.enable()
+    finally:
+        gc.enable()
+    result["graph_alive_after_capture"] = held() is not None
     result["graphs_created"] = helper.graphs_created()
     stats = helper.capture_stats
     result["capture_phases"] = None if stats is None else stats.phases
