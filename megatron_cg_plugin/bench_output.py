@@ -15,7 +15,9 @@ ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelp
 # (--cg-slot-capture), without and with offload of the modules Megatron's offload flags name, the
 # copies inside the graphs (slot-offload) or between replays (slot-offload-staged): --cg-offload-copies.
 SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
-ALL_ARMS = ARMS + SLOT_ARMS
+# The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
+UNCHECKED_ARM = "plugin-no-check"
+ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
 
 
 class BenchOutputError(RuntimeError):

@@ -5,7 +5,8 @@ The launcher builds Megatron's model, optimizer and data from the flags and ente
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
 ``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
-``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's with slot-shared
+``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's without replay
+checks for ``plugin-no-check``, the plugin's with slot-shared
 capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs) and
 ``slot-offload-staged`` (copies between replays)), captures, trains its
 steps and tears down, so the next graphed block captures again. Every step is a real Megatron
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
-from megatron_cg_plugin.bench_output import ALL_ARMS, ARMS, SLOT_ARMS, BenchResult, BlockRecord
+from megatron_cg_plugin.bench_output import ALL_ARMS, ARMS, SLOT_ARMS, UNCHECKED_ARM, BenchResult, BlockRecord
 from megatron_cg_plugin.config import CONTRACT_CHECKS
 from megatron_cg_plugin.plan.bench import Block, DeviceTime, interleaved_blocks, run_schedule, summarize
 
@@ -194,8 +195,12 @@ class MegatronTrainer:
             raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
         from megatron_cg_plugin.capture.slot_backend import SlotBackend
         from megatron_cg_plugin.helper import bind_helper_class
+        from megatron_cg_plugin.session import RunSession
 
-        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin, **{
+        # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
+        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check="off"))
+        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
+                        UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked), **{
             arm: bind_helper_class(TECudaGraphHelper, plugin.session, SlotBackend(
                 offload=arm != "slot", copies="between-replays" if arm.endswith("staged") else "in-graph"))
             for arm in SLOT_ARMS}}

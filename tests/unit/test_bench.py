@@ -3,6 +3,7 @@ and the contract-cost measurement on a real plugin check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -275,3 +276,27 @@ def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
     bench.refuse_unbenchable(plain, BenchOptions(arms=("stock", "slot")))
     with pytest.raises(BenchError, match="slot-offload-staged arm\\(s\\) offload .* add --fine-grained"):
         bench.refuse_unbenchable(plain, BenchOptions(arms=("slot", "slot-offload-staged")))
+
+
+def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypatch):
+    import types
+
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    class Base:
+        pass
+
+    session = RunSession(PluginConfig(contract_check="full"))
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Base, session))
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
+    step_args = (None, None, "model", "optimizer", None, "config", None)
+    trainer = bench.MegatronTrainer(lambda *a, **k: None, step_args, {})
+    unchecked = trainer.helpers[bench_output.UNCHECKED_ARM]
+    assert unchecked.session.config.contract_check == "off" and unchecked.session is not session
+    assert trainer.helpers["plugin"].session.config.contract_check == "full"
+    assert unchecked.session.config == dataclasses.replace(session.config, contract_check="off")
