@@ -61,6 +61,11 @@ class _CaptureTracker:
         self.is_capturing = is_capturing
         self.current: str | None = None
 
+    @property
+    def where(self) -> str:
+        """Where a failure happened, in words: the layer whose capture ran, or before any."""
+        return self.current or "before any layer ran"
+
     def restorables(self) -> list[Restorable]:
         return [attribute(layer, "_te_cuda_graph_capture") for layer in self.layers]
 
@@ -169,7 +174,7 @@ class PluginHelperMixin:
         except Exception as error:  # noqa: BLE001 - every failure is rolled back, then explained, raised or logged
             self._release_failed_capture()
             if config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(
-                    error, scope, layers, start, tracker.current or "before any layer ran"):
+                    error, scope, layers, start, tracker.where):
                 return
             self._on_capture_failure(error, scope, tracker, start, layers)
             return
@@ -394,7 +399,7 @@ class PluginHelperMixin:
         """After the rollback and Megatron's reset: free what the capture held, then raise or go eager."""
         gc.collect()
         self._empty_cache()
-        where = tracker.current or "before any layer ran"
+        where = tracker.where
         cause = f"{type(error).__name__}: {error}"
         self._record_failure(scope, layers, start, f"{where}: {cause}")
         if self.session.config.on_capture_error == "raise":
