@@ -80,7 +80,6 @@ class GraphFacts:
     fp8: bool = False  # --fp8-format
     fp8_recipe: str = "delayed"  # --fp8-recipe
     fp4: bool = False  # --fp4-format
-    fp8_attention: bool = False  # --fp8-dot-product-attention or --fp8-multi-head-attention
     device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
     cuda_version: tuple[int, int] | None = None  # torch's CUDA build
     sft: bool = False  # --sft: the dataset marks document boundaries itself
@@ -265,8 +264,7 @@ RULES: tuple[Rule, ...] = (
          "--cg-slot-capture captures Megatron's layers without FP8 for now (TE's cached FP8 weights, read through "
          "is_first_microbatch, are not refreshed in slot-shared graphs yet): drop --fp8-format / --fp4-format, or "
          "drop --cg-slot-capture (TE's graphs take every FP8 recipe).",
-         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe}"
-         + (", FP8 attention)" if f.fp8_attention else ")")),
+         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe})"),
     Rule("slot-capture-scope", "plugin",
          _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
          "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
@@ -429,8 +427,6 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
                        or "delayed"),
         fp4=getattr(args, "fp4", None) is not None,
-        fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
-                           or getattr(args, "fp8_multi_head_attention", False)),
         device_capability=device_capability,
         cuda_version=cuda_version,
         sft=bool(getattr(args, "sft", False)),

@@ -445,7 +445,6 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
 @pytest.mark.parametrize("change, detail", [
     (dict(fp8_recipe="delayed"), "(--fp8-recipe delayed)"),
     (dict(fp8_recipe="tensorwise"), "(--fp8-recipe tensorwise)"),
-    (dict(fp8_attention=True), "(--fp8-recipe tensorwise, FP8 attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
 def test_slot_capture_refuses_every_fp8_recipe_naming_it(change, detail):
@@ -453,12 +452,3 @@ def test_slot_capture_refuses_every_fp8_recipe_naming_it(change, detail):
                                 **change)
     (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
     assert detail in message and "drop --cg-slot-capture" in message
-
-
-@pytest.mark.parametrize("flag", ["fp8_dot_product_attention", "fp8_multi_head_attention"])
-def test_facts_read_megatrons_fp8_attention_flags(parse, flag):
-    args = parse("--cg-preset", "tiny-gpt", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
-    assert facts.fp8 and facts.fp8_recipe == "tensorwise" and not facts.fp8_attention
-    setattr(args, flag, True)
-    assert facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={}).fp8_attention
