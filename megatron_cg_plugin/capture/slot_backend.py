@@ -31,6 +31,7 @@ from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import OFFLOAD_COPIES
+from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
@@ -208,6 +209,7 @@ class SlotBackend(TEBackend):
         config = callables[0].config
         watch = DelayedFlushWatch(config) if getattr(config, "delay_offload_until_cuda_graph", False) else None
         ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
+        param_grads = ParamGradBuffers()  # the layers' backward replays run one at a time
         graphs: list[SlotLayerGraph] = []
         try:
             with offload.capturing() if offload is not None else contextlib.nullcontext():
@@ -218,7 +220,8 @@ class SlotBackend(TEBackend):
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
                         offload=None if offload is None else offload.slot_offload(ring),
-                        check_stale=False)  # the helper's stale-graph check covers every layer at once
+                        check_stale=False,  # the helper's stale-graph check covers every layer at once
+                        param_grads=param_grads)
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
                     graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch))
         except BaseException:

@@ -16,7 +16,8 @@ handed to another capture.
 Sizes: one arena per slot, sized by the largest variant measured at warmup; boundary storage per
 (slot, I/O branch): variants with identical boundary layouts share it (as do variants naming the
 same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter gradients go through one buffer shared by every graph and
-are cloned after each backward replay (autograd may keep a returned gradient as ``.grad``).
+are cloned after each backward replay (autograd may keep a returned gradient as ``.grad``), and
+captures that replay one at a time may share those buffers too (``memory.param_grads``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from megatron_cg_plugin.memory.layout import span_elements, span_of
 from megatron_cg_plugin.memory.offload import (
     CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers,
 )
+from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
 from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
@@ -350,7 +352,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
                     protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
                     debug: bool = False, strict: bool = True, contract_check: str = "full",
                     offload: SlotOffload | None = None, fp8: SlotFp8 | None = None,
-                    check_stale: bool = True) -> SlottedGraphs:
+                    check_stale: bool = True, param_grads: ParamGradBuffers | None = None) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
@@ -368,6 +370,9 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     caller's own FP8 autocast with the same recipe, as TE's graphed callables do. ``check_stale``
     refuses capture while eager autograd graphs reach the parameters (``hygiene``; ~0.2 s);
     ``False`` where the caller checks (the plugin's helper, once per capture phase).
+    ``param_grads`` shares the parameter-gradient buffers with other captures whose backward
+    replays never overlap with these (``memory.param_grads``); the stats then count only the
+    buffers this capture added.
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check, fp8)
@@ -379,9 +384,9 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     if offload is not None and not protect:
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
-    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload)
+    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads)
     with te_seam.te_capture_flag(), te_seam.fp8_weight_cache_off() if fp8 is not None else contextlib.nullcontext():
-        entries, arenas, boundaries, param_grads, measures, retained, offloading = _capture_all(
+        entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
     torch.cuda.synchronize()
     segments = diagnostics.allocator_segments()
@@ -390,7 +395,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
         capture_seconds=time.perf_counter() - start,
         pool_bytes=diagnostics.pool_bytes_by_id(segments).get(tuple(pool), 0),
         arena_bytes=sum(a.capacity for a in arenas), slot_arena_bytes=tuple(a.capacity for a in arenas),
-        boundary_bytes=sum(b.nbytes for b in boundaries.values()) + sum(g.untyped_storage().nbytes() for g in param_grads),
+        boundary_bytes=sum(b.nbytes for b in boundaries.values()) + param_grad_bytes,
         saved_bytes={name: m.saved_bytes for name, m in measures.items()},
         ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
         retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()),
@@ -408,6 +413,7 @@ class _CaptureOptions:
     strict: bool
     contract_check: str
     offload: SlotOffload | None = None
+    param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
 
 
 @dataclasses.dataclass
@@ -480,7 +486,7 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
               for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
         if options.protect else []
     boundaries = {(slot, branch_of[v.name]): _Boundary(v, measures[v.name]) for v, slot in placed}
-    param_grads = [torch.empty_like(p) for p in params]
+    param_grads, param_grad_bytes = (options.param_grads or ParamGradBuffers()).take(params)
     guard = SlotGuard(ring_size) if options.debug else None
     entries = {(v.name, slot): _Entry(v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard,
                                       options.contract_check)
@@ -492,7 +498,7 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
             hooks = offloading.hooks(key, arenas[key[1]]) if options.protect else None
             retained += _capture_entry(entry, hooks, pool, stream, transaction, options.strict)
             entry.staged = offloading.staged.get(key)
-    return entries, arenas, boundaries, param_grads, measures, retained, offloading
+    return entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading
 
 
 def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
