@@ -3,7 +3,7 @@
     megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
     megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
     megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
-    megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms eager,stock,plugin --bench-out DIR] <launcher flags>
+    megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
                                                         eager vs Megatron's graphs vs the plugin's, in one process
     megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
                                                         eager vs graphed on cases in Megatron's model_config.yaml format
@@ -283,7 +283,8 @@ def _plan(argv: Sequence[str]) -> int:
 def _bench(argv: Sequence[str]) -> int:
     if any(flag in ("-h", "--help") for flag in argv):
         print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
-              "[--bench-arms eager,stock,plugin] [--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
+              "[--bench-arms eager,stock,plugin (also plugin-no-check, slot, slot-offload, slot-offload-staged)] "
+              "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
               "<launcher flags>\n\n"
               "Trains the launcher's model in interleaved blocks of each arm in one process and writes "
               "bench.json, bench.md and bench.png (docs/performance.md).")

@@ -145,6 +145,8 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
             "reads its cached FP8 weights, which slot capture does not refresh yet (H200: 'FP8 data is required to "
             "generate FP8 data transpose'). Drop --fp8-format / --fp4-format, or drop --cg-slot-capture (TE's graphs "
             "take every FP8 recipe).")
+    # One graph per layer, so the layers' backward replays never overlap: they share parameter-gradient
+    # buffers (memory.param_grads), which this refusal keeps safe.
     if len(sample_args) != len(callables):
         raise SlotCaptureError(
             f"Megatron asks for {len(sample_args)} graphs of {len(callables)} layers (one per microbatch in flight: "

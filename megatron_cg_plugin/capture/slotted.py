@@ -106,7 +106,7 @@ class SlottedStats:
     pool_bytes: int  # reserved by the shared pool
     arena_bytes: int
     slot_arena_bytes: tuple[int, ...]  # per slot: the largest frame of the variants the plan puts there
-    boundary_bytes: int  # inputs, outputs, incoming and returned gradients, parameter-gradient buffers
+    boundary_bytes: int  # inputs, outputs, incoming and returned gradients, the parameter-gradient buffers it added
     saved_bytes: dict[Hashable, int]  # per variant, measured at warmup
     ctx_tensors: dict[Hashable, int]  # per variant: tensors found on ctx and protected
     retained_bytes: int  # pool blocks still allocated after every capture (library workspaces)

@@ -321,6 +321,9 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
     if args.use_distributed_optimizer and args.overlap_param_gather:
         raise BenchError("the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
                          "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
+    if UNCHECKED_ARM in options.arms and getattr(args, "cg_contract_check", "full") != "full":
+        raise BenchError(f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
+                         f"leave --cg-contract-check at full (it is {args.cg_contract_check}).")
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if set(options.arms) & set(SLOT_ARMS):  # the rules --cg-slot-capture itself would get

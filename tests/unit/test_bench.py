@@ -18,7 +18,7 @@ from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
 from megatron_cg_plugin.plan.bench import DeviceTime
 
-STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126}
+STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123}
 
 
 class FakeTrainer:
@@ -300,3 +300,24 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
     assert unchecked.session.config.contract_check == "off" and unchecked.session is not session
     assert trainer.helpers["plugin"].session.config.contract_check == "full"
     assert unchecked.session.config == dataclasses.replace(session.config, contract_check="off")
+
+
+def test_the_unchecked_arm_runs_interleaved_and_shows_what_the_check_costs(tmp_path):
+    result, trainer, _, profiled = bench_with_fakes(arms=("stock", "plugin", "plugin-no-check"))
+    assert profiled == ["stock", "plugin", "plugin-no-check"]
+    summary = result.summary()
+    assert summary.ratios["plugin", "plugin-no-check"].median == pytest.approx(0.0126 / 0.0123, rel=2e-3)
+    table = bench_output.write(result, tmp_path, with_plot=False)[1].read_text()
+    assert "| plugin-no-check / plugin |" in table and "| plugin-no-check |" in table  # later arm over earlier
+
+
+@pytest.mark.parametrize("mode", ["shapes", "off"])
+def test_the_unchecked_arm_needs_the_full_check_on_the_plugin_arm(mode):
+    import types
+
+    args = types.SimpleNamespace(**ARGS, cg_contract_check=mode)
+    with pytest.raises(BenchError, match=f"leave --cg-contract-check at full \\(it is {mode}\\)"):
+        bench.refuse_unbenchable(args, BenchOptions(arms=("plugin", "plugin-no-check")))
+    bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "plugin")))
+    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, cg_contract_check="full"),
+                             BenchOptions(arms=("plugin", "plugin-no-check")))

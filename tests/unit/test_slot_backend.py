@@ -183,3 +183,28 @@ def test_unknown_copy_modes_and_a_copy_mode_without_slot_capture_are_refused():
     with pytest.raises(ConfigError, match="add --cg-slot-capture"):
         PluginConfig(offload_copies="between-replays")
     PluginConfig(offload_copies="between-replays", slot_capture=True)
+
+
+def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(monkeypatch):
+    """The layers' backward replays run one at a time (one graph per layer), so they share the
+    buffers their backward graphs write the parameter gradients to (memory.param_grads)."""
+    calls = []
+
+    def fake_capture_slotted(variants, plan, parameters, **options):
+        calls.append(options)
+        return FakeSlotted()
+
+    monkeypatch.setattr(slot_backend, "capture_slotted", fake_capture_slotted)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    layers = []
+    for number in (1, 2, 3):
+        module = torch.nn.Linear(2, 2)
+        module.config = types.SimpleNamespace(cuda_graph_modules=[])
+        module.layer_number = number
+        layers.append(module)
+    graphs = SlotBackend(offload=False).make_graphed_callables(tuple(layers), [(torch.ones(2),)] * 3)
+    assert len(graphs) == 3 and len(calls) == 3
+    shared = calls[0]["param_grads"]
+    assert shared is not None and all(call["param_grads"] is shared for call in calls)
+    assert all(call["check_stale"] is False for call in calls)  # the helper's check covers the layers

@@ -239,3 +239,16 @@ def test_coverage_passes_when_only_the_outputs_are_alive_and_measures_when_not_s
     after[kept.untyped_storage().data_ptr()] = 32
     _check_coverage(entry, {}, after, [output], strict=False)  # measured, not refused
     assert entry.uncovered_bytes == 32
+
+
+def test_returned_parameter_gradients_are_copies_of_the_shared_buffer():
+    """Layers share the buffers their backward graphs write (memory.param_grads): what a backward
+    replay returns must not change when the next layer's backward writes the same buffer."""
+    graphs, entry, param = _slotted_graphs()
+    (buffer,) = entry.param_grads
+    entry.params_used = (True,)
+    entry.backward_graph.replay = lambda: buffer.fill_(3.0)  # this layer's gradient, written by its graph
+    graphs.callable("v", 0)(torch.zeros(4, 6))
+    returned = entry.replay_backward((None,))[-1]
+    buffer.fill_(5.0)  # the next layer's backward replay
+    assert returned.data_ptr() != buffer.data_ptr() and torch.equal(returned, torch.full((3,), 3.0))
