@@ -114,12 +114,11 @@ def slot_fp8_refusal(recipe: Any) -> str | None:
     scaling's histories and FP8 attention's delayed-scaling S/dP quantizers live outside them."""
     if recipe is None:
         return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe) with a current-scaling recipe."
+    current_only = "slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise)"
     if recipe.delayed():
-        return ("slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise): delayed "
-                "scaling's amax histories live outside the saved tensors the arenas protect.")
+        return f"{current_only}: delayed scaling's amax histories live outside the saved tensors the arenas protect."
     if not recipe.float8_current_scaling():
-        return (f"slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise); "
-                f"{type(recipe).__name__} is not verified in slot-shared graphs.")
+        return f"{current_only}; {type(recipe).__name__} is not verified in slot-shared graphs."
     if recipe.fp8_dpa or recipe.fp8_mha:
         return ("slot-shared capture takes no FP8 attention yet (--fp8-dot-product-attention / "
                 "--fp8-multi-head-attention): its S and dP quantizers use delayed scaling, whose state the arenas "
