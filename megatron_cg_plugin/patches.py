@@ -380,13 +380,22 @@ SCOPED: tuple[ForeignState, ...] = (
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
         "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
     ForeignState(
-        "slot-fp8-weight-cache-off",
+        "slot-fp8-weight-update-flag",
         "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor",
-        "under a graph autocast a TE module reads its cached FP8 weight with TE's global weight-update flag as the "
-        "no-op switch whenever the flag exists (an earlier make_graphed_callables made it), so a slot-shared graph "
-        "captured then would keep a stale weight; slot-shared capture quantizes weights inside its graphs and sets "
-        "the flag to None while it captures.",
-        "capture.backend.fp8_weight_cache_off (with block around slot-shared capture with FP8)", needs_te=True),
+        "slot-shared capture with FP8 caches weights as TE's make_graphed_callables does: TE's global weight-update "
+        "flag exists from before the first warmup (set to update), so each module quantizes its weight into its "
+        "cached workspace under the flag inside the graph; each replay fills it (skip unless Megatron's "
+        "is_first_microbatch). The graphs read it by address, so after a successful capture it stays, as TE's "
+        "own does; a failed capture puts back what was there.",
+        "capture.backend.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
+        "Fp8Replay.before_forward fills it)", needs_te=True),
+    ForeignState(
+        "slot-fp8-replay-amax-group",
+        "transformer_engine.pytorch.module.base:TransformerEngineBaseModule.fp8_meta",
+        "delayed scaling in slot-shared graphs: before each replay the modules the graph's forward reached take "
+        "the replay-time autocast's recipe and amax group in fp8_meta['recipe'] / ['fp8_group'] and join TE's "
+        "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
+        "capture.backend.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
     ForeignState(
         "cpu-device-stand-ins", "torch:cuda.get_device_capability",
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
@@ -432,6 +441,17 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
                  "uses (_graph=True: no global amax buffer, no reduction at exit).", "capture/backend.py",
                  ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"), needs_te=True),
+    ForeignState("te-save-fp8-tensors", "transformer_engine.pytorch.graph:save_fp8_tensors",
+                 "delayed scaling: slot-shared capture clones the amax histories and scales before warmup and copies "
+                 "them back after capture (restore_fp8_tensors), as make_graphed_callables does.", "capture/backend.py",
+                 ("modules", "recipe"), needs_te=True),
+    ForeignState("te-restore-fp8-tensors", "transformer_engine.pytorch.graph:restore_fp8_tensors",
+                 "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).", "capture/backend.py",
+                 ("modules", "fp8_tensors"), needs_te=True),
+    ForeignState("te-amax-buffer", "transformer_engine.pytorch.quantization:FP8GlobalStateManager.add_fp8_tensors_to_global_buffer",
+                 "a delayed-scaling replay joins its modules to the autocast's amax reduction (slot-fp8-replay-amax-group); "
+                 "the autocast's first FP8 graph (is_first_fp8_module) runs reduce_and_update_fp8_tensors(forward=False) "
+                 "after its backward replay.", "capture/backend.py", ("fp8_meta",), needs_te=True),
     ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
                  "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/backend.py",
                  needs_te=True),

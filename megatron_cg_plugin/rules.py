@@ -17,6 +17,7 @@ from megatron_cg_plugin.config import ConfigError, PluginConfig, config_from_arg
 
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
 PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
+SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 OFFLOAD_INSIDE_SCOPE = {
     "attn": frozenset({"attn_norm", "qkv_linear", "core_attn", "attn_proj"}),
@@ -79,6 +80,9 @@ class GraphFacts:
     nccl_graph_register_off: bool = False
     fp8: bool = False  # --fp8-format
     fp8_recipe: str = "delayed"  # --fp8-recipe
+    # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
+    # them; a user's script may set them on args)
+    fp8_attention: bool = False
     fp4: bool = False  # --fp4-format
     device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
     cuda_version: tuple[int, int] | None = None  # torch's CUDA build
@@ -260,11 +264,15 @@ RULES: tuple[Rule, ...] = (
          "--cg-slot-capture captures one graph per layer, for runs where each microbatch's backward follows its "
          "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
          "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
-    Rule("slot-capture-fp8", "plugin", _graphs(lambda f: f.slot_capture and (f.fp8 or f.fp4)),
-         "--cg-slot-capture captures Megatron's layers without FP8 for now (TE's cached FP8 weights, read through "
-         "is_first_microbatch, are not refreshed in slot-shared graphs yet): drop --fp8-format / --fp4-format, or "
-         "drop --cg-slot-capture (TE's graphs take every FP8 recipe).",
-         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe})"),
+    Rule("slot-capture-fp8", "plugin",
+         _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (f.fp8_recipe not in SLOT_FP8_RECIPES
+                                                                     or f.fp8_attention)))),
+         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise and without FP8 attention (its "
+         "S-scale snapshot lives on ctx in a quantizer copy the arenas do not protect yet): use one of those "
+         "recipes, leave TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention off, or drop "
+         "--cg-slot-capture (TE's graphs take every FP8 recipe).",
+         detail=lambda f: "(--fp4-format)" if f.fp4 else
+         "(FP8 attention)" if f.fp8_attention and f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),
     Rule("slot-capture-scope", "plugin",
          _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
          "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
@@ -426,6 +434,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8=getattr(args, "fp8", None) is not None,
         fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
                        or "delayed"),
+        fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
+                           or getattr(args, "fp8_multi_head_attention", False)),
         fp4=getattr(args, "fp4", None) is not None,
         device_capability=device_capability,
         cuda_version=cuda_version,

@@ -108,38 +108,142 @@ def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
     return autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group, _graph=True)
 
 
-def slot_fp8_refusal(recipe: Any) -> str | None:
-    """Why slot-shared capture cannot take this FP8 recipe yet, or None. Current (tensorwise)
-    scaling keeps no state between calls, so a slot's saves are all its backward reads; delayed
-    scaling's histories and FP8 attention's delayed-scaling S/dP quantizers live outside them."""
+def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
+    """Why slot-shared capture cannot take this FP8 recipe, or None. Current (tensorwise) and
+    delayed scaling are taken; delayed scaling needs the modules, whose amax histories and scales
+    are saved around the capture and joined to TE's reduction at replay."""
     if recipe is None:
-        return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe) with a current-scaling recipe."
-    current_only = "slot-shared capture takes FP8 with current scaling only for now (--fp8-recipe tensorwise)"
-    if recipe.delayed():
-        return f"{current_only}: delayed scaling's amax histories live outside the saved tensors the arenas protect."
-    if not recipe.float8_current_scaling():
-        return f"{current_only}; {type(recipe).__name__} is not verified in slot-shared graphs."
+        return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe)."
+    if not (recipe.delayed() or recipe.float8_current_scaling()):
+        return (f"slot-shared capture takes FP8 with delayed or current scaling (--fp8-recipe delayed|tensorwise); "
+                f"{type(recipe).__name__} is not verified in slot-shared graphs.")
     if recipe.fp8_dpa or recipe.fp8_mha:
-        return ("slot-shared capture takes no FP8 attention yet (--fp8-dot-product-attention / "
-                "--fp8-multi-head-attention): its S and dP quantizers use delayed scaling, whose state the arenas "
-                "do not protect; drop the flag.")
+        return ("slot-shared capture takes no FP8 attention yet (recipe fp8_dpa / fp8_mha; Megatron's "
+                "TransformerConfig fp8_dot_product_attention / fp8_multi_head_attention): its S-scale snapshot lives "
+                "on ctx in a quantizer copy the arenas do not protect; turn FP8 attention off.")
+    if recipe.delayed() and not modules:
+        return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
+                "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")
     return None
 
 
-@contextlib.contextmanager
-def fp8_weight_cache_off() -> Iterator[None]:
-    """While TE's global weight-update flag exists (made by an earlier ``make_graphed_callables``),
-    a module under a graph autocast reads its cached FP8 weight with that flag as the no-op switch,
-    so a graph captured then would keep a stale weight whenever the flag says skip. Slot-shared
-    capture quantizes the weights inside its graphs instead: the flag is gone while it captures."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+class Fp8Capture:
+    """TE's FP8 state around one slot-shared capture, as ``make_graphed_callables`` handles it
+    (``enter`` before warmup, ``exit`` after the last capture, whatever happens):
 
-    before = FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor
-    FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = None
-    try:
-        yield
-    finally:  # read anew: a reset inside the block replaces the state object
-        FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = before
+    - the global weight-update flag exists from the first warmup on, so each module quantizes its
+      weight into its cached workspace under that flag, inside the graphs; a replay fills it
+      (``Fp8Replay``). A failed capture puts back what was there before;
+    - delayed scaling: amax histories and scales are cloned before warmup and copied back after
+      capture, so warmup and capture leave no trace in them;
+    - the TE modules each forward reaches are recorded (forward hooks), for the replays to join
+      TE's amax reduction."""
+
+    def __init__(self, recipe: Any, modules: Sequence[Any]) -> None:
+        self.recipe, self.modules = recipe, tuple(modules)
+        self.flag: Any = None
+        self.visited: dict[int, Any] = {}
+        self._flag_before: Any = None
+        self._meta: Any = None
+        self._hooks: list[Any] = []
+
+    def enter(self) -> None:
+        import transformer_engine.pytorch.graph as te_graph
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        state = FP8GlobalStateManager.quantization_state
+        self._flag_before = state.skip_fp8_weight_update_tensor
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)  # False: update the workspaces
+        self.flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
+        self._meta = te_graph.save_fp8_tensors(self.modules, recipe=self.recipe)  # None unless delayed
+        for module in _te_modules(self.modules):
+            self._hooks.append(module.register_forward_hook(
+                lambda m, _inputs, _outputs: self.visited.setdefault(id(m), m)))
+
+    def exit(self, failed: bool) -> None:
+        import transformer_engine.pytorch.graph as te_graph
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._meta is not None:
+            te_graph.restore_fp8_tensors(self.modules, list(self._meta))  # TE pops from the list it is given
+            self._meta = None
+        if failed:  # read anew: a reset inside replaces the state object
+            FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = self._flag_before
+
+    def replay(self, enabled: bool) -> "Fp8Replay | None":
+        """What each replay of the graphs captured now does, or None for a variant kept in bf16."""
+        if not enabled:
+            return None
+        return Fp8Replay(self.flag, tuple(self.visited.values()), bool(self.recipe.delayed()))
+
+
+class Fp8Replay:
+    """Around each replay of an FP8 graph, what TE's graphed callables do (graph.py 1068-1075,
+    1134-1136, 1300-1346): fill the weight-update flag (a skip on every microbatch but the first
+    refreshes no workspace), and under delayed scaling join the visited modules to the replay-time
+    autocast's amax buffer; the autocast's first FP8 graph reduces and updates the backward amaxes
+    after its backward replay. The forward update stays at the exit of the caller's autocast."""
+
+    def __init__(self, flag: Any, modules: tuple[Any, ...], delayed: bool) -> None:
+        self.flag, self.modules, self.delayed = flag, modules, delayed
+
+    def before_forward(self, update_weights: bool) -> bool:
+        """Returns whether this replay is its autocast's first FP8 module (it updates after backward)."""
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        self.flag.fill_(not update_weights)
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return False
+        first = FP8GlobalStateManager.is_first_fp8_module()
+        if self.delayed:
+            _join_amax_reduction(self.modules, FP8GlobalStateManager)
+        return first and self.delayed
+
+    def after_backward(self, first: bool) -> None:
+        if first:
+            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+
+
+def _te_modules(modules: Sequence[Any]) -> list[Any]:
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from transformer_engine.pytorch.ops.op import BasicOperation
+
+    return [m for module in modules for m in module.modules()
+            if isinstance(m, (TransformerEngineBaseModule, BasicOperation))]
+
+
+def _join_amax_reduction(modules: Sequence[Any], manager: Any) -> None:
+    """TE's ``new_fwd`` (graph.py 1300-1346): each module takes the replay-time group and recipe
+    and joins the global amax buffer (once per autocast; TE keeps the key)."""
+    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
+    for module in modules:
+        if isinstance(module, TransformerEngineBaseModule):
+            if isinstance(module, DotProductAttention) and not (recipe.fp8_mha or recipe.fp8_dpa):
+                continue
+            metas = [module.fp8_meta]
+        else:  # a te.ops BasicOperation
+            metas = [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]
+        for meta in metas:
+            meta["fp8_group"], meta["recipe"] = group, recipe
+            manager.add_fp8_tensors_to_global_buffer(meta)
+
+
+def fp8_workspace_storages(modules: Sequence[Any]) -> list[Any]:
+    """The tensors of the FP8 weight workspaces TE modules keep between calls (data, transpose,
+    scale inverse): shared by every frame, refreshed only on a first microbatch."""
+    import torch
+
+    return [value for module in _te_modules(modules)
+            for workspace in getattr(module, "_fp8_workspaces", {}).values()
+            for value in vars(workspace).values() if isinstance(value, torch.Tensor)]
 
 
 def fp8_autocast_active() -> bool:

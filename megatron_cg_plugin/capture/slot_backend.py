@@ -25,10 +25,10 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture
+from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
 from megatron_cg_plugin.capture.offload_groups import MegatronOffload, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
-from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.capture.slotted import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
@@ -38,8 +38,8 @@ from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
-# first-microbatch switch (slot capture runs without FP8) and Megatron's offload streams (the
-# plugin's copies have streams of their own).
+# first-microbatch switch (it fills TE's weight-update flag instead) and Megatron's offload streams
+# (the plugin's copies have streams of their own).
 _NOT_INPUTS = ("is_first_microbatch", "cuda_graph_stream", "cuda_graph_event")
 
 
@@ -96,11 +96,12 @@ class SlotLayerGraph:
     returns the tuple of outputs; ``reset()`` frees it (Megatron's ``delete_cuda_graphs``)."""
 
     def __init__(self, graphs: SlottedGraphs, label: str, arg_count: int, input_names: tuple[str, ...],
-                 flush_watch: DelayedFlushWatch | None = None) -> None:
+                 flush_watch: DelayedFlushWatch | None = None, fp8_weight_caching: bool = True) -> None:
         self._graphs = graphs
         self._replay = graphs.callable(VARIANT, 0)
         self.label, self.arg_count, self.input_names = label, arg_count, input_names
         self._flush_watch = flush_watch
+        self._fp8_weight_caching = fp8_weight_caching  # False: every replay quantizes the weights anew
         self.offload_groups_flushed = 0
 
     @property
@@ -123,7 +124,10 @@ class SlotLayerGraph:
                 "--cuda-graph-modules or attention mask setting between capture and training?).")
         if self._flush_watch is not None:
             self._flush_watch.on_replay(self)
-        outputs = self._replay(*args, *(kwargs[name] for name in self.input_names))
+        # Megatron's is_first_microbatch: TE's cached FP8 weights are refreshed on the first microbatch only.
+        first = kwargs.get("is_first_microbatch")
+        update = not self._fp8_weight_caching or first is None or bool(first)
+        outputs = self._replay(*args, *(kwargs[name] for name in self.input_names), update_fp8_weights=update)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     def reset(self) -> None:
@@ -139,12 +143,10 @@ def check_offload_copies(copies: str) -> None:
 
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
     """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
-    if _any_fp8(kwargs):
-        raise SlotCaptureError(
-            "--cg-slot-capture captures Megatron's layers without FP8 for now: they pass is_first_microbatch, so TE "
-            "reads its cached FP8 weights, which slot capture does not refresh yet (H200: 'FP8 data is required to "
-            "generate FP8 data transpose'). Drop --fp8-format / --fp4-format, or drop --cg-slot-capture (TE's graphs "
-            "take every FP8 recipe).")
+    if any(_fp8_enabled(kwargs, len(callables))) and (
+            refusal := slot_fp8_refusal(kwargs.get("fp8_recipe"), tuple(callables))):
+        raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "
+                               "FP8 recipe).")
     # One graph per layer, so the layers' backward replays never overlap: they share parameter-gradient
     # buffers (memory.param_grads), which this refusal keeps safe.
     if len(sample_args) != len(callables):
@@ -160,10 +162,18 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
                 "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
 
 
-def _any_fp8(kwargs: dict[str, Any]) -> bool:
-    """Megatron's ``fp8_enabled``: one flag for every layer, or one per layer (bf16 first/last layers)."""
+def _fp8_enabled(kwargs: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Megatron's ``fp8_enabled``, per layer: one flag for every layer, or one per layer (bf16
+    first/last layers)."""
     enabled = kwargs.get("fp8_enabled", False)
-    return any(enabled) if isinstance(enabled, (tuple, list)) else bool(enabled)
+    if isinstance(enabled, (tuple, list)):
+        assert len(enabled) == layers, "Megatron passes one fp8_enabled per callable"
+        return tuple(bool(e) for e in enabled)
+    return (bool(enabled),) * layers
+
+
+def _layer_fp8(kwargs: dict[str, Any], enabled: bool, layer: Any) -> SlotFp8:
+    return SlotFp8(kwargs.get("fp8_recipe"), kwargs.get("fp8_group"), enabled, (layer,))
 
 
 def _moe_block_in_graph(layer: Any) -> bool:
@@ -212,20 +222,23 @@ class SlotBackend(TEBackend):
         watch = DelayedFlushWatch(config) if getattr(config, "delay_offload_until_cuda_graph", False) else None
         ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
         param_grads = ParamGradBuffers()  # the layers' backward replays run one at a time
+        fp8_enabled = _fp8_enabled(kwargs, len(callables))
         graphs: list[SlotLayerGraph] = []
         try:
             with offload.capturing() if offload is not None else contextlib.nullcontext():
                 for index, (layer, args, layer_kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)):
                     variant, names = _layer_variant(layer, tuple(args), dict(layer_kwargs))
+                    fp8 = _layer_fp8(kwargs, fp8_enabled[index], layer) if any(fp8_enabled) else None
                     slotted = capture_slotted(
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
                         offload=None if offload is None else offload.slot_offload(ring),
                         check_stale=False,  # the helper's stale-graph check covers every layer at once
-                        param_grads=param_grads)
+                        param_grads=param_grads, fp8=fp8)
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
-                    graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch))
+                    graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch,
+                                                 bool(kwargs.get("fp8_weight_caching", False))))
         except BaseException:
             for graph in graphs:
                 graph.reset()

@@ -41,7 +41,7 @@ from megatron_cg_plugin.memory.offload import (
     CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers,
 )
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer, storage_keys
 from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
 from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
@@ -86,15 +86,18 @@ class SlotOffload:
 class SlotFp8:
     """FP8 for the variants of one capture, as TE's ``make_graphed_callables`` takes it: warmup and
     capture run under TE's graph autocast with ``recipe`` and the amax reduction ``group``
-    (``enabled=False``: a layer kept in bf16). Current scaling only (``te_seam.slot_fp8_refusal``).
-    Weights are quantized inside the graphs, not cached (TE's global weight-update flag is off while
-    capturing): the variants must call TE modules without ``is_first_microbatch``, with which a
-    module reads its cached FP8 weight instead, which nothing here refreshes. Megatron's TE layers
-    pass it, so ``--cg-slot-capture`` still refuses FP8 (rule ``slot-capture-fp8``)."""
+    (``enabled=False``: a layer kept in bf16). Delayed or current scaling (``te_seam.slot_fp8_refusal``).
+    ``modules`` are the modules the variants call (Megatron: the layer). Their FP8 weight workspaces
+    are shared by every frame, so saves of them are not copied into arenas. Under delayed scaling,
+    their amax histories and scales come back as they were after capture, and replays join TE's amax
+    reduction. Each module quantizes its weight into its workspace inside the graph, under TE's
+    weight-update flag: a replay refreshes the workspace unless called with
+    ``update_fp8_weights=False`` (Megatron: every microbatch but the first)."""
 
     recipe: Any
     group: Any = None
     enabled: bool = True
+    modules: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +164,15 @@ class _Measure:
 
 
 def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int,
-            group: Callable[[], str | None] | None = None) -> _Measure:
+            group: Callable[[], str | None] | None = None, shared: Callable[[], frozenset] = frozenset) -> _Measure:
     """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame;
-    with ``group``, every save is recorded with its offload group (the last iteration's record)."""
+    with ``group``, every save is recorded with its offload group (the last iteration's record).
+    ``shared`` storages are not counted: they exist from the first iteration on (FP8 weight
+    workspaces), so the frame is the last iteration's."""
     measure = None
     for _ in range(iterations):
         inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in variant.sample_args]
-        sizer = ArenaSizer(device=inputs[0].device if inputs else None, group=group)
+        sizer = ArenaSizer(device=inputs[0].device if inputs else None, group=group).sharing(shared())
         with sizer.hooks():
             outputs = _as_tuple(variant.fn(*inputs), variant.name)
         ctx_count = sizer.protect_ctx_tensors(outputs)
@@ -177,7 +182,7 @@ def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: 
                                     allow_unused=True) if differentiable else (None,) * len(targets)
         input_grads = iter(grads[:len(targets) - len(params)])
         measure = _Measure(
-            saved_bytes=max(sizer.nbytes, measure.saved_bytes if measure else 0), ctx_tensors=ctx_count,
+            saved_bytes=sizer.nbytes, ctx_tensors=ctx_count,
             outputs=tuple(o.detach().requires_grad_(o.requires_grad) for o in outputs),  # layout templates
             input_grads=tuple(next(input_grads) if i.requires_grad else None for i in inputs),
             params_used=tuple(g is not None for g in grads[len(targets) - len(params):]),
@@ -229,6 +234,7 @@ class _Entry:
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
         self.staged: StagedFrame | None = None  # offload between replays: the copies around them
+        self.fp8: te_seam.Fp8Replay | None = None  # captured under FP8: TE's state around each replay
 
     def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"parameter {index}", param) for index, param in enumerate(self.params)]
@@ -297,20 +303,25 @@ class _Entry:
 
 class _SlotReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, input_count: int, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, entry: _Entry, input_count: int, update_fp8_weights: bool, *tensors: torch.Tensor) -> Any:
         ctx.entry = entry
+        ctx.fp8_first = entry.fp8.before_forward(update_fp8_weights) if entry.fp8 is not None else False
         outputs = entry.replay_forward(tensors[:input_count])
         ctx.mark_non_differentiable(*[o for o, rg in zip(outputs, entry.output_requires_grad) if not rg])
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return (None, None, *ctx.entry.replay_backward(grads))
+        grads_in = ctx.entry.replay_backward(grads)
+        if ctx.entry.fp8 is not None:
+            ctx.entry.fp8.after_backward(ctx.fp8_first)
+        return (None, None, None, *grads_in)
 
 
 class SlottedGraphs:
     """What ``capture_slotted`` returns: ``graphs.callable(variant, slot)(*inputs)`` replays that
-    variant's forward graph for a frame in ``slot``; autograd replays the matching backward.
+    variant's forward graph for a frame in ``slot``; autograd replays the matching backward. Graphs
+    captured under FP8 refresh their weight workspaces unless called with ``update_fp8_weights=False``.
 
     Outputs and returned input gradients are views of the slot's boundary storage: consume them
     before the slot's next forward (the slot plan guarantees the next forward comes after this
@@ -329,8 +340,8 @@ class SlottedGraphs:
             raise KeyError(f"no graph for variant {variant!r} in slot {slot}: captured variants {variants}, "
                            f"slots 0..{self.stats.ring_size - 1}") from None
 
-        def replay(*inputs: torch.Tensor) -> Any:
-            outputs = _SlotReplay.apply(entry, len(inputs), *inputs, *entry.params)
+        def replay(*inputs: torch.Tensor, update_fp8_weights: bool = True) -> Any:
+            outputs = _SlotReplay.apply(entry, len(inputs), update_fp8_weights, *inputs, *entry.params)
             return outputs[0] if len(outputs) == 1 else outputs
 
         return replay
@@ -376,18 +387,25 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, contract_check, fp8)
+    fp8_capture = None
     if fp8 is not None:
         variants = [dataclasses.replace(v, fn=_under_fp8(v.fn, fp8)) for v in variants]
+        fp8_capture = te_seam.Fp8Capture(fp8.recipe, fp8.modules)
     if check_stale:  # an eager graph alive at capture breaks the backward capture, also where TE's tolerates it
         hygiene.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     if offload is not None and not protect:
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
-    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads)
-    with te_seam.te_capture_flag(), te_seam.fp8_weight_cache_off() if fp8 is not None else contextlib.nullcontext():
+    shared = (lambda: storage_keys(te_seam.fp8_workspace_storages(fp8.modules))) if fp8 is not None else frozenset
+    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, shared)
+    with te_seam.te_capture_flag(), _fp8_capturing(fp8_capture):
         entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
+    if fp8_capture is not None:
+        replay = fp8_capture.replay(fp8.enabled)
+        for entry in entries.values():
+            entry.fp8 = replay
     torch.cuda.synchronize()
     segments = diagnostics.allocator_segments()
     stats = SlottedStats(
@@ -414,6 +432,8 @@ class _CaptureOptions:
     contract_check: str
     offload: SlotOffload | None = None
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
+    # The storages every frame shares (FP8 weight workspaces), read when a frame's hooks are made.
+    shared: Callable[[], frozenset] = frozenset
 
 
 @dataclasses.dataclass
@@ -474,7 +494,7 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     stream.wait_stream(torch.cuda.current_stream())
     group = options.offload.group if options.offload is not None else None
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
-        measures = {v.name: _warmup(v, params, options.warmup_iterations, group) for v in variants}
+        measures = {v.name: _warmup(v, params, options.warmup_iterations, group, options.shared) for v in variants}
     torch.cuda.current_stream().wait_stream(stream)
     branch_of = io_branches(variants, measures, slots_of)
 
@@ -493,9 +513,10 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
                for v, slot in placed}
     retained = 0
     torch.cuda.synchronize()
+    shared = options.shared()
     with CaptureTransaction([]) as transaction:
         for key, entry in entries.items():
-            hooks = offloading.hooks(key, arenas[key[1]]) if options.protect else None
+            hooks = offloading.hooks(key, arenas[key[1]]).sharing(shared) if options.protect else None
             retained += _capture_entry(entry, hooks, pool, stream, transaction, options.strict)
             entry.staged = offloading.staged.get(key)
     return entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading
@@ -521,6 +542,20 @@ def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, t
         raise ValueError(f"the plan and the variants differ: variants in no frame of the plan {unplanned}, frames "
                          f"of variants not given {unknown}; plan with the same variant names you capture.")
     return slots_of
+
+
+@contextlib.contextmanager
+def _fp8_capturing(capture: "te_seam.Fp8Capture | None") -> Any:
+    if capture is None:
+        yield
+        return
+    capture.enter()
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        capture.exit(failed)
 
 
 def _under_fp8(fn: Callable[..., Any], fp8: SlotFp8) -> Callable[..., Any]:
@@ -555,7 +590,7 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
                          "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
     if fp8 is not None and not isinstance(fp8, SlotFp8):
         raise TypeError(f"fp8 is a {type(fp8).__name__}; pass SlotFp8(recipe, group, enabled).")
-    if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe)):
+    if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe, fp8.modules)):
         raise ValueError(refusal)
     return slots_of
 

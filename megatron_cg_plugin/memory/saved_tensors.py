@@ -19,7 +19,7 @@ entered: rebinding their tensors would change the model, not one frame.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -40,6 +40,11 @@ class ArenaOverflowError(RuntimeError):
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
     storage = tensor.untyped_storage()
     return tensor.device, storage.data_ptr()
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset:
+    """The storages of ``tensors``, as ``_Packer.sharing`` takes them."""
+    return frozenset(_storage_key(t) for t in tensors if t.untyped_storage().nbytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,13 @@ class _Packer:
         # a new one allocated at the same address are different storages, told apart by expiry.
         self._storages: dict[tuple[Any, int], tuple[int, StorageWeakRef]] = {}
         self.device = device  # tensors elsewhere (host scalars) are kept as they are
+        self._shared: frozenset = frozenset()
+
+    def sharing(self, storages: frozenset) -> "_Packer":
+        """Saves on these storages (``storage_keys``) are kept as they are: every frame shares them
+        and nothing a frame does rewrites them before its backward (FP8 weight workspaces)."""
+        self._shared = storages
+        return self
 
     def _place(self, tensor: torch.Tensor) -> int:
         raise NotImplementedError
@@ -120,10 +132,14 @@ class _Packer:
         return found
 
     def kept_as_is(self, tensor: torch.Tensor) -> bool:
-        """Parameters and host tensors live outside any graph pool, and an empty storage holds
-        nothing (its address, 0, is every empty storage's): nothing to protect or number."""
-        return (isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device)
-                or (not hasattr(tensor, "prepare_for_saving") and tensor.untyped_storage().nbytes() == 0))
+        """Parameters and host tensors live outside any graph pool, an empty storage holds nothing
+        (its address, 0, is every empty storage's), and shared storages belong to no one frame:
+        nothing to protect or number."""
+        if isinstance(tensor, torch.nn.Parameter) or (self.device is not None and tensor.device != self.device):
+            return True
+        if hasattr(tensor, "prepare_for_saving"):
+            return False
+        return tensor.untyped_storage().nbytes() == 0 or _storage_key(tensor) in self._shared
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.kept_as_is(tensor):

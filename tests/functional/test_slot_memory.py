@@ -100,13 +100,27 @@ def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_fp8_current_scaling_replays_are_bitwise_eager_fp8_and_need_the_arenas(probe: dict, n: int) -> None:
-    """Issue 15: FP8 (hybrid, current scaling) inside slot-shared capture; the quantized saves
-    (data and scale-inverse by parts) go to the arenas like any other save."""
-    case = probe[f"fp8/n{n}/wrap-ring2/slots"]
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_replays_are_bitwise_eager_fp8_and_need_the_arenas(probe: dict, n: int, recipe: str) -> None:
+    """Issue 15: FP8 (hybrid; current and delayed scaling) inside slot-shared capture; the quantized
+    saves (data and scale-inverse by parts) go to the arenas like any other save. Under delayed
+    scaling the amax histories and scales after the graphed run equal those after the eager run."""
+    case = probe[f"fp8/{recipe}/n{n}/wrap-ring2/slots"]
     assert "error" not in case, case.get("error")
     assert case["exact"], case
+    assert case["fp8_state_equal"] and (case["fp8_state_tensors"] > 0) == (recipe == "delayed"), case
     assert case["uncovered_bytes"] == 0, case
-    shared = probe[f"fp8/n{n}/wrap-ring2/shared-pool"]
+    shared = probe[f"fp8/{recipe}/n{n}/wrap-ring2/shared-pool"]
     assert "error" not in shared, shared.get("error")
     assert not shared["exact"], shared
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_replays_keep_the_cached_weights_between_first_microbatches_as_eager_does(probe: dict, recipe: str) -> None:
+    """The parameters change before every frame; frames that are no first microbatch read the
+    stale cached FP8 weight in eager and in the graphs alike. Replays that always refresh differ:
+    the weight-update flag is what keeps them equal."""
+    case = probe[f"fp8/{recipe}/weight-cache"]
+    assert "error" not in case, case.get("error")
+    assert case["exact"], case
+    assert case["always_refreshed_exact_frames"] < case["frames"], case

@@ -71,7 +71,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                 "--cuda-graph-warmup-steps 1"),
     "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
-    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True), "--fp8-format"),
+    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
+                         "--fp8-recipe delayed or tensorwise"),
     "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
                                       **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
     "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
@@ -443,12 +444,20 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
 
 
 @pytest.mark.parametrize("change, detail", [
-    (dict(fp8_recipe="delayed"), "(--fp8-recipe delayed)"),
-    (dict(fp8_recipe="tensorwise"), "(--fp8-recipe tensorwise)"),
+    (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
+    (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
+    (dict(fp8_attention=True), "(FP8 attention)"),
+    (dict(fp8_recipe="delayed", fp8_attention=True), "(FP8 attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
-def test_slot_capture_refuses_every_fp8_recipe_naming_it(change, detail):
+def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
     facts = dataclasses.replace(GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
                                 **change)
     (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
     assert detail in message and "drop --cg-slot-capture" in message
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_slot_capture_takes_delayed_and_current_scaling(recipe):
+    facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe=recipe)
+    assert "slot-capture-fp8" not in names(facts)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer, storage_keys
 from megatron_cg_plugin.plan.slots import ARENA_ALIGNMENT as ALIGNMENT
 
 
@@ -119,6 +119,23 @@ def test_decomposing_wrappers_are_saved_by_parts_and_rebuilt():
     data.fill_(0)
     scale.fill_(0)
     assert torch.equal(hooks.unpack(packed), torch.arange(4.0) * 3)
+
+
+def test_shared_storages_are_saved_as_they_are_and_not_counted_also_as_parts():
+    """FP8 weight workspaces: every frame shares them, so neither the sizer nor the arena takes
+    them, also when they come as the parts of a decomposed wrapper; other saves still go in."""
+    workspace, scale, activation = torch.arange(4.0), torch.tensor(3.0), torch.ones(8)
+    shared = storage_keys([workspace, scale])
+    sizer = ArenaSizer().sharing(shared)
+    sizer.pack(Decomposable(workspace, scale))
+    sizer.pack(activation)
+    assert sizer.nbytes == ALIGNMENT and sizer.storages == 1
+    hooks = ArenaHooks(Arena(ALIGNMENT, "cpu")).sharing(shared)
+    packed, kept = hooks.pack(Decomposable(workspace, scale)), hooks.pack(activation)
+    workspace.fill_(2)  # a first microbatch's refresh: the backward reads the workspace itself
+    activation.fill_(0)
+    assert torch.equal(hooks.unpack(packed), torch.full((4,), 6.0)) and torch.equal(hooks.unpack(kept), torch.ones(8))
+    assert hooks.arena.used == ALIGNMENT
 
 
 def test_overflow_names_need_and_capacity():

@@ -28,15 +28,35 @@ def layer(modules=(), moe=False):
     return types.SimpleNamespace(config=config, is_moe_layer=moe, layer_number=1)
 
 
-@pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2), ((False, True), 3)])
-def test_fp8_capture_is_refused_naming_the_flag(enabled, layers):
+class FakeRecipe:
+    def __init__(self, kind, fp8_dpa=False):
+        self.kind, self.fp8_dpa, self.fp8_mha = kind, fp8_dpa, False
+
+    def delayed(self):
+        return self.kind == "delayed"
+
+    def float8_current_scaling(self):
+        return self.kind == "current"
+
+
+@pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2)])
+@pytest.mark.parametrize("recipe, words", [(FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
+                                           (FakeRecipe("current", fp8_dpa=True), "fp8_dot_product_attention"),
+                                           (None, "needs the recipe")])
+def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enabled, layers, recipe, words):
     callables = [layer() for _ in range(layers)]
-    with pytest.raises(SlotCaptureError, match="--fp8-format"):
-        check_slot_capture_call(callables, [()] * layers, {"fp8_enabled": enabled})
+    with pytest.raises(SlotCaptureError, match=words) as refused:
+        check_slot_capture_call(callables, [()] * layers, {"fp8_enabled": enabled, "fp8_recipe": recipe})
+    assert "drop --cg-slot-capture" in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_delayed_and_current_scaling_are_taken(kind):
+    check_slot_capture_call([layer(), layer()], [(), ()], {"fp8_enabled": (False, True), "fp8_recipe": FakeRecipe(kind)})
 
 
 def test_layers_megatron_keeps_in_bf16_need_no_fp8_check():
-    check_slot_capture_call([layer()], [()], {"fp8_enabled": (False,)})
+    check_slot_capture_call([layer()], [()], {"fp8_enabled": (False,), "fp8_recipe": FakeRecipe("mxfp8")})
 
 
 def test_one_graph_per_microbatch_in_flight_is_refused_naming_pipeline_parallelism():
@@ -54,6 +74,7 @@ def test_partial_moe_scope_is_refused_and_whole_blocks_pass():
 class FakeSlotted:
     def __init__(self):
         self.calls = []
+        self.updates = []
         self.was_reset = False
         self.stats = types.SimpleNamespace(arena_bytes=8, staging_bytes=2, host_arena_bytes=(4, 0),
                                            offloaded_bytes={"layer": 4}, boundary_bytes=3)
@@ -61,8 +82,9 @@ class FakeSlotted:
     def callable(self, variant, slot):
         assert (variant, slot) == ("layer", 0)
 
-        def replay(*tensors):
+        def replay(*tensors, update_fp8_weights=True):
             self.calls.append(tensors)
+            self.updates.append(update_fp8_weights)
             return tensors[0] * 2
 
         return replay
@@ -82,6 +104,18 @@ def test_replay_maps_keyword_tensors_in_capture_order_and_ignores_what_is_no_inp
                                                       boundary_bytes=3)
     graph.reset()
     assert slotted.was_reset
+
+
+@pytest.mark.parametrize("caching, firsts, updates", [
+    (True, (True, False, False, None), [True, False, False, True]),  # Megatron: refresh on microbatch 0 only
+    (False, (True, False), [True, True]),  # no weight caching: every replay quantizes anew
+])
+def test_fp8_weights_are_refreshed_on_the_first_microbatch_only_when_cached(caching, firsts, updates):
+    slotted = FakeSlotted()
+    graph = SlotLayerGraph(slotted, "layer 1", 1, (), fp8_weight_caching=caching)
+    for first in firsts:
+        graph(torch.ones(1), is_first_microbatch=first)
+    assert slotted.updates == updates
 
 
 @pytest.mark.parametrize("call, problem", [
@@ -208,3 +242,28 @@ def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(monkeyp
     shared = calls[0]["param_grads"]
     assert shared is not None and all(call["param_grads"] is shared for call in calls)
     assert all(call["check_stale"] is False for call in calls)  # the helper's check covers the layers
+    assert all(call["fp8"] is None for call in calls)
+
+
+def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(monkeypatch):
+    """Megatron keeps its first and last layers in bf16 (one fp8_enabled per layer); every layer's
+    capture gets the run's recipe and amax group, and the layer as the modules whose FP8 state it
+    saves and whose workspaces it shares."""
+    calls = []
+    monkeypatch.setattr(slot_backend, "capture_slotted",
+                        lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    layers = []
+    for number in (1, 2, 3):
+        module = torch.nn.Linear(2, 2)
+        module.config = types.SimpleNamespace(cuda_graph_modules=[])
+        module.layer_number = number
+        layers.append(module)
+    recipe, group = FakeRecipe("delayed"), object()
+    SlotBackend(offload=False).make_graphed_callables(
+        tuple(layers), [(torch.ones(2),)] * 3, fp8_enabled=(False, True, False), fp8_recipe=recipe, fp8_group=group,
+        fp8_weight_caching=True)
+    assert [call["fp8"].enabled for call in calls] == [False, True, False]
+    assert all(call["fp8"].recipe is recipe and call["fp8"].group is group for call in calls)
+    assert [call["fp8"].modules for call in calls] == [(layer,) for layer in layers]

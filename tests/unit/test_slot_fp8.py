@@ -1,6 +1,9 @@
 """FP8 in slot-shared capture, the parts that need no GPU (capture/backend.py): which recipes it
-refuses and why, and TE's weight-update flag put back whatever happens. The capture itself:
-tests/functional/test_slot_memory.py (the probe's fp8 part)."""
+refuses and why; TE's FP8 state around a capture (the weight-update flag made before warmup and put
+back after a failure, delayed scaling's meta saved and restored, the modules forwards reach); and
+what a replay does around its graphs (the flag filled, the visited modules joined to the amax
+reduction, the backward update after the autocast's first FP8 graph). TE is faked. The capture
+itself: tests/functional/test_slot_memory.py (the probe's fp8 part)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from megatron_cg_plugin.capture import backend
 
@@ -25,43 +29,218 @@ class FakeRecipe:
         return self.kind == "current"
 
 
-@pytest.mark.parametrize("recipe, words", [
-    (None, "needs the recipe"),
-    (FakeRecipe("delayed"), "amax histories"),
-    (FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
-    (FakeRecipe("current", fp8_dpa=True), "--fp8-dot-product-attention"),
-    (FakeRecipe("current", fp8_mha=True), "--fp8-multi-head-attention"),
+MODULES = (object(),)
+REPLAY_RECIPE = FakeRecipe("delayed")  # the caller's autocast at replay
+
+
+@pytest.mark.parametrize("recipe, modules, words", [
+    (None, MODULES, "needs the recipe"),
+    (FakeRecipe("delayed"), (), "needs the TE modules"),
+    (FakeRecipe("mxfp8"), MODULES, "FakeRecipe is not verified"),
+    (FakeRecipe("current", fp8_dpa=True), MODULES, "fp8_dpa"),
+    (FakeRecipe("delayed", fp8_mha=True), MODULES, "fp8_multi_head_attention"),
 ])
-def test_recipes_other_than_plain_current_scaling_are_refused_with_the_reason(recipe, words):
-    refusal = backend.slot_fp8_refusal(recipe)
+def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, modules, words):
+    refusal = backend.slot_fp8_refusal(recipe, modules)
     assert refusal is not None and words in refusal
 
 
-def test_current_scaling_is_taken():
-    assert backend.slot_fp8_refusal(FakeRecipe("current")) is None
+@pytest.mark.parametrize("kind, modules", [("current", ()), ("current", MODULES), ("delayed", MODULES)])
+def test_current_and_delayed_scaling_are_taken(kind, modules):
+    assert backend.slot_fp8_refusal(FakeRecipe(kind), modules) is None
+
+
+class FakeTEModule(torch.nn.Module):
+    """A TE base module with its FP8 meta and a cached weight workspace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8_meta = {"recipe": None, "fp8_group": None}
+        self._fp8_workspaces = {"weight": types.SimpleNamespace(_data=torch.ones(4), _transpose=torch.ones(4),
+                                                                _scale_inv=torch.ones(1), _fp8_dtype="e4m3")}
+
+    def forward(self, x):
+        return x
+
+
+class FakeAttention(FakeTEModule):
+    pass
 
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """transformer_engine.pytorch.quantization with TE's global quantization state."""
-    state = types.SimpleNamespace(skip_fp8_weight_update_tensor="flag made by make_graphed_callables")
-    manager = types.SimpleNamespace(quantization_state=state)
-    module = types.ModuleType("transformer_engine.pytorch.quantization")
-    module.FP8GlobalStateManager = manager
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.quantization", module)
-    return manager
+    """The TE modules backend.py imports, with TE's global quantization state and a log of calls."""
+    log = []
+    state = types.SimpleNamespace(skip_fp8_weight_update_tensor=None, fp8_enabled=True, is_first_fp8_module=True)
+
+    class Manager:
+        quantization_state = state
+
+        @classmethod
+        def set_skip_fp8_weight_update_tensor(cls, skip):
+            if cls.quantization_state.skip_fp8_weight_update_tensor is None:
+                cls.quantization_state.skip_fp8_weight_update_tensor = torch.empty(1)
+            cls.quantization_state.skip_fp8_weight_update_tensor.fill_(skip)
+
+        @classmethod
+        def get_skip_fp8_weight_update_tensor(cls):
+            return cls.quantization_state.skip_fp8_weight_update_tensor
+
+        @classmethod
+        def is_fp8_enabled(cls):
+            return cls.quantization_state.fp8_enabled
+
+        @classmethod
+        def is_first_fp8_module(cls):
+            first, cls.quantization_state.is_first_fp8_module = cls.quantization_state.is_first_fp8_module, False
+            return first
+
+        get_fp8_recipe = classmethod(lambda cls: REPLAY_RECIPE)
+        get_fp8_group = classmethod(lambda cls: "replay group")
+        add_fp8_tensors_to_global_buffer = classmethod(lambda cls, meta: log.append(("join", id(meta))))
+        reduce_and_update_fp8_tensors = classmethod(lambda cls, forward=True: log.append(("update", forward)))
+
+    def save_fp8_tensors(modules, recipe):
+        log.append(("save", recipe.kind))
+        return ["saved meta"] if recipe.delayed() else None
+
+    def restore_fp8_tensors(modules, saved):
+        log.append(("restore", tuple(saved)))
+
+    tree = {
+        "transformer_engine": {}, "transformer_engine.pytorch": {},
+        "transformer_engine.pytorch.quantization": {"FP8GlobalStateManager": Manager},
+        "transformer_engine.pytorch.graph": {"save_fp8_tensors": save_fp8_tensors,
+                                             "restore_fp8_tensors": restore_fp8_tensors},
+        "transformer_engine.pytorch.module": {},
+        "transformer_engine.pytorch.module.base": {"TransformerEngineBaseModule": FakeTEModule},
+        "transformer_engine.pytorch.ops": {},
+        "transformer_engine.pytorch.ops.op": {"BasicOperation": type("BasicOperation", (torch.nn.Module,), {})},
+        "transformer_engine.pytorch.attention": {},
+        "transformer_engine.pytorch.attention.dot_product_attention": {"DotProductAttention": FakeAttention},
+    }
+    for name, attributes in tree.items():
+        module = types.ModuleType(name)
+        vars(module).update(attributes)
+        monkeypatch.setitem(sys.modules, name, module)
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    return types.SimpleNamespace(manager=Manager, state=state, log=log)
 
 
-def test_the_weight_update_flag_is_off_inside_and_back_after(fake_te):
-    with backend.fp8_weight_cache_off():
-        assert fake_te.quantization_state.skip_fp8_weight_update_tensor is None
-    assert fake_te.quantization_state.skip_fp8_weight_update_tensor == "flag made by make_graphed_callables"
+def layer():
+    return torch.nn.Sequential(FakeTEModule(), FakeAttention(), torch.nn.Identity())
 
 
-def test_the_weight_update_flag_is_back_after_an_error_and_after_a_reset_inside(fake_te):
-    with pytest.raises(RuntimeError), backend.fp8_weight_cache_off():
-        raise RuntimeError("capture failed")
-    assert fake_te.quantization_state.skip_fp8_weight_update_tensor == "flag made by make_graphed_callables"
-    with backend.fp8_weight_cache_off():
-        fake_te.quantization_state = types.SimpleNamespace(skip_fp8_weight_update_tensor=None)  # FP8GlobalStateManager.reset()
-    assert fake_te.quantization_state.skip_fp8_weight_update_tensor == "flag made by make_graphed_callables"
+def test_the_weight_update_flag_exists_from_before_warmup_and_says_update(fake_te):
+    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture.enter()
+    assert capture.flag is fake_te.state.skip_fp8_weight_update_tensor and capture.flag.item() == 0
+    capture.exit(failed=False)
+    assert fake_te.state.skip_fp8_weight_update_tensor is capture.flag  # the graphs read it by address
+
+
+@pytest.mark.parametrize("before", [None, "flag made by make_graphed_callables"])
+def test_a_failed_capture_puts_back_the_flag_that_was_there(fake_te, before):
+    fake_te.state.skip_fp8_weight_update_tensor = None if before is None else torch.ones(1)
+    kept = fake_te.state.skip_fp8_weight_update_tensor
+    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture.enter()
+    capture.exit(failed=True)
+    assert fake_te.state.skip_fp8_weight_update_tensor is kept
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_delayed_scalings_meta_is_saved_before_warmup_and_restored_after_capture_whatever_happens(fake_te, failed):
+    capture = backend.Fp8Capture(FakeRecipe("delayed"), (layer(),))
+    capture.enter()
+    assert fake_te.log == [("save", "delayed")]
+    capture.exit(failed)
+    assert fake_te.log[-1] == ("restore", ("saved meta",))
+
+
+def test_current_scaling_has_no_meta_to_restore(fake_te):
+    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture.enter()
+    capture.exit(False)
+    assert [entry for entry in fake_te.log if entry[0] == "restore"] == []
+
+
+def test_the_modules_a_forward_reaches_are_recorded_and_the_hooks_removed(fake_te):
+    model = layer()
+    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
+    capture.enter()
+    model[0](torch.ones(1))  # the attention module is never called
+    capture.exit(False)
+    model[1](torch.ones(1))  # after capture: not recorded
+    assert list(capture.visited.values()) == [model[0]]
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_a_layer_kept_in_bf16_replays_without_fp8(fake_te):
+    capture = backend.Fp8Capture(FakeRecipe("delayed"), (layer(),))
+    capture.enter()
+    capture.exit(False)
+    assert capture.replay(enabled=False) is None
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_a_replay_fills_the_flag_with_skip_unless_it_updates_the_weights(fake_te, update):
+    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture.enter()
+    capture.exit(False)
+    capture.replay(True).before_forward(update)
+    assert capture.flag.item() == (not update)
+
+
+def test_delayed_replays_join_the_visited_modules_with_the_replay_time_recipe_and_group(fake_te):
+    model = layer()
+    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
+    capture.enter()
+    model[0](torch.ones(1))
+    model[1](torch.ones(1))
+    capture.exit(False)
+    fake_te.log.clear()
+    replay = capture.replay(True)
+    first = replay.before_forward(True)
+    second = replay.before_forward(True)  # the next layer in the same autocast
+    # Non-FP8 attention (the recipe has no fp8_dpa) stays out of the reduction, as in TE's new_fwd.
+    assert fake_te.log == [("join", id(model[0].fp8_meta))] * 2
+    assert model[0].fp8_meta["recipe"] is REPLAY_RECIPE and model[0].fp8_meta["fp8_group"] == "replay group"
+    assert (first, second) == (True, False)
+    replay.after_backward(second)
+    assert fake_te.log[-1][0] == "join"
+    replay.after_backward(first)
+    assert fake_te.log[-1] == ("update", False)  # the backward amaxes, once per autocast
+
+
+def test_current_scaling_replays_join_nothing_and_update_nothing(fake_te):
+    model = layer()
+    capture = backend.Fp8Capture(FakeRecipe("current"), (model,))
+    capture.enter()
+    model[0](torch.ones(1))
+    capture.exit(False)
+    fake_te.log.clear()
+    replay = capture.replay(True)
+    replay.after_backward(replay.before_forward(True))
+    assert fake_te.log == []
+
+
+def test_outside_an_fp8_autocast_a_replay_joins_nothing(fake_te):
+    model = layer()
+    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
+    capture.enter()
+    model[0](torch.ones(1))
+    capture.exit(False)
+    fake_te.log.clear()
+    fake_te.state.fp8_enabled = False
+    replay = capture.replay(True)
+    assert replay.before_forward(True) is False and fake_te.log == []
+
+
+def test_the_workspaces_tensors_are_what_frames_share(fake_te):
+    model = layer()
+    found = backend.fp8_workspace_storages((model,))
+    workspace = model[0]._fp8_workspaces["weight"]
+    assert {id(t) for t in found} >= {id(workspace._data), id(workspace._transpose), id(workspace._scale_inv)}

@@ -73,8 +73,9 @@ def run_eager(stack, params, x, grad):
     return [out.detach().clone()] + [g.clone() for g in grads]
 
 
-def run_order(stack, params, graphs, order, plan, seq_of):
-    """Runs the order through the graphs; returns per-frame [out, dx, dparams...] and the reference."""
+def run_order(stack, params, graphs, order, plan, seq_of, between=None):
+    """Runs the order through the graphs; returns per-frame [out, dx, dparams...] and the reference.
+    ``between()`` runs after the eager reference, before the graphs (FP8 state put back)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     inputs, grads_in = [], []
     for frame in plan.frames:
@@ -82,6 +83,8 @@ def run_order(stack, params, graphs, order, plan, seq_of):
         inputs.append(torch.randn(seq, B, H, device="cuda", dtype=torch.bfloat16, generator=gen))
         grads_in.append(torch.randn(seq, B, H, device="cuda", dtype=torch.bfloat16, generator=gen))
     reference = [run_eager(stack, params, x, g) for x, g in zip(inputs, grads_in)]
+    if between is not None:
+        between()
 
     live, results = {}, [None] * len(plan.frames)
     by_forward = sorted(plan.frames, key=lambda f: f.forward_at)
@@ -432,40 +435,127 @@ class _UnderAutocast:
         return run
 
 
+def fp8_state(layers):
+    """Every FP8 meta tensor (delayed scaling: scales, amax histories), cloned."""
+    states = [m.fp8_meta[key] for m in layers.modules() if getattr(m, "fp8_meta", None)
+              for key in ("scaling_fwd", "scaling_bwd") if key in m.fp8_meta]
+    return [getattr(state, name).clone() for state in states for name in ("scale", "amax_history")
+            if isinstance(getattr(state, name, None), torch.Tensor)]  # current scaling keeps neither
+
+
 def fp8(result):
-    """FP8 current scaling (hybrid) in slot-shared capture: 2 and 4 variants whose replays wrap the
-    ring, bitwise against eager FP8 (the reference runs each frame under TE's own autocast); the
-    same graphs in one shared pool without arenas must differ (the protection is what makes it exact)."""
+    """FP8 (hybrid) in slot-shared capture, delayed and current scaling: 2 and 4 variants whose
+    replays wrap the ring, bitwise against eager FP8 (the reference runs each frame under TE's own
+    autocast, and the FP8 state is put back before the graphs run; under delayed scaling the state
+    after both runs must be equal too). The same graphs in one shared pool without arenas must
+    differ (the protection is what makes it exact). Then TE's weight caching: replays that keep
+    the cached FP8 weights after the parameters changed must match eager with is_first_microbatch."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Float8CurrentScaling, Format
+    import transformer_engine.pytorch.graph as te_graph
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     from megatron_cg_plugin.capture.slotted import SlotFp8, capture_slotted
     from megatron_cg_plugin.plan.slots import plan_slots
 
-    recipe = Float8CurrentScaling(fp8_format=Format.HYBRID)
-    layers, stack = build()
-    params = list(layers.parameters())
-
-    def reference(x):
-        with te.autocast(enabled=True, recipe=recipe):
-            return stack(x)
-
     seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
-    for n in (2, 4):
-        variants = variants_for(n, stack)
-        label, order, chosen = orders(n)[0]  # wrap-ring2
-        plan = plan_slots(order, chosen)
-        used = [v for v in variants if v.name in set(chosen)]
-        for mode in ("slots", "shared-pool"):
-            def describe(graphs):
-                exact, worst = run_order(reference, params, _UnderAutocast(graphs, recipe), order, plan, seq_of)
-                return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact), "max_abs_diff": worst,
-                        "saved_bytes": graphs.stats.saved_bytes, "ctx_tensors": graphs.stats.ctx_tensors,
-                        "uncovered_bytes": graphs.stats.uncovered_bytes}
+    for name, recipe in (("current", Float8CurrentScaling(fp8_format=Format.HYBRID)),
+                         ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4))):
+        layers, stack = build()
+        params = list(layers.parameters())
 
-            record_case(result, f"fp8/n{n}/{label}/{mode}",
-                        lambda: capture_slotted(used, plan, params, protect=mode == "slots", strict=mode == "slots",
-                                                fp8=SlotFp8(recipe)), describe)
+        def reference(x, recipe=recipe, stack=stack):
+            with te.autocast(enabled=True, recipe=recipe):
+                return stack(x)
+
+        with te.autocast(enabled=True, recipe=recipe):  # FP8 meta made before any capture, as in training
+            stack(torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)).sum().backward()
+        for p in params:
+            p.grad = None
+        for n in (2, 4):
+            variants = variants_for(n, stack)
+            label, order, chosen = orders(n)[0]  # wrap-ring2
+            plan = plan_slots(order, chosen)
+            used = [v for v in variants if v.name in set(chosen)]
+            for mode in ("slots", "shared-pool"):
+                def describe(graphs, layers=layers, reference=reference, recipe=recipe, params=params):
+                    start = te_graph.save_fp8_tensors([layers], recipe)
+                    after_eager = {}
+
+                    def between():
+                        after_eager["state"] = fp8_state(layers)
+                        if start is not None:
+                            te_graph.restore_fp8_tensors([layers], list(start))
+
+                    exact, worst = run_order(reference, params, _UnderAutocast(graphs, recipe), order, plan, seq_of,
+                                             between)
+                    state_equal = all(torch.equal(a, b) for a, b in zip(after_eager["state"], fp8_state(layers)))
+                    return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact),
+                            "max_abs_diff": worst, "fp8_state_equal": state_equal,
+                            "fp8_state_tensors": len(after_eager["state"]),
+                            "saved_bytes": graphs.stats.saved_bytes, "ctx_tensors": graphs.stats.ctx_tensors,
+                            "uncovered_bytes": graphs.stats.uncovered_bytes}
+
+                record_case(result, f"fp8/{name}/n{n}/{label}/{mode}",
+                            lambda used=used, plan=plan, params=params, mode=mode, recipe=recipe, layers=layers:
+                            capture_slotted(used, plan, params, protect=mode == "slots", strict=mode == "slots",
+                                            fp8=SlotFp8(recipe, modules=(layers,))), describe)
+        fp8_weight_cache(result, name, recipe, layers, params)
+
+
+def fp8_weight_cache(result, name, recipe, layers, params):
+    """Frames 0..3 through one slot: the parameters change before each frame; eager passes
+    is_first_microbatch True only on frames 0 and 2, the replays update_fp8_weights then only. The
+    frames in between read the stale cached weight in both. The same frames with every replay
+    refreshing must differ from eager (the flag is what keeps them equal)."""
+    import transformer_engine.pytorch as te
+    import transformer_engine.pytorch.graph as te_graph
+
+    from megatron_cg_plugin.capture.slotted import SlotFp8, Variant, capture_slotted
+    from megatron_cg_plugin.plan.slots import exclusive_plan
+
+    def stack(x, first=None):
+        for layer in layers:
+            x = layer(x, is_first_microbatch=first)
+        return x
+
+    sample = torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    firsts = (True, False, True, False)
+
+    def frames(run):
+        torch.manual_seed(5)
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        before = [p.detach().clone() for p in params]
+        meta = te_graph.save_fp8_tensors([layers], recipe)
+        got = []
+        for frame, first in enumerate(firsts):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn_like(p), alpha=1e-2)
+            x = torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+            grad = torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+            with te.autocast(enabled=True, recipe=recipe):
+                out = run(x, first)
+            got.append([out.detach().clone()] + [g.clone() for g in torch.autograd.grad(out, [x] + params, grad)])
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        if meta is not None:
+            te_graph.restore_fp8_tensors([layers], list(meta))
+        return got
+
+    def describe(graphs):
+        replay = graphs.callable("cached", 0)
+        eager = frames(lambda x, first: stack(x, first))
+        cached = frames(lambda x, first: replay(x, update_fp8_weights=first))
+        fresh = frames(lambda x, first: replay(x))
+        same = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(cached, eager)]
+        fresh_same = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(fresh, eager)]
+        return {"exact": all(same), "exact_frames": sum(same), "frames": len(same),
+                "always_refreshed_exact_frames": sum(fresh_same)}
+
+    record_case(result, f"fp8/{name}/weight-cache",
+                lambda: capture_slotted([Variant("cached", stack, (sample,))], exclusive_plan(["cached"]), params,
+                                        fp8=SlotFp8(recipe, modules=(layers,))), describe)
 
 
 def main():
