@@ -110,17 +110,18 @@ def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
 
 def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
     """Why slot-shared capture cannot take this FP8 recipe, or None. Current (tensorwise) and
-    delayed scaling are taken; delayed scaling needs the modules, whose amax histories and scales
-    are saved around the capture and joined to TE's reduction at replay."""
+    delayed scaling are taken, FP8 attention with delayed scaling only (its S-scale snapshot is
+    protected by ``per_call_quantizers``); delayed scaling needs the modules, whose amax histories
+    and scales are saved around the capture and joined to TE's reduction at replay."""
     if recipe is None:
         return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe)."
     if not (recipe.delayed() or recipe.float8_current_scaling()):
         return (f"slot-shared capture takes FP8 with delayed or current scaling (--fp8-recipe delayed|tensorwise); "
                 f"{type(recipe).__name__} is not verified in slot-shared graphs.")
-    if recipe.fp8_dpa or recipe.fp8_mha:
-        return ("slot-shared capture takes no FP8 attention yet (recipe fp8_dpa / fp8_mha; Megatron's "
-                "TransformerConfig fp8_dot_product_attention / fp8_multi_head_attention): its S-scale snapshot lives "
-                "on ctx in a quantizer copy the arenas do not protect; turn FP8 attention off.")
+    if (recipe.fp8_dpa or recipe.fp8_mha) and not recipe.delayed():
+        return ("slot-shared capture takes FP8 attention (recipe fp8_dpa / fp8_mha) with delayed scaling only: "
+                "under current scaling TE gives attention's S and dP quantizers a delayed-scaling sub-recipe that "
+                "slot-shared replays do not reduce yet; use DelayedScaling or turn FP8 attention off.")
     if recipe.delayed() and not modules:
         return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
                 "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")
@@ -157,8 +158,10 @@ class Fp8Capture:
         self.flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
         self._meta = te_graph.save_fp8_tensors(self.modules, recipe=self.recipe)  # None unless delayed
         for module in _te_modules(self.modules):
-            self._hooks.append(module.register_forward_hook(
-                lambda m, _inputs, _outputs: self.visited.setdefault(id(m), m)))
+            self._hooks.append(module.register_forward_hook(self._visit))
+
+    def _visit(self, module: Any, _inputs: Any, _outputs: Any) -> None:
+        self.visited[id(module)] = module  # returns None: a forward hook's return value replaces the output
 
     def exit(self, failed: bool) -> None:
         import transformer_engine.pytorch.graph as te_graph
@@ -234,6 +237,29 @@ def _join_amax_reduction(modules: Sequence[Any], manager: Any) -> None:
         for meta in metas:
             meta["fp8_group"], meta["recipe"] = group, recipe
             manager.add_fp8_tensors_to_global_buffer(meta)
+
+
+def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ...]]:
+    """For the arenas' ctx protection (``memory.saved_tensors._Packer.entering``): TE's per-call
+    quantizer copies keep a scale snapshot the backward reads. FusedAttnFunc copies S with its
+    scale cloned inside the graph (backends.py 1856-1858), a pool block another variant's replay
+    may overwrite. The CP functions keep QKV/O/S copies whose scale is cloned only under delayed
+    scaling (context_parallel.py 2414-2421, 3983-3990, 5038-5045). Each copy's ``scale`` goes to
+    the frame's arena, a snapshot taken at forward time as FusedAttnFunc means it. The quantizers
+    the modules own are shared state and are not entered."""
+    import torch
+    from transformer_engine.pytorch.quantized_tensor import Quantizer
+
+    owned = {id(q) for module in _te_modules(modules) for group in getattr(module, "quantizers", {}).values()
+             for q in group}
+
+    def attributes(value: Any) -> tuple[str, ...]:
+        if isinstance(value, Quantizer) and id(value) not in owned and isinstance(getattr(value, "scale", None),
+                                                                                    torch.Tensor):
+            return ("scale",)  # not amax: the copy shares the module's amax, which the graphs write
+        return ()
+
+    return attributes
 
 
 def fp8_workspace_storages(modules: Sequence[Any]) -> list[Any]:

@@ -143,10 +143,15 @@ def check_offload_copies(copies: str) -> None:
 
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
     """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
-    if any(_fp8_enabled(kwargs, len(callables))) and (
-            refusal := slot_fp8_refusal(kwargs.get("fp8_recipe"), tuple(callables))):
-        raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "
-                               "FP8 recipe).")
+    recipe = kwargs.get("fp8_recipe")
+    if any(_fp8_enabled(kwargs, len(callables))):
+        refusal = slot_fp8_refusal(recipe, tuple(callables))
+        if refusal is None and (recipe.fp8_dpa or recipe.fp8_mha):  # rule slot-capture-fp8
+            refusal = ("FP8 attention (TransformerConfig fp8_dot_product_attention / fp8_multi_head_attention) is "
+                       "verified in slot-shared graphs on TE layers only, not through Megatron's layers yet; turn it off.")
+        if refusal:
+            raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "
+                                   "FP8 recipe).")
     # One graph per layer, so the layers' backward replays never overlap: they share parameter-gradient
     # buffers (memory.param_grads), which this refusal keeps safe.
     if len(sample_args) != len(callables):

@@ -98,6 +98,9 @@ class SlotFp8:
     group: Any = None
     enabled: bool = True
     modules: tuple[Any, ...] = ()
+    # False only to show what it protects: TE's per-call quantizer copies (FP8 attention's S-scale
+    # snapshot) stay in the pool, where another variant's replay can overwrite them.
+    snapshot_attention_scales: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +167,16 @@ class _Measure:
 
 
 def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int,
-            group: Callable[[], str | None] | None = None, shared: Callable[[], frozenset] = frozenset) -> _Measure:
+            group: Callable[[], str | None] | None = None, sharing: Callable[[], "_Sharing"] = lambda: _Sharing()
+            ) -> _Measure:
     """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame;
     with ``group``, every save is recorded with its offload group (the last iteration's record).
-    ``shared`` storages are not counted: they exist from the first iteration on (FP8 weight
-    workspaces), so the frame is the last iteration's."""
+    Shared storages (``sharing``) are not counted; FP8 weight workspaces exist only after the first
+    iteration, so the frame is the last iteration's."""
     measure = None
     for _ in range(iterations):
         inputs = [a.detach().clone().requires_grad_(a.requires_grad) for a in variant.sample_args]
-        sizer = ArenaSizer(device=inputs[0].device if inputs else None, group=group).sharing(shared())
+        sizer = sharing().apply(ArenaSizer(device=inputs[0].device if inputs else None, group=group))
         with sizer.hooks():
             outputs = _as_tuple(variant.fn(*inputs), variant.name)
         ctx_count = sizer.protect_ctx_tensors(outputs)
@@ -397,8 +401,8 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     if offload is not None and not protect:
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
-    shared = (lambda: storage_keys(te_seam.fp8_workspace_storages(fp8.modules))) if fp8 is not None else frozenset
-    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, shared)
+    sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
+    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing)
     with te_seam.te_capture_flag(), _fp8_capturing(fp8_capture):
         entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
@@ -432,8 +436,25 @@ class _CaptureOptions:
     contract_check: str
     offload: SlotOffload | None = None
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
-    # The storages every frame shares (FP8 weight workspaces), read when a frame's hooks are made.
-    shared: Callable[[], frozenset] = frozenset
+    # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
+    sharing: Callable[[], "_Sharing"] = lambda: _Sharing()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharing:
+    """For a frame's hooks: storages every frame shares (FP8 weight workspaces), kept as they are,
+    and the per-call objects on ctx whose tensors are protected (TE's quantizer copies)."""
+
+    storages: frozenset = frozenset()
+    call_objects: Callable[[Any], tuple[str, ...]] = lambda _: ()
+
+    def apply(self, packer: Any) -> Any:
+        return packer.sharing(self.storages).entering(self.call_objects)
+
+
+def _fp8_sharing(fp8: "SlotFp8") -> _Sharing:
+    call_objects = te_seam.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else (lambda _: ())
+    return _Sharing(storage_keys(te_seam.fp8_workspace_storages(fp8.modules)), call_objects)
 
 
 @dataclasses.dataclass
@@ -494,7 +515,7 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     stream.wait_stream(torch.cuda.current_stream())
     group = options.offload.group if options.offload is not None else None
     with torch.cuda.stream(stream):  # warmup and capture on one stream: library workspaces exist before capture
-        measures = {v.name: _warmup(v, params, options.warmup_iterations, group, options.shared) for v in variants}
+        measures = {v.name: _warmup(v, params, options.warmup_iterations, group, options.sharing) for v in variants}
     torch.cuda.current_stream().wait_stream(stream)
     branch_of = io_branches(variants, measures, slots_of)
 
@@ -513,10 +534,10 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
                for v, slot in placed}
     retained = 0
     torch.cuda.synchronize()
-    shared = options.shared()
+    sharing = options.sharing()
     with CaptureTransaction([]) as transaction:
         for key, entry in entries.items():
-            hooks = offloading.hooks(key, arenas[key[1]]).sharing(shared) if options.protect else None
+            hooks = sharing.apply(offloading.hooks(key, arenas[key[1]])) if options.protect else None
             retained += _capture_entry(entry, hooks, pool, stream, transaction, options.strict)
             entry.staged = offloading.staged.get(key)
     return entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading

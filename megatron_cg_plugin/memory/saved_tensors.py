@@ -12,8 +12,9 @@ warmup, how many bytes a frame needs, which sizes the arenas of the slot plan.
 Saved-tensor hooks only see ``save_for_backward``. Custom autograd Functions may also keep tensors as
 ``ctx`` attributes (directly, in lists/tuples/dicts, or in per-call dataclasses such as TE's
 ``FusedAttnBwdArgs``); ``protect_ctx_tensors`` packs those too, after the forward, and rebinds the
-attributes to the arena copies. Objects shared beyond one call (modules, quantizers) are not
-entered: rebinding their tensors would change the model, not one frame.
+attributes to the arena copies. Objects shared beyond one call (modules, the quantizers they own)
+are not entered: rebinding their tensors would change the model, not one frame. Per-call objects
+that are no container (TE's quantizer copies) are entered where ``entering`` names them.
 """
 
 from __future__ import annotations
@@ -100,11 +101,19 @@ class _Packer:
         self._storages: dict[tuple[Any, int], tuple[int, StorageWeakRef]] = {}
         self.device = device  # tensors elsewhere (host scalars) are kept as they are
         self._shared: frozenset = frozenset()
+        self._call_objects: Callable[[Any], tuple[str, ...]] = _no_attributes
 
     def sharing(self, storages: frozenset) -> "_Packer":
         """Saves on these storages (``storage_keys``) are kept as they are: every frame shares them
         and nothing a frame does rewrites them before its backward (FP8 weight workspaces)."""
         self._shared = storages
+        return self
+
+    def entering(self, call_objects: Callable[[Any], tuple[str, ...]]) -> "_Packer":
+        """Objects on ``ctx`` that belong to one call although they are no container: for each,
+        ``call_objects(obj)`` names the tensor attributes to protect (TE's per-call quantizer copies,
+        whose scale snapshot the backward reads), or ``()`` for objects shared beyond the call."""
+        self._call_objects = call_objects
         return self
 
     def _place(self, tensor: torch.Tensor) -> int:
@@ -126,7 +135,7 @@ class _Packer:
 
         for node in _custom_function_nodes(outputs):
             for name, value in list(vars(node).items()):
-                new = _map_tensors(value, replace)
+                new = _map_tensors(value, replace, self._call_objects)
                 if new is not value:
                     setattr(node, name, new)
         return found
@@ -145,7 +154,11 @@ class _Packer:
         if self.kept_as_is(tensor):
             return tensor
         if hasattr(tensor, "prepare_for_saving"):
-            parts, rebuild = tensor.prepare_for_saving()
+            # TE's prepare_for_saving empties the object it is called on; the caller may go on using
+            # the tensor (a module's cached FP8 weight workspace), so an alias sharing its parts is
+            # emptied instead, and rebuilt from the packed parts at unpack.
+            alias = tensor.detach()
+            parts, rebuild = alias.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
         key = _storage_key(tensor)
         known = self._storages.get(key)
@@ -229,6 +242,8 @@ class ArenaHooks(_Packer):
         return offset
 
     def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() == self.arena.buffer.untyped_storage().data_ptr():
+            return tensor  # an object reached twice on ctx: rebound the first time
         return self.unpack(self.pack(tensor))
 
     def unpack(self, packed: Any) -> Any:
@@ -236,8 +251,11 @@ class ArenaHooks(_Packer):
             return packed
         if isinstance(packed, _Decomposed):
             parts = [None if p is None else self.unpack(p) for p in packed.parts]
-            return packed.rebuild.restore_from_saved(parts) if hasattr(packed.rebuild, "restore_from_saved") \
-                else packed.rebuild(parts)
+            if not hasattr(packed.rebuild, "restore_from_saved"):
+                return packed.rebuild(parts)
+            rebuilt = packed.rebuild.restore_from_saved(parts)
+            # TE's storages fill themselves and return the parts left over: the tensor is the object.
+            return packed.rebuild if isinstance(packed.rebuild, torch.Tensor) else rebuilt
         element = torch.empty(0, dtype=packed.dtype).element_size()
         return saved_view(self.arena.buffer, packed.offset // element, packed)
 
@@ -273,28 +291,38 @@ def _is_frame_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
+def _no_attributes(_: Any) -> tuple[str, ...]:
+    return ()
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                 call_objects: Callable[[Any], tuple[str, ...]] = _no_attributes, depth: int = 0) -> Any:
     """``value`` with every frame tensor in it replaced by ``fn(tensor)``; containers are rebuilt
-    (tuples) or updated in place (lists, dicts, per-call dataclasses). Returns ``value`` itself when
-    it holds no tensor."""
+    (tuples) or updated in place (lists, dicts, per-call dataclasses, and the per-call objects
+    ``call_objects`` names attributes of). Returns ``value`` itself when it holds no tensor."""
     if _is_frame_tensor(value):
         return fn(value)
     if depth > 4:
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        items = tuple(_map_tensors(item, fn, depth + 1) for item in value)
+        items = tuple(_map_tensors(item, fn, call_objects, depth + 1) for item in value)
         return items if any(a is not b for a, b in zip(items, value)) else value
     if isinstance(value, list):
         for index, item in enumerate(value):
-            value[index] = _map_tensors(item, fn, depth + 1)
-    elif isinstance(value, dict):
+            value[index] = _map_tensors(item, fn, call_objects, depth + 1)
+        return value
+    if isinstance(value, dict):
         for key, item in value.items():
-            value[key] = _map_tensors(item, fn, depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            item = getattr(value, field.name)
-            new = _map_tensors(item, fn, depth + 1)
-            if new is not item:
-                setattr(value, field.name, new)
+            value[key] = _map_tensors(item, fn, call_objects, depth + 1)
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names: Sequence[str] = [field.name for field in dataclasses.fields(value)]
+    else:
+        names = call_objects(value)
+    for name in names:
+        item = getattr(value, name)
+        new = _map_tensors(item, fn, call_objects, depth + 1)
+        if new is not item:
+            setattr(value, name, new)
     return value
 

@@ -124,3 +124,17 @@ def test_fp8_replays_keep_the_cached_weights_between_first_microbatches_as_eager
     assert "error" not in case, case.get("error")
     assert case["exact"], case
     assert case["always_refreshed_exact_frames"] < case["frames"], case
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_protected(probe: dict, n: int) -> None:
+    """Issue 15: FP8 attention (SBHD, delayed scaling). FusedAttnFunc keeps a clone of the S scale on
+    a per-call quantizer copy on ctx, in the pool; the arenas take it (capture.backend.per_call_quantizers).
+    Left in the pool, another variant's replay overwrites it before this frame's backward."""
+    case = probe[f"fp8/delayed-dpa/n{n}/wrap-ring2/slots"]
+    assert "error" not in case, case.get("error")
+    assert case["exact"] and case["fp8_state_equal"] and case["uncovered_bytes"] == 0, case
+    assert all(count > 0 for count in case["ctx_tensors"].values()), case  # the snapshots were found
+    unprotected = probe[f"fp8/delayed-dpa/n{n}/wrap-ring2/no-scale-snapshot"]
+    assert "error" not in unprotected, unprotected.get("error")
+    assert not unprotected["exact"], unprotected

@@ -175,6 +175,9 @@ class Decomposed:
     def __init__(self, data, scale):
         self.data, self.scale = data, scale
 
+    def detach(self):
+        return Decomposed(self.data, self.scale)
+
     def prepare_for_saving(self):
         return [self.data, self.scale], self
 

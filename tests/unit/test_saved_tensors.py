@@ -94,31 +94,44 @@ def test_parameters_are_not_copied():
 
 
 class Decomposable(torch.Tensor):
-    """Stands in for TE's quantized wrappers: saves as (data, scale) and is rebuilt from them."""
+    """Stands in for TE's quantized tensors (Float8Tensor): ``prepare_for_saving`` empties the object
+    it is called on and returns its parts and itself; ``restore_from_saved`` fills it again and
+    returns the parts left over; ``detach`` makes an alias sharing the parts."""
 
     @staticmethod
     def __new__(cls, data, scale):
         obj = torch.Tensor._make_subclass(cls, data)
-        obj.scale = scale
+        obj.data_part, obj.scale = data, scale
         return obj
 
+    def detach(self):
+        return Decomposable(self.data_part, self.scale)
+
     def prepare_for_saving(self):
-        return [self.as_subclass(torch.Tensor), self.scale], Rebuilder()
+        parts = [self.data_part, self.scale]
+        self.data_part = self.scale = None
+        return parts, self
 
-
-class Rebuilder:
     def restore_from_saved(self, parts):
-        data, scale = parts
-        return data * scale
+        self.data_part, self.scale = parts[:2]
+        return parts[2:]
+
+    def value(self):
+        return self.data_part * self.scale
 
 
-def test_decomposing_wrappers_are_saved_by_parts_and_rebuilt():
+def test_decomposing_wrappers_are_saved_by_parts_and_rebuilt_leaving_the_original_whole():
     data, scale = torch.arange(4.0), torch.tensor(3.0)
+    original = Decomposable(data, scale)
     hooks = ArenaHooks(Arena(4 * ALIGNMENT, "cpu"))
-    packed = hooks.pack(Decomposable(data, scale))
+    packed = hooks.pack(original)
+    # A module's cached FP8 workspace is saved whole and used again after the save.
+    assert original.data_part is data and original.scale is scale
     data.fill_(0)
     scale.fill_(0)
-    assert torch.equal(hooks.unpack(packed), torch.arange(4.0) * 3)
+    rebuilt = hooks.unpack(packed)
+    assert isinstance(rebuilt, Decomposable) and rebuilt is not original
+    assert torch.equal(rebuilt.value(), torch.arange(4.0) * 3)
 
 
 def test_shared_storages_are_saved_as_they_are_and_not_counted_also_as_parts():
@@ -134,7 +147,7 @@ def test_shared_storages_are_saved_as_they_are_and_not_counted_also_as_parts():
     packed, kept = hooks.pack(Decomposable(workspace, scale)), hooks.pack(activation)
     workspace.fill_(2)  # a first microbatch's refresh: the backward reads the workspace itself
     activation.fill_(0)
-    assert torch.equal(hooks.unpack(packed), torch.full((4,), 6.0)) and torch.equal(hooks.unpack(kept), torch.ones(8))
+    assert torch.equal(hooks.unpack(packed).value(), torch.full((4,), 6.0)) and torch.equal(hooks.unpack(kept), torch.ones(8))
     assert hooks.arena.used == ALIGNMENT
 
 
@@ -264,6 +277,45 @@ def test_ctx_attributes_are_copied_and_rebound_but_shared_objects_are_not():
     assert torch.equal(protected, clean)
     assert found == 4
     assert torch.equal(shared.tensor, torch.zeros(2))
+
+
+class QuantizerCopy:
+    """Stands for TE's per-call quantizer copy on ctx (FusedAttnFunc's S quantizer): its scale is a
+    snapshot the backward reads; its amax is the module's, which the forward writes."""
+
+    def __init__(self, scale, amax):
+        self.scale, self.amax = scale, amax
+
+
+class KeepQuantizerOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, quantizer):
+        ctx.args = PerCallArgs(kept=quantizer)  # in the per-call args, as in FusedAttnBwdArgs
+        ctx.quantizer = quantizer  # and directly on ctx, as the CP functions keep theirs
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.quantizer.scale.sum() * ctx.args.kept.scale.sum(), None
+
+
+@pytest.mark.parametrize("entered", [True, False])
+def test_per_call_objects_named_by_entering_have_those_tensors_protected_and_no_others(entered):
+    x = torch.ones(3, requires_grad=True)
+    scale, amax = torch.full((1,), 2.0), torch.zeros(1)
+    quantizer = QuantizerCopy(scale, amax)
+    hooks = ArenaHooks(Arena(4 * ALIGNMENT, "cpu"))
+    if entered:
+        hooks.entering(lambda value: ("scale",) if isinstance(value, QuantizerCopy) else ())
+    with hooks.hooks():
+        y = KeepQuantizerOnCtx.apply(x, quantizer)
+    found = hooks.protect_ctx_tensors([y])
+    scale.data.fill_(-1.0)  # another variant's replay reuses the block of the in-graph scale clone
+    y.sum().backward()
+    assert found == (2 if entered else 0)  # one object reached twice: copied once, then left as it is
+    assert hooks.arena.used == (ALIGNMENT if entered else 0)
+    assert torch.equal(x.grad, torch.full((3,), 4.0 if entered else 1.0))
+    assert quantizer.amax is amax  # the module's amax stays the module's
 
 
 def test_sizer_counts_ctx_tensors_not_already_saved():

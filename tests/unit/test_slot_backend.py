@@ -41,7 +41,8 @@ class FakeRecipe:
 
 @pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2)])
 @pytest.mark.parametrize("recipe, words", [(FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
-                                           (FakeRecipe("current", fp8_dpa=True), "fp8_dot_product_attention"),
+                                           (FakeRecipe("current", fp8_dpa=True), "delayed scaling only"),
+                                           (FakeRecipe("delayed", fp8_dpa=True), "fp8_dot_product_attention"),
                                            (None, "needs the recipe")])
 def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enabled, layers, recipe, words):
     callables = [layer() for _ in range(layers)]

@@ -37,17 +37,19 @@ REPLAY_RECIPE = FakeRecipe("delayed")  # the caller's autocast at replay
     (None, MODULES, "needs the recipe"),
     (FakeRecipe("delayed"), (), "needs the TE modules"),
     (FakeRecipe("mxfp8"), MODULES, "FakeRecipe is not verified"),
-    (FakeRecipe("current", fp8_dpa=True), MODULES, "fp8_dpa"),
-    (FakeRecipe("delayed", fp8_mha=True), MODULES, "fp8_multi_head_attention"),
+    (FakeRecipe("current", fp8_dpa=True), MODULES, "with delayed scaling only"),
+    (FakeRecipe("current", fp8_mha=True), MODULES, "with delayed scaling only"),
 ])
 def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, modules, words):
     refusal = backend.slot_fp8_refusal(recipe, modules)
     assert refusal is not None and words in refusal
 
 
-@pytest.mark.parametrize("kind, modules", [("current", ()), ("current", MODULES), ("delayed", MODULES)])
-def test_current_and_delayed_scaling_are_taken(kind, modules):
-    assert backend.slot_fp8_refusal(FakeRecipe(kind), modules) is None
+@pytest.mark.parametrize("recipe, modules", [(FakeRecipe("current"), ()), (FakeRecipe("current"), MODULES),
+                                             (FakeRecipe("delayed"), MODULES),
+                                             (FakeRecipe("delayed", fp8_dpa=True), MODULES)])
+def test_current_and_delayed_scaling_are_taken_and_fp8_attention_with_delayed(recipe, modules):
+    assert backend.slot_fp8_refusal(recipe, modules) is None
 
 
 class FakeTEModule(torch.nn.Module):
@@ -65,6 +67,11 @@ class FakeTEModule(torch.nn.Module):
 
 class FakeAttention(FakeTEModule):
     pass
+
+
+class FakeQuantizer:
+    def __init__(self):
+        self.scale, self.amax = torch.ones(1), torch.zeros(1)
 
 
 @pytest.fixture
@@ -118,6 +125,7 @@ def fake_te(monkeypatch):
         "transformer_engine.pytorch.ops.op": {"BasicOperation": type("BasicOperation", (torch.nn.Module,), {})},
         "transformer_engine.pytorch.attention": {},
         "transformer_engine.pytorch.attention.dot_product_attention": {"DotProductAttention": FakeAttention},
+        "transformer_engine.pytorch.quantized_tensor": {"Quantizer": FakeQuantizer},
     }
     for name, attributes in tree.items():
         module = types.ModuleType(name)
@@ -171,8 +179,9 @@ def test_the_modules_a_forward_reaches_are_recorded_and_the_hooks_removed(fake_t
     model = layer()
     capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
     capture.enter()
-    model[0](torch.ones(1))  # the attention module is never called
+    out = model[0](torch.ones(1))  # the attention module is never called
     capture.exit(False)
+    assert isinstance(out, torch.Tensor) and torch.equal(out, torch.ones(1))  # the hook changes no output
     model[1](torch.ones(1))  # after capture: not recorded
     assert list(capture.visited.values()) == [model[0]]
     assert all(not m._forward_hooks for m in model.modules())
@@ -244,3 +253,13 @@ def test_the_workspaces_tensors_are_what_frames_share(fake_te):
     found = backend.fp8_workspace_storages((model,))
     workspace = model[0]._fp8_workspaces["weight"]
     assert {id(t) for t in found} >= {id(workspace._data), id(workspace._transpose), id(workspace._scale_inv)}
+
+
+def test_per_call_quantizer_copies_have_their_scale_protected_and_module_quantizers_are_left_alone(fake_te):
+    model = layer()
+    owned = FakeQuantizer()
+    model[1].quantizers = {"scaling_fwd": [owned], "scaling_bwd": []}
+    attributes = backend.per_call_quantizers((model,))
+    assert attributes(FakeQuantizer()) == ("scale",)  # a copy made in the call (FusedAttnFunc's S)
+    assert attributes(owned) == ()  # the module's own: shared state
+    assert attributes(torch.ones(1)) == () and attributes(object()) == ()

@@ -444,7 +444,8 @@ def fp8_state(layers):
 
 
 def fp8(result):
-    """FP8 (hybrid) in slot-shared capture, delayed and current scaling: 2 and 4 variants whose
+    """FP8 (hybrid) in slot-shared capture, delayed and current scaling, and FP8 attention under
+    delayed scaling with and without its S-scale snapshot protected: 2 and 4 variants whose
     replays wrap the ring, bitwise against eager FP8 (the reference runs each frame under TE's own
     autocast, and the FP8 state is put back before the graphs run; under delayed scaling the state
     after both runs must be equal too). The same graphs in one shared pool without arenas must
@@ -458,8 +459,13 @@ def fp8(result):
     from megatron_cg_plugin.plan.slots import plan_slots
 
     seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
-    for name, recipe in (("current", Float8CurrentScaling(fp8_format=Format.HYBRID)),
-                         ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4))):
+    both = ("slots", "shared-pool")
+    for name, recipe, modes in (
+            ("current", Float8CurrentScaling(fp8_format=Format.HYBRID), both),
+            ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), both),
+            # FP8 attention (SBHD): the S-scale snapshot FusedAttnFunc keeps on ctx, with and without its protection.
+            ("delayed-dpa", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, fp8_dpa=True),
+             both + ("no-scale-snapshot",))):
         layers, stack = build()
         params = list(layers.parameters())
 
@@ -476,7 +482,7 @@ def fp8(result):
             label, order, chosen = orders(n)[0]  # wrap-ring2
             plan = plan_slots(order, chosen)
             used = [v for v in variants if v.name in set(chosen)]
-            for mode in ("slots", "shared-pool"):
+            for mode in modes:
                 def describe(graphs, layers=layers, reference=reference, recipe=recipe, params=params):
                     start = te_graph.save_fp8_tensors([layers], recipe)
                     after_eager = {}
@@ -497,9 +503,12 @@ def fp8(result):
 
                 record_case(result, f"fp8/{name}/n{n}/{label}/{mode}",
                             lambda used=used, plan=plan, params=params, mode=mode, recipe=recipe, layers=layers:
-                            capture_slotted(used, plan, params, protect=mode == "slots", strict=mode == "slots",
-                                            fp8=SlotFp8(recipe, modules=(layers,))), describe)
-        fp8_weight_cache(result, name, recipe, layers, params)
+                            capture_slotted(used, plan, params, protect=mode != "shared-pool", strict=mode == "slots",
+                                            fp8=SlotFp8(recipe, modules=(layers,),
+                                                        snapshot_attention_scales=mode != "no-scale-snapshot")),
+                            describe)
+        if name != "delayed-dpa":
+            fp8_weight_cache(result, name, recipe, layers, params)
 
 
 def fp8_weight_cache(result, name, recipe, layers, params):
