@@ -131,6 +131,8 @@ def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_
     """Issue 15: FP8 attention (SBHD, delayed scaling). FusedAttnFunc keeps a clone of the S scale on
     a per-call quantizer copy on ctx, in the pool; the arenas take it (capture.backend.per_call_quantizers).
     Left in the pool, another variant's replay overwrites it before this frame's backward."""
+    if "fp8/delayed-dpa/unavailable" in probe:
+        pytest.skip(f"TE has no FP8 attention backend here: {probe['fp8/delayed-dpa/unavailable'][:300]}")
     case = probe[f"fp8/delayed-dpa/n{n}/wrap-ring2/slots"]
     assert "error" not in case, case.get("error")
     assert case["exact"] and case["fp8_state_equal"] and case["uncovered_bytes"] == 0, case
