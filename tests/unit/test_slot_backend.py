@@ -220,25 +220,32 @@ def test_unknown_copy_modes_and_a_copy_mode_without_slot_capture_are_refused():
     PluginConfig(offload_copies="between-replays", slot_capture=True)
 
 
-def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(monkeypatch):
-    """The layers' backward replays run one at a time (one graph per layer), so they share the
-    buffers their backward graphs write the parameter gradients to (memory.param_grads)."""
+@pytest.fixture
+def capture_calls(monkeypatch):
+    """The options of each capture_slotted call SlotBackend makes (the capture itself faked)."""
     calls = []
-
-    def fake_capture_slotted(variants, plan, parameters, **options):
-        calls.append(options)
-        return FakeSlotted()
-
-    monkeypatch.setattr(slot_backend, "capture_slotted", fake_capture_slotted)
+    monkeypatch.setattr(slot_backend, "capture_slotted",
+                        lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    return calls
+
+
+def megatron_layers(count):
     layers = []
-    for number in (1, 2, 3):
+    for number in range(1, count + 1):
         module = torch.nn.Linear(2, 2)
         module.config = types.SimpleNamespace(cuda_graph_modules=[])
         module.layer_number = number
         layers.append(module)
-    graphs = SlotBackend(offload=False).make_graphed_callables(tuple(layers), [(torch.ones(2),)] * 3)
+    return tuple(layers)
+
+
+def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(capture_calls):
+    """The layers' backward replays run one at a time (one graph per layer), so they share the
+    buffers their backward graphs write the parameter gradients to (memory.param_grads)."""
+    calls = capture_calls
+    graphs = SlotBackend(offload=False).make_graphed_callables(megatron_layers(3), [(torch.ones(2),)] * 3)
     assert len(graphs) == 3 and len(calls) == 3
     shared = calls[0]["param_grads"]
     assert shared is not None and all(call["param_grads"] is shared for call in calls)
@@ -246,24 +253,14 @@ def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(monkeyp
     assert all(call["fp8"] is None for call in calls)
 
 
-def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(monkeypatch):
+def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(capture_calls):
     """Megatron keeps its first and last layers in bf16 (one fp8_enabled per layer); every layer's
     capture gets the run's recipe and amax group, and the layer as the modules whose FP8 state it
     saves and whose workspaces it shares."""
-    calls = []
-    monkeypatch.setattr(slot_backend, "capture_slotted",
-                        lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
-    layers = []
-    for number in (1, 2, 3):
-        module = torch.nn.Linear(2, 2)
-        module.config = types.SimpleNamespace(cuda_graph_modules=[])
-        module.layer_number = number
-        layers.append(module)
+    calls, layers = capture_calls, megatron_layers(3)
     recipe, group = FakeRecipe("delayed"), object()
     SlotBackend(offload=False).make_graphed_callables(
-        tuple(layers), [(torch.ones(2),)] * 3, fp8_enabled=(False, True, False), fp8_recipe=recipe, fp8_group=group,
+        layers, [(torch.ones(2),)] * 3, fp8_enabled=(False, True, False), fp8_recipe=recipe, fp8_group=group,
         fp8_weight_caching=True)
     assert [call["fp8"].enabled for call in calls] == [False, True, False]
     assert all(call["fp8"].recipe is recipe and call["fp8"].group is group for call in calls)

@@ -203,15 +203,20 @@ def test_a_replay_fills_the_flag_with_skip_unless_it_updates_the_weights(fake_te
     assert capture.flag.item() == (not update)
 
 
-def test_delayed_replays_join_the_visited_modules_with_the_replay_time_recipe_and_group(fake_te):
-    model = layer()
-    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
+def captured(kind, model, fake_te, called):
+    """An Fp8Capture of ``model`` whose forwards reached ``called``, and the replay it makes."""
+    capture = backend.Fp8Capture(FakeRecipe(kind), (model,))
     capture.enter()
-    model[0](torch.ones(1))
-    model[1](torch.ones(1))
+    for module in called:
+        module(torch.ones(1))
     capture.exit(False)
     fake_te.log.clear()
-    replay = capture.replay(True)
+    return capture.replay(True)
+
+
+def test_delayed_replays_join_the_visited_modules_with_the_replay_time_recipe_and_group(fake_te):
+    model = layer()
+    replay = captured("delayed", model, fake_te, model[:2])
     first = replay.before_forward(True)
     second = replay.before_forward(True)  # the next layer in the same autocast
     # Non-FP8 attention (the recipe has no fp8_dpa) stays out of the reduction, as in TE's new_fwd.
@@ -226,25 +231,15 @@ def test_delayed_replays_join_the_visited_modules_with_the_replay_time_recipe_an
 
 def test_current_scaling_replays_join_nothing_and_update_nothing(fake_te):
     model = layer()
-    capture = backend.Fp8Capture(FakeRecipe("current"), (model,))
-    capture.enter()
-    model[0](torch.ones(1))
-    capture.exit(False)
-    fake_te.log.clear()
-    replay = capture.replay(True)
+    replay = captured("current", model, fake_te, model[:1])
     replay.after_backward(replay.before_forward(True))
     assert fake_te.log == []
 
 
 def test_outside_an_fp8_autocast_a_replay_joins_nothing(fake_te):
     model = layer()
-    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
-    capture.enter()
-    model[0](torch.ones(1))
-    capture.exit(False)
-    fake_te.log.clear()
+    replay = captured("delayed", model, fake_te, model[:1])
     fake_te.state.fp8_enabled = False
-    replay = capture.replay(True)
     assert replay.before_forward(True) is False and fake_te.log == []
 
 
