@@ -267,9 +267,8 @@ RULES: tuple[Rule, ...] = (
     Rule("slot-capture-fp8", "plugin",
          _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (f.fp8_recipe not in SLOT_FP8_RECIPES
                                                                      or f.fp8_attention)))),
-         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise and without FP8 attention (its "
-         "S-scale snapshot lives on ctx in a quantizer copy the arenas do not protect yet): use one of those "
-         "recipes, leave TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention off, or drop "
+         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise and without FP8 attention (verified "
+         "in slot-shared graphs of TE layers, not through Megatron's layers yet): use one of those recipes, leave TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention off, or drop "
          "--cg-slot-capture (TE's graphs take every FP8 recipe).",
          detail=lambda f: "(--fp4-format)" if f.fp4 else
          "(FP8 attention)" if f.fp8_attention and f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),

@@ -145,6 +145,7 @@ class Fp8Capture:
         self.flag: Any = None
         self.visited: dict[int, Any] = {}
         self._flag_before: Any = None
+        self._flag_value_before: Any = None
         self._meta: Any = None
         self._hooks: list[Any] = []
 
@@ -154,6 +155,8 @@ class Fp8Capture:
 
         state = FP8GlobalStateManager.quantization_state
         self._flag_before = state.skip_fp8_weight_update_tensor
+        # An existing flag is filled in place (its graphs read it by address): its value is put back too.
+        self._flag_value_before = None if self._flag_before is None else self._flag_before.clone()
         FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)  # False: update the workspaces
         self.flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
         self._meta = te_graph.save_fp8_tensors(self.modules, recipe=self.recipe)  # None unless delayed
@@ -170,11 +173,15 @@ class Fp8Capture:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self._meta is not None:
-            te_graph.restore_fp8_tensors(self.modules, list(self._meta))  # TE pops from the list it is given
-            self._meta = None
-        if failed:  # read anew: a reset inside replaces the state object
-            FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = self._flag_before
+        try:
+            if self._meta is not None:
+                te_graph.restore_fp8_tensors(self.modules, list(self._meta))  # TE pops from the list it is given
+                self._meta = None
+        finally:
+            if failed:  # read anew: a reset inside replaces the state object
+                FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = self._flag_before
+                if self._flag_before is not None:
+                    self._flag_before.copy_(self._flag_value_before)
 
     def replay(self, enabled: bool) -> "Fp8Replay | None":
         """What each replay of the graphs captured now does, or None for a variant kept in bf16."""

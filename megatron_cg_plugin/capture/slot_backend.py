@@ -218,7 +218,9 @@ class SlotBackend(TEBackend):
         check_slot_capture_call(callables, sample_args, kwargs)
         sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
         offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload)
-        warmup = max(1, int(kwargs.get("num_warmup_iters", 2)))
+        fp8_enabled = _fp8_enabled(kwargs, len(callables))
+        # FP8: the weight workspaces are made in the first warmup iteration, frames measured in the last.
+        warmup = max(2 if any(fp8_enabled) else 1, int(kwargs.get("num_warmup_iters", 2)))
         # One pool and one capture stream for every layer: the allocator reuses a freed pool block
         # only for the stream it was allocated on, so layers captured on streams of their own
         # would each grow the pool by their temporaries.
@@ -227,7 +229,6 @@ class SlotBackend(TEBackend):
         watch = DelayedFlushWatch(config) if getattr(config, "delay_offload_until_cuda_graph", False) else None
         ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
         param_grads = ParamGradBuffers()  # the layers' backward replays run one at a time
-        fp8_enabled = _fp8_enabled(kwargs, len(callables))
         graphs: list[SlotLayerGraph] = []
         try:
             with offload.capturing() if offload is not None else contextlib.nullcontext():

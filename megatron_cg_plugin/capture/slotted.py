@@ -92,7 +92,10 @@ class SlotFp8:
     their amax histories and scales come back as they were after capture, and replays join TE's amax
     reduction. Each module quantizes its weight into its workspace inside the graph, under TE's
     weight-update flag: a replay refreshes the workspace unless called with
-    ``update_fp8_weights=False`` (Megatron: every microbatch but the first)."""
+    ``update_fp8_weights=False`` (Megatron: every microbatch but the first). ``modules`` must hold
+    every TE module the variants call: a quantizer outside them counts as a per-call copy. Not
+    covered: te.ops fused sequences under delayed scaling (their ops run without module hooks), and
+    modules only some variants reach (under delayed scaling every replay joins all visited ones)."""
 
     recipe: Any
     group: Any = None
@@ -570,9 +573,9 @@ def _fp8_capturing(capture: "te_seam.Fp8Capture | None") -> Any:
     if capture is None:
         yield
         return
-    capture.enter()
     failed = True
     try:
+        capture.enter()  # inside: what a failing enter already changed is put back too
         yield
         failed = False
     finally:
@@ -611,6 +614,9 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
                          "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
     if fp8 is not None and not isinstance(fp8, SlotFp8):
         raise TypeError(f"fp8 is a {type(fp8).__name__}; pass SlotFp8(recipe, group, enabled).")
+    if fp8 is not None and warmup_iterations < 2:
+        raise ValueError("slot-shared capture with FP8 needs warmup_iterations >= 2: the FP8 weight workspaces are "
+                         "made in the first one, and frames are measured without them in the last.")
     if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe, fp8.modules)):
         raise ValueError(refusal)
     return slots_of

@@ -127,11 +127,16 @@ class _Packer:
         """Packs (and, for arenas, rebinds) the tensors custom Functions reachable from ``outputs``
         keep on ``ctx``; returns how many were found."""
         found = 0
+        produced: set[int] = set()  # an object reached twice on ctx keeps what the first visit bound
 
         def replace(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal found
             found += 1
-            return self._protected(tensor)
+            if id(tensor) in produced:
+                return tensor
+            protected = self._protected(tensor)
+            produced.add(id(protected))
+            return protected
 
         for node in _custom_function_nodes(outputs):
             for name, value in list(vars(node).items()):
@@ -242,8 +247,6 @@ class ArenaHooks(_Packer):
         return offset
 
     def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() == self.arena.buffer.untyped_storage().data_ptr():
-            return tensor  # an object reached twice on ctx: rebound the first time
         return self.unpack(self.pack(tensor))
 
     def unpack(self, packed: Any) -> Any:

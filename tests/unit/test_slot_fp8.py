@@ -150,13 +150,15 @@ def test_the_weight_update_flag_exists_from_before_warmup_and_says_update(fake_t
 
 
 @pytest.mark.parametrize("before", [None, "flag made by make_graphed_callables"])
-def test_a_failed_capture_puts_back_the_flag_that_was_there(fake_te, before):
-    fake_te.state.skip_fp8_weight_update_tensor = None if before is None else torch.ones(1)
+def test_a_failed_capture_puts_back_the_flag_that_was_there_with_its_value(fake_te, before):
+    fake_te.state.skip_fp8_weight_update_tensor = None if before is None else torch.ones(1)  # says skip
     kept = fake_te.state.skip_fp8_weight_update_tensor
     capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
     capture.enter()
+    assert capture.flag.item() == 0  # warmup updates the workspaces
     capture.exit(failed=True)
     assert fake_te.state.skip_fp8_weight_update_tensor is kept
+    assert kept is None or kept.item() == 1  # filled in place by enter, its value put back
 
 
 @pytest.mark.parametrize("failed", [False, True])
