@@ -198,25 +198,43 @@ class Fp8Replay:
     after its backward replay. The forward update stays at the exit of the caller's autocast."""
 
     def __init__(self, flag: Any, modules: tuple[Any, ...], delayed: bool) -> None:
+        from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
         self.flag, self.modules, self.delayed = flag, modules, delayed
+        self._manager = FP8GlobalStateManager  # resolved once: the replay path is hot
+        # (module, is a base module, is attention), classified once for each replay's join.
+        self._joining = tuple((m, isinstance(m, TransformerEngineBaseModule), isinstance(m, DotProductAttention))
+                              for m in modules)
 
     def before_forward(self, update_weights: bool) -> bool:
         """Returns whether this replay is its autocast's first FP8 module (it updates after backward)."""
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
         self.flag.fill_(not update_weights)
-        if not FP8GlobalStateManager.is_fp8_enabled():
+        if not self._manager.is_fp8_enabled():
             return False
-        first = FP8GlobalStateManager.is_first_fp8_module()
+        first = self._manager.is_first_fp8_module()
         if self.delayed:
-            _join_amax_reduction(self.modules, FP8GlobalStateManager)
+            self._join_amax_reduction()
         return first and self.delayed
 
     def after_backward(self, first: bool) -> None:
         if first:
-            from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+            self._manager.reduce_and_update_fp8_tensors(forward=False)
 
-            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+    def _join_amax_reduction(self) -> None:
+        """TE's ``new_fwd`` (graph.py 1300-1346): each module takes the replay-time group and
+        recipe and joins the global amax buffer (once per autocast; TE keeps the key)."""
+        manager = self._manager
+        recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
+        for module, is_base, is_attention in self._joining:
+            if is_attention and not (recipe.fp8_mha or recipe.fp8_dpa):
+                continue
+            metas = [module.fp8_meta] if is_base else \
+                [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]  # te.ops
+            for meta in metas:
+                meta["fp8_group"], meta["recipe"] = group, recipe
+                manager.add_fp8_tensors_to_global_buffer(meta)
 
 
 def _te_modules(modules: Sequence[Any]) -> list[Any]:
@@ -225,25 +243,6 @@ def _te_modules(modules: Sequence[Any]) -> list[Any]:
 
     return [m for module in modules for m in module.modules()
             if isinstance(m, (TransformerEngineBaseModule, BasicOperation))]
-
-
-def _join_amax_reduction(modules: Sequence[Any], manager: Any) -> None:
-    """TE's ``new_fwd`` (graph.py 1300-1346): each module takes the replay-time group and recipe
-    and joins the global amax buffer (once per autocast; TE keeps the key)."""
-    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
-    for module in modules:
-        if isinstance(module, TransformerEngineBaseModule):
-            if isinstance(module, DotProductAttention) and not (recipe.fp8_mha or recipe.fp8_dpa):
-                continue
-            metas = [module.fp8_meta]
-        else:  # a te.ops BasicOperation
-            metas = [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]
-        for meta in metas:
-            meta["fp8_group"], meta["recipe"] = group, recipe
-            manager.add_fp8_tensors_to_global_buffer(meta)
 
 
 def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ...]]:

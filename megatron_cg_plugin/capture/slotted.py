@@ -41,7 +41,7 @@ from megatron_cg_plugin.memory.offload import (
     CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers,
 )
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer, storage_keys
+from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer, no_call_objects, storage_keys
 from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
 from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
@@ -159,6 +159,23 @@ def _as_tuple(outputs: Any, variant: Hashable) -> tuple[torch.Tensor, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- warmup
+@dataclasses.dataclass(frozen=True)
+class _Sharing:
+    """For a frame's hooks: storages every frame shares (FP8 weight workspaces), kept as they are,
+    and the per-call objects on ctx whose tensors are protected (TE's quantizer copies)."""
+
+    storages: frozenset = frozenset()
+    call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects
+
+    def apply(self, packer: Any) -> Any:
+        return packer.sharing(self.storages).entering(self.call_objects)
+
+
+def _fp8_sharing(fp8: "SlotFp8") -> _Sharing:
+    call_objects = te_seam.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else no_call_objects
+    return _Sharing(storage_keys(te_seam.fp8_workspace_storages(fp8.modules)), call_objects)
+
+
 @dataclasses.dataclass
 class _Measure:
     saved_bytes: int
@@ -170,8 +187,7 @@ class _Measure:
 
 
 def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int,
-            group: Callable[[], str | None] | None = None, sharing: Callable[[], "_Sharing"] = lambda: _Sharing()
-            ) -> _Measure:
+            group: Callable[[], str | None] | None = None, sharing: Callable[[], _Sharing] = _Sharing) -> _Measure:
     """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame;
     with ``group``, every save is recorded with its offload group (the last iteration's record).
     Shared storages (``sharing``) are not counted; FP8 weight workspaces exist only after the first
@@ -440,24 +456,7 @@ class _CaptureOptions:
     offload: SlotOffload | None = None
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
     # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
-    sharing: Callable[[], "_Sharing"] = lambda: _Sharing()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sharing:
-    """For a frame's hooks: storages every frame shares (FP8 weight workspaces), kept as they are,
-    and the per-call objects on ctx whose tensors are protected (TE's quantizer copies)."""
-
-    storages: frozenset = frozenset()
-    call_objects: Callable[[Any], tuple[str, ...]] = lambda _: ()
-
-    def apply(self, packer: Any) -> Any:
-        return packer.sharing(self.storages).entering(self.call_objects)
-
-
-def _fp8_sharing(fp8: "SlotFp8") -> _Sharing:
-    call_objects = te_seam.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else (lambda _: ())
-    return _Sharing(storage_keys(te_seam.fp8_workspace_storages(fp8.modules)), call_objects)
+    sharing: Callable[[], _Sharing] = _Sharing
 
 
 @dataclasses.dataclass

@@ -101,7 +101,7 @@ class _Packer:
         self._storages: dict[tuple[Any, int], tuple[int, StorageWeakRef]] = {}
         self.device = device  # tensors elsewhere (host scalars) are kept as they are
         self._shared: frozenset = frozenset()
-        self._call_objects: Callable[[Any], tuple[str, ...]] = _no_attributes
+        self._call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects
 
     def sharing(self, storages: frozenset) -> "_Packer":
         """Saves on these storages (``storage_keys``) are kept as they are: every frame shares them
@@ -294,12 +294,13 @@ def _is_frame_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
 
-def _no_attributes(_: Any) -> tuple[str, ...]:
+def no_call_objects(_: Any) -> tuple[str, ...]:
+    """``entering``'s default: no per-call object is entered."""
     return ()
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
-                 call_objects: Callable[[Any], tuple[str, ...]] = _no_attributes, depth: int = 0) -> Any:
+                 call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects, depth: int = 0) -> Any:
     """``value`` with every frame tensor in it replaced by ``fn(tensor)``; containers are rebuilt
     (tuples) or updated in place (lists, dicts, per-call dataclasses, and the per-call objects
     ``call_objects`` names attributes of). Returns ``value`` itself when it holds no tensor."""
