@@ -98,7 +98,8 @@ def markdown(result: BenchResult) -> str:
     def mib(spreads: dict[str, Spread], arm: str) -> str:
         return spreads[arm].format(scale=2**-20) if arm in spreads else "-"
 
-    lines = ["| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | GPU arenas MiB "
+    lines = [f"Method: {result.method}.", "",
+             "| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | GPU arenas MiB "
              "| pinned host arenas MiB | peak allocated MiB | GPU busy |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:

@@ -32,6 +32,7 @@ class ScopeReport:
     capture_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase of capture_seconds
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     host_arena_bytes: int | None = None  # their pinned host arenas (in-graph offload)
+    boundary_bytes: int | None = None  # their graphs' inputs, outputs, gradients and parameter-gradient buffers
     offloaded_bytes: int | None = None  # moved to the host by the replays counted (per-replay bytes x replays)
     offload_groups_flushed: int | None = None  # Megatron's delayed offload groups seen flushed after the replays
 
@@ -48,6 +49,8 @@ class RunReport:
     predicted_pool_bytes: int | None = None  # megatron-cg plan's graph-pool prediction for these flags
     prediction_leaves_out: tuple[str, ...] = ()
     predicted_host_arena_bytes: int | None = None  # --cg-slot-capture with offload: megatron-cg plan's pinned bytes
+    predicted_arena_bytes: int | None = None  # --cg-slot-capture: megatron-cg plan's GPU arenas
+    predicted_boundary_bytes: int | None = None  # --cg-slot-capture: megatron-cg plan's boundary buffers
     moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: assignments the routers dropped
     moe_planned_capacity: int | None = None  # slots per expert per source rank (plan.moe)
     moe_uniform_dropped_fraction: float | None = None  # what the plan expects a uniform router to drop
@@ -115,10 +118,12 @@ class RunReport:
                          f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
                          + (f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
                             if self.prediction_leaves_out else ""))
-        measured_host = sum(scope.host_arena_bytes or 0 for scope in self.scopes if not scope.failure)
-        if self.predicted_host_arena_bytes is not None and measured_host:
-            lines.append(f"  pinned host arenas: predicted {self.predicted_host_arena_bytes / 2**20:.1f} MiB, measured "
-                         f"{measured_host / 2**20:.1f} MiB")
+        for label, predicted, field in (("GPU arenas", self.predicted_arena_bytes, "arena_bytes"),
+                                        ("boundary buffers", self.predicted_boundary_bytes, "boundary_bytes"),
+                                        ("pinned host arenas", self.predicted_host_arena_bytes, "host_arena_bytes")):
+            measured = sum(getattr(scope, field) or 0 for scope in self.scopes if not scope.failure)
+            if predicted is not None and measured:
+                lines.append(f"  {label}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
         if self.moe_dropped_fraction is not None:
             plan = ("" if self.moe_planned_capacity is None else
                     f"; the plan: {self.moe_planned_capacity} slots per expert per source rank, "

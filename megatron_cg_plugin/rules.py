@@ -258,6 +258,14 @@ RULES: tuple[Rule, ...] = (
          "offloading modules inside the graphed scope needs eager steps before capture (Megatron asserts "
          "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
          "--cuda-graph-warmup-steps 1 or more."),
+    Rule("whole-layer-offload-unjoined", "megatron",
+         _graphs(lambda f: not f.modules and bool(f.offloaded_in_graphs) and not f.slot_capture and not f.graph_banks),
+         "Megatron joins its offload stream into a layer's graph only when --cuda-graph-modules names attn or mlp; "
+         "a whole-layer capture (no --cuda-graph-modules) with those saves offloaded fails in TE's capture with "
+         "'capturing stream has unjoined work' (seen on megatron-core 0.19.2): pass --cuda-graph-modules attn mlp "
+         "(the same whole dense layer; attn moe for drop-and-pad MoE layers), or add --cg-slot-capture, whose graphs "
+         "offload inside themselves.",
+         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))})"),
     Rule("slot-capture-pipeline", "plugin",
          _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
                                               or f.overlap_moe_expert_parallel_comm)),

@@ -81,6 +81,7 @@ def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
     layers = stats.slot_layers()
     return {"arena_bytes": sum(layer.arena_bytes for layer in layers),
             "host_arena_bytes": sum(layer.host_arena_bytes for layer in layers),
+            "boundary_bytes": sum(layer.boundary_bytes for layer in layers),
             "offloaded_bytes": sum(layer.offloaded_bytes * replays for layer, replays in zip(layers, stats.replays.counts)),
             "offload_groups_flushed": sum(layer.offload_groups_flushed for layer in layers)}
 
@@ -212,6 +213,8 @@ class RunSession:
             predicted_pool_bytes=None if self.predicted_graph_memory is None else self.predicted_graph_memory.pool_bytes,
             prediction_leaves_out=() if self.predicted_graph_memory is None else self.predicted_graph_memory.unpredicted,
             predicted_host_arena_bytes=getattr(self.predicted_graph_memory, "host_arena_bytes", None),
+            predicted_arena_bytes=getattr(self.predicted_graph_memory, "arena_bytes", None),
+            predicted_boundary_bytes=getattr(self.predicted_graph_memory, "boundary_bytes", None),
             moe_dropped_fraction=self.moe_dropped_fraction,
             moe_planned_capacity=None if self.moe_capacity_plan is None else self.moe_capacity_plan.capacity,
             moe_uniform_dropped_fraction=None if self.moe_capacity_plan is None else

@@ -47,12 +47,18 @@ class BenchOptions:
     out: Path = Path("bench-out")
     plot: bool = True
     profile_dir: Path | None = None  # per arm, the profiled steps' host operators by self CPU time
+    # Global batches read once before the schedule and cycled through by every step (0: the live loader).
+    # The loader's host time is the same in every arm; cached, it stops adding its noise to the ratios.
+    cached_batches: int = 0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.arms) - set(ALL_ARMS))
         if unknown or not self.arms:
             raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
                              f"{','.join(ALL_ARMS)}.")
+        if self.cached_batches < 0:
+            raise BenchError(f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
+                             "global batches to cycle through.")
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -75,10 +81,12 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-out", type=Path, default=BenchOptions.out)
     parser.add_argument("--bench-no-plot", action="store_true")
     parser.add_argument("--bench-profile-dir", type=Path)
+    parser.add_argument("--bench-cached-batches", type=int, default=BenchOptions.cached_batches)
     known, flags = parser.parse_known_args(list(argv))
     options = BenchOptions(rounds=known.bench_rounds, steps=known.bench_steps, skip_steps=known.bench_skip_steps,
                            arms=tuple(a for a in known.bench_arms.split(",") if a), out=known.bench_out,
-                           plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir)
+                           plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
+                           cached_batches=known.bench_cached_batches)
     return options, flags
 
 
@@ -148,7 +156,10 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
         finally:
             trainer.release(helper)
         progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
-    return BenchResult(METHOD, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags),
+    method = METHOD if not options.cached_batches else (
+        f"{METHOD}; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
+        "(--bench-cached-batches: the data loader's time is left out of every arm)")
+    return BenchResult(method, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags),
                        copies)
 
 
@@ -179,7 +190,8 @@ class MegatronTrainer:
     """Megatron's ``train_step`` with the arguments ``train()`` passes it, on the model, optimizer
     and data ``pretrain()`` built; graph helpers as Megatron's ``train()`` makes them."""
 
-    def __init__(self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict) -> None:
+    def __init__(self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict, *,
+                 cached_microbatches: int = 0) -> None:
         import torch
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
         from megatron.training import get_args
@@ -187,7 +199,10 @@ class MegatronTrainer:
 
         self.torch, self.training, self.args = torch, training, get_args()
         self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
-        _, _, self.model, self.optimizer, _, self.config, _ = step_args
+        _, data_iterator, self.model, self.optimizer, _, self.config, _ = step_args
+        if cached_microbatches:
+            step_args = (step_args[0], cycled_microbatches(data_iterator, cached_microbatches), *step_args[2:])
+            self.step_args = step_args
         self.iteration = self.step_kwargs.pop("iteration", None) or 0
         self.last: Any = None
         plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
@@ -233,6 +248,27 @@ class MegatronTrainer:
 
     def pool_bytes(self) -> dict:
         return diagnostics.memory_state().pools
+
+
+def cycled_microbatches(data_iterator: Any, count: int) -> Any:
+    """A data iterator that serves ``count`` microbatches of ``data_iterator``, read now, again and
+    again; wrapped as Megatron wraps its own (``RerunDataIterator``) so the rerun state machine
+    takes it. The original iterator is not touched again."""
+    import itertools
+
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    if data_iterator is None or isinstance(data_iterator, list):
+        raise BenchError("--bench-cached-batches needs the single data iterator of a PP = 1, one-chunk run: "
+                         "drop --bench-cached-batches for this run.")
+    try:
+        cached = [next(data_iterator) for _ in range(count)]
+    except StopIteration:
+        raise BenchError(f"--bench-cached-batches: the dataset ran out before {count} microbatches; "
+                         "ask for fewer.") from None
+    if isinstance(data_iterator, RerunDataIterator):
+        data_iterator.advance()  # what it saved for a rerun of this step is not this step's any more
+    return RerunDataIterator(itertools.cycle(cached))
 
 
 def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
@@ -298,7 +334,8 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
                              "differently: install the supported version (docs/versions.md).")
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        trainer = MegatronTrainer(train_step, args, kwargs)
+        trainer = MegatronTrainer(train_step, args, kwargs,
+                                  cached_microbatches=options.cached_batches * get_num_microbatches())
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
         profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
         sink.append(run_bench(options, trainer, flags=flags, profile=profile,

@@ -11,6 +11,14 @@ What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense laye
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
 drop-and-pad or the router/preprocess scope, bf16. What it leaves out is said by
 ``GraphMemoryPlan.unpredicted``.
+
+``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
+forward leaves for its backward is copied into the layer's arena, and every graph boundary and
+parameter gradient lives in buffers outside the pool (``capture.slotted``), so each graph's pool
+blocks are free again when its capture ends and the pool is sized by the largest graph. The arena
+is what the forward program keeps alive past its end, less the graph's output, plus the graph's
+input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage aligned as the arenas align
+them (``plan.slots.arena_aligned``); the saves in-graph offload moves go to the host instead.
 """
 
 from __future__ import annotations
@@ -18,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
-from megatron_cg_plugin.plan.allocator import PoolModel
+from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
 from megatron_cg_plugin.plan.offload import OffloadPolicy, Save, plan_offload
+from megatron_cg_plugin.plan.slots import arena_aligned
 
 BF16 = 2
-FP32 = 4
+FP32 = INT32 = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,6 +250,20 @@ def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, *, throu
     return "ln2.dgrad"
 
 
+def bias_gelu_warmup_transient(s: LayerShape, parts: frozenset[str]) -> int:
+    """A pool segment of its own that Megatron's fused bias-GELU backward leaves in the pool during
+    capture warmup (TE 2.20.2, torch 2.11, H200 traces): ``tokens x ffn x 8`` bytes, seen at 2048
+    tokens per microbatch and not at 512 (sizes between are not measured; from 2048 on it is
+    counted). It is freed at once, and later requests did not reuse it in the traces."""
+    fused = s.moe is None and "mlp" in parts and s.bias and not s.gated
+    return s.tokens * s.ffn * 8 if fused and s.tokens >= 2048 else 0
+
+
+def _with_transient(reserved: int, layers: Sequence[LayerShape], parts: frozenset[str]) -> int:
+    transient = max(bias_gelu_warmup_transient(shape, parts) for shape in layers)
+    return reserved + (segment_size(transient) if transient else 0)
+
+
 SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "router"}
 
 
@@ -295,10 +318,16 @@ class GraphMemoryPlan:
     graphs: int
     unpredicted: tuple[str, ...] = ()  # parts of the run the prediction leaves out
     host_arena_bytes: int | None = None  # --cg-slot-capture with offload: the layers' pinned host arenas
+    arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
+    # --cg-slot-capture: the graphs' inputs, outputs and gradients and the parameter-gradient buffers (outside the pool)
+    boundary_bytes: int | None = None
 
     def describe(self) -> str:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
                  f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
+        if self.arena_bytes is not None:
+            lines.append(f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; static "
+                         f"inputs, outputs, gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB")
         if self.host_arena_bytes is not None:
             lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
@@ -336,7 +365,81 @@ def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> G
                                                                                                   "dgamma", "dbeta"))]
 
     pool = _replay(ops())
-    return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated, graphs=len(programs))
+    return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts),
+                           peak_live_bytes=pool.peak_allocated, graphs=len(programs))
+
+
+def _graph_output(shape: LayerShape, parts: frozenset[str]) -> str | None:
+    """The forward program's name of the graph's output: the attention's residual sum for an
+    attention-only graph, the layer's output once the graph holds the MLP or the MoE block; None for
+    a graph that ends inside the MoE block (the router scope), whose outputs are not modelled."""
+    if "mlp" in parts and shape.moe is None or "moe" in parts and shape.moe is not None:
+        return "out"
+    if "attn" in parts and not (shape.moe is not None and "router" in parts):
+        return "x1"
+    return None
+
+
+def _layer_parameters(s: LayerShape, parts: frozenset[str]) -> int:
+    """Elements of one layer's parameters in the graphed parts (the slot path's gradient buffers)."""
+    q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
+    norm = s.hidden * (1 if s.rmsnorm else 2)
+    bias = 1 if s.bias else 0
+    count = 0
+    if "attn" in parts:
+        count += norm + s.hidden * (q + 2 * kv) + bias * (q + 2 * kv) + q * s.hidden + bias * s.hidden
+    if s.moe is None and "mlp" in parts:
+        fc1 = 2 * s.ffn if s.gated else s.ffn
+        count += norm + s.hidden * fc1 + bias * fc1 + s.ffn * s.hidden + bias * s.hidden
+    return count
+
+
+def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
+                     policy: OffloadPolicy | None = None) -> GraphMemoryPlan:
+    """``--cg-slot-capture`` on Megatron's PP = 1 order (one slot per layer): the pool, the GPU
+    arenas (less the saves ``policy`` offloads, which ``host_arena_bytes`` counts), and the
+    boundary buffers: each graph's input, output and their gradients, and one layer's worth of
+    parameter-gradient buffers (layers of one layout share them: ``memory.param_grads``)."""
+    parts = scope_parts(modules)
+    programs = [_graph(shape, parts, f"L{index}.") for index, shape in enumerate(layers)]
+    pool, live = PoolModel(), {}
+    for ops in [fwd.ops for fwd, _ in programs] + [bwd.ops for _, bwd in reversed(programs)]:
+        mine = []
+        for action, name, nbytes in ops:
+            if action == "alloc":
+                live[name] = pool.malloc(nbytes)
+                mine.append(name)
+            elif name in live:
+                pool.free(live.pop(name))
+        for name in mine:  # copied into the arena or the boundary buffers: free when the capture ends
+            if name in live:
+                pool.free(live.pop(name))
+    arenas = host = 0
+    for shape, (fwd, _) in zip(layers, programs):
+        output = _graph_output(shape, parts)
+        if output is None:
+            raise ValueError("the slot-capture planner does not model graphs that end inside the MoE block "
+                             "(--cuda-graph-modules moe_router / moe_preprocess).")
+        kept: dict[str, int] = {}
+        for action, name, nbytes in fwd.ops:
+            if action == "alloc":
+                kept[name] = nbytes
+            else:
+                kept.pop(name, None)
+        kept.pop(fwd.prefix + output)
+        kept["input"] = shape.act(shape.hidden)
+        if "attn" in parts:  # TE's fused attention saves the full cu_seqlens it makes for an unpacked batch
+            kept["cu_seqlens"] = (shape.micro_batch + 1) * INT32
+        if "attn" in parts and shape.rope:
+            kept["rope.freqs"] = shape.seq * shape.head_dim * FP32
+        offloaded = 0 if policy is None else _offloaded_bytes(shape, parts, policy)
+        arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
+        host += offloaded
+    boundary = len(layers) * 4 * layers[0].act(layers[0].hidden) + BF16 * max(
+        _layer_parameters(shape, parts) for shape in layers)
+    return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,
+                           graphs=2 * len(programs), arena_bytes=arenas, boundary_bytes=boundary,
+                           host_arena_bytes=None if policy is None else host)
 
 
 def attention_saves(s: LayerShape) -> list[Save]:
@@ -372,9 +475,12 @@ def offloaded_host_bytes(layers: Sequence[LayerShape], modules: Sequence[str], p
     storages ``plan.offload.plan_offload`` moves out of each layer's attention saves (the only
     graphed saves Megatron's offload groups hold; a dropless MoE block is never graphed, and Megatron
     refuses offload with drop-and-pad)."""
-    if "attn" not in scope_parts(modules):
-        return 0
-    return sum(plan_offload(attention_saves(shape), policy).host_bytes for shape in layers)
+    parts = scope_parts(modules)
+    return sum(_offloaded_bytes(shape, parts, policy) for shape in layers)
+
+
+def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
+    return plan_offload(attention_saves(shape), policy).host_bytes if "attn" in parts else 0
 
 
 def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
@@ -387,8 +493,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     capture = plan_capture(facts)
     unpredicted = [what for what, present in (
         ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
-        ("graph banks and slot-shared arenas (their arenas are in the capture report)",
-         bool(capture.banks) or facts.slot_capture),
+        ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
         ("FP8 (quantized saves and scaling state)", facts.fp8),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
@@ -397,7 +502,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("multi-token-prediction layers", bool(getattr(args, "mtp_num_layers", None))),
         ("activation recomputation inside the graphs", facts.recompute_granularity is not None),
         ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),
-        ("activation offloading (offloaded saves leave the pool)", facts.activation_offloading or facts.cpu_offloading),
+        ("Megatron's activation offloading (its offloaded saves leave the pool)",
+         (facts.activation_offloading and not facts.slot_capture) or facts.cpu_offloading),
     ) if present]
     tp, cp = facts.tensor_parallel, facts.context_parallel
     heads = args.num_attention_heads
@@ -424,7 +530,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
-    plan = plan_graph_memory(layers, facts.modules)
-    policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
-    host = None if policy is None else offloaded_host_bytes(layers, facts.modules, policy)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), host_arena_bytes=host)
+    if facts.slot_capture:
+        plan = plan_slot_memory(layers, facts.modules, OffloadPolicy.from_args(args))
+    else:
+        plan = plan_graph_memory(layers, facts.modules)
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted))

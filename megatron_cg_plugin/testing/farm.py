@@ -90,13 +90,19 @@ class FarmCase:
         entry = (["-m", "megatron_cg_plugin.cli", "run", str(REPO / self.script)] if self.script
                  else ["-m", "megatron_cg_plugin.pretrain_gpt"])
         return [
-            *entry, *self.flags, *data_flags(self.data, out_dir),
-            *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
-              else []),  # the routers' measured drops, beside the capacity plan in the summary
-            "--cuda-graph-impl", "transformer_engine" if graphed else "none",
-            "--deterministic-mode", "--train-iters", str(steps),
+            *entry, *self.run_flags(graphed=graphed, out_dir=out_dir), "--train-iters", str(steps),
             "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
             "--cg-report-out", str(out_dir / f"{self.name}.{mode}.report.json"),
+        ]
+
+    def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
+        """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
+        the farm's step count and output files; builds the case's dataset under ``out_dir``."""
+        return [
+            *self.flags, *data_flags(self.data, out_dir),
+            *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
+              else []),  # the routers' measured drops, beside the capacity plan in the summary
+            "--cuda-graph-impl", "transformer_engine" if graphed else "none", "--deterministic-mode",
         ]
 
     @property

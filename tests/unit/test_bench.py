@@ -116,6 +116,13 @@ def test_ratios_come_out_of_the_drift_and_graphed_blocks_record_their_capture():
     assert result.per_arm("capture_seconds")["plugin"].median == pytest.approx(2.1)
 
 
+def test_the_method_says_when_the_loader_was_left_out():
+    live, *_ = bench_with_fakes()
+    cached, *_ = bench_with_fakes(cached_batches=2)
+    assert "cached" not in live.method and live.method == bench.METHOD
+    assert cached.method.startswith(bench.METHOD) and "cycles through 2 global batch(es)" in cached.method
+
+
 def test_outputs_json_and_markdown(tmp_path):
     result, *_ = bench_with_fakes()
     written = bench_output.write(result, tmp_path, with_plot=False)
@@ -151,6 +158,7 @@ def test_a_failing_capture_stops_the_bench_with_its_error():
     (dict(arms=()), "--bench-arms"),
     (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
     (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
+    (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),
 ])
 def test_bad_options_are_refused_naming_the_flag(options, message):
     with pytest.raises(BenchError, match=message):
@@ -160,8 +168,8 @@ def test_bad_options_are_refused_naming_the_flag(options, message):
 def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
     options, flags = parse_bench_argv(["--cg-preset", "tiny-gpt", "--bench-rounds", "6", "--bench-arms",
                                        "stock,plugin", "--cuda-graph-impl", "transformer_engine", "--bench-no-plot",
-                                       "--bench-profile-dir", "prof"])
-    assert (options.rounds, options.arms, options.plot) == (6, ("stock", "plugin"), False)
+                                       "--bench-profile-dir", "prof", "--bench-cached-batches", "3"])
+    assert (options.rounds, options.arms, options.plot, options.cached_batches) == (6, ("stock", "plugin"), False, 3)
     assert options.profile_dir == Path("prof")
     assert flags == ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine"]
     assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3
@@ -198,8 +206,9 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
     args = types.SimpleNamespace(train_iters=500, iteration=0)
 
     class Trainer:
-        def __init__(self, train_step, step_args, step_kwargs):
+        def __init__(self, train_step, step_args, step_kwargs, *, cached_microbatches):
             self.args, self.last = args, ("loss dict",)
+            cached.append(cached_microbatches)
 
     from megatron.core import num_microbatches_calculator
 
@@ -207,8 +216,10 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
     monkeypatch.setattr(bench, "MegatronTrainer", Trainer)
     monkeypatch.setattr(bench, "run_bench", lambda options, trainer, **kwargs: "result")
     sink: list = []
-    step = bench.bench_train_step(BenchOptions(), [], train_step=None, sink=sink)
+    cached: list = []
+    step = bench.bench_train_step(BenchOptions(cached_batches=2), [], train_step=None, sink=sink)
     assert step("forward", "data", iteration=0) == ("loss dict",)
+    assert cached == [2 * 4]  # global batches x microbatches per step
     assert sink == ["result"] and args.train_iters == 1  # the loop's iteration 0 was its last
     with pytest.raises(BenchError, match="went on after the bench"):
         step("forward", "data", iteration=1)
@@ -296,6 +307,7 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     step_args = (None, None, "model", "optimizer", None, "config", None)
     trainer = bench.MegatronTrainer(lambda *a, **k: None, step_args, {})
+    assert trainer.step_args == step_args  # the live loader unless batches are cached
     unchecked = trainer.helpers[bench_output.UNCHECKED_ARM]
     assert unchecked.session.config.contract_check == "off" and unchecked.session is not session
     assert trainer.helpers["plugin"].session.config.contract_check == "full"
@@ -321,3 +333,47 @@ def test_the_unchecked_arm_needs_the_full_check_on_the_plugin_arm(mode):
     bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "plugin")))
     bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, cg_contract_check="full"),
                              BenchOptions(arms=("plugin", "plugin-no-check")))
+
+
+def test_cached_batches_are_read_once_and_served_again_and_again_through_megatrons_wrapper():
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    source = RerunDataIterator(iter(range(100)))
+    served = bench.cycled_microbatches(source, 3)
+    assert isinstance(served, RerunDataIterator)
+    assert [next(served) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert next(source) == 3  # exactly three were read from the live loader
+
+
+@pytest.mark.parametrize("iterator, message", [
+    (None, "needs the single data iterator of a PP = 1"),
+    ([iter(range(4)), iter(range(4))], "needs the single data iterator of a PP = 1"),
+    (iter(range(2)), "the dataset ran out before 3 microbatches"),
+])
+def test_cached_batches_that_cannot_be_had_are_refused(iterator, message):
+    with pytest.raises(BenchError, match=message):
+        bench.cycled_microbatches(iterator, 3)
+
+
+def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
+    import types
+
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, RunSession(PluginConfig())))
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
+    seen = []
+
+    def train_step(forward, data_iterator, *rest, iteration):
+        seen.extend(next(data_iterator) for _ in range(2))  # two microbatches a step
+
+    trainer = bench.MegatronTrainer(train_step, (None, iter("abcdef"), "model", "optimizer", None, "config", None), {},
+                                    cached_microbatches=4)
+    for _ in range(3):
+        trainer.step()
+    assert seen == list("abcdabcd" "ab")[:6]

@@ -438,3 +438,13 @@ def test_the_report_sets_the_predicted_host_arenas_beside_the_measured_ones():
     assert "pinned host arenas: predicted 1.5 MiB, measured 1.5 MiB" in text
     assert "GPU arenas 6.0 MiB, pinned host arenas 1.5 MiB, offloaded 300.0 MiB in all, 20.0 MiB per graphed step" in text
     assert "pinned host arenas: predicted" not in run_report(predicted_host_arena_bytes=MiB).format_table()
+
+
+def test_the_report_sets_the_predicted_arenas_and_boundary_buffers_beside_the_measured_ones():
+    slotted = scope(arena_bytes=6 * MiB, host_arena_bytes=0, boundary_bytes=7 * MiB // 2)
+    text = run_report(scopes=(slotted, slotted), predicted_arena_bytes=13 * MiB,
+                      predicted_boundary_bytes=7 * MiB).format_table()
+    assert "GPU arenas: predicted 13.0 MiB, measured 12.0 MiB" in text  # every scope's, summed
+    assert "boundary buffers: predicted 7.0 MiB, measured 7.0 MiB" in text
+    assert "GPU arenas: predicted" not in run_report(predicted_arena_bytes=MiB).format_table()  # nothing measured
+    assert run_report(scopes=(slotted,), predicted_boundary_bytes=MiB).to_json()["scopes"][0]["boundary_bytes"] == 7 * MiB // 2

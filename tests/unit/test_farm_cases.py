@@ -30,6 +30,8 @@ def test_a_case_renders_the_launcher_command_line(tmp_path):
         "--cg-report-out", str(tmp_path / "tiny_moe_droppad.graphed.report.json")]
     eager = case.argv(graphed=False, out_dir=tmp_path)
     assert eager[eager.index("--cuda-graph-impl") + 1] == "none"
+    # What megatron-cg plan takes: the same flags without the farm's steps and output files.
+    assert case.run_flags(graphed=True, out_dir=tmp_path) == case.argv(graphed=True, out_dir=tmp_path)[2:-6]
 
 
 def test_farm_settings_reach_the_case():

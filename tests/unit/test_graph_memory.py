@@ -156,7 +156,12 @@ def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
     offloaded = plan_from_args(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
                                deterministic=True).unpredicted
-    assert offloaded == ("activation offloading (offloaded saves leave the pool)",)
+    assert offloaded == ("Megatron's activation offloading (its offloaded saves leave the pool)",)
+    in_graphs = plan_from_args(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                                             min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
+                               dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
+                               deterministic=True)
+    assert in_graphs.unpredicted == () and in_graphs.host_arena_bytes > 0  # the slot planner counts what it offloads
     assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, deterministic=True).describe()
 
 
@@ -218,3 +223,107 @@ def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
     assert plan.host_arena_bytes == 2 * 3 * 256 * 2 * 256 * 2  # q, k, v of the tiny model's two layers
     assert "pinned host arenas (predicted, --cg-slot-capture offload): 1.5 MiB" in plan.describe()
     assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), deterministic=True).host_arena_bytes is None
+
+
+# -- --cg-slot-capture: arenas, boundary buffers, the pool of temporaries ----------------------------------
+
+EVERY_ATTENTION_GROUP = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+
+
+def dense_1b(**changes):
+    return big(**({"hidden": 2048, "ffn": 8192, "head_dim": 128} | changes))
+
+
+# Measured on the H200 (each run's report): (layers, modules, policy flags, GPU arena bytes, host, pool MiB).
+MEASURED_SLOT_RUNS = {
+    # docs/results/offload-2026-12-01/s32: the 12x1024 bench, slot and slot-offload arms.
+    "12x1024 slot": (big(), 12, ("attn", "mlp"), None, 813570048, None, 252),
+    "12x1024 slot-offload": (big(), 12, ("attn", "mlp"), (EVERY_ATTENTION_GROUP, 1024 * 1024), 511580160, 301989888, 252),
+    # docs/results/offload-2026-12-01/farm: tiny_gpt_slot_offload, tiny_moe_slot_offload (attention only).
+    "tiny_gpt_slot_offload": (tiny(), 2, (), (("attn_norm", "core_attn", "mlp_norm"), 65536), 6980608, 1572864, 24),
+    "tiny_moe_slot_offload": (tiny(gated=True, bias=False), 2, ("attn",),
+                              (("attn_norm", "core_attn", "expert_fc1", "moe_act"), 65536), 1729536, 1572864, 24),
+    # docs/results/slot-plan-2026-12-01/s38: gpt_1b_slot_offload_user_script (whole layer).
+    "1b slot-offload": (dense_1b(), 16, (), (EVERY_ATTENTION_GROUP, 1024 * 1024), 1361584128, 805306368, 460),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_SLOT_RUNS))
+def test_slot_arenas_are_predicted_to_the_byte_and_the_pool_within_15_percent(name):
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+    shape, layers, modules, policy, arenas, host, pool_mib = MEASURED_SLOT_RUNS[name]
+    offload = None if policy is None else OffloadPolicy.from_flags(policy[0], min_tensor_elements=policy[1])
+    plan = plan_slot_memory([shape] * layers, modules, offload)
+    assert plan.arena_bytes == arenas
+    assert plan.host_arena_bytes == host
+    assert 0.85 <= plan.pool_bytes / (pool_mib * MiB) <= 1.15
+    assert plan.graphs == 2 * layers
+
+
+def test_slot_arenas_are_the_forwards_saves_less_its_output_plus_its_input():
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+
+    shape = big()
+    act = shape.act(shape.hidden)  # 4 MiB
+    norm_stats = 2 * 2048 * 4  # mean and rsigma, fp32 per token
+    attention_small = 128 * 1024 + norm_stats + 512 * 1024 + 256 + 256  # softmax stats, RoPE table, RNG, cu_seqlens
+    # The whole layer keeps input, norm output, q, k, v, attention output, the residual sum, the MLP norm output
+    # (8 activations) and fc1's and GELU's outputs (4 each): 16 activations.
+    assert plan_slot_memory([shape], ()).arena_bytes == 16 * act + attention_small + norm_stats
+    # Attention alone: its output (the residual sum) goes to the boundary, not the arena.
+    assert plan_slot_memory([shape], ("attn",)).arena_bytes == 6 * act + attention_small
+    # An MLP-only graph saves its input, the norm output and fc1's and GELU's outputs; SwiGLU's fc1 is twice as wide.
+    mlp = plan_slot_memory([shape], ("mlp",)).arena_bytes
+    assert mlp == 10 * act + norm_stats
+    assert plan_slot_memory([big(gated=True)], ("mlp",)).arena_bytes == mlp + 4 * act
+    assert plan_slot_memory([big(rmsnorm=True)], ("mlp",)).arena_bytes == mlp - norm_stats // 2  # no mean
+
+
+def test_slot_boundaries_are_four_activations_per_graph_and_one_layers_parameter_gradients():
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+
+    shape = big()
+    act = shape.act(shape.hidden)
+    h, ffn = shape.hidden, shape.ffn
+    params = (2 * h + 3 * h * h + 3 * h + h * h + h) + (2 * h + h * ffn + ffn + ffn * h + h)
+    assert plan_slot_memory([shape] * 3, ()).boundary_bytes == 3 * 4 * act + 2 * params
+    assert plan_slot_memory([shape], ("attn",)).boundary_bytes == 4 * act + 2 * (2 * h + 3 * h * h + 3 * h + h * h + h)
+
+
+def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+
+    layers = [big()] * 12
+    slot, te = plan_slot_memory(layers, ("attn",)), plan_graph_memory(layers, ["attn"])
+    assert slot.pool_bytes < te.pool_bytes / 2  # TE's pool keeps every layer's saves (440 MiB measured)
+    assert plan_slot_memory([big()] * 24, ("attn",)).pool_bytes == slot.pool_bytes  # no more with more layers
+
+
+def test_the_bias_gelu_warmup_transient_is_a_segment_of_its_own_from_2048_tokens():
+    from megatron_cg_plugin.plan.graph_memory import bias_gelu_warmup_transient
+
+    whole = scope_parts(())
+    assert bias_gelu_warmup_transient(big(), whole) == 2048 * 4096 * 8  # 64 MiB, as traced
+    assert bias_gelu_warmup_transient(big(seq=512), whole) == 0  # not seen at 512 tokens
+    assert bias_gelu_warmup_transient(big(gated=True), whole) == 0  # SwiGLU: no fused bias-GELU
+    assert bias_gelu_warmup_transient(big(bias=False), whole) == 0
+    assert bias_gelu_warmup_transient(big(), scope_parts(["attn"])) == 0  # no MLP in the graph
+    with_it = plan_graph_memory([big()] * 2, [])
+    without = plan_graph_memory([big(seq=2048, micro_batch=1, bias=False)] * 2, [])
+    assert with_it.pool_bytes >= without.pool_bytes + 64 * MiB - 8 * MiB  # bias grads aside, the segment adds
+
+
+def test_slot_runs_get_the_arena_and_boundary_prediction_and_graphs_that_end_in_the_moe_block_none():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True)
+    plan = plan_from_args(megatron_args(), facts, deterministic=True)
+    assert plan.arena_bytes is not None and plan.boundary_bytes is not None and plan.host_arena_bytes is None
+    assert "GPU arenas (predicted, --cg-slot-capture)" in plan.describe()
+    assert not any("slot" in what for what in plan.unpredicted)
+    te = plan_from_args(megatron_args(), dataclasses.replace(facts, slot_capture=False), deterministic=True)
+    assert te.arena_bytes is None and "GPU arenas" not in te.describe()
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+
+    with pytest.raises(ValueError, match="moe_router / moe_preprocess"):
+        plan_slot_memory([tiny(moe=MoeShape(experts=4, topk=2, ffn=512, rows=1024))], ("attn", "moe_router"))

@@ -69,6 +69,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
                                            offload_modules=("core_attn",), warmup_steps=0),
                                 "--cuda-graph-warmup-steps 1"),
+    "whole-layer-offload-unjoined": (GraphFacts(cuda_graph_impl=TE, activation_offloading=True,
+                                                offload_modules=("core_attn",)), "--cuda-graph-modules attn mlp"),
     "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
     "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
@@ -166,6 +168,9 @@ def test_baseline_passes():
                modules=("attn",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
     GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True,
                offload_modules=("attn_norm", "core_attn", "mlp_norm")),
+    # Megatron joins its offload stream into graphs that name attn / mlp: the same whole dense layer.
+    GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True,
+               offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm")),
     GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True,
                offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")

@@ -239,6 +239,26 @@ def test_report_scopes_from_helpers_capture_stats(probe, clock):
     assert session.report().scopes[1].replays == 16
 
 
+def test_report_sums_the_slot_layers_memory_and_sets_the_plan_beside_it(probe, clock):
+    import types
+
+    from megatron_cg_plugin.capture.slot_backend import LayerSlotStats
+
+    session = make_session(probe, clock)
+    counter = ReplayCounter(2)
+    counter.counts[:] = [3, 5]
+    layers = (LayerSlotStats(arena_bytes=10, host_arena_bytes=4, offloaded_bytes=2, boundary_bytes=7),
+              LayerSlotStats(arena_bytes=20, host_arena_bytes=0, offloaded_bytes=1, boundary_bytes=3))
+    session.attach_helper(FakeHelper(True, CaptureStats("layer (slot-shared)", 2, 4, 1.0, 0, counter,
+                                                        slot_layers=lambda: layers)))
+    session.predicted_graph_memory = types.SimpleNamespace(pool_bytes=0, unpredicted=(), host_arena_bytes=4,
+                                                           arena_bytes=31, boundary_bytes=9)
+    report = session.report()
+    scope = report.scopes[0]
+    assert (scope.arena_bytes, scope.host_arena_bytes, scope.boundary_bytes, scope.offloaded_bytes) == (30, 4, 10, 11)
+    assert (report.predicted_arena_bytes, report.predicted_boundary_bytes, report.predicted_host_arena_bytes) == (31, 9, 4)
+
+
 def test_report_lists_graph_banks_live(probe, clock):
     session = make_session(probe, clock)
     banks = [{"cp_size": 1, "replays": 3, "rejected": 0}, {"cp_size": 2, "replays": 5, "rejected": 1}]
