@@ -529,7 +529,9 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
               for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
         if options.protect else []
     boundaries = {(slot, branch_of[v.name]): _Boundary(v, measures[v.name]) for v, slot in placed}
-    param_grads, param_grad_bytes = (options.param_grads or ParamGradBuffers()).take(params)
+    # A buffer only for what some variant's warmup gave a gradient (an attn graph of an MoE layer reaches no expert).
+    reached = [any(measure.params_used[index] for measure in measures.values()) for index in range(len(params))]
+    param_grads, param_grad_bytes = (options.param_grads or ParamGradBuffers()).take(params, reached)
     guard = SlotGuard(ring_size) if options.debug else None
     entries = {(v.name, slot): _Entry(v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard,
                                       options.contract_check)
@@ -688,6 +690,7 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
                 surface.load(grad)
         for buffer, grad in zip(entry.param_grads, grads[len(inputs_with_grad):]):
             if grad is not None:
+                assert buffer is not None, "a parameter the warmup gave no gradient got one at capture"
                 buffer.copy_(grad)
         if isinstance(hooks, OffloadingArenaHooks):
             hooks.join_backward()  # a prefetched group the backward never unpacked is joined too

@@ -391,15 +391,31 @@ def _layer_parameters(s: LayerShape, parts: frozenset[str]) -> int:
     if s.moe is None and "mlp" in parts:
         fc1 = 2 * s.ffn if s.gated else s.ffn
         count += norm + s.hidden * fc1 + bias * fc1 + s.ffn * s.hidden + bias * s.hidden
+    if s.moe is not None and "moe" in parts:  # Megatron's MoE layers have no linear biases in the experts
+        def mlp(ffn: int) -> int:
+            return s.hidden * (2 * ffn if s.gated else ffn) + ffn * s.hidden
+        count += norm + s.hidden * s.moe.experts + s.moe.experts * mlp(s.moe.ffn) + (mlp(s.moe.shared_ffn)
+                                                                                    if s.moe.shared_ffn else 0)
     return count
+
+
+def _static_inputs(s: LayerShape, parts: frozenset[str]) -> int:
+    """Bytes of the inputs Megatron hands a layer's graph (``TECudaGraphHelper``'s sample arguments):
+    the hidden states, and with attention in the graph its causal mask (``[b, 1, s, s]`` bool) and
+    RoPE's table (``[s, 1, 1, head_dim]`` fp32)."""
+    nbytes = s.act(s.hidden)
+    if "attn" in parts:
+        nbytes += s.micro_batch * s.seq * s.seq + (s.seq * s.head_dim * FP32 if s.rope else 0)
+    return nbytes
 
 
 def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                      policy: OffloadPolicy | None = None) -> GraphMemoryPlan:
     """``--cg-slot-capture`` on Megatron's PP = 1 order (one slot per layer): the pool, the GPU
     arenas (less the saves ``policy`` offloads, which ``host_arena_bytes`` counts), and the
-    boundary buffers: each graph's input, output and their gradients, and one layer's worth of
-    parameter-gradient buffers (layers of one layout share them: ``memory.param_grads``)."""
+    boundary buffers: each graph's inputs, its output and their gradients, and one layer's worth of
+    parameter-gradient buffers for the parameters the graph reaches (layers of one layout share
+    them: ``memory.param_grads``)."""
     parts = scope_parts(modules)
     programs = [_graph(shape, parts, f"L{index}.") for index, shape in enumerate(layers)]
     pool, live = PoolModel(), {}
@@ -435,7 +451,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         offloaded = 0 if policy is None else _offloaded_bytes(shape, parts, policy)
         arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
         host += offloaded
-    boundary = len(layers) * 4 * layers[0].act(layers[0].hidden) + BF16 * max(
+    boundary = sum(_static_inputs(shape, parts) + 3 * shape.act(shape.hidden) for shape in layers) + BF16 * max(
         _layer_parameters(shape, parts) for shape in layers)
     return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,
                            graphs=2 * len(programs), arena_bytes=arenas, boundary_bytes=boundary,

@@ -281,15 +281,25 @@ def test_slot_arenas_are_the_forwards_saves_less_its_output_plus_its_input():
     assert plan_slot_memory([big(rmsnorm=True)], ("mlp",)).arena_bytes == mlp - norm_stats // 2  # no mean
 
 
-def test_slot_boundaries_are_four_activations_per_graph_and_one_layers_parameter_gradients():
+def test_slot_boundaries_are_each_graphs_inputs_outputs_and_gradients_and_one_layers_parameter_gradients():
     from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
 
     shape = big()
     act = shape.act(shape.hidden)
     h, ffn = shape.hidden, shape.ffn
-    params = (2 * h + 3 * h * h + 3 * h + h * h + h) + (2 * h + h * ffn + ffn + ffn * h + h)
-    assert plan_slot_memory([shape] * 3, ()).boundary_bytes == 3 * 4 * act + 2 * params
-    assert plan_slot_memory([shape], ("attn",)).boundary_bytes == 4 * act + 2 * (2 * h + 3 * h * h + 3 * h + h * h + h)
+    attention = 2 * h + 3 * h * h + 3 * h + h * h + h  # norm, QKV, projection (weights and biases)
+    mlp = 2 * h + h * ffn + ffn + ffn * h + h
+    mask, rope = 2048 * 2048, 2048 * 64 * 4  # Megatron's causal mask (bool) and RoPE table (fp32) inputs
+    assert plan_slot_memory([shape] * 3, ()).boundary_bytes == 3 * (4 * act + mask + rope) + 2 * (attention + mlp)
+    assert plan_slot_memory([shape], ("attn",)).boundary_bytes == 4 * act + mask + rope + 2 * attention
+    assert plan_slot_memory([shape], ("mlp",)).boundary_bytes == 4 * act + 2 * mlp  # no attention: no mask, no table
+    # The tiny GPT's whole layers, as measured (docs/results/slot-plan-2026-12-01/s39: tiny_gpt_slot_offload).
+    assert plan_slot_memory([tiny()] * 2, ()).boundary_bytes == 4069888
+    # An MoE layer's graphed block brings its router and experts' gradients; an attn graph does not.
+    moe = tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=1024))
+    experts = 256 * 4 + 4 * (256 * 1024 + 512 * 256) + 2 * 256
+    assert plan_slot_memory([moe], ("attn", "moe")).boundary_bytes - plan_slot_memory([moe], ("attn",)).boundary_bytes \
+        == 2 * experts
 
 
 def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():

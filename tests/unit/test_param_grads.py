@@ -36,3 +36,12 @@ def test_other_layouts_get_buffers_of_their_own():
     assert moe[1].dtype == torch.bfloat16 and moe[2].stride() == (1, 8)  # the transposed layout is kept
     assert moe[4].data_ptr() not in {b.data_ptr() for b in dense}  # a third 8x8 in one capture: a new buffer
     assert new_bytes == 64 * 2 + 64 * 4 + 64 * 4
+
+
+def test_parameters_the_graphs_never_reach_get_no_buffer():
+    shared = ParamGradBuffers()
+    params = layer_params() + [torch.zeros(64, 8)]  # an expert weight an attention graph never touches
+    buffers, new_bytes = shared.take(params, reached=[True, True, True, False])
+    assert buffers[3] is None and new_bytes == (64 + 64 + 8) * 4 == shared.nbytes
+    later, _ = shared.take(params)  # a graph that reaches it gets one
+    assert later[3].shape == (64, 8)
