@@ -26,6 +26,10 @@ OFFLOAD_INSIDE_SCOPE = {
 }
 
 
+WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
+MOE_BLOCK_OFFLOADS = OFFLOAD_INSIDE_SCOPE["moe"]
+
+
 class RuleViolation(ValueError):
     """Flags a run cannot train with; the message lists each broken rule and its fix, a line each."""
 
@@ -135,6 +139,14 @@ class GraphFacts:
         scopes = self.modules or tuple(OFFLOAD_INSIDE_SCOPE)
         inside = frozenset().union(*(OFFLOAD_INSIDE_SCOPE.get(scope, frozenset()) for scope in scopes))
         return inside & frozenset(self.offload_modules)
+
+    @property
+    def unjoined_whole_layer_offloads(self) -> frozenset[str]:
+        """Offloaded groups Megatron 0.19.2 runs inside a whole-layer graph (transformer_layer.py
+        _set_offload_modules): attention's always; the pre-MLP norm and the experts' only on MoE layers
+        (a dense TE layer fuses its norms into the linears, so attn_norm and mlp_norm offload nothing)."""
+        inside = WHOLE_LAYER_OFFLOADS | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset())
+        return self.offloaded_in_graphs & inside
 
     def is_moe_layer(self, index: int) -> bool:
         """``index`` is 0-based, as in Megatron's ``moe_layer_freq``; a layer the pattern does not
@@ -259,13 +271,14 @@ RULES: tuple[Rule, ...] = (
          "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
          "--cuda-graph-warmup-steps 1 or more."),
     Rule("whole-layer-offload-unjoined", "megatron",
-         _graphs(lambda f: not f.modules and bool(f.offloaded_in_graphs) and not f.slot_capture and not f.graph_banks),
-         "Megatron joins its offload stream into a layer's graph only when --cuda-graph-modules names attn or mlp; "
-         "a whole-layer capture (no --cuda-graph-modules) with those saves offloaded fails in TE's capture with "
+         _graphs(lambda f: not f.modules and bool(f.unjoined_whole_layer_offloads) and not f.slot_capture
+                 and not f.graph_banks),
+         "Megatron joins its offload stream into a layer's graph only when --cuda-graph-modules names attn (or mlp), "
+         "so a whole-layer capture (no --cuda-graph-modules) with these saves offloaded fails in TE's capture with "
          "'capturing stream has unjoined work' (seen on megatron-core 0.19.2): pass --cuda-graph-modules attn mlp "
-         "(the same whole dense layer; attn moe for drop-and-pad MoE layers), or add --cg-slot-capture, whose graphs "
+         "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
          "offload inside themselves.",
-         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))})"),
+         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})"),
     Rule("slot-capture-pipeline", "plugin",
          _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
                                               or f.overlap_moe_expert_parallel_comm)),

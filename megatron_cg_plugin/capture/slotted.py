@@ -17,7 +17,8 @@ Sizes: one arena per slot, sized by the largest variant measured at warmup; boun
 (slot, I/O branch): variants with identical boundary layouts share it (as do variants naming the
 same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter gradients go through one buffer shared by every graph and
 are cloned after each backward replay (autograd may keep a returned gradient as ``.grad``), and
-captures that replay one at a time may share those buffers too (``memory.param_grads``).
+captures that replay one at a time may share those buffers too (``memory.param_grads``); parameters no
+warmup gave a gradient get none.
 """
 
 from __future__ import annotations
@@ -216,11 +217,19 @@ def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: 
 
 # ---------------------------------------------------------------------------------------------- graphs
 class _Boundary:
-    """The boundary storage of one (slot, I/O branch)."""
+    """The boundary storage of one (slot, I/O branch). With ``adopt_inputs`` the variant's sample
+    tensors are the static inputs, as in TE's graphs (the caller's sample arguments stay alive
+    anyway, so a copy would only double them); the forward graph reads its inputs when it replays,
+    and every replay copies in what is not already there, so even samples shared by several graphs
+    (Megatron's RoPE table) serve each one."""
 
-    def __init__(self, variant: Variant, measure: _Measure) -> None:
+    def __init__(self, variant: Variant, measure: _Measure, *, adopt_inputs: bool = False) -> None:
         self.inputs = []
+        self.adopted = adopt_inputs
         for sample in variant.sample_args:
+            if adopt_inputs:
+                self.inputs.append(sample)
+                continue
             static = torch.empty_strided(tuple(sample.shape), tuple(sample.stride()), dtype=sample.dtype,
                                          device=sample.device)
             self.inputs.append(static.requires_grad_(sample.requires_grad))
@@ -231,7 +240,8 @@ class _Boundary:
 
     @property
     def nbytes(self) -> int:
-        tensors = self.inputs + [g for g in self.grad_outputs if g is not None]
+        """The bytes this boundary allocated (adopted inputs are the caller's)."""
+        tensors = ([] if self.adopted else self.inputs) + [g for g in self.grad_outputs if g is not None]
         return sum(t.untyped_storage().nbytes() for t in tensors) + \
             sum(s.nbytes for s in self.outputs + [g for g in self.input_grads if g is not None])
 
@@ -240,7 +250,8 @@ class _Entry:
     """The graphs of one variant in one slot, and what their replays read and write."""
 
     def __init__(self, variant: Variant, slot: int, boundary: _Boundary, params: Sequence[torch.nn.Parameter],
-                 param_grads: Sequence[torch.Tensor], guard: SlotGuard | None, contract_check: str = "full") -> None:
+                 param_grads: Sequence[torch.Tensor | None], guard: SlotGuard | None,
+                 contract_check: str = "full") -> None:
         self.variant, self.slot, self.boundary = variant, slot, boundary
         self.params, self.param_grads = tuple(params), tuple(param_grads)
         self.guard = guard
@@ -528,7 +539,13 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     arenas = [Arena(arena_bytes, device, name=f"slot {slot}")
               for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
         if options.protect else []
-    boundaries = {(slot, branch_of[v.name]): _Boundary(v, measures[v.name]) for v, slot in placed}
+    boundaries: dict[tuple[int, Hashable], _Boundary] = {}
+    adopted: set[Hashable] = set()  # each variant's samples are one boundary's inputs at most
+    for v, slot in placed:
+        key = (slot, branch_of[v.name])
+        if key not in boundaries:
+            boundaries[key] = _Boundary(v, measures[v.name], adopt_inputs=v.name not in adopted)
+            adopted.add(v.name)
     # A buffer only for what some variant's warmup gave a gradient (an attn graph of an MoE layer reaches no expert).
     reached = [any(measure.params_used[index] for measure in measures.values()) for index in range(len(params))]
     param_grads, param_grad_bytes = (options.param_grads or ParamGradBuffers()).take(params, reached)
@@ -688,9 +705,13 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
             grad = next(input_grads) if static.requires_grad else None
             if surface is not None and grad is not None:
                 surface.load(grad)
-        for buffer, grad in zip(entry.param_grads, grads[len(inputs_with_grad):]):
+        for index, (buffer, grad) in enumerate(zip(entry.param_grads, grads[len(inputs_with_grad):])):
             if grad is not None:
-                assert buffer is not None, "a parameter the warmup gave no gradient got one at capture"
+                if buffer is None:
+                    raise RuntimeError(
+                        f"{entry.name}: parameter {index} got a gradient in the captured "
+                        "backward but none in warmup, so it has no buffer: the layer's backward reaches other "
+                        "parameters from one call to the next, which a graph cannot replay; keep it eager.")
                 buffer.copy_(grad)
         if isinstance(hooks, OffloadingArenaHooks):
             hooks.join_backward()  # a prefetched group the backward never unpacked is joined too

@@ -253,13 +253,16 @@ class MegatronTrainer:
 def cycled_microbatches(data_iterator: Any, count: int) -> Any:
     """A data iterator that serves ``count`` microbatches of ``data_iterator``, read now, again and
     again; wrapped as Megatron wraps its own (``RerunDataIterator``) so the rerun state machine
-    takes it. The original iterator is not touched again."""
+    takes it. The original iterator is not touched again. A rank without an iterator (a TP rank
+    that is handed its batches by broadcast) keeps None."""
     import itertools
 
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    if data_iterator is None or isinstance(data_iterator, list):
-        raise BenchError("--bench-cached-batches needs the single data iterator of a PP = 1, one-chunk run: "
+    if data_iterator is None:
+        return None
+    if isinstance(data_iterator, list):  # refuse_unbenchable stops this on every rank before any GPU work
+        raise BenchError("--bench-cached-batches needs one data iterator (no virtual pipeline stages): "
                          "drop --bench-cached-batches for this run.")
     try:
         cached = [next(data_iterator) for _ in range(count)]
@@ -361,6 +364,11 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
     if UNCHECKED_ARM in options.arms and getattr(args, "cg_contract_check", "full") != "full":
         raise BenchError(f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
                          f"leave --cg-contract-check at full (it is {args.cg_contract_check}).")
+    if options.cached_batches and (args.pipeline_model_parallel_size > 1
+                                   or getattr(args, "virtual_pipeline_model_parallel_size", None)):
+        raise BenchError("--bench-cached-batches caches the batches of a PP = 1 run (each stage of a pipeline reads "
+                         "its own part): drop --bench-cached-batches, or run the bench with "
+                         "--pipeline-model-parallel-size 1.")
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if set(options.arms) & set(SLOT_ARMS):  # the rules --cg-slot-capture itself would get

@@ -23,7 +23,9 @@ them (``plan.slots.arena_aligned``); the saves in-graph offload moves go to the 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import Iterator, Sequence
 
 from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
@@ -42,6 +44,7 @@ class MoeShape:
     rows: int  # token rows the experts see: E x capacity with drop-and-pad, tokens x top-k dropless
     shared_ffn: int = 0  # --moe-shared-expert-intermediate-size
     router_fp32: bool = False
+    router_experts: int | None = None  # the router's output width, every expert (EP splits only the experts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +62,7 @@ class LayerShape:
     bias: bool = True
     rmsnorm: bool = False
     rope: bool = False
+    rotary_dim: int | None = None  # RoPE's table width: head_dim x --rotary-percent (None: head_dim)
     hidden_dropout: bool = False
     deterministic: bool = True  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: cuDNN's deterministic backward
     moe: MoeShape | None = None
@@ -260,10 +264,11 @@ def bias_gelu_warmup_transient(s: LayerShape, parts: frozenset[str]) -> int:
 
 
 def _with_transient(reserved: int, layers: Sequence[LayerShape], parts: frozenset[str]) -> int:
-    transient = max(bias_gelu_warmup_transient(shape, parts) for shape in layers)
+    transient = max((bias_gelu_warmup_transient(shape, parts) for shape in layers), default=0)
     return reserved + (segment_size(transient) if transient else 0)
 
 
+MOE_OFFLOAD_GROUPS = frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"})  # saves of the MoE block
 SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "router"}
 
 
@@ -326,8 +331,8 @@ class GraphMemoryPlan:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
                  f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
         if self.arena_bytes is not None:
-            lines.append(f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; static "
-                         f"inputs, outputs, gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB")
+            lines.append(f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; outputs, "
+                         f"gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB")
         if self.host_arena_bytes is not None:
             lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
@@ -380,46 +385,67 @@ def _graph_output(shape: LayerShape, parts: frozenset[str]) -> str | None:
     return None
 
 
-def _layer_parameters(s: LayerShape, parts: frozenset[str]) -> int:
-    """Elements of one layer's parameters in the graphed parts (the slot path's gradient buffers)."""
+def _parameter_layouts(s: LayerShape, parts: frozenset[str]) -> collections.Counter:
+    """The shapes of one layer's parameters in the graphed parts, with their counts (the slot path
+    keeps one gradient buffer per parameter of a layout, shared by the layers)."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
-    norm = s.hidden * (1 if s.rmsnorm else 2)
-    bias = 1 if s.bias else 0
-    count = 0
+    shapes: collections.Counter = collections.Counter()
+
+    def linear(rows: int, cols: int, bias: bool) -> None:
+        shapes[(rows, cols)] += 1
+        if bias:
+            shapes[(rows,)] += 1
+
+    def norm() -> None:
+        shapes[(s.hidden,)] += 1 if s.rmsnorm else 2
+
+    def mlp(ffn: int, bias: bool) -> None:
+        linear(2 * ffn if s.gated else ffn, s.hidden, bias)
+        linear(s.hidden, ffn, bias)
+
     if "attn" in parts:
-        count += norm + s.hidden * (q + 2 * kv) + bias * (q + 2 * kv) + q * s.hidden + bias * s.hidden
+        norm()
+        linear(q + 2 * kv, s.hidden, s.bias)
+        linear(s.hidden, q, s.bias)
     if s.moe is None and "mlp" in parts:
-        fc1 = 2 * s.ffn if s.gated else s.ffn
-        count += norm + s.hidden * fc1 + bias * fc1 + s.ffn * s.hidden + bias * s.hidden
-    if s.moe is not None and "moe" in parts:  # Megatron's MoE layers have no linear biases in the experts
-        def mlp(ffn: int) -> int:
-            return s.hidden * (2 * ffn if s.gated else ffn) + ffn * s.hidden
-        count += norm + s.hidden * s.moe.experts + s.moe.experts * mlp(s.moe.ffn) + (mlp(s.moe.shared_ffn)
-                                                                                    if s.moe.shared_ffn else 0)
-    return count
+        norm()
+        mlp(s.ffn, s.bias)
+    if s.moe is not None and "moe" in parts:  # Megatron's experts have no linear biases
+        norm()
+        linear(s.moe.router_experts or s.moe.experts, s.hidden, False)
+        for _ in range(s.moe.experts):
+            mlp(s.moe.ffn, False)
+        if s.moe.shared_ffn:
+            mlp(s.moe.shared_ffn, False)
+    return shapes
 
 
-def _static_inputs(s: LayerShape, parts: frozenset[str]) -> int:
-    """Bytes of the inputs Megatron hands a layer's graph (``TECudaGraphHelper``'s sample arguments):
-    the hidden states, and with attention in the graph its causal mask (``[b, 1, s, s]`` bool) and
-    RoPE's table (``[s, 1, 1, head_dim]`` fp32)."""
-    nbytes = s.act(s.hidden)
-    if "attn" in parts:
-        nbytes += s.micro_batch * s.seq * s.seq + (s.seq * s.head_dim * FP32 if s.rope else 0)
-    return nbytes
+def _parameter_gradient_bytes(layers: Sequence[LayerShape], parts: frozenset[str]) -> int:
+    """The slot path's shared parameter-gradient buffers: per layout, as many as the layer that has
+    the most of it (a dense layer's MLP and an MoE layer's experts each keep their own), bf16."""
+    most: collections.Counter = collections.Counter()
+    for shape in layers:
+        most |= _parameter_layouts(shape, parts)
+    return BF16 * sum(math.prod(layout) * count for layout, count in most.items())
+
+
+def _rotary_dim(s: LayerShape) -> int:
+    return s.head_dim if s.rotary_dim is None else s.rotary_dim
 
 
 def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                      policy: OffloadPolicy | None = None) -> GraphMemoryPlan:
-    """``--cg-slot-capture`` on Megatron's PP = 1 order (one slot per layer): the pool, the GPU
-    arenas (less the saves ``policy`` offloads, which ``host_arena_bytes`` counts), and the
-    boundary buffers: each graph's inputs, its output and their gradients, and one layer's worth of
+    """``--cg-slot-capture`` with one slot per layer (PP = 1; the slot backend captures each
+    layer's forward and backward, layer by layer, into one pool whose blocks each capture frees at
+    its end, so the order does not change the pool): the pool, the GPU arenas (less the saves ``policy`` offloads, which ``host_arena_bytes`` counts), and the
+    boundary buffers: each graph's output and the gradients of its output and input, and one layer's worth of
     parameter-gradient buffers for the parameters the graph reaches (layers of one layout share
     them: ``memory.param_grads``)."""
     parts = scope_parts(modules)
     programs = [_graph(shape, parts, f"L{index}.") for index, shape in enumerate(layers)]
     pool, live = PoolModel(), {}
-    for ops in [fwd.ops for fwd, _ in programs] + [bwd.ops for _, bwd in reversed(programs)]:
+
+    def capture(ops: list[tuple[str, str, int]], keep: str | None = None) -> list[str]:
         mine = []
         for action, name, nbytes in ops:
             if action == "alloc":
@@ -428,14 +454,24 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
             elif name in live:
                 pool.free(live.pop(name))
         for name in mine:  # copied into the arena or the boundary buffers: free when the capture ends
-            if name in live:
+            if name in live and name != keep:
                 pool.free(live.pop(name))
+        return mine
+
+    for shape, (fwd, bwd) in zip(layers, programs):
+        output = _graph_output(shape, parts)
+        kept = fwd.prefix + output if output else None
+        capture(fwd.ops, keep=kept)  # the forward's output block stays until its backward is captured
+        capture(bwd.ops)
+        if kept in live:
+            pool.free(live.pop(kept))
     arenas = host = 0
     for shape, (fwd, _) in zip(layers, programs):
         output = _graph_output(shape, parts)
         if output is None:
-            raise ValueError("the slot-capture planner does not model graphs that end inside the MoE block "
-                             "(--cuda-graph-modules moe_router / moe_preprocess).")
+            raise ValueError(f"the slot-capture planner models graphs that hold attention, the dense MLP or the whole "
+                             f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
+                             f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
         kept: dict[str, int] = {}
         for action, name, nbytes in fwd.ops:
             if action == "alloc":
@@ -447,14 +483,15 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         if "attn" in parts:  # TE's fused attention saves the full cu_seqlens it makes for an unpacked batch
             kept["cu_seqlens"] = (shape.micro_batch + 1) * INT32
         if "attn" in parts and shape.rope:
-            kept["rope.freqs"] = shape.seq * shape.head_dim * FP32
+            kept["rope.freqs"] = shape.seq * _rotary_dim(shape) * FP32
         offloaded = 0 if policy is None else _offloaded_bytes(shape, parts, policy)
         arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
         host += offloaded
-    boundary = sum(_static_inputs(shape, parts) + 3 * shape.act(shape.hidden) for shape in layers) + BF16 * max(
-        _layer_parameters(shape, parts) for shape in layers)
+    # Megatron's sample arguments are the static inputs (capture.slotted adopts them), so the boundary
+    # buffers are each graph's output, its gradient and the input's gradient.
+    boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
     return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,
-                           graphs=2 * len(programs), arena_bytes=arenas, boundary_bytes=boundary,
+                           graphs=len(programs), arena_bytes=arenas, boundary_bytes=boundary,
                            host_arena_bytes=None if policy is None else host)
 
 
@@ -507,6 +544,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 
     capture = plan_capture(facts)
+    policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
     unpredicted = [what for what, present in (
         ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
         ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
@@ -520,6 +558,13 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),
         ("Megatron's activation offloading (its offloaded saves leave the pool)",
          (facts.activation_offloading and not facts.slot_capture) or facts.cpu_offloading),
+        ("context parallelism (one rank's share of the sequence, without CP's communication buffers)",
+         facts.context_parallel > 1),
+        ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
+         facts.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
+         and "moe" in scope_parts(facts.modules) and facts.has_moe_layers),
+        ("the staging ring of --cg-offload-copies between-replays (in the measured GPU arenas)",
+         facts.slot_capture and policy is not None and getattr(args, "cg_offload_copies", None) == "between-replays"),
     ) if present]
     tp, cp = facts.tensor_parallel, facts.context_parallel
     heads = args.num_attention_heads
@@ -530,7 +575,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ffn=args.ffn_hidden_size // tp, heads=max(1, heads // tp), query_groups=max(1, groups // tp),
         head_dim=head_dim, gated=bool(args.swiglu), bias=bool(args.add_bias_linear),
         rmsnorm=args.normalization == "RMSNorm", rope=args.position_embedding_type in ("rope", "yarn"),
-        hidden_dropout=args.hidden_dropout > 0, deterministic=deterministic)
+        hidden_dropout=args.hidden_dropout > 0, deterministic=deterministic,
+        rotary_dim=int(head_dim * getattr(args, "rotary_percent", 1.0)))
     moe_shape = None
     if facts.num_experts:
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
@@ -540,14 +586,15 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         rows = local * capacity.tokens_per_local_expert if capacity else dense.tokens * args.moe_router_topk
         moe_shape = MoeShape(experts=local, topk=args.moe_router_topk, ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                              rows=rows, shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
-                             router_fp32=getattr(args, "moe_router_dtype", None) == "fp32")
+                             router_fp32=getattr(args, "moe_router_dtype", None) == "fp32",
+                             router_experts=facts.num_experts)
     first = set(capture.first_stage_layers)
     layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None)
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
     if facts.slot_capture:
-        plan = plan_slot_memory(layers, facts.modules, OffloadPolicy.from_args(args))
+        plan = plan_slot_memory(layers, facts.modules, policy)
     else:
         plan = plan_graph_memory(layers, facts.modules)
     return dataclasses.replace(plan, unpredicted=tuple(unpredicted))

@@ -422,6 +422,20 @@ def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
     assert "banks-scope" not in names(dataclasses.replace(facts, num_experts=None, modules=("attn",)))
 
 
+@pytest.mark.parametrize("offloaded, moe, fires", [
+    (("core_attn",), False, True),  # seen failing on the H200 (s38)
+    (("attn_norm", "mlp_norm"), False, False),  # a dense TE layer's norms are fused: nothing is offloaded
+    (("mlp_norm",), True, True),  # an MoE layer's pre-MLP norm is a module of its own
+    (("expert_fc1", "moe_act"), True, True),
+])
+def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_graph(offloaded, moe, fires):
+    facts = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, offload_modules=offloaded,
+                       **(MOE_DROP_PAD if moe else {}))
+    assert ("whole-layer-offload-unjoined" in names(facts)) == fires
+    assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, modules=("attn", "mlp")))
+    assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, slot_capture=True))
+
+
 @pytest.mark.parametrize("modules, offloaded, inside", [
     ((), ("core_attn", "expert_fc1"), {"core_attn", "expert_fc1"}),  # whole layer: everything is inside
     (("attn",), ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"), {"attn_norm", "core_attn", "attn_proj"}),

@@ -252,3 +252,22 @@ def test_returned_parameter_gradients_are_copies_of_the_shared_buffer():
     returned = entry.replay_backward((None,))[-1]
     buffer.fill_(5.0)  # the next layer's backward replay
     assert returned.data_ptr() != buffer.data_ptr() and torch.equal(returned, torch.full((3,), 3.0))
+
+
+def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_allocated():
+    from megatron_cg_plugin.capture.slotted import _Boundary, _Entry
+
+    sample, table = torch.zeros(4, 6, requires_grad=True), torch.arange(6.0)  # a RoPE-like table shared by graphs
+    variant = Variant("v", lambda x, t: x * t, (sample, table))
+    measure = _measure(BASE, input_grads=(BASE, None))
+    adopted, copied = _Boundary(variant, measure, adopt_inputs=True), _Boundary(variant, measure)
+    assert adopted.inputs[0] is sample and adopted.inputs[1] is table  # as TE's graphs do: no second copy
+    assert copied.inputs[0].data_ptr() != sample.data_ptr() and copied.inputs[0].requires_grad
+    input_bytes = (24 + 6) * 4
+    assert copied.nbytes - adopted.nbytes == input_bytes  # the caller's samples are not this boundary's bytes
+    # A replay copies in whatever is not at the static input's address, so a shared sample serves each graph.
+    entry = _Entry(variant, 0, adopted, [], [], None, "off")
+    entry.forward_graph = FakeGraph()
+    other = torch.ones(6)
+    entry.replay_forward((torch.ones(4, 6), other))
+    assert torch.equal(table, other) and torch.equal(sample.detach(), torch.ones(4, 6))
