@@ -17,8 +17,9 @@ forward leaves for its backward is copied into the layer's arena, and every grap
 parameter gradient lives in buffers outside the pool (``capture.slotted``), so each graph's pool
 blocks are free again when its capture ends and the pool is sized by the largest graph. The arena
 is what the forward program keeps alive past its end, less the graph's output, plus the graph's
-input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage aligned as the arenas align
-them (``plan.slots.arena_aligned``); the saves in-graph offload moves go to the host instead.
+input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage
+aligned as the arenas align them (``plan.slots.arena_aligned``); the saves in-graph offload moves
+go to the host instead.
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ class GraphMemoryPlan:
     unpredicted: tuple[str, ...] = ()  # parts of the run the prediction leaves out
     host_arena_bytes: int | None = None  # --cg-slot-capture with offload: the layers' pinned host arenas
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
-    # --cg-slot-capture: the graphs' inputs, outputs and gradients and the parameter-gradient buffers (outside the pool)
+    # --cg-slot-capture: the graphs' outputs and gradients and the parameter-gradient buffers (outside the pool)
     boundary_bytes: int | None = None
 
     def describe(self) -> str:
@@ -435,17 +436,16 @@ def _rotary_dim(s: LayerShape) -> int:
 
 def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                      policy: OffloadPolicy | None = None) -> GraphMemoryPlan:
-    """``--cg-slot-capture`` with one slot per layer (PP = 1; the slot backend captures each
-    layer's forward and backward, layer by layer, into one pool whose blocks each capture frees at
-    its end, so the order does not change the pool): the pool, the GPU arenas (less the saves ``policy`` offloads, which ``host_arena_bytes`` counts), and the
-    boundary buffers: each graph's output and the gradients of its output and input, and one layer's worth of
-    parameter-gradient buffers for the parameters the graph reaches (layers of one layout share
-    them: ``memory.param_grads``)."""
+    """``--cg-slot-capture`` with one slot per layer (PP = 1): the pool, the GPU arenas (less the
+    saves ``policy`` offloads, which ``host_arena_bytes`` counts) and the boundary buffers: each
+    graph's output and the gradients of its output and input, and the parameter-gradient buffers
+    of the parameters the graphs reach (shared by layout: ``memory.param_grads``). The slot backend
+    captures each layer's forward, then its backward, into one pool; each capture frees its blocks
+    when it ends, except the forward's output, which lives until its backward is captured."""
     parts = scope_parts(modules)
-    programs = [_graph(shape, parts, f"L{index}.") for index, shape in enumerate(layers)]
     pool, live = PoolModel(), {}
 
-    def capture(ops: list[tuple[str, str, int]], keep: str | None = None) -> list[str]:
+    def capture(ops: list[tuple[str, str, int]], keep: str | None = None) -> None:
         mine = []
         for action, name, nbytes in ops:
             if action == "alloc":
@@ -456,22 +456,18 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         for name in mine:  # copied into the arena or the boundary buffers: free when the capture ends
             if name in live and name != keep:
                 pool.free(live.pop(name))
-        return mine
 
-    for shape, (fwd, bwd) in zip(layers, programs):
-        output = _graph_output(shape, parts)
-        kept = fwd.prefix + output if output else None
-        capture(fwd.ops, keep=kept)  # the forward's output block stays until its backward is captured
-        capture(bwd.ops)
-        if kept in live:
-            pool.free(live.pop(kept))
     arenas = host = 0
-    for shape, (fwd, _) in zip(layers, programs):
+    for index, shape in enumerate(layers):
         output = _graph_output(shape, parts)
         if output is None:
             raise ValueError(f"the slot-capture planner models graphs that hold attention, the dense MLP or the whole "
                              f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
                              f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
+        fwd, bwd = _graph(shape, parts, f"L{index}.")
+        capture(fwd.ops, keep=fwd.prefix + output)
+        capture(bwd.ops)
+        pool.free(live.pop(fwd.prefix + output))
         kept: dict[str, int] = {}
         for action, name, nbytes in fwd.ops:
             if action == "alloc":
@@ -491,7 +487,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
     return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,
-                           graphs=len(programs), arena_bytes=arenas, boundary_bytes=boundary,
+                           graphs=len(layers), arena_bytes=arenas, boundary_bytes=boundary,
                            host_arena_bytes=None if policy is None else host)
 
 
@@ -523,16 +519,9 @@ def attention_saves(s: LayerShape) -> list[Save]:
                     Save("rng", 16, 2, "core_attn"), save("o", q, "attn_proj")]
 
 
-def offloaded_host_bytes(layers: Sequence[LayerShape], modules: Sequence[str], policy: OffloadPolicy) -> int:
-    """The pinned host arenas of in-graph offload under ``--cg-slot-capture`` (one per layer): the
-    storages ``plan.offload.plan_offload`` moves out of each layer's attention saves (the only
-    graphed saves Megatron's offload groups hold; a dropless MoE block is never graphed, and Megatron
-    refuses offload with drop-and-pad)."""
-    parts = scope_parts(modules)
-    return sum(_offloaded_bytes(shape, parts, policy) for shape in layers)
-
-
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
+    """What in-graph offload moves out of one layer's arena: the attention storages every save of
+    which Megatron's offload groups hold (``plan.offload.plan_offload``)."""
     return plan_offload(attention_saves(shape), policy).host_bytes if "attn" in parts else 0
 
 

@@ -190,8 +190,13 @@ def big(**changes):
                           "head_dim": 64, "rope": True} | changes))
 
 
+def offloaded_host_bytes(layers, modules, policy):
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+
+    return plan_slot_memory(layers, modules, policy).host_arena_bytes
+
+
 def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_groups_offload():
-    from megatron_cg_plugin.plan.graph_memory import offloaded_host_bytes
     from megatron_cg_plugin.plan.offload import OffloadPolicy
 
     act = 2048 * 1024 * 2  # a [tokens, hidden] bf16 activation: 4 MiB
