@@ -392,3 +392,34 @@ def test_what_the_slot_plan_leaves_out_is_named():
     cp = plan_from_args(megatron_args(context_parallel_size=2), GraphFacts(
         cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), deterministic=True)
     assert any("context parallelism" in what for what in cp.unpredicted)
+
+
+DENSE_SHAPES = st.builds(
+    lambda seq, mb, heads, groups, head_dim, ffn_mult, gated, bias, rmsnorm, rope: LayerShape(
+        seq=seq, micro_batch=mb, hidden=heads * head_dim, ffn=heads * head_dim * ffn_mult, heads=heads,
+        query_groups=groups if heads % groups == 0 else heads, head_dim=head_dim, gated=gated, bias=bias,
+        rmsnorm=rmsnorm, rope=rope),
+    st.sampled_from([128, 256, 512, 2048]), st.integers(1, 2), st.sampled_from([2, 4, 8]), st.sampled_from([1, 2, 4]),
+    st.sampled_from([32, 64]), st.integers(2, 4), st.booleans(), st.booleans(), st.booleans(), st.booleans())
+POLICIES = st.builds(lambda modules, minimum: (tuple(sorted(modules)), minimum),
+                     st.sets(st.sampled_from(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
+                             min_size=1), st.sampled_from([0, 65536, 1024 * 1024]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(DENSE_SHAPES, st.integers(1, 3), st.sampled_from([(), ("attn",), ("mlp",), ("attn", "mlp")]), POLICIES)
+def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(shape, layers, modules, policy):
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+    kept = plan_slot_memory([shape] * layers, modules)
+    offloaded = plan_slot_memory([shape] * layers, modules, OffloadPolicy.from_flags(policy[0],
+                                                                                     min_tensor_elements=policy[1]))
+    assert offloaded.arena_bytes + offloaded.host_arena_bytes == kept.arena_bytes  # every byte goes one way
+    assert 0 <= offloaded.host_arena_bytes <= kept.arena_bytes
+    assert (offloaded.pool_bytes, offloaded.boundary_bytes) == (kept.pool_bytes, kept.boundary_bytes)
+    # More identical layers: arenas and boundary activations add up, the shared pool and buffers do not grow.
+    more = plan_slot_memory([shape] * (layers + 1), modules)
+    assert more.arena_bytes - kept.arena_bytes == kept.arena_bytes // layers
+    assert more.pool_bytes == kept.pool_bytes
+    assert more.boundary_bytes - kept.boundary_bytes == 3 * shape.act(shape.hidden)
