@@ -192,11 +192,50 @@ def from_json(data: dict[str, Any]) -> BenchResult:
                        data.get("copies", {}))
 
 
+def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) -> None:
+    """One arm's profiled host operators (``--bench-profile-dir``): per operator, calls and self
+    CPU microseconds per step."""
+    path.write_text(json.dumps({"steps": steps, "per_step": {
+        name: {"calls": count / steps, "self_cpu_us": micros / steps} for name, (count, micros) in ops.items()}},
+        indent=1))
+
+
+def host_ops_diff(first: Path, second: Path, *, rows: int = 25) -> str:
+    """Where two arms' host time per step differs: operators by self CPU time of ``first`` minus
+    ``second``, largest differences first (the first file's arm is the one asked about)."""
+    a, b = (json.loads(path.read_text())["per_step"] for path in (first, second))
+    empty = {"calls": 0.0, "self_cpu_us": 0.0}
+    deltas = sorted(((name, a.get(name, empty), b.get(name, empty)) for name in set(a) | set(b)),
+                    key=lambda item: -abs(item[1]["self_cpu_us"] - item[2]["self_cpu_us"]))
+    total = sum(x["self_cpu_us"] for x in a.values()) - sum(x["self_cpu_us"] for x in b.values())
+    lines = [f"host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us", "",
+             "| operator | us per step, difference | first | second | calls per step, first / second |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{name}` | {x['self_cpu_us'] - y['self_cpu_us']:+.1f} | {x['self_cpu_us']:.1f} | "
+              f"{y['self_cpu_us']:.1f} | {x['calls']:g} / {y['calls']:g} |" for name, x, y in deltas[:rows]]
+    return "\n".join(lines)
+
+
+USAGE = ("usage: python -m megatron_cg_plugin.bench_output BENCH_JSON  (draws bench.png beside it)\n"
+         "       python -m megatron_cg_plugin.bench_output --host-diff DIR ARM OTHER_ARM  "
+         "(the --bench-profile-dir operators where two arms differ)")
+
+
 def main(argv: Sequence[str]) -> int:
-    """``python -m megatron_cg_plugin.bench_output bench.json``: draws bench.png beside it (for a
-    bench run with --bench-no-plot on a host without matplotlib)."""
+    """``python -m megatron_cg_plugin.bench_output bench.json`` draws bench.png beside it (for a
+    bench run with --bench-no-plot on a host without matplotlib); ``--host-diff DIR ARM OTHER``
+    prints where two arms' profiled host time differs."""
+    if len(argv) == 4 and argv[0] == "--host-diff":
+        paths = [Path(argv[1]) / f"{arm}.host_ops.json" for arm in argv[2:]]
+        missing = [str(path) for path in paths if not path.exists()]
+        if missing:
+            print(f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir {argv[1]} and both arms "
+                  "in --bench-arms.")
+            return 2
+        print(host_ops_diff(*paths))
+        return 0
     if len(argv) != 1:
-        print("usage: python -m megatron_cg_plugin.bench_output BENCH_JSON")
+        print(USAGE)
         return 2
     source = Path(argv[0])
     plot(from_json(json.loads(source.read_text())), source.with_suffix(".png"))

@@ -294,9 +294,12 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
         torch.cuda.synchronize()
     if table_dir is not None:
         table_dir.mkdir(parents=True, exist_ok=True)
+        averages = trace.key_averages()
         (table_dir / f"{arm}.host_ops.txt").write_text(
             f"{steps} profiled steps of the {arm} arm\n"
-            + trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+            + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        bench_output.write_host_ops(table_dir / f"{arm}.host_ops.json", steps,
+                                    {op.key: (op.count, op.self_cpu_time_total) for op in averages})
     by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
     for event in trace.events():
         if event.device_type == DeviceType.CUDA:

@@ -396,3 +396,20 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     for _ in range(3):
         trainer.step()
     assert seen == list("abcdabcd" "ab")[:6]
+
+
+def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys):
+    bench_output.write_host_ops(tmp_path / "plugin.host_ops.json", 3, {
+        "aten::copy_": (30, 3000.0), "contract_check": (12, 600.0), "aten::add": (3, 30.0)})
+    bench_output.write_host_ops(tmp_path / "stock.host_ops.json", 3, {"aten::copy_": (30, 2700.0), "aten::add": (3, 33.0)})
+    table = bench_output.host_ops_diff(tmp_path / "plugin.host_ops.json", tmp_path / "stock.host_ops.json")
+    assert table.startswith("host time per step, plugin - stock: +299 us")  # (3630 - 2733) / 3 steps
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert rows == ["| `contract_check` | +200.0 | 200.0 | 0.0 | 4 / 0 |",  # only the first arm runs it
+                    "| `aten::copy_` | +100.0 | 1000.0 | 900.0 | 10 / 10 |",
+                    "| `aten::add` | -1.0 | 10.0 | 11.0 | 1 / 1 |"]
+    assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "stock"]) == 0
+    assert "aten::copy_" in capsys.readouterr().out
+    assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "eager"]) == 2
+    assert "run megatron-cg bench with --bench-profile-dir" in capsys.readouterr().out
+    assert bench_output.main([]) == 2
