@@ -32,7 +32,7 @@ class ScopeReport:
     capture_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase of capture_seconds
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     host_arena_bytes: int | None = None  # their pinned host arenas (in-graph offload)
-    boundary_bytes: int | None = None  # their graphs' inputs, outputs, gradients and parameter-gradient buffers
+    boundary_bytes: int | None = None  # their graphs' outputs, gradients, copied inputs, parameter-gradient buffers
     offloaded_bytes: int | None = None  # moved to the host by the replays counted (per-replay bytes x replays)
     offload_groups_flushed: int | None = None  # Megatron's delayed offload groups seen flushed after the replays
 

@@ -87,6 +87,9 @@ class GraphFacts:
     # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
     # them; a user's script may set them on args)
     fp8_attention: bool = False
+    # Megatron's TE layer fuses the input norm into the QKV linear, except multi-latent attention
+    # without --mla-down-proj-fusion (gpt_layer_specs.py): there attn_norm offloads a real norm's saves.
+    input_norm_fused: bool = True
     fp4: bool = False  # --fp4-format
     device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
     cuda_version: tuple[int, int] | None = None  # torch's CUDA build
@@ -143,9 +146,11 @@ class GraphFacts:
     @property
     def unjoined_whole_layer_offloads(self) -> frozenset[str]:
         """Offloaded groups Megatron 0.19.2 runs inside a whole-layer graph (transformer_layer.py
-        _set_offload_modules): attention's always; the pre-MLP norm and the experts' only on MoE layers
-        (a dense TE layer fuses its norms into the linears, so attn_norm and mlp_norm offload nothing)."""
-        inside = WHOLE_LAYER_OFFLOADS | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset())
+        _set_offload_modules): attention's always; the pre-MLP norm and the experts' only on MoE layers;
+        the input norm's only where it is not fused (a dense TE layer fuses its norms into the linears,
+        so attn_norm and mlp_norm offload nothing there)."""
+        inside = WHOLE_LAYER_OFFLOADS | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset()) | (
+            frozenset() if self.input_norm_fused else frozenset({"attn_norm"}))
         return self.offloaded_in_graphs & inside
 
     def is_moe_layer(self, index: int) -> bool:
@@ -454,6 +459,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8=getattr(args, "fp8", None) is not None,
         fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
                        or "delayed"),
+        input_norm_fused=not (getattr(args, "multi_latent_attention", False)
+                              and not getattr(args, "mla_down_proj_fusion", False)),
         fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
                            or getattr(args, "fp8_multi_head_attention", False)),
         fp4=getattr(args, "fp4", None) is not None,

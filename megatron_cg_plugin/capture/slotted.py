@@ -58,7 +58,9 @@ class Variant:
 
     Variants with the same ``io_branch`` share boundary storage in each slot (their inputs, outputs
     and gradients must then have identical layouts, or capture is refused); without one, variants
-    share it exactly when their layouts are identical.
+    share it exactly when their layouts are identical. As with TE's graphs, the sample tensors may
+    become the static inputs of a slot (``_Boundary``): replays write their arguments into them, so
+    keep no other use for them.
     """
 
     name: Hashable
@@ -116,7 +118,8 @@ class SlottedStats:
     pool_bytes: int  # reserved by the shared pool
     arena_bytes: int
     slot_arena_bytes: tuple[int, ...]  # per slot: the largest frame of the variants the plan puts there
-    boundary_bytes: int  # inputs, outputs, incoming and returned gradients, the parameter-gradient buffers it added
+    boundary_bytes: int  # inputs it copied (adopted samples are the caller's), outputs, incoming and returned
+    # gradients, the parameter-gradient buffers it added
     saved_bytes: dict[Hashable, int]  # per variant, measured at warmup
     ctx_tensors: dict[Hashable, int]  # per variant: tensors found on ctx and protected
     retained_bytes: int  # pool blocks still allocated after every capture (library workspaces)
@@ -216,18 +219,30 @@ def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: 
 
 
 # ---------------------------------------------------------------------------------------------- graphs
+def _adoptable(samples: Sequence[torch.Tensor]) -> list[bool]:
+    """Which samples can be static inputs themselves: each owns exactly its storage (a view of a
+    larger tensor would be saved and copied whole, and warmup measured a compact clone), is no
+    parameter (a replay writes its input in), and shares no storage with another sample (one
+    static input would then serve two arguments)."""
+    storages = [s.untyped_storage().data_ptr() for s in samples]
+    return [not isinstance(s, torch.nn.Parameter) and s.storage_offset() == 0 and storages.count(storages[i]) == 1
+            and s.untyped_storage().nbytes() == span_elements(s) * s.element_size()
+            for i, s in enumerate(samples)]
+
+
 class _Boundary:
     """The boundary storage of one (slot, I/O branch). With ``adopt_inputs`` the variant's sample
-    tensors are the static inputs, as in TE's graphs (the caller's sample arguments stay alive
-    anyway, so a copy would only double them); the forward graph reads its inputs when it replays,
-    and every replay copies in what is not already there, so even samples shared by several graphs
-    (Megatron's RoPE table) serve each one."""
+    tensors that can be (``_adoptable``) are the static inputs, as in TE's graphs (the caller's
+    sample arguments stay alive anyway, so a copy would only double them): replays then write into
+    the caller's samples. The forward graph reads its inputs when it replays, and every replay copies
+    in what is not already there, so even samples shared by several graphs (Megatron's RoPE table)
+    serve each one."""
 
     def __init__(self, variant: Variant, measure: _Measure, *, adopt_inputs: bool = False) -> None:
         self.inputs = []
-        self.adopted = adopt_inputs
-        for sample in variant.sample_args:
-            if adopt_inputs:
+        self.adopted = _adoptable(variant.sample_args) if adopt_inputs else [False] * len(variant.sample_args)
+        for sample, adopted in zip(variant.sample_args, self.adopted):
+            if adopted:
                 self.inputs.append(sample)
                 continue
             static = torch.empty_strided(tuple(sample.shape), tuple(sample.stride()), dtype=sample.dtype,
@@ -241,7 +256,8 @@ class _Boundary:
     @property
     def nbytes(self) -> int:
         """The bytes this boundary allocated (adopted inputs are the caller's)."""
-        tensors = ([] if self.adopted else self.inputs) + [g for g in self.grad_outputs if g is not None]
+        tensors = [t for t, adopted in zip(self.inputs, self.adopted) if not adopted] + \
+            [g for g in self.grad_outputs if g is not None]
         return sum(t.untyped_storage().nbytes() for t in tensors) + \
             sum(s.nbytes for s in self.outputs + [g for g in self.input_grads if g is not None])
 

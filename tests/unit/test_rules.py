@@ -2,6 +2,7 @@
 read from a real Megatron namespace are the ones the rules need."""
 
 import dataclasses
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -339,6 +340,13 @@ def test_facts_from_parsed_dense_namespace(parse):
     assert facts.num_experts is None and not facts.moe
     assert facts.recompute_granularity == "full"
     assert facts.gradient_accumulation_fusion is True
+    assert facts.input_norm_fused  # standard attention: the input norm is in TE's QKV linear
+    mla = facts_from_args(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True})), te_available=True,
+                          apex_fused_wgrad=False, env={})
+    assert not mla.input_norm_fused
+    assert facts_from_args(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True,
+                                                                   "mla_down_proj_fusion": True})),
+                           te_available=True, apex_fused_wgrad=False, env={}).input_norm_fused
     # full recompute is graph-only; the missing APEX kernel is not
     assert names(facts) == ["gradient-accumulation-fusion"]
 
@@ -434,6 +442,11 @@ def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_gr
     assert ("whole-layer-offload-unjoined" in names(facts)) == fires
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, modules=("attn", "mlp")))
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, slot_capture=True))
+
+    # Multi-latent attention without the fused down-projection keeps a real input norm: attn_norm offloads it.
+    unfused = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, offload_modules=("attn_norm",),
+                         input_norm_fused=False)
+    assert "whole-layer-offload-unjoined" in names(unfused)
 
 
 @pytest.mark.parametrize("modules, offloaded, inside", [

@@ -271,3 +271,19 @@ def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_
     other = torch.ones(6)
     entry.replay_forward((torch.ones(4, 6), other))
     assert torch.equal(table, other) and torch.equal(sample.detach(), torch.ones(4, 6))
+
+
+def test_only_samples_that_own_their_storage_alone_are_adopted():
+    from megatron_cg_plugin.capture.slotted import _Boundary
+
+    base = torch.zeros(64, 6)
+    twice = torch.zeros(4, 6)
+    samples = (torch.zeros(4, 6), base[:4], twice, twice, torch.nn.Parameter(torch.zeros(6)), torch.zeros(6, 4).t())
+    boundary = _Boundary(Variant("v", lambda *a: a[0], samples), _measure(BASE), adopt_inputs=True)
+    # Own compact storage: adopted (a transposed tensor spans its storage too); a view of a larger
+    # tensor, one tensor passed twice and a parameter get copies.
+    assert boundary.adopted == [True, False, False, False, False, True]
+    assert boundary.inputs[1].untyped_storage().nbytes() == 4 * 6 * 4  # the copy is compact
+    assert boundary.inputs[2].data_ptr() != boundary.inputs[3].data_ptr()  # two arguments, two static inputs
+    copied = _Boundary(Variant("v", lambda *a: a[0], samples), _measure(BASE))
+    assert copied.nbytes - boundary.nbytes == 4 * (24 + 24)  # the two adopted samples are the caller's bytes
