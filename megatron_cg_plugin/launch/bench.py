@@ -201,8 +201,7 @@ class MegatronTrainer:
         self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
         _, data_iterator, self.model, self.optimizer, _, self.config, _ = step_args
         if cached_microbatches:
-            step_args = (step_args[0], cycled_microbatches(data_iterator, cached_microbatches), *step_args[2:])
-            self.step_args = step_args
+            self.step_args = (step_args[0], cycled_microbatches(data_iterator, cached_microbatches), *step_args[2:])
         self.iteration = self.step_kwargs.pop("iteration", None) or 0
         self.last: Any = None
         plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
@@ -269,8 +268,6 @@ def cycled_microbatches(data_iterator: Any, count: int) -> Any:
     except StopIteration:
         raise BenchError(f"--bench-cached-batches: the dataset ran out before {count} microbatches; "
                          "ask for fewer.") from None
-    if isinstance(data_iterator, RerunDataIterator):
-        data_iterator.advance()  # what it saved for a rerun of this step is not this step's any more
     return RerunDataIterator(itertools.cycle(cached))
 
 
