@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -14,10 +15,21 @@ ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelp
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
 # (--cg-slot-capture), without and with offload of the modules Megatron's offload flags name, the
 # copies inside the graphs (slot-offload) or between replays (slot-offload-staged): --cg-offload-copies.
+# slot-offload-w<N>, slot-offload-staged-w<N>: the same with --cg-offload-window N (without: the run's
+# window), so windows can be compared in one process.
 SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
+WINDOW_ARM = re.compile(r"(slot-offload(?:-staged)?)-w(\d+)")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
 ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
+
+
+def is_slot_arm(arm: str) -> bool:
+    return arm in SLOT_ARMS or WINDOW_ARM.fullmatch(arm) is not None
+
+
+def is_known_arm(arm: str) -> bool:
+    return arm in ALL_ARMS or is_slot_arm(arm)
 
 
 class BenchOutputError(RuntimeError):

@@ -66,6 +66,12 @@ class PluginConfig:
             or ``between-replays`` (the graphs stage them in a ring of two GPU buffers shared by the
             layers, and one copy per layer and direction runs between replays). In-graph measured
             faster on the 12x1024 bench (docs/results/offload-2026-12-01).
+        offload_window: how far the offload copies may run beside the compute. In-graph copies:
+            how many of Megatron's offload groups' copies may run beside the group being staged
+            (forward) or unpacked (backward); up to ``window + 1`` groups' staging and reload buffers
+            are alive in the graph pool at once. Between replays: the staging ring holds
+            ``window + 1`` buffers (each the size of the largest layer's offloaded bytes). A larger
+            window overlaps more of the copying with compute and holds more GPU memory.
         slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
             owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """
@@ -84,6 +90,7 @@ class PluginConfig:
     moe_drop_stats: bool = False
     slot_capture: bool = False
     offload_copies: str = "in-graph"
+    offload_window: int = 1
     slot_debug: bool = False
 
     def __post_init__(self) -> None:
@@ -118,9 +125,13 @@ def config_problems(config: PluginConfig) -> list[str]:
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
         if path is not None and Path(path).is_dir():
             problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
-    if config.offload_copies != PluginConfig.offload_copies and not (config.slot_capture or config.graph_banks):
-        problems.append(f"--cg-offload-copies {config.offload_copies} only chooses how slot-shared capture copies "
-                        "offloaded saves: add --cg-slot-capture (or --cg-graph-banks), or drop it.")
+    if config.offload_window < 0:
+        problems.append(f"--cg-offload-window {config.offload_window} must be >= 0 (offload groups copied ahead).")
+    for flag, value, default in (("--cg-offload-copies", config.offload_copies, PluginConfig.offload_copies),
+                                 ("--cg-offload-window", config.offload_window, PluginConfig.offload_window)):
+        if value != default and not (config.slot_capture or config.graph_banks):
+            problems.append(f"{flag} {value} only chooses how slot-shared capture copies offloaded saves: add "
+                            "--cg-slot-capture (or --cg-graph-banks), or drop it.")
     if config.slot_capture and config.graph_banks:
         problems.append("--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
                         "capture that way: drop --cg-slot-capture.")
@@ -178,6 +189,10 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--cg-offload-copies", choices=OFFLOAD_COPIES, default="in-graph",
                        help="Slot-shared offload: copy inside each layer's graphs on side streams, or between "
                             "graph replays through a ring of staging buffers.")
+    group.add_argument("--cg-offload-window", type=int, default=1, metavar="GROUPS",
+                       help="How far offload copies run beside the compute: offload groups (in-graph copies) or "
+                            "layers (between replays: the staging ring holds N+1 buffers); more overlap, more GPU "
+                            "memory.")
     return parser
 
 
@@ -195,7 +210,8 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
     missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
                                  "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
                                  "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs",
-                                 "cg_moe_drop_stats", "cg_slot_capture", "cg_offload_copies")
+                                 "cg_moe_drop_stats", "cg_slot_capture", "cg_offload_copies",
+                                 "cg_offload_window")
                if not hasattr(args, name)]
     if missing:
         raise ValueError(
@@ -217,5 +233,6 @@ def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> Plu
         moe_drop_stats=args.cg_moe_drop_stats,
         slot_capture=args.cg_slot_capture,
         offload_copies=args.cg_offload_copies,
+        offload_window=args.cg_offload_window,
         slot_debug=slot_debug_from_environment(environ),
     )

@@ -218,9 +218,10 @@ class PluginHelperMixin:
         if self.backend is not None:
             return self.backend
         if self.session.config.slot_capture:
+            from megatron_cg_plugin.capture.offload_groups import OffloadCopies
             from megatron_cg_plugin.capture.slot_backend import SlotBackend
 
-            return SlotBackend(copies=self.session.config.offload_copies, debug=self.session.config.slot_debug)
+            return SlotBackend(copies=OffloadCopies.of(self.session.config), debug=self.session.config.slot_debug)
         from megatron_cg_plugin.capture.backend import TEBackend
 
         return TEBackend()
@@ -233,6 +234,7 @@ class PluginHelperMixin:
 
         from megatron_cg_plugin.banks import bank_sizes
         from megatron_cg_plugin.capture.banked import ThdCapacity, bank_rope_tables, capture_banks
+        from megatron_cg_plugin.capture.offload_groups import OffloadCopies
 
         config = self.session.config
         layers = self.flattened_callables
@@ -253,7 +255,7 @@ class PluginHelperMixin:
         try:
             banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
                                    debug=config.slot_debug, contract_check=config.contract_check,
-                                   offload_copies=config.offload_copies)
+                                   offload_copies=OffloadCopies.of(config))
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
             self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
             with contextlib.suppress(Exception):

@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin.banks import BankRouter, GraphBank
-from megatron_cg_plugin.capture.offload_groups import MegatronOffload, delayed_offload_groups, still_queued
-from megatron_cg_plugin.memory.staging import StagingRing
+from megatron_cg_plugin.capture.offload_groups import (
+    MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
+)
 from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
-from megatron_cg_plugin.capture.slot_backend import check_offload_copies
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
@@ -259,7 +259,7 @@ class BankReplayCounts(ReplayTotals):
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
                   warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True,
-                  offload_copies: str = "in-graph") -> BankedLayers:
+                  offload_copies: OffloadCopies = OffloadCopies()) -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
@@ -269,7 +269,7 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. With ``offload`` the
     modules Megatron's fine-grained offload flags name inside the graphed scope go to pinned host
     arenas (``capture.offload_groups.MegatronOffload``), copied between replays through one staging
-    ring for all layers or inside the graphs (``offload_copies``, ``--cg-offload-copies``). On failure every
+    ring for all layers or inside the graphs (``offload_copies``). On failure every
     graph captured so far is reset and no layer is left banked."""
     layers = list(layers)
     sizes = sorted(groups)
@@ -278,16 +278,15 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     # One pool and one capture stream for all layers (the allocator reuses pool blocks per stream).
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     result = BankedLayers({}, {}, layers)
-    check_offload_copies(offload_copies)
     megatron_offload = MegatronOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
-    ring = StagingRing(torch.cuda.current_device()) if offload_copies == "between-replays" else None
+    ring = offload_copies.staging_ring()
     try:
         with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext():
             for layer in layers:
                 _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
                                      stream=stream,
                                      debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
-                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(ring))
+                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(ring, offload_copies.window))
     except BaseException:
         result.reset()
         raise

@@ -18,12 +18,44 @@ Megatron's offload streams (the plugin's copies bring their own).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator, Sequence
 
 from megatron_cg_plugin import patches
 from megatron_cg_plugin.capture.slotted import SlotOffload
+from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadCopies:
+    """How slot-shared capture copies the offloaded saves (``--cg-offload-copies``,
+    ``--cg-offload-window``): ``in-graph``, inside each layer's graphs, ``window`` offload groups
+    ahead of the one being staged or unpacked; or ``between-replays``, through a ring of
+    ``window + 1`` staging buffers shared by the layers, so a layer's copies may run ``window``
+    layers behind (or ahead of) the compute."""
+
+    mode: str = "in-graph"
+    window: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_COPIES:
+            raise ValueError(f"offload copies {self.mode!r}: use one of {', '.join(OFFLOAD_COPIES)} "
+                             "(--cg-offload-copies).")
+        if self.window < 0:
+            raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
+
+    @classmethod
+    def of(cls, config: Any) -> "OffloadCopies":
+        """From the plugin's config (``config.PluginConfig``)."""
+        return cls(config.offload_copies, config.offload_window)
+
+    def staging_ring(self) -> StagingRing | None:
+        """The ring every layer of one capture shares (between replays), None for in-graph copies."""
+        import torch
+
+        return StagingRing(torch.cuda.current_device(), depth=self.window + 1) if self.mode == "between-replays" else None
 
 
 class OffloadGroupTracker:
@@ -79,10 +111,11 @@ class MegatronOffload:
             return None
         return cls(OffloadPolicy.from_args(config) if offload else None, layers)
 
-    def slot_offload(self, staging: StagingRing | None = None) -> SlotOffload | None:
+    def slot_offload(self, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
         """The offload of one capture: copies between replays through ``staging`` (shared by every
-        layer's capture), or inside the graphs without it."""
-        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current, staging=staging)
+        layer's capture), or inside the graphs without it, ``window`` groups ahead."""
+        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current, staging=staging,
+                                                            window=window)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

@@ -26,13 +26,13 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
-from megatron_cg_plugin.capture.offload_groups import MegatronOffload, delayed_offload_groups, still_queued
+from megatron_cg_plugin.capture.offload_groups import (
+    MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
+)
 from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
-from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
-from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
 
@@ -136,11 +136,6 @@ class SlotLayerGraph:
             self._flush_watch.clear()
 
 
-def check_offload_copies(copies: str) -> None:
-    if copies not in OFFLOAD_COPIES:
-        raise ValueError(f"offload copies {copies!r}: use one of {', '.join(OFFLOAD_COPIES)} (--cg-offload-copies).")
-
-
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
     """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
     recipe = kwargs.get("fp8_recipe")
@@ -203,10 +198,9 @@ class SlotBackend(TEBackend):
     """A ``GraphBackend`` whose capture call is slot-shared capture, layer by layer, into one pool.
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
-    def __init__(self, *, offload: bool = True, copies: str = "in-graph", debug: bool = False) -> None:
-        check_offload_copies(copies)
+    def __init__(self, *, offload: bool = True, copies: OffloadCopies = OffloadCopies(), debug: bool = False) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
-        self.copies = copies  # --cg-offload-copies
+        self.copies = copies
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
@@ -227,7 +221,7 @@ class SlotBackend(TEBackend):
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         config = callables[0].config
         watch = DelayedFlushWatch(config) if getattr(config, "delay_offload_until_cuda_graph", False) else None
-        ring = StagingRing(torch.cuda.current_device()) if self.copies == "between-replays" else None
+        ring = self.copies.staging_ring()
         param_grads = ParamGradBuffers()  # the layers' backward replays run one at a time
         graphs: list[SlotLayerGraph] = []
         try:
@@ -239,7 +233,7 @@ class SlotBackend(TEBackend):
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
-                        offload=None if offload is None else offload.slot_offload(ring),
+                        offload=None if offload is None else offload.slot_offload(ring, self.copies.window),
                         check_stale=False,  # the helper's stale-graph check covers every layer at once
                         param_grads=param_grads, fp8=fp8)
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"

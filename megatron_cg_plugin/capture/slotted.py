@@ -83,6 +83,13 @@ class SlotOffload:
     # Given: the copies run between replays through this ring of staging buffers, shared by every
     # capture that passes it (memory.staging); None: inside the graphs, through ``transfers``.
     staging: StagingRing | None = None
+    # In-graph copies: offload groups whose copies may run beside the one being staged or unpacked
+    # (more overlap, more staging and reload buffers alive in the pool; memory.offload).
+    window: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,6 +503,7 @@ class _Offloading:
     transfers: Transfers | None
     staged: dict[tuple[Hashable, int], StagedFrame] = dataclasses.field(default_factory=dict)
     staging_bytes: int = 0
+    window: int = 1  # SlotOffload.window
 
     def release(self) -> None:
         """The graphs go (teardown resets every capture sharing the ring): the staging ring drains
@@ -516,7 +524,7 @@ class _Offloading:
         if staged is not None:
             return StagedArenaHooks(arena, staged.staging, plan)
         assert self.transfers is not None  # in-graph copies: plan() made the engine
-        return OffloadingArenaHooks(arena, self.host_arenas[key[1]], plan, self.transfers)
+        return OffloadingArenaHooks(arena, self.host_arenas[key[1]], plan, self.transfers, window=self.window)
 
     @classmethod
     def plan(cls, offload: "SlotOffload", measures: dict[Hashable, "_Measure"], ring_size: int,
@@ -526,7 +534,8 @@ class _Offloading:
         plans = {name: plan_offload(m.saves, offload.policy) for name, m in measures.items()}
         if offload.staging is None:
             return cls(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
-                               in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers())
+                               in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers(),
+                       window=offload.window)
         ring, before = offload.staging, offload.staging.nbytes
         hosts, staged = [], {}
         for slot in range(ring_size):  # one position in the ring per slot: a slot's variants never overlap
@@ -713,6 +722,8 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
     transaction.track(backward)
     te_seam.register_graph_safe_generators(backward)
     with torch.cuda.graph(backward, pool=pool, stream=stream):
+        if isinstance(hooks, OffloadingArenaHooks):
+            hooks.start_backward()  # the first groups' reloads overlap the backward's first kernels
         grads = torch.autograd.grad([o for o, _ in differentiable], inputs_with_grad + list(entry.params),
                                     [g for _, g in differentiable], allow_unused=True) if differentiable else ()
         grads = list(grads) or [None] * (len(inputs_with_grad) + len(entry.params))

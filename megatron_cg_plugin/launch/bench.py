@@ -7,8 +7,9 @@ The launcher builds Megatron's model, optimizer and data from the flags and ente
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
 ``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's without replay
 checks for ``plugin-no-check``, the plugin's with slot-shared
-capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs) and
-``slot-offload-staged`` (copies between replays)), captures, trains its
+capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs),
+``slot-offload-staged`` (copies between replays), each also as ``<arm>-w<N>``, with
+``--cg-offload-window N``), captures, trains its
 steps and tears down, so the next graphed block captures again. Every step is a real Megatron
 ``train_step`` on the next batch, so the weights move on through the run as in training.
 """
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
-from megatron_cg_plugin.bench_output import ALL_ARMS, ARMS, SLOT_ARMS, UNCHECKED_ARM, BenchResult, BlockRecord
+from megatron_cg_plugin.bench_output import (
+    ALL_ARMS, ARMS, UNCHECKED_ARM, WINDOW_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
+)
 from megatron_cg_plugin.config import CONTRACT_CHECKS
 from megatron_cg_plugin.plan.bench import Block, DeviceTime, interleaved_blocks, run_schedule, summarize
 
@@ -52,10 +55,10 @@ class BenchOptions:
     cached_batches: int = 0
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.arms) - set(ALL_ARMS))
+        unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
         if unknown or not self.arms:
             raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
-                             f"{','.join(ALL_ARMS)}.")
+                             f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N).")
         if self.cached_batches < 0:
             raise BenchError(f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
                              "global batches to cycle through.")
@@ -207,17 +210,30 @@ class MegatronTrainer:
         plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
         if getattr(plugin, "session", None) is None:
             raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
-        from megatron_cg_plugin.capture.slot_backend import SlotBackend
         from megatron_cg_plugin.helper import bind_helper_class
         from megatron_cg_plugin.session import RunSession
 
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
         unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check="off"))
+        self._te_helper, self._session = TECudaGraphHelper, plugin.session
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
-                        UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked), **{
-            arm: bind_helper_class(TECudaGraphHelper, plugin.session, SlotBackend(
-                offload=arm != "slot", copies="between-replays" if arm.endswith("staged") else "in-graph"))
-            for arm in SLOT_ARMS}}
+                        UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
+
+    def helper_class(self, arm: str) -> Any:
+        """The helper class of ``arm``; slot arms are bound at their first capture."""
+        if arm not in self.helpers:
+            from megatron_cg_plugin.capture.offload_groups import OffloadCopies
+            from megatron_cg_plugin.capture.slot_backend import SlotBackend
+            from megatron_cg_plugin.helper import bind_helper_class
+
+            assert is_slot_arm(arm), arm  # BenchOptions refused the others
+            windowed = WINDOW_ARM.fullmatch(arm)
+            base, window = (windowed.group(1), int(windowed.group(2))) if windowed else (
+                arm, self._session.config.offload_window)
+            copies = OffloadCopies("between-replays" if base.endswith("staged") else "in-graph", window)
+            self.helpers[arm] = bind_helper_class(self._te_helper, self._session,
+                                                  SlotBackend(offload=arm != "slot", copies=copies))
+        return self.helpers[arm]
 
     def step(self) -> None:
         self.args.curr_iteration = self.iteration
@@ -225,7 +241,7 @@ class MegatronTrainer:
         self.iteration += 1
 
     def capture(self, arm: str) -> Any:
-        helper = self.helpers[arm](model=self.model, config=self.config, seq_length=self.args.seq_length,
+        helper = self.helper_class(arm)(model=self.model, config=self.config, seq_length=self.args.seq_length,
                                    micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
         helper.create_cudagraphs()
         if not helper.graphs_created():
@@ -371,7 +387,7 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
                          "--pipeline-model-parallel-size 1.")
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
-    if set(options.arms) & set(SLOT_ARMS):  # the rules --cg-slot-capture itself would get
+    if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
         from megatron_cg_plugin import rules
         from megatron_cg_plugin.config import PluginConfig
 
@@ -384,7 +400,7 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
             broken.append(f"the {'/'.join(offloading)} arm(s) offload what Megatron's flags select, and these offload "
                           "nothing: add --fine-grained-activation-offloading --offload-modules ...")
         if broken:
-            raise BenchError(f"the {'/'.join(a for a in options.arms if a in SLOT_ARMS)} arm(s) capture with "
+            raise BenchError(f"the {'/'.join(a for a in options.arms if is_slot_arm(a))} arm(s) capture with "
                              f"--cg-slot-capture, which these flags break: {' '.join(broken)}")
 
 

@@ -5,14 +5,17 @@ pinned host arena, and back for backward.
 Forward: a selected storage is first copied, on the compute stream, into a staging buffer (a later
 in-place write of the same forward cannot race the device-to-host copy then: ``record_stream``
 protects a block's lifetime, not its values), and the staging buffer goes to the host arena on the
-D2H stream. ``join_forward`` makes the compute stream wait for every copy before the forward graph
-ends and lets the staging buffers go. An offloaded storage takes no GPU arena space.
+D2H stream. When a group starts staging, the compute stream waits for the copies of all but the
+last ``window`` groups before it and lets their staging buffers go, so at most ``window + 1``
+groups' staging buffers are alive; ``join_forward`` waits for every copy before the forward graph
+ends. An offloaded storage takes no GPU arena space.
 
-Backward: the first unpack of a save of group ``g`` reloads every storage of ``g`` into fresh
-device buffers on the H2D stream and waits for it; it then starts reloading the group the backward
-needs next (``OffloadPlan.prefetch_after``), so that copy overlaps ``g``'s backward. Views of one
-storage come back as views of one reloaded buffer (the plan offloads a storage only if every view
-of it qualifies). ``join_backward`` joins whatever was prefetched but never unpacked.
+Backward: at its start (``start_backward``) the backward reloads the first ``window + 1`` groups it
+will need into fresh device buffers on the H2D stream. The first unpack of a save of group ``g``
+waits for ``g``'s reload (issuing it if it is not under way) and starts the reloads of the
+``window`` groups after ``g`` (``OffloadPlan.reload_window``), which overlap ``g``'s backward.
+Views of one storage come back as views of one reloaded buffer (the plan offloads a storage only if
+every view of it qualifies). ``join_backward`` joins whatever was reloaded but never unpacked.
 
 The copies go through ``Transfers``: ``CudaTransfers`` on the GPU (side streams, captured with the
 graphs), ``SerialTransfers`` (the same copies on the compute stream: no overlap, the reference the
@@ -21,6 +24,7 @@ side streams must match), ``InlineTransfers`` for tests on CPU (plain copies, a 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Hashable, Protocol
 
@@ -70,7 +74,7 @@ class Transfers(Protocol):
 
     def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None: ...
 
-    def join_forward(self) -> None: ...
+    def join_forward(self, keep: int = 0) -> None: ...  # all but the last ``keep`` groups' copies
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
 
@@ -88,7 +92,8 @@ class CudaTransfers:
 
     def reset(self) -> None:
         """A new frame (also after a capture that failed half-way)."""
-        self._staged: list[torch.Tensor] = []
+        self._staged: list[torch.Tensor] = []  # the group being copied
+        self._in_flight: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()  # its predecessors
         self._loaded: dict[int, Any] = {}  # id(buffer) -> the H2D event that fills it
         self._h2d_forked = False
 
@@ -101,10 +106,17 @@ class CudaTransfers:
             host.copy_(staged, non_blocking=True)
         self._staged.append(staged)
 
-    def join_forward(self) -> None:
-        if self._staged:  # only a stream the capture forked may be joined into it
-            torch.cuda.current_stream().wait_stream(self.d2h)
-        self._staged.clear()  # freed on the compute stream, which now follows every D2H copy
+    def join_forward(self, keep: int = 0) -> None:
+        if self._staged:  # the group being copied ends: an event after its copies (the D2H stream is FIFO)
+            with torch.cuda.stream(self.d2h):
+                event = torch.cuda.Event()
+                event.record()
+            self._in_flight.append((event, self._staged))
+            self._staged = []
+        while len(self._in_flight) > keep:  # only events of a stream the capture forked are waited for
+            event, _ = self._in_flight.popleft()
+            torch.cuda.current_stream().wait_event(event)  # its staging buffers are let go here, on the
+            # compute stream, which now follows their copies
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(host.numel(), dtype=torch.uint8, device=device)
@@ -142,7 +154,7 @@ class SerialTransfers:
     def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
         host.copy_(staged, non_blocking=True)
 
-    def join_forward(self) -> None:
+    def join_forward(self, keep: int = 0) -> None:
         pass
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -174,8 +186,8 @@ class InlineTransfers:
         self.log.append(("d2h", staged.numel()))
         host.copy_(staged)
 
-    def join_forward(self) -> None:
-        self.log.append(("join forward", 0))
+    def join_forward(self, keep: int = 0) -> None:
+        self.log.append(("join forward", keep))
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         self.log.append(("h2d", host.numel()))
@@ -285,8 +297,12 @@ class OffloadingArenaHooks(PlannedArenaHooks):
     """In-graph offload: the frame's offloaded storages go to ``host`` through ``transfers``
     inside the forward graph, and come back inside the backward graph (module docstring)."""
 
-    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers) -> None:
+    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers, *,
+                 window: int = 1) -> None:
         super().__init__(arena, plan)
+        if window < 0:
+            raise ValueError(f"offload window {window}: use 0 or more groups (--cg-offload-window).")
+        self.window = window  # groups whose copies may run beside the one being staged or unpacked
         host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
         self.host, self.transfers = host, transfers
         self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
@@ -299,8 +315,8 @@ class OffloadingArenaHooks(PlannedArenaHooks):
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         group = self._group_of[ordinal]
-        if group != self._staging_group:  # the previous group's copies are done before this one stages
-            self.transfers.join_forward()
+        if group != self._staging_group:  # a new group: the copies of all but the last ``window`` groups are done
+            self.transfers.join_forward(keep=self.window)
             self._staging_group = group
         offset = self.host.reserve(nbytes)
         span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
@@ -312,18 +328,24 @@ class OffloadingArenaHooks(PlannedArenaHooks):
         self.transfers.join_forward()
         self._staging_group = None
 
+    def start_backward(self) -> None:
+        """The backward graph begins: the first groups it needs start reloading before any of its
+        compute, which they overlap."""
+        for group in self.plan.reload_window(None, self.window):
+            self._request(group)
+
     def unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Offloaded):
             return super().unpack(packed)
         group = self._group_of[packed.storage]
+        window = self.plan.reload_window(group, self.window)
         self._request(group)
         buffer = self._reloaded[packed.storage]
         self.transfers.wait(buffer)
         self._unpacks_left[packed.storage] -= 1
         if not self._unpacks_left[packed.storage]:  # the last save of it: the tensors made below keep it alive
             del self._reloaded[packed.storage]
-        following = self.plan.prefetch_after(group)
-        if following is not None:
+        for following in window[1:]:
             self._request(following)  # overlaps this group's backward
         return saved_view(buffer, 0, packed)  # the reloaded buffer holds just this storage
 

@@ -11,9 +11,9 @@ capture follows:
   has at least ``--min-offloaded-tensor-size`` elements, and it is not marked ``_do_not_offload``;
 - **alias rule**: a storage goes to the host only if every save of it qualifies; if any view of it
   stays on the GPU, every view does (one copy each way, views rebuilt from it keep their aliases);
-- groups are reloaded in backward order (the reverse of the forward's), and while one is unpacked
-  the next may be prefetched; a storage saved in several groups is reloaded with the last of them,
-  the first the backward reaches;
+- groups are reloaded in backward order (the reverse of the forward's), up to a window of groups
+  ahead of the one the backward unpacks (``--cg-offload-window``); a storage saved in several groups
+  is reloaded with the last of them, the first the backward reaches;
 - ``--activation-offload-fraction`` keeps the latest forward groups on the GPU, as Megatron does;
 - host arenas are keyed like the GPU saved-tensor arenas, one per slot, sized by the largest
   offloaded bytes of the variants the slot plan puts there.
@@ -100,11 +100,13 @@ class OffloadPlan:
         """Groups in the order the backward needs them: the reverse of the forward's."""
         return tuple(group for group, _ in reversed(self.groups))
 
-    def prefetch_after(self, group: str) -> str | None:
-        """The group to start reloading while ``group`` is unpacked (None for the last)."""
+    def reload_window(self, group: str | None, window: int) -> tuple[str, ...]:
+        """The groups that should be reloading once the backward unpacks ``group`` (None: at the
+        start of the backward, before it needs any): that group, or the first, and the ``window``
+        groups the backward needs after it."""
         order = self.reload_order()
-        index = order.index(group)
-        return order[index + 1] if index + 1 < len(order) else None
+        start = 0 if group is None else order.index(group)
+        return order[start:start + window + 1]
 
 
 def plan_offload(saves: Sequence[Save], policy: OffloadPolicy) -> OffloadPlan:

@@ -70,7 +70,7 @@ def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dic
     assert sum(case["slot_arena_bytes"]) <= case["ring_of_largest_bytes"] + 512 * len(case["slot_arena_bytes"]), case
 
 
-@pytest.mark.parametrize("mode", ["layer0", "both", "both-serial", "both-staged"])
+@pytest.mark.parametrize("mode", ["layer0", "both", "both-window0", "both-window4", "both-serial", "both-staged"])
 def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe: dict, mode: str) -> None:
     """Issue 14: the planned saves go to pinned host arenas inside the graphs and come back for
     backward; replays stay bitwise eager, and the GPU arenas shrink by what went to the host."""

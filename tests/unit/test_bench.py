@@ -159,6 +159,7 @@ def test_a_failing_capture_stops_the_bench_with_its_error():
 @pytest.mark.parametrize("options, message", [
     (dict(arms=("eager", "fast")), "--bench-arms eager,fast: use a comma-separated subset of eager,stock,plugin"),
     (dict(arms=()), "--bench-arms"),
+    (dict(arms=("slot", "slot-offload-wide")), "--bench-arms slot,slot-offload-wide: use .*slot-offload-w<N>"),
     (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
     (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
     (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),
@@ -413,3 +414,31 @@ def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys
     assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "eager"]) == 2
     assert "run megatron-cg bench with --bench-profile-dir" in capsys.readouterr().out
     assert bench_output.main([]) == 2
+
+
+def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
+    import types
+
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.capture.offload_groups import OffloadCopies
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    class Base:
+        pass
+
+    session = RunSession(PluginConfig(slot_capture=True, offload_window=2))
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Base, session))
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
+    trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, "model", "optimizer", None, "config", None), {})
+    BenchOptions(arms=("slot", "slot-offload", "slot-offload-w0", "slot-offload-staged-w3"))  # all known
+    copies = {arm: trainer.helper_class(arm).backend.copies for arm in
+              ("slot-offload", "slot-offload-w0", "slot-offload-staged", "slot-offload-staged-w3")}
+    assert copies == {"slot-offload": OffloadCopies("in-graph", 2), "slot-offload-w0": OffloadCopies("in-graph", 0),
+                      "slot-offload-staged": OffloadCopies("between-replays", 2),
+                      "slot-offload-staged-w3": OffloadCopies("between-replays", 3)}
+    assert trainer.helper_class("slot").backend.offload is False
+    assert trainer.helper_class("slot-offload-w0") is trainer.helper_class("slot-offload-w0")  # bound once

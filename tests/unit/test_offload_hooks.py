@@ -4,6 +4,9 @@ with their aliases, and the next group is prefetched while one is unpacked."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import pytest
 import torch
 
@@ -49,11 +52,11 @@ def warmup_plan(modules, min_elements=0):
     return sizer, plan_offload(sizer.saves, OffloadPolicy.from_flags(modules, min_tensor_elements=min_elements))
 
 
-def frame(plan, sizer):
+def frame(plan, sizer, window=1, transfers=None):
     arena = Arena(sizer.nbytes, "cpu", name="slot 0")
     host = HostArena(plan.host_bytes, pin=False)
-    transfers = InlineTransfers()
-    return OffloadingArenaHooks(arena, host, plan, transfers), arena, host, transfers
+    transfers = transfers or InlineTransfers()
+    return OffloadingArenaHooks(arena, host, plan, transfers, window=window), arena, host, transfers
 
 
 def test_offloaded_saves_leave_the_gpu_arena_and_backward_equals_eager():
@@ -65,14 +68,14 @@ def test_offloaded_saves_leave_the_gpu_arena_and_backward_equals_eager():
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
     assert arena.used == plan.device_bytes  # only the kept storages are in the GPU arena
     assert host.used == plan.host_bytes and hooks.offloaded_bytes > 0
-    # Forward: each group's storages staged on the compute stream and copied to the host, the previous
-    # group's copies joined before the next group stages (staging memory stays one group's), all joined at the end.
-    kinds = [kind for kind, _ in transfers.log]
-    forward = kinds[:last_index(kinds, "join forward") + 1]
-    expected = ["reset"]
+    # Forward: each group's storages staged on the compute stream and copied to the host; before a
+    # group stages, the copies of all but the last ``window`` (1) groups are joined; all at the end.
+    forward = transfers.log[:last_index([kind for kind, _ in transfers.log], "join forward") + 1]
+    expected = [("reset", 0)]
     for _, storages in plan.groups:
-        expected += ["join forward"] + ["stage", "d2h"] * len(storages)
-    assert forward == expected + ["join forward"]
+        expected += [("join forward", 1)] + [step for storage in storages for step in
+                                            (("stage", plan.storage_bytes[storage]), ("d2h", plan.storage_bytes[storage]))]
+    assert forward == expected + [("join forward", 0)]
 
 
 def test_backward_reloads_the_group_it_needs_first_and_prefetches_the_next():
@@ -229,3 +232,93 @@ def test_a_reloaded_buffer_is_let_go_after_its_last_save_is_unpacked():
     assert 0 in hooks._reloaded  # one save of it still to come
     hooks.unpack(second)
     assert hooks._reloaded == {}  # the unpacked tensors alone keep the buffer now
+
+
+@pytest.mark.parametrize("window, at_start", [
+    (0, ["mlp_norm"]),
+    (1, ["mlp_norm", "core_attn"]),
+    (2, ["mlp_norm", "core_attn", "attn_norm"]),
+])
+def test_the_backward_starts_the_first_window_of_reloads_before_its_first_unpack(window, at_start):
+    eager = grads()
+    sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
+    hooks, _, _, transfers = frame(plan, sizer, window=window)
+    reloads = []
+    request = hooks._request
+
+    def recorded_request(group):
+        if group not in hooks._requested:
+            reloads.append(group)
+        request(group)
+
+    hooks._request = recorded_request
+    got = grads(hooks, after_forward=lambda: (hooks.join_forward(), hooks.start_backward(), reloads.append("|")))
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+    assert reloads[:reloads.index("|")] == at_start
+    # Every group is reloaded once, in the order the backward needs them, each before its first unpack.
+    assert [group for group in reloads if group != "|"] == list(plan.reload_order())
+    kinds = [kind for kind, _ in transfers.log]
+    backward = kinds[last_index(kinds, "join forward") + 1:]
+    assert backward.count("h2d") == len(plan.offloaded)
+
+
+class RecordingCuda:
+    """torch.cuda's streams and events as a log of what the compute stream waits for (CPU)."""
+
+    def __init__(self, monkeypatch):
+        self.log, self.events = [], 0
+        cuda = offload.torch.cuda
+        recorder = self
+
+        class Event:
+            def __init__(self):
+                recorder.events += 1
+                self.name = f"event {recorder.events}"
+
+            def record(self):
+                recorder.log.append(("record", self.name))
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+            def wait_event(self, event):
+                recorder.log.append(("compute waits", event.name))
+
+        compute = Stream()
+        monkeypatch.setattr(cuda, "Stream", Stream)
+        monkeypatch.setattr(cuda, "Event", Event)
+        monkeypatch.setattr(cuda, "current_stream", lambda: compute)
+        monkeypatch.setattr(cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("window, waits_before_each_group", [
+    (0, [[], ["event 1"], ["event 2"]]),  # each group's copies done before the next stages
+    (1, [[], [], ["event 1"]]),  # one group's copies may still run while the next stages
+    (4, [[], [], []]),  # every copy runs on until the forward's end
+])
+def test_in_graph_d2h_copies_run_window_groups_behind_and_are_all_joined_at_the_end(monkeypatch, window,
+                                                                                  waits_before_each_group):
+    cuda = RecordingCuda(monkeypatch)
+    sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
+    transfers = offload.CudaTransfers()
+    hooks, _, _, _ = frame(plan, sizer, window=window, transfers=transfers)
+    waits = []
+    offload_one = hooks._offload
+
+    def offload_recorded(ordinal, tensor):
+        if hooks._group_of[ordinal] != hooks._staging_group:
+            before = len(cuda.log)
+            result = offload_one(ordinal, tensor)
+            waits.append([name for kind, name in cuda.log[before:] if kind == "compute waits"])
+            return result
+        return offload_one(ordinal, tensor)
+
+    hooks._offload = offload_recorded
+    grads(hooks, after_forward=lambda: (hooks.join_forward(), cuda.log.append(("joined", ""))))
+    assert waits == waits_before_each_group
+    forward = cuda.log[:cuda.log.index(("joined", ""))]
+    recorded = [name for kind, name in forward if kind == "record"]
+    assert recorded == ["event 1", "event 2", "event 3"]  # one per group, after its copies
+    assert {name for kind, name in forward if kind == "compute waits"} == set(recorded)  # all joined by the end
+    assert transfers._in_flight == collections.deque() and transfers._staged == []

@@ -39,11 +39,15 @@ def test_a_storage_any_view_of_which_stays_keeps_every_view_on_the_gpu():
     assert plan.host_bytes == arena_aligned(2 * BIG) and plan.device_bytes == 2 * arena_aligned(2 * BIG)
 
 
-def test_groups_reload_in_backward_order_with_the_next_prefetched():
+def test_groups_reload_in_backward_order_within_the_window():
     plan = plan_offload([save("a", "core_attn"), save("b", "expert_fc1"), save("c", "core_attn")], POLICY)
     assert plan.groups == (("core_attn", ("a", "c")), ("expert_fc1", ("b",)))
     assert plan.reload_order() == ("expert_fc1", "core_attn")
-    assert plan.prefetch_after("expert_fc1") == "core_attn" and plan.prefetch_after("core_attn") is None
+    assert plan.reload_window("expert_fc1", 1) == ("expert_fc1", "core_attn")
+    assert plan.reload_window("core_attn", 1) == ("core_attn",)
+    assert plan.reload_window("expert_fc1", 0) == ("expert_fc1",)
+    assert plan.reload_window(None, 0) == ("expert_fc1",)  # the backward's start: the first group it needs
+    assert plan.reload_window(None, 5) == ("expert_fc1", "core_attn")
 
 
 def test_the_offload_fraction_keeps_the_latest_groups_on_the_gpu():

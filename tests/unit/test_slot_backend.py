@@ -13,7 +13,7 @@ from megatron.core.pipeline_parallel import fine_grained_activation_offload as m
 
 from megatron_cg_plugin.capture import slot_backend
 from megatron_cg_plugin.capture.backend import TEBackend
-from megatron_cg_plugin.capture.offload_groups import MegatronOffload
+from megatron_cg_plugin.capture.offload_groups import MegatronOffload, OffloadCopies
 from megatron_cg_plugin.capture.slot_backend import (
     SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call,
 )
@@ -212,12 +212,19 @@ def test_the_delayed_offload_flush_is_observed_at_the_next_graph_call_and_counte
         second(torch.ones(1))
 
 
-def test_unknown_copy_modes_and_a_copy_mode_without_slot_capture_are_refused():
+def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused():
     with pytest.raises(ValueError, match="use one of in-graph, between-replays"):
-        SlotBackend(copies="sideways")
-    with pytest.raises(ConfigError, match="add --cg-slot-capture"):
+        OffloadCopies("sideways")
+    with pytest.raises(ValueError, match="offload window -1: use 0 or more"):
+        OffloadCopies(window=-1)
+    with pytest.raises(ConfigError, match="--cg-offload-copies between-replays only chooses .* add --cg-slot-capture"):
         PluginConfig(offload_copies="between-replays")
+    with pytest.raises(ConfigError, match="--cg-offload-window 3 only chooses .* add --cg-slot-capture"):
+        PluginConfig(offload_window=3)
+    with pytest.raises(ConfigError, match="--cg-offload-window -1 must be >= 0"):
+        PluginConfig(offload_window=-1, slot_capture=True)
     PluginConfig(offload_copies="between-replays", slot_capture=True)
+    assert OffloadCopies.of(PluginConfig(offload_window=4, slot_capture=True)) == OffloadCopies("in-graph", 4)
 
 
 @pytest.fixture
@@ -265,3 +272,14 @@ def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(ca
     assert [call["fp8"].enabled for call in calls] == [False, True, False]
     assert all(call["fp8"].recipe is recipe and call["fp8"].group is group for call in calls)
     assert [call["fp8"].modules for call in calls] == [(layer,) for layer in layers]
+
+
+def test_the_offload_window_reaches_every_layers_capture(capture_calls):
+    layers = megatron_layers(2)
+    for layer in layers:
+        layer.config = types.SimpleNamespace(cuda_graph_modules=[], fine_grained_activation_offloading=True,
+                                             offload_modules=["core_attn"])
+    copies = OffloadCopies.of(PluginConfig(slot_capture=True, offload_window=3))
+    SlotBackend(copies=copies).make_graphed_callables(layers, [(torch.ones(2),)] * 2)
+    assert [call["offload"].window for call in capture_calls] == [3, 3]
+    assert all(call["offload"].staging is None for call in capture_calls)  # in-graph copies: no ring

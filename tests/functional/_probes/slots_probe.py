@@ -281,13 +281,17 @@ def offload(result):
     label, order, chosen = orders(2)[0]
     plan = plan_slots(order, chosen)
     cp1_slot = next(frame.slot for frame in plan.frames if frame.variant == "cp1")
-    for mode, modules, transfers in (("none", None, None), ("layer0", {"core_attn"}, CudaTransfers),
-                                     ("both", {"core_attn", "mlp_norm"}, CudaTransfers),
-                                     ("both-serial", {"core_attn", "mlp_norm"}, SerialTransfers),
-                                     ("both-staged", {"core_attn", "mlp_norm"}, None)):
+    both = {"core_attn", "mlp_norm"}
+    for mode, modules, transfers, window in (("none", None, None, 1), ("layer0", {"core_attn"}, CudaTransfers, 1),
+                                             ("both", both, CudaTransfers, 1),
+                                             ("both-window0", both, CudaTransfers, 0),
+                                             ("both-window4", both, CudaTransfers, 4),
+                                             ("both-serial", both, SerialTransfers, 1),
+                                             ("both-staged", both, None, 1)):
         # both-staged: the copies between replays, through a staging ring (one buffer per slot).
+        # window: groups whose in-graph copies run beside the one being staged or unpacked.
         option = None if modules is None else SlotOffload(
-            OffloadPolicy(frozenset(modules), min_tensor_elements=0), group=lambda: GROUP[0],
+            OffloadPolicy(frozenset(modules), min_tensor_elements=0), group=lambda: GROUP[0], window=window,
             **({"transfers": transfers} if transfers else {"staging": StagingRing("cuda")}))
 
         def describe(graphs):
