@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -703,12 +703,11 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
     transaction.track(forward)
     te_seam.register_graph_safe_generators(forward)
     with torch.cuda.graph(forward, pool=pool, stream=stream):
-        with hooks.hooks() if hooks else contextlib.nullcontext():
-            outputs = _as_tuple(variant.fn(*boundary.inputs), variant.name)
-        if hooks:
-            hooks.protect_ctx_tensors(outputs)
-        if isinstance(hooks, OffloadingArenaHooks):
-            hooks.join_forward()  # every D2H copy inside the forward graph
+        with _copies_joined(hooks, "forward"):  # every D2H copy inside the forward graph
+            with hooks.hooks() if hooks else contextlib.nullcontext():
+                outputs = _as_tuple(variant.fn(*boundary.inputs), variant.name)
+            if hooks:
+                hooks.protect_ctx_tensors(outputs)
         for surface, output in zip(boundary.outputs, outputs):
             surface.load(output)
     entry.forward_graph = forward
@@ -721,9 +720,7 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
     backward = torch.cuda.CUDAGraph()
     transaction.track(backward)
     te_seam.register_graph_safe_generators(backward)
-    with torch.cuda.graph(backward, pool=pool, stream=stream):
-        if isinstance(hooks, OffloadingArenaHooks):
-            hooks.start_backward()  # the first groups' reloads overlap the backward's first kernels
+    with torch.cuda.graph(backward, pool=pool, stream=stream), _copies_joined(hooks, "backward"):
         grads = torch.autograd.grad([o for o, _ in differentiable], inputs_with_grad + list(entry.params),
                                     [g for _, g in differentiable], allow_unused=True) if differentiable else ()
         grads = list(grads) or [None] * (len(inputs_with_grad) + len(entry.params))
@@ -740,13 +737,30 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
                         "backward but none in warmup, so it has no buffer: the layer's backward reaches other "
                         "parameters from one call to the next, which a graph cannot replay; keep it eager.")
                 buffer.copy_(grad)
-        if isinstance(hooks, OffloadingArenaHooks):
-            hooks.join_backward()  # a prefetched group the backward never unpacked is joined too
     entry.backward_graph = backward
     entry.params_used = tuple(g is not None for g in grads[len(inputs_with_grad):])
     del outputs, differentiable, grads, input_grads, hooks
     after = _live(pool)
     return sum(size for address, size in after.items() if address not in before)
+
+
+@contextlib.contextmanager
+def _copies_joined(hooks: ArenaHooks | None, graph: str) -> Iterator[None]:
+    """In-graph offload's copy streams around one graph's capture: the backward's first reloads
+    start before its first kernel; every copy stream is joined before the capture ends, also when
+    the graph's code raised. An unjoined stream makes ``capture_end`` fail, which would leave the
+    CUDA generators registered with the graph in capture mode: every later random op of the
+    process would then raise."""
+    offloading = isinstance(hooks, OffloadingArenaHooks)
+    if offloading and graph == "backward":
+        hooks.start_backward()
+    try:
+        yield
+    finally:
+        if offloading and graph == "forward":
+            hooks.join_forward()
+        elif offloading:
+            hooks.join_backward()  # reloads the backward never unpacked are joined too
 
 
 def _check_coverage(entry: _Entry, before: dict[int, int], after: dict[int, int], outputs: Sequence[torch.Tensor],

@@ -261,9 +261,11 @@ class PlannedArenaHooks(ArenaHooks):
         packed = self.pack(tensor)
         if isinstance(packed, _Offloaded):
             raise OffloadPlanError(
-                f"a tensor kept on an autograd ctx shares storage {packed.storage} with an offloaded save: ctx tensors "
-                "stay in the GPU arena, and so must every view of their storage; the warmup recorded it otherwise "
-                "(an offload group name that outlives the forward?).")
+                f"a tensor kept on an autograd ctx ({tuple(tensor.shape)} {tensor.dtype}, on a storage of "
+                f"{tensor.untyped_storage().nbytes()} bytes) shares storage {packed.storage} with an offloaded save "
+                f"({self.plan.storage_bytes[packed.storage]} bytes at warmup, group {self._group_of[packed.storage]}): "
+                "ctx tensors stay in the GPU arena, and so must every view of their storage; the warmup recorded it "
+                "otherwise (an offload group name that outlives the forward?).")
         return self.unpack(packed)
 
 

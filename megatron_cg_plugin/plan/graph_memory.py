@@ -67,6 +67,7 @@ class LayerShape:
     hidden_dropout: bool = False
     deterministic: bool = True  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: cuDNN's deterministic backward
     moe: MoeShape | None = None
+    fp8_recipe: str | None = None  # --fp8-recipe of this layer (None: bf16, also a --first-last-layers-bf16 layer)
 
     def __post_init__(self) -> None:
         for name in ("seq", "micro_batch", "hidden", "ffn", "heads", "query_groups", "head_dim"):
@@ -475,6 +476,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
             else:
                 kept.pop(name, None)
         kept.pop(fwd.prefix + output)
+        kept = _with_fp8_saves(kept, shape, parts, fwd.prefix)
         kept["input"] = shape.act(shape.hidden)
         if "attn" in parts:  # TE's fused attention saves the full cu_seqlens it makes for an unpacked batch
             kept["cu_seqlens"] = (shape.micro_batch + 1) * INT32
@@ -497,7 +499,8 @@ def attention_saves(s: LayerShape) -> list[Save]:
     linear (``input_layernorm`` is an IdentityOp), so ``attn_norm`` saves nothing and the linear
     saves the layer input, the norm's output and statistics; attention saves q, k and v (separate
     storages after the fused RoPE, views of one QKV storage without it), its output, softmax
-    statistics and RNG state; the output projection saves attention's output again. The pre-MLP
+    statistics and RNG state; the output projection saves attention's output again (under FP8 the
+    GEMM inputs are saved quantized: ``fp8_quantized_saves``). The pre-MLP
     norm is fused into the first MLP linear the same way: no offload group holds MLP saves."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
 
@@ -505,7 +508,13 @@ def attention_saves(s: LayerShape) -> list[Save]:
         rows = s.tokens if tokens is None else tokens
         return Save(storage, rows * width * itemsize, rows * width, group)
 
-    saves = [save("input", s.hidden, "qkv_linear"), save("ln1.out", s.hidden, "qkv_linear"),
+    def gemm_input(storage: str, width: int, group: str) -> list[Save]:
+        if storage not in quantized:
+            return [save(storage, width, group)]
+        return [save(f"{storage}.fp8", width, group, itemsize=1), Save(f"{storage}.scale_inv", FP32, 1, group)]
+
+    quantized = fp8_quantized_saves(s, frozenset({"attn"}))
+    saves = [save("input", s.hidden, "qkv_linear"), *gemm_input("ln1.out", s.hidden, "qkv_linear"),
              save("ln1.rsigma", 1, "qkv_linear", FP32)]
     if not s.rmsnorm:
         saves.append(save("ln1.mu", 1, "qkv_linear", FP32))
@@ -516,13 +525,56 @@ def attention_saves(s: LayerShape) -> list[Save]:
                   for width in (q, kv, kv)]
     stats = s.micro_batch * s.heads * s.seq
     return saves + [save("o", q, "core_attn"), Save("softmax_stats", stats * FP32, stats, "core_attn"),
-                    Save("rng", 16, 2, "core_attn"), save("o", q, "attn_proj")]
+                    Save("rng", 16, 2, "core_attn"),
+                    *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")])]
+
+
+def fp8_quantized_saves(s: LayerShape, parts: frozenset[str]) -> dict[str, int]:
+    """Under FP8 (delayed or current scaling, sm_90), the saves of a dense layer that Megatron
+    0.19.2's TE layers keep quantized, by the name of the bf16 save they replace, with their width:
+    a GEMM input kept for the weight gradient keeps only its column-wise data, 1 byte an element,
+    beside a 4-byte scale inverse of its own. The norms' outputs (fused into the QKV and first MLP
+    linears) and the activation the second MLP linear reads are saved so; the bf16 tensors go.
+    Under delayed scaling the output projection also saves a quantized copy of attention's output
+    (``proj.input``); under other recipes Megatron has it save the original (``set_save_original_input``).
+    Measured exact on the three FP8 slot farm cases (docs/results/fp8-2026-12-01)."""
+    if s.fp8_recipe is None:
+        return {}
+    saves = {}
+    if "attn" in parts:
+        saves["ln1.out"] = s.hidden
+        if s.fp8_recipe == "delayed":
+            saves["proj.input"] = s.heads * s.head_dim
+    if s.moe is None and "mlp" in parts:
+        saves.update({"ln2.out": s.hidden, "mlp.act": s.ffn})
+    return saves
+
+
+def _with_fp8_saves(kept: dict[str, int], s: LayerShape, parts: frozenset[str], prefix: str) -> dict[str, int]:
+    """The layer's saves with ``fp8_quantized_saves`` in place of their bf16 ones."""
+    kept = dict(kept)
+    for name, width in fp8_quantized_saves(s, parts).items():
+        kept.pop(prefix + name, None)
+        kept[prefix + name + ".fp8"] = s.tokens * width
+        kept[prefix + name + ".scale_inv"] = FP32
+    return kept
 
 
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
     """What in-graph offload moves out of one layer's arena: the attention storages every save of
     which Megatron's offload groups hold (``plan.offload.plan_offload``)."""
     return plan_offload(attention_saves(shape), policy).host_bytes if "attn" in parts else 0
+
+
+def _fp8_layer(args, number: int) -> bool:
+    """Layer ``number`` (1-based) runs in FP8: ``--fp8-format`` set and not one of the
+    ``--first-last-layers-bf16`` layers."""
+    if not getattr(args, "fp8", None):
+        return False
+    if not getattr(args, "first_last_layers_bf16", False):
+        return True
+    start, end = getattr(args, "num_layers_at_start_in_bf16", 1), getattr(args, "num_layers_at_end_in_bf16", 1)
+    return start < number <= args.num_layers - end
 
 
 def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
@@ -537,7 +589,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     unpredicted = [what for what, present in (
         ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
         ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
-        ("FP8 (quantized saves and scaling state)", facts.fp8),
+        ("FP8 (modelled as bf16 in TE's graph pool)", facts.fp8 and not facts.slot_capture),
+        ("FP8 MoE experts (their quantized saves)", facts.fp8 and facts.slot_capture and facts.has_moe_layers),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
          getattr(getattr(args, "attention_backend", None), "name", getattr(args, "attention_backend", None))
@@ -578,7 +631,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
                              router_fp32=getattr(args, "moe_router_dtype", None) == "fp32",
                              router_experts=facts.num_experts)
     first = set(capture.first_stage_layers)
-    layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None)
+    layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None,
+                                  fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None)
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))

@@ -93,6 +93,15 @@ def test_a_save_written_later_in_the_forward_reaches_backward_as_saved_through_t
     assert "error" not in staged and staged["exact"], staged
 
 
+def test_a_capture_that_raises_after_an_offloaded_save_leaves_random_ops_and_the_next_capture_working(
+        probe: dict) -> None:
+    """The copy streams are joined before the failed capture ends (capture.slotted._copies_joined);
+    without it the capture's end fails on unjoined work and every later random op of the process raises."""
+    case = probe["offload-edges/failed-capture"]
+    assert case["raised"] and "injected failure" in case["raised"], case
+    assert case["recovered"] is True, case
+
+
 def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_views_keep_aliases(probe: dict) -> None:
     case = probe["offload-edges/mixed-views"]
     assert "error" not in case, case.get("error")

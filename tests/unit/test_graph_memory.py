@@ -250,6 +250,14 @@ MEASURED_SLOT_RUNS = {
                               (("attn_norm", "core_attn", "expert_fc1", "moe_act"), 65536), 1729536, 1572864, 24),
     # docs/results/slot-plan-2026-12-01/s38: gpt_1b_slot_offload_user_script (whole layer).
     "1b slot-offload": (dense_1b(), 16, (), (EVERY_ATTENTION_GROUP, 1024 * 1024), 1361584128, 805306368, 460),
+    # docs/results/fp8-2026-12-01/s37 and slot-megatron: the FP8 slot farm cases (quantized saves), whole layers;
+    # tensorwise keeps its first and last layers in bf16.
+    "tiny_gpt_slot_fp8_delayed": ([tiny(fp8_recipe="delayed")] * 3, 3, (), None, 10867200, None, 26),
+    "tiny_gpt_slot_fp8_tensorwise": ([tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()],
+                                     4, (), None, 15535616, None, 26),
+    "tiny_gpt_slot_fp8_offload (core_attn only)": (
+        [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], 4, (),
+        (("attn_norm", "core_attn", "mlp_norm"), 65536), 12389888, 3145728, 26),
 }
 
 
@@ -260,7 +268,7 @@ def test_slot_arenas_are_predicted_to_the_byte_and_the_pool_within_15_percent(na
 
     shape, layers, modules, policy, arenas, host, pool_mib = MEASURED_SLOT_RUNS[name]
     offload = None if policy is None else OffloadPolicy.from_flags(policy[0], min_tensor_elements=policy[1])
-    plan = plan_slot_memory([shape] * layers, modules, offload)
+    plan = plan_slot_memory(shape if isinstance(shape, list) else [shape] * layers, modules, offload)
     assert plan.arena_bytes == arenas
     assert plan.host_arena_bytes == host
     assert 0.85 <= plan.pool_bytes / (pool_mib * MiB) <= 1.15
@@ -423,3 +431,34 @@ def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(sh
     assert more.arena_bytes - kept.arena_bytes == kept.arena_bytes // layers
     assert more.pool_bytes == kept.pool_bytes
     assert more.boundary_bytes - kept.boundary_bytes == 3 * shape.act(shape.hidden)
+
+
+def test_fp8_layers_save_their_gemm_inputs_quantized_and_delayed_scaling_also_the_projections():
+    from megatron_cg_plugin.plan.graph_memory import fp8_quantized_saves, plan_slot_memory
+
+    bf16 = plan_slot_memory([tiny()], ()).arena_bytes
+    tokens, hidden, ffn, q = 512, 256, 1024, 256
+    scale_inv = 256  # a 4-byte scale inverse of its own, arena-aligned
+    # Two norm outputs and the second MLP linear's input go from 2 bytes an element to 1, each with a scale inverse.
+    quantized = -(2 * tokens * hidden + tokens * ffn) + 3 * scale_inv
+    assert plan_slot_memory([tiny(fp8_recipe="tensorwise")], ()).arena_bytes == bf16 + quantized
+    # Delayed scaling: the output projection keeps a quantized copy of attention's output as well.
+    assert plan_slot_memory([tiny(fp8_recipe="delayed")], ()).arena_bytes == bf16 + quantized + tokens * q + scale_inv
+    assert fp8_quantized_saves(tiny(), frozenset({"attn", "mlp"})) == {}  # a bf16 layer
+    assert set(fp8_quantized_saves(tiny(fp8_recipe="delayed"), frozenset({"attn"}))) == {"ln1.out", "proj.input"}
+
+
+def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
+    base = dict(fp8="hybrid", fp8_recipe="tensorwise", num_layers=4)
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True,
+                       fp8_recipe="tensorwise")
+    every = plan_from_args(megatron_args(**base), facts, deterministic=True)
+    ends = plan_from_args(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                                        num_layers_at_end_in_bf16=1), facts, deterministic=True)
+    plain = plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
+                           deterministic=True)
+    per_layer = (plain.arena_bytes - every.arena_bytes) // 4
+    assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
+    assert not any("FP8" in what for what in ends.unpredicted)
+    te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), deterministic=True)
+    assert any("FP8" in what for what in te_path.unpredicted)

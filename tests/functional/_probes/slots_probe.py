@@ -419,6 +419,43 @@ def offload_edges(result):
                     lambda fn=fn, option=option, weight=weight: capture_slotted(
                         [Variant(name, fn, (sample,))], exclusive_plan([name]), [weight], offload=option, debug=True),
                     describe, width=600)
+    failed_capture(result, n, policy)
+
+
+def failed_capture(result, n, policy):
+    """A forward that raises under capture after its offloaded save started a D2H copy: the capture
+    is refused, and the process's CUDA generators are left working (an unjoined copy stream would
+    make the capture's end fail and leave them in capture mode), so random ops and the next capture go on."""
+    from megatron_cg_plugin.capture.slotted import SlotOffload, Variant, capture_slotted
+    from megatron_cg_plugin.plan.slots import exclusive_plan
+
+    weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
+    sample = torch.randn(n, n, device="cuda", requires_grad=True)
+
+    def failing(x):
+        GROUP[0] = "core_attn"
+        saved = torch.sigmoid(x @ weight)  # sigmoid's output is saved, in the offloaded group
+        GROUP[0] = None
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected failure after an offloaded save")
+        return saved * 3.0
+
+    option = SlotOffload(policy, group=lambda: GROUP[0])
+    case = {}
+    try:
+        capture_slotted([Variant("failing", failing, (sample,))], exclusive_plan(["failing"]), [weight], offload=option)
+        case["raised"] = None
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        case["raised"] = f"{type(error).__name__}: {error}"[:400]
+    try:
+        torch.randn(4, device="cuda")
+        graphs = capture_slotted([Variant("again", lambda x: torch.sigmoid(x @ weight) * 3.0, (sample,))],
+                                 exclusive_plan(["again"]), [weight], offload=option)
+        graphs.reset()
+        case["recovered"] = True
+    except Exception as error:  # noqa: BLE001
+        case["recovered"] = f"{type(error).__name__}: {error}"[:400]
+    result["offload-edges/failed-capture"] = case
 
 
 class _UnderAutocast:
