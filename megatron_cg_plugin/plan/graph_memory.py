@@ -435,14 +435,33 @@ def _rotary_dim(s: LayerShape) -> int:
     return s.head_dim if s.rotary_dim is None else s.rotary_dim
 
 
+def staging_ring_bytes(offloaded: Sequence[int], depth: int) -> int:
+    """The GPU staging buffers of ``--cg-offload-copies between-replays`` (``memory.staging``): the
+    layers, in capture order, take the ``depth`` ring positions round-robin; a position's buffer is
+    sized by the first layer that offloads at it, and a later, larger layer there gets a buffer of
+    its own. ``offloaded``: each layer's offloaded bytes."""
+    buffers: dict[int, int] = {}
+    own = 0
+    for index, nbytes in enumerate(offloaded):
+        if not nbytes:
+            continue
+        position = index % depth
+        if position not in buffers:
+            buffers[position] = nbytes
+        elif buffers[position] < nbytes:
+            own += nbytes
+    return sum(buffers.values()) + own
+
+
 def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
-                     policy: OffloadPolicy | None = None) -> GraphMemoryPlan:
+                     policy: OffloadPolicy | None = None, staging_depth: int | None = None) -> GraphMemoryPlan:
     """``--cg-slot-capture`` with one slot per layer (PP = 1): the pool, the GPU arenas (less the
     saves ``policy`` offloads, which ``host_arena_bytes`` counts) and the boundary buffers: each
     graph's output and the gradients of its output and input, and the parameter-gradient buffers
     of the parameters the graphs reach (shared by layout: ``memory.param_grads``). The slot backend
     captures each layer's forward, then its backward, into one pool; each capture frees its blocks
-    when it ends, except the forward's output, which lives until its backward is captured."""
+    when it ends, except the forward's output, which lives until its backward is captured. With
+    ``staging_depth`` (copies between replays), the GPU arenas include the staging ring."""
     parts = scope_parts(modules)
     pool, live = PoolModel(), {}
 
@@ -459,6 +478,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                 pool.free(live.pop(name))
 
     arenas = host = 0
+    offloaded_per_layer = []
     for index, shape in enumerate(layers):
         output = _graph_output(shape, parts)
         if output is None:
@@ -485,6 +505,9 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         offloaded = 0 if policy is None else _offloaded_bytes(shape, parts, policy)
         arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
         host += offloaded
+        offloaded_per_layer.append(offloaded)
+    if staging_depth is not None:
+        arenas += staging_ring_bytes(offloaded_per_layer, staging_depth)
     # Megatron's sample arguments are the static inputs (capture.slotted adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
@@ -605,8 +628,6 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
          facts.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
          and "moe" in scope_parts(facts.modules) and facts.has_moe_layers),
-        ("the staging ring of --cg-offload-copies between-replays (in the measured GPU arenas)",
-         facts.slot_capture and policy is not None and getattr(args, "cg_offload_copies", None) == "between-replays"),
     ) if present]
     tp, cp = facts.tensor_parallel, facts.context_parallel
     heads = args.num_attention_heads
@@ -637,7 +658,9 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
     if facts.slot_capture:
-        plan = plan_slot_memory(layers, facts.modules, policy)
+        staged = policy is not None and getattr(args, "cg_offload_copies", None) == "between-replays"
+        plan = plan_slot_memory(layers, facts.modules, policy,
+                                getattr(args, "cg_offload_window", 1) + 1 if staged else None)
     else:
         plan = plan_graph_memory(layers, facts.modules)
     return dataclasses.replace(plan, unpredicted=tuple(unpredicted))

@@ -388,9 +388,14 @@ def test_what_the_slot_plan_leaves_out_is_named():
                 activation_offload_fraction=1.0)
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True,
                        activation_offloading=True)
-    staged = plan_from_args(megatron_args(**base, offload_modules=["core_attn"], cg_offload_copies="between-replays"),
+    in_graph = plan_from_args(megatron_args(**base, offload_modules=["core_attn"]),
+                              dataclasses.replace(facts, offload_modules=("core_attn",)), deterministic=True)
+    staged = plan_from_args(megatron_args(**base, offload_modules=["core_attn"], cg_offload_copies="between-replays",
+                                          cg_offload_window=1),
                             dataclasses.replace(facts, offload_modules=("core_attn",)), deterministic=True)
-    assert any("between-replays" in what for what in staged.unpredicted)
+    per_layer = in_graph.host_arena_bytes // 2
+    assert staged.arena_bytes == in_graph.arena_bytes + 2 * per_layer  # the staging ring's two buffers
+    assert not any("between-replays" in what for what in staged.unpredicted)
     moe_facts = dataclasses.replace(facts, num_experts=4, capacity_factor=1.5, pad_to_capacity=True,
                                     offload_modules=("core_attn", "expert_fc1"))
     moe = plan_from_args(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
@@ -462,3 +467,24 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     assert not any("FP8" in what for what in ends.unpredicted)
     te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), deterministic=True)
     assert any("FP8" in what for what in te_path.unpredicted)
+
+
+@pytest.mark.parametrize("window, measured", [(1, 1462247424), (3, 1562910720)])
+def test_the_staging_ring_is_window_plus_one_buffers_of_a_layers_offload(window, measured):
+    """docs/results/windows-fp8-2026-12-01/s45: the 1B, every attention group offloaded, copies between
+    replays: the GPU arenas (saves that stay plus the ring) as measured."""
+    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+    policy = OffloadPolicy.from_flags(EVERY_ATTENTION_GROUP, min_tensor_elements=1024 * 1024)
+    plan = plan_slot_memory([dense_1b()] * 16, ("attn", "mlp"), policy, staging_depth=window + 1)
+    assert plan.arena_bytes == measured
+
+
+def test_a_larger_layer_than_its_ring_buffer_gets_a_buffer_of_its_own():
+    from megatron_cg_plugin.plan.graph_memory import staging_ring_bytes
+
+    assert staging_ring_bytes([10, 10, 10, 10], 2) == 20
+    # Position 0: sized 10 by the first layer, so the third's 30 gets a buffer of its own; position 1: the fourth's 10.
+    assert staging_ring_bytes([10, 0, 30, 10], 2) == 10 + 30 + 10
+    assert staging_ring_bytes([0, 0], 2) == 0
