@@ -44,18 +44,12 @@ def test_farm_settings_reach_the_case():
     assert by_name["gpt_12x1024_attn_user_script"].argv(graphed=True, out_dir=Path("o"))[:3] == [
         "-m", "megatron_cg_plugin.cli", "run"]
     assert by_name["tiny_moe_real_data_spm"].data == "sentencepiece" and not by_name["tiny_moe_real_data_spm"].check_golden
-    # FP8 attention runs on this host only with non-deterministic algorithms, which --deterministic-mode refuses.
-    fp8_attention = by_name["tiny_gpt_slot_fp8_attention_user_script"]
-    assert not fp8_attention.deterministic_mode and "--deterministic-mode" not in fp8_attention.argv(
-        graphed=True, out_dir=Path("o"))
-    assert "--deterministic-mode" in failure.argv(graphed=True, out_dir=Path("o"))
 
 
 @pytest.mark.parametrize("block, message", [
     ("steps: 0", "CG_FARM steps 0 must be an integer >= 1"),
     ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
     ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
-    ("deterministic_mode: 'no'", "deterministic_mode must be true or false"),
     ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
 ])
 def test_bad_farm_blocks_are_refused_naming_the_key(tmp_path, block, message):

@@ -479,7 +479,7 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
     (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
     (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
     (dict(fp8_attention=True), "(FP8 attention)"),
-    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(FP8 attention)"),
+    (dict(fp8_recipe="delayed", fp8_attention=True), "(FP8 attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
 def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
@@ -493,6 +493,3 @@ def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
 def test_slot_capture_takes_delayed_and_current_scaling(recipe):
     facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe=recipe)
     assert "slot-capture-fp8" not in names(facts)
-    # FP8 dot-product attention: under delayed scaling only.
-    attention = dataclasses.replace(facts, fp8_attention=True)
-    assert ("slot-capture-fp8" in names(attention)) == (recipe != "delayed")
