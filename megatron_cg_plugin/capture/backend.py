@@ -252,16 +252,21 @@ def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ..
     may overwrite. The CP functions keep QKV/O/S copies whose scale is cloned only under delayed
     scaling (context_parallel.py 2414-2421, 3983-3990, 5038-5045). Each copy's ``scale`` goes to
     the frame's arena, a snapshot taken at forward time as FusedAttnFunc means it. The quantizers
-    the modules own are shared state and are not entered."""
+    the modules own are shared state and are not entered. Ownership is looked up when a ctx object
+    is met, by identity: DotProductAttention rebuilds its quantizers in a forward (its recipe
+    state re-made), so a set of ids taken earlier goes stale, and a copy made later in the forward
+    can take a freed quantizer's id (seen on the H200, s47-s48: the S-scale snapshot left in the pool)."""
     import torch
     from transformer_engine.pytorch.quantized_tensor import Quantizer
 
-    owned = {id(q) for module in _te_modules(modules) for group in getattr(module, "quantizers", {}).values()
-             for q in group}
+    te_modules = _te_modules(modules)
+
+    def owned(value: Any) -> bool:
+        return any(value is q for module in te_modules for group in getattr(module, "quantizers", {}).values()
+                   for q in group)
 
     def attributes(value: Any) -> tuple[str, ...]:
-        if isinstance(value, Quantizer) and id(value) not in owned and isinstance(getattr(value, "scale", None),
-                                                                                    torch.Tensor):
+        if isinstance(value, Quantizer) and isinstance(getattr(value, "scale", None), torch.Tensor) and not owned(value):
             return ("scale",)  # not amax: the copy shares the module's amax, which the graphs write
         return ()
 

@@ -144,7 +144,7 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
         if refusal is None and (recipe.fp8_dpa or recipe.fp8_mha):  # rule slot-capture-fp8
             refusal = ("FP8 attention (TransformerConfig fp8_dot_product_attention / fp8_multi_head_attention) is "
                        "verified in slot-shared graphs on TE layers only, not through Megatron's layers (tried on the "
-                       "H200: the capture saved 4 bytes more than its warmup measured, docs/results/"
+                       "H200: the S-scale snapshot stayed in the pool under capture, docs/results/"
                        "windows-fp8-2026-12-01); turn it off.")
         if refusal:
             raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "

@@ -260,3 +260,9 @@ def test_per_call_quantizer_copies_have_their_scale_protected_and_module_quantiz
     assert attributes(FakeQuantizer()) == ("scale",)  # a copy made in the call (FusedAttnFunc's S)
     assert attributes(owned) == ()  # the module's own: shared state
     assert attributes(torch.ones(1)) == () and attributes(object()) == ()
+    # DotProductAttention rebuilds its quantizers inside a forward: the new ones are the module's too, and the
+    # old ones, once let go, are nobody's (a set of ids taken before would call the new ones per-call copies,
+    # and a copy that reuses a freed id the module's).
+    rebuilt = FakeQuantizer()
+    model[1].quantizers = {"scaling_fwd": [rebuilt], "scaling_bwd": []}
+    assert attributes(rebuilt) == () and attributes(owned) == ("scale",)
