@@ -71,8 +71,9 @@ class PluginConfig:
             how many of Megatron's offload groups' copies may run beside the group being staged
             (forward) or unpacked (backward); up to ``window + 1`` groups' staging and reload buffers
             are alive in the graph pool at once. Between replays: the staging ring holds
-            ``window + 1`` buffers (each the size of the largest layer's offloaded bytes). A larger
-            window overlaps more of the copying with compute and holds more GPU memory.
+            ``window + 1`` buffers, each sized by the first layer that offloads at its ring
+            position (a larger layer there gets one of its own). A larger window overlaps more of
+            the copying with compute and holds more GPU memory.
         slot_debug: slot-shared graphs check on the host, at every replay, that no other live frame
             owns the slot (arena and output storage) about to be reused (``MEGATRON_CG_SLOT_DEBUG=1``).
     """

@@ -259,7 +259,7 @@ class BankReplayCounts(ReplayTotals):
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
                   warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True,
-                  offload_copies: OffloadCopies = OffloadCopies()) -> BankedLayers:
+                  offload_copies: OffloadCopies | str = OffloadCopies()) -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
@@ -279,6 +279,7 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     result = BankedLayers({}, {}, layers)
     megatron_offload = MegatronOffload.from_config(layers[0].config, layers, offload=offload) if layers else None
+    offload_copies = OffloadCopies.given(offload_copies)
     ring = offload_copies.staging_ring()
     try:
         with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext():

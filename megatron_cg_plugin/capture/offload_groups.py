@@ -47,6 +47,11 @@ class OffloadCopies:
             raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
 
     @classmethod
+    def given(cls, copies: "OffloadCopies | str") -> "OffloadCopies":
+        """``copies`` as given to a capture call: the settings, or a mode name with the default window."""
+        return cls(copies) if isinstance(copies, str) else copies
+
+    @classmethod
     def of(cls, config: Any) -> "OffloadCopies":
         """From the plugin's config (``config.PluginConfig``)."""
         return cls(config.offload_copies, config.offload_window)

@@ -200,9 +200,10 @@ class SlotBackend(TEBackend):
     """A ``GraphBackend`` whose capture call is slot-shared capture, layer by layer, into one pool.
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
-    def __init__(self, *, offload: bool = True, copies: OffloadCopies = OffloadCopies(), debug: bool = False) -> None:
+    def __init__(self, *, offload: bool = True, copies: OffloadCopies | str = OffloadCopies(),
+                 debug: bool = False) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
-        self.copies = copies
+        self.copies = OffloadCopies.given(copies)
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:

@@ -751,16 +751,20 @@ def _copies_joined(hooks: ArenaHooks | None, graph: str) -> Iterator[None]:
     the graph's code raised. An unjoined stream makes ``capture_end`` fail, which would leave the
     CUDA generators registered with the graph in capture mode: every later random op of the
     process would then raise."""
-    offloading = isinstance(hooks, OffloadingArenaHooks)
-    if offloading and graph == "backward":
-        hooks.start_backward()
-    try:
+    if not isinstance(hooks, OffloadingArenaHooks):
         yield
-    finally:
-        if offloading and graph == "forward":
-            hooks.join_forward()
-        elif offloading:
-            hooks.join_backward()  # reloads the backward never unpacked are joined too
+        return
+    # The backward's reloads the backward never unpacks are joined too.
+    join = hooks.join_forward if graph == "forward" else hooks.join_backward
+    try:
+        if graph == "backward":
+            hooks.start_backward()
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the graph's own error is the one to report
+            join()
+        raise
+    join()
 
 
 def _check_coverage(entry: _Entry, before: dict[int, int], after: dict[int, int], outputs: Sequence[torch.Tensor],

@@ -95,13 +95,14 @@ class CudaTransfers:
         self._staged: list[torch.Tensor] = []  # the group being copied
         self._in_flight: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()  # its predecessors
         self._loaded: dict[int, Any] = {}  # id(buffer) -> the H2D event that fills it
-        self._h2d_forked = False
+        self._d2h_forked = self._h2d_forked = False
 
     def stage(self, source: torch.Tensor) -> torch.Tensor:
         return source.clone()  # on the compute stream, in order with the forward's later writes
 
     def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
         self.d2h.wait_stream(torch.cuda.current_stream())
+        self._d2h_forked = True
         with torch.cuda.stream(self.d2h):
             host.copy_(staged, non_blocking=True)
         self._staged.append(staged)
@@ -113,7 +114,13 @@ class CudaTransfers:
                 event.record()
             self._in_flight.append((event, self._staged))
             self._staged = []
-        while len(self._in_flight) > keep:  # only events of a stream the capture forked are waited for
+        if not keep:  # the forward's end: everything the D2H stream was given, also a copy that raised
+            if self._d2h_forked:  # only a stream the capture forked may be joined into it
+                torch.cuda.current_stream().wait_stream(self.d2h)
+            self._in_flight.clear()  # the staging buffers go, on the compute stream, which follows the copies
+            self._d2h_forked = False
+            return
+        while len(self._in_flight) > keep:
             event, _ = self._in_flight.popleft()
             torch.cuda.current_stream().wait_event(event)  # its staging buffers are let go here, on the
             # compute stream, which now follows their copies

@@ -625,6 +625,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
          (facts.activation_offloading and not facts.slot_capture) or facts.cpu_offloading),
         ("context parallelism (one rank's share of the sequence, without CP's communication buffers)",
          facts.context_parallel > 1),
+        ("in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
+         facts.slot_capture and policy is not None and getattr(args, "cg_offload_copies", "in-graph") == "in-graph"),
         ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
          facts.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
          and "moe" in scope_parts(facts.modules) and facts.has_moe_layers),

@@ -263,12 +263,30 @@ def test_the_backward_starts_the_first_window_of_reloads_before_its_first_unpack
 
 
 class RecordingCuda:
-    """torch.cuda's streams and events as a log of what the compute stream waits for (CPU)."""
+    """torch.cuda's streams and events as a log (CPU): the stream each event is recorded on, and what
+    each stream waits for."""
 
     def __init__(self, monkeypatch):
         self.log, self.events = [], 0
         cuda = offload.torch.cuda
         recorder = self
+
+        class Stream:
+            made = 0
+
+            def __init__(self):
+                Stream.made += 1
+                self.name = f"stream {Stream.made}"
+
+            def wait_stream(self, other):
+                recorder.log.append(("wait stream", self.name, other.name))
+
+            def wait_event(self, event):
+                recorder.log.append(("wait event", self.name, event.name))
+
+        self.compute = Stream()
+        self.compute.name = "compute"
+        current = [self.compute]
 
         class Event:
             def __init__(self):
@@ -276,49 +294,94 @@ class RecordingCuda:
                 self.name = f"event {recorder.events}"
 
             def record(self):
-                recorder.log.append(("record", self.name))
+                recorder.log.append(("record", current[-1].name, self.name))
 
-        class Stream:
-            def wait_stream(self, other):
-                pass
+        @contextlib.contextmanager
+        def stream(chosen):
+            current.append(chosen)
+            try:
+                yield
+            finally:
+                current.pop()
 
-            def wait_event(self, event):
-                recorder.log.append(("compute waits", event.name))
-
-        compute = Stream()
         monkeypatch.setattr(cuda, "Stream", Stream)
         monkeypatch.setattr(cuda, "Event", Event)
-        monkeypatch.setattr(cuda, "current_stream", lambda: compute)
-        monkeypatch.setattr(cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(cuda, "current_stream", lambda: current[-1])
+        monkeypatch.setattr(cuda, "stream", stream)
+
+    def followed(self, until=None):
+        """The events whose work the compute stream waits for in the log up to ``until``: the ones it
+        waited for, and every one recorded on a stream before it waited for that stream."""
+        followed, recorded = set(), {}
+        for kind, stream, name in self.log[:until]:
+            if kind == "record":
+                recorded.setdefault(stream, []).append(name)
+            elif stream == "compute" and kind == "wait event":
+                followed.add(name)
+            elif stream == "compute" and kind == "wait stream":
+                followed |= set(recorded.get(name, ()))
+        return followed
 
 
-@pytest.mark.parametrize("window, waits_before_each_group", [
-    (0, [[], ["event 1"], ["event 2"]]),  # each group's copies done before the next stages
-    (1, [[], [], ["event 1"]]),  # one group's copies may still run while the next stages
-    (4, [[], [], []]),  # every copy runs on until the forward's end
+@pytest.mark.parametrize("window, followed_at_each_group", [
+    (0, [set(), {"event 1"}, {"event 1", "event 2"}]),  # each group's copies done before the next stages
+    (1, [set(), set(), {"event 1"}]),  # one group's copies may still run while the next stages
+    (4, [set(), set(), set()]),  # every copy runs on until the forward's end
 ])
 def test_in_graph_d2h_copies_run_window_groups_behind_and_are_all_joined_at_the_end(monkeypatch, window,
-                                                                                  waits_before_each_group):
+                                                                                  followed_at_each_group):
     cuda = RecordingCuda(monkeypatch)
     sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
     transfers = offload.CudaTransfers()
     hooks, _, _, _ = frame(plan, sizer, window=window, transfers=transfers)
-    waits = []
+    followed = []
     offload_one = hooks._offload
 
     def offload_recorded(ordinal, tensor):
-        if hooks._group_of[ordinal] != hooks._staging_group:
-            before = len(cuda.log)
-            result = offload_one(ordinal, tensor)
-            waits.append([name for kind, name in cuda.log[before:] if kind == "compute waits"])
-            return result
-        return offload_one(ordinal, tensor)
+        starts_group = hooks._group_of[ordinal] != hooks._staging_group
+        result = offload_one(ordinal, tensor)  # joins what the window lets go, then stages and copies
+        if starts_group:
+            followed.append(cuda.followed())  # the group's own copy adds nothing the compute stream waits for
+        return result
 
     hooks._offload = offload_recorded
-    grads(hooks, after_forward=lambda: (hooks.join_forward(), cuda.log.append(("joined", ""))))
-    assert waits == waits_before_each_group
-    forward = cuda.log[:cuda.log.index(("joined", ""))]
-    recorded = [name for kind, name in forward if kind == "record"]
-    assert recorded == ["event 1", "event 2", "event 3"]  # one per group, after its copies
-    assert {name for kind, name in forward if kind == "compute waits"} == set(recorded)  # all joined by the end
+    grads(hooks, after_forward=lambda: (hooks.join_forward(), cuda.log.append(("joined", "", ""))))
+    assert followed == followed_at_each_group
+    end = cuda.log.index(("joined", "", ""))
+    records = [(stream, name) for kind, stream, name in cuda.log[:end] if kind == "record"]
+    assert records == [(transfers.d2h.name, f"event {i}") for i in (1, 2, 3)]  # one per group, on the D2H stream
+    assert cuda.followed(end) == {"event 1", "event 2", "event 3"}  # all joined by the forward's end
     assert transfers._in_flight == collections.deque() and transfers._staged == []
+
+
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_each_first_unpack_keeps_window_groups_reloading_ahead(window):
+    sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
+    hooks, _, _, _ = frame(plan, sizer, window=window)
+    order = plan.reload_order()
+    seen = {}
+    unpack = hooks.unpack
+
+    def recorded_unpack(packed):
+        result = unpack(packed)
+        if isinstance(packed, offload._Offloaded):
+            seen.setdefault(hooks._group_of[packed.storage], set(hooks._requested))
+        return result
+
+    hooks.unpack = recorded_unpack
+    grads(hooks, after_forward=lambda: (hooks.join_forward(), hooks.start_backward()))
+    assert list(seen) == list(order)  # first unpacks in the order the backward needs the groups
+    for position, group in enumerate(order):  # by then it and the next `window` groups are reloading
+        assert seen[group] == set(order[:position + window + 1]), (group, seen[group])
+
+
+def test_a_capture_that_raises_still_joins_its_copy_streams():
+    from megatron_cg_plugin.capture.slotted import _copies_joined
+
+    sizer, plan = warmup_plan(["core_attn", "mlp_norm"])
+    for graph, join in (("forward", "join forward"), ("backward", "join backward")):
+        hooks, _, _, transfers = frame(plan, sizer)
+        with pytest.raises(RuntimeError, match="inside the graph"):
+            with _copies_joined(hooks, graph):
+                raise RuntimeError("inside the graph")
+        assert transfers.log[-1][0] == join  # the streams joined before the capture ends, the error kept

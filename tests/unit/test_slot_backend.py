@@ -283,3 +283,15 @@ def test_the_offload_window_reaches_every_layers_capture(capture_calls):
     SlotBackend(copies=copies).make_graphed_callables(layers, [(torch.ones(2),)] * 2)
     assert [call["offload"].window for call in capture_calls] == [3, 3]
     assert all(call["offload"].staging is None for call in capture_calls)  # in-graph copies: no ring
+
+
+def test_copies_between_replays_get_a_ring_of_window_plus_one_buffers(capture_calls, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    layers = megatron_layers(2)
+    for layer in layers:
+        layer.config = types.SimpleNamespace(cuda_graph_modules=[], fine_grained_activation_offloading=True,
+                                             offload_modules=["core_attn"])
+    SlotBackend(copies=OffloadCopies("between-replays", 3)).make_graphed_callables(layers, [(torch.ones(2),)] * 2)
+    rings = {id(call["offload"].staging): call["offload"].staging for call in capture_calls}
+    assert len(rings) == 1 and next(iter(rings.values())).depth == 4  # one ring shared by the layers
+    assert SlotBackend(copies="between-replays").copies == OffloadCopies("between-replays", 1)  # a mode name
