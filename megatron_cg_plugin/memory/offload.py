@@ -309,8 +309,7 @@ class OffloadingArenaHooks(PlannedArenaHooks):
     def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers, *,
                  window: int = 1) -> None:
         super().__init__(arena, plan)
-        if window < 0:
-            raise ValueError(f"offload window {window}: use 0 or more groups (--cg-offload-window).")
+        assert window >= 0, window  # SlotOffload refuses a negative window
         self.window = window  # groups whose copies may run beside the one being staged or unpacked
         host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
         self.host, self.transfers = host, transfers

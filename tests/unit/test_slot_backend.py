@@ -217,6 +217,10 @@ def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused()
         OffloadCopies("sideways")
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):
         OffloadCopies(window=-1)
+    from megatron_cg_plugin.capture.slotted import SlotOffload
+
+    with pytest.raises(ValueError, match="offload window -1: use 0 or more"):  # capture_slotted's own API
+        SlotOffload(OffloadPolicy.from_flags(["core_attn"]), group=lambda: None, window=-1)
     with pytest.raises(ConfigError, match="--cg-offload-copies between-replays only chooses .* add --cg-slot-capture"):
         PluginConfig(offload_copies="between-replays")
     with pytest.raises(ConfigError, match="--cg-offload-window 3 only chooses .* add --cg-slot-capture"):
