@@ -87,6 +87,7 @@ class GraphFacts:
     # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
     # them; a user's script may set them on args)
     fp8_attention: bool = False
+    te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
     # Megatron's TE layer fuses the input norm into the QKV linear, except multi-latent attention
     # without --mla-down-proj-fusion (gpt_layer_specs.py): there attn_norm offloads a real norm's saves.
     input_norm_fused: bool = True
@@ -298,6 +299,12 @@ RULES: tuple[Rule, ...] = (
          "--cg-slot-capture (TE's graphs take every FP8 recipe).",
          detail=lambda f: "(--fp4-format)" if f.fp4 else
          "(FP8 attention)" if f.fp8_attention and f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),
+    Rule("slot-capture-fp8-op-fuser", "plugin",
+         _graphs(lambda f: f.slot_capture and f.fp8 and f.te_op_fuser),
+         "--cg-slot-capture with FP8 does not cover Transformer Engine's operation fuser: its fused operations "
+         "run without module hooks, so slot-shared replays would not join their FP8 state to TE's amax reduction "
+         "(delayed scaling), and their weight caching inside slot-shared graphs is not verified: drop "
+         "--use-transformer-engine-op-fuser, or drop --cg-slot-capture."),
     Rule("slot-capture-scope", "plugin",
          _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
          "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
@@ -463,6 +470,7 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
                               and not getattr(args, "mla_down_proj_fusion", False)),
         fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
                            or getattr(args, "fp8_multi_head_attention", False)),
+        te_op_fuser=bool(getattr(args, "use_transformer_engine_op_fuser", False)),
         fp4=getattr(args, "fp4", None) is not None,
         device_capability=device_capability,
         cuda_version=cuda_version,

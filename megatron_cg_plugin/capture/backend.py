@@ -125,7 +125,23 @@ def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
     if recipe.delayed() and not modules:
         return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
                 "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")
+    if _fused_operations(modules):  # rule slot-capture-fp8-op-fuser
+        return ("slot-shared capture with FP8 does not cover Transformer Engine's fused operations (te.ops; "
+                "Megatron's --use-transformer-engine-op-fuser): they run without module hooks, so replays would not "
+                "join their FP8 state to TE's amax reduction; drop --use-transformer-engine-op-fuser.")
     return None
+
+
+def _fused_operations(modules: Sequence[Any]) -> bool:
+    """The modules hold te.ops operations (whose forwards a fuser runs, not their module call)."""
+    import torch
+
+    try:
+        from transformer_engine.pytorch.ops.op import BasicOperation
+    except ImportError:  # without TE no module is one of its operations
+        return False
+    return any(isinstance(m, BasicOperation) for module in modules if isinstance(module, torch.nn.Module)
+               for m in module.modules())
 
 
 class Fp8Capture:

@@ -103,9 +103,9 @@ class SlotFp8:
     reduction. Each module quantizes its weight into its workspace inside the graph, under TE's
     weight-update flag: a replay refreshes the workspace unless called with
     ``update_fp8_weights=False`` (Megatron: every microbatch but the first). ``modules`` must hold
-    every TE module the variants call: a quantizer outside them counts as a per-call copy. Not
-    covered: te.ops fused sequences under delayed scaling (their ops run without module hooks), and
-    modules only some variants reach (under delayed scaling every replay joins all visited ones)."""
+    every TE module the variants call: a quantizer outside them counts as a per-call copy. Refused:
+    te.ops fused operations (they run without module hooks). Not covered: modules only some
+    variants reach (under delayed scaling every replay joins all visited ones)."""
 
     recipe: Any
     group: Any = None

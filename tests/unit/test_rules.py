@@ -76,6 +76,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                               "--pipeline-model-parallel-size 1"),
     "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
                          "--fp8-recipe delayed or tensorwise"),
+    "slot-capture-fp8-op-fuser": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_fuser=True),
+                                  "drop --use-transformer-engine-op-fuser"),
     "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
                                       **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
     "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),

@@ -52,6 +52,16 @@ def test_current_and_delayed_scaling_are_taken_and_fp8_attention_with_delayed(re
     assert backend.slot_fp8_refusal(recipe, modules) is None
 
 
+def test_layers_with_te_ops_fused_operations_are_refused_naming_the_flag(fake_te):
+    import transformer_engine.pytorch.ops.op as ops
+
+    fused = torch.nn.Sequential(FakeTEModule(), torch.nn.Sequential(ops.BasicOperation()))
+    for recipe in (FakeRecipe("current"), FakeRecipe("delayed")):
+        refusal = backend.slot_fp8_refusal(recipe, (fused,))
+        assert refusal is not None and "--use-transformer-engine-op-fuser" in refusal
+        assert backend.slot_fp8_refusal(recipe, (torch.nn.Sequential(FakeTEModule()),)) is None
+
+
 class FakeTEModule(torch.nn.Module):
     """A TE base module with its FP8 meta and a cached weight workspace."""
 
