@@ -106,7 +106,15 @@ def _owners(referrer: Any) -> list[Any]:
 
 
 def _attributes_holding(owner: Any, target: Any) -> list[str]:
-    return [key for key, value in getattr(owner, "__dict__", {}).items() if value is target]
+    """The attributes of ``owner`` that are ``target``: in its ``__dict__`` and in its slots
+    (dataclasses with ``slots=True``, such as TE's ``FusedAttnBwdArgs``, have no ``__dict__``)."""
+    names = [key for key, value in getattr(owner, "__dict__", {}).items() if value is target]
+    for cls in type(owner).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and getattr(owner, slot, None) is target:
+                names.append(slot)
+    return names
 
 
 def _describe_holder(referrer: Any, target: Any) -> str | None:
@@ -131,8 +139,20 @@ def _referrer_holders(target: Any, ignore: Iterable[Any] = ()) -> tuple[str, ...
 
 
 def describe_holders(target: Any) -> tuple[str, ...]:
-    """What keeps ``target`` alive, in words: running functions' locals and attributes of objects."""
-    return tuple(_frame_holders(target)) + _referrer_holders(target)
+    """What keeps ``target`` alive, in words: running functions' locals and attributes of objects,
+    and, one level up, the attributes that hold an object whose attribute it is (a scale on a
+    quantizer names the ctx or module field the quantizer sits in)."""
+    described = list(_frame_holders(target))
+    for referrer in gc.get_referrers(target):
+        text = _describe_holder(referrer, target)
+        if text is None:
+            continue
+        owners = [o for o in _owners(referrer) if o is not None and not isinstance(o, types.ModuleType)
+                  and _attributes_holding(o, target)]
+        # Only attributes above: locals and bare lists there name the scan itself more than the holder.
+        above = [h for o in owners for h in _referrer_holders(o) if h.startswith("attribute ")]
+        described.append(f"{text}, which is {'; '.join(above)}" if above else text)
+    return tuple(described)
 
 
 def _storage_address(tensor: torch.Tensor) -> int | None:

@@ -334,7 +334,7 @@ def test_tensors_in_blocks_and_their_holders_are_named():
     found = hygiene.tensors_in(block, objects=[dispatcher.routing_map, elsewhere])
     assert len(found) == 1 and found[0] is dispatcher.routing_map
     holders = hygiene.describe_holders(found[0])
-    assert "attribute 'routing_map' of Dispatcher" in holders
+    assert "attribute 'routing_map' of Dispatcher" in holders  # held by a local only: nothing above it
     assert "an element of a list of length 1" in holders  # `found` itself
     mask = dispatcher.routing_map
     assert any("local variable 'mask'" in h for h in hygiene.describe_holders(mask))
@@ -358,3 +358,24 @@ def test_tensors_without_storage_are_passed_over_not_fatal():
     held = torch.zeros(8)
     block = {held.untyped_storage().data_ptr(): 32}
     assert hygiene.tensors_in(block, objects=[_StoragelessTensor((4,)), held]) == [held]
+
+
+def test_holders_are_named_through_slots_and_one_level_up():
+    import dataclasses
+
+    class Quantizer:
+        def __init__(self):
+            self.scale = torch.ones(())
+
+    @dataclasses.dataclass(slots=True)
+    class BackwardArgs:
+        S_quantizer: object = None
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    ctx.backward_objects = BackwardArgs(Quantizer())
+    scale = ctx.backward_objects.S_quantizer.scale
+    # Through a slots dataclass (no __dict__), and naming the field the quantizer sits in.
+    assert "attribute 'scale' of Quantizer, which is attribute 'S_quantizer' of BackwardArgs" in hygiene.describe_holders(scale)
