@@ -8,6 +8,8 @@ launcher through the same hook. Megatron's own argument assertions are shortened
 
 from __future__ import annotations
 
+import argparse
+
 import logging
 import sys
 import traceback
@@ -98,6 +100,7 @@ def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) 
     facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
     session.predicted_graph_memory = predict_graph_memory(args, facts, environ=environ)
+    session.repredict = lambda model_config: repredict_graph_memory(args, facts, model_config, environ=environ)
     session.moe_capacity_plan = _capacity_plan(args)
 
 
@@ -109,6 +112,23 @@ def _capacity_plan(args: Any) -> Any:
     except (ValueError, AttributeError) as error:  # Megatron's own checks refuse these flags first
         logging.getLogger(__name__).warning("MoE capacity not planned: %s", error)
         return None
+
+
+# TransformerConfig fields that change the prediction and that megatron-core 0.19.2 has no flag for:
+# a user's script sets them on the model config after the flags are parsed.
+MODEL_CONFIG_ONLY_FIELDS = ("fp8_dot_product_attention",)
+
+
+def repredict_graph_memory(args: Any, facts: rules.GraphFacts, model_config: Any, *,
+                           environ: Mapping[str, str]) -> Any:
+    """The prediction again, with what the built model's ``TransformerConfig`` sets beyond the
+    flags (``MODEL_CONFIG_ONLY_FIELDS``), or None when it sets nothing more. ``args`` is left as
+    it is: the prediction reads a copy."""
+    extra = {name: True for name in MODEL_CONFIG_ONLY_FIELDS
+             if getattr(model_config, name, False) and not getattr(args, name, False)}
+    if not extra:
+        return None
+    return predict_graph_memory(argparse.Namespace(**{**vars(args), **extra}), facts, environ=environ)
 
 
 def predict_graph_memory(args: Any, facts: rules.GraphFacts, *, environ: Mapping[str, str]) -> Any:

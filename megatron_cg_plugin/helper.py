@@ -150,6 +150,7 @@ class PluginHelperMixin:
     def create_cudagraphs(self) -> None:
         if not self.flattened_callables:
             return super().create_cudagraphs()  # Megatron warns and finishes the phase
+        self.session.model_config_seen(self.config)
         if self.session.config.graph_banks:
             return self._create_banks()
         config = self.session.config

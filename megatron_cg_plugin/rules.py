@@ -86,7 +86,8 @@ class GraphFacts:
     fp8_recipe: str = "delayed"  # --fp8-recipe
     # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
     # them; a user's script may set them on args)
-    fp8_attention: bool = False
+    fp8_attention: bool = False  # either of them
+    fp8_multi_head_attention: bool = False
     te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
     # Megatron's TE layer fuses the input norm into the QKV linear, except multi-latent attention
     # without --mla-down-proj-fusion (gpt_layer_specs.py): there attn_norm offloads a real norm's saves.
@@ -292,13 +293,15 @@ RULES: tuple[Rule, ...] = (
          "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
          "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
     Rule("slot-capture-fp8", "plugin",
-         _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (f.fp8_recipe not in SLOT_FP8_RECIPES
-                                                                     or f.fp8_attention)))),
-         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise and without FP8 attention (verified "
-         "in slot-shared graphs of TE layers, not through Megatron's layers yet): use one of those recipes, leave TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention off, or drop "
-         "--cg-slot-capture (TE's graphs take every FP8 recipe).",
+         _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (
+             f.fp8_recipe not in SLOT_FP8_RECIPES or f.fp8_multi_head_attention)))),
+         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise, FP8 dot-product attention "
+         "(TransformerConfig fp8_dot_product_attention) included, and without fp8_multi_head_attention (FP8 "
+         "tensors between the attention's modules are not verified in slot-shared graphs). Use one of those "
+         "recipes, leave fp8_multi_head_attention off, or drop --cg-slot-capture (TE's graphs take every FP8 "
+         "recipe).",
          detail=lambda f: "(--fp4-format)" if f.fp4 else
-         "(FP8 attention)" if f.fp8_attention and f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),
+         "(fp8_multi_head_attention)" if f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),
     Rule("slot-capture-fp8-op-fuser", "plugin",
          _graphs(lambda f: f.slot_capture and f.fp8 and f.te_op_fuser),
          "--cg-slot-capture with FP8 does not cover Transformer Engine's operation fuser: its fused operations "
@@ -471,6 +474,7 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
                            or getattr(args, "fp8_multi_head_attention", False)),
         te_op_fuser=bool(getattr(args, "use_transformer_engine_op_fuser", False)),
+        fp8_multi_head_attention=bool(getattr(args, "fp8_multi_head_attention", False)),
         fp4=getattr(args, "fp4", None) is not None,
         device_capability=device_capability,
         cuda_version=cuda_version,

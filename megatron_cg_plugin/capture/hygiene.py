@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from megatron_cg_plugin.memory.autograd_graph import reachable_nodes
+
 
 @dataclasses.dataclass(frozen=True)
 class StaleGraph:
@@ -58,21 +60,12 @@ class StaleAutogradGraphError(RuntimeError):
             "tensor).")
 
 
-def _accumulated_variables(root: Any, seen: dict[int, Any]) -> Iterable[torch.Tensor]:
-    """Leaf tensors (``AccumulateGrad.variable``) reachable from an autograd node.
-
-    ``seen`` keeps each visited node's Python wrapper alive: wrappers are made on access, and the
-    id of a dropped one can be reused by the next, which would wrongly prune a branch."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+def _accumulated_variables(root: Any) -> Iterable[torch.Tensor]:
+    """Leaf tensors (``AccumulateGrad.variable``) reachable from an autograd node."""
+    for node in reachable_nodes([root]):
         variable = getattr(node, "variable", None)
         if variable is not None:
             yield variable
-        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _frame_holders(target: Any) -> list[str]:
@@ -185,7 +178,7 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
         if not issubclass(type(obj), torch.Tensor) or obj.grad_fn is None:
             continue
         # A fresh walk per root, so every holder is named even when graphs share nodes.
-        reached = {id(v) for v in _accumulated_variables(obj.grad_fn, {}) if id(v) in param_ids}
+        reached = {id(v) for v in _accumulated_variables(obj.grad_fn) if id(v) in param_ids}
         if not reached:
             continue
         frames = _frame_holders(obj)

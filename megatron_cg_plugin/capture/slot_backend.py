@@ -141,11 +141,10 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
     recipe = kwargs.get("fp8_recipe")
     if any(_fp8_enabled(kwargs, len(callables))):
         refusal = slot_fp8_refusal(recipe, tuple(callables))
-        if refusal is None and (recipe.fp8_dpa or recipe.fp8_mha):  # rule slot-capture-fp8
-            refusal = ("FP8 attention (TransformerConfig fp8_dot_product_attention / fp8_multi_head_attention) is "
-                       "verified in slot-shared graphs on TE layers only, not through Megatron's layers (tried on the "
-                       "H200: the S-scale snapshot stayed in the pool under capture, docs/results/"
-                       "windows-fp8-2026-12-01); turn it off.")
+        if refusal is None and recipe.fp8_mha:  # rule slot-capture-fp8
+            refusal = ("FP8 multi-head attention (TransformerConfig fp8_multi_head_attention: FP8 tensors between "
+                       "the attention's modules) is not verified in slot-shared graphs; turn it off (FP8 dot-product "
+                       "attention with delayed scaling is taken).")
         if refusal:
             raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "
                                    "FP8 recipe).")

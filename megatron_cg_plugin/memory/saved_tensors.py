@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from megatron_cg_plugin.memory.autograd_graph import reachable_nodes
 from megatron_cg_plugin.plan.offload import Save
 # One alignment (plan.slots.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.plan.slots import arena_aligned as _aligned
@@ -278,16 +279,8 @@ def saved_view(buffer: torch.Tensor, element_offset: int, packed: Any) -> torch.
 
 def _custom_function_nodes(outputs: Sequence[torch.Tensor]) -> Iterator[Any]:
     """The custom autograd Function nodes (their ``ctx``) reachable backwards from ``outputs``."""
-    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            yield node
-        stack.extend(next_node for next_node, _ in node.next_functions)
+    roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor)]
+    return (node for node in reachable_nodes(roots) if isinstance(node, torch.autograd.function.BackwardCFunction))
 
 
 def _is_frame_tensor(value: Any) -> bool:

@@ -68,6 +68,7 @@ class LayerShape:
     deterministic: bool = True  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: cuDNN's deterministic backward
     moe: MoeShape | None = None
     fp8_recipe: str | None = None  # --fp8-recipe of this layer (None: bf16, also a --first-last-layers-bf16 layer)
+    fp8_attention: bool = False  # TransformerConfig's fp8_dot_product_attention on an FP8 layer
 
     def __post_init__(self) -> None:
         for name in ("seq", "micro_batch", "hidden", "ffn", "heads", "query_groups", "head_dim"):
@@ -75,6 +76,9 @@ class LayerShape:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.heads % self.query_groups:
             raise ValueError(f"{self.heads} attention heads do not divide into {self.query_groups} query groups.")
+        if self.fp8_attention and self.fp8_recipe not in ("delayed", "tensorwise"):
+            raise ValueError("the planner models FP8 dot-product attention on an FP8 layer with --fp8-recipe delayed "
+                             f"or tensorwise, not with fp8_recipe={self.fp8_recipe!r}.")
 
     @property
     def tokens(self) -> int:
@@ -541,13 +545,19 @@ def attention_saves(s: LayerShape) -> list[Save]:
              save("ln1.rsigma", 1, "qkv_linear", FP32)]
     if not s.rmsnorm:
         saves.append(save("ln1.mu", 1, "qkv_linear", FP32))
-    if s.rope:
+    if s.fp8_attention:  # q, k and v quantized together: three views of one FP8 storage, one scale inverse
+        saves += [dataclasses.replace(save("qkv.fp8", q + 2 * kv, "core_attn", itemsize=1), numel=s.tokens * width)
+                  for width in (q, kv, kv)]
+        saves += [Save("qkv.scale_inv", FP32, 1, "core_attn")] * 3
+    elif s.rope:
         saves += [save("q", q, "core_attn"), save("k", kv, "core_attn"), save("v", kv, "core_attn")]
     else:  # three views of one storage
         saves += [dataclasses.replace(save("qkv", q + 2 * kv, "core_attn"), numel=s.tokens * width)
                   for width in (q, kv, kv)]
     stats = s.micro_batch * s.heads * s.seq
-    return saves + [save("o", q, "core_attn"), Save("softmax_stats", stats * FP32, stats, "core_attn"),
+    output = ([save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", FP32, 1, "core_attn")]
+              if s.fp8_attention and s.fp8_recipe == "delayed" else [save("o", q, "core_attn")])
+    return saves + [*output, Save("softmax_stats", stats * FP32, stats, "core_attn"),
                     Save("rng", 16, 2, "core_attn"),
                     *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")])]
 
@@ -574,13 +584,33 @@ def fp8_quantized_saves(s: LayerShape, parts: frozenset[str]) -> dict[str, int]:
 
 
 def _with_fp8_saves(kept: dict[str, int], s: LayerShape, parts: frozenset[str], prefix: str) -> dict[str, int]:
-    """The layer's saves with ``fp8_quantized_saves`` in place of their bf16 ones."""
+    """The layer's saves with ``fp8_quantized_saves`` in place of their bf16 ones, and FP8
+    attention's (``fp8_attention_saves``) in place of attention's bf16 q, k, v and output."""
     kept = dict(kept)
     for name, width in fp8_quantized_saves(s, parts).items():
         kept.pop(prefix + name, None)
         kept[prefix + name + ".fp8"] = s.tokens * width
         kept[prefix + name + ".scale_inv"] = FP32
+    if s.fp8_attention and "attn" in parts:
+        for name in ("q", "k", "v", "qkv", "o") if s.fp8_recipe == "delayed" else ("q", "k", "v", "qkv"):
+            kept.pop(prefix + name, None)
+        kept.update({prefix + name: nbytes for name, nbytes in fp8_attention_saves(s).items()})
     return kept
+
+
+def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
+    """What FP8 dot-product attention (TE 2.20.2's ``FusedAttnFunc``) keeps for backward instead of
+    bf16 q, k and v: q, k and v quantized together into one FP8 storage with one scale inverse,
+    and the S quantizer's scale snapshot on ctx, which slot capture copies into the arena. Under
+    delayed scaling it keeps the FP8 output (with its scale inverse) instead of the bf16 one,
+    which goes on to the output projection, itself keeping a quantized copy
+    (``fp8_quantized_saves``); under current scaling it keeps the bf16 output
+    (``NVTE_DPA_FP8CS_O_in_F16``, on by default), the same storage the projection saves."""
+    q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
+    saves = {"attn.qkv.fp8": s.tokens * (q + 2 * kv), "attn.qkv.scale_inv": FP32, "attn.s_scale": FP32}
+    if s.fp8_recipe == "delayed":
+        saves.update({"attn.o.fp8": s.tokens * q, "attn.o.scale_inv": FP32})
+    return saves
 
 
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
@@ -655,7 +685,10 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
                              router_experts=facts.num_experts)
     first = set(capture.first_stage_layers)
     layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None,
-                                  fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None)
+                                  fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None,
+                                  fp8_attention=facts.slot_capture and _fp8_layer(args, n)
+                                  and bool(getattr(args, "fp8_dot_product_attention", False))
+                                  and args.fp8_recipe in ("delayed", "tensorwise"))
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))

@@ -27,7 +27,7 @@ SUPPORTED_TEST_TYPES = ("regular", "release")
 FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
                                         "the first half saves, which the farm does not keep"}
 FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
-                       "golden_case", "golden_metrics"})
+                       "golden_case", "golden_metrics", "deterministic_mode"})
 FARM_DATA = ("synthetic", "sentencepiece")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -43,7 +43,9 @@ class FarmSettings:
     rule names the graphed run is expected to be refused with (a negative case), and how the farm
     runs the case: steps, a training script run through ``megatron-cg run`` (repository path),
     a real dataset the farm builds (``synthetic`` or ``sentencepiece``), an injected capture failure
-    the graphed run must survive, and the case (and metrics) whose golden file it is held to."""
+    the graphed run must survive, the case (and metrics) whose golden file it is held to, and
+    whether both runs pass Megatron's ``--deterministic-mode`` (false only for kernels this host runs
+    only with non-deterministic algorithms allowed: the comparison is still bit for bit)."""
 
     nproc: int = 1
     compare: str = "golden"
@@ -54,6 +56,7 @@ class FarmSettings:
     expect_capture_failure: bool = False
     golden_case: str | None = None
     golden_metrics: tuple[str, ...] = ()
+    deterministic_mode: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +148,14 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
     if data is not None and data not in FARM_DATA:
         raise _refuse(path, f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
                             "in MODEL_ARGS for a dataset of your own).")
-    if not isinstance(block.get("expect_capture_failure", False), bool):
-        raise _refuse(path, "CG_FARM expect_capture_failure must be true or false.")
+    for key in ("expect_capture_failure", "deterministic_mode"):
+        if not isinstance(block.get(key, False), bool):
+            raise _refuse(path, f"CG_FARM {key} must be true or false.")
     return FarmSettings(nproc=block.get("nproc", 1), compare=compare, expect_refusal=_names(block, "expect_refusal"),
                         steps=block.get("steps"), script=block.get("script"), data=data,
                         expect_capture_failure=block.get("expect_capture_failure", False),
-                        golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"))
+                        golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"),
+                        deterministic_mode=block.get("deterministic_mode", True))
 
 
 def _names(block: Mapping[str, Any], key: str) -> tuple[str, ...]:

@@ -80,6 +80,7 @@ class FarmCase:
     script: str | None = None
     data: str | None = None
     check_golden: bool = True
+    deterministic_mode: bool = True  # both runs pass Megatron's --deterministic-mode
     # Compared eager vs graphed at every step, bit for bit: lm loss, and the case's METRICS that
     # Megatron checks deterministically (mtp_1 loss, num-zeros).
     equal_metrics: tuple[str, ...] = ("lm loss",)
@@ -102,7 +103,8 @@ class FarmCase:
             *self.flags, *data_flags(self.data, out_dir),
             *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
               else []),  # the routers' measured drops, beside the capacity plan in the summary
-            "--cuda-graph-impl", "transformer_engine" if graphed else "none", "--deterministic-mode",
+            "--cuda-graph-impl", "transformer_engine" if graphed else "none",
+            *(["--deterministic-mode"] if self.deterministic_mode else []),
         ]
 
     @property
@@ -178,7 +180,7 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
         steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
-        data=case.farm.data, check_golden=compare == "golden",
+        data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
         equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))
     return farm_case, notes
 

@@ -3,7 +3,6 @@ command line the farm runs, and finds its golden file; bad CG_FARM blocks are re
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -34,22 +33,28 @@ def test_a_case_renders_the_launcher_command_line(tmp_path):
     assert case.run_flags(graphed=True, out_dir=tmp_path) == case.argv(graphed=True, out_dir=tmp_path)[2:-6]
 
 
-def test_farm_settings_reach_the_case():
+def test_farm_settings_reach_the_case(tmp_path):
     by_name = {case.name: case for case in farm.CASES}
     failure = by_name["tiny_gpt_layer_capture_failure"]
     assert failure.expect_capture_failure and failure.compared_metrics == ("lm loss",)
     assert failure.golden_path == by_name["tiny_gpt_layer"].golden_path  # held to another case's file
     offload = by_name["tiny_moe_hybrid_cp_banks_attn_offload"]
     assert (offload.nproc, offload.steps, dict(offload.env)) == (2, 30, {"NVTE_CPU_OFFLOAD_V1": "1"})
-    assert by_name["gpt_12x1024_attn_user_script"].argv(graphed=True, out_dir=Path("o"))[:3] == [
+    assert by_name["gpt_12x1024_attn_user_script"].argv(graphed=True, out_dir=tmp_path)[:3] == [
         "-m", "megatron_cg_plugin.cli", "run"]
     assert by_name["tiny_moe_real_data_spm"].data == "sentencepiece" and not by_name["tiny_moe_real_data_spm"].check_golden
+    # FP8 attention runs on this host only with non-deterministic algorithms, which --deterministic-mode refuses.
+    fp8_attention = by_name["tiny_gpt_slot_fp8_attention_user_script"]
+    assert not fp8_attention.deterministic_mode and "--deterministic-mode" not in fp8_attention.argv(
+        graphed=True, out_dir=tmp_path)
+    assert "--deterministic-mode" in failure.argv(graphed=True, out_dir=tmp_path)
 
 
 @pytest.mark.parametrize("block, message", [
     ("steps: 0", "CG_FARM steps 0 must be an integer >= 1"),
     ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
     ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
+    ("deterministic_mode: 'no'", "deterministic_mode must be true or false"),
     ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
 ])
 def test_bad_farm_blocks_are_refused_naming_the_key(tmp_path, block, message):

@@ -264,6 +264,11 @@ MEASURED_SLOT_RUNS = {
     "tiny_gpt_slot_fp8_offload": (
         [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], 4, (),
         (("attn_norm", "qkv_linear", "core_attn", "mlp_norm"), 65536), 10554880, 4980736, 26),
+    # docs/results/fp8-attention-2026-12-01/s52: tiny_gpt_slot_fp8_attention_user_script, FP8 dot-product attention
+    # (delayed scaling, head size 128, non-deterministic cuDNN), whole layers; modelled after the run, not held out.
+    "tiny_gpt_slot_fp8_attention_user_script": (
+        [tiny(heads=2, query_groups=2, head_dim=128, deterministic=False, fp8_recipe="delayed", fp8_attention=True)] * 3,
+        3, (), None, 9480960, None, 6),
     # s46 held out: the bench's 1B in FP8 tensorwise with bf16 first and last layers, every attention group offloaded.
     "1b fp8 slot-offload": ([dense_1b()] + [dense_1b(fp8_recipe="tensorwise")] * 14 + [dense_1b()], 16, ("attn", "mlp"),
                             (EVERY_ATTENTION_GROUP, 1024 * 1024), 1067993600, 746586112, 480),
@@ -497,3 +502,53 @@ def test_a_larger_layer_than_its_ring_buffer_gets_a_buffer_of_its_own():
     # Position 0: sized 10 by the first layer, so the third's 30 gets a buffer of its own; position 1: the fourth's 10.
     assert staging_ring_bytes([10, 0, 30, 10], 2) == 10 + 30 + 10
     assert staging_ring_bytes([0, 0], 2) == 0
+
+
+def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot():
+    from megatron_cg_plugin.plan.graph_memory import fp8_attention_saves, plan_slot_memory
+    from megatron_cg_plugin.plan.offload import OffloadPolicy
+
+    fp8 = tiny(heads=2, query_groups=2, head_dim=128, fp8_recipe="delayed")
+    tokens, width = 512, 256
+    # bf16 q, k, v and output (4 storages) go; one FP8 qkv, one FP8 output, two scale inverses and the S scale come.
+    saved = 4 * tokens * width * 2 - (tokens * 3 * width + tokens * width + 3 * 256)
+    with_attention = plan_slot_memory([dataclasses.replace(fp8, fp8_attention=True)], ()).arena_bytes
+    assert plan_slot_memory([fp8], ()).arena_bytes - with_attention == saved
+    assert sum(fp8_attention_saves(fp8).values()) == tokens * 4 * width + 3 * 4
+    # GQA: the FP8 storage holds q and the narrower k and v.
+    assert fp8_attention_saves(tiny(query_groups=2, fp8_recipe="delayed"))["attn.qkv.fp8"] == tokens * (256 + 2 * 128)
+    # Offloading core_attn moves the FP8 storages and their scale inverses (aligned), softmax statistics and RNG state.
+    core = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=1)
+    host = offloaded_host_bytes([dataclasses.replace(fp8, fp8_attention=True)], ["attn"], core)
+    assert host == tokens * 3 * width + tokens * width + 2 * 256 + 2 * 2 * 256 * 4 + 256
+    # Under current scaling the bf16 output stays (the projection saves the same storage): only q, k, v go.
+    tensorwise = dataclasses.replace(fp8, fp8_recipe="tensorwise")
+    assert plan_slot_memory([tensorwise], ()).arena_bytes - plan_slot_memory(
+        [dataclasses.replace(tensorwise, fp8_attention=True)], ()).arena_bytes == 3 * tokens * width * 2 - (
+        tokens * 3 * width + 2 * 256)
+    with pytest.raises(ValueError, match="fp8-recipe delayed"):
+        tiny(fp8_recipe="mxfp8", fp8_attention=True)
+
+
+def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_on():
+    from megatron_cg_plugin.enforce import repredict_graph_memory
+
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
+    args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
+    bf16_attention = plan_from_args(args, facts, deterministic=True).arena_bytes
+    flagged = plan_from_args(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts,
+                             deterministic=True).arena_bytes
+    assert flagged < bf16_attention
+    environ = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    config = types.SimpleNamespace(fp8_dot_product_attention=True)
+    assert repredict_graph_memory(args, facts, config, environ=environ).arena_bytes == flagged
+    assert not hasattr(args, "fp8_dot_product_attention")  # the flags are left as they were
+    # Nothing beyond the flags, or FP8 attention the flags already said: no new prediction.
+    assert repredict_graph_memory(args, facts, types.SimpleNamespace(fp8_dot_product_attention=False),
+                                  environ=environ) is None
+    assert repredict_graph_memory(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts, config,
+                                  environ=environ) is None
+    # Current scaling too; on TE's own graphs FP8 is modelled as bf16 (named as left out).
+    tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
+    assert plan_from_args(tensorwise, facts, deterministic=True).arena_bytes < plan_from_args(
+        megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, deterministic=True).arena_bytes

@@ -109,7 +109,7 @@ def _eager_graph_reaches(params) -> bool:
     ``find_stale_graphs``, whose holder search refreshes frames' ``f_locals`` snapshots."""
     ids = {id(p) for p in params}
     return any(issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None
-               and any(id(v) in ids for v in hygiene._accumulated_variables(obj.grad_fn, {}))
+               and any(id(v) in ids for v in hygiene._accumulated_variables(obj.grad_fn))
                for obj in gc.get_objects())
 
 
@@ -1309,3 +1309,12 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
     assert (seen["capacity"].tokens_per_rank, seen["capacity"].max_seqs) == (256, 3)
     assert not helper.graphs_created() and helper.capture_finished()  # no retry every step
     assert "NCCL went away" in helper.capture_stats.failure and helper.capture_stats.graphs == 0
+
+
+def test_capture_shows_the_session_the_built_models_config_first(probe):
+    # A script may set TransformerConfig fields no flag has (FP8 attention): the report's prediction follows them.
+    session, _, _, helper = build(probe)
+    seen = []
+    session.repredict = lambda config: seen.append(config)
+    helper.create_cudagraphs()
+    assert seen == [helper.config] and helper.graphs_created()

@@ -381,3 +381,17 @@ def test_resolve_config_takes_the_flags_unless_a_config_was_given(probe, clock):
     explicit = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
     explicit.resolve_config(PluginConfig())
     assert explicit.config == PluginConfig(print_report=False) == explicit.explicit_config
+
+
+def test_the_model_config_a_script_changed_redoes_the_prediction_the_report_prints(probe, clock):
+    session = make_session(probe, clock, PluginConfig())
+    flags_plan, config_plan = object(), object()
+    session.predicted_graph_memory = flags_plan
+    session.model_config_seen(object())  # no check ran (no repredictor): the prediction stays
+    assert session.predicted_graph_memory is flags_plan
+    seen = []
+    session.repredict = lambda config: seen.append(config) or (config_plan if getattr(config, "fp8", False) else None)
+    session.model_config_seen(type("Config", (), {"fp8": False})())
+    assert session.predicted_graph_memory is flags_plan  # the config set nothing beyond the flags
+    session.model_config_seen(type("Config", (), {"fp8": True})())
+    assert session.predicted_graph_memory is config_plan and len(seen) == 2

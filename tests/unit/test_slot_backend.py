@@ -29,8 +29,8 @@ def layer(modules=(), moe=False):
 
 
 class FakeRecipe:
-    def __init__(self, kind, fp8_dpa=False):
-        self.kind, self.fp8_dpa, self.fp8_mha = kind, fp8_dpa, False
+    def __init__(self, kind, fp8_dpa=False, fp8_mha=False):
+        self.kind, self.fp8_dpa, self.fp8_mha = kind, fp8_dpa, fp8_mha
 
     def delayed(self):
         return self.kind == "delayed"
@@ -41,8 +41,8 @@ class FakeRecipe:
 
 @pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2)])
 @pytest.mark.parametrize("recipe, words", [(FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
-                                           (FakeRecipe("current", fp8_dpa=True), "delayed scaling only"),
-                                           (FakeRecipe("delayed", fp8_dpa=True), "fp8_dot_product_attention"),
+                                           (FakeRecipe("delayed", fp8_dpa=True, fp8_mha=True),
+                                            "fp8_multi_head_attention"),
                                            (None, "needs the recipe")])
 def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enabled, layers, recipe, words):
     callables = [layer() for _ in range(layers)]
@@ -51,9 +51,10 @@ def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enable
     assert "drop --cg-slot-capture" in str(refused.value)
 
 
-@pytest.mark.parametrize("kind", ["delayed", "current"])
-def test_delayed_and_current_scaling_are_taken(kind):
-    check_slot_capture_call([layer(), layer()], [(), ()], {"fp8_enabled": (False, True), "fp8_recipe": FakeRecipe(kind)})
+@pytest.mark.parametrize("recipe", [FakeRecipe("delayed"), FakeRecipe("current"), FakeRecipe("delayed", fp8_dpa=True),
+                                    FakeRecipe("current", fp8_dpa=True)])
+def test_delayed_and_current_scaling_with_or_without_fp8_dot_product_attention_are_taken(recipe):
+    check_slot_capture_call([layer(), layer()], [(), ()], {"fp8_enabled": (False, True), "fp8_recipe": recipe})
 
 
 def test_layers_megatron_keeps_in_bf16_need_no_fp8_check():
