@@ -110,21 +110,20 @@ def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
 
 def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
     """Why slot-shared capture cannot take this FP8 recipe, or None. Current (tensorwise) and
-    delayed scaling are taken, FP8 dot-product attention under both (its S-scale snapshot is
-    protected by ``per_call_quantizers``; under current scaling its S and dP quantizers keep a
-    delayed-scaling sub-state, which ``Fp8Capture`` saves and ``Fp8Replay`` reduces); delayed
-    scaling needs the modules, whose amax histories and scales are saved around the capture and
-    joined to TE's reduction at replay."""
+    delayed scaling are taken, FP8 attention with delayed scaling only (its S-scale snapshot is
+    protected by ``per_call_quantizers``); delayed scaling needs the modules, whose amax histories
+    and scales are saved around the capture and joined to TE's reduction at replay."""
     if recipe is None:
         return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe)."
     if not (recipe.delayed() or recipe.float8_current_scaling()):
         return (f"slot-shared capture takes FP8 with delayed or current scaling (--fp8-recipe delayed|tensorwise); "
                 f"{type(recipe).__name__} is not verified in slot-shared graphs.")
-    if recipe.fp8_mha and not recipe.delayed():
-        return ("slot-shared capture takes FP8 multi-head attention (recipe fp8_mha) with delayed scaling only "
-                "(FP8 tensors between the attention's modules are not verified under current scaling); use "
-                "DelayedScaling or FP8 dot-product attention (fp8_dpa).")
-    if (recipe.delayed() or _attention_sub_state(recipe)) and not modules:
+    if (recipe.fp8_dpa or recipe.fp8_mha) and not recipe.delayed():
+        return ("slot-shared capture takes FP8 attention (recipe fp8_dpa / fp8_mha) with delayed scaling only: "
+                "under current scaling TE gives attention's S and dP quantizers a delayed-scaling sub-recipe, and "
+                "no H200 here runs it (TE 2.20.2 with cuDNN 9.14 has no FP8 attention backend under current "
+                "scaling), so it is not verified; use DelayedScaling or turn FP8 attention off.")
+    if recipe.delayed() and not modules:
         return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
                 "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")
     if _fused_operations(modules):  # rule slot-capture-fp8-op-fuser
@@ -132,19 +131,6 @@ def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
                 "Megatron's --use-transformer-engine-op-fuser): they run without module hooks, so replays would not "
                 "join their FP8 state to TE's amax reduction; drop --use-transformer-engine-op-fuser.")
     return None
-
-
-def _attention_sub_state(recipe: Any) -> bool:
-    """FP8 dot-product attention under current scaling: TE (``DotProductAttention.init_fp8_metadata``)
-    gives its S and dP quantizers a delayed-scaling sub-recipe, whose amax histories and scales TE's
-    amax reduction updates as under delayed scaling."""
-    return bool(recipe.float8_current_scaling() and recipe.fp8_dpa)
-
-
-def _attention_modules(modules: Sequence[Any]) -> list[Any]:
-    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
-
-    return [m for m in _te_modules(modules) if isinstance(m, DotProductAttention)]
 
 
 def _fused_operations(modules: Sequence[Any]) -> bool:
@@ -167,8 +153,7 @@ class Fp8Capture:
       weight into its cached workspace under that flag, inside the graphs; a replay fills it
       (``Fp8Replay``). A failed capture puts back what was there before;
     - delayed scaling: amax histories and scales are cloned before warmup and copied back after
-      capture, so warmup and capture leave no trace in them; under current scaling, FP8 attention's
-      delayed-scaling sub-state the same way (a module not yet initialized gets TE's initial state);
+      capture, so warmup and capture leave no trace in them;
     - the TE modules each forward reaches are recorded (forward hooks), for the replays to join
       TE's amax reduction."""
 
@@ -179,7 +164,6 @@ class Fp8Capture:
         self._flag_before: Any = None
         self._flag_value_before: Any = None
         self._meta: Any = None
-        self._attention_meta: list[tuple[Any, Any]] = []  # (DotProductAttention, its sub-state's clones or None)
         self._hooks: list[Any] = []
 
     def enter(self) -> None:
@@ -193,8 +177,6 @@ class Fp8Capture:
         FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)  # False: update the workspaces
         self.flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
         self._meta = te_graph.save_fp8_tensors(self.modules, recipe=self.recipe)  # None unless delayed
-        if _attention_sub_state(self.recipe):  # TE returns clones, or None before the module's first FP8 forward
-            self._attention_meta = [(m, m.get_fp8_meta_tensors()) for m in _attention_modules(self.modules)]
         for module in _te_modules(self.modules):
             self._hooks.append(module.register_forward_hook(self._visit))
 
@@ -212,9 +194,6 @@ class Fp8Capture:
             if self._meta is not None:
                 te_graph.restore_fp8_tensors(self.modules, list(self._meta))  # TE pops from the list it is given
                 self._meta = None
-            for module, saved in self._attention_meta:
-                module.reset_fp8_meta_tensors(saved)  # None: TE's initial scales and histories
-            self._attention_meta = []
         finally:
             if failed:  # read anew: a reset inside replaces the state object
                 FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = self._flag_before
@@ -225,8 +204,7 @@ class Fp8Capture:
         """What each replay of the graphs captured now does, or None for a variant kept in bf16."""
         if not enabled:
             return None
-        return Fp8Replay(self.flag, tuple(self.visited.values()), bool(self.recipe.delayed()),
-                         attention_sub_state=_attention_sub_state(self.recipe))
+        return Fp8Replay(self.flag, tuple(self.visited.values()), bool(self.recipe.delayed()))
 
 
 class Fp8Replay:
@@ -234,18 +212,14 @@ class Fp8Replay:
     1134-1136, 1300-1346): fill the weight-update flag (a skip on every microbatch but the first
     refreshes no workspace), and under delayed scaling join the visited modules to the replay-time
     autocast's amax buffer; the autocast's first FP8 graph reduces and updates the backward amaxes
-    after its backward replay. The forward update stays at the exit of the caller's autocast.
-    Under current scaling with FP8 dot-product attention, the attention modules join with the
-    delayed-scaling sub-recipe they keep (TE's own graphed forward sets the replay-time recipe
-    there, which leaves that sub-state out of the reduction)."""
+    after its backward replay. The forward update stays at the exit of the caller's autocast."""
 
-    def __init__(self, flag: Any, modules: tuple[Any, ...], delayed: bool, *, attention_sub_state: bool = False) -> None:
+    def __init__(self, flag: Any, modules: tuple[Any, ...], delayed: bool) -> None:
         from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
         from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
         self.flag, self.modules, self.delayed = flag, modules, delayed
-        self.reduces = delayed or attention_sub_state  # some replayed module keeps delayed-scaling state
         self._manager = FP8GlobalStateManager  # resolved once: the replay path is hot
         # (module, is a base module, is attention), classified once for each replay's join.
         self._joining = tuple((m, isinstance(m, TransformerEngineBaseModule), isinstance(m, DotProductAttention))
@@ -257,9 +231,9 @@ class Fp8Replay:
         if not self._manager.is_fp8_enabled():
             return False
         first = self._manager.is_first_fp8_module()
-        if self.reduces:
+        if self.delayed:
             self._join_amax_reduction()
-        return first and self.reduces
+        return first and self.delayed
 
     def after_backward(self, first: bool) -> None:
         if first:
@@ -271,17 +245,12 @@ class Fp8Replay:
         manager = self._manager
         recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
         for module, is_base, is_attention in self._joining:
-            if is_attention and not (recipe.fp8_mha or recipe.fp8_dpa) or not (self.delayed or is_attention):
+            if is_attention and not (recipe.fp8_mha or recipe.fp8_dpa):
                 continue
             metas = [module.fp8_meta] if is_base else \
                 [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]  # te.ops
             for meta in metas:
-                meta["fp8_group"] = group
-                if self.delayed:
-                    meta["recipe"] = recipe
-                else:  # the attention's own sub-recipe, registered for the reduction as its eager forward does
-                    key = manager.get_unique_autocast_key(meta["recipe"], group)
-                    manager.quantization_state.autocast_arguments[key] = (meta["recipe"], group)
+                meta["fp8_group"], meta["recipe"] = group, recipe
                 manager.add_fp8_tensors_to_global_buffer(meta)
 
 

@@ -68,7 +68,7 @@ class LayerShape:
     deterministic: bool = True  # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: cuDNN's deterministic backward
     moe: MoeShape | None = None
     fp8_recipe: str | None = None  # --fp8-recipe of this layer (None: bf16, also a --first-last-layers-bf16 layer)
-    fp8_attention: bool = False  # TransformerConfig's fp8_dot_product_attention on an FP8 layer
+    fp8_attention: bool = False  # TransformerConfig's fp8_dot_product_attention on an FP8 layer (delayed scaling)
 
     def __post_init__(self) -> None:
         for name in ("seq", "micro_batch", "hidden", "ffn", "heads", "query_groups", "head_dim"):
@@ -76,9 +76,9 @@ class LayerShape:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.heads % self.query_groups:
             raise ValueError(f"{self.heads} attention heads do not divide into {self.query_groups} query groups.")
-        if self.fp8_attention and self.fp8_recipe not in ("delayed", "tensorwise"):
-            raise ValueError("the planner models FP8 dot-product attention on an FP8 layer with --fp8-recipe delayed "
-                             f"or tensorwise, not with fp8_recipe={self.fp8_recipe!r}.")
+        if self.fp8_attention and self.fp8_recipe != "delayed":
+            raise ValueError("the planner models FP8 dot-product attention on a delayed-scaling FP8 layer only "
+                             f"(--fp8-recipe delayed), not with fp8_recipe={self.fp8_recipe!r}.")
 
     @property
     def tokens(self) -> int:
@@ -556,7 +556,7 @@ def attention_saves(s: LayerShape) -> list[Save]:
                   for width in (q, kv, kv)]
     stats = s.micro_batch * s.heads * s.seq
     output = ([save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", FP32, 1, "core_attn")]
-              if s.fp8_attention and s.fp8_recipe == "delayed" else [save("o", q, "core_attn")])
+              if s.fp8_attention else [save("o", q, "core_attn")])
     return saves + [*output, Save("softmax_stats", stats * FP32, stats, "core_attn"),
                     Save("rng", 16, 2, "core_attn"),
                     *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")])]
@@ -592,25 +592,21 @@ def _with_fp8_saves(kept: dict[str, int], s: LayerShape, parts: frozenset[str], 
         kept[prefix + name + ".fp8"] = s.tokens * width
         kept[prefix + name + ".scale_inv"] = FP32
     if s.fp8_attention and "attn" in parts:
-        for name in ("q", "k", "v", "qkv", "o") if s.fp8_recipe == "delayed" else ("q", "k", "v", "qkv"):
+        for name in ("q", "k", "v", "qkv", "o"):
             kept.pop(prefix + name, None)
         kept.update({prefix + name: nbytes for name, nbytes in fp8_attention_saves(s).items()})
     return kept
 
 
 def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
-    """What FP8 dot-product attention (TE 2.20.2's ``FusedAttnFunc``) keeps for backward instead of
-    bf16 q, k and v: q, k and v quantized together into one FP8 storage with one scale inverse,
-    and the S quantizer's scale snapshot on ctx, which slot capture copies into the arena. Under
-    delayed scaling it keeps the FP8 output (with its scale inverse) instead of the bf16 one,
-    which goes on to the output projection, itself keeping a quantized copy
-    (``fp8_quantized_saves``); under current scaling it keeps the bf16 output
-    (``NVTE_DPA_FP8CS_O_in_F16``, on by default), the same storage the projection saves."""
+    """What FP8 dot-product attention (delayed scaling, TE 2.20.2's ``FusedAttnFunc``) keeps for
+    backward instead of bf16 q, k, v and output: q, k and v quantized together into one FP8
+    storage, the FP8 output, each with a scale inverse, and the S quantizer's scale snapshot on
+    ctx, which slot capture copies into the arena. The bf16 output goes on to the output
+    projection, which keeps its own quantized copy (``fp8_quantized_saves``)."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
-    saves = {"attn.qkv.fp8": s.tokens * (q + 2 * kv), "attn.qkv.scale_inv": FP32, "attn.s_scale": FP32}
-    if s.fp8_recipe == "delayed":
-        saves.update({"attn.o.fp8": s.tokens * q, "attn.o.scale_inv": FP32})
-    return saves
+    return {"attn.qkv.fp8": s.tokens * (q + 2 * kv), "attn.qkv.scale_inv": FP32,
+            "attn.o.fp8": s.tokens * q, "attn.o.scale_inv": FP32, "attn.s_scale": FP32}
 
 
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
@@ -688,7 +684,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
                                   fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None,
                                   fp8_attention=facts.slot_capture and _fp8_layer(args, n)
                                   and bool(getattr(args, "fp8_dot_product_attention", False))
-                                  and args.fp8_recipe in ("delayed", "tensorwise"))
+                                  and args.fp8_recipe == "delayed")
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))

@@ -521,13 +521,8 @@ def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot
     core = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=1)
     host = offloaded_host_bytes([dataclasses.replace(fp8, fp8_attention=True)], ["attn"], core)
     assert host == tokens * 3 * width + tokens * width + 2 * 256 + 2 * 2 * 256 * 4 + 256
-    # Under current scaling the bf16 output stays (the projection saves the same storage): only q, k, v go.
-    tensorwise = dataclasses.replace(fp8, fp8_recipe="tensorwise")
-    assert plan_slot_memory([tensorwise], ()).arena_bytes - plan_slot_memory(
-        [dataclasses.replace(tensorwise, fp8_attention=True)], ()).arena_bytes == 3 * tokens * width * 2 - (
-        tokens * 3 * width + 2 * 256)
     with pytest.raises(ValueError, match="fp8-recipe delayed"):
-        tiny(fp8_recipe="mxfp8", fp8_attention=True)
+        tiny(fp8_recipe="tensorwise", fp8_attention=True)
 
 
 def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_on():
@@ -548,7 +543,7 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
                                   environ=environ) is None
     assert repredict_graph_memory(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts, config,
                                   environ=environ) is None
-    # Current scaling too; on TE's own graphs FP8 is modelled as bf16 (named as left out).
+    # Under current scaling the planner does not model FP8 attention (--cg-slot-capture refuses it).
     tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
-    assert plan_from_args(tensorwise, facts, deterministic=True).arena_bytes < plan_from_args(
+    assert plan_from_args(tensorwise, facts, deterministic=True).arena_bytes == plan_from_args(
         megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, deterministic=True).arena_bytes

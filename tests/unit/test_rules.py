@@ -480,8 +480,8 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
 @pytest.mark.parametrize("change, detail", [
     (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
     (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
-    (dict(fp8_attention=True, fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
-    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
+    (dict(fp8_attention=True), "(FP8 attention)"),
+    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(FP8 attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
 def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
@@ -495,7 +495,7 @@ def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
 def test_slot_capture_takes_delayed_and_current_scaling(recipe):
     facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe=recipe)
     assert "slot-capture-fp8" not in names(facts)
-    # FP8 dot-product attention under both; FP8 multi-head attention under neither.
+    # FP8 dot-product attention: under delayed scaling only; FP8 multi-head attention under neither.
     attention = dataclasses.replace(facts, fp8_attention=True)
-    assert "slot-capture-fp8" not in names(attention)
+    assert ("slot-capture-fp8" in names(attention)) == (recipe != "delayed")
     assert "slot-capture-fp8" in names(dataclasses.replace(attention, fp8_multi_head_attention=True))

@@ -41,6 +41,7 @@ class FakeRecipe:
 
 @pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2)])
 @pytest.mark.parametrize("recipe, words", [(FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
+                                           (FakeRecipe("current", fp8_dpa=True), "delayed scaling only"),
                                            (FakeRecipe("delayed", fp8_dpa=True, fp8_mha=True),
                                             "fp8_multi_head_attention"),
                                            (None, "needs the recipe")])
@@ -51,9 +52,8 @@ def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enable
     assert "drop --cg-slot-capture" in str(refused.value)
 
 
-@pytest.mark.parametrize("recipe", [FakeRecipe("delayed"), FakeRecipe("current"), FakeRecipe("delayed", fp8_dpa=True),
-                                    FakeRecipe("current", fp8_dpa=True)])
-def test_delayed_and_current_scaling_with_or_without_fp8_dot_product_attention_are_taken(recipe):
+@pytest.mark.parametrize("recipe", [FakeRecipe("delayed"), FakeRecipe("current"), FakeRecipe("delayed", fp8_dpa=True)])
+def test_delayed_and_current_scaling_and_fp8_attention_under_delayed_scaling_are_taken(recipe):
     check_slot_capture_call([layer(), layer()], [(), ()], {"fp8_enabled": (False, True), "fp8_recipe": recipe})
 
 

@@ -37,7 +37,7 @@ REPLAY_RECIPE = FakeRecipe("delayed")  # the caller's autocast at replay
     (None, MODULES, "needs the recipe"),
     (FakeRecipe("delayed"), (), "needs the TE modules"),
     (FakeRecipe("mxfp8"), MODULES, "FakeRecipe is not verified"),
-    (FakeRecipe("current", fp8_dpa=True), (), "needs the TE modules"),
+    (FakeRecipe("current", fp8_dpa=True), MODULES, "with delayed scaling only"),
     (FakeRecipe("current", fp8_mha=True), MODULES, "with delayed scaling only"),
 ])
 def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, modules, words):
@@ -47,9 +47,8 @@ def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, m
 
 @pytest.mark.parametrize("recipe, modules", [(FakeRecipe("current"), ()), (FakeRecipe("current"), MODULES),
                                              (FakeRecipe("delayed"), MODULES),
-                                             (FakeRecipe("delayed", fp8_dpa=True), MODULES),
-                                             (FakeRecipe("current", fp8_dpa=True), MODULES)])
-def test_current_and_delayed_scaling_are_taken_with_fp8_dot_product_attention_too(recipe, modules):
+                                             (FakeRecipe("delayed", fp8_dpa=True), MODULES)])
+def test_current_and_delayed_scaling_are_taken_and_fp8_attention_with_delayed(recipe, modules):
     assert backend.slot_fp8_refusal(recipe, modules) is None
 
 
@@ -77,18 +76,7 @@ class FakeTEModule(torch.nn.Module):
 
 
 class FakeAttention(FakeTEModule):
-    """Under current scaling with FP8 attention: a delayed-scaling sub-state (TE's get/reset_fp8_meta_tensors)."""
-
-    def __init__(self, initialized: bool = True) -> None:
-        super().__init__()
-        self.state = ["sub-state"] if initialized else None
-        self.resets: list = []
-
-    def get_fp8_meta_tensors(self):
-        return None if self.state is None else list(self.state)  # TE returns clones, None before FP8 init
-
-    def reset_fp8_meta_tensors(self, saved=None):
-        self.resets.append(saved)
+    pass
 
 
 class FakeQuantizer:
@@ -100,8 +88,7 @@ class FakeQuantizer:
 def fake_te(monkeypatch):
     """The TE modules backend.py imports, with TE's global quantization state and a log of calls."""
     log = []
-    state = types.SimpleNamespace(skip_fp8_weight_update_tensor=None, fp8_enabled=True, is_first_fp8_module=True,
-                                  autocast_arguments={})
+    state = types.SimpleNamespace(skip_fp8_weight_update_tensor=None, fp8_enabled=True, is_first_fp8_module=True)
 
     class Manager:
         quantization_state = state
@@ -125,7 +112,6 @@ def fake_te(monkeypatch):
             first, cls.quantization_state.is_first_fp8_module = cls.quantization_state.is_first_fp8_module, False
             return first
 
-        get_unique_autocast_key = staticmethod(lambda recipe, group: (id(recipe), group))
         get_fp8_recipe = classmethod(lambda cls: REPLAY_RECIPE)
         get_fp8_group = classmethod(lambda cls: "replay group")
         add_fp8_tensors_to_global_buffer = classmethod(lambda cls, meta: log.append(("join", id(meta))))
@@ -229,9 +215,9 @@ def test_a_replay_fills_the_flag_with_skip_unless_it_updates_the_weights(fake_te
     assert capture.flag.item() == (not update)
 
 
-def captured(recipe, model, fake_te, called):
+def captured(kind, model, fake_te, called):
     """An Fp8Capture of ``model`` whose forwards reached ``called``, and the replay it makes."""
-    capture = backend.Fp8Capture(FakeRecipe(recipe) if isinstance(recipe, str) else recipe, (model,))
+    capture = backend.Fp8Capture(FakeRecipe(kind), (model,))
     capture.enter()
     for module in called:
         module(torch.ones(1))
@@ -260,41 +246,6 @@ def test_current_scaling_replays_join_nothing_and_update_nothing(fake_te):
     replay = captured("current", model, fake_te, model[:1])
     replay.after_backward(replay.before_forward(True))
     assert fake_te.log == []
-
-
-@pytest.mark.parametrize("failed", [False, True])
-def test_fp8_attention_under_current_scaling_has_its_sub_state_saved_and_restored(fake_te, failed):
-    model = torch.nn.Sequential(FakeTEModule(), FakeAttention(), FakeAttention(initialized=False))
-    capture = backend.Fp8Capture(FakeRecipe("current", fp8_dpa=True), (model,))
-    capture.enter()
-    capture.exit(failed)
-    # The warmed-up module gets its clones back, the one FP8 had not reached yet TE's initial state (None).
-    assert (model[1].resets, model[2].resets) == ([["sub-state"]], [None])
-    plain = FakeAttention()
-    capture = backend.Fp8Capture(FakeRecipe("current"), (torch.nn.Sequential(plain),))
-    capture.enter()
-    capture.exit(failed)
-    assert plain.resets == []  # no FP8 attention: nothing of it to restore
-
-
-def test_fp8_attention_under_current_scaling_joins_the_reduction_with_its_own_sub_recipe(fake_te):
-    global REPLAY_RECIPE
-    model = layer()
-    sub_recipe = FakeRecipe("delayed")
-    model[1].fp8_meta["recipe"] = sub_recipe  # what DotProductAttention's FP8 init sets under current scaling
-    replay_recipe, REPLAY_RECIPE = REPLAY_RECIPE, FakeRecipe("current", fp8_dpa=True)
-    try:
-        replay = captured(FakeRecipe("current", fp8_dpa=True), model, fake_te, model[:2])
-        first = replay.before_forward(True)
-    finally:
-        REPLAY_RECIPE = replay_recipe
-    # Only the attention joins (current-scaling modules keep no amax history), under its own recipe, which is
-    # registered for the reduction; the backward update follows the autocast's first FP8 graph.
-    assert fake_te.log == [("join", id(model[1].fp8_meta))]
-    assert model[1].fp8_meta["recipe"] is sub_recipe and model[1].fp8_meta["fp8_group"] == "replay group"
-    assert fake_te.state.autocast_arguments == {(id(sub_recipe), "replay group"): (sub_recipe, "replay group")}
-    replay.after_backward(first)
-    assert first is True and fake_te.log[-1] == ("update", False)
 
 
 def test_outside_an_fp8_autocast_a_replay_joins_nothing(fake_te):

@@ -476,29 +476,12 @@ class _UnderAutocast:
         return run
 
 
-def fp8_meta_tensors(layers):
-    """Every FP8 meta tensor: the scales and amax histories of delayed scaling, and of the
-    delayed-scaling sub-state FP8 attention keeps under current scaling (current scaling keeps neither)."""
+def fp8_state(layers):
+    """Every FP8 meta tensor (delayed scaling: scales, amax histories), cloned."""
     states = [m.fp8_meta[key] for m in layers.modules() if getattr(m, "fp8_meta", None)
               for key in ("scaling_fwd", "scaling_bwd") if key in m.fp8_meta]
-    return [getattr(state, name) for state in states for name in ("scale", "amax_history")
-            if isinstance(getattr(state, name, None), torch.Tensor)]
-
-
-def fp8_state(layers):
-    return [t.clone() for t in fp8_meta_tensors(layers)]
-
-
-def fp8_state_restorer(layers):
-    """Puts every FP8 meta tensor back as it is now (TE's save_fp8_tensors covers delayed recipes only)."""
-    live = fp8_meta_tensors(layers)
-    saved = [t.clone() for t in live]
-
-    def restore():
-        for tensor, value in zip(live, saved):
-            tensor.copy_(value)
-
-    return restore
+    return [getattr(state, name).clone() for state in states for name in ("scale", "amax_history")
+            if isinstance(getattr(state, name, None), torch.Tensor)]  # current scaling keeps neither
 
 
 def fp8(result, attention=False):
@@ -510,6 +493,7 @@ def fp8(result, attention=False):
     differ (the protection is what makes it exact). Then TE's weight caching: replays that keep
     the cached FP8 weights after the parameters changed must match eager with is_first_microbatch."""
     import transformer_engine.pytorch as te
+    import transformer_engine.pytorch.graph as te_graph
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     from megatron_cg_plugin.capture.slotted import SlotFp8, capture_slotted
@@ -521,10 +505,7 @@ def fp8(result, attention=False):
                ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), both))
     if attention:  # FP8 attention (SBHD): FusedAttnFunc's S-scale snapshot on ctx, with and without its protection
         recipes = (("delayed-dpa", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, fp8_dpa=True),
-                    both + ("no-scale-snapshot",)),
-                   # current scaling: S and dP keep a delayed-scaling sub-state, saved around capture, reduced at replay
-                   ("current-dpa", Float8CurrentScaling(fp8_format=Format.HYBRID, fp8_dpa=True),
-                    both + ("no-scale-snapshot",)))
+                    both + ("no-scale-snapshot",)),)
     for name, recipe, modes in recipes:
         layers, stack = build(H // 128 if attention else HEADS)  # TE's FP8 attention on sm_90: head size 128
         params = list(layers.parameters())
@@ -548,12 +529,13 @@ def fp8(result, attention=False):
             used = [v for v in variants if v.name in set(chosen)]
             for mode in modes:
                 def describe(graphs, layers=layers, reference=reference, recipe=recipe, params=params):
-                    restore_start = fp8_state_restorer(layers)
+                    start = te_graph.save_fp8_tensors([layers], recipe)
                     after_eager = {}
 
                     def between():
                         after_eager["state"] = fp8_state(layers)
-                        restore_start()
+                        if start is not None:
+                            te_graph.restore_fp8_tensors([layers], list(start))
 
                     exact, worst = run_order(reference, params, _UnderAutocast(graphs, recipe), order, plan, seq_of,
                                              between)
