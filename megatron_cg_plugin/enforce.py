@@ -9,7 +9,6 @@ launcher through the same hook. Megatron's own argument assertions are shortened
 from __future__ import annotations
 
 import argparse
-
 import logging
 import sys
 import traceback
@@ -100,7 +99,13 @@ def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) 
     facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
     session.predicted_graph_memory = predict_graph_memory(args, facts, environ=environ)
-    session.repredict = lambda model_config: repredict_graph_memory(args, facts, model_config, environ=environ)
+
+    def repredict(model_config: Any) -> Any:
+        if not model_config_adds(args, model_config):
+            return session.predicted_graph_memory
+        return repredict_graph_memory(args, facts, model_config, environ=environ)
+
+    session.repredict = repredict
     session.moe_capacity_plan = _capacity_plan(args)
 
 
@@ -114,21 +119,24 @@ def _capacity_plan(args: Any) -> Any:
         return None
 
 
-# TransformerConfig fields that change the prediction and that megatron-core 0.19.2 has no flag for:
-# a user's script sets them on the model config after the flags are parsed.
-MODEL_CONFIG_ONLY_FIELDS = ("fp8_dot_product_attention",)
+# TransformerConfig fields that change the prediction and that megatron-core 0.19.2 has no flag for
+# (a user's script sets them on the model config after the flags are parsed), with their defaults.
+MODEL_CONFIG_ONLY_FIELDS = {"fp8_dot_product_attention": False}
+
+
+def model_config_adds(args: Any, model_config: Any) -> bool:
+    """The built model's ``TransformerConfig`` differs from the flags in a field the prediction reads."""
+    return any(hasattr(model_config, name) and getattr(model_config, name) != getattr(args, name, default)
+               for name, default in MODEL_CONFIG_ONLY_FIELDS.items())
 
 
 def repredict_graph_memory(args: Any, facts: rules.GraphFacts, model_config: Any, *,
                            environ: Mapping[str, str]) -> Any:
-    """The prediction again, with what the built model's ``TransformerConfig`` sets beyond the
-    flags (``MODEL_CONFIG_ONLY_FIELDS``), or None when it sets nothing more. ``args`` is left as
-    it is: the prediction reads a copy."""
-    extra = {name: True for name in MODEL_CONFIG_ONLY_FIELDS
-             if getattr(model_config, name, False) and not getattr(args, name, False)}
-    if not extra:
-        return None
-    return predict_graph_memory(argparse.Namespace(**{**vars(args), **extra}), facts, environ=environ)
+    """``predict_graph_memory`` with the ``MODEL_CONFIG_ONLY_FIELDS`` the built model's
+    ``TransformerConfig`` holds in place of the flags' (None: not predicted, as there). ``args`` is
+    left as it is: the prediction reads a copy."""
+    seen = {name: getattr(model_config, name) for name in MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
+    return predict_graph_memory(argparse.Namespace(**{**vars(args), **seen}), facts, environ=environ)
 
 
 def predict_graph_memory(args: Any, facts: rules.GraphFacts, *, environ: Mapping[str, str]) -> Any:

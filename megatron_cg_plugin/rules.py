@@ -85,7 +85,8 @@ class GraphFacts:
     fp8: bool = False  # --fp8-format
     fp8_recipe: str = "delayed"  # --fp8-recipe
     # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
-    # them; a user's script may set them on args)
+    # them): seen here only where a script sets them on args; one that sets them on the model config is
+    # refused at capture (capture.slot_backend.check_slot_capture_call) by the same rule
     fp8_attention: bool = False  # either of them
     fp8_multi_head_attention: bool = False
     te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
@@ -294,16 +295,17 @@ RULES: tuple[Rule, ...] = (
          "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
     Rule("slot-capture-fp8", "plugin",
          _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (
-             f.fp8_recipe not in SLOT_FP8_RECIPES
-             or f.fp8_attention and (f.fp8_recipe != "delayed" or f.fp8_multi_head_attention))))),
+             f.fp8_recipe not in SLOT_FP8_RECIPES or f.fp8_multi_head_attention
+             or f.fp8_attention and f.fp8_recipe != "delayed")))),
          "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise, and FP8 dot-product attention "
          "(TransformerConfig fp8_dot_product_attention) with delayed scaling only, without "
          "fp8_multi_head_attention: under current scaling TE 2.20.2 finds no FP8 attention backend on the "
          "verified H200 (cuDNN 9.14), so slot-shared replays of it are not verified. Use one of those recipes, "
          "--fp8-recipe delayed for FP8 attention, leave fp8_multi_head_attention off, or drop --cg-slot-capture "
          "(TE's graphs take every FP8 recipe).",
-         detail=lambda f: "(--fp4-format)" if f.fp4 else
-         "(FP8 attention)" if f.fp8_attention and f.fp8_recipe in SLOT_FP8_RECIPES else f"(--fp8-recipe {f.fp8_recipe})"),
+         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe})"
+         if f.fp8_recipe not in SLOT_FP8_RECIPES else "(fp8_multi_head_attention)" if f.fp8_multi_head_attention
+         else f"(FP8 attention with --fp8-recipe {f.fp8_recipe})"),
     Rule("slot-capture-fp8-op-fuser", "plugin",
          _graphs(lambda f: f.slot_capture and f.fp8 and f.te_op_fuser),
          "--cg-slot-capture with FP8 does not cover Transformer Engine's operation fuser: its fused operations "

@@ -105,7 +105,7 @@ class RunSession:
         self._pending_mtp: dict[str, float] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
         self.predicted_graph_memory: Any = None  # plan.graph_memory.GraphMemoryPlan, set by the rules' check
-        # model config -> the prediction redone with what it sets beyond the flags, or None (set by the check)
+        # model config -> the prediction for it (set by the rules' check; None there: not predicted)
         self.repredict: Callable[[Any], Any] | None = None
         self.moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: rank 0's routers over the run
         self.moe_capacity_plan: Any = None  # plan.moe.MoeCapacityPlan of a fixed-capacity MoE, set by the rules' check
@@ -145,9 +145,7 @@ class RunSession:
         """The built model's ``TransformerConfig``, before capture: a field a user's script set on
         it beyond the flags (FP8 attention has no flag in 0.19.2) is in the report's prediction."""
         if self.repredict is not None:
-            plan = self.repredict(model_config)
-            if plan is not None:
-                self.predicted_graph_memory = plan
+            self.predicted_graph_memory = self.repredict(model_config)
 
     def mark_iteration_start(self) -> None:
         """Called as each iteration starts (and by any caller per microbatch); only the first of an

@@ -120,9 +120,9 @@ def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
                 f"{type(recipe).__name__} is not verified in slot-shared graphs.")
     if (recipe.fp8_dpa or recipe.fp8_mha) and not recipe.delayed():
         return ("slot-shared capture takes FP8 attention (recipe fp8_dpa / fp8_mha) with delayed scaling only: "
-                "under current scaling TE gives attention's S and dP quantizers a delayed-scaling sub-recipe, and "
-                "no H200 here runs it (TE 2.20.2 with cuDNN 9.14 has no FP8 attention backend under current "
-                "scaling), so it is not verified; use DelayedScaling or turn FP8 attention off.")
+                "FP8 attention under current scaling is not verified (TE 2.20.2 with cuDNN 9.14 on the verified "
+                "H200 finds no FP8 attention backend for it); use DelayedScaling (--fp8-recipe delayed) or turn FP8 "
+                "attention off.")
     if recipe.delayed() and not modules:
         return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
                 "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")

@@ -12,7 +12,7 @@ def reachable_nodes(roots: Iterable[Any]) -> Iterator[Any]:
     wrappers of C++ nodes on access, and a dropped wrapper's id can go to the next one made, which
     would prune that branch unvisited. On the H200 (s51) that skipped FusedAttnFunc's node in some
     frames, so its ctx's S-scale snapshot stayed in the graph pool."""
-    stack = [root for root in roots if root is not None]
+    stack = list(roots)
     seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()

@@ -279,7 +279,11 @@ def saved_view(buffer: torch.Tensor, element_offset: int, packed: Any) -> torch.
 
 def _custom_function_nodes(outputs: Sequence[torch.Tensor]) -> Iterator[Any]:
     """The custom autograd Function nodes (their ``ctx``) reachable backwards from ``outputs``."""
-    roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor)]
+    return custom_function_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)])
+
+
+def custom_function_nodes(roots: Sequence[Any]) -> Iterator[Any]:
+    """The custom autograd Function nodes reachable backwards from the autograd nodes ``roots``."""
     return (node for node in reachable_nodes(roots) if isinstance(node, torch.autograd.function.BackwardCFunction))
 
 

@@ -527,7 +527,8 @@ def attention_saves(s: LayerShape) -> list[Save]:
     saves the layer input, the norm's output and statistics; attention saves q, k and v (separate
     storages after the fused RoPE, views of one QKV storage without it), its output, softmax
     statistics and RNG state; the output projection saves attention's output again (under FP8 the
-    GEMM inputs are saved quantized: ``fp8_quantized_saves``). The pre-MLP
+    GEMM inputs are saved quantized: ``fp8_quantized_saves``; FP8 dot-product attention saves q, k,
+    v and its output quantized instead: ``fp8_attention_saves``). The pre-MLP
     norm is fused into the first MLP linear the same way: no offload group holds MLP saves."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
 
@@ -653,6 +654,9 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
          facts.context_parallel > 1),
         ("in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
          facts.slot_capture and policy is not None and getattr(args, "cg_offload_copies", "in-graph") == "in-graph"),
+        ("FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
+         "count the FP8 saves)", facts.slot_capture and facts.fp8 and bool(getattr(args, "fp8_dot_product_attention",
+                                                                                 False))),
         ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
          facts.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
          and "moe" in scope_parts(facts.modules) and facts.has_moe_layers),

@@ -42,8 +42,8 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     summary = result.summary()
 
     def golden_mismatches() -> list:
-        return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed, deterministic=True,
-                              metrics=case.compared_metrics)
+        return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
+                              deterministic=case.deterministic_mode, metrics=case.compared_metrics)
 
     updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden_case is None and case.check_golden
     previous = golden_mismatches() if updating and case.golden_path.exists() else None

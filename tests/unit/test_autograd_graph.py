@@ -41,6 +41,26 @@ def test_every_node_is_visited_once_although_wrappers_are_made_on_access() -> No
     assert sorted(names) == sorted(["bottom", *(f"op{i}" for i in range(30)), *(f"leaf{i}" for i in range(30))])
 
 
+def test_ctx_protection_finds_a_custom_function_behind_wrappers_made_on_access(monkeypatch) -> None:
+    # Fails with the old walk in saved_tensors: the custom node at the bottom of the graph is pruned unvisited.
+    class Custom(_Wrapper):
+        __slots__ = ()
+
+    class Node(_Node):
+        def wrap(self) -> _Wrapper:
+            return (Custom if self.name == "bottom" else _Wrapper)(self)
+
+    def next_functions(self) -> tuple:
+        return tuple((child.wrap(), 0) for child in self.node.children)
+
+    monkeypatch.setattr(_Wrapper, "next_functions", property(next_functions))
+    monkeypatch.setattr(torch.autograd.function, "BackwardCFunction", Custom)
+    node = Node("bottom")
+    for i in range(30):
+        node = Node(f"op{i}", (node, Node(f"leaf{i}")))
+    assert [w.node.name for w in saved_tensors.custom_function_nodes([_Wrapper(node)])] == ["bottom"]
+
+
 def test_shared_nodes_are_yielded_once_and_none_roots_are_skipped() -> None:
     x = torch.randn(3, requires_grad=True)
     y = x * 2
@@ -62,6 +82,7 @@ class _Marked(torch.autograd.Function):
 
 
 def test_custom_function_nodes_reach_every_custom_function_of_a_layered_graph() -> None:
+    # Coverage and one visit each on a real graph (torch's allocator does not reuse wrapper ids here).
     weights = [torch.randn(8, requires_grad=True) for _ in range(6)]
     h = torch.randn(8, requires_grad=True)
     for w in weights:

@@ -3,7 +3,6 @@ command line the farm runs, and finds its golden file; bad CG_FARM blocks are re
 
 from __future__ import annotations
 
-
 import pytest
 
 from megatron_cg_plugin.testing import farm

@@ -526,7 +526,7 @@ def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot
 
 
 def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_on():
-    from megatron_cg_plugin.enforce import repredict_graph_memory
+    from megatron_cg_plugin.enforce import model_config_adds, repredict_graph_memory
 
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
@@ -538,12 +538,28 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
     config = types.SimpleNamespace(fp8_dot_product_attention=True)
     assert repredict_graph_memory(args, facts, config, environ=environ).arena_bytes == flagged
     assert not hasattr(args, "fp8_dot_product_attention")  # the flags are left as they were
-    # Nothing beyond the flags, or FP8 attention the flags already said: no new prediction.
-    assert repredict_graph_memory(args, facts, types.SimpleNamespace(fp8_dot_product_attention=False),
-                                  environ=environ) is None
-    assert repredict_graph_memory(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts, config,
-                                  environ=environ) is None
+    # Nothing beyond the flags (the field at its default, or as the flags said it): nothing to redo.
+    assert model_config_adds(args, config)
+    assert not model_config_adds(args, types.SimpleNamespace(fp8_dot_product_attention=False))
+    assert not model_config_adds(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), config)
+    assert not model_config_adds(args, object())
     # Under current scaling the planner does not model FP8 attention (--cg-slot-capture refuses it).
     tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
     assert plan_from_args(tensorwise, facts, deterministic=True).arena_bytes == plan_from_args(
         megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, deterministic=True).arena_bytes
+
+
+def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_capture(monkeypatch):
+    from megatron_cg_plugin import enforce
+    from megatron_cg_plugin.session import RunSession
+
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
+    args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
+    monkeypatch.setattr(enforce, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
+    session = RunSession()
+    enforce.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
+    flags_plan = session.predicted_graph_memory
+    session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=False))
+    assert session.predicted_graph_memory is flags_plan  # nothing beyond the flags
+    session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=True))
+    assert session.predicted_graph_memory.arena_bytes < flags_plan.arena_bytes

@@ -1313,8 +1313,10 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
 
 def test_capture_shows_the_session_the_built_models_config_first(probe):
     # A script may set TransformerConfig fields no flag has (FP8 attention): the report's prediction follows them.
-    session, _, _, helper = build(probe)
-    seen = []
-    session.repredict = lambda config: seen.append(config)
+    session, backend, _, helper = build(probe)
+    events = []
+    session.repredict = lambda config: events.append(("config", config))
+    capture = backend.make_graphed_callables
+    backend.make_graphed_callables = lambda *a, **k: events.append(("capture", None)) or capture(*a, **k)
     helper.create_cudagraphs()
-    assert seen == [helper.config] and helper.graphs_created()
+    assert events[:2] == [("config", helper.config), ("capture", None)] and helper.graphs_created()

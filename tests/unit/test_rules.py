@@ -480,8 +480,9 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
 @pytest.mark.parametrize("change, detail", [
     (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
     (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
-    (dict(fp8_attention=True), "(FP8 attention)"),
-    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(FP8 attention)"),
+    (dict(fp8_attention=True), "(FP8 attention with --fp8-recipe tensorwise)"),
+    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
+    (dict(fp8_recipe="delayed", fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
 def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
