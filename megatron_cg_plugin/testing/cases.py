@@ -45,7 +45,8 @@ class FarmSettings:
     a real dataset the farm builds (``synthetic`` or ``sentencepiece``), an injected capture failure
     the graphed run must survive, the case (and metrics) whose golden file it is held to, and
     whether both runs pass Megatron's ``--deterministic-mode`` (false only for kernels this host runs
-    only with non-deterministic algorithms allowed: the comparison is still bit for bit)."""
+    only with non-deterministic algorithms allowed: eager vs graphed is still compared bit for bit,
+    the golden file with Megatron's non-deterministic tolerances)."""
 
     nproc: int = 1
     compare: str = "golden"

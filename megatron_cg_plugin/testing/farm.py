@@ -253,6 +253,15 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
     )
 
 
+def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
+    """The graphed run against the case's golden file (which must exist); a case run without
+    --deterministic-mode is held to Megatron's non-deterministic tolerances."""
+    from megatron_cg_plugin import golden
+
+    return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
+                          deterministic=case.deterministic_mode, metrics=case.compared_metrics)
+
+
 def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True) -> list[str]:
     """Everything wrong with a case's runs (empty: it passed): eager vs graphed per step, the
     capture and replay figures of the report, and (``with_golden``) the golden file where the case
@@ -304,9 +313,7 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
             problems.append(f"no golden file {case.golden_path}: write it from a real GPU run with "
                             "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
         else:
-            # A case run without --deterministic-mode is held to Megatron's non-deterministic tolerances.
-            mismatches = golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
-                                        deterministic=case.deterministic_mode, metrics=case.compared_metrics)
+            mismatches = golden_mismatches(case, result)
             if mismatches:
                 problems.append(golden.format_report(mismatches))
     return problems

@@ -18,7 +18,9 @@ import pytest
 
 from megatron_cg_plugin import golden
 from megatron_cg_plugin.testing.distributed import gpu_stack_missing, gpus_available
-from megatron_cg_plugin.testing.farm import CASES, FarmCase, golden_rewrite_refusal, problems_of, run_case
+from megatron_cg_plugin.testing.farm import (
+    CASES, FarmCase, golden_mismatches, golden_rewrite_refusal, problems_of, run_case,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 
@@ -41,12 +43,8 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
                       devices=_devices_for(case))
     summary = result.summary()
 
-    def golden_mismatches() -> list:
-        return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
-                              deterministic=case.deterministic_mode, metrics=case.compared_metrics)
-
     updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden_case is None and case.check_golden
-    previous = golden_mismatches() if updating and case.golden_path.exists() else None
+    previous = golden_mismatches(case, result) if updating and case.golden_path.exists() else None
     if previous is not None:  # what the rewrite replaces, so a regression still shows
         summary["previous_golden_mismatches"] = golden.format_report(previous)
     (farm_out / f"{case.name}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
