@@ -9,8 +9,9 @@ with sizes from the shapes, and replays the program through the caching allocato
 
 What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
-drop-and-pad or the router/preprocess scope, bf16. What it leaves out is said by
-``GraphMemoryPlan.unpredicted``.
+drop-and-pad or the router/preprocess scope, bf16 or FP8 with delayed or tensorwise scaling (the
+dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from the s56
+traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredicted``.
 
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
@@ -108,11 +109,32 @@ class _Program:
         self.free(name)
 
 
-def _norm_forward(p: _Program, s: LayerShape, name: str) -> None:
+def _quantized(p: _Program, s: LayerShape, name: str, width: int, *, keep_columnwise: bool = True) -> None:
+    """An FP8 GEMM input as TE 2.20.2 makes it: a row-wise copy for the forward GEMM, freed once the
+    GEMM's output exists (``_gemm_done``), and a column-wise copy that backward keeps for the
+    weight gradient; 1 byte an element each."""
+    p.alloc(f"{name}.row", s.tokens * width)
+    if keep_columnwise:
+        p.alloc(f"{name}.col", s.tokens * width)
+
+
+def _gemm_done(p: _Program, s: LayerShape, name: str) -> None:
+    if s.fp8_recipe is not None:
+        p.free(f"{name}.row")
+
+
+def _norm_forward(p: _Program, s: LayerShape, name: str, *, feeds_fp8_gemm: bool = False) -> None:
+    """A norm, fused into the linear after it (TE's LayerNormLinear); into an FP8 GEMM the fused
+    kernel writes the output quantized (current scaling writes it in bf16 first, for its amax)."""
     p.alloc(f"{name}.rsigma", s.tokens * FP32)
     if not s.rmsnorm:
         p.alloc(f"{name}.mu", s.tokens * FP32)
-    p.alloc(f"{name}.out", s.act(s.hidden))
+    if feeds_fp8_gemm and s.fp8_recipe is not None:
+        _quantized(p, s, f"{name}.out", s.hidden)
+        if s.fp8_recipe != "delayed":
+            p.temp(f"{name}.out.bf16", s.act(s.hidden))
+    else:
+        p.alloc(f"{name}.out", s.act(s.hidden))
     p.temp(f"{name}.flag", 1)
 
 
@@ -146,20 +168,35 @@ def _bda_backward(p: _Program, s: LayerShape, out: str) -> str:
 
 
 def _attention_forward(p: _Program, s: LayerShape) -> None:
-    q, kv = s.act(s.heads * s.head_dim), s.act(s.query_groups * s.head_dim)
-    _norm_forward(p, s, "ln1")
+    q_width, kv_width = s.heads * s.head_dim, s.query_groups * s.head_dim
+    q, kv = s.act(q_width), s.act(kv_width)
+    _norm_forward(p, s, "ln1", feeds_fp8_gemm=True)
     p.alloc("qkv", q + 2 * kv)
+    _gemm_done(p, s, "ln1.out")
     if s.rope:  # TE's fused RoPE writes q and k anew; the layout check makes v contiguous
         p.alloc("q", q)
         p.alloc("k", kv)
         p.alloc("v", kv)
-    p.alloc("o", q)
+    if s.fp8_attention:  # q, k and v combined in bf16, quantized into one FP8 storage; the output in FP8 and in bf16
+        p.alloc("qkv.combined", q + 2 * kv)
+        p.alloc("qkv.fp8", s.tokens * (q_width + 2 * kv_width))
+        p.free("qkv.combined")
+        p.alloc("o.fp8", s.tokens * q_width)
+        p.alloc("o", q)
+        p.free("v")
+    else:
+        p.alloc("o", q)
     p.alloc("rng", 16)
     p.temp("fa.scratch", 256)
     p.alloc("softmax_stats", s.micro_batch * s.heads * s.seq * FP32)
+    if s.fp8_recipe is not None:  # current scaling keeps the bf16 output for the projection's backward instead
+        _quantized(p, s, "o.in", q_width, keep_columnwise=s.fp8_recipe == "delayed")
     p.alloc("proj", s.act(s.hidden))
+    _gemm_done(p, s, "o.in")
     if s.rope:
         p.free("qkv")
+    if s.fp8_attention:  # backward reads the FP8 copies
+        p.free("q", "k", "o")
     _bda_forward(p, s, "x1", "proj")
 
 
@@ -178,25 +215,31 @@ def attention_workspace(s: LayerShape) -> int:
 def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
     q, kv = s.act(s.heads * s.head_dim), s.act(s.query_groups * s.head_dim)
     grad = _bda_backward(p, s, "x1")
+    if s.fp8_recipe is not None:  # the gradient quantized; current scaling quantizes the saved bf16 input too
+        _quantized(p, s, "proj.g", s.hidden)
+        if s.fp8_recipe != "delayed":
+            p.alloc("o.in.col", s.tokens * s.heads * s.head_dim)
     p.alloc("proj.dgrad", s.act(s.hidden))
     p.alloc("proj.wgrad", s.hidden * s.heads * s.head_dim * BF16)
-    p.free(grad)
+    p.free(grad, "o.in.col", "proj.g.row", "proj.g.col")
     p.alloc("dq", q)
     p.alloc("dk", kv)
     p.alloc("dv", kv)
     p.temp("fa.workspace", attention_workspace(s))
-    p.free("proj.dgrad", "o", "rng", "softmax_stats")
+    p.free("proj.dgrad", "o", "rng", "softmax_stats", "qkv.fp8", "o.fp8")
     if s.rope:
         p.alloc("dq.rope", q)
         p.alloc("dk.rope", kv)
         p.free("dq", "dk", "q", "k", "v")
     p.alloc("dqkv", q + 2 * kv)
     p.free(*(("dq.rope", "dk.rope") if s.rope else ("dq", "dk", "qkv")), "dv")
+    if s.fp8_recipe is not None:
+        _quantized(p, s, "dqkv.g", (q + 2 * kv) // s.act(1))
     p.alloc("ln1.dgrad", s.act(s.hidden))
     p.alloc("qkv.wgrad", (q + 2 * kv) // s.tokens * s.hidden)
     if s.bias:
         p.alloc("qkv.dbias", (q + 2 * kv) // s.tokens)
-    p.free("dqkv", "ln1.out")
+    p.free("dqkv", "ln1.out", "ln1.out.col", "dqkv.g.row", "dqkv.g.col")
     dx = _norm_backward(p, s, "ln1", "ln1.dgrad")
     p.alloc("dinput", s.act(s.hidden))  # the residual's gradient plus the norm's: the graph's grad input
     p.free(dx, grad_in)
@@ -204,25 +247,42 @@ def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
 
 
 def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str) -> None:
+    """The MLP after its norm; under FP8 (a dense layer's, whose first linear holds the norm) the
+    second linear keeps its input quantized and the bf16 activation goes at the end."""
     fc1 = 2 * ffn if s.gated else ffn
     p.alloc(f"{name}.fc1", s.act(fc1))
+    _gemm_done(p, s, "ln2.out")
     p.alloc(f"{name}.act", s.act(ffn))
+    if s.fp8_recipe is not None:
+        _quantized(p, s, f"{name}.act.in", ffn)
     p.alloc(f"{name}.fc2", s.act(s.hidden))
+    if s.fp8_recipe is not None:
+        _gemm_done(p, s, f"{name}.act.in")
+        p.free(f"{name}.act")
 
 
 def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str) -> str:
     fc1 = 2 * ffn if s.gated else ffn
+    fp8 = s.fp8_recipe is not None
+    if fp8:
+        _quantized(p, s, f"{name}.fc2.g", s.hidden)
     p.alloc(f"{name}.fc2.dgrad", s.act(ffn))
     p.alloc(f"{name}.fc2.wgrad", s.hidden * ffn * BF16)
-    p.free(grad)
+    p.free(grad, f"{name}.act.in.col", f"{name}.fc2.g.row", f"{name}.fc2.g.col")
     p.alloc(f"{name}.act.dgrad", s.act(fc1))
     p.free(f"{name}.fc2.dgrad", f"{name}.act", f"{name}.fc1")
     if s.bias:
         p.alloc(f"{name}.fc1.dbias", fc1 * BF16)
+    if fp8:
+        _quantized(p, s, f"{name}.fc1.g", fc1)
     p.alloc(f"{name}.fc1.dgrad", s.act(s.hidden))
     p.alloc(f"{name}.fc1.wgrad", fc1 * s.hidden * BF16)
-    p.free(f"{name}.act.dgrad")
+    p.free(f"{name}.act.dgrad", f"{name}.fc1.g.row", f"{name}.fc1.g.col")
     return f"{name}.fc1.dgrad"
+
+
+def _bf16(s: LayerShape) -> LayerShape:
+    return dataclasses.replace(s, fp8_recipe=None, fp8_attention=False)
 
 
 def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: bool) -> None:
@@ -232,25 +292,26 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: 
     p.alloc("router.map", s.tokens * moe.experts)
     if not through_experts:  # the graph ends after the router and the dispatcher's preprocess
         return
-    rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1)
+    rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, fp8_recipe=None)  # FP8 experts: not modelled
     p.alloc("permuted", rows.act(s.hidden))
     _mlp_forward(p, rows, moe.ffn, "experts")
     p.alloc("unpermuted", s.act(s.hidden))
     p.free("experts.fc2")
     if moe.shared_ffn:
-        _mlp_forward(p, s, moe.shared_ffn, "shared")
+        _mlp_forward(p, _bf16(s), moe.shared_ffn, "shared")
         p.free("shared.fc2")
 
 
 def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, *, through_experts: bool) -> str:
     if through_experts:
-        rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False)
+        rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False, fp8_recipe=None)
         p.alloc("unpermuted.grad", rows.act(s.hidden))
         expert_grad = _mlp_backward(p, rows, moe.ffn, "experts", "unpermuted.grad")
         p.alloc("permuted.grad", s.act(s.hidden))
         p.free(expert_grad, "permuted")
         if moe.shared_ffn:
-            shared_grad = _mlp_backward(p, dataclasses.replace(s, bias=False), moe.shared_ffn, "shared", grad)
+            shared_grad = _mlp_backward(p, dataclasses.replace(s, bias=False, fp8_recipe=None), moe.shared_ffn,
+                                        "shared", grad)
             p.free(shared_grad)
         grad = "permuted.grad"
     p.alloc("router.dlogits", s.tokens * moe.experts * FP32)
@@ -274,6 +335,7 @@ def _with_transient(reserved: int, layers: Sequence[LayerShape], parts: frozense
     return reserved + (segment_size(transient) if transient else 0)
 
 
+FP8_MODELLED_RECIPES = ("delayed", "tensorwise")  # the recipes whose quantize buffers the programs write
 MOE_OFFLOAD_GROUPS = frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"})  # saves of the MoE block
 SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "router"}
 
@@ -285,7 +347,7 @@ def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Prog
     if "attn" in parts:
         _attention_forward(fwd, shape)
     if moe is None and "mlp" in parts:
-        _norm_forward(fwd, shape, "ln2")
+        _norm_forward(fwd, shape, "ln2", feeds_fp8_gemm=True)
         _mlp_forward(fwd, shape, shape.ffn, "mlp")
         _bda_forward(fwd, shape, "out", "mlp.fc2")
     if moe is not None and parts & {"moe", "router"}:
@@ -298,7 +360,7 @@ def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Prog
     if moe is None and "mlp" in parts:
         grad = _bda_backward(bwd, shape, "out")
         grad = _mlp_backward(bwd, shape, shape.ffn, "mlp", grad)
-        bwd.free("ln2.out")
+        bwd.free("ln2.out", "ln2.out.col")
         grad = _norm_backward(bwd, shape, "ln2", grad)
         bwd.free("x1")
     if moe is not None and parts & {"moe", "router"}:
@@ -489,7 +551,9 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
             raise ValueError(f"the slot-capture planner models graphs that hold attention, the dense MLP or the whole "
                              f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
                              f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
-        fwd, bwd = _graph(shape, parts, f"L{index}.")
+        # The slot pool is modelled with bf16 programs (measured within 8% on the FP8 slot cases); FP8's saves
+        # are the arenas' (_with_fp8_saves).
+        fwd, bwd = _graph(_bf16(shape), parts, f"L{index}.")
         capture(fwd.ops, keep=fwd.prefix + output)
         capture(bwd.ops)
         pool.free(live.pop(fwd.prefix + output))
@@ -639,7 +703,10 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     unpredicted = [what for what, present in (
         ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
         ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
-        ("FP8 (modelled as bf16 in TE's graph pool)", facts.fp8 and not facts.slot_capture),
+        (f"FP8 recipe {getattr(args, 'fp8_recipe', None)!r} (modelled as tensorwise)",
+         facts.fp8 and getattr(args, "fp8_recipe", None) not in FP8_MODELLED_RECIPES),
+        ("FP8 MoE experts (modelled as bf16 in TE's graph pool)", facts.fp8 and not facts.slot_capture
+         and facts.has_moe_layers),
         ("FP8 MoE experts (their quantized saves)", facts.fp8 and facts.slot_capture and facts.has_moe_layers),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
@@ -686,7 +753,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     first = set(capture.first_stage_layers)
     layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None,
                                   fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None,
-                                  fp8_attention=facts.slot_capture and _fp8_layer(args, n)
+                                  fp8_attention=_fp8_layer(args, n)
                                   and bool(getattr(args, "fp8_dot_product_attention", False))
                                   and args.fp8_recipe == "delayed")
               for n in capture.graphed_layers if n in first]

@@ -480,7 +480,49 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
     assert not any("FP8" in what for what in ends.unpredicted)
     te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), deterministic=True)
-    assert any("FP8" in what for what in te_path.unpredicted)
+    assert not any("FP8" in what for what in te_path.unpredicted)  # tensorwise is modelled on TE's path too
+    assert te_path.pool_bytes != plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(
+        facts, fp8=False, slot_capture=False), deterministic=True).pool_bytes
+    mxfp8 = plan_from_args(megatron_args(**base | {"fp8_recipe": "mxfp8"}), dataclasses.replace(facts, slot_capture=False),
+                           deterministic=True)
+    assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
+
+
+# docs/results/planner-fp8-2026-12-01/s56: TE's own graph pools under FP8 (the report's pool bytes), from which
+# the FP8 programs were written: (layers, --cuda-graph-modules, measured MiB).
+def _four_by_1024(**changes):
+    return [big(heads=8, query_groups=8, head_dim=128, **changes)] * 4
+
+
+def _tiny_attention(**changes):
+    return [tiny(heads=2, query_groups=2, head_dim=128, deterministic=False, **changes)] * 3
+
+
+MEASURED_TE_FP8_POOLS = {
+    "4x1024 bf16 (the baseline)": (_four_by_1024(), (), 432),
+    "4x1024 fp8 delayed": (_four_by_1024(fp8_recipe="delayed"), (), 400),
+    "4x1024 fp8 tensorwise": (_four_by_1024(fp8_recipe="tensorwise"), (), 380),
+    "4x1024 fp8 delayed attn": (_four_by_1024(fp8_recipe="delayed"), ("attn",), 200),
+    "4x1024 fp8 tensorwise attn": (_four_by_1024(fp8_recipe="tensorwise"), ("attn",), 180),
+    "4x1024 fp8 attention (non-deterministic)": (
+        _four_by_1024(fp8_recipe="delayed", fp8_attention=True, deterministic=False), (), 318),
+    "tiny_gpt_fp8_delayed": ([tiny(fp8_recipe="delayed")] * 3, (), 34),
+    "tiny_gpt_fp8_tensorwise": ([tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], (), 38),
+    "tiny_gpt_fp8_attention_user_script": (_tiny_attention(fp8_recipe="delayed", fp8_attention=True), (), 12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_TE_FP8_POOLS))
+def test_te_graph_pools_under_fp8_are_predicted_within_15_percent(name):
+    layers, modules, measured = MEASURED_TE_FP8_POOLS[name]
+    assert abs(plan_graph_memory(layers, modules).pool_bytes / (measured * MiB) - 1) <= 0.15
+
+
+def test_fp8_quantize_buffers_change_tes_pool():
+    """Written as bf16 (the model before s56), the FP8-attention farm case came out at 16 MiB against 12."""
+    layers, modules, measured = MEASURED_TE_FP8_POOLS["tiny_gpt_fp8_attention_user_script"]
+    assert plan_graph_memory(_tiny_attention(), modules).pool_bytes == 16 * MiB
+    assert plan_graph_memory(layers, modules).pool_bytes == measured * MiB
 
 
 @pytest.mark.parametrize("window, measured", [(1, 1462247424), (3, 1562910720)])
