@@ -287,7 +287,7 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
                 _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
                                      stream=stream,
                                      debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
-                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(ring, offload_copies.window))
+                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(layer, ring, offload_copies.window))
     except BaseException:
         result.reset()
         raise

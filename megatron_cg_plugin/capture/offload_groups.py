@@ -25,7 +25,7 @@ from megatron_cg_plugin import patches
 from megatron_cg_plugin.capture.slotted import SlotOffload
 from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.staging import StagingRing
-from megatron_cg_plugin.plan.offload import OffloadPolicy
+from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,7 @@ class MegatronOffload:
         self.policy = policy  # None: every save stays in the GPU arenas
         self.layers = list(layers)
         self.tracker = OffloadGroupTracker()
+        self.stack = None if policy is None else OffloadStack(policy, len(self.layers))  # Megatron's choice across them
 
     @classmethod
     def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> "MegatronOffload | None":
@@ -116,11 +117,15 @@ class MegatronOffload:
             return None
         return cls(OffloadPolicy.from_args(config) if offload else None, layers)
 
-    def slot_offload(self, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
-        """The offload of one capture: copies between replays through ``staging`` (shared by every
-        layer's capture), or inside the graphs without it, ``window`` groups ahead."""
-        return None if self.policy is None else SlotOffload(self.policy, group=self.tracker.current, staging=staging,
-                                                            window=window)
+    def slot_offload(self, layer: Any, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
+        """The offload of ``layer``'s capture (one of ``layers``, captured in their order): copies
+        between replays through ``staging`` (shared by every layer's capture), or inside the graphs
+        without it, ``window`` groups ahead."""
+        if self.policy is None:
+            return None
+        index = next(i for i, known in enumerate(self.layers) if known is layer)
+        return SlotOffload(self.policy, group=self.tracker.current, staging=staging, window=window, stack=self.stack,
+                           layer=index)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

@@ -235,7 +235,7 @@ class SlotBackend(TEBackend):
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
-                        offload=None if offload is None else offload.slot_offload(ring, self.copies.window),
+                        offload=None if offload is None else offload.slot_offload(layer, ring, self.copies.window),
                         check_stale=False,  # the helper's stale-graph check covers every layer at once
                         param_grads=param_grads, fp8=fp8)
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"

@@ -44,7 +44,9 @@ from megatron_cg_plugin.memory.offload import (
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaSizer, no_call_objects, storage_keys
 from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
-from megatron_cg_plugin.plan.offload import OffloadPlan, OffloadPolicy, host_arena_bytes, plan_offload
+from megatron_cg_plugin.plan.offload import (
+    OffloadPlan, OffloadPolicy, OffloadStack, Save, host_arena_bytes, plan_offload,
+)
 from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
 
 
@@ -86,10 +88,17 @@ class SlotOffload:
     # In-graph copies: offload groups whose copies may run beside the one being staged or unpacked
     # (more overlap, more staging and reload buffers alive in the pool; memory.offload).
     window: int = 1
+    # The variants are layer ``layer`` of ``stack``: Megatron's choice across the layers (plan.offload);
+    # None: the frames are planned alone.
+    stack: OffloadStack | None = None
+    layer: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 0:
             raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
+
+    def plan(self, saves: Sequence[Save]) -> OffloadPlan:
+        return plan_offload(saves, self.policy) if self.stack is None else self.stack.plan(saves, self.layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +540,7 @@ class _Offloading:
              slots_of: dict[Hashable, tuple[int, ...]], placed: list[tuple[Variant, int]]) -> "_Offloading":
         """Plans from the warmup records; pinned memory is taken here, before any capture, so what
         cannot be had is refused naming the bytes (``HostArenaError``)."""
-        plans = {name: plan_offload(m.saves, offload.policy) for name, m in measures.items()}
+        plans = {name: offload.plan(m.saves) for name, m in measures.items()}
         if offload.staging is None:
             return cls(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
                                in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers(),

@@ -31,7 +31,7 @@ import math
 from typing import Iterator, Sequence
 
 from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
-from megatron_cg_plugin.plan.offload import OffloadPolicy, Save, plan_offload
+from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.plan.slots import arena_aligned
 
 BF16 = 2
@@ -545,6 +545,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
 
     arenas = host = 0
     offloaded_per_layer = []
+    stack = None if policy is None else OffloadStack(policy, len(layers))
     for index, shape in enumerate(layers):
         output = _graph_output(shape, parts)
         if output is None:
@@ -570,7 +571,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
             kept["cu_seqlens"] = (shape.micro_batch + 1) * INT32
         if "attn" in parts and shape.rope:
             kept["rope.freqs"] = shape.seq * _rotary_dim(shape) * FP32
-        offloaded = 0 if policy is None else _offloaded_bytes(shape, parts, policy)
+        offloaded = 0 if stack is None else _offloaded_bytes(shape, parts, stack, index)
         arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
         host += offloaded
         offloaded_per_layer.append(offloaded)
@@ -674,10 +675,11 @@ def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
             "attn.o.fp8": s.tokens * q, "attn.o.scale_inv": FP32, "attn.s_scale": FP32}
 
 
-def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], policy: OffloadPolicy) -> int:
-    """What in-graph offload moves out of one layer's arena: the attention storages every save of
-    which Megatron's offload groups hold (``plan.offload.plan_offload``)."""
-    return plan_offload(attention_saves(shape), policy).host_bytes if "attn" in parts else 0
+def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], stack: OffloadStack, index: int) -> int:
+    """What in-graph offload moves out of layer ``index``'s arena: the attention storages every save
+    of which Megatron's offload groups hold, in the groups Megatron offloads at that layer
+    (``plan.offload.OffloadStack``)."""
+    return stack.plan(attention_saves(shape), index).host_bytes if "attn" in parts else 0
 
 
 def _fp8_layer(args, number: int) -> bool:

@@ -14,7 +14,15 @@ capture follows:
 - groups are reloaded in backward order (the reverse of the forward's), up to a window of groups
   ahead of the one the backward unpacks (``--cg-offload-window``); a storage saved in several groups
   is reloaded with the last of them, the first the backward reaches;
-- ``--activation-offload-fraction`` keeps the latest forward groups on the GPU, as Megatron does;
+- **which groups stay, as Megatron chooses across a model chunk** (PP = 1: every layer, forward
+  order; ``OffloadStack``): the last layer keeps its groups, whose reload the backward would need at
+  once (``ChunkOffloadHandler.should_bulk_offload``), and ``--activation-offload-fraction`` keeps the
+  last ``int(N x (1 - fraction))`` of the chunk's N eligible groups (``post_warmup_callback``), so
+  the latest layers stay on the GPU. One graph per layer serves every microbatch, so the plan is
+  Megatron's choice for the chunks after the first (whose count also holds the last layer's
+  groups); it counts N as the layers times this layer's groups, and refuses a fraction below 1 where
+  the layers offload different groups. A frame planned alone (no position) is a chunk of its own,
+  without the last-layer rule;
 - host arenas are keyed like the GPU saved-tensor arenas, one per slot, sized by the largest
   offloaded bytes of the variants the slot plan puts there.
 """
@@ -77,6 +85,33 @@ class OffloadPolicy:
                 and not save.do_not_offload)
 
 
+class OffloadStackError(ValueError):
+    """Layers of one stack offload different groups under an --activation-offload-fraction below 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPosition:
+    """A frame's layer in Megatron's model chunk: its index in forward order and the chunk's layers."""
+
+    index: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.index < self.layers, self
+
+
+def groups_kept(groups: int, position: StackPosition | None, fraction: float) -> int:
+    """How many of a frame's ``groups`` eligible offload groups, counted from its last, stay on the
+    GPU (module docstring)."""
+    if position is None:
+        return int(groups * (1 - fraction))
+    if position.index == position.layers - 1:
+        return groups
+    total = position.layers * groups
+    first_kept = total - int(total * (1 - fraction))  # Megatron's expression for the groups it disables
+    return max(0, min(groups, (position.index + 1) * groups - first_kept))
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadPlan:
     groups: tuple[tuple[str, tuple[Hashable, ...]], ...]  # (group, its storages), in forward order
@@ -109,8 +144,8 @@ class OffloadPlan:
         return order[start:start + window + 1]
 
 
-def plan_offload(saves: Sequence[Save], policy: OffloadPolicy) -> OffloadPlan:
-    """The frame's plan from its warmup record (module docstring)."""
+def plan_offload(saves: Sequence[Save], policy: OffloadPolicy, position: StackPosition | None = None) -> OffloadPlan:
+    """The frame's plan from its warmup record, its layer at ``position`` (module docstring)."""
     by_storage: dict[Hashable, list[Save]] = {}
     for save in saves:
         by_storage.setdefault(save.storage, []).append(save)
@@ -128,13 +163,34 @@ def plan_offload(saves: Sequence[Save], policy: OffloadPolicy) -> OffloadPlan:
     for index, save in enumerate(saves):
         first_seen.setdefault(save.group, index)
     ordered = sorted(groups.items(), key=lambda item: first_seen[item[0]])  # the groups in forward order
-    # Megatron keeps the latest forward groups on the GPU to meet the fraction (their reload would come first).
-    disabled = int(len(ordered) * (1 - policy.fraction))
-    if disabled:
-        kept += [storage for _, storages in ordered[-disabled:] for storage in storages]
-        ordered = ordered[:-disabled]
+    staying = groups_kept(len(ordered), position, policy.fraction)
+    if staying:
+        kept += [storage for _, storages in ordered[-staying:] for storage in storages]
+        ordered = ordered[:-staying]
     return OffloadPlan(tuple((group, tuple(storages)) for group, storages in ordered), tuple(kept),
                        {storage: views[0].storage_bytes for storage, views in by_storage.items()})
+
+
+class OffloadStack:
+    """The plans of one stack's frames, planned layer by layer in forward order (``plan``); the
+    group count of the first layer planned stands for every layer's, which a fraction below 1 needs."""
+
+    def __init__(self, policy: OffloadPolicy, layers: int) -> None:
+        self.policy, self.layers = policy, layers
+        self._first: tuple[int, tuple[str, ...]] | None = None  # (layer, its eligible groups)
+
+    def plan(self, saves: Sequence[Save], index: int) -> OffloadPlan:
+        plan = plan_offload(saves, self.policy, StackPosition(index, self.layers))
+        eligible = tuple(group for group, _ in plan_offload(saves, dataclasses.replace(self.policy, fraction=1.0)).groups)
+        if self._first is None:
+            self._first = (index, eligible)
+        elif self.policy.fraction < 1 and eligible != self._first[1]:
+            raise OffloadStackError(
+                f"--activation-offload-fraction {self.policy.fraction}: layer {index + 1} offloads the groups "
+                f"{list(eligible)} and layer {self._first[0] + 1} {list(self._first[1])}; slot-shared capture keeps "
+                "Megatron's fraction only where every layer offloads the same groups: use "
+                "--activation-offload-fraction 1.0, or the same --offload-modules for every layer's modules.")
+        return plan
 
 
 def host_arena_bytes(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]],

@@ -3,12 +3,15 @@ on warmup records made by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.plan.offload import (
-    MEGATRON_OFFLOAD_MODULES, OffloadPolicy, Save, host_arena_bytes, plan_offload,
+    MEGATRON_OFFLOAD_MODULES, OffloadPolicy, OffloadStack, OffloadStackError, Save, StackPosition, groups_kept,
+    host_arena_bytes, plan_offload,
 )
 from megatron_cg_plugin.plan.slots import arena_aligned, plan_slots
 
@@ -55,6 +58,59 @@ def test_the_offload_fraction_keeps_the_latest_groups_on_the_gpu():
     plan = plan_offload([save("a", "core_attn"), save("b", "expert_fc1"), save("c", "moe_act")], policy)
     assert [group for group, _ in plan.groups] == ["core_attn", "expert_fc1"]  # int(3 * 0.5) = 1 group kept
     assert plan.kept == ("c",)
+
+
+def megatrons_steady_state_choice(layers, names, fraction):
+    """Megatron 0.19.2's choice for a PP = 1 chunk after the first, written as its code makes it:
+    every group is eligible (post_warmup_callback's margin disables the first chunk's only); the
+    fraction disables the last int(N x (1 - fraction)) eligible groups; should_bulk_offload then
+    skips the last group of each name, the next backward chunk being this one. True: offloaded."""
+    groups = [[True] * len(names) for _ in range(layers)]
+    flat = [(layer, g) for layer in range(layers) for g in range(len(names))]
+    disabled = int(len(flat) * (1 - fraction))
+    for layer, g in reversed(flat):
+        if disabled <= 0:
+            break
+        groups[layer][g] = False
+        disabled -= 1
+    for g, name in enumerate(names):
+        last = max(layer for layer in range(layers) if name in names)
+        groups[last][g] = False
+    return groups
+
+
+@given(st.integers(1, 40), st.integers(1, 8), st.floats(0.0, 1.0))
+def test_the_stack_keeps_what_megatron_keeps(layers, groups, fraction):
+    names = [f"g{i}" for i in range(groups)]
+    expected = megatrons_steady_state_choice(layers, names, fraction)
+    for layer in range(layers):
+        staying = groups_kept(groups, StackPosition(layer, layers), fraction)
+        assert expected[layer] == [True] * (groups - staying) + [False] * staying  # the layer's latest groups stay
+
+
+def layer_saves(layer, groups=("core_attn", "expert_fc1")):
+    return [save(f"L{layer}.{group}", group) for group in groups]
+
+
+def test_the_last_layer_keeps_its_groups_and_the_fraction_the_latest_layers():
+    stack = OffloadStack(POLICY, 3)
+    assert [stack.plan(layer_saves(i), i).offloaded for i in range(3)] == [
+        {"L0.core_attn", "L0.expert_fc1"}, {"L1.core_attn", "L1.expert_fc1"}, set()]
+    half = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 3)  # 6 groups: the last 3 stay
+    assert [half.plan(layer_saves(i), i).offloaded for i in range(3)] == [
+        {"L0.core_attn", "L0.expert_fc1"}, {"L1.core_attn"}, set()]
+    assert plan_offload(layer_saves(2), POLICY).offloaded == {"L2.core_attn", "L2.expert_fc1"}  # a frame alone
+
+
+def test_a_fraction_below_one_needs_layers_that_offload_the_same_groups():
+    mixed = [layer_saves(0), layer_saves(1, ("core_attn",)), layer_saves(2)]
+    whole = OffloadStack(POLICY, 3)
+    assert [len(whole.plan(saves, i).groups) for i, saves in enumerate(mixed)] == [2, 1, 0]
+    half = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 3)
+    half.plan(mixed[0], 0)
+    with pytest.raises(OffloadStackError, match=r"layer 2 offloads the groups \['core_attn'\] and layer 1 "
+                                                r"\['core_attn', 'expert_fc1'\].*--activation-offload-fraction 1.0"):
+        half.plan(mixed[1], 1)
 
 
 def test_host_arenas_are_keyed_by_slot_and_sized_by_its_largest_variant():

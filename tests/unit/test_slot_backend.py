@@ -157,7 +157,7 @@ def test_in_graph_offload_names_groups_and_turns_the_layers_flag_off_only_while_
     with offload.capturing():
         assert layers[0].offload_module_in_cuda_graph is False
         with interface(True, tensor, "core_attn") as inside:
-            assert inside is tensor and offload.slot_offload().group() == "core_attn"
+            assert inside is tensor and offload.slot_offload(layers[0]).group() == "core_attn"
             assert interface(True, tensor, "core_attn").group_offload(tensor) is tensor
         with interface(False, tensor, "attn_norm"):  # a module the run does not offload: no group
             assert offload.tracker.current() is None
@@ -173,7 +173,7 @@ def test_in_graph_offload_follows_megatrons_config_fields():
     assert MegatronOffload.from_config(types.SimpleNamespace(fine_grained_activation_offloading=False), []) is None
     # Without in-graph offload, Megatron's hooks are still kept out of the capture; nothing goes to the host.
     kept_out = MegatronOffload.from_config(config, [], offload=False)
-    assert kept_out.policy is None and kept_out.slot_offload() is None
+    assert kept_out.policy is None and kept_out.slot_offload(None) is None
 
 
 class Base:
@@ -300,3 +300,13 @@ def test_copies_between_replays_get_a_ring_of_window_plus_one_buffers(capture_ca
     rings = {id(call["offload"].staging): call["offload"].staging for call in capture_calls}
     assert len(rings) == 1 and next(iter(rings.values())).depth == 4  # one ring shared by the layers
     assert SlotBackend(copies="between-replays").copies == OffloadCopies("between-replays", 1)  # a mode name
+
+
+def test_each_layers_offload_plans_it_at_its_place_in_the_stack():
+    from megatron_cg_plugin.plan.offload import Save
+
+    layers = [torch.nn.Module() for _ in range(3)]
+    offload = MegatronOffload(OffloadPolicy.from_flags(["core_attn"]), layers)
+    saves = [Save("q", 2 << 20, 1 << 20, "core_attn")]
+    # Megatron keeps the last layer's groups on the GPU (their reload would be needed at once): so does the plan.
+    assert [offload.slot_offload(layer).plan(saves).offloaded for layer in layers] == [{"q"}, {"q"}, set()]
