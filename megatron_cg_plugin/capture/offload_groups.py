@@ -10,9 +10,10 @@ plugin's hook copies the group's saves itself). ``current`` is the group running
 warmup records beside every save (``memory.saved_tensors.ArenaSizer``).
 
 ``MegatronOffload`` is what slot-shared capture of Megatron's layers (``--cg-slot-capture``, graph
-banks) takes from Megatron's offload flags: the policy, the tracker, and the capture scope, in which
-the layers' ``offload_module_in_cuda_graph`` is off too, so their capture callable does not join
-Megatron's offload streams (the plugin's copies bring their own).
+banks) takes from Megatron's offload flags: the policy, the tracker, the stack the layers form
+(``plan.offload.OffloadStack``: which groups Megatron would offload at each layer), and the capture
+scope, in which the layers' ``offload_module_in_cuda_graph`` is off too, so their capture callable
+does not join Megatron's offload streams (the plugin's copies bring their own).
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ class MegatronOffload:
         without it, ``window`` groups ahead."""
         if self.policy is None:
             return None
-        index = next(i for i, known in enumerate(self.layers) if known is layer)
+        index = next((i for i, known in enumerate(self.layers) if known is layer), None)
+        assert index is not None, "slot_offload is asked for the layers MegatronOffload was made with"
         return SlotOffload(self.policy, group=self.tracker.current, staging=staging, window=window, stack=self.stack,
-                           layer=index)
+                           layer_index=index)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

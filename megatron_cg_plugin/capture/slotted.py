@@ -88,17 +88,20 @@ class SlotOffload:
     # In-graph copies: offload groups whose copies may run beside the one being staged or unpacked
     # (more overlap, more staging and reload buffers alive in the pool; memory.offload).
     window: int = 1
-    # The variants are layer ``layer`` of ``stack``: Megatron's choice across the layers (plan.offload);
-    # None: the frames are planned alone.
+    # The variants are layer ``layer_index`` of ``stack``: Megatron's choice across the layers
+    # (plan.offload); None: the frames are planned alone.
     stack: OffloadStack | None = None
-    layer: int = 0
+    layer_index: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 0:
             raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
+        assert self.stack is None or self.stack.policy == self.policy, "one policy for the stack and its layers"
 
-    def plan(self, saves: Sequence[Save]) -> OffloadPlan:
-        return plan_offload(saves, self.policy) if self.stack is None else self.stack.plan(saves, self.layer)
+    def plan(self, variant: Hashable, saves: Sequence[Save]) -> OffloadPlan:
+        if self.stack is None:
+            return plan_offload(saves, self.policy)
+        return self.stack.plan(saves, self.layer_index, variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,7 +543,7 @@ class _Offloading:
              slots_of: dict[Hashable, tuple[int, ...]], placed: list[tuple[Variant, int]]) -> "_Offloading":
         """Plans from the warmup records; pinned memory is taken here, before any capture, so what
         cannot be had is refused naming the bytes (``HostArenaError``)."""
-        plans = {name: offload.plan(m.saves) for name, m in measures.items()}
+        plans = {name: offload.plan(name, m.saves) for name, m in measures.items()}
         if offload.staging is None:
             return cls(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
                                in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers(),

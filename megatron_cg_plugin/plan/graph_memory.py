@@ -125,7 +125,8 @@ def _gemm_done(p: _Program, s: LayerShape, name: str) -> None:
 
 def _norm_forward(p: _Program, s: LayerShape, name: str, *, feeds_fp8_gemm: bool = False) -> None:
     """A norm, fused into the linear after it (TE's LayerNormLinear); into an FP8 GEMM the fused
-    kernel writes the output quantized (current scaling writes it in bf16 first, for its amax)."""
+    kernel writes the output quantized (current scaling also writes a bf16 copy for its amax, freed
+    at once)."""
     p.alloc(f"{name}.rsigma", s.tokens * FP32)
     if not s.rmsnorm:
         p.alloc(f"{name}.mu", s.tokens * FP32)
@@ -234,7 +235,7 @@ def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
     p.alloc("dqkv", q + 2 * kv)
     p.free(*(("dq.rope", "dk.rope") if s.rope else ("dq", "dk", "qkv")), "dv")
     if s.fp8_recipe is not None:
-        _quantized(p, s, "dqkv.g", (q + 2 * kv) // s.act(1))
+        _quantized(p, s, "dqkv.g", (s.heads + 2 * s.query_groups) * s.head_dim)
     p.alloc("ln1.dgrad", s.act(s.hidden))
     p.alloc("qkv.wgrad", (q + 2 * kv) // s.tokens * s.hidden)
     if s.bias:
@@ -246,12 +247,14 @@ def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
     return "dinput"
 
 
-def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str) -> None:
-    """The MLP after its norm; under FP8 (a dense layer's, whose first linear holds the norm) the
-    second linear keeps its input quantized and the bf16 activation goes at the end."""
+def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str, norm: str | None = None) -> None:
+    """The MLP after its ``norm`` (fused into the first linear: its quantized output goes once that
+    GEMM has run); under FP8 the second linear keeps its input quantized and the bf16 activation
+    goes at the end."""
     fc1 = 2 * ffn if s.gated else ffn
     p.alloc(f"{name}.fc1", s.act(fc1))
-    _gemm_done(p, s, "ln2.out")
+    if norm is not None:
+        _gemm_done(p, s, f"{norm}.out")
     p.alloc(f"{name}.act", s.act(ffn))
     if s.fp8_recipe is not None:
         _quantized(p, s, f"{name}.act.in", ffn)
@@ -292,7 +295,7 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: 
     p.alloc("router.map", s.tokens * moe.experts)
     if not through_experts:  # the graph ends after the router and the dispatcher's preprocess
         return
-    rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, fp8_recipe=None)  # FP8 experts: not modelled
+    rows = _bf16(dataclasses.replace(s, seq=moe.rows, micro_batch=1))  # FP8 experts: not modelled
     p.alloc("permuted", rows.act(s.hidden))
     _mlp_forward(p, rows, moe.ffn, "experts")
     p.alloc("unpermuted", s.act(s.hidden))
@@ -304,14 +307,13 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: 
 
 def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, *, through_experts: bool) -> str:
     if through_experts:
-        rows = dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False, fp8_recipe=None)
+        rows = _bf16(dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False))
         p.alloc("unpermuted.grad", rows.act(s.hidden))
         expert_grad = _mlp_backward(p, rows, moe.ffn, "experts", "unpermuted.grad")
         p.alloc("permuted.grad", s.act(s.hidden))
         p.free(expert_grad, "permuted")
         if moe.shared_ffn:
-            shared_grad = _mlp_backward(p, dataclasses.replace(s, bias=False, fp8_recipe=None), moe.shared_ffn,
-                                        "shared", grad)
+            shared_grad = _mlp_backward(p, _bf16(dataclasses.replace(s, bias=False)), moe.shared_ffn, "shared", grad)
             p.free(shared_grad)
         grad = "permuted.grad"
     p.alloc("router.dlogits", s.tokens * moe.experts * FP32)
@@ -348,7 +350,7 @@ def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Prog
         _attention_forward(fwd, shape)
     if moe is None and "mlp" in parts:
         _norm_forward(fwd, shape, "ln2", feeds_fp8_gemm=True)
-        _mlp_forward(fwd, shape, shape.ffn, "mlp")
+        _mlp_forward(fwd, shape, shape.ffn, "mlp", norm="ln2")
         _bda_forward(fwd, shape, "out", "mlp.fc2")
     if moe is not None and parts & {"moe", "router"}:
         _norm_forward(fwd, shape, "ln2")
@@ -707,8 +709,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
         (f"FP8 recipe {getattr(args, 'fp8_recipe', None)!r} (modelled as tensorwise)",
          facts.fp8 and getattr(args, "fp8_recipe", None) not in FP8_MODELLED_RECIPES),
-        ("FP8 MoE experts (modelled as bf16 in TE's graph pool)", facts.fp8 and not facts.slot_capture
-         and facts.has_moe_layers),
+        ("FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)", facts.fp8
+         and not facts.slot_capture and facts.has_moe_layers),
         ("FP8 MoE experts (their quantized saves)", facts.fp8 and facts.slot_capture and facts.has_moe_layers),
         ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",

@@ -14,15 +14,20 @@ capture follows:
 - groups are reloaded in backward order (the reverse of the forward's), up to a window of groups
   ahead of the one the backward unpacks (``--cg-offload-window``); a storage saved in several groups
   is reloaded with the last of them, the first the backward reaches;
-- **which groups stay, as Megatron chooses across a model chunk** (PP = 1: every layer, forward
-  order; ``OffloadStack``): the last layer keeps its groups, whose reload the backward would need at
-  once (``ChunkOffloadHandler.should_bulk_offload``), and ``--activation-offload-fraction`` keeps the
-  last ``int(N x (1 - fraction))`` of the chunk's N eligible groups (``post_warmup_callback``), so
-  the latest layers stay on the GPU. One graph per layer serves every microbatch, so the plan is
-  Megatron's choice for the chunks after the first (whose count also holds the last layer's
-  groups); it counts N as the layers times this layer's groups, and refuses a fraction below 1 where
-  the layers offload different groups. A frame planned alone (no position) is a chunk of its own,
-  without the last-layer rule;
+- **which groups stay, as Megatron chooses across a model chunk** (PP = 1: every graphed layer,
+  forward order; ``OffloadStack``): the last layer keeps its groups, whose reload the backward would
+  need at once (``ChunkOffloadHandler.should_bulk_offload``), and ``--activation-offload-fraction``
+  keeps the last ``int(N x (1 - fraction))`` of the chunk's N eligible groups
+  (``post_warmup_callback``), so the latest layers stay on the GPU. Layers are captured one at a
+  time, so N is counted as the layers times the frame's own groups, which holds where the layers
+  offload the same groups; a fraction below 1 is refused where they do not. Where Megatron's choice
+  is not followed exactly: one graph per layer serves every microbatch, so the plan is Megatron's
+  choice for the chunks after the first (the first counts N without the last layer's groups, and a
+  run of one microbatch has only that chunk); Megatron keeps the last group of each name, which in
+  a stack whose last layer lacks a group (a dense last layer after MoE layers offloading
+  ``expert_fc1``) is an earlier layer's, offloaded here; N counts only the groups inside the graphs
+  (Megatron's own handler chooses among the groups outside them). A frame planned alone (no
+  position) is a chunk of its own, without the last-layer rule;
 - host arenas are keyed like the GPU saved-tensor arenas, one per slot, sized by the largest
   offloaded bytes of the variants the slot plan puts there.
 """
@@ -94,10 +99,10 @@ class StackPosition:
     """A frame's layer in Megatron's model chunk: its index in forward order and the chunk's layers."""
 
     index: int
-    layers: int
+    num_layers: int
 
     def __post_init__(self) -> None:
-        assert 0 <= self.index < self.layers, self
+        assert 0 <= self.index < self.num_layers, self
 
 
 def groups_kept(groups: int, position: StackPosition | None, fraction: float) -> int:
@@ -105,9 +110,9 @@ def groups_kept(groups: int, position: StackPosition | None, fraction: float) ->
     GPU (module docstring)."""
     if position is None:
         return int(groups * (1 - fraction))
-    if position.index == position.layers - 1:
+    if position.index == position.num_layers - 1:
         return groups
-    total = position.layers * groups
+    total = position.num_layers * groups
     first_kept = total - int(total * (1 - fraction))  # Megatron's expression for the groups it disables
     return max(0, min(groups, (position.index + 1) * groups - first_kept))
 
@@ -146,6 +151,18 @@ class OffloadPlan:
 
 def plan_offload(saves: Sequence[Save], policy: OffloadPolicy, position: StackPosition | None = None) -> OffloadPlan:
     """The frame's plan from its warmup record, its layer at ``position`` (module docstring)."""
+    ordered, kept, storage_bytes = _eligible_groups(saves, policy)
+    kept_groups = groups_kept(len(ordered), position, policy.fraction)
+    if kept_groups:
+        kept += [storage for _, storages in ordered[-kept_groups:] for storage in storages]
+        ordered = ordered[:-kept_groups]
+    return OffloadPlan(tuple((group, tuple(storages)) for group, storages in ordered), tuple(kept), storage_bytes)
+
+
+def _eligible_groups(saves: Sequence[Save], policy: OffloadPolicy
+                     ) -> tuple[list[tuple[str, list[Hashable]]], list[Hashable], dict[Hashable, int]]:
+    """The groups whose storages qualify, in forward order, with their storages; the storages that
+    stay whatever the fraction (a view outside the policy); every storage's bytes."""
     by_storage: dict[Hashable, list[Save]] = {}
     for save in saves:
         by_storage.setdefault(save.storage, []).append(save)
@@ -163,34 +180,28 @@ def plan_offload(saves: Sequence[Save], policy: OffloadPolicy, position: StackPo
     for index, save in enumerate(saves):
         first_seen.setdefault(save.group, index)
     ordered = sorted(groups.items(), key=lambda item: first_seen[item[0]])  # the groups in forward order
-    staying = groups_kept(len(ordered), position, policy.fraction)
-    if staying:
-        kept += [storage for _, storages in ordered[-staying:] for storage in storages]
-        ordered = ordered[:-staying]
-    return OffloadPlan(tuple((group, tuple(storages)) for group, storages in ordered), tuple(kept),
-                       {storage: views[0].storage_bytes for storage, views in by_storage.items()})
+    return ordered, kept, {storage: views[0].storage_bytes for storage, views in by_storage.items()}
 
 
 class OffloadStack:
-    """The plans of one stack's frames, planned layer by layer in forward order (``plan``); the
-    group count of the first layer planned stands for every layer's, which a fraction below 1 needs."""
+    """The plans of one stack's frames, planned layer by layer in forward order (``plan``), each
+    counting the chunk's groups as the layers times its own; under a fraction below 1 every layer's
+    frame of a variant must have the groups of that variant's first frame (module docstring)."""
 
-    def __init__(self, policy: OffloadPolicy, layers: int) -> None:
-        self.policy, self.layers = policy, layers
-        self._first: tuple[int, tuple[str, ...]] | None = None  # (layer, its eligible groups)
+    def __init__(self, policy: OffloadPolicy, num_layers: int) -> None:
+        self.policy, self.num_layers = policy, num_layers
+        self._reference: dict[Hashable, tuple[int, tuple[str, ...]]] = {}  # variant -> (layer, its groups)
 
-    def plan(self, saves: Sequence[Save], index: int) -> OffloadPlan:
-        plan = plan_offload(saves, self.policy, StackPosition(index, self.layers))
-        eligible = tuple(group for group, _ in plan_offload(saves, dataclasses.replace(self.policy, fraction=1.0)).groups)
-        if self._first is None:
-            self._first = (index, eligible)
-        elif self.policy.fraction < 1 and eligible != self._first[1]:
+    def plan(self, saves: Sequence[Save], index: int, variant: Hashable = None) -> OffloadPlan:
+        eligible = tuple(group for group, _ in _eligible_groups(saves, self.policy)[0])
+        layer, groups = self._reference.setdefault(variant, (index, eligible))
+        if self.policy.fraction < 1 and eligible != groups:
             raise OffloadStackError(
                 f"--activation-offload-fraction {self.policy.fraction}: layer {index + 1} offloads the groups "
-                f"{list(eligible)} and layer {self._first[0] + 1} {list(self._first[1])}; slot-shared capture keeps "
-                "Megatron's fraction only where every layer offloads the same groups: use "
-                "--activation-offload-fraction 1.0, or the same --offload-modules for every layer's modules.")
-        return plan
+                f"{list(eligible)} and layer {layer + 1} {list(groups)}; slot-shared capture keeps Megatron's "
+                "fraction only where every layer offloads the same groups: use --activation-offload-fraction 1.0, "
+                "or offload modules that every layer has.")
+        return plan_offload(saves, self.policy, StackPosition(index, self.num_layers))
 
 
 def host_arena_bytes(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]],

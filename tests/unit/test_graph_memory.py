@@ -513,9 +513,42 @@ MEASURED_TE_FP8_POOLS = {
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED_TE_FP8_POOLS))
-def test_te_graph_pools_under_fp8_are_predicted_within_15_percent(name):
+def test_te_graph_pools_under_fp8_are_predicted_within_5_percent(name):
+    """Within 5% (all but one exact), where the bf16 programs gave 1.11-1.33 on five of them."""
     layers, modules, measured = MEASURED_TE_FP8_POOLS[name]
-    assert abs(plan_graph_memory(layers, modules).pool_bytes / (measured * MiB) - 1) <= 0.15
+    assert abs(plan_graph_memory(layers, modules).pool_bytes / (measured * MiB) - 1) <= 0.05
+
+
+def test_the_te_programs_keep_what_the_slot_arenas_count_as_fp8_saves():
+    """Both paths read one rule (fp8_quantized_saves for the arenas, the programs' column-wise copies
+    for TE's pool): a GEMM input kept for backward, 1 byte an element."""
+    from megatron_cg_plugin.plan.graph_memory import _graph, fp8_quantized_saves
+
+    in_programs = {"ln1.out": "ln1.out.col", "proj.input": "o.in.col", "ln2.out": "ln2.out.col",
+                   "mlp.act": "mlp.act.in.col"}
+    for recipe in ("delayed", "tensorwise"):
+        shape = tiny(fp8_recipe=recipe)
+        parts = scope_parts(())
+        fwd, _ = _graph(shape, parts, "")
+        kept = {}
+        for action, name, nbytes in fwd.ops:
+            if action == "alloc":
+                kept[name] = nbytes
+            else:
+                kept.pop(name, None)
+        columnwise = {name: nbytes for name, nbytes in kept.items() if name.endswith(".col")}
+        assert columnwise == {in_programs[name]: shape.tokens * width
+                              for name, width in fp8_quantized_saves(shape, parts).items()}
+
+
+def test_moe_layers_with_fp8_attention_are_planned_with_bf16_experts():
+    moe = tiny(gated=True, bias=False, fp8_recipe="delayed", fp8_attention=True, heads=2, query_groups=2, head_dim=128,
+               moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384, shared_ffn=256))
+    assert plan_graph_memory([moe] * 2, ["attn", "moe"]).pool_bytes > 0
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
+                       capacity_factor=None, fp8=True, fp8_recipe="delayed")
+    left_out = plan_from_args(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, deterministic=True).unpredicted
+    assert "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)" in left_out
 
 
 def test_fp8_quantize_buffers_change_tes_pool():

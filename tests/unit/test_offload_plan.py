@@ -61,10 +61,11 @@ def test_the_offload_fraction_keeps_the_latest_groups_on_the_gpu():
 
 
 def megatrons_steady_state_choice(layers, names, fraction):
-    """Megatron 0.19.2's choice for a PP = 1 chunk after the first, written as its code makes it:
-    every group is eligible (post_warmup_callback's margin disables the first chunk's only); the
-    fraction disables the last int(N x (1 - fraction)) eligible groups; should_bulk_offload then
-    skips the last group of each name, the next backward chunk being this one. True: offloaded."""
+    """Megatron 0.19.2's choice for a PP = 1 chunk after the first whose layers all offload
+    ``names``, written as its code makes it: every group is eligible (post_warmup_callback's margin
+    disables the first chunk's only); the fraction disables the last int(N x (1 - fraction))
+    eligible groups; should_bulk_offload then skips the last group of each name (here the last
+    layer's), the next backward chunk being this one. True: offloaded."""
     groups = [[True] * len(names) for _ in range(layers)]
     flat = [(layer, g) for layer in range(layers) for g in range(len(names))]
     disabled = int(len(flat) * (1 - fraction))
@@ -73,9 +74,8 @@ def megatrons_steady_state_choice(layers, names, fraction):
             break
         groups[layer][g] = False
         disabled -= 1
-    for g, name in enumerate(names):
-        last = max(layer for layer in range(layers) if name in names)
-        groups[last][g] = False
+    for g in range(len(names)):
+        groups[layers - 1][g] = False
     return groups
 
 
@@ -111,6 +111,13 @@ def test_a_fraction_below_one_needs_layers_that_offload_the_same_groups():
     with pytest.raises(OffloadStackError, match=r"layer 2 offloads the groups \['core_attn'\] and layer 1 "
                                                 r"\['core_attn', 'expert_fc1'\].*--activation-offload-fraction 1.0"):
         half.plan(mixed[1], 1)
+    # Banks plan a frame per CP size at each layer: a variant is held to its own first frame, not another variant's.
+    banks = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 2)
+    banks.plan(layer_saves(0), 0, variant="cp1")
+    banks.plan(layer_saves(0, ("core_attn",)), 0, variant="cp2")  # at CP 2 one group's tensors fall under the minimum
+    banks.plan(layer_saves(1, ("core_attn",)), 1, variant="cp2")
+    with pytest.raises(OffloadStackError):
+        banks.plan(layer_saves(1, ("core_attn",)), 1, variant="cp1")
 
 
 def test_host_arenas_are_keyed_by_slot_and_sized_by_its_largest_variant():

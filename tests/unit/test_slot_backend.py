@@ -309,4 +309,4 @@ def test_each_layers_offload_plans_it_at_its_place_in_the_stack():
     offload = MegatronOffload(OffloadPolicy.from_flags(["core_attn"]), layers)
     saves = [Save("q", 2 << 20, 1 << 20, "core_attn")]
     # Megatron keeps the last layer's groups on the GPU (their reload would be needed at once): so does the plan.
-    assert [offload.slot_offload(layer).plan(saves).offloaded for layer in layers] == [{"q"}, {"q"}, set()]
+    assert [offload.slot_offload(layer).plan("layer", saves).offloaded for layer in layers] == [{"q"}, {"q"}, set()]
