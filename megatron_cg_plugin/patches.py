@@ -339,6 +339,13 @@ LENT: tuple[ForeignState, ...] = (
         "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
         "attention fails on None.wait_event without it).",
         "dynamic_cp.ensure_dynamic_cp_stream", needs_te=True),
+    ForeignState(
+        "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher",
+        "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
+        "preprocess sets them in Python, so a moe_preprocess graph's replay does not, and the eager rest of the MoE "
+        "block reads them after it. Each graph bank records them at its capture and sets them before each of its "
+        "replays, as the preprocess it replays would; every eager forward sets them anew.",
+        "capture.banked.LayerBanks.replay (BankGraph.restore_dispatcher)"),
 )
 
 SCOPED: tuple[ForeignState, ...] = (
@@ -374,6 +381,13 @@ SCOPED: tuple[ForeignState, ...] = (
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
         "(captured along with the graphs that hold the router).",
         "moe_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
+    ForeignState(
+        "megatron-capture-flag", "megatron.core.transformer.cuda_graphs:_IS_GRAPH_CAPTURING",
+        "An MoE layer whose graph ends inside the MoE block (moe_router, moe_preprocess) returns after the router or "
+        "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
+        "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
+        "same way for such layers.",
+        "capture.banked.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
     ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "

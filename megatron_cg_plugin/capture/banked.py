@@ -17,8 +17,14 @@ and boundary storage sized by the largest instead of adding up.
   attributes (Megatron's ``cudagraph_attrs``), which would outlive the graph and which the
   slot-shared capture refuses (``SlotCoverageError``); the capture clears those attributes as the
   forward returns (``capture.scratch``), so that state stays a temporary inside the graph.
-  Partial MoE scopes (``moe_router``) end the graph inside the MoE block and hand routing state
-  to its eager rest; not shown with banks, so the ``banks-scope`` rule refuses them.
+- Partial MoE scopes (``moe_router``, ``moe_preprocess``: dropless MoE) end the graph inside the MoE
+  block and hand routing state to its eager rest. Megatron's MoE forward returns there only while
+  its capture flag is set, which the banks' capture sets as Megatron's own capture does
+  (``megatron_capturing``). The routing tensors are graph outputs, which Megatron's replay path sets
+  back on the dispatcher, so they are the replayed bank's. The shapes the dispatcher's preprocess
+  keeps in Python (``PREPROCESS_SHAPES``) are recorded per bank at capture and put back before each
+  of its replays (``BankGraph.dispatcher_state``). Not run on GPUs yet, so the ``banks-scope`` rule
+  still refuses these scopes on the command line.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
@@ -39,6 +45,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from megatron_cg_plugin import patches
 from megatron_cg_plugin.banks import BankRouter, GraphBank
 from megatron_cg_plugin.capture.offload_groups import (
     MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
@@ -49,7 +56,12 @@ from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+
+# What an MoE token dispatcher's preprocess keeps in Python, not in tensors (megatron-core 0.19.2,
+# token_dispatcher.py l.272/306 and l.635/658), so a moe_preprocess graph's replay does not set it;
+# the eager rest after the replay reads it (unpermute's restore shape l.887, the output shape l.894).
+PREPROCESS_SHAPES = ("hidden_shape", "hidden_shape_before_permute")
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
 _UNSUPPORTED = ("attention_mask", "context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
@@ -81,10 +93,18 @@ class BankGraph:
     """One bank's graph and the inputs it binds besides the hidden states: the THD layout and, when
     captured with RoPE, the rotary table of the bank's ``max_seqlen`` bound."""
 
-    def __init__(self, replay: Callable[..., Any], *, takes_layout: bool, rope_table: torch.Tensor | None) -> None:
+    def __init__(self, replay: Callable[..., Any], *, takes_layout: bool, rope_table: torch.Tensor | None,
+                 dispatcher_state: dict[str, Any] | None = None) -> None:
         self._replay = replay
         self.takes_layout = takes_layout
         self.rope_table = rope_table  # held for the graph's lifetime: the graph reads it in place
+        # A moe_preprocess graph: the dispatcher's PREPROCESS_SHAPES as this bank's capture left them.
+        self.dispatcher_state = dispatcher_state or {}
+
+    def restore_dispatcher(self, layer: Any) -> None:
+        """Before a replay: the dispatcher's Python state as the replayed preprocess would leave it."""
+        for name, value in self.dispatcher_state.items():
+            setattr(layer.mlp.token_dispatcher, name, value)
 
     def bind(self, params: Any, rope: torch.Tensor | None) -> Callable[..., tuple]:
         """The callable Megatron's replay path calls with the hidden states (and keyword arguments
@@ -140,6 +160,7 @@ class LayerBanks:
             kwargs = {}  # the layout and the table are graph inputs now; Megatron's replay takes tensors only
         else:
             graph = bank.payload.bind(params, None)  # Megatron runs attention eagerly with kwargs
+        bank.payload.restore_dispatcher(layer)
         # Megatron's replay path calls ``self.cuda_graphs[i]``: for this call it holds the bank's graph.
         previous = layer.cuda_graphs
         layer.cuda_graphs = [graph]
@@ -282,7 +303,8 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     offload_copies = OffloadCopies.given(offload_copies)
     ring = offload_copies.staging_ring()
     try:
-        with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext():
+        with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext(), \
+                megatron_capturing(layers):
             for layer in layers:
                 _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
                                      stream=stream,
@@ -337,6 +359,41 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
         raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
 
 
+def ends_inside_moe_block(layer: Any) -> bool:
+    """The layer's graph ends inside its MoE block (``moe_router``, ``moe_preprocess``)."""
+    return getattr(layer, "is_moe_layer", False) and bool(
+        PARTIAL_MOE_SCOPES & set(module_names(layer.config.cuda_graph_modules)))
+
+
+@contextlib.contextmanager
+def megatron_capturing(layers: list[Any]) -> Any:
+    """Megatron's capture flag, set while banks of layers whose graph ends inside the MoE block are
+    captured: the MoE forward returns after the router or the dispatcher's preprocess only under it
+    (``moe_utils.maybe_raise_signal``), as in Megatron's own capture (``_start_capturing``)."""
+    if not any(ends_inside_moe_block(layer) for layer in layers):
+        yield
+        return
+    from megatron.core.transformer import cuda_graphs
+
+    with patches.scoped(cuda_graphs, "_IS_GRAPH_CAPTURING", True, "megatron-capture-flag"):
+        yield
+
+
+def _recording_dispatcher(fn: Callable[..., Any], layer: Any, state: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` that leaves in ``state`` the dispatcher's ``PREPROCESS_SHAPES`` after each call (the
+    capture's is the last); ``fn`` itself where the graph does not hold the preprocess."""
+    if not (ends_inside_moe_block(layer) and "moe_preprocess" in module_names(layer.config.cuda_graph_modules)):
+        return fn
+    dispatcher = layer.mlp.token_dispatcher
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        outputs = fn(*args, **kwargs)
+        state.update({name: getattr(dispatcher, name) for name in PREPROCESS_SHAPES if hasattr(dispatcher, name)})
+        return outputs
+
+    return call
+
+
 def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]:
     """The CP side stream, and each layer's MoE dispatcher scratch cleared: the last eager step's
     dispatcher state keeps that step's autograd graph, which reaches the parameters of every layer
@@ -361,17 +418,19 @@ def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any]
     attention = attention_in_graph(layer.config.cuda_graph_modules)
     # Megatron's capture callable; a graphed MoE block's dispatcher state stays inside the graph.
     capture = clearing(layer._te_cuda_graph_capture, scratch)
-    variants = ([_attention_variant(capture, size, groups[size], capacity, hidden,
-                                    None if rope_tables is None else rope_tables[size]) for size in sizes]
-                if attention else [Variant("any-cp", capture, (hidden,))])
+    states: dict[int | None, dict[str, Any]] = {size: {} for size in (sizes if attention else [None])}
+    variants = ([_attention_variant(_recording_dispatcher(capture, layer, states[size]), size, groups[size], capacity,
+                                    hidden, None if rope_tables is None else rope_tables[size]) for size in sizes]
+                if attention else [Variant("any-cp", _recording_dispatcher(capture, layer, states[None]), (hidden,))])
     graphs = result.graphs[id(layer)] = capture_slotted(
         variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options)
 
     def payload(size: int) -> BankGraph:
         if not attention:  # one graph for every CP size
-            return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None)
+            return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None,
+                             dispatcher_state=states[None])
         return BankGraph(graphs.callable(f"cp{size}", 0), takes_layout=True,
-                         rope_table=None if rope_tables is None else rope_tables[size])
+                         rope_table=None if rope_tables is None else rope_tables[size], dispatcher_state=states[size])
 
     result.routers[id(layer)] = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None,
                                                             payload=payload(size)) for size in sizes})

@@ -242,3 +242,78 @@ def test_layers_whose_attention_call_changed_are_refused_before_any_capture():
 
     with pytest.raises(SignatureMismatchError, match="attention_mask, rotary_pos_emb, packed_seq_params"):
         capture_banks([banked_layer_class(Changed)()], {1: None}, CAPACITY)
+
+
+# -- Dropless MoE: graphs that end inside the MoE block (moe_router moe_preprocess) --------------------
+
+def partial_moe_layer(modules=("attn", "moe_router", "moe_preprocess")):
+    dispatcher = types.SimpleNamespace(hidden_shape=None, hidden_shape_before_permute=None)
+    return types.SimpleNamespace(is_moe_layer=True, config=types.SimpleNamespace(cuda_graph_modules=list(modules)),
+                                 mlp=types.SimpleNamespace(token_dispatcher=dispatcher))
+
+
+class FakeMoeLayer(FakeLayer):
+    """Its replay's eager rest reads the dispatcher's Python state, as Megatron's MoE block does after a
+    moe_preprocess graph (token_dispatcher.py l.887, l.894)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = types.SimpleNamespace(token_dispatcher=types.SimpleNamespace(hidden_shape=None,
+                                                                                hidden_shape_before_permute=None))
+        self.read_shapes: list = []
+
+    def _te_cuda_graph_replay(self, hidden_states, **kwargs):
+        output = super()._te_cuda_graph_replay(hidden_states, **kwargs)
+        dispatcher = self.mlp.token_dispatcher
+        self.read_shapes.append((dispatcher.hidden_shape, dispatcher.hidden_shape_before_permute))
+        return output
+
+
+def test_each_bank_hands_the_eager_rest_the_dispatcher_state_of_its_own_capture():
+    layer = banked_layer_class(FakeMoeLayer)()
+    group = object()
+    state = {size: {"hidden_shape": ("hidden", size), "hidden_shape_before_permute": ("permute", size)} for size in (1, 2)}
+    router = BankRouter({size: GraphBank(size, group if size > 1 else None,
+                                         BankGraph(lambda *inputs, s=size: f"graph cp{s}", takes_layout=True,
+                                                   rope_table=None, dispatcher_state=state[size])) for size in (1, 2)})
+    vars(layer)["_graph_banks"] = LayerBanks(router, CAPACITY, True)
+    layer.mlp.token_dispatcher.hidden_shape = ("an eager forward", 0)  # e.g. an evaluation step in between
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed(2, group, max_seqlen=16))
+    layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    assert layer.read_shapes == [(("hidden", 2), ("permute", 2)), (("hidden", 1), ("permute", 1))]
+
+
+def test_the_capture_records_the_dispatcher_state_each_call_leaves():
+    from megatron_cg_plugin.capture.banked import _recording_dispatcher
+
+    layer = partial_moe_layer()
+    dispatcher = layer.mlp.token_dispatcher
+
+    def preprocess(tokens):  # what Megatron's dispatch_preprocess leaves, in Python
+        dispatcher.hidden_shape, dispatcher.hidden_shape_before_permute = (tokens, 4), (tokens * 2, 4)
+        return "outputs"
+
+    state = {}
+    recorded = _recording_dispatcher(preprocess, layer, state)
+    assert recorded(3) == "outputs" and state == {"hidden_shape": (3, 4), "hidden_shape_before_permute": (6, 4)}
+    recorded(5)  # warmup, then capture: the capture's call is the last
+    assert state == {"hidden_shape": (5, 4), "hidden_shape_before_permute": (10, 4)}
+    # A router-only graph leaves the preprocess to the eager rest, and a dense layer has none: nothing recorded.
+    assert _recording_dispatcher(preprocess, partial_moe_layer(("attn", "moe_router")), {}) is preprocess
+    dense = types.SimpleNamespace(is_moe_layer=False, config=types.SimpleNamespace(cuda_graph_modules=["attn"]))
+    assert _recording_dispatcher(preprocess, dense, {}) is preprocess
+
+
+def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe_block():
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_cg_plugin.capture.banked import megatron_capturing
+
+    whole = partial_moe_layer(("attn", "moe"))
+    with megatron_capturing([whole]):
+        assert not cuda_graphs.is_graph_capturing()  # the MoE block inside the graph: Megatron's flag stays off
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with megatron_capturing([whole, partial_moe_layer()]):
+            assert cuda_graphs.is_graph_capturing()  # the MoE forward returns after the preprocess under it
+            raise RuntimeError("capture failed")
+    assert not cuda_graphs.is_graph_capturing()  # put back, also after a failure
