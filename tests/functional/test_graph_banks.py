@@ -1,6 +1,6 @@
 """GPU (2 ranks): dynamic-CP graph banks on megatron-core TE TransformerLayers under hybrid CP.
 
-Probe tests/functional/_probes/banks_probe.py, four scenarios. ``layers``: banks for CP sizes 1 and
+Probe tests/functional/_probes/banks_probe.py, its scenarios. ``layers``: banks for CP sizes 1 and
 2 captured into one pool, a schedule of fixed-capacity THD packs (CP-1 packs per rank, CP-2 packs
 over both ranks) replayed and compared bitwise with eager (outputs and all gradients), pool bytes
 with one and two banks, and the fail-closed refusals. ``training``: a tiny GPT trains 30 steps with
@@ -9,7 +9,10 @@ sequence run with CP 2 must reach core attention with the rotated queries and ke
 sequence run with CP 1 (with the plugin's dynamic-CP attention; Megatron's stock call with the
 static group runs out of bounds there), and banks
 captured with the RoPE tables replay bitwise like eager. ``moe``: the ``layers`` schedule through MoE
-layers whose MoE block is graphed (drop-and-pad), bitwise like eager.
+layers whose MoE block is graphed (drop-and-pad), bitwise like eager. ``dropless-moe``: the same
+through a dropless MoE whose graphs end after the dispatcher's preprocess (``attn moe_router
+moe_preprocess``), the eager rest of each MoE block taking the replayed bank's routing state; not run
+on GPUs yet.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ ranks = _scenario("ranks", "layers", "banks")
 training = _scenario("training", "training", "banks_training")
 rope = _scenario("rope", "rope", "banks_rope")
 moe = _scenario("moe", "moe", "banks_moe")
+dropless_moe = _scenario("dropless_moe", "dropless-moe", "banks_dropless_moe")
 
 
 # Rotated queries and keys of one token in two CP layouts: the projections are per token, so only a
@@ -59,6 +63,14 @@ def test_banks_with_rope_tables_replay_bitwise_eager(rope: list[dict]) -> None:
 
 def test_banks_graphing_the_moe_block_replay_bitwise_eager(moe: list[dict]) -> None:
     for result in moe:
+        assert result["all_exact"], result
+        banks = {row["cp_size"]: row for row in result["report"]["banks"]}
+        assert set(banks) == {1, 2} and all(r["replays"] > 0 and not r["rejected"] for r in banks.values()), banks
+
+
+def test_banks_ending_inside_a_dropless_moe_block_replay_bitwise_eager(dropless_moe: list[dict]) -> None:
+    """Issue 16, item 6: attn moe_router moe_preprocess; the eager rest gets the replayed bank's routing state."""
+    for result in dropless_moe:
         assert result["all_exact"], result
         banks = {row["cp_size"]: row for row in result["report"]["banks"]}
         assert set(banks) == {1, 2} and all(r["replays"] > 0 and not r["rejected"] for r in banks.values()), banks

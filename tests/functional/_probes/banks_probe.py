@@ -67,6 +67,10 @@ MOE_CONFIG = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_typ
                   moe_ffn_hidden_size=512, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                   add_bias_linear=False, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
                   cuda_graph_modules=["attn", "moe"])
+# Dropless, the scope Megatron-Bridge recommends for it: the graph ends after the dispatcher's preprocess.
+DROPLESS_MOE_CONFIG = {name: value for name, value in MOE_CONFIG.items()
+                       if name not in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")} | dict(
+    cuda_graph_modules=["attn", "moe_router", "moe_preprocess"])
 
 
 def build(spec_options=None, **config_extra):
@@ -156,12 +160,13 @@ def compare(graphed, eager):
     return exact, worst
 
 
-def moe(result, groups):
-    """MoE layers whose MoE block is graphed with attention (drop-and-pad): banks for CP 1 and 2
-    replay the schedule bitwise like eager (outputs, input and parameter gradients)."""
+def moe(result, groups, config=MOE_CONFIG):
+    """MoE layers whose MoE block is graphed with attention (drop-and-pad; or, ``dropless_moe``, a
+    dropless MoE whose graph ends after the dispatcher's preprocess): banks for CP 1 and 2 replay the
+    schedule bitwise like eager (outputs, input and parameter gradients)."""
     from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
 
-    layers = build(MOE_SPEC, **MOE_CONFIG)
+    layers = build(MOE_SPEC, **config)
     params_list = [p for p in layers.parameters() if p.requires_grad]
     data = packs(groups)
     eager = [step(layers, params_list, pack) for pack in data]
@@ -174,6 +179,10 @@ def moe(result, groups):
     banked.reset()
     result.update(rank=dist.get_rank(), schedule=SCHEDULE, exact=exact, all_exact=all(exact), max_abs_diff=worst,
                   eager_ms=eager_ms, graphed_ms=graphed_ms, report=report)
+
+
+def dropless_moe(result, groups):
+    moe(result, groups, DROPLESS_MOE_CONFIG)
 
 
 def run(result, groups):
@@ -519,13 +528,14 @@ def bank_memory(result, groups):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe", "bank-memory"], default="layers")
+    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe", "dropless-moe", "bank-memory"],
+                        default="layers")
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        {"layers": run, "training": training, "rope": rope, "moe": moe,
+        {"layers": run, "training": training, "rope": rope, "moe": moe, "dropless-moe": dropless_moe,
          "bank-memory": bank_memory}[options.scenario](result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
