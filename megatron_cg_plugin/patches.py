@@ -340,11 +340,13 @@ LENT: tuple[ForeignState, ...] = (
         "attention fails on None.wait_event without it).",
         "dynamic_cp.ensure_dynamic_cp_stream", needs_te=True),
     ForeignState(
-        "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher",
+        "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
         "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
         "preprocess sets them in Python, so a moe_preprocess graph's replay does not, and the eager rest of the MoE "
-        "block reads them after it. Each graph bank records them at its capture and sets them before each of its "
-        "replays, as the preprocess it replays would; every eager forward sets them anew.",
+        "block reads them after it (Megatron's own path keeps them from its capture; the banks' capture clears "
+        "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
+        "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
+        "them anew.",
         "capture.banked.LayerBanks.replay (BankGraph.restore_dispatcher)"),
 )
 

@@ -21,10 +21,13 @@ and boundary storage sized by the largest instead of adding up.
   block and hand routing state to its eager rest. Megatron's MoE forward returns there only while
   its capture flag is set, which the banks' capture sets as Megatron's own capture does
   (``megatron_capturing``). The routing tensors are graph outputs, which Megatron's replay path sets
-  back on the dispatcher, so they are the replayed bank's. The shapes the dispatcher's preprocess
-  keeps in Python (``PREPROCESS_SHAPES``) are recorded per bank at capture and put back before each
-  of its replays (``BankGraph.dispatcher_state``). Not run on GPUs yet, so the ``banks-scope`` rule
-  still refuses these scopes on the command line.
+  back on the dispatcher, so they are the replayed bank's. The shapes the preprocess keeps in Python
+  (``PREPROCESS_SHAPES``) are no graph outputs: Megatron's own path leaves them on the dispatcher
+  from its capture on, but the banks' capture clears ``hidden_shape`` with the rest of the
+  dispatcher's ``cudagraph_attrs`` (``capture.scratch``), and an eager forward of another shape (an
+  evaluation step) would leave its own. So each bank records them at its capture, before the
+  clearing, and puts them back before each of its replays (``BankGraph.dispatcher_state``). Not run
+  on GPUs yet, so the ``banks-scope`` rule still refuses these scopes on the command line.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
@@ -58,9 +61,9 @@ from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
 
-# What an MoE token dispatcher's preprocess keeps in Python, not in tensors (megatron-core 0.19.2,
-# token_dispatcher.py l.272/306 and l.635/658), so a moe_preprocess graph's replay does not set it;
-# the eager rest after the replay reads it (unpermute's restore shape l.887, the output shape l.894).
+# What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
+# alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
+# replay therefore does not set; the eager rest after the replay reads it (alltoall: l.887, l.894).
 PREPROCESS_SHAPES = ("hidden_shape", "hidden_shape_before_permute")
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
@@ -104,6 +107,7 @@ class BankGraph:
     def restore_dispatcher(self, layer: Any) -> None:
         """Before a replay: the dispatcher's Python state as the replayed preprocess would leave it."""
         for name, value in self.dispatcher_state.items():
+            assert value is not None, f"the capture recorded no {name}"  # recorded before capture.scratch clears it
             setattr(layer.mlp.token_dispatcher, name, value)
 
     def bind(self, params: Any, rope: torch.Tensor | None) -> Callable[..., tuple]:
@@ -172,6 +176,12 @@ class LayerBanks:
             return output
         finally:
             layer.cuda_graphs = previous
+            # A graph that ends inside the MoE block hands its outputs to the eager rest through this store,
+            # which Megatron empties only after a rest that did not raise; a full store would feed later
+            # forwards stale tensors.
+            store = getattr(getattr(layer, "mlp", None), "cudagraph_tensor_store", None)
+            if store is not None:
+                store.clear()
 
 
 def _check_flushed(layer: Any, waiting: list[Any]) -> None:
@@ -355,6 +365,10 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
         if size > 1 and (group is None or dist.get_world_size(group) != size):
             raise ValueError(f"the group for CP size {size} has {None if group is None else dist.get_world_size(group)} "
                              "ranks; pass parallel_state.get_hybrid_data_context_parallel_groups(group_size=size).")
+    evaluating = [layer.layer_number for layer in layers if ends_inside_moe_block(layer) and not layer.training]
+    if evaluating:  # the MoE forward returns inside the block only in training (moe_utils.maybe_raise_signal)
+        raise ValueError(f"layers {evaluating} are in eval mode; their graphs end inside the MoE block only in "
+                         "training: call model.train() before capture_banks.")
     if rope_tables is not None and set(rope_tables) != set(sizes):
         raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
 
@@ -394,6 +408,13 @@ def _recording_dispatcher(fn: Callable[..., Any], layer: Any, state: dict[str, A
     return call
 
 
+def bank_capture_call(layer: Any, scratch: tuple, state: dict[str, Any]) -> Callable[..., Any]:
+    """Megatron's capture callable for one bank: a graphed MoE block's dispatcher state stays inside
+    the graph (``scratch`` cleared as the forward returns), the preprocess's Python state recorded
+    into ``state`` before that clearing."""
+    return clearing(_recording_dispatcher(layer._te_cuda_graph_capture, layer, state), scratch)
+
+
 def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]:
     """The CP side stream, and each layer's MoE dispatcher scratch cleared: the last eager step's
     dispatcher state keeps that step's autograd graph, which reaches the parameters of every layer
@@ -416,12 +437,10 @@ def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any]
     hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
                          dtype=layer.config.params_dtype, requires_grad=True)
     attention = attention_in_graph(layer.config.cuda_graph_modules)
-    # Megatron's capture callable; a graphed MoE block's dispatcher state stays inside the graph.
-    capture = clearing(layer._te_cuda_graph_capture, scratch)
     states: dict[int | None, dict[str, Any]] = {size: {} for size in (sizes if attention else [None])}
-    variants = ([_attention_variant(_recording_dispatcher(capture, layer, states[size]), size, groups[size], capacity,
+    variants = ([_attention_variant(bank_capture_call(layer, scratch, states[size]), size, groups[size], capacity,
                                     hidden, None if rope_tables is None else rope_tables[size]) for size in sizes]
-                if attention else [Variant("any-cp", _recording_dispatcher(capture, layer, states[None]), (hidden,))])
+                if attention else [Variant("any-cp", bank_capture_call(layer, scratch, states[None]), (hidden,))])
     graphs = result.graphs[id(layer)] = capture_slotted(
         variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options)
 

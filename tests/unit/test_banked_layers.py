@@ -272,6 +272,8 @@ class FakeMoeLayer(FakeLayer):
 def test_each_bank_hands_the_eager_rest_the_dispatcher_state_of_its_own_capture():
     layer = banked_layer_class(FakeMoeLayer)()
     group = object()
+    # Distinct per bank so the test tells them apart; in a run they are equal (every bank sees tokens_per_rank tokens),
+    # and what the restore guards against is an eager forward of another shape in between.
     state = {size: {"hidden_shape": ("hidden", size), "hidden_shape_before_permute": ("permute", size)} for size in (1, 2)}
     router = BankRouter({size: GraphBank(size, group if size > 1 else None,
                                          BankGraph(lambda *inputs, s=size: f"graph cp{s}", takes_layout=True,
@@ -283,25 +285,54 @@ def test_each_bank_hands_the_eager_rest_the_dispatcher_state_of_its_own_capture(
     assert layer.read_shapes == [(("hidden", 2), ("permute", 2)), (("hidden", 1), ("permute", 1))]
 
 
-def test_the_capture_records_the_dispatcher_state_each_call_leaves():
-    from megatron_cg_plugin.capture.banked import _recording_dispatcher
+# megatron-core 0.19.2's alltoall dispatcher: its per-forward state, hidden_shape among it (token_dispatcher.py l.473).
+ALLTOALL_CUDAGRAPH_ATTRS = ["tokens_per_expert", "input_splits", "output_splits", "output_splits_tp", "num_out_tokens",
+                            "num_global_tokens_per_local_expert", "reversed_local_input_permutation_mapping",
+                            "routing_map", "hidden_shape", "probs"]
+
+
+def test_a_banks_capture_records_the_preprocess_shapes_before_its_scratch_is_cleared():
+    from megatron_cg_plugin.capture.banked import bank_capture_call
+    from megatron_cg_plugin.capture.scratch import moe_dispatcher_scratch
 
     layer = partial_moe_layer()
     dispatcher = layer.mlp.token_dispatcher
+    dispatcher.cudagraph_attrs = ALLTOALL_CUDAGRAPH_ATTRS
 
-    def preprocess(tokens):  # what Megatron's dispatch_preprocess leaves, in Python
+    def capture(tokens):  # Megatron's capture callable: the preprocess leaves its state on the dispatcher
         dispatcher.hidden_shape, dispatcher.hidden_shape_before_permute = (tokens, 4), (tokens * 2, 4)
+        dispatcher.routing_map = torch.ones(tokens, 2)
         return "outputs"
 
+    layer._te_cuda_graph_capture = capture
     state = {}
-    recorded = _recording_dispatcher(preprocess, layer, state)
-    assert recorded(3) == "outputs" and state == {"hidden_shape": (3, 4), "hidden_shape_before_permute": (6, 4)}
-    recorded(5)  # warmup, then capture: the capture's call is the last
+    call = bank_capture_call(layer, moe_dispatcher_scratch(layer), state)
+    assert call(3) == "outputs" and state == {"hidden_shape": (3, 4), "hidden_shape_before_permute": (6, 4)}
+    assert dispatcher.hidden_shape is None and dispatcher.routing_map is None  # the scratch went with the forward
+    call(5)  # warmup, then capture: the capture's call is the last
     assert state == {"hidden_shape": (5, 4), "hidden_shape_before_permute": (10, 4)}
     # A router-only graph leaves the preprocess to the eager rest, and a dense layer has none: nothing recorded.
-    assert _recording_dispatcher(preprocess, partial_moe_layer(("attn", "moe_router")), {}) is preprocess
-    dense = types.SimpleNamespace(is_moe_layer=False, config=types.SimpleNamespace(cuda_graph_modules=["attn"]))
-    assert _recording_dispatcher(preprocess, dense, {}) is preprocess
+    router_only = partial_moe_layer(("attn", "moe_router"))
+    router_only._te_cuda_graph_capture = capture
+    assert bank_capture_call(router_only, (), {}) is capture
+    dense = types.SimpleNamespace(is_moe_layer=False, config=types.SimpleNamespace(cuda_graph_modules=["attn"]),
+                                  _te_cuda_graph_capture=capture)
+    assert bank_capture_call(dense, (), {}) is capture
+
+
+def test_a_bank_replay_empties_megatrons_moe_tensor_store_when_the_eager_rest_raises():
+    class FailingRest(FakeMoeLayer):
+        def _te_cuda_graph_replay(self, hidden_states, **kwargs):
+            self.mlp.cudagraph_tensor_store.filled = True  # as Megatron's replay sets it before the rest
+            raise RuntimeError("the eager rest failed")
+
+    store = types.SimpleNamespace(filled=False)
+    store.clear = lambda: setattr(store, "filled", False)
+    layer, _ = bank_layer(base=FailingRest)
+    layer.mlp.cudagraph_tensor_store = store
+    with pytest.raises(RuntimeError, match="the eager rest failed"):
+        layer(hidden_states=torch.ones(1), packed_seq_params=packed())
+    assert store.filled is False
 
 
 def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe_block():
@@ -317,3 +348,16 @@ def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe
             assert cuda_graphs.is_graph_capturing()  # the MoE forward returns after the preprocess under it
             raise RuntimeError("capture failed")
     assert not cuda_graphs.is_graph_capturing()  # put back, also after a failure
+
+
+def test_banks_ending_inside_the_moe_block_are_captured_in_training_mode_only():
+    from megatron_cg_plugin.capture.banked import _validate_bank_capture
+
+    layer = FakeMoeLayer()
+    layer.is_moe_layer = True
+    layer.config.cuda_graph_modules = ["attn", "moe_router", "moe_preprocess"]
+    layer.eval()
+    with pytest.raises(ValueError, match=r"layers \[3\] are in eval mode.*model.train\(\) before capture_banks"):
+        _validate_bank_capture([layer], {1: None}, [1], None)
+    layer.train()
+    _validate_bank_capture([layer], {1: None}, [1], None)
