@@ -53,13 +53,13 @@ from megatron_cg_plugin.banks import BankRouter, GraphBank
 from megatron_cg_plugin.capture.offload_groups import (
     MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
 )
-from megatron_cg_plugin.capture.scratch import clear, clearing, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
-from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+from megatron_cg_plugin.rules import module_names
 
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
@@ -371,12 +371,6 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
                          "training: call model.train() before capture_banks.")
     if rope_tables is not None and set(rope_tables) != set(sizes):
         raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
-
-
-def ends_inside_moe_block(layer: Any) -> bool:
-    """The layer's graph ends inside its MoE block (``moe_router``, ``moe_preprocess``)."""
-    return getattr(layer, "is_moe_layer", False) and bool(
-        PARTIAL_MOE_SCOPES & set(module_names(layer.config.cuda_graph_modules)))
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable
 
+from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+
 
 @dataclasses.dataclass(frozen=True)
 class ScratchAttribute:
@@ -53,6 +55,13 @@ def resolve(root: Any, dotted: str) -> ScratchAttribute:
     for parent in parents:
         owner = getattr(owner, parent)
     return ScratchAttribute(owner, name)
+
+
+def ends_inside_moe_block(layer: Any) -> bool:
+    """The layer's graph ends inside its MoE block (``--cuda-graph-modules moe_router``,
+    ``moe_preprocess``) and hands the dispatcher's state to the block's eager rest."""
+    return getattr(layer, "is_moe_layer", False) and bool(
+        PARTIAL_MOE_SCOPES & set(module_names(getattr(layer.config, "cuda_graph_modules", None))))
 
 
 def moe_dispatcher_scratch(layer: Any) -> tuple[ScratchAttribute, ...]:

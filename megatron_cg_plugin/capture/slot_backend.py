@@ -29,12 +29,12 @@ from megatron_cg_plugin.capture.backend import TEBackend, _generators_out_of_cap
 from megatron_cg_plugin.capture.offload_groups import (
     MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
 )
-from megatron_cg_plugin.capture.scratch import clearing, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.plan.slots import exclusive_plan
-from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+from megatron_cg_plugin.rules import module_names
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
@@ -156,8 +156,8 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
             "pipeline parallelism or --overlap-moe-expert-parallel-comm); --cg-slot-capture captures one graph per "
             "layer: use --pipeline-model-parallel-size 1 without EP overlap, or drop --cg-slot-capture.")
     for layer in callables:
-        scopes = set(module_names(getattr(layer.config, "cuda_graph_modules", None)))
-        if getattr(layer, "is_moe_layer", False) and scopes & PARTIAL_MOE_SCOPES:
+        if ends_inside_moe_block(layer):
+            scopes = module_names(layer.config.cuda_graph_modules)
             raise SlotCaptureError(
                 f"--cuda-graph-modules {' '.join(sorted(scopes))} ends the graph inside the MoE block and hands routing "
                 "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
