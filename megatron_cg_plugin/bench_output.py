@@ -4,6 +4,7 @@ time per block and arm (pure Python; the plot needs the optional ``bench`` extra
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import re
 from pathlib import Path
@@ -210,6 +211,21 @@ def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) ->
     path.write_text(json.dumps({"steps": steps, "per_step": {
         name: {"calls": count / steps, "self_cpu_us": micros / steps} for name, (count, micros) in ops.items()}},
         indent=1))
+
+
+def write_device_timeline(path: Path, steps: int,
+                          events: Sequence[tuple[float, float, str, int, str]]) -> None:
+    """One arm's profiled device activity (``--bench-profile-dir``): per kernel or copy, its start
+    and end in microseconds, its kind (kernel, d2h, h2d), its stream and its name, in start order."""
+    rows = [[start, end, kind, stream, name[:80]] for start, end, kind, stream, name in sorted(events)]
+    with gzip.open(path, "wt") as file:
+        json.dump({"steps": steps, "columns": ["start_us", "end_us", "kind", "stream", "name"], "events": rows}, file)
+
+
+def read_device_timeline(path: Path) -> tuple[int, list[tuple[float, float, str, int, str]]]:
+    with gzip.open(path, "rt") as file:
+        data = json.load(file)
+    return data["steps"], [tuple(row) for row in data["events"]]
 
 
 def host_ops_diff(first: Path, second: Path, *, rows: int = 25) -> str:

@@ -314,12 +314,17 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
         bench_output.write_host_ops(table_dir / f"{arm}.host_ops.json", steps,
                                     {op.key: (op.count, op.self_cpu_time_total) for op in averages})
     by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
+    timeline = []
     for event in trace.events():
         if event.device_type == DeviceType.CUDA:
             kind = "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel"
             by_kind[kind].append((event.time_range.start, event.time_range.end))
+            timeline.append((event.time_range.start, event.time_range.end, kind, event.device_resource_id,
+                             event.name))
     if not any(by_kind.values()):
         return None
+    if table_dir is not None:
+        bench_output.write_device_timeline(table_dir / f"{arm}.device_timeline.json.gz", steps, timeline)
     return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)
 
 

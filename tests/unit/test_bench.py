@@ -442,3 +442,13 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
                       "slot-offload-staged-w3": OffloadCopies("between-replays", 3)}
     assert trainer.helper_class("slot").backend.offload is False
     assert trainer.helper_class("slot-offload-w0") is trainer.helper_class("slot-offload-w0")  # bound once
+
+
+def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tmp_path):
+    events = [(5.0, 9.0, "d2h", 21, "Memcpy DtoH (Device -> Pinned)"), (1.0, 4.0, "kernel", 7, "k" * 100),
+              (3.0, 6.0, "h2d", 22, "Memcpy HtoD (Pinned -> Device)")]
+    path = tmp_path / "slot-offload.device_timeline.json.gz"
+    bench_output.write_device_timeline(path, 2, events)
+    steps, back = bench_output.read_device_timeline(path)
+    assert steps == 2
+    assert back == [(1.0, 4.0, "kernel", 7, "k" * 80), events[2], events[0]]
