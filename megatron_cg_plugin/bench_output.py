@@ -17,16 +17,18 @@ ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelp
 # (--cg-slot-capture), without and with offload of the modules Megatron's offload flags name, the
 # copies inside the graphs (slot-offload) or between replays (slot-offload-staged): --cg-offload-copies.
 # slot-offload-w<N>, slot-offload-staged-w<N>: the same with --cg-offload-window N (without: the run's
-# window), so windows can be compared in one process.
+# window), so windows can be compared in one process; -f<P> after either: the first P% of the
+# groups Megatron's flags name offloaded (--activation-offload-fraction P/100; without: the run's).
 SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
-WINDOW_ARM = re.compile(r"(slot-offload(?:-staged)?)-w(\d+)")
+OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w(\d+))?(?:-f(\d+))?")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
 ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
 
 
 def is_slot_arm(arm: str) -> bool:
-    return arm in SLOT_ARMS or WINDOW_ARM.fullmatch(arm) is not None
+    found = OFFLOAD_ARM.fullmatch(arm)
+    return arm in SLOT_ARMS or (found is not None and (found.group(3) is None or int(found.group(3)) <= 100))
 
 
 def is_known_arm(arm: str) -> bool:

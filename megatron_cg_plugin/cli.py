@@ -284,7 +284,8 @@ def _bench(argv: Sequence[str]) -> int:
     if any(flag in ("-h", "--help") for flag in argv):
         print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
               "[--bench-arms eager,stock,plugin (also plugin-no-check, slot, slot-offload, slot-offload-staged, "
-              "and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N)] "
+              "and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; -f<P> after either: "
+              "--activation-offload-fraction P/100)] "
               "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
               "<launcher flags>\n\n"
               "Trains the launcher's model in interleaved blocks of each arm in one process and writes "

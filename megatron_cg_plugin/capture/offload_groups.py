@@ -110,13 +110,19 @@ class MegatronOffload:
         self.stack = None if policy is None else OffloadStack(policy, len(self.layers))  # Megatron's choice across them
 
     @classmethod
-    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> "MegatronOffload | None":
+    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True,
+                    fraction: float | None = None) -> "MegatronOffload | None":
         """From Megatron's TransformerConfig (its offload fields); None without
         ``--fine-grained-activation-offloading``. Its policy is None (every save stays in the GPU
-        arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``."""
+        arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``.
+        ``fraction`` stands in for ``--activation-offload-fraction`` (the bench's ``-f<P>`` arms)."""
         if not getattr(config, "fine_grained_activation_offloading", False):
             return None
-        return cls(OffloadPolicy.from_args(config) if offload else None, layers)
+        policy = OffloadPolicy.from_args(config) if offload else None
+        if policy is not None and fraction is not None:
+            policy = OffloadPolicy.from_flags(sorted(policy.modules), min_tensor_elements=policy.min_tensor_elements,
+                                              fraction=fraction)
+        return cls(policy, layers)
 
     def slot_offload(self, layer: Any, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
         """The offload of ``layer``'s capture (one of ``layers``, captured in their order): copies

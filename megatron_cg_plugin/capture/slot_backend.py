@@ -200,9 +200,10 @@ class SlotBackend(TEBackend):
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
     def __init__(self, *, offload: bool = True, copies: OffloadCopies | str = OffloadCopies(),
-                 debug: bool = False) -> None:
+                 offload_fraction: float | None = None, debug: bool = False) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
         self.copies = OffloadCopies.given(copies)
+        self.offload_fraction = offload_fraction  # the bench's frontier arms; None: --activation-offload-fraction
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
@@ -213,7 +214,8 @@ class SlotBackend(TEBackend):
 
         check_slot_capture_call(callables, sample_args, kwargs)
         sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
-        offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload)
+        offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload,
+                                              fraction=self.offload_fraction)
         fp8_enabled = _fp8_enabled(kwargs, len(callables))
         # FP8: the weight workspaces are made in the first warmup iteration, frames measured in the last.
         warmup = max(2 if any(fp8_enabled) else 1, int(kwargs.get("num_warmup_iters", 2)))

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import (
-    ALL_ARMS, ARMS, UNCHECKED_ARM, WINDOW_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
+    ALL_ARMS, ARMS, OFFLOAD_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.config import CONTRACT_CHECKS
 from megatron_cg_plugin.plan.bench import Block, DeviceTime, interleaved_blocks, run_schedule, summarize
@@ -58,7 +58,8 @@ class BenchOptions:
         unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
         if unknown or not self.arms:
             raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
-                             f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N).")
+                             f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; "
+                             "-f<P> after either, P from 0 to 100: --activation-offload-fraction P/100).")
         if self.cached_batches < 0:
             raise BenchError(f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
                              "global batches to cycle through.")
@@ -227,12 +228,13 @@ class MegatronTrainer:
             from megatron_cg_plugin.helper import bind_helper_class
 
             assert is_slot_arm(arm), arm  # BenchOptions refused the others
-            windowed = WINDOW_ARM.fullmatch(arm)
-            base, window = (windowed.group(1), int(windowed.group(2))) if windowed else (
-                arm, self._session.config.offload_window)
-            copies = OffloadCopies("between-replays" if base.endswith("staged") else "in-graph", window)
-            self.helpers[arm] = bind_helper_class(self._te_helper, self._session,
-                                                  SlotBackend(offload=arm != "slot", copies=copies))
+            offloaded = OFFLOAD_ARM.fullmatch(arm)
+            base, window, percent = offloaded.groups() if offloaded else (arm, None, None)
+            copies = OffloadCopies("between-replays" if base.endswith("staged") else "in-graph",
+                                   self._session.config.offload_window if window is None else int(window))
+            fraction = None if percent is None else int(percent) / 100
+            self.helpers[arm] = bind_helper_class(self._te_helper, self._session, SlotBackend(
+                offload=arm != "slot", copies=copies, offload_fraction=fraction))
         return self.helpers[arm]
 
     def step(self) -> None:

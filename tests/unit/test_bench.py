@@ -160,6 +160,8 @@ def test_a_failing_capture_stops_the_bench_with_its_error():
     (dict(arms=("eager", "fast")), "--bench-arms eager,fast: use a comma-separated subset of eager,stock,plugin"),
     (dict(arms=()), "--bench-arms"),
     (dict(arms=("slot", "slot-offload-wide")), "--bench-arms slot,slot-offload-wide: use .*slot-offload-w<N>"),
+    (dict(arms=("slot-offload-f150",)), "--bench-arms slot-offload-f150: .*-f<P> after either, P from 0 to 100"),
+    (dict(arms=("slot-offload-f50-w1",)), "--bench-arms slot-offload-f50-w1: use"),  # the window comes first
     (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
     (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
     (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),
@@ -442,6 +444,14 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
                       "slot-offload-staged-w3": OffloadCopies("between-replays", 3)}
     assert trainer.helper_class("slot").backend.offload is False
     assert trainer.helper_class("slot-offload-w0") is trainer.helper_class("slot-offload-w0")  # bound once
+    # The frontier over the fraction: -f<P> sets it in place of --activation-offload-fraction.
+    BenchOptions(arms=("slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100"))
+    fractions = {arm: (trainer.helper_class(arm).backend.offload_fraction, trainer.helper_class(arm).backend.copies)
+                 for arm in ("slot-offload", "slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100")}
+    assert fractions == {"slot-offload": (None, OffloadCopies("in-graph", 2)),
+                         "slot-offload-f0": (0.0, OffloadCopies("in-graph", 2)),
+                         "slot-offload-w1-f50": (0.5, OffloadCopies("in-graph", 1)),
+                         "slot-offload-staged-f100": (1.0, OffloadCopies("between-replays", 2))}
 
 
 def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tmp_path):

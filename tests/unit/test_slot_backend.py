@@ -174,6 +174,10 @@ def test_in_graph_offload_follows_megatrons_config_fields():
     # Without in-graph offload, Megatron's hooks are still kept out of the capture; nothing goes to the host.
     kept_out = MegatronOffload.from_config(config, [], offload=False)
     assert kept_out.policy is None and kept_out.slot_offload(None) is None
+    # The bench's frontier arms stand in for the fraction, and keep the rest of Megatron's policy.
+    assert MegatronOffload.from_config(config, [], fraction=0.25).policy == OffloadPolicy(
+        frozenset({"core_attn", "mlp_norm"}), 16, 0.25)
+    assert MegatronOffload.from_config(config, [], offload=False, fraction=0.25).policy is None
 
 
 class Base:
