@@ -27,7 +27,7 @@ SUPPORTED_TEST_TYPES = ("regular", "release")
 FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
                                         "the first half saves, which the farm does not keep"}
 FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
-                       "golden_case", "golden_metrics", "deterministic_mode"})
+                       "golden_case", "golden_metrics", "deterministic_mode", "eager_offload"})
 FARM_DATA = ("synthetic", "sentencepiece")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -46,7 +46,10 @@ class FarmSettings:
     the graphed run must survive, the case (and metrics) whose golden file it is held to, and
     whether both runs pass Megatron's ``--deterministic-mode`` (false only for kernels this host runs
     only with non-deterministic algorithms allowed: eager vs graphed is still compared bit for bit,
-    the golden file with Megatron's non-deterministic tolerances)."""
+    the golden file with Megatron's non-deterministic tolerances), and whether the eager run keeps
+    Megatron's fine-grained offload flags (false: the eager reference trains without offload, which
+    moves saves but changes no value; for models where Megatron's eager offload is not reproducible
+    run to run)."""
 
     nproc: int = 1
     compare: str = "golden"
@@ -58,6 +61,7 @@ class FarmSettings:
     golden_case: str | None = None
     golden_metrics: tuple[str, ...] = ()
     deterministic_mode: bool = True
+    eager_offload: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +153,15 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
     if data is not None and data not in FARM_DATA:
         raise _refuse(path, f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
                             "in MODEL_ARGS for a dataset of your own).")
-    for key in ("expect_capture_failure", "deterministic_mode"):
+    for key in ("expect_capture_failure", "deterministic_mode", "eager_offload"):
         if not isinstance(block.get(key, False), bool):
             raise _refuse(path, f"CG_FARM {key} must be true or false.")
     return FarmSettings(nproc=block.get("nproc", 1), compare=compare, expect_refusal=_names(block, "expect_refusal"),
                         steps=block.get("steps"), script=block.get("script"), data=data,
                         expect_capture_failure=block.get("expect_capture_failure", False),
                         golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"),
-                        deterministic_mode=block.get("deterministic_mode", True))
+                        deterministic_mode=block.get("deterministic_mode", True),
+                        eager_offload=block.get("eager_offload", True))
 
 
 def _names(block: Mapping[str, Any], key: str) -> tuple[str, ...]:

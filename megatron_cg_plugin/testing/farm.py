@@ -81,6 +81,7 @@ class FarmCase:
     data: str | None = None
     check_golden: bool = True
     deterministic_mode: bool = True  # both runs pass Megatron's --deterministic-mode
+    eager_offload: bool = True  # the eager run keeps Megatron's fine-grained offload flags (else drops them)
     # Compared eager vs graphed at every step, bit for bit: lm loss, and the case's METRICS that
     # Megatron checks deterministically (mtp_1 loss, num-zeros).
     equal_metrics: tuple[str, ...] = ("lm loss",)
@@ -99,8 +100,9 @@ class FarmCase:
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
         """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
         the farm's step count and output files; builds the case's dataset under ``out_dir``."""
+        flags = self.flags if graphed or self.eager_offload else without_offload_flags(self.flags)
         return [
-            *self.flags, *data_flags(self.data, out_dir),
+            *flags, *data_flags(self.data, out_dir),
             *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
               else []),  # the routers' measured drops, beside the capacity plan in the summary
             "--cuda-graph-impl", "transformer_engine" if graphed else "none",
@@ -121,6 +123,27 @@ class FarmCase:
     @property
     def compared_metrics(self) -> tuple[str, ...]:
         return self.golden_metrics or GOLDEN_METRICS
+
+
+# Megatron 0.19.2's fine-grained offload flags: switches, and options with their values.
+OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--delay-offload-until-cuda-graph")
+OFFLOAD_OPTIONS = ("--offload-modules", "--activation-offload-fraction", "--min-offloaded-tensor-size",
+                   "--delta-offload-bytes-across-pp-ranks")
+
+
+def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without Megatron's fine-grained offload flags (an option takes its values along)."""
+    kept: list[str] = []
+    skipping = False
+    for flag in flags:
+        if flag.startswith("--"):
+            skipping = flag in OFFLOAD_OPTIONS
+            if skipping or flag in OFFLOAD_SWITCHES:
+                continue
+        elif skipping:
+            continue
+        kept.append(flag)
+    return tuple(kept)
 
 
 def case_folders(root: Path = CASES_DIR) -> list[Path]:
@@ -175,12 +198,17 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         compare = "eager-only"
         notes.append(f"eager vs graphed only: the golden values here ({', '.join(recorded)}) were recorded on other "
                      "hardware, parallel sizes or data than this run")
+    if not case.farm.eager_offload:
+        notes.append("the eager run trains without Megatron's fine-grained offload flags (eager_offload: false): "
+                     "offload moves saves and changes no value, and Megatron's eager offload is not reproducible run "
+                     "to run on this model")
     farm_case = FarmCase(
         name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
         steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
         data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
+        eager_offload=case.farm.eager_offload,
         equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))
     return farm_case, notes
 

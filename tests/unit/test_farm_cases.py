@@ -47,6 +47,24 @@ def test_farm_settings_reach_the_case(tmp_path):
     assert not fp8_attention.deterministic_mode and "--deterministic-mode" not in fp8_attention.argv(
         graphed=True, out_dir=tmp_path)
     assert "--deterministic-mode" in failure.argv(graphed=True, out_dir=tmp_path)
+    # A case whose eager reference trains without Megatron's offload keeps it in the graphed run only.
+    staged = by_name["gpt_6p7b_slot_offload_staged_user_script"]
+    eager, graphed = (staged.argv(graphed=g, out_dir=tmp_path) for g in (False, True))
+    assert "--fine-grained-activation-offloading" in graphed and "--offload-modules" in graphed
+    assert not {"--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "mlp_norm"} & set(eager)
+    assert [f for f in graphed if f not in eager][:7] == [
+        "--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear", "core_attn",
+        "attn_proj", "mlp_norm"]
+    assert "--cg-offload-copies" in eager  # only Megatron's own offload flags go
+
+
+def test_dropping_the_offload_flags_takes_each_option_with_its_values():
+    from megatron_cg_plugin.testing.farm import without_offload_flags
+
+    assert without_offload_flags(
+        ["--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+         "--activation-offload-fraction", "0.5", "--delay-offload-until-cuda-graph", "--min-offloaded-tensor-size",
+         "16", "--bf16", "--cg-slot-capture"]) == ("--num-layers", "2", "--bf16", "--cg-slot-capture")
 
 
 @pytest.mark.parametrize("block, message", [
@@ -54,6 +72,7 @@ def test_farm_settings_reach_the_case(tmp_path):
     ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
     ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
     ("deterministic_mode: 'no'", "deterministic_mode must be true or false"),
+    ("eager_offload: 0", "eager_offload must be true or false"),
     ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
 ])
 def test_bad_farm_blocks_are_refused_naming_the_key(tmp_path, block, message):
