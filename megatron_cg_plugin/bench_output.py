@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.plan.bench import BenchSummary, Block, Spread, summarize
+from megatron_cg_plugin.plan.bench import BenchSummary, Block, CopyStalls, Spread, summarize
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
@@ -248,13 +248,35 @@ def host_ops_diff(first: Path, second: Path, *, rows: int = 25) -> str:
 
 USAGE = ("usage: python -m megatron_cg_plugin.bench_output BENCH_JSON  (draws bench.png beside it)\n"
          "       python -m megatron_cg_plugin.bench_output --host-diff DIR ARM OTHER_ARM  "
-         "(the --bench-profile-dir operators where two arms differ)")
+         "(the --bench-profile-dir operators where two arms differ)\n"
+         "       python -m megatron_cg_plugin.bench_output --timeline DIR/ARM.device_timeline.json.gz ...  "
+         "(per step: kernel time, host copies and how much of them no kernel ran beside)")
+
+
+def timeline_table(paths: Sequence[Path]) -> str:
+    """One row per device timeline: where its host copies left the compute waiting."""
+    lines = ["| timeline | span ms | kernels ms | D2H ms (exposed) | H2D ms (exposed) |", "| --- | --- | --- | --- | --- |"]
+    for path in paths:
+        steps, events = read_device_timeline(path)
+        s = CopyStalls.of(events, steps=steps)
+        lines.append(f"| {path.name.replace('.device_timeline.json.gz', '')} | {s.span * 1e3:.1f} | {s.kernels * 1e3:.1f} | "
+                     f"{s.d2h * 1e3:.1f} ({s.exposed_d2h * 1e3:.1f}) | {s.h2d * 1e3:.1f} ({s.exposed_h2d * 1e3:.1f}) |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> int:
     """``python -m megatron_cg_plugin.bench_output bench.json`` draws bench.png beside it (for a
     bench run with --bench-no-plot on a host without matplotlib); ``--host-diff DIR ARM OTHER``
-    prints where two arms' profiled host time differs."""
+    prints where two arms' profiled host time differs; ``--timeline FILE...`` where each device
+    timeline's host copies ran with no kernel beside them."""
+    if len(argv) >= 2 and argv[0] == "--timeline":
+        missing = [path for path in argv[1:] if not Path(path).exists()]
+        if missing:
+            print(f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir DIR, then pass "
+                  "DIR/<arm>.device_timeline.json.gz.")
+            return 2
+        print(timeline_table([Path(path) for path in argv[1:]]))
+        return 0
     if len(argv) == 4 and argv[0] == "--host-diff":
         paths = [Path(argv[1]) / f"{arm}.host_ops.json" for arm in argv[2:]]
         missing = [str(path) for path in paths if not path.exists()]

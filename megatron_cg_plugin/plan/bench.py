@@ -133,3 +133,32 @@ class DeviceTime:
         per_step = scale / steps
         return cls(busy_seconds([*kernels, *copies]) * per_step, busy_seconds(d2h) * per_step,
                    busy_seconds(h2d) * per_step, overlap * per_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyStalls:
+    """From a device timeline (``--bench-profile-dir``), per step, in seconds: the span from the
+    first device activity to the last, the time a kernel ran, and each copy direction's time and
+    the part of it no kernel ran beside (exposed: the compute had stopped, waiting or idle)."""
+
+    span: float
+    kernels: float
+    d2h: float
+    h2d: float
+    exposed_d2h: float
+    exposed_h2d: float
+
+    @classmethod
+    def of(cls, events: Sequence[tuple[float, float, str, int, str]], *, steps: int,
+           scale: float = 1e-6) -> "CopyStalls":
+        """``events``: (start, end, kind, stream, name), kind kernel, d2h or h2d; ``scale`` seconds per unit."""
+        by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
+        for start, end, kind, _stream, _name in events:
+            by_kind[kind].append((start, end))
+        kernels = busy_seconds(by_kind["kernel"])
+        span = max(end for _, end, *_ in events) - min(start for start, *_ in events) if events else 0.0
+        per_step = scale / steps
+        return cls(span * per_step, kernels * per_step, busy_seconds(by_kind["d2h"]) * per_step,
+                   busy_seconds(by_kind["h2d"]) * per_step,
+                   (busy_seconds(by_kind["kernel"] + by_kind["d2h"]) - kernels) * per_step,
+                   (busy_seconds(by_kind["kernel"] + by_kind["h2d"]) - kernels) * per_step)

@@ -110,6 +110,15 @@ class FarmCase:
         ]
 
     @property
+    def eager_steps(self) -> int:
+        """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
+        so a loss that differs by then began outside the graphs."""
+        flags = list(self.flags)
+        if "--cuda-graph-warmup-steps" in flags:
+            return int(flags[flags.index("--cuda-graph-warmup-steps") + 1])
+        return 3
+
+    @property
     def is_moe(self) -> bool:
         from megatron_cg_plugin.launch.presets import expand_preset
 
@@ -144,6 +153,17 @@ def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
             continue
         kept.append(flag)
     return tuple(kept)
+
+
+def _before_capture(case: FarmCase, first_step: int) -> str:
+    if first_step > case.eager_steps:
+        return ""
+    cause = (" Megatron's eager fine-grained offload ran in those steps of the graphed run, and it is not "
+             "reproducible on every model (docs/farm.md)." if "--fine-grained-activation-offloading" in case.flags
+             else "")
+    return (f"; it differs from step {first_step}, and steps 1-{case.eager_steps} train eagerly in both runs "
+            f"(Megatron captures after --cuda-graph-warmup-steps {case.eager_steps}): the difference began outside "
+            f"the graphs.{cause}")
 
 
 def case_folders(root: Path = CASES_DIR) -> list[Path]:
@@ -309,7 +329,8 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
         first, second = (dict(s.values) for s in series)
         differing = {step: (first[step], second.get(step)) for step in first if first[step] != second.get(step)}
         if differing:
-            problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}")
+            problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
+                            + _before_capture(case, min(differing)))
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
     if case.expect_capture_failure:

@@ -462,3 +462,22 @@ def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tm
     steps, back = bench_output.read_device_timeline(path)
     assert steps == 2
     assert back == [(1.0, 4.0, "kernel", 7, "k" * 80), events[2], events[0]]
+
+
+def test_copy_stalls_count_the_copy_time_no_kernel_ran_beside():
+    from megatron_cg_plugin.plan.bench import CopyStalls
+
+    # Two steps: kernels 0-4 and 6-10; a D2H 3-8 (kernels beside it but for 4-6) and an H2D 10-12 (alone).
+    events = [(0.0, 4.0, "kernel", 7, "a"), (6.0, 10.0, "kernel", 9, "b"), (3.0, 8.0, "d2h", 21, "c"),
+              (10.0, 12.0, "h2d", 22, "d")]
+    stalls = CopyStalls.of(events, steps=2, scale=1.0)
+    assert stalls == CopyStalls(span=6.0, kernels=4.0, d2h=2.5, h2d=1.0, exposed_d2h=1.0, exposed_h2d=1.0)
+
+
+def test_the_timeline_table_reads_each_file_and_names_a_missing_one(tmp_path, capsys):
+    path = tmp_path / "slot-offload.device_timeline.json.gz"
+    bench_output.write_device_timeline(path, 1, [(0.0, 1000.0, "kernel", 7, "k"), (500.0, 2000.0, "d2h", 21, "c")])
+    assert bench_output.main(["--timeline", str(path)]) == 0
+    assert "| slot-offload | 2.0 | 1.0 | 1.5 (1.0) | 0.0 (0.0) |" in capsys.readouterr().out
+    assert bench_output.main(["--timeline", str(tmp_path / "eager.device_timeline.json.gz")]) == 2
+    assert "run megatron-cg bench with --bench-profile-dir" in capsys.readouterr().out
