@@ -20,7 +20,7 @@ ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelp
 # window), so windows can be compared in one process; -f<P> after either: the first P% of the
 # groups Megatron's flags name offloaded (--activation-offload-fraction P/100; without: the run's).
 SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
-OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w(\d+))?(?:-f(\d+))?")
+OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w([0-9]+))?(?:-f([0-9]+))?")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
 ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
@@ -217,8 +217,9 @@ def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) ->
 
 def write_device_timeline(path: Path, steps: int,
                           events: Sequence[tuple[float, float, str, int, str]]) -> None:
-    """One arm's profiled device activity (``--bench-profile-dir``): per kernel or copy, its start
-    and end in microseconds, its kind (kernel, d2h, h2d), its stream and its name, in start order."""
+    """One arm's profiled device activity (``--bench-profile-dir``): per device event, its start
+    and end in microseconds, its kind (d2h, h2d; kernel for everything else the device ran, memsets
+    and device-to-device copies included), its stream and its name, in start order."""
     rows = [[start, end, kind, stream, name[:80]] for start, end, kind, stream, name in sorted(events)]
     with gzip.open(path, "wt") as file:
         json.dump({"steps": steps, "columns": ["start_us", "end_us", "kind", "stream", "name"], "events": rows}, file)

@@ -9,7 +9,8 @@ loop. One model serves every arm: each graphed block makes a fresh helper (Megat
 checks for ``plugin-no-check``, the plugin's with slot-shared
 capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs),
 ``slot-offload-staged`` (copies between replays), each also as ``<arm>-w<N>``, with
-``--cg-offload-window N``), captures, trains its
+``--cg-offload-window N``, and with ``-f<P>``, offloading as ``--activation-offload-fraction P/100``
+would), captures, trains its
 steps and tears down, so the next graphed block captures again. Every step is a real Megatron
 ``train_step`` on the next batch, so the weights move on through the run as in training.
 """
@@ -49,7 +50,7 @@ class BenchOptions:
     profile_steps: int = 3  # per arm, after the schedule: the GPU-busy fraction
     out: Path = Path("bench-out")
     plot: bool = True
-    profile_dir: Path | None = None  # per arm, the profiled steps' host operators by self CPU time
+    profile_dir: Path | None = None  # per arm, the profiled steps' host operators and device timeline
     # Global batches read once before the schedule and cycled through by every step (0: the live loader).
     # The loader's host time is the same in every arm; cached, it stops adding its noise to the ratios.
     cached_batches: int = 0

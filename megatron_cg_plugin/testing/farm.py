@@ -114,8 +114,11 @@ class FarmCase:
         """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
         so a loss that differs by then began outside the graphs."""
         flags = list(self.flags)
-        if "--cuda-graph-warmup-steps" in flags:
-            return int(flags[flags.index("--cuda-graph-warmup-steps") + 1])
+        for index, flag in enumerate(flags):
+            if flag == "--cuda-graph-warmup-steps":
+                return int(flags[index + 1])
+            if flag.startswith("--cuda-graph-warmup-steps="):
+                return int(flag.split("=", 1)[1])
         return 3
 
     @property
@@ -137,17 +140,19 @@ class FarmCase:
 # Megatron 0.19.2's fine-grained offload flags: switches, and options with their values.
 OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--delay-offload-until-cuda-graph")
 OFFLOAD_OPTIONS = ("--offload-modules", "--activation-offload-fraction", "--min-offloaded-tensor-size",
-                   "--delta-offload-bytes-across-pp-ranks")
+                   "--delta-offload-bytes-across-pp-ranks", "--fine-grained-offloading-max-inflight-offloads")
 
 
 def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
-    """``flags`` without Megatron's fine-grained offload flags (an option takes its values along)."""
+    """``flags`` without Megatron's fine-grained offload flags (an option takes its values along,
+    also written ``--option=value``)."""
     kept: list[str] = []
     skipping = False
     for flag in flags:
         if flag.startswith("--"):
-            skipping = flag in OFFLOAD_OPTIONS
-            if skipping or flag in OFFLOAD_SWITCHES:
+            name, joined = flag.split("=", 1)[0], "=" in flag
+            skipping = name in OFFLOAD_OPTIONS and not joined
+            if name in OFFLOAD_OPTIONS or name in OFFLOAD_SWITCHES:
                 continue
         elif skipping:
             continue

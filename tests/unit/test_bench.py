@@ -162,6 +162,7 @@ def test_a_failing_capture_stops_the_bench_with_its_error():
     (dict(arms=("slot", "slot-offload-wide")), "--bench-arms slot,slot-offload-wide: use .*slot-offload-w<N>"),
     (dict(arms=("slot-offload-f150",)), "--bench-arms slot-offload-f150: .*-f<P> after either, P from 0 to 100"),
     (dict(arms=("slot-offload-f50-w1",)), "--bench-arms slot-offload-f50-w1: use"),  # the window comes first
+    (dict(arms=("slot-offload-w\u0661",)), "--bench-arms slot-offload-w\u0661: use"),  # ASCII digits only
     (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
     (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
     (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),

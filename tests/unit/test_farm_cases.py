@@ -65,6 +65,8 @@ def test_dropping_the_offload_flags_takes_each_option_with_its_values():
         ["--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
          "--activation-offload-fraction", "0.5", "--delay-offload-until-cuda-graph", "--min-offloaded-tensor-size",
          "16", "--bf16", "--cg-slot-capture"]) == ("--num-layers", "2", "--bf16", "--cg-slot-capture")
+    assert without_offload_flags(["--offload-modules=core_attn", "--bf16", "--fine-grained-offloading-max-inflight-offloads",
+                                  "2", "--seed", "1"]) == ("--bf16", "--seed", "1")
 
 
 @pytest.mark.parametrize("block, message", [

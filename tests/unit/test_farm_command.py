@@ -208,6 +208,7 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
         "began outside the graphs. Megatron's eager fine-grained offload ran in those steps of the graphed run, and "
         "it is not reproducible on every model (docs/farm.md).")
     assert problems_of(offloaded, off) == problems_of(case, off)  # step 9: graphed, no note
+    assert dataclasses.replace(case, flags=(*case.flags, "--cuda-graph-warmup-steps=5")).eager_steps == 5
     short, _ = prepare_case(write_case(tmp_path / "short", text), out_dir=tmp_path / "out", gpus=1, steps=12)
     assert problems_of(short, same) == ["expected 12 logged steps, got 24 eager / 24 graphed"]
 
