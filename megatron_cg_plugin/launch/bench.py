@@ -30,7 +30,9 @@ from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.config import CONTRACT_CHECKS
-from megatron_cg_plugin.plan.bench import Block, DeviceTime, interleaved_blocks, run_schedule, summarize
+from megatron_cg_plugin.plan.bench import (
+    Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
+)
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
           "captures, trains and tears down (capture runs again in the next block)")
@@ -298,7 +300,8 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
     seconds, and how much of the copying ran while a kernel ran. None if the profiler saw no
     device activity. With
     ``table_dir``, the arm's host operators by self CPU time go to ``<arm>.host_ops.txt`` there,
-    to compare where two arms spend their host time."""
+    to compare where two arms spend their host time, and its device activity, stream by stream, to
+    ``<arm>.device_timeline.json.gz`` (where a copy holds the compute stream up)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -316,16 +319,13 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
             + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
         bench_output.write_host_ops(table_dir / f"{arm}.host_ops.json", steps,
                                     {op.key: (op.count, op.self_cpu_time_total) for op in averages})
-    by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
-    timeline = []
-    for event in trace.events():
-        if event.device_type == DeviceType.CUDA:
-            kind = "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel"
-            by_kind[kind].append((event.time_range.start, event.time_range.end))
-            timeline.append((event.time_range.start, event.time_range.end, kind, event.device_resource_id,
-                             event.name))
-    if not any(by_kind.values()):
+    timeline = [(event.time_range.start, event.time_range.end,
+                 "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel",
+                 event.device_resource_id, event.name)
+                for event in trace.events() if event.device_type == DeviceType.CUDA]
+    if not timeline:
         return None
+    by_kind = intervals_by_kind(timeline)
     if table_dir is not None:
         bench_output.write_device_timeline(table_dir / f"{arm}.device_timeline.json.gz", steps, timeline)
     return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)

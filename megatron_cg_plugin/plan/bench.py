@@ -135,6 +135,14 @@ class DeviceTime:
                    busy_seconds(h2d) * per_step, overlap * per_step)
 
 
+def intervals_by_kind(events: Sequence[tuple[float, float, str, int, str]]) -> dict[str, list[tuple[float, float]]]:
+    """A device timeline's (start, end) intervals of each kind: kernel, d2h, h2d."""
+    by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
+    for start, end, kind, _stream, _name in events:
+        by_kind[kind].append((start, end))
+    return by_kind
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyStalls:
     """From a device timeline (``--bench-profile-dir``), per step, in seconds: the span from the
@@ -152,9 +160,7 @@ class CopyStalls:
     def of(cls, events: Sequence[tuple[float, float, str, int, str]], *, steps: int,
            scale: float = 1e-6) -> "CopyStalls":
         """``events``: (start, end, kind, stream, name), kind kernel, d2h or h2d; ``scale`` seconds per unit."""
-        by_kind: dict[str, list[tuple[float, float]]] = {"kernel": [], "d2h": [], "h2d": []}
-        for start, end, kind, _stream, _name in events:
-            by_kind[kind].append((start, end))
+        by_kind = intervals_by_kind(events)
         kernels = busy_seconds(by_kind["kernel"])
         span = max(end for _, end, *_ in events) - min(start for start, *_ in events) if events else 0.0
         per_step = scale / steps
