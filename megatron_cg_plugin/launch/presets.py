@@ -47,16 +47,26 @@ PRESET_FLAGS: dict[str, tuple[str, ...]] = {
 assert set(PRESET_FLAGS) == set(PRESETS)
 
 
-def find_preset(argv: Sequence[str]) -> str | None:
-    """The value of ``--cg-preset`` in ``argv`` (``--cg-preset X`` or ``--cg-preset=X``)."""
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value ``flag`` takes in ``argv`` (``FLAG X`` or ``FLAG=X``; the last one wins, as in
+    argparse), None when absent. Raises ValueError for the flag at the end with no value."""
     found = None
     for index, token in enumerate(argv):
-        if token == "--cg-preset":
+        if token == flag:
             if index + 1 >= len(argv):
-                raise ValueError(f"--cg-preset needs a value: one of {', '.join(PRESETS)}.")
+                raise ValueError(f"{flag} needs a value.")
             found = argv[index + 1]
-        elif token.startswith("--cg-preset="):
+        elif token.startswith(flag + "="):
             found = token.split("=", 1)[1]
+    return found
+
+
+def find_preset(argv: Sequence[str]) -> str | None:
+    """The value of ``--cg-preset`` in ``argv`` (``--cg-preset X`` or ``--cg-preset=X``)."""
+    try:
+        found = flag_value(argv, "--cg-preset")
+    except ValueError:
+        raise ValueError(f"--cg-preset needs a value: one of {', '.join(PRESETS)}.") from None
     if found is not None and found not in PRESET_FLAGS:
         raise ValueError(f"--cg-preset {found!r} is unknown; use one of {', '.join(PRESETS)}.")
     return found

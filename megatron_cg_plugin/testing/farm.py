@@ -113,13 +113,9 @@ class FarmCase:
     def eager_steps(self) -> int:
         """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
         so a loss that differs by then began outside the graphs."""
-        flags = list(self.flags)
-        for index, flag in enumerate(flags):
-            if flag == "--cuda-graph-warmup-steps":
-                return int(flags[index + 1])
-            if flag.startswith("--cuda-graph-warmup-steps="):
-                return int(flag.split("=", 1)[1])
-        return 3
+        from megatron_cg_plugin.launch.presets import flag_value
+
+        return int(flag_value(self.flags, "--cuda-graph-warmup-steps") or 3)
 
     @property
     def is_moe(self) -> bool:
