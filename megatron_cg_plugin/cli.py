@@ -7,6 +7,8 @@
                                                         eager vs Megatron's graphs vs the plugin's, in one process
     megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
                                                         eager vs graphed on cases in Megatron's model_config.yaml format
+    megatron-cg matrix plan | run CELLS.json | render RESULTS.json
+                                                        the support matrix: an all-pairs design run eager vs graphed
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
 """
@@ -33,7 +35,8 @@ class CheckError(ValueError):
 
 
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
+def environment(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block, as it was after."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -137,7 +140,7 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
     from megatron_cg_plugin.launch import pretrain_gpt
 
-    with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
+    with environment(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
         with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:
@@ -349,6 +352,53 @@ def _farm(argv: Sequence[str]) -> int:
     return EXIT_MISMATCH if failed else EXIT_OK
 
 
+def _matrix(argv: Sequence[str]) -> int:
+    import json
+    from pathlib import Path
+
+    from megatron_cg_plugin.testing import matrix
+
+    parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    plan = sub.add_parser("plan", help="the all-pairs design, each cell checked by the plugin's rules (CPU)")
+    plan.add_argument("--out", type=Path, default=Path("matrix-cells.json"))
+    run = sub.add_parser("run", help="run the cells eager vs graphed on this GPU host (needs MEGATRON_LM_DIR)")
+    run.add_argument("cells", type=Path, help="the cells file `matrix plan` wrote")
+    run.add_argument("--out", type=Path, default=Path("matrix-out"))
+    run.add_argument("--jobs", type=int, default=1, help="cells run side by side on the one GPU")
+    run.add_argument("--steps", type=int, default=matrix.MATRIX_STEPS)
+    run.add_argument("--only", nargs="+", help="run only these cells (names from the cells file)")
+    render = sub.add_parser("render", help="the support-matrix markdown of a run's matrix.json")
+    render.add_argument("results", type=Path)
+    options = parser.parse_args(argv)
+    try:
+        if options.action == "plan":
+            with contextlib.redirect_stdout(io.StringIO()):  # Megatron's argument printout, per cell
+                cells = matrix.design(lambda cell: matrix.refusal_of(cell, os.environ))
+            options.out.write_text(json.dumps([cell.to_json() for cell in cells], indent=1) + "\n")
+            refused = sum(bool(cell.refused_by) for cell in cells)
+            print(f"{len(cells)} cells ({refused} refused by a rule) -> {options.out}")
+            return EXIT_OK
+        if options.action == "render":
+            print(matrix.render(json.loads(options.results.read_text())), end="")
+            return EXIT_OK
+        if options.jobs < 1 or options.steps < 4:
+            raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
+        cells = [matrix.Cell(row["factors"], tuple(row["refused_by"]), row["refusal"])
+                 for row in json.loads(options.cells.read_text())]
+        if options.only:
+            unknown = sorted(set(options.only) - {cell.name for cell in cells})
+            if unknown:
+                raise ValueError(f"--only names cells not in {options.cells}: {', '.join(unknown)}")
+            cells = [cell for cell in cells if cell.name in options.only]
+        rows = matrix.run_matrix(cells, options.out, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+                                 jobs=options.jobs, steps=options.steps)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"megatron-cg matrix: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_MISMATCH if any(row["result"] in ("differs", "failed") for row in rows) else EXIT_OK
+
+
 def _run(argv: Sequence[str]) -> int:
     from megatron_cg_plugin.launch import run_script
 
@@ -357,7 +407,8 @@ def _run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "plan": _plan, "run": _run}
+    commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "matrix": _matrix, "plan": _plan,
+                "run": _run}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -85,6 +85,30 @@ def register_graph_safe_generators(graph: Any) -> None:
             graph.register_generator_state(generator)
 
 
+def graph_generators() -> list[Any]:
+    """The CUDA generators graphs draw from: torch's default one and TE's graph-safe tracker
+    states (Megatron's with ``te_rng_tracker``)."""
+    import torch
+    from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
+
+    generators = [torch.cuda.default_generators[torch.cuda.current_device()]]
+    return generators + list(get_all_rng_states().values()) if graph_safe_rng_available() else generators
+
+
+@contextlib.contextmanager
+def generators_preserved(generators: Sequence[Any]) -> Iterator[None]:
+    """Puts ``generators`` back where they were once the block succeeds, as TE's
+    ``make_graphed_callables`` does around its warmup and capture (graph.py 1692-1725). A replay
+    draws from a generator's live offset by the amount its capture drew, so the random numbers
+    warmup and capture consumed would otherwise shift every later dropout mask: graphed training
+    would differ from eager from its first graphed step. A failed block leaves them to the
+    transaction's rollback (the generators may still be in capture mode)."""
+    states = [generator.get_state() for generator in generators]
+    yield
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)
+
+
 @contextlib.contextmanager
 def te_capture_flag() -> Iterator[None]:
     """TE's own "inside make_graphed_callables" flag, set around a capture the plugin runs itself:

@@ -468,7 +468,9 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
     sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
     options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing)
-    with te_seam.te_capture_flag(), _fp8_capturing(fp8_capture):
+    # Warmup and capture draw random numbers that eager training never draws: the generators go back after.
+    with te_seam.te_capture_flag(), _fp8_capturing(fp8_capture), \
+            te_seam.generators_preserved(te_seam.graph_generators()):
         entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
     if fp8_capture is not None:

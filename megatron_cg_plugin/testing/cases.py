@@ -27,7 +27,8 @@ SUPPORTED_TEST_TYPES = ("regular", "release")
 FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
                                         "the first half saves, which the farm does not keep"}
 FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
-                       "golden_case", "golden_metrics", "deterministic_mode", "eager_offload"})
+                       "golden_case", "golden_metrics", "deterministic_mode", "eager_offload",
+                       "pool_prediction_tolerance"})
 FARM_DATA = ("synthetic", "sentencepiece")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -62,6 +63,7 @@ class FarmSettings:
     golden_metrics: tuple[str, ...] = ()
     deterministic_mode: bool = True
     eager_offload: bool = True
+    pool_prediction_tolerance: float | None = None  # the report's pool prediction held to the measured pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +158,18 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
     for key in ("expect_capture_failure", "deterministic_mode", "eager_offload"):
         if not isinstance(block.get(key, False), bool):
             raise _refuse(path, f"CG_FARM {key} must be true or false.")
+    tolerance = block.get("pool_prediction_tolerance")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not 0 < tolerance < 1):
+        raise _refuse(path, f"CG_FARM pool_prediction_tolerance {tolerance!r} must be a fraction between 0 and 1 "
+                            "(0.15: within 15%).")
     return FarmSettings(nproc=block.get("nproc", 1), compare=compare, expect_refusal=_names(block, "expect_refusal"),
                         steps=block.get("steps"), script=block.get("script"), data=data,
                         expect_capture_failure=block.get("expect_capture_failure", False),
                         golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"),
                         deterministic_mode=block.get("deterministic_mode", True),
-                        eager_offload=block.get("eager_offload", True))
+                        eager_offload=block.get("eager_offload", True),
+                        pool_prediction_tolerance=None if tolerance is None else float(tolerance))
 
 
 def _names(block: Mapping[str, Any], key: str) -> tuple[str, ...]:

@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 CASES_DIR = REPO / "tests" / "functional" / "test_cases"  # <model>/<case>/model_config.yaml beside its golden file
 GOLDEN_FILE = "golden_values_dev_dgx_h200.json"  # Megatron's golden_values_{dev,lts}_dgx_<gpu>.json naming
 USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
+# A case's script in a Megatron-LM checkout (its top-level pretrain_gpt.py, ...), found where MEGATRON_LM_DIR says.
+MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
 GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
@@ -85,11 +87,35 @@ class FarmCase:
     # Compared eager vs graphed at every step, bit for bit: lm loss, and the case's METRICS that
     # Megatron checks deterministically (mtp_1 loss, num-zeros).
     equal_metrics: tuple[str, ...] = ("lm loss",)
+    megatron_lm_dir: str | None = None  # the Megatron-LM checkout a ${MEGATRON_LM_DIR}/ script is in
+    # The graphed run's pool predicted within this fraction of the measured one (None: not checked).
+    pool_prediction_tolerance: float | None = None
+
+    @property
+    def script_file(self) -> Path | None:
+        """The script ``megatron-cg run`` runs (None: the launcher). Raises ``CaseError`` naming
+        MEGATRON_LM_DIR for a Megatron-LM script without a checkout to find it in."""
+        if self.script is None:
+            return None
+        if not self.script.startswith(MEGATRON_LM_SCRIPT):
+            return REPO / self.script
+        if self.megatron_lm_dir is None:
+            raise CaseError(f"{self.name} runs Megatron-LM's {self.script[len(MEGATRON_LM_SCRIPT):]}: set "
+                            "MEGATRON_LM_DIR to a Megatron-LM core_r0.19.0 checkout (its top-level scripts).")
+        return Path(self.megatron_lm_dir) / self.script[len(MEGATRON_LM_SCRIPT):]
+
+    def unmet(self) -> str | None:
+        """Why this host cannot run the case beyond its GPUs (a Megatron-LM script not found), or None."""
+        try:
+            script = self.script_file
+        except CaseError as error:
+            return str(error)
+        return None if script is None or script.is_file() else f"{self.name}: no script at {script}"
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
-        entry = (["-m", "megatron_cg_plugin.cli", "run", str(REPO / self.script)] if self.script
+        entry = (["-m", "megatron_cg_plugin.cli", "run", str(self.script_file)] if self.script
                  else ["-m", "megatron_cg_plugin.pretrain_gpt"])
         return [
             *entry, *self.run_flags(graphed=graphed, out_dir=out_dir), "--train-iters", str(steps),
@@ -179,13 +205,14 @@ def case_folder(name: str, root: Path = CASES_DIR) -> Path:
     return found[0]
 
 
-def load_cases(root: Path = CASES_DIR) -> tuple[FarmCase, ...]:
+def load_cases(root: Path = CASES_DIR, *, megatron_lm_dir: str | None = None) -> tuple[FarmCase, ...]:
     """The farm's own cases (their runs write nothing the folder's location matters for)."""
-    return tuple(prepare_case(folder, out_dir=Path("farm-out"))[0] for folder in case_folders(root))
+    return tuple(prepare_case(folder, out_dir=Path("farm-out"), megatron_lm_dir=megatron_lm_dir)[0]
+                 for folder in case_folders(root))
 
 
 def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, data_path: str | None = None,
-                 steps: int | None = None) -> tuple[FarmCase, list[str]]:
+                 steps: int | None = None, megatron_lm_dir: str | None = None) -> tuple[FarmCase, list[str]]:
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
     per change, comparison included (the golden file only where the run is the one it recorded)."""
@@ -229,7 +256,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
         steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
         data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
-        eager_offload=case.farm.eager_offload,
+        eager_offload=case.farm.eager_offload, megatron_lm_dir=megatron_lm_dir,
+        pool_prediction_tolerance=case.farm.pool_prediction_tolerance,
         equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))
     return farm_case, notes
 
@@ -334,6 +362,7 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
                             + _before_capture(case, min(differing)))
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
+    problems += pool_prediction_problems(case, result.report)
     if case.expect_capture_failure:
         if summary["graphs"] or summary["replays"]:
             problems.append(f"graphs survived a failed capture: {summary}")
@@ -366,6 +395,26 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
             mismatches = golden_mismatches(case, result)
             if mismatches:
                 problems.append(golden.format_report(mismatches))
+    return problems
+
+
+def pool_prediction_problems(case: FarmCase, report: dict[str, Any]) -> list[str]:
+    """The planner against the graphed run (``pool_prediction_tolerance``): each pool the report
+    measured (TE's graph pool; with --cg-slot-capture also the GPU arenas) within the tolerance of
+    the prediction the run itself made from its flags."""
+    if case.pool_prediction_tolerance is None:
+        return []
+    scopes = report.get("scopes", [])
+    pairs = [("graph pool", report.get("predicted_pool_bytes"), sum(s.get("pool_bytes") or 0 for s in scopes))]
+    if report.get("predicted_arena_bytes") is not None:
+        pairs.append(("GPU arenas", report["predicted_arena_bytes"], sum(s.get("arena_bytes") or 0 for s in scopes)))
+    problems = []
+    for what, predicted, measured in pairs:
+        if predicted is None or not measured:
+            problems.append(f"{what}: nothing to hold the planner to (predicted {predicted}, measured {measured})")
+        elif abs(predicted / measured - 1) > case.pool_prediction_tolerance:
+            problems.append(f"{what} predicted {predicted / 2**20:.1f} MiB against {measured / 2**20:.1f} MiB measured "
+                            f"({predicted / measured:.2f}x), outside {case.pool_prediction_tolerance:.0%}")
     return problems
 
 

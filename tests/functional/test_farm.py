@@ -19,10 +19,12 @@ import pytest
 from megatron_cg_plugin import golden
 from megatron_cg_plugin.testing.distributed import gpu_stack_missing, gpus_available
 from megatron_cg_plugin.testing.farm import (
-    CASES, FarmCase, golden_mismatches, golden_rewrite_refusal, problems_of, run_case,
+    FarmCase, golden_mismatches, golden_rewrite_refusal, load_cases, problems_of, run_case,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
+# Cases running Megatron-LM's own scripts find them in the checkout MEGATRON_LM_DIR names (skipped without one).
+CASES = load_cases(megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"))
 
 
 def _devices_for(case: FarmCase) -> str | None:
@@ -36,7 +38,7 @@ def _devices_for(case: FarmCase) -> str | None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> None:
-    reason = gpu_stack_missing(case.nproc)
+    reason = gpu_stack_missing(case.nproc) or case.unmet()
     if reason:
         pytest.skip(reason)
     result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")),

@@ -151,3 +151,10 @@ def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_
     unprotected = probe[f"fp8/delayed-dpa/n{n}/wrap-ring2/no-scale-snapshot"]
     assert "error" not in unprotected, unprotected.get("error")
     assert not unprotected["exact"], unprotected
+
+
+def test_dropout_inside_the_graphs_draws_the_eager_masks(probe: dict) -> None:
+    restored, unrestored = probe["dropout/restored"], probe["dropout/unrestored"]
+    assert "error" not in restored and "error" not in unrestored, (restored, unrestored)
+    assert restored["exact"], restored
+    assert not unrestored["exact_frames"], unrestored  # warmup's draws shift every mask without the restore

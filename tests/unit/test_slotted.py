@@ -287,3 +287,24 @@ def test_only_samples_that_own_their_storage_alone_are_adopted():
     assert boundary.inputs[2].data_ptr() != boundary.inputs[3].data_ptr()  # two arguments, two static inputs
     copied = _Boundary(Variant("v", lambda *a: a[0], samples), _measure(BASE))
     assert copied.nbytes - boundary.nbytes == 4 * (24 + 24)  # the two adopted samples are the caller's bytes
+
+
+def test_generators_come_back_after_a_block_that_drew_from_them():
+    from megatron_cg_plugin.capture.backend import generators_preserved
+
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    expected = [torch.rand(4, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    with generators_preserved(generators):
+        for generator in generators:  # warmup and capture draw (dropout masks)
+            torch.rand(100, generator=generator)
+    assert all(torch.equal(torch.rand(4, generator=g), e) for g, e in zip(generators, expected))
+
+
+def test_a_failed_block_leaves_the_generators_to_the_rollback():
+    from megatron_cg_plugin.capture.backend import generators_preserved
+
+    generator = torch.Generator().manual_seed(3)
+    with pytest.raises(RuntimeError, match="capture"), generators_preserved([generator]):
+        torch.rand(10, generator=generator)
+        raise RuntimeError("capture failed")
+    assert not torch.equal(generator.get_state(), torch.Generator().manual_seed(3).get_state())

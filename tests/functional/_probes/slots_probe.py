@@ -9,6 +9,7 @@ parameter gradient is compared bitwise with an eager run of the same frame.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -21,12 +22,12 @@ S, B, H, HEADS = 1024, 4, 512, 8
 CP_SIZES = (1, 2, 4, 8)
 
 
-def build(heads=HEADS):
+def build(heads=HEADS, dropout=0.0):
     import transformer_engine.pytorch as te
 
     torch.manual_seed(1234)
     layers = torch.nn.ModuleList(
-        te.TransformerLayer(H, 4 * H, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16,
+        te.TransformerLayer(H, 4 * H, heads, hidden_dropout=dropout, attention_dropout=dropout, params_dtype=torch.bfloat16,
                             layer_number=i + 1, self_attn_mask_type="causal") for i in range(2)).cuda()
 
     def stack(x):
@@ -143,6 +144,47 @@ def exactness(result):
 
                 record_case(result, f"n{n}/{label}/{mode}",
                             lambda: capture_slotted(used, plan, params, protect=mode == "slots", debug=True), describe)
+
+
+def dropout(result):
+    """Dropout inside the graphs (Megatron's default 0.1): frames replayed one after another from the
+    generator state an eager run starts from must draw the eager masks. ``unrestored`` captures with
+    the generators left where warmup and capture moved them (the fix taken out): it must differ."""
+    from megatron_cg_plugin.capture import backend
+    from megatron_cg_plugin.capture.slotted import Variant, capture_slotted
+    from megatron_cg_plugin.plan.slots import exclusive_plan
+
+    layers, stack = build(dropout=0.1)
+    params = list(layers.parameters())
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    frames = [(torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen),
+               torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(3)]
+    cuda = torch.cuda.default_generators[torch.cuda.current_device()]
+    start = cuda.get_state()
+    reference = [run_eager(stack, params, x, g) for x, g in frames]
+    preserved = backend.generators_preserved
+    for mode in ("restored", "unrestored"):
+        if mode == "unrestored":
+            backend.generators_preserved = lambda generators: contextlib.nullcontext()
+        try:
+            sample = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            variant = Variant(name="cp1", fn=stack, sample_args=(sample,))
+            cuda.set_state(start)
+
+            def describe(graphs):
+                replay = graphs.callable("cp1", 0)
+                got = []
+                for x, g in frames:
+                    x = x.detach().requires_grad_(True)
+                    out = replay(x)
+                    got.append([out.detach().clone()] + [d.clone() for d in torch.autograd.grad(out, [x] + params, g)])
+                exact = [all(torch.equal(a, b) for a, b in zip(mine, want)) for mine, want in zip(got, reference)]
+                return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact)}
+
+            record_case(result, f"dropout/{mode}",
+                        lambda: capture_slotted([variant], exclusive_plan(["cp1"]), params), describe)
+        finally:
+            backend.generators_preserved = preserved
 
 
 def record_case(result, key, capture, describe, width=400):
@@ -617,7 +659,8 @@ def fp8_weight_cache(result, name, recipe, layers, params):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks", "offload", "fp8", "fp8-attention"],
+    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks", "offload", "fp8", "fp8-attention",
+                                                   "dropout"],
                         default="all")
     options = parser.parse_args()
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
@@ -628,6 +671,8 @@ def main():
             checks(result)
         if options.part in ("all", "exactness"):
             exactness(result)
+        if options.part in ("all", "dropout"):
+            dropout(result)
         if options.part in ("all", "memory"):
             memory(result)
         if options.part in ("all", "offload"):

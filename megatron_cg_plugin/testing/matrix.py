@@ -1,0 +1,265 @@
+"""The support matrix: configurations built from factors, each run eager vs graphed through
+Megatron-LM's own ``pretrain_gpt.py`` (``megatron-cg run``) at the sizes users train, and the table
+``docs/support-matrix.md`` generated from the run's JSON.
+
+The factors (model, graphed scope, precision, capture path, micro-batch size) are crossed in an
+all-pairs covering design (``plan.covering``): every pair of values meets in some cell. Before any
+GPU work each cell's flags go through the plugin's one rule check (``cli.validated_args``, what
+``megatron-cg check`` runs); a refused cell is recorded with its rules and not run. The design
+prefers cells that run, so refusals cover only pairs no running cell can. Every other cell trains
+the same steps eagerly and graphed on a real indexed dataset (the farm's synthetic one) and is
+compared bit for bit per step (``testing.farm``), with the pools the run measured beside the
+prediction it made, and what teardown left.
+
+    megatron-cg matrix plan [--out cells.json]        the design, with each cell's refusal (CPU)
+    megatron-cg matrix run CELLS.json --out DIR [--jobs N] [--steps N]   on a GPU host (MEGATRON_LM_DIR)
+    megatron-cg matrix render RESULTS.json            docs/support-matrix.md's text
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
+from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, problems_of, run_case
+
+FACTORS: dict[str, tuple[str, ...]] = {
+    "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
+    "scope": ("layer", "attn", "moe"),
+    "precision": ("bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise"),
+    "capture": ("te", "slot", "slot-offload"),
+    "mbs": ("1", "2"),
+}
+MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
+MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
+SEQ = 2048
+
+_SIZES = f"--seq-length {SEQ} --max-position-embeddings {SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
+_TRAINING = ("--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
+             "--bf16 --eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad --seed 1234 "
+             "--transformer-impl transformer_engine --no-gradient-accumulation-fusion --num-workers 0")
+_LLAMA = ("--group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+          "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0")
+_MOE = (f"{_LLAMA} --ffn-hidden-size 5632 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1408 "
+        "--moe-token-dispatcher-type alltoall --moe-grouped-gemm")
+# GPT-3's layer as Megatron-LM's script defaults it (learned positions, GELU, LayerNorm, biases, dropout 0.1);
+# Llama's (GQA, SwiGLU, RMSNorm, RoPE, untied, no biases, no dropout); a 16-expert top-2 MoE on Llama's attention.
+MODEL_FLAGS = {
+    "gpt": "--ffn-hidden-size 8192",
+    "llama": f"{_LLAMA} --ffn-hidden-size 5632",
+    "moe-droppad": f"{_MOE} --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity",
+    "moe-dropless": _MOE,
+}
+PRECISION_FLAGS = {
+    "bf16": "",
+    "fp8-delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max",
+    "fp8-tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
+    "fp8-blockwise": "--fp8-format e4m3 --fp8-recipe blockwise",
+}
+CAPTURE_FLAGS = {
+    "te": "",
+    "slot": "--cg-slot-capture",
+    # Attention's saves to pinned host memory inside the graphs (Megatron's flags name the groups).
+    "slot-offload": "--cg-slot-capture --fine-grained-activation-offloading --offload-modules core_attn attn_proj",
+}
+OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
+
+
+def scope_flags(cell: Mapping[str, str]) -> str:
+    if cell["scope"] == "layer":
+        return ""
+    if cell["scope"] == "attn":
+        return "--cuda-graph-modules attn"
+    # The MoE block: whole with a fixed capacity, its router and preprocess where dropless.
+    return "--cuda-graph-modules " + ("attn moe" if cell["model"] == "moe-droppad" else "attn moe_router moe_preprocess")
+
+
+def allowed(cell: Mapping[str, str]) -> bool:
+    """The MoE-block scope exists on MoE models only."""
+    return cell["scope"] != "moe" or cell["model"].startswith("moe")
+
+
+def cell_name(cell: Mapping[str, str]) -> str:
+    return "_".join(cell[factor] for factor in FACTORS).replace("-", "")
+
+
+def cell_flags(cell: Mapping[str, str]) -> list[str]:
+    """The Megatron and ``--cg-*`` flags of a cell, without ``--cuda-graph-impl`` (the farm sets it
+    per run) and without the data flags (the farm builds its dataset)."""
+    mbs = int(cell["mbs"])
+    text = " ".join((_SIZES, _TRAINING, MODEL_FLAGS[cell["model"]], scope_flags(cell), PRECISION_FLAGS[cell["precision"]],
+                     CAPTURE_FLAGS[cell["capture"]], f"--micro-batch-size {mbs} --global-batch-size {MICROBATCHES * mbs}"))
+    return text.split()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    factors: dict[str, str]
+    refused_by: tuple[str, ...] = ()  # the rules (or Megatron's check) that refuse it before any GPU work
+    refusal: str = ""
+
+    @property
+    def name(self) -> str:
+        return cell_name(self.factors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "factors": self.factors, "flags": cell_flags(self.factors),
+                "refused_by": list(self.refused_by), "refusal": self.refusal}
+
+
+def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
+    """The environment a cell's runs get beyond the host's (Megatron's offload needs TE's v1 offload)."""
+    return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
+
+
+def refusal_of(cell: Mapping[str, str], env: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
+    """The rules the plugin's one check refuses the cell's graphed run with, as ``megatron-cg check``
+    would on one rank in the cell's environment; ``((), "")`` when it passes."""
+    from megatron_cg_plugin.cli import CheckError, environment, validated_args
+    from megatron_cg_plugin.rules import RuleViolation
+
+    try:
+        with environment(**cell_env(cell)):  # Megatron reads its variables from os.environ
+            validated_args([*cell_flags(cell), "--cuda-graph-impl", "transformer_engine", "--mock-data",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--train-iters",
+                            str(MATRIX_STEPS)], nproc=1, env={**env, **cell_env(cell)})
+    except RuleViolation as error:
+        return tuple(name for name, _ in error.violations), str(error)
+    except CheckError as error:
+        return ("megatron",), str(error)
+    return (), ""
+
+
+def design(refused: Callable[[Mapping[str, str]], tuple[tuple[str, ...], str]]) -> list[Cell]:
+    """The all-pairs design over ``FACTORS``; running cells cover their pairs first."""
+    verdicts: dict[str, tuple[tuple[str, ...], str]] = {}
+
+    def verdict(cell: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
+        name = cell_name(cell)
+        if name not in verdicts:
+            verdicts[name] = refused(cell)
+        return verdicts[name]
+
+    chosen = all_pairs(FACTORS, allowed=allowed, preferred=lambda cell: not verdict(cell)[0])
+    assert not uncovered_pairs(chosen, FACTORS, allowed=allowed)
+    return [Cell(cell, *verdict(cell)) for cell in chosen]
+
+
+def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_STEPS) -> FarmCase:
+    """A cell as a farm run of Megatron-LM's pretrain_gpt.py on the farm's synthetic indexed dataset.
+    The eager reference of an offload cell trains without Megatron's offload (it moves saves and
+    changes no value; Megatron's eager offload is not reproducible run to run, docs/farm.md)."""
+    return FarmCase(name=cell.name, nproc=1, flags=tuple(cell_flags(cell.factors)), folder=Path("."), steps=steps,
+                    script=MEGATRON_LM_SCRIPT + "pretrain_gpt.py", data="synthetic", check_golden=False,
+                    env=tuple(cell_env(cell.factors).items()), eager_offload=cell.factors["capture"] != "slot-offload",
+                    megatron_lm_dir=megatron_lm_dir)
+
+
+def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
+    """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
+    from megatron_cg_plugin.testing.distributed import MultiRankError
+
+    row: dict[str, Any] = {**cell.to_json(), "steps": steps}
+    if cell.refused_by:
+        return {**row, "result": "refused"}
+    case = farm_case(cell, megatron_lm_dir=megatron_lm_dir, steps=steps)
+    try:
+        result = run_case(case, out_dir, timeout_s=timeout_s)
+    except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
+        return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
+    problems = problems_of(case, result, with_golden=False)
+    eager, graphed = result.losses(result.eager), result.losses(result.graphed)
+    differing = sorted(step for step in eager if eager[step] != graphed.get(step))
+    return {**row, "result": "differs" if differing else ("failed" if problems else "exact"),
+            "problems": problems, "first_differing_step": differing[0] if differing else None,
+            "summary": result.summary(), **memory_figures(result.report)}
+
+
+def memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
+    scopes = report.get("scopes", [])
+
+    def total(key: str) -> int | None:
+        values = [s.get(key) for s in scopes if s.get(key) is not None]
+        return sum(values) if values else None
+
+    return {"pool_bytes": total("pool_bytes"), "predicted_pool_bytes": report.get("predicted_pool_bytes"),
+            "arena_bytes": total("arena_bytes"), "predicted_arena_bytes": report.get("predicted_arena_bytes"),
+            "teardown_pool_bytes_left": total("teardown_pool_bytes_left"),
+            "teardown_allocated_delta_bytes": total("teardown_allocated_delta_bytes"),
+            "prediction_leaves_out": list(report.get("prediction_leaves_out") or ())}
+
+
+def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | None, jobs: int = 1,
+               steps: int = MATRIX_STEPS, timeout_s: float = 900,
+               progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Runs every cell (``jobs`` at a time on the one GPU: correctness is compared within each cell,
+    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+
+    def record(row: dict[str, Any]) -> None:
+        rows[row["name"]] = row
+        progress(f"{row['name']}: {row['result']}" + (f" {row['refused_by']}" if row.get("refused_by") else ""))
+        (out_dir / "matrix.json").write_text(json.dumps(
+            {"factors": FACTORS, "steps": steps, "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps,
+                               timeout_s=timeout_s) for cell in cells]
+        for future in concurrent.futures.as_completed(futures):
+            record(future.result())
+    return [rows[cell.name] for cell in cells]
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _ratio(predicted: int | None, measured: int | None) -> str:
+    if predicted is None or not measured:
+        return "-"
+    return f"{_mib(predicted)} / {_mib(measured)} ({predicted / measured:.2f})"
+
+
+RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed**", "refused": "refused"}
+
+
+def render(results: Mapping[str, Any]) -> str:
+    """``docs/support-matrix.md`` from a matrix run's JSON (``matrix.json``)."""
+    rows = results["rows"]
+    factors = results["factors"]
+    pair_count = len(uncovered_pairs([], factors, allowed=allowed))
+    lines = [
+        "# Support matrix",
+        "",
+        "Generated by `megatron-cg matrix render` from a run's `matrix.json`; do not edit by hand. Each cell trains "
+        f"{results['steps']} steps eagerly and graphed through Megatron-LM's own `pretrain_gpt.py` (`megatron-cg run`) "
+        "on a synthetic indexed dataset, deterministic, on one GPU, and compares the lm loss of every step bit for "
+        "bit; a refused cell was stopped by the named rule before any GPU work (`megatron-cg check` says the same).",
+        "",
+        f"The {len(rows)} cells are an all-pairs design over {', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
+        f"each of the {pair_count} pairs of values that can meet does so in some cell.",
+        "",
+        "| cell | model | scope | precision | capture | mbs | result | pool MiB predicted / measured | arenas MiB "
+        "predicted / measured | left after teardown (pool, allocated MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        f = row["factors"]
+        result = RESULT_WORDS[row["result"]]
+        if row["result"] == "refused":
+            result += " " + ", ".join(f"`{rule}`" for rule in row["refused_by"])
+        elif row.get("first_differing_step") is not None:
+            result += f" from step {row['first_differing_step']}"
+        left = "-" if row.get("teardown_pool_bytes_left") is None else \
+            f"{_mib(row['teardown_pool_bytes_left'])}, {_mib(row.get('teardown_allocated_delta_bytes'))}"
+        lines.append(f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
+                     f"{result} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
+                     f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |")
+    counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
+    lines += ["", ", ".join(f"{n} {word}" for word, n in counts.items() if n) + "."]
+    return "\n".join(lines) + "\n"

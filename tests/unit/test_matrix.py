@@ -1,0 +1,92 @@
+"""The support matrix (testing.matrix): the all-pairs design over the factors, each cell's flags,
+refusals from the one rule check, a cell's run as a farm run, and the table rendered from a run's JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_cg_plugin.plan.covering import uncovered_pairs
+from megatron_cg_plugin.testing import matrix
+from megatron_cg_plugin.testing.distributed import MultiRankError
+
+REPO = Path(__file__).resolve().parents[2]
+CELLS = REPO / "docs" / "results" / "exact-matrix-2026-12-02" / "cells.json"
+
+
+def no_refusal(_cell):
+    return (), ""
+
+
+def test_the_design_meets_every_pair_and_names_each_cell_once():
+    cells = matrix.design(no_refusal)
+    assert not uncovered_pairs([c.factors for c in cells], matrix.FACTORS, allowed=matrix.allowed)
+    assert len({c.name for c in cells}) == len(cells)
+    assert all(matrix.allowed(c.factors) for c in cells)
+
+
+def test_refused_cells_cover_only_pairs_no_running_cell_can():
+    refuse = lambda cell: (("slot-capture-fp8",), "x") if cell["capture"] != "te" and cell["precision"] == "fp8-blockwise" else ((), "")  # noqa: E731
+    cells = matrix.design(refuse)
+    running = [c.factors for c in cells if not c.refused_by]
+    assert not uncovered_pairs(running, matrix.FACTORS, allowed=lambda c: matrix.allowed(c) and not refuse(c)[0])
+    assert all(c.factors["precision"] == "fp8-blockwise" and c.factors["capture"] != "te" for c in cells if c.refused_by)
+
+
+@pytest.mark.parametrize("model, modules", [("moe-droppad", ["attn", "moe"]),
+                                            ("moe-dropless", ["attn", "moe_router", "moe_preprocess"])])
+def test_the_moe_scope_graphs_the_block_whole_or_its_router(model, modules):
+    flags = matrix.cell_flags({"model": model, "scope": "moe", "precision": "bf16", "capture": "te", "mbs": "2"})
+    start = flags.index("--cuda-graph-modules") + 1
+    assert flags[start:start + len(modules)] == modules
+    assert flags[flags.index("--global-batch-size") + 1] == "8"  # four micro-batches of 2
+
+
+def test_an_offload_cell_offloads_inside_the_graphs_and_trains_its_reference_without():
+    factors = {"model": "gpt", "scope": "attn", "precision": "bf16", "capture": "slot-offload", "mbs": "1"}
+    case = matrix.farm_case(matrix.Cell(factors), megatron_lm_dir="/ml")
+    assert "--fine-grained-activation-offloading" in case.flags and dict(case.env) == {"NVTE_CPU_OFFLOAD_V1": "1"}
+    assert not case.eager_offload and case.script_file == Path("/ml/pretrain_gpt.py") and case.data == "synthetic"
+
+
+def test_the_committed_design_is_what_plan_writes_today():
+    """The cells the matrix ran (docs/results/.../cells.json) are the design and the rules' verdicts
+    `megatron-cg matrix plan` gives today: a rule change that moves a cell shows here."""
+    cells = matrix.design(lambda cell: matrix.refusal_of(cell, {}))
+    committed = json.loads(CELLS.read_text())
+    assert [(c["name"], c["refused_by"]) for c in committed] == [(c.name, list(c.refused_by)) for c in cells]
+
+
+def test_a_refused_cell_is_recorded_without_running(monkeypatch, tmp_path):
+    monkeypatch.setattr(matrix, "run_case", lambda *a, **k: pytest.fail("a refused cell ran"))
+    cell = matrix.Cell({"model": "gpt", "scope": "layer", "precision": "fp8-blockwise", "capture": "slot", "mbs": "1"},
+                       ("slot-capture-fp8",), "refused")
+    row = matrix.run_cell(cell, tmp_path, megatron_lm_dir=None, steps=10, timeout_s=1)
+    assert row["result"] == "refused" and row["refused_by"] == ["slot-capture-fp8"]
+
+
+def test_a_cell_whose_run_dies_is_a_failure_and_the_others_go_on(monkeypatch, tmp_path):
+    def dies(case, *_a, **_k):
+        raise MultiRankError(f"{case.name}: rank 0 exited 1")
+
+    monkeypatch.setattr(matrix, "run_case", dies)
+    cells = matrix.design(no_refusal)[:3]
+    rows = matrix.run_matrix(cells, tmp_path, megatron_lm_dir="/ml", jobs=2, progress=lambda _line: None)
+    assert [r["result"] for r in rows] == ["failed"] * 3 and "rank 0 exited 1" in rows[0]["problems"][0]
+    assert [r["name"] for r in json.loads((tmp_path / "matrix.json").read_text())["rows"]] == [c.name for c in cells]
+
+
+def test_the_table_names_each_result_its_rules_and_the_pools():
+    rows = [{"name": "a", "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "bf16", "te", "1"))), "result": "exact",
+             "refused_by": [], "pool_bytes": 100 * 2**20, "predicted_pool_bytes": 110 * 2**20,
+             "teardown_pool_bytes_left": 0, "teardown_allocated_delta_bytes": 0},
+            {"name": "b", "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "fp8-blockwise", "slot", "1"))),
+             "result": "refused", "refused_by": ["slot-capture-fp8"]},
+            {"name": "c", "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2"))),
+             "result": "differs", "first_differing_step": 4, "refused_by": []}]
+    text = matrix.render({"factors": matrix.FACTORS, "steps": 10, "rows": rows})
+    assert "| a | gpt | layer | bf16 | te | 1 | exact | 110 / 100 (1.10) |" in text
+    assert "refused `slot-capture-fp8`" in text and "**differs** from step 4" in text
+    assert "1 exact, 1 differs, 1 refused." in text
