@@ -12,7 +12,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import re
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 SUPPORTED_MEGATRON_CORE = ((0, 19, 2), (0, 20, 0))  # [min, max)
 SUPPORTED_TRANSFORMER_ENGINE = ((2, 20, 0), (2, 21, 0))
@@ -127,13 +127,92 @@ def apex_fused_wgrad_available() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
+# Where a private function the plugin checks comes from: a ``where`` or ``__module__`` under one of
+# these roots is that library's own.
+_LIBRARIES = {"megatron": "megatron-core", "transformer_engine": "Transformer Engine", "torch": "torch"}
+_MAX_WRAPPERS = 100  # a longer __wrapped__ chain is taken for a loop
+
+
 def check_parameters(target: Callable, expected: Iterable[str], *, where: str) -> None:
-    """Raises ``SignatureMismatchError`` if ``target`` no longer accepts each ``expected`` parameter."""
-    params = inspect.signature(target).parameters
-    missing = [name for name in expected if name not in params]
-    if missing:
-        raise SignatureMismatchError(
-            f"{where} no longer takes parameter(s) {', '.join(missing)} (has: {', '.join(params)}). "
-            "This megatron-core/TE build differs from the supported release; install the supported "
-            "versions listed in docs/versions.md."
-        )
+    """Raises ``SignatureMismatchError`` if ``target`` no longer accepts each ``expected`` parameter.
+
+    A wrapper passes when the function at the end of its ``__wrapped__`` chain takes them (a
+    ``functools.wraps`` wrapper with ``*args, **kwargs`` forwards them). The error names the object
+    found and blames the build only when that object is the library's own (``found_at``)."""
+    expected = tuple(expected)
+    if not expected:
+        return  # nothing is relied on
+    inner = unwrapped(target)
+    signatures = [names for names in map(_parameter_names, (target,) if inner is target else (target, inner))
+                  if names is not None]
+    if any(all(name in names for name in expected) for names in signatures):
+        return
+    has = signatures[-1] if signatures else ()  # the innermost readable one: what really runs
+    missing = [name for name in expected if name not in has]
+    listed = ", ".join(has) if signatures else "no signature to read"
+    raise SignatureMismatchError(
+        f"{where} no longer takes parameter(s) {', '.join(missing)} (has: {listed}). {found_at(target, where)}")
+
+
+def unwrapped(target: Any) -> Any:
+    """The object at the end of ``target``'s ``__wrapped__`` chain (``functools.wraps`` sets it);
+    ``target`` itself where it wraps nothing. A loop, or an attribute that raises, ends the chain
+    where it is."""
+    seen = {id(target)}
+    for _ in range(_MAX_WRAPPERS):
+        inner = _attribute(target, "__wrapped__")
+        if inner is None or id(inner) in seen:
+            return target
+        seen.add(id(inner))
+        target = inner
+    return target
+
+
+def found_at(target: Any, where: str) -> str:
+    """For a refusal: the object found at ``where`` (and what it wraps), and whether it is the
+    library's own (this build differs from the supported release) or defined elsewhere (a wrapper
+    another library or the user put there, which a reinstall would not change)."""
+    inner = unwrapped(target)
+    found = _qualified_name(target) + ("" if inner is target else f", which wraps {_qualified_name(inner)}")
+    library = _library_of(where)
+    if _is_from(inner, library):
+        return (f"Found {found}: this {library or 'megatron-core/TE'} build differs from the supported release; "
+                "install the supported versions listed in docs/versions.md.")
+    return (f"Found {found}, defined outside {library or 'megatron-core, TE and torch'}: it looks wrapped by another "
+            "library or your own patch; apply that patch after megatron_cg_plugin.install(), or remove it (a wrapper "
+            "made with functools.wraps(original) is checked through to the function it wraps).")
+
+
+def _parameter_names(target: Any) -> tuple[str, ...] | None:
+    """``target``'s own parameter names (``__wrapped__`` is followed by the caller); None where it
+    carries no signature (a builtin)."""
+    try:
+        return tuple(inspect.signature(target, follow_wrapped=False).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _attribute(target: Any, name: str) -> Any:
+    """``getattr(target, name, None)``, also for proxies whose attribute access raises."""
+    try:
+        return getattr(target, name, None)
+    except Exception:  # noqa: BLE001 - a proxy that refuses is one that carries nothing to follow
+        return None
+
+
+def _qualified_name(target: Any) -> str:
+    module = _attribute(target, "__module__")
+    qualname = _attribute(target, "__qualname__") or f"{type(target).__qualname__} instance"
+    return f"{module}.{qualname}" if isinstance(module, str) else str(qualname)
+
+
+def _library_of(where: str) -> str | None:
+    """The library ``where`` (``module.attribute`` or ``module:attribute``) names; None if it names no module."""
+    return _LIBRARIES.get(re.split(r"[.:]", where, maxsplit=1)[0])
+
+
+def _is_from(target: Any, library: str | None) -> bool:
+    """Whether ``target`` is defined in ``library`` (in any of them where it is None)."""
+    module = _attribute(target, "__module__")
+    roots = [root for root, name in _LIBRARIES.items() if library in (None, name)]
+    return isinstance(module, str) and any(module == root or module.startswith(root + ".") for root in roots)

@@ -18,6 +18,9 @@ import logging
 import time
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
+import torch
+from torch.utils import _pytree as pytree
+
 from megatron_cg_plugin import diagnostics, patches
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend
@@ -52,19 +55,25 @@ def layer_label(layer: Any, index: int) -> str:
 
 class _CaptureTracker:
     """Wraps each layer's capture entry point (``_te_cuda_graph_capture``, what Megatron runs under
-    TE's capture) for the transaction: remembers which layer runs, and raises the injected failure
-    inside the capture of the chosen layer."""
+    TE's capture) for the transaction: remembers which layer's forward or backward runs, and raises
+    the injected failure inside the capture of the chosen layer.
+
+    TE captures every forward first, then the backwards in reverse order, so the last forward that
+    ran is not where a backward failed: hooks on each forward's outputs name the layer's backward
+    when autograd reaches them (in warmup and in the backward capture). ``uninstall`` removes them,
+    so nothing stays attached to TE's static outputs."""
 
     def __init__(self, layers: list[Any], *, inject_at: int | None, is_capturing: Callable[[], bool]) -> None:
         self.layers = layers
         self.inject_at = inject_at
         self.is_capturing = is_capturing
         self.current: str | None = None
+        self._hooks: list[Any] = []  # handles of the hooks on capture outputs
 
     @property
     def where(self) -> str:
-        """Where a failure happened, in words: the layer whose capture ran, or before any."""
-        return self.current or "before any layer ran"
+        """Where a failure happened, in words: the layer and phase that ran last, or before any."""
+        return self.current or "the capture's setup, before any layer ran"
 
     def restorables(self) -> list[Restorable]:
         return [attribute(layer, "_te_cuda_graph_capture") for layer in self.layers]
@@ -73,16 +82,36 @@ class _CaptureTracker:
         for index, layer in enumerate(self.layers):
             layer._te_cuda_graph_capture = self._wrap(layer._te_cuda_graph_capture, index, layer)
 
+    def uninstall(self) -> None:
+        """The wrappers and the output hooks go, after success as after failure."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for layer in self.layers:
+            vars(layer).pop("_te_cuda_graph_capture", None)
+
     def _wrap(self, run: Callable, index: int, layer: Any) -> Callable:
         label = layer_label(layer, index)
+        forward, backward = f"{label} (forward)", f"{label} (backward)"
 
         def capture_entry(*args: Any, **kwargs: Any) -> Any:
-            self.current = label
+            self.current = forward
             if self.inject_at == index + 1 and self.is_capturing():
-                raise InjectedCaptureFailure(f"injected failure inside the capture of {label}")
-            return run(*args, **kwargs)
+                raise InjectedCaptureFailure(f"injected failure inside the capture of {forward}")
+            outputs = run(*args, **kwargs)
+            self._name_on_backward(outputs, backward)
+            return outputs
 
         return capture_entry
+
+    def _name_on_backward(self, outputs: Any, label: str) -> None:
+        """``label`` becomes current when autograd reaches any of ``outputs``: the first thing a
+        layer's backward does. Outputs that take no gradient start no backward."""
+        def reached(grad: Any) -> None:
+            self.current = label
+
+        self._hooks += [leaf.register_hook(reached) for leaf in pytree.tree_leaves(outputs)
+                        if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
 
 
 class _CaptureCall:
@@ -100,7 +129,7 @@ class _CaptureCall:
         self.transaction.add(self.backend.restorables(callables, kwargs))
         with self.backend.tracking(self.transaction.track):
             graphs = self.backend.make_graphed_callables(callables, sample_args, **kwargs)
-        self.tracker.current = "after the capture (Megatron handing out the graphs, finishing)"  # no layer runs now
+        self.tracker.current = "Megatron's finish after the capture (handing out the graphs)"  # no layer runs now
         self.graphs, self.sample_args = tuple(graphs), sample_args
         self.sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
         return graphs
@@ -208,9 +237,7 @@ class PluginHelperMixin:
                 with phases("replay contracts"):
                     counter = self._hold_to_contracts(capture, self.session.config.contract_check)
         finally:
-            # The capture wrappers are transaction-scoped: gone after success too.
-            for layer in self.flattened_callables:
-                vars(layer).pop("_te_cuda_graph_capture", None)
+            tracker.uninstall()  # the capture wrappers are transaction-scoped: gone after success too
         return baseline, capture, counter
 
     def capture_backend(self) -> GraphBackend:
@@ -230,7 +257,6 @@ class PluginHelperMixin:
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
         (``capture.banked``); ``capture_banks`` leaves no layer banked if it fails."""
-        import torch
         from megatron.core import parallel_state
 
         from megatron_cg_plugin.banks import bank_sizes
@@ -253,20 +279,25 @@ class PluginHelperMixin:
         scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
         start = time.perf_counter()
         baseline = diagnostics.memory_state()
+        # Banks capture each layer's forward and backward back to back; the tracker names which ran.
+        tracker = _CaptureTracker(layers, inject_at=None, is_capturing=lambda: False)
+        tracker.install()
         try:
             banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
                                    debug=config.slot_debug, contract_check=config.contract_check,
                                    offload_copies=OffloadCopies.of(config))
         except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
-            self._record_failure(scope, layers, start, f"{type(error).__name__}: {error}")
-            with contextlib.suppress(Exception):
-                torch.cuda.empty_cache()
+            cause = f"{type(error).__name__}: {error}"
+            self._record_failure(scope, layers, start, f"{tracker.where}: {cause}")
+            self._empty_cache()
             if config.on_capture_error == "raise":
-                raise CaptureFailedError(f"graph bank capture failed: {type(error).__name__}: {error}\nNo layer "
+                raise CaptureFailedError(f"graph bank capture failed in {tracker.where}: {cause}\nNo layer "
                                          "was left banked. Fix the cause (docs/troubleshooting.md), or pass "
                                          "--cg-on-capture-error eager.") from error
-            logger.warning("graph bank capture failed (%s); training continues eagerly.", error)
+            logger.warning("graph bank capture failed in %s (%s); training continues eagerly.", tracker.where, cause)
             return
+        finally:
+            tracker.uninstall()
         self._banks = banked
         self._baseline = baseline
         self._graphs_created = True
@@ -324,8 +355,6 @@ class PluginHelperMixin:
     @staticmethod
     def _empty_cache() -> None:
         """Gives the failed capture's pool back (harmless without CUDA)."""
-        import torch
-
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
 
@@ -389,8 +418,6 @@ class PluginHelperMixin:
     def _release_failed_capture(self) -> None:
         """After the transaction rolled back: Megatron's own post-capture reset. Garbage is
         collected later, once the stale-graph check has looked at it."""
-        import torch
-
         with contextlib.suppress(Exception):  # a sticky CUDA error must not hide the real cause
             torch.cuda.synchronize()
         with contextlib.suppress(Exception):
@@ -424,8 +451,6 @@ class PluginHelperMixin:
         new capture may run (``create_cudagraphs`` again)."""
         if not self.graphs_created():
             return
-        import torch
-
         if self._banks is not None:
             self._banks.reset()
             self._banks = None

@@ -534,11 +534,13 @@ def check_private_api(*, with_te: bool) -> None:
             raise compat.SignatureMismatchError(f"{entry.target} is no longer callable; install the supported versions.")
         if entry.expected_params:  # builtins (torch's C functions) carry no signature to check
             compat.check_parameters(target, entry.expected_params, where=entry.target)
-        missing = [name for name in entry.calls if name not in target.__code__.co_names]
+        # A wrapper's own code calls what it wraps: the names are looked for in the function it wraps.
+        code = getattr(compat.unwrapped(target), "__code__", None)
+        missing = [name for name in entry.calls if code is None or name not in code.co_names]
         if missing:
             raise compat.SignatureMismatchError(
                 f"{entry.target} no longer calls {', '.join(missing)}, which the plugin stands in for ({entry.reason}) "
-                "Install the supported megatron-core / TE (docs/versions.md).")
+                f"{compat.found_at(target, entry.target)}")
 
 
 class PatchSet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 
 import pytest
@@ -195,6 +196,104 @@ def test_check_parameters_names_the_missing_parameter():
 def test_check_parameters_names_every_missing_parameter():
     with pytest.raises(SignatureMismatchError, match=r"parameter\(s\) alpha, beta \(has: model, config"):
         check_parameters(_target, ("alpha", "model", "beta"), where="w")
+
+
+FORWARD_ATTENTION = "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention"
+ATTENTION_PARAMS = ("attention_mask", "rotary_pos_emb", "packed_seq_params")
+
+
+def _forward_attention(self, hidden_states, attention_mask, rotary_pos_emb=None, packed_seq_params=None):
+    pass
+
+
+def _users_patch(self, *args, **kwargs):  # a user's patch without functools.wraps: nothing to follow
+    return _forward_attention(self, *args, **kwargs)
+
+
+def _changed_release(self, hidden_states, mask):  # megatron-core's own function, changed
+    pass
+
+
+_changed_release.__module__ = "megatron.core.fake"
+_changed_release.__qualname__ = "TransformerLayer._forward_attention"
+
+
+def _mismatch(target, expected=ATTENTION_PARAMS, where=FORWARD_ATTENTION) -> str:
+    with pytest.raises(SignatureMismatchError) as info:
+        check_parameters(target, expected, where=where)
+    return str(info.value)
+
+
+def test_a_functools_wraps_wrapper_passes_when_the_function_it_wraps_takes_the_parameters():
+    @functools.wraps(_forward_attention)
+    def wrapper(*args, **kwargs):
+        return _forward_attention(*args, **kwargs)
+
+    check_parameters(wrapper, ATTENTION_PARAMS, where=FORWARD_ATTENTION)
+    check_parameters(functools.wraps(wrapper)(lambda *a, **k: None), ATTENTION_PARAMS, where=FORWARD_ATTENTION)
+
+
+def test_a_wrapper_loop_or_a_raising_proxy_ends_the_chain_without_an_error_of_its_own():
+    def outer(*args, **kwargs):
+        pass
+
+    def inner(self, attention_mask, rotary_pos_emb, packed_seq_params):
+        pass
+
+    outer.__wrapped__, inner.__wrapped__ = inner, outer  # inspect.unwrap raises on this loop
+    check_parameters(outer, ATTENTION_PARAMS, where=FORWARD_ATTENTION)
+
+    class Proxy:
+        @property
+        def __wrapped__(self):
+            raise RuntimeError("a lazy proxy that is not ready")
+
+        def __call__(self, attention_mask, rotary_pos_emb, packed_seq_params):
+            pass
+
+    check_parameters(Proxy(), ATTENTION_PARAMS, where=FORWARD_ATTENTION)
+    assert "Proxy instance, defined outside megatron-core" in _mismatch(Proxy(), ("hidden_states",))
+
+
+def test_a_wrapper_from_elsewhere_is_named_and_not_blamed_on_the_build():
+    message = _mismatch(_users_patch)
+    assert f"Found {__name__}._users_patch, defined outside megatron-core" in message
+    assert "looks wrapped by another library or your own patch" in message
+    assert "apply that patch after megatron_cg_plugin.install(), or remove it" in message
+    assert "build differs" not in message
+    assert "no longer takes parameter(s) attention_mask, rotary_pos_emb, packed_seq_params (has: self, args, kwargs)" \
+        in message
+
+
+def test_a_wraps_wrapper_around_a_function_from_elsewhere_names_both():
+    def users_function(self, hidden_states):
+        pass
+
+    wrapper = functools.wraps(users_function)(lambda *args, **kwargs: None)
+    wrapper.__module__, wrapper.__qualname__ = "other_library.patches", "wrap"
+    message = _mismatch(wrapper)
+    assert (f"Found other_library.patches.wrap, which wraps {__name__}.{users_function.__qualname__}, defined "
+            "outside megatron-core: it looks wrapped") in message
+    assert "(has: self, hidden_states)" in message  # what runs in the end
+
+
+def test_a_changed_library_function_still_blames_the_build():
+    message = _mismatch(_changed_release)
+    assert "Found megatron.core.fake.TransformerLayer._forward_attention: this megatron-core build differs from " \
+        "the supported release; install the supported versions listed in docs/versions.md" in message
+    assert "wrapped" not in message
+    # Wrapped by someone else, the function at the end of the chain is still the library's own, changed.
+    wrapper = functools.wraps(_changed_release)(lambda *args, **kwargs: None)
+    wrapper.__module__, wrapper.__qualname__ = "other_library.patches", "wrap"
+    assert "Found other_library.patches.wrap, which wraps megatron.core.fake.TransformerLayer._forward_attention: " \
+        "this megatron-core build differs" in _mismatch(wrapper)
+
+
+def test_the_library_a_function_must_come_from_follows_where():
+    te = "transformer_engine.pytorch.graph:save_fp8_tensors"
+    assert "defined outside Transformer Engine: it looks wrapped" in _mismatch(_changed_release, ("modules",), te)
+    assert "defined outside megatron-core, TE and torch" in _mismatch(_users_patch, where="Renamed.forward")
+    assert "this megatron-core/TE build differs" in _mismatch(_changed_release, where="Renamed.forward")
 
 
 def test_check_parameters_on_a_class_init():

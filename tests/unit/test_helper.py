@@ -642,7 +642,7 @@ def test_failure_at_every_graph_rolls_everything_back(probe, memory, collections
 
     stats = helper.capture_stats
     assert stats.graphs == 0 and stats.pool_bytes == 0 and stats.layers == sum(layout)
-    assert re.match(rf"layer {failing_layer}: RuntimeError: fake CUDA error: capture of graph {k} failed$",
+    assert re.match(rf"layer {failing_layer} \(forward\): RuntimeError: fake CUDA error: capture of graph {k} failed$",
                     stats.failure)
     (scope,) = session.report().scopes
     assert scope.failure == stats.failure
@@ -666,7 +666,7 @@ def test_failure_in_warmup_names_the_layer_and_rolls_back(probe, memory):
     before = Snapshot(model, backend, helper)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FakeLayer, "_te_cuda_graph_capture", failing)
-        with pytest.raises(CaptureFailedError, match=r"failed in layer 2: RuntimeError: warmup blew up"):
+        with pytest.raises(CaptureFailedError, match=r"failed in layer 2 \(forward\): RuntimeError: warmup blew up"):
             helper.create_cudagraphs()
     assert backend.graphs == [] and backend.captured_layers == []
     before.assert_restored(model, backend, helper)
@@ -834,8 +834,8 @@ def test_injected_failure_inside_the_capture_of_callable_j(probe, memory, layout
     with pytest.raises(CaptureFailedError) as info:
         helper.create_cudagraphs()
     assert isinstance(info.value.__cause__, InjectedCaptureFailure)
-    assert f"injected failure inside the capture of layer {j}" in str(info.value)
-    assert re.search(rf"failed in layer {j}:", str(info.value))
+    assert f"injected failure inside the capture of layer {j} (forward)" in str(info.value)
+    assert re.search(rf"failed in layer {j} \(forward\):", str(info.value))
 
     # Every warmup call (not capturing) went through, callable j's included.
     n = sum(layout) * microbatches
@@ -857,13 +857,13 @@ def test_capture_tracker_injects_only_while_capturing():
     assert tracker.current is None
 
     assert layers[1]._te_cuda_graph_capture(hidden(), attention_mask=mask()) == (SEQ, MBS, HIDDEN)  # warmup
-    assert tracker.current == "layer 2" and layers[1].capture_calls == 1
+    assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1
     capturing[0] = True
     layers[0]._te_cuda_graph_capture(hidden())  # another layer, capturing: runs
-    assert tracker.current == "layer 1"
-    with pytest.raises(InjectedCaptureFailure, match="inside the capture of layer 2"):
+    assert tracker.current == "layer 1 (forward)"
+    with pytest.raises(InjectedCaptureFailure, match=r"inside the capture of layer 2 \(forward\)"):
         layers[1]._te_cuda_graph_capture(hidden())
-    assert tracker.current == "layer 2" and layers[1].capture_calls == 1  # the body did not run
+    assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1  # the body did not run
 
     for item, snapshot in reversed(snapshots):
         item.restore(snapshot)
@@ -874,6 +874,95 @@ def test_injection_beyond_the_last_callable_never_fires(probe, memory):
     session, backend, model, helper = build(probe, layout=(2,), inject_capture_failure=3)
     helper.create_cudagraphs()
     assert helper.graphs_created() and helper.capture_stats.failure is None
+
+
+
+# ====================================================================== 3b. which layer's backward failed
+
+
+class GradFakeLayer(FakeLayer):
+    """A layer whose capture entry returns outputs autograd runs backward from, as Megatron's does:
+    a tuple with one output that takes a gradient, one that takes none, and None."""
+
+    def _te_cuda_graph_capture(self, hidden_states, attention_mask=None, **kwargs):
+        self.capture_calls += 1
+        return hidden_states * self.weight, hidden_states.detach(), None
+
+
+class BankedGradFakeLayer(GradFakeLayer):
+    graph_banks = True  # what banked_layer_class marks
+
+
+class ForwardsThenBackwardsBackend(FakeTEBackend):
+    """TE's capture order: every callable's forward through its capture entry, then their backwards
+    in reverse order. ``outputs`` keeps what each forward returned (TE's static outputs)."""
+
+    def make_graphed_callables(self, callables, sample_args, **kwargs):
+        order = self._order(list(callables), len(sample_args), kwargs["_num_layers_per_chunk"])
+        sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
+        self.outputs = []
+        self._capturing = True
+        try:
+            for i, layer in enumerate(order):
+                self._new_graph(i)
+                self.outputs.append(layer._te_cuda_graph_capture(*sample_args[i], **sample_kwargs[i]))
+            for output in reversed(self.outputs):
+                output[0].backward(torch.ones_like(output[0]))
+        finally:
+            self._capturing = False
+        return [FakeGraphedCallable(i, layer, graph) for i, (layer, graph) in enumerate(zip(order, self.graphs))]
+
+
+def _failing_grad_hook(grad):
+    raise RuntimeError("a user's gradient hook raised")
+
+
+def _hooks_left(outputs) -> list:
+    """Tensor hooks still attached to the capture outputs that take a gradient."""
+    return [hook for output in outputs for hook in (output[0]._backward_hooks or {}).values()]
+
+
+@pytest.mark.parametrize("mode", ["raise", "eager"])
+def test_a_failure_in_a_backward_capture_names_that_layer_and_leaves_no_hook(probe, memory, mode):
+    backend = ForwardsThenBackwardsBackend(memory=memory)
+    session, backend, model, helper = build(probe, layout=(4,), classes=(GradFakeLayer,), backend=backend,
+                                            on_capture_error=mode)
+    handle = all_layers(model)[2].weight.register_hook(_failing_grad_hook)  # in layer 3's backward
+    try:
+        with pytest.raises(CaptureFailedError) if mode == "raise" else contextlib.nullcontext() as info:
+            helper.create_cudagraphs()
+    finally:
+        handle.remove()
+    # Every forward ran before layer 4's backward and layer 3's: the last forward is not blamed.
+    assert [layer.capture_calls for layer in all_layers(model)] == [1, 1, 1, 1]
+    failure = "layer 3 (backward): RuntimeError: a user's gradient hook raised"
+    assert helper.capture_stats.failure == failure
+    if mode == "raise":
+        assert f"failed in {failure}" in str(info.value)
+    assert len(backend.outputs) == 4 and _hooks_left(backend.outputs) == []  # removed with the transaction
+    assert all("_te_cuda_graph_capture" not in vars(layer) for layer in all_layers(model))
+
+
+def test_a_successful_capture_leaves_no_hook_on_its_outputs(probe, memory):
+    backend = ForwardsThenBackwardsBackend(memory=memory)
+    session, backend, model, helper = build(probe, layout=(2, 1), classes=(GradFakeLayer,), backend=backend)
+    helper.create_cudagraphs()
+    assert helper.graphs_created() and helper.capture_stats.failure is None
+    assert len(backend.outputs) == 3 and _hooks_left(backend.outputs) == []
+
+
+def test_capture_tracker_names_the_backward_autograd_reaches():
+    layers = all_layers(make_model([2], classes=(GradFakeLayer,)))
+    tracker = _CaptureTracker(layers, inject_at=None, is_capturing=lambda: True)
+    tracker.install()
+    first, second = (layer._te_cuda_graph_capture(hidden()) for layer in layers)
+    assert tracker.current == "layer 2 (forward)"
+    first[0].sum().backward()
+    assert tracker.current == "layer 1 (backward)"
+    tracker.uninstall()
+    second[0].sum().backward()  # the hook is gone: nothing is named any more
+    assert tracker.current == "layer 1 (backward)"
+    assert _hooks_left([first, second]) == [] and all("_te_cuda_graph_capture" not in vars(layer) for layer in layers)
 
 
 # ====================================================================== 4. replay contracts
@@ -1192,7 +1281,8 @@ def test_eager_mode_refusal_after_a_failure_keeps_the_layer_and_cudas_error(prob
     loss = (all_layers(model)[0].weight * 2).sum()
     helper.create_cudagraphs()
     failure = helper.capture_stats.failure
-    assert failure.startswith("refused after a failed capture (layer 1: RuntimeError: CUDA error: operation would")
+    assert failure.startswith("refused after a failed capture (layer 1 (forward): RuntimeError: CUDA error: "
+                              "operation would")
     assert "'loss'" in failure
     del loss
 
@@ -1258,7 +1348,7 @@ def test_failed_capture_shows_in_the_report_table(probe, memory):
     session, backend, model, helper = build(probe, layout=(2,), backend=backend, on_capture_error="eager")
     helper.create_cudagraphs()
     text = session.report().format_table()
-    assert ("  layer: capture failed and was rolled back: layer 2: RuntimeError: fake CUDA error: "
+    assert ("  layer: capture failed and was rolled back: layer 2 (forward): RuntimeError: fake CUDA error: "
             "capture of graph 2 failed") in text.splitlines()
     assert "after teardown" not in text
 
@@ -1301,7 +1391,7 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
                             on_capture_error=on_error)
     helper.config.max_seqlen_per_dp_cp_rank = 256
     if on_error == "raise":
-        with pytest.raises(CaptureFailedError, match="graph bank capture failed: RuntimeError: NCCL went away"):
+        with pytest.raises(CaptureFailedError, match="graph bank capture failed in the capture's setup, before any layer ran: RuntimeError: NCCL went away"):
             helper.create_cudagraphs()
     else:
         helper.create_cudagraphs()
@@ -1309,6 +1399,31 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
     assert (seen["capacity"].tokens_per_rank, seen["capacity"].max_seqs) == (256, 3)
     assert not helper.graphs_created() and helper.capture_finished()  # no retry every step
     assert "NCCL went away" in helper.capture_stats.failure and helper.capture_stats.graphs == 0
+
+
+def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, monkeypatch):
+    import megatron_cg_plugin.capture.banked as banked
+
+    outputs = []
+
+    def capture_banks(layers, groups, capacity, **kwargs):  # each layer's forward and backward back to back
+        for layer in layers:
+            outputs.append(layer._te_cuda_graph_capture(hidden()))
+            outputs[-1][0].sum().backward()
+
+    monkeypatch.setattr(banked, "capture_banks", capture_banks)
+    _, _, model, helper = build(probe, layout=(3,), classes=(BankedGradFakeLayer,), graph_banks=True, thd_max_seqs=3)
+    helper.config.max_seqlen_per_dp_cp_rank = 256
+    handle = all_layers(model)[1].weight.register_hook(_failing_grad_hook)
+    try:
+        with pytest.raises(CaptureFailedError, match=r"graph bank capture failed in layer 2 \(backward\): "
+                                                     "RuntimeError: a user's gradient hook raised"):
+            helper.create_cudagraphs()
+    finally:
+        handle.remove()
+    assert helper.capture_stats.failure == "layer 2 (backward): RuntimeError: a user's gradient hook raised"
+    assert len(outputs) == 2 and _hooks_left(outputs) == []
+    assert all("_te_cuda_graph_capture" not in vars(layer) for layer in all_layers(model))
 
 
 def test_capture_shows_the_session_the_built_models_config_first(probe):

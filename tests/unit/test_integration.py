@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import inspect
 import subprocess
@@ -845,6 +846,64 @@ def test_install_refuses_a_private_method_whose_parameters_changed(monkeypatch):
     monkeypatch.setattr(transformer_layer.TransformerLayer, "_forward_attention", lambda self, hidden_states: None)
     with pytest.raises(SignatureMismatchError, match="attention_mask"):
         integration.install()
+    assert_pristine()
+
+
+def _users_patch(method):
+    """A user's own patch of a Megatron method, made without functools.wraps."""
+    def patched(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    return patched
+
+
+@pytest.mark.parametrize("module, owner, name", [
+    ("megatron.core.transformer.transformer_layer", "TransformerLayer", "_forward_attention"),  # its parameters
+    ("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", "create_cudagraphs"),  # the calls it makes
+])
+def test_install_takes_a_private_method_wrapped_with_functools_wraps(monkeypatch, module, owner, name):
+    cls = getattr(importlib.import_module(module), owner)
+    method = getattr(cls, name)
+    monkeypatch.setattr(cls, name, functools.wraps(method)(_users_patch(method)))
+    assert integration.install() is integration.active_session()  # checked through __wrapped__
+
+
+def test_install_names_a_private_method_wrapped_by_a_users_patch(monkeypatch):
+    from megatron.core.transformer import transformer_layer
+
+    method = transformer_layer.TransformerLayer._forward_attention
+    monkeypatch.setattr(transformer_layer.TransformerLayer, "_forward_attention", _users_patch(method))
+    with pytest.raises(SignatureMismatchError) as info:
+        integration.install()
+    message = str(info.value)
+    assert f"Found {__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped" in message
+    assert "build differs" not in message
+    assert_pristine()
+
+
+def test_install_names_a_wrapped_create_cudagraphs_whose_calls_it_cannot_see(monkeypatch):
+    from megatron.core.transformer import cuda_graphs
+
+    method = cuda_graphs.TECudaGraphHelper.create_cudagraphs
+    monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "create_cudagraphs", _users_patch(method))
+    with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables.* Found "
+                       f"{__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped"):
+        integration.install()
+    assert_pristine()
+
+
+def test_install_names_a_wrapped_mtp_logging_method(monkeypatch):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    def track_mtp_metrics(*args, **kwargs):  # a user's patch without functools.wraps
+        pass
+
+    monkeypatch.setattr(MTPLossLoggingHelper, "track_mtp_metrics", staticmethod(track_mtp_metrics))
+    with pytest.raises(SignatureMismatchError) as info:
+        integration.install()
+    message = str(info.value)
+    assert "track_mtp_metrics no longer takes parameter(s) loss_scale, iteration, total_loss_dict" in message
+    assert f"Found {__name__}.{track_mtp_metrics.__qualname__}, defined outside megatron-core" in message
     assert_pristine()
 
 
