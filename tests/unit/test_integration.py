@@ -241,10 +241,10 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
     assert tapped.track_mtp_metrics(0.5, 7, None, None, totals) == "Megatron's result"
     assert totals == {"lm loss": 9.0, "mtp_1 loss": 5.5, "mtp_2 loss": 2.5}  # Megatron's dict as it would be
     session.on_training_log(iteration=7, loss_dict={"lm loss": 2.0})
-    values = session.recorder.golden().metrics
+    values = session.metrics().metrics
     assert values["mtp_1 loss"].values == {7: 1.5} and values["mtp_2 loss"].values == {7: 2.5}
     session.on_training_log(iteration=8, loss_dict={"lm loss": 2.0})  # no MTP this time: nothing carried over
-    assert 8 not in session.recorder.golden().metrics["mtp_1 loss"].values
+    assert 8 not in session.metrics().metrics["mtp_1 loss"].values
     patches._build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
 
 
@@ -526,7 +526,7 @@ def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
     session = RunSession(None, probe=probe, clock=clock)
     PatchSet((tap,)).apply_all(session)
     target.training_log(*POSITIONAL)
-    golden = session.recorder.golden()
+    golden = session.metrics()
     assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
     assert dict(golden.metrics["num-zeros"].values) == {7: 123.0}
 
