@@ -23,7 +23,10 @@ SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
 OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w([0-9]+))?(?:-f([0-9]+))?")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
-ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
+# The plugin's helper with the session's per-step recording as a run does it (train_step timer,
+# training_log values): beside plugin, what recording the metrics and report costs.
+RECORDING_ARM = "plugin-recording"
+ALL_ARMS = ARMS + (UNCHECKED_ARM, RECORDING_ARM) + SLOT_ARMS
 
 
 def is_slot_arm(arm: str) -> bool:

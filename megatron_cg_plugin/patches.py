@@ -141,7 +141,9 @@ def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
     return validate_args
 
 
-def _build_train_step_timer(original: Callable, session: Any) -> Callable:
+def build_train_step_timer(original: Callable, session: Any) -> Callable:
+    """Marks each iteration's start (the bench's plugin-recording arm wraps its steps the same way)."""
+
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
@@ -242,7 +244,7 @@ PATCHES: tuple[Patch, ...] = (
         reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
         "there (the host clock only, no device synchronize) times every iteration of any script from its start "
         "to the next one's, as Megatron's interval timer does, for the metrics and the report.",
-        build=_build_train_step_timer,
+        build=build_train_step_timer,
         expected_params=("forward_step_func", "data_iterator", "model"),
     ),
     Patch(

@@ -695,7 +695,7 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
 def test_train_step_timer_marks_each_iteration(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     calls = []
-    step = patches._build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
+    step = patches.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
     assert step(1, data_iterator=2) == "stepped" and calls == [((1,), {"data_iterator": 2})]
     clock.advance(0.5)
     session.on_training_log(iteration=1, loss_dict={})
