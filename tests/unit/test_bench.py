@@ -499,7 +499,7 @@ def test_the_recording_arm_runs_interleaved_and_its_ratio_to_plugin_is_in_the_ta
     written = bench_output.write(result, tmp_path, with_plot=False)
     table = written[1].read_text()
     assert "| plugin-recording / plugin | 1.01 [" in table and "| plugin-recording |" in table
-    assert "plugin-recording/plugin" in json.loads(written[0].read_text())["ratios"]
+    assert "plugin-recording/plugin" in json.loads(written[0].read_text())["ratio_precision"]
 
 
 class _FakeMegatronHelper:
@@ -578,3 +578,17 @@ def test_the_recording_arm_takes_the_loss_dict_and_num_zeros_from_train_steps_re
     with pytest.raises(BenchError, match="another shape than 0.19.2's eight values: install the supported"):
         bench.logged_values(({"lm loss": 2.0}, 0, False, False, 0, 1.5, 42.0))
 
+
+def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_percent():
+    from megatron_cg_plugin.plan.bench import median_precision
+
+    result, *_ = bench_with_fakes(rounds=6)  # 3 pairs
+    ratios = result.summary().ratios["plugin", "stock"]
+    found = median_precision(ratios.values, bench_output.RATIO_WIDTH)
+    table = bench_output.markdown(result)
+    assert "| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) | rounds for +-1% |" in table
+    assert f"| plugin / stock | {ratios.format()} | +-{found.half_width:.1%} | ~{found.rounds_needed} |" in table
+    assert bench_output.to_json(result)["ratio_precision"]["plugin/stock"]["pairs_needed"] == found.pairs_needed
+    one_pair, *_ = bench_with_fakes(rounds=2)
+    assert "| - (one pair) | - |" in bench_output.markdown(one_pair)
+    assert bench_output.to_json(one_pair)["ratio_precision"] == {}
