@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.plan.bench import BenchSummary, Block, CopyStalls, Spread, summarize
+from megatron_cg_plugin.plan.bench import BenchSummary, Block, CopyStalls, Spread, median_precision, summarize
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
@@ -23,7 +23,12 @@ SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
 OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w([0-9]+))?(?:-f([0-9]+))?")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
-ALL_ARMS = ARMS + (UNCHECKED_ARM,) + SLOT_ARMS
+# The plugin's helper with the session's per-step recording as a run does it (train_step timer,
+# training_log values): beside plugin, what recording the metrics and report costs.
+RECORDING_ARM = "plugin-recording"
+ALL_ARMS = ARMS + (UNCHECKED_ARM, RECORDING_ARM) + SLOT_ARMS
+# The width each ratio's median is to be known to: +-1% tells 1.02 from 1.00.
+RATIO_WIDTH = 0.02
 
 
 def is_slot_arm(arm: str) -> bool:
@@ -100,6 +105,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "skip_steps": result.skip_steps,
         "step_seconds": {arm: spread(value) for arm, value in summary.arms.items()},
         "ratios": {f"{a}/{b}": spread(value) for (a, b), value in summary.ratios.items()},
+        "ratio_precision": {f"{a}/{b}": dataclasses.asdict(found) for (a, b), value in summary.ratios.items()
+                            if (found := median_precision(value.values, RATIO_WIDTH)) is not None},
         "capture_seconds": {arm: spread(v) for arm, v in result.per_arm("capture_seconds").items()},
         "pool_bytes": {arm: spread(v) for arm, v in result.per_arm("pool_bytes").items()},
         "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
@@ -140,10 +147,12 @@ def markdown(result: BenchResult) -> str:
             total = c["d2h_seconds"] + c["h2d_seconds"]
             lines.append(f"| {arm} | {c['d2h_seconds'] * 1e3:.2f} | {c['h2d_seconds'] * 1e3:.2f} | "
                          f"{c['copy_overlap_seconds'] / total:.0%} |")
-    lines += ["", "| ratio | median [spread] over pairs of mirrored rounds |", "| --- | --- |"]
+    lines += ["", f"| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) "
+              f"| rounds for +-{RATIO_WIDTH * 50:g}% |", "| --- | --- | --- | --- |"]
     for a, b in _ordered_pairs(arms):
         if (a, b) in summary.ratios:
-            lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} |")
+            lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} | "
+                         f"{_precision_cells(median_precision(summary.ratios[a, b].values, RATIO_WIDTH))} |")
     if result.contract_check_us:
         per_step = result.replays_per_step
         lines += ["", "| --cg-contract-check | host us per layer replay | per step |", "| --- | --- | --- |"]
@@ -151,6 +160,13 @@ def markdown(result: BenchResult) -> str:
             lines.append(f"| {mode} | {micros:.1f} | "
                          f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |")
     return "\n".join(lines)
+
+
+def _precision_cells(found: Any) -> str:
+    """``+-x%`` and ``~N`` (``--bench-rounds`` for ``RATIO_WIDTH``); ``-`` from one pair."""
+    if found is None:
+        return "- (one pair) | -"
+    return f"+-{found.half_width:.1%} | ~{found.rounds_needed}"
 
 
 def _ordered_pairs(arms: Sequence[str]) -> list[tuple[str, str]]:

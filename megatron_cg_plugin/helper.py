@@ -177,6 +177,7 @@ class PluginHelperMixin:
         return items + tracker.restorables()
 
     def create_cudagraphs(self) -> None:
+        self.session.mark_capture_start()  # capture runs between iterations: no step's time
         if not self.flattened_callables:
             return super().create_cudagraphs()  # Megatron warns and finishes the phase
         self.session.model_config_seen(self.config)

@@ -141,7 +141,9 @@ def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
     return validate_args
 
 
-def _build_train_step_timer(original: Callable, session: Any) -> Callable:
+def build_train_step_timer(original: Callable, session: Any) -> Callable:
+    """Marks each iteration's start (the bench's plugin-recording arm wraps its steps the same way)."""
+
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
@@ -240,8 +242,9 @@ PATCHES: tuple[Patch, ...] = (
         module="megatron.training.training",
         attribute="train_step",
         reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
-        "there times every iteration of any script for the report (the training_log tap marks the end).",
-        build=_build_train_step_timer,
+        "there (the host clock only, no device synchronize) times every iteration of any script from its start "
+        "to the next one's, as Megatron's interval timer does, for the metrics and the report.",
+        build=build_train_step_timer,
         expected_params=("forward_step_func", "data_iterator", "model"),
     ),
     Patch(
@@ -270,9 +273,9 @@ PATCHES: tuple[Patch, ...] = (
         name="training-log-tap",
         module="megatron.training.training",
         attribute="training_log",
-        reason="the per-iteration lm loss (reduced over DP), num-zeros and iteration boundary are "
-        "only available here; the tap records them for golden values and the run report and "
-        "then calls Megatron's logger unchanged.",
+        reason="the per-iteration lm loss (reduced over DP) and num-zeros are only available here; after "
+        "Megatron's logger ran unchanged, the tap hands them to the session, which keeps device tensors as "
+        "they are and reads them in batches (no per-step synchronize), for golden values and the run report.",
         build=_build_training_log_tap,
         expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
     ),

@@ -2,8 +2,13 @@
 the report and files written when the run ends.
 
 The session is fed by the hooks (the ``train_step`` timer marks an iteration's start, the
-``training_log`` tap its end) and never reaches into Megatron itself; device access goes through a
-small ``DeviceProbe`` so the bookkeeping is tested on CPU.
+``training_log`` tap hands over its values) and never reaches into Megatron itself; device access
+goes through a small ``DeviceProbe`` so the bookkeeping is tested on CPU.
+
+Recording costs the step nothing on the device: no hook synchronizes, and values Megatron hands
+over as device tensors (the loss) are kept as they are and read to the host in one go every
+``read_every`` iterations and when the run ends. Step time is the host's wall clock from one
+``train_step`` start to the next (``IterationRecord``).
 """
 
 from __future__ import annotations
@@ -14,25 +19,20 @@ from typing import Any, Callable, Mapping, Protocol
 
 from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.golden import MetricsRecorder
+from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
 from megatron_cg_plugin.plan.moe import uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
 
 
 class DeviceProbe(Protocol):
-    def synchronize(self) -> None: ...
     def memory_allocated(self) -> int: ...
     def max_memory_allocated(self) -> int: ...
     def is_rank0(self) -> bool: ...
 
 
 class CudaProbe:
-    """The real device: synchronizes so wall-clock step times cover the GPU work."""
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
+    """The real device, through the caching allocator's counters: host-side, so reading them
+    waits for nothing on the device."""
 
     def memory_allocated(self) -> int:
         import torch
@@ -52,9 +52,41 @@ class CudaProbe:
 
 @dataclasses.dataclass(frozen=True)
 class IterationRecord:
+    """One logged iteration. ``seconds`` is its time as Megatron's ``interval-time`` timer gives
+    it per iteration (its TensorBoard ``iteration-time``): host wall clock from this iteration's
+    ``train_step`` start to the next one's. Nothing here synchronizes: Megatron's step itself waits
+    for the device (its optimizer reads the grad norm, and train_step the reduced grad norm and the
+    loss scale, to the host), so in steady state the step's GPU work is done before the next start.
+    It ends earlier where a graph capture starts before the next iteration (capture is no step's
+    time; the report gives it apart), and at its own ``training_log`` when no next start comes (the
+    run's last iteration: the loss reduction launched after Megatron's last host read is left out).
+    Unlike Megatron's timer it includes an evaluation or checkpoint save run after the step
+    (Megatron stops its timer for those). None when the start was not marked (no train_step
+    timer)."""
+
     iteration: int
-    seconds: float | None  # None when the start was not marked (no train_step timer)
+    seconds: float | None
     graphed: bool
+
+
+@dataclasses.dataclass
+class _Logged:
+    """One ``training_log`` call: its iteration's start and the host clock at the call, the next
+    iteration's start once it comes, and the values as Megatron handed them (device tensors until
+    ``RunSession`` reads them)."""
+
+    iteration: int
+    graphed: bool
+    start: float | None
+    logged_at: float
+    values: dict[str, Any]
+    end: float | None = None  # the next iteration's start, or the start of a capture before it
+
+    @property
+    def seconds(self) -> float | None:
+        if self.start is None:
+            return None
+        return (self.logged_at if self.end is None else self.end) - self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +121,8 @@ def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
 class RunSession:
     def __init__(self, config: PluginConfig | Callable[[], PluginConfig] | None = None, *,
                  probe: DeviceProbe | None = None,
-                 clock: Callable[[], float] = time.perf_counter, launcher: bool = False) -> None:
+                 clock: Callable[[], float] = time.perf_counter, launcher: bool = False,
+                 read_every: int = 1000) -> None:
         # A callable defers the config until first use: install() may run before Megatron has
         # parsed the --cg-* flags (Megatron's validate_args then resolves it, see resolve_config).
         self._explicit = config if isinstance(config, PluginConfig) else None
@@ -98,11 +131,16 @@ class RunSession:
         self.launcher = launcher  # the plugin's launcher feeds the data: its own rules apply
         self.probe: DeviceProbe = probe or CudaProbe()
         self.clock = clock
-        self.recorder = MetricsRecorder()
-        self.iterations: list[IterationRecord] = []
+        if read_every < 1:
+            raise ValueError(f"read_every={read_every}: read the kept device values every 1 or more iterations.")
+        # Each kept device value holds a small allocator block (512 bytes) until it is read, and a
+        # read synchronizes once: every 1000 iterations bounds the one and amortizes the other.
+        self.read_every = read_every
         self.helpers: list[Any] = []
+        self._logged: list[_Logged] = []
+        self._read_upto = 0  # _logged[:_read_upto] hold host numbers only
         self._iteration_start: float | None = None
-        self._pending_mtp: dict[str, float] = {}  # this iteration's mtp_N loss, until training_log records it
+        self._pending_mtp: dict[str, Any] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
         self.predicted_graph_memory: Any = None  # plan.graph_memory.GraphMemoryPlan, set by the rules' check
         # model config -> the prediction for it (set by the rules' check; None there: not predicted)
@@ -149,40 +187,75 @@ class RunSession:
 
     def mark_iteration_start(self) -> None:
         """Called as each iteration starts (and by any caller per microbatch); only the first of an
-        iteration counts."""
+        iteration counts. It reads the host clock only: it ends the iteration logged before."""
         if self._iteration_start is None:
-            self.probe.synchronize()
-            self._iteration_start = self.clock()
+            now = self.clock()
+            self._end_last_iteration(now)
+            self._iteration_start = now
+
+    def mark_capture_start(self) -> None:
+        """A graph capture starts (Megatron captures between iterations, before the train_step of
+        the first graphed one): the iteration logged before ends here, so no step carries it."""
+        if self._iteration_start is None:
+            self._end_last_iteration(self.clock())
+
+    def _end_last_iteration(self, now: float) -> None:
+        if self._logged and self._logged[-1].end is None:
+            self._logged[-1].end = now
 
     def on_training_log(self, *, iteration: int, loss_dict: Mapping[str, Any],
                         num_zeros_in_grad: Any = None) -> None:
+        """The iteration's values as Megatron's ``training_log`` gets them; device tensors are kept
+        (detached), not read: Megatron builds each iteration's loss as a new tensor and neither
+        it nor training_log writes to it afterwards (0.19.2 train_step and training_log)."""
         self.config  # resolve a deferred config at the first iteration at the latest
-        self.probe.synchronize()
-        now = self.clock()
-        seconds = None if self._iteration_start is None else now - self._iteration_start
-        self._iteration_start = None
-        graphed = any(helper.graphs_created() for helper in self.helpers)
-        self.iterations.append(IterationRecord(iteration, seconds, graphed))
-
-        values: dict[str, float] = {
+        if self._logged and iteration <= self._logged[-1].iteration:
+            raise ValueError(f"training_log at iteration {iteration} after iteration {self._logged[-1].iteration}: "
+                             "iterations must increase; log each iteration once, in order.")
+        values: dict[str, Any] = {
             "mem-allocated-bytes": float(self.probe.memory_allocated()),
             "mem-max-allocated-bytes": float(self.probe.max_memory_allocated()),
         }
         if "lm loss" in loss_dict:
-            values["lm loss"] = _as_float(loss_dict["lm loss"])
+            values["lm loss"] = _kept(loss_dict["lm loss"])
         if num_zeros_in_grad is not None:
-            values["num-zeros"] = _as_float(num_zeros_in_grad)
-        if seconds is not None:
-            values["iteration-time"] = seconds
+            values["num-zeros"] = _kept(num_zeros_in_grad)
         values.update(self._pending_mtp)  # recorded inside this training_log call (patch mtp-loss-tap)
         self._pending_mtp = {}
-        self.recorder.record(iteration, values)
+        graphed = any(helper.graphs_created() for helper in self.helpers)
+        self._logged.append(_Logged(iteration, graphed, self._iteration_start, self.clock(), values))
+        self._iteration_start = None
+        if len(self._logged) - self._read_upto >= self.read_every:
+            self._read()
 
     def on_mtp_losses(self, losses: Mapping[str, Any]) -> None:
         """The iteration's multi-token-prediction losses (``mtp_1 loss`` ...), kept for its record."""
-        self._pending_mtp.update({name: _as_float(value) for name, value in losses.items()})
+        self._pending_mtp.update({name: _kept(value) for name, value in losses.items()})
+
+    def _read(self) -> None:
+        """Reads every kept device value to the host (each read waits for the device)."""
+        for logged in self._logged[self._read_upto:]:
+            logged.values = {name: _as_float(value) for name, value in logged.values.items()}
+        self._read_upto = len(self._logged)
 
     # -- results -----------------------------------------------------------------------------
+    @property
+    def iterations(self) -> list[IterationRecord]:
+        """Every logged iteration with its time so far (the last one's may still grow: it ends at
+        the next start)."""
+        return [IterationRecord(logged.iteration, logged.seconds, logged.graphed) for logged in self._logged]
+
+    def metrics(self) -> GoldenValues:
+        """The run's per-iteration metrics in Megatron's golden-values schema (``iteration-time``:
+        ``IterationRecord.seconds``). Reads the values still on the device first."""
+        self._read()
+        recorder = MetricsRecorder()
+        for logged in self._logged:
+            seconds = logged.seconds
+            recorder.record(logged.iteration, logged.values if seconds is None else
+                            {**logged.values, "iteration-time": seconds})
+        return recorder.golden()
+
     def report(self) -> RunReport:
         eager = [r.seconds for r in self.iterations if not r.graphed and r.seconds is not None]
         graphed = [r.seconds for r in self.iterations if r.graphed and r.seconds is not None]
@@ -235,14 +308,20 @@ class RunSession:
         if self._finished is not None:
             return self._finished
         report = self._finished = self.report()
+        self._read()  # the run is over: the kept device values are read (and freed) on every rank
         if self.probe.is_rank0():
             if self.config.metrics_out is not None:
-                self.recorder.golden().save(self.config.metrics_out)
+                self.metrics().save(self.config.metrics_out)
             if self.config.report_out is not None:
                 report.save(self.config.report_out)
             if self.config.print_report:
                 print_fn(report.format_table())
         return report
+
+
+def _kept(value: Any) -> Any:
+    """A device value as it is, without its autograd graph (detaching reads nothing)."""
+    return value.detach() if callable(getattr(value, "detach", None)) else value
 
 
 def _as_float(value: Any) -> float:

@@ -6,7 +6,8 @@ The launcher builds Megatron's model, optimizer and data from the flags and ente
 ``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
 ``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's without replay
-checks for ``plugin-no-check``, the plugin's with slot-shared
+checks for ``plugin-no-check``, the plugin's with the session's per-step recording for
+``plugin-recording``, the plugin's with slot-shared
 capture for ``slot``, with offload too for ``slot-offload`` (copies inside the graphs),
 ``slot-offload-staged`` (copies between replays), each also as ``<arm>-w<N>``, with
 ``--cg-offload-window N``, and with ``-f<P>``, offloading as ``--activation-offload-fraction P/100``
@@ -27,9 +28,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import (
-    ALL_ARMS, ARMS, OFFLOAD_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
+    ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.config import CONTRACT_CHECKS
+from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.plan.bench import (
     Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
 )
@@ -215,13 +217,14 @@ class MegatronTrainer:
         if getattr(plugin, "session", None) is None:
             raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
         from megatron_cg_plugin.helper import bind_helper_class
-        from megatron_cg_plugin.session import RunSession
 
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
         unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check="off"))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
+        self.recording: RunSession | None = None  # the plugin-recording block's session, while it runs
+        self._recorded_step: Callable[..., Any] | None = None
 
     def helper_class(self, arm: str) -> Any:
         """The helper class of ``arm``; slot arms are bound at their first capture."""
@@ -242,21 +245,43 @@ class MegatronTrainer:
 
     def step(self) -> None:
         self.args.curr_iteration = self.iteration
-        self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+        if self.recording is None:
+            self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+        else:  # what a run's train-step-timer and training-log-tap patches call, and nothing more
+            self.last = self._recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+            loss_dict, num_zeros_in_grad = logged_values(self.last)
+            # train() logs the iteration counted after the step (training.py l.3986, iteration += 1 before it)
+            self.recording.on_training_log(iteration=self.iteration + 1, loss_dict=loss_dict,
+                                           num_zeros_in_grad=num_zeros_in_grad)
         self.iteration += 1
 
     def capture(self, arm: str) -> Any:
-        helper = self.helper_class(arm)(model=self.model, config=self.config, seq_length=self.args.seq_length,
-                                   micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
+        helper_class = self._recording_block() if arm == RECORDING_ARM else self.helper_class(arm)
+        helper = helper_class(model=self.model, config=self.config, seq_length=self.args.seq_length,
+                              micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
         helper.create_cudagraphs()
         if not helper.graphs_created():
             raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
                              "did the capture fail? see the log above).")
         return helper
 
+    def _recording_block(self) -> type:
+        """The plugin-recording arm's block: a session of its own with the run's config (a run has
+        one session and one helper), the plugin's helper reporting to it, and Megatron's train_step
+        wrapped by the train-step-timer patch's code for it; ``step`` then hands it the values the
+        training_log tap would. Its session is never finished: no file is written. (Every arm's
+        step also passes the installed timer of the run's own session, whose mark is a no-op after
+        the bench's first step: no training_log runs inside the bench to end that iteration.)"""
+        from megatron_cg_plugin.helper import bind_helper_class
+
+        self.recording = RunSession(self._session.config)
+        self._recorded_step = patches.build_train_step_timer(self.train_step, self.recording)
+        return bind_helper_class(self._te_helper, self.recording)
+
     def release(self, helper: Any) -> None:
         if helper is not None and helper.graphs_created():
             helper.delete_cuda_graphs()
+        self.recording = self._recorded_step = None
 
     def synchronize(self) -> None:
         self.torch.cuda.synchronize()
@@ -268,6 +293,16 @@ class MegatronTrainer:
 
     def pool_bytes(self) -> dict:
         return diagnostics.memory_state().pools
+
+
+def logged_values(step_result: Any) -> tuple[Any, Any]:
+    """The loss dict and num-zeros of a ``train_step`` result, which train() hands training_log."""
+    try:  # 0.19.2: loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros, logit
+        loss_dict, _skipped, _checkpoint, _exit, _code, _grad_norm, num_zeros_in_grad, _logit = step_result
+    except (TypeError, ValueError):
+        raise BenchError(f"Megatron's train_step returned {type(step_result).__name__} of another shape than "
+                         "0.19.2's eight values: install the supported megatron-core (docs/versions.md).") from None
+    return loss_dict, num_zeros_in_grad
 
 
 def cycled_microbatches(data_iterator: Any, count: int) -> Any:

@@ -7,7 +7,8 @@ each arm once, in the arms' order in even rounds and reversed in odd ones. Over 
 every two arms then sit at mirrored places, so a drift that is linear over the pair cancels from
 their ratio. An arm's figure is the median of its block medians, quoted with their spread; a ratio
 of two arms is the geometric mean of its two per-round ratios in each pair of rounds, and its
-median and spread over the pairs.
+median and spread over the pairs. ``median_precision`` says how closely that median is known, and
+how many pairs would pin it to a given width.
 """
 
 from __future__ import annotations
@@ -85,6 +86,60 @@ def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int =
             if paired:
                 ratios[(a, b)] = Spread.of(paired)
     return BenchSummary(per_arm, ratios)
+
+
+Z95 = 1.959964  # the normal distribution's two-sided 95% quantile
+MEDIAN_SE = math.sqrt(math.pi / 2)  # the median's standard error over the mean's, for normal values
+MAD_TO_SIGMA = 1.4826  # a normal sample's deviation over its median absolute deviation
+
+
+@dataclasses.dataclass(frozen=True)
+class MedianPrecision:
+    """How closely the median of a ratio's per-pair values is known: the half-width of its ~95%
+    interval (relative: in log ratio), and the pairs of rounds after which it would be at most half
+    of ``width``, at the dispersion seen so far."""
+
+    pairs: int
+    half_width: float
+    width: float
+    pairs_needed: int
+
+    @property
+    def more_pairs(self) -> int:
+        return max(0, self.pairs_needed - self.pairs)
+
+    @property
+    def rounds_needed(self) -> int:
+        """``--bench-rounds`` for ``width``: two rounds a pair."""
+        return 2 * max(self.pairs, self.pairs_needed)
+
+
+def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrecision | None:
+    """From a ratio's per-pair values: the standard error of their median as a normal sample's,
+    sqrt(pi/2) * s / sqrt(n), with s the log ratios' median absolute deviation scaled to a normal
+    deviation (robust, as the median is: one disturbed pair moves neither much; where ties make it
+    0, their sample deviation), and the interval +-1.96 of it. The pairs needed are the fewest (2
+    at least) whose interval, at this s, is at most ``width`` wide. None below 2 values: one pair
+    shows no dispersion. With few pairs s itself is rough, so the count is a first estimate: run
+    that many and ask again."""
+    if not width > 0:
+        raise ValueError(f"width={width}: ask for a positive interval width (0.02 for +-1%).")
+    if any(not value > 0 for value in ratios):
+        raise ValueError(f"ratios must be positive, got {list(ratios)}.")
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(value) for value in ratios]
+    center = statistics.median(logs)
+    sigma = MAD_TO_SIGMA * statistics.median([abs(value - center) for value in logs]) or statistics.stdev(logs)
+    scale = Z95 * MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
+    half_target = width / 2
+    needed = max(2, math.ceil((scale / half_target) ** 2))
+    # The closed form can be one off in floating point: settle it on the half-width as reported.
+    while needed > 2 and scale / math.sqrt(needed - 1) <= half_target:
+        needed -= 1
+    while scale / math.sqrt(needed) > half_target:
+        needed += 1
+    return MedianPrecision(len(ratios), scale / math.sqrt(len(ratios)), width, needed)
 
 
 def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequence[float]],

@@ -6,7 +6,8 @@ import pytest
 
 
 class FakeProbe:
-    """Stands in for ``session.CudaProbe``: counts synchronizations, reports fixed memory."""
+    """Stands in for ``session.CudaProbe``: reports fixed memory, and counts synchronize calls (the
+    session must make none: it records without waiting for the device)."""
 
     def __init__(self, allocated: int = 1_339_286_016, max_allocated: int = 3_418_015_744, rank0: bool = True) -> None:
         self.allocated = allocated

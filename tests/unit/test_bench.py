@@ -18,7 +18,8 @@ from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
 from megatron_cg_plugin.plan.bench import DeviceTime
 
-STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123}
+STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123,
+                "plugin-recording": 0.0127}
 
 
 class FakeTrainer:
@@ -482,3 +483,112 @@ def test_the_timeline_table_reads_each_file_and_names_a_missing_one(tmp_path, ca
     assert "| slot-offload | 2.0 | 1.0 | 1.5 (1.0) | 0.0 (0.0) |" in capsys.readouterr().out
     assert bench_output.main(["--timeline", str(tmp_path / "eager.device_timeline.json.gz")]) == 2
     assert "run megatron-cg bench with --bench-profile-dir" in capsys.readouterr().out
+
+
+def test_the_recording_arm_is_known_and_taken_by_bench_arms():
+    options, _ = parse_bench_argv(["--bench-arms", "plugin,plugin-recording", "--cg-preset", "tiny-gpt"])
+    assert options.arms == ("plugin", "plugin-recording")
+    assert bench_output.RECORDING_ARM == "plugin-recording" and "plugin-recording" in bench_output.ALL_ARMS
+    assert "plugin-recording" not in bench_output.ARMS  # run when asked for, as plugin-no-check
+
+
+def test_the_recording_arm_runs_interleaved_and_its_ratio_to_plugin_is_in_the_table(tmp_path):
+    result, trainer, _, profiled = bench_with_fakes(arms=("stock", "plugin", "plugin-recording"))
+    assert profiled == ["stock", "plugin", "plugin-recording"]
+    assert result.summary().ratios["plugin-recording", "plugin"].median == pytest.approx(0.0127 / 0.0126, rel=2e-3)
+    written = bench_output.write(result, tmp_path, with_plot=False)
+    table = written[1].read_text()
+    assert "| plugin-recording / plugin | 1.01 [" in table and "| plugin-recording |" in table
+    assert "plugin-recording/plugin" in json.loads(written[0].read_text())["ratio_precision"]
+
+
+class _FakeMegatronHelper:
+    """Megatron's TECudaGraphHelper as the bench's trainer drives it, without a model."""
+
+    flattened_callables: list = []
+
+    def __init__(self, **kwargs) -> None:
+        self._created = False
+
+    def create_cudagraphs(self) -> None:
+        self._created = True
+
+    def graphs_created(self) -> bool:
+        return self._created
+
+    def delete_cuda_graphs(self) -> None:
+        self._created = False
+
+
+def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkeypatch, tmp_path):
+    import types
+
+    import megatron.core.transformer.cuda_graphs as cuda_graphs
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    calls = []
+
+    class Watched(RunSession):
+        def mark_iteration_start(self):
+            calls.append((self, "mark"))
+            super().mark_iteration_start()
+
+        def on_training_log(self, **kwargs):
+            calls.append((self, "log", kwargs["iteration"], kwargs["num_zeros_in_grad"]))
+            super().on_training_log(**kwargs)
+
+    run_session = Watched(PluginConfig(metrics_out=tmp_path / "metrics.json"))
+    monkeypatch.setattr(bench, "RunSession", Watched)
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(_FakeMegatronHelper, run_session))
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", _FakeMegatronHelper)  # the stock arm's
+    losses = []
+
+    def train_step(*args, iteration):  # 0.19.2's eight values
+        losses.append(torch.tensor(float(iteration)))
+        return {"lm loss": losses[-1]}, 0, False, False, 0, 1.5, 7.0 + iteration, 0.0
+
+    trainer = bench.MegatronTrainer(train_step, (None, None, "model", "optimizer", None, "config", None), {})
+    sessions = {}
+    for arm in ("stock", "plugin", "plugin-no-check", "plugin-recording", "plugin", "plugin-recording"):
+        helper = trainer.capture(arm)
+        for _ in range(2):
+            trainer.step()
+        sessions.setdefault(arm, []).append(getattr(helper, "session", None))
+        trainer.release(helper)
+    first, second = sessions["plugin-recording"]
+    assert first is not second and run_session not in (first, second)  # a fresh session per block
+    assert first.config == run_session.config and first.helpers and len(first.helpers) == 1
+    # Steps 6, 7 and 10, 11 of the trainer; train() logs each as the iteration after it.
+    assert [call[1:] for call in calls] == [("mark",), ("log", 7, 13.0), ("mark",), ("log", 8, 14.0),
+                                            ("mark",), ("log", 11, 17.0), ("mark",), ("log", 12, 18.0)]
+    assert {session for session, *_ in calls} == {first, second}  # no other arm records
+    assert [(r.iteration, r.graphed) for r in first.iterations] == [(7, True), (8, True)]
+    assert trainer.recording is None and trainer.iteration == 12
+    assert list(tmp_path.iterdir()) == []  # the recording sessions are never finished: no file
+
+
+def test_the_recording_arm_takes_the_loss_dict_and_num_zeros_from_train_steps_result():
+    assert bench.logged_values(({"lm loss": 2.0}, 0, False, False, 0, 1.5, 42.0, 0.0)) == ({"lm loss": 2.0}, 42.0)
+    with pytest.raises(BenchError, match="another shape than 0.19.2's eight values: install the supported"):
+        bench.logged_values(({"lm loss": 2.0}, 0, False, False, 0, 1.5, 42.0))
+
+
+def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_percent():
+    from megatron_cg_plugin.plan.bench import median_precision
+
+    result, *_ = bench_with_fakes(rounds=6)  # 3 pairs
+    ratios = result.summary().ratios["plugin", "stock"]
+    found = median_precision(ratios.values, bench_output.RATIO_WIDTH)
+    table = bench_output.markdown(result)
+    assert "| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) | rounds for +-1% |" in table
+    assert f"| plugin / stock | {ratios.format()} | +-{found.half_width:.1%} | ~{found.rounds_needed} |" in table
+    assert bench_output.to_json(result)["ratio_precision"]["plugin/stock"]["pairs_needed"] == found.pairs_needed
+    one_pair, *_ = bench_with_fakes(rounds=2)
+    assert "| - (one pair) | - |" in bench_output.markdown(one_pair)
+    assert bench_output.to_json(one_pair)["ratio_precision"] == {}

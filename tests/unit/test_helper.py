@@ -823,6 +823,20 @@ def test_session_sees_graphed_steps_after_capture(probe, memory, cuda_sync):
     assert [r.graphed for r in session.iterations] == [False, True, False]
 
 
+
+def test_a_capture_ends_the_eager_iteration_before_it(probe, memory, cuda_sync):
+    # Megatron captures between the last eager iteration's training_log and the next train_step:
+    # the capture's seconds are in no step (the report gives them as capture seconds).
+    session, backend, model, helper = build(probe)
+    ticks = iter([0.0, 1.0, 2.0, 10.0, 11.0])  # mark, log, capture start, mark, log
+    session.clock = lambda: next(ticks)
+    session.mark_iteration_start()
+    session.on_training_log(iteration=1, loss_dict={})
+    helper.create_cudagraphs()
+    session.mark_iteration_start()
+    session.on_training_log(iteration=2, loss_dict={})
+    assert [(r.seconds, r.graphed) for r in session.iterations] == [(2.0, False), (1.0, True)]
+
 # ====================================================================== 3. injected failure
 
 

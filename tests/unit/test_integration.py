@@ -242,10 +242,10 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
     assert tapped.track_mtp_metrics(0.5, 7, None, None, totals) == "Megatron's result"
     assert totals == {"lm loss": 9.0, "mtp_1 loss": 5.5, "mtp_2 loss": 2.5}  # Megatron's dict as it would be
     session.on_training_log(iteration=7, loss_dict={"lm loss": 2.0})
-    values = session.recorder.golden().metrics
+    values = session.metrics().metrics
     assert values["mtp_1 loss"].values == {7: 1.5} and values["mtp_2 loss"].values == {7: 2.5}
     session.on_training_log(iteration=8, loss_dict={"lm loss": 2.0})  # no MTP this time: nothing carried over
-    assert 8 not in session.recorder.golden().metrics["mtp_1 loss"].values
+    assert 8 not in session.metrics().metrics["mtp_1 loss"].values
     patches._build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
 
 
@@ -527,7 +527,7 @@ def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
     session = RunSession(None, probe=probe, clock=clock)
     PatchSet((tap,)).apply_all(session)
     target.training_log(*POSITIONAL)
-    golden = session.recorder.golden()
+    golden = session.metrics()
     assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
     assert dict(golden.metrics["num-zeros"].values) == {7: 123.0}
 
@@ -696,7 +696,7 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
 def test_train_step_timer_marks_each_iteration(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     calls = []
-    step = patches._build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
+    step = patches.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
     assert step(1, data_iterator=2) == "stepped" and calls == [((1,), {"data_iterator": 2})]
     clock.advance(0.5)
     session.on_training_log(iteration=1, loss_dict={})

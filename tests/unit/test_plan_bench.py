@@ -1,10 +1,14 @@
 """The in-process bench's block schedule and statistics, with a fake step whose speed drifts."""
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.bench import Block, Spread, busy_seconds, interleaved_blocks, run_schedule, summarize
+from megatron_cg_plugin.plan.bench import (
+    Block, Spread, busy_seconds, interleaved_blocks, median_precision, run_schedule, summarize,
+)
 
 
 @given(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True), st.integers(1, 6))
@@ -96,3 +100,73 @@ def test_device_time_splits_copies_from_kernels_and_measures_their_overlap():
     d2h, h2d = [(8, 14)], [(25, 27)]  # 8-10 and 12-14 under kernels, 10-12 and 25-27 alone
     time = DeviceTime.of(kernels, d2h, h2d, steps=2, scale=1.0)
     assert time == DeviceTime(busy_seconds=(18 + 2 + 2) / 2, d2h_seconds=3, h2d_seconds=1, copy_overlap_seconds=2)
+
+
+# ---------------------------------------------------------------- median_precision
+
+RATIOS = st.lists(st.floats(0.5, 2.0), min_size=2, max_size=40)
+WIDTHS = st.floats(1e-3, 0.5)
+
+
+def test_median_precision_of_a_known_dispersion():
+    # log ratios -0.01, 0, +0.01: MAD 0.01, s = 0.014826, half-width 1.96 x 1.2533 x s / sqrt(3)
+    found = median_precision([math.exp(-0.01), 1.0, math.exp(0.01)], width=0.02)
+    assert found.half_width == pytest.approx(1.959964 * math.sqrt(math.pi / 2) * 0.014826 / math.sqrt(3), rel=1e-9)
+    assert found.half_width > 0.01 and found.pairs_needed == 14 and found.more_pairs == 11  # (0.03642 / 0.01)^2
+    assert found.rounds_needed == 28
+
+
+def test_one_disturbed_pair_does_not_make_the_median_look_unknown():
+    steady = [1.02, 1.021, 1.019, 1.02, 1.022, 1.018]
+    assert median_precision(steady + [1.6]).pairs_needed <= 2 * median_precision(steady).pairs_needed
+
+
+@pytest.mark.parametrize("ratios, width, message", [
+    ([1.0, 1.1], 0.0, "width=0.0: ask for a positive interval width"),
+    ([1.0, -1.0], 0.02, "ratios must be positive"),
+])
+def test_median_precision_refuses_what_it_cannot_measure(ratios, width, message):
+    with pytest.raises(ValueError, match=message):
+        median_precision(ratios, width)
+
+
+def test_one_pair_shows_no_dispersion():
+    assert median_precision([1.03]) is None and median_precision([]) is None
+
+
+@given(RATIOS, WIDTHS)
+def test_the_pairs_needed_are_the_fewest_whose_interval_fits_the_width(ratios, width):
+    found = median_precision(ratios, width)
+    scale = found.half_width * math.sqrt(found.pairs)  # as computed, to an ulp
+    assert found.pairs_needed >= 2
+    assert scale / math.sqrt(found.pairs_needed) <= width / 2 * (1 + 1e-12)
+    assert found.pairs_needed == 2 or scale / math.sqrt(found.pairs_needed - 1) > width / 2 * (1 - 1e-12)
+    assert (found.more_pairs == 0) == (found.half_width <= width / 2)  # the same half-width, exactly
+
+
+@given(RATIOS, WIDTHS, WIDTHS)
+def test_a_narrower_width_never_needs_fewer_pairs(ratios, first, second):
+    narrow, wide = sorted((first, second))
+    assert median_precision(ratios, narrow).pairs_needed >= median_precision(ratios, wide).pairs_needed
+
+
+@given(RATIOS, WIDTHS)
+def test_the_same_dispersion_over_more_pairs_never_asks_for_more(ratios, width):
+    once, twice = median_precision(ratios, width), median_precision(ratios * 2, width)
+    assert twice.pairs_needed <= once.pairs_needed
+    assert twice.more_pairs <= max(0, once.more_pairs - once.pairs)
+    assert twice.half_width <= once.half_width / math.sqrt(2) * (1 + 1e-9)
+
+
+@given(RATIOS, st.floats(0.25, 4.0))
+def test_the_precision_does_not_depend_on_the_ratios_scale(ratios, factor):
+    # A constant factor (a faster arm) moves every log ratio alike: the dispersion stays.
+    plain, scaled = median_precision(ratios), median_precision([r * factor for r in ratios])
+    assert scaled.half_width == pytest.approx(plain.half_width, rel=1e-6, abs=1e-12)
+    assert abs(scaled.pairs_needed - plain.pairs_needed) <= 1 + 1e-5 * plain.pairs_needed
+
+
+@given(st.floats(0.5, 2.0), st.integers(2, 30))
+def test_identical_pairs_are_known_exactly(ratio, pairs):
+    found = median_precision([ratio] * pairs)
+    assert found.half_width == 0.0 and found.pairs_needed == 2 and found.more_pairs == 0

@@ -43,7 +43,7 @@ def step(session, clock, iteration, seconds, loss=None, **kwargs):
 
 
 def metric(session, name) -> dict[int, float]:
-    series = session.recorder.golden().metrics.get(name)
+    series = session.metrics().metrics.get(name)
     return {} if series is None else dict(series.values)
 
 
@@ -55,47 +55,182 @@ def test_mark_iteration_start_is_idempotent_within_an_iteration(probe, clock):
     clock.now = 10.0
     session.mark_iteration_start()
     clock.advance(1.0)
+    reads = clock.calls
     session.mark_iteration_start()  # second microbatch: must not move the start
     clock.advance(0.5)
     session.mark_iteration_start()
-    assert probe.synchronize_calls == 1  # later marks neither synchronize nor read the clock
+    assert clock.calls == reads  # later marks do not read the clock
     clock.advance(1.0)
     session.on_training_log(iteration=1, loss_dict={})
-    assert probe.synchronize_calls == 2
     assert metric(session, "iteration-time") == {1: 2.5}
     assert session.iterations == [IterationRecord(1, 2.5, False)]
 
 
-def test_each_iteration_gets_its_own_start(probe, clock):
+def test_an_iteration_runs_from_its_start_to_the_next_start(probe, clock):
+    # Megatron's interval timer: what runs between training_log and the next train_step (the loop's
+    # own work) is part of the iteration; the last one ends at its training_log.
     session = make_session(probe, clock)
     step(session, clock, 1, 2.0)
-    clock.advance(100.0)  # time between training_log and the next forward step is not counted
+    clock.advance(100.0)
     step(session, clock, 2, 0.75)
+    clock.advance(0.25)
     step(session, clock, 3, 0.25)
-    assert metric(session, "iteration-time") == {1: 2.0, 2: 0.75, 3: 0.25}
+    clock.advance(7.0)  # after the last training_log: the run's teardown, in no iteration
+    assert metric(session, "iteration-time") == {1: 102.0, 2: 1.0, 3: 0.25}
+    assert [r.seconds for r in session.iterations] == [102.0, 1.0, 0.25]
+    assert dict(session.finish(print_fn=lambda _: None).to_json())["eager_step_ms"] == 625.0  # median(1.0, 0.25)
 
 
-def test_synchronizes_before_reading_the_clock(clock):
+def test_a_capture_between_iterations_ends_the_one_before(probe, clock):
+    session = make_session(probe, clock)
+    step(session, clock, 1, 1.0)
+    clock.advance(0.5)
+    session.mark_capture_start()  # the helper's create_cudagraphs
+    clock.advance(30.0)
+    step(session, clock, 2, 0.25)
+    session.mark_capture_start()  # right after iteration 2's training_log: it ends there
+    clock.advance(2.0)
+    session.mark_iteration_start()  # so the next start does not move its end
+    clock.advance(1.0)
+    session.mark_capture_start()  # inside an iteration (none in Megatron's loop): its time
+    clock.advance(1.0)
+    session.on_training_log(iteration=3, loss_dict={})
+    assert [r.seconds for r in session.iterations] == [1.5, 0.25, 2.0]
+
+
+def test_the_step_path_reads_only_the_host_clock(clock):
     events = []
 
-    class OrderProbe:
-        def synchronize(self):
-            events.append("sync")
-
+    class HostOnlyProbe:  # no synchronize: the session must not need one
         def memory_allocated(self):
+            events.append("allocated")
             return 0
 
         def max_memory_allocated(self):
+            events.append("max allocated")
             return 0
 
     def ticking_clock():
         events.append("clock")
         return clock()
 
-    session = RunSession(None, probe=OrderProbe(), clock=ticking_clock)
+    session = RunSession(None, probe=HostOnlyProbe(), clock=ticking_clock)
     session.mark_iteration_start()
     session.on_training_log(iteration=1, loss_dict={})
-    assert events == ["sync", "clock", "sync", "clock"]
+    assert events == ["clock", "allocated", "max allocated", "clock"]
+
+
+class DeviceScalar:
+    """A device value as the session sees one: reading it (``item``, ``float``, ``tolist``,
+    ``cpu``) is a device synchronization, so it counts the reads and fails while ``reads.open``
+    is False."""
+
+    def __init__(self, value: float, reads: "Reads") -> None:
+        self.value, self.reads = value, reads
+
+    def detach(self) -> "DeviceScalar":
+        return self  # a view of the same value: reads nothing
+
+    def item(self) -> float:
+        self.reads.count()
+        return self.value
+
+    def __float__(self) -> float:
+        return self.item()
+
+    def tolist(self):
+        return self.item()
+
+    def cpu(self):
+        self.reads.count()
+        return self
+
+    def __sub__(self, other):  # the MTP tap's difference of two totals stays on the device
+        return DeviceScalar(self.value - float(getattr(other, "value", other)), self.reads)
+
+
+class Reads:
+    def __init__(self) -> None:
+        self.open = False
+        self.total = 0
+
+    def count(self) -> None:
+        if not self.open:
+            raise AssertionError("a device value was read on the step path")
+        self.total += 1
+
+
+def test_no_step_synchronizes_the_device(probe, clock):
+    session = make_session(probe, clock, PluginConfig(print_report=False))
+    for iteration in range(1, 6):
+        step(session, clock, iteration, 0.5, loss=10.0 - iteration, num_zeros_in_grad=100.0 * iteration)
+    assert probe.synchronize_calls == 0  # the session before synchronized twice a step
+    session.finish(print_fn=lambda _: None)
+    assert probe.synchronize_calls == 0
+
+
+def test_no_step_reads_a_device_value(probe, clock):
+    session = make_session(probe, clock, PluginConfig(print_report=False))
+    reads = Reads()
+    for iteration in range(1, 6):
+        step(session, clock, iteration, 0.5, loss=DeviceScalar(10.0 - iteration, reads),
+             num_zeros_in_grad=DeviceScalar(100.0 * iteration, reads))
+    assert reads.total == 0  # the session before called .item() on the loss every step
+    reads.open = True
+    session.finish(print_fn=lambda _: None)
+    assert reads.total == 10  # read once each, when the run ended
+
+
+def test_kept_device_values_become_the_metrics_when_the_run_ends(probe, clock, tmp_path):
+    config = PluginConfig(metrics_out=tmp_path / "metrics.json", print_report=False)
+    session = make_session(probe, clock, config)
+    reads = Reads()
+    for iteration, loss in enumerate([10.5, 10.25, 10.125], start=1):
+        session.on_mtp_losses({"mtp_1 loss": DeviceScalar(loss + 1.0, reads)})
+        step(session, clock, iteration, 0.25, loss=DeviceScalar(loss, reads),
+             num_zeros_in_grad=DeviceScalar(float(iteration), reads))
+    reads.open = True
+    session.finish()
+    golden = GoldenValues.load(config.metrics_out)
+    assert dict(golden.metrics["lm loss"].values) == {1: 10.5, 2: 10.25, 3: 10.125}
+    assert dict(golden.metrics["mtp_1 loss"].values) == {1: 11.5, 2: 11.25, 3: 11.125}
+    assert dict(golden.metrics["num-zeros"].values) == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert reads.total == 9
+    assert session.metrics().to_json() == golden.to_json() and reads.total == 9  # read once, kept as numbers
+
+
+def test_kept_values_are_read_in_batches_of_read_every(probe, clock):
+    session = RunSession(None, probe=probe, clock=clock, read_every=3)
+    reads = Reads()
+    for iteration in (1, 2):
+        step(session, clock, iteration, 0.5, loss=DeviceScalar(1.0, reads))
+    reads.open = True
+    step(session, clock, 3, 0.5, loss=DeviceScalar(1.0, reads))
+    assert reads.total == 3  # the three kept so far, in one go
+    reads.open = False
+    step(session, clock, 4, 0.5, loss=DeviceScalar(2.0, reads))
+    reads.open = True
+    assert metric(session, "lm loss") == {1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0} and reads.total == 4
+
+
+def test_read_every_must_be_positive(probe):
+    with pytest.raises(ValueError, match="read_every=0: read the kept device values every 1 or more"):
+        RunSession(None, probe=probe, read_every=0)
+
+
+def test_kept_tensors_are_detached(probe, clock):
+    session = make_session(probe, clock)
+    weight = torch.ones(1, requires_grad=True)
+    session.on_training_log(iteration=1, loss_dict={"lm loss": (weight * 3).sum()})
+    assert not session._logged[0].values["lm loss"].requires_grad  # no autograd graph kept alive
+    assert metric(session, "lm loss") == {1: 3.0}
+
+
+def test_iterations_must_increase(probe, clock):
+    session = make_session(probe, clock)
+    session.on_training_log(iteration=2, loss_dict={})
+    with pytest.raises(ValueError, match="training_log at iteration 2 after iteration 2: iterations must increase"):
+        session.on_training_log(iteration=2, loss_dict={})
 
 
 def test_iteration_without_marked_start_has_no_time(probe, clock):
@@ -122,13 +257,13 @@ def test_lm_loss_from_tensor_or_number(probe, clock, loss, expected):
     values = metric(session, "lm loss")
     assert values == {4: expected}
     assert type(values[4]) is float
-    assert "other loss" not in session.recorder.golden().metrics
+    assert "other loss" not in session.metrics().metrics
 
 
 def test_no_lm_loss_key_records_no_loss(probe, clock):
     session = make_session(probe, clock)
     session.on_training_log(iteration=1, loss_dict={"loss": 1.0})
-    assert "lm loss" not in session.recorder.golden().metrics
+    assert "lm loss" not in session.metrics().metrics
 
 
 @pytest.mark.parametrize("zeros, expected", [
@@ -147,7 +282,7 @@ def test_num_zeros_absent_when_none(probe, clock):
     session = make_session(probe, clock)
     session.on_training_log(iteration=1, loss_dict={}, num_zeros_in_grad=None)
     session.on_training_log(iteration=2, loss_dict={})
-    assert "num-zeros" not in session.recorder.golden().metrics
+    assert "num-zeros" not in session.metrics().metrics
 
 
 def test_memory_bytes_every_iteration(probe, clock):
