@@ -7,7 +7,7 @@
                                                         eager vs Megatron's graphs vs the plugin's, in one process
     megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
                                                         eager vs graphed on cases in Megatron's model_config.yaml format
-    megatron-cg matrix plan | run CELLS.json | render RESULTS.json
+    megatron-cg matrix plan | run CELLS.json | render CELLS.json RESULTS.json...
                                                         the support matrix: an all-pairs design run eager vs graphed
     megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
     megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
@@ -368,8 +368,9 @@ def _matrix(argv: Sequence[str]) -> int:
     run.add_argument("--jobs", type=int, default=1, help="cells run side by side on the one GPU")
     run.add_argument("--steps", type=int, default=matrix.MATRIX_STEPS)
     run.add_argument("--only", nargs="+", help="run only these cells (names from the cells file)")
-    render = sub.add_parser("render", help="the support-matrix markdown of a run's matrix.json")
-    render.add_argument("results", type=Path)
+    render = sub.add_parser("render", help="the support-matrix markdown of the design and its runs' matrix.json")
+    render.add_argument("cells", type=Path, help="the cells file `matrix plan` wrote")
+    render.add_argument("results", type=Path, nargs="+", help="matrix.json of each run, later ones win")
     options = parser.parse_args(argv)
     try:
         if options.action == "plan":
@@ -379,13 +380,14 @@ def _matrix(argv: Sequence[str]) -> int:
             refused = sum(bool(cell.refused_by) for cell in cells)
             print(f"{len(cells)} cells ({refused} refused by a rule) -> {options.out}")
             return EXIT_OK
+        cells = [matrix.Cell(row["factors"], tuple(row["refused_by"]), row["refusal"])
+                 for row in json.loads(options.cells.read_text())]
         if options.action == "render":
-            print(matrix.render(json.loads(options.results.read_text())), end="")
+            runs = [json.loads(path.read_text()) for path in options.results]
+            print(matrix.render(matrix.merge_results(cells, runs)), end="")
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
-        cells = [matrix.Cell(row["factors"], tuple(row["refused_by"]), row["refusal"])
-                 for row in json.loads(options.cells.read_text())]
         if options.only:
             unknown = sorted(set(options.only) - {cell.name for cell in cells})
             if unknown:

@@ -90,6 +90,7 @@ class GraphFacts:
     fp8_attention: bool = False  # either of them
     fp8_multi_head_attention: bool = False
     te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
+    te_op_norms: bool = False  # the layers hold TE's standalone (te.ops) norms: MoE pre-MLP norm, q/k or MLA norms
     # Megatron's TE layer fuses the input norm into the QKV linear, except multi-latent attention
     # without --mla-down-proj-fusion (gpt_layer_specs.py): there attn_norm offloads a real norm's saves.
     input_norm_fused: bool = True
@@ -287,6 +288,13 @@ RULES: tuple[Rule, ...] = (
          "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
          "offload inside themselves.",
          detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})"),
+    Rule("offload-learned-positions", "megatron",
+         lambda f: f.activation_offloading and f.position_embedding_type == "learned_absolute",
+         "Megatron 0.19.2's own fine-grained activation offload stopped with a CUDA illegal memory access in the "
+         "first training step of a GPT with learned absolute position embeddings (4 x 2048, attention's groups "
+         "offloaded), eager and graphed, with and without dropout, also in Megatron-LM's pretrain_gpt.py without "
+         "the plugin (s66-s69); every offloading run with RoPE trained. Use --position-embedding-type rope, or "
+         "drop --fine-grained-activation-offloading."),
     Rule("slot-capture-pipeline", "plugin",
          _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
                                               or f.overlap_moe_expert_parallel_comm)),
@@ -307,11 +315,14 @@ RULES: tuple[Rule, ...] = (
          if f.fp8_recipe not in SLOT_FP8_RECIPES else "(fp8_multi_head_attention)" if f.fp8_multi_head_attention
          else f"(FP8 attention with --fp8-recipe {f.fp8_recipe})"),
     Rule("slot-capture-fp8-op-fuser", "plugin",
-         _graphs(lambda f: f.slot_capture and f.fp8 and f.te_op_fuser),
-         "--cg-slot-capture with FP8 does not cover Transformer Engine's operation fuser: its fused operations "
-         "run without module hooks, so slot-shared replays would not join their FP8 state to TE's amax reduction "
-         "(delayed scaling), and their weight caching inside slot-shared graphs is not verified: drop "
-         "--use-transformer-engine-op-fuser, or drop --cg-slot-capture."),
+         _graphs(lambda f: f.slot_capture and f.fp8 and (f.te_op_fuser or f.te_op_norms)),
+         "--cg-slot-capture with FP8 does not cover Transformer Engine's fused operations (te.ops), which TE 2.20 "
+         "also builds its standalone norms from (Megatron's TENorm: an MoE layer's pre-MLP norm, --qk-layernorm, "
+         "multi-latent attention's norms without --mla-down-proj-fusion): they run without module hooks, so "
+         "slot-shared replays would not join their FP8 state to TE's amax reduction (delayed scaling), and their "
+         "weight caching inside slot-shared graphs is not verified: drop --use-transformer-engine-op-fuser and "
+         "those norms, train in bf16, or drop --cg-slot-capture (TE's graphs take them).",
+         detail=lambda f: "(--use-transformer-engine-op-fuser)" if f.te_op_fuser else "(TE norm modules in the layers)"),
     Rule("slot-capture-scope", "plugin",
          _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
          "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
@@ -478,6 +489,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
                            or getattr(args, "fp8_multi_head_attention", False)),
         te_op_fuser=bool(getattr(args, "use_transformer_engine_op_fuser", False)),
+        te_op_norms=bool(getattr(args, "num_experts", None)) or bool(getattr(args, "qk_layernorm", False))
+        or (getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False)),
         fp8_multi_head_attention=bool(getattr(args, "fp8_multi_head_attention", False)),
         fp4=getattr(args, "fp4", None) is not None,
         device_capability=device_capability,

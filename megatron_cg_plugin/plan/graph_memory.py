@@ -264,13 +264,15 @@ def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str, norm: str | No
         p.free(f"{name}.act")
 
 
-def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str) -> str:
+def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str, weights: int = 1) -> str:
+    """``weights``: the MLPs whose weight gradients one GEMM writes (TE's grouped linear writes every
+    local expert's at once: s66's traces, 16 experts' fc1 and fc2 gradients as two allocations)."""
     fc1 = 2 * ffn if s.gated else ffn
     fp8 = s.fp8_recipe is not None
     if fp8:
         _quantized(p, s, f"{name}.fc2.g", s.hidden)
     p.alloc(f"{name}.fc2.dgrad", s.act(ffn))
-    p.alloc(f"{name}.fc2.wgrad", s.hidden * ffn * BF16)
+    p.alloc(f"{name}.fc2.wgrad", weights * s.hidden * ffn * BF16)
     p.free(grad, f"{name}.act.in.col", f"{name}.fc2.g.row", f"{name}.fc2.g.col")
     p.alloc(f"{name}.act.dgrad", s.act(fc1))
     p.free(f"{name}.fc2.dgrad", f"{name}.act", f"{name}.fc1")
@@ -279,7 +281,7 @@ def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str) ->
     if fp8:
         _quantized(p, s, f"{name}.fc1.g", fc1)
     p.alloc(f"{name}.fc1.dgrad", s.act(s.hidden))
-    p.alloc(f"{name}.fc1.wgrad", fc1 * s.hidden * BF16)
+    p.alloc(f"{name}.fc1.wgrad", weights * fc1 * s.hidden * BF16)
     p.free(f"{name}.act.dgrad", f"{name}.fc1.g.row", f"{name}.fc1.g.col")
     return f"{name}.fc1.dgrad"
 
@@ -288,33 +290,46 @@ def _bf16(s: LayerShape) -> LayerShape:
     return dataclasses.replace(s, fp8_recipe=None, fp8_attention=False)
 
 
-def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, *, through_experts: bool) -> None:
+def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, parts: frozenset[str]) -> None:
+    """The MoE block after its norm, as far as the graph holds it (s66 traces, 16 experts top-2): the
+    router, then with ``preprocess`` the dispatcher's permuted tokens and probabilities (outputs of a
+    router graph, live until its backward), then through the experts, whose second GEMM's output
+    stays until backward (the deterministic unpermute's index_add reads it through a temporary)."""
     router = FP32 if moe.router_fp32 else BF16
     p.alloc("router.logits", s.tokens * moe.experts * router)
     p.alloc("router.probs", s.tokens * moe.experts * FP32)
     p.alloc("router.map", s.tokens * moe.experts)
-    if not through_experts:  # the graph ends after the router and the dispatcher's preprocess
+    if not parts & {"moe", "preprocess"}:  # the graph ends after the router
+        return
+    p.alloc("permuted", moe.rows * s.hidden * BF16)
+    p.alloc("permuted.probs", moe.rows * FP32)
+    if "moe" not in parts:  # the graph ends after the dispatcher's preprocess
         return
     rows = _bf16(dataclasses.replace(s, seq=moe.rows, micro_batch=1))  # FP8 experts: not modelled
-    p.alloc("permuted", rows.act(s.hidden))
     _mlp_forward(p, rows, moe.ffn, "experts")
     p.alloc("unpermuted", s.act(s.hidden))
-    p.free("experts.fc2")
+    p.temp("unpermute.index_add", rows.act(s.hidden))
     if moe.shared_ffn:
         _mlp_forward(p, _bf16(s), moe.shared_ffn, "shared")
         p.free("shared.fc2")
 
 
-def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, *, through_experts: bool) -> str:
-    if through_experts:
+def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, parts: frozenset[str]) -> str:
+    if "moe" in parts:
         rows = _bf16(dataclasses.replace(s, seq=moe.rows, micro_batch=1, bias=False))
         p.alloc("unpermuted.grad", rows.act(s.hidden))
-        expert_grad = _mlp_backward(p, rows, moe.ffn, "experts", "unpermuted.grad")
+        p.free("experts.fc2")
+        expert_grad = _mlp_backward(p, rows, moe.ffn, "experts", "unpermuted.grad", weights=moe.experts)
         p.alloc("permuted.grad", s.act(s.hidden))
-        p.free(expert_grad, "permuted")
+        p.free(expert_grad, "permuted", "permuted.probs")
         if moe.shared_ffn:
             shared_grad = _mlp_backward(p, _bf16(dataclasses.replace(s, bias=False)), moe.shared_ffn, "shared", grad)
             p.free(shared_grad)
+        grad = "permuted.grad"
+    elif "preprocess" in parts:  # the permuted tokens' gradient comes in; the unpermuted one goes to the norm
+        p.alloc("permuted.grad_output", moe.rows * s.hidden * BF16)
+        p.alloc("permuted.grad", s.act(s.hidden))
+        p.free("permuted.grad_output", "permuted", "permuted.probs")
         grad = "permuted.grad"
     p.alloc("router.dlogits", s.tokens * moe.experts * FP32)
     p.free("router.logits", "router.probs", "router.map", "router.dlogits")
@@ -339,7 +354,7 @@ def _with_transient(reserved: int, layers: Sequence[LayerShape], parts: frozense
 
 FP8_MODELLED_RECIPES = ("delayed", "tensorwise")  # the recipes whose quantize buffers the programs write
 MOE_OFFLOAD_GROUPS = frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"})  # saves of the MoE block
-SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "router"}
+SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "preprocess"}
 
 
 def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Program, _Program]:
@@ -354,7 +369,7 @@ def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Prog
         _bda_forward(fwd, shape, "out", "mlp.fc2")
     if moe is not None and parts & {"moe", "router"}:
         _norm_forward(fwd, shape, "ln2")
-        _moe_forward(fwd, shape, moe, through_experts="moe" in parts)
+        _moe_forward(fwd, shape, moe, parts)
         if "moe" in parts:
             _bda_forward(fwd, shape, "out", "unpermuted")
     # Backward, in reverse.
@@ -367,7 +382,7 @@ def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Prog
         bwd.free("x1")
     if moe is not None and parts & {"moe", "router"}:
         grad = _bda_backward(bwd, shape, "out") if "moe" in parts else grad
-        grad = _moe_backward(bwd, shape, moe, grad, through_experts="moe" in parts)
+        grad = _moe_backward(bwd, shape, moe, grad, parts)
         grad = _norm_backward(bwd, shape, "ln2", grad)
         bwd.free("x1")
     if "attn" in parts:

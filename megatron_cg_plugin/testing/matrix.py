@@ -13,7 +13,7 @@ prediction it made, and what teardown left.
 
     megatron-cg matrix plan [--out cells.json]        the design, with each cell's refusal (CPU)
     megatron-cg matrix run CELLS.json --out DIR [--jobs N] [--steps N]   on a GPU host (MEGATRON_LM_DIR)
-    megatron-cg matrix render RESULTS.json            docs/support-matrix.md's text
+    megatron-cg matrix render CELLS.json RESULTS.json...   docs/support-matrix.md's text
 """
 
 from __future__ import annotations
@@ -225,11 +225,28 @@ def _ratio(predicted: int | None, measured: int | None) -> str:
     return f"{_mib(predicted)} / {_mib(measured)} ({predicted / measured:.2f})"
 
 
-RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed**", "refused": "refused"}
+RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed**", "refused": "refused",
+                "not-run": "**not run**"}
+
+
+def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One matrix over the design ``cells`` from several runs' ``matrix.json`` (a matrix split over
+    GPU sessions, or a cell run again): each cell's row from the last run that has it; a refused
+    cell from the design (the rules refuse it on CPU); any other cell without a row is "not run"."""
+    if not runs or len({run["steps"] for run in runs}) != 1:
+        raise ValueError("give one or more matrix.json files, all run with the same --steps.")
+    latest = {row["name"]: row for run in runs for row in run["rows"]}
+    rows = []
+    for cell in cells:
+        if cell.refused_by:
+            rows.append({**cell.to_json(), "result": "refused"})
+        else:
+            rows.append(latest.get(cell.name, {**cell.to_json(), "result": "not-run"}))
+    return {"factors": FACTORS, "steps": runs[0]["steps"], "rows": rows}
 
 
 def render(results: Mapping[str, Any]) -> str:
-    """``docs/support-matrix.md`` from a matrix run's JSON (``matrix.json``)."""
+    """``docs/support-matrix.md`` from a matrix's JSON (``run_matrix``'s, or ``merge_results``')."""
     rows = results["rows"]
     factors = results["factors"]
     pair_count = len(uncovered_pairs([], factors, allowed=allowed))
@@ -261,5 +278,5 @@ def render(results: Mapping[str, Any]) -> str:
                      f"{result} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
                      f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |")
     counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
-    lines += ["", ", ".join(f"{n} {word}" for word, n in counts.items() if n) + "."]
+    lines += ["", ", ".join(f"{n} {word.replace('-', ' ')}" for word, n in counts.items() if n) + "."]
     return "\n".join(lines) + "\n"

@@ -174,7 +174,7 @@ def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
     plan = plan_from_args(args, facts, deterministic=True)
     expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
                                  ["attn", "moe"])
-    assert plan.pool_bytes == expected.pool_bytes == 28 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
+    assert plan.pool_bytes == expected.pool_bytes == 30 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
 
 
 def test_no_graphed_layer_predicts_an_empty_pool():

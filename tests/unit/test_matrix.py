@@ -90,3 +90,27 @@ def test_the_table_names_each_result_its_rules_and_the_pools():
     assert "| a | gpt | layer | bf16 | te | 1 | exact | 110 / 100 (1.10) |" in text
     assert "refused `slot-capture-fp8`" in text and "**differs** from step 4" in text
     assert "1 exact, 1 differs, 1 refused." in text
+
+
+def test_a_matrix_split_over_runs_takes_each_cells_last_row_and_names_what_did_not_run():
+    cells = matrix.design(lambda cell: (("slot-capture-fp8",), "x") if cell["precision"] == "fp8-blockwise"
+                          and cell["capture"] != "te" else ((), ""))
+    running = [c for c in cells if not c.refused_by]
+    first = {"steps": 10, "rows": [{"name": c.name, "factors": c.factors, "result": "failed"} for c in running[:3]]}
+    again = {"steps": 10, "rows": [{"name": running[0].name, "factors": running[0].factors, "result": "exact"}]}
+    merged = matrix.merge_results(cells, [first, again])
+    results = {row["name"]: row["result"] for row in merged["rows"]}
+    assert [row["name"] for row in merged["rows"]] == [c.name for c in cells]
+    assert results[running[0].name] == "exact" and results[running[1].name] == "failed"
+    assert results[running[3].name] == "not-run"
+    assert all(results[c.name] == "refused" for c in cells if c.refused_by)
+    assert "**not run**" in matrix.render(merged) and " not run." in matrix.render(merged)
+    with pytest.raises(ValueError, match="same --steps"):
+        matrix.merge_results(cells, [first, {**again, "steps": 12}])
+
+
+def test_the_support_matrix_page_is_the_render_of_its_runs():
+    """docs/support-matrix.md is `megatron-cg matrix render` of the committed design and runs (s68, then s69)."""
+    runs = [json.loads((CELLS.parent / run / "matrix.json").read_text()) for run in ("s68", "s69")]
+    cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
+    assert (REPO / "docs" / "support-matrix.md").read_text() == matrix.render(matrix.merge_results(cells, runs))

@@ -67,11 +67,14 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                modules=("attn", "moe_router"), **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
+    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True, position_embedding_type="rope",
                                            offload_modules=("core_attn",), warmup_steps=0),
                                 "--cuda-graph-warmup-steps 1"),
-    "whole-layer-offload-unjoined": (GraphFacts(cuda_graph_impl=TE, activation_offloading=True,
+    "whole-layer-offload-unjoined": (GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope",
                                                 offload_modules=("core_attn",)), "--cuda-graph-modules attn mlp"),
+    "offload-learned-positions": (GraphFacts(activation_offloading=True, offload_modules=("core_attn",),
+                                             position_embedding_type="learned_absolute"),
+                                  "--position-embedding-type rope"),
     "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
     "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
@@ -113,7 +116,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
 ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
              "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
-             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel"}
+             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel",
+             "offload-learned-positions"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -128,6 +132,15 @@ def test_rule_names_are_unique():
 def test_every_rule_has_a_violating_example(rule):
     assert rule.name in VIOLATING, f"add a GraphFacts that breaks {rule.name!r} to VIOLATING"
     assert rule.source in ("megatron", "plugin")
+
+
+def test_slot_fp8_is_refused_where_layers_hold_te_norm_modules():
+    """An MoE layer's pre-MLP norm (and q/k or MLA norms) is a TE norm module built from te.ops, which the
+    slot backend refuses under FP8 at capture (s67); the rule says so before any GPU work."""
+    facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_norms=True)
+    assert [name for name, _ in violations(facts)] == ["slot-capture-fp8-op-fuser"]
+    assert "(TE norm modules in the layers)" in violations(facts)[0][1]
+    assert not violations(dataclasses.replace(facts, fp8=False))
 
 
 def test_no_stale_examples():
@@ -162,19 +175,19 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                position_embedding_type="rope", modules=("attn",)),
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("mlp",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
+               modules=("mlp",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("attn",), activation_offloading=True, offload_modules=("expert_fc1", "moe_act"),
+               modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
     # Offload inside the graphed scope: banks and --cg-slot-capture protect it (issue 14).
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("attn",), activation_offloading=True, offload_modules=("core_attn", "attn_proj")),
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True,
+               modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True, position_embedding_type="rope",
                offload_modules=("attn_norm", "core_attn", "mlp_norm")),
     # Megatron joins its offload stream into graphs that name attn / mlp: the same whole dense layer.
-    GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True,
+    GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True, position_embedding_type="rope",
                offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm")),
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True,
+    GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True, position_embedding_type="rope",
                offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
@@ -439,14 +452,14 @@ def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
     (("expert_fc1", "moe_act"), True, True),
 ])
 def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_graph(offloaded, moe, fires):
-    facts = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, offload_modules=offloaded,
+    facts = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded,
                        **(MOE_DROP_PAD if moe else {}))
     assert ("whole-layer-offload-unjoined" in names(facts)) == fires
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, modules=("attn", "mlp")))
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, slot_capture=True))
 
     # Multi-latent attention without the fused down-projection keeps a real input norm: attn_norm offloads it.
-    unfused = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, offload_modules=("attn_norm",),
+    unfused = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=("attn_norm",),
                          input_norm_fused=False)
     assert "whole-layer-offload-unjoined" in names(unfused)
 
@@ -459,7 +472,7 @@ def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_gr
     (("attn", "moe"), ("qkv_linear", "moe_act"), {"qkv_linear", "moe_act"}),
 ])
 def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
-    facts = GraphFacts(cuda_graph_impl=TE, modules=modules, activation_offloading=True, offload_modules=offloaded)
+    facts = GraphFacts(cuda_graph_impl=TE, modules=modules, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded)
     assert facts.offloaded_in_graphs == inside
     assert dataclasses.replace(facts, activation_offloading=False).offloaded_in_graphs == frozenset()
 
