@@ -1,20 +1,12 @@
-"""``megatron-cg``: run a Megatron script with the plugin, the dry-run check, golden values.
-
-    megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
-    megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
-    megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
-    megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
-                                                        eager vs Megatron's graphs vs the plugin's, in one process
-    megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
-                                                        eager vs graphed on cases in Megatron's model_config.yaml format
-    megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
-    megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
+"""``megatron-cg``: the plugin's command line. ``megatron-cg --help`` lists the commands (the synopsis
+and summary of each is its function's docstring, ``helptext.command_lines``) and every ``--cg-*`` flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import os
 import shlex
@@ -23,7 +15,7 @@ import types
 import warnings
 from typing import Callable, Iterator, Sequence
 
-from megatron_cg_plugin.config import PRESETS
+from megatron_cg_plugin import helptext
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -190,6 +182,8 @@ def moe_plan_text(args, router_load: str) -> str:
 
 
 def _golden(argv: Sequence[str]) -> int:
+    """compare EXPECTED ACTUAL [--deterministic] [--metrics M ...] | update ACTUAL GOLDEN
+    compare a run's metrics with a golden file (Megatron's thresholds), or write one from a real run"""
     from megatron_cg_plugin import golden
 
     parser = argparse.ArgumentParser(prog="megatron-cg golden")
@@ -233,7 +227,7 @@ def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
     if any(flag in ("-h", "--help") for flag in argv):
         # Megatron 0.19.2's own --help crashes (a bare '%' in one of its help strings), so say what
         # this command takes here; the flags themselves are Megatron's and the plugin's --cg-*.
-        print(usage)
+        print(f"{usage}\n\n{helptext.plugin_flags_help()}")
         return EXIT_OK
     options, flags = parser.parse_known_args(argv)
     if options.nproc < 1:
@@ -249,15 +243,19 @@ def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
 
 
 def _check(argv: Sequence[str]) -> int:
+    """[--nproc N] <launcher flags>
+    validate the flags on CPU (Megatron's checks and the plugin's rules); print the capture plan"""
     usage = ("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
              "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
-             "The flags are Megatron's plus the plugin's --cg-* (docs/troubleshooting.md lists every rule); "
-             f"presets: --cg-preset {{{','.join(PRESETS)}}}.")
+             "The flags are Megatron's plus the plugin's --cg-* below (docs/troubleshooting.md lists every rule); "
+             "--cg-preset NAME gives a complete model to start from.")
     return _dry_run_command(argv, prog="megatron-cg check", usage=usage, produce=lambda options, flags:
                             "flags OK\n" + check(flags, nproc=options.nproc, env=dict(os.environ)))
 
 
 def _plan(argv: Sequence[str]) -> int:
+    """[--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>
+    the check, then the graph pool the capture will reserve and, for MoE, the expert capacity plan"""
     from megatron_cg_plugin.plan.capture import plan_capture
 
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
@@ -281,6 +279,8 @@ def _plan(argv: Sequence[str]) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
+    """[--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
+    eager vs Megatron's graphs vs the plugin's, in one process on a GPU (bench.json, bench.md, bench.png)"""
     if any(flag in ("-h", "--help") for flag in argv):
         print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
               "[--bench-arms eager,stock,plugin (also plugin-no-check, slot, slot-offload, slot-offload-staged, "
@@ -289,7 +289,7 @@ def _bench(argv: Sequence[str]) -> int:
               "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
               "<launcher flags>\n\n"
               "Trains the launcher's model in interleaved blocks of each arm in one process and writes "
-              "bench.json, bench.md and bench.png (docs/performance.md).")
+              "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
         return EXIT_OK
     from megatron_cg_plugin.bench_output import BenchOutputError
     from megatron_cg_plugin.launch import bench
@@ -302,6 +302,8 @@ def _bench(argv: Sequence[str]) -> int:
 
 
 def _farm(argv: Sequence[str]) -> int:
+    """CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
+    eager vs graphed on case folders in Megatron's model_config.yaml format (the farm's or Megatron-LM's)"""
     from pathlib import Path
 
     from megatron_cg_plugin.testing import farm
@@ -350,16 +352,31 @@ def _farm(argv: Sequence[str]) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
+    """[--nproc-per-node N] SCRIPT [ARGS...]
+    run a Megatron training script (Megatron-LM's pretrain_gpt.py, yours) with the plugin installed"""
     from megatron_cg_plugin.launch import run_script
 
     return run_script.main(argv)
 
 
+def unknown_command(name: str, commands: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(commands), n=1)
+    hint = f", did you mean {close[0]!r}?" if close else ""
+    return (f"megatron-cg: unknown command {name!r}{hint} The commands: {', '.join(commands)} "
+            "(megatron-cg --help lists them with every --cg-* flag).")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "plan": _plan, "run": _run}
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(helptext.usage(commands))
+        return EXIT_OK
+    if argv[0] == "--version":
+        print(helptext.versions_text())
+        return EXIT_OK
+    if argv[0] not in commands:
+        print(unknown_command(argv[0], commands), file=sys.stderr)
         return EXIT_BAD_INPUT
     if argv[0] not in ("run", "bench"):  # a run's warnings are the script's own business
         # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU

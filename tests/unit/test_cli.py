@@ -3,11 +3,13 @@ Megatron's real parser and validate_args) and the ``golden`` commands."""
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-from megatron_cg_plugin import cli, golden
+from megatron_cg_plugin import __version__, cli, golden
+from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS
 from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
 TE = ["--cuda-graph-impl", "transformer_engine"]
@@ -222,10 +224,42 @@ def test_check_model_parallel_on_cpu(capsys, monkeypatch, split):
 
 # -- usage ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [[], ["bogus"], ["--help"]])
-def test_usage(capsys, argv):
-    assert cli.main(argv) == 2
-    assert "megatron-cg check" in capsys.readouterr().err
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_help_lists_the_commands_and_every_plugin_flag_grouped(capsys, argv):
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "``" not in out  # plain text, not the module's RST
+    for command in ("run", "check", "plan", "bench", "farm", "golden"):
+        assert f"megatron-cg {command} " in out
+    for group in FLAG_GROUPS:
+        assert f"megatron-cg-plugin: {group}:" in out
+    for flag in PLUGIN_FLAGS:
+        assert flag.flag in out
+        assert " ".join(flag.help.split()[:4]) in " ".join(out.split()), flag.flag  # its help, rewrapped
+    assert "MEGATRON_CG_SLOT_DEBUG" in out
+
+
+def test_version_names_the_plugin_and_the_stack_without_importing_te(capsys):
+    assert cli.main(["--version"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"megatron-cg-plugin {__version__}"
+    assert [line.split()[0] for line in lines[1:]] == ["torch", "megatron-core", "transformer-engine"]
+    assert lines[2] == "megatron-core 0.19.2"
+    assert "transformer_engine" not in sys.modules
+
+
+@pytest.mark.parametrize("typo, meant", [("chek", "check"), ("farmm", "farm"), ("gloden", "golden")])
+def test_an_unknown_command_says_which_it_may_mean(capsys, typo, meant):
+    assert cli.main([typo, "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert f"unknown command {typo!r}, did you mean {meant!r}?" in err
+
+
+def test_an_unknown_command_far_from_any_lists_them(capsys):
+    assert cli.main(["bogus"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "unknown command 'bogus'" in err and "did you mean" not in err and "check, farm" in err
 
 
 # -- golden -----------------------------------------------------------------------------------------
@@ -337,6 +371,7 @@ def test_check_help_does_not_reach_megatrons_broken_help(capsys, flag):
     code, out, _ = run(capsys, flag)
     assert code == cli.EXIT_OK
     assert "usage: megatron-cg check [--nproc N]" in out and "tiny-gpt-hybrid-cp" in out
+    assert all(flag.flag in out for flag in PLUGIN_FLAGS)  # the flags check takes, not only the presets
 
 
 def test_check_hybrid_cp_with_graph_banks(capsys):
