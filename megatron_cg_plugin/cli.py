@@ -13,9 +13,12 @@ import shlex
 import sys
 import types
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from megatron_cg_plugin import helptext
+from megatron_cg_plugin import console, helptext
+
+if TYPE_CHECKING:  # the farm loads its case files at import
+    from megatron_cg_plugin.testing import farm
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -308,7 +311,6 @@ def _farm(argv: Sequence[str]) -> int:
 
     from megatron_cg_plugin.testing import farm
     from megatron_cg_plugin.testing.cases import CaseError
-    from megatron_cg_plugin.testing.distributed import MultiRankError
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
@@ -338,9 +340,9 @@ def _farm(argv: Sequence[str]) -> int:
             continue
         try:
             result = farm.run_case(case, options.out)
-        except MultiRankError as error:  # a run that failed: the next cases still run
+        except farm.FarmRunError as error:  # the next cases still run
             failed += 1
-            print(f"   FAIL: {error}")
+            print(_run_failure(error))
             continue
         rows.append(result.summary())
         problems = farm.problems_of(case, result)
@@ -349,6 +351,13 @@ def _farm(argv: Sequence[str]) -> int:
     if rows:
         print(farm.format_summary(rows))
     return EXIT_MISMATCH if failed else EXIT_OK
+
+
+def _run_failure(error: farm.FarmRunError) -> str:
+    """A failed farm run: its cause first and last, the failing ranks' output tails between."""
+    cause = error.cause.replace("\n", "\n   ")
+    tails = "\n".join(f"   | {line}" for line in error.details.rstrip().splitlines())
+    return f"   FAIL: {cause}\n{tails}\n   logs: {error.log_dir}\n   FAIL: {cause}"
 
 
 def _run(argv: Sequence[str]) -> int:
@@ -378,9 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] not in commands:
         print(unknown_command(argv[0], commands), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] not in ("run", "bench"):  # a run's warnings are the script's own business
-        # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU
-        # host); none of that changes a check or a comparison.
+    # Megatron's notes on optional packages it lacks are no cause of anything a command reports.
+    console.hide_optional_package_warnings()
+    if argv[0] not in ("run", "bench"):  # a run's other warnings are the script's own business
+        # Nor do Megatron's other warnings (deprecations, overridden defaults) change a check or a comparison.
         warnings.filterwarnings("ignore", category=UserWarning)
     return commands[argv[0]](argv[1:])
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_cg_plugin import helptext, integration
+from megatron_cg_plugin import console, helptext, integration
 from megatron_cg_plugin.data.hybrid_cp import get_hybrid_cp_batch
 from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
@@ -34,12 +34,15 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
     """Megatron's parser with the plugin's flags (and the preset expanded); ``validate`` also runs
-    Megatron's ``validate_args`` and sets its global args, as ``parse_and_validate_args`` does."""
+    Megatron's ``validate_args`` and sets its global args, as ``parse_and_validate_args`` does. Its
+    printout of every argument is held back until the flags pass (``console.megatron_printout_held``):
+    a refused run shows its cause, not 850 lines of arguments."""
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
     with argv_as(["pretrain_gpt", *expand_preset(argv)]):
         if validate:
-            return parse_and_validate_args(extra_args_provider=plugin_args_provider, args_defaults=ARGS_DEFAULTS)
+            with console.megatron_printout_held():
+                return parse_and_validate_args(extra_args_provider=plugin_args_provider, args_defaults=ARGS_DEFAULTS)
         return parse_args(extra_args_provider=plugin_args_provider)
 
 

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.testing.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, load_case, render_flags
-from megatron_cg_plugin.testing.distributed import launch
+from megatron_cg_plugin.console import failure_cause
+from megatron_cg_plugin.testing.distributed import MultiRankError, launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
@@ -280,18 +281,39 @@ class CaseResult:
         }
 
 
+class FarmRunError(MultiRankError):
+    """One of a case's two runs failed: ``cause`` is the line worth reading (the plugin's refusal, the
+    last exception line of the first failing rank), ``details`` the failing ranks' output tails and
+    ``log_dir`` where every rank's whole output is."""
+
+    def __init__(self, mode: str, log_dir: Path, error: MultiRankError) -> None:
+        roots = [failure for failure in error.failures if not failure.terminated]
+        found = next((cause for cause in (failure_cause(f.stderr_tail + "\n" + f.stdout_tail) for f in roots)
+                      if cause), None)
+        head = f"rank {roots[0].rank} (exit code {roots[0].exitcode})" if roots else str(error).splitlines()[0]
+        self.mode, self.log_dir = mode, log_dir
+        self.cause = f"the {mode} run failed: {head}" + (f": {found}" if found else "")
+        self.details = "".join(str(failure) for failure in roots) or str(error)
+        super().__init__(self.cause, error.failures, error.timed_out)
+
+
 def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout_s: float = 900,
              devices: str | None = None) -> CaseResult:
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
-    single-GPU cases can run side by side on a multi-GPU host."""
+    single-GPU cases can run side by side on a multi-GPU host. A failed run raises ``FarmRunError``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(case.env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     tails = []
     for graphed in (False, True):
-        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc, env=env or None,
-                        timeout_s=timeout_s, log_dir=out_dir / f"{case.name}.{'graphed' if graphed else 'eager'}.logs")
+        mode = "graphed" if graphed else "eager"
+        log_dir = out_dir / f"{case.name}.{mode}.logs"
+        try:
+            result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
+                            env=env or None, timeout_s=timeout_s, log_dir=log_dir)
+        except MultiRankError as error:
+            raise FarmRunError(mode, log_dir, error) from error
         tails.append(result.stdout.get(0, "")[-4000:])
     return CaseResult(
         case=case,
