@@ -98,10 +98,26 @@ def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None
         megatron_utils._te_version = saved_te_version
 
 
-def _megatron_rejects(error: BaseException) -> CheckError:
+def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = ()) -> CheckError:
+    """Megatron's refusal, after the plugin's own rules that the flags break too (``plugin``)."""
     from megatron_cg_plugin.enforce import MEGATRON_HEADING, megatron_rejection
+    from megatron_cg_plugin.rules import RuleViolation
 
-    return CheckError(f"{MEGATRON_HEADING} {megatron_rejection(error)}")
+    megatron = f"{MEGATRON_HEADING} {megatron_rejection(error)}"
+    return CheckError(f"{RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron)
+
+
+def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
+    from megatron_cg_plugin.enforce import missing_required_flags
+
+    start = "a preset, e.g. megatron-cg check --cg-preset tiny-gpt --cuda-graph-impl transformer_engine"
+    if not flags:
+        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from {start}.")
+    missing = missing_required_flags(args)
+    if missing:
+        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add them, or start from "
+                          f"{start}, and override what differs.")
+    return None
 
 
 def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
@@ -134,11 +150,15 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
 
     with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
+        missing = _required_flags_missing(flags, args)
+        if missing is not None:
+            raise missing
+        early = rules.unvalidated_plugin_violations(args, env=env)  # before validate_args changes args
         with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
             except MEGATRON_REJECTIONS as error:
-                raise _megatron_rejects(error) from error
+                raise _megatron_rejects(error, early) from error
             # TE is needed where the run happens, not on this machine.
             facts, _config = rules.check_run(args, env=env, launcher=True, te_present=True)
             try:
@@ -148,14 +168,20 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     return args, facts
 
 
-def moe_plan_text(args, router_load: str) -> str:
+def moe_plan_text(args, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
-    and the fraction of tokens ``router_load`` would drop (``plan.moe``)."""
+    and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
+    load is checked whatever the model; a dense model, which has no router, refuses one."""
     from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
     from megatron_cg_plugin.rules import GraphFacts
 
     if not args.num_experts:
+        if router_load is not None:
+            raise ValueError(f"--router-load {router_load} says how a router spreads tokens over experts, and this "
+                             "model is dense (no --num-experts): drop --router-load.")
         return "MoE: none (a dense model)."
+    router_load = router_load or "uniform"
+    load = parse_load(router_load, args.num_experts)
     facts = GraphFacts(num_layers=args.num_layers, num_experts=args.num_experts,
                        moe_layer_freq=args.moe_layer_freq if isinstance(args.moe_layer_freq, int)
                        else tuple(args.moe_layer_freq))
@@ -168,7 +194,7 @@ def moe_plan_text(args, router_load: str) -> str:
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     shapes = plan.gemm_shapes(args.hidden_size, ffn,
                               gated=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)))
-    dropped = plan.dropped_fraction(parse_load(router_load, args.num_experts))
+    dropped = plan.dropped_fraction(load)
     padded = "" if args.moe_pad_expert_input_to_capacity else (
         " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
     return "\n".join([
@@ -208,10 +234,13 @@ def _golden(argv: Sequence[str]) -> int:
             print(f"wrote {options.golden} from {options.actual}")
             return EXIT_OK
         expected = golden.GoldenValues.load(options.expected)
-        mismatches = golden.compare(expected, actual, deterministic=options.deterministic,
-                                    metrics=options.metrics)
     except (OSError, ValueError) as error:
         print(f"megatron-cg golden: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        mismatches = golden.compare(expected, actual, deterministic=options.deterministic, metrics=options.metrics)
+    except ValueError as error:  # a metric name nothing knows
+        print(f"megatron-cg golden compare{' --metrics' if options.metrics else ''}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(golden.format_report(mismatches))
     return EXIT_MISMATCH if mismatches else EXIT_OK
@@ -278,7 +307,7 @@ def _plan(argv: Sequence[str]) -> int:
              "Set NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or --deterministic-mode) as the run will, for cuDNN's deterministic "
              "attention backward workspace.")
     return _dry_run_command(argv, prog="megatron-cg plan", usage=usage, produce=produce,
-                            extra_options=(("--router-load", "uniform"),))
+                            extra_options=(("--router-load", None),))
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -319,7 +348,8 @@ def _farm(argv: Sequence[str]) -> int:
     parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
     parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
     parser.add_argument("--out", type=Path, default=Path("farm-out"), help="metrics, reports and logs")
-    parser.add_argument("--steps", type=int, help="training steps per run (default: the case's, else 24)")
+    parser.add_argument("--steps", type=int, help=f"training steps per run, >= 1 (default: the case's, else "
+                                                  f"{farm.FARM_STEPS})")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     options = parser.parse_args(argv)
     try:

@@ -281,10 +281,14 @@ def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def graph_only_flags(config: PluginConfig) -> tuple[str, ...]:
     """The ``--cg-*`` flags ``config`` sets away from their defaults that shape TE graphs only (they do
-    nothing in a run without ``--cuda-graph-impl transformer_engine``)."""
-    defaults = PluginConfig()
-    return tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only
-                 and getattr(config, flag.config_field) != getattr(defaults, flag.config_field))
+    nothing in a run without ``--cuda-graph-impl transformer_engine``), as written: ``--cg-slot-capture``,
+    ``--cg-contract-check off``."""
+    defaults, found = PluginConfig(), []
+    for flag in PLUGIN_FLAGS:
+        value = getattr(config, flag.config_field)
+        if flag.graphs_only and value != getattr(defaults, flag.config_field):
+            found.append(flag.flag if flag.switch else f"{flag.flag} {value}")
+    return tuple(found)
 
 
 def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.testing.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, load_case, render_flags
+from megatron_cg_plugin.config import PLUGIN_FLAGS
 from megatron_cg_plugin.console import failure_cause
 from megatron_cg_plugin.testing.distributed import MultiRankError, launch
 
@@ -101,7 +102,10 @@ class FarmCase:
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
         """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
         the farm's step count and output files; builds the case's dataset under ``out_dir``."""
-        flags = self.flags if graphed or self.eager_offload else without_offload_flags(self.flags)
+        # The eager reference leaves out what only graphs use (the cg-flags-need-te-graphs rule refuses it
+        # without them) and, where the case says so, Megatron's offload.
+        flags = self.flags if graphed else without_graph_only_flags(
+            self.flags if self.eager_offload else without_offload_flags(self.flags))
         return [
             *flags, *data_flags(self.data, out_dir),
             *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
@@ -140,21 +144,36 @@ OFFLOAD_OPTIONS = ("--offload-modules", "--activation-offload-fraction", "--min-
                    "--delta-offload-bytes-across-pp-ranks", "--fine-grained-offloading-max-inflight-offloads")
 
 
-def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
-    """``flags`` without Megatron's fine-grained offload flags (an option takes its values along,
-    also written ``--option=value``)."""
+# The plugin's flags that shape TE graphs only (config.PLUGIN_FLAGS' graphs_only).
+GRAPH_ONLY_SWITCHES = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and flag.switch)
+GRAPH_ONLY_OPTIONS = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and not flag.switch)
+
+
+def without_flags(flags: Sequence[str], *, switches: Sequence[str], options: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without ``switches`` and ``options`` (an option takes its values along, also written
+    ``--option=value``)."""
     kept: list[str] = []
     skipping = False
     for flag in flags:
         if flag.startswith("--"):
             name, joined = flag.split("=", 1)[0], "=" in flag
-            skipping = name in OFFLOAD_OPTIONS and not joined
-            if name in OFFLOAD_OPTIONS or name in OFFLOAD_SWITCHES:
+            skipping = name in options and not joined
+            if name in options or name in switches:
                 continue
         elif skipping:
             continue
         kept.append(flag)
     return tuple(kept)
+
+
+def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without Megatron's fine-grained offload flags."""
+    return without_flags(flags, switches=OFFLOAD_SWITCHES, options=OFFLOAD_OPTIONS)
+
+
+def without_graph_only_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without the ``--cg-*`` flags that only graphs use, for the eager reference run."""
+    return without_flags(flags, switches=GRAPH_ONLY_SWITCHES, options=GRAPH_ONLY_OPTIONS)
 
 
 def _before_capture(case: FarmCase, first_step: int) -> str:
@@ -194,6 +213,12 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
     from megatron_cg_plugin.testing.cases import fit_gpus
 
+    if steps is not None and steps < 1:
+        raise CaseError(f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
+                        f"else {FARM_STEPS}).")
+    if data_path is not None and not Path(data_path).is_dir():
+        raise CaseError(f"--data-path {data_path} does not exist: give the folder that ${{DATA_PATH}} stands for in "
+                        "Megatron's case files, or leave --data-path out for mock data.")
     case = load_case(folder)
     notes = list(case.notes)
     args, env = dict(case.model_args), dict(case.env)
@@ -206,6 +231,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
                                                       apex_wgrad=compat.apex_fused_wgrad_available())
         env, env_changes = adapt_case_env(env)
         notes += changes + env_changes
+    elif data_path is not None:
+        notes.append(f"--data-path {data_path} not used: this farm case names its own data")
     fitted: list[str] = []
     if gpus is not None:
         written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
@@ -228,7 +255,7 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
-        steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
+        steps=steps if steps is not None else case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
         data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
         eager_offload=case.farm.eager_offload,
         equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))

@@ -426,3 +426,69 @@ def test_plan_says_when_the_capacity_exceeds_the_tokens(capsys):
     assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "3",
                      "--moe-pad-expert-input-to-capacity"]) == 2
     assert "[moe-capacity-over-tokens]" in capsys.readouterr().err
+
+
+# -- inputs that were taken silently or with a misleading message -----------------------------------
+
+
+def test_check_with_no_flags_says_what_it_takes(capsys):
+    code, out, err = run(capsys)
+    assert (code, out) == (cli.EXIT_BAD_INPUT, "")
+    assert "no flags given" in err and "--cg-preset tiny-gpt" in err and "(no message)" not in err
+
+
+def test_check_names_every_flag_megatron_requires_at_once(capsys):
+    code, _, err = run(capsys, "--num-layers", "2")
+    assert code == cli.EXIT_BAD_INPUT and len(err.splitlines()) == 1
+    assert "Megatron needs --micro-batch-size, --hidden-size, --num-attention-heads, --max-position-embeddings" in err
+    assert "--cg-preset tiny-gpt" in err
+
+
+@pytest.mark.parametrize("layers", ["-2", "0"])
+def test_check_refuses_a_layer_count_below_one_naming_the_flag(capsys, layers):
+    code, _, err = run(capsys, *GPT, "--num-layers", layers)
+    assert code == cli.EXIT_BAD_INPUT
+    assert f"[num-layers] --num-layers must be >= 1" in err and "math domain error [" not in err
+
+
+def test_check_reports_the_plugins_rule_beside_megatrons_world_size_refusal(capsys):
+    code, _, err = run(capsys, *GPT, *TE, "--cg-slot-capture", "--pipeline-model-parallel-size", "2")
+    assert code == cli.EXIT_BAD_INPUT
+    lines = err.splitlines()
+    assert "break the plugin's rules" in lines[0] and lines[1].startswith("  [slot-capture-pipeline]")
+    assert lines[2].startswith("Megatron rejects these flags: world size (1) is not divisible")
+
+
+@pytest.mark.parametrize("impl", ["none", "local"])
+@pytest.mark.parametrize("flags, named", [
+    (["--cg-slot-capture"], "--cg-slot-capture"),
+    (["--cg-slot-capture", "--cg-offload-copies", "between-replays"], "--cg-offload-copies between-replays"),
+    (["--cg-graph-banks"], "--cg-graph-banks"),
+    (["--cg-contract-check", "off"], "--cg-contract-check off"),
+])
+def test_check_refuses_graph_only_cg_flags_without_te_graphs(capsys, impl, flags, named):
+    code, _, err = run(capsys, *GPT, "--cuda-graph-impl", impl, *flags)
+    assert code == cli.EXIT_BAD_INPUT and len(err.splitlines()) == 2
+    assert "[cg-flags-need-te-graphs]" in err and named in err and "--cuda-graph-impl transformer_engine" in err
+
+
+def test_check_takes_cg_flags_that_work_without_graphs(capsys):
+    code, _, err = run(capsys, *GPT, "--cg-moe-drop-stats", "--cg-no-report", "--cg-thd-max-seqs", "4")
+    assert code == cli.EXIT_OK, err
+
+
+def test_plan_checks_the_router_load_whatever_the_model(capsys):
+    assert cli.main(["plan", *GPT, "--router-load", "zipf:abc"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--router-load zipf:abc" in err and "dense" in err and "drop --router-load" in err
+    assert cli.main(["plan", *MOE, "--router-load", "zipf:abc"]) == cli.EXIT_BAD_INPUT  # dropless: still read
+    assert "write zipf:S with S >= 0" in capsys.readouterr().err
+    assert cli.main(["plan", *GPT]) == cli.EXIT_OK  # no load given: nothing to refuse
+
+
+def test_golden_compare_names_the_metrics_the_file_has(capsys, files):
+    expected, actual = files("expected.json", values()), files("actual.json", values())
+    code, out, err = golden_cmd(capsys, "compare", expected, actual, "--metrics", "lm-loss")
+    assert (code, out) == (cli.EXIT_BAD_INPUT, "") and len(err.splitlines()) == 1
+    assert err.startswith("megatron-cg golden compare --metrics: unknown metric 'lm-loss' (did you mean 'lm loss'?)")
+    assert "the expected file has 'lm loss', 'num-zeros'" in err and "tolerances={" not in err

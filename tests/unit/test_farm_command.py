@@ -242,3 +242,33 @@ def test_a_slot_offload_case_whose_graphs_moved_nothing_to_the_host_fails():
 
     assert problems_of(case, CaseResult(case, run, run, report(1 << 20), "")) == []
     assert "offloaded nothing inside the graphs" in problems_of(case, CaseResult(case, run, run, report(0), ""))[0]
+
+
+@pytest.mark.parametrize("steps", ["-5", "0"])
+def test_farm_refuses_a_step_count_below_one_and_says_the_default(tmp_path, capsys, steps):
+    case = Path(__file__).resolve().parents[1] / "functional" / "test_cases" / "gpt" / "tiny_gpt_layer"
+    assert cli.main(["farm", str(case), "--dry-run", "--steps", steps, "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert f"--steps {steps} must be >= 1" in err and "else 24" in err
+
+
+def test_farm_refuses_a_data_path_that_does_not_exist(tmp_path, capsys):
+    folder = write_case(tmp_path, MEGATRON_STYLE)
+    missing = tmp_path / "nonexistent"
+    assert cli.main(["farm", str(folder), "--fit-gpus", "1", "--dry-run", "--data-path", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"--data-path {missing} does not exist" in err
+
+
+def test_the_eager_reference_leaves_out_the_flags_only_graphs_use(tmp_path):
+    from megatron_cg_plugin.config import PLUGIN_FLAGS
+    from megatron_cg_plugin.testing.farm import CASES, without_graph_only_flags
+
+    graph_only = {flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only}
+    assert without_graph_only_flags(["--cg-slot-capture", "--cg-offload-window", "2", "--cg-contract-check=off",
+                                     "--cg-thd-max-seqs", "4", "--bf16"]) == ("--cg-thd-max-seqs", "4", "--bf16")
+    for case in CASES:
+        eager = case.argv(graphed=False, out_dir=tmp_path)
+        assert not graph_only & {flag.split("=")[0] for flag in eager}, case.name
+        assert eager[eager.index("--cuda-graph-impl") + 1] == "none"

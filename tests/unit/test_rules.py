@@ -19,6 +19,9 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 
 # rule name -> (facts that break exactly that rule, a flag/env the message must tell the user to change)
 VIOLATING: dict[str, tuple[GraphFacts, str]] = {
+    "num-layers": (GraphFacts(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
+    "cg-flags-need-te-graphs": (GraphFacts(graph_only_flags=("--cg-slot-capture",)),
+                                "--cuda-graph-impl transformer_engine"),
     "te-installed": (GraphFacts(cuda_graph_impl=TE, te_available=False), "--cuda-graph-impl none"),
     "te-layers": (GraphFacts(cuda_graph_impl=TE, transformer_impl="local"),
                   "--transformer-impl transformer_engine"),
@@ -113,7 +116,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
 ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
              "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
-             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel"}
+             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel", "num-layers",
+             "cg-flags-need-te-graphs"}
 
 
 def names(facts: GraphFacts) -> list[str]:
