@@ -203,7 +203,7 @@ FLAG_GROUPS = ("first run", "capture", "slot-shared capture and offload", "graph
 PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
     PluginFlag("--cg-preset", "first run",
                "Megatron flags for a first run, placed before yours (yours win): tiny-gpt (a 2-layer GPT on mock "
-               "data), tiny-moe (4 dropless alltoall experts), "
+               "data), tiny-moe (4 dropless alltoall experts, graphing attn moe_router moe_preprocess), "
                "tiny-gpt-hybrid-cp (hybrid context parallelism, on 2 or more ranks); presets never turn graphs on.",
                {"choices": PRESETS, "default": None}),
     PluginFlag("--cg-on-capture-error", "capture",

@@ -348,6 +348,12 @@ RULES: tuple[Rule, ...] = (
          _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
          "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
          "drop it with --hybrid-context-parallel."),
+    Rule("hybrid-cp-ranks", "plugin", lambda f: f.hybrid_context_parallel and f.data_context_parallel < 2,
+         "--hybrid-context-parallel splits each sample's documents over the DP x CP ranks (ranks / (TP x PP)), and "
+         "these flags leave one, so every document trains with CP 1: run on 2 or more ranks (python -m "
+         "torch.distributed.run --nproc-per-node 2 ..., or torchrun; megatron-cg check --nproc 2).",
+         detail=lambda f: f"(DP x CP {f.data_context_parallel}: {f.world_size} rank(s), TP {f.tensor_parallel}, "
+                          f"PP {f.pipeline_parallel})"),
     Rule("hybrid-cp-rerun-mode", "megatron",
          lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
          "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "

@@ -11,10 +11,12 @@ import torch
 from megatron_cg_plugin import __version__, cli, golden
 from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS
 from megatron_cg_plugin.golden import GoldenValues, MetricSeries
+from megatron_cg_plugin.launch.presets import MOE_FLAGS
 
 TE = ["--cuda-graph-impl", "transformer_engine"]
 GPT = ["--cg-preset", "tiny-gpt"]
 MOE = ["--cg-preset", "tiny-moe"]
+MOE_LAYERS = [*GPT, *MOE_FLAGS]  # tiny-moe's experts without its graph scope: whole layers
 DROP_PAD = ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -95,7 +97,7 @@ def test_check_reports_both_broken_moe_rules(capsys):
 
 
 def test_check_whole_layer_dropless_moe(capsys):
-    code, _, err = run(capsys, *MOE, *TE)
+    code, _, err = run(capsys, *MOE_LAYERS, *TE)
     assert code == 2
     assert "[whole-layer-moe-needs-drop-and-pad]" in err
 
@@ -410,7 +412,7 @@ def test_plan_dense_and_dropless_models(capsys):
 
 
 def test_plan_refuses_what_check_refuses_and_a_bad_router_load(capsys):
-    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine"]) == 2
+    assert cli.main(["plan", *MOE_LAYERS, "--cuda-graph-impl", "transformer_engine"]) == 2
     assert "[whole-layer-moe-needs-drop-and-pad]" in capsys.readouterr().err
     assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "1.0",
                      "--router-load", "1,2"]) == 2
@@ -492,3 +494,29 @@ def test_golden_compare_names_the_metrics_the_file_has(capsys, files):
     assert (code, out) == (cli.EXIT_BAD_INPUT, "") and len(err.splitlines()) == 1
     assert err.startswith("megatron-cg golden compare --metrics: unknown metric 'lm-loss' (did you mean 'lm loss'?)")
     assert "the expected file has 'lm loss', 'num-zeros'" in err and "tolerances={" not in err
+
+
+# -- presets pass check as given --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-moe"])
+def test_a_preset_passes_check_as_given_with_graphs_on(capsys, preset):
+    code, out, err = run(capsys, "--cg-preset", preset, *TE)
+    assert code == cli.EXIT_OK, err
+    if preset == "tiny-moe":
+        assert "scope: attn+moe_router+moe_preprocess" in out
+
+
+def test_tiny_moe_takes_the_whole_moe_block_with_drop_and_pad(capsys):
+    code, out, err = run(capsys, *MOE, *TE, *DROP_PAD, "--cuda-graph-modules", "attn", "moe")
+    assert code == cli.EXIT_OK, err
+    assert "scope: attn+moe" in out
+
+
+def test_hybrid_cp_is_refused_on_one_rank_and_passes_on_two(capsys):
+    hybrid = ["--cg-preset", "tiny-gpt-hybrid-cp"]
+    code, _, err = run(capsys, *hybrid)
+    assert code == cli.EXIT_BAD_INPUT and "[hybrid-cp-ranks]" in err and "--nproc-per-node 2" in err
+    assert "(DP x CP 1: 1 rank(s), TP 1, PP 1)" in err
+    assert run(capsys, "--nproc", "2", *hybrid)[0] == cli.EXIT_OK
+    assert run(capsys, "--nproc", "2", *hybrid, *TE, "--cg-graph-banks")[0] == cli.EXIT_OK

@@ -91,3 +91,17 @@ def test_a_golden_case_must_name_exactly_one_case(tmp_path):
     (case, _) = farm.load_cases(tmp_path)
     with pytest.raises(CaseError, match="golden_case 'missing' names 0 case folders"):
         case.golden_path
+
+
+def test_the_tiny_moe_cases_keep_their_own_graph_scope_over_the_presets():
+    """Their golden values were recorded before tiny-moe named a scope: each case names its own, which
+    replaces the preset's (presets.REPLACED_BY), so what they train is unchanged."""
+    from megatron_cg_plugin.launch.presets import DROPLESS_MOE_SCOPE, expand_preset
+
+    moe = [case for case in farm.CASES if "tiny-moe" in case.flags]
+    assert len(moe) >= 5
+    for case in moe:
+        expanded = expand_preset(list(case.flags))
+        assert expanded.count("--cuda-graph-modules") == 1, case.name
+        assert expanded[expanded.index("--cuda-graph-modules"):][:4] != list(DROPLESS_MOE_SCOPE) or \
+            case.name == "tiny_moe_router", case.name
