@@ -24,11 +24,17 @@ EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class CheckError(ValueError):
-    """The flags would not train; the message says what to change."""
+    """The flags would not train; the message says what to change. ``violations`` are its (rule,
+    message) pairs, ``megatron`` standing for Megatron's own checks."""
+
+    def __init__(self, message: str, violations: Sequence[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.violations = list(violations) if violations is not None else [("megatron", message)]
 
 
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
+def scoped_environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block (Megatron's validation reads it), put back after."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -39,6 +45,25 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Megatron's ``validate_args`` sets the process up for a run (``--deterministic-mode`` sets
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` and ``CUBLAS_WORKSPACE_CONFIG`` and turns torch's deterministic
+    algorithms on); a dry run puts the environment and those switches back, so the runs a farm starts
+    after its checks inherit nothing from them."""
+    import torch
+
+    environ = dict(os.environ)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 def _te_kernel_stand_in(*_args, **_kwargs):
@@ -103,8 +128,10 @@ def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = 
     from megatron_cg_plugin.enforce import MEGATRON_HEADING, megatron_rejection
     from megatron_cg_plugin.rules import RuleViolation
 
-    megatron = f"{MEGATRON_HEADING} {megatron_rejection(error)}"
-    return CheckError(f"{RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron)
+    rejection = megatron_rejection(error)
+    megatron = f"{MEGATRON_HEADING} {rejection}"
+    return CheckError(f"{RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron,
+                      [*plugin, ("megatron", rejection)])
 
 
 def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
@@ -115,8 +142,8 @@ def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
         return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from {start}.")
     missing = missing_required_flags(args)
     if missing:
-        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add them, or start from "
-                          f"{start}, and override what differs.")
+        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
+                          f"{'it' if len(missing) == 1 else 'them'}, or start from {start}, and override what differs.")
     return None
 
 
@@ -148,7 +175,7 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
     from megatron_cg_plugin.launch import pretrain_gpt
 
-    with _env(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
+    with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
         missing = _required_flags_missing(flags, args)
         if missing is not None:
@@ -343,14 +370,19 @@ def _farm(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
-        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them."))
+        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them. A "
+        "case whose flags Megatron or a rule refuses is reported REFUSED and not run. Exit code: 0 when every case "
+        "that ran passed, 1 when one failed, 2 on bad input or when every case was refused."))
     parser.add_argument("cases", nargs="+", type=Path, help="case folders holding model_config.yaml")
     parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
     parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
-    parser.add_argument("--out", type=Path, default=Path("farm-out"), help="metrics, reports and logs")
+    parser.add_argument("--out", type=Path, default=Path("farm-out"),
+                        help="metrics, reports, logs and built datasets (default: farm-out in the current folder)")
     parser.add_argument("--steps", type=int, help=f"training steps per run, >= 1 (default: the case's, else "
                                                   f"{farm.FARM_STEPS})")
-    parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would run and check each case's flags as megatron-cg check does (on CPU), "
+                             "run nothing")
     options = parser.parse_args(argv)
     try:
         prepared = [farm.prepare_case(folder, out_dir=options.out, gpus=options.fit_gpus, data_path=options.data_path,
@@ -358,29 +390,51 @@ def _farm(argv: Sequence[str]) -> int:
     except CaseError as error:
         print(f"megatron-cg farm: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    failed = 0
-    rows = []
+    outcomes, rows = [], []
     for case, notes in prepared:
         print(f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
               f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}")
         for note in notes:
             print(f"   {note}")
-        if options.dry_run:
-            print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
-            continue
-        try:
-            result = farm.run_case(case, options.out)
-        except farm.FarmRunError as error:  # the next cases still run
-            failed += 1
-            print(_run_failure(error))
-            continue
-        rows.append(result.summary())
-        problems = farm.problems_of(case, result)
-        failed += bool(problems)
-        print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
+        outcome, row = _farm_case(farm, case, options)
+        outcomes.append(outcome)
+        rows += [row] if row else []
     if rows:
         print(farm.format_summary(rows))
-    return EXIT_MISMATCH if failed else EXIT_OK
+    print(_farm_tally(outcomes))
+    if "failed" in outcomes:
+        return EXIT_MISMATCH
+    return EXIT_BAD_INPUT if set(outcomes) == {"refused"} else EXIT_OK  # nothing could run as written
+
+
+def _farm_case(farm, case, options: argparse.Namespace) -> tuple[str, dict | None]:
+    """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
+    ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
+    if options.dry_run:
+        print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
+    refusal = farm.refusal_of(case, options.out)
+    if refusal is not None:
+        print("\n".join(f"   {line}" for line in refusal.lines()))
+        return "refused", None
+    if options.dry_run:
+        print("   check: OK (Megatron's validation and every rule, eager and graphed)")
+        return "checked", None
+    try:
+        result = farm.run_case(case, options.out)
+    except farm.FarmRunError as error:  # the next cases still run
+        print(_run_failure(error))
+        return "failed", None
+    problems = farm.problems_of(case, result)
+    print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
+    return ("failed" if problems else "passed"), result.summary()
+
+
+def _farm_tally(outcomes: Sequence[str]) -> str:
+    counts = ", ".join(f"{outcomes.count(name)} {name}" for name in ("passed", "failed", "checked", "refused")
+                       if name in outcomes)
+    refused = (" (refused: Megatron or a plugin rule refuses the case's flags, so it cannot run as written; that "
+               "is no failure of the plugin, and each line says what to change)") if "refused" in outcomes else ""
+    return f"farm: {counts}{refused}"
 
 
 def _run_failure(error: farm.FarmRunError) -> str:

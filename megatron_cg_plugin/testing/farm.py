@@ -9,8 +9,11 @@ the summary table it writes is what ``docs/results/`` records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -185,6 +188,40 @@ def _before_capture(case: FarmCase, first_step: int) -> str:
     return (f"; it differs from step {first_step}, and steps 1-{case.eager_steps} train eagerly in both runs "
             f"(Megatron captures after --cuda-graph-warmup-steps {case.eager_steps}): the difference began outside "
             f"the graphs.{cause}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A case whose flags Megatron or a rule refuses: it cannot run as written, which is no failure of
+    the plugin. ``violations`` are (rule, message) pairs, ``megatron`` for Megatron's own checks."""
+
+    mode: str  # which run: eager or graphed
+    violations: tuple[tuple[str, str], ...]
+
+    def lines(self) -> list[str]:
+        return [f"REFUSED [{name}] {message}" + ("" if self.mode == "graphed" else f" (the {self.mode} run)")
+                for name, message in self.violations]
+
+
+def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
+    """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
+    on the case's ranks and environment, for the GPU host); None when both would start."""
+    from megatron_cg_plugin import cli, rules
+
+    env = dict(case.env)
+    for graphed in (True, False):
+        mode, parse_errors = "graphed" if graphed else "eager", io.StringIO()
+        try:
+            with cli.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
+                cli.validated_args(case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc,
+                                   env={**os.environ, **env})
+        except rules.RuleViolation as violation:
+            return Refusal(mode, tuple(violation.violations))
+        except cli.CheckError as error:
+            return Refusal(mode, tuple(error.violations))
+        except SystemExit:  # Megatron's parser: a flag this megatron-core does not know, a bad value
+            return Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
+    return None
 
 
 def case_folders(root: Path = CASES_DIR) -> list[Path]:
