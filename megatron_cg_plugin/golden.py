@@ -153,6 +153,7 @@ class GoldenValues:
         text = json.dumps(self.to_json(), indent=2, allow_nan=False) + "\n"
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600, made what open() would have created
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
@@ -161,6 +162,12 @@ class GoldenValues:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 class MetricsRecorder:

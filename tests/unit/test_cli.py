@@ -520,3 +520,15 @@ def test_hybrid_cp_is_refused_on_one_rank_and_passes_on_two(capsys):
     assert "(DP x CP 1: 1 rank(s), TP 1, PP 1)" in err
     assert run(capsys, "--nproc", "2", *hybrid)[0] == cli.EXIT_OK
     assert run(capsys, "--nproc", "2", *hybrid, *TE, "--cg-graph-banks")[0] == cli.EXIT_OK
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_golden_update_writes_a_file_that_honours_the_umask(capsys, files, tmp_path, umask, mode):
+    actual = files("actual.json", values())
+    target = tmp_path / "golden_values_x.json"
+    saved = os.umask(umask)
+    try:
+        assert golden_cmd(capsys, "update", actual, str(target))[0] == cli.EXIT_OK
+    finally:
+        os.umask(saved)
+    assert target.stat().st_mode & 0o777 == mode

@@ -395,3 +395,12 @@ def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsy
     assert code == cli.EXIT_OK, out
     assert "   PASS" in out and "   REFUSED [full-recompute]" in out
     assert out.rstrip().splitlines()[-1].startswith("farm: 1 passed, 1 refused (refused:")
+
+
+def test_farm_help_says_where_its_output_goes_and_what_the_exit_code_means(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["farm", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "default: farm-out in the current folder" in out and "REFUSED" in out
+    assert "2 on bad input or when every case was refused" in out
