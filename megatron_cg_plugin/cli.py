@@ -139,7 +139,8 @@ def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
 
     start = "a preset, e.g. megatron-cg check --cg-preset tiny-gpt --cuda-graph-impl transformer_engine"
     if not flags:
-        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from {start}.")
+        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from "
+                          f"{start}.")
     missing = missing_required_flags(args)
     if missing:
         return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
@@ -396,7 +397,7 @@ def _farm(argv: Sequence[str]) -> int:
               f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}")
         for note in notes:
             print(f"   {note}")
-        outcome, row = _farm_case(farm, case, options)
+        outcome, row = _farm_case(case, options)
         outcomes.append(outcome)
         rows += [row] if row else []
     if rows:
@@ -407,9 +408,11 @@ def _farm(argv: Sequence[str]) -> int:
     return EXIT_BAD_INPUT if set(outcomes) == {"refused"} else EXIT_OK  # nothing could run as written
 
 
-def _farm_case(farm, case, options: argparse.Namespace) -> tuple[str, dict | None]:
+def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
     """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
     ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
+    from megatron_cg_plugin.testing import farm  # noqa: F811  (loads the farm's cases: only for this command)
+
     if options.dry_run:
         print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
     refusal = farm.refusal_of(case, options.out)

@@ -193,7 +193,8 @@ def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]
 RULES: tuple[Rule, ...] = (
     Rule("num-layers", "megatron", lambda f: f.num_layers is not None and f.num_layers < 1,
          "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
-         "error' otherwise): give the number of transformer layers.", detail=lambda f: f"(--num-layers {f.num_layers})"),
+         "error' otherwise): give the number of transformer layers.",
+         detail=lambda f: f"(--num-layers {f.num_layers})"),
     Rule("cg-flags-need-te-graphs", "plugin", lambda f: not f.te_graphs and bool(f.graph_only_flags),
          "these --cg-* flags shape the plugin's CUDA graphs, and without --cuda-graph-impl transformer_engine nothing "
          "is captured, so they would do nothing: add --cuda-graph-impl transformer_engine, or drop them:",

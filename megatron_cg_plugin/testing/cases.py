@@ -215,7 +215,8 @@ PIPELINE_ONLY_FLAGS = ("--virtual-pipeline-model-parallel-size", "--num-layers-p
 # Megatron's flex token dispatcher (DeepEP, NCCL EP) needs TP x EP > 1 (token_dispatcher.py); its
 # backend's own flags go with it.
 FLEX_DISPATCHER_FLAGS = ("--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms",
-                         "--moe-hybridep-num-sms", "--moe-flex-dispatcher-num-sms", "--moe-permute-fusion-into-hybridep")
+                         "--moe-hybridep-num-sms", "--moe-flex-dispatcher-num-sms",
+                         "--moe-permute-fusion-into-hybridep")
 
 
 @dataclasses.dataclass(frozen=True)
