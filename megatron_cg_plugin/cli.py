@@ -1,42 +1,40 @@
-"""``megatron-cg``: run a Megatron script with the plugin, the dry-run check, golden values.
-
-    megatron-cg run [--nproc-per-node N] SCRIPT [ARGS...]   a Megatron training script, plugin installed
-    megatron-cg check [--nproc N] <launcher flags>      validate flags on CPU, print the capture plan
-    megatron-cg plan [--nproc N] [--router-load L] <launcher flags>   the plan, with the MoE capacity plan
-    megatron-cg bench [--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
-                                                        eager vs Megatron's graphs vs the plugin's, in one process
-    megatron-cg farm CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
-                                                        eager vs graphed on cases in Megatron's model_config.yaml format
-    megatron-cg matrix plan | run CELLS.json | render CELLS.json RESULTS.json...
-                                                        the support matrix: an all-pairs design run eager vs graphed
-    megatron-cg golden compare EXPECTED ACTUAL [--deterministic] [--metrics M ...]
-    megatron-cg golden update ACTUAL GOLDEN             copy a real run's metrics into a golden file
+"""``megatron-cg``: the plugin's command line. ``megatron-cg --help`` lists the commands (the synopsis
+and summary of each is its function's docstring, ``helptext.command_lines``) and every ``--cg-*`` flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import os
 import shlex
 import sys
 import types
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from megatron_cg_plugin.config import PRESETS
+from megatron_cg_plugin import console, helptext
+
+if TYPE_CHECKING:  # the farm loads its case files at import
+    from megatron_cg_plugin.testing import farm
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
 
 class CheckError(ValueError):
-    """The flags would not train; the message says what to change."""
+    """The flags would not train; the message says what to change. ``violations`` are its (rule,
+    message) pairs, ``megatron`` standing for Megatron's own checks."""
+
+    def __init__(self, message: str, violations: Sequence[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.violations = list(violations) if violations is not None else [("megatron", message)]
 
 
 @contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """``os.environ`` with ``values`` set inside the block, as it was after."""
+def scoped_environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block (Megatron's validation reads it), put back after."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -47,6 +45,25 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Megatron's ``validate_args`` sets the process up for a run (``--deterministic-mode`` sets
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` and ``CUBLAS_WORKSPACE_CONFIG`` and turns torch's deterministic
+    algorithms on); a dry run puts the environment and those switches back, so the runs a farm starts
+    after its checks inherit nothing from them."""
+    import torch
+
+    environ = dict(os.environ)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 def _te_kernel_stand_in(*_args, **_kwargs):
@@ -106,10 +123,29 @@ def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None
         megatron_utils._te_version = saved_te_version
 
 
-def _megatron_rejects(error: BaseException) -> CheckError:
+def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = ()) -> CheckError:
+    """Megatron's refusal, after the plugin's own rules that the flags break too (``plugin``)."""
     from megatron_cg_plugin.enforce import MEGATRON_HEADING, megatron_rejection
+    from megatron_cg_plugin.rules import RuleViolation
 
-    return CheckError(f"{MEGATRON_HEADING} {megatron_rejection(error)}")
+    rejection = megatron_rejection(error)
+    megatron = f"{MEGATRON_HEADING} {rejection}"
+    return CheckError(f"{RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron,
+                      [*plugin, ("megatron", rejection)])
+
+
+def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
+    from megatron_cg_plugin.enforce import missing_required_flags
+
+    start = "a preset, e.g. megatron-cg check --cg-preset tiny-gpt --cuda-graph-impl transformer_engine"
+    if not flags:
+        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from "
+                          f"{start}.")
+    missing = missing_required_flags(args)
+    if missing:
+        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
+                          f"{'it' if len(missing) == 1 else 'them'}, or start from {start}, and override what differs.")
+    return None
 
 
 def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
@@ -140,13 +176,17 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
     from megatron_cg_plugin.launch import pretrain_gpt
 
-    with environment(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
+    with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
+        missing = _required_flags_missing(flags, args)
+        if missing is not None:
+            raise missing
+        early = rules.unvalidated_plugin_violations(args, env=env)  # before validate_args changes args
         with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:
                 validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
             except MEGATRON_REJECTIONS as error:
-                raise _megatron_rejects(error) from error
+                raise _megatron_rejects(error, early) from error
             # TE is needed where the run happens, not on this machine.
             facts, _config = rules.check_run(args, env=env, launcher=True, te_present=True)
             try:
@@ -156,14 +196,20 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     return args, facts
 
 
-def moe_plan_text(args, router_load: str) -> str:
+def moe_plan_text(args, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
-    and the fraction of tokens ``router_load`` would drop (``plan.moe``)."""
+    and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
+    load is checked whatever the model; a dense model, which has no router, refuses one."""
     from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
     from megatron_cg_plugin.rules import GraphFacts
 
     if not args.num_experts:
+        if router_load is not None:
+            raise ValueError(f"--router-load {router_load} says how a router spreads tokens over experts, and this "
+                             "model is dense (no --num-experts): drop --router-load.")
         return "MoE: none (a dense model)."
+    router_load = router_load or "uniform"
+    load = parse_load(router_load, args.num_experts)
     facts = GraphFacts(num_layers=args.num_layers, num_experts=args.num_experts,
                        moe_layer_freq=args.moe_layer_freq if isinstance(args.moe_layer_freq, int)
                        else tuple(args.moe_layer_freq))
@@ -176,7 +222,7 @@ def moe_plan_text(args, router_load: str) -> str:
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     shapes = plan.gemm_shapes(args.hidden_size, ffn,
                               gated=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)))
-    dropped = plan.dropped_fraction(parse_load(router_load, args.num_experts))
+    dropped = plan.dropped_fraction(load)
     padded = "" if args.moe_pad_expert_input_to_capacity else (
         " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
     return "\n".join([
@@ -193,6 +239,8 @@ def moe_plan_text(args, router_load: str) -> str:
 
 
 def _golden(argv: Sequence[str]) -> int:
+    """compare EXPECTED ACTUAL [--deterministic] [--metrics M ...] | update ACTUAL GOLDEN
+    compare a run's metrics with a golden file (Megatron's thresholds), or write one from a real run"""
     from megatron_cg_plugin import golden
 
     parser = argparse.ArgumentParser(prog="megatron-cg golden")
@@ -214,10 +262,13 @@ def _golden(argv: Sequence[str]) -> int:
             print(f"wrote {options.golden} from {options.actual}")
             return EXIT_OK
         expected = golden.GoldenValues.load(options.expected)
-        mismatches = golden.compare(expected, actual, deterministic=options.deterministic,
-                                    metrics=options.metrics)
     except (OSError, ValueError) as error:
         print(f"megatron-cg golden: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        mismatches = golden.compare(expected, actual, deterministic=options.deterministic, metrics=options.metrics)
+    except ValueError as error:  # a metric name nothing knows
+        print(f"megatron-cg golden compare{' --metrics' if options.metrics else ''}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(golden.format_report(mismatches))
     return EXIT_MISMATCH if mismatches else EXIT_OK
@@ -236,7 +287,7 @@ def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
     if any(flag in ("-h", "--help") for flag in argv):
         # Megatron 0.19.2's own --help crashes (a bare '%' in one of its help strings), so say what
         # this command takes here; the flags themselves are Megatron's and the plugin's --cg-*.
-        print(usage)
+        print(f"{usage}\n\n{helptext.plugin_flags_help()}")
         return EXIT_OK
     options, flags = parser.parse_known_args(argv)
     if options.nproc < 1:
@@ -252,15 +303,19 @@ def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
 
 
 def _check(argv: Sequence[str]) -> int:
+    """[--nproc N] <launcher flags>
+    validate the flags on CPU (Megatron's checks and the plugin's rules); print the capture plan"""
     usage = ("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
              "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
-             "The flags are Megatron's plus the plugin's --cg-* (docs/troubleshooting.md lists every rule); "
-             f"presets: --cg-preset {{{','.join(PRESETS)}}}.")
+             "The flags are Megatron's plus the plugin's --cg-* below (docs/troubleshooting.md lists every rule); "
+             "--cg-preset NAME gives a complete model to start from.")
     return _dry_run_command(argv, prog="megatron-cg check", usage=usage, produce=lambda options, flags:
                             "flags OK\n" + check(flags, nproc=options.nproc, env=dict(os.environ)))
 
 
 def _plan(argv: Sequence[str]) -> int:
+    """[--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>
+    the check, then the graph pool the capture will reserve and, for MoE, the expert capacity plan"""
     from megatron_cg_plugin.plan.capture import plan_capture
 
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
@@ -280,10 +335,12 @@ def _plan(argv: Sequence[str]) -> int:
              "Set NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or --deterministic-mode) as the run will, for cuDNN's deterministic "
              "attention backward workspace.")
     return _dry_run_command(argv, prog="megatron-cg plan", usage=usage, produce=produce,
-                            extra_options=(("--router-load", "uniform"),))
+                            extra_options=(("--router-load", None),))
 
 
 def _bench(argv: Sequence[str]) -> int:
+    """[--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
+    eager vs Megatron's graphs vs the plugin's, in one process on a GPU (bench.json, bench.md, bench.png)"""
     if any(flag in ("-h", "--help") for flag in argv):
         print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
               "[--bench-arms eager,stock,plugin (also plugin-no-check, slot, slot-offload, slot-offload-staged, "
@@ -292,7 +349,7 @@ def _bench(argv: Sequence[str]) -> int:
               "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
               "<launcher flags>\n\n"
               "Trains the launcher's model in interleaved blocks of each arm in one process and writes "
-              "bench.json, bench.md and bench.png (docs/performance.md).")
+              "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
         return EXIT_OK
     from megatron_cg_plugin.bench_output import BenchOutputError
     from megatron_cg_plugin.launch import bench
@@ -305,54 +362,99 @@ def _bench(argv: Sequence[str]) -> int:
 
 
 def _farm(argv: Sequence[str]) -> int:
+    """CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
+    eager vs graphed on case folders in Megatron's model_config.yaml format (the farm's or Megatron-LM's)"""
     from pathlib import Path
 
     from megatron_cg_plugin.testing import farm
     from megatron_cg_plugin.testing.cases import CaseError
-    from megatron_cg_plugin.testing.distributed import MultiRankError
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
-        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them."))
+        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them. A "
+        "case whose flags Megatron or a rule refuses is reported REFUSED and not run. Exit code: 0 when every case "
+        "that ran passed, 1 when one failed, 2 on bad input or when every case was refused."))
     parser.add_argument("cases", nargs="+", type=Path, help="case folders holding model_config.yaml")
     parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
     parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
-    parser.add_argument("--out", type=Path, default=Path("farm-out"), help="metrics, reports and logs")
-    parser.add_argument("--steps", type=int, help="training steps per run (default: the case's, else 24)")
-    parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    parser.add_argument("--out", type=Path, default=Path("farm-out"),
+                        help="metrics, reports, logs and built datasets (default: farm-out in the current folder)")
+    parser.add_argument("--steps", type=int, help=f"training steps per run, >= 1 (default: the case's, else "
+                                                  f"{farm.FARM_STEPS})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would run and check each case's flags as megatron-cg check does (on CPU), "
+                             "run nothing")
     options = parser.parse_args(argv)
     try:
         prepared = [farm.prepare_case(folder, out_dir=options.out, gpus=options.fit_gpus, data_path=options.data_path,
-                                      steps=options.steps) for folder in options.cases]
+                                      steps=options.steps, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"))
+                    for folder in options.cases]
+        unmet = next((reason for case, _ in prepared if (reason := case.unmet())), None)
+        if unmet:  # a Megatron-LM script the host has no checkout of
+            raise CaseError(unmet)
     except CaseError as error:
         print(f"megatron-cg farm: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    failed = 0
-    rows = []
+    outcomes, rows = [], []
     for case, notes in prepared:
         print(f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
               f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}")
         for note in notes:
             print(f"   {note}")
-        if options.dry_run:
-            print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
-            continue
-        try:
-            result = farm.run_case(case, options.out)
-        except MultiRankError as error:  # a run that failed: the next cases still run
-            failed += 1
-            print(f"   FAIL: {error}")
-            continue
-        rows.append(result.summary())
-        problems = farm.problems_of(case, result)
-        failed += bool(problems)
-        print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
+        outcome, row = _farm_case(case, options)
+        outcomes.append(outcome)
+        rows += [row] if row else []
     if rows:
         print(farm.format_summary(rows))
-    return EXIT_MISMATCH if failed else EXIT_OK
+    print(_farm_tally(outcomes))
+    if "failed" in outcomes:
+        return EXIT_MISMATCH
+    return EXIT_BAD_INPUT if set(outcomes) == {"refused"} else EXIT_OK  # nothing could run as written
+
+
+def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
+    """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
+    ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
+    from megatron_cg_plugin.testing import farm  # noqa: F811  (loads the farm's cases: only for this command)
+
+    if options.dry_run:
+        print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
+    refusal = farm.refusal_of(case, options.out)
+    if refusal is not None:
+        print("\n".join(f"   {line}" for line in refusal.lines()))
+        return "refused", None
+    if options.dry_run:
+        print("   check: OK (Megatron's validation and every rule, eager and graphed)")
+        return "checked", None
+    try:
+        result = farm.run_case(case, options.out)
+    except farm.FarmRunError as error:  # the next cases still run
+        print(_run_failure(error))
+        return "failed", None
+    problems = farm.problems_of(case, result)
+    print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
+    return ("failed" if problems else "passed"), result.summary()
+
+
+def _farm_tally(outcomes: Sequence[str]) -> str:
+    counts = ", ".join(f"{outcomes.count(name)} {name}" for name in ("passed", "failed", "checked", "refused")
+                       if name in outcomes)
+    refused = (" (refused: Megatron or a plugin rule refuses the case's flags, so it cannot run as written; that "
+               "is no failure of the plugin, and each line says what to change)") if "refused" in outcomes else ""
+    return f"farm: {counts}{refused}"
+
+
+def _run_failure(error: farm.FarmRunError) -> str:
+    """A failed farm run: its cause first and last, the failing ranks' output tails between."""
+    cause = error.cause.replace("\n", "\n   ")
+    tails = "\n".join(f"   | {line}" for line in error.details.rstrip().splitlines())
+    return f"   FAIL: {cause}\n{tails}\n   logs: {error.log_dir}\n   FAIL: {cause}"
 
 
 def _matrix(argv: Sequence[str]) -> int:
+    """plan [--out FILE] | run CELLS.json [--out DIR --jobs N --steps N --only CELL...] | render CELLS.json RUN.json...
+    the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size), each cell checked by
+    the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown"""
     import json
     from pathlib import Path
 
@@ -402,21 +504,37 @@ def _matrix(argv: Sequence[str]) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
+    """[--nproc-per-node N] SCRIPT [ARGS...]
+    run a Megatron training script (Megatron-LM's pretrain_gpt.py, yours) with the plugin installed"""
     from megatron_cg_plugin.launch import run_script
 
     return run_script.main(argv)
+
+
+def unknown_command(name: str, commands: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(commands), n=1)
+    hint = f", did you mean {close[0]!r}?" if close else ""
+    return (f"megatron-cg: unknown command {name!r}{hint} The commands: {', '.join(commands)} "
+            "(megatron-cg --help lists them with every --cg-* flag).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "matrix": _matrix, "plan": _plan,
                 "run": _run}
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(helptext.usage(commands))
+        return EXIT_OK
+    if argv[0] == "--version":
+        print(helptext.versions_text())
+        return EXIT_OK
+    if argv[0] not in commands:
+        print(unknown_command(argv[0], commands), file=sys.stderr)
         return EXIT_BAD_INPUT
-    if argv[0] not in ("run", "bench"):  # a run's warnings are the script's own business
-        # Megatron warns at import about every optional dependency it lacks (APEX, TE on a CPU
-        # host); none of that changes a check or a comparison.
+    # Megatron's notes on optional packages it lacks are no cause of anything a command reports.
+    console.hide_optional_package_warnings()
+    if argv[0] not in ("run", "bench"):  # a run's other warnings are the script's own business
+        # Nor do Megatron's other warnings (deprecations, overridden defaults) change a check or a comparison.
         warnings.filterwarnings("ignore", category=UserWarning)
     return commands[argv[0]](argv[1:])
 

@@ -78,7 +78,7 @@ def check_versions(versions: Versions, *, require_te: bool) -> None:
         )
 
 
-def _distribution_version(*names: str) -> str | None:
+def distribution_version(*names: str) -> str | None:
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -93,8 +93,8 @@ def installed_versions() -> Versions:
 
     return Versions(
         torch=torch.__version__,
-        megatron_core=_distribution_version("megatron-core", "megatron_core"),
-        transformer_engine=_distribution_version("transformer-engine", "transformer_engine"),
+        megatron_core=distribution_version("megatron-core", "megatron_core"),
+        transformer_engine=distribution_version("transformer-engine", "transformer_engine"),
     )
 
 

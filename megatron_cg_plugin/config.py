@@ -151,51 +151,144 @@ def validate_config(config: PluginConfig) -> None:
         raise ConfigError(problems)
 
 
+@dataclasses.dataclass(frozen=True)
+class PluginFlag:
+    """One ``--cg-*`` flag: what argparse needs, its group in the help, and its one help text, which
+    ``--help`` and the README's table both print (``megatron_cg_plugin.helptext``)."""
+
+    flag: str
+    group: str
+    help: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # add_argument's keywords
+    doc: str | None = None  # the docs page that says more
+    graphs_only: bool = False  # does something only with --cuda-graph-impl transformer_engine
+    field: str | None = None  # the PluginConfig field it sets (default: the flag's name without cg-)
+    invert: bool = False  # a switch that turns its field off (--cg-no-report)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def config_field(self) -> str:
+        return self.field or self.dest[len("cg_"):]
+
+    @property
+    def switch(self) -> bool:
+        return self.options.get("action") == "store_true"
+
+    @property
+    def synopsis(self) -> str:
+        """The flag as the help and the README write it: ``--cg-preset {a,b}``, ``--cg-report-out FILE``."""
+        if self.switch:
+            return self.flag
+        choices = self.options.get("choices")
+        return f"{self.flag} {{{','.join(choices)}}}" if choices else f"{self.flag} {self.options['metavar']}"
+
+    @property
+    def full_help(self) -> str:
+        """The help text with the default and the page that says more (plain text)."""
+        default = self.options.get("default")
+        text = self.help if default is None or self.switch else f"{self.help.rstrip('.')} (default {default})."
+        return text if self.doc is None else f"{text} See {self.doc}."
+
+    def config_value(self, args: Any) -> Any:
+        value = getattr(args, self.dest)
+        return (not value) if self.invert else value
+
+
+FLAG_GROUPS = ("first run", "capture", "slot-shared capture and offload", "graph banks (hybrid context parallelism)",
+               "outputs and report", "testing hooks")
+
+PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
+    PluginFlag("--cg-preset", "first run",
+               "Megatron flags for a first run, placed before yours (yours win): tiny-gpt (a 2-layer GPT on mock "
+               "data), tiny-moe (4 dropless alltoall experts, graphing attn moe_router moe_preprocess), "
+               "tiny-gpt-hybrid-cp (hybrid context parallelism, on 2 or more ranks); presets never turn graphs on.",
+               {"choices": PRESETS, "default": None}),
+    PluginFlag("--cg-on-capture-error", "capture",
+               "After a failed capture (always rolled back): stop, naming the layer and the cause (raise), or train "
+               "on without graphs (eager).",
+               {"choices": ON_CAPTURE_ERROR, "default": "raise"}, graphs_only=True),
+    PluginFlag("--cg-contract-check", "capture",
+               "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
+               "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
+               "(off).",
+               {"choices": CONTRACT_CHECKS, "default": "full"}, graphs_only=True),
+    PluginFlag("--cg-stale-graph-check", "capture",
+               "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "
+               "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
+               "capture (before, about 0.2 s).",
+               {"choices": STALE_GRAPH_CHECKS, "default": "refuse"}, graphs_only=True),
+    PluginFlag("--cg-slot-capture", "slot-shared capture and offload",
+               "PP = 1: capture every graphed layer through slot-shared capture inside Megatron's own "
+               "create_cudagraphs (one pool, each layer's backward state in an arena); with "
+               "--fine-grained-activation-offloading --offload-modules ..., the offloaded modules inside the graphed "
+               "scope go to pinned host arenas inside the graphs.",
+               {"action": "store_true"}, doc="docs/variants.md", graphs_only=True),
+    PluginFlag("--cg-offload-copies", "slot-shared capture and offload",
+               "Where slot-shared offload copies: in each layer's graphs on side streams (in-graph), or between "
+               "replays through a ring of staging buffers shared by the layers (between-replays).",
+               {"choices": OFFLOAD_COPIES, "default": "in-graph"}, graphs_only=True),
+    PluginFlag("--cg-offload-window", "slot-shared capture and offload",
+               "How far those copies run beside the compute: N offload groups ahead inside the graphs, or a ring of "
+               "N + 1 staging buffers between replays; more overlap, more GPU memory.",
+               {"type": int, "default": 1, "metavar": "N"}, graphs_only=True),
+    PluginFlag("--cg-graph-banks", "graph banks (hybrid context parallelism)",
+               "With --hybrid-context-parallel: one graph bank per power-of-two CP size for every layer (whole layer, "
+               "attn, mlp or attn moe scope; fused RoPE), all in one slot-shared pool; each packed microbatch replays "
+               "the bank of its CP size through Megatron's replay path.",
+               {"action": "store_true"}, doc="docs/variants.md", graphs_only=True),
+    PluginFlag("--cg-bank-min-cp", "graph banks (hybrid context parallelism)",
+               "The smallest CP size that gets a bank (powers of two from K to DP x CP).",
+               {"type": int, "default": 1, "metavar": "K"}, graphs_only=True),
+    PluginFlag("--cg-thd-max-seqs", "graph banks (hybrid context parallelism)",
+               "The most packed sequences per microbatch under hybrid CP (graph banks fix their cu_seqlens buffers "
+               "at capture).",
+               {"type": int, "default": 8, "metavar": "N"}),
+    PluginFlag("--cg-metrics-out", "outputs and report",
+               "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to "
+               "FILE.",
+               {"type": Path, "default": None, "metavar": "FILE"}),
+    PluginFlag("--cg-report-out", "outputs and report",
+               "Write the run report (graphs captured and replayed, capture time, pool bytes, step times) as JSON to "
+               "FILE.",
+               {"type": Path, "default": None, "metavar": "FILE"}, doc="docs/report.md"),
+    PluginFlag("--cg-no-report", "outputs and report", "Do not print the run report table when training ends.",
+               {"action": "store_true"}, field="print_report", invert=True),
+    PluginFlag("--cg-moe-drop-stats", "outputs and report",
+               "Count the token-to-expert assignments the MoE routers drop at a fixed capacity (forward hooks on the "
+               "routers, counted on the device, inside graphs too); the report sets the fraction beside the capacity "
+               "plan, and the farm turns it on for its MoE cases.",
+               {"action": "store_true"}),
+    PluginFlag("--cg-inject-capture-failure", "testing hooks",
+               "Testing only: fail inside the capture of the N-th graphed layer (from 1), to exercise the rollback.",
+               {"type": int, "default": None, "metavar": "N"}, graphs_only=True),
+)
+
+
 def add_plugin_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider``: adds the ``--cg-*`` flags and returns the parser. Adding them
-    twice is harmless (``install()`` adds them to every Megatron parser, and a script may too)."""
+    """Megatron ``extra_args_provider``: adds the ``--cg-*`` flags (``PLUGIN_FLAGS``, one argument group
+    per ``FLAG_GROUPS`` entry) and returns the parser. Adding them twice is harmless (``install()`` adds
+    them to every Megatron parser, and a script may too)."""
     if "--cg-preset" in parser._option_string_actions:
         return parser
-    group = parser.add_argument_group("megatron-cg-plugin")
-    group.add_argument("--cg-preset", choices=PRESETS, default=None,
-                       help="Launcher preset whose Megatron flags come before yours (yours win).")
-    group.add_argument("--cg-metrics-out", type=Path, default=None,
-                       help="Write per-step metrics (lm loss, num-zeros, iteration-time, memory) "
-                            "in Megatron's golden-values JSON schema to this file.")
-    group.add_argument("--cg-report-out", type=Path, default=None,
-                       help="Write the run report (graphs captured/replayed, pool bytes, step times) as JSON.")
-    group.add_argument("--cg-no-report", action="store_true",
-                       help="Do not print the run report table at the end of training.")
-    group.add_argument("--cg-on-capture-error", choices=ON_CAPTURE_ERROR, default="raise",
-                       help="After a failed capture (always rolled back): stop with the error (raise) "
-                            "or keep training without graphs (eager).")
-    group.add_argument("--cg-contract-check", choices=CONTRACT_CHECKS, default="full",
-                       help="What each graph replay checks against what it was captured for.")
-    group.add_argument("--cg-stale-graph-check", choices=STALE_GRAPH_CHECKS, default="refuse",
-                       help="Refuse capture while eager autograd graphs reaching graphed parameters are alive, "
-                            "looking after a failed capture (refuse) or before every capture (before).")
-    group.add_argument("--cg-inject-capture-failure", type=int, default=None, metavar="N",
-                       help="Testing only: fail capture inside the N-th graphed layer (1-based).")
-    group.add_argument("--cg-bank-min-cp", type=int, default=1, metavar="K",
-                       help="Hybrid CP: capture graph banks for CP sizes K, 2K, ... up to DP x CP.")
-    group.add_argument("--cg-graph-banks", action="store_true",
-                       help="Hybrid CP: one graph bank per power-of-two CP size for every layer, in one pool.")
-    group.add_argument("--cg-thd-max-seqs", type=int, default=8, metavar="N",
-                       help="Graph banks: the most packed sequences per THD microbatch (fixed at capture).")
-    group.add_argument("--cg-moe-drop-stats", action="store_true",
-                       help="Count the token-to-expert assignments MoE routers drop at a fixed capacity (report).")
-    group.add_argument("--cg-slot-capture", action="store_true",
-                       help="PP=1: capture layers through slot-shared capture (arenas outside the pool); with "
-                            "--fine-grained-activation-offloading, offloaded modules inside the graphs go to pinned "
-                            "host arenas.")
-    group.add_argument("--cg-offload-copies", choices=OFFLOAD_COPIES, default="in-graph",
-                       help="Slot-shared offload: copy inside each layer's graphs on side streams, or between "
-                            "graph replays through a ring of staging buffers.")
-    group.add_argument("--cg-offload-window", type=int, default=1, metavar="GROUPS",
-                       help="How far offload copies run beside the compute: offload groups (in-graph copies) or "
-                            "layers (between replays: the staging ring holds N+1 buffers); more overlap, more GPU "
-                            "memory.")
+    groups = {name: parser.add_argument_group(f"megatron-cg-plugin: {name}") for name in FLAG_GROUPS}
+    for flag in PLUGIN_FLAGS:
+        groups[flag.group].add_argument(flag.flag, help=flag.full_help, **flag.options)
     return parser
+
+
+def graph_only_flags(config: PluginConfig) -> tuple[str, ...]:
+    """The ``--cg-*`` flags ``config`` sets away from their defaults that shape TE graphs only (they do
+    nothing in a run without ``--cuda-graph-impl transformer_engine``), as written: ``--cg-slot-capture``,
+    ``--cg-contract-check off``."""
+    defaults, found = PluginConfig(), []
+    for flag in PLUGIN_FLAGS:
+        value = getattr(config, flag.config_field)
+        if flag.graphs_only and value != getattr(defaults, flag.config_field):
+            found.append(flag.flag if flag.switch else f"{flag.flag} {value}")
+    return tuple(found)
 
 
 def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> bool:
@@ -209,32 +302,11 @@ def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> boo
 def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> PluginConfig:
     """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``
     (and the environment, for the debug switch)."""
-    missing = [name for name in ("cg_preset", "cg_metrics_out", "cg_report_out", "cg_no_report",
-                                 "cg_on_capture_error", "cg_contract_check", "cg_stale_graph_check",
-                                 "cg_inject_capture_failure", "cg_bank_min_cp", "cg_graph_banks", "cg_thd_max_seqs",
-                                 "cg_moe_drop_stats", "cg_slot_capture", "cg_offload_copies",
-                                 "cg_offload_window")
-               if not hasattr(args, name)]
+    missing = [flag.dest for flag in PLUGIN_FLAGS if not hasattr(args, flag.dest)]
     if missing:
         raise ValueError(
             "Megatron's arguments lack the plugin's --cg-* flags "
             f"({', '.join(missing)}); parse them with extra_args_provider=megatron_cg_plugin.config.add_plugin_args."
         )
-    return PluginConfig(
-        preset=args.cg_preset,
-        metrics_out=args.cg_metrics_out,
-        report_out=args.cg_report_out,
-        print_report=not args.cg_no_report,
-        on_capture_error=args.cg_on_capture_error,
-        contract_check=args.cg_contract_check,
-        stale_graph_check=args.cg_stale_graph_check,
-        inject_capture_failure=args.cg_inject_capture_failure,
-        bank_min_cp=args.cg_bank_min_cp,
-        graph_banks=args.cg_graph_banks,
-        thd_max_seqs=args.cg_thd_max_seqs,
-        moe_drop_stats=args.cg_moe_drop_stats,
-        slot_capture=args.cg_slot_capture,
-        offload_copies=args.cg_offload_copies,
-        offload_window=args.cg_offload_window,
-        slot_debug=slot_debug_from_environment(environ),
-    )
+    return PluginConfig(**{flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS},
+                        slot_debug=slot_debug_from_environment(environ))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import traceback
 from typing import Any, Mapping
@@ -22,6 +23,11 @@ EXIT_REFUSED = 2
 # from validate_args and TransformerConfig.__post_init__.
 MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError)
 MEGATRON_HEADING = "Megatron rejects these flags:"
+# Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
+REQUIRED_FLAGS = ("--micro-batch-size", "--num-layers", "--hidden-size", "--num-attention-heads",
+                  "--max-position-embeddings")
+# How those asserts read: "assert args.micro_batch_size is not None", "hidden_size argument is None".
+_NOT_GIVEN = re.compile(r"args\.(\w+) is not None|^(\w+) argument is None")
 
 
 class RunRefused(SystemExit):
@@ -44,7 +50,16 @@ def megatron_rejection(error: BaseException) -> str:
     if not frames:
         return message
     frame = frames[-1]
-    return f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
+    text = f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
+    match = _NOT_GIVEN.search(message) or _NOT_GIVEN.search(frame.line or "")
+    if match is None:
+        return text
+    return f"--{(match.group(1) or match.group(2)).replace('_', '-')} is not given, and Megatron needs it: {text}"
+
+
+def missing_required_flags(args: Any) -> list[str]:
+    """The ``REQUIRED_FLAGS`` that parsed ``args`` lack (all of them at once, where Megatron names one)."""
+    return [flag for flag in REQUIRED_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is None]
 
 
 def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[str, str]) -> RunRefused:

@@ -8,6 +8,7 @@ stay strict JSON. Pure Python on purpose: the comparison runs in CI jobs without
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -152,6 +153,7 @@ class GoldenValues:
         text = json.dumps(self.to_json(), indent=2, allow_nan=False) + "\n"
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600, made what open() would have created
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
@@ -160,6 +162,12 @@ class GoldenValues:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 class MetricsRecorder:
@@ -267,9 +275,9 @@ def compare(expected: GoldenValues, actual: GoldenValues, *, deterministic: bool
     """
     tols = {**default_tolerances(deterministic), **(tolerances or {})}
     names = list(expected.metrics) if metrics is None else list(dict.fromkeys(metrics))
-    for name in names:  # fail before comparing anything: a partial report would mislead
-        if name not in tols:
-            raise ValueError(f"no tolerance for metric {name!r}; pass one via tolerances={{...}}")
+    unknown = [name for name in names if name not in tols]
+    if unknown:  # fail before comparing anything: a partial report would mislead
+        raise ValueError(_unknown_metrics(unknown, expected, tols))
     out: list[Mismatch] = []
     for name in names:
         tol, exp, act = tols[name], expected.metrics.get(name), actual.metrics.get(name)
@@ -297,6 +305,17 @@ def compare(expected: GoldenValues, actual: GoldenValues, *, deterministic: bool
             elif not _within(e, act.values[step], tol):
                 out.append(Mismatch(name, step, e, act.values[step], rule))
     return out
+
+
+def _unknown_metrics(unknown: list[str], expected: GoldenValues, tolerances: Mapping[str, Tolerance]) -> str:
+    known = list(dict.fromkeys([*expected.metrics, *tolerances]))
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"unknown metric {', '.join(named)}: the expected file has {', '.join(map(repr, expected.metrics))}, "
+            f"and there are thresholds for {', '.join(map(repr, tolerances))} (names with spaces need quotes: "
+            "'lm loss').")
 
 
 def format_report(mismatches: Iterable[Mismatch]) -> str:

@@ -77,6 +77,20 @@ def plugin_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return shorten(add_plugin_args(parser))
 
 
+def printable_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Escapes each help string argparse cannot expand (megatron-core 0.19.2's help of
+    ``--moe-paged-stash-buffer-size-factor-cuda`` holds a bare '%', so Megatron's own ``--help`` raises
+    a ValueError); returns the parser, whose ``format_help()`` then works."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            try:
+                formatter._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+    return parser
+
+
 def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Makes this parser's errors one line (see the module docstring); returns it. Idempotent."""
     if getattr(parser, "_megatron_cg_short_errors", False):

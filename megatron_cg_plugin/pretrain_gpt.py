@@ -2,7 +2,10 @@
 
 import sys
 
-from megatron_cg_plugin.launch.pretrain_gpt import main
+from megatron_cg_plugin import console
 
 if __name__ == "__main__":
+    console.hide_optional_package_warnings()  # before the launcher imports Megatron
+    from megatron_cg_plugin.launch.pretrain_gpt import main
+
     sys.exit(main())

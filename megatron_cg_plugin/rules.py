@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from megatron_cg_plugin.config import ConfigError, PluginConfig, config_from_args, is_power_of_two
+from megatron_cg_plugin.config import ConfigError, PluginConfig, config_from_args, graph_only_flags, is_power_of_two
 
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
 PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
@@ -49,7 +49,7 @@ class GraphFacts:
     modules: tuple[str, ...] = ()  # empty = whole layer
     warmup_steps: int = 3
     transformer_impl: str = "transformer_engine"
-    num_layers: int = 2
+    num_layers: int | None = 2
     num_experts: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1
     capacity_factor: float | None = None
@@ -104,6 +104,7 @@ class GraphFacts:
     rerun_mode: str = "disabled"
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
     max_seqlen_per_dp_cp_rank: int | None = None
+    graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
     missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
 
@@ -191,6 +192,14 @@ def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]
 
 
 RULES: tuple[Rule, ...] = (
+    Rule("num-layers", "megatron", lambda f: f.num_layers is not None and f.num_layers < 1,
+         "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
+         "error' otherwise): give the number of transformer layers.",
+         detail=lambda f: f"(--num-layers {f.num_layers})"),
+    Rule("cg-flags-need-te-graphs", "plugin", lambda f: not f.te_graphs and bool(f.graph_only_flags),
+         "these --cg-* flags shape the plugin's CUDA graphs, and without --cuda-graph-impl transformer_engine nothing "
+         "is captured, so they would do nothing: add --cuda-graph-impl transformer_engine, or drop them:",
+         detail=lambda f: f"{' '.join(f.graph_only_flags)} (--cuda-graph-impl {f.cuda_graph_impl})"),
     Rule("te-installed", "plugin", _graphs(lambda f: not f.te_available),
          "--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
          "'megatron-cg-plugin[te]', or use --cuda-graph-impl none."),
@@ -351,6 +360,12 @@ RULES: tuple[Rule, ...] = (
          _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
          "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
          "drop it with --hybrid-context-parallel."),
+    Rule("hybrid-cp-ranks", "plugin", lambda f: f.hybrid_context_parallel and f.data_context_parallel < 2,
+         "--hybrid-context-parallel splits each sample's documents over the DP x CP ranks (ranks / (TP x PP)), and "
+         "these flags leave one, so every document trains with CP 1: run on 2 or more ranks (python -m "
+         "torch.distributed.run --nproc-per-node 2 ..., or torchrun; megatron-cg check --nproc 2).",
+         detail=lambda f: f"(DP x CP {f.data_context_parallel}: {f.world_size} rank(s), TP {f.tensor_parallel}, "
+                          f"PP {f.pipeline_parallel})"),
     Rule("hybrid-cp-rerun-mode", "megatron",
          lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
          "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
@@ -502,9 +517,32 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
         max_seqlen_per_dp_cp_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
+        graph_only_flags=graph_only_flags(config) if config is not None else (),
         config_problems=tuple(config_problems),
         missing_files=tuple(missing_files),
     )
+
+
+PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
+
+
+def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The plugin's own rules on flags as parsed, before Megatron's ``validate_args``: it stops at its
+    first assertion (often the world size) before the plugin's rules run, so a dry run reports these
+    beside Megatron's refusal and neither hides the other. Read before Megatron normalizes the flags
+    (TE assumed present, as on the GPU host), so this is a best effort: flags it cannot read give none."""
+    try:
+        config, problems = config_from_args(args, environ=env), ()
+    except ConfigError as error:
+        config, problems = None, tuple(error.problems)
+    except ValueError:
+        return []
+    try:
+        facts = facts_from_args(args, te_available=True, apex_fused_wgrad=True, env=env, config=config,
+                                config_problems=problems)
+        return violations(facts, PLUGIN_RULES)
+    except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
+        return []
 
 
 def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, config: PluginConfig | None = None,

@@ -2,7 +2,9 @@
 
 A preset's flags come first and the user's flags after, so anything the user passes wins
 (argparse keeps the last value). Presets only describe the model and the run; they never turn
-graphs on: that stays the user's ``--cuda-graph-impl transformer_engine``.
+graphs on: that stays the user's ``--cuda-graph-impl transformer_engine`` (a preset may say which
+modules the graphs would cover, as ``tiny-moe`` does). Each passes ``megatron-cg check`` as given,
+graphs on, on the ranks its description names.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ MOE_FLAGS = tuple(
     "--moe-grouped-gemm --swiglu --disable-bias-linear --moe-ffn-hidden-size 512".split()
 )
 
+# The graph scope Megatron offers a dropless MoE: the token dispatcher's shapes change per step, so
+# whole-layer capture needs drop-and-pad, which changes what the model trains.
+DROPLESS_MOE_SCOPE = ("--cuda-graph-modules", "attn", "moe_router", "moe_preprocess")
+
 PRESET_FLAGS: dict[str, tuple[str, ...]] = {
     "tiny-gpt": tuple(_COMMON),
-    # Add --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity to graph the whole
-    # MoE block (--cuda-graph-modules attn moe).
-    "tiny-moe": tuple(_COMMON) + MOE_FLAGS,
+    # A dropless MoE, graphed where its shapes are static, so the preset passes the rules as given.
+    # For the whole MoE block: --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity
+    # --cuda-graph-modules attn moe.
+    "tiny-moe": tuple(_COMMON) + MOE_FLAGS + DROPLESS_MOE_SCOPE,
     # Hybrid (dynamic) context parallelism on 2+ ranks: each document of a 512-token sample runs with
     # CP 1 or 2 (256 tokens per rank), RoPE with each microbatch's CP group. Add
     # --cuda-graph-impl transformer_engine --cg-graph-banks for one graph bank per CP size.
@@ -77,16 +84,27 @@ DATA_SOURCE_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "-
                      "--data-args-path", "--per-split-data-args-path")
 
 
-def names_data_source(argv: Sequence[str]) -> bool:
-    return any(token.split("=", 1)[0] in DATA_SOURCE_FLAGS for token in argv)
+# A preset flag (with its values) that a user's flag of these replaces rather than follows: a later flag
+# could not unset --mock-data (Megatron refuses two data sources), and Megatron refuses the deprecated
+# --cuda-graph-scope beside --cuda-graph-modules.
+REPLACED_BY = {"--mock-data": DATA_SOURCE_FLAGS, "--cuda-graph-modules": ("--cuda-graph-modules", "--cuda-graph-scope")}
+
+
+def names_any(argv: Sequence[str], flags: Sequence[str]) -> bool:
+    return any(token.split("=", 1)[0] in flags for token in argv)
 
 
 def expand_preset(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the preset's flags in front (the user's flags, coming later, override them).
-    A data source of the user's replaces the preset's ``--mock-data``, which a later flag could
-    not unset."""
+    """``argv`` with the preset's flags in front (the user's flags, coming later, override them),
+    less the preset's flags that the user's replace (``REPLACED_BY``)."""
     preset = find_preset(argv)
     if not preset:
         return list(argv)
-    flags = [flag for flag in PRESET_FLAGS[preset] if not (flag == "--mock-data" and names_data_source(argv))]
+    flags: list[str] = []
+    dropping = False
+    for token in PRESET_FLAGS[preset]:
+        if token.startswith("--"):
+            dropping = token in REPLACED_BY and names_any(argv, REPLACED_BY[token])
+        if not dropping:
+            flags.append(token)
     return flags + list(argv)

@@ -12,6 +12,7 @@ Megatron a forward step and a dataset provider. One process needs no torchrun.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import sys
@@ -19,13 +20,13 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_cg_plugin import integration
+from megatron_cg_plugin import console, helptext, integration
 from megatron_cg_plugin.data.hybrid_cp import get_hybrid_cp_batch
 from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
-from megatron_cg_plugin.parse_errors import plugin_args_provider
+from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -33,12 +34,15 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
     """Megatron's parser with the plugin's flags (and the preset expanded); ``validate`` also runs
-    Megatron's ``validate_args`` and sets its global args, as ``parse_and_validate_args`` does."""
+    Megatron's ``validate_args`` and sets its global args, as ``parse_and_validate_args`` does. Its
+    printout of every argument is held back until the flags pass (``console.megatron_printout_held``):
+    a refused run shows its cause, not 850 lines of arguments."""
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
     with argv_as(["pretrain_gpt", *expand_preset(argv)]):
         if validate:
-            return parse_and_validate_args(extra_args_provider=plugin_args_provider, args_defaults=ARGS_DEFAULTS)
+            with console.megatron_printout_held():
+                return parse_and_validate_args(extra_args_provider=plugin_args_provider, args_defaults=ARGS_DEFAULTS)
         return parse_args(extra_args_provider=plugin_args_provider)
 
 
@@ -114,8 +118,27 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
+USAGE = ("usage: python -m megatron_cg_plugin.pretrain_gpt [--cg-preset NAME] <Megatron flags> <--cg-* flags>\n\n"
+         "Trains a GPT or MoE through Megatron's own pretrain() with the plugin installed; megatron-cg check "
+         "validates the same flags on CPU.")
+
+
+def launcher_help() -> str:
+    """The launcher's ``--help``: the plugin's flags first, then Megatron's (megatron-core 0.19.2's own
+    ``--help`` fails on one help string, escaped here: ``parse_errors.printable_help``)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    megatron = argparse.ArgumentParser(prog="pretrain_gpt", usage=argparse.SUPPRESS, add_help=False)
+    megatron_flags = printable_help(add_megatron_arguments(megatron)).format_help().strip()
+    return (f"{USAGE}\n\n{helptext.plugin_flags_help()}\n\nMegatron's flags (megatron-core's parser; its own --help "
+            f"fails on a bare '%' in one help string in 0.19.2, escaped here):\n\n{megatron_flags}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(flag in ("-h", "--help") for flag in argv):
+        print(launcher_help())
+        return 0
     with single_process_rendezvous():
         session = integration.install(launcher=True)
         try:

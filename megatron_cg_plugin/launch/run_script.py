@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from megatron_cg_plugin import console
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
@@ -109,4 +110,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console.hide_optional_package_warnings()
     sys.exit(main())

@@ -84,11 +84,17 @@ def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out
 
 
 def adapt_case_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The case's ``ENV_VARS`` with the values ``--deterministic-mode`` refuses set to its own."""
+    """The case's ``ENV_VARS`` with the values ``--deterministic-mode`` refuses set to its own, and
+    ``NCCL_GRAPH_REGISTER=0`` beside ``expandable_segments:True`` (the graphed run needs it: rule
+    ``expandable-segments``, and Megatron asserts it)."""
     env = dict(env)
     changes = []
     for name, accepted in DETERMINISTIC_ENV.items():
         if name in env and env[name] not in accepted:
             changes.append(f"{name}={env[name]} -> {accepted[0]}: --deterministic-mode refuses it")
             env[name] = accepted[0]
+    if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "") and env.get("NCCL_GRAPH_REGISTER") != "0":
+        env["NCCL_GRAPH_REGISTER"] = "0"
+        changes.append("NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which "
+                       "corrupts memory under CUDA graphs otherwise (rule expandable-segments)")
     return env, changes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 CASE_FILE = "model_config.yaml"
 # Megatron's model_config.yaml keys (core_r0.19.0's test cases), and what the farm does with each.
@@ -215,10 +215,44 @@ PARALLEL_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-
 # Flags that describe the case's pipeline stage by stage; they go when PP changes (a layout of 4 stages
 # is wrong for 2, and none of them means anything at PP 1).
 PIPELINE_ONLY_FLAGS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-                       "--num-virtual-stages-per-pipeline-rank",
+                       "--num-virtual-stages-per-pipeline-rank", "--microbatch-group-size-per-virtual-pipeline-stage",
                        "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
-                       "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
-                       "--account-for-loss-in-pipeline-split")
+                       "--decoder-last-pipeline-num-layers", "--num-layers-in-first-pipeline-stage",
+                       "--num-layers-in-last-pipeline-stage", "--account-for-embedding-in-pipeline-split",
+                       "--account-for-loss-in-pipeline-split", "--overlap-p2p-comm-warmup-flush")
+# Megatron's flex token dispatcher (DeepEP, NCCL EP) needs TP x EP > 1 (token_dispatcher.py); its
+# backend's own flags go with it.
+FLEX_DISPATCHER_FLAGS = ("--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms",
+                         "--moe-hybridep-num-sms", "--moe-flex-dispatcher-num-sms",
+                         "--moe-permute-fusion-into-hybridep")
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeNeed:
+    """A flag that needs parallel sizes the fitted run may not have: ``keeps(new, old)`` says whether
+    it still fits; ``why(new, old)`` says why it goes."""
+
+    flag: str
+    keeps: Callable[[Mapping[str, int], Mapping[str, int]], bool]
+    why: Callable[[Mapping[str, int], Mapping[str, int]], str]
+
+
+def _ep_overlap_why(new: Mapping[str, int], old: Mapping[str, int]) -> str:
+    return f"EP {old['ep']} -> {new['ep']}: Megatron overlaps expert-parallel communication only with EP > 1"
+
+
+SIZE_NEEDS: tuple[SizeNeed, ...] = (
+    *(SizeNeed(flag, lambda new, old: new["pp"] == old["pp"], lambda new, old: f"PP {old['pp']} -> {new['pp']}")
+      for flag in PIPELINE_ONLY_FLAGS),
+    SizeNeed("--sequence-parallel", lambda new, old: new["tp"] > 1, lambda new, old: "TP 1"),
+    # Megatron refuses these without EP overlap, which needs EP > 1 (transformer_config.py).
+    *(SizeNeed(flag, lambda new, old: new["ep"] > 1 or new["ep"] == old["ep"], _ep_overlap_why)
+      for flag in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+                   "--ep-overlap-early-attn-memory-release")),
+    # Written for the case's CP size: a hierarchy of CP groups, a communication type per layer or a2a+p2p.
+    *(SizeNeed(flag, lambda new, old: new["cp"] == old["cp"], lambda new, old: f"CP {old['cp']} -> {new['cp']}")
+      for flag in ("--hierarchical-context-parallel-sizes", "--cp-comm-type")),
+)
 MEGATRON_CI_GPUS = 8  # Megatron's functional cases run on one 8-GPU node unless they say otherwise
 
 
@@ -234,10 +268,24 @@ def _shrink(sizes: dict[str, int], order: tuple[str, ...], fits: Any) -> None:
         sizes[name] = sizes[name] // 2 if sizes[name] % 2 == 0 else 1
 
 
+def _fit_dispatcher(args: dict[str, Any], sizes: Mapping[str, int]) -> list[str]:
+    """The flex token dispatcher, which needs TP x EP > 1, becomes alltoall where the fitted run has neither."""
+    if args.get("--moe-token-dispatcher-type") != "flex" or sizes["tp"] * sizes["ep"] > 1:
+        return []
+    args["--moe-token-dispatcher-type"] = "alltoall"
+    changes = ["--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP dispatchers "
+               "need TP x EP > 1)"]
+    for flag in FLEX_DISPATCHER_FLAGS:
+        if args.get(flag) not in (None, False):
+            changes.append(f"{flag} {args.pop(flag)!r} dropped (the flex dispatcher's)")
+    return changes
+
+
 def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGATRON_CI_GPUS
              ) -> tuple[dict[str, Any], list[str]]:
     """``MODEL_ARGS`` scaled down to ``gpus`` GPUs: PP, then CP, then TP halve until their product
-    divides ``gpus``, EP then ETP likewise; PP's own flags go with PP 1; the global batch keeps its
+    divides ``gpus``, EP then ETP likewise; flags that need the old sizes go (``SIZE_NEEDS``) and the
+    flex dispatcher becomes alltoall without TP x EP > 1; the global batch keeps its
     microbatches per data-parallel rank (``from_gpus`` is what the case was written for). Returns
     the new arguments and one line per flag changed."""
     if gpus < 1:
@@ -256,13 +304,12 @@ def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGAT
         if sizes[name] != before[name] or (flag in args and int(args[flag]) != sizes[name]):
             changes.append(f"{flag} {before[name]} -> {sizes[name]}")
             args[flag] = sizes[name]
-    if sizes["pp"] != before["pp"]:
-        for flag in PIPELINE_ONLY_FLAGS:
-            if flag in args and args[flag] not in (None, False):
-                changes.append(f"{flag} {args.pop(flag)!r} dropped (PP {before['pp']} -> {sizes['pp']})")
-    if sizes["tp"] == 1 and args.get("--sequence-parallel") is True:
-        args.pop("--sequence-parallel")
-        changes.append("--sequence-parallel dropped (TP 1)")
+    for need in SIZE_NEEDS:
+        if args.get(need.flag) not in (None, False) and not need.keeps(sizes, before):
+            value = args.pop(need.flag)
+            shown = "" if value is True else f" {value!r}"
+            changes.append(f"{need.flag}{shown} dropped ({need.why(sizes, before)})")
+    changes += _fit_dispatcher(args, sizes)
     old_dp = max(1, from_gpus // (before["tp"] * before["pp"] * before["cp"]))
     new_dp = gpus // (sizes["tp"] * sizes["pp"] * sizes["cp"])
     if "--global-batch-size" in args and old_dp != new_dp:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from megatron_cg_plugin import console
+
 WORDS = ("graph", "replay", "capture", "memory", "pool", "layer", "token", "expert", "router", "stream",
          "kernel", "tensor", "gradient", "optimizer", "batch", "sequence", "attention", "rank", "bank",
          "arena", "offload", "scale", "the", "a", "of", "and", "in", "to", "is", "with", "each", "every")
@@ -97,4 +99,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console.hide_optional_package_warnings()
     sys.exit(main())

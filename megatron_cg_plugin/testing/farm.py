@@ -9,15 +9,20 @@ the summary table it writes is what ``docs/results/`` records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.testing.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, load_case, render_flags
-from megatron_cg_plugin.testing.distributed import launch
+from megatron_cg_plugin.config import PLUGIN_FLAGS
+from megatron_cg_plugin.console import failure_cause
+from megatron_cg_plugin.testing.distributed import MultiRankError, launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +131,10 @@ class FarmCase:
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
         """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
         the farm's step count and output files; builds the case's dataset under ``out_dir``."""
-        flags = self.flags if graphed or self.eager_offload else without_offload_flags(self.flags)
+        # The eager reference leaves out what only graphs use (the cg-flags-need-te-graphs rule refuses it
+        # without them) and, where the case says so, Megatron's offload.
+        flags = self.flags if graphed else without_graph_only_flags(
+            self.flags if self.eager_offload else without_offload_flags(self.flags))
         return [
             *flags, *data_flags(self.data, out_dir),
             *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
@@ -165,21 +173,36 @@ OFFLOAD_OPTIONS = ("--offload-modules", "--activation-offload-fraction", "--min-
                    "--delta-offload-bytes-across-pp-ranks", "--fine-grained-offloading-max-inflight-offloads")
 
 
-def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
-    """``flags`` without Megatron's fine-grained offload flags (an option takes its values along,
-    also written ``--option=value``)."""
+# The plugin's flags that shape TE graphs only (config.PLUGIN_FLAGS' graphs_only).
+GRAPH_ONLY_SWITCHES = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and flag.switch)
+GRAPH_ONLY_OPTIONS = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and not flag.switch)
+
+
+def without_flags(flags: Sequence[str], *, switches: Sequence[str], options: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without ``switches`` and ``options`` (an option takes its values along, also written
+    ``--option=value``)."""
     kept: list[str] = []
     skipping = False
     for flag in flags:
         if flag.startswith("--"):
             name, joined = flag.split("=", 1)[0], "=" in flag
-            skipping = name in OFFLOAD_OPTIONS and not joined
-            if name in OFFLOAD_OPTIONS or name in OFFLOAD_SWITCHES:
+            skipping = name in options and not joined
+            if name in options or name in switches:
                 continue
         elif skipping:
             continue
         kept.append(flag)
     return tuple(kept)
+
+
+def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without Megatron's fine-grained offload flags."""
+    return without_flags(flags, switches=OFFLOAD_SWITCHES, options=OFFLOAD_OPTIONS)
+
+
+def without_graph_only_flags(flags: Sequence[str]) -> tuple[str, ...]:
+    """``flags`` without the ``--cg-*`` flags that only graphs use, for the eager reference run."""
+    return without_flags(flags, switches=GRAPH_ONLY_SWITCHES, options=GRAPH_ONLY_OPTIONS)
 
 
 def _before_capture(case: FarmCase, first_step: int) -> str:
@@ -191,6 +214,40 @@ def _before_capture(case: FarmCase, first_step: int) -> str:
     return (f"; it differs from step {first_step}, and steps 1-{case.eager_steps} train eagerly in both runs "
             f"(Megatron captures after --cuda-graph-warmup-steps {case.eager_steps}): the difference began outside "
             f"the graphs.{cause}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A case whose flags Megatron or a rule refuses: it cannot run as written, which is no failure of
+    the plugin. ``violations`` are (rule, message) pairs, ``megatron`` for Megatron's own checks."""
+
+    mode: str  # which run: eager or graphed
+    violations: tuple[tuple[str, str], ...]
+
+    def lines(self) -> list[str]:
+        return [f"REFUSED [{name}] {message}" + ("" if self.mode == "graphed" else f" (the {self.mode} run)")
+                for name, message in self.violations]
+
+
+def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
+    """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
+    on the case's ranks and environment, for the GPU host); None when both would start."""
+    from megatron_cg_plugin import cli, rules
+
+    env = dict(case.env)
+    for graphed in (True, False):
+        mode, parse_errors = "graphed" if graphed else "eager", io.StringIO()
+        try:
+            with cli.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
+                cli.validated_args(case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc,
+                                   env={**os.environ, **env})
+        except rules.RuleViolation as violation:
+            return Refusal(mode, tuple(violation.violations))
+        except cli.CheckError as error:
+            return Refusal(mode, tuple(error.violations))
+        except SystemExit:  # Megatron's parser: a flag this megatron-core does not know, a bad value
+            return Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
+    return None
 
 
 def case_folders(root: Path = CASES_DIR) -> list[Path]:
@@ -220,6 +277,12 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
     from megatron_cg_plugin.testing.cases import fit_gpus
 
+    if steps is not None and steps < 1:
+        raise CaseError(f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
+                        f"else {FARM_STEPS}).")
+    if data_path is not None and not Path(data_path).is_dir():
+        raise CaseError(f"--data-path {data_path} does not exist: give the folder that ${{DATA_PATH}} stands for in "
+                        "Megatron's case files, or leave --data-path out for mock data.")
     case = load_case(folder)
     notes = list(case.notes)
     args, env = dict(case.model_args), dict(case.env)
@@ -232,6 +295,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
                                                       apex_wgrad=compat.apex_fused_wgrad_available())
         env, env_changes = adapt_case_env(env)
         notes += changes + env_changes
+    elif data_path is not None:
+        notes.append(f"--data-path {data_path} not used: this farm case names its own data")
     fitted: list[str] = []
     if gpus is not None:
         written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
@@ -254,7 +319,8 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
         name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
         folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
         golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
-        steps=steps or case.farm.steps or FARM_STEPS, env=tuple(env.items()), script=case.farm.script,
+        steps=steps if steps is not None else case.farm.steps or FARM_STEPS, env=tuple(env.items()),
+        script=case.farm.script,
         data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
         eager_offload=case.farm.eager_offload, megatron_lm_dir=megatron_lm_dir,
         pool_prediction_tolerance=case.farm.pool_prediction_tolerance,
@@ -308,18 +374,39 @@ class CaseResult:
         }
 
 
+class FarmRunError(MultiRankError):
+    """One of a case's two runs failed: ``cause`` is the line worth reading (the plugin's refusal, the
+    last exception line of the first failing rank), ``details`` the failing ranks' output tails and
+    ``log_dir`` where every rank's whole output is."""
+
+    def __init__(self, mode: str, log_dir: Path, error: MultiRankError) -> None:
+        roots = [failure for failure in error.failures if not failure.terminated]
+        found = next((cause for cause in (failure_cause(f.stderr_tail + "\n" + f.stdout_tail) for f in roots)
+                      if cause), None)
+        head = f"rank {roots[0].rank} (exit code {roots[0].exitcode})" if roots else str(error).splitlines()[0]
+        self.mode, self.log_dir = mode, log_dir
+        self.cause = f"the {mode} run failed: {head}" + (f": {found}" if found else "")
+        self.details = "".join(str(failure) for failure in roots) or str(error)
+        super().__init__(self.cause, error.failures, error.timed_out)
+
+
 def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout_s: float = 900,
              devices: str | None = None) -> CaseResult:
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
-    single-GPU cases can run side by side on a multi-GPU host."""
+    single-GPU cases can run side by side on a multi-GPU host. A failed run raises ``FarmRunError``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(case.env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     tails = []
     for graphed in (False, True):
-        result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc, env=env or None,
-                        timeout_s=timeout_s, log_dir=out_dir / f"{case.name}.{'graphed' if graphed else 'eager'}.logs")
+        mode = "graphed" if graphed else "eager"
+        log_dir = out_dir / f"{case.name}.{mode}.logs"
+        try:
+            result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
+                            env=env or None, timeout_s=timeout_s, log_dir=log_dir)
+        except MultiRankError as error:
+            raise FarmRunError(mode, log_dir, error) from error
         tails.append(result.stdout.get(0, "")[-4000:])
     return CaseResult(
         case=case,

@@ -119,11 +119,11 @@ def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
 def refusal_of(cell: Mapping[str, str], env: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
     """The rules the plugin's one check refuses the cell's graphed run with, as ``megatron-cg check``
     would on one rank in the cell's environment; ``((), "")`` when it passes."""
-    from megatron_cg_plugin.cli import CheckError, environment, validated_args
+    from megatron_cg_plugin.cli import CheckError, scoped_environ, validated_args
     from megatron_cg_plugin.rules import RuleViolation
 
     try:
-        with environment(**cell_env(cell)):  # Megatron reads its variables from os.environ
+        with scoped_environ(**cell_env(cell)):  # Megatron reads its variables from os.environ
             validated_args([*cell_flags(cell), "--cuda-graph-impl", "transformer_engine", "--mock-data",
                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--train-iters",
                             str(MATRIX_STEPS)], nproc=1, env={**env, **cell_env(cell)})

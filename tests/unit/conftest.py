@@ -1,8 +1,20 @@
-"""Shared CPU fakes for the plugin's unit tests: a device probe and a hand-driven clock."""
+"""Shared CPU fakes for the plugin's unit tests (a device probe, a hand-driven clock), and temp files in tmp_path."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def temp_files_in_tmp_path(tmp_path):
+    """A refused launcher run keeps Megatron's printout in a temp file (``console.megatron_printout_held``),
+    as other code keeps its scratch files: in a test they go to its ``tmp_path``, not /tmp. (Not through
+    ``monkeypatch``: a test's own fixtures must see its monkeypatching undone before they check.)"""
+    saved, tempfile.tempdir = tempfile.tempdir, str(tmp_path)
+    yield
+    tempfile.tempdir = saved
 
 
 class FakeProbe:

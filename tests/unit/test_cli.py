@@ -3,16 +3,20 @@ Megatron's real parser and validate_args) and the ``golden`` commands."""
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-from megatron_cg_plugin import cli, golden
+from megatron_cg_plugin import __version__, cli, golden
+from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS
 from megatron_cg_plugin.golden import GoldenValues, MetricSeries
+from megatron_cg_plugin.launch.presets import MOE_FLAGS
 
 TE = ["--cuda-graph-impl", "transformer_engine"]
 GPT = ["--cg-preset", "tiny-gpt"]
 MOE = ["--cg-preset", "tiny-moe"]
+MOE_LAYERS = [*GPT, *MOE_FLAGS]  # tiny-moe's experts without its graph scope: whole layers
 DROP_PAD = ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 
@@ -93,7 +97,7 @@ def test_check_reports_both_broken_moe_rules(capsys):
 
 
 def test_check_whole_layer_dropless_moe(capsys):
-    code, _, err = run(capsys, *MOE, *TE)
+    code, _, err = run(capsys, *MOE_LAYERS, *TE)
     assert code == 2
     assert "[whole-layer-moe-needs-drop-and-pad]" in err
 
@@ -222,10 +226,42 @@ def test_check_model_parallel_on_cpu(capsys, monkeypatch, split):
 
 # -- usage ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [[], ["bogus"], ["--help"]])
-def test_usage(capsys, argv):
-    assert cli.main(argv) == 2
-    assert "megatron-cg check" in capsys.readouterr().err
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_help_lists_the_commands_and_every_plugin_flag_grouped(capsys, argv):
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "``" not in out  # plain text, not the module's RST
+    for command in ("run", "check", "plan", "bench", "farm", "golden"):
+        assert f"megatron-cg {command} " in out
+    for group in FLAG_GROUPS:
+        assert f"megatron-cg-plugin: {group}:" in out
+    for flag in PLUGIN_FLAGS:
+        assert flag.flag in out
+        assert " ".join(flag.help.split()[:4]) in " ".join(out.split()), flag.flag  # its help, rewrapped
+    assert "MEGATRON_CG_SLOT_DEBUG" in out
+
+
+def test_version_names_the_plugin_and_the_stack_without_importing_te(capsys):
+    assert cli.main(["--version"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"megatron-cg-plugin {__version__}"
+    assert [line.split()[0] for line in lines[1:]] == ["torch", "megatron-core", "transformer-engine"]
+    assert lines[2] == "megatron-core 0.19.2"
+    assert "transformer_engine" not in sys.modules
+
+
+@pytest.mark.parametrize("typo, meant", [("chek", "check"), ("farmm", "farm"), ("gloden", "golden")])
+def test_an_unknown_command_says_which_it_may_mean(capsys, typo, meant):
+    assert cli.main([typo, "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert f"unknown command {typo!r}, did you mean {meant!r}?" in err
+
+
+def test_an_unknown_command_far_from_any_lists_them(capsys):
+    assert cli.main(["bogus"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "unknown command 'bogus'" in err and "did you mean" not in err and "check, farm" in err
 
 
 # -- golden -----------------------------------------------------------------------------------------
@@ -337,6 +373,7 @@ def test_check_help_does_not_reach_megatrons_broken_help(capsys, flag):
     code, out, _ = run(capsys, flag)
     assert code == cli.EXIT_OK
     assert "usage: megatron-cg check [--nproc N]" in out and "tiny-gpt-hybrid-cp" in out
+    assert all(flag.flag in out for flag in PLUGIN_FLAGS)  # the flags check takes, not only the presets
 
 
 def test_check_hybrid_cp_with_graph_banks(capsys):
@@ -375,7 +412,7 @@ def test_plan_dense_and_dropless_models(capsys):
 
 
 def test_plan_refuses_what_check_refuses_and_a_bad_router_load(capsys):
-    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine"]) == 2
+    assert cli.main(["plan", *MOE_LAYERS, "--cuda-graph-impl", "transformer_engine"]) == 2
     assert "[whole-layer-moe-needs-drop-and-pad]" in capsys.readouterr().err
     assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "1.0",
                      "--router-load", "1,2"]) == 2
@@ -391,3 +428,107 @@ def test_plan_says_when_the_capacity_exceeds_the_tokens(capsys):
     assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "3",
                      "--moe-pad-expert-input-to-capacity"]) == 2
     assert "[moe-capacity-over-tokens]" in capsys.readouterr().err
+
+
+# -- inputs that were taken silently or with a misleading message -----------------------------------
+
+
+def test_check_with_no_flags_says_what_it_takes(capsys):
+    code, out, err = run(capsys)
+    assert (code, out) == (cli.EXIT_BAD_INPUT, "")
+    assert "no flags given" in err and "--cg-preset tiny-gpt" in err and "(no message)" not in err
+
+
+def test_check_names_every_flag_megatron_requires_at_once(capsys):
+    code, _, err = run(capsys, "--num-layers", "2")
+    assert code == cli.EXIT_BAD_INPUT and len(err.splitlines()) == 1
+    assert "Megatron needs --micro-batch-size, --hidden-size, --num-attention-heads, --max-position-embeddings" in err
+    assert "--cg-preset tiny-gpt" in err
+
+
+@pytest.mark.parametrize("layers", ["-2", "0"])
+def test_check_refuses_a_layer_count_below_one_naming_the_flag(capsys, layers):
+    code, _, err = run(capsys, *GPT, "--num-layers", layers)
+    assert code == cli.EXIT_BAD_INPUT
+    assert f"[num-layers] --num-layers must be >= 1" in err and "math domain error [" not in err
+
+
+def test_check_reports_the_plugins_rule_beside_megatrons_world_size_refusal(capsys):
+    code, _, err = run(capsys, *GPT, *TE, "--cg-slot-capture", "--pipeline-model-parallel-size", "2")
+    assert code == cli.EXIT_BAD_INPUT
+    lines = err.splitlines()
+    assert "break the plugin's rules" in lines[0] and lines[1].startswith("  [slot-capture-pipeline]")
+    assert lines[2].startswith("Megatron rejects these flags: world size (1) is not divisible")
+
+
+@pytest.mark.parametrize("impl", ["none", "local"])
+@pytest.mark.parametrize("flags, named", [
+    (["--cg-slot-capture"], "--cg-slot-capture"),
+    (["--cg-slot-capture", "--cg-offload-copies", "between-replays"], "--cg-offload-copies between-replays"),
+    (["--cg-graph-banks"], "--cg-graph-banks"),
+    (["--cg-contract-check", "off"], "--cg-contract-check off"),
+])
+def test_check_refuses_graph_only_cg_flags_without_te_graphs(capsys, impl, flags, named):
+    code, _, err = run(capsys, *GPT, "--cuda-graph-impl", impl, *flags)
+    assert code == cli.EXIT_BAD_INPUT and len(err.splitlines()) == 2
+    assert "[cg-flags-need-te-graphs]" in err and named in err and "--cuda-graph-impl transformer_engine" in err
+
+
+def test_check_takes_cg_flags_that_work_without_graphs(capsys):
+    code, _, err = run(capsys, *GPT, "--cg-moe-drop-stats", "--cg-no-report", "--cg-thd-max-seqs", "4")
+    assert code == cli.EXIT_OK, err
+
+
+def test_plan_checks_the_router_load_whatever_the_model(capsys):
+    assert cli.main(["plan", *GPT, "--router-load", "zipf:abc"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--router-load zipf:abc" in err and "dense" in err and "drop --router-load" in err
+    assert cli.main(["plan", *MOE, "--router-load", "zipf:abc"]) == cli.EXIT_BAD_INPUT  # dropless: still read
+    assert "write zipf:S with S >= 0" in capsys.readouterr().err
+    assert cli.main(["plan", *GPT]) == cli.EXIT_OK  # no load given: nothing to refuse
+
+
+def test_golden_compare_names_the_metrics_the_file_has(capsys, files):
+    expected, actual = files("expected.json", values()), files("actual.json", values())
+    code, out, err = golden_cmd(capsys, "compare", expected, actual, "--metrics", "lm-loss")
+    assert (code, out) == (cli.EXIT_BAD_INPUT, "") and len(err.splitlines()) == 1
+    assert err.startswith("megatron-cg golden compare --metrics: unknown metric 'lm-loss' (did you mean 'lm loss'?)")
+    assert "the expected file has 'lm loss', 'num-zeros'" in err and "tolerances={" not in err
+
+
+# -- presets pass check as given --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt", "tiny-moe"])
+def test_a_preset_passes_check_as_given_with_graphs_on(capsys, preset):
+    code, out, err = run(capsys, "--cg-preset", preset, *TE)
+    assert code == cli.EXIT_OK, err
+    if preset == "tiny-moe":
+        assert "scope: attn+moe_router+moe_preprocess" in out
+
+
+def test_tiny_moe_takes_the_whole_moe_block_with_drop_and_pad(capsys):
+    code, out, err = run(capsys, *MOE, *TE, *DROP_PAD, "--cuda-graph-modules", "attn", "moe")
+    assert code == cli.EXIT_OK, err
+    assert "scope: attn+moe" in out
+
+
+def test_hybrid_cp_is_refused_on_one_rank_and_passes_on_two(capsys):
+    hybrid = ["--cg-preset", "tiny-gpt-hybrid-cp"]
+    code, _, err = run(capsys, *hybrid)
+    assert code == cli.EXIT_BAD_INPUT and "[hybrid-cp-ranks]" in err and "--nproc-per-node 2" in err
+    assert "(DP x CP 1: 1 rank(s), TP 1, PP 1)" in err
+    assert run(capsys, "--nproc", "2", *hybrid)[0] == cli.EXIT_OK
+    assert run(capsys, "--nproc", "2", *hybrid, *TE, "--cg-graph-banks")[0] == cli.EXIT_OK
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_golden_update_writes_a_file_that_honours_the_umask(capsys, files, tmp_path, umask, mode):
+    actual = files("actual.json", values())
+    target = tmp_path / "golden_values_x.json"
+    saved = os.umask(umask)
+    try:
+        assert golden_cmd(capsys, "update", actual, str(target))[0] == cli.EXIT_OK
+    finally:
+        os.umask(saved)
+    assert target.stat().st_mode & 0o777 == mode

@@ -128,7 +128,18 @@ def test_presets_match_config():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_presets_never_turn_graphs_on(preset):
-    assert not any(flag.startswith("--cuda-graph") for flag in PRESET_FLAGS[preset])
+    assert "--cuda-graph-impl" not in PRESET_FLAGS[preset]
+    # tiny-moe names the scope Megatron graphs a dropless MoE with, so it passes check as given.
+    scope = [flag for flag in PRESET_FLAGS[preset] if flag.startswith("--cuda-graph")]
+    assert scope == (["--cuda-graph-modules"] if preset == "tiny-moe" else [])
+
+
+@pytest.mark.parametrize("user", [["--cuda-graph-modules", "attn"], ["--cuda-graph-scope", "attn"],
+                                  ["--cuda-graph-modules=attn"]])
+def test_a_users_graph_scope_replaces_the_presets(user):
+    expanded = expand_preset(["--cg-preset", "tiny-moe", *user])
+    assert "moe_router" not in expanded and expanded[-len(user):] == user
+    assert expanded.count("--num-experts") == 1  # the rest of the preset stays
 
 
 @pytest.mark.parametrize("spelling", [["--cg-preset", "tiny-gpt"], ["--cg-preset=tiny-gpt"]])
@@ -231,7 +242,7 @@ def test_slot_debug_refuses_what_it_does_not_understand():
     ("--dataloader-inter-document-masking", "hybrid-cp-document-masking", "--dataloader-inter-document-masking"),
     ("--max-seqlen-per-dp-cp-rank", "hybrid-cp-seqlen-per-rank", "--max-seqlen-per-dp-cp-rank N"),
 ])
-def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, drop, rule, message):
+def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, monkeypatch, drop, rule, message):
     from megatron_cg_plugin.launch.presets import PRESET_FLAGS
     from megatron_cg_plugin.rules import RuleViolation, check_run
 
@@ -240,6 +251,7 @@ def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, drop, rul
     del flags[index:index + (1 if drop == "--dataloader-inter-document-masking" else 2)]
     if drop == "--rerun-mode":
         flags += ["--rerun-mode", "validate_results"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # hybrid CP needs 2 or more ranks (rule hybrid-cp-ranks)
     check_run(megatron_parse(list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])), env={}, launcher=True)  # the preset passes
     with pytest.raises(RuleViolation) as info:
         check_run(megatron_parse(flags), env={}, launcher=True)

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+from megatron_cg_plugin.helptext import flags_markdown_table
 from megatron_cg_plugin.patches import PATCHES
 from megatron_cg_plugin.rules import RULES, markdown_rows
 
@@ -19,6 +20,12 @@ def test_the_rules_table_says_what_the_rules_say():
     assert markdown_rows() in TROUBLESHOOTING, (
         "docs/troubleshooting.md's rules table differs from rules.py: paste the output of "
         "python -c 'from megatron_cg_plugin.rules import markdown_rows; print(markdown_rows())'")
+
+
+def test_the_readmes_flag_table_is_the_one_the_help_prints():
+    assert flags_markdown_table() in (ROOT / "README.md").read_text(), (
+        "README.md's plugin flag table differs from config.PLUGIN_FLAGS: paste the output of "
+        "python -c 'from megatron_cg_plugin.helptext import flags_markdown_table; print(flags_markdown_table())'")
 
 
 def test_every_error_class_is_in_troubleshooting():

@@ -24,6 +24,8 @@ MODEL_ARGS:
   --num-layers: 4
   --hidden-size: 256
   --num-attention-heads: 4
+  --seq-length: 256
+  --max-position-embeddings: 256
   --tensor-model-parallel-size: 2
   --pipeline-model-parallel-size: 2
   --pipeline-model-parallel-layout: Et|(tt|)*2L
@@ -107,6 +109,7 @@ def test_cli_dry_run_prints_every_change_and_the_command(tmp_path, capsys):
     assert "== gpt3_style_case: 1 rank(s), 24 steps, eager vs graphed" in out
     assert "--tensor-model-parallel-size 2 -> 1" in out and "--save dropped" in out
     assert "python -m megatron_cg_plugin.pretrain_gpt --num-layers 4" in out
+    assert "   check: OK (Megatron's validation and every rule, eager and graphed)" in out
 
 
 def test_cli_refuses_a_megatron_case_without_fit_gpus(tmp_path, capsys):
@@ -242,3 +245,172 @@ def test_a_slot_offload_case_whose_graphs_moved_nothing_to_the_host_fails():
 
     assert problems_of(case, CaseResult(case, run, run, report(1 << 20), "")) == []
     assert "offloaded nothing inside the graphs" in problems_of(case, CaseResult(case, run, run, report(0), ""))[0]
+
+
+@pytest.mark.parametrize("steps", ["-5", "0"])
+def test_farm_refuses_a_step_count_below_one_and_says_the_default(tmp_path, capsys, steps):
+    case = Path(__file__).resolve().parents[1] / "functional" / "test_cases" / "gpt" / "tiny_gpt_layer"
+    assert cli.main(["farm", str(case), "--dry-run", "--steps", steps, "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert f"--steps {steps} must be >= 1" in err and "else 24" in err
+
+
+def test_farm_refuses_a_data_path_that_does_not_exist(tmp_path, capsys):
+    folder = write_case(tmp_path, MEGATRON_STYLE)
+    missing = tmp_path / "nonexistent"
+    assert cli.main(["farm", str(folder), "--fit-gpus", "1", "--dry-run", "--data-path", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"--data-path {missing} does not exist" in err
+
+
+def test_the_eager_reference_leaves_out_the_flags_only_graphs_use(tmp_path):
+    from megatron_cg_plugin.config import PLUGIN_FLAGS
+    from megatron_cg_plugin.testing.farm import load_cases, without_graph_only_flags
+
+    graph_only = {flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only}
+    assert without_graph_only_flags(["--cg-slot-capture", "--cg-offload-window", "2", "--cg-contract-check=off",
+                                     "--cg-thd-max-seqs", "4", "--bf16"]) == ("--cg-thd-max-seqs", "4", "--bf16")
+    for case in load_cases(megatron_lm_dir=str(tmp_path)):  # the Megatron-LM cases' script path resolves there
+        eager = case.argv(graphed=False, out_dir=tmp_path)
+        assert not graph_only & {flag.split("=")[0] for flag in eager}, case.name
+        assert eager[eager.index("--cuda-graph-impl") + 1] == "none"
+
+
+# -- --fit-gpus drops what the smaller run cannot take; the dry run checks every case -------------------
+
+MEGATRON_CASES = Path(__file__).parent / "_cases"  # copied verbatim from Megatron-LM core_r0.19.0
+OFFLOADING = MEGATRON_CASES / "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading"
+FULL_RECOMPUTE = MEGATRON_CASES / "gpt3_mcore_te_tp1_pp1_uniform_full_recompute"
+
+
+def with_model_args(tmp_path: Path, folder: Path, **extra) -> Path:
+    import yaml
+
+    data = yaml.safe_load((folder / "model_config.yaml").read_text())
+    data["MODEL_ARGS"].update(extra)
+    copy = tmp_path / folder.name
+    copy.mkdir()
+    (copy / "model_config.yaml").write_text(yaml.safe_dump(data))
+    return copy
+
+
+def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_takes(tmp_path):
+    from megatron_cg_plugin.testing.farm import refusal_of
+
+    case, notes = prepare_case(OFFLOADING, out_dir=tmp_path, gpus=1)
+    assert "--overlap-moe-expert-parallel-comm dropped (EP 4 -> 1: Megatron overlaps expert-parallel communication " \
+           "only with EP > 1)" in notes
+    assert "--overlap-moe-expert-parallel-comm" not in case.flags
+    assert "NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts " \
+           "memory under CUDA graphs otherwise (rule expandable-segments)" in notes
+    # As written it graphs whole layers of a dropless MoE, which a plugin rule refuses; Megatron takes the flags.
+    refusal = refusal_of(case, tmp_path)
+    assert refusal is not None and {name for name, _ in refusal.violations} == {
+        "whole-layer-moe-needs-drop-and-pad", "whole-layer-offload-unjoined"}  # no "megatron"
+    scoped, _ = prepare_case(with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"}),
+                             out_dir=tmp_path, gpus=1)
+    assert refusal_of(scoped, tmp_path) is None  # Megatron's validation and every rule, eager and graphed
+
+
+def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
+    assert cli.main(["farm", str(OFFLOADING), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path)]) == \
+        cli.EXIT_BAD_INPUT  # its one case is refused
+    out = capsys.readouterr().out
+    assert "   REFUSED [whole-layer-moe-needs-drop-and-pad] whole-layer capture" in out
+    assert "REFUSED [megatron]" not in out and out.rstrip().splitlines()[-1].startswith("farm: 1 refused (refused:")
+    scoped = with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"})
+    assert cli.main(["farm", str(scoped), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "   check: OK (Megatron's validation and every rule, eager and graphed)" in out
+    assert out.rstrip().endswith("farm: 1 checked")
+
+
+@pytest.mark.parametrize("model_args, gpus, dropped, kept", [
+    ({"--expert-model-parallel-size": 4, "--overlap-moe-expert-parallel-comm": True, "--delay-wgrad-compute": True,
+      "--ep-overlap-early-attn-memory-release": True}, 1,
+     ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--ep-overlap-early-attn-memory-release"], []),
+    ({"--expert-model-parallel-size": 4, "--overlap-moe-expert-parallel-comm": True}, 2, [],
+     ["--overlap-moe-expert-parallel-comm"]),  # EP 2 still overlaps
+    ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "[2 2]", "--cp-comm-type": "a2a+p2p"}, 2,
+     ["--hierarchical-context-parallel-sizes", "--cp-comm-type"], []),
+    ({"--pipeline-model-parallel-size": 4, "--num-layers-in-first-pipeline-stage": 3,
+      "--microbatch-group-size-per-virtual-pipeline-stage": 2}, 1,
+     ["--num-layers-in-first-pipeline-stage", "--microbatch-group-size-per-virtual-pipeline-stage"], []),
+    ({"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, 2, [], ["--sequence-parallel"]),
+])
+def test_fit_gpus_drops_each_flag_the_smaller_run_cannot_take_and_says_why(model_args, gpus, dropped, kept):
+    from megatron_cg_plugin.testing.cases import fit_gpus
+
+    args, changes = fit_gpus(model_args, gpus)
+    for flag in dropped:
+        assert flag not in args and any(change.startswith(f"{flag}") and " dropped (" in change
+                                        for change in changes), (flag, changes)
+    assert all(flag in args for flag in kept), changes
+
+
+def test_fit_gpus_turns_the_flex_dispatcher_into_alltoall_without_tp_or_ep():
+    from megatron_cg_plugin.testing.cases import fit_gpus
+
+    flex = {"--expert-model-parallel-size": 8, "--moe-token-dispatcher-type": "flex",
+            "--moe-flex-dispatcher-backend": "deepep"}
+    args, changes = fit_gpus(flex, 1)
+    assert args["--moe-token-dispatcher-type"] == "alltoall" and "--moe-flex-dispatcher-backend" not in args
+    assert changes[-2:] == ["--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP "
+                            "dispatchers need TP x EP > 1)",
+                            "--moe-flex-dispatcher-backend 'deepep' dropped (the flex dispatcher's)"]
+    assert fit_gpus(flex, 2)[0]["--moe-token-dispatcher-type"] == "flex"  # EP 2
+
+
+# -- a case a rule refuses is REFUSED, apart from failures, and never launched ---------------------------
+
+
+def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, capsys, monkeypatch):
+    from megatron_cg_plugin.testing import farm
+
+    monkeypatch.setattr(farm, "run_case", lambda *a, **k: pytest.fail("a refused case must not launch"))
+    assert cli.main(["farm", str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "   REFUSED [full-recompute] --recompute-granularity full is only supported with --cuda-graph-impl " \
+           "full_iteration: use --recompute-granularity selective or turn graphs off." in lines
+    assert "FAIL" not in out and "python -m" not in out  # not a crash, no command line
+    assert lines[-1].startswith("farm: 1 refused (refused: Megatron or a plugin rule refuses the case's flags") and \
+        "no failure of the plugin" in lines[-1]
+
+
+def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsys, monkeypatch):
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
+    from megatron_cg_plugin.testing import farm
+
+    def passing_run(case, out_dir):
+        run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)})})
+        report = {"scopes": [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0}]}
+        return farm.CaseResult(case, run, run, report, "")
+
+    monkeypatch.setattr(farm, "run_case", passing_run)
+    passing = write_case(tmp_path, MEGATRON_STYLE)
+    code = cli.main(["farm", str(passing), str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_OK, out
+    assert "   PASS" in out and "   REFUSED [full-recompute]" in out
+    assert out.rstrip().splitlines()[-1].startswith("farm: 1 passed, 1 refused (refused:")
+
+
+def test_farm_help_says_where_its_output_goes_and_what_the_exit_code_means(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["farm", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "default: farm-out in the current folder" in out and "REFUSED" in out
+    assert "2 on bad input or when every case was refused" in out
+
+
+def test_a_megatron_lm_case_without_a_checkout_names_megatron_lm_dir(monkeypatch, capsys):
+    from megatron_cg_plugin.cli import main
+
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    folder = Path(__file__).resolve().parents[2] / "tests/functional/test_cases/moe/moe_8x2048_droppad_megatron_lm"
+    assert main(["farm", str(folder), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "set MEGATRON_LM_DIR" in err and "Traceback" not in err and len(err.splitlines()) == 1

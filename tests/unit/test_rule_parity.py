@@ -14,7 +14,7 @@ import pytest
 
 from megatron_cg_plugin import cli, compat, enforce, integration, rules
 from megatron_cg_plugin.launch import pretrain_gpt
-from megatron_cg_plugin.launch.presets import PRESET_FLAGS
+from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
 from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
 
 global_vars = importlib.import_module("megatron.training.global_vars")
@@ -23,6 +23,7 @@ microbatches = importlib.import_module("megatron.core.num_microbatches_calculato
 TE = ("--cuda-graph-impl", "transformer_engine")
 GPT = ("--cg-preset", "tiny-gpt")
 MOE = ("--cg-preset", "tiny-moe")
+MOE_LAYERS = GPT + MOE_FLAGS  # tiny-moe's experts without its graph scope: whole layers
 BANKS = ("--cg-graph-banks",)
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER",
             "CUDA_DEVICE_MAX_CONNECTIONS")
@@ -50,9 +51,10 @@ class Row:
 ROWS = (
     Row("tiny-gpt-graphed", GPT + TE, frozenset()),
     Row("tiny-gpt-eager", GPT, frozenset()),
-    Row("tiny-moe-whole-layer-dropless", MOE + TE, frozenset({"whole-layer-moe-needs-drop-and-pad"})),
+    Row("tiny-moe-graphed", MOE + TE, frozenset()),  # the preset as given
+    Row("tiny-moe-whole-layer-dropless", MOE_LAYERS + TE, frozenset({"whole-layer-moe-needs-drop-and-pad"})),
     Row("tiny-moe-whole-layer-drop-and-pad",
-        MOE + TE + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"), frozenset()),
+        MOE_LAYERS + TE + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"), frozenset()),
     Row("hybrid-cp-without-rerun-mode-disabled", without(HYBRID_CP, "--rerun-mode"),
         frozenset({"hybrid-cp-rerun-mode"}), nproc=2),
     Row("hybrid-cp-banks", HYBRID_CP + TE + BANKS, frozenset(), nproc=2),
@@ -71,8 +73,11 @@ ROWS = (
     Row("real-data-prefix", GPT + TE + ("--data-path", "{data}"), frozenset()),
     Row("fp8-without-banks", GPT + TE + ("--fp8-format", "hybrid"), frozenset()),
     Row("several-rules-at-once",
-        MOE + TE + BANKS + ("--recompute-granularity", "full", "--recompute-method", "uniform"),
+        MOE_LAYERS + TE + BANKS + ("--recompute-granularity", "full", "--recompute-method", "uniform"),
         frozenset({"whole-layer-moe-needs-drop-and-pad", "full-recompute", "banks-need-hybrid-cp"})),
+    Row("slot-capture-without-te-graphs", GPT + ("--cg-slot-capture",), frozenset({"cg-flags-need-te-graphs"})),
+    Row("hybrid-cp-on-one-rank", HYBRID_CP, frozenset({"hybrid-cp-ranks"})),
+    Row("num-layers-below-one", GPT + ("--num-layers", "-2"), frozenset({"num-layers"})),
     Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
     Row("megatron-assertion-with-message", GPT + ("--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
 )

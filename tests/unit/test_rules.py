@@ -19,6 +19,10 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 
 # rule name -> (facts that break exactly that rule, a flag/env the message must tell the user to change)
 VIOLATING: dict[str, tuple[GraphFacts, str]] = {
+    "num-layers": (GraphFacts(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
+    "hybrid-cp-ranks": (GraphFacts(**HYBRID), "--nproc-per-node 2"),
+    "cg-flags-need-te-graphs": (GraphFacts(graph_only_flags=("--cg-slot-capture",)),
+                                "--cuda-graph-impl transformer_engine"),
     "te-installed": (GraphFacts(cuda_graph_impl=TE, te_available=False), "--cuda-graph-impl none"),
     "te-layers": (GraphFacts(cuda_graph_impl=TE, transformer_impl="local"),
                   "--transformer-impl transformer_engine"),
@@ -43,7 +47,7 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                            recompute_granularity="selective", recompute_modules=("moe",)),
                                 "--recompute-modules moe"),
     "cpu-offloading": (GraphFacts(cuda_graph_impl=TE, cpu_offloading=True), "--cpu-offloading"),
-    "hybrid-cp": (GraphFacts(cuda_graph_impl=TE, **HYBRID), "--hybrid-context-parallel"),
+    "hybrid-cp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, world_size=2), "--hybrid-context-parallel"),
     "gradient-accumulation-fusion": (GraphFacts(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
                                      "--no-gradient-accumulation-fusion"),
     "expandable-segments": (GraphFacts(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
@@ -53,21 +57,22 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
                                "power of two"),
     "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                           delay_wgrad_compute=True), "--delay-wgrad-compute"),
+                                           delay_wgrad_compute=True, world_size=2), "--delay-wgrad-compute"),
     "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                        overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+                                        overlap_moe_expert_parallel_comm=True, world_size=2), "--overlap-moe-expert-parallel-comm"),
     "hybrid-cp-mamba-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                          world_size=2, modules=("attn", "mamba")), "drop mamba"),
     "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
     "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                   position_embedding_type="yarn"), "--position-embedding-type rope"),
+                                   position_embedding_type="yarn", world_size=2), "--position-embedding-type rope"),
     "banks-rope-fusion": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                     position_embedding_type="rope", apply_rope_fusion=False), "--no-rope-fusion"),
+                                     position_embedding_type="rope", apply_rope_fusion=False, world_size=2), "--no-rope-fusion"),
     "hybrid-cp-rope-static-cp": (GraphFacts(**HYBRID, position_embedding_type="rope",
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
     "banks-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                               modules=("attn", "moe_router"), **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True, position_embedding_type="rope",
+                               modules=("attn", "moe_router"), **MOE_DROP_PAD, world_size=2), "--cuda-graph-modules attn moe"),
+    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
+                                           position_embedding_type="rope",
                                            offload_modules=("core_attn",), warmup_steps=0),
                                 "--cuda-graph-warmup-steps 1"),
     "whole-layer-offload-unjoined": (GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope",
@@ -86,21 +91,22 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
                                    "--delay-wgrad-compute"),
     "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                              overlap_param_gather=True), "--overlap-param-gather"),
+                                              overlap_param_gather=True, world_size=2), "--overlap-param-gather"),
     "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
                                   moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
                        "--moe-layer-freq"),
     "parallel-sizes": (GraphFacts(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
                        "--tensor-model-parallel-size"),
-    "hybrid-cp-rerun-mode": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results"),
+    "hybrid-cp-rerun-mode": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results",
+                                         world_size=2),
                              "--rerun-mode disabled"),
     "hybrid-cp-document-masking": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
-                                              graph_banks=True), "--dataloader-inter-document-masking"),
+                                              graph_banks=True, world_size=2), "--dataloader-inter-document-masking"),
     "hybrid-cp-seqlen-per-rank": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
-                                             graph_banks=True), "--max-seqlen-per-dp-cp-rank"),
+                                             graph_banks=True, world_size=2), "--max-seqlen-per-dp-cp-rank"),
     "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
                                          tensor_parallel=2), "--tensor-model-parallel-size 1"),
-    "banks-fp8": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True), "--fp8-format"),
+    "banks-fp8": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True, world_size=2), "--fp8-format"),
     "fp8-recipe-device": (GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0),
                                      cuda_version=(13, 0)), "(--fp8-recipe mxfp8, compute capability 9.0, CUDA 13.0)"),
     "fp4-device": (GraphFacts(cuda_graph_impl=TE, fp4=True, device_capability=(9, 0)), "(compute capability 9.0)"),
@@ -116,8 +122,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
 ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
              "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
-             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel",
-             "offload-learned-positions"}
+             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel", "num-layers",
+             "cg-flags-need-te-graphs", "hybrid-cp-ranks", "offload-learned-positions"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -478,7 +484,7 @@ def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
 
 
 def test_sft_data_carries_document_boundaries_for_hybrid_cp():
-    facts = GraphFacts(**dict(HYBRID, inter_document_masking=False), sft=True)
+    facts = GraphFacts(**dict(HYBRID, inter_document_masking=False), sft=True, world_size=2)
     assert names(facts) == []
     assert names(dataclasses.replace(facts, sft=False)) == ["hybrid-cp-document-masking"]
 

@@ -229,6 +229,7 @@ def test_two_ranks_through_the_cli(recorder, tmp_path):
     out = tmp_path / "record"
     env = {key: value for key, value in os.environ.items() if key not in (*RENDEZVOUS_VARS, "NCCL_NVLS_ENABLE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env["TMPDIR"] = str(tmp_path)  # torch.distributed.run's torchelastic_* log folder lands here, not in /tmp
     result = subprocess.run(
         [sys.executable, "-m", "megatron_cg_plugin.cli", "run", "--nproc-per-node", "2", str(recorder),
          "--out", str(out)],
@@ -246,6 +247,7 @@ def test_two_ranks_through_the_cli(recorder, tmp_path):
         assert record["dist_world"] == 2
         assert record["sum"] == 3  # 1 + 2 over gloo
     assert records[0]["env"]["MASTER_PORT"] == records[1]["env"]["MASTER_PORT"]
+    assert list(tmp_path.glob("torchelastic_*"))  # torchrun's log folder went to TMPDIR (tmp_path), not /tmp
 
 
 @pytest.mark.multirank
@@ -254,6 +256,7 @@ def test_a_failing_rank_fails_the_run(tmp_path):
     script.write_text("import os, sys\nsys.exit(7 if os.environ['RANK'] == '1' else 0)\n")
     env = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env["TMPDIR"] = str(tmp_path)  # as above
     result = subprocess.run(
         [sys.executable, "-m", "megatron_cg_plugin.cli", "run", "--nproc-per-node", "2", str(script)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)

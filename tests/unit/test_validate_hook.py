@@ -173,9 +173,9 @@ def test_explicit_config_wins_over_cg_flags(monkeypatch):
     from megatron_cg_plugin.config import PluginConfig
 
     integration.uninstall()
-    explicit = PluginConfig(contract_check="off")
+    explicit = PluginConfig(thd_max_seqs=4)  # not a graphs-only flag: TINY_GPT trains without graphs
     session = integration.install(explicit)
-    parse_and_validate(monkeypatch, [*TINY_GPT, "--cg-contract-check", "shapes"])
+    parse_and_validate(monkeypatch, [*TINY_GPT, "--cg-thd-max-seqs", "2"])
     assert session.config is explicit
 
 
@@ -184,3 +184,30 @@ def test_uninstalled_validation_does_not_run_the_rules(monkeypatch):
     args = parse_and_validate(monkeypatch, [*WITH_FUSION, *TE])  # would break gradient-accumulation-fusion
     assert args.gradient_accumulation_fusion is True
     assert not hasattr(args, "cg_preset")  # nor add the --cg-* flags
+
+
+@pytest.mark.parametrize("impl", ["none", "local"])
+def test_graph_only_cg_flags_without_te_graphs_stop_the_run(monkeypatch, capsys, impl):
+    """A launcher run or any script with install(): --cg-slot-capture would otherwise do nothing."""
+    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cuda-graph-impl", impl, "--cg-slot-capture"])
+    assert [name for name, _ in refusal.violations] == ["cg-flags-need-te-graphs"]
+    assert "--cg-slot-capture" in err and "add --cuda-graph-impl transformer_engine" in err
+
+
+def test_an_explicit_graph_only_config_without_te_graphs_is_refused_too(monkeypatch, capsys):
+    from megatron_cg_plugin.config import PluginConfig
+
+    integration.uninstall()
+    integration.install(PluginConfig(slot_capture=True))
+    refusal, err = refused(monkeypatch, capsys, TINY_GPT)
+    assert [name for name, _ in refusal.violations] == ["cg-flags-need-te-graphs"]
+    assert "--cg-slot-capture (--cuda-graph-impl none)" in err
+
+
+def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
+    flags = [flag for flag in TINY_GPT]
+    index = flags.index("--micro-batch-size")
+    del flags[index:index + 2]
+    refusal, err = refused(monkeypatch, capsys, flags)
+    assert refusal.heading == enforce.MEGATRON_HEADING
+    assert "--micro-batch-size is not given, and Megatron needs it" in err
