@@ -456,6 +456,7 @@ def _matrix(argv: Sequence[str]) -> int:
     the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size), each cell checked by
     the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown"""
     import json
+    import tempfile
     from pathlib import Path
 
     from megatron_cg_plugin.testing import matrix
@@ -476,8 +477,8 @@ def _matrix(argv: Sequence[str]) -> int:
     options = parser.parse_args(argv)
     try:
         if options.action == "plan":
-            with contextlib.redirect_stdout(io.StringIO()):  # Megatron's argument printout, per cell
-                cells = matrix.design(lambda cell: matrix.refusal_of(cell, os.environ))
+            with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as data:
+                cells = matrix.design(lambda cell: matrix.refusal_of(cell, Path(data)))  # quiet: Megatron's printout
             options.out.write_text(json.dumps([cell.to_json() for cell in cells], indent=1) + "\n")
             refused = sum(bool(cell.refused_by) for cell in cells)
             print(f"{len(cells)} cells ({refused} refused by a rule) -> {options.out}")

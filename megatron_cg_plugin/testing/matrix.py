@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
 from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, problems_of, run_case
+from megatron_cg_plugin.testing.farm import refusal_of as farm_refusal_of
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
@@ -116,22 +117,13 @@ def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
     return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
 
 
-def refusal_of(cell: Mapping[str, str], env: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
-    """The rules the plugin's one check refuses the cell's graphed run with, as ``megatron-cg check``
-    would on one rank in the cell's environment; ``((), "")`` when it passes."""
-    from megatron_cg_plugin.cli import CheckError, scoped_environ, validated_args
-    from megatron_cg_plugin.rules import RuleViolation
-
-    try:
-        with scoped_environ(**cell_env(cell)):  # Megatron reads its variables from os.environ
-            validated_args([*cell_flags(cell), "--cuda-graph-impl", "transformer_engine", "--mock-data",
-                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--train-iters",
-                            str(MATRIX_STEPS)], nproc=1, env={**env, **cell_env(cell)})
-    except RuleViolation as error:
-        return tuple(name for name, _ in error.violations), str(error)
-    except CheckError as error:
-        return ("megatron",), str(error)
-    return (), ""
+def refusal_of(cell: Mapping[str, str], out_dir: Path) -> tuple[tuple[str, ...], str]:
+    """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.refusal_of``, its
+    dataset built under ``out_dir``); ``((), "")`` when both would start."""
+    refusal = farm_refusal_of(farm_case(Cell(dict(cell)), megatron_lm_dir=None), out_dir)
+    if refusal is None:
+        return (), ""
+    return tuple(name for name, _ in refusal.violations), "\n".join(refusal.lines())
 
 
 def design(refused: Callable[[Mapping[str, str]], tuple[tuple[str, ...], str]]) -> list[Cell]:

@@ -51,10 +51,10 @@ def test_an_offload_cell_offloads_inside_the_graphs_and_trains_its_reference_wit
     assert not case.eager_offload and case.script_file == Path("/ml/pretrain_gpt.py") and case.data == "synthetic"
 
 
-def test_the_committed_design_is_what_plan_writes_today():
+def test_the_committed_design_is_what_plan_writes_today(tmp_path):
     """The cells the matrix ran (docs/results/.../cells.json) are the design and the rules' verdicts
     `megatron-cg matrix plan` gives today: a rule change that moves a cell shows here."""
-    cells = matrix.design(lambda cell: matrix.refusal_of(cell, {}))
+    cells = matrix.design(lambda cell: matrix.refusal_of(cell, tmp_path))
     committed = json.loads(CELLS.read_text())
     assert [(c["name"], c["refused_by"]) for c in committed] == [(c.name, list(c.refused_by)) for c in cells]
 
