@@ -399,6 +399,15 @@ SCOPED: tuple[ForeignState, ...] = (
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
         "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
     ForeignState(
+        "slot-capture-generators", "transformer_engine.pytorch.distributed:get_all_rng_states",
+        "The states of the CUDA generators graphs draw from (torch's default one and TE's graph-safe tracker states "
+        "this function returns): slot-shared warmup and capture draw random numbers eager training never draws, and "
+        "a replay draws from a generator's live offset, so they are set back to where they were before warmup once "
+        "the capture succeeds, as TE's make_graphed_callables does (graph.py 1692-1725); without it every dropout mask "
+        "after capture moved and graphed training differed from eager (issue 30, s65-s66).",
+        "capture.backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
+        needs_te=True),
+    ForeignState(
         "slot-fp8-weight-update-flag",
         "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor",
         "slot-shared capture with FP8 caches weights as TE's make_graphed_callables does: TE's global weight-update "
