@@ -426,6 +426,11 @@ def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
                           deterministic=case.deterministic_mode, metrics=case.compared_metrics)
 
 
+def differing_steps(eager: dict[int, float], graphed: dict[int, float]) -> dict[int, tuple[float, float | None]]:
+    """The steps whose value the graphed run does not repeat bit for bit: step -> (eager, graphed)."""
+    return {step: (eager[step], graphed.get(step)) for step in sorted(eager) if eager[step] != graphed.get(step)}
+
+
 def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True) -> list[str]:
     """Everything wrong with a case's runs (empty: it passed): eager vs graphed per step, the
     capture and replay figures of the report, and (``with_golden``) the golden file where the case
@@ -442,8 +447,7 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
         if None in series:
             problems.append(f"{metric} was not recorded by the {'eager' if series[0] is None else 'graphed'} run")
             continue
-        first, second = (dict(s.values) for s in series)
-        differing = {step: (first[step], second.get(step)) for step in first if first[step] != second.get(step)}
+        differing = differing_steps(*(dict(s.values) for s in series))
         if differing:
             problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
                             + _before_capture(case, min(differing)))

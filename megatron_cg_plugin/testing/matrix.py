@@ -4,7 +4,7 @@ Megatron-LM's own ``pretrain_gpt.py`` (``megatron-cg run``) at the sizes users t
 
 The factors (model, graphed scope, precision, capture path, micro-batch size) are crossed in an
 all-pairs covering design (``plan.covering``): every pair of values meets in some cell. Before any
-GPU work each cell's flags go through the plugin's one rule check (``cli.validated_args``, what
+GPU work both runs of each cell go through the plugin's one rule check (``farm.refusal_of``, what
 ``megatron-cg check`` runs); a refused cell is recorded with its rules and not run. The design
 prefers cells that run, so refusals cover only pairs no running cell can. Every other cell trains
 the same steps eagerly and graphed on a real indexed dataset (the farm's synthetic one) and is
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
-from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, problems_of, run_case
+from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.testing.farm import refusal_of as farm_refusal_of
 
 FACTORS: dict[str, tuple[str, ...]] = {
@@ -164,10 +164,9 @@ def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: i
     except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
     problems = problems_of(case, result, with_golden=False)
-    eager, graphed = result.losses(result.eager), result.losses(result.graphed)
-    differing = sorted(step for step in eager if eager[step] != graphed.get(step))
+    differing = differing_steps(result.losses(result.eager), result.losses(result.graphed))
     return {**row, "result": "differs" if differing else ("failed" if problems else "exact"),
-            "problems": problems, "first_differing_step": differing[0] if differing else None,
+            "problems": problems, "first_differing_step": min(differing, default=None),
             "summary": result.summary(), **memory_figures(result.report)}
 
 

@@ -114,3 +114,20 @@ def test_the_support_matrix_page_is_the_render_of_its_runs():
     runs = [json.loads((CELLS.parent / run / "matrix.json").read_text()) for run in ("s68", "s69")]
     cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
     assert (REPO / "docs" / "support-matrix.md").read_text() == matrix.render(matrix.merge_results(cells, runs))
+
+
+def test_a_cell_whose_graphed_losses_move_differs_from_the_first_step_that_moved(monkeypatch, tmp_path):
+    class Result:
+        eager, graphed, report = {1: 7.0, 2: 6.5, 3: 6.1, 4: 5.9}, {1: 7.0, 2: 6.5, 3: 6.1, 4: 5.8}, {"scopes": []}
+
+        def losses(self, which):
+            return which
+
+        def summary(self):
+            return {}
+
+    monkeypatch.setattr(matrix, "run_case", lambda *a, **k: Result())
+    monkeypatch.setattr(matrix, "problems_of", lambda *a, **k: ["lm loss differs"])
+    cell = matrix.design(no_refusal)[0]
+    row = matrix.run_cell(cell, tmp_path, megatron_lm_dir="/ml", steps=4, timeout_s=1)
+    assert row["result"] == "differs" and row["first_differing_step"] == 4
