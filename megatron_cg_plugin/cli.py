@@ -339,7 +339,7 @@ def _plan(argv: Sequence[str]) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    """[--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] <launcher flags>
+    """[--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] [SCRIPT.py] <flags>
     eager vs Megatron's graphs vs the plugin's, in one process on a GPU (bench.json, bench.md, bench.png)"""
     if any(flag in ("-h", "--help") for flag in argv):
         print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
@@ -347,8 +347,9 @@ def _bench(argv: Sequence[str]) -> int:
               "and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; -f<P> after either: "
               "--activation-offload-fraction P/100)] "
               "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] "
-              "<launcher flags>\n\n"
-              "Trains the launcher's model in interleaved blocks of each arm in one process and writes "
+              "[SCRIPT.py] <launcher or script flags>\n\n"
+              "Trains the launcher's model (or, with SCRIPT.py first, your own Megatron script's, run as "
+              "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "
               "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
         return EXIT_OK
     from megatron_cg_plugin.bench_output import BenchOutputError

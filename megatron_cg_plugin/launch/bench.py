@@ -386,14 +386,17 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
 
 
 def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Callable[..., Any],
-                     sink: list[BenchResult]) -> Callable[..., Any]:
-    """Stands in for Megatron's ``train_step``: its first call runs the bench through the real
-    ``train_step`` and returns the last step's result; ``train()``'s loop then ends."""
+                     sink: list[BenchResult], before: Callable[[], None] | None = None) -> Callable[..., Any]:
+    """Stands in for Megatron's ``train_step``: its first call runs ``before`` (if any), then the
+    bench through the real ``train_step``, and returns the last step's result; ``train()``'s loop
+    then ends."""
 
     def step(*args: Any, **kwargs: Any) -> Any:
         if sink:
             raise BenchError("Megatron's loop went on after the bench; this megatron-core reads --train-iters "
                              "differently: install the supported version (docs/versions.md).")
+        if before is not None:
+            before()
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         trainer = MegatronTrainer(train_step, args, kwargs,
@@ -447,19 +450,49 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
                              f"--cg-slot-capture, which these flags break: {' '.join(broken)}")
 
 
+def user_script(flags: Sequence[str]) -> Path | None:
+    """The training script when the bench's first flag names one (``megatron-cg bench [--bench-*]
+    SCRIPT.py <its flags>``), else None (the launcher's flags)."""
+    if flags and flags[0].endswith(".py"):
+        script = Path(flags[0])
+        if not script.is_file():
+            raise BenchError(f"no such script {script}: give the path of a Megatron training script "
+                             "(e.g. Megatron-LM's pretrain_gpt.py), or the launcher's flags alone.")
+        return script
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
     from megatron.training import training
-
-    from megatron_cg_plugin import integration
-    from megatron_cg_plugin.launch import pretrain_gpt
-    from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 
     options, flags = parse_bench_argv(argv)
     if options.plot:
         bench_output.plot_available()
+    script = user_script(flags)
+    if script is not None:
+        flags = flags[1:]
     # Enough iterations for every block, and no validation pass after them (the bench's values win).
     flags = [*flags, "--train-iters", str(options.total_steps), "--eval-iters", "0"]
     results: list[BenchResult] = []
+    if script is None:
+        _bench_launcher(options, flags, training, results)
+    else:
+        _bench_script(script, options, flags, training, results)
+    if not results:
+        raise BenchError("Megatron's pretrain() returned without training (are --train-iters and --do-train "
+                         "set? see the log above).")
+    for path in bench_output.write(results[0], options.out, with_plot=options.plot):
+        print(f"megatron-cg bench: wrote {path}")
+    print(bench_output.markdown(results[0]))
+    return 0
+
+
+def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, results: list[BenchResult]) -> None:
+    """The launcher's model and data: its flags are parsed (and refused) before any GPU work."""
+    from megatron_cg_plugin import integration
+    from megatron_cg_plugin.launch import pretrain_gpt
+    from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
+
     with single_process_rendezvous():
         session = integration.install(launcher=True)
         try:
@@ -470,13 +503,24 @@ def main(argv: Sequence[str]) -> int:
                 pretrain_gpt.run(args, session)
         finally:
             integration.uninstall()
-    if not results:
-        raise BenchError("Megatron's pretrain() returned without training (are --train-iters and --do-train "
-                         "set? see the log above).")
-    for path in bench_output.write(results[0], options.out, with_plot=options.plot):
-        print(f"megatron-cg bench: wrote {path}")
-    print(bench_output.markdown(results[0]))
-    return 0
+
+
+def _bench_script(script: Path, options: BenchOptions, flags: Sequence[str], training: Any,
+                  results: list[BenchResult]) -> None:
+    """A user's own script, run as ``megatron-cg run`` runs it: the script parses its flags and
+    builds its model and data, so the bench's refusals come at its first train_step, before any block."""
+    from megatron.training import get_args
+
+    from megatron_cg_plugin.launch import run_script
+
+    def refuse() -> None:
+        refuse_unbenchable(get_args(), options)
+
+    driver = bench_train_step(options, flags, training.train_step, results, before=refuse)
+    with patches.scoped(training, "train_step", driver, "bench-train-step"):
+        code = run_script.run_in_process(script, run_script.expand_preset(flags))
+    if code and not results:
+        raise BenchError(f"{script} exited with code {code} before the bench ran; its output is above.")
 
 
 if __name__ == "__main__":

@@ -225,8 +225,11 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
     monkeypatch.setattr(bench, "run_bench", lambda options, trainer, **kwargs: "result")
     sink: list = []
     cached: list = []
-    step = bench.bench_train_step(BenchOptions(cached_batches=2), [], train_step=None, sink=sink)
+    checked: list = []
+    step = bench.bench_train_step(BenchOptions(cached_batches=2), [], train_step=None, sink=sink,
+                                  before=lambda: checked.append(len(sink)))
     assert step("forward", "data", iteration=0) == ("loss dict",)
+    assert checked == [0]  # the script's refusals ran before the bench
     assert cached == [2 * 4]  # global batches x microbatches per step
     assert sink == ["result"] and args.train_iters == 1  # the loop's iteration 0 was its last
     with pytest.raises(BenchError, match="went on after the bench"):
@@ -592,3 +595,54 @@ def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_
     one_pair, *_ = bench_with_fakes(rounds=2)
     assert "| - (one pair) | - |" in bench_output.markdown(one_pair)
     assert bench_output.to_json(one_pair)["ratio_precision"] == {}
+
+
+def test_a_script_as_first_flag_is_benched_through_the_script_and_a_missing_one_is_refused(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert bench.user_script([str(script), "--num-layers", "2"]) == script
+    assert bench.user_script(["--cg-preset", "tiny-gpt"]) is None  # the launcher's flags
+    with pytest.raises(BenchError, match="no such script .*missing.py: give the path of a Megatron training script"):
+        bench.user_script([str(tmp_path / "missing.py")])
+
+
+def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_before_any_block(monkeypatch, tmp_path):
+    """The script's own pretrain() reaches the bench through Megatron's train_step, which the bench
+    stands in for only while the script runs; its flags end with the bench's iteration count."""
+    import types
+
+    from megatron.training import training
+
+    from megatron_cg_plugin.launch import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    real_step, seen = training.train_step, {}
+
+    def run_in_process(path, args):  # what the script's pretrain() does: call train_step
+        seen["script"], seen["args"] = path, list(args)
+        seen["patched"] = training.train_step is not real_step
+        training.train_step("forward", "data", iteration=0)
+        return 0
+
+    def driver(options, flags, train_step, sink, before=None):
+        def step(*args, **kwargs):
+            before()
+            sink.append("result")
+        return step
+
+    refused = {"ok": dict(ARGS), "bad": ARGS | dict(save="/ckpt")}
+    monkeypatch.setattr(run_script, "run_in_process", run_in_process)
+    monkeypatch.setattr(bench, "bench_train_step", driver)
+    monkeypatch.setattr(bench_output, "write", lambda result, out, with_plot: [])
+    monkeypatch.setattr(bench_output, "markdown", lambda result: "")
+    import megatron.training
+
+    monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["ok"]))
+    assert bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script), "--num-layers", "2"]) == 0
+    assert seen["script"] == script and seen["patched"] and training.train_step is real_step
+    assert seen["args"][:2] == ["--num-layers", "2"] and seen["args"][2:4] == ["--train-iters", str(BenchOptions(rounds=2, steps=3).total_steps)]
+    monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["bad"]))
+    with pytest.raises(BenchError, match="drop --save for the bench"):
+        bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script)])
+    assert training.train_step is real_step  # put back after a refusal too
