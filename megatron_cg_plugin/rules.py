@@ -374,6 +374,13 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
          "--hybrid-context-parallel splits each sample into its documents: add "
          "--dataloader-inter-document-masking (or train --sft data, whose samples carry them)."),
+    # s70: stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619).
+    Rule("packed-sequences-te-graphs", "megatron",
+         _graphs(lambda f: (f.inter_document_masking or f.sft) and not f.hybrid_context_parallel),
+         "--dataloader-inter-document-masking and --sft train packed (THD) batches, and megatron-core 0.19.2's TE "
+         "graph replay refuses their packed_seq_params (TransformerLayer._te_cuda_graph_replay asserts at the first "
+         "graphed step, Megatron-LM #5619): use --cuda-graph-impl none for packed data, or graph it through "
+         "--hybrid-context-parallel --cg-graph-banks (whose banks carry the THD metadata)."),
     Rule("hybrid-cp-seqlen-per-rank", "megatron",
          lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
          "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)."),

@@ -102,6 +102,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                              "--rerun-mode disabled"),
     "hybrid-cp-document-masking": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
                                               graph_banks=True, world_size=2), "--dataloader-inter-document-masking"),
+    "packed-sequences-te-graphs": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True),
+                                   "--cuda-graph-impl none for packed data"),
     "hybrid-cp-seqlen-per-rank": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
                                              graph_banks=True, world_size=2), "--max-seqlen-per-dp-cp-rank"),
     "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
