@@ -391,6 +391,7 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
     bench through the real ``train_step``, and returns the last step's result; ``train()``'s loop
     then ends."""
 
+    @functools.wraps(train_step)  # install()'s signature check, run after this patch for a script, looks through it
     def step(*args: Any, **kwargs: Any) -> Any:
         if sink:
             raise BenchError("Megatron's loop went on after the bench; this megatron-core reads --train-iters "

@@ -230,6 +230,7 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
                                   before=lambda: checked.append(len(sink)))
     assert step("forward", "data", iteration=0) == ("loss dict",)
     assert checked == [0]  # the script's refusals ran before the bench
+    assert step.__wrapped__ is None  # what it stands in for (train_step=None here), for install()'s signature check
     assert cached == [2 * 4]  # global batches x microbatches per step
     assert sink == ["result"] and args.train_iters == 1  # the loop's iteration 0 was its last
     with pytest.raises(BenchError, match="went on after the bench"):
