@@ -297,6 +297,18 @@ RULES: tuple[Rule, ...] = (
          "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
          "offload inside themselves.",
          detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})"),
+    # s70/s71: Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
+    # first step after a graphed backward; without the offload, or without the recompute, it was exact.
+    Rule("offload-recompute-in-graphs", "plugin",
+         _graphs(lambda f: bool(f.offloaded_in_graphs) and f.recompute_granularity == "selective"
+                 and bool(f.recompute_modules)),
+         "Megatron's fine-grained activation offload inside the graphed scope together with selective recompute "
+         "trained differently from eager under TE graphs (Megatron-LM's moe fine_grained_offloading case on one GPU, "
+         "attention graphed: the loss after the first graphed step's gradients was off by up to 0.4; without either "
+         "one it was exact, s71). Drop --recompute-granularity selective, or offload only modules outside "
+         "--cuda-graph-modules, or drop --fine-grained-activation-offloading.",
+         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs, "
+                          f"--recompute-modules {' '.join(f.recompute_modules)})"),
     Rule("offload-learned-positions", "megatron",
          lambda f: f.activation_offloading and f.position_embedding_type == "learned_absolute",
          "Megatron 0.19.2's own fine-grained activation offload stopped with a CUDA illegal memory access in the "

@@ -290,9 +290,20 @@ def with_model_args(tmp_path: Path, folder: Path, **extra) -> Path:
     data = yaml.safe_load((folder / "model_config.yaml").read_text())
     data["MODEL_ARGS"].update(extra)
     copy = tmp_path / folder.name
-    copy.mkdir()
+    copy.mkdir(parents=True)
     (copy / "model_config.yaml").write_text(yaml.safe_dump(data))
     return copy
+
+
+def scoped_without_recompute(tmp_path: Path) -> Path:
+    """Megatron's offloading case with attention graphed and no selective recompute: exact on one GPU (s71)."""
+    import yaml
+
+    folder = with_model_args(tmp_path / "scoped", OFFLOADING, **{"--cuda-graph-modules": "[attn]"})
+    data = yaml.safe_load((folder / "model_config.yaml").read_text())
+    del data["MODEL_ARGS"]["--recompute-granularity"], data["MODEL_ARGS"]["--recompute-modules"]
+    (folder / "model_config.yaml").write_text(yaml.safe_dump(data))
+    return folder
 
 
 def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_takes(tmp_path):
@@ -307,10 +318,14 @@ def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_
     # As written it graphs whole layers of a dropless MoE, which a plugin rule refuses; Megatron takes the flags.
     refusal = refusal_of(case, tmp_path)
     assert refusal is not None and {name for name, _ in refusal.violations} == {
-        "whole-layer-moe-needs-drop-and-pad", "whole-layer-offload-unjoined"}  # no "megatron"
+        "whole-layer-moe-needs-drop-and-pad", "whole-layer-offload-unjoined", "offload-recompute-in-graphs"}  # no "megatron"
     scoped, _ = prepare_case(with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"}),
                              out_dir=tmp_path, gpus=1)
-    assert refusal_of(scoped, tmp_path) is None  # Megatron's validation and every rule, eager and graphed
+    # Attention graphed: trained differently with its offload and recompute together (s70, s71), so refused.
+    refusal = refusal_of(scoped, tmp_path)
+    assert refusal is not None and {name for name, _ in refusal.violations} == {"offload-recompute-in-graphs"}
+    exact, _ = prepare_case(scoped_without_recompute(tmp_path), out_dir=tmp_path, gpus=1)
+    assert refusal_of(exact, tmp_path) is None  # Megatron's validation and every rule, eager and graphed
 
 
 def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
@@ -319,7 +334,7 @@ def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "   REFUSED [whole-layer-moe-needs-drop-and-pad] whole-layer capture" in out
     assert "REFUSED [megatron]" not in out and out.rstrip().splitlines()[-1].startswith("farm: 1 refused (refused:")
-    scoped = with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"})
+    scoped = scoped_without_recompute(tmp_path)
     assert cli.main(["farm", str(scoped), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path)]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "   check: OK (Megatron's validation and every rule, eager and graphed)" in out
