@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import types
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -297,6 +298,21 @@ def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> boo
     if value not in ("", "0", "1"):
         raise ValueError(f"{SLOT_DEBUG_ENV}={value!r} is not understood; set it to 1 (on) or 0 (off).")
     return value == "1"
+
+
+def has_plugin_flags(args: Any) -> bool:
+    """``args`` came from a parser ``add_plugin_args`` extended (a user's script may parse without it);
+    ``--cg-preset`` marks it, as it does for ``add_plugin_args`` itself."""
+    return hasattr(args, "cg_preset")
+
+
+def unchecked_settings(args: Any) -> types.SimpleNamespace:
+    """The ``--cg-*`` values as parsed, unchecked, as attributes named like ``PluginConfig``'s fields
+    (its defaults for flags the parser lacks): what the rules read when ``config_from_args`` refused
+    the flags, so that the other rules still report beside that refusal."""
+    values = {field.name: field.default for field in dataclasses.fields(PluginConfig)}
+    values.update({flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS if hasattr(args, flag.dest)})
+    return types.SimpleNamespace(**values)
 
 
 def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> PluginConfig:
