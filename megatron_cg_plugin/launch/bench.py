@@ -30,7 +30,7 @@ from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
 )
-from megatron_cg_plugin.config import CONTRACT_CHECKS, PluginConfig
+from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.plan.bench import (
     Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
@@ -219,7 +219,7 @@ class MegatronTrainer:
         from megatron_cg_plugin.helper import bind_helper_class
 
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
-        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check="off"))
+        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
@@ -376,12 +376,12 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     layer, args, kwargs = helper.first_capture_sample
     fresh = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
     costs = {}
-    for mode in CONTRACT_CHECKS:
+    for mode in ContractCheck:
         check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
         for _ in range(repeats):
             check(*fresh)
-        costs[mode] = (time.perf_counter() - start) / repeats * 1e6
+        costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 
 
@@ -421,7 +421,7 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
     if args.use_distributed_optimizer and args.overlap_param_gather:
         raise BenchError("the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
                          "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
-    if UNCHECKED_ARM in options.arms and config.contract_check != "full":
+    if UNCHECKED_ARM in options.arms and config.contract_check is not ContractCheck.FULL:
         raise BenchError(f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
                          f"leave --cg-contract-check at full (it is {config.contract_check}).")
     if options.cached_batches and (args.pipeline_model_parallel_size > 1
