@@ -30,7 +30,7 @@ from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from megatron_cg_plugin.config import (ConfigError, PluginConfig, config_from_args, graph_only_flags, has_plugin_flags,
                                        is_power_of_two, unchecked_settings)
+from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES, module_names
 
-MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
-PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
 SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 OFFLOAD_INSIDE_SCOPE = {
@@ -437,15 +436,6 @@ def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
     broken = violations(facts, rules)
     if broken:
         raise RuleViolation(broken)
-
-
-def module_names(modules: Any) -> tuple[str, ...]:
-    """``--cuda-graph-modules`` as names, from Megatron's enum members, strings or a spaced string."""
-    if modules is None:
-        return ()
-    if isinstance(modules, str):
-        modules = modules.split()
-    return tuple(getattr(m, "name", str(m)) for m in modules)
 
 
 def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,

@@ -60,7 +60,7 @@ from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.scopes import module_names
 
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's

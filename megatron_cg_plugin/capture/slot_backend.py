@@ -35,7 +35,7 @@ from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.plan.slots import exclusive_plan
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.scopes import module_names
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import megatron_cg_plugin
 
-PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules", "megatron_cg_plugin.banks",
+PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
+        "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks",
         "megatron_cg_plugin.plan.banks", "megatron_cg_plugin.plan.capture", "megatron_cg_plugin.plan.slots",
         "megatron_cg_plugin.plan.thd", "megatron_cg_plugin.plan.moe", "megatron_cg_plugin.plan.bench", "megatron_cg_plugin.plan.offload",
         "megatron_cg_plugin.plan.allocator", "megatron_cg_plugin.plan.graph_memory",
@@ -60,3 +61,24 @@ def test_only_config_reads_the_cg_flags_from_args():
                if path.name != "config.py" or path.parent != PACKAGE
                if (reads := cg_flag_reads(ast.parse(path.read_text(), filename=str(path))))}
     assert readers == {}
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """The package modules ``tree`` imports (``import a.b``, ``from a.b import c`` as ``a.b`` and ``a.b.c``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_capture_code_needs_nothing_of_the_rules():
+    """capture/ and the helper read scope names from ``scopes``; the rules are the run's check, a
+    layer above them (``plan.capture`` and ``enforce`` use them)."""
+    capture = [*sorted((PACKAGE / "capture").glob("*.py")), PACKAGE / "helper.py"]
+    importers = [str(path.relative_to(PACKAGE)) for path in capture
+                 if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))]
+    assert importers == []
