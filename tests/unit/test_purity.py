@@ -1,6 +1,7 @@
 """The pure modules (plans, rules, banks' router, golden values) run without torch: they are
 imported here in a fresh interpreter and torch must not come along. And the package's sources,
-scanned: only config.py reads the plugin's --cg-* flags from Megatron's args."""
+scanned: only config.py reads the plugin's --cg-* flags from Megatron's args, capture code imports
+nothing of the rules, and no module imports a test extra when it is imported."""
 
 import ast
 import subprocess
@@ -81,4 +82,27 @@ def test_capture_code_needs_nothing_of_the_rules():
     capture = [*sorted((PACKAGE / "capture").glob("*.py")), PACKAGE / "helper.py"]
     importers = [str(path.relative_to(PACKAGE)) for path in capture
                  if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))]
+    assert importers == []
+
+
+
+def module_level_imports(tree: ast.Module) -> ast.Module:
+    """The imports that run at import time: the module's, into ``if``/``try``/``with`` blocks, not
+    into function or class bodies."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return ast.Module(body=found, type_ignores=[])
+
+
+def test_the_package_imports_no_test_extra_at_module_level():
+    """hypothesis and pytest are test extras: the tests' doubles and strategies live under
+    tests/unit/_doubles (testing/distributed.py's pytest helpers import pytest inside the call)."""
+    importers = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+                 if {"hypothesis", "pytest"} & {name.split(".")[0] for name in
+                                                imported_modules(module_level_imports(ast.parse(path.read_text())))}]
     assert importers == []
