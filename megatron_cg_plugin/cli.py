@@ -159,7 +159,7 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     from megatron_cg_plugin import compat
     from megatron_cg_plugin.plan.capture import plan_capture
 
-    _args, facts = validated_args(flags, nproc=nproc, env=env, capability=capability)
+    _args, facts, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
     plan = plan_capture(facts).describe()
     if facts.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
@@ -168,8 +168,8 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
 
 def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
                    capability: tuple[int, int] = (9, 0)):
-    """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args and
-    the rules' facts, or raises ``RuleViolation`` / ``CheckError``."""
+    """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args, the
+    rules' facts and the plugin's config, or raises ``RuleViolation`` / ``CheckError``."""
     from megatron.training.arguments import validate_args
 
     from megatron_cg_plugin import rules
@@ -188,12 +188,12 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error, early) from error
             # TE is needed where the run happens, not on this machine.
-            facts, _config = rules.check_run(args, env=env, launcher=True, te_present=True)
+            facts, config = rules.check_run(args, env=env, launcher=True, te_present=True)
             try:
                 transformer_config_backstop(args)
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error) from error
-    return args, facts
+    return args, facts, config
 
 
 def moe_plan_text(args, router_load: str | None = None) -> str:
@@ -322,8 +322,8 @@ def _plan(argv: Sequence[str]) -> int:
         from megatron_cg_plugin.enforce import predict_graph_memory
 
         env = dict(os.environ)
-        args, facts = validated_args(flags, nproc=options.nproc, env=env)
-        memory = predict_graph_memory(args, facts, environ=env)
+        args, facts, config = validated_args(flags, nproc=options.nproc, env=env)
+        memory = predict_graph_memory(args, facts, config, environ=env)
         return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load) + "\n"
                 + ("graph pool: nothing graphed, or layers the planner does not model" if memory is None
                    else memory.describe()))

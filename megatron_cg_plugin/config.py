@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
+import types
 from pathlib import Path
 from typing import Any, Mapping
 
 PRESETS = ("tiny-gpt", "tiny-moe", "tiny-gpt-hybrid-cp")
 ON_CAPTURE_ERROR = ("raise", "eager")
-CONTRACT_CHECKS = ("full", "shapes", "off")
 STALE_GRAPH_CHECKS = ("refuse", "before", "off")
 OFFLOAD_COPIES = ("in-graph", "between-replays")
 SLOT_DEBUG_ENV = "MEGATRON_CG_SLOT_DEBUG"
+
+
+class ContractCheck(enum.StrEnum):
+    """``--cg-contract-check``: what each graph replay checks against its capture. A str enum, so it
+    prints, compares and serializes as the flag spells it (``PluginConfig`` takes either)."""
+
+    FULL = "full"  # tensor metadata, aliasing, control values, parameter storage, process groups
+    SHAPES = "shapes"  # tensor shapes and dtypes
+    OFF = "off"
+
+
+CONTRACT_CHECKS = tuple(mode.value for mode in ContractCheck)  # the flag's choices
 
 
 def is_power_of_two(value: int) -> bool:
@@ -83,7 +96,7 @@ class PluginConfig:
     report_out: Path | None = None
     print_report: bool = True
     on_capture_error: str = "raise"
-    contract_check: str = "full"
+    contract_check: ContractCheck = ContractCheck.FULL
     stale_graph_check: str = "refuse"
     inject_capture_failure: int | None = None
     bank_min_cp: int = 1
@@ -97,6 +110,8 @@ class PluginConfig:
 
     def __post_init__(self) -> None:
         validate_config(self)
+        # Checked above, in the one list of problems; held as the enum from here on (the flag gives a str).
+        object.__setattr__(self, "contract_check", ContractCheck(self.contract_check))
 
 
 class ConfigError(ValueError):
@@ -214,7 +229,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
                "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
                "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
                "(off).",
-               {"choices": CONTRACT_CHECKS, "default": "full"}, graphs_only=True),
+               {"choices": CONTRACT_CHECKS, "default": ContractCheck.FULL.value}, graphs_only=True),
     PluginFlag("--cg-stale-graph-check", "capture",
                "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "
                "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
@@ -297,6 +312,21 @@ def slot_debug_from_environment(environ: Mapping[str, str] | None = None) -> boo
     if value not in ("", "0", "1"):
         raise ValueError(f"{SLOT_DEBUG_ENV}={value!r} is not understood; set it to 1 (on) or 0 (off).")
     return value == "1"
+
+
+def has_plugin_flags(args: Any) -> bool:
+    """``args`` came from a parser ``add_plugin_args`` extended (a user's script may parse without it);
+    ``--cg-preset`` marks it, as it does for ``add_plugin_args`` itself."""
+    return hasattr(args, "cg_preset")
+
+
+def unchecked_settings(args: Any) -> types.SimpleNamespace:
+    """The ``--cg-*`` values as parsed, unchecked, as attributes named like ``PluginConfig``'s fields
+    (its defaults for flags the parser lacks): what the rules read when ``config_from_args`` refused
+    the flags, so that the other rules still report beside that refusal."""
+    values = {field.name: field.default for field in dataclasses.fields(PluginConfig)}
+    values.update({flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS if hasattr(args, flag.dest)})
+    return types.SimpleNamespace(**values)
 
 
 def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> PluginConfig:

@@ -113,12 +113,12 @@ def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) 
     the measured pool."""
     facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
-    session.predicted_graph_memory = predict_graph_memory(args, facts, environ=environ)
+    session.predicted_graph_memory = predict_graph_memory(args, facts, session.config, environ=environ)
 
     def repredict(model_config: Any) -> Any:
         if not model_config_adds(args, model_config):
             return session.predicted_graph_memory
-        return repredict_graph_memory(args, facts, model_config, environ=environ)
+        return repredict_graph_memory(args, facts, session.config, model_config, environ=environ)
 
     session.repredict = repredict
     session.moe_capacity_plan = _capacity_plan(args)
@@ -145,25 +145,26 @@ def model_config_adds(args: Any, model_config: Any) -> bool:
                for name, default in MODEL_CONFIG_ONLY_FIELDS.items())
 
 
-def repredict_graph_memory(args: Any, facts: rules.GraphFacts, model_config: Any, *,
+def repredict_graph_memory(args: Any, facts: rules.GraphFacts, config: PluginConfig, model_config: Any, *,
                            environ: Mapping[str, str]) -> Any:
     """``predict_graph_memory`` with the ``MODEL_CONFIG_ONLY_FIELDS`` the built model's
     ``TransformerConfig`` holds in place of the flags' (None: not predicted, as there). ``args`` is
     left as it is: the prediction reads a copy."""
     seen = {name: getattr(model_config, name) for name in MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
-    return predict_graph_memory(argparse.Namespace(**{**vars(args), **seen}), facts, environ=environ)
+    return predict_graph_memory(argparse.Namespace(**{**vars(args), **seen}), facts, config, environ=environ)
 
 
-def predict_graph_memory(args: Any, facts: rules.GraphFacts, *, environ: Mapping[str, str]) -> Any:
-    """``plan.graph_memory``'s prediction for the run, or None where the planner cannot model its
-    layers (the reason is logged; a prediction never stops a run)."""
+def predict_graph_memory(args: Any, facts: rules.GraphFacts, config: PluginConfig, *,
+                         environ: Mapping[str, str]) -> Any:
+    """``plan.graph_memory``'s prediction for the run under the plugin ``config`` in force, or None
+    where the planner cannot model its layers (the reason is logged; a prediction never stops a run)."""
     from megatron_cg_plugin.plan.graph_memory import plan_from_args
 
     if not facts.te_graphs:
         return None
     deterministic = environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0" or bool(getattr(args, "deterministic_mode", False))
     try:
-        return plan_from_args(args, facts, deterministic=deterministic)
+        return plan_from_args(args, facts, config=config, deterministic=deterministic)
     except (ValueError, AttributeError) as error:  # a user script's parser may lack flags
         logging.getLogger(__name__).warning("graph memory not predicted: %s", error)
         return None

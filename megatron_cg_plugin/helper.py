@@ -29,7 +29,8 @@ from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 
 logger = logging.getLogger(__name__)
@@ -378,7 +379,7 @@ class PluginHelperMixin:
                                           seconds=time.perf_counter() - start, pool_bytes=0,
                                           replays=diagnostics.ReplayCounter(len(layers)), failure=failure)
 
-    def _hold_to_contracts(self, capture: "_CaptureCall", mode: str) -> diagnostics.ReplayCounter:
+    def _hold_to_contracts(self, capture: "_CaptureCall", mode: ContractCheck) -> diagnostics.ReplayCounter:
         """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
         graph's own sample arguments, found by identity) and its replay counter."""
         if capture.graphs is None:
@@ -398,7 +399,7 @@ class PluginHelperMixin:
                         "megatron-core release hands graphs out differently; install the supported one (docs/versions.md).")
                 if first_sample is None:  # what the first layer's first graph was captured with (the bench)
                     first_sample = (layer, capture.sample_args[index], capture.sample_kwargs[index] or {})
-                check = None if mode == "off" else self._contract_check(
+                check = None if mode is ContractCheck.OFF else self._contract_check(
                     layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
                     capture.sample_kwargs[index] or {}, mode)
                 wrapped.append(counter.wrap(graph, slot, check))
@@ -407,7 +408,7 @@ class PluginHelperMixin:
         return counter
 
     @staticmethod
-    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: str) -> Callable:
+    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck) -> Callable:
         contract = ReplayContract.record(name, args, kwargs, module=layer)
 
         def check(replay_args: tuple, replay_kwargs: dict) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from megatron_cg_plugin import compat
-from megatron_cg_plugin.config import PluginConfig, config_from_args
+from megatron_cg_plugin.config import PluginConfig, config_from_args, has_plugin_flags
 from megatron_cg_plugin.patches import PatchSet, check_private_api, revert_lent, start_lending
 from megatron_cg_plugin.session import RunSession
 
@@ -34,7 +34,7 @@ def _config_from_megatron_args() -> PluginConfig:
         args = get_args()
     except AssertionError:  # Megatron asserts when its args were never parsed
         return PluginConfig()
-    if args is None or not hasattr(args, "cg_preset"):
+    if args is None or not has_plugin_flags(args):
         return PluginConfig()
     return config_from_args(args)
 

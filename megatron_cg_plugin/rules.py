@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from megatron_cg_plugin.config import ConfigError, PluginConfig, config_from_args, graph_only_flags, is_power_of_two
+from megatron_cg_plugin.config import (ConfigError, PluginConfig, config_from_args, graph_only_flags, has_plugin_flags,
+                                       is_power_of_two, unchecked_settings)
+from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES, module_names
 
-MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
-PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
 SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 OFFLOAD_INSIDE_SCOPE = {
@@ -457,24 +457,17 @@ def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
         raise RuleViolation(broken)
 
 
-def module_names(modules: Any) -> tuple[str, ...]:
-    """``--cuda-graph-modules`` as names, from Megatron's enum members, strings or a spaced string."""
-    if modules is None:
-        return ()
-    if isinstance(modules, str):
-        modules = modules.split()
-    return tuple(getattr(m, "name", str(m)) for m in modules)
-
-
 def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
                     env: Mapping[str, str] | None = None, launcher: bool = False,
                     config: PluginConfig | None = None, config_problems: Sequence[str] = (),
                     missing_files: Sequence[str] = (), device_capability: tuple[int, int] | None = None,
                     cuda_version: tuple[int, int] | None = None) -> GraphFacts:
     """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``);
-    ``config``, when given, supplies the plugin's settings instead of the ``--cg-*`` flags;
+    ``config``, when given, supplies the plugin's settings, else the ``--cg-*`` flags as parsed do
+    (``config.unchecked_settings``: a refused config's other rules still report);
     ``device_capability`` and ``cuda_version`` describe the GPU and torch build (probed by ``check_run``)."""
     env = env or {}
+    settings = config if config is not None else unchecked_settings(args)
     freq = getattr(args, "moe_layer_freq", 1)
     recompute_modules = getattr(args, "recompute_modules", None) or ()
     return GraphFacts(
@@ -495,9 +488,9 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         apex_fused_wgrad=apex_fused_wgrad,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-        graph_banks=config.graph_banks if config else bool(getattr(args, "cg_graph_banks", False)),
-        slot_capture=config.slot_capture if config else bool(getattr(args, "cg_slot_capture", False)),
-        bank_min_cp=config.bank_min_cp if config else getattr(args, "cg_bank_min_cp", 1) or 1,
+        graph_banks=bool(settings.graph_banks),
+        slot_capture=bool(settings.slot_capture),
+        bank_min_cp=settings.bank_min_cp or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
@@ -575,7 +568,7 @@ def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, conf
     from megatron_cg_plugin.data.sources import missing_files
 
     problems: list[str] = []
-    if config is None and not hasattr(args, "cg_preset"):  # a parser without the --cg-* flags: defaults
+    if config is None and not has_plugin_flags(args):  # a parser without the --cg-* flags: defaults
         config = PluginConfig()
     if config is None:
         try:

@@ -55,11 +55,12 @@ from megatron_cg_plugin.capture.offload_groups import (
 )
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.diagnostics import ReplayTotals
 from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.scopes import module_names
 
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
@@ -289,7 +290,7 @@ class BankReplayCounts(ReplayTotals):
 
 def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
                   rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
-                  warmup_iterations: int = 2, contract_check: str = "full", offload: bool = True,
+                  warmup_iterations: int = 2, contract_check: ContractCheck = ContractCheck.FULL, offload: bool = True,
                   offload_copies: OffloadCopies | str = OffloadCopies()) -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.

@@ -31,9 +31,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.banks import group_label
-from megatron_cg_plugin.config import CONTRACT_CHECKS
+from megatron_cg_plugin.config import ContractCheck
 
-CONTRACT_MODES = CONTRACT_CHECKS  # --cg-contract-check's values
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 REPLAY_ONLY_KWARGS = frozenset({"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"})
 
@@ -208,15 +207,15 @@ class ReplayContract:
         """The storages of the static buffers still alive."""
         return frozenset(ptr for ptr, values in self.static_by_storage.items() if any(v.alive for v in values))
 
-    def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: str) -> None:
-        """Raises ``ContractViolation`` on the first difference. ``shapes`` checks the arguments and
-        tensor shape and dtype; ``full`` everything in the module docstring; ``off`` nothing."""
-        if mode == "off":
+    def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: ContractCheck) -> None:
+        """Raises ``ContractViolation`` on the first difference. ``SHAPES`` checks the arguments and
+        tensor shape and dtype; ``FULL`` everything in the module docstring; ``OFF`` nothing."""
+        if mode == ContractCheck.OFF:
             return
         actual = flatten_call(args, kwargs)
         if len(actual) != len(self.inputs) or any(a[0] != e[0] for a, e in zip(actual, self.inputs)):
             raise ContractViolation(self.graph, "arguments", [n for n, _ in self.inputs], [n for n, _ in actual])
-        full = mode == "full"
+        full = mode != ContractCheck.SHAPES  # any mode but these two is checked in full: fail closed
         for (name, expected), (_, value) in zip(self.inputs, actual, strict=True):
             if isinstance(expected, StaticInput) != isinstance(value, torch.Tensor):
                 captured_kind = "TensorSpec" if isinstance(expected, StaticInput) else type(expected).__name__

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable
 
-from megatron_cg_plugin.rules import PARTIAL_MOE_SCOPES, module_names
+from megatron_cg_plugin.scopes import PARTIAL_MOE_SCOPES, module_names
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,10 @@ from megatron_cg_plugin.capture.offload_groups import (
 from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
+from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
 from megatron_cg_plugin.plan.slots import exclusive_plan
-from megatron_cg_plugin.rules import module_names
+from megatron_cg_plugin.scopes import module_names
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
@@ -236,7 +237,8 @@ class SlotBackend(TEBackend):
                     slotted = capture_slotted(
                         [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
                         warmup_iterations=warmup,
-                        debug=self.debug, contract_check="off",  # the helper holds each replay to its contract
+                        debug=self.debug,
+                        contract_check=ContractCheck.OFF,  # the helper holds each replay to its contract
                         offload=None if offload is None else offload.slot_offload(layer, ring, self.copies.window),
                         check_stale=False,  # the helper's stale-graph check covers every layer at once
                         param_grads=param_grads, fp8=fp8)

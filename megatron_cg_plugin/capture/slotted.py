@@ -34,8 +34,9 @@ from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.capture import backend as te_seam
 from megatron_cg_plugin.capture import hygiene
 from megatron_cg_plugin.capture.branches import BranchSignature, check_branches
-from megatron_cg_plugin.capture.contracts import CONTRACT_MODES, ContractViolation, ReplayContract
+from megatron_cg_plugin.capture.contracts import ContractViolation, ReplayContract
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
+from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.memory.guard import SlotGuard
 from megatron_cg_plugin.memory.layout import span_elements, span_of
 from megatron_cg_plugin.memory.offload import (
@@ -286,7 +287,7 @@ class _Entry:
 
     def __init__(self, variant: Variant, slot: int, boundary: _Boundary, params: Sequence[torch.nn.Parameter],
                  param_grads: Sequence[torch.Tensor | None], guard: SlotGuard | None,
-                 contract_check: str = "full") -> None:
+                 contract_check: ContractCheck = ContractCheck.FULL) -> None:
         self.variant, self.slot, self.boundary = variant, slot, boundary
         self.params, self.param_grads = tuple(params), tuple(param_grads)
         self.guard = guard
@@ -430,7 +431,7 @@ class SlottedGraphs:
 # ---------------------------------------------------------------------------------------------- capture
 def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
                     protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
-                    debug: bool = False, strict: bool = True, contract_check: str = "full",
+                    debug: bool = False, strict: bool = True, contract_check: ContractCheck = ContractCheck.FULL,
                     offload: SlotOffload | None = None, fp8: SlotFp8 | None = None,
                     check_stale: bool = True, param_grads: ParamGradBuffers | None = None) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
@@ -441,7 +442,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     exists to prevent; for tests and measurements). ``debug`` turns on the host-side slot guard
     (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
     leaves unprotected pool memory alive; otherwise its bytes are only reported. ``contract_check``
-    is what each replay checks (``--cg-contract-check``: ``full``, ``shapes`` or ``off``).
+    is what each replay checks (``--cg-contract-check``, parsed with the config).
     ``offload`` moves the saves its policy selects to pinned host arenas, copied inside the graphs
     or between replays (``SlotOffload``); each slot's GPU arena then holds only the saves that
     stay. Captures sharing a ``pool`` should share the capture ``stream`` too: the allocator hands a
@@ -455,7 +456,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     buffers this capture added.
     """
     params = [p for p in parameters if p.requires_grad]
-    slots_of = _validate(variants, plan, warmup_iterations, contract_check, fp8)
+    slots_of = _validate(variants, plan, warmup_iterations, fp8)
     fp8_capture = None
     if fp8 is not None:
         variants = [dataclasses.replace(v, fn=_under_fp8(v.fn, fp8)) for v in variants]
@@ -500,7 +501,7 @@ class _CaptureOptions:
     warmup_iterations: int
     debug: bool
     strict: bool
-    contract_check: str
+    contract_check: ContractCheck
     offload: SlotOffload | None = None
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
     # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
@@ -648,15 +649,13 @@ def _under_fp8(fn: Callable[..., Any], fp8: SlotFp8) -> Callable[..., Any]:
 
 
 def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: int,
-              contract_check: str, fp8: SlotFp8 | None = None) -> dict[Hashable, tuple[int, ...]]:
+              fp8: SlotFp8 | None = None) -> dict[Hashable, tuple[int, ...]]:
     """Everything capture refuses, before anything is allocated; returns each variant's slots."""
     if not isinstance(plan, SlotPlan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
                         "(plan.slots), or plan.slots.exclusive_plan(names) for variants that never overlap.")
     if warmup_iterations < 1:
         raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")
-    if contract_check not in CONTRACT_MODES:
-        raise ValueError(f"contract_check {contract_check!r}: use one of {', '.join(CONTRACT_MODES)}.")
     if not variants:
         raise ValueError("no variants given; pass at least one Variant.")
     names = [v.name for v in variants]

@@ -30,7 +30,7 @@ from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
 )
-from megatron_cg_plugin.config import CONTRACT_CHECKS
+from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.plan.bench import (
     Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
@@ -219,7 +219,7 @@ class MegatronTrainer:
         from megatron_cg_plugin.helper import bind_helper_class
 
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
-        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check="off"))
+        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
@@ -376,12 +376,12 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     layer, args, kwargs = helper.first_capture_sample
     fresh = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
     costs = {}
-    for mode in CONTRACT_CHECKS:
+    for mode in ContractCheck:
         check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
         for _ in range(repeats):
             check(*fresh)
-        costs[mode] = (time.perf_counter() - start) / repeats * 1e6
+        costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 
 
@@ -412,8 +412,9 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
     return step
 
 
-def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
-    """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work."""
+def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
+    """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work; ``config``
+    is the plugin's config in force (the plugin arm's)."""
     graphed = [arm for arm in options.arms if arm != "eager"]
     if graphed and args.cuda_graph_impl != "transformer_engine":
         raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
@@ -424,9 +425,9 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
     if args.use_distributed_optimizer and args.overlap_param_gather:
         raise BenchError("the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
                          "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
-    if UNCHECKED_ARM in options.arms and getattr(args, "cg_contract_check", "full") != "full":
+    if UNCHECKED_ARM in options.arms and config.contract_check is not ContractCheck.FULL:
         raise BenchError(f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
-                         f"leave --cg-contract-check at full (it is {args.cg_contract_check}).")
+                         f"leave --cg-contract-check at full (it is {config.contract_check}).")
     if options.cached_batches and (args.pipeline_model_parallel_size > 1
                                    or getattr(args, "virtual_pipeline_model_parallel_size", None)):
         raise BenchError("--bench-cached-batches caches the batches of a PP = 1 run (each stage of a pipeline reads "
@@ -436,7 +437,6 @@ def refuse_unbenchable(args: Any, options: BenchOptions) -> None:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
         from megatron_cg_plugin import rules
-        from megatron_cg_plugin.config import PluginConfig
 
         facts = rules.facts_from_args(args, te_available=True, apex_fused_wgrad=True,
                                       config=PluginConfig(slot_capture=True))
@@ -498,7 +498,7 @@ def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, 
         session = integration.install(launcher=True)
         try:
             args = pretrain_gpt.parse_megatron_args(flags)
-            refuse_unbenchable(args, options)
+            refuse_unbenchable(args, session.config, options)  # the config the flags resolved
             driver = bench_train_step(options, flags, training.train_step, results)
             with patches.scoped(training, "train_step", driver, "bench-train-step"):
                 pretrain_gpt.run(args, session)

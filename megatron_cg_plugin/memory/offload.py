@@ -19,7 +19,8 @@ every view of it qualifies). ``join_backward`` joins whatever was reloaded but n
 
 The copies go through ``Transfers``: ``CudaTransfers`` on the GPU (side streams, captured with the
 graphs), ``SerialTransfers`` (the same copies on the compute stream: no overlap, the reference the
-side streams must match), ``InlineTransfers`` for tests on CPU (plain copies, a log of what was asked).
+side streams must match); the unit tests' CPU double (plain copies, a log of what was asked) lives
+under tests/unit/_doubles.
 """
 
 from __future__ import annotations
@@ -174,37 +175,6 @@ class SerialTransfers:
 
     def join_backward(self) -> None:
         pass
-
-
-class InlineTransfers:
-    """Plain copies, in order, and a log of them (CPU tests)."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-
-    def reset(self) -> None:
-        self.log.append(("reset", 0))
-
-    def stage(self, source: torch.Tensor) -> torch.Tensor:
-        self.log.append(("stage", source.numel()))
-        return source.clone()
-
-    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
-        self.log.append(("d2h", staged.numel()))
-        host.copy_(staged)
-
-    def join_forward(self, keep: int = 0) -> None:
-        self.log.append(("join forward", keep))
-
-    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        self.log.append(("h2d", host.numel()))
-        return host.clone().to(device)
-
-    def wait(self, buffer: torch.Tensor) -> None:
-        self.log.append(("wait", buffer.numel()))
-
-    def join_backward(self) -> None:
-        self.log.append(("join backward", 0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ The layers take buffers round-robin (``depth`` buffers, 2 by default: one being 
 next is written): each ``advance`` moves to the next buffer, and the frames claimed until the next
 ``advance`` (the mutually exclusive variants of one layer, such as its graph banks) share it. A
 frame larger than its buffer gets a buffer of its own. Copies go through a
-``CopyEngine``: ``CudaCopies`` (a copy stream and events) on the GPU, ``InlineCopies`` (plain copies
-and a log) for tests on CPU.
+``CopyEngine``: ``CudaCopies`` (a copy stream and events) on the GPU; the unit tests' CPU double
+(plain copies and a log) lives under tests/unit/_doubles.
 """
 
 from __future__ import annotations
@@ -71,27 +71,6 @@ class CudaCopies:
 
     def drain(self) -> None:
         torch.cuda.current_stream().wait_stream(self.stream)
-
-
-class InlineCopies:
-    """Plain copies at once, and a log of them (CPU tests)."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-
-    def compute_point(self) -> Any:
-        return None
-
-    def copy(self, destination: torch.Tensor, source: torch.Tensor, after: Any, kind: str) -> Any:
-        destination.copy_(source)
-        self.log.append((kind, source.numel()))
-        return None
-
-    def compute_waits(self, token: Any) -> None:
-        pass
-
-    def drain(self) -> None:
-        pass
 
 
 class StagingBuffer:

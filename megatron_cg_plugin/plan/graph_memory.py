@@ -30,6 +30,7 @@ import dataclasses
 import math
 from typing import Iterator, Sequence
 
+from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.plan.slots import arena_aligned
@@ -710,10 +711,11 @@ def _fp8_layer(args, number: int) -> bool:
     return start < number <= args.num_layers - end
 
 
-def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
-    """The prediction for a run from Megatron's parsed and validated ``args`` and the rules' ``facts``
-    (attributes only: this module stays free of Megatron and torch). ``deterministic``: the run's
-    NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
+def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) -> GraphMemoryPlan:
+    """The prediction for a run from Megatron's parsed and validated ``args``, the rules' ``facts``
+    (attributes only: this module stays free of Megatron and torch) and the plugin's ``config`` in
+    force (its offload copies and window; never the ``--cg-*`` flags, which an ``install(config)``
+    overrides). ``deterministic``: the run's NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
     from megatron_cg_plugin.plan.capture import plan_capture
     from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 
@@ -739,7 +741,7 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
         ("context parallelism (one rank's share of the sequence, without CP's communication buffers)",
          facts.context_parallel > 1),
         ("in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
-         facts.slot_capture and policy is not None and getattr(args, "cg_offload_copies", "in-graph") == "in-graph"),
+         facts.slot_capture and policy is not None and config.offload_copies == "in-graph"),
         ("FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
          "count the FP8 saves)", facts.slot_capture and facts.fp8 and bool(getattr(args, "fp8_dot_product_attention",
                                                                                  False))),
@@ -779,9 +781,8 @@ def plan_from_args(args, facts, *, deterministic: bool) -> GraphMemoryPlan:
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
     if facts.slot_capture:
-        staged = policy is not None and getattr(args, "cg_offload_copies", None) == "between-replays"
-        plan = plan_slot_memory(layers, facts.modules, policy,
-                                getattr(args, "cg_offload_window", 1) + 1 if staged else None)
+        staged = policy is not None and config.offload_copies == "between-replays"
+        plan = plan_slot_memory(layers, facts.modules, policy, config.offload_window + 1 if staged else None)
     else:
         plan = plan_graph_memory(layers, facts.modules)
     return dataclasses.replace(plan, unpredicted=tuple(unpredicted))

@@ -14,6 +14,7 @@ import torch
 
 from megatron_cg_plugin import bench_output, cli
 from megatron_cg_plugin.bench_output import BenchOutputError
+from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
 from megatron_cg_plugin.plan.bench import DeviceTime
@@ -190,6 +191,7 @@ def test_cli_refuses_bad_bench_options_before_any_gpu_work(capsys):
 
 ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
             overlap_param_gather=False, save=None)
+DEFAULTS = PluginConfig()  # the plugin's config in force when no --cg-* flag is given
 
 
 @pytest.mark.parametrize("changed, message", [
@@ -201,11 +203,11 @@ ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use
 def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, message):
     import types
 
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), BenchOptions())  # the benchable run
+    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), DEFAULTS, BenchOptions())  # the benchable run
     with pytest.raises(BenchError, match=message):
-        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), BenchOptions())
+        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), DEFAULTS, BenchOptions())
     if "cuda_graph_impl" in changed:  # an eager-only bench needs no graphs
-        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), BenchOptions(arms=("eager",)))
+        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), DEFAULTS, BenchOptions(arms=("eager",)))
 
 
 def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(monkeypatch):
@@ -291,14 +293,14 @@ def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
     offload = dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
     args = types.SimpleNamespace(**ARGS, **offload, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2,
                                  world_size=2)
-    bench.refuse_unbenchable(args, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
+    bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
     with pytest.raises(BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*"
                                          "--pipeline-model-parallel-size 1"):
-        bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "slot-offload")))
+        bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("stock", "slot-offload")))
     plain = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1)
-    bench.refuse_unbenchable(plain, BenchOptions(arms=("stock", "slot")))
+    bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("stock", "slot")))
     with pytest.raises(BenchError, match="slot-offload-staged arm\\(s\\) offload .* add --fine-grained"):
-        bench.refuse_unbenchable(plain, BenchOptions(arms=("slot", "slot-offload-staged")))
+        bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("slot", "slot-offload-staged")))
 
 
 def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypatch):
@@ -339,12 +341,11 @@ def test_the_unchecked_arm_runs_interleaved_and_shows_what_the_check_costs(tmp_p
 def test_the_unchecked_arm_needs_the_full_check_on_the_plugin_arm(mode):
     import types
 
-    args = types.SimpleNamespace(**ARGS, cg_contract_check=mode)
+    args, config = types.SimpleNamespace(**ARGS), PluginConfig(contract_check=mode)
     with pytest.raises(BenchError, match=f"leave --cg-contract-check at full \\(it is {mode}\\)"):
-        bench.refuse_unbenchable(args, BenchOptions(arms=("plugin", "plugin-no-check")))
-    bench.refuse_unbenchable(args, BenchOptions(arms=("stock", "plugin")))
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, cg_contract_check="full"),
-                             BenchOptions(arms=("plugin", "plugin-no-check")))
+        bench.refuse_unbenchable(args, config, BenchOptions(arms=("plugin", "plugin-no-check")))
+    bench.refuse_unbenchable(args, config, BenchOptions(arms=("stock", "plugin")))
+    bench.refuse_unbenchable(args, PluginConfig(contract_check="full"), BenchOptions(arms=("plugin", "plugin-no-check")))
 
 
 def test_cached_batches_are_read_once_and_served_again_and_again_through_megatrons_wrapper():
@@ -377,9 +378,9 @@ def test_cached_batches_are_refused_for_pipelines_before_any_gpu_work(pipeline):
 
     args = types.SimpleNamespace(**ARGS, **pipeline)
     with pytest.raises(BenchError, match="--bench-cached-batches caches the batches of a PP = 1 run"):
-        bench.refuse_unbenchable(args, BenchOptions(cached_batches=2))
-    bench.refuse_unbenchable(args, BenchOptions())  # the live loader serves pipelines
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, pipeline_model_parallel_size=1),
+        bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(cached_batches=2))
+    bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())  # the live loader serves pipelines
+    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, pipeline_model_parallel_size=1), DEFAULTS,
                              BenchOptions(cached_batches=2))
 
 

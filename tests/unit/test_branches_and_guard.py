@@ -11,7 +11,7 @@ from megatron_cg_plugin.capture.contracts import alias_topology
 from megatron_cg_plugin.memory.guard import SlotGuard, SlotReuseError
 from megatron_cg_plugin.plan.slots import plan_slots
 
-from megatron_cg_plugin.testing.schedules import planned
+from _doubles.schedules import planned
 
 
 def signature(outputs, grads=(), **kwargs):

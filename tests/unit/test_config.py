@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.config import PRESETS, PluginConfig, add_plugin_args, config_from_args
+from megatron_cg_plugin.config import PRESETS, ContractCheck, PluginConfig, add_plugin_args, config_from_args
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS, expand_preset, find_preset
 
 # -- PluginConfig -----------------------------------------------------------------------------------
@@ -70,6 +70,22 @@ def test_replace_revalidates(tmp_path):
         dataclasses.replace(PluginConfig(), report_out=tmp_path)
 
 
+def test_the_contract_check_is_parsed_once_into_its_enum():
+    """Given as the flag spells it or as the enum, the config holds the enum: every later reader
+    compares enum members and checks nothing again."""
+    assert PluginConfig().contract_check is ContractCheck.FULL
+    assert PluginConfig(contract_check="shapes").contract_check is ContractCheck.SHAPES
+    assert PluginConfig(contract_check="off") == PluginConfig(contract_check=ContractCheck.OFF)
+    assert dataclasses.replace(PluginConfig(), contract_check="off").contract_check is ContractCheck.OFF
+    assert f"--cg-contract-check {ContractCheck.OFF}" == "--cg-contract-check off"  # printed as spelled
+
+
+@pytest.mark.parametrize("bad", ["strict", "FULL", ""])
+def test_an_unknown_contract_check_is_refused_naming_the_choices(bad):
+    with pytest.raises(ValueError, match=f"--cg-contract-check '{bad}' is unknown; use one of full, shapes, off\\."):
+        PluginConfig(contract_check=bad)
+
+
 def test_keyword_only():
     with pytest.raises(TypeError):
         PluginConfig("tiny-gpt")  # noqa
@@ -95,6 +111,10 @@ def test_flags_into_config(tmp_path):
 
 def test_flag_defaults_into_config():
     assert config_from_args(parse([])) == PluginConfig()
+
+
+def test_the_contract_check_flag_becomes_its_enum():
+    assert config_from_args(parse(["--cg-contract-check", "shapes"])).contract_check is ContractCheck.SHAPES
 
 
 def test_flag_rejects_unknown_preset(capsys):

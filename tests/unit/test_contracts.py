@@ -10,13 +10,15 @@ import torch
 
 from megatron_cg_plugin.capture import contracts
 from megatron_cg_plugin.capture.contracts import (
-    CONTRACT_MODES,
     REPLAY_ONLY_KWARGS,
     ContractViolation,
     ReplayContract,
     TensorSpec,
     process_groups_of,
 )
+from megatron_cg_plugin.config import ContractCheck
+
+FULL, SHAPES = ContractCheck.FULL, ContractCheck.SHAPES
 
 GRAPH = "layer 7 microbatch 1"
 
@@ -36,7 +38,7 @@ def record(args=None, kwargs=None, params=(), module=None):
     return ReplayContract.record(GRAPH, args, kwargs or {}, params=params, module=module)
 
 
-def violation(contract, args, kwargs=None, mode="full") -> ContractViolation:
+def violation(contract, args, kwargs=None, mode=FULL) -> ContractViolation:
     with pytest.raises(ContractViolation) as info:
         contract.check(args, kwargs or {}, mode=mode)
     return info.value
@@ -91,8 +93,8 @@ def test_nested_arguments_are_flattened_and_named_by_place():
 
 def test_a_tensor_in_a_list_is_checked_like_any_other():
     contract = record((x(), [x(2)]))
-    contract.check((x(), [x(2)]), {}, mode="full")
-    assert_message(violation(contract, (x(), [x(2, dtype=torch.float16)]), mode="shapes"), "dtype",
+    contract.check((x(), [x(2)]), {}, mode=FULL)
+    assert_message(violation(contract, (x(), [x(2, dtype=torch.float16)]), mode=SHAPES), "dtype",
                    torch.float32, torch.float16, "arg1[0]")
     assert_message(violation(contract, (x(), [x(3)])), "shape", (2,), (3,), "arg1[0]")
 
@@ -114,14 +116,14 @@ def test_a_control_value_holding_tensors_is_compared_without_raising():
 
     captured = Params(torch.arange(3))
     contract = record((x(), captured))
-    contract.check((x(), captured), {}, mode="full")  # the same object
+    contract.check((x(), captured), {}, mode=FULL)  # the same object
     assert violation(contract, (x(), Params(torch.arange(4)))).field == "control"
 
 
 def test_matching_replay_passes_in_every_mode():
     p = torch.nn.Parameter(torch.ones(3))
     contract = record((x(requires_grad=True), 2), {"mask": x(1, 1)}, [("w", p)], Layer(tp=process_group()))
-    for mode in CONTRACT_MODES:
+    for mode in ContractCheck:
         contract.check((x(requires_grad=True), 2), {"mask": x(1, 1)}, mode=mode)
 
 
@@ -134,27 +136,27 @@ def test_shape():
 
 
 def test_shape_in_kwargs_names_the_kwarg():
-    error = violation(record(kwargs={"mask": x(1, 4)}), (x(),), {"mask": x(1, 5)}, mode="shapes")
+    error = violation(record(kwargs={"mask": x(1, 4)}), (x(),), {"mask": x(1, 5)}, mode=SHAPES)
     assert_message(error, "shape", (1, 4), (1, 5), "mask=")
 
 
 def test_dtype():
-    error = violation(record(), (x(dtype=torch.float16),), mode="shapes")
+    error = violation(record(), (x(dtype=torch.float16),), mode=SHAPES)
     assert_message(error, "dtype", torch.float32, torch.float16, "arg0")
 
 
 def test_a_copied_input_may_have_any_layout():
     # TE copies an input that is not its static buffer into it: copy_ honours any layout.
     contract = record()
-    contract.check((x(2, 4, 3).transpose(0, 1),), {}, mode="full")
+    contract.check((x(2, 4, 3).transpose(0, 1),), {}, mode=FULL)
 
 
 def test_stride_of_an_input_read_in_place():
     static = x()
     contract = record((static,))
-    contract.check((static,), {}, mode="full")
+    contract.check((static,), {}, mode=FULL)
     same_place = static.as_strided((4, 2, 3), (1, 4, 8))  # the static buffer's address, another layout
-    contract.check((same_place,), {}, mode="shapes")
+    contract.check((same_place,), {}, mode=SHAPES)
     assert_message(violation(contract, (same_place,)), "stride", (6, 3, 1), (1, 4, 8), "arg0")
 
 
@@ -165,7 +167,7 @@ def test_size_one_dimensions_strides_are_ignored():
     contract = record((static,))
     assert static.stride() == (3, 3, 1)
     in_place = static.as_strided((4, 1, 3), (3, 12, 1))
-    contract.check((in_place,), {}, mode="full")
+    contract.check((in_place,), {}, mode=FULL)
 
 
 def test_a_copied_input_inside_a_static_buffer_is_refused():
@@ -173,37 +175,45 @@ def test_a_copied_input_inside_a_static_buffer_is_refused():
     contract = record((first, second))
     assert_message(violation(contract, (second, first)), "alias", "separate memory", "a static buffer's memory",
                    "arg0")
-    contract.check((first, second), {}, mode="full")  # each in its own buffer: read in place
-    contract.check((x(4, 3), x(4, 3)), {}, mode="full")
+    contract.check((first, second), {}, mode=FULL)  # each in its own buffer: read in place
+    contract.check((x(4, 3), x(4, 3)), {}, mode=FULL)
     shared = x(4, 3)
-    contract.check((shared, shared), {}, mode="full")  # both copied from one tensor: harmless
-    contract.check((second.clone(), first.clone()), {}, mode="shapes")
+    contract.check((shared, shared), {}, mode=FULL)  # both copied from one tensor: harmless
+    contract.check((second.clone(), first.clone()), {}, mode=SHAPES)
 
 
 def test_device_with_meta_tensors():
     contract = record()
     meta = torch.zeros(4, 2, 3, device="meta")
-    contract.check((meta,), {}, mode="shapes")
+    contract.check((meta,), {}, mode=SHAPES)
     assert_message(violation(contract, (meta,)), "device", torch.device("cpu"), torch.device("meta"), "arg0")
 
 
 def test_requires_grad():
     contract = record((x(),))
-    contract.check((x(requires_grad=True),), {}, mode="shapes")
+    contract.check((x(requires_grad=True),), {}, mode=SHAPES)
     assert_message(violation(contract, (x(requires_grad=True),)), "requires_grad", False, True, "arg0")
     # A gradient the capture computes but the replay does not need is dropped by autograd: fine.
-    record((x(requires_grad=True),)).check((x(),), {}, mode="full")
+    record((x(requires_grad=True),)).check((x(),), {}, mode=FULL)
 
 
 def test_kind_tensor_versus_non_tensor():
     contract = record((x(), 1))
     assert_message(violation(contract, (x(), x())), "kind", "int", "Tensor", "arg1")
-    assert_message(violation(contract, (5, 1), mode="shapes"), "kind", "TensorSpec", "int", "arg0")
+    assert_message(violation(contract, (5, 1), mode=SHAPES), "kind", "TensorSpec", "int", "arg0")
+
+
+def test_off_checks_nothing_and_a_mode_other_than_shapes_checks_everything():
+    """The mode comes parsed from the config (``ContractCheck``); a value that is none of its modes
+    is held to the full contract rather than to less (fail closed)."""
+    contract = record((x(), 2))
+    contract.check((x(2), 3), {}, mode=ContractCheck.OFF)
+    assert violation(contract, (x(), 3), mode="strict").field == "control"  # SHAPES would let it through
 
 
 def test_control_values():
     contract = record((x(), 2), {"mode": "causal"})
-    contract.check((x(), 3), {"mode": "padding"}, mode="shapes")  # not checked in shapes
+    contract.check((x(), 3), {"mode": "padding"}, mode=SHAPES)  # not checked in shapes
     assert_message(violation(contract, (x(), 3), {"mode": "causal"}), "control", 2, 3, "arg1")
     assert_message(violation(contract, (x(), 2), {"mode": "padding"}), "control", "causal", "padding", "mode=")
 
@@ -226,21 +236,21 @@ def test_arguments(args, kwargs, actual):
 def test_parameter_storage():
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     contract = record(params=[("w", p), ("b", q)])
-    contract.check((x(),), {}, mode="full")
+    contract.check((x(),), {}, mode=FULL)
     p.data.copy_(torch.full((3,), 2.0))  # in place: same storage, fine
-    contract.check((x(),), {}, mode="full")
+    contract.check((x(),), {}, mode=FULL)
     old = hex(q.data_ptr())
     q.data = torch.zeros(2)  # a checkpoint loaded into new tensors
     error = violation(contract, (x(),))
     assert_message(error, "parameter storage", old, hex(q.data_ptr()), "b")
-    contract.check((x(),), {}, mode="shapes")
+    contract.check((x(),), {}, mode=SHAPES)
 
 
 def test_a_layers_parameters_are_found_again_where_they_live():
     layer = Layer()
     contract = record(module=layer)
     assert [held.name for held in contract.parameters] == ["linear.weight", "linear.bias", "norm.weight", "norm.bias"]
-    contract.check((x(),), {}, mode="full")
+    contract.check((x(),), {}, mode=FULL)
     old = hex(layer.norm.bias.data_ptr())
     layer.norm.bias = torch.nn.Parameter(torch.zeros(3))  # replaced by a new parameter object
     assert_message(violation(contract, (x(),)), "parameter storage", old, hex(layer.norm.bias.data_ptr()), "norm.bias")
@@ -253,14 +263,14 @@ def test_process_groups_by_identity():
     layer = Layer(dp=dp, tp=tp, sizes=[1, 2])
     contract = record(module=layer)
     assert [held.name for held in contract.process_groups] == ["dp", "tp"]
-    contract.check((x(),), {}, mode="full")
+    contract.check((x(),), {}, mode=FULL)
     layer.pg_collection.tp = lookalike = process_group()  # a re-created communicator
     error = violation(contract, (x(),))
     assert_message(error, "process group", contracts.group_label(tp), contracts.group_label(lookalike), "tp")
     assert f"{id(tp):#x}" in str(error) and f"{id(lookalike):#x}" in str(error)
-    contract.check((x(),), {}, mode="shapes")
+    contract.check((x(),), {}, mode=SHAPES)
     layer.pg_collection = types.SimpleNamespace(dp=dp, tp=tp)  # a new collection of the same groups: fine
-    contract.check((x(),), {}, mode="full")
+    contract.check((x(),), {}, mode=FULL)
 
 
 # ====================================================================== modes and ignored kwargs
@@ -281,23 +291,23 @@ def test_shapes_checks_only_shape_dtype_kind_and_arguments():
     contract = record((base[:4], base[4:], 1), params=[("w", p)], module=layer)
     p.data = torch.zeros(1)
     layer.pg_collection.tp = process_group()
-    contract.check((base[4:], base[:4].requires_grad_(), 2), {}, mode="shapes")
-    assert violation(contract, (x(4, 3), x(4, 4), 1), mode="shapes").field == "shape"
+    contract.check((base[4:], base[:4].requires_grad_(), 2), {}, mode=SHAPES)
+    assert violation(contract, (x(4, 3), x(4, 4), 1), mode=SHAPES).field == "shape"
 
 
 @pytest.mark.parametrize("name", sorted(REPLAY_ONLY_KWARGS))
 def test_replay_only_kwargs_are_ignored(name):
     contract = record()
-    contract.check((x(),), {name: object()}, mode="full")
+    contract.check((x(),), {name: object()}, mode=FULL)
     at_capture = record((x(),), {name: True})
-    at_capture.check((x(),), {}, mode="full")
+    at_capture.check((x(),), {}, mode=FULL)
     assert REPLAY_ONLY_KWARGS == {"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"}
 
 
 def test_none_kwargs_are_ignored():
     contract = record(kwargs={"rotary_pos_emb": None, "mask": x(1)})
-    contract.check((x(),), {"mask": x(1)}, mode="full")
-    contract.check((x(),), {"mask": x(1), "rotary_pos_emb": None, "packed_seq_params": None}, mode="full")
+    contract.check((x(),), {"mask": x(1)}, mode=FULL)
+    contract.check((x(),), {"mask": x(1), "rotary_pos_emb": None, "packed_seq_params": None}, mode=FULL)
 
 
 def test_hint_for_every_field_exists():
@@ -347,8 +357,8 @@ def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
     assert violation(alive, (x(), here[:, :1].expand(4, 2, 3))).field == "alias"  # inside arg0's buffer
     freed = contract_with(dead)
     assert not freed.inputs[0][1].alive
-    freed.check((relaid, second), {}, mode="full")  # copied: any layout
-    freed.check((x(), here[:, :1].expand(4, 2, 3)), {}, mode="full")  # that memory is no buffer now
+    freed.check((relaid, second), {}, mode=FULL)  # copied: any layout
+    freed.check((x(), here[:, :1].expand(4, 2, 3)), {}, mode=FULL)  # that memory is no buffer now
 
 
 def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():

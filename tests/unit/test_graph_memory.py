@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.plan import allocator
 from megatron_cg_plugin.plan.allocator import PoolModel, round_request, segment_size
 from megatron_cg_plugin.plan.graph_memory import (LayerShape, MoeShape, attention_workspace, plan_from_args,
@@ -17,6 +18,7 @@ from megatron_cg_plugin.plan.graph_memory import (LayerShape, MoeShape, attentio
 from megatron_cg_plugin.rules import GraphFacts
 
 MiB = 2**20
+DEFAULTS = PluginConfig()  # the prediction reads the offload copies and window from the config in force
 
 
 @pytest.mark.parametrize("size, rounded, segment", [
@@ -148,30 +150,30 @@ def megatron_args(**changes):
 
 def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",))
-    plan = plan_from_args(megatron_args(), facts, deterministic=True)
+    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.pool_bytes == plan_graph_memory([tiny()] * 2, ["attn"]).pool_bytes and plan.unpredicted == ()
     left_out = plan_from_args(megatron_args(multi_latent_attention=True, mtp_num_layers=1,
                                             attention_backend=types.SimpleNamespace(name="unfused")),
-                              dataclasses.replace(facts, fp8=True), deterministic=True).unpredicted
+                              dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
     offloaded = plan_from_args(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
-                               deterministic=True).unpredicted
+                               config=DEFAULTS, deterministic=True).unpredicted
     assert offloaded == ("Megatron's activation offloading (its offloaded saves leave the pool)",)
     in_graphs = plan_from_args(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
                                              min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
                                dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
-                               deterministic=True)
+                               config=DEFAULTS, deterministic=True)
     # The slot planner counts what it offloads; the copies' transient buffers in the pool it names as left out.
     assert in_graphs.host_arena_bytes > 0 and in_graphs.unpredicted == (
         "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",)
-    assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, deterministic=True).describe()
+    assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
 
 
 def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=1.5, pad_to_capacity=True)
     args = megatron_args(swiglu=True, add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5)
-    plan = plan_from_args(args, facts, deterministic=True)
+    plan = plan_from_args(args, facts, config=DEFAULTS, deterministic=True)
     expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
                                  ["attn", "moe"])
     assert plan.pool_bytes == expected.pool_bytes == 30 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
@@ -180,7 +182,7 @@ def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
 def test_no_graphed_layer_predicts_an_empty_pool():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4,
                        capacity_factor=None)
-    assert plan_from_args(megatron_args(), facts, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
+    assert plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
 
 
 def test_segment_constants_are_the_allocators():
@@ -232,10 +234,10 @@ def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
                        activation_offloading=True, offload_modules=("core_attn",))
     args = megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
                          min_offloaded_tensor_size=65536, activation_offload_fraction=1.0)
-    plan = plan_from_args(args, facts, deterministic=True)
+    plan = plan_from_args(args, facts, config=DEFAULTS, deterministic=True)
     assert plan.host_arena_bytes == 3 * 256 * 2 * 256 * 2  # q, k, v of the first layer (the last keeps its own)
     assert "pinned host arenas (predicted, --cg-slot-capture offload): 0.8 MiB" in plan.describe()
-    assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), deterministic=True).host_arena_bytes is None
+    assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True).host_arena_bytes is None
 
 
 # -- --cg-slot-capture: arenas, boundary buffers, the pool of temporaries ----------------------------------
@@ -355,11 +357,11 @@ def test_the_bias_gelu_warmup_transient_is_a_segment_of_its_own_from_2048_tokens
 
 def test_slot_runs_get_the_arena_and_boundary_prediction_and_graphs_that_end_in_the_moe_block_are_refused():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True)
-    plan = plan_from_args(megatron_args(), facts, deterministic=True)
+    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.arena_bytes is not None and plan.boundary_bytes is not None and plan.host_arena_bytes is None
     assert "GPU arenas (predicted, --cg-slot-capture)" in plan.describe()
     assert not any("slot" in what for what in plan.unpredicted)
-    te = plan_from_args(megatron_args(), dataclasses.replace(facts, slot_capture=False), deterministic=True)
+    te = plan_from_args(megatron_args(), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
     assert te.arena_bytes is None and "GPU arenas" not in te.describe()
     from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
 
@@ -402,11 +404,11 @@ def test_what_the_slot_plan_leaves_out_is_named():
                 activation_offload_fraction=1.0)
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True,
                        activation_offloading=True)
-    in_graph = plan_from_args(megatron_args(**base, offload_modules=["core_attn"]),
-                              dataclasses.replace(facts, offload_modules=("core_attn",)), deterministic=True)
-    staged = plan_from_args(megatron_args(**base, offload_modules=["core_attn"], cg_offload_copies="between-replays",
-                                          cg_offload_window=1),
-                            dataclasses.replace(facts, offload_modules=("core_attn",)), deterministic=True)
+    args, attention = megatron_args(**base, offload_modules=["core_attn"]), dataclasses.replace(
+        facts, offload_modules=("core_attn",))
+    in_graph = plan_from_args(args, attention, config=DEFAULTS, deterministic=True)
+    staged = plan_from_args(args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"),
+                            deterministic=True)
     per_layer = in_graph.host_arena_bytes // 2
     assert staged.arena_bytes == in_graph.arena_bytes + 2 * per_layer  # the staging ring's two buffers
     assert not any("between-replays" in what for what in staged.unpredicted)
@@ -414,11 +416,30 @@ def test_what_the_slot_plan_leaves_out_is_named():
                                     offload_modules=("core_attn", "expert_fc1"))
     moe = plan_from_args(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
                                        add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
-                         moe_facts, deterministic=True)
+                         moe_facts, config=DEFAULTS, deterministic=True)
     assert any("MoE block's saves" in what for what in moe.unpredicted)
     cp = plan_from_args(megatron_args(context_parallel_size=2), GraphFacts(
-        cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), deterministic=True)
+        cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), config=DEFAULTS, deterministic=True)
     assert any("context parallelism" in what for what in cp.unpredicted)
+
+
+def test_the_offload_copies_and_window_come_from_the_config_in_force_not_the_flags():
+    """An ``install(config)`` run's flags keep their defaults (in-graph, window 1): the prediction
+    must follow the config, the staging ring of window + 1 buffers and no note on in-graph copies."""
+    base = dict(fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536,
+                activation_offload_fraction=1.0, offload_modules=["core_attn"], num_layers=4)
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True,
+                       activation_offloading=True, offload_modules=("core_attn",))
+    in_graph = plan_from_args(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
+    per_layer = in_graph.host_arena_bytes // 3  # Megatron keeps the last layer's saves on the GPU
+    flags = megatron_args(**base, cg_offload_copies="in-graph", cg_offload_window=1)
+    for window in (1, 2):
+        staged = plan_from_args(flags, facts, config=PluginConfig(
+            slot_capture=True, offload_copies="between-replays", offload_window=window), deterministic=True)
+        assert staged.arena_bytes == in_graph.arena_bytes + (window + 1) * per_layer  # the staging ring
+        assert staged.unpredicted == ()
+    assert plan_from_args(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS,
+                          deterministic=True) == in_graph
 
 
 DENSE_SHAPES = st.builds(
@@ -471,20 +492,20 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     base = dict(fp8="hybrid", fp8_recipe="tensorwise", num_layers=4)
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True,
                        fp8_recipe="tensorwise")
-    every = plan_from_args(megatron_args(**base), facts, deterministic=True)
+    every = plan_from_args(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
     ends = plan_from_args(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                                        num_layers_at_end_in_bf16=1), facts, deterministic=True)
+                                        num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
     plain = plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
-                           deterministic=True)
+                           config=DEFAULTS, deterministic=True)
     per_layer = (plain.arena_bytes - every.arena_bytes) // 4
     assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
     assert not any("FP8" in what for what in ends.unpredicted)
-    te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), deterministic=True)
+    te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
     assert not any("FP8" in what for what in te_path.unpredicted)  # tensorwise is modelled on TE's path too
     assert te_path.pool_bytes != plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(
-        facts, fp8=False, slot_capture=False), deterministic=True).pool_bytes
+        facts, fp8=False, slot_capture=False), config=DEFAULTS, deterministic=True).pool_bytes
     mxfp8 = plan_from_args(megatron_args(**base | {"fp8_recipe": "mxfp8"}), dataclasses.replace(facts, slot_capture=False),
-                           deterministic=True)
+                           config=DEFAULTS, deterministic=True)
     assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
 
 
@@ -547,7 +568,7 @@ def test_moe_layers_with_fp8_attention_are_planned_with_bf16_experts():
     assert plan_graph_memory([moe] * 2, ["attn", "moe"]).pool_bytes > 0
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=None, fp8=True, fp8_recipe="delayed")
-    left_out = plan_from_args(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, deterministic=True).unpredicted
+    left_out = plan_from_args(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, config=DEFAULTS, deterministic=True).unpredicted
     assert "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)" in left_out
 
 
@@ -605,13 +626,13 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
 
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    bf16_attention = plan_from_args(args, facts, deterministic=True).arena_bytes
+    bf16_attention = plan_from_args(args, facts, config=DEFAULTS, deterministic=True).arena_bytes
     flagged = plan_from_args(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts,
-                             deterministic=True).arena_bytes
+                             config=DEFAULTS, deterministic=True).arena_bytes
     assert flagged < bf16_attention
     environ = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
     config = types.SimpleNamespace(fp8_dot_product_attention=True)
-    assert repredict_graph_memory(args, facts, config, environ=environ).arena_bytes == flagged
+    assert repredict_graph_memory(args, facts, DEFAULTS, config, environ=environ).arena_bytes == flagged
     assert not hasattr(args, "fp8_dot_product_attention")  # the flags are left as they were
     # Nothing beyond the flags (the field at its default, or as the flags said it): nothing to redo.
     assert model_config_adds(args, config)
@@ -620,8 +641,8 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
     assert not model_config_adds(args, object())
     # Under current scaling the planner does not model FP8 attention (--cg-slot-capture refuses it).
     tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
-    assert plan_from_args(tensorwise, facts, deterministic=True).arena_bytes == plan_from_args(
-        megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, deterministic=True).arena_bytes
+    assert plan_from_args(tensorwise, facts, config=DEFAULTS, deterministic=True).arena_bytes == plan_from_args(
+        megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, config=DEFAULTS, deterministic=True).arena_bytes
 
 
 def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_capture(monkeypatch):

@@ -1,4 +1,4 @@
-"""In-graph activation offload's saved-tensor hook (memory/offload.py), on CPU with InlineTransfers:
+"""In-graph activation offload's saved-tensor hook (memory/offload.py), on CPU with InlineCopies:
 the plan made at warmup is followed, offloaded storages leave the GPU arena, come back for backward
 with their aliases, and the next group is prefetched while one is unpacked."""
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from megatron_cg_plugin.memory import offload
-from megatron_cg_plugin.memory.offload import HostArena, HostArenaError, InlineTransfers, OffloadingArenaHooks
+from megatron_cg_plugin.memory.offload import HostArena, HostArenaError, OffloadingArenaHooks
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaSizer
 from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
 from megatron_cg_plugin.plan.slots import arena_aligned
+
+from _doubles.copies import InlineCopies
 
 GROUP = [None]
 
@@ -55,7 +57,7 @@ def warmup_plan(modules, min_elements=0):
 def frame(plan, sizer, window=1, transfers=None):
     arena = Arena(sizer.nbytes, "cpu", name="slot 0")
     host = HostArena(plan.host_bytes, pin=False)
-    transfers = transfers or InlineTransfers()
+    transfers = transfers or InlineCopies()
     return OffloadingArenaHooks(arena, host, plan, transfers, window=window), arena, host, transfers
 
 

@@ -1,10 +1,17 @@
 """The pure modules (plans, rules, banks' router, golden values) run without torch: they are
-imported here in a fresh interpreter and torch must not come along."""
+imported here in a fresh interpreter and torch must not come along. And the package's sources,
+scanned: only config.py reads the plugin's --cg-* flags from Megatron's args, capture code imports
+nothing of the rules, and no module imports a test extra when it is imported."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
-PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules", "megatron_cg_plugin.banks",
+import megatron_cg_plugin
+
+PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
+        "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks",
         "megatron_cg_plugin.plan.banks", "megatron_cg_plugin.plan.capture", "megatron_cg_plugin.plan.slots",
         "megatron_cg_plugin.plan.thd", "megatron_cg_plugin.plan.moe", "megatron_cg_plugin.plan.bench", "megatron_cg_plugin.plan.offload",
         "megatron_cg_plugin.plan.allocator", "megatron_cg_plugin.plan.graph_memory",
@@ -17,3 +24,85 @@ def test_pure_modules_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+PACKAGE = Path(megatron_cg_plugin.__file__).parent
+
+
+def _named_args(node: ast.AST) -> bool:
+    """``args`` or ``<something>.args``: Megatron's parsed flags however a module holds them."""
+    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute) and node.attr == "args")
+
+
+def cg_flag_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where ``tree`` reads a ``cg_`` attribute of an object named ``args``: ``args.cg_x``, or
+    ``getattr``/``hasattr``/``setattr``/``delattr`` of ``args`` with a literal ``"cg_..."`` name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("cg_") and _named_args(node.value):
+            found.append((node.lineno, f"args.{node.attr}"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
+              and _named_args(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and str(node.args[1].value).startswith("cg_")):
+            found.append((node.lineno, f"{node.func.id}(args, {node.args[1].value!r})"))
+    return found
+
+
+def test_the_scan_finds_each_way_of_reading_a_cg_flag():
+    code = ("args.cg_slot_capture\nself.args.cg_offload_window\ngetattr(args, 'cg_offload_copies', None)\n"
+            "hasattr(args, 'cg_preset')\nargs.num_layers\nconfig.cg_like\ngetattr(args, 'seq_length')\n")
+    assert [line for line, _ in cg_flag_reads(ast.parse(code))] == [1, 2, 3, 4]
+
+
+def test_only_config_reads_the_cg_flags_from_args():
+    """``config.config_from_args`` turns the ``--cg-*`` flags into the ``PluginConfig`` every other
+    module is handed: a second reader would miss an ``install(config)`` that overrides the flags."""
+    readers = {str(path.relative_to(PACKAGE)): reads for path in sorted(PACKAGE.rglob("*.py"))
+               if path.name != "config.py" or path.parent != PACKAGE
+               if (reads := cg_flag_reads(ast.parse(path.read_text(), filename=str(path))))}
+    assert readers == {}
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """The package modules ``tree`` imports (``import a.b``, ``from a.b import c`` as ``a.b`` and ``a.b.c``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_capture_code_needs_nothing_of_the_rules():
+    """capture/ and the helper read scope names from ``scopes``; the rules are the run's check, a
+    layer above them (``plan.capture`` and ``enforce`` use them)."""
+    capture = [*sorted((PACKAGE / "capture").glob("*.py")), PACKAGE / "helper.py"]
+    importers = [str(path.relative_to(PACKAGE)) for path in capture
+                 if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))]
+    assert importers == []
+
+
+
+def module_level_imports(tree: ast.Module) -> ast.Module:
+    """The imports that run at import time: the module's, into ``if``/``try``/``with`` blocks, not
+    into function or class bodies."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return ast.Module(body=found, type_ignores=[])
+
+
+def test_the_package_imports_no_test_extra_at_module_level():
+    """hypothesis and pytest are test extras: the tests' doubles and strategies live under
+    tests/unit/_doubles (testing/distributed.py's pytest helpers import pytest inside the call)."""
+    importers = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+                 if {"hypothesis", "pytest"} & {name.split(".")[0] for name in
+                                                imported_modules(module_level_imports(ast.parse(path.read_text())))}]
+    assert importers == []

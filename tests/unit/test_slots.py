@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 
 from megatron_cg_plugin.plan.slots import OrderError, SlotPlan, plan_slots
-from megatron_cg_plugin.testing.schedules import megatron_order, megatron_orders, planned, schedules, warmup_of
+
+from _doubles.schedules import megatron_order, megatron_orders, planned, schedules, warmup_of
 
 
 def check_invariants(plan: SlotPlan, sizes) -> None:

@@ -13,6 +13,7 @@ from megatron_cg_plugin.capture.slotted import (
     Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches, planned_slots,
     slot_arena_bytes,
 )
+from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.memory.layout import span_elements, span_of
 from megatron_cg_plugin.plan.slots import exclusive_plan, plan_slots
 
@@ -92,7 +93,6 @@ def test_unnamed_variants_share_storage_exactly_when_layouts_match():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(plan=2), "pass the SlotPlan of plan_slots"),
     (dict(warmup_iterations=0), "warmup_iterations must be >= 1"),
-    (dict(contract_check="strict"), "contract_check 'strict': use one of full, shapes, off"),
     (dict(variants=[]), "no variants given"),
     (dict(variants=[Variant("a", abs, ()), Variant("a", abs, ())]), "variant names repeat"),
     (dict(plan=exclusive_plan(["cpu", "other"])), r"frames of variants not given \['other'\]"),
@@ -102,13 +102,12 @@ def test_unnamed_variants_share_storage_exactly_when_layouts_match():
 ])
 def test_bad_arguments_are_refused_before_anything_is_allocated(kwargs, message):
     args = dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], plan=exclusive_plan(["cpu"]),
-                warmup_iterations=1, contract_check="full") | kwargs
+                warmup_iterations=1) | kwargs
     error = TypeError if isinstance(args["plan"], int) else ValueError
     with pytest.raises(error, match=message):
-        _validate(args["variants"], args["plan"], args["warmup_iterations"], args["contract_check"])
+        _validate(args["variants"], args["plan"], args["warmup_iterations"])
     with pytest.raises(error, match=message):
-        capture_slotted(args["variants"], args["plan"], [], warmup_iterations=args["warmup_iterations"],
-                        contract_check=args["contract_check"])
+        capture_slotted(args["variants"], args["plan"], [], warmup_iterations=args["warmup_iterations"])
 
 
 def test_the_plan_places_variants_and_sizes_each_slot_by_its_own_variants():
@@ -137,7 +136,7 @@ class FakeGraph:
         self.replays += 1
 
 
-def _slotted_graphs(contract_check="full"):
+def _slotted_graphs(contract_check=ContractCheck.FULL):
     """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
     from megatron_cg_plugin.capture.slotted import SlottedGraphs, SlottedStats, _Boundary, _Entry
 
@@ -178,12 +177,12 @@ def test_slot_replays_are_held_to_the_replay_contract():
 
 
 def test_shapes_mode_checks_shapes_only_and_off_checks_only_the_count():
-    graphs, entry, param = _slotted_graphs("shapes")
+    graphs, entry, param = _slotted_graphs(ContractCheck.SHAPES)
     param.data = torch.ones(3)
     graphs.callable("v", 0)(torch.zeros(4, 6))  # parameter storage is a ``full`` check
     with pytest.raises(ContractViolation, match="shape"):
         graphs.callable("v", 0)(torch.zeros(2, 6))
-    graphs, entry, _ = _slotted_graphs("off")
+    graphs, entry, _ = _slotted_graphs(ContractCheck.OFF)
     with pytest.raises(ContractViolation, match="arguments"):  # inputs and parameters are told apart by count
         graphs.callable("v", 0)(torch.zeros(4, 6), torch.zeros(4, 6))
 

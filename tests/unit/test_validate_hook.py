@@ -211,3 +211,25 @@ def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
     refusal, err = refused(monkeypatch, capsys, flags)
     assert refusal.heading == enforce.MEGATRON_HEADING
     assert "--micro-batch-size is not given, and Megatron needs it" in err
+
+
+OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--min-offloaded-tensor-size", "1024"]
+STAGED = dict(slot_capture=True, offload_copies="between-replays", offload_window=2)
+
+
+def test_the_graph_memory_prediction_follows_the_explicit_config_not_the_flags(monkeypatch):
+    """An ``install(config)`` config, not the ``--cg-*`` flags' defaults, shapes the prediction: the
+    staging ring of ``offload_window + 1`` buffers between replays, and no note about in-graph copies."""
+    from megatron_cg_plugin.config import PluginConfig
+
+    staged_flags = ["--cg-slot-capture", "--cg-offload-copies", "between-replays", "--cg-offload-window", "2"]
+    parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD, *staged_flags])
+    from_flags = integration.active_session().predicted_graph_memory
+    integration.uninstall()
+    reset_megatron_globals()
+    session = integration.install(PluginConfig(**STAGED))
+    parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD])  # the flags say in-graph, window 1
+    predicted = session.predicted_graph_memory
+    assert predicted.arena_bytes == from_flags.arena_bytes and predicted.host_arena_bytes > 0
+    assert predicted.unpredicted == from_flags.unpredicted
+    assert not any("in-graph offload" in what for what in predicted.unpredicted)

@@ -175,14 +175,15 @@ def lifecycle(result):
     wrapper._check = original_check
     args, kwargs = seen["call"]
     from megatron_cg_plugin.capture.contracts import ReplayContract
+    from megatron_cg_plugin.config import ContractCheck
 
     per_replay = {}
-    for mode in ("full", "shapes"):
+    for mode in (ContractCheck.FULL, ContractCheck.SHAPES):
         contract = ReplayContract.record("probe", args, kwargs, module=layer)
         start = time.perf_counter()
         for _ in range(2000):
             contract.check(args, kwargs, mode=mode)
-        per_replay[mode] = (time.perf_counter() - start) / 2000
+        per_replay[mode.value] = (time.perf_counter() - start) / 2000
     replays_per_step = len(helper.flattened_callables)  # one microbatch per step, each layer once
     step = statistics.median(step_times[5:])
     result["overhead"] = {

@@ -1,0 +1,19 @@
+"""Megatron's ``--cuda-graph-modules`` scopes by name: what the rules check and the capture code
+(``capture/``, the helper) reads off a layer's config. Its own module so that capture code needs
+nothing of the rules, and the rules nothing of capture; it imports nothing (no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
+PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
+
+
+def module_names(modules: Any) -> tuple[str, ...]:
+    """``--cuda-graph-modules`` as names, from Megatron's enum members, strings or a spaced string."""
+    if modules is None:
+        return ()
+    if isinstance(modules, str):
+        modules = modules.split()
+    return tuple(getattr(m, "name", str(m)) for m in modules)
