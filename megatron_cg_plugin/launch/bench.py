@@ -515,7 +515,10 @@ def _bench_script(script: Path, options: BenchOptions, flags: Sequence[str], tra
     from megatron_cg_plugin.launch import run_script
 
     def refuse() -> None:
-        refuse_unbenchable(get_args(), options)
+        session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper
+        if session is None:
+            raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg bench.")
+        refuse_unbenchable(get_args(), session.config, options)
 
     driver = bench_train_step(options, flags, training.train_step, results, before=refuse)
     with patches.scoped(training, "train_step", driver, "bench-train-step"):

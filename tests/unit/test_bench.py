@@ -640,6 +640,10 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
     monkeypatch.setattr(bench_output, "markdown", lambda result: "")
     import megatron.training
 
+    from megatron_cg_plugin.config import PluginConfig
+
+    monkeypatch.setattr(training, "TECudaGraphHelper", types.SimpleNamespace(session=types.SimpleNamespace(
+        config=PluginConfig())), raising=False)  # what install() swaps in
     monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["ok"]))
     assert bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script), "--num-layers", "2"]) == 0
     assert seen["script"] == script and seen["patched"] and training.train_step is real_step
