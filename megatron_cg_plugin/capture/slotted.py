@@ -314,14 +314,19 @@ class _Entry:
         return f"variant {self.variant.name!r} in slot {self.slot}"
 
     def release(self) -> None:
-        """Resets the graphs and drops every buffer they used (reports may keep the entry alive)."""
+        """Resets the graphs and drops every tensor they used: the run report keeps each layer's
+        replay callable, and with it this entry, after teardown. The variant's samples go too: once
+        adopted they are the static inputs (Megatron's sample arguments, a layer's hidden states and
+        attention mask), which would otherwise outlive the graphs (s65-s69: 1.5 activations a layer)."""
         for graph in (self.forward_graph, self.backward_graph):
             if graph is not None:
                 graph.reset()
         self.forward_graph = self.backward_graph = None
         self.boundary = None
+        self.variant = dataclasses.replace(self.variant, sample_args=())
         self.param_grads = ()
         self.staged = None
+        self.fp8 = None  # TE's weight-update flag
 
     def _check_live(self) -> None:
         if self.forward_graph is None:

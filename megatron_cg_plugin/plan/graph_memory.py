@@ -13,6 +13,12 @@ drop-and-pad or the router/preprocess scope, bf16 or FP8 with delayed or tensorw
 dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from the s56
 traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredicted``.
 
+Which term comes from which measurement: cuDNN's attention workspace (``attention_workspace``) and the
+dense programs from the planner-2026-12-01 traces; the FP8 quantize buffers from s56
+(planner-fp8-2026-12-01); the MoE terms from s66 (exact-matrix-2026-12-02); the bias gradients' column
+sums (``plan.reduction``) from ATen's reduce-kernel arithmetic, checked against the 2048-token traces
+(dense_1024, dense_2048, s56 fp8t) and the 4096-token trace of the issue-30 FP8 slot case.
+
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
 parameter gradient lives in buffers outside the pool (``capture.slotted``), so each graph's pool
@@ -31,8 +37,9 @@ import math
 from typing import Iterator, Sequence
 
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
+from megatron_cg_plugin.plan.allocator import PoolModel
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
+from megatron_cg_plugin.plan.reduction import column_sum_workspace
 from megatron_cg_plugin.plan.slots import arena_aligned
 
 BF16 = 2
@@ -237,6 +244,8 @@ def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
     p.free(*(("dq.rope", "dk.rope") if s.rope else ("dq", "dk", "qkv")), "dv")
     if s.fp8_recipe is not None:
         _quantized(p, s, "dqkv.g", (s.heads + 2 * s.query_groups) * s.head_dim)
+    if s.bias and s.fp8_recipe not in (None, "delayed"):  # current scaling: TE sums the QKV bias gradient unfused
+        p.temp("dqkv.column_sum", column_sum_workspace(s.tokens, (s.heads + 2 * s.query_groups) * s.head_dim))
     p.alloc("ln1.dgrad", s.act(s.hidden))
     p.alloc("qkv.wgrad", (q + 2 * kv) // s.tokens * s.hidden)
     if s.bias:
@@ -276,6 +285,8 @@ def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str, we
     p.alloc(f"{name}.fc2.wgrad", weights * s.hidden * ffn * BF16)
     p.free(grad, f"{name}.act.in.col", f"{name}.fc2.g.row", f"{name}.fc2.g.col")
     p.alloc(f"{name}.act.dgrad", s.act(fc1))
+    if s.bias and not s.gated:  # Megatron's fused bias-GELU: autograd sums the bias gradient from act.dgrad
+        p.temp(f"{name}.bias.column_sum", column_sum_workspace(s.tokens, ffn))
     p.free(f"{name}.fc2.dgrad", f"{name}.act", f"{name}.fc1")
     if s.bias:
         p.alloc(f"{name}.fc1.dbias", fc1 * BF16)
@@ -337,20 +348,6 @@ def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, parts: f
     p.alloc("ln2.dgrad", s.act(s.hidden))
     p.free(grad, "ln2.out")
     return "ln2.dgrad"
-
-
-def bias_gelu_warmup_transient(s: LayerShape, parts: frozenset[str]) -> int:
-    """A pool segment of its own that Megatron's fused bias-GELU backward leaves in the pool during
-    capture warmup (TE 2.20.2, torch 2.11, H200 traces): ``tokens x ffn x 8`` bytes, seen at 2048
-    tokens per microbatch and not at 512 (sizes between are not measured; from 2048 on it is
-    counted). It is freed at once, and later requests did not reuse it in the traces."""
-    fused = s.moe is None and "mlp" in parts and s.bias and not s.gated
-    return s.tokens * s.ffn * 8 if fused and s.tokens >= 2048 else 0
-
-
-def _with_transient(reserved: int, layers: Sequence[LayerShape], parts: frozenset[str]) -> int:
-    transient = max((bias_gelu_warmup_transient(shape, parts) for shape in layers), default=0)
-    return reserved + (segment_size(transient) if transient else 0)
 
 
 FP8_MODELLED_RECIPES = ("delayed", "tensorwise")  # the recipes whose quantize buffers the programs write
@@ -456,8 +453,7 @@ def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> G
                                                                                                   "dgamma", "dbeta"))]
 
     pool = _replay(ops())
-    return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts),
-                           peak_live_bytes=pool.peak_allocated, graphs=len(programs))
+    return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated, graphs=len(programs))
 
 
 def _graph_output(shape: LayerShape, parts: frozenset[str]) -> str | None:
@@ -571,7 +567,10 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                              f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
                              f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
         # The slot pool is modelled with bf16 programs (measured within 8% on the FP8 slot cases); FP8's saves
-        # are the arenas' (_with_fp8_saves).
+        # are the arenas' (_with_fp8_saves). The programs keep a forward's saves in the pool to the capture's
+        # end, where slot capture frees each once copied into the arena: the dense issue-30 FP8 case comes out
+        # 684 / 620 MiB for it (its trace); freeing them fits the dense runs but leaves the attention-only
+        # slot-offload cells at 0.83, whose in-graph staging in the pool is not modelled.
         fwd, bwd = _graph(_bf16(shape), parts, f"L{index}.")
         capture(fwd.ops, keep=fwd.prefix + output)
         capture(bwd.ops)
@@ -598,7 +597,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
     # Megatron's sample arguments are the static inputs (capture.slotted adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
-    return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,
+    return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated,
                            graphs=len(layers), arena_bytes=arenas, boundary_bytes=boundary,
                            host_arena_bytes=None if policy is None else host)
 

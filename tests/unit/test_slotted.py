@@ -201,6 +201,40 @@ def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
         graphs.callable("v", 0)
 
 
+def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_layer_graphs():
+    """The run report reads each layer's slot stats after teardown (helper._slot_layer_stats holds the
+    layer graphs, which hold their replay callables and entries): the adopted static inputs (Megatron's
+    sample arguments) and TE's FP8 weight-update flag must go with the graphs all the same (s65-s69
+    left 1.5 activations a layer allocated: a layer's hidden states and its attention mask)."""
+    import gc
+    import types
+    import weakref
+
+    from megatron_cg_plugin.capture.slot_backend import SlotLayerGraph
+    from megatron_cg_plugin.capture.slotted import SlottedGraphs, SlottedStats, _Boundary, _Entry
+    from megatron_cg_plugin.helper import _slot_layer_stats
+
+    hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
+    variant = Variant("layer", lambda x, m: x * m, (hidden, mask))
+    boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE, None)), adopt_inputs=True)
+    entry = _Entry(variant, 0, boundary, [], [], None, "off")
+    entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
+    flag = torch.zeros(1, dtype=torch.bool)
+    entry.fp8 = types.SimpleNamespace(flag=flag)
+    stats = SlottedStats(ring_size=1, variants=1, graphs=2, capture_seconds=0.0, pool_bytes=0, arena_bytes=0,
+                         slot_arena_bytes=(), boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={},
+                         retained_bytes=0, uncovered_bytes=0)
+    layer_graph = SlotLayerGraph(SlottedGraphs({("layer", 0): entry}, stats, [boundary]), "layer 1", 1, ("mask",))
+    read_stats = _slot_layer_stats([layer_graph])  # what the report keeps
+    gone = [weakref.ref(t) for t in (hidden, mask, flag, boundary.outputs[0].buffer)]
+    del hidden, mask, flag, variant, boundary, entry
+    layer_graph.reset()  # Megatron's delete_cuda_graphs
+    del layer_graph
+    gc.collect()
+    assert [ref() is None for ref in gone] == [True] * 4
+    assert read_stats()[0].boundary_bytes == stats.boundary_bytes  # the report still reads what the layer held
+
+
 # ---------------------------------------------------------------- the coverage refusal
 
 
