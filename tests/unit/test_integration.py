@@ -234,7 +234,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
                 total_loss_dict[name] = total_loss_dict.get(name, 0.0) + loss * loss_scale
             return "Megatron's result"
 
-    session = RunSession(PluginConfig(), probe=probe)
+    session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe)
     tapped = patches._build_mtp_loss_tap(Helper, session)
     assert issubclass(tapped, Helper) and tapped.tracker is Helper.tracker
     totals = {"lm loss": 9.0, "mtp_1 loss": 4.0}  # accumulated since the last log line
@@ -458,6 +458,8 @@ def _fake_training_log_factory(calls):
 
 
 class RecordingSession:
+    times_steps = keeps_values = True  # a run with --cg-metrics-out
+
     def __init__(self):
         self.logged = []
 
@@ -524,12 +526,41 @@ def test_training_log_tap_mixed_call_like_megatrons_train_loop(tapped):
 def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
     target = fake_module(training_log=_fake_training_log_factory([]))
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
-    session = RunSession(None, probe=probe, clock=clock)
+    session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe, clock=clock)
     PatchSet((tap,)).apply_all(session)
     target.training_log(*POSITIONAL)
     golden = session.metrics()
     assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
     assert dict(golden.metrics["num-zeros"].values) == {7: 123.0}
+
+
+def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_module, probe, clock):
+    """No --cg-metrics-out, no --cg-report-out, --cg-no-report: Megatron's training_log and MTP
+    logging run as they would without the plugin, and the session sees no call."""
+    class Untimed(RecordingSession):
+        times_steps = keeps_values = False
+
+    calls = []
+    target = fake_module(training_log=_fake_training_log_factory(calls))
+    tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
+    session = Untimed()
+    PatchSet((tap,)).apply_all(session)
+    assert target.training_log(*POSITIONAL) == "report_memory_flag_out" and len(calls) == 1
+    assert session.logged == []
+
+    class Totals(dict):  # the tap's difference of totals would read every entry
+        def __getitem__(self, name):
+            raise AssertionError("the MTP tap read Megatron's totals")
+
+    class Helper:
+        @staticmethod
+        def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+            return "Megatron's result"
+
+    real = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
+    assert patches._build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})) == \
+        "Megatron's result"
+    assert real._pending_mtp == {}
 
 
 def test_training_log_tap_propagates_original_errors(fake_module):
