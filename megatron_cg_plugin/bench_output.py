@@ -207,7 +207,7 @@ def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], Medi
     """The step schedule's ratios: per-cycle ratios' median and spread, the median's distribution-free
     95% interval, its half-width, and the cycles that would bring the half-width under each of
     ``HALF_WIDTHS`` at the dispersion seen (``-`` below 6 cycles)."""
-    lines = ["", "| ratio | median [spread] over mirrored cycles | 95% interval of the median | +- | "
+    lines = ["", "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | "
              + " | ".join(f"cycles for +-{h:.0%}" for h in HALF_WIDTHS) + " |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in HALF_WIDTHS) + " |"]
     for pair in pairs:
@@ -215,7 +215,7 @@ def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], Medi
             continue
         found = intervals.get(pair)
         cells = (["- (under 6 cycles)", "-"] + ["-" for _ in HALF_WIDTHS] if found is None else
-                 [f"[{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
+                 [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
                  + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS])
         lines.append(f"| {pair[0]} / {pair[1]} | {summary.ratios[pair].format()} | " + " | ".join(cells) + " |")
     return lines

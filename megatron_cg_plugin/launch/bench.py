@@ -178,20 +178,35 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
     on a plugin capture, ``contract_cost``."""
     for _ in range(options.warmup_steps):
         _timed_step(trainer, clock)
-    if options.interleave == "steps":
-        with _captured_arms(options.arms, trainer, clock, progress) as captured:
-            steps, peaks = _run_step_schedule(options, trainer, clock, progress)
-            records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
-            result = BenchResult(_method(options), 1, options.skip_steps, records, {}, {}, None, tuple(flags),
-                                 schedule="steps", steps=tuple(steps))
+    run = _bench_steps if options.interleave == "steps" else _bench_blocks
+    return run(options, trainer, tuple(flags), clock, progress,
+               functools.partial(_profiled, options, trainer=trainer, profile=profile, contract_cost=contract_cost,
+                                 progress=progress))
 
-            @contextlib.contextmanager
-            def activated(arm: str) -> Iterator[Any]:
-                trainer.activate(arm)
-                yield captured[arm][0]
 
-            return _profiled(options, result, trainer, activated, profile, contract_cost, progress)
-    records_list: list[BlockRecord] = []
+def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
+                 progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+    """The step schedule: every arm captured once, then single steps in mirrored cycles, then each
+    arm profiled with its graphs in place, then the teardown."""
+    with _captured_arms(options.arms, trainer, clock, progress) as captured:
+        steps, peaks = _run_step_schedule(options, trainer, clock, progress)
+        records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
+        result = BenchResult(_method(options), 1, options.skip_steps, records, {}, {}, None, flags,
+                             schedule="steps", steps=tuple(steps))
+
+        @contextlib.contextmanager
+        def activated(arm: str) -> Iterator[Any]:
+            trainer.activate(arm)
+            yield captured[arm][0]
+
+        return profiled(result, with_arm=activated)
+
+
+def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
+                  progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+    """The block schedule: each block captures, steps and tears down; then each arm captured again
+    to be profiled."""
+    records: list[BlockRecord] = []
 
     def run_block(block: Block) -> list[float]:
         helper, capture_seconds, pool_bytes = _capture(trainer, block.arm, clock)
@@ -200,13 +215,11 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
             steps = [_timed_step(trainer, clock) for _ in range(options.steps)]
         finally:
             trainer.release(helper)
-        records_list.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
-                                        pool_bytes, *_arena_bytes(helper)))
+        records.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
+                                   pool_bytes, *_arena_bytes(helper)))
         return steps
 
     run_schedule(interleaved_blocks(options.arms, options.rounds), run_block, progress, skip_steps=options.skip_steps)
-    result = BenchResult(_method(options), options.steps, options.skip_steps, tuple(records_list), {}, {}, None,
-                         tuple(flags))
 
     @contextlib.contextmanager
     def recaptured(arm: str) -> Iterator[Any]:
@@ -216,7 +229,8 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
         finally:
             trainer.release(helper)
 
-    return _profiled(options, result, trainer, recaptured, profile, contract_cost, progress)
+    return profiled(BenchResult(_method(options), options.steps, options.skip_steps, tuple(records), {}, {}, None,
+                                flags), with_arm=recaptured)
 
 
 def _method(options: BenchOptions) -> str:
@@ -280,7 +294,7 @@ def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[
     return steps, peaks
 
 
-def _profiled(options: BenchOptions, result: BenchResult, trainer: Trainer,
+def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
               with_arm: Callable[[str], ContextManager[Any]],
               profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,

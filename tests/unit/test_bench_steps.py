@@ -188,11 +188,13 @@ def test_the_step_schedules_outputs_say_which_schedule_ran(tmp_path):
     table = written[1].read_text()
     assert table.startswith(f"Method: {result.method}.")
     assert "| arm | step ms: median of its steps [spread] |" in table
-    assert ("| ratio | median [spread] over mirrored cycles | 95% interval of the median | +- | cycles for +-1% | "
+    assert ("| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | cycles for +-1% | "
             "cycles for +-2% |") in table
     assert (f"| plugin / stock | {result.summary().ratios['plugin', 'stock'].format()} | "
-            f"[{found.low:.4f}, {found.high:.4f}] | {found.half_width:.2%} | {found.pairs_for(0.01)} | "
+            f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}] | {found.half_width:.2%} | {found.pairs_for(0.01)} | "
             f"{found.pairs_for(0.02)} |") in table
+    few = dataclasses.replace(result, steps=result.steps[:5 * 6], skip_steps=0)  # read back from a short run
+    assert "| plugin / stock | " in (short := bench_output.markdown(few)) and "| - (under 6 cycles) | - | - | - |" in short
     points = bench_output._plotted(result)
     assert len(points["plugin"]) == 2 * 28 and points["stock"][0][0] == 2 * 6  # the kept steps, at their places
 
