@@ -10,7 +10,10 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.plan.bench import BenchSummary, Block, CopyStalls, Spread, median_precision, summarize
+from megatron_cg_plugin.plan.bench import (
+    BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, summarize,
+    summarize_steps,
+)
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
@@ -29,6 +32,9 @@ RECORDING_ARM = "plugin-recording"
 ALL_ARMS = ARMS + (UNCHECKED_ARM, RECORDING_ARM) + SLOT_ARMS
 # The width each ratio's median is to be known to: +-1% tells 1.02 from 1.00.
 RATIO_WIDTH = 0.02
+# The step schedule's ratio table: the pairs (cycles) its interval would need for these half-widths.
+HALF_WIDTHS = (0.01, 0.02)
+SCHEDULES = ("blocks", "steps")  # --bench-interleave
 
 
 def is_slot_arm(arm: str) -> bool:
@@ -70,19 +76,44 @@ class BlockRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One timed step of the step schedule (``--bench-interleave steps``)."""
+
+    cycle: int
+    arm: str
+    seconds: float
+
+    @property
+    def step(self) -> Step:
+        return Step(self.cycle, self.arm)
+
+
+@dataclasses.dataclass(frozen=True)
 class BenchResult:
     method: str  # how the arms share the process (one model, a fresh helper per graphed block)
     steps_per_block: int
-    skip_steps: int
+    skip_steps: int  # blocks: steps dropped per block; steps: cycles dropped
+    # blocks: one record per block. steps: one per arm, its capture and peak, with no step_seconds (see steps)
     blocks: tuple[BlockRecord, ...]
     busy_fraction: dict[str, float | None]  # per arm: kernel time / wall time of profiled steps
     contract_check_us: dict[str, float]  # per --cg-contract-check mode: host cost of one layer replay's check
     replays_per_step: int | None  # graphed layer replays per training step (plugin arm)
     flags: tuple[str, ...]
     copies: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # per arm: DeviceTime fields
+    schedule: str = "blocks"  # --bench-interleave: blocks, or single steps in mirrored cycles
+    steps: tuple[StepRecord, ...] = ()  # the step schedule's timed steps, in schedule order
 
     def summary(self) -> BenchSummary:
+        if self.schedule == "steps":
+            return summarize_steps([(record.step, record.seconds) for record in self.steps],
+                                   skip_cycles=self.skip_steps)
         return summarize({record.block: record.step_seconds for record in self.blocks}, skip_steps=self.skip_steps)
+
+    def ratio_intervals(self) -> dict[tuple[str, str], MedianInterval]:
+        """Per ratio, its median's 95% interval over the pairs of rounds or the cycles (where there
+        are enough of them: ``plan.bench.fewest_for_interval``)."""
+        return {pair: found for pair, spread in self.summary().ratios.items()
+                if (found := median_interval(spread.values)) is not None}
 
     def per_arm(self, field: str) -> dict[str, Spread]:
         """Per graphed arm, the spread of a block field (``capture_seconds``, ``pool_bytes``, ...)."""
@@ -115,7 +146,12 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "replays_per_step": result.replays_per_step, "copies": result.copies,
         "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
         "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
+        "ratio_intervals": {f"{a}/{b}": {**dataclasses.asdict(found), "half_width": found.half_width,
+                                         "pairs_for_half_width": {f"{h:g}": found.pairs_for(h) for h in HALF_WIDTHS}}
+                            for (a, b), found in result.ratio_intervals().items()},
+        "schedule": result.schedule,
         "blocks": [dataclasses.asdict(record) for record in result.blocks],
+        "steps": [dataclasses.asdict(record) for record in result.steps],
     }
 
 
@@ -129,8 +165,9 @@ def markdown(result: BenchResult) -> str:
     def mib(spreads: dict[str, Spread], arm: str) -> str:
         return spreads[arm].format(scale=2**-20) if arm in spreads else "-"
 
+    figure = "median of its steps [spread]" if result.schedule == "steps" else "median of block medians [spread]"
     lines = [f"Method: {result.method}.", "",
-             "| arm | step ms: median of block medians [spread] | capture s | graph pool MiB | GPU arenas MiB "
+             f"| arm | step ms: {figure} | capture s | graph pool MiB | GPU arenas MiB "
              "| pinned host arenas MiB | peak allocated MiB | peak allocated + graph pool MiB | GPU busy |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
@@ -147,12 +184,15 @@ def markdown(result: BenchResult) -> str:
             total = c["d2h_seconds"] + c["h2d_seconds"]
             lines.append(f"| {arm} | {c['d2h_seconds'] * 1e3:.2f} | {c['h2d_seconds'] * 1e3:.2f} | "
                          f"{c['copy_overlap_seconds'] / total:.0%} |")
-    lines += ["", f"| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) "
-              f"| rounds for +-{RATIO_WIDTH * 50:g}% |", "| --- | --- | --- | --- |"]
-    for a, b in _ordered_pairs(arms):
-        if (a, b) in summary.ratios:
-            lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} | "
-                         f"{_precision_cells(median_precision(summary.ratios[a, b].values, RATIO_WIDTH))} |")
+    if result.schedule == "steps":
+        lines += _interval_table(summary, result.ratio_intervals(), _ordered_pairs(arms))
+    else:
+        lines += ["", f"| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) "
+                  f"| rounds for +-{RATIO_WIDTH * 50:g}% |", "| --- | --- | --- | --- |"]
+        for a, b in _ordered_pairs(arms):
+            if (a, b) in summary.ratios:
+                lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} | "
+                             f"{_precision_cells(median_precision(summary.ratios[a, b].values, RATIO_WIDTH))} |")
     if result.contract_check_us:
         per_step = result.replays_per_step
         lines += ["", "| --cg-contract-check | host us per layer replay | per step |", "| --- | --- | --- |"]
@@ -160,6 +200,25 @@ def markdown(result: BenchResult) -> str:
             lines.append(f"| {mode} | {micros:.1f} | "
                          f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |")
     return "\n".join(lines)
+
+
+def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], MedianInterval],
+                    pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """The step schedule's ratios: per-cycle ratios' median and spread, the median's distribution-free
+    95% interval, its half-width, and the cycles that would bring the half-width under each of
+    ``HALF_WIDTHS`` at the dispersion seen (``-`` below 6 cycles)."""
+    lines = ["", "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | "
+             + " | ".join(f"cycles for +-{h:.0%}" for h in HALF_WIDTHS) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in HALF_WIDTHS) + " |"]
+    for pair in pairs:
+        if pair not in summary.ratios:
+            continue
+        found = intervals.get(pair)
+        cells = (["- (under 6 cycles)", "-"] + ["-" for _ in HALF_WIDTHS] if found is None else
+                 [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
+                 + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS])
+        lines.append(f"| {pair[0]} / {pair[1]} | {summary.ratios[pair].format()} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _precision_cells(found: Any) -> str:
@@ -192,16 +251,28 @@ def plot(result: BenchResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4))
-    for arm in sorted({record.arm for record in result.blocks}):
-        points = [(index, step * 1e3) for index, record in enumerate(result.blocks) if record.arm == arm
-                  for step in record.step_seconds[result.skip_steps:]]
+    for arm, points in _plotted(result).items():
         axis.scatter([p[0] for p in points], [p[1] for p in points], s=6, label=arm)
-    axis.set_xlabel("block (schedule order)")
+    axis.set_xlabel("step (schedule order)" if result.schedule == "steps" else "block (schedule order)")
     axis.set_ylabel("step time (ms)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _plotted(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
+    """Per arm, (x, step ms) of every kept step: x the block's place in the block schedule, the
+    step's own in the step schedule."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    if result.schedule == "steps":
+        for index, record in enumerate(result.steps):
+            if record.cycle >= result.skip_steps:
+                points.setdefault(record.arm, []).append((index, record.seconds * 1e3))
+        return points
+    for index, record in enumerate(result.blocks):
+        points.setdefault(record.arm, []).extend((index, step * 1e3) for step in record.step_seconds[result.skip_steps:])
+    return points
 
 
 def write(result: BenchResult, out: Path, *, with_plot: bool) -> list[Path]:
@@ -220,7 +291,8 @@ def from_json(data: dict[str, Any]) -> BenchResult:
     blocks = tuple(BlockRecord(**{**block, "step_seconds": tuple(block["step_seconds"])}) for block in data["blocks"])
     return BenchResult(data["method"], data["steps_per_block"], data["skip_steps"], blocks, data["busy_fraction"],
                        data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]),
-                       data.get("copies", {}))
+                       data.get("copies", {}), data.get("schedule", "blocks"),
+                       tuple(StepRecord(**step) for step in data.get("steps", ())))
 
 
 def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) -> None:

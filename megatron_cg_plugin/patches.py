@@ -78,6 +78,8 @@ def _build_training_log_tap(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
+        if not session.times_steps:  # the run records nothing per step (no metrics, no report)
+            return result
         bound = signature.bind(*args, **kwargs)
         session.on_training_log(
             iteration=bound.arguments["iteration"],
@@ -99,6 +101,8 @@ def _build_mtp_loss_tap(original: type, session: Any) -> type:
     signature = inspect.signature(track)
 
     def track_mtp_metrics(*args: Any, **kwargs: Any) -> Any:
+        if not session.keeps_values:  # no metrics file: not even the difference runs on the device
+            return track(*args, **kwargs)
         totals = signature.bind(*args, **kwargs).arguments.get("total_loss_dict")
         before = {} if totals is None else {name: totals[name] for name in totals if _is_mtp_loss(name)}
         result = track(*args, **kwargs)

@@ -8,7 +8,9 @@ goes through a small ``DeviceProbe`` so the bookkeeping is tested on CPU.
 Recording costs the step nothing on the device: no hook synchronizes, and values Megatron hands
 over as device tensors (the loss) are kept as they are and read to the host in one go every
 ``read_every`` iterations and when the run ends. Step time is the host's wall clock from one
-``train_step`` start to the next (``IterationRecord``).
+``train_step`` start to the next (``IterationRecord``). Each step records only what the run asked
+for: the values only for ``--cg-metrics-out``, the times for it, ``--cg-report-out`` or the printed
+report, and nothing at all with none of them (``keeps_values``, ``times_steps``).
 """
 
 from __future__ import annotations
@@ -174,6 +176,19 @@ class RunSession:
             self._config = self._config_source()
         return self._config
 
+    @property
+    def keeps_values(self) -> bool:
+        """Each iteration's values (loss, num-zeros, MTP losses, memory) are kept only where the run
+        writes its metrics (``--cg-metrics-out``): nothing else reads them."""
+        return self.config.metrics_out is not None
+
+    @property
+    def times_steps(self) -> bool:
+        """Iterations are timed (one host clock read at each start) where the metrics, the report
+        file or the printed report will show them; with none of these the hooks do nothing."""
+        config = self.config
+        return config.metrics_out is not None or config.report_out is not None or config.print_report
+
     # -- hooks -------------------------------------------------------------------------------
     def attach_helper(self, helper: Any) -> None:
         self.config  # resolve a deferred config now, so bad --cg-* values fail before training
@@ -188,7 +203,7 @@ class RunSession:
     def mark_iteration_start(self) -> None:
         """Called as each iteration starts (and by any caller per microbatch); only the first of an
         iteration counts. It reads the host clock only: it ends the iteration logged before."""
-        if self._iteration_start is None:
+        if self._iteration_start is None and self.times_steps:
             now = self.clock()
             self._end_last_iteration(now)
             self._iteration_start = now
@@ -208,19 +223,20 @@ class RunSession:
         """The iteration's values as Megatron's ``training_log`` gets them; device tensors are kept
         (detached), not read: Megatron builds each iteration's loss as a new tensor and neither
         it nor training_log writes to it afterwards (0.19.2 train_step and training_log)."""
-        self.config  # resolve a deferred config at the first iteration at the latest
+        if not self.times_steps:  # resolves a deferred config at the first iteration at the latest
+            return
         if self._logged and iteration <= self._logged[-1].iteration:
             raise ValueError(f"training_log at iteration {iteration} after iteration {self._logged[-1].iteration}: "
                              "iterations must increase; log each iteration once, in order.")
-        values: dict[str, Any] = {
-            "mem-allocated-bytes": float(self.probe.memory_allocated()),
-            "mem-max-allocated-bytes": float(self.probe.max_memory_allocated()),
-        }
-        if "lm loss" in loss_dict:
-            values["lm loss"] = _kept(loss_dict["lm loss"])
-        if num_zeros_in_grad is not None:
-            values["num-zeros"] = _kept(num_zeros_in_grad)
-        values.update(self._pending_mtp)  # recorded inside this training_log call (patch mtp-loss-tap)
+        values: dict[str, Any] = {}
+        if self.keeps_values:
+            values["mem-allocated-bytes"] = float(self.probe.memory_allocated())
+            values["mem-max-allocated-bytes"] = float(self.probe.max_memory_allocated())
+            if "lm loss" in loss_dict:
+                values["lm loss"] = _kept(loss_dict["lm loss"])
+            if num_zeros_in_grad is not None:
+                values["num-zeros"] = _kept(num_zeros_in_grad)
+            values.update(self._pending_mtp)  # recorded inside this training_log call (patch mtp-loss-tap)
         self._pending_mtp = {}
         graphed = any(helper.graphs_created() for helper in self.helpers)
         self._logged.append(_Logged(iteration, graphed, self._iteration_start, self.clock(), values))
@@ -230,7 +246,8 @@ class RunSession:
 
     def on_mtp_losses(self, losses: Mapping[str, Any]) -> None:
         """The iteration's multi-token-prediction losses (``mtp_1 loss`` ...), kept for its record."""
-        self._pending_mtp.update({name: _kept(value) for name, value in losses.items()})
+        if self.keeps_values:
+            self._pending_mtp.update({name: _kept(value) for name, value in losses.items()})
 
     def _read(self) -> None:
         """Reads every kept device value to the host (each read waits for the device)."""

@@ -14,30 +14,42 @@ capture for ``slot``, with offload too for ``slot-offload`` (copies inside the g
 would), captures, trains its
 steps and tears down, so the next graphed block captures again. Every step is a real Megatron
 ``train_step`` on the next batch, so the weights move on through the run as in training.
+
+``--bench-interleave steps`` captures every graphed arm once up front instead, each with its own
+helper and graph pool, all alive together, and then alternates single steps in mirrored cycles
+(``plan.bench.interleaved_steps``), switching the layers to an arm's graphs between steps
+(``MegatronTrainer.activate``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, patches
 from megatron_cg_plugin.bench_output import (
-    ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, UNCHECKED_ARM, BenchResult, BlockRecord, is_known_arm, is_slot_arm,
+    ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, StepRecord,
+    is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.plan.bench import (
-    Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
+    Block, DeviceTime, fewest_for_interval, interleaved_blocks, interleaved_steps, intervals_by_kind, run_schedule,
+    summarize,
 )
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
           "captures, trains and tears down (capture runs again in the next block)")
+STEPS_METHOD = ("one model and optimizer for every arm in one process; every graphed arm captured once up front, "
+                "each with its own helper and graph pool, all alive together; single steps alternate the arms in "
+                "mirrored cycles (A B B A, A B C C B A), the layers switched to an arm's graphs between steps "
+                "(--bench-interleave steps)")
 
 
 class BenchError(ValueError):
@@ -58,6 +70,10 @@ class BenchOptions:
     # Global batches read once before the schedule and cycled through by every step (0: the live loader).
     # The loader's host time is the same in every arm; cached, it stops adding its noise to the ratios.
     cached_batches: int = 0
+    # blocks: the block schedule above; steps: every arm captured once, single steps in mirrored cycles,
+    # ``cycles`` of them, the first ``skip_steps`` cycles dropped.
+    interleave: str = "blocks"
+    cycles: int = 60
 
     def __post_init__(self) -> None:
         unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
@@ -68,6 +84,11 @@ class BenchOptions:
         if self.cached_batches < 0:
             raise BenchError(f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
                              "global batches to cycle through.")
+        if self.interleave not in SCHEDULES:
+            raise BenchError(f"--bench-interleave {self.interleave}: use {' or '.join(SCHEDULES)}.")
+        if self.interleave == "steps":
+            self._check_steps()
+            return
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -75,16 +96,36 @@ class BenchOptions:
         except ValueError as error:
             raise BenchError(f"--bench-rounds {self.rounds}: {error}") from None
 
+    def _check_steps(self) -> None:
+        slots = [arm for arm in self.arms if is_slot_arm(arm)]
+        if slots:
+            raise BenchError(f"--bench-interleave steps keeps every arm's graphs alive and switches them between steps; "
+                             f"the {'/'.join(slots)} arm(s) capture slot-shared graphs, whose arenas and saved-tensor "
+                             "hooks are not switched: drop them from --bench-arms, or run them with "
+                             "--bench-interleave blocks.")
+        fewest = fewest_for_interval()
+        if self.cycles - self.skip_steps < fewest:
+            raise BenchError(f"--bench-cycles {self.cycles} keeps {max(0, self.cycles - self.skip_steps)} cycle(s) after "
+                             f"--bench-skip-steps {self.skip_steps}; the ratios' 95% interval needs at least {fewest}: "
+                             f"raise --bench-cycles to {self.skip_steps + fewest} or more.")
+
     @property
     def total_steps(self) -> int:
-        return self.warmup_steps + self.rounds * len(self.arms) * self.steps + len(self.arms) * self.profile_steps
+        if self.interleave == "steps":
+            timed = self.cycles * 2 * len(self.arms)
+        else:
+            timed = self.rounds * len(self.arms) * self.steps
+        return self.warmup_steps + timed + len(self.arms) * self.profile_steps
 
 
 def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     """The bench's own ``--bench-*`` options, and the launcher flags left."""
     parser = argparse.ArgumentParser(prog="megatron-cg bench", add_help=False)
-    parser.add_argument("--bench-rounds", type=int, default=BenchOptions.rounds)
-    parser.add_argument("--bench-steps", type=int, default=BenchOptions.steps)
+    # Sizes without a default here: a size the chosen schedule does not use is refused, not ignored.
+    parser.add_argument("--bench-rounds", type=int)
+    parser.add_argument("--bench-steps", type=int)
+    parser.add_argument("--bench-cycles", type=int)
+    parser.add_argument("--bench-interleave", default=BenchOptions.interleave)
     parser.add_argument("--bench-skip-steps", type=int, default=BenchOptions.skip_steps)
     parser.add_argument("--bench-arms", default=",".join(ARMS))
     parser.add_argument("--bench-out", type=Path, default=BenchOptions.out)
@@ -92,21 +133,34 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-profile-dir", type=Path)
     parser.add_argument("--bench-cached-batches", type=int, default=BenchOptions.cached_batches)
     known, flags = parser.parse_known_args(list(argv))
-    options = BenchOptions(rounds=known.bench_rounds, steps=known.bench_steps, skip_steps=known.bench_skip_steps,
-                           arms=tuple(a for a in known.bench_arms.split(",") if a), out=known.bench_out,
-                           plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
-                           cached_batches=known.bench_cached_batches)
+    stepwise = known.bench_interleave == "steps"
+    unused = ([f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
+              if stepwise else ["--bench-cycles"] if known.bench_cycles is not None else [])
+    if unused:
+        raise BenchError(f"{' and '.join(unused)} size(s) the {'block' if stepwise else 'step'} schedule, which this "
+                         f"bench does not run (--bench-interleave {known.bench_interleave}): "
+                         + ("give --bench-cycles N instead." if stepwise else "add --bench-interleave steps, or drop it."))
+    sizes = {name: value for name, value in (("rounds", known.bench_rounds), ("steps", known.bench_steps),
+                                             ("cycles", known.bench_cycles)) if value is not None}
+    options = BenchOptions(skip_steps=known.bench_skip_steps, arms=tuple(a for a in known.bench_arms.split(",") if a),
+                           out=known.bench_out, plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
+                           cached_batches=known.bench_cached_batches, interleave=known.bench_interleave, **sizes)
     return options, flags
 
 
 class Trainer(Protocol):
-    """What the bench needs of training: a step, a capture per graphed arm, its teardown."""
+    """What the bench needs of training: a step, a capture per graphed arm (the arm is active after
+    it), its teardown (of the active arm), and for the step schedule the switch between captured arms."""
 
     def step(self) -> None: ...
 
     def capture(self, arm: str) -> Any: ...
 
     def release(self, helper: Any) -> None: ...
+
+    def activate(self, arm: str) -> None: ...  # the step schedule: the next steps run as ``arm``'s
+
+    def deactivate(self) -> None: ...  # the step schedule: the layers eager, the active arm's graphs kept aside
 
     def synchronize(self) -> None: ...
 
@@ -119,42 +173,141 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
               clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
               profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None = None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
-    """Runs the interleaved schedule through ``trainer`` and measures every block; then, per arm,
+    """Runs the chosen schedule through ``trainer`` and measures every step; then, per arm,
     ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap) and,
     on a plugin capture, ``contract_cost``."""
-    records: list[BlockRecord] = []
+    for _ in range(options.warmup_steps):
+        _timed_step(trainer, clock)
+    run = _bench_steps if options.interleave == "steps" else _bench_blocks
+    return run(options, trainer, tuple(flags), clock, progress,
+               functools.partial(_profiled, options, trainer=trainer, profile=profile, contract_cost=contract_cost,
+                                 progress=progress))
 
-    def timed_steps(count: int) -> list[float]:
-        seconds = []
-        for _ in range(count):
-            trainer.synchronize()
-            start = clock()
-            trainer.step()
-            trainer.synchronize()
-            seconds.append(clock() - start)
-        return seconds
+
+def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
+                 progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+    """The step schedule: every arm captured once, then single steps in mirrored cycles, then each
+    arm profiled with its graphs in place, then the teardown."""
+    with _captured_arms(options.arms, trainer, clock, progress) as captured:
+        steps, peaks = _run_step_schedule(options, trainer, clock, progress)
+        records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
+        result = BenchResult(_method(options), 1, options.skip_steps, records, {}, {}, None, flags,
+                             schedule="steps", steps=tuple(steps))
+
+        @contextlib.contextmanager
+        def activated(arm: str) -> Iterator[Any]:
+            trainer.activate(arm)
+            yield captured[arm][0]
+
+        return profiled(result, with_arm=activated)
+
+
+def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
+                  progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+    """The block schedule: each block captures, steps and tears down; then each arm captured again
+    to be profiled."""
+    records: list[BlockRecord] = []
 
     def run_block(block: Block) -> list[float]:
         helper, capture_seconds, pool_bytes = _capture(trainer, block.arm, clock)
         trainer.peak_allocated(reset=True)
         try:
-            steps = timed_steps(options.steps)
+            steps = [_timed_step(trainer, clock) for _ in range(options.steps)]
         finally:
             trainer.release(helper)
         records.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
                                    pool_bytes, *_arena_bytes(helper)))
         return steps
 
-    timed_steps(options.warmup_steps)
     run_schedule(interleaved_blocks(options.arms, options.rounds), run_block, progress, skip_steps=options.skip_steps)
+
+    @contextlib.contextmanager
+    def recaptured(arm: str) -> Iterator[Any]:
+        helper, _, _ = _capture(trainer, arm, clock)
+        try:
+            yield helper
+        finally:
+            trainer.release(helper)
+
+    return profiled(BenchResult(_method(options), options.steps, options.skip_steps, tuple(records), {}, {}, None,
+                                flags), with_arm=recaptured)
+
+
+def _method(options: BenchOptions) -> str:
+    """The method line: which schedule ran, and what was left out of every arm."""
+    method = METHOD if options.interleave == "blocks" else (
+        f"{STEPS_METHOD}; the first {options.skip_steps} of {options.cycles} cycles dropped (--bench-skip-steps)")
+    if options.cached_batches:
+        method += (f"; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
+                   "(--bench-cached-batches: the data loader's time is left out of every arm)")
+    return method
+
+
+def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
+    """One step's seconds, the device idle at both ends."""
+    trainer.synchronize()
+    start = clock()
+    trainer.step()
+    trainer.synchronize()
+    return clock() - start
+
+
+@contextlib.contextmanager
+def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], float],
+                   progress: Callable[[str], None]) -> Iterator[dict[str, tuple[Any, float | None, int | None]]]:
+    """Every arm captured once, in order, each from eager layers (a capture that found another arm's
+    graphs on a layer would replay them instead of capturing); all stay alive until the block
+    ends, then each is torn down while active, the last captured first (each teardown then finds
+    only its own pools new)."""
+    captured: dict[str, tuple[Any, float | None, int | None]] = {}
+    try:
+        for arm in arms:
+            trainer.deactivate()
+            captured[arm] = _capture(trainer, arm, clock)
+            _, seconds, pool = captured[arm]
+            if seconds is not None:
+                progress(f"captured {arm}: {seconds:.2f} s, graph pools {(pool or 0) / 2**20:.0f} MiB")
+        yield captured
+    finally:
+        for arm in reversed(list(captured)):
+            trainer.activate(arm)
+            trainer.release(captured[arm][0])
+
+
+def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
+                       progress: Callable[[str], None]) -> tuple[list[StepRecord], dict[str, int]]:
+    """The step schedule over the captured arms: each step timed alone, the arm switched before its
+    sync; per arm the peak allocated over its steps."""
+    steps: list[StepRecord] = []
+    peaks: dict[str, int] = {}
+    per_cycle = 2 * len(options.arms)
+    for index, step in enumerate(interleaved_steps(options.arms, options.cycles)):
+        trainer.activate(step.arm)
+        trainer.peak_allocated(reset=True)
+        steps.append(StepRecord(step.cycle, step.arm, _timed_step(trainer, clock)))
+        peaks[step.arm] = max(peaks.get(step.arm, 0), trainer.peak_allocated())
+        if (index + 1) % per_cycle == 0:
+            cycle = steps[-per_cycle:]
+            line = ", ".join(f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms"
+                             for arm in options.arms)
+            progress(f"cycle {step.cycle + 1}/{options.cycles}: {line}")
+    return steps, peaks
+
+
+def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
+              with_arm: Callable[[str], ContextManager[Any]],
+              profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
+              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
+              progress: Callable[[str], None]) -> BenchResult:
+    """``result`` with, per arm (its graphs in place through ``with_arm``, which gives its helper),
+    the profiled device time per step and, on the plugin arm, the contract check's cost."""
     busy: dict[str, float | None] = {}
     copies: dict[str, dict[str, float]] = {}
     costs: dict[str, float] = {}
     replays = None
-    medians = summarize({r.block: r.step_seconds for r in records}, skip_steps=options.skip_steps).arms
+    medians = result.summary().arms
     for arm in options.arms:
-        helper, _, _ = _capture(trainer, arm, clock)
-        try:
+        with with_arm(arm) as helper:
             # Device time per step over the arm's unprofiled median step (the profiler slows the host down).
             device = None if profile is None else profile(trainer.step, options.profile_steps, arm)
             busy[arm] = None if device is None else device.busy_seconds / medians[arm].median
@@ -162,14 +315,9 @@ def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] =
                 copies[arm] = dataclasses.asdict(device)
             if arm == "plugin" and contract_cost is not None:
                 costs, replays = contract_cost(helper)
-        finally:
-            trainer.release(helper)
         progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
-    method = METHOD if not options.cached_batches else (
-        f"{METHOD}; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
-        "(--bench-cached-batches: the data loader's time is left out of every arm)")
-    return BenchResult(method, options.steps, options.skip_steps, tuple(records), busy, costs, replays, tuple(flags),
-                       copies)
+    return dataclasses.replace(result, busy_fraction=busy, contract_check_us=costs, replays_per_step=replays,
+                               copies=copies)
 
 
 def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
@@ -195,9 +343,29 @@ def _capture(trainer: Trainer, arm: str, clock: Callable[[], float]) -> tuple[An
 
 # -- Megatron's side ------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _ArmState:
+    """Everything that makes a training step run as one captured arm. Megatron 0.19.2's layers
+    replay whatever graphs their own attributes hold: ``GraphableMegatronModule.__call__`` replays
+    when ``cuda_graphs`` is not empty (``_te_cuda_graph_replay``: graph ``current_microbatch``, after
+    the ``cuda_graph_manual_hooks``), and captures when it is empty and a capture is on; the helper
+    only hands them out (``create_cudagraphs``) and takes them back (``delete_cuda_graphs``). The
+    plugin's graphs sit in those same lists, each wrapped with its helper's contract check and replay
+    counter; its capture wrappers are gone once it returns. The plugin-recording arm also steps
+    through its own session (``recording``, ``recorded_step``). Parked, the layers' lists are kept
+    here and the layers hold empty ones (eager)."""
+
+    arm: str
+    helper: Any
+    recording: RunSession | None = None
+    recorded_step: Callable[..., Any] | None = None
+    parked: list[tuple[Any, list, list]] = dataclasses.field(default_factory=list)  # (layer, graphs, hooks)
+
+
 class MegatronTrainer:
     """Megatron's ``train_step`` with the arguments ``train()`` passes it, on the model, optimizer
-    and data ``pretrain()`` built; graph helpers as Megatron's ``train()`` makes them."""
+    and data ``pretrain()`` built; graph helpers as Megatron's ``train()`` makes them. One arm is
+    active at a time: the one captured last, or the one ``activate`` switched to."""
 
     def __init__(self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict, *,
                  cached_microbatches: int = 0) -> None:
@@ -223,8 +391,24 @@ class MegatronTrainer:
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
-        self.recording: RunSession | None = None  # the plugin-recording block's session, while it runs
-        self._recorded_step: Callable[..., Any] | None = None
+        self._active: _ArmState | None = None  # None: eager
+        self._parked: dict[str, _ArmState] = {}  # captured arms not active (the step schedule)
+        self._layers: list[Any] | None = None
+
+    @property
+    def recording(self) -> RunSession | None:
+        """The plugin-recording arm's session while that arm is active."""
+        return None if self._active is None else self._active.recording
+
+    def graphable_layers(self) -> list[Any]:
+        """Every module of the model a TE graph can be handed to (Megatron's graphable layers, MTP
+        layers included): the union of what any arm's helper captures."""
+        if self._layers is None:
+            from megatron.core.transformer.module import GraphableMegatronModule
+
+            self._layers = [module for chunk in self.model for module in chunk.modules()
+                            if isinstance(module, GraphableMegatronModule) and hasattr(module, "cuda_graphs")]
+        return self._layers
 
     def helper_class(self, arm: str) -> Any:
         """The helper class of ``arm``; slot arms are bound at their first capture."""
@@ -245,43 +429,86 @@ class MegatronTrainer:
 
     def step(self) -> None:
         self.args.curr_iteration = self.iteration
-        if self.recording is None:
+        state = self._active
+        if state is None or state.recording is None:
             self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
         else:  # what a run's train-step-timer and training-log-tap patches call, and nothing more
-            self.last = self._recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+            self.last = state.recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
             loss_dict, num_zeros_in_grad = logged_values(self.last)
             # train() logs the iteration counted after the step (training.py l.3986, iteration += 1 before it)
-            self.recording.on_training_log(iteration=self.iteration + 1, loss_dict=loss_dict,
-                                           num_zeros_in_grad=num_zeros_in_grad)
+            state.recording.on_training_log(iteration=self.iteration + 1, loss_dict=loss_dict,
+                                            num_zeros_in_grad=num_zeros_in_grad)
         self.iteration += 1
 
     def capture(self, arm: str) -> Any:
-        helper_class = self._recording_block() if arm == RECORDING_ARM else self.helper_class(arm)
+        # A layer that still held another arm's graphs would replay them under this capture.
+        assert self._active is None and not any(layer.cuda_graphs for layer in self.graphable_layers()), \
+            "capture from eager layers: release or deactivate the active arm first"
+        recording, recorded_step = None, None
+        if arm == RECORDING_ARM:
+            helper_class, recording, recorded_step = self._recording_block()
+        else:
+            helper_class = self.helper_class(arm)
         helper = helper_class(model=self.model, config=self.config, seq_length=self.args.seq_length,
                               micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
         helper.create_cudagraphs()
         if not helper.graphs_created():
             raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
                              "did the capture fail? see the log above).")
+        self._active = _ArmState(arm, helper, recording, recorded_step)
         return helper
 
-    def _recording_block(self) -> type:
-        """The plugin-recording arm's block: a session of its own with the run's config (a run has
-        one session and one helper), the plugin's helper reporting to it, and Megatron's train_step
-        wrapped by the train-step-timer patch's code for it; ``step`` then hands it the values the
-        training_log tap would. Its session is never finished: no file is written. (Every arm's
-        step also passes the installed timer of the run's own session, whose mark is a no-op after
-        the bench's first step: no training_log runs inside the bench to end that iteration.)"""
+    def deactivate(self) -> None:
+        """The active arm's graphs and hooks set aside, the layers eager (as Megatron's teardown
+        leaves them: empty lists); the next step runs as the eager arm."""
+        state, self._active = self._active, None
+        if state is None:
+            return
+        state.parked = [(layer, layer.cuda_graphs, layer.cuda_graph_manual_hooks) for layer in self.graphable_layers()]
+        for layer in self.graphable_layers():
+            layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
+        self._parked[state.arm] = state
+
+    def activate(self, arm: str) -> None:
+        """The next steps run as ``arm`` (captured before; ``eager``: no graphs): the active arm is
+        set aside and ``arm``'s graphs, hooks and recording are put back in place."""
+        if self._active is not None and self._active.arm == arm:
+            return
+        self.deactivate()
+        if arm == "eager":
+            return
+        state = self._parked.pop(arm)
+        for layer, graphs, hooks in state.parked:
+            assert not layer.cuda_graphs, "a parked arm is restored onto eager layers only"
+            layer.cuda_graphs, layer.cuda_graph_manual_hooks = graphs, hooks
+        state.parked = []
+        self._active = state
+
+    # A run with --cg-metrics-out and --cg-report-out records every value: the recording arm's session
+    # is made with both (it is never finished, so nothing is written there).
+    RECORDED_OUTPUTS = {"metrics_out": Path("plugin-recording.metrics.json"),
+                        "report_out": Path("plugin-recording.report.json")}
+
+    def _recording_block(self) -> tuple[type, RunSession, Callable[..., Any]]:
+        """The plugin-recording arm: a session of its own with the run's config and both outputs
+        asked for (a run has one session and one helper), the plugin's helper reporting to it, and
+        Megatron's train_step wrapped by the train-step-timer patch's code for it; ``step`` then
+        hands it the values the training_log tap would. Its session is never finished: no file is
+        written. (Every arm's step also passes the installed timer of the run's own session, whose
+        mark is a no-op after the bench's first step: no training_log runs inside the bench to end
+        that iteration.)"""
         from megatron_cg_plugin.helper import bind_helper_class
 
-        self.recording = RunSession(self._session.config)
-        self._recorded_step = patches.build_train_step_timer(self.train_step, self.recording)
-        return bind_helper_class(self._te_helper, self.recording)
+        recording = RunSession(dataclasses.replace(self._session.config, **self.RECORDED_OUTPUTS))
+        recorded_step = patches.build_train_step_timer(self.train_step, recording)
+        return bind_helper_class(self._te_helper, recording), recording, recorded_step
 
     def release(self, helper: Any) -> None:
+        """Tears the active arm's graphs down (``helper`` is its helper; None: the eager arm)."""
+        assert self._active is None or self._active.helper is helper, "release the active arm's helper"
         if helper is not None and helper.graphs_created():
             helper.delete_cuda_graphs()
-        self.recording = self._recorded_step = None
+        self._active = None
 
     def synchronize(self) -> None:
         self.torch.cuda.synchronize()
@@ -415,6 +642,8 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
 def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
     """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work; ``config``
     is the plugin's config in force (the plugin arm's)."""
+    if options.interleave == "steps":
+        _refuse_unswitchable(args, config, options)
     graphed = [arm for arm in options.arms if arm != "eager"]
     if graphed and args.cuda_graph_impl != "transformer_engine":
         raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
@@ -449,6 +678,27 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
         if broken:
             raise BenchError(f"the {'/'.join(a for a in options.arms if is_slot_arm(a))} arm(s) capture with "
                              f"--cg-slot-capture, which these flags break: {' '.join(broken)}")
+
+
+def _refuse_unswitchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
+    """The step schedule keeps every arm's captures alive at once and switches the layers' graph
+    lists between steps (``_ArmState``); state kept elsewhere per capture is not switched, so these
+    are refused (fail closed) rather than measured wrong."""
+    plugin_arms = [arm for arm in options.arms if arm.startswith("plugin")]
+    broken = []
+    if plugin_arms and (config.slot_capture or config.graph_banks):
+        broken.append(f"{'--cg-slot-capture' if config.slot_capture else '--cg-graph-banks'}: the "
+                      f"{'/'.join(plugin_arms)} arm(s) would capture slot-shared graphs, whose arenas, saved-tensor "
+                      "hooks and banked layers live outside the layers' graph lists")
+    if getattr(args, "fine_grained_activation_offloading", False):
+        broken.append("--fine-grained-activation-offloading: Megatron's offload manager keeps one capture's state "
+                      "(reset after each capture, cuda_graphs.py _finish_capturing)")
+    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+        broken.append("--fp8-format/--fp4-format: TE's graphs keep FP8 weight caches and scaling state per capture, not "
+                      "verified with several captures alive")
+    if broken:
+        raise BenchError("--bench-interleave steps keeps every arm's graphs alive and switches them between steps, "
+                         f"which these cannot take: {'; '.join(broken)}. Run this bench with --bench-interleave blocks.")
 
 
 def user_script(flags: Sequence[str]) -> Path | None:

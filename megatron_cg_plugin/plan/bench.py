@@ -1,14 +1,21 @@
-"""In-process A/B measurement, the pure part (no torch): the interleaved block schedule and its
+"""In-process A/B measurement, the pure part (no torch): the two interleaved schedules and their
 statistics.
 
 On these machines the same command in two processes gave a 14 ms and then a 35 ms median step, so
-arms are only compared inside one process, in blocks interleaved round by round: every round runs
-each arm once, in the arms' order in even rounds and reversed in odd ones. Over each pair of rounds
-every two arms then sit at mirrored places, so a drift that is linear over the pair cancels from
-their ratio. An arm's figure is the median of its block medians, quoted with their spread; a ratio
-of two arms is the geometric mean of its two per-round ratios in each pair of rounds, and its
-median and spread over the pairs. ``median_precision`` says how closely that median is known, and
-how many pairs would pin it to a given width.
+arms are only compared inside one process. The block schedule runs blocks of steps interleaved
+round by round: every round runs each arm once, in the arms' order in even rounds and reversed in
+odd ones. Over each pair of rounds every two arms then sit at mirrored places, so a drift that is
+linear over the pair cancels from their ratio. An arm's figure is the median of its block medians,
+quoted with their spread; a ratio of two arms is the geometric mean of its two per-round ratios in
+each pair of rounds, and its median and spread over the pairs. ``median_precision`` says how
+closely that median is known, and how many pairs would pin it to a given width.
+
+The step schedule (``interleaved_steps``) alternates single steps in mirrored cycles (A B B A;
+A B C C B A): every arm's steps in a cycle sit at places with the same mean, so a drift that is
+exponential over the cycle cancels exactly from the per-cycle ratio, and a shift of the host's
+speed lasting a few steps, which moves whole blocks, touches few cycles. ``median_interval`` gives
+the per-cycle ratios' median a distribution-free confidence interval and the cycles it would take
+to narrow it to a given half-width.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from fractions import Fraction
 from typing import Callable, Mapping, Sequence
 
 
@@ -140,6 +148,124 @@ def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrec
     while scale / math.sqrt(needed) > half_target:
         needed += 1
     return MedianPrecision(len(ratios), scale / math.sqrt(len(ratios)), width, needed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    cycle: int
+    arm: str
+
+
+def interleaved_steps(arms: Sequence[str], cycles: int) -> list[Step]:
+    """``cycles`` mirrored cycles of single steps: each runs every arm once in ``arms``' order and
+    once reversed (A B B A, A B C C B A), so within a cycle each arm's two places have the same mean."""
+    if len(set(arms)) != len(arms) or not arms:
+        raise ValueError(f"arms must be distinct and not empty, got {list(arms)}.")
+    if cycles < 1:
+        raise ValueError(f"cycles must be >= 1, got {cycles}.")
+    return [Step(c, arm) for c in range(cycles) for arm in (*arms, *reversed(arms))]
+
+
+def _geometric_mean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(value) for value in values) / len(values))
+
+
+def summarize_steps(steps: Sequence[tuple[Step, float]], *, skip_cycles: int = 0) -> BenchSummary:
+    """The step schedule's summary: per arm its kept steps (median and extremes); per pair of arms
+    the per-cycle ratio of the geometric means of their steps in that cycle (mirrored places: a
+    drift exponential over the cycle cancels exactly). The first ``skip_cycles`` cycles are dropped
+    (the first steps after the captures warm up)."""
+    if any(not seconds > 0 for _, seconds in steps):
+        raise ValueError("step times must be positive.")
+    kept: dict[int, dict[str, list[float]]] = {}
+    for step, seconds in steps:
+        if step.cycle >= skip_cycles:
+            kept.setdefault(step.cycle, {}).setdefault(step.arm, []).append(seconds)
+    if not kept:
+        raise ValueError(f"no cycle left after skipping {skip_cycles}.")
+    arms = sorted({arm for cycle in kept.values() for arm in cycle})
+    per_arm = {arm: Spread.of([s for c in sorted(kept) for s in kept[c].get(arm, ())]) for arm in arms}
+    means = {c: {arm: _geometric_mean(values) for arm, values in kept[c].items()} for c in sorted(kept)}
+    ratios = {}
+    for a in arms:
+        for b in arms:
+            paired = [m[a] / m[b] for m in means.values() if a != b and a in m and b in m]
+            if paired:
+                ratios[(a, b)] = Spread.of(paired)
+    return BenchSummary(per_arm, ratios)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedianInterval:
+    """A distribution-free confidence interval of the median of ``n`` positive values (the sign
+    test's: the k-th smallest and k-th largest value, k the largest rank whose interval still
+    covers the median with probability >= ``confidence``; ``coverage`` is that probability for
+    independent values from any continuous distribution). ``half_width`` is relative: half the
+    interval's width in log, 0.01 for about +-1%."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+    confidence: float
+    coverage: float
+
+    @property
+    def half_width(self) -> float:
+        return (math.log(self.high) - math.log(self.low)) / 2
+
+    def pairs_for(self, half_width: float) -> int:
+        """The values (pairs, cycles) after which, at the dispersion seen so far, the interval's
+        half-width would be at most ``half_width``: its width shrinks as 1 / sqrt(n). A first
+        estimate from few values: run that many and read it again."""
+        if not half_width > 0:
+            raise ValueError(f"half_width={half_width}: ask for a positive half-width (0.01 for +-1%).")
+        fewest = fewest_for_interval(self.confidence)
+        if self.half_width <= 0:
+            return fewest
+        return max(fewest, math.ceil(self.n * (self.half_width / half_width) ** 2 * (1 - 1e-12)))
+
+
+def _order_rank(n: int, confidence: float) -> tuple[int, float] | None:
+    """The largest rank k (1-based) whose interval [x_(k), x_(n+1-k)] covers the median with
+    probability >= ``confidence``, and that probability: 1 - 2 P(Binomial(n, 1/2) <= k - 1).
+    Exact in integers; None where even [min, max] covers too little."""
+    tail = Fraction(1) - Fraction(confidence)  # both tails together
+    total, cumulative, term, k = 2 ** n, 0, 1, 0
+    while k < (n + 1) // 2:
+        if 2 * (cumulative + term) * tail.denominator > tail.numerator * total:  # 2 P(B <= k) > tail
+            break
+        cumulative += term  # P(B <= k) in units of 2^-n
+        k += 1
+        term = term * (n - k + 1) // k  # C(n, k)
+    if k == 0:
+        return None
+    return k, float(1 - Fraction(2 * cumulative, total))
+
+
+def fewest_for_interval(confidence: float = 0.95) -> int:
+    """The fewest values with a ``median_interval`` at ``confidence`` (6 at 95%)."""
+    n = 1
+    while _order_rank(n, confidence) is None:
+        n += 1
+    return n
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> MedianInterval | None:
+    """The median of positive ``values`` (per-pair or per-cycle ratios) with its distribution-free
+    ``confidence`` interval from order statistics (``MedianInterval``); None below
+    ``fewest_for_interval`` values. It assumes the values independent, as the cycles' ratios are
+    where the host's shifts last shorter than a cycle; it assumes no distribution."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence}: give a probability between 0 and 1 (0.95).")
+    if any(not value > 0 for value in values):
+        raise ValueError(f"values must be positive, got {list(values)}.")
+    found = _order_rank(len(values), confidence)
+    if found is None:
+        return None
+    k, coverage = found
+    ordered = sorted(values)
+    return MedianInterval(statistics.median(ordered), ordered[k - 1], ordered[-k], len(ordered), confidence, coverage)
 
 
 def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequence[float]],

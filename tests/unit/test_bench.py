@@ -558,7 +558,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
         losses.append(torch.tensor(float(iteration)))
         return {"lm loss": losses[-1]}, 0, False, False, 0, 1.5, 7.0 + iteration, 0.0
 
-    trainer = bench.MegatronTrainer(train_step, (None, None, "model", "optimizer", None, "config", None), {})
+    trainer = bench.MegatronTrainer(train_step, (None, None, [], "optimizer", None, "config", None), {})
     sessions = {}
     for arm in ("stock", "plugin", "plugin-no-check", "plugin-recording", "plugin", "plugin-recording"):
         helper = trainer.capture(arm)
@@ -568,7 +568,9 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
         trainer.release(helper)
     first, second = sessions["plugin-recording"]
     assert first is not second and run_session not in (first, second)  # a fresh session per block
-    assert first.config == run_session.config and first.helpers and len(first.helpers) == 1
+    # The run's config, with both outputs asked for: the session keeps every value a run with them keeps.
+    assert first.config == dataclasses.replace(run_session.config, **bench.MegatronTrainer.RECORDED_OUTPUTS)
+    assert first.keeps_values and first.helpers and len(first.helpers) == 1
     # Steps 6, 7 and 10, 11 of the trainer; train() logs each as the iteration after it.
     assert [call[1:] for call in calls] == [("mark",), ("log", 7, 13.0), ("mark",), ("log", 8, 14.0),
                                             ("mark",), ("log", 11, 17.0), ("mark",), ("log", 12, 18.0)]

@@ -4,13 +4,16 @@ megatron-core installed here (no GPU, no Transformer Engine needed)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
+import json
 import subprocess
 import sys
 import types
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -234,7 +237,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
                 total_loss_dict[name] = total_loss_dict.get(name, 0.0) + loss * loss_scale
             return "Megatron's result"
 
-    session = RunSession(PluginConfig(), probe=probe)
+    session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe)
     tapped = patches._build_mtp_loss_tap(Helper, session)
     assert issubclass(tapped, Helper) and tapped.tracker is Helper.tracker
     totals = {"lm loss": 9.0, "mtp_1 loss": 4.0}  # accumulated since the last log line
@@ -458,6 +461,8 @@ def _fake_training_log_factory(calls):
 
 
 class RecordingSession:
+    times_steps = keeps_values = True  # a run with --cg-metrics-out
+
     def __init__(self):
         self.logged = []
 
@@ -524,12 +529,109 @@ def test_training_log_tap_mixed_call_like_megatrons_train_loop(tapped):
 def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
     target = fake_module(training_log=_fake_training_log_factory([]))
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
-    session = RunSession(None, probe=probe, clock=clock)
+    session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe, clock=clock)
     PatchSet((tap,)).apply_all(session)
     target.training_log(*POSITIONAL)
     golden = session.metrics()
     assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
     assert dict(golden.metrics["num-zeros"].values) == {7: 123.0}
+
+
+def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_module, probe, clock):
+    """No --cg-metrics-out, no --cg-report-out, --cg-no-report: Megatron's training_log and MTP
+    logging run as they would without the plugin, and the session sees no call."""
+    class Untimed(RecordingSession):
+        times_steps = keeps_values = False
+
+    calls = []
+    target = fake_module(training_log=_fake_training_log_factory(calls))
+    tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
+    session = Untimed()
+    PatchSet((tap,)).apply_all(session)
+    assert target.training_log(*POSITIONAL) == "report_memory_flag_out" and len(calls) == 1
+    assert session.logged == []
+
+    class Totals(dict):  # the tap's difference of totals would read every entry
+        def __getitem__(self, name):
+            raise AssertionError("the MTP tap read Megatron's totals")
+
+    class Helper:
+        @staticmethod
+        def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+            return "Megatron's result"
+
+    real = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
+    assert patches._build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})) == \
+        "Megatron's result"
+    assert real._pending_mtp == {}
+
+
+# What waits for the device or reads a device value to the host: none may run on the step path.
+DEVICE_READS = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
+                (torch.cuda.Event, "elapsed_time"), (torch.Tensor, "item"), (torch.Tensor, "cpu"),
+                (torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.Tensor, "to"), (torch.Tensor, "__float__"),
+                (torch.Tensor, "__int__"), (torch.Tensor, "__bool__")]
+
+
+@contextlib.contextmanager
+def device_reads_forbidden():
+    """Every way in ``DEVICE_READS`` raises (and is counted) inside the block."""
+    seen: list[str] = []
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            seen.append(name)
+            raise AssertionError(f"{name} ran on the recording's step path")
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for owner, name in DEVICE_READS:
+            stack.enter_context(unittest.mock.patch.object(owner, name, forbidden(f"{owner.__name__}.{name}")))
+        yield seen
+
+
+def test_the_recording_path_never_waits_for_the_device_per_step(tmp_path):
+    """A run with --cg-metrics-out and --cg-report-out, through the patches' own code (the
+    train_step timer, the training_log and MTP taps) and the real device probe: 40 iterations
+    with device reads made to fail; the values are read once, when the run ends."""
+    config = PluginConfig(metrics_out=tmp_path / "metrics.json", report_out=tmp_path / "report.json",
+                          print_report=False)
+    session = RunSession(config)  # CudaProbe: the allocator's host counters
+    weight = torch.ones(3, requires_grad=True)
+
+    def train_step(forward_step_func, data_iterator, model, *rest):
+        return {"lm loss": (weight * data_iterator).sum()}
+
+    class Helper:
+        @staticmethod
+        def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+            total_loss_dict["mtp_1 loss"] = total_loss_dict.get("mtp_1 loss", 0.0) + weight.sum() * loss_scale
+
+    timed = patches.build_train_step_timer(train_step, session)
+    logged = patches._build_training_log_tap(_fake_training_log_factory([]), session)
+    mtp = patches._build_mtp_loss_tap(Helper, session)
+    with device_reads_forbidden() as seen:
+        for iteration in range(1, 41):
+            loss_dict = timed(None, iteration, None)
+            totals = {"mtp_1 loss": weight.sum()}
+            mtp.track_mtp_metrics(0.5, iteration, None, None, totals)
+            logged(loss_dict, {}, 1e-4, iteration, 1.0, False, 0, 1.0, None, weight.sum() * iteration, None)
+    assert seen == []
+    session.finish()
+    metrics = json.loads(config.metrics_out.read_text())
+    assert metrics["lm loss"]["values"]["40"] == 120.0 and metrics["num-zeros"]["values"]["2"] == 6.0
+    assert metrics["mtp_1 loss"]["values"]["1"] == 1.5 and len(metrics["iteration-time"]["values"]) == 40
+
+
+def test_the_forbidden_device_reads_are_caught():
+    """The guard itself: each way the recording could wait for the device fails inside it."""
+    value = torch.ones(1)
+    with device_reads_forbidden() as seen:
+        for read in (value.item, value.cpu, value.tolist, lambda: float(value), lambda: bool(value),
+                     torch.cuda.synchronize):
+            with pytest.raises(AssertionError, match="ran on the recording's step path"):
+                read()
+    assert len(seen) == 6
 
 
 def test_training_log_tap_propagates_original_errors(fake_module):

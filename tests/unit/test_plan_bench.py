@@ -1,13 +1,15 @@
-"""The in-process bench's block schedule and statistics, with a fake step whose speed drifts."""
+"""The in-process bench's block and step schedules and their statistics, with fake steps whose speed drifts."""
 
 import math
+import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.plan.bench import (
-    Block, Spread, busy_seconds, interleaved_blocks, median_precision, run_schedule, summarize,
+    Block, Spread, Step, busy_seconds, fewest_for_interval, interleaved_blocks, interleaved_steps, median_interval,
+    median_precision, run_schedule, summarize, summarize_steps,
 )
 
 
@@ -170,3 +172,158 @@ def test_the_precision_does_not_depend_on_the_ratios_scale(ratios, factor):
 def test_identical_pairs_are_known_exactly(ratio, pairs):
     found = median_precision([ratio] * pairs)
     assert found.half_width == 0.0 and found.pairs_needed == 2 and found.more_pairs == 0
+
+
+# ---------------------------------------------------------------- the step schedule
+
+ARMS = st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True)
+
+
+@given(ARMS, st.integers(1, 6))
+def test_every_cycle_runs_every_arm_twice_at_places_with_the_same_mean(arms, cycles):
+    schedule = interleaved_steps(arms, cycles)
+    assert len(schedule) == 2 * len(arms) * cycles
+    for c in range(cycles):
+        this_cycle = [s.arm for s in schedule if s.cycle == c]
+        assert this_cycle == arms + arms[::-1]  # A B B A, A B C C B A
+        for arm in arms:
+            assert sum(i for i, a in enumerate(this_cycle) if a == arm) == len(this_cycle) - 1
+
+
+@pytest.mark.parametrize("arms, cycles", [([], 4), (["a", "a"], 2), (["a"], 0)])
+def test_bad_step_schedules_are_refused(arms, cycles):
+    with pytest.raises(ValueError):
+        interleaved_steps(arms, cycles)
+
+
+def timed(schedule, base, factor):
+    """Each step of ``schedule`` at its arm's base time times the host's factor at its place."""
+    return [(step, base[step.arm] * factor(index)) for index, step in enumerate(schedule)]
+
+
+@given(ARMS.filter(lambda arms: len(arms) >= 2), st.integers(1, 5), st.floats(-0.05, 0.05),
+       st.lists(st.floats(0.01, 1.0), min_size=7, max_size=7))
+def test_a_drift_exponential_over_each_cycle_cancels_exactly_from_every_ratio(arms, cycles, rate, speeds):
+    base = dict(zip(arms, speeds))
+    # The host slows (or speeds up) by the same factor every step, and jumps between cycles.
+    jumps = [1.0, 1.4, 0.7, 1.1, 0.9]
+    per_cycle = 2 * len(arms)
+    summary = summarize_steps(timed(interleaved_steps(arms, cycles), base,
+                                    lambda i: jumps[i // per_cycle] * math.exp(rate * i)))
+    for (a, b), spread in summary.ratios.items():
+        assert len(spread.values) == cycles
+        assert all(value == pytest.approx(base[a] / base[b], rel=1e-9) for value in spread.values)
+
+
+def test_a_step_of_one_arm_between_two_of_another_does_not_cancel_drift():
+    """Why the cycles are mirrored: A B A (A's mean place is B's) cancels a linear drift, but the
+    per-cycle ratio of unmirrored A B pairs carries the drift of one step."""
+    base = {"a": 1.0, "b": 1.0}
+    mirrored = summarize_steps(timed(interleaved_steps(["a", "b"], 4), base, lambda i: math.exp(0.01 * i)))
+    assert mirrored.ratios["a", "b"].median == pytest.approx(1.0, rel=1e-12)
+    plain = [(Step(i // 2, "ab"[i % 2]), math.exp(0.01 * i)) for i in range(8)]
+    assert summarize_steps(plain).ratios["a", "b"].median == pytest.approx(math.exp(-0.01), rel=1e-12)
+
+
+def test_the_step_summary_drops_the_first_cycles_and_gives_each_arm_its_steps():
+    steps = [(Step(0, "a"), 9.0), (Step(0, "b"), 9.0), (Step(0, "b"), 9.0), (Step(0, "a"), 9.0),
+             (Step(1, "a"), 1.0), (Step(1, "b"), 2.0), (Step(1, "b"), 2.0), (Step(1, "a"), 4.0)]
+    summary = summarize_steps(steps, skip_cycles=1)
+    assert summary.arms["a"] == Spread(2.5, 1.0, 4.0, (1.0, 4.0))
+    assert summary.ratios["a", "b"].values == (pytest.approx(1.0),)  # sqrt(1 x 4) / sqrt(2 x 2)
+    assert summary.ratios["b", "a"].values == (pytest.approx(1.0),)
+    with pytest.raises(ValueError, match="no cycle left after skipping 2"):
+        summarize_steps(steps, skip_cycles=2)
+    with pytest.raises(ValueError, match="positive"):
+        summarize_steps([(Step(0, "a"), 0.0)])
+
+
+# ---------------------------------------------------------------- median_interval
+
+def binomial_tail(n: int, k: int) -> float:
+    """P(Binomial(n, 1/2) <= k), in floats (an implementation apart from the module's integers)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+
+
+def test_six_values_are_the_fewest_with_a_95_percent_interval_and_it_is_their_range():
+    assert fewest_for_interval(0.95) == 6 and fewest_for_interval(0.99) == 8 and fewest_for_interval(0.5) == 2
+    assert median_interval([1.0, 1.1, 0.9, 1.2, 1.05]) is None
+    found = median_interval([1.0, 1.1, 0.9, 1.2, 1.05, 0.95])
+    assert (found.low, found.high, found.n) == (0.9, 1.2, 6) and found.median == pytest.approx(1.025)
+    assert found.coverage == 1 - 2 / 64
+    assert found.half_width == pytest.approx(math.log(1.2 / 0.9) / 2)
+
+
+def test_a_hundred_values_take_the_40th_and_61st():
+    values = [1 + i / 1000 for i in range(100)]
+    found = median_interval(values[::-1])
+    assert (found.low, found.high) == (values[39], values[60])
+    assert found.coverage == pytest.approx(1 - 2 * binomial_tail(100, 39))  # P(B <= k - 1), k = 40
+
+
+@given(st.lists(st.floats(0.5, 2.0), min_size=1, max_size=300), st.sampled_from([0.8, 0.9, 0.95, 0.99]))
+def test_the_interval_is_the_narrowest_by_rank_that_still_covers_at_the_confidence(values, confidence):
+    found = median_interval(values, confidence)
+    n = len(values)
+    if found is None:
+        assert 2 * binomial_tail(n, 0) > 1 - confidence
+        return
+    ordered = sorted(values)
+    assert found.low <= found.median <= found.high and found.n == n
+    assert found.coverage >= confidence - 1e-12
+    # The rank it took (the one whose coverage it reports) gives its ends, and one rank further in
+    # would cover too little.
+    rank = next(r for r in range(1, n + 1) if abs(found.coverage - (1 - 2 * binomial_tail(n, r - 1))) < 1e-9)
+    assert ordered[rank - 1] == found.low and ordered[n - rank] == found.high
+    assert rank + 1 > (n + 1) // 2 or 1 - 2 * binomial_tail(n, rank) < confidence + 1e-12
+
+
+@given(st.lists(st.floats(0.5, 2.0), min_size=6, max_size=60), st.floats(0.25, 4.0))
+def test_the_half_width_does_not_depend_on_the_values_scale(values, factor):
+    plain, scaled = median_interval(values), median_interval([v * factor for v in values])
+    assert scaled.half_width == pytest.approx(plain.half_width, abs=1e-9)
+    assert scaled.pairs_for(0.01) == pytest.approx(plain.pairs_for(0.01), abs=1 + 1e-6 * plain.pairs_for(0.01))
+
+
+@given(st.lists(st.floats(0.5, 2.0), min_size=6, max_size=60), st.floats(1e-3, 0.2), st.floats(1e-3, 0.2))
+def test_a_narrower_half_width_never_needs_fewer_pairs(values, first, second):
+    found = median_interval(values)
+    narrow, wide = sorted((first, second))
+    assert found.pairs_for(narrow) >= found.pairs_for(wide) >= fewest_for_interval()
+    # What it already reached needs no more than it has.
+    if found.half_width > 0:
+        assert found.pairs_for(found.half_width) <= max(found.n, fewest_for_interval())
+
+
+@given(st.floats(0.5, 2.0), st.integers(6, 50))
+def test_identical_values_are_known_exactly(value, n):
+    found = median_interval([value] * n)
+    assert found.half_width == 0 and found.pairs_for(0.01) == 6
+
+
+def test_the_pairs_for_a_half_width_scale_as_its_square():
+    found = median_interval([math.exp(x / 100) for x in range(-10, 11)])  # n = 21
+    assert found.pairs_for(found.half_width / 2) == math.ceil(4 * 21 * (1 - 1e-12))
+    with pytest.raises(ValueError, match="positive half-width"):
+        found.pairs_for(0.0)
+
+
+@pytest.mark.parametrize("values, confidence, message", [
+    ([1.0] * 6, 1.0, "confidence=1.0: give a probability"),
+    ([1.0] * 5 + [-1.0], 0.95, "values must be positive"),
+])
+def test_median_interval_refuses_what_it_cannot_measure(values, confidence, message):
+    with pytest.raises(ValueError, match=message):
+        median_interval(values, confidence)
+
+
+def test_the_interval_covers_the_true_median_as_often_as_it_says():
+    """A skewed distribution (lognormal, heavy right tail) with a known median: over 600 seeded
+    samples of 25 the interval holds the median in about 95.7% of them (its exact coverage)."""
+    rng = random.Random(31)
+    hits = 0
+    for _ in range(600):
+        found = median_interval([rng.lognormvariate(0.0, 0.5) for _ in range(25)])
+        hits += found.low <= 1.0 <= found.high
+    assert found.coverage == pytest.approx(1 - 2 * binomial_tail(25, 7))
+    assert abs(hits / 600 - found.coverage) < 0.025

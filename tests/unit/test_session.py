@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +29,10 @@ class FakeHelper:
 class NoStatsHelper:
     def graphs_created(self) -> bool:
         return True
+
+
+# A run that writes its metrics: each iteration's values are kept (never written here: no finish()).
+KEEPS = PluginConfig(metrics_out=Path("unwritten-metrics.json"), print_report=False)
 
 
 def make_session(probe, clock, config=None) -> RunSession:
@@ -114,10 +119,21 @@ def test_the_step_path_reads_only_the_host_clock(clock):
         events.append("clock")
         return clock()
 
-    session = RunSession(None, probe=HostOnlyProbe(), clock=ticking_clock)
-    session.mark_iteration_start()
-    session.on_training_log(iteration=1, loss_dict={})
-    assert events == ["clock", "allocated", "max allocated", "clock"]
+    def one_step(config):
+        events.clear()
+        session = RunSession(config, probe=HostOnlyProbe(), clock=ticking_clock)
+        session.mark_iteration_start()
+        session.on_training_log(iteration=1, loss_dict={"lm loss": 2.0})
+        return list(events), session
+
+    assert one_step(KEEPS)[0] == ["clock", "allocated", "max allocated", "clock"]
+    # Without --cg-metrics-out no value is kept: the times alone, for the printed report or --cg-report-out.
+    for config in (None, PluginConfig(report_out=Path("unwritten-report.json"), print_report=False)):
+        seen, session = one_step(config)
+        assert seen == ["clock", "clock"] and session._logged[0].values == {}
+    # Nothing asked for (no files, --cg-no-report): the step path does nothing at all.
+    seen, session = one_step(PluginConfig(print_report=False))
+    assert seen == [] and session.iterations == []
 
 
 class DeviceScalar:
@@ -169,8 +185,8 @@ def test_no_step_synchronizes_the_device(probe, clock):
     assert probe.synchronize_calls == 0
 
 
-def test_no_step_reads_a_device_value(probe, clock):
-    session = make_session(probe, clock, PluginConfig(print_report=False))
+def test_no_step_reads_a_device_value(probe, clock, tmp_path):
+    session = make_session(probe, clock, PluginConfig(metrics_out=tmp_path / "metrics.json", print_report=False))
     reads = Reads()
     for iteration in range(1, 6):
         step(session, clock, iteration, 0.5, loss=DeviceScalar(10.0 - iteration, reads),
@@ -200,7 +216,7 @@ def test_kept_device_values_become_the_metrics_when_the_run_ends(probe, clock, t
 
 
 def test_kept_values_are_read_in_batches_of_read_every(probe, clock):
-    session = RunSession(None, probe=probe, clock=clock, read_every=3)
+    session = RunSession(KEEPS, probe=probe, clock=clock, read_every=3)
     reads = Reads()
     for iteration in (1, 2):
         step(session, clock, iteration, 0.5, loss=DeviceScalar(1.0, reads))
@@ -219,7 +235,7 @@ def test_read_every_must_be_positive(probe):
 
 
 def test_kept_tensors_are_detached(probe, clock):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     weight = torch.ones(1, requires_grad=True)
     session.on_training_log(iteration=1, loss_dict={"lm loss": (weight * 3).sum()})
     assert not session._logged[0].values["lm loss"].requires_grad  # no autograd graph kept alive
@@ -234,7 +250,7 @@ def test_iterations_must_increase(probe, clock):
 
 
 def test_iteration_without_marked_start_has_no_time(probe, clock):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=1, loss_dict={"lm loss": 3.0})
     step(session, clock, 2, 0.5, loss=2.0)
     session.on_training_log(iteration=3, loss_dict={"lm loss": 1.0})
@@ -252,7 +268,7 @@ def test_iteration_without_marked_start_has_no_time(probe, clock):
     (np.float64(0.125), 0.125),
 ])
 def test_lm_loss_from_tensor_or_number(probe, clock, loss, expected):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=4, loss_dict={"lm loss": loss, "other loss": 99.0})
     values = metric(session, "lm loss")
     assert values == {4: expected}
@@ -261,7 +277,7 @@ def test_lm_loss_from_tensor_or_number(probe, clock, loss, expected):
 
 
 def test_no_lm_loss_key_records_no_loss(probe, clock):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=1, loss_dict={"loss": 1.0})
     assert "lm loss" not in session.metrics().metrics
 
@@ -273,20 +289,20 @@ def test_no_lm_loss_key_records_no_loss(probe, clock):
     (0.0, 0.0),
 ])
 def test_num_zeros_when_given(probe, clock, zeros, expected):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=2, loss_dict={}, num_zeros_in_grad=zeros)
     assert metric(session, "num-zeros") == {2: expected}
 
 
 def test_num_zeros_absent_when_none(probe, clock):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=1, loss_dict={}, num_zeros_in_grad=None)
     session.on_training_log(iteration=2, loss_dict={})
     assert "num-zeros" not in session.metrics().metrics
 
 
 def test_memory_bytes_every_iteration(probe, clock):
-    session = make_session(probe, clock)
+    session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=1, loss_dict={})
     probe.allocated, probe.max_allocated = 5, 4096
     session.on_training_log(iteration=2, loss_dict={})
@@ -476,7 +492,7 @@ def test_finish_on_rank0_respects_missing_paths_and_print_flag(probe, clock, tmp
     printed = []
     report = session.finish(print_fn=printed.append)
     assert printed == []
-    assert report.iterations == 3
+    assert report.iterations == 0  # nothing asked for: nothing recorded per step
     assert list(tmp_path.iterdir()) == []
 
 
