@@ -55,9 +55,10 @@ from megatron_cg_plugin.capture.offload_groups import (
 )
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.compat import check_parameters
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.diagnostics import ReplayTotals
-from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
+from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.slots import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 from megatron_cg_plugin.scopes import module_names
@@ -350,8 +351,6 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
                            rope_tables: Mapping[int, torch.Tensor] | None) -> None:
     """Everything ``capture_banks`` refuses, before anything is captured (``ValueError`` naming the fix)."""
     import torch.distributed as dist
-
-    from megatron_cg_plugin.compat import check_parameters
 
     for layer_class in {type(layer) for layer in layers}:  # the call the banks' capture makes
         check_parameters(layer_class._forward_attention, ("attention_mask", "rotary_pos_emb", "packed_seq_params"),

@@ -32,6 +32,8 @@ from typing import Iterator, Sequence
 
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
+from megatron_cg_plugin.plan.capture import plan_capture
+from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.plan.slots import arena_aligned
 
@@ -716,9 +718,6 @@ def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) ->
     (attributes only: this module stays free of Megatron and torch) and the plugin's ``config`` in
     force (its offload copies and window; never the ``--cg-*`` flags, which an ``install(config)``
     overrides). ``deterministic``: the run's NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
-    from megatron_cg_plugin.plan.capture import plan_capture
-    from megatron_cg_plugin.plan.moe import capacity_plan_from_args
-
     capture = plan_capture(facts)
     policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
     unpredicted = [what for what, present in (

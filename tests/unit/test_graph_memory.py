@@ -654,11 +654,11 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
     monkeypatch.setattr(enforce, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
     session = RunSession()
     enforce.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
-    flags_plan = session.predicted_graph_memory
+    flags_plan = session.prediction.graph_memory
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=False))
-    assert session.predicted_graph_memory is flags_plan  # nothing beyond the flags
+    assert session.prediction.graph_memory is flags_plan  # nothing beyond the flags
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=True))
-    assert session.predicted_graph_memory.arena_bytes < flags_plan.arena_bytes
+    assert session.prediction.graph_memory.arena_bytes < flags_plan.arena_bytes
 
 
 # Issue 30's realistic MoE (s65 traces, s67 farm cases): 8 layers x 2048, GQA 16/4, 16 experts top-2, expert ffn

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_cg_plugin import compat, enforce, integration, rules
-from megatron_cg_plugin.cli import gpu_host_stand_ins
+from megatron_cg_plugin.integration import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 
 arguments = importlib.import_module("megatron.training.arguments")

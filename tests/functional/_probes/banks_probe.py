@@ -78,7 +78,7 @@ def build(spec_options=None, **config_extra):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_cg_plugin.capture.banked import banked_layer_class
-    from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()  # eager hybrid CP needs it too (Megatron leaves it None at static CP 1)
     torch.manual_seed(1234)  # the same weights on both ranks
@@ -91,7 +91,7 @@ def build(spec_options=None, **config_extra):
 
 def packs(groups):
     """Per microbatch: (cp size, group, cu, cu_padded, max_seqlen, hidden, grad) on this rank."""
-    from megatron_cg_plugin.dynamic_cp import packed_seq_params
+    from megatron_cg_plugin.packed_cp import packed_seq_params
     from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
 
     rank = dist.get_rank()
@@ -188,7 +188,7 @@ def dropless_moe(result, groups):
 def run(result, groups):
     from megatron_cg_plugin.banks import BankSelectionError
     from megatron_cg_plugin.capture.banked import ThdCapacity, capture_banks
-    from megatron_cg_plugin.dynamic_cp import packed_seq_params
+    from megatron_cg_plugin.packed_cp import packed_seq_params
     from megatron_cg_plugin.plan.thd import ThdCapacityError
 
     layers = build()
@@ -254,7 +254,7 @@ def build_gpt():
     from megatron.core.transformer.module import Float16Module
 
     from megatron_cg_plugin.capture.banked import banked_layer_class
-    from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()
     model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
@@ -272,7 +272,7 @@ def training_batches(groups):
     CP-2 packs are the same on both ranks and split per sequence (TE's thd_get_partitioned_indices)."""
     import transformer_engine_torch as tex
 
-    from megatron_cg_plugin.dynamic_cp import packed_seq_params
+    from megatron_cg_plugin.packed_cp import packed_seq_params
     from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
 
     rank = dist.get_rank()
@@ -373,7 +373,7 @@ def rope_layer():
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
     from megatron_cg_plugin.dynamic_cp import adapt_layer_spec
 
     ensure_dynamic_cp_stream()
@@ -388,7 +388,7 @@ def rope_pack(size, groups, sequence, rotary):
     the token indices they hold in the pack, the PackedSeqParams and the model's RoPE table."""
     import transformer_engine_torch as tex
 
-    from megatron_cg_plugin.dynamic_cp import packed_seq_params
+    from megatron_cg_plugin.packed_cp import packed_seq_params
     from megatron_cg_plugin.plan.thd import fixed_capacity_layout
 
     layout = fixed_capacity_layout([ROPE_LENGTH], size, TOKENS_PER_RANK, MAX_SEQS)
