@@ -385,7 +385,10 @@ def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None
     if change not in {entry.name for entry in SCOPED}:
         raise ValueError(f"{change!r} is not listed in patches.SCOPED; list every foreign change there.")
     own = getattr(owner, "__dict__", None)
-    before = getattr(owner, attribute) if own is None else own.get(attribute, _ABSENT)
+    if own is None or _set_through_type(owner, attribute):  # slots, a property: set and put back as a value
+        before = getattr(owner, attribute)
+    else:  # the object as stored (a staticmethod stays one), or absent: then deleted again on exit
+        before = own.get(attribute, _ABSENT)
     setattr(owner, attribute, value)
     try:
         yield
@@ -395,6 +398,15 @@ def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None
                 delattr(owner, attribute)
         else:
             setattr(owner, attribute, before)
+
+
+def _set_through_type(owner: Any, attribute: str) -> bool:
+    """Whether ``owner.attribute = value`` goes to a data descriptor of its type (a property with a
+    setter, a slot) rather than into ``owner.__dict__``."""
+    for klass in type(owner).__mro__:  # the first class that has it decides, as attribute lookup does
+        if attribute in vars(klass):
+            return hasattr(type(vars(klass)[attribute]), "__set__")
+    return False
 
 
 def check_private_api(*, with_te: bool) -> None:

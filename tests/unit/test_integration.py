@@ -946,3 +946,29 @@ def test_install_refuses_a_create_cudagraphs_that_no_longer_calls_make_graphed_c
     with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables"):
         integration.install()
     assert_pristine()
+
+
+def test_scoped_puts_back_an_attribute_a_property_of_its_class_holds():
+    # A property's setter keeps the value off the instance's __dict__: it is set back through the
+    # property, not left at the scoped value for want of an own entry to restore.
+    class Layer:
+        def __init__(self):
+            self._flag = True
+
+        @property
+        def flag(self):
+            return self._flag
+
+        @flag.setter
+        def flag(self, value):
+            self._flag = value
+
+    class Holder:
+        helper = staticmethod(len)
+
+    layer = Layer()
+    with patches.scoped(layer, "flag", False, "offload-in-graph-flag"), \
+            patches.scoped(Holder, "helper", abs, "megatron-capture-call"):
+        assert layer.flag is False and Holder.helper is abs
+    assert layer.flag is True and "flag" not in vars(layer)
+    assert isinstance(vars(Holder)["helper"], staticmethod) and Holder.helper is len  # stored as it was
