@@ -292,8 +292,10 @@ class PluginHelperMixin:
             what="graph bank capture", undone="No layer was left banked.", megatron_lifecycle=False)
         baseline = diagnostics.memory_state()
         try:
-            # capture_banks resets the graphs it made itself; the transaction puts back what the capture changed.
-            with CaptureTransaction(self._restorables(layers)), attempt.tracker.installed():
+            # capture_banks resets the graphs it made itself; the transaction puts back what the capture
+            # changed, a layer's banks included (none is left banked, whatever failed).
+            banked_layers = [attribute(layer, "_graph_banks") for layer in layers]
+            with CaptureTransaction(self._restorables(layers) + banked_layers), attempt.tracker.installed():
                 banks = banked.capture_banks(layers, groups, capacity,
                                              rope_tables=banked.bank_rope_tables(self.model[0], groups, capacity),
                                              debug=config.slot_debug, contract_check=config.contract_check,

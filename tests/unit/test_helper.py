@@ -1422,6 +1422,7 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
         gc.disable()
         layers[0]._te_cuda_graph_capture(hidden())  # new grads, RNG drawn; names layer 1
         layers[0].cuda_graphs = ["half a bank"]
+        vars(layers[0])["_graph_banks"] = "layer 1's banks"  # banked before the failure
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(banked, "capture_banks", capture_banks)
