@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.plan.bench import BenchSummary, Block, CopyStalls, Spread, median_precision, summarize
+from megatron_cg_plugin.plan.bench_schedule import BenchSummary, Block, CopyStalls, Spread, median_precision, summarize
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from megatron_cg_plugin.capture.banked import banked_layer_class
+from megatron_cg_plugin.capture.graph_banks import banked_layer_class
 from megatron_cg_plugin.compat import check_parameters
 
 

@@ -22,8 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin import diagnostics, patches
-from megatron_cg_plugin.banks import bank_sizes
-from megatron_cg_plugin.capture import banked, hygiene
+from megatron_cg_plugin.capture import graph_banks, hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract
 from megatron_cg_plugin.capture.offload_groups import OffloadCopies
@@ -33,6 +32,7 @@ from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.plan.bank_sizes import bank_sizes
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 
@@ -183,7 +183,7 @@ class PluginHelperMixin:
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: diagnostics.TeardownStats | None = None
-        self._banks: Any = None  # capture.banked.BankedLayers while graph banks are installed
+        self._banks: Any = None  # capture.graph_banks.BankedLayers while graph banks are installed
         self.first_capture_sample: tuple | None = None  # (layer, args, kwargs) while graphs exist
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
@@ -269,7 +269,7 @@ class PluginHelperMixin:
 
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
-        (``capture.banked``); ``capture_banks`` leaves no layer banked if it fails."""
+        (``capture.graph_banks``); ``capture_banks`` leaves no layer banked if it fails."""
         from megatron.core import parallel_state
 
         config = self.session.config
@@ -284,7 +284,7 @@ class PluginHelperMixin:
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
         groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
                   for size in sizes}
-        capacity = banked.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
+        capacity = graph_banks.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
         scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
         # Banks capture each layer's forward and backward back to back; the tracker names which ran.
         attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(
@@ -296,10 +296,10 @@ class PluginHelperMixin:
             # changed, a layer's banks included (none is left banked, whatever failed).
             banked_layers = [attribute(layer, "_graph_banks") for layer in layers]
             with CaptureTransaction(self._restorables(layers) + banked_layers), attempt.tracker.installed():
-                banks = banked.capture_banks(layers, groups, capacity,
-                                             rope_tables=banked.bank_rope_tables(self.model[0], groups, capacity),
-                                             debug=config.slot_debug, contract_check=config.contract_check,
-                                             offload_copies=OffloadCopies.of(config))
+                banks = graph_banks.capture_banks(layers, groups, capacity,
+                                                  rope_tables=graph_banks.bank_rope_tables(self.model[0], groups, capacity),
+                                                  debug=config.slot_debug, contract_check=config.contract_check,
+                                                  offload_copies=OffloadCopies.of(config))
         except Exception as error:  # noqa: BLE001 - rolled back and nothing left banked; raise or go on eagerly
             self._capture_failed(error, attempt)
             return

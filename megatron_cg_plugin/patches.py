@@ -194,7 +194,7 @@ LENT: tuple[ForeignState, ...] = (
         "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
         "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
         "them anew.",
-        "capture.banked.LayerBanks.replay (BankGraph.restore_dispatcher)"),
+        "capture.graph_banks.LayerBanks.replay (BankGraph.restore_dispatcher)"),
 )
 
 SCOPED: tuple[ForeignState, ...] = (
@@ -251,7 +251,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
         "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
         "same way for such layers.",
-        "capture.banked.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
+        "capture.graph_banks.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
     ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
@@ -314,13 +314,13 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  ("self",)),
     ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
                  "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
-                 "helper.py, capture/banked.py"),
+                 "helper.py, capture/graph_banks.py"),
     ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
                  "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
-                 "capture/banked.py"),
+                 "capture/graph_banks.py"),
     ForeignState("megatron-forward-attention", "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
                  "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
-                 "capture/banked.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
+                 "capture/graph_banks.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
     ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
                  "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
                  "in-place check sees what it would have seen without the arena.", "memory/saved_tensors.py"),

@@ -1,5 +1,5 @@
 """``megatron-cg bench <launcher flags>``: eager, Megatron's own graphs and the plugin's graphs,
-measured in one process, in interleaved blocks (``plan.bench``).
+measured in one process, in interleaved blocks (``plan.bench_schedule``).
 
 The launcher builds Megatron's model, optimizer and data from the flags and enters Megatron's own
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
@@ -37,7 +37,7 @@ from megatron_cg_plugin.helper import bind_helper_class
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.session import RunSession
-from megatron_cg_plugin.plan.bench import (
+from megatron_cg_plugin.plan.bench_schedule import (
     Block, DeviceTime, interleaved_blocks, intervals_by_kind, run_schedule, summarize,
 )
 

@@ -15,11 +15,11 @@ traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredi
 
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
-parameter gradient lives in buffers outside the pool (``capture.slotted``), so each graph's pool
+parameter gradient lives in buffers outside the pool (``capture.slot_shared``), so each graph's pool
 blocks are free again when its capture ends and the pool is sized by the largest graph. The arena
 is what the forward program keeps alive past its end, less the graph's output, plus the graph's
 input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage
-aligned as the arenas align them (``plan.slots.arena_aligned``); the saves in-graph offload moves
+aligned as the arenas align them (``plan.slot_plan.arena_aligned``); the saves in-graph offload moves
 go to the host instead.
 """
 
@@ -35,7 +35,7 @@ from megatron_cg_plugin.plan.allocator import PoolModel, segment_size
 from megatron_cg_plugin.plan.capture import plan_capture
 from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
-from megatron_cg_plugin.plan.slots import arena_aligned
+from megatron_cg_plugin.plan.slot_plan import arena_aligned
 
 BF16 = 2
 FP32 = INT32 = 4
@@ -597,7 +597,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         offloaded_per_layer.append(offloaded)
     if staging_depth is not None:
         arenas += staging_ring_bytes(offloaded_per_layer, staging_depth)
-    # Megatron's sample arguments are the static inputs (capture.slotted adopts them), so the boundary
+    # Megatron's sample arguments are the static inputs (capture.slot_shared adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
     return GraphMemoryPlan(pool_bytes=_with_transient(pool.reserved, layers, parts), peak_live_bytes=pool.peak_allocated,

@@ -1388,7 +1388,7 @@ def test_banks_need_the_banked_layer_class(probe, hybrid_groups):
 
 @pytest.mark.parametrize("on_error", ["raise", "eager"])
 def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monkeypatch, on_error):
-    import megatron_cg_plugin.capture.banked as banked
+    import megatron_cg_plugin.capture.graph_banks as banked
 
     seen = {}
 
@@ -1415,7 +1415,7 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
 def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups, monkeypatch, collections, on_error):
     # The banks' capture goes through the capture transaction, as TE's does: what it changed before it
     # failed is put back, and the failure ends as every capture's does.
-    import megatron_cg_plugin.capture.banked as banked
+    import megatron_cg_plugin.capture.graph_banks as banked
 
     def capture_banks(layers, groups, capacity, **kwargs):
         mcg._set_capture_start()  # a patched Megatron global left set
@@ -1447,7 +1447,7 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
 
 
 def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, monkeypatch):
-    import megatron_cg_plugin.capture.banked as banked
+    import megatron_cg_plugin.capture.graph_banks as banked
 
     outputs = []
 
