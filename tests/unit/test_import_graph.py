@@ -1,8 +1,10 @@
 """The package's import graph, read from the source with ``ast``: no module imports itself back
-through others (a cycle), and a function-local import of one of the plugin's own modules says why
-it waits (``# deferred: <reason>`` on its line: a heavy dependency such as torch, Megatron or
-matplotlib that the importing module must stay free of). Local imports of the plugin's own modules
-are edges of the graph like the others: deferring one does not hide a cycle."""
+through others (a cycle); every import points down the layers docs/architecture.md lists (its
+```layers block, so the doc and the code cannot drift apart); and a function-local import of one
+of the plugin's own modules says why it waits (``# deferred: <reason>`` on its line: a heavy
+dependency such as torch, Megatron or matplotlib that the importing module must stay free of).
+Local imports of the plugin's own modules are edges of the graph like the others: deferring one
+hides neither a cycle nor an import that points up."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "megatron_cg_plugin"
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 DEFERRED = re.compile(r"#\s*deferred:\s*\S")
+LAYERS_BLOCK = re.compile(r"^```layers\n(.*?)^```", re.M | re.S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +150,16 @@ def _cycle_in(component: set[str], edges: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"{sorted(component)} is strongly connected but has no cycle through {start}")
 
 
+def cycle_problems(root: Path = ROOT) -> list[str]:
+    """One line per import cycle of the package at ``root``, naming every module on cycles with it."""
+    edges = graph(imports(root))
+    return [f"{' -> '.join(cycle)}  (and every cycle among {', '.join(sorted(_component(cycle[0], edges)))})"
+            for cycle in cycles(edges)]
+
+
 def test_the_package_has_no_import_cycle():
-    edges = graph(imports())
-    found = cycles(edges)
-    assert not found, "import cycles (break each by moving what the lower module needs below it):\n" + "\n".join(
-        f"{' -> '.join(cycle)}  (and every cycle among {', '.join(sorted(_component(cycle[0], edges)))})"
-        for cycle in found)
+    found = cycle_problems()
+    assert not found, "import cycles (break each by moving what the lower module needs below it):\n" + "\n".join(found)
 
 
 def _component(start: str, edges: dict[str, set[str]]) -> set[str]:
@@ -221,3 +229,98 @@ def test_unmarked_local_imports_are_told_apart_from_marked_ones(tmp_path):
 def test_a_deferral_needs_a_reason(tmp_path, text):
     root = _package(tmp_path, {"a.py": f"def f():\n    from pkg import b  {text}\n", "b.py": ""})
     assert [item.marked for item in imports(root)] == [False]
+
+
+# ---------------------------------------------------------------- layers
+
+
+def read_layers(text: str, package: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The ```layers block of ``text``, top layer first: (layer name, its module patterns as
+    dotted names under ``package``; ``x.*`` is the package ``x`` and everything in it, and the
+    package's own name stands for its ``__init__``)."""
+    block = LAYERS_BLOCK.search(text)
+    assert block, "docs/architecture.md has no ```layers block"
+    layers = []
+    for line in block.group(1).splitlines():
+        if line.strip():
+            name, *patterns = line.split()
+            layers.append((name, tuple(p if p == package else f"{package}.{p}" for p in patterns)))
+    return layers
+
+
+def _matches(module: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        return module == pattern[:-2] or module.startswith(pattern[:-1])
+    return module == pattern
+
+
+def layer_problems(root: Path = ROOT, text: str | None = None) -> list[str]:
+    """Modules the layers do not place (or place twice), and imports that point up a layer."""
+    layers = read_layers(ARCHITECTURE.read_text() if text is None else text, root.name)
+    height = {}  # module -> its layer's height (the bottom layer is 0)
+    problems = []
+    for module in module_names(root):
+        places = [(len(layers) - 1 - index, name) for index, (name, patterns) in enumerate(layers)
+                  if any(_matches(module, pattern) for pattern in patterns)]
+        if len(places) != 1:
+            problems.append(f"{module} is in {len(places)} layers ({', '.join(n for _, n in places) or 'none'}): "
+                            "place it in exactly one in docs/architecture.md's ```layers block")
+        elif places:
+            height[module] = places[0]
+    for item in imports(root):
+        if item.importer in height and item.imported in height and height[item.importer][0] < height[item.imported][0]:
+            problems.append(f"{item.importer} (layer {height[item.importer][1]}, line {item.line}) imports "
+                            f"{item.imported} (layer {height[item.imported][1]}, above it)")
+    return problems
+
+
+def test_every_import_points_down_the_documented_layers():
+    problems = layer_problems()
+    assert not problems, ("docs/architecture.md's layers and the imports disagree (move the code, or the module to "
+                          "another layer where that is what it is):\n" + "\n".join(problems))
+
+
+def test_the_layers_block_names_only_modules_that_exist():
+    known = set(module_names(ROOT))
+    patterns = [pattern for _, layer in read_layers(ARCHITECTURE.read_text(), ROOT.name) for pattern in layer]
+    stale = [pattern for pattern in patterns if not any(_matches(module, pattern) for module in known)]
+    assert not stale, f"docs/architecture.md's layers name modules that do not exist: {stale}"
+
+
+def test_the_ledger_depends_on_compat_only():
+    # Any layer may make its foreign change through patches.lend / patches.scoped: the ledger sits
+    # below everything and knows none of the modules that use it.
+    imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.patches"}
+    assert imported == {"megatron_cg_plugin.compat"}
+
+
+LAYERED = """
+```layers
+top     a sub.*
+bottom  b
+```
+"""
+
+
+def test_an_import_that_points_up_is_found_even_deferred(tmp_path):
+    root = _package(tmp_path, {
+        "a.py": "from pkg import b\n",
+        "b.py": "def f():\n    from pkg.sub import c  # deferred: a reason does not make it point down\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "",
+        "d.py": "",
+    })
+    problems = layer_problems(root, LAYERED)
+    assert problems == [
+        "pkg is in 0 layers (none): place it in exactly one in docs/architecture.md's ```layers block",
+        "pkg.d is in 0 layers (none): place it in exactly one in docs/architecture.md's ```layers block",
+        "pkg.b (layer bottom, line 2) imports pkg.sub.c (layer top, above it)",
+    ]
+
+
+def test_the_checks_fail_on_a_synthetic_cyclic_package(tmp_path):
+    # The same functions the package's own tests call, fed a package with a cycle of two modules in
+    # one layer (which the layer check alone would let pass).
+    root = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "from pkg import a\n"})
+    assert cycle_problems(root) == ["pkg.a -> pkg.b -> pkg.a  (and every cycle among pkg.a, pkg.b)"]
+    assert [p for p in layer_problems(root, "```layers\nall  pkg a b\n```\n")] == []
