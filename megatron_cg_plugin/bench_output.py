@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.plan.bench import (
+from megatron_cg_plugin.plan.bench_schedule import (
     BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, summarize,
     summarize_steps,
 )
@@ -111,7 +111,7 @@ class BenchResult:
 
     def ratio_intervals(self) -> dict[tuple[str, str], MedianInterval]:
         """Per ratio, its median's 95% interval over the pairs of rounds or the cycles (where there
-        are enough of them: ``plan.bench.fewest_for_interval``)."""
+        are enough of them: ``plan.bench_schedule.fewest_for_interval``)."""
         return {pair: found for pair, spread in self.summary().ratios.items()
                 if (found := median_interval(spread.values)) is not None}
 

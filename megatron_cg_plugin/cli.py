@@ -11,198 +11,27 @@ import io
 import os
 import shlex
 import sys
-import types
 import warnings
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from megatron_cg_plugin import console, helptext
+from megatron_cg_plugin import console, golden, helptext
+from megatron_cg_plugin.bench_output import BenchOutputError
+from megatron_cg_plugin.enforce import predict_graph_memory
+from megatron_cg_plugin.plan.capture import plan_capture
+from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
+from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.testing.cases import CaseError
 
-if TYPE_CHECKING:  # the farm loads its case files at import
+if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by the commands that use it
     from megatron_cg_plugin.testing import farm
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class CheckError(ValueError):
-    """The flags would not train; the message says what to change. ``violations`` are its (rule,
-    message) pairs, ``megatron`` standing for Megatron's own checks."""
-
-    def __init__(self, message: str, violations: Sequence[tuple[str, str]] | None = None) -> None:
-        super().__init__(message)
-        self.violations = list(violations) if violations is not None else [("megatron", message)]
-
-
-@contextlib.contextmanager
-def scoped_environ(**values: str) -> Iterator[None]:
-    """``os.environ`` with ``values`` set inside the block (Megatron's validation reads it), put back after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def process_state_kept() -> Iterator[None]:
-    """Megatron's ``validate_args`` sets the process up for a run (``--deterministic-mode`` sets
-    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` and ``CUBLAS_WORKSPACE_CONFIG`` and turns torch's deterministic
-    algorithms on); a dry run puts the environment and those switches back, so the runs a farm starts
-    after its checks inherit nothing from them."""
-    import torch
-
-    environ = dict(os.environ)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-
-
-def _te_kernel_stand_in(*_args, **_kwargs):
-    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
-
-
-# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
-_TE_KERNELS = (
-    ("megatron.core.models.common.embeddings.rope_utils",
-     ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")),  # --apply-rope-fusion
-    ("megatron.core.transformer.moe.moe_utils",
-     ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-      "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),  # --moe-permute-fusion
-)
-
-
-@contextlib.contextmanager
-def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
-    differ, all restored on exit: when there is no GPU here, ``torch.cuda.get_device_capability``
-    and ``get_device_properties`` describe a device of ``capability`` (Megatron asks for grouped
-    GEMM and for the TP/CP connection rules); when TE is not installed here, the TE kernels of
-    ``_TE_KERNELS`` (which ``TransformerConfig`` requires for RoPE and permutation fusion) are
-    stand-ins that are never called, and Megatron's cached TE version is the lowest release the
-    plugin supports (its config checks gate features on it; unset, they would read 0.0.0)."""
-    import importlib
-
-    import torch
-    from megatron.core import utils as megatron_utils
-
-    from megatron_cg_plugin import compat
-
-    saved = torch.cuda.get_device_capability, torch.cuda.get_device_properties
-    if not torch.cuda.is_available():
-        properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
-                                           name=f"stand-in sm_{capability[0]}{capability[1]}",
-                                           total_memory=0, multi_processor_count=0)
-        torch.cuda.get_device_capability = lambda *_args, **_kwargs: capability
-        torch.cuda.get_device_properties = lambda *_args, **_kwargs: properties
-    saved_kernels = []
-    for module_name, names in _TE_KERNELS:
-        module = importlib.import_module(module_name)
-        for name in names:
-            if getattr(module, name, None) is None:  # TE's kernel did not import here
-                saved_kernels.append((module, name, getattr(module, name, None)))
-                setattr(module, name, _te_kernel_stand_in)
-    saved_te_version = megatron_utils._te_version
-    if not compat.te_available():
-        megatron_utils._te_version = megatron_utils.PkgVersion(
-            ".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
-    try:
-        yield
-    finally:
-        torch.cuda.get_device_capability, torch.cuda.get_device_properties = saved
-        for module, name, value in saved_kernels:
-            setattr(module, name, value)
-        megatron_utils._te_version = saved_te_version
-
-
-def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = ()) -> CheckError:
-    """Megatron's refusal, after the plugin's own rules that the flags break too (``plugin``)."""
-    from megatron_cg_plugin.enforce import MEGATRON_HEADING, megatron_rejection
-    from megatron_cg_plugin.rules import RuleViolation
-
-    rejection = megatron_rejection(error)
-    megatron = f"{MEGATRON_HEADING} {rejection}"
-    return CheckError(f"{RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron,
-                      [*plugin, ("megatron", rejection)])
-
-
-def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
-    from megatron_cg_plugin.enforce import missing_required_flags
-
-    start = "a preset, e.g. megatron-cg check --cg-preset tiny-gpt --cuda-graph-impl transformer_engine"
-    if not flags:
-        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from "
-                          f"{start}.")
-    missing = missing_required_flags(args)
-    if missing:
-        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
-                          f"{'it' if len(missing) == 1 else 'them'}, or start from {start}, and override what differs.")
-    return None
-
-
-def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
-          capability: tuple[int, int] = (9, 0)) -> str:
-    """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text.
-
-    Megatron's ``validate_args`` runs first (it also normalizes deprecated flags and derives sizes
-    such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
-    launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
-    """
-    from megatron_cg_plugin import compat
-    from megatron_cg_plugin.plan.capture import plan_capture
-
-    _args, facts, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
-    plan = plan_capture(facts).describe()
-    if facts.te_graphs and not compat.te_available():
-        plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
-    return plan
-
-
-def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
-                   capability: tuple[int, int] = (9, 0)):
-    """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args, the
-    rules' facts and the plugin's config, or raises ``RuleViolation`` / ``CheckError``."""
-    from megatron.training.arguments import validate_args
-
-    from megatron_cg_plugin import rules
-    from megatron_cg_plugin.enforce import MEGATRON_REJECTIONS, transformer_config_backstop
-    from megatron_cg_plugin.launch import pretrain_gpt
-
-    with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
-        args = pretrain_gpt.parse_megatron_args(flags, validate=False)
-        missing = _required_flags_missing(flags, args)
-        if missing is not None:
-            raise missing
-        early = rules.unvalidated_plugin_violations(args, env=env)  # before validate_args changes args
-        with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
-            try:
-                validate_args(args, pretrain_gpt.ARGS_DEFAULTS)
-            except MEGATRON_REJECTIONS as error:
-                raise _megatron_rejects(error, early) from error
-            # TE is needed where the run happens, not on this machine.
-            facts, config = rules.check_run(args, env=env, launcher=True, te_present=True)
-            try:
-                transformer_config_backstop(args)
-            except MEGATRON_REJECTIONS as error:
-                raise _megatron_rejects(error) from error
-    return args, facts, config
 
 
 def moe_plan_text(args, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
     and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
     load is checked whatever the model; a dense model, which has no router, refuses one."""
-    from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
-    from megatron_cg_plugin.rules import GraphFacts
-
     if not args.num_experts:
         if router_load is not None:
             raise ValueError(f"--router-load {router_load} says how a router spreads tokens over experts, and this "
@@ -241,8 +70,6 @@ def moe_plan_text(args, router_load: str | None = None) -> str:
 def _golden(argv: Sequence[str]) -> int:
     """compare EXPECTED ACTUAL [--deterministic] [--metrics M ...] | update ACTUAL GOLDEN
     compare a run's metrics with a golden file (Megatron's thresholds), or write one from a real run"""
-    from megatron_cg_plugin import golden
-
     parser = argparse.ArgumentParser(prog="megatron-cg golden")
     sub = parser.add_subparsers(dest="action", required=True)
     compare = sub.add_parser("compare", help="compare a run's metrics with a golden file")
@@ -309,20 +136,23 @@ def _check(argv: Sequence[str]) -> int:
              "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
              "The flags are Megatron's plus the plugin's --cg-* below (docs/troubleshooting.md lists every rule); "
              "--cg-preset NAME gives a complete model to start from.")
-    return _dry_run_command(argv, prog="megatron-cg check", usage=usage, produce=lambda options, flags:
-                            "flags OK\n" + check(flags, nproc=options.nproc, env=dict(os.environ)))
+
+    def produce(options: argparse.Namespace, flags: list[str]) -> str:
+        from megatron_cg_plugin.launch import dry_run  # deferred: torch (seconds); --help and golden start without it
+
+        return "flags OK\n" + dry_run.check(flags, nproc=options.nproc, env=dict(os.environ))
+
+    return _dry_run_command(argv, prog="megatron-cg check", usage=usage, produce=produce)
 
 
 def _plan(argv: Sequence[str]) -> int:
     """[--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>
     the check, then the graph pool the capture will reserve and, for MoE, the expert capacity plan"""
-    from megatron_cg_plugin.plan.capture import plan_capture
-
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
-        from megatron_cg_plugin.enforce import predict_graph_memory
+        from megatron_cg_plugin.launch import dry_run  # deferred: torch (seconds); --help and golden start without it
 
         env = dict(os.environ)
-        args, facts, config = validated_args(flags, nproc=options.nproc, env=env)
+        args, facts, config = dry_run.validated_args(flags, nproc=options.nproc, env=env)
         memory = predict_graph_memory(args, facts, config, environ=env)
         return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load) + "\n"
                 + ("graph pool: nothing graphed, or layers the planner does not model" if memory is None
@@ -352,8 +182,7 @@ def _bench(argv: Sequence[str]) -> int:
               "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "
               "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
         return EXIT_OK
-    from megatron_cg_plugin.bench_output import BenchOutputError
-    from megatron_cg_plugin.launch import bench
+    from megatron_cg_plugin.launch import bench  # deferred: torch (seconds); --help and golden start without it
 
     try:
         return bench.main(argv)
@@ -367,8 +196,7 @@ def _farm(argv: Sequence[str]) -> int:
     eager vs graphed on case folders in Megatron's model_config.yaml format (the farm's or Megatron-LM's)"""
     from pathlib import Path
 
-    from megatron_cg_plugin.testing import farm
-    from megatron_cg_plugin.testing.cases import CaseError
+    from megatron_cg_plugin.testing import farm  # deferred: torch (seconds); --help and golden start without it
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
@@ -416,7 +244,7 @@ def _farm(argv: Sequence[str]) -> int:
 def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
     """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
     ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
-    from megatron_cg_plugin.testing import farm  # noqa: F811  (loads the farm's cases: only for this command)
+    from megatron_cg_plugin.testing import farm  # noqa: F811  # deferred: imports torch, as in _farm
 
     if options.dry_run:
         print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
@@ -460,7 +288,7 @@ def _matrix(argv: Sequence[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from megatron_cg_plugin.testing import matrix
+    from megatron_cg_plugin.testing import matrix  # deferred: torch (seconds); --help and golden start without it
 
     parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
@@ -508,7 +336,7 @@ def _matrix(argv: Sequence[str]) -> int:
 def _run(argv: Sequence[str]) -> int:
     """[--nproc-per-node N] SCRIPT [ARGS...]
     run a Megatron training script (Megatron-LM's pretrain_gpt.py, yours) with the plugin installed"""
-    from megatron_cg_plugin.launch import run_script
+    from megatron_cg_plugin.launch import run_script  # deferred: torch (seconds); --help and golden start without it
 
     return run_script.main(argv)
 

@@ -6,13 +6,18 @@ its *static* CP group (``attention.py``: ``apply_rotary_pos_emb(..., cp_group=se
 so a microbatch running with CP 2 is rotated as if its tokens were a whole CP-1 pack: wrong
 positions, in eager and graphed runs alike. ``dynamic_cp_attention_class`` gives the attention the
 microbatch's group for the duration of one call; ``hybrid_cp_layer_spec`` injects it (and, with
-graph banks, the banked layer class) through the layer spec, so no Megatron class is patched.
+graph banks, the banked layer class) through the layer spec, so no Megatron class is patched. What
+a pack hands Megatron's layers (its ``PackedSeqParams``, TE attention's CP stream) is in
+``packed_cp``, below the banks that capture with it.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any, Callable
+
+from megatron_cg_plugin.capture.graph_banks import banked_layer_class
+from megatron_cg_plugin.compat import check_parameters
 
 
 def microbatch_cp_group(packed_seq_params: Any, static_group: Any) -> Any:
@@ -34,34 +39,6 @@ def microbatch_cp_group(packed_seq_params: Any, static_group: Any) -> Any:
     return group
 
 
-def packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, group: Any,
-                      max_seqlen: int) -> Any:
-    """Megatron's ``PackedSeqParams`` for a fixed-capacity THD pack of CP size ``cp_size``: the
-    form both the capture and the eager run use."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, local_cp_size=cp_size,
-                           cp_group=group if cp_size > 1 else None, pad_between_seqs=True)
-
-
-def ensure_dynamic_cp_stream() -> None:
-    """Megatron creates the side stream TE's CP attention needs (``TEDotProductAttention.cp_stream``)
-    only when the static CP size is > 1; hybrid CP switches CP on per microbatch, so eager and
-    graphed runs alike need it whatever the static size (without it TE's P2P attention fails on
-    ``None.wait_event``). Sets it once (``patches.LENT``, restored by ``uninstall()``); an existing
-    stream is kept."""
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-    if TEDotProductAttention.cp_stream is None:
-        import torch
-
-        from megatron_cg_plugin.patches import lend
-
-        lend(TEDotProductAttention, "cp_stream", torch.cuda.Stream(), "dynamic-cp-stream")  # uninstall() undoes it
-
-
 def dynamic_cp_attention_class(base: type) -> type:
     """A subclass of Megatron's attention class ``base`` whose RoPE uses the microbatch's CP group.
 
@@ -69,8 +46,6 @@ def dynamic_cp_attention_class(base: type) -> type:
     module holds a copy of its collection with ``cp`` replaced (the shared collection is never
     changed), then gets its own back. A class made here is returned as it is: block specs list one
     layer spec object once per layer."""
-    from megatron_cg_plugin.compat import check_parameters
-
     if getattr(base, "dynamic_cp_rope", False):
         return base
     check_parameters(base.forward, ("packed_seq_params", "rotary_pos_emb"), where=f"{base.__name__}.forward")
@@ -111,8 +86,6 @@ def _layer_specs(spec: Any) -> list[Any]:
 def adapt_layer_spec(spec: Any, *, rope: bool, banks: bool) -> Any:
     """A copy of ``spec`` (a layer or block spec) with the dynamic-CP attention (``rope``) and the
     banked layer class (``banks``) swapped in; each swap wraps the class the spec already names."""
-    from megatron_cg_plugin.capture.banked import banked_layer_class
-
     spec = copy.deepcopy(spec)  # specs may share submodule objects with other specs: never edit the caller's
     for layer_spec in _layer_specs(spec):
         attention = getattr(layer_spec.submodules, "self_attention", None)

@@ -17,6 +17,9 @@ from typing import Any, Mapping
 
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.plan.graph_memory import plan_from_args
+from megatron_cg_plugin.plan.moe import capacity_plan_from_args
+from megatron_cg_plugin.session import RunPrediction
 
 EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
@@ -109,24 +112,21 @@ def _enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
 
 def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) -> None:
     """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves
-    it. The session also keeps the planner's graph-memory prediction, for the report to set beside
-    the measured pool."""
+    it. The session also gets the planner's predictions (``session.RunPrediction``), for the report
+    to set beside what the run measures."""
     facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
-    session.predicted_graph_memory = predict_graph_memory(args, facts, session.config, environ=environ)
 
     def repredict(model_config: Any) -> Any:
         if not model_config_adds(args, model_config):
-            return session.predicted_graph_memory
+            return session.prediction.graph_memory  # as it stands
         return repredict_graph_memory(args, facts, session.config, model_config, environ=environ)
 
-    session.repredict = repredict
-    session.moe_capacity_plan = _capacity_plan(args)
+    session.predict(RunPrediction(graph_memory=predict_graph_memory(args, facts, session.config, environ=environ),
+                                  moe_capacity=_capacity_plan(args), repredict=repredict))
 
 
 def _capacity_plan(args: Any) -> Any:
-    from megatron_cg_plugin.plan.moe import capacity_plan_from_args
-
     try:
         return capacity_plan_from_args(args)
     except (ValueError, AttributeError) as error:  # Megatron's own checks refuse these flags first
@@ -158,8 +158,6 @@ def predict_graph_memory(args: Any, facts: rules.GraphFacts, config: PluginConfi
                          environ: Mapping[str, str]) -> Any:
     """``plan.graph_memory``'s prediction for the run under the plugin ``config`` in force, or None
     where the planner cannot model its layers (the reason is logged; a prediction never stops a run)."""
-    from megatron_cg_plugin.plan.graph_memory import plan_from_args
-
     if not facts.te_graphs:
         return None
     deterministic = environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0" or bool(getattr(args, "deterministic_mode", False))

@@ -22,14 +22,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin import diagnostics, patches
-from megatron_cg_plugin.capture import hygiene
-from megatron_cg_plugin.capture.backend import GraphBackend
+from megatron_cg_plugin.capture import graph_banks, hygiene
+from megatron_cg_plugin.capture.backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract
+from megatron_cg_plugin.capture.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.slot_backend import SlotBackend, SlotLayerGraph
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
 )
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.plan.bank_sizes import bank_sizes
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 
@@ -61,8 +64,8 @@ class _CaptureTracker:
 
     TE captures every forward first, then the backwards in reverse order, so the last forward that
     ran is not where a backward failed: hooks on each forward's outputs name the layer's backward
-    when autograd reaches them (in warmup and in the backward capture). ``uninstall`` removes them,
-    so nothing stays attached to TE's static outputs."""
+    when autograd reaches them (in warmup and in the backward capture). Leaving ``installed`` removes
+    them, so nothing stays attached to TE's static outputs."""
 
     def __init__(self, layers: list[Any], *, inject_at: int | None, is_capturing: Callable[[], bool]) -> None:
         self.layers = layers
@@ -76,20 +79,22 @@ class _CaptureTracker:
         """Where a failure happened, in words: the layer and phase that ran last, or before any."""
         return self.current or "the capture's setup, before any layer ran"
 
-    def restorables(self) -> list[Restorable]:
-        return [attribute(layer, "_te_cuda_graph_capture") for layer in self.layers]
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["_CaptureTracker"]:
+        """The wrappers on every layer for the block (``patches.SCOPED``, ``layer-capture-tracker``);
+        after it, success or failure, the layers have their class's method again and the output
+        hooks are gone."""
+        with contextlib.ExitStack() as stack:
+            for index, layer in enumerate(self.layers):
+                stack.enter_context(patches.scoped(layer, "_te_cuda_graph_capture", self._wrap(
+                    layer._te_cuda_graph_capture, index, layer), "layer-capture-tracker"))
+            stack.callback(self._remove_hooks)
+            yield self
 
-    def install(self) -> None:
-        for index, layer in enumerate(self.layers):
-            layer._te_cuda_graph_capture = self._wrap(layer._te_cuda_graph_capture, index, layer)
-
-    def uninstall(self) -> None:
-        """The wrappers and the output hooks go, after success as after failure."""
+    def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for layer in self.layers:
-            vars(layer).pop("_te_cuda_graph_capture", None)
 
     def _wrap(self, run: Callable, index: int, layer: Any) -> Callable:
         label = layer_label(layer, index)
@@ -151,6 +156,23 @@ class _Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - begin
 
 
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """One capture (TE's, slot-shared or the graph banks'), for the stats and the failure it ends
+    with: what it graphs (``scope`` in words, ``layers``), when it started, the tracker naming the
+    layer that ran last, and how a failure reads: ``what`` failed and ``undone``, what the rollback
+    left."""
+
+    scope: str
+    layers: list[Any]
+    start: float
+    tracker: _CaptureTracker
+    what: str
+    undone: str
+    # Megatron's create_cudagraphs ran: a failure is followed by its post-capture reset and the stale-graph diagnosis.
+    megatron_lifecycle: bool
+
+
 class PluginHelperMixin:
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
@@ -161,13 +183,13 @@ class PluginHelperMixin:
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: diagnostics.TeardownStats | None = None
-        self._banks: Any = None  # capture.banked.BankedLayers while graph banks are installed
+        self._banks: Any = None  # capture.graph_banks.BankedLayers while graph banks are installed
         self.first_capture_sample: tuple | None = None  # (layer, args, kwargs) while graphs exist
         self._baseline: diagnostics.MemoryState | None = None
         self.session.attach_helper(self)
 
     # -- capture ------------------------------------------------------------------------------
-    def _restorables(self, layers: list[Any], tracker: _CaptureTracker) -> list[Restorable]:
+    def _restorables(self, layers: list[Any]) -> list[Restorable]:
         from megatron.core.transformer import cuda_graphs
 
         params = [p for chunk in self.model for p in chunk.parameters()]
@@ -175,7 +197,7 @@ class PluginHelperMixin:
                  gc_state(), gc_freeze(), rng_state(), tensor_grads(params)]
         items += [attribute(layer, "cuda_graphs") for layer in layers]
         items += [attribute(self, name) for name in ("_graphs_created", "_capture_finished", "num_microbatches")]
-        return items + tracker.restorables()
+        return items
 
     def create_cudagraphs(self) -> None:
         self.session.mark_capture_start()  # capture runs between iterations: no step's time
@@ -188,58 +210,52 @@ class PluginHelperMixin:
         layers = self.flattened_callables  # every graphed layer, chunk by chunk
         scope = scope_label(self.config.cuda_graph_modules) + (" (slot-shared)" if config.slot_capture else "")
         backend = self.capture_backend()
-        start = time.perf_counter()
+        attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(
+            layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing),
+            what=f"CUDA graph capture ({scope})", undone="Everything the capture changed was rolled back.",
+            megatron_lifecycle=True)
         phases = _Phases()  # where capture time goes, for the report (the plugin's cost is the non-capture part)
         # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
         # (the next forward sets it anew), so no stale-graph check has it to collect.
         self._clear_moe_scratch()
         if config.stale_graph_check == "before":
             with phases("stale-graph check"):
-                allowed = self._stale_graphs_allow_capture(scope, layers, start)
+                allowed = self._stale_graphs_allow_capture(attempt)
             if not allowed:
                 return
         # The default check costs nothing on success: it lists the heap only after a failed, rolled-back
         # capture. Garbage needs no check: Megatron's _start_capturing collects it first (0.19.2 l.2662).
-        tracker = _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing)
         try:
-            baseline, capture, counter = self._capture_in_transaction(backend, tracker, phases)
+            baseline, capture, counter = self._capture_in_transaction(backend, attempt.tracker, phases)
         except Exception as error:  # noqa: BLE001 - every failure is rolled back, then explained, raised or logged
-            self._release_failed_capture()
-            if config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(
-                    error, scope, layers, start, tracker.where):
-                return
-            self._on_capture_failure(error, scope, tracker, start, layers)
+            self._capture_failed(error, attempt)
             return
         self._baseline = baseline
-        self.capture_stats = CaptureStats(
-            scope=scope, layers=len(layers), graphs=sum(len(layer.cuda_graphs) for layer in layers),
-            seconds=time.perf_counter() - start,
-            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=counter, phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
+        self.capture_stats = self._capture_stats(
+            attempt, graphs=sum(len(layer.cuda_graphs) for layer in layers), replays=counter, baseline=baseline,
+            phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
 
     def _capture_in_transaction(self, backend: GraphBackend, tracker: _CaptureTracker,
                                 phases: _Phases) -> tuple[diagnostics.MemoryState, "_CaptureCall", diagnostics.ReplayCounter]:
         """One capture through Megatron's ``create_cudagraphs``; on any error everything it changed
         is rolled back before the error propagates."""
-        try:
-            with contextlib.ExitStack() as scope_of_transaction:
-                with phases("rollback snapshot"):
-                    baseline = diagnostics.memory_state()
-                    transaction = scope_of_transaction.enter_context(
-                        CaptureTransaction(self._restorables(self.flattened_callables, tracker)))
-                tracker.install()
-                capture = _CaptureCall(backend, transaction, tracker)
-                from megatron.core.transformer import cuda_graphs
+        from megatron.core.transformer import cuda_graphs
 
-                # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
-                # and microbatch, finish) with the plugin's capture call in place of TE's.
-                with phases("Megatron and TE capture"), patches.scoped(
-                        cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
-                    super().create_cudagraphs()
-                with phases("replay contracts"):
-                    counter = self._hold_to_contracts(capture, self.session.config.contract_check)
-        finally:
-            tracker.uninstall()  # the capture wrappers are transaction-scoped: gone after success too
+        with contextlib.ExitStack() as scope_of_transaction:
+            with phases("rollback snapshot"):
+                baseline = diagnostics.memory_state()
+                transaction = scope_of_transaction.enter_context(
+                    CaptureTransaction(self._restorables(self.flattened_callables)))
+            # The capture wrappers are the transaction's: gone when it ends, after success too.
+            scope_of_transaction.enter_context(tracker.installed())
+            capture = _CaptureCall(backend, transaction, tracker)
+            # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
+            # and microbatch, finish) with the plugin's capture call in place of TE's.
+            with phases("Megatron and TE capture"), patches.scoped(
+                    cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
+                super().create_cudagraphs()
+            with phases("replay contracts"):
+                counter = self._hold_to_contracts(capture, self.session.config.contract_check)
         return baseline, capture, counter
 
     def capture_backend(self) -> GraphBackend:
@@ -248,22 +264,13 @@ class PluginHelperMixin:
         if self.backend is not None:
             return self.backend
         if self.session.config.slot_capture:
-            from megatron_cg_plugin.capture.offload_groups import OffloadCopies
-            from megatron_cg_plugin.capture.slot_backend import SlotBackend
-
             return SlotBackend(copies=OffloadCopies.of(self.session.config), debug=self.session.config.slot_debug)
-        from megatron_cg_plugin.capture.backend import TEBackend
-
         return TEBackend()
 
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
-        (``capture.banked``); ``capture_banks`` leaves no layer banked if it fails."""
+        (``capture.graph_banks``); ``capture_banks`` leaves no layer banked if it fails."""
         from megatron.core import parallel_state
-
-        from megatron_cg_plugin.banks import bank_sizes
-        from megatron_cg_plugin.capture.banked import ThdCapacity, bank_rope_tables, capture_banks
-        from megatron_cg_plugin.capture.offload_groups import OffloadCopies
 
         config = self.session.config
         layers = self.flattened_callables
@@ -277,37 +284,31 @@ class PluginHelperMixin:
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
         groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
                   for size in sizes}
-        capacity = ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
+        capacity = graph_banks.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
         scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
-        start = time.perf_counter()
-        baseline = diagnostics.memory_state()
         # Banks capture each layer's forward and backward back to back; the tracker names which ran.
-        tracker = _CaptureTracker(layers, inject_at=None, is_capturing=lambda: False)
-        tracker.install()
+        attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(
+            layers, inject_at=None, is_capturing=lambda: False),
+            what="graph bank capture", undone="No layer was left banked.", megatron_lifecycle=False)
+        baseline = diagnostics.memory_state()
         try:
-            banked = capture_banks(layers, groups, capacity, rope_tables=bank_rope_tables(self.model[0], groups, capacity),
-                                   debug=config.slot_debug, contract_check=config.contract_check,
-                                   offload_copies=OffloadCopies.of(config))
-        except Exception as error:  # noqa: BLE001 - nothing is left banked; raise or go on eagerly
-            cause = f"{type(error).__name__}: {error}"
-            self._record_failure(scope, layers, start, f"{tracker.where}: {cause}")
-            self._empty_cache()
-            if config.on_capture_error == "raise":
-                raise CaptureFailedError(f"graph bank capture failed in {tracker.where}: {cause}\nNo layer "
-                                         "was left banked. Fix the cause (docs/troubleshooting.md), or pass "
-                                         "--cg-on-capture-error eager.") from error
-            logger.warning("graph bank capture failed in %s (%s); training continues eagerly.", tracker.where, cause)
+            # capture_banks resets the graphs it made itself; the transaction puts back what the capture
+            # changed, a layer's banks included (none is left banked, whatever failed).
+            banked_layers = [attribute(layer, "_graph_banks") for layer in layers]
+            with CaptureTransaction(self._restorables(layers) + banked_layers), attempt.tracker.installed():
+                banks = graph_banks.capture_banks(layers, groups, capacity,
+                                                  rope_tables=graph_banks.bank_rope_tables(self.model[0], groups, capacity),
+                                                  debug=config.slot_debug, contract_check=config.contract_check,
+                                                  offload_copies=OffloadCopies.of(config))
+        except Exception as error:  # noqa: BLE001 - rolled back and nothing left banked; raise or go on eagerly
+            self._capture_failed(error, attempt)
             return
-        finally:
-            tracker.uninstall()
-        self._banks = banked
+        self._banks = banks
         self._baseline = baseline
         self._graphs_created = True
         self._capture_finished = True
-        self.capture_stats = CaptureStats(
-            scope=scope, layers=len(layers), graphs=banked.graph_count, seconds=time.perf_counter() - start,
-            pool_bytes=diagnostics.new_pool_bytes(baseline.pools, diagnostics.memory_state().pools),
-            replays=banked.replay_counts(), banks=lambda: banked.report()["banks"])
+        self.capture_stats = self._capture_stats(attempt, graphs=banks.graph_count, replays=banks.replay_counts(),
+                                                 baseline=baseline, banks=lambda: banks.report()["banks"])
 
     def _graphed_parameters(self) -> list[Any]:
         return [p for layer in self.flattened_callables for p in layer.parameters()]
@@ -317,21 +318,20 @@ class PluginHelperMixin:
         slot-shared capture takes every parameter's gradient and failed on one."""
         return not self.session.config.slot_capture
 
-    def _stale_graphs_allow_capture(self, scope: str, layers: list[Any], start: float) -> bool:
+    def _stale_graphs_allow_capture(self, attempt: _Attempt) -> bool:
         """``--cg-stale-graph-check before``: the check runs before capture changes anything, so a
         refusal needs no rollback."""
         try:
             tolerated = hygiene.ensure_no_stale_graphs(self._graphed_parameters(), tolerate=self._tolerate_stale_graphs())
         except hygiene.StaleAutogradGraphError as refusal:
-            self._refuse(refusal, scope, layers, start, "refused before capture")
+            self._refuse(refusal, attempt, "refused before capture")
             return False
         for graph in tolerated:
             logger.info("capture proceeds with a tolerated live autograd graph: %s held by %s",
                         graph.root, "; ".join(graph.holders))
         return True
 
-    def _stale_graphs_refuse_after_failure(self, error: Exception, scope: str, layers: list[Any], start: float,
-                                           where: str) -> bool:
+    def _stale_graphs_refuse_after_failure(self, error: Exception, attempt: _Attempt) -> bool:
         """After a failed, rolled-back capture: True when it was refused for live eager graphs
         reaching the graphed parameters (named, in place of the bare CUDA error). A refusal raised
         inside the capture (slot-shared capture's own check) is that refusal. The diagnosis never
@@ -350,8 +350,8 @@ class PluginHelperMixin:
         if found is None:
             return False
         self._empty_cache()
-        self._refuse(found, scope, layers, start,
-                     f"refused after a failed capture ({where}: {type(error).__name__}: {error})")
+        self._refuse(found, attempt,
+                     f"refused after a failed capture ({attempt.tracker.where}: {type(error).__name__}: {error})")
         return True
 
     @staticmethod
@@ -360,24 +360,33 @@ class PluginHelperMixin:
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
 
-    def _refuse(self, refusal: hygiene.StaleAutogradGraphError, scope: str, layers: list[Any], start: float,
-                when: str) -> None:
+    def _refuse(self, refusal: hygiene.StaleAutogradGraphError, attempt: _Attempt, when: str) -> None:
         """A stale-graph refusal: nothing is left captured. With ``raise`` the phase stays open, so
         capture may run again once the holder lets go (before a capture the helper is exactly as it
         was; after a failed one, rolled back and reset by Megatron's post-capture reset). With
         ``eager`` the phase is marked done, the report says why, and training goes on eagerly."""
         if self.session.config.on_capture_error == "raise":
             raise refusal
-        self._record_failure(scope, layers, start, f"{when}: {refusal}")
+        self._record_failure(attempt, f"{when}: {refusal}")
         logger.warning("%s; training continues eagerly (--cg-on-capture-error eager).", refusal)
 
-    def _record_failure(self, scope: str, layers: list[Any], start: float, failure: str) -> None:
+    def _record_failure(self, attempt: _Attempt, failure: str) -> None:
         """No graphs for this phase: the report shows why, and Megatron's loop must not try again
         every step."""
         self._capture_finished = True
-        self.capture_stats = CaptureStats(scope=scope, layers=len(layers), graphs=0,
-                                          seconds=time.perf_counter() - start, pool_bytes=0,
-                                          replays=diagnostics.ReplayCounter(len(layers)), failure=failure)
+        self.capture_stats = self._capture_stats(attempt, graphs=0, replays=diagnostics.ReplayCounter(len(attempt.layers)),
+                                                 baseline=None, failure=failure)
+
+    @staticmethod
+    def _capture_stats(attempt: _Attempt, *, graphs: int, replays: diagnostics.ReplayTotals,
+                       baseline: diagnostics.MemoryState | None, **details: Any) -> CaptureStats:
+        """What the report shows of a capture, captured or failed: its time so far and the graph-pool
+        bytes it added over ``baseline`` (None: a failed capture, which holds none)."""
+        return CaptureStats(scope=attempt.scope, layers=len(attempt.layers), graphs=graphs,
+                            seconds=time.perf_counter() - attempt.start,
+                            pool_bytes=0 if baseline is None else diagnostics.new_pool_bytes(
+                                baseline.pools, diagnostics.memory_state().pools),
+                            replays=replays, **details)
 
     def _hold_to_contracts(self, capture: "_CaptureCall", mode: ContractCheck) -> diagnostics.ReplayCounter:
         """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
@@ -426,21 +435,28 @@ class PluginHelperMixin:
             self._reset_after_capture()  # zero grad buffers, MoE metrics, temporary tensors
         self._graphs_created = False
 
-    def _on_capture_failure(self, error: Exception, scope: str, tracker: _CaptureTracker, start: float,
-                            layers: list[Any]) -> None:
-        """After the rollback and Megatron's reset: free what the capture held, then raise or go eager."""
+    def _capture_failed(self, error: Exception, attempt: _Attempt) -> None:
+        """How every failed capture ends, once its transaction rolled back what it changed: after
+        Megatron's own lifecycle, Megatron's post-capture reset and (``--cg-stale-graph-check
+        refuse``) the stale-graph diagnosis, which may refuse in place of the bare error; then what
+        the capture held is freed, the report records where and why, and the error is raised as
+        ``CaptureFailedError`` or training goes on eagerly (``--cg-on-capture-error``)."""
+        if attempt.megatron_lifecycle:
+            self._release_failed_capture()
+            if self.session.config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(
+                    error, attempt):
+                return
         gc.collect()
         self._empty_cache()
-        where = tracker.where
+        where = attempt.tracker.where
         cause = f"{type(error).__name__}: {error}"
-        self._record_failure(scope, layers, start, f"{where}: {cause}")
+        self._record_failure(attempt, f"{where}: {cause}")
         if self.session.config.on_capture_error == "raise":
             raise CaptureFailedError(
-                f"CUDA graph capture ({scope}) failed in {where}: {cause}\nEverything the capture changed "
-                "was rolled back. Fix the cause (docs/troubleshooting.md), or pass "
-                "--cg-on-capture-error eager to keep training without graphs.") from error
-        logger.warning("CUDA graph capture (%s) failed in %s: %s; rolled back, training continues eagerly "
-                       "(--cg-on-capture-error eager).", scope, where, cause)
+                f"{attempt.what} failed in {where}: {cause}\n{attempt.undone} Fix the cause "
+                "(docs/troubleshooting.md), or pass --cg-on-capture-error eager to keep training without graphs.") from error
+        logger.warning("%s failed in %s: %s; rolled back, training continues eagerly (--cg-on-capture-error eager).",
+                       attempt.what, where, cause)
 
     # -- teardown -----------------------------------------------------------------------------
     def cuda_graph_set_manual_hooks(self) -> None:
@@ -493,8 +509,6 @@ class PluginHelperMixin:
 def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
     """Per graphed layer, what its slot-shared graphs hold, read live (the delayed-flush counts grow
     in training); None for TE's graphs."""
-    from megatron_cg_plugin.capture.slot_backend import SlotLayerGraph
-
     slotted = tuple(graph for graph in graphs or () if isinstance(graph, SlotLayerGraph))
     return (lambda: tuple(graph.stats for graph in slotted)) if slotted else None
 

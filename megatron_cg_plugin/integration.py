@@ -1,19 +1,30 @@
-"""The only module that touches Megatron's globals: install and uninstall the plugin.
+"""Install and uninstall the plugin, and stand in for the GPU host in a CPU dry run: the module
+that sets Megatron's globals for a run or a check (every change listed in ``patches``; a ``with``
+block elsewhere changes only what ``patches.SCOPED`` lists, through ``patches.scoped``).
 
 ``install()`` checks versions and the private functions the plugin relies on
 (``patches.PRIVATE_API``), applies every patch in ``patches.PATCHES`` (all or nothing) and creates
 the run's ``RunSession``; ``uninstall()`` restores each patched and lent attribute
-(``patches.LENT``) to the very object it replaced. Both are idempotent.
+(``patches.LENT``) to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
+lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import importlib
+import os
+import types
+from typing import Any, Iterator
 
-from megatron_cg_plugin import compat
+import torch
+
+from megatron_cg_plugin import compat, patches
 from megatron_cg_plugin.config import PluginConfig, config_from_args, has_plugin_flags
-from megatron_cg_plugin.patches import PatchSet, check_private_api, revert_lent, start_lending
+from megatron_cg_plugin.enforce import enforce_for_session
+from megatron_cg_plugin.patch_builders import BUILDERS
+from megatron_cg_plugin.patches import PATCHES, PatchSet, check_private_api, revert_lent, start_lending
 from megatron_cg_plugin.session import RunSession
 
 
@@ -68,26 +79,22 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     with_te = versions.transformer_engine is not None
     check_private_api(with_te=with_te)
     session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
-    patches = PatchSet()
-    patches.apply_all(session, with_te=with_te)
+    patch_set = PatchSet(PATCHES, BUILDERS)
+    patch_set.apply_all(session, with_te=with_te)
     start_lending()
     try:
         _enforce_on_parsed_args(session)
     except BaseException:
         revert_lent()
-        patches.revert_all()
+        patch_set.revert_all()
         raise
-    _installed = _Installed(session, patches)
+    _installed = _Installed(session, patch_set)
     return session
 
 
 def _enforce_on_parsed_args(session: RunSession) -> None:
     """A script that parsed its arguments before ``install()``: its flags get the rules now."""
-    import os
-
     from megatron.training.global_vars import get_args
-
-    from megatron_cg_plugin.enforce import enforce_for_session
 
     try:
         args = get_args()
@@ -117,3 +124,49 @@ def finish(print_fn: Any = print) -> Any:
     if _installed is None:
         return None
     return _installed.session.finish(print_fn=print_fn)
+
+
+def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
+
+
+# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
+TE_KERNELS = (
+    ("megatron.core.models.common.embeddings.rope_utils",
+     ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")),  # --apply-rope-fusion
+    ("megatron.core.transformer.moe.moe_utils",
+     ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+      "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),  # --moe-permute-fusion
+)
+
+
+@contextlib.contextmanager
+def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
+    differ, all restored on exit (``patches.SCOPED``): when there is no GPU here,
+    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
+    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
+    not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
+    RoPE and permutation fusion) are stand-ins that are never called, and Megatron's cached TE
+    version is the lowest release the plugin supports (its config checks gate features on it;
+    unset, they would read 0.0.0)."""
+    from megatron.core import utils as megatron_utils
+
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
+                                               name=f"stand-in sm_{capability[0]}{capability[1]}",
+                                               total_memory=0, multi_processor_count=0)
+            stack.enter_context(patches.scoped(torch.cuda, "get_device_capability", lambda *_a, **_k: capability,
+                                               "cpu-device-stand-ins"))
+            stack.enter_context(patches.scoped(torch.cuda, "get_device_properties", lambda *_a, **_k: properties,
+                                               "cpu-device-stand-ins"))
+        for module_name, names in TE_KERNELS:
+            module = importlib.import_module(module_name)
+            for name in names:
+                if getattr(module, name, None) is None:  # TE's kernel did not import here
+                    stack.enter_context(patches.scoped(module, name, _te_kernel_stand_in, "te-kernel-stand-ins"))
+        if not compat.te_available():
+            lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
+            stack.enter_context(patches.scoped(megatron_utils, "_te_version", lowest, "te-version-stand-in"))
+        yield

@@ -15,6 +15,8 @@ import functools
 import sys
 from typing import Any, Callable, NoReturn
 
+from megatron_cg_plugin.config import add_plugin_args
+
 GRAPH_MODULE_FLAGS = frozenset({"--cuda-graph-modules", "--cuda-graph-scope"})
 
 
@@ -72,8 +74,6 @@ def _graph_module_names() -> list[str]:
 
 def plugin_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider``: the ``--cg-*`` flags and one-line errors (both idempotent)."""
-    from megatron_cg_plugin.config import add_plugin_args
-
     return shorten(add_plugin_args(parser))
 
 

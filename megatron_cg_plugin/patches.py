@@ -11,16 +11,19 @@ each exists.
 - ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
 - ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
   ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
+
+The ledger and the mechanics that apply it (``PatchSet``, ``lend``, ``scoped``) depend on ``compat``
+only, so any module may make its change through them; what each patch builds lives above the
+helper, in ``patch_builders``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from megatron_cg_plugin import compat
 
@@ -37,16 +40,16 @@ HELPER_METHODS = (
 class Patch:
     """One replaced attribute ``module.attribute``.
 
-    ``build(original, session)`` returns the replacement; ``expected_params`` are the parameters of
-    the original that the replacement relies on (for a class: of its ``__init__``), and
-    ``expected_methods`` the methods a replaced class must still have.
+    ``expected_params`` are the parameters of the original that the replacement relies on (for a
+    class: of its ``__init__``), and ``expected_methods`` the methods a replaced class must still
+    have. What replaces it is built by the builder ``PatchSet`` is given under ``name``
+    (``patch_builders.BUILDERS``).
     """
 
     name: str
     module: str
     attribute: str
     reason: str
-    build: Callable[[Any, Any], Any]
     expected_params: tuple[str, ...] = ()
     expected_methods: tuple[str, ...] = ()
     needs_te: bool = False  # skipped where Transformer Engine is not installed
@@ -66,160 +69,6 @@ class Patch:
             )
 
 
-def _build_helper(original: type, session: Any) -> type:
-    from megatron_cg_plugin.helper import bind_helper_class
-
-    return bind_helper_class(original, session)
-
-
-def _build_training_log_tap(original: Callable, session: Any) -> Callable:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def training_log(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        if not session.times_steps:  # the run records nothing per step (no metrics, no report)
-            return result
-        bound = signature.bind(*args, **kwargs)
-        session.on_training_log(
-            iteration=bound.arguments["iteration"],
-            loss_dict=bound.arguments["loss_dict"],
-            num_zeros_in_grad=bound.arguments.get("num_zeros_in_grad"),
-        )
-        return result
-
-    return training_log
-
-
-def _build_mtp_loss_tap(original: type, session: Any) -> type:
-    """Megatron's MTP logging helper with ``track_mtp_metrics`` tapped: it adds each MTP layer's
-    reduced loss of the iteration into ``total_loss_dict`` (``mtp_N loss``); the tap hands the
-    iteration's additions to the session, which records them with the iteration's other metrics."""
-    track = original.track_mtp_metrics
-    compat.check_parameters(track, ("loss_scale", "iteration", "total_loss_dict"),
-                            where=f"{original.__module__}.{original.__qualname__}.track_mtp_metrics")
-    signature = inspect.signature(track)
-
-    def track_mtp_metrics(*args: Any, **kwargs: Any) -> Any:
-        if not session.keeps_values:  # no metrics file: not even the difference runs on the device
-            return track(*args, **kwargs)
-        totals = signature.bind(*args, **kwargs).arguments.get("total_loss_dict")
-        before = {} if totals is None else {name: totals[name] for name in totals if _is_mtp_loss(name)}
-        result = track(*args, **kwargs)
-        if totals is not None:
-            session.on_mtp_losses({name: totals[name] - before.get(name, 0) for name in totals if _is_mtp_loss(name)})
-        return result
-
-    return type(original.__name__, (original,), {"track_mtp_metrics": staticmethod(track_mtp_metrics),
-                                                 "__module__": __name__, "__doc__": original.__doc__})
-
-
-def _is_mtp_loss(name: Any) -> bool:
-    return isinstance(name, str) and name.startswith("mtp_") and name.endswith(" loss")
-
-
-def _build_plugin_args(original: Callable, session: Any) -> Callable:
-    from megatron_cg_plugin.parse_errors import plugin_args_provider
-
-    @functools.wraps(original)
-    def add_megatron_arguments(parser: Any) -> Any:
-        return plugin_args_provider(original(parser))
-
-    return add_megatron_arguments
-
-
-def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
-    import os
-
-    from megatron_cg_plugin import enforce
-
-    @functools.wraps(original)
-    def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        try:
-            result = original(args, *rest, **kwargs)
-        except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
-            raise enforce.refuse_megatron(error, environ=os.environ) from None
-        enforce.enforce_for_session(args, session, environ=os.environ)
-        return result
-
-    return validate_args
-
-
-def build_train_step_timer(original: Callable, session: Any) -> Callable:
-    """Marks each iteration's start (the bench's plugin-recording arm wraps its steps the same way)."""
-
-    @functools.wraps(original)
-    def train_step(*args: Any, **kwargs: Any) -> Any:
-        session.mark_iteration_start()
-        return original(*args, **kwargs)
-
-    return train_step
-
-
-def _build_train_end_report(original: Callable, session: Any) -> Callable:
-    @functools.wraps(original)
-    def train(*args: Any, **kwargs: Any) -> Any:
-        from megatron_cg_plugin.moe_stats import RouterDropTap
-
-        tap = RouterDropTap() if session.config.moe_drop_stats else None
-        if tap is not None:  # train(forward_step_func, model, ...): the model chunks' routers
-            tap.attach(kwargs.get("model", args[1] if len(args) > 1 else ()))
-
-        def finish() -> None:
-            if tap is not None:
-                session.moe_dropped_fraction = tap.dropped_fraction()
-            session.finish()
-
-        try:
-            try:
-                result = original(*args, **kwargs)
-            except SystemExit:  # --exit-interval, --exit-duration-in-mins, signals: Megatron's normal exits
-                finish()
-                raise
-            finish()
-            return result
-        finally:  # a crash too: no hook stays on Megatron's routers
-            if tap is not None:
-                tap.remove()
-
-    return train
-
-
-def _build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable:
-    @functools.wraps(original)
-    def compile_helpers() -> None:
-        try:
-            importlib.import_module("megatron.core.datasets.helpers_cpp")
-        except ImportError:
-            original()  # a source checkout: let Megatron build the helpers as usual
-
-    return compile_helpers
-
-
-def _build_strided_weak_ref(original: Callable, session: Any) -> Callable:
-    """TE's ``make_weak_ref`` rebuilds every tensor as row-major from its data pointer and shape.
-    Non-contiguous tensors go through it as their flat addressed span (row-major by construction)
-    and come back as a view with their own strides; containers are walked here so nested tensors
-    get the same treatment; everything else is TE's."""
-    import torch
-
-    from megatron_cg_plugin.memory.layout import span_of
-
-    @functools.wraps(original)
-    def make_weak_ref(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.numel() and not x.is_contiguous():
-            return original(span_of(x)).as_strided(tuple(x.shape), tuple(x.stride()))
-        if isinstance(x, tuple):
-            return tuple(make_weak_ref(item) for item in x)
-        if isinstance(x, list):
-            return [make_weak_ref(item) for item in x]
-        if isinstance(x, dict):
-            return {key: make_weak_ref(value) for key, value in x.items()}
-        return original(x)
-
-    return make_weak_ref
-
-
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="plugin-args",
@@ -228,7 +77,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="parse_args() builds every Megatron parser through this module global (arguments.py l.121), "
         "whatever extra_args_provider the script passes; the wrapper adds the --cg-* flags (once) so any "
         "Megatron script accepts them, and makes the parser's errors one line (parse_errors.shorten).",
-        build=_build_plugin_args,
         expected_params=("parser",),
     ),
     Patch(
@@ -238,7 +86,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
         "after Megatron's own checks the wrapper runs the plugin's rules (the list megatron-cg check runs) and "
         "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule.",
-        build=_build_validate_args_rules,
         expected_params=("args", "defaults"),
     ),
     Patch(
@@ -248,7 +95,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
         "there (the host clock only, no device synchronize) times every iteration of any script from its start "
         "to the next one's, as Megatron's interval timer does, for the metrics and the report.",
-        build=build_train_step_timer,
         expected_params=("forward_step_func", "data_iterator", "model"),
     ),
     Patch(
@@ -259,7 +105,6 @@ PATCHES: tuple[Patch, ...] = (
         "its graphs down (l.4100), or exits through sys.exit (--exit-interval, --exit-duration-in-mins, "
         "l.4155); the wrapper then prints the run report on rank 0 and writes the --cg-metrics-out / "
         "--cg-report-out files, so a script needs no call of its own.",
-        build=_build_train_end_report,
         expected_params=("forward_step_func", "model", "optimizer"),
     ),
     Patch(
@@ -269,7 +114,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="train() constructs the TE graph helper from this module global at call time "
         "(training.py l.3715); swapping it is the only hook that puts the plugin's helper "
         "(diagnostics, replay counters, later banks/slots) into Megatron's own loop.",
-        build=_build_helper,
         expected_params=("model", "config", "seq_length", "micro_batch_size", "optimizers"),
         expected_methods=HELPER_METHODS,
     ),
@@ -280,7 +124,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="the per-iteration lm loss (reduced over DP) and num-zeros are only available here; after "
         "Megatron's logger ran unchanged, the tap hands them to the session, which keeps device tensors as "
         "they are and reads them in batches (no per-step synchronize), for golden values and the run report.",
-        build=_build_training_log_tap,
         expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
     ),
     Patch(
@@ -291,7 +134,6 @@ PATCHES: tuple[Patch, ...] = (
         "track_mtp_metrics (imported by name into training.py, l.125) and keeps it only for its own "
         "log line and TensorBoard; the tap records the iteration's mtp_N loss for golden values "
         "(Megatron's METRICS name them) and then returns Megatron's result unchanged.",
-        build=_build_mtp_loss_tap,
         expected_methods=("track_mtp_metrics",),
     ),
     Patch(
@@ -301,7 +143,6 @@ PATCHES: tuple[Patch, ...] = (
         reason="initialize_megatron() runs `make` for the dataset C++ helpers on rank 0, but the "
         "megatron-core wheel ships the compiled helpers_cpp and no Makefile, so every run "
         "from the wheel exits; use the shipped module when it imports.",
-        build=_build_prebuilt_dataset_helpers,
     ),
     Patch(
         name="strided-weak-ref",
@@ -311,7 +152,6 @@ PATCHES: tuple[Patch, ...] = (
         "tensors from data pointer and shape only, so transposed or expanded static outputs and "
         "gradients come back row-major after make_graphed_callables weak-refs them (buffer reuse "
         "path); the replacement keeps their strides.",
-        build=_build_strided_weak_ref,
         expected_params=("x",),
         needs_te=True,
     ),
@@ -345,7 +185,7 @@ LENT: tuple[ForeignState, ...] = (
         "Megatron creates the side stream TE's CP attention needs only when the static CP size is > 1; hybrid CP "
         "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
         "attention fails on None.wait_event without it).",
-        "dynamic_cp.ensure_dynamic_cp_stream", needs_te=True),
+        "packed_cp.ensure_dynamic_cp_stream", needs_te=True),
     ForeignState(
         "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
         "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
@@ -354,7 +194,7 @@ LENT: tuple[ForeignState, ...] = (
         "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
         "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
         "them anew.",
-        "capture.banked.LayerBanks.replay (BankGraph.restore_dispatcher)"),
+        "capture.graph_banks.LayerBanks.replay (BankGraph.restore_dispatcher)"),
 )
 
 SCOPED: tuple[ForeignState, ...] = (
@@ -370,6 +210,21 @@ SCOPED: tuple[ForeignState, ...] = (
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
         "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
         needs_te=True),  # Megatron imports it from TE
+    ForeignState(
+        "layer-capture-tracker", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+        "Set on each graphed layer instance for one capture, wrapping Megatron's method: it names the layer and phase "
+        "where a capture failed (the forward, or the backward autograd reaches through a tensor hook on the forward's "
+        "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
+        "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
+        "and no hook stays on TE's static outputs.",
+        "helper._CaptureTracker.installed (patches.scoped around Megatron's create_cudagraphs in the capture "
+        "transaction, and around the graph banks' capture)"),
+    ForeignState(
+        "tracked-cuda-graphs", "torch:cuda.CUDAGraph",
+        "TE creates its graph objects inside make_graphed_callables and drops them on failure; the transaction must "
+        "reset every graph created so far, so while TE captures, the class TE looks up on torch.cuda at call time is "
+        "a subclass that reports each instance.",
+        "capture.backend.TEBackend.tracking (patches.scoped around TE's make_graphed_callables in the capture call)"),
     ForeignState(
         "offload-group-names",
         "megatron.core.pipeline_parallel.fine_grained_activation_offload:FineGrainedActivationOffloadingInterface.__enter__",
@@ -396,7 +251,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
         "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
         "same way for such layers.",
-        "capture.banked.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
+        "capture.graph_banks.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
     ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
@@ -433,19 +288,19 @@ SCOPED: tuple[ForeignState, ...] = (
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
         "connection rules).",
-        "cli.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
+        "integration.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
     ForeignState(
         "te-kernel-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
         "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
         "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
-        "fused permute/unpermute/sort-chunks symbols (cli._TE_KERNELS) are stand-ins that are never called.",
-        "cli.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
+        "fused permute/unpermute/sort-chunks symbols (integration.TE_KERNELS) are stand-ins that are never called.",
+        "integration.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
     ForeignState(
         "te-version-stand-in", "megatron.core.utils:_te_version",
         "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
         "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
         "TE release the plugin supports, the one the GPU host will have at least.",
-        "cli.gpu_host_stand_ins (with block around the dry run; only where TE is not installed)"),
+        "integration.gpu_host_stand_ins (with block around the dry run; only where TE is not installed)"),
 )
 
 PRIVATE_API: tuple[ForeignState, ...] = (
@@ -459,13 +314,13 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  ("self",)),
     ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
                  "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
-                 "helper.py, capture/banked.py"),
+                 "helper.py, capture/graph_banks.py"),
     ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
                  "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
-                 "capture/banked.py"),
+                 "capture/graph_banks.py"),
     ForeignState("megatron-forward-attention", "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
                  "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
-                 "capture/banked.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
+                 "capture/graph_banks.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
     ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
                  "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
                  "in-place check sees what it would have seen without the arena.", "memory/saved_tensors.py"),
@@ -489,6 +344,7 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  needs_te=True),
 )
 
+_ABSENT = object()  # scoped: the owner had no value of its own
 _lent: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, value before the first lend, the lent value)
 _recording = False  # True while the plugin is installed: uninstall() then restores what was lent
 
@@ -523,16 +379,34 @@ def revert_lent() -> None:
 
 @contextlib.contextmanager
 def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None]:
-    """Sets ``owner.attribute`` (a change listed in ``SCOPED``) for the ``with`` block; the value
-    before is back on exit, whatever happens."""
+    """Sets ``owner.attribute`` (a change listed in ``SCOPED``) for the ``with`` block; on exit,
+    whatever happens, it is as before: the value it had, or, where ``owner`` had none of its own
+    (a method of its class, an attribute not there), absent again, so nothing is left behind."""
     if change not in {entry.name for entry in SCOPED}:
         raise ValueError(f"{change!r} is not listed in patches.SCOPED; list every foreign change there.")
-    before = getattr(owner, attribute)
+    own = getattr(owner, "__dict__", None)
+    if own is None or _set_through_type(owner, attribute):  # slots, a property: set and put back as a value
+        before = getattr(owner, attribute)
+    else:  # the object as stored (a staticmethod stays one), or absent: then deleted again on exit
+        before = own.get(attribute, _ABSENT)
     setattr(owner, attribute, value)
     try:
         yield
     finally:
-        setattr(owner, attribute, before)
+        if before is _ABSENT:
+            if attribute in own:
+                delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, before)
+
+
+def _set_through_type(owner: Any, attribute: str) -> bool:
+    """Whether ``owner.attribute = value`` goes to a data descriptor of its type (a property with a
+    setter, a slot) rather than into ``owner.__dict__``."""
+    for klass in type(owner).__mro__:  # the first class that has it decides, as attribute lookup does
+        if attribute in vars(klass):
+            return hasattr(type(vars(klass)[attribute]), "__set__")
+    return False
 
 
 def check_private_api(*, with_te: bool) -> None:
@@ -560,10 +434,19 @@ def check_private_api(*, with_te: bool) -> None:
 
 
 class PatchSet:
-    """Applies ``PATCHES`` for one session and reverts them by identity."""
+    """Applies ``patches`` for one session, each replacement built by ``builders[patch.name]``, and
+    reverts them by identity. Every patch needs its builder and every builder its patch: nothing
+    is replaced that the ledger does not list."""
 
-    def __init__(self, patches: tuple[Patch, ...] = PATCHES) -> None:
-        self._patches = patches
+    def __init__(self, patches: Sequence[Patch], builders: Mapping[str, Callable[[Any, Any], Any]]) -> None:
+        names = [patch.name for patch in patches]
+        unbuilt = [name for name in names if name not in builders]
+        unlisted = sorted(set(builders) - set(names))
+        if unbuilt or unlisted:
+            raise ValueError(f"each patch needs one builder and each builder a patch: no builder for {unbuilt}, "
+                             f"no patch listed for {unlisted}.")
+        self._patches = tuple(patches)
+        self._builders = dict(builders)
         self._originals: list[tuple[Patch, Any, Any]] = []  # (patch, module object, original)
 
     @property
@@ -579,7 +462,7 @@ class PatchSet:
                 module = importlib.import_module(patch.module)
                 original = getattr(module, patch.attribute)
                 patch.check(original)
-                replacement = patch.build(original, session)
+                replacement = self._builders[patch.name](original, session)
                 setattr(module, patch.attribute, replacement)
                 self._originals.append((patch, module, original))
         except BaseException:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_cg_plugin import compat
 from megatron_cg_plugin.config import (ConfigError, PluginConfig, config_from_args, graph_only_flags, has_plugin_flags,
                                        is_power_of_two, unchecked_settings)
+from megatron_cg_plugin.data.sources import missing_files
 from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES, module_names
 
 SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
@@ -564,9 +566,6 @@ def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, conf
     the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
     returns the facts and the config. ``te_present`` overrides the probe (the CPU dry run checks
     flags for a GPU host it is not running on)."""
-    from megatron_cg_plugin import compat
-    from megatron_cg_plugin.data.sources import missing_files
-
     problems: list[str] = []
     if config is None and not has_plugin_flags(args):  # a parser without the --cg-* flags: defaults
         config = PluginConfig()

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Protocol
 from megatron_cg_plugin import diagnostics
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
-from megatron_cg_plugin.plan.moe import uniform_load
+from megatron_cg_plugin.plan.graph_memory import GraphMemoryPlan
+from megatron_cg_plugin.plan.moe import MoeCapacityPlan, uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
 
 
@@ -107,6 +108,18 @@ class CaptureStats:
     slot_layers: Callable[[], tuple] | None = None  # --cg-slot-capture: live per-layer slot_backend.LayerSlotStats
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPrediction:
+    """What the rules' check predicted before any GPU work (``enforce.enforce_for_session``), for
+    the report to set beside what the run measures: the graph pool and arenas (None: not
+    predicted), the fixed-capacity MoE plan (None: no such MoE), and ``repredict``, the prediction
+    for the built model's ``TransformerConfig`` (None: nothing to redo)."""
+
+    graph_memory: GraphMemoryPlan | None = None
+    moe_capacity: MoeCapacityPlan | None = None
+    repredict: Callable[[Any], GraphMemoryPlan | None] | None = None
+
+
 def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
     """Slot-shared capture's arenas, and the bytes its graphs offloaded: each layer's per-replay
     bytes times the forward replays counted for that layer."""
@@ -144,11 +157,16 @@ class RunSession:
         self._iteration_start: float | None = None
         self._pending_mtp: dict[str, Any] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
-        self.predicted_graph_memory: Any = None  # plan.graph_memory.GraphMemoryPlan, set by the rules' check
-        # model config -> the prediction for it (set by the rules' check; None there: not predicted)
-        self.repredict: Callable[[Any], Any] | None = None
+        self.prediction = RunPrediction()  # until the rules' check makes one (predict)
         self.moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: rank 0's routers over the run
-        self.moe_capacity_plan: Any = None  # plan.moe.MoeCapacityPlan of a fixed-capacity MoE, set by the rules' check
+
+    def predict(self, prediction: RunPrediction) -> None:
+        """The rules' check predicted the run (once its flags were validated)."""
+        self.prediction = prediction
+
+    def record_moe_drops(self, fraction: float) -> None:
+        """``--cg-moe-drop-stats``: the fraction of assignments rank 0's routers dropped over the run."""
+        self.moe_dropped_fraction = fraction
 
     @property
     def config_resolved(self) -> bool:
@@ -197,8 +215,8 @@ class RunSession:
     def model_config_seen(self, model_config: Any) -> None:
         """The built model's ``TransformerConfig``, before capture: a field a user's script set on
         it beyond the flags (FP8 attention has no flag in 0.19.2) is in the report's prediction."""
-        if self.repredict is not None:
-            self.predicted_graph_memory = self.repredict(model_config)
+        if self.prediction.repredict is not None:
+            self.prediction = dataclasses.replace(self.prediction, graph_memory=self.prediction.repredict(model_config))
 
     def mark_iteration_start(self) -> None:
         """Called as each iteration starts (and by any caller per microbatch); only the first of an
@@ -278,6 +296,7 @@ class RunSession:
         graphed = [r.seconds for r in self.iterations if r.graphed and r.seconds is not None]
         eager_median = diagnostics.steady_median(eager)
         graphed_median = diagnostics.steady_median(graphed)
+        memory, moe = self.prediction.graph_memory, self.prediction.moe_capacity
         scopes = tuple(
             ScopeReport(
                 scope=stats.scope,
@@ -308,15 +327,14 @@ class RunSession:
             graphed_steps=len(graphed),
             eager_step_ms=None if eager_median is None else 1e3 * eager_median,
             graphed_step_ms=None if graphed_median is None else 1e3 * graphed_median,
-            predicted_pool_bytes=None if self.predicted_graph_memory is None else self.predicted_graph_memory.pool_bytes,
-            prediction_leaves_out=() if self.predicted_graph_memory is None else self.predicted_graph_memory.unpredicted,
-            predicted_host_arena_bytes=getattr(self.predicted_graph_memory, "host_arena_bytes", None),
-            predicted_arena_bytes=getattr(self.predicted_graph_memory, "arena_bytes", None),
-            predicted_boundary_bytes=getattr(self.predicted_graph_memory, "boundary_bytes", None),
+            predicted_pool_bytes=None if memory is None else memory.pool_bytes,
+            prediction_leaves_out=() if memory is None else memory.unpredicted,
+            predicted_host_arena_bytes=None if memory is None else memory.host_arena_bytes,
+            predicted_arena_bytes=None if memory is None else memory.arena_bytes,
+            predicted_boundary_bytes=None if memory is None else memory.boundary_bytes,
             moe_dropped_fraction=self.moe_dropped_fraction,
-            moe_planned_capacity=None if self.moe_capacity_plan is None else self.moe_capacity_plan.capacity,
-            moe_uniform_dropped_fraction=None if self.moe_capacity_plan is None else
-            self.moe_capacity_plan.dropped_fraction(uniform_load(self.moe_capacity_plan.num_experts)),
+            moe_planned_capacity=None if moe is None else moe.capacity,
+            moe_uniform_dropped_fraction=None if moe is None else moe.dropped_fraction(uniform_load(moe.num_experts)),
         )
 
     def finish(self, *, print_fn: Callable[[str], None] = print) -> RunReport:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from megatron_cg_plugin import patches
 from megatron_cg_plugin.capture.transaction import Restorable, attribute
 
 
@@ -39,21 +40,17 @@ class TEBackend:
     @contextlib.contextmanager
     def tracking(self, on_graph: Callable[[Any], None]) -> Iterator[None]:
         """Reports each ``torch.cuda.CUDAGraph`` created inside (TE looks the class up on
-        ``torch.cuda`` at call time); the original class is back on exit, whatever happens."""
+        ``torch.cuda`` at call time); the original class is back on exit, whatever happens
+        (``patches.SCOPED``, ``tracked-cuda-graphs``)."""
         import torch
 
-        original = torch.cuda.CUDAGraph
-
-        class TrackedCUDAGraph(original):  # type: ignore[misc, valid-type]
+        class TrackedCUDAGraph(torch.cuda.CUDAGraph):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 on_graph(self)
 
-        torch.cuda.CUDAGraph = TrackedCUDAGraph
-        try:
+        with patches.scoped(torch.cuda, "CUDAGraph", TrackedCUDAGraph, "tracked-cuda-graphs"):
             yield
-        finally:
-            torch.cuda.CUDAGraph = original
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
         """What TE 2.20.2's ``make_graphed_callables`` changes and, on failure, leaves changed:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin.banks import group_label
+from megatron_cg_plugin.bank_router import group_label
 from megatron_cg_plugin.config import ContractCheck
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Iterator, Sequence
 
 from megatron_cg_plugin import patches
-from megatron_cg_plugin.capture.slotted import SlotOffload
+from megatron_cg_plugin.capture.slot_shared import SlotOffload
 from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack

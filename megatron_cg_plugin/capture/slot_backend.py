@@ -30,11 +30,11 @@ from megatron_cg_plugin.capture.offload_groups import (
     MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
 )
 from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
-from megatron_cg_plugin.capture.slotted import SlotFp8, SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.capture.slot_shared import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
-from megatron_cg_plugin.plan.slots import exclusive_plan
+from megatron_cg_plugin.plan.slot_plan import exclusive_plan
 from megatron_cg_plugin.scopes import module_names
 
 VARIANT = "layer"

@@ -9,9 +9,8 @@ __all__ = ["get_hybrid_cp_batch", "pack_hybrid_cp_sample"]
 
 
 def __getattr__(name: str) -> Any:
-    # torch is imported only when the batch functions are first used.
     if name in __all__:
-        from megatron_cg_plugin.data import hybrid_cp
+        from megatron_cg_plugin.data import hybrid_cp  # deferred: imports torch, when the batch functions are first used
 
         return getattr(hybrid_cp, name)
     raise AttributeError(name)

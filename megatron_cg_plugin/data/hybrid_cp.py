@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
+from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.plan.thd import fixed_capacity_layout, partitioned_indices
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -1,5 +1,5 @@
 """``megatron-cg bench <launcher flags>``: eager, Megatron's own graphs and the plugin's graphs,
-measured in one process, in interleaved blocks (``plan.bench``).
+measured in one process, in interleaved blocks (``plan.bench_schedule``).
 
 The launcher builds Megatron's model, optimizer and data from the flags and enters Megatron's own
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
@@ -17,7 +17,7 @@ steps and tears down, so the next graphed block captures again. Every step is a 
 
 ``--bench-interleave steps`` captures every graphed arm once up front instead, each with its own
 helper and graph pool, all alive together, and then alternates single steps in mirrored cycles
-(``plan.bench.interleaved_steps``), switching the layers to an arm's graphs between steps
+(``plan.bench_schedule.interleaved_steps``), switching the layers to an arm's graphs between steps
 (``MegatronTrainer.activate``).
 """
 
@@ -32,14 +32,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
-from megatron_cg_plugin import bench_output, diagnostics, patches
+from megatron_cg_plugin import bench_output, diagnostics, integration, patch_builders, patches, rules
 from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, StepRecord,
     is_known_arm, is_slot_arm,
 )
+from megatron_cg_plugin.capture.offload_groups import OffloadCopies
+from megatron_cg_plugin.capture.slot_backend import SlotBackend
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
+from megatron_cg_plugin.helper import bind_helper_class
+from megatron_cg_plugin.launch import pretrain_gpt, run_script
+from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.session import RunSession
-from megatron_cg_plugin.plan.bench import (
+from megatron_cg_plugin.plan.bench_schedule import (
     Block, DeviceTime, fewest_for_interval, interleaved_blocks, interleaved_steps, intervals_by_kind, run_schedule,
     summarize,
 )
@@ -384,8 +389,6 @@ class MegatronTrainer:
         plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
         if getattr(plugin, "session", None) is None:
             raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
-        from megatron_cg_plugin.helper import bind_helper_class
-
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
         unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
@@ -413,10 +416,6 @@ class MegatronTrainer:
     def helper_class(self, arm: str) -> Any:
         """The helper class of ``arm``; slot arms are bound at their first capture."""
         if arm not in self.helpers:
-            from megatron_cg_plugin.capture.offload_groups import OffloadCopies
-            from megatron_cg_plugin.capture.slot_backend import SlotBackend
-            from megatron_cg_plugin.helper import bind_helper_class
-
             assert is_slot_arm(arm), arm  # BenchOptions refused the others
             offloaded = OFFLOAD_ARM.fullmatch(arm)
             base, window, percent = offloaded.groups() if offloaded else (arm, None, None)
@@ -497,10 +496,8 @@ class MegatronTrainer:
         written. (Every arm's step also passes the installed timer of the run's own session, whose
         mark is a no-op after the bench's first step: no training_log runs inside the bench to end
         that iteration.)"""
-        from megatron_cg_plugin.helper import bind_helper_class
-
         recording = RunSession(dataclasses.replace(self._session.config, **self.RECORDED_OUTPUTS))
-        recorded_step = patches.build_train_step_timer(self.train_step, recording)
+        recorded_step = patch_builders.build_train_step_timer(self.train_step, recording)
         return bind_helper_class(self._te_helper, recording), recording, recorded_step
 
     def release(self, helper: Any) -> None:
@@ -665,8 +662,6 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
-        from megatron_cg_plugin import rules
-
         facts = rules.facts_from_args(args, te_available=True, apex_fused_wgrad=True,
                                       config=PluginConfig(slot_capture=True))
         broken = [message for name, message in rules.violations(facts) if name.startswith("slot-capture")]
@@ -740,10 +735,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, results: list[BenchResult]) -> None:
     """The launcher's model and data: its flags are parsed (and refused) before any GPU work."""
-    from megatron_cg_plugin import integration
-    from megatron_cg_plugin.launch import pretrain_gpt
-    from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
-
     with single_process_rendezvous():
         session = integration.install(launcher=True)
         try:
@@ -761,8 +752,6 @@ def _bench_script(script: Path, options: BenchOptions, flags: Sequence[str], tra
     """A user's own script, run as ``megatron-cg run`` runs it: the script parses its flags and
     builds its model and data, so the bench's refusals come at its first train_step, before any block."""
     from megatron.training import get_args
-
-    from megatron_cg_plugin.launch import run_script
 
     def refuse() -> None:
         session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper

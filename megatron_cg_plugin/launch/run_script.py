@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from megatron_cg_plugin import console
+from megatron_cg_plugin import compat, console, integration
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
@@ -61,8 +61,6 @@ def exit_code(error: SystemExit) -> int:
 
 def run_in_process(script: Path, args: Sequence[str]) -> int:
     """Runs ``script`` in this process with the plugin installed; returns its exit code."""
-    from megatron_cg_plugin import compat, integration
-
     with single_process_rendezvous(), argv_as([str(script), *args]), script_search_path(script):
         try:
             integration.install()

@@ -14,7 +14,7 @@ class SlotReuseError(RuntimeError):
         super().__init__(
             f"slot {slot} is still owned by {holder} (its backward has not run) but {claimant} is about to "
             "reuse it: their saved tensors would overwrite each other. The replay order differs from the "
-            "one the slot plan was made for; plan with this order (megatron_cg_plugin.plan.slots).")
+            "one the slot plan was made for; plan with this order (megatron_cg_plugin.plan.slot_plan).")
 
 
 class SlotGuard:

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
 from megatron_cg_plugin.plan.offload import OffloadPlan
-from megatron_cg_plugin.plan.slots import arena_aligned
+from megatron_cg_plugin.plan.slot_plan import arena_aligned
 
 
 class HostArenaError(RuntimeError):

@@ -27,8 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_cg_plugin.memory.autograd_graph import reachable_nodes
 from megatron_cg_plugin.plan.offload import Save
-# One alignment (plan.slots.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
-from megatron_cg_plugin.plan.slots import arena_aligned as _aligned
+# One alignment (plan.slot_plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
+from megatron_cg_plugin.plan.slot_plan import arena_aligned as _aligned
 
 
 class ArenaOverflowError(RuntimeError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_cg_plugin.plan.banks import bank_sizes
+from megatron_cg_plugin.plan.bank_sizes import bank_sizes
 from megatron_cg_plugin.rules import GraphFacts
 from megatron_cg_plugin.scopes import MOE_SCOPES
 

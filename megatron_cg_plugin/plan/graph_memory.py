@@ -21,11 +21,11 @@ sums (``plan.reduction``) from ATen's reduce-kernel arithmetic, checked against 
 
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
-parameter gradient lives in buffers outside the pool (``capture.slotted``), so each graph's pool
+parameter gradient lives in buffers outside the pool (``capture.slot_shared``), so each graph's pool
 blocks are free again when its capture ends and the pool is sized by the largest graph. The arena
 is what the forward program keeps alive past its end, less the graph's output, plus the graph's
 input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage
-aligned as the arenas align them (``plan.slots.arena_aligned``); the saves in-graph offload moves
+aligned as the arenas align them (``plan.slot_plan.arena_aligned``); the saves in-graph offload moves
 go to the host instead.
 """
 
@@ -38,9 +38,11 @@ from typing import Iterator, Sequence
 
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.plan.allocator import PoolModel
+from megatron_cg_plugin.plan.capture import plan_capture
+from megatron_cg_plugin.plan.moe import capacity_plan_from_args
 from megatron_cg_plugin.plan.offload import OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.plan.reduction import column_sum_workspace
-from megatron_cg_plugin.plan.slots import arena_aligned
+from megatron_cg_plugin.plan.slot_plan import arena_aligned
 
 BF16 = 2
 FP32 = INT32 = 4
@@ -594,7 +596,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
         offloaded_per_layer.append(offloaded)
     if staging_depth is not None:
         arenas += staging_ring_bytes(offloaded_per_layer, staging_depth)
-    # Megatron's sample arguments are the static inputs (capture.slotted adopts them), so the boundary
+    # Megatron's sample arguments are the static inputs (capture.slot_shared adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
     return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated,
@@ -715,9 +717,6 @@ def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) ->
     (attributes only: this module stays free of Megatron and torch) and the plugin's ``config`` in
     force (its offload copies and window; never the ``--cg-*`` flags, which an ``install(config)``
     overrides). ``deterministic``: the run's NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
-    from megatron_cg_plugin.plan.capture import plan_capture
-    from megatron_cg_plugin.plan.moe import capacity_plan_from_args
-
     capture = plan_capture(facts)
     policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
     unpredicted = [what for what, present in (

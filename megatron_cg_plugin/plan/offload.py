@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Mapping, Sequence
 
-from megatron_cg_plugin.plan.slots import arena_aligned, per_slot_max
+from megatron_cg_plugin.plan.slot_plan import arena_aligned, per_slot_max
 
 # Megatron 0.19.2's offload groups (TransformerConfig's allowed offload_modules).
 MEGATRON_OFFLOAD_MODULES = frozenset({"core_attn", "attn_proj", "expert_fc1", "fused_group_mlp", "moe_act",

@@ -18,10 +18,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_cg_plugin.golden import GoldenValues
-from megatron_cg_plugin.testing.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, load_case, render_flags
+from megatron_cg_plugin import compat, golden, rules
 from megatron_cg_plugin.config import PLUGIN_FLAGS
 from megatron_cg_plugin.console import failure_cause
+from megatron_cg_plugin.golden import GoldenValues, format_report
+from megatron_cg_plugin.launch import dry_run
+from megatron_cg_plugin.launch.presets import expand_preset, flag_value
+from megatron_cg_plugin.testing import datasets
+from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
+from megatron_cg_plugin.testing.cases import (
+    CASE_FILE, MEGATRON_CI_GPUS, CaseError, fit_gpus, load_case, render_flags,
+)
 from megatron_cg_plugin.testing.distributed import MultiRankError, launch
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
@@ -41,8 +48,6 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     """Builds the case's real indexed dataset under ``out_dir`` (once) and returns its flags.
     ``synthetic``: seeded pre-tokenized documents (NullTokenizer, the same bytes everywhere);
     ``sentencepiece``: text tokenized by a SentencePiece model trained on it here."""
-    from megatron_cg_plugin.testing import datasets
-
     if data is None:
         return ()
     root = out_dir / "data"
@@ -147,14 +152,10 @@ class FarmCase:
     def eager_steps(self) -> int:
         """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
         so a loss that differs by then began outside the graphs."""
-        from megatron_cg_plugin.launch.presets import flag_value
-
         return int(flag_value(self.flags, "--cuda-graph-warmup-steps") or 3)
 
     @property
     def is_moe(self) -> bool:
-        from megatron_cg_plugin.launch.presets import expand_preset
-
         return "--num-experts" in expand_preset(list(self.flags))
 
     @property
@@ -232,18 +233,16 @@ class Refusal:
 def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
     """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
     on the case's ranks and environment, for the GPU host); None when both would start."""
-    from megatron_cg_plugin import cli, rules
-
     env = dict(case.env)
     for graphed in (True, False):
         mode, parse_errors = "graphed" if graphed else "eager", io.StringIO()
         try:
-            with cli.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
-                cli.validated_args(case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc,
+            with dry_run.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
+                dry_run.validated_args(case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc,
                                    env={**os.environ, **env})
         except rules.RuleViolation as violation:
             return Refusal(mode, tuple(violation.violations))
-        except cli.CheckError as error:
+        except dry_run.CheckError as error:
             return Refusal(mode, tuple(error.violations))
         except SystemExit:  # Megatron's parser: a flag this megatron-core does not know, a bad value
             return Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
@@ -273,10 +272,6 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
     per change, comparison included (the golden file only where the run is the one it recorded)."""
-    from megatron_cg_plugin import compat
-    from megatron_cg_plugin.testing.case_adapt import adapt_case_args, adapt_case_env
-    from megatron_cg_plugin.testing.cases import fit_gpus
-
     if steps is not None and steps < 1:
         raise CaseError(f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
                         f"else {FARM_STEPS}).")
@@ -420,8 +415,6 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
 def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
     """The graphed run against the case's golden file (which must exist); a case run without
     --deterministic-mode is held to Megatron's non-deterministic tolerances."""
-    from megatron_cg_plugin import golden
-
     return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
                           deterministic=case.deterministic_mode, metrics=case.compared_metrics)
 
@@ -435,8 +428,6 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     """Everything wrong with a case's runs (empty: it passed): eager vs graphed per step, the
     capture and replay figures of the report, and (``with_golden``) the golden file where the case
     keeps one."""
-    from megatron_cg_plugin import golden
-
     summary = result.summary()
     eager, graphed = result.losses(result.eager), result.losses(result.graphed)
     problems = []
@@ -517,8 +508,6 @@ def golden_rewrite_refusal(case: str, previous_mismatches: Sequence[Any] | None,
     """Why an update-mode run must not replace a golden file, or None: a run that differs from the
     file it would replace is a regression until someone says otherwise (``ACCEPT_GOLDEN_CHANGE=1``).
     ``previous_mismatches``: ``golden.compare`` with that file (None: there is no file yet)."""
-    from megatron_cg_plugin.golden import format_report
-
     if not previous_mismatches or environ.get(ACCEPT_GOLDEN_CHANGE) == "1":
         return None
     return (f"{case}: this run differs from the golden file it would replace:\n{format_report(previous_mismatches)}\n"

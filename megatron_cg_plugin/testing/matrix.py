@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
+from megatron_cg_plugin.testing.distributed import MultiRankError
 from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.testing.farm import refusal_of as farm_refusal_of
 
@@ -153,8 +154,6 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
 
 def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
     """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
-    from megatron_cg_plugin.testing.distributed import MultiRankError
-
     row: dict[str, Any] = {**cell.to_json(), "steps": steps}
     if cell.refused_by:
         return {**row, "result": "refused"}

@@ -17,7 +17,7 @@ from megatron_cg_plugin.bench_output import BenchOutputError
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
-from megatron_cg_plugin.plan.bench import DeviceTime
+from megatron_cg_plugin.plan.bench_schedule import DeviceTime
 
 STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123,
                 "plugin-recording": 0.0127}
@@ -472,7 +472,7 @@ def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tm
 
 
 def test_copy_stalls_count_the_copy_time_no_kernel_ran_beside():
-    from megatron_cg_plugin.plan.bench import CopyStalls
+    from megatron_cg_plugin.plan.bench_schedule import CopyStalls
 
     # Two steps: kernels 0-4 and 6-10; a D2H 3-8 (kernels beside it but for 4-6) and an H2D 10-12 (alone).
     events = [(0.0, 4.0, "kernel", 7, "a"), (6.0, 10.0, "kernel", 9, "b"), (3.0, 8.0, "d2h", 21, "c"),
@@ -587,7 +587,7 @@ def test_the_recording_arm_takes_the_loss_dict_and_num_zeros_from_train_steps_re
 
 
 def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_percent():
-    from megatron_cg_plugin.plan.bench import median_precision
+    from megatron_cg_plugin.plan.bench_schedule import median_precision
 
     result, *_ = bench_with_fakes(rounds=6)  # 3 pairs
     ratios = result.summary().ratios["plugin", "stock"]

@@ -16,7 +16,7 @@ from megatron_cg_plugin import bench_output
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import bench
 from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
-from megatron_cg_plugin.plan.bench import DeviceTime
+from megatron_cg_plugin.plan.bench_schedule import DeviceTime
 
 TRUE_RATIO = 1.02  # plugin / stock
 SPEEDS = {"eager": 0.300, "stock": 0.130, "plugin": 0.130 * TRUE_RATIO, "plugin-recording": 0.130 * 1.005}

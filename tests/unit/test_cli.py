@@ -3,6 +3,7 @@ Megatron's real parser and validate_args) and the ``golden`` commands."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -248,6 +249,19 @@ def test_version_names_the_plugin_and_the_stack_without_importing_te(capsys):
     assert [line.split()[0] for line in lines[1:]] == ["torch", "megatron-core", "transformer-engine"]
     assert lines[2] == "megatron-core 0.19.2"
     assert "transformer_engine" not in sys.modules
+
+
+def test_help_and_golden_start_without_torch(tmp_path):
+    # The commands that need torch import it themselves (cli.py's "# deferred:" imports): --help and
+    # golden answer in a fraction of a second.
+    golden_file = tmp_path / "golden.json"
+    golden_file.write_text('{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": 2.0}}}')
+    code = ("import sys\nfrom megatron_cg_plugin import cli\n"
+            f"cli.main(['--help'])\ncli.main(['golden', 'compare', {str(golden_file)!r}, {str(golden_file)!r}])\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("typo, meant", [("chek", "check"), ("farmm", "farm"), ("gloden", "golden")])

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin import cli
+from megatron_cg_plugin import cli, integration
 from megatron_cg_plugin.data import hybrid_cp, sources
 from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout, partitioned_indices
@@ -237,7 +237,7 @@ def gpt_dataset(prefix, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with cli.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
+    with integration.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
         args = parse_megatron_args([*GPT, "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
                                     "--data-path", prefix, "--dataloader-inter-document-masking",
                                     "--data-cache-path", os.path.join(os.path.dirname(prefix), "cache")])

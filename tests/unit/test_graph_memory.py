@@ -399,13 +399,13 @@ def test_the_issue_30_fp8_slot_case_is_predicted_from_its_flags_within_15_percen
     """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (s66-s68: 620 MiB measured, the trace in
     docs/results/exact-matrix-2026-12-02/traces): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
-    from megatron_cg_plugin import cli
     from megatron_cg_plugin.enforce import predict_graph_memory
+    from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.testing import farm
 
     case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
-    args, facts, config = cli.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
+    args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
     plan = predict_graph_memory(args, facts, config, environ=env)
     assert facts.slot_capture and args.fp8_recipe == "tensorwise" and args.hidden_dropout > 0
     assert abs(plan.pool_bytes / (620 * MiB) - 1) <= 0.15, plan.pool_bytes / MiB
@@ -710,11 +710,11 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
     monkeypatch.setattr(enforce, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
     session = RunSession()
     enforce.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
-    flags_plan = session.predicted_graph_memory
+    flags_plan = session.prediction.graph_memory
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=False))
-    assert session.predicted_graph_memory is flags_plan  # nothing beyond the flags
+    assert session.prediction.graph_memory is flags_plan  # nothing beyond the flags
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=True))
-    assert session.predicted_graph_memory.arena_bytes < flags_plan.arena_bytes
+    assert session.prediction.graph_memory.arena_bytes < flags_plan.arena_bytes
 
 
 # Issue 30's realistic MoE (s65 traces, s67 farm cases): 8 layers x 2048, GQA 16/4, 16 experts top-2, expert ffn

@@ -31,7 +31,7 @@ from megatron_cg_plugin.helper import (
     bind_helper_class,
     scope_label,
 )
-from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.session import RunPrediction, RunSession
 
 MiB = 2**20
 MISSING = object()
@@ -866,21 +866,18 @@ def test_capture_tracker_injects_only_while_capturing():
     layers = all_layers(make_model([3]))
     capturing = [False]
     tracker = _CaptureTracker(layers, inject_at=2, is_capturing=lambda: capturing[0])
-    snapshots = [(item, item.save()) for item in tracker.restorables()]
-    tracker.install()
-    assert tracker.current is None
+    with tracker.installed():
+        assert tracker.current is None
 
-    assert layers[1]._te_cuda_graph_capture(hidden(), attention_mask=mask()) == (SEQ, MBS, HIDDEN)  # warmup
-    assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1
-    capturing[0] = True
-    layers[0]._te_cuda_graph_capture(hidden())  # another layer, capturing: runs
-    assert tracker.current == "layer 1 (forward)"
-    with pytest.raises(InjectedCaptureFailure, match=r"inside the capture of layer 2 \(forward\)"):
-        layers[1]._te_cuda_graph_capture(hidden())
-    assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1  # the body did not run
+        assert layers[1]._te_cuda_graph_capture(hidden(), attention_mask=mask()) == (SEQ, MBS, HIDDEN)  # warmup
+        assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1
+        capturing[0] = True
+        layers[0]._te_cuda_graph_capture(hidden())  # another layer, capturing: runs
+        assert tracker.current == "layer 1 (forward)"
+        with pytest.raises(InjectedCaptureFailure, match=r"inside the capture of layer 2 \(forward\)"):
+            layers[1]._te_cuda_graph_capture(hidden())
+        assert tracker.current == "layer 2 (forward)" and layers[1].capture_calls == 1  # the body did not run
 
-    for item, snapshot in reversed(snapshots):
-        item.restore(snapshot)
     assert all("_te_cuda_graph_capture" not in vars(layer) for layer in layers)
 
 
@@ -968,12 +965,11 @@ def test_a_successful_capture_leaves_no_hook_on_its_outputs(probe, memory):
 def test_capture_tracker_names_the_backward_autograd_reaches():
     layers = all_layers(make_model([2], classes=(GradFakeLayer,)))
     tracker = _CaptureTracker(layers, inject_at=None, is_capturing=lambda: True)
-    tracker.install()
-    first, second = (layer._te_cuda_graph_capture(hidden()) for layer in layers)
-    assert tracker.current == "layer 2 (forward)"
-    first[0].sum().backward()
-    assert tracker.current == "layer 1 (backward)"
-    tracker.uninstall()
+    with tracker.installed():
+        first, second = (layer._te_cuda_graph_capture(hidden()) for layer in layers)
+        assert tracker.current == "layer 2 (forward)"
+        first[0].sum().backward()
+        assert tracker.current == "layer 1 (backward)"
     second[0].sum().backward()  # the hook is gone: nothing is named any more
     assert tracker.current == "layer 1 (backward)"
     assert _hooks_left([first, second]) == [] and all("_te_cuda_graph_capture" not in vars(layer) for layer in layers)
@@ -1392,7 +1388,7 @@ def test_banks_need_the_banked_layer_class(probe, hybrid_groups):
 
 @pytest.mark.parametrize("on_error", ["raise", "eager"])
 def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monkeypatch, on_error):
-    import megatron_cg_plugin.capture.banked as banked
+    import megatron_cg_plugin.capture.graph_banks as banked
 
     seen = {}
 
@@ -1415,8 +1411,43 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
     assert "NCCL went away" in helper.capture_stats.failure and helper.capture_stats.graphs == 0
 
 
+@pytest.mark.parametrize("on_error", ["raise", "eager"])
+def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups, monkeypatch, collections, on_error):
+    # The banks' capture goes through the capture transaction, as TE's does: what it changed before it
+    # failed is put back, and the failure ends as every capture's does.
+    import megatron_cg_plugin.capture.graph_banks as banked
+
+    def capture_banks(layers, groups, capacity, **kwargs):
+        mcg._set_capture_start()  # a patched Megatron global left set
+        gc.disable()
+        layers[0]._te_cuda_graph_capture(hidden())  # new grads, RNG drawn; names layer 1
+        layers[0].cuda_graphs = ["half a bank"]
+        vars(layers[0])["_graph_banks"] = "layer 1's banks"  # banked before the failure
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(banked, "capture_banks", capture_banks)
+    _, backend, model, helper = build(probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3,
+                                      on_capture_error=on_error)
+    helper.config.max_seqlen_per_dp_cp_rank = 256
+    _prepare_grads(model)
+    before = Snapshot(model, backend, helper)
+    cause = "layer 1 (forward): RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    with pytest.raises(CaptureFailedError) if on_error == "raise" else contextlib.nullcontext() as info:
+        helper.create_cudagraphs()
+    before.assert_restored(model, backend, helper)
+    assert all("_graph_banks" not in vars(layer) for layer in all_layers(model))  # nothing left banked
+    assert helper._banks is None and not helper.graphs_created() and helper.capture_finished()  # eager from now on
+    assert helper.reset_after_capture_calls == 0  # Megatron's lifecycle never started: nothing of it to reset
+    assert helper.capture_stats.failure == cause and helper.capture_stats.graphs == 0 and collections
+    if on_error == "raise":
+        assert str(info.value).startswith(f"graph bank capture failed in {cause}\nNo layer was left banked.")
+        assert isinstance(info.value.__cause__, RuntimeError)
+    layer = all_layers(model)[0]
+    assert torch.equal(layer(hidden(requires_grad=False)), hidden(requires_grad=False) * layer.weight)  # eager
+
+
 def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, monkeypatch):
-    import megatron_cg_plugin.capture.banked as banked
+    import megatron_cg_plugin.capture.graph_banks as banked
 
     outputs = []
 
@@ -1444,7 +1475,7 @@ def test_capture_shows_the_session_the_built_models_config_first(probe):
     # A script may set TransformerConfig fields no flag has (FP8 attention): the report's prediction follows them.
     session, backend, _, helper = build(probe)
     events = []
-    session.repredict = lambda config: events.append(("config", config))
+    session.predict(RunPrediction(repredict=lambda config: events.append(("config", config))))
     capture = backend.make_graphed_callables
     backend.make_graphed_callables = lambda *a, **k: events.append(("capture", None)) or capture(*a, **k)
     helper.create_cudagraphs()

@@ -20,10 +20,11 @@ import pytest
 import torch
 
 import megatron_cg_plugin
-from megatron_cg_plugin import compat, integration, patches
+from megatron_cg_plugin import compat, integration, patch_builders, patches
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig, add_plugin_args
 from megatron_cg_plugin.helper import PluginHelperMixin
+from megatron_cg_plugin.patch_builders import BUILDERS
 from megatron_cg_plugin.patches import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 
@@ -203,8 +204,9 @@ def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
 def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_module):
     target = fake_module(g=lambda a: a)
     failing = Patch(name="failing", module=target.__name__, attribute="g", reason="test",
-                    build=lambda original, session: original, expected_params=("does_not_exist",))
-    monkeypatch.setattr(integration, "PatchSet", lambda: PatchSet(PATCHES + (failing,)))
+                    expected_params=("does_not_exist",))
+    monkeypatch.setattr(integration, "PatchSet", lambda patches, builders: PatchSet(
+        (*patches, failing), {**builders, "failing": lambda original, session: original}))
     with pytest.raises(SignatureMismatchError, match="does_not_exist"):
         integration.install()
     assert_pristine()
@@ -238,7 +240,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
             return "Megatron's result"
 
     session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe)
-    tapped = patches._build_mtp_loss_tap(Helper, session)
+    tapped = patch_builders.build_mtp_loss_tap(Helper, session)
     assert issubclass(tapped, Helper) and tapped.tracker is Helper.tracker
     totals = {"lm loss": 9.0, "mtp_1 loss": 4.0}  # accumulated since the last log line
     Helper.tracker["losses"] = [3.0, 5.0]
@@ -249,7 +251,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
     assert values["mtp_1 loss"].values == {7: 1.5} and values["mtp_2 loss"].values == {7: 2.5}
     session.on_training_log(iteration=8, loss_dict={"lm loss": 2.0})  # no MTP this time: nothing carried over
     assert 8 not in session.metrics().metrics["mtp_1 loss"].values
-    patches._build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
+    patch_builders.build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
 
 
 # ---------------------------------------------------------------- deferred config
@@ -334,6 +336,11 @@ def _wrap_build(original, session):
     return replacement
 
 
+def _patch_set(*patches, builders=None):
+    """``patches`` with their builders: the ledger's own for its patches, else ``_wrap_build``."""
+    return PatchSet(patches, {patch.name: BUILDERS.get(patch.name, _wrap_build) for patch in patches} | (builders or {}))
+
+
 def _f(x, y=1):
     return x + y
 
@@ -344,9 +351,9 @@ def _g(a):
 
 def test_patchset_applies_and_reverts_by_identity(fake_module):
     target = fake_module(f=_f, g=_g)
-    good = Patch("good", target.__name__, "f", "test", _wrap_build, expected_params=("x",))
-    other = Patch("other", target.__name__, "g", "test", _wrap_build)
-    patch_set = PatchSet((good, other))
+    good = Patch("good", target.__name__, "f", "test", expected_params=("x",))
+    other = Patch("other", target.__name__, "g", "test")
+    patch_set = _patch_set(good, other)
     session = object()
     patch_set.apply_all(session)
     assert patch_set.applied
@@ -364,9 +371,20 @@ def test_patchset_applies_and_reverts_by_identity(fake_module):
     assert target.f is _f
 
 
+def test_every_patch_has_one_builder_and_every_builder_a_listed_patch(fake_module):
+    assert set(BUILDERS) == {patch.name for patch in PATCHES}
+    target = fake_module(f=_f)
+    listed = Patch("listed", target.__name__, "f", "test")
+    with pytest.raises(ValueError, match=r"no builder for \['listed'\], no patch listed for \[\]"):
+        PatchSet((listed,), {})
+    with pytest.raises(ValueError, match=r"no builder for \[\], no patch listed for \['unlisted'\]"):
+        PatchSet((listed,), {"listed": _wrap_build, "unlisted": _wrap_build})
+    assert target.f is _f
+
+
 def test_patchset_refuses_double_apply(fake_module):
     target = fake_module(f=_f)
-    patch_set = PatchSet((Patch("good", target.__name__, "f", "test", _wrap_build),))
+    patch_set = _patch_set(Patch("good", target.__name__, "f", "test"))
     patch_set.apply_all(None)
     wrapped = target.f
     with pytest.raises(AssertionError):
@@ -382,17 +400,18 @@ def _raising_build(original, session):
 
 @pytest.mark.parametrize("second, error", [
     (dict(attribute="g", expected_params=("no_such_param",)), SignatureMismatchError),
-    (dict(attribute="g", build=_raising_build), RuntimeError),
+    (dict(attribute="g", builder=_raising_build), RuntimeError),
     (dict(attribute="missing_attribute"), AttributeError),
     (dict(attribute="g", module="no_such_module_for_cg_tests"), ModuleNotFoundError),
     (dict(attribute="g", expected_methods=("reset",)), SignatureMismatchError),
 ])
 def test_apply_all_is_all_or_nothing(fake_module, second, error):
     target = fake_module(f=_f, g=_g)
-    good = Patch("good", target.__name__, "f", "test", _wrap_build, expected_params=("x", "y"))
-    fields = dict(name="bad", module=target.__name__, reason="test", build=_wrap_build)
+    good = Patch("good", target.__name__, "f", "test", expected_params=("x", "y"))
+    fields = dict(name="bad", module=target.__name__, reason="test")
     fields.update(second)
-    patch_set = PatchSet((good, Patch(**fields)))
+    builder = fields.pop("builder", _wrap_build)
+    patch_set = _patch_set(good, Patch(**fields), builders={"bad": builder})
     with pytest.raises(error):
         patch_set.apply_all(object())
     assert target.f is _f
@@ -402,18 +421,18 @@ def test_apply_all_is_all_or_nothing(fake_module, second, error):
 
 def test_signature_mismatch_names_the_parameter_and_target(fake_module):
     target = fake_module(g=_g)
-    patch = Patch("bad", target.__name__, "g", "test", _wrap_build, expected_params=("a", "iteration"))
+    patch = Patch("bad", target.__name__, "g", "test", expected_params=("a", "iteration"))
     with pytest.raises(SignatureMismatchError) as info:
-        PatchSet((patch,)).apply_all(None)
+        _patch_set(patch).apply_all(None)
     assert f"{target.__name__}.g" in str(info.value)
     assert "iteration" in str(info.value)
 
 
 def test_revert_restores_the_first_original_when_patches_stack(fake_module):
     target = fake_module(f=_f)
-    first = Patch("first", target.__name__, "f", "test", _wrap_build)
-    second = Patch("second", target.__name__, "f", "test", _wrap_build)
-    patch_set = PatchSet((first, second))
+    first = Patch("first", target.__name__, "f", "test")
+    second = Patch("second", target.__name__, "f", "test")
+    patch_set = _patch_set(first, second)
     patch_set.apply_all(None)
     assert target.f(1) == ("wrapped", ("wrapped", 2))
     patch_set.revert_all()
@@ -477,7 +496,7 @@ def tapped(fake_module):
     target = fake_module(training_log=original)
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
     session = RecordingSession()
-    patch_set = PatchSet((tap,))
+    patch_set = _patch_set(tap)
     patch_set.apply_all(session)
     yield types.SimpleNamespace(target=target, original=original, calls=calls, session=session)
     patch_set.revert_all()
@@ -530,7 +549,7 @@ def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
     target = fake_module(training_log=_fake_training_log_factory([]))
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
     session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe, clock=clock)
-    PatchSet((tap,)).apply_all(session)
+    _patch_set(tap).apply_all(session)
     target.training_log(*POSITIONAL)
     golden = session.metrics()
     assert dict(golden.metrics["lm loss"].values) == {7: 10.5}
@@ -547,7 +566,7 @@ def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_mod
     target = fake_module(training_log=_fake_training_log_factory(calls))
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
     session = Untimed()
-    PatchSet((tap,)).apply_all(session)
+    _patch_set(tap).apply_all(session)
     assert target.training_log(*POSITIONAL) == "report_memory_flag_out" and len(calls) == 1
     assert session.logged == []
 
@@ -561,7 +580,7 @@ def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_mod
             return "Megatron's result"
 
     real = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
-    assert patches._build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})) == \
+    assert patch_builders.build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})) == \
         "Megatron's result"
     assert real._pending_mtp == {}
 
@@ -607,9 +626,9 @@ def test_the_recording_path_never_waits_for_the_device_per_step(tmp_path):
         def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
             total_loss_dict["mtp_1 loss"] = total_loss_dict.get("mtp_1 loss", 0.0) + weight.sum() * loss_scale
 
-    timed = patches.build_train_step_timer(train_step, session)
-    logged = patches._build_training_log_tap(_fake_training_log_factory([]), session)
-    mtp = patches._build_mtp_loss_tap(Helper, session)
+    timed = patch_builders.build_train_step_timer(train_step, session)
+    logged = patch_builders.build_training_log_tap(_fake_training_log_factory([]), session)
+    mtp = patch_builders.build_mtp_loss_tap(Helper, session)
     with device_reads_forbidden() as seen:
         for iteration in range(1, 41):
             loss_dict = timed(None, iteration, None)
@@ -641,7 +660,7 @@ def test_training_log_tap_propagates_original_errors(fake_module):
     target = fake_module(training_log=training_log)
     tap = dataclasses.replace(PATCH_BY_NAME["training-log-tap"], module=target.__name__)
     session = RecordingSession()
-    PatchSet((tap,)).apply_all(session)
+    _patch_set(tap).apply_all(session)
     with pytest.raises(ValueError, match="megatron failed"):
         target.training_log({}, 1, None)
     assert session.logged == []
@@ -673,7 +692,7 @@ def compile_patch(fake_module):
 
     target = fake_module(compile_helpers=compile_helpers)
     patch = dataclasses.replace(PATCH_BY_NAME["prebuilt-dataset-helpers"], module=target.__name__)
-    patch_set = PatchSet((patch,))
+    patch_set = _patch_set(patch)
     patch_set.apply_all(object())
     yield types.SimpleNamespace(target=target, calls=calls)
     patch_set.revert_all()
@@ -733,8 +752,8 @@ def test_installed_compile_helpers_does_not_run_make(monkeypatch):
 
 def test_te_patches_are_skipped_without_te(fake_module):
     target = fake_module(f=_f)
-    te_only = Patch("te-only", target.__name__, "f", "test", _wrap_build, needs_te=True)
-    patch_set = PatchSet((te_only,))
+    te_only = Patch("te-only", target.__name__, "f", "test", needs_te=True)
+    patch_set = _patch_set(te_only)
     patch_set.apply_all(None, with_te=False)
     assert target.f is _f and not patch_set.applied
     patch_set.apply_all(None, with_te=True)
@@ -751,8 +770,7 @@ def _row_major_weak_ref(x):
 
 
 def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
-    (patch,) = [p for p in PATCHES if p.name == "strided-weak-ref"]
-    make_weak_ref = patch.build(_row_major_weak_ref, None)
+    make_weak_ref = BUILDERS["strided-weak-ref"](_row_major_weak_ref, None)
     base = torch.arange(24.0).reshape(4, 6)
     views = {"transposed": base.t(), "sliced": base[1:, ::2], "expanded": torch.arange(3.0).reshape(3, 1).expand(3, 5)}
     for name, view in views.items():
@@ -773,7 +791,7 @@ def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
 
 def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
     session = RunSession(PluginConfig(print_report=False), probe=probe)
-    train = patches._build_train_end_report(lambda: "done", session)
+    train = patch_builders.build_train_end_report(lambda: "done", session)
     assert train() == "done" and session._finished is not None
 
     session = RunSession(PluginConfig(print_report=False), probe=probe)
@@ -782,7 +800,7 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
         raise SystemExit(0)
 
     with pytest.raises(SystemExit):
-        patches._build_train_end_report(exits, session)()
+        patch_builders.build_train_end_report(exits, session)()
     assert session._finished is not None
 
     session = RunSession(PluginConfig(print_report=False), probe=probe)
@@ -791,14 +809,14 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
         raise RuntimeError("CUDA error")
 
     with pytest.raises(RuntimeError):
-        patches._build_train_end_report(crashes, session)()
+        patch_builders.build_train_end_report(crashes, session)()
     assert session._finished is None  # a crashed run writes no files that look like a finished one
 
 
 def test_train_step_timer_marks_each_iteration(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     calls = []
-    step = patches.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
+    step = patch_builders.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
     assert step(1, data_iterator=2) == "stepped" and calls == [((1,), {"data_iterator": 2})]
     clock.advance(0.5)
     session.on_training_log(iteration=1, loss_dict={})
@@ -875,13 +893,11 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron_cg_plugin.cli import gpu_host_stand_ins
-
     before = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
               rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
               moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
     with pytest.raises(KeyError):
-        with gpu_host_stand_ins():
+        with integration.gpu_host_stand_ins():
             assert torch.cuda.get_device_capability() == (9, 0)
             assert rope_utils.fused_apply_rotary_pos_emb is not None
             assert moe_utils.fused_permute is not None
@@ -892,6 +908,19 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
              moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
     assert all(a is b for a, b in zip(before, after, strict=True))
+
+
+def test_scoped_leaves_an_attribute_absent_where_the_owner_had_none_of_its_own(fake_module):
+    class Layer:
+        def capture(self):
+            return "the class's"
+
+    layer, module = Layer(), fake_module()
+    with patches.scoped(layer, "capture", lambda: "lent", "megatron-capture-call"), \
+            patches.scoped(module, "make_graphed_callables", len, "megatron-capture-call"):
+        assert layer.capture() == "lent" and module.make_graphed_callables is len
+    assert "capture" not in vars(layer) and layer.capture() == "the class's"  # the method again, no copy of it
+    assert not hasattr(module, "make_graphed_callables")
 
 
 def test_scoped_megatron_capture_call_is_restored_by_identity_and_unlisted_changes_refused(monkeypatch):
@@ -1019,3 +1048,29 @@ def test_install_refuses_a_create_cudagraphs_that_no_longer_calls_make_graphed_c
     with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables"):
         integration.install()
     assert_pristine()
+
+
+def test_scoped_puts_back_an_attribute_a_property_of_its_class_holds():
+    # A property's setter keeps the value off the instance's __dict__: it is set back through the
+    # property, not left at the scoped value for want of an own entry to restore.
+    class Layer:
+        def __init__(self):
+            self._flag = True
+
+        @property
+        def flag(self):
+            return self._flag
+
+        @flag.setter
+        def flag(self, value):
+            self._flag = value
+
+    class Holder:
+        helper = staticmethod(len)
+
+    layer = Layer()
+    with patches.scoped(layer, "flag", False, "offload-in-graph-flag"), \
+            patches.scoped(Holder, "helper", abs, "megatron-capture-call"):
+        assert layer.flag is False and Holder.helper is abs
+    assert layer.flag is True and "flag" not in vars(layer)
+    assert isinstance(vars(Holder)["helper"], staticmethod) and Holder.helper is len  # stored as it was

@@ -14,7 +14,7 @@ from megatron_cg_plugin.memory import offload
 from megatron_cg_plugin.memory.offload import HostArena, HostArenaError, OffloadingArenaHooks
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaSizer
 from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
-from megatron_cg_plugin.plan.slots import arena_aligned
+from megatron_cg_plugin.plan.slot_plan import arena_aligned
 
 from _doubles.copies import InlineCopies
 
@@ -378,7 +378,7 @@ def test_each_first_unpack_keeps_window_groups_reloading_ahead(window):
 
 
 def test_a_capture_that_raises_still_joins_its_copy_streams():
-    from megatron_cg_plugin.capture.slotted import _copies_joined
+    from megatron_cg_plugin.capture.slot_shared import _copies_joined
 
     sizer, plan = warmup_plan(["core_attn", "mlp_norm"])
     for graph, join in (("forward", "join forward"), ("backward", "join backward")):

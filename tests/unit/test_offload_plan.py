@@ -13,7 +13,7 @@ from megatron_cg_plugin.plan.offload import (
     MEGATRON_OFFLOAD_MODULES, OffloadPolicy, OffloadStack, OffloadStackError, Save, StackPosition, groups_kept,
     host_arena_bytes, plan_offload,
 )
-from megatron_cg_plugin.plan.slots import arena_aligned, plan_slots
+from megatron_cg_plugin.plan.slot_plan import arena_aligned, plan_slots
 
 BIG = 1 << 20  # elements: Megatron's default --min-offloaded-tensor-size
 

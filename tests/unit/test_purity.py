@@ -11,9 +11,9 @@ from pathlib import Path
 import megatron_cg_plugin
 
 PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
-        "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks",
-        "megatron_cg_plugin.plan.banks", "megatron_cg_plugin.plan.capture", "megatron_cg_plugin.plan.slots",
-        "megatron_cg_plugin.plan.thd", "megatron_cg_plugin.plan.moe", "megatron_cg_plugin.plan.bench", "megatron_cg_plugin.plan.offload",
+        "megatron_cg_plugin.scopes", "megatron_cg_plugin.bank_router",
+        "megatron_cg_plugin.plan.bank_sizes", "megatron_cg_plugin.plan.capture", "megatron_cg_plugin.plan.slot_plan",
+        "megatron_cg_plugin.plan.thd", "megatron_cg_plugin.plan.moe", "megatron_cg_plugin.plan.bench_schedule", "megatron_cg_plugin.plan.offload",
         "megatron_cg_plugin.plan.allocator", "megatron_cg_plugin.plan.graph_memory",
         "megatron_cg_plugin.data", "megatron_cg_plugin.parse_errors")
 

@@ -1,5 +1,5 @@
 """The dry run and the run refuse the same flags: for each row of a table, the rules that
-``megatron-cg check`` (``cli.check``) reports broken are the ones the launcher's validation
+``megatron-cg check`` (``launch.dry_run.check``) reports broken are the ones the launcher's validation
 (``install(launcher=True)`` + ``parse_megatron_args``, through Megatron's own ``validate_args``)
 refuses, and both are what the row expects. Megatron's own rejections count as the rule
 ``megatron`` (``CheckError`` in the dry run, ``RunRefused`` naming ``megatron`` in the run)."""
@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from megatron_cg_plugin import cli, compat, enforce, integration, rules
+from megatron_cg_plugin import compat, enforce, integration, rules
+from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
 from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
@@ -118,10 +119,10 @@ def dry_run_verdict(flags: list[str], nproc: int) -> tuple[frozenset[str], dict[
     """The rules ``megatron-cg check`` reports broken (and their messages)."""
     assert integration.active_session() is None  # check validates with Megatron's own validate_args
     try:
-        plan = cli.check(flags, nproc=nproc, env={})
+        plan = dry_run.check(flags, nproc=nproc, env={})
     except rules.RuleViolation as violation:
         return frozenset(name for name, _ in violation.violations), dict(violation.violations)
-    except cli.CheckError as error:
+    except dry_run.CheckError as error:
         prefix = "Megatron rejects these flags: "
         assert str(error).startswith(prefix), error
         return frozenset({MEGATRON}), {MEGATRON: str(error)[len(prefix):]}
@@ -132,13 +133,13 @@ def dry_run_verdict(flags: list[str], nproc: int) -> tuple[frozenset[str], dict[
 def run_verdict(flags: list[str], nproc: int, monkeypatch) -> tuple[frozenset[str], dict[str, str]]:
     """The rules the launcher's validation refuses the run for, on rank 0 of ``nproc``."""
     with monkeypatch.context() as patch:
-        patch.setenv("WORLD_SIZE", str(nproc))  # as cli.check's _env sets them
+        patch.setenv("WORLD_SIZE", str(nproc))  # as dry_run.check's _env sets them
         patch.setenv("RANK", "0")
         patch.setenv("LOCAL_RANK", "0")
         patch.setattr(compat, "te_available", lambda: True)  # check assumes TE on the GPU host
         integration.install(launcher=True)
         try:
-            with cli.gpu_host_stand_ins():
+            with integration.gpu_host_stand_ins():
                 args = pretrain_gpt.parse_megatron_args(flags)
         except enforce.RunRefused as refusal:
             return frozenset(name for name, _ in refusal.violations), dict(refusal.violations)

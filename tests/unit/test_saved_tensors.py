@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer, storage_keys
-from megatron_cg_plugin.plan.slots import ARENA_ALIGNMENT as ALIGNMENT
+from megatron_cg_plugin.plan.slot_plan import ARENA_ALIGNMENT as ALIGNMENT
 
 
 class SaveAndSeen(torch.autograd.Function):

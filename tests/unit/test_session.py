@@ -12,7 +12,8 @@ import torch
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.diagnostics import ReplayCounter
 from megatron_cg_plugin.golden import GoldenValues
-from megatron_cg_plugin.session import CaptureStats, IterationRecord, RunSession
+from megatron_cg_plugin.plan.graph_memory import GraphMemoryPlan
+from megatron_cg_plugin.session import CaptureStats, IterationRecord, RunPrediction, RunSession
 
 ALLOC, MAX_ALLOC = 1_339_286_016, 3_418_015_744
 
@@ -391,8 +392,6 @@ def test_report_scopes_from_helpers_capture_stats(probe, clock):
 
 
 def test_report_sums_the_slot_layers_memory_and_sets_the_plan_beside_it(probe, clock):
-    import types
-
     from megatron_cg_plugin.capture.slot_backend import LayerSlotStats
 
     session = make_session(probe, clock)
@@ -402,8 +401,8 @@ def test_report_sums_the_slot_layers_memory_and_sets_the_plan_beside_it(probe, c
               LayerSlotStats(arena_bytes=20, host_arena_bytes=0, offloaded_bytes=1, boundary_bytes=3))
     session.attach_helper(FakeHelper(True, CaptureStats("layer (slot-shared)", 2, 4, 1.0, 0, counter,
                                                         slot_layers=lambda: layers)))
-    session.predicted_graph_memory = types.SimpleNamespace(pool_bytes=0, unpredicted=(), host_arena_bytes=4,
-                                                           arena_bytes=31, boundary_bytes=9)
+    session.predict(RunPrediction(GraphMemoryPlan(graphs=2, pool_bytes=0, peak_live_bytes=0, host_arena_bytes=4,
+                                                  arena_bytes=31, boundary_bytes=9)))
     report = session.report()
     scope = report.scopes[0]
     assert (scope.arena_bytes, scope.host_arena_bytes, scope.boundary_bytes, scope.offloaded_bytes) == (30, 4, 10, 11)
@@ -537,12 +536,29 @@ def test_resolve_config_takes_the_flags_unless_a_config_was_given(probe, clock):
 def test_the_model_config_a_script_changed_redoes_the_prediction_the_report_prints(probe, clock):
     session = make_session(probe, clock, PluginConfig())
     flags_plan, config_plan = object(), object()
-    session.predicted_graph_memory = flags_plan
+    session.predict(RunPrediction(graph_memory=flags_plan))
     session.model_config_seen(object())  # no check ran (no repredictor): the prediction stays
-    assert session.predicted_graph_memory is flags_plan
+    assert session.prediction.graph_memory is flags_plan
     config = object()
-    session.repredict = lambda seen: config_plan if seen is config else None
+    session.predict(RunPrediction(graph_memory=flags_plan, repredict=lambda seen: config_plan if seen is config else None))
     session.model_config_seen(config)
-    assert session.predicted_graph_memory is config_plan
+    assert session.prediction.graph_memory is config_plan
     session.model_config_seen(object())  # None: the prediction could not be redone, so the report shows none
-    assert session.predicted_graph_memory is None
+    assert session.prediction.graph_memory is None
+
+
+def test_the_report_reads_the_prediction_the_session_was_given(probe, clock):
+    from megatron_cg_plugin.plan.moe import MoeCapacityPlan, uniform_load
+
+    session = make_session(probe, clock)
+    assert session.report().predicted_pool_bytes is None and session.report().moe_planned_capacity is None
+    plan = MoeCapacityPlan(tokens_per_rank=512, topk=2, num_experts=8, capacity_factor=1.0)
+    memory = GraphMemoryPlan(pool_bytes=3 * 2**20, peak_live_bytes=2**20, graphs=2, unpredicted=("pipeline",))
+    session.predict(RunPrediction(graph_memory=memory, moe_capacity=plan))
+    session.record_moe_drops(0.25)
+    report = session.report()
+    assert (report.predicted_pool_bytes, report.prediction_leaves_out, report.predicted_arena_bytes) == (
+        3 * 2**20, ("pipeline",), None)
+    assert report.moe_planned_capacity == plan.capacity
+    assert report.moe_uniform_dropped_fraction == plan.dropped_fraction(uniform_load(8))
+    assert report.moe_dropped_fraction == 0.25

@@ -222,7 +222,7 @@ def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused()
         OffloadCopies("sideways")
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):
         OffloadCopies(window=-1)
-    from megatron_cg_plugin.capture.slotted import SlotOffload
+    from megatron_cg_plugin.capture.slot_shared import SlotOffload
 
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):  # capture_slotted's own API
         SlotOffload(OffloadPolicy.from_flags(["core_attn"]), group=lambda: None, window=-1)

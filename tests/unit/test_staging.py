@@ -12,7 +12,7 @@ from megatron_cg_plugin.memory.offload import HostArena, StagedArenaHooks
 from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaSizer
 from megatron_cg_plugin.memory.staging import StagingRing
 from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
-from megatron_cg_plugin.plan.slots import arena_aligned
+from megatron_cg_plugin.plan.slot_plan import arena_aligned
 
 from _doubles.copies import InlineCopies
 

@@ -400,3 +400,15 @@ def test_failed_transaction_restores_every_attribute(initial, ops, late):
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
     assert obj.inherited == (before["inherited"] if "inherited" in before else "class value")
+
+
+def test_te_backend_tracking_reports_graphs_only_inside_and_puts_the_class_back():
+    from megatron_cg_plugin.capture.backend import TEBackend
+
+    original = torch.cuda.CUDAGraph
+    with pytest.raises(Boom):
+        with TEBackend().tracking(lambda graph: None):
+            tracked = torch.cuda.CUDAGraph
+            assert tracked is not original and issubclass(tracked, original)  # what TE constructs now
+            raise Boom()
+    assert torch.cuda.CUDAGraph is original

@@ -3,7 +3,7 @@
 TE 2.20.2's ``make_graphed_callables`` keeps a forward's backward state in pool blocks that the
 allocator hands to the next capture sharing the pool once that backward is captured, so replays of
 two variants that interleave (A.fwd, B.fwd, A.bwd) corrupt each other. Here each variant is
-captured once per slot of a slot ring (``plan.slots``), all into one pool, and everything the
+captured once per slot of a slot ring (``plan.slot_plan``), all into one pool, and everything the
 forward leaves for its backward is copied, inside the forward graph, into the slot's arena
 (``memory.saved_tensors``): tensors saved through ``save_for_backward`` and tensors kept on ``ctx``.
 Arenas and every graph boundary (inputs, outputs, incoming and returned gradients) live outside the
@@ -48,7 +48,7 @@ from megatron_cg_plugin.memory.staging import StagedFrame, StagingRing
 from megatron_cg_plugin.plan.offload import (
     OffloadPlan, OffloadPolicy, OffloadStack, Save, host_arena_bytes, plan_offload,
 )
-from megatron_cg_plugin.plan.slots import SlotPlan, per_slot_max
+from megatron_cg_plugin.plan.slot_plan import SlotPlan, per_slot_max
 
 
 class SlotCoverageError(RuntimeError):
@@ -439,7 +439,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
                     debug: bool = False, strict: bool = True, contract_check: ContractCheck = ContractCheck.FULL,
                     offload: SlotOffload | None = None, fp8: SlotFp8 | None = None,
                     check_stale: bool = True, param_grads: ParamGradBuffers | None = None) -> SlottedGraphs:
-    """Captures each variant once per slot that ``plan`` (``plan.slots.plan_slots``) gives it, all
+    """Captures each variant once per slot that ``plan`` (``plan.slot_plan.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
     ``parameters`` are the layers' parameters (shared by all variants). ``protect=False`` captures
@@ -658,7 +658,7 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
     """Everything capture refuses, before anything is allocated; returns each variant's slots."""
     if not isinstance(plan, SlotPlan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
-                        "(plan.slots), or plan.slots.exclusive_plan(names) for variants that never overlap.")
+                        "(plan.slot_plan), or plan.slot_plan.exclusive_plan(names) for variants that never overlap.")
     if warmup_iterations < 1:
         raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")
     if not variants:

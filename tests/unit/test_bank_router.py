@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.banks import BankRouter, BankSelectionError, GraphBank, bank_sizes
+from megatron_cg_plugin.bank_router import BankRouter, BankSelectionError, GraphBank
+from megatron_cg_plugin.plan.bank_sizes import bank_sizes
 from megatron_cg_plugin.testing.distributed import launch
 
 SCRIPTS = Path(__file__).parent / "_rank_scripts"

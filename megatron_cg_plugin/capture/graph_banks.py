@@ -4,7 +4,7 @@ Under hybrid context parallelism each packed (THD) microbatch runs with its own 
 and the process group of that size. ``capture_banks`` captures, for every graphed layer, Megatron's
 own capture callable (``TransformerLayer._te_cuda_graph_capture``, which honours
 ``--cuda-graph-modules``) into one memory pool through the slot-shared capture
-(``capture.slotted``): the banks are mutually exclusive variants of the layer, so they share arenas
+(``capture.slot_shared``): the banks are mutually exclusive variants of the layer, so they share arenas
 and boundary storage sized by the largest instead of adding up.
 
 - Scopes with attention (the whole layer, ``attn``, ``attn mlp``): one graph per CP size, captured
@@ -31,7 +31,7 @@ and boundary storage sized by the largest instead of adding up.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
-requires the very group object the bank was captured with (``banks.BankRouter``, fail closed), checks
+requires the very group object the bank was captured with (``bank_router.BankRouter``, fail closed), checks
 the THD layout against the captured capacity and hands the bank's graph to Megatron's own replay
 path (``_te_cuda_graph_replay``): its scope-specific post-processing and the delayed offload flush
 (``--delay-offload-until-cuda-graph``) run after each bank replay as after any TE graph replay.
@@ -49,16 +49,17 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from megatron_cg_plugin import patches
-from megatron_cg_plugin.banks import BankRouter, GraphBank
+from megatron_cg_plugin.bank_router import BankRouter, GraphBank
 from megatron_cg_plugin.capture.offload_groups import (
     MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued,
 )
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
-from megatron_cg_plugin.capture.slotted import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.capture.slot_shared import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.compat import check_parameters
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.diagnostics import ReplayTotals
-from megatron_cg_plugin.dynamic_cp import ensure_dynamic_cp_stream, packed_seq_params
-from megatron_cg_plugin.plan.slots import exclusive_plan
+from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream, packed_seq_params
+from megatron_cg_plugin.plan.slot_plan import exclusive_plan
 from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout
 from megatron_cg_plugin.scopes import module_names
 
@@ -350,8 +351,6 @@ def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: 
                            rope_tables: Mapping[int, torch.Tensor] | None) -> None:
     """Everything ``capture_banks`` refuses, before anything is captured (``ValueError`` naming the fix)."""
     import torch.distributed as dist
-
-    from megatron_cg_plugin.compat import check_parameters
 
     for layer_class in {type(layer) for layer in layers}:  # the call the banks' capture makes
         check_parameters(layer_class._forward_attention, ("attention_mask", "rotary_pos_emb", "packed_seq_params"),

@@ -1,5 +1,6 @@
-"""Dynamic-CP graph banks: one bank of graphs per power-of-two context-parallel size, and the
-router that picks a microbatch's bank (captured and replayed by ``capture.banked``).
+"""The graph banks' router: one bank of graphs per power-of-two context-parallel size
+(``GraphBank``; which sizes: ``plan.bank_sizes``) and ``BankRouter``, which picks a microbatch's
+bank at replay (the banks are captured and replayed by ``capture.graph_banks``).
 
 Under Megatron's hybrid context parallelism each microbatch chooses its CP size
 (``PackedSeqParams.local_cp_size``, a power of two) and the process group of that size
@@ -13,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from megatron_cg_plugin.plan.banks import bank_sizes
-
-__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "bank_sizes", "group_label"]
+__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "group_label"]
 
 
 def group_label(group: Any) -> str:
