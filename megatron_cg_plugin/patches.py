@@ -125,16 +125,20 @@ def _build_plugin_args(original: Callable, session: Any) -> Callable:
 
 
 def _build_validate_args_rules(original: Callable, session: Any) -> Callable:
+    import copy
     import os
 
-    from megatron_cg_plugin import enforce
+    from megatron_cg_plugin import enforce, rules
 
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        parsed = copy.copy(args)  # the flags as given: Megatron's checks change args before one fails
         try:
             result = original(args, *rest, **kwargs)
         except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
-            raise enforce.refuse_megatron(error, environ=os.environ) from None
+            # The plugin's rules the flags break too, first (as megatron-cg check lists them).
+            raise enforce.refuse_megatron(error, environ=os.environ,
+                                          plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)) from None
         enforce.enforce_for_session(args, session, environ=os.environ)
         return result
 
@@ -233,7 +237,8 @@ PATCHES: tuple[Patch, ...] = (
         attribute="validate_args",
         reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
         "after Megatron's own checks the wrapper runs the plugin's rules (the list megatron-cg check runs) and "
-        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule.",
+        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule; when "
+        "Megatron's own checks refuse the flags first, the rules the flags break are listed before its line.",
         build=_build_validate_args_rules,
         expected_params=("args", "defaults"),
     ),
