@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
 from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.testing.farm import refusal_of as farm_refusal_of
+from megatron_cg_plugin.testing.ports import PortAllocator
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
@@ -151,7 +152,8 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
                     megatron_lm_dir=megatron_lm_dir)
 
 
-def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
+def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float,
+             ports: Callable[[], int] | None = None) -> dict[str, Any]:
     """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
     from megatron_cg_plugin.testing.distributed import MultiRankError
 
@@ -160,7 +162,7 @@ def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: i
         return {**row, "result": "refused"}
     case = farm_case(cell, megatron_lm_dir=megatron_lm_dir, steps=steps)
     try:
-        result = run_case(case, out_dir, timeout_s=timeout_s)
+        result = run_case(case, out_dir, timeout_s=timeout_s, ports=ports)
     except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
     problems = problems_of(case, result, with_golden=False)
@@ -188,9 +190,11 @@ def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | N
                steps: int = MATRIX_STEPS, timeout_s: float = 900,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Runs every cell (``jobs`` at a time on the one GPU: correctness is compared within each cell,
-    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish."""
+    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish. Each
+    launch takes its rendezvous port from one allocator, so cells side by side never share one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
+    ports = PortAllocator()
 
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
@@ -200,7 +204,7 @@ def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | N
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps,
-                               timeout_s=timeout_s) for cell in cells]
+                               timeout_s=timeout_s, ports=ports) for cell in cells]
         for future in concurrent.futures.as_completed(futures):
             record(future.result())
     return [rows[cell.name] for cell in cells]
