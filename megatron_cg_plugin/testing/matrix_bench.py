@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -48,6 +49,7 @@ OWN_BENCH_OPTIONS = ("--bench-arms", "--bench-out")  # set per cell here
 USAGE = ("megatron-cg matrix bench CELLS.json --out DIR [--only NAME ...] [--parallel N] [--timeout-s S] "
          "[-- --bench-rounds R --bench-steps S ...]")
 TIMED_OUT = 124  # as timeout(1) says it
+STOPPED = -int(signal.SIGTERM)  # not started: the driver was stopped
 LOG_TAIL = 1500
 
 
@@ -109,25 +111,49 @@ def bench_launch(cell: Cell, out_dir: Path, *, script: Path, bench_flags: Sequen
     return BenchLaunch(cell, argv, env, folder, port)
 
 
-def run_process(argv: Sequence[str], env: Mapping[str, str], log: Path, timeout_s: float) -> int:
-    """``python argv``, its output in ``log``; its exit code, or ``TIMED_OUT`` after killing its
-    process group when it outlives ``timeout_s``."""
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, *argv], env=dict(env), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # its own group: killable whole
+class BenchProcesses:
+    """Runs benches as ``python argv`` (a ``Launcher``), each leading its own process group, and
+    keeps the running ones, so a driver that is stopped (Ctrl-C, timeout(1)'s SIGTERM, which would
+    not reach another group) stops them too, and none starts after."""
+
+    def __init__(self) -> None:
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def __call__(self, argv: Sequence[str], env: Mapping[str, str], log: Path, timeout_s: float) -> int:
+        """The bench's exit code, its output in ``log``; ``TIMED_OUT`` (its group killed) past ``timeout_s``."""
+        with log.open("w") as out, self._lock:
+            if self._stopped:
+                return STOPPED
+            proc = subprocess.Popen([sys.executable, *argv], env=dict(env), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            self._running.add(proc)
         try:
             return proc.wait(timeout_s)
-        except BaseException as error:  # the timeout, or Ctrl-C: leave no bench behind
-            for sig, grace_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(grace_s)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            if not isinstance(error, subprocess.TimeoutExpired):
-                raise
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
             return TIMED_OUT
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            running = list(self._running)
+        for proc in running:
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, grace_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(grace_s)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
 
 
 def _tail(path: Path) -> str:
@@ -163,7 +189,7 @@ Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
 
 
 def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | None, bench_flags: Sequence[str] = (),
-                parallel: int = 1, timeout_s: float = 600, launcher: Launcher = run_process,
+                parallel: int = 1, timeout_s: float = 600, launcher: Launcher | None = None,
                 ports: Callable[[], int] | None = None, environ: Mapping[str, str] | None = None,
                 progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Benches every cell that can run (``parallel`` at a time) and writes ``out_dir/RESULTS_FILE``
@@ -205,10 +231,19 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
                                      port=ports(), environ=environ))
     for launch in launches:
         launch.result.unlink(missing_ok=True)  # a former run's figures are not this one's
-    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+    launcher = BenchProcesses() if launcher is None else launcher
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel)
+    try:
         futures = {pool.submit(launcher, launch.argv, launch.env, launch.log, timeout_s): launch for launch in launches}
         for future in concurrent.futures.as_completed(futures):
             record(bench_row(futures[future], future.result(), parallel=parallel))
+    except BaseException:  # stopped (Ctrl-C, SIGTERM): no bench outlives the driver, none starts after
+        pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(launcher, BenchProcesses):
+            launcher.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True)
     return [rows[cell.name] for cell in cells]
 
 
@@ -220,6 +255,10 @@ def _progress_line(row: Mapping[str, Any]) -> str:
     detail = {"refused": row.get("refused_by"), "stock-refused": row.get("stock_refused_by"),
               "failed": row.get("problem")}[row["result"]]
     return f"{row['name']}: {row['result']} {detail}"
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -242,6 +281,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="benches side by side on the one GPU (default 1)")
     parser.add_argument("--timeout-s", type=float, default=600, help="per bench; a bench past it is a failure")
     options = parser.parse_args(own)
+    previous = signal.signal(signal.SIGTERM, _stop)  # timeout(1): through run_benches' cleanup, as Ctrl-C
     try:
         cells = select_cells(load_cells(options.cells), options.only, options.cells)
         rows = run_benches(cells, options.out, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
@@ -249,4 +289,6 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, ValueError, KeyError) as error:
         print(f"megatron-cg matrix bench: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return EXIT_MISMATCH if any(row["result"] == "failed" for row in rows) else EXIT_OK

@@ -205,13 +205,44 @@ def test_without_a_megatron_lm_checkout_nothing_launches(monkeypatch, tmp_path):
     assert not launcher.launches
 
 
+SLEEPS = ["-c", "import time; time.sleep(60)"]
+
+
 def test_the_runner_keeps_the_output_and_stops_a_bench_past_its_time(tmp_path):
     log = tmp_path / "bench.log"
-    assert matrix_bench.run_process(["-c", "print('hello')"], {"PATH": "/usr/bin:/bin"}, log, 60) == 0
+    run = matrix_bench.BenchProcesses()
+    assert run(["-c", "print('hello')"], {"PATH": "/usr/bin:/bin"}, log, 60) == 0
     assert log.read_text() == "hello\n"
     start = time.monotonic()
-    code = matrix_bench.run_process(["-c", "import time; time.sleep(60)"], {}, log, 0.5)
-    assert code == matrix_bench.TIMED_OUT and time.monotonic() - start < 15
+    assert run(SLEEPS, {}, log, 0.5) == matrix_bench.TIMED_OUT and time.monotonic() - start < 15
+
+
+def test_a_stopped_driver_stops_its_running_benches_and_starts_no_more(tmp_path):
+    run = matrix_bench.BenchProcesses()
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(run(SLEEPS, {}, tmp_path / "a.log", 60)))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not run._running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.stop()
+    worker.join(20)
+    assert codes and codes[0] < 0  # killed by a signal, long before its 60 s
+    started = tmp_path / "started"
+    assert run(["-c", f"open({str(started)!r}, 'w')"], {}, tmp_path / "b.log", 60) == matrix_bench.STOPPED
+    assert not started.exists()
+
+
+def test_a_driver_stopped_between_benches_starts_none_of_the_rest(tmp_path, megatron_lm):
+    cells = [matrix.Cell({**GPT_TE, "precision": precision}) for precision in ("bf16", "fp8-delayed", "fp8-tensorwise")]
+    launcher = FakeLauncher(hold_s=0.3)  # the second is running when the first's row comes, the third waits
+
+    def stopped(_line):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        matrix_bench.run_benches(cells, tmp_path, megatron_lm_dir=str(megatron_lm), launcher=launcher, progress=stopped)
+    assert len(launcher.launches) < 3
 
 
 def merged_with_benches(benches: list[dict]) -> dict:
