@@ -25,7 +25,7 @@ from megatron_cg_plugin.testing.cases import CaseError
 if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by the commands that use it
     from megatron_cg_plugin.testing import farm
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH, console.EXIT_BAD_INPUT
 
 
 def moe_plan_text(args, router_load: str | None = None) -> str:
@@ -281,17 +281,24 @@ def _run_failure(error: farm.FarmRunError) -> str:
 
 
 def _matrix(argv: Sequence[str]) -> int:
-    """plan [--out FILE] | run CELLS.json [--out DIR --jobs N --steps N --only CELL...] | render CELLS.json RUN.json...
+    """plan [--out FILE] | run CELLS.json [--out DIR --jobs N --steps N --only CELL...] | bench ... | render CELLS.json RUN.json...
     the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size), each cell checked by
-    the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown"""
+    the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown;
+    bench CELLS.json --out DIR [--parallel N --only CELL...] [-- BENCH FLAGS]: each cell's plugin / stock step time"""
     import json
     import tempfile
     from pathlib import Path
 
     from megatron_cg_plugin.testing import matrix  # deferred: torch (seconds); --help and golden start without it
 
+    if argv[:1] == ["bench"]:  # its own parser: the flags after -- go to megatron-cg bench
+        from megatron_cg_plugin.testing import matrix_bench  # deferred: torch, as matrix above
+
+        return matrix_bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("bench", help="plugin / stock step time per cell (megatron-cg bench) on this GPU host; "
+                                 "megatron-cg matrix bench --help")
     plan = sub.add_parser("plan", help="the all-pairs design, each cell checked by the plugin's rules (CPU)")
     plan.add_argument("--out", type=Path, default=Path("matrix-cells.json"))
     run = sub.add_parser("run", help="run the cells eager vs graphed on this GPU host (needs MEGATRON_LM_DIR)")
@@ -302,7 +309,8 @@ def _matrix(argv: Sequence[str]) -> int:
     run.add_argument("--only", nargs="+", help="run only these cells (names from the cells file)")
     render = sub.add_parser("render", help="the support-matrix markdown of the design and its runs' matrix.json")
     render.add_argument("cells", type=Path, help="the cells file `matrix plan` wrote")
-    render.add_argument("results", type=Path, nargs="+", help="matrix.json of each run, later ones win")
+    render.add_argument("results", type=Path, nargs="+",
+                        help="matrix.json of each run and matrix-bench.json of each bench, later ones win")
     options = parser.parse_args(argv)
     try:
         if options.action == "plan":
@@ -312,21 +320,15 @@ def _matrix(argv: Sequence[str]) -> int:
             refused = sum(bool(cell.refused_by) for cell in cells)
             print(f"{len(cells)} cells ({refused} refused by a rule) -> {options.out}")
             return EXIT_OK
-        cells = [matrix.Cell(row["factors"], tuple(row["refused_by"]), row["refusal"])
-                 for row in json.loads(options.cells.read_text())]
+        cells = matrix.load_cells(options.cells)
         if options.action == "render":
             runs = [json.loads(path.read_text()) for path in options.results]
             print(matrix.render(matrix.merge_results(cells, runs)), end="")
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
-        if options.only:
-            unknown = sorted(set(options.only) - {cell.name for cell in cells})
-            if unknown:
-                raise ValueError(f"--only names cells not in {options.cells}: {', '.join(unknown)}")
-            cells = [cell for cell in cells if cell.name in options.only]
-        rows = matrix.run_matrix(cells, options.out, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
-                                 jobs=options.jobs, steps=options.steps)
+        rows = matrix.run_matrix(matrix.select_cells(cells, options.only, options.cells), options.out,
+                                 megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"), jobs=options.jobs, steps=options.steps)
     except (OSError, ValueError, KeyError) as error:
         print(f"megatron-cg matrix: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -26,6 +26,8 @@ from typing import Iterator
 OPTIONAL_PACKAGE_WARNING = r".*(is not installed|are not installed|Falling back to|your version is 0\.0\.0)"
 NO_CUDA_RUNTIME = "No CUDA runtime is found"  # torch.utils.cpp_extension on a host without a GPU
 PLUGIN_PREFIX = "megatron-cg-plugin:"
+# The entry points' exit codes: done, a mismatch or failure found, input refused (the flag named).
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 # The last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``.
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt|Failure|Violation)\b(: .*)?$")
 

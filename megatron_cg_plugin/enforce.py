@@ -13,7 +13,7 @@ import logging
 import re
 import sys
 import traceback
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
@@ -34,7 +34,8 @@ _NOT_GIVEN = re.compile(r"args\.(\w+) is not None|^(\w+) argument is None")
 
 
 class RunRefused(SystemExit):
-    """The run stops before any GPU work; ``violations`` are the (rule, message) pairs."""
+    """The run stops before any GPU work; ``violations`` are the (rule, message) pairs, ``megatron``
+    standing for Megatron's own checks, listed after the plugin's rules under a heading of their own."""
 
     def __init__(self, violations: list[tuple[str, str]], heading: str) -> None:
         super().__init__(EXIT_REFUSED)
@@ -43,7 +44,11 @@ class RunRefused(SystemExit):
 
     @property
     def text(self) -> str:
-        return "\n".join([self.heading] + [f"  [{name}] {message}" for name, message in self.violations])
+        plugin = [f"  [{name}] {message}" for name, message in self.violations if name != "megatron"]
+        megatron = [f"  [{name}] {message}" for name, message in self.violations if name == "megatron"]
+        if plugin and megatron:
+            return "\n".join([self.heading, *plugin, MEGATRON_HEADING, *megatron])
+        return "\n".join([self.heading, *plugin, *megatron])
 
 
 def megatron_rejection(error: BaseException) -> str:
@@ -75,8 +80,15 @@ def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[
     return refusal
 
 
-def refuse_megatron(error: BaseException, *, environ: Mapping[str, str]) -> RunRefused:
-    return refuse([("megatron", megatron_rejection(error))], MEGATRON_HEADING, environ=environ)
+def refuse_megatron(error: BaseException, *, environ: Mapping[str, str],
+                    plugin: Sequence[tuple[str, str]] = ()) -> RunRefused:
+    """Megatron's refusal, after the plugin's rules the flags break too (``plugin``, from
+    ``rules.unvalidated_plugin_violations``: Megatron stops at its first assertion, often the world
+    size, before the rules run, and a rule names the flag to change)."""
+    megatron = ("megatron", megatron_rejection(error))
+    if plugin:
+        return refuse([*plugin, megatron], rules.RuleViolation.HEADING, environ=environ)
+    return refuse([megatron], MEGATRON_HEADING, environ=environ)
 
 
 def transformer_config_backstop(args: Any) -> None:

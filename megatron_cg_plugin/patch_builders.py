@@ -6,6 +6,7 @@ mechanics that apply it (``patches``) stay below everything and know none of the
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -14,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megatron_cg_plugin import compat, enforce
+from megatron_cg_plugin import compat, enforce, rules
 from megatron_cg_plugin.helper import bind_helper_class
 from megatron_cg_plugin.memory.layout import span_of
 from megatron_cg_plugin.moe_stats import RouterDropTap
@@ -83,10 +84,13 @@ def build_plugin_args(original: Callable, session: Any) -> Callable:
 def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        parsed = copy.copy(args)  # the flags as given: Megatron's checks change args before one fails
         try:
             result = original(args, *rest, **kwargs)
         except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
-            raise enforce.refuse_megatron(error, environ=os.environ) from None
+            # The plugin's rules the flags break too, first (as megatron-cg check lists them).
+            raise enforce.refuse_megatron(error, environ=os.environ,
+                                          plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)) from None
         enforce.enforce_for_session(args, session, environ=os.environ)
         return result
 

@@ -85,7 +85,8 @@ PATCHES: tuple[Patch, ...] = (
         attribute="validate_args",
         reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
         "after Megatron's own checks the wrapper runs the plugin's rules (the list megatron-cg check runs) and "
-        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule.",
+        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule; when "
+        "Megatron's own checks refuse the flags first, the rules the flags break are listed before its line.",
         expected_params=("args", "defaults"),
     ),
     Patch(

@@ -23,12 +23,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def single_process_values(environ: MutableMapping[str, str]) -> dict[str, str]:
-    """The rendezvous variables a lone process lacks (none when a launcher set WORLD_SIZE)."""
+def single_process_values(environ: MutableMapping[str, str], *, port: int | None = None) -> dict[str, str]:
+    """The rendezvous variables a lone process lacks (none when a launcher set WORLD_SIZE); its
+    store on ``port`` (default: one free now)."""
     if "WORLD_SIZE" in environ:
         return {}
     values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port() if port is None else port)}
     return {key: value for key, value in values.items() if key not in environ}
 
 

@@ -24,7 +24,7 @@ from megatron_cg_plugin import compat, console, integration
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = console.EXIT_BAD_INPUT
 RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
 
 

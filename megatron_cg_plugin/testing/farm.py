@@ -16,7 +16,7 @@ import json
 import os
 import statistics
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin import compat, golden, rules
 from megatron_cg_plugin.config import PLUGIN_FLAGS
@@ -386,9 +386,11 @@ class FarmRunError(MultiRankError):
 
 
 def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout_s: float = 900,
-             devices: str | None = None) -> CaseResult:
+             devices: str | None = None, ports: Callable[[], int] | None = None) -> CaseResult:
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
-    single-GPU cases can run side by side on a multi-GPU host. A failed run raises ``FarmRunError``."""
+    single-GPU cases can run side by side on a multi-GPU host, and ``ports`` (a
+    ``ports.PortAllocator``) gives each launch its rendezvous port where launches run side by side.
+    A failed run raises ``FarmRunError``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(case.env)
     if devices is not None:
@@ -399,7 +401,8 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
         log_dir = out_dir / f"{case.name}.{mode}.logs"
         try:
             result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
-                            env=env or None, timeout_s=timeout_s, log_dir=log_dir)
+                            env=env or None, timeout_s=timeout_s, log_dir=log_dir,
+                            master_port=None if ports is None else ports())
         except MultiRankError as error:
             raise FarmRunError(mode, log_dir, error) from error
         tails.append(result.stdout.get(0, "")[-4000:])

@@ -13,7 +13,11 @@ prediction it made, and what teardown left.
 
     megatron-cg matrix plan [--out cells.json]        the design, with each cell's refusal (CPU)
     megatron-cg matrix run CELLS.json --out DIR [--jobs N] [--steps N]   on a GPU host (MEGATRON_LM_DIR)
+    megatron-cg matrix bench CELLS.json --out DIR [--parallel N] [-- BENCH FLAGS]   plugin / stock step time
     megatron-cg matrix render CELLS.json RESULTS.json...   docs/support-matrix.md's text
+
+The bench (``testing.matrix_bench``) times each cell's capture against Megatron's own graphs with
+``megatron-cg bench``; its JSON renders beside the runs' as the "plugin / stock" column.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from megatron_cg_plugin.plan.covering import all_pairs, uncovered_pairs
 from megatron_cg_plugin.testing.distributed import MultiRankError
 from megatron_cg_plugin.testing.farm import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.testing.farm import refusal_of as farm_refusal_of
+from megatron_cg_plugin.testing.ports import PortAllocator
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
@@ -113,15 +118,35 @@ class Cell:
                 "refused_by": list(self.refused_by), "refusal": self.refusal}
 
 
+def load_cells(path: Path) -> list[Cell]:
+    """The design ``matrix plan`` wrote."""
+    return [Cell(row["factors"], tuple(row["refused_by"]), row["refusal"]) for row in json.loads(path.read_text())]
+
+
+def select_cells(cells: Sequence[Cell], only: Sequence[str] | None, source: Path) -> list[Cell]:
+    """The cells ``--only`` names (all without it); a name not in the design is refused."""
+    if not only:
+        return list(cells)
+    unknown = sorted(set(only) - {cell.name for cell in cells})
+    if unknown:
+        raise ValueError(f"--only names cells not in {source}: {', '.join(unknown)}")
+    return [cell for cell in cells if cell.name in only]
+
+
 def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
     """The environment a cell's runs get beyond the host's (Megatron's offload needs TE's v1 offload)."""
     return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
 
 
-def refusal_of(cell: Mapping[str, str], out_dir: Path) -> tuple[tuple[str, ...], str]:
+def refusal_of(cell: Mapping[str, str], out_dir: Path, *,
+               flags: Sequence[str] | None = None) -> tuple[tuple[str, ...], str]:
     """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.refusal_of``, its
-    dataset built under ``out_dir``); ``((), "")`` when both would start."""
-    refusal = farm_refusal_of(farm_case(Cell(dict(cell)), megatron_lm_dir=None), out_dir)
+    dataset built under ``out_dir``), on ``flags`` in place of the cell's where given; ``((), "")``
+    when both would start."""
+    case = farm_case(Cell(dict(cell)), megatron_lm_dir=None)
+    if flags is not None:
+        case = dataclasses.replace(case, flags=tuple(flags))
+    refusal = farm_refusal_of(case, out_dir)
     if refusal is None:
         return (), ""
     return tuple(name for name, _ in refusal.violations), "\n".join(refusal.lines())
@@ -152,14 +177,15 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
                     megatron_lm_dir=megatron_lm_dir)
 
 
-def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float) -> dict[str, Any]:
+def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float,
+             ports: Callable[[], int] | None = None) -> dict[str, Any]:
     """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
     row: dict[str, Any] = {**cell.to_json(), "steps": steps}
     if cell.refused_by:
         return {**row, "result": "refused"}
     case = farm_case(cell, megatron_lm_dir=megatron_lm_dir, steps=steps)
     try:
-        result = run_case(case, out_dir, timeout_s=timeout_s)
+        result = run_case(case, out_dir, timeout_s=timeout_s, ports=ports)
     except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
     problems = problems_of(case, result, with_golden=False)
@@ -187,9 +213,11 @@ def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | N
                steps: int = MATRIX_STEPS, timeout_s: float = 900,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Runs every cell (``jobs`` at a time on the one GPU: correctness is compared within each cell,
-    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish."""
+    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish. Each
+    launch takes its rendezvous port from one allocator, so cells side by side never share one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
+    ports = PortAllocator()
 
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
@@ -199,7 +227,7 @@ def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | N
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps,
-                               timeout_s=timeout_s) for cell in cells]
+                               timeout_s=timeout_s, ports=ports) for cell in cells]
         for future in concurrent.futures.as_completed(futures):
             record(future.result())
     return [rows[cell.name] for cell in cells]
@@ -219,20 +247,66 @@ RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed*
                 "not-run": "**not run**"}
 
 
+BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
+
+
 def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One matrix over the design ``cells`` from several runs' ``matrix.json`` (a matrix split over
     GPU sessions, or a cell run again): each cell's row from the last run that has it; a refused
-    cell from the design (the rules refuse it on CPU); any other cell without a row is "not run"."""
+    cell from the design (the rules refuse it on CPU); any other cell without a row is "not run".
+    Matrix benches' JSON among ``runs`` merge the same way, by cell name, into each row's ``bench``
+    (a refused cell has none)."""
+    benches = [run for run in runs if BENCH_KEY in run]
+    runs = [run for run in runs if BENCH_KEY not in run]
     if not runs or len({run["steps"] for run in runs}) != 1:
-        raise ValueError("give one or more matrix.json files, all run with the same --steps.")
+        raise ValueError("give one or more matrix.json files, all run with the same --steps (and any "
+                         "matrix-bench.json beside them).")
     latest = {row["name"]: row for run in runs for row in run["rows"]}
+    benched = {row["name"]: row for run in benches for row in run["rows"]}
     rows = []
     for cell in cells:
         if cell.refused_by:
             rows.append({**cell.to_json(), "result": "refused"})
-        else:
-            rows.append(latest.get(cell.name, {**cell.to_json(), "result": "not-run"}))
+            continue
+        row = latest.get(cell.name, {**cell.to_json(), "result": "not-run"})
+        rows.append({**row, BENCH_KEY: benched[cell.name]} if cell.name in benched else row)
     return {"factors": FACTORS, "steps": runs[0]["steps"], "rows": rows}
+
+
+def _bench_cell(row: Mapping[str, Any]) -> str:
+    """The plugin / stock ratio of a cell's bench: median [lowest, highest] +-95% (n pairs of rounds)."""
+    bench = row.get(BENCH_KEY)
+    if row["result"] == "refused" or bench is None or bench["result"] == "refused":
+        return "-"
+    if bench["result"] == "stock-refused":
+        return "- (stock: " + ", ".join(f"`{rule}`" for rule in bench["stock_refused_by"]) + ")"
+    if bench["result"] != "benched":
+        return "**bench failed**"
+    ratio, half = bench["ratio"], bench.get("ratio_half_width")
+    return (f"{ratio['median']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}]"
+            + ("" if half is None else f" +-{half:.1%}") + f" (n={ratio['n']})")
+
+
+def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """How the plugin / stock column was measured, from the benches' own rows."""
+    benches = [row[BENCH_KEY] for row in rows if row.get(BENCH_KEY) and row["result"] != "refused"]
+    benched = [bench for bench in benches if bench["result"] == "benched"]
+    if not benched:
+        return "plugin / stock: not benched (`megatron-cg matrix bench`); `-` in every cell."
+
+    def values(key: str) -> str:
+        return "/".join(str(value) for value in sorted({bench[key] for bench in benched}))
+
+    parallel = max(bench["parallel"] for bench in benches)
+    side = "one bench at a time on the GPU" if parallel == 1 else \
+        f"up to {parallel} benches side by side on the one GPU (shared-GPU figures)"
+    return (f"plugin / stock ({len(benched)} cells benched): the step time of the cell's own capture (bench arm "
+            "`plugin` in te cells, `slot`, `slot-offload`) over Megatron's TE graphs on the same flags (with Megatron's "
+            "offload in slot-offload cells), from `megatron-cg bench` through `pretrain_gpt.py` without "
+            "`--deterministic-mode`, one process per cell; the median over pairs of mirrored rounds [lowest, highest] "
+            f"+- the median's 95% half-width (n pairs); {values('rounds')} rounds of {values('steps_per_block')} steps "
+            f"per arm, the first {values('skip_steps')} of each block left out; {side}. Below 1 the plugin's step is "
+            "faster; `-` for a refused or not benched cell, with the rule that refuses the stock arm where one does.")
 
 
 def render(results: Mapping[str, Any]) -> str:
@@ -251,9 +325,11 @@ def render(results: Mapping[str, Any]) -> str:
         f"The {len(rows)} cells are an all-pairs design over {', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
         f"each of the {pair_count} pairs of values that can meet does so in some cell.",
         "",
-        "| cell | model | scope | precision | capture | mbs | result | pool MiB predicted / measured | arenas MiB "
-        "predicted / measured | left after teardown (pool, allocated MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        _bench_note(rows),
+        "",
+        "| cell | model | scope | precision | capture | mbs | result | plugin / stock | pool MiB predicted / measured "
+        "| arenas MiB predicted / measured | left after teardown (pool, allocated MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         f = row["factors"]
@@ -265,7 +341,7 @@ def render(results: Mapping[str, Any]) -> str:
         left = "-" if row.get("teardown_pool_bytes_left") is None else \
             f"{_mib(row['teardown_pool_bytes_left'])}, {_mib(row.get('teardown_allocated_delta_bytes'))}"
         lines.append(f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
-                     f"{result} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
+                     f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
                      f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |")
     counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
     lines += ["", ", ".join(f"{n} {word.replace('-', ' ')}" for word, n in counts.items() if n) + "."]

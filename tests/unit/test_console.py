@@ -45,6 +45,17 @@ def test_a_refused_run_shows_its_cause_and_keeps_megatrons_printout_in_a_log(tmp
     assert log.parent == tmp_path and "------------------------ arguments ------------------------" in log.read_text()
 
 
+def test_the_launcher_names_the_plugins_rule_beside_megatrons_world_size_refusal(tmp_path):
+    result = run("-m", "megatron_cg_plugin.pretrain_gpt", "--cg-preset", "tiny-gpt", "--cuda-graph-impl",
+                 "transformer_engine", "--cg-slot-capture", "--pipeline-model-parallel-size", "2", tmp_path=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) <= 5 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0] == "megatron-cg-plugin: these flags break the plugin's rules (docs/troubleshooting.md):"
+    assert lines[1].startswith("  [slot-capture-pipeline] ")  # the cause first, then Megatron's line
+    assert any(line.startswith("  [megatron] world size (1)") for line in lines[2:])
+
+
 def test_megatron_cg_run_and_the_datasets_module_print_no_megatron_import_notes(tmp_path):
     hello = tmp_path / "hello.py"
     hello.write_text("print('hello')\n")

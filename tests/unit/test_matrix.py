@@ -87,7 +87,7 @@ def test_the_table_names_each_result_its_rules_and_the_pools():
             {"name": "c", "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2"))),
              "result": "differs", "first_differing_step": 4, "refused_by": []}]
     text = matrix.render({"factors": matrix.FACTORS, "steps": 10, "rows": rows})
-    assert "| a | gpt | layer | bf16 | te | 1 | exact | 110 / 100 (1.10) |" in text
+    assert "| a | gpt | layer | bf16 | te | 1 | exact | - | 110 / 100 (1.10) |" in text  # not benched
     assert "refused `slot-capture-fp8`" in text and "**differs** from step 4" in text
     assert "1 exact, 1 differs, 1 refused." in text
 

@@ -136,6 +136,17 @@ def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
     assert block == [MEGATRON_HEADING, f"  [megatron] {message}"]
 
 
+def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkeypatch, capsys):
+    """One rank with PP 2: Megatron's world-size assertion stops validate_args before the rules run."""
+    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *TE, "--cg-slot-capture",
+                                                 "--pipeline-model-parallel-size", "2"])
+    assert [name for name, _ in refusal.violations] == ["slot-capture-pipeline", "megatron"]
+    block = plugin_block(err, PLUGIN_HEADING)
+    assert len(block) == 4 and block[1].startswith("  [slot-capture-pipeline] ")
+    assert block[2:] == ["Megatron rejects these flags:", f"  [megatron] {refusal.violations[1][1]}"]
+    assert "world size (1)" in block[3]
+
+
 def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsys):
     refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
     [(name, message)] = refusal.violations
