@@ -155,11 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024, help="NullTokenizer dataset: --vocab-size of the run")
+    parser.add_argument("--max-document-length", type=int, default=600,
+                        help="NullTokenizer dataset: the longest document in tokens (from 16; shorter: more per sample)")
     parser.add_argument("--seed", type=int, default=1234)
     options = parser.parse_args(argv)
     tokens = write_indexed_dataset(options.out_dir / "synthetic_text_document",
                                    synthetic_documents(options.documents, vocab_size=options.vocab_size,
-                                                       seed=options.seed), eod=options.vocab_size - 1)
+                                                       seed=options.seed, max_length=options.max_document_length),
+                                   eod=options.vocab_size - 1)
     print(f"NullTokenizer data: --data-path {tokens} --tokenizer-type NullTokenizer --vocab-size {options.vocab_size}")
     corpus = synthetic_corpus(options.documents, seed=options.seed)
     model = train_sentencepiece(corpus, options.out_dir / "spm")
