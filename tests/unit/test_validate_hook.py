@@ -225,12 +225,12 @@ def test_the_graph_memory_prediction_follows_the_explicit_config_not_the_flags(m
 
     staged_flags = ["--cg-slot-capture", "--cg-offload-copies", "between-replays", "--cg-offload-window", "2"]
     parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD, *staged_flags])
-    from_flags = integration.active_session().predicted_graph_memory
+    from_flags = integration.active_session().prediction.graph_memory
     integration.uninstall()
     reset_megatron_globals()
     session = integration.install(PluginConfig(**STAGED))
     parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD])  # the flags say in-graph, window 1
-    predicted = session.predicted_graph_memory
+    predicted = session.prediction.graph_memory
     assert predicted.arena_bytes == from_flags.arena_bytes and predicted.host_arena_bytes > 0
     assert predicted.unpredicted == from_flags.unpredicted
     assert not any("in-graph offload" in what for what in predicted.unpredicted)
