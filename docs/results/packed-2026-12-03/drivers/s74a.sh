@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# s74a (issue 34, correctness; one call on 1x H200, ~9 min): (1) what stock Megatron and the plugin do with
+# s74a (issue 34, correctness; one call on 1x H200, ~8 min, up to 10 processes on the GPU at once): (1) what stock Megatron and the plugin do with
 # --dataloader-inter-document-masking and --sft under TE graphs, whole layer and attn, through Megatron-LM's own
 # pretrain_gpt.py: stock eager / stock graphed (expected: the replay assert) / the plugin without --cg-thd-max-seqs
 # (expected: refused by packed-sequences-te-graphs, exit 2, no GPU work) / the plugin eager and graphed with it
@@ -7,11 +7,10 @@ source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
 # cases gpt_4x2048_{docmask,sft}_{layer,attn}_megatron_lm, writing their golden values; (3) the functional test
 # tests/functional/test_packed_graphs.py (capacity refusal, tiny-gpt at micro-batch 2). --sft needs transformers and
 # datasets on the host: gpu.txt says whether they import (its probes and farm cases are skipped otherwise).
-D=$(cd "$(dirname "$0")" && pwd)
 printf 'default:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile  # the wheel ships no Makefile
 python3 -c "import transformers, datasets; print('sft imports: transformers', transformers.__version__, 'datasets', datasets.__version__)" >> $F/gpu.txt 2>&1
 ( MEGATRON_CG_UPDATE_GOLDEN=1 MEGATRON_CG_FARM_OUT=$F/farm MEGATRON_CG_FARM_TIMEOUT_S=480 timeout 540 \
-    python3 -m pytest tests/functional/test_farm.py -k "4x2048 and not cp2" -n 4 -rs -q -p no:cacheprovider > $F/farm.log 2>&1
+    python3 -m pytest tests/functional/test_farm.py -k "4x2048 and not cp2" -n 2 -rs -q -p no:cacheprovider > $F/farm.log 2>&1
   echo "farm rc=$?" >> $F/rc.txt
   mkdir -p $F/golden; for c in tests/functional/test_cases/gpt/gpt_4x2048_*; do
     [ -f $c/golden_values_dev_dgx_h200.json ] && cp $c/golden_values_dev_dgx_h200.json $F/golden/$(basename $c).json; done ) &
@@ -35,13 +34,14 @@ PY
 export F
 flags gpt_4x2048_docmask_layer_megatron_lm > $F/docmask_flags.txt 2>> $F/flags.err
 python3 -c "import transformers, datasets" 2>/dev/null && flags gpt_4x2048_sft_layer_megatron_lm > $F/sft_flags.txt 2>> $F/flags.err
-port=29740
+port=29740; pids=()
 probe() {  # data (docmask|sft), name, runner (stock|plugin), extra flags
   local data=$1 name=$2 runner=$3; shift 3; port=$((port + 1))
   [ -s $F/${data}_flags.txt ] || { echo "$data $name skipped (no flags)" >> $F/rc.txt; return; }
   if [ $runner = stock ]; then cmd="python3 $MEGATRON_LM_DIR/pretrain_gpt.py"; else cmd="python3 -m megatron_cg_plugin.cli run $MEGATRON_LM_DIR/pretrain_gpt.py"; fi
   ( RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 420 \
       $cmd $(cat $F/${data}_flags.txt) "$@" > $F/${data}_$name.log 2>&1; echo "$data $name rc=$?" >> $F/rc.txt ) &
+  pids+=($!)
 }
 for data in docmask sft; do
   probe $data stock_eager stock --cuda-graph-impl none
@@ -53,6 +53,7 @@ for data in docmask sft; do
     --cg-metrics-out $F/${data}_plugin_layer.metrics.json --cg-report-out $F/${data}_plugin_layer.report.json
   probe $data plugin_attn plugin --cuda-graph-impl transformer_engine --cuda-graph-modules attn --cg-thd-max-seqs 32 \
     --cg-metrics-out $F/${data}_plugin_attn.metrics.json --cg-report-out $F/${data}_plugin_attn.report.json
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"; pids=()  # one data set's 7 runs at a time beside the farm (GPU memory)
 done
 wait
 python3 - > $F/compare.txt 2>&1 <<'PY'

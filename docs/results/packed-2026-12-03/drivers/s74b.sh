@@ -14,6 +14,6 @@ MODEL="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-
   --transformer-impl transformer_engine --no-gradient-accumulation-fusion --num-workers 0 --train-iters 100000"
 DATA="--data-path $F/data/synthetic_text_document --tokenizer-type NullTokenizer --vocab-size 1024 --split 99,1,0
   --dataloader-inter-document-masking --cg-thd-max-seqs 128"
-timeout 540 python3 -m megatron_cg_plugin.cli bench --bench-rounds 6 --bench-steps 10 --bench-arms eager,plugin \
+timeout 540 python3 -m megatron_cg_plugin.cli bench --bench-rounds 6 --bench-steps 10 --bench-arms eager,plugin --bench-no-plot \
   --bench-out $F/packed $MEGATRON_LM_DIR/pretrain_gpt.py $MODEL $DATA --cuda-graph-impl transformer_engine > $F/packed.log 2>&1
 echo "packed bench rc=$?" >> $F/rc.txt; rm -rf $F/data; pack; cat $F/rc.txt; cat $F/packed/bench.md; tail -3 $F/packed.log
