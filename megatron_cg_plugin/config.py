@@ -20,6 +20,7 @@ ON_CAPTURE_ERROR = ("raise", "eager")
 STALE_GRAPH_CHECKS = ("refuse", "before", "off")
 OFFLOAD_COPIES = ("in-graph", "between-replays")
 SLOT_DEBUG_ENV = "MEGATRON_CG_SLOT_DEBUG"
+DEFAULT_THD_MAX_SEQS = 8  # graph banks' packs when --cg-thd-max-seqs is not given
 
 
 class ContractCheck(enum.StrEnum):
@@ -66,8 +67,11 @@ class PluginConfig:
         graph_banks: under --hybrid-context-parallel, capture one graph bank per power-of-two CP
             size (from ``bank_min_cp`` to DP x CP) for every layer, all in one pool, and replay the
             bank of each packed microbatch's CP size.
-        thd_max_seqs: the most packed sequences a THD microbatch may hold with graph banks (the
-            ``cu_seqlens`` buffers are fixed at capture).
+        thd_max_seqs: the most packed sequences a THD microbatch may hold: graphs fix their
+            ``cu_seqlens`` buffers at capture. Hybrid CP's packs (graph banks) take
+            ``DEFAULT_THD_MAX_SEQS`` when it is not given (``thd_capacity``); packed data without
+            hybrid CP (``--dataloader-inter-document-masking``, ``--sft``) is laid out at this capacity,
+            eager and graphed alike, only when it is given (``packed_graphs``).
         moe_drop_stats: count, in the run, the token-to-expert assignments MoE routers drop at a
             fixed capacity (forward hooks on the routers; the report gives the fraction).
         slot_capture: capture every graphed layer of a plain run (PP=1) through slot-shared capture
@@ -101,7 +105,7 @@ class PluginConfig:
     inject_capture_failure: int | None = None
     bank_min_cp: int = 1
     graph_banks: bool = False
-    thd_max_seqs: int = 8
+    thd_max_seqs: int | None = None
     moe_drop_stats: bool = False
     slot_capture: bool = False
     offload_copies: str = "in-graph"
@@ -112,6 +116,11 @@ class PluginConfig:
         validate_config(self)
         # Checked above, in the one list of problems; held as the enum from here on (the flag gives a str).
         object.__setattr__(self, "contract_check", ContractCheck(self.contract_check))
+
+    @property
+    def thd_capacity(self) -> int:
+        """The sequences per packed microbatch of hybrid CP's fixed-capacity packs."""
+        return DEFAULT_THD_MAX_SEQS if self.thd_max_seqs is None else self.thd_max_seqs
 
 
 class ConfigError(ValueError):
@@ -135,7 +144,7 @@ def config_problems(config: PluginConfig) -> list[str]:
             problems.append(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
         problems.append("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
-    if config.thd_max_seqs < 1:
+    if config.thd_max_seqs is not None and config.thd_max_seqs < 1:
         problems.append(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
     if not is_power_of_two(config.bank_min_cp):
         problems.append(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
@@ -258,9 +267,11 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
                "The smallest CP size that gets a bank (powers of two from K to DP x CP).",
                {"type": int, "default": 1, "metavar": "K"}, graphs_only=True),
     PluginFlag("--cg-thd-max-seqs", "graph banks (hybrid context parallelism)",
-               "The most packed sequences per microbatch under hybrid CP (graph banks fix their cu_seqlens buffers "
-               "at capture).",
-               {"type": int, "default": 8, "metavar": "N"}),
+               "The most packed sequences (documents) per microbatch: graphs fix their cu_seqlens buffers at capture. "
+               "Needed to graph --dataloader-inter-document-masking or --sft data (no hybrid CP), whose microbatches "
+               "are then laid out at this capacity, eager and graphed alike; hybrid CP's packs take 8 when it is not "
+               "given. A microbatch with more is refused.",
+               {"type": int, "default": None, "metavar": "N"}, doc="docs/variants.md"),
     PluginFlag("--cg-metrics-out", "outputs and report",
                "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to "
                "FILE.",

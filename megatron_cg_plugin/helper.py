@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin import diagnostics, patches
+from megatron_cg_plugin import diagnostics, packed_graphs, patches
 from megatron_cg_plugin.capture import graph_banks, hygiene
 from megatron_cg_plugin.capture.backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.contracts import ReplayContract
@@ -199,6 +199,12 @@ class PluginHelperMixin:
         items += [attribute(self, name) for name in ("_graphs_created", "_capture_finished", "num_microbatches")]
         return items
 
+    def _get_sample_arguments(self, order: Any, chunk_id_list: Any = None) -> tuple:
+        """Megatron's sample arguments per layer and microbatch, as a packed microbatch brings them
+        where the run lays packed data out (``--cg-thd-max-seqs``: ``packed_graphs``)."""
+        sample_args, sample_kwargs = super()._get_sample_arguments(order, chunk_id_list)
+        return packed_graphs.helper_sample_inputs(self, sample_args, sample_kwargs)
+
     def create_cudagraphs(self) -> None:
         self.session.mark_capture_start()  # capture runs between iterations: no step's time
         if not self.flattened_callables:
@@ -284,7 +290,7 @@ class PluginHelperMixin:
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
         groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
                   for size in sizes}
-        capacity = graph_banks.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_max_seqs)
+        capacity = graph_banks.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_capacity)
         scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
         # Banks capture each layer's forward and backward back to back; the tracker names which ran.
         attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(

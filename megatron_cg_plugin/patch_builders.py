@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megatron_cg_plugin import compat, enforce, rules
+from megatron_cg_plugin import compat, enforce, packed_graphs, rules
 from megatron_cg_plugin.helper import bind_helper_class
 from megatron_cg_plugin.memory.layout import span_of
 from megatron_cg_plugin.moe_stats import RouterDropTap
@@ -178,4 +178,7 @@ BUILDERS: Mapping[str, Builder] = {
     "mtp-loss-tap": build_mtp_loss_tap,
     "prebuilt-dataset-helpers": build_prebuilt_dataset_helpers,
     "strided-weak-ref": build_strided_weak_ref,
+    "packed-thd-layout": packed_graphs.build_thd_layout,
+    "packed-graph-capture": packed_graphs.build_capture,
+    "packed-graph-replay": packed_graphs.build_replay,
 }

@@ -38,7 +38,7 @@ HELPER_METHODS = (
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    """One replaced attribute ``module.attribute``.
+    """One replaced attribute ``module.attribute``; ``attribute`` may be a class's (``Class.method``).
 
     ``expected_params`` are the parameters of the original that the replacement relies on (for a
     class: of its ``__init__``), and ``expected_methods`` the methods a replaced class must still
@@ -57,6 +57,15 @@ class Patch:
     @property
     def where(self) -> str:
         return f"{self.module}.{self.attribute}"
+
+    def locate(self) -> tuple[Any, str]:
+        """The object that holds the replaced attribute (the module, or the class it names), and the
+        attribute's name there."""
+        owner: Any = importlib.import_module(self.module)
+        *path, name = self.attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, name
 
     def check(self, original: Any) -> None:
         target = original.__init__ if inspect.isclass(original) else original
@@ -155,6 +164,35 @@ PATCHES: tuple[Patch, ...] = (
         "path); the replacement keeps their strides.",
         expected_params=("x",),
         needs_te=True,
+    ),
+    Patch(
+        name="packed-thd-layout",
+        module="megatron.core.models.gpt.gpt_model",
+        attribute="GPTModel.forward",
+        reason="with --cg-thd-max-seqs, a training microbatch of packed sequences (--dataloader-inter-document-masking, "
+        "--sft) enters the model with cu_seqlens of its own length and max_seqlen of its longest document "
+        "(Megatron-LM's pretrain_gpt.py forward_step); the wrapper lays it out at the fixed capacity graphs are "
+        "captured for (offsets padded with zero-length sequences, max_seqlen = --seq-length, a batch beyond the "
+        "capacity refused naming the flag) before GPTModel computes its RoPE table from it, so eager and graphed "
+        "steps compute on one layout (packed_graphs.fixed_params). Other calls pass through.",
+        expected_params=("packed_seq_params",),
+    ),
+    Patch(
+        name="packed-graph-capture",
+        module="megatron.core.transformer.transformer_layer",
+        attribute="TransformerLayer._te_cuda_graph_capture",
+        reason="a TE graph takes tensor inputs only; with --cg-thd-max-seqs the capture's sample inputs carry a "
+        "packed microbatch's offsets as the tensor keyword thd_cu_seqlens, which the wrapper turns back into the "
+        "PackedSeqParams of the fixed layout before Megatron's capture callable runs (packed_graphs.build_capture).",
+    ),
+    Patch(
+        name="packed-graph-replay",
+        module="megatron.core.transformer.transformer_layer",
+        attribute="TransformerLayer._te_cuda_graph_replay",
+        reason="Megatron's replay asserts packed_seq_params is None (transformer_layer.py l.1225) when attention is "
+        "graphed; with --cg-thd-max-seqs the wrapper checks a packed microbatch is in the fixed layout and hands its "
+        "offsets to the graph as thd_cu_seqlens (TE copies them into the static buffer), then runs Megatron's own "
+        "replay (packed_graphs.build_replay). Other calls pass through.",
     ),
 )
 
@@ -309,6 +347,11 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
                  "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
                  "helper.py", ("self",), calls=("make_graphed_callables",)),
+    ForeignState("megatron-sample-arguments",
+                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
+                 "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
+                 "and microbatch as a packed microbatch brings them (packed_graphs.sample_inputs).", "helper.py",
+                 ("self", "order", "chunk_id_list")),
     ForeignState("megatron-reset-after-capture",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
                  "Megatron's own post-capture reset, run after a failed capture is rolled back.", "helper.py",
@@ -448,7 +491,8 @@ class PatchSet:
                              f"no patch listed for {unlisted}.")
         self._patches = tuple(patches)
         self._builders = dict(builders)
-        self._originals: list[tuple[Patch, Any, Any]] = []  # (patch, module object, original)
+        # (patch, the object holding the attribute, its name there, the original, whether that object held it itself)
+        self._originals: list[tuple[Patch, Any, str, Any, bool]] = []
 
     @property
     def applied(self) -> bool:
@@ -460,23 +504,27 @@ class PatchSet:
             for patch in self._patches:
                 if patch.needs_te and not with_te:
                     continue
-                module = importlib.import_module(patch.module)
-                original = getattr(module, patch.attribute)
+                owner, name = patch.locate()
+                original = getattr(owner, name)
                 patch.check(original)
                 replacement = self._builders[patch.name](original, session)
-                setattr(module, patch.attribute, replacement)
-                self._originals.append((patch, module, original))
+                own = name in vars(owner)  # a class's inherited method is deleted again on revert, not copied in
+                setattr(owner, name, replacement)
+                self._originals.append((patch, owner, name, original, own))
         except BaseException:
             self.revert_all()
             raise
 
     def revert_all(self) -> None:
         while self._originals:
-            patch, module, original = self._originals.pop()
-            setattr(module, patch.attribute, original)
+            _patch, owner, name, original, own = self._originals.pop()
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
     def original(self, name: str) -> Any:
-        for patch, _module, original in self._originals:
+        for patch, _owner, _name, original, _own in self._originals:
             if patch.name == name:
                 return original
         raise KeyError(name)

@@ -105,6 +105,8 @@ class GraphFacts:
     launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
     rerun_mode: str = "disabled"
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
+    thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
+    multi_latent_attention: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
@@ -113,6 +115,20 @@ class GraphFacts:
     @property
     def te_graphs(self) -> bool:
         return self.cuda_graph_impl == "transformer_engine"
+
+    @property
+    def packed(self) -> bool:
+        """Packed (THD) microbatches through Megatron's own batch path, without hybrid CP."""
+        return (self.inter_document_masking or self.sft) and not self.hybrid_context_parallel
+
+    @property
+    def packed_graphs(self) -> bool:
+        """Packed microbatches laid out at a fixed capacity for TE graphs (``packed_graphs``)."""
+        return self.te_graphs and self.packed and self.thd_max_seqs is not None
+
+    @property
+    def attention_graphed(self) -> bool:
+        return not self.modules or "attn" in self.modules
 
     @property
     def moe(self) -> bool:
@@ -388,13 +404,56 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
          "--hybrid-context-parallel splits each sample into its documents: add "
          "--dataloader-inter-document-masking (or train --sft data, whose samples carry them)."),
-    # s70: stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619).
+    # s70: stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619), whole layer and
+    # attn; with --micro-batch-size > 1 the flattened stream also misses the graphs' static hidden states' shape.
     Rule("packed-sequences-te-graphs", "megatron",
-         _graphs(lambda f: (f.inter_document_masking or f.sft) and not f.hybrid_context_parallel),
-         "--dataloader-inter-document-masking and --sft train packed (THD) batches, and megatron-core 0.19.2's TE "
-         "graph replay refuses their packed_seq_params (TransformerLayer._te_cuda_graph_replay asserts at the first "
-         "graphed step, Megatron-LM #5619): use --cuda-graph-impl none for packed data, or graph it through "
-         "--hybrid-context-parallel --cg-graph-banks (whose banks carry the THD metadata)."),
+         _graphs(lambda f: f.packed and f.thd_max_seqs is None and (f.attention_graphed or f.micro_batch_size > 1)),
+         "--dataloader-inter-document-masking and --sft train packed (THD) batches whose cu_seqlens change from batch "
+         "to batch, and megatron-core 0.19.2's TE graph replay refuses their packed_seq_params "
+         "(TransformerLayer._te_cuda_graph_replay asserts at the first graphed step, Megatron-LM #5619): add "
+         "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
+         "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none."),
+    Rule("thd-max-seqs-without-packed-data", "plugin",
+         _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
+         "--cg-thd-max-seqs captures the graphs for packed (THD) microbatches, and these flags train unpacked data, "
+         "so no batch would bring the offsets the graphs take: drop --cg-thd-max-seqs, or train packed data "
+         "(--dataloader-inter-document-masking, or --sft)."),
+    Rule("packed-graphs-capacity", "plugin",
+         lambda f: f.packed_graphs and f.thd_max_seqs < f.micro_batch_size,
+         "each of a microbatch's samples holds at least one document, so packed graphs need --cg-thd-max-seqs of at "
+         "least --micro-batch-size: raise --cg-thd-max-seqs.",
+         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs}, --micro-batch-size {f.micro_batch_size})"),
+    Rule("packed-graphs-moe", "plugin", lambda f: f.packed_graphs and f.has_moe_layers,
+         "packed graphs (--cg-thd-max-seqs without hybrid CP) are built for dense layers: Megatron un-flattens a "
+         "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "
+         "with --cuda-graph-impl none on packed data."),
+    Rule("packed-graphs-slot-capture", "plugin", lambda f: f.packed_graphs and f.slot_capture,
+         "--cg-slot-capture does not carry packed microbatches' offsets (not built): drop --cg-slot-capture with "
+         "--cg-thd-max-seqs (TE's capture takes them)."),
+    Rule("packed-graphs-offload", "plugin", lambda f: f.packed_graphs and bool(f.offloaded_in_graphs),
+         "fine-grained activation offload inside the graphed scope is not built for packed graphs: offload only "
+         "modules outside --cuda-graph-modules, or drop --fine-grained-activation-offloading.",
+         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs)"),
+    Rule("packed-graphs-rope", "plugin",
+         lambda f: f.packed_graphs and f.attention_graphed and (
+             f.position_embedding_type in ("yarn", "mrope") or f.multi_latent_attention
+             or (f.position_embedding_type == "rope" and not f.apply_rope_fusion)),
+         "packed graphs take Megatron's fused THD RoPE (--position-embedding-type rope, the default --rope-fusion) or "
+         "learned absolute positions; the unfused THD RoPE reads sequence lengths on the host (.tolist()), which a "
+         "graph cannot capture, and yarn, mrope and multi-latent attention's RoPE are not built: change "
+         "--position-embedding-type, drop --no-rope-fusion, or graph --cuda-graph-modules mlp only.",
+         detail=lambda f: "(--multi-latent-attention)" if f.multi_latent_attention
+         else f"(--position-embedding-type {f.position_embedding_type}"
+              f"{', --no-rope-fusion' if not f.apply_rope_fusion else ''})"),
+    Rule("packed-launcher-sft", "plugin", lambda f: f.launcher and f.sft,
+         "the plugin's launcher builds GPT datasets (indexed or mock), not Megatron's SFT dataset: train --sft through "
+         "Megatron-LM's pretrain_gpt.py (megatron-cg run PATH/pretrain_gpt.py ...)."),
+    Rule("packed-launcher-pipeline", "plugin",
+         lambda f: f.launcher and f.inter_document_masking and not f.hybrid_context_parallel
+         and f.pipeline_parallel > 1,
+         "the launcher's packed data path feeds the first and last pipeline stages only: use "
+         "--pipeline-model-parallel-size 1 with --dataloader-inter-document-masking, or Megatron-LM's pretrain_gpt.py "
+         "through megatron-cg run."),
     Rule("hybrid-cp-seqlen-per-rank", "megatron",
          lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
          "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)."),
@@ -530,6 +589,8 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         launcher=launcher,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
+        thd_max_seqs=settings.thd_max_seqs,
+        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
         max_seqlen_per_dp_cp_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
         graph_only_flags=graph_only_flags(config) if config is not None else (),
         config_problems=tuple(config_problems),

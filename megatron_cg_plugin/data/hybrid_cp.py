@@ -16,7 +16,7 @@ group. In your own script::
     def forward_step(data_iterator, model):
         args = get_args()
         batch, packed = get_hybrid_cp_batch(data_iterator, tokens_per_rank=args.max_seqlen_per_dp_cp_rank,
-                                            max_seqs=session.config.thd_max_seqs)
+                                            max_seqs=session.config.thd_capacity)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], packed_seq_params=packed)
         return output, partial(loss_func, batch["loss_mask"])
@@ -75,7 +75,7 @@ def get_hybrid_cp_batch(data_iterator: Iterator[Mapping[str, Any]], *, tokens_pe
                         max_seqs: int = 8) -> tuple[dict[str, Any], Any]:
     """The next microbatch of Megatron's hybrid-CP schedule, packed for this rank (on its GPU, with
     the hybrid data-context-parallel group of the sample's CP size). ``tokens_per_rank`` is
-    ``--max-seqlen-per-dp-cp-rank``, ``max_seqs`` the run config's ``thd_max_seqs``
+    ``--max-seqlen-per-dp-cp-rank``, ``max_seqs`` the run config's ``thd_capacity``
     (``--cg-thd-max-seqs``: what graph banks were captured for; any value >= 1 without banks)."""
     import torch.distributed as dist
     from megatron.core import parallel_state

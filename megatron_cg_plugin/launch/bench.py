@@ -645,6 +645,11 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
     if graphed and args.cuda_graph_impl != "transformer_engine":
         raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
                          "(or --bench-arms eager).")
+    packed = (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)) \
+        and not getattr(args, "hybrid_context_parallel", False)
+    if "stock" in options.arms and packed:
+        raise BenchError("the stock arm replays Megatron's own graphs, which refuse packed batches (rule "
+                         "packed-sequences-te-graphs): bench packed data with --bench-arms eager,plugin.")
     if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
         raise BenchError("--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the bench's "
                          "first step; leave it at its default (3) or set it >= 1.")

@@ -22,6 +22,7 @@ import torch
 
 from megatron_cg_plugin import console, helptext, integration
 from megatron_cg_plugin.data.hybrid_cp import get_hybrid_cp_batch
+from megatron_cg_plugin.data.packed import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.launch.presets import expand_preset
@@ -60,11 +61,14 @@ class BatchSpec:
     hybrid_context_parallel: bool = False
     tokens_per_rank: int | None = None  # --max-seqlen-per-dp-cp-rank (hybrid CP)
     thd_max_seqs: int = 1  # --cg-thd-max-seqs (hybrid CP)
+    packed: bool = False  # --dataloader-inter-document-masking without hybrid CP: THD microbatches
 
 
 def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict[str, Any]:
     from megatron.core import parallel_state as mpu
-    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.core.utils import (
+        flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
+    )
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if not is_first_or_last_pipeline_stage(vp_stage):
@@ -74,10 +78,10 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
     if tp_rank == 0:
         batch = next(data_iterator)
         batch = {key: (value.cuda(non_blocking=True) if torch.is_tensor(value) else value)
-                 for key, value in batch.items()}
+                 for key, value in (with_packed_keys(batch) if spec.packed else batch).items()}
     batch = get_batch_on_this_tp_rank(
         batch,
-        has_cu_seqlens=False,
+        has_cu_seqlens=spec.packed,
         is_hybrid_cp=False,
         create_attention_mask_in_dataloader=spec.create_attention_mask,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
@@ -91,7 +95,10 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
-    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    if spec.packed:  # the microbatch's samples as one token stream, as Megatron's pretrain_gpt.py packs them
+        batch = flatten_batch_for_packed_sequences(batch)
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group(),
+                                     use_per_sequence_balancing=spec.packed)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -113,8 +120,9 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
                        loss_mask=batch["loss_mask"], packed_seq_params=packed)
         return output, functools.partial(loss_func, batch["loss_mask"])
     batch = get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    packed = packed_batch_params(batch, tokens_per_sample=spec.seq_length) if spec.packed else None
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"], loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
@@ -163,7 +171,9 @@ def run(args: Any, session: Any) -> None:
         create_attention_mask=args.create_attention_mask_in_dataloader,
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
         tokens_per_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
-        thd_max_seqs=session.config.thd_max_seqs,
+        thd_max_seqs=session.config.thd_capacity,
+        packed=bool(getattr(args, "dataloader_inter_document_masking", False))
+        and not getattr(args, "hybrid_context_parallel", False),
     )
     provider = functools.partial(build_datasets, args=args)
     provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)

@@ -411,6 +411,8 @@ class GraphMemoryPlan:
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     # --cg-slot-capture: the graphs' outputs and gradients and the parameter-gradient buffers (outside the pool)
     boundary_bytes: int | None = None
+    # packed graphs (--cg-thd-max-seqs without hybrid CP): the graphs' fixed-capacity offsets, static inputs outside the pool
+    thd_buffer_bytes: int | None = None
 
     def describe(self) -> str:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
@@ -420,6 +422,9 @@ class GraphMemoryPlan:
                          f"gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB")
         if self.host_arena_bytes is not None:
             lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
+        if self.thd_buffer_bytes is not None:
+            lines.append(f"fixed-capacity THD offsets (--cg-thd-max-seqs, static inputs outside the pool): "
+                         f"{self.thd_buffer_bytes} B")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
         return "\n".join(lines)
 
@@ -783,4 +788,12 @@ def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) ->
         plan = plan_slot_memory(layers, facts.modules, policy, config.offload_window + 1 if staged else None)
     else:
         plan = plan_graph_memory(layers, facts.modules)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted))
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(facts, len(layers)))
+
+
+def thd_buffer_bytes(facts, graphs: int) -> int | None:
+    """Packed graphs' static offsets: ``--cg-thd-max-seqs + 1`` int32 entries per graph that holds
+    attention (None where the run has no packed graphs)."""
+    if not facts.packed_graphs:
+        return None
+    return graphs * (facts.thd_max_seqs + 1) * INT32 if facts.attention_graphed else 0

@@ -14,6 +14,11 @@ of size ``cp``, TE splits every sequence into ``2 * cp`` chunks (rank r keeps ch
 - unused entries repeat the last value (zero-length sequences).
 
 The same layout feeds the eager run, so graphed and eager runs compute on identical shapes.
+
+Without hybrid CP (``--dataloader-inter-document-masking``, ``--sft``: ``packed_graphs``) Megatron's
+batch already covers every token, so its offsets need no dummy: ``PackedLayout`` holds them in
+``max_seqs + 1`` entries, padded by the same rule (``padded_offsets``), with ``max_seqlen`` bound to
+``--seq-length``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,52 @@ from megatron_cg_plugin.config import is_power_of_two
 
 class ThdCapacityError(ValueError):
     """A pack that does not fit the capacity the graphs were captured with."""
+
+
+def check_sequence_count(count: int, max_seqs: int) -> None:
+    """Raises ``ThdCapacityError`` naming ``--cg-thd-max-seqs`` when a pack of ``count`` sequences
+    does not fit buffers captured for ``max_seqs``."""
+    if count > max_seqs:
+        raise ThdCapacityError(
+            f"the pack holds {count} sequences but graphs were captured for at most {max_seqs}; "
+            f"raise --cg-thd-max-seqs to at least {count} (or pack fewer sequences per microbatch).")
+
+
+def padded_offsets(offsets: Sequence[int], entries: int) -> tuple[int, ...]:
+    """``offsets`` (cumulative lengths, from 0) padded to ``entries`` values: each added entry repeats
+    the last offset, a sequence of length 0, which attention and RoPE skip. Raises
+    ``ThdCapacityError`` when they hold more sequences than ``entries - 1``."""
+    if not offsets:
+        raise ValueError("cumulative sequence lengths start with 0: got none.")
+    check_sequence_count(len(offsets) - 1, entries - 1)
+    return (*offsets, *[offsets[-1]] * (entries - len(offsets)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """The fixed THD layout of a packed microbatch without hybrid CP: its ``cu_seqlens`` in
+    ``max_seqs + 1`` entries, its ``max_seqlen`` the bound ``max_seqlen`` (``--seq-length``: a
+    document never crosses a sample, so none is longer)."""
+
+    max_seqs: int  # --cg-thd-max-seqs
+    max_seqlen: int  # --seq-length
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1:
+            raise ValueError(f"--cg-thd-max-seqs {self.max_seqs} must be >= 1.")
+        if self.max_seqlen < 1:
+            raise ValueError(f"the sequence bound {self.max_seqlen} must be >= 1 (--seq-length).")
+
+    @property
+    def entries(self) -> int:
+        return self.max_seqs + 1
+
+    def sample_offsets(self, micro_batch_size: int) -> tuple[int, ...]:
+        """A valid layout of the captured shapes: each of the microbatch's samples one sequence of
+        ``max_seqlen`` tokens (what Megatron's flattened stream holds at least). Raises
+        ``ThdCapacityError`` when ``max_seqs`` is below the micro-batch size."""
+        return padded_offsets(tuple(range(0, (micro_batch_size + 1) * self.max_seqlen, self.max_seqlen)),
+                              self.entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +112,7 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
         raise ValueError(f"--cg-thd-max-seqs {max_seqs} must be >= 1.")
     if any(length < 1 for length in lengths):
         raise ValueError(f"sequence lengths must be >= 1, got {list(lengths)}.")
-    if len(lengths) > max_seqs:
-        raise ThdCapacityError(
-            f"the pack holds {len(lengths)} sequences but graphs were captured for at most {max_seqs}; "
-            f"raise --cg-thd-max-seqs to at least {len(lengths)} (or pack fewer sequences per microbatch).")
+    check_sequence_count(len(lengths), max_seqs)
     tokens = cp_size * tokens_per_rank
     padded = [padded_length(length, cp_size) for length in lengths]
     if sum(padded) > tokens:
@@ -78,10 +126,8 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
         cu_padded.append(cu_padded[-1] + pad)
     cu.append(cu[-1])  # the dummy: no actual tokens ...
     cu_padded.append(tokens)  # ... covering the rest of the buffer
-    while len(cu) < max_seqs + 2:
-        cu.append(cu[-1])
-        cu_padded.append(cu_padded[-1])
-    return ThdLayout(cp_size, tokens, tuple(cu), tuple(cu_padded), len(lengths))
+    return ThdLayout(cp_size, tokens, padded_offsets(cu, max_seqs + 2), padded_offsets(cu_padded, max_seqs + 2),
+                     len(lengths))
 
 
 def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: int) -> list[int]:

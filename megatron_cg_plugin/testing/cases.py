@@ -29,7 +29,7 @@ FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the res
 FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
                        "golden_case", "golden_metrics", "deterministic_mode", "eager_offload",
                        "pool_prediction_tolerance"})
-FARM_DATA = ("synthetic", "sentencepiece")
+FARM_DATA = ("synthetic", "sentencepiece", "sft")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

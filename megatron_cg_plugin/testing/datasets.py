@@ -6,12 +6,18 @@ ending in the tokenizer's EOD id, as Megatron's ``preprocess_data.py --append-eo
 ``synthetic_documents`` makes seeded token documents for ``--tokenizer-type NullTokenizer``
 (pre-tokenized data: the same bytes on every machine, so golden values hold);
 ``train_sentencepiece`` and ``tokenize_corpus`` give a ``--tokenizer-type SentencePieceTokenizer``
-run real text. ``python -m megatron_cg_plugin.testing.datasets OUT_DIR`` writes both kinds.
+run real text. ``write_sft_dataset`` writes what Megatron's ``--sft`` path reads (``SFTDataset``: a
+jsonl file, one packed sample per line, each a list of system/user/assistant messages, several
+conversations per line; ``SFTTokenizer``: a HuggingFace tokenizer folder, here a word-level one
+written as plain JSON, and the ``nemotron-h-aligned`` prompt format, whose special tokens it holds).
+Reading them needs ``transformers`` and ``datasets`` (Megatron's imports), writing them nothing.
+``python -m megatron_cg_plugin.testing.datasets OUT_DIR`` writes all three kinds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -78,23 +84,93 @@ def tokenize_corpus(corpus: Iterable[str], model: str | Path) -> tuple[list[list
     return [processor.encode(text) for text in corpus], processor.eos_id()
 
 
+# What Megatron's nemotron-h-aligned chat template writes around the messages, and its pad token.
+SFT_SPECIAL = ("<unk>", "<eos>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_233>")
+SFT_ROLE_WORDS = ("System", "User", "Assistant")
+SFT_PROMPT_FORMAT = "nemotron-h-aligned"
+
+
+def sft_conversations(count: int, *, seed: int, min_turns: int = 1, max_turns: int = 3,
+                      max_words: int = 40) -> list[list[dict[str, str]]]:
+    """Seeded conversations (a system message, then user/assistant turns) of ``WORDS``."""
+    rng = random.Random(seed)
+
+    def text() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words)))
+
+    conversations = []
+    for _ in range(count):
+        messages = [{"role": "system", "content": text()}]
+        for _ in range(rng.randint(min_turns, max_turns)):
+            messages += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        conversations.append(messages)
+    return conversations
+
+
+def write_sft_tokenizer(folder: str | Path) -> Path:
+    """A HuggingFace tokenizer folder for ``--tokenizer-type SFTTokenizer``: a word-level model over
+    ``WORDS``, the role words and ``SFT_SPECIAL`` (special tokens, split out before the words), end of
+    document ``<eos>``. Written as JSON: nothing is trained or downloaded."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {token: index for index, token in enumerate((*SFT_SPECIAL, *SFT_ROLE_WORDS, *WORDS))}
+    special = [{"id": vocab[token], "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for token in SFT_SPECIAL]
+    model = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
+             "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    (folder / "tokenizer.json").write_text(json.dumps(model))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
+        "pad_token": "<SPECIAL_233>", "model_max_length": 1 << 30}))
+    return folder
+
+
+def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conversations: int = 4,
+                      max_conversations: int = 24) -> tuple[Path, Path]:
+    """``FOLDER/sft.jsonl`` (``samples`` lines, each ``min_conversations`` to ``max_conversations``
+    seeded conversations: Megatron packs one line into one sample) and the tokenizer folder
+    ``FOLDER/sft_tokenizer``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    path = folder / "sft.jsonl"
+    with path.open("w") as out:
+        for index in range(samples):
+            conversations = sft_conversations(rng.randint(min_conversations, max_conversations), seed=seed * 7919 + index)
+            out.write(json.dumps({"messages": [message for conversation in conversations for message in conversation]}))
+            out.write("\n")
+    return path, write_sft_tokenizer(folder / "sft_tokenizer")
+
+
+def sft_flags(dataset: Path, tokenizer: Path) -> tuple[str, ...]:
+    """The data and tokenizer flags of a ``--sft`` run on ``write_sft_dataset``'s files."""
+    return ("--data-path", str(dataset), "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(tokenizer),
+            "--sft-tokenizer-prompt-format", SFT_PROMPT_FORMAT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_cg_plugin.testing.datasets",
                                      description="Write small real Megatron datasets (nothing is downloaded).")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024, help="NullTokenizer dataset: --vocab-size of the run")
+    parser.add_argument("--max-document-length", type=int, default=600,
+                        help="NullTokenizer dataset: the longest document in tokens (from 16; shorter: more per sample)")
     parser.add_argument("--seed", type=int, default=1234)
     options = parser.parse_args(argv)
     tokens = write_indexed_dataset(options.out_dir / "synthetic_text_document",
                                    synthetic_documents(options.documents, vocab_size=options.vocab_size,
-                                                       seed=options.seed), eod=options.vocab_size - 1)
+                                                       seed=options.seed, max_length=options.max_document_length),
+                                   eod=options.vocab_size - 1)
     print(f"NullTokenizer data: --data-path {tokens} --tokenizer-type NullTokenizer --vocab-size {options.vocab_size}")
     corpus = synthetic_corpus(options.documents, seed=options.seed)
     model = train_sentencepiece(corpus, options.out_dir / "spm")
     documents, eod = tokenize_corpus(corpus, model)
     text = write_indexed_dataset(options.out_dir / "spm_text_document", documents, eod=eod)
     print(f"SentencePiece data: --data-path {text} --tokenizer-type SentencePieceTokenizer --tokenizer-model {model}")
+    dataset, tokenizer = write_sft_dataset(options.out_dir, samples=options.documents, seed=options.seed)
+    print(f"SFT data: --sft --no-create-attention-mask-in-dataloader {' '.join(sft_flags(dataset, tokenizer))}")
     return 0
 
 

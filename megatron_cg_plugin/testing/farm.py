@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import json
 import os
@@ -42,12 +43,14 @@ MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
 GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
 DETERMINISTIC_METRICS = ("lm loss", "mtp_1 loss", "num-zeros")  # Megatron's DeterministicTest metrics (pretraining)
+SFT_IMPORTS = ("transformers", "datasets")  # SFTTokenizer's and SFTDataset's (megatron.training.datasets.sft_dataset)
 
 
 def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     """Builds the case's real indexed dataset under ``out_dir`` (once) and returns its flags.
     ``synthetic``: seeded pre-tokenized documents (NullTokenizer, the same bytes everywhere);
-    ``sentencepiece``: text tokenized by a SentencePiece model trained on it here."""
+    ``sentencepiece``: text tokenized by a SentencePiece model trained on it here; ``sft``: packed
+    conversations and a word-level tokenizer for Megatron's ``--sft`` path (``datasets.write_sft_dataset``)."""
     if data is None:
         return ()
     root = out_dir / "data"
@@ -67,7 +70,12 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
             datasets.write_indexed_dataset(prefix, documents, eod=eod)
         return ("--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", str(model))
-    raise ValueError(f"unknown farm data {data!r}: use synthetic or sentencepiece")
+    if data == "sft":
+        dataset, tokenizer = root / "sft.jsonl", root / "sft_tokenizer"
+        if not dataset.exists():
+            dataset, tokenizer = datasets.write_sft_dataset(root, samples=400, seed=1234)
+        return (*datasets.sft_flags(dataset, tokenizer), "--split", "98,2,0")
+    raise ValueError(f"unknown farm data {data!r}: use synthetic, sentencepiece or sft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +123,16 @@ class FarmCase:
         return Path(self.megatron_lm_dir) / self.script[len(MEGATRON_LM_SCRIPT):]
 
     def unmet(self) -> str | None:
-        """Why this host cannot run the case beyond its GPUs (a Megatron-LM script not found), or None."""
+        """Why this host cannot run the case beyond its GPUs (a Megatron-LM script not found, the imports of
+        Megatron's --sft path missing), or None."""
         try:
             script = self.script_file
         except CaseError as error:
             return str(error)
-        return None if script is None or script.is_file() else f"{self.name}: no script at {script}"
+        if script is not None and not script.is_file():
+            return f"{self.name}: no script at {script}"
+        missing = [name for name in (SFT_IMPORTS if self.data == "sft" else ()) if importlib.util.find_spec(name) is None]
+        return f"{self.name}: Megatron's --sft path imports {' and '.join(missing)}, not installed here" if missing else None
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps

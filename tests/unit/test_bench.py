@@ -210,6 +210,19 @@ def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, messa
         bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), DEFAULTS, BenchOptions(arms=("eager",)))
 
 
+@pytest.mark.parametrize("packed", [dict(dataloader_inter_document_masking=True), dict(sft=True)])
+def test_the_stock_arm_is_refused_on_packed_data(packed):
+    """Megatron's own graphs assert on packed batches at their first replay (s70): eager and plugin arms only."""
+    import types
+
+    args = types.SimpleNamespace(**ARGS, **packed)
+    with pytest.raises(BenchError, match="bench packed data with --bench-arms eager,plugin"):
+        bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())
+    bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "plugin")))
+    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, **packed, hybrid_context_parallel=True), DEFAULTS,
+                             BenchOptions())  # hybrid CP: the launcher's packs, graph banks
+
+
 def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(monkeypatch):
     import types
 

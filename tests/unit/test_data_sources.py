@@ -486,3 +486,31 @@ def test_malformed_data_arguments_are_named_not_raised(tmp_path):
     split_file.write_text('{"train": "a", "valid": "b"}')  # no "test"
     (problem,) = sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(split_file)), indexed_data=True)
     assert str(split_file) in problem and "KeyError" in problem
+
+
+def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
+    """``SFTDataset`` reads one packed sample per jsonl line ("messages": conversations, each from a system
+    message), ``SFTTokenizer`` a HuggingFace folder with the nemotron-h-aligned tokens; same seed, same bytes."""
+    import json
+
+    from megatron_cg_plugin.testing import datasets, farm
+
+    dataset, tokenizer = datasets.write_sft_dataset(tmp_path / "a", samples=5, seed=3, max_conversations=6)
+    again, _ = datasets.write_sft_dataset(tmp_path / "b", samples=5, seed=3, max_conversations=6)
+    assert dataset.read_bytes() == again.read_bytes()
+    lines = [json.loads(line) for line in dataset.read_text().splitlines()]
+    assert len(lines) == 5
+    for line in lines:
+        roles = [message["role"] for message in line["messages"]]
+        starts = [index for index, role in enumerate(roles) if role == "system"]
+        assert starts[0] == 0 and 4 <= len(starts) <= 6  # conversations: Megatron splits them at system messages
+        assert all(message["content"] for message in line["messages"])  # an empty assistant turn is refused there
+    model = json.loads((tokenizer / "tokenizer.json").read_text())
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    assert {token["content"] for token in model["added_tokens"]} == set(datasets.SFT_SPECIAL)
+    assert {"<SPECIAL_10>", "<SPECIAL_11>", "System", "User", "Assistant"} <= set(model["model"]["vocab"])
+    assert (config["eos_token"], config["pad_token"]) == ("<eos>", "<SPECIAL_233>")
+    flags = farm.data_flags("sft", tmp_path / "farm")
+    assert flags[flags.index("--tokenizer-type") + 1] == "SFTTokenizer"
+    assert flags[flags.index("--sft-tokenizer-prompt-format") + 1] == datasets.SFT_PROMPT_FORMAT
+    assert farm.data_flags("sft", tmp_path / "farm") == flags  # built once

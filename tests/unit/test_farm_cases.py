@@ -9,11 +9,22 @@ from megatron_cg_plugin.testing import farm
 from megatron_cg_plugin.testing.cases import CaseError, load_case
 
 
+# Cases written before their first GPU run: their golden files come from that run (MEGATRON_CG_UPDATE_GOLDEN=1); a
+# case leaves this set with the file it gets.
+AWAITING_FIRST_RUN = {"gpt_4x2048_docmask_layer_megatron_lm", "gpt_4x2048_docmask_attn_megatron_lm",
+                      "gpt_4x2048_sft_layer_megatron_lm", "gpt_4x2048_sft_attn_megatron_lm",
+                      "gpt_4x2048_docmask_cp2_layer_megatron_lm"}
+
+
 def test_every_case_folder_is_a_farm_case_with_its_golden_file():
     names = [case.name for case in farm.CASES]
     assert len(names) == len(set(names)) and len(names) == len(farm.case_folders())
     for case in farm.CASES:
         assert case.nproc >= 1 and case.steps >= 20
+        if case.name in AWAITING_FIRST_RUN:
+            assert case.check_golden and not case.golden_path.exists(), f"{case.name} has its golden file: drop it " \
+                "from AWAITING_FIRST_RUN"
+            continue
         assert case.golden_path.exists() == case.check_golden, case.name  # eager-only cases keep no file
 
 

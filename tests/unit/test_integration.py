@@ -44,7 +44,8 @@ def current() -> tuple:
 
 
 def _target(patch: Patch):
-    return getattr(importlib.import_module(patch.module), patch.attribute)
+    owner, name = patch.locate()
+    return getattr(owner, name)
 
 
 # Every patch the CPU can apply (TE's needs Transformer Engine), by identity.
@@ -217,13 +218,14 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
 def test_real_patches_match_installed_megatron():
     assert [patch.name for patch in PATCHES] == ["plugin-args", "validate-args-rules", "train-step-timer",
                                                   "train-end-report", "helper-swap", "training-log-tap",
-                                                  "mtp-loss-tap", "prebuilt-dataset-helpers", "strided-weak-ref"]
+                                                  "mtp-loss-tap", "prebuilt-dataset-helpers", "strided-weak-ref",
+                                                  "packed-thd-layout", "packed-graph-capture", "packed-graph-replay"]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
         assert patch.reason.strip()
         if patch.needs_te:
             continue  # TE is not installable on CPU; its patch is checked on the GPU host
-        patch.check(getattr(importlib.import_module(patch.module), patch.attribute))
+        patch.check(_target(patch))
 
 
 def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
@@ -1074,3 +1076,41 @@ def test_scoped_puts_back_an_attribute_a_property_of_its_class_holds():
         assert layer.flag is False and Holder.helper is abs
     assert layer.flag is True and "flag" not in vars(layer)
     assert isinstance(vars(Holder)["helper"], staticmethod) and Holder.helper is len  # stored as it was
+
+
+def test_a_class_method_patch_goes_back_to_the_class_as_it_was(fake_module):
+    """A patch of ``Class.method`` (the packed-graph patches of TransformerLayer) restores the class's own
+    function by identity, and deletes again what the class only inherited, so the base's stays in force."""
+
+    class Base:
+        def inherited(self):
+            return "base"
+
+    class Child(Base):
+        def own(self):
+            return "own"
+
+    own = vars(Child)["own"]
+    target = fake_module(Child=Child)
+    listed = (Patch("own", target.__name__, "Child.own", "test"), Patch("inherited", target.__name__, "Child.inherited", "test"))
+    patch_set = PatchSet(listed, {"own": lambda original, session: lambda self: ("wrapped", original(self)),
+                                  "inherited": lambda original, session: lambda self: ("wrapped", original(self))})
+    patch_set.apply_all(None)
+    assert (Child().own(), Child().inherited()) == (("wrapped", "own"), ("wrapped", "base"))
+    assert patch_set.original("own") is own
+    patch_set.revert_all()
+    assert vars(Child)["own"] is own and "inherited" not in vars(Child) and Child().inherited() == "base"
+
+
+def test_the_packed_graph_patches_reach_megatrons_classes():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    originals = (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay)
+    integration.install()
+    try:
+        patched = (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay)
+        assert all(now is not before and now.__wrapped__ is before for now, before in zip(patched, originals))
+    finally:
+        integration.uninstall()
+    assert (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay) == originals

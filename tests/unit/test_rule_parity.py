@@ -26,6 +26,7 @@ GPT = ("--cg-preset", "tiny-gpt")
 MOE = ("--cg-preset", "tiny-moe")
 MOE_LAYERS = GPT + MOE_FLAGS  # tiny-moe's experts without its graph scope: whole layers
 BANKS = ("--cg-graph-banks",)
+DOCUMENTS = ("--dataloader-inter-document-masking",)  # packed (THD) microbatches without hybrid CP
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER",
             "CUDA_DEVICE_MAX_CONNECTIONS")
 MEGATRON = "megatron"  # Megatron's own validate_args (or TransformerConfig) rejects the flags
@@ -67,6 +68,16 @@ ROWS = (
     Row("hybrid-cp-launcher-tp", HYBRID_CP + ("--tensor-model-parallel-size", "2"),
         frozenset({"hybrid-cp-launcher-tp"}), nproc=4, environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
     Row("thd-max-seqs-0", GPT + ("--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
+    Row("packed-graphed-without-capacity", GPT + TE + DOCUMENTS, frozenset({"packed-sequences-te-graphs"})),
+    Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset()),
+    Row("packed-graphed-attn-rope-unfused", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cuda-graph-modules",
+        "attn", "--position-embedding-type", "rope", "--no-rope-fusion"), frozenset({"packed-graphs-rope"})),
+    Row("packed-graphed-slot-capture", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-slot-capture"),
+        frozenset({"packed-graphs-slot-capture"})),
+    Row("packed-eager", GPT + DOCUMENTS, frozenset()),
+    Row("thd-max-seqs-unpacked-graphed", GPT + TE + ("--cg-thd-max-seqs", "4"),
+        frozenset({"thd-max-seqs-without-packed-data"})),
+    Row("sft-through-the-launcher", GPT + ("--sft",), frozenset({"packed-launcher-sft"})),
     Row("report-out-directory", GPT + ("--cg-report-out", "{tmp}"), frozenset({"cg-flags"})),
     Row("bank-min-cp-3", GPT + ("--cg-bank-min-cp", "3"), frozenset({"cg-flags"})),
     Row("banks-without-hybrid-cp", GPT + TE + BANKS, frozenset({"banks-need-hybrid-cp"})),

@@ -107,7 +107,22 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "hybrid-cp-document-masking": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
                                               graph_banks=True, world_size=2), "--dataloader-inter-document-masking"),
     "packed-sequences-te-graphs": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True),
-                                   "--cuda-graph-impl none for packed data"),
+                                   "add --cg-thd-max-seqs N"),
+    "thd-max-seqs-without-packed-data": (GraphFacts(cuda_graph_impl=TE, thd_max_seqs=8), "drop --cg-thd-max-seqs"),
+    "packed-graphs-capacity": (GraphFacts(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4,
+                                          global_batch_size=4), "raise --cg-thd-max-seqs"),
+    "packed-graphs-moe": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, num_experts=4,
+                                     capacity_factor=1.0, pad_to_capacity=True), "dense layers"),
+    "packed-graphs-slot-capture": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+                                              slot_capture=True), "drop --cg-slot-capture"),
+    "packed-graphs-offload": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+                                         modules=("attn",), activation_offloading=True, offload_modules=("core_attn",),
+                                         position_embedding_type="rope", warmup_steps=3), "outside --cuda-graph-modules"),
+    "packed-graphs-rope": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+                                      position_embedding_type="rope", apply_rope_fusion=False), "drop --no-rope-fusion"),
+    "packed-launcher-sft": (GraphFacts(launcher=True, sft=True), "megatron-cg run PATH/pretrain_gpt.py"),
+    "packed-launcher-pipeline": (GraphFacts(launcher=True, inter_document_masking=True, pipeline_parallel=2,
+                                            world_size=2), "--pipeline-model-parallel-size 1"),
     "hybrid-cp-seqlen-per-rank": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
                                              graph_banks=True, world_size=2), "--max-seqlen-per-dp-cp-rank"),
     "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
@@ -129,7 +144,8 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
 ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
              "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
              "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel", "num-layers",
-             "cg-flags-need-te-graphs", "hybrid-cp-ranks", "offload-learned-positions"}
+             "cg-flags-need-te-graphs", "hybrid-cp-ranks", "offload-learned-positions", "packed-launcher-sft",
+             "packed-launcher-pipeline"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -525,3 +541,21 @@ def test_slot_capture_takes_delayed_and_current_scaling(recipe):
     attention = dataclasses.replace(facts, fp8_attention=True)
     assert ("slot-capture-fp8" in names(attention)) == (recipe != "delayed")
     assert "slot-capture-fp8" in names(dataclasses.replace(attention, fp8_multi_head_attention=True))
+
+
+def test_packed_data_graphs_with_a_capacity():
+    """s70: whole layer and attn died at the first graphed step on packed data; --cg-thd-max-seqs lays the
+    batches out for the graphs, and the scopes that leave attention eager at micro-batch size 1 are Megatron's."""
+    packed = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, position_embedding_type="rope")
+    for modules in ((), ("attn",)):
+        assert names(dataclasses.replace(packed, modules=modules)) == ["packed-sequences-te-graphs"]
+        assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32)) == []
+        assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32, sft=True,
+                                         inter_document_masking=False)) == []
+    assert names(dataclasses.replace(packed, modules=("mlp",))) == []  # attention eager with the params
+    several = dataclasses.replace(packed, modules=("mlp",), micro_batch_size=2, global_batch_size=2)
+    assert names(several) == ["packed-sequences-te-graphs"]  # the flattened stream misses the sampled shape
+    assert names(dataclasses.replace(several, thd_max_seqs=2)) == []
+    assert names(dataclasses.replace(packed, thd_max_seqs=32, cuda_graph_impl="none")) == []  # eager: laid out too
+    hybrid = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
+    assert names(hybrid) == []  # hybrid CP's packs: graph banks

@@ -168,7 +168,8 @@ def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
 def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypatch, capsys, tmp_path):
     report = tmp_path / "report.json"
     args = parse_and_validate(monkeypatch, [*TINY_GPT, *TE, "--cg-contract-check", "shapes", "--cg-no-report",
-                                            "--cg-report-out", str(report), "--cg-thd-max-seqs", "4"])
+                                            "--cg-report-out", str(report), "--cg-thd-max-seqs", "4",
+                                            "--dataloader-inter-document-masking"])
     assert "megatron-cg-plugin" not in capsys.readouterr().err
     assert global_vars.get_args() is args  # parse_and_validate_args went on to set Megatron's globals
     assert plugin.config_resolved
