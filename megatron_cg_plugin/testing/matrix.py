@@ -297,7 +297,7 @@ def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
     def values(key: str) -> str:
         return "/".join(str(value) for value in sorted({bench[key] for bench in benched}))
 
-    parallel = max(bench["parallel"] for bench in benches)
+    parallel = max(bench["parallel"] for bench in benched)  # refused rows never launched: no "parallel"
     side = "one bench at a time on the GPU" if parallel == 1 else \
         f"up to {parallel} benches side by side on the one GPU (shared-GPU figures)"
     return (f"plugin / stock ({len(benched)} cells benched): the step time of the cell's own capture (bench arm "
