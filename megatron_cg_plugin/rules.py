@@ -412,7 +412,13 @@ RULES: tuple[Rule, ...] = (
          "to batch, and megatron-core 0.19.2's TE graph replay refuses their packed_seq_params "
          "(TransformerLayer._te_cuda_graph_replay asserts at the first graphed step, Megatron-LM #5619): add "
          "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
-         "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none."),
+         "that capacity, eager and graphed alike, and refuses a batch with more; rule packed-graphs-unverified "
+         "refuses that until it has trained bit for bit like eager on a GPU), or use --cuda-graph-impl none."),
+    Rule("packed-graphs-unverified", "plugin", _graphs(lambda f: f.packed_graphs),
+         "the plugin's packed-sequence graphs (--cg-thd-max-seqs with --dataloader-inter-document-masking or --sft) "
+         "have not yet trained bit for bit like eager on a GPU: their farm cases' first run (s76) stopped in "
+         "Megatron's data loader before the first step, so nothing shows them exact (issue 34). Until they do, they "
+         "are refused: train packed data with --cuda-graph-impl none."),
     Rule("thd-max-seqs-without-packed-data", "plugin",
          _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
          "--cg-thd-max-seqs captures the graphs for packed (THD) microbatches, and these flags train unpacked data, "

@@ -111,9 +111,10 @@ def test_a_matrix_split_over_runs_takes_each_cells_last_row_and_names_what_did_n
 
 def test_the_support_matrix_page_is_the_render_of_its_runs():
     """docs/support-matrix.md is `megatron-cg matrix render` of the committed design and runs (s68, s69, then s70,
-    which ran the last cell)."""
+    which ran the last cell) and s76's matrix bench (the plugin / stock column)."""
     runs = [json.loads((CELLS.parent / run / "matrix.json").read_text()) for run in ("s68", "s69")]
     runs.append(json.loads((REPO / "docs" / "results" / "open-issues-2026-12-02" / "s70" / "matrix.json").read_text()))
+    runs.append(json.loads((REPO / "docs" / "results" / "session-2026-12-03" / "s76" / "matrix-bench.json").read_text()))
     cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
     assert (REPO / "docs" / "support-matrix.md").read_text() == matrix.render(matrix.merge_results(cells, runs))
 

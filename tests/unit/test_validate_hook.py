@@ -168,8 +168,7 @@ def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
 def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypatch, capsys, tmp_path):
     report = tmp_path / "report.json"
     args = parse_and_validate(monkeypatch, [*TINY_GPT, *TE, "--cg-contract-check", "shapes", "--cg-no-report",
-                                            "--cg-report-out", str(report), "--cg-thd-max-seqs", "4",
-                                            "--dataloader-inter-document-masking"])
+                                            "--cg-report-out", str(report)])
     assert "megatron-cg-plugin" not in capsys.readouterr().err
     assert global_vars.get_args() is args  # parse_and_validate_args went on to set Megatron's globals
     assert plugin.config_resolved
@@ -177,7 +176,6 @@ def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypat
     assert config.contract_check == "shapes"
     assert config.print_report is False
     assert config.report_out == report
-    assert config.thd_max_seqs == 4
     assert config.graph_banks is False
 
 
