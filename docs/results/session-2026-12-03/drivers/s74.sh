@@ -3,17 +3,8 @@ source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
 # 16 experts top-2, seq 2048, mbs 1, 4 microbatches, alltoall, grouped GEMM) on a real indexed dataset; arms
 # plugin-recording, plugin, stock in mirrored cycles (A B C C B A). Drop-and-pad `attn moe` through the launcher,
 # dropless `attn moe_router moe_preprocess` through Megatron-LM's pretrain_gpt.py (megatron-cg bench SCRIPT).
-printf 'default:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile  # the wheel ships no Makefile
-python3 -m megatron_cg_plugin.testing.datasets $F/data --documents 4000 > $F/data.txt 2>&1
-python3 - > $F/moe_flags.txt <<'PY'
-from megatron_cg_plugin.testing import matrix
-flags = matrix.cell_flags({"model": "moe-dropless", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1"})
-flags[flags.index("--num-layers") + 1] = "8"
-print(" ".join(flags))
-PY
-DATA="--data-path $F/data/synthetic_text_document --tokenizer-type NullTokenizer --vocab-size 1024 --split 99,1,0"
+source "$(dirname "$0")/moe_data.sh"
 BENCH="--bench-interleave steps --bench-skip-steps 4 --bench-arms plugin-recording,plugin,stock --bench-no-plot"
-export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
 MASTER_PORT=29911 timeout 250 python3 -m megatron_cg_plugin.cli bench $BENCH --bench-cycles 140 --bench-out $F/droppad \
   $(cat $F/moe_flags.txt) $DATA --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity \
   --cuda-graph-impl transformer_engine --cuda-graph-modules attn moe > $F/droppad.log 2>&1
