@@ -84,7 +84,7 @@ def build_plugin_args(original: Callable, session: Any) -> Callable:
 def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        parsed = copy.copy(args)  # the flags as given: Megatron's checks change args before one fails
+        parsed = copy.deepcopy(args)  # the flags as given: Megatron's checks change args (lists too) before one fails
         try:
             result = original(args, *rest, **kwargs)
         except enforce.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
@@ -164,8 +164,6 @@ def build_strided_weak_ref(original: Callable, session: Any) -> Callable:
         return original(x)
 
     return make_weak_ref
-
-
 
 
 BUILDERS: Mapping[str, Builder] = {

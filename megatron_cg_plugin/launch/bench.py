@@ -46,7 +46,6 @@ from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.plan.bench_schedule import (
     Block, DeviceTime, fewest_for_interval, interleaved_blocks, interleaved_steps, intervals_by_kind, run_schedule,
-    summarize,
 )
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "

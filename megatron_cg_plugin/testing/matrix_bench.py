@@ -70,6 +70,9 @@ def check_bench_flags(flags: Sequence[str]) -> None:
             flags and not flags[0].startswith("--bench-")):
         raise ValueError(f"after -- come megatron-cg bench's own --bench-* options (e.g. -- --bench-rounds 4 "
                          f"--bench-steps 8), not {' '.join(flags)}: each cell's flags are the matrix's.")
+    if any(flag.split("=", 1)[0] == "--bench-interleave" for flag in flags):
+        raise ValueError("--bench-interleave: matrix bench reads the block schedule's rounds and ratios (and most "
+                         "cells are slot or FP8 captures, which the step schedule refuses); drop it.")
     own = [flag for flag in flags if flag.split("=", 1)[0] in OWN_BENCH_OPTIONS]
     if own:
         raise ValueError(f"{own[0]}: matrix bench sets it per cell (the arms: the cell's capture and stock; "

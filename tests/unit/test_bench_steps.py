@@ -180,6 +180,7 @@ def test_the_step_schedules_outputs_say_which_schedule_ran(tmp_path):
     written = bench_output.write(result, tmp_path, with_plot=False)
     data = json.loads(written[0].read_text())
     assert data["schedule"] == "steps" and len(data["steps"]) == 30 * 6 and data["ratios"]["plugin/stock"]["n"] == 28
+    assert data["ratio_precision"] == {}  # rounds for +-1% are the block schedule's; cycles are in ratio_intervals
     interval = data["ratio_intervals"]["plugin/stock"]
     found = result.ratio_intervals()["plugin", "stock"]
     assert interval["low"] == found.low and interval["pairs_for_half_width"] == {"0.01": found.pairs_for(0.01),

@@ -172,6 +172,8 @@ def test_a_former_runs_bench_json_is_not_taken_for_this_one(tmp_path, megatron_l
     (["--bench-out=x"], "--bench-out=x: matrix bench sets it per cell"),
     (["--deterministic-mode"], "after -- come megatron-cg bench's own --bench-* options"),
     (["steps", "--bench-rounds", "4"], "after -- come megatron-cg bench's own --bench-* options"),
+    # its rows read the block schedule's rounds and ratio spread (review: a step run was reported as 1 round)
+    (["--bench-interleave", "steps"], "--bench-interleave: matrix bench reads the block schedule's"),
 ])
 def test_flags_after_the_separator_are_the_benchs_own_options(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -180,9 +182,9 @@ def test_flags_after_the_separator_are_the_benchs_own_options(flags, message):
 
 def test_bench_options_the_bench_learns_later_pass_through(tmp_path, megatron_lm):
     launch = matrix_bench.bench_launch(matrix.Cell(GPT_TE), tmp_path, script=megatron_lm / "pretrain_gpt.py",
-                                       bench_flags=["--bench-interleave", "steps"], port=21000, environ={})
-    matrix_bench.check_bench_flags(["--bench-interleave", "steps"])
-    assert launch.argv[launch.argv.index("--bench-interleave") + 1] == "steps"
+                                       bench_flags=["--bench-cached-batches", "2"], port=21000, environ={})
+    matrix_bench.check_bench_flags(["--bench-cached-batches", "2"])
+    assert launch.argv[launch.argv.index("--bench-cached-batches") + 1] == "2"
 
 
 def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys):
