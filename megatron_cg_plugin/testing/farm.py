@@ -147,13 +147,17 @@ class FarmCase:
 
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
         """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
-        the farm's step count and output files; builds the case's dataset under ``out_dir``."""
+        the farm's step count and output files; builds the case's dataset under ``out_dir``. A case's own
+        ``--split`` replaces the farm data's ``98,2,0``."""
         # The eager reference leaves out what only graphs use (the cg-flags-need-te-graphs rule refuses it
         # without them) and, where the case says so, Megatron's offload.
         flags = self.flags if graphed else without_graph_only_flags(
             self.flags if self.eager_offload else without_offload_flags(self.flags))
+        data = data_flags(self.data, out_dir)
+        if flag_value(self.flags, "--split") is not None:  # the case's own split (argparse would take the farm's)
+            data = without_flags(data, switches=(), options=("--split",))
         return [
-            *flags, *data_flags(self.data, out_dir),
+            *flags, *data,
             *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
               else []),  # the routers' measured drops, beside the capacity plan in the summary
             "--cuda-graph-impl", "transformer_engine" if graphed else "none",
