@@ -5,7 +5,7 @@ source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
 # (expected: refused by packed-sequences-te-graphs, exit 2, no GPU work) / the plugin eager and graphed with it
 # (expected: graphed == eager bit for bit; plugin eager printed == stock eager printed); (2) the four single-GPU farm
 # cases gpt_4x2048_{docmask,sft}_{layer,attn}_megatron_lm, writing their golden values; (3) the functional test
-# tests/functional/test_packed_graphs.py (capacity refusal, tiny-gpt at micro-batch 2). --sft needs transformers and
+# tests/functional/test_packed_graphs_gpu.py (capacity refusal, tiny-gpt at micro-batch 2). --sft needs transformers and
 # datasets on the host: gpu.txt says whether they import (its probes and farm cases are skipped otherwise).
 printf 'default:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile  # the wheel ships no Makefile
 python3 -c "import transformers, datasets; print('sft imports: transformers', transformers.__version__, 'datasets', datasets.__version__)" >> $F/gpu.txt 2>&1
@@ -14,7 +14,7 @@ python3 -c "import transformers, datasets; print('sft imports: transformers', tr
   echo "farm rc=$?" >> $F/rc.txt
   mkdir -p $F/golden; for c in tests/functional/test_cases/gpt/gpt_4x2048_*; do
     [ -f $c/golden_values_dev_dgx_h200.json ] && cp $c/golden_values_dev_dgx_h200.json $F/golden/$(basename $c).json; done ) &
-( MEGATRON_CG_FARM_OUT=$F/functional timeout 540 python3 -m pytest tests/functional/test_packed_graphs.py -rs -q \
+( MEGATRON_CG_FARM_OUT=$F/functional timeout 540 python3 -m pytest tests/functional/test_packed_graphs_gpu.py -rs -q \
     -p no:cacheprovider > $F/functional.log 2>&1; echo "functional rc=$?" >> $F/rc.txt ) &
 flags() {  # the farm case's eager flags (its data built under $F/cases) without the plugin's, 10 steps
   python3 - "$1" <<'PY'
