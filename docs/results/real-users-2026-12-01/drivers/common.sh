@@ -1,6 +1,7 @@
 # Sourced by the GPU session drivers: the stack and the deterministic environment.
 cd "$(dirname "${BASH_SOURCE[0]}")/../../../.."  # the project root (the drivers ran from .gpu-run/, one level down)
-bash .gpu/install.sh || exit 1
+# Once per machine: a second driver in the same call must not reinstall under a running one.
+[ -e /tmp/site/.cg-installed ] || { bash .gpu/install.sh || exit 1; touch /tmp/site/.cg-installed; }
 export PYTHONPATH=/tmp/site:$PWD MEGATRON_LM_DIR=$PWD/.megatron-lm PYTHONUNBUFFERED=1
 export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0
 F=$OUT/f; mkdir -p $F
