@@ -72,6 +72,10 @@ class PluginConfig:
             ``DEFAULT_THD_MAX_SEQS`` when it is not given (``thd_capacity``); packed data without
             hybrid CP (``--dataloader-inter-document-masking``, ``--sft``) is laid out at this capacity,
             eager and graphed alike, only when it is given (``packed_graphs``).
+        thd_max_seqlen: the longest packed sequence (document) such a microbatch may hold: the
+            ``max_seqlen`` packed data without hybrid CP is laid out and captured with (None:
+            ``--seq-length``). Under deterministic mode TE 2.20.2 on Hopper keeps THD attention in
+            cuDNN only while ``thd_max_seqs x heads per rank x max_seqlen^2 < 2^30`` (rules).
         moe_drop_stats: count, in the run, the token-to-expert assignments MoE routers drop at a
             fixed capacity (forward hooks on the routers; the report gives the fraction).
         slot_capture: capture every graphed layer of a plain run (PP=1) through slot-shared capture
@@ -106,6 +110,7 @@ class PluginConfig:
     bank_min_cp: int = 1
     graph_banks: bool = False
     thd_max_seqs: int | None = None
+    thd_max_seqlen: int | None = None
     moe_drop_stats: bool = False
     slot_capture: bool = False
     offload_copies: str = "in-graph"
@@ -146,6 +151,9 @@ def config_problems(config: PluginConfig) -> list[str]:
         problems.append("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
     if config.thd_max_seqs is not None and config.thd_max_seqs < 1:
         problems.append(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
+    if config.thd_max_seqlen is not None and config.thd_max_seqlen < 1:
+        problems.append(f"--cg-thd-max-seqlen {config.thd_max_seqlen} must be >= 1 (tokens of the longest document "
+                        "in a packed microbatch).")
     if not is_power_of_two(config.bank_min_cp):
         problems.append(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
@@ -272,6 +280,12 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
                "are then laid out at this capacity, eager and graphed alike; hybrid CP's packs take 8 when it is not "
                "given. A microbatch with more is refused.",
                {"type": int, "default": None, "metavar": "N"}, doc="docs/variants.md"),
+    PluginFlag("--cg-thd-max-seqlen", "graph banks (hybrid context parallelism)",
+               "The longest packed sequence (document) per microbatch, at most --seq-length (the default): the "
+               "max_seqlen that --cg-thd-max-seqs lays packed data out and captures its graphs with. With "
+               "--deterministic-mode set it to the longest document of the data: TE 2.20 keeps cuDNN attention on "
+               "Hopper only while N x heads per rank x L^2 < 2^30. A microbatch with a longer document is refused.",
+               {"type": int, "default": None, "metavar": "L"}, doc="docs/variants.md"),
     PluginFlag("--cg-metrics-out", "outputs and report",
                "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to "
                "FILE.",

@@ -7,8 +7,8 @@ from batch to batch; a graph replays fixed shapes and takes tensors only. With `
 - ``fixed_params`` (patch ``packed-thd-layout``, at ``GPTModel.forward``, in training, eager and
   graphed steps alike): the offsets copied on the device into a new int32 tensor of ``N + 1``
   entries, the rest repeating the last offset (zero-length sequences, ``plan.thd.padded_offsets``),
-  ``max_seqlen`` the bound ``--seq-length``; a batch of more than N documents is refused
-  (``ThdCapacityError``, naming the flag);
+  ``max_seqlen`` the bound ``--cg-thd-max-seqlen L`` (default ``--seq-length``); a batch of more than
+  N documents, or with a document longer than L, is refused (``ThdCapacityError``, naming the flag);
 - ``sample_inputs`` (the helper's ``_get_sample_arguments``): Megatron's sample arguments as a packed
   microbatch brings them, with the offsets as the graph input ``THD_KWARG``;
 - ``build_capture`` / ``build_replay`` (patches ``packed-graph-capture`` and ``packed-graph-replay``
@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron_cg_plugin.capture.graph_banks import attention_in_graph
-from megatron_cg_plugin.plan.thd import PackedLayout, check_sequence_count
+from megatron_cg_plugin.plan.thd import PackedLayout, check_sequence_count, check_sequence_length
 
 THD_KWARG = "thd_cu_seqlens"  # the graph input holding a packed microbatch's offsets
 
@@ -45,11 +45,13 @@ def megatron_seq_length() -> int:
 
 
 def layout_of(config: Any, seq_length: int | None = None) -> PackedLayout | None:
-    """The fixed layout ``config`` asks for (None without ``--cg-thd-max-seqs``); ``seq_length``
-    defaults to the running job's."""
+    """The fixed layout ``config`` asks for (None without ``--cg-thd-max-seqs``): its ``max_seqlen``
+    ``--cg-thd-max-seqlen``, else ``seq_length``, which defaults to the running job's."""
     if config.thd_max_seqs is None:
         return None
-    return PackedLayout(config.thd_max_seqs, megatron_seq_length() if seq_length is None else seq_length)
+    seq_length = megatron_seq_length() if seq_length is None else seq_length
+    max_seqlen = seq_length if config.thd_max_seqlen is None else config.thd_max_seqlen
+    return PackedLayout(config.thd_max_seqs, max_seqlen, seq_length=seq_length)
 
 
 def fixed_offsets(offsets: torch.Tensor, entries: int) -> torch.Tensor:
@@ -82,11 +84,20 @@ def _check_form(params: Any, layout: PackedLayout) -> None:
                 "pass cu_seqlens_padded=None, or train this data with --cuda-graph-impl none.")
     if params.pad_between_seqs:
         raise PackedFormError("pad_between_seqs=True is not carried by packed graphs: leave it None.")
-    for name in ("max_seqlen_q", "max_seqlen_kv"):
-        value = getattr(params, name)
-        if value is not None and value > layout.max_seqlen:
-            raise PackedFormError(f"{name} {value} exceeds --seq-length {layout.max_seqlen}, the bound packed "
-                                  "graphs are captured with: documents must not cross a sample.")
+    # A document longer than the captured max_seqlen would be computed wrongly, so a missing bound is
+    # read from the offsets (one host read) rather than trusted.
+    values = [getattr(params, name) for name in ("max_seqlen_q", "max_seqlen_kv")]
+    if None in values:
+        values = [longest_sequence(params.cu_seqlens_q) if value is None else value for value in values]
+    check_sequence_length(max(int(value) for value in values), layout.max_seqlen)
+
+
+def longest_sequence(offsets: Any) -> int:
+    """The longest sequence of cumulative ``offsets`` (one host read); 0 for offsets ``fixed_offsets``
+    refuses (it names what is wrong with them)."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 2 or offsets.is_floating_point():
+        return 0
+    return int((offsets[1:] - offsets[:-1]).max())
 
 
 def fixed_params(params: Any, layout: PackedLayout) -> Any:

@@ -172,9 +172,10 @@ PATCHES: tuple[Patch, ...] = (
         reason="with --cg-thd-max-seqs, a training microbatch of packed sequences (--dataloader-inter-document-masking, "
         "--sft) enters the model with cu_seqlens of its own length and max_seqlen of its longest document "
         "(Megatron-LM's pretrain_gpt.py forward_step); the wrapper lays it out at the fixed capacity graphs are "
-        "captured for (offsets padded with zero-length sequences, max_seqlen = --seq-length, a batch beyond the "
-        "capacity refused naming the flag) before GPTModel computes its RoPE table from it, so eager and graphed "
-        "steps compute on one layout (packed_graphs.fixed_params). Other calls pass through.",
+        "captured for (offsets padded with zero-length sequences, max_seqlen = --cg-thd-max-seqlen, default "
+        "--seq-length, a batch beyond the capacity or with a longer document refused naming the flag) before "
+        "GPTModel computes its RoPE table from it, so eager and graphed steps compute on one layout "
+        "(packed_graphs.fixed_params). Other calls pass through.",
         expected_params=("packed_seq_params",),
     ),
     Patch(

@@ -11,6 +11,7 @@ a run would refuse.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 from megatron_cg_plugin import compat
@@ -27,6 +28,10 @@ OFFLOAD_INSIDE_SCOPE = {
     "moe": frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"}),
 }
 
+
+# TE 2.20.2 (dot_product_attention/utils.py) disables FusedAttention for deterministic F16/BF16 THD training on
+# sm90 once batch (cu_seqlens entries - 1) x heads per rank x max_seqlen_q x max_seqlen_kv reaches this.
+DETERMINISTIC_THD_LIMIT = 1 << 30
 
 WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 MOE_BLOCK_OFFLOADS = OFFLOAD_INSIDE_SCOPE["moe"]
@@ -106,6 +111,11 @@ class GraphFacts:
     rerun_mode: str = "disabled"
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
     thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
+    thd_max_seqlen: int | None = None  # --cg-thd-max-seqlen (None: not given, --seq-length)
+    seq_length: int | None = None  # --seq-length
+    num_attention_heads: int | None = None
+    # --deterministic-mode, or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (which TE reads): deterministic attention backward
+    deterministic: bool = False
     multi_latent_attention: bool = False
     max_seqlen_per_dp_cp_rank: int | None = None
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
@@ -125,6 +135,41 @@ class GraphFacts:
     def packed_graphs(self) -> bool:
         """Packed microbatches laid out at a fixed capacity for TE graphs (``packed_graphs``)."""
         return self.te_graphs and self.packed and self.thd_max_seqs is not None
+
+    @property
+    def packed_layout(self) -> bool:
+        """Packed microbatches the plugin lays out at the fixed capacity: eager and graphed steps alike."""
+        return self.packed and self.thd_max_seqs is not None
+
+    @property
+    def packed_max_seqlen(self) -> int | None:
+        """The layout's ``max_seqlen``: ``--cg-thd-max-seqlen``, else ``--seq-length`` (None: unknown)."""
+        return self.seq_length if self.thd_max_seqlen is None else self.thd_max_seqlen
+
+    @property
+    def packed_min_seqs(self) -> int:
+        """The fewest documents a packed microbatch holds: Megatron's offsets cover every token of each
+        sample, in documents of at most ``packed_max_seqlen`` tokens."""
+        if self.seq_length is None or self.packed_max_seqlen is None or self.packed_max_seqlen < 1:
+            return self.micro_batch_size  # a bad --cg-thd-max-seqlen is rule cg-flags'
+        return self.micro_batch_size * -(-self.seq_length // self.packed_max_seqlen)
+
+    @property
+    def deterministic_thd_product(self) -> int | None:
+        """TE's deterministic THD bound for the packed layout: ``--cg-thd-max-seqs`` x query heads per
+        tensor-parallel rank x ``packed_max_seqlen``^2 (None where a factor is unknown)."""
+        if not (self.thd_max_seqs and self.num_attention_heads and self.packed_max_seqlen):
+            return None
+        return self.thd_max_seqs * self.heads_per_rank * self.packed_max_seqlen ** 2
+
+    @property
+    def heads_per_rank(self) -> int:
+        return -(-(self.num_attention_heads or 0) // max(1, self.tensor_parallel))
+
+    @property
+    def deterministic_thd_max_seqlen(self) -> int:
+        """The largest ``--cg-thd-max-seqlen`` that keeps ``deterministic_thd_product`` under the limit."""
+        return math.isqrt((DETERMINISTIC_THD_LIMIT - 1) // (self.thd_max_seqs * self.heads_per_rank))
 
     @property
     def attention_graphed(self) -> bool:
@@ -412,23 +457,55 @@ RULES: tuple[Rule, ...] = (
          "to batch, and megatron-core 0.19.2's TE graph replay refuses their packed_seq_params "
          "(TransformerLayer._te_cuda_graph_replay asserts at the first graphed step, Megatron-LM #5619): add "
          "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
-         "that capacity, eager and graphed alike, and refuses a batch with more; rule packed-graphs-unverified "
-         "refuses that until it has trained bit for bit like eager on a GPU), or use --cuda-graph-impl none."),
-    Rule("packed-graphs-unverified", "plugin", _graphs(lambda f: f.packed_graphs),
-         "the plugin's packed-sequence graphs (--cg-thd-max-seqs with --dataloader-inter-document-masking or --sft) "
-         "have not yet trained bit for bit like eager on a GPU: their farm cases' first run (s76) stopped in "
-         "Megatron's data loader before the first step, so nothing shows them exact (issue 34). Until they do, they "
-         "are refused: train packed data with --cuda-graph-impl none."),
+         "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none."),
     Rule("thd-max-seqs-without-packed-data", "plugin",
          _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
          "--cg-thd-max-seqs captures the graphs for packed (THD) microbatches, and these flags train unpacked data, "
          "so no batch would bring the offsets the graphs take: drop --cg-thd-max-seqs, or train packed data "
          "(--dataloader-inter-document-masking, or --sft)."),
+    Rule("thd-max-seqlen-without-packed-graphs", "plugin",
+         lambda f: f.thd_max_seqlen is not None and (f.thd_max_seqs is None or f.hybrid_context_parallel),
+         "--cg-thd-max-seqlen bounds the documents of the fixed layout --cg-thd-max-seqs lays packed data out at "
+         "(--dataloader-inter-document-masking or --sft, no hybrid CP) and does nothing without it: add "
+         "--cg-thd-max-seqs N, the most documents one microbatch holds, or drop --cg-thd-max-seqlen (hybrid CP's packs "
+         "are bounded by --max-seqlen-per-dp-cp-rank).",
+         detail=lambda f: "(--hybrid-context-parallel)" if f.hybrid_context_parallel else "(no --cg-thd-max-seqs)"),
+    Rule("thd-max-seqlen-bound", "plugin",
+         lambda f: f.thd_max_seqlen is not None and f.seq_length is not None and f.thd_max_seqlen > f.seq_length,
+         "--cg-thd-max-seqlen is the longest document a packed microbatch holds, and no document is longer than a "
+         "sample of --seq-length tokens: lower --cg-thd-max-seqlen to at most --seq-length, or drop it (--seq-length "
+         "is its default).",
+         detail=lambda f: f"(--cg-thd-max-seqlen {f.thd_max_seqlen}, --seq-length {f.seq_length})"),
     Rule("packed-graphs-capacity", "plugin",
-         lambda f: f.packed_graphs and f.thd_max_seqs < f.micro_batch_size,
-         "each of a microbatch's samples holds at least one document, so packed graphs need --cg-thd-max-seqs of at "
-         "least --micro-batch-size: raise --cg-thd-max-seqs.",
-         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs}, --micro-batch-size {f.micro_batch_size})"),
+         lambda f: f.packed_graphs and f.thd_max_seqs < f.packed_min_seqs,
+         "Megatron's offsets cover every token of a microbatch's samples, in documents of at most --cg-thd-max-seqlen "
+         "tokens (default --seq-length), so each sample holds at least --seq-length / --cg-thd-max-seqlen (rounded up) "
+         "documents and packed graphs need --cg-thd-max-seqs of at least --micro-batch-size times that: raise "
+         "--cg-thd-max-seqs (or --cg-thd-max-seqlen).",
+         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs}, --micro-batch-size {f.micro_batch_size}"
+                          f"{f', --seq-length {f.seq_length}' if f.seq_length else ''}"
+                          f"{f', --cg-thd-max-seqlen {f.thd_max_seqlen}' if f.thd_max_seqlen else ''}: "
+                          f"at least {f.packed_min_seqs})"),
+    # s80: on the H200 (TE 2.20.2, sm90) deterministic packed training at 32 x 16 heads x 4096^2 fell back to
+    # unfused attention (16 GiB of scores per layer: the farm's packed cases OOMed) and gave other bits than
+    # Megatron's own layout; with max_seqlen the batch's longest document the bits were Megatron's, and without
+    # deterministic mode every max_seqlen (4096 too) gave Megatron's bits.
+    Rule("packed-graphs-deterministic-attention", "plugin",
+         lambda f: f.packed_layout and f.deterministic and f.deterministic_thd_product is not None
+         and f.deterministic_thd_product >= DETERMINISTIC_THD_LIMIT
+         and (f.device_capability is None or f.device_capability[0] == 9),
+         "TE 2.20.2 runs deterministic THD attention backward in cuDNN on Hopper only while N x heads-per-rank x L^2 < "
+         "2^30 (N = --cg-thd-max-seqs, L = --cg-thd-max-seqlen, default --seq-length: the packed layout's cu_seqlens "
+         "and max_seqlen, eager and graphed), and otherwise falls back to unfused attention, which holds N x heads x "
+         "L x L scores per layer and computes other bits than Megatron's own layout: set --cg-thd-max-seqlen to the "
+         "longest document the data holds (and --cg-thd-max-seqs to the most documents per microbatch) so the product "
+         "stays under 2^30, or train without --deterministic-mode (where the packed graphs keep TE's fused attention "
+         "at any L).",
+         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs} x {f.heads_per_rank} heads per rank x "
+                          f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; "
+                          + (f"the largest --cg-thd-max-seqlen that fits: {f.deterministic_thd_max_seqlen})"
+                             if f.deterministic_thd_max_seqlen else
+                             "no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs)")),
     Rule("packed-graphs-moe", "plugin", lambda f: f.packed_graphs and f.has_moe_layers,
          "packed graphs (--cg-thd-max-seqs without hybrid CP) are built for dense layers: Megatron un-flattens a "
          "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "
@@ -596,6 +673,11 @@ def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
         inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
         thd_max_seqs=settings.thd_max_seqs,
+        thd_max_seqlen=settings.thd_max_seqlen,
+        seq_length=getattr(args, "seq_length", None),
+        num_attention_heads=getattr(args, "num_attention_heads", None),
+        deterministic=bool(getattr(args, "deterministic_mode", False))
+        or env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
         multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
         max_seqlen_per_dp_cp_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
         graph_only_flags=graph_only_flags(config) if config is not None else (),

@@ -18,7 +18,7 @@ The same layout feeds the eager run, so graphed and eager runs compute on identi
 Without hybrid CP (``--dataloader-inter-document-masking``, ``--sft``: ``packed_graphs``) Megatron's
 batch already covers every token, so its offsets need no dummy: ``PackedLayout`` holds them in
 ``max_seqs + 1`` entries, padded by the same rule (``padded_offsets``), with ``max_seqlen`` bound to
-``--seq-length``.
+``--cg-thd-max-seqlen`` (default ``--seq-length``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ def check_sequence_count(count: int, max_seqs: int) -> None:
             f"raise --cg-thd-max-seqs to at least {count} (or pack fewer sequences per microbatch).")
 
 
+def check_sequence_length(longest: int, max_seqlen: int) -> None:
+    """Raises ``ThdCapacityError`` naming ``--cg-thd-max-seqlen`` when a pack's longest sequence of
+    ``longest`` tokens exceeds the ``max_seqlen`` the graphs were captured with (attention and RoPE
+    would compute it with that bound, wrongly)."""
+    if longest > max_seqlen:
+        raise ThdCapacityError(
+            f"the pack's longest sequence holds {longest} tokens but graphs were captured for at most {max_seqlen}; "
+            f"raise --cg-thd-max-seqlen to at least {longest}, or drop it to use --seq-length.")
+
+
 def padded_offsets(offsets: Sequence[int], entries: int) -> tuple[int, ...]:
     """``offsets`` (cumulative lengths, from 0) padded to ``entries`` values: each added entry repeats
     the last offset, a sequence of length 0, which attention and RoPE skip. Raises
@@ -55,28 +65,43 @@ def padded_offsets(offsets: Sequence[int], entries: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
     """The fixed THD layout of a packed microbatch without hybrid CP: its ``cu_seqlens`` in
-    ``max_seqs + 1`` entries, its ``max_seqlen`` the bound ``max_seqlen`` (``--seq-length``: a
-    document never crosses a sample, so none is longer)."""
+    ``max_seqs + 1`` entries, its ``max_seqlen`` the bound ``max_seqlen`` (``--cg-thd-max-seqlen``,
+    default ``--seq-length``: a document never crosses a sample, so none is longer)."""
 
     max_seqs: int  # --cg-thd-max-seqs
-    max_seqlen: int  # --seq-length
+    max_seqlen: int  # --cg-thd-max-seqlen, else --seq-length
+    seq_length: int | None = None  # --seq-length, the tokens of a sample (None: max_seqlen)
 
     def __post_init__(self) -> None:
         if self.max_seqs < 1:
             raise ValueError(f"--cg-thd-max-seqs {self.max_seqs} must be >= 1.")
         if self.max_seqlen < 1:
-            raise ValueError(f"the sequence bound {self.max_seqlen} must be >= 1 (--seq-length).")
+            raise ValueError(f"the sequence bound {self.max_seqlen} must be >= 1 (--cg-thd-max-seqlen, --seq-length).")
+        if self.max_seqlen > self.sample_tokens:
+            raise ValueError(f"--cg-thd-max-seqlen {self.max_seqlen} exceeds --seq-length {self.sample_tokens}: a "
+                             "document never crosses a sample; lower it or drop it.")
 
     @property
     def entries(self) -> int:
         return self.max_seqs + 1
 
+    @property
+    def sample_tokens(self) -> int:
+        return self.max_seqlen if self.seq_length is None else self.seq_length
+
+    def sequences_per_sample(self) -> int:
+        """The fewest documents a sample holds: Megatron's offsets cover every token of it (the
+        padding folded into the last document), each document at most ``max_seqlen`` tokens."""
+        return -(-self.sample_tokens // self.max_seqlen)
+
     def sample_offsets(self, micro_batch_size: int) -> tuple[int, ...]:
-        """A valid layout of the captured shapes: each of the microbatch's samples one sequence of
-        ``max_seqlen`` tokens (what Megatron's flattened stream holds at least). Raises
-        ``ThdCapacityError`` when ``max_seqs`` is below the micro-batch size."""
-        return padded_offsets(tuple(range(0, (micro_batch_size + 1) * self.max_seqlen, self.max_seqlen)),
-                              self.entries)
+        """A valid layout of the captured shapes: each of the microbatch's samples cut into sequences
+        of ``max_seqlen`` tokens (the last one shorter), covering every token of the flattened stream
+        as Megatron's offsets do. Raises ``ThdCapacityError`` when ``max_seqs`` is below the
+        ``micro_batch_size x sequences_per_sample()`` that takes."""
+        starts = range(0, self.sample_tokens, self.max_seqlen)
+        offsets = [sample * self.sample_tokens + start for sample in range(micro_batch_size) for start in starts]
+        return padded_offsets((*offsets, micro_batch_size * self.sample_tokens), self.entries)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,11 +126,13 @@ def write_sft_tokenizer(folder: str | Path) -> Path:
     return folder
 
 
-def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conversations: int = 4,
-                      max_conversations: int = 24) -> tuple[Path, Path]:
+def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conversations: int = 60,
+                      max_conversations: int = 80) -> tuple[Path, Path]:
     """``FOLDER/sft.jsonl`` (``samples`` lines, each ``min_conversations`` to ``max_conversations``
     seeded conversations: Megatron packs one line into one sample) and the tokenizer folder
-    ``FOLDER/sft_tokenizer``."""
+    ``FOLDER/sft_tokenizer``. The default lines hold more than a 4096-token sample (Megatron truncates
+    the last conversation), so no sample ends in a padding segment as long as the sample: at
+    seq 4096, at most 43 conversations a sample and none longer than 237 tokens."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

@@ -117,6 +117,16 @@ def test_the_contract_check_flag_becomes_its_enum():
     assert config_from_args(parse(["--cg-contract-check", "shapes"])).contract_check is ContractCheck.SHAPES
 
 
+def test_the_packed_max_seqlen_flag():
+    assert config_from_args(parse([])).thd_max_seqlen is None  # --seq-length
+    config = config_from_args(parse(["--cg-thd-max-seqs", "32", "--cg-thd-max-seqlen", "600"]))
+    assert (config.thd_max_seqs, config.thd_max_seqlen) == (32, 600)
+    assert PluginConfig(thd_max_seqlen=1).thd_max_seqlen == 1
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match=f"--cg-thd-max-seqlen {bad} must be >= 1"):
+            config_from_args(parse(["--cg-thd-max-seqlen", str(bad)]))
+
+
 def test_flag_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
         parse(["--cg-preset", "huge"])

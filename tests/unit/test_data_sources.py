@@ -495,8 +495,8 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
 
     from megatron_cg_plugin.testing import datasets, farm
 
-    dataset, tokenizer = datasets.write_sft_dataset(tmp_path / "a", samples=5, seed=3, max_conversations=6)
-    again, _ = datasets.write_sft_dataset(tmp_path / "b", samples=5, seed=3, max_conversations=6)
+    dataset, tokenizer = datasets.write_sft_dataset(tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6)
+    again, _ = datasets.write_sft_dataset(tmp_path / "b", samples=5, seed=3, min_conversations=4, max_conversations=6)
     assert dataset.read_bytes() == again.read_bytes()
     lines = [json.loads(line) for line in dataset.read_text().splitlines()]
     assert len(lines) == 5

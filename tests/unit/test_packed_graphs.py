@@ -86,12 +86,52 @@ def test_fixed_params_hold_the_capacity_and_the_bound():
 @pytest.mark.parametrize("change, match", [
     (dict(cu_seqlens_q_padded=torch.tensor([0, 6, 16], dtype=torch.int32)), "padding between sequences"),
     (dict(cu_seqlens_kv=torch.tensor([0, 5, 16], dtype=torch.int32)), "self-attention"),
-    (dict(max_seqlen_q=17), "exceeds --seq-length 16"),
     (dict(pad_between_seqs=True), "pad_between_seqs"),
 ])
 def test_forms_the_layout_does_not_carry_are_refused(change, match):
     with pytest.raises(PackedFormError, match=match):
         packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), **change), LAYOUT)
+
+
+def test_a_document_longer_than_the_bound_is_refused_naming_the_flag():
+    with pytest.raises(ThdCapacityError, match="longest sequence holds 17 tokens but graphs were captured for at most "
+                                               "16; raise --cg-thd-max-seqlen to at least 17, or drop it"):
+        packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), max_seqlen_kv=17), LAYOUT)
+    short = PackedLayout(max_seqs=6, max_seqlen=11, seq_length=16)
+    assert packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), short).max_seqlen_q == 11  # exact fit
+    with pytest.raises(ThdCapacityError, match="at least 12"):
+        packed_graphs.fixed_params(params_of([0, 4, 16], longest=12), short)
+
+
+def test_without_megatrons_bound_the_longest_document_is_read_from_the_offsets():
+    """A document longer than the captured max_seqlen would be computed wrongly: no bound is no pass."""
+    short = PackedLayout(max_seqs=6, max_seqlen=8, seq_length=16)
+    with pytest.raises(ThdCapacityError, match="longest sequence holds 9 tokens .* --cg-thd-max-seqlen to at least 9"):
+        packed_graphs.fixed_params(params_of([0, 7, 16]), short)
+    fixed = packed_graphs.fixed_params(params_of([0, 8, 16]), short)
+    assert (fixed.max_seqlen_q, fixed.max_seqlen_kv) == (8, 8)
+    assert packed_graphs.longest_sequence(torch.tensor([0, 3, 10, 12])) == 7
+    assert packed_graphs.longest_sequence(torch.tensor([0.0, 4.0])) == 0  # fixed_offsets names what is wrong
+
+
+def test_the_layout_takes_the_bound_from_the_flag(monkeypatch):
+    monkeypatch.setattr(packed_graphs, "megatron_seq_length", lambda: 4096)
+    assert packed_graphs.layout_of(PluginConfig(thd_max_seqs=32)) == PackedLayout(32, 4096, seq_length=4096)
+    layout = packed_graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=600))
+    assert (layout.max_seqs, layout.max_seqlen, layout.sample_tokens) == (32, 600, 4096)
+    assert packed_graphs.layout_of(PluginConfig(thd_max_seqlen=600)) is None  # the rules refuse it alone
+    with pytest.raises(ValueError, match="--cg-thd-max-seqlen 5000 exceeds --seq-length 4096"):
+        packed_graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=5000))
+
+
+def test_the_sample_layout_covers_every_token_in_documents_of_the_bound():
+    layout = PackedLayout(max_seqs=8, max_seqlen=6, seq_length=16)
+    assert layout.sequences_per_sample() == 3
+    assert layout.sample_offsets(2) == (0, 6, 12, 16, 22, 28, 32, 32, 32)  # two samples of 6 + 6 + 4 tokens
+    offsets = packed_graphs.capture_params(torch.tensor(layout.sample_offsets(2), dtype=torch.int32), layout)
+    assert offsets.max_seqlen_q == 6
+    with pytest.raises(ThdCapacityError, match="raise --cg-thd-max-seqs to at least 9"):
+        layout.sample_offsets(3)
 
 
 # -- capture and replay -----------------------------------------------------------------------------

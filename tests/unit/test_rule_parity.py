@@ -11,6 +11,7 @@ import importlib
 import os
 
 import pytest
+import torch
 
 from megatron_cg_plugin import compat, enforce, integration, rules
 from megatron_cg_plugin.launch import dry_run
@@ -27,6 +28,10 @@ MOE = ("--cg-preset", "tiny-moe")
 MOE_LAYERS = GPT + MOE_FLAGS  # tiny-moe's experts without its graph scope: whole layers
 BANKS = ("--cg-graph-banks",)
 DOCUMENTS = ("--dataloader-inter-document-masking",)  # packed (THD) microbatches without hybrid CP
+# The farm's packed shape: 32 documents x 16 heads x 4096^2 = 2^33, past TE's deterministic THD limit (2^30).
+LONG_PACKED = GPT + DOCUMENTS + ("--seq-length", "4096", "--max-position-embeddings", "4096", "--num-attention-heads",
+                                 "16", "--cg-thd-max-seqs", "32")
+DETERMINISTIC = ("--deterministic-mode",)
 ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER",
             "CUDA_DEVICE_MAX_CONNECTIONS")
 MEGATRON = "megatron"  # Megatron's own validate_args (or TransformerConfig) rejects the flags
@@ -69,12 +74,24 @@ ROWS = (
         frozenset({"hybrid-cp-launcher-tp"}), nproc=4, environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
     Row("thd-max-seqs-0", GPT + ("--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
     Row("packed-graphed-without-capacity", GPT + TE + DOCUMENTS, frozenset({"packed-sequences-te-graphs"})),
-    Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset({"packed-graphs-unverified"})),
+    Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset()),
     Row("packed-graphed-attn-rope-unfused", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cuda-graph-modules",
-        "attn", "--position-embedding-type", "rope", "--no-rope-fusion"),
-        frozenset({"packed-graphs-rope", "packed-graphs-unverified"})),
+        "attn", "--position-embedding-type", "rope", "--no-rope-fusion"), frozenset({"packed-graphs-rope"})),
     Row("packed-graphed-slot-capture", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-slot-capture"),
-        frozenset({"packed-graphs-slot-capture", "packed-graphs-unverified"})),
+        frozenset({"packed-graphs-slot-capture"})),
+    Row("packed-graphed-deterministic-long", LONG_PACKED + TE + DETERMINISTIC,
+        frozenset({"packed-graphs-deterministic-attention"})),
+    Row("packed-eager-deterministic-long", LONG_PACKED + DETERMINISTIC,  # the layout is the plugin's in eager steps too
+        frozenset({"packed-graphs-deterministic-attention"})),
+    Row("packed-graphed-deterministic-bounded", LONG_PACKED + TE + DETERMINISTIC + ("--cg-thd-max-seqlen", "1448"),
+        frozenset()),
+    Row("packed-graphed-nondeterministic-long", LONG_PACKED + TE, frozenset()),
+    Row("packed-graphed-max-seqlen-above-seq-length", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16",
+        "--cg-thd-max-seqlen", "512"), frozenset({"thd-max-seqlen-bound"})),
+    Row("thd-max-seqlen-without-max-seqs", GPT + DOCUMENTS + ("--cg-thd-max-seqlen", "128"),
+        frozenset({"thd-max-seqlen-without-packed-graphs"})),
+    Row("thd-max-seqlen-0", GPT + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "0"),
+        frozenset({"cg-flags"})),
     Row("packed-eager", GPT + DOCUMENTS, frozenset()),
     Row("thd-max-seqs-unpacked-graphed", GPT + TE + ("--cg-thd-max-seqs", "4"),
         frozenset({"thd-max-seqs-without-packed-data"})),
@@ -115,11 +132,16 @@ def reset_megatron_globals() -> None:
 def clean_process(monkeypatch):
     for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)
+    # The run's validate_args under --deterministic-mode sets these (and torch's switch) for the process.
+    environ, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
     integration.uninstall()
     reset_megatron_globals()
     yield
     integration.uninstall()
     reset_megatron_globals()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.use_deterministic_algorithms(deterministic)
     assert integration.active_session() is None
 
 

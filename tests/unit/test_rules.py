@@ -109,8 +109,13 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
     "packed-sequences-te-graphs": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True),
                                    "add --cg-thd-max-seqs N"),
     "thd-max-seqs-without-packed-data": (GraphFacts(cuda_graph_impl=TE, thd_max_seqs=8), "drop --cg-thd-max-seqs"),
-    "packed-graphs-unverified": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
-                                            position_embedding_type="rope"), "--cuda-graph-impl none"),
+    "thd-max-seqlen-without-packed-graphs": (GraphFacts(cuda_graph_impl=TE, thd_max_seqlen=1024),
+                                             "add --cg-thd-max-seqs N"),
+    "thd-max-seqlen-bound": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, seq_length=256,
+                                        thd_max_seqlen=512), "(--cg-thd-max-seqlen 512, --seq-length 256)"),
+    "packed-graphs-deterministic-attention": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=32,
+                                                         seq_length=4096, num_attention_heads=16, deterministic=True),
+                                              "set --cg-thd-max-seqlen to the longest document"),
     "packed-graphs-capacity": (GraphFacts(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4,
                                           global_batch_size=4), "raise --cg-thd-max-seqs"),
     "packed-graphs-moe": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, num_experts=4,
@@ -143,12 +148,12 @@ VIOLATING: dict[str, tuple[GraphFacts, str]] = {
                                                   tensor_parallel=2, world_size=2), "--sequence-parallel"),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
-PACKED_GATE = "packed-graphs-unverified"
 ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
              "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
              "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel", "num-layers",
              "cg-flags-need-te-graphs", "hybrid-cp-ranks", "offload-learned-positions", "packed-launcher-sft",
-             "packed-launcher-pipeline"}
+             "packed-launcher-pipeline", "thd-max-seqlen-without-packed-graphs", "thd-max-seqlen-bound",
+             "packed-graphs-deterministic-attention"}
 
 
 def names(facts: GraphFacts) -> list[str]:
@@ -231,9 +236,7 @@ def test_each_rule_fires_alone_with_its_fix(name):
     with pytest.raises(RuleViolation) as info:
         validate(facts)
     fired = [n for n, _ in info.value.violations]
-    # Packed graphs are refused as a whole until they have run on a GPU: that gate fires beside the rest.
-    gate = [PACKED_GATE] if facts.packed_graphs and name != PACKED_GATE else []
-    assert sorted(fired) == sorted([name, *gate]), fired
+    assert fired == [name], fired
     assert isinstance(info.value, ValueError)
     message = str(info.value)
     assert f"[{name}]" in message
@@ -554,14 +557,90 @@ def test_packed_data_graphs_with_a_capacity():
     packed = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, position_embedding_type="rope")
     for modules in ((), ("attn",)):
         assert names(dataclasses.replace(packed, modules=modules)) == ["packed-sequences-te-graphs"]
-        # built, and refused as a whole until its farm cases have trained exact on a GPU
-        assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32)) == [PACKED_GATE]
+        assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32)) == []
         assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32, sft=True,
-                                         inter_document_masking=False)) == [PACKED_GATE]
+                                         inter_document_masking=False)) == []
     assert names(dataclasses.replace(packed, modules=("mlp",))) == []  # attention eager with the params
     several = dataclasses.replace(packed, modules=("mlp",), micro_batch_size=2, global_batch_size=2)
     assert names(several) == ["packed-sequences-te-graphs"]  # the flattened stream misses the sampled shape
-    assert names(dataclasses.replace(several, thd_max_seqs=2)) == [PACKED_GATE]
+    assert names(dataclasses.replace(several, thd_max_seqs=2)) == []
     assert names(dataclasses.replace(packed, thd_max_seqs=32, cuda_graph_impl="none")) == []  # eager: laid out too
     hybrid = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
     assert names(hybrid) == []  # hybrid CP's packs: graph banks
+
+
+# -- the packed layout's max_seqlen -----------------------------------------------------------------
+
+DETERMINISTIC_PACKED = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, seq_length=4096,
+                                  num_attention_heads=16, deterministic=True, position_embedding_type="rope")
+
+
+@pytest.mark.parametrize("max_seqs, heads, tp, max_seqlen, fires", [
+    (32, 16, 1, 1448, False),  # 32 x 16 x 1448^2 = 1073512448: the largest L under 2^30
+    (32, 16, 1, 1449, True),  # 1074995712
+    (16, 16, 1, 2048, True),  # exactly 2^30: TE disables at >=
+    (16, 16, 1, 2047, False),
+    (16, 32, 2, 2048, True),  # heads per tensor-parallel rank
+    (16, 32, 4, 2048, False),
+    (32, 15, 2, 2048, True),  # 8 heads per rank (ceil 7.5): exactly 2^30
+    (32, 14, 2, 2048, False),  # 7 per rank
+])
+def test_deterministic_packed_attention_is_refused_from_2_to_the_30(max_seqs, heads, tp, max_seqlen, fires):
+    facts = dataclasses.replace(DETERMINISTIC_PACKED, thd_max_seqs=max_seqs, num_attention_heads=heads,
+                                tensor_parallel=tp, world_size=tp, thd_max_seqlen=max_seqlen)
+    assert ("packed-graphs-deterministic-attention" in names(facts)) == fires
+    # --seq-length is the bound without the flag
+    default = dataclasses.replace(facts, thd_max_seqlen=None, seq_length=max_seqlen)
+    assert ("packed-graphs-deterministic-attention" in names(default)) == fires
+
+
+def test_the_deterministic_attention_rule_names_the_product_and_the_longest_bound_that_fits():
+    facts = dataclasses.replace(DETERMINISTIC_PACKED, thd_max_seqs=32)
+    (message,) = [m for n, m in violations(facts) if n == "packed-graphs-deterministic-attention"]
+    assert "(--cg-thd-max-seqs 32 x 16 heads per rank x 4096^2 = 8589934592 >= 2^30; the largest " \
+           "--cg-thd-max-seqlen that fits: 1448)" in message
+    assert "train without --deterministic-mode" in message and "unfused attention" in message
+    assert names(dataclasses.replace(facts, thd_max_seqlen=1448)) == []
+    # TE keeps fused attention without deterministic mode, and off Hopper this limitation is not TE's
+    assert names(dataclasses.replace(facts, deterministic=False)) == []
+    assert names(dataclasses.replace(facts, device_capability=(10, 0))) == []
+    assert names(dataclasses.replace(facts, device_capability=(9, 0))) == ["packed-graphs-deterministic-attention"]
+    # the plugin lays eager steps out too; unpacked data and hybrid CP's packs are not its layout
+    assert names(dataclasses.replace(facts, cuda_graph_impl="none")) == ["packed-graphs-deterministic-attention"]
+    assert names(dataclasses.replace(facts, thd_max_seqs=None, modules=("mlp",))) == []
+
+
+@pytest.mark.parametrize("max_seqlen, refused", [(4096, False), (4097, True), (1, False)])
+def test_the_packed_max_seqlen_is_at_most_the_sequence_length(max_seqlen, refused):
+    facts = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=4096, seq_length=4096,
+                       thd_max_seqlen=max_seqlen)
+    assert names(facts) == (["thd-max-seqlen-bound"] if refused else [])
+
+
+def test_the_packed_max_seqlen_needs_the_packed_layout():
+    assert names(GraphFacts(thd_max_seqlen=64)) == ["thd-max-seqlen-without-packed-graphs"]
+    hybrid = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
+    assert names(dataclasses.replace(hybrid, thd_max_seqlen=64)) == ["thd-max-seqlen-without-packed-graphs"]
+    assert names(GraphFacts(inter_document_masking=True, thd_max_seqs=8, thd_max_seqlen=64)) == []
+
+
+@pytest.mark.parametrize("mbs, max_seqlen, least", [(2, None, 2), (2, 4096, 2), (1, 1000, 5), (2, 1024, 8)])
+def test_packed_graphs_hold_at_least_the_documents_that_cover_every_token(mbs, max_seqlen, least):
+    facts = GraphFacts(cuda_graph_impl=TE, sft=True, seq_length=4096, thd_max_seqlen=max_seqlen,
+                       micro_batch_size=mbs, global_batch_size=mbs, thd_max_seqs=least)
+    assert facts.packed_min_seqs == least and names(facts) == []
+    (message,) = [m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=least - 1))
+                  if n == "packed-graphs-capacity"]
+    assert f"at least {least})" in message and "raise --cg-thd-max-seqs" in message
+
+
+def test_facts_read_the_packed_bound_and_deterministic_mode(parse):
+    args = parse("--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE, "--dataloader-inter-document-masking",
+                 "--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "128", "--deterministic-mode")
+    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
+    assert (facts.thd_max_seqs, facts.thd_max_seqlen, facts.seq_length, facts.num_attention_heads) == (16, 128, 256, 4)
+    assert facts.deterministic and facts.packed_max_seqlen == 128
+    plain = parse("--cg-preset", "tiny-gpt")
+    assert not facts_from_args(plain, te_available=True, apex_fused_wgrad=False, env={}).deterministic
+    assert facts_from_args(plain, te_available=True, apex_fused_wgrad=False,
+                           env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}).deterministic  # what TE reads
