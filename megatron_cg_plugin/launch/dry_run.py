@@ -99,9 +99,10 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
 
 
 def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
-                   capability: tuple[int, int] = (9, 0)):
+                   capability: tuple[int, int] = (9, 0), launcher: bool = True):
     """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args, the
-    rules' facts and the plugin's config, or raises ``RuleViolation`` / ``CheckError``."""
+    rules' facts and the plugin's config, or raises ``RuleViolation`` / ``CheckError``. ``launcher``
+    False: the rules as ``megatron-cg run SCRIPT`` applies them (a user's script builds its own data)."""
     from megatron.training.arguments import validate_args
 
     with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
@@ -116,7 +117,7 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error, early) from error
             # TE is needed where the run happens, not on this machine.
-            facts, config = rules.check_run(args, env=env, launcher=True, te_present=True)
+            facts, config = rules.check_run(args, env=env, launcher=launcher, te_present=True)
             try:
                 transformer_config_backstop(args)
             except MEGATRON_REJECTIONS as error:

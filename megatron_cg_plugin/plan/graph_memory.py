@@ -80,11 +80,14 @@ class LayerShape:
     moe: MoeShape | None = None
     fp8_recipe: str | None = None  # --fp8-recipe of this layer (None: bf16, also a --first-last-layers-bf16 layer)
     fp8_attention: bool = False  # TransformerConfig's fp8_dot_product_attention on an FP8 layer (delayed scaling)
+    thd_sequences: int | None = None  # packed graphs: --cg-thd-max-seqs, the THD batch cuDNN sees (None: unpacked)
 
     def __post_init__(self) -> None:
         for name in ("seq", "micro_batch", "hidden", "ffn", "heads", "query_groups", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.thd_sequences is not None and self.thd_sequences < 1:
+            raise ValueError(f"thd_sequences must be >= 1, got {self.thd_sequences}.")
         if self.heads % self.query_groups:
             raise ValueError(f"{self.heads} attention heads do not divide into {self.query_groups} query groups.")
         if self.fp8_attention and self.fp8_recipe != "delayed":
@@ -214,9 +217,14 @@ def _attention_forward(p: _Program, s: LayerShape) -> None:
 def attention_workspace(s: LayerShape) -> int:
     """cuDNN fused attention's backward workspace (measured, TE 2.20.2 on sm_90): the softmax-stat
     gradients, under deterministic mode an s x s bf16 buffer per head, and with GQA the key and
-    value gradients expanded to every head."""
+    value gradients expanded to every head. A packed (THD) microbatch's deterministic buffer is
+    ``next_pow2(sequences) x heads x tokens^2`` bf16, whatever its longest document: s81/s82's
+    graph pools at 4096 tokens and 16 heads held 16 GiB at 32 sequences and 32 GiB at 48 (so did
+    stock Megatron's eager steps at 18 and 43 documents), and predicted so they are within 0.2%."""
     nbytes = s.micro_batch * s.heads * s.seq * FP32 + 256
-    if s.deterministic:
+    if s.deterministic and s.thd_sequences is not None:
+        nbytes += (1 << (s.thd_sequences - 1).bit_length()) * s.heads * s.tokens * s.tokens * BF16
+    elif s.deterministic:
         nbytes += s.micro_batch * s.heads * s.seq * s.seq * BF16
     if s.query_groups < s.heads:
         nbytes += 2 * s.act(s.heads * s.head_dim)
@@ -413,6 +421,7 @@ class GraphMemoryPlan:
     boundary_bytes: int | None = None
     # packed graphs (--cg-thd-max-seqs without hybrid CP): the graphs' fixed-capacity offsets, static inputs outside the pool
     thd_buffer_bytes: int | None = None
+    thd_layout: tuple[int, int | None] | None = None  # packed graphs: (--cg-thd-max-seqs, the layout's max_seqlen)
 
     def describe(self) -> str:
         lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
@@ -423,8 +432,10 @@ class GraphMemoryPlan:
         if self.host_arena_bytes is not None:
             lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
         if self.thd_buffer_bytes is not None:
+            layout = "" if self.thd_layout is None else (
+                f"; layout: {self.thd_layout[0] + 1} cu_seqlens entries, max_seqlen {self.thd_layout[1] or '--seq-length'}")
             lines.append(f"fixed-capacity THD offsets (--cg-thd-max-seqs, static inputs outside the pool): "
-                         f"{self.thd_buffer_bytes} B")
+                         f"{self.thd_buffer_bytes} B{layout}")
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
         return "\n".join(lines)
 
@@ -762,7 +773,8 @@ def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) ->
         head_dim=head_dim, gated=bool(args.swiglu), bias=bool(args.add_bias_linear),
         rmsnorm=args.normalization == "RMSNorm", rope=args.position_embedding_type in ("rope", "yarn"),
         hidden_dropout=args.hidden_dropout > 0, deterministic=deterministic,
-        rotary_dim=int(head_dim * getattr(args, "rotary_percent", 1.0)))
+        rotary_dim=int(head_dim * getattr(args, "rotary_percent", 1.0)),
+        thd_sequences=facts.thd_max_seqs if facts.packed_graphs else None)
     moe_shape = None
     if facts.num_experts:
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
@@ -788,7 +800,8 @@ def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) ->
         plan = plan_slot_memory(layers, facts.modules, policy, config.offload_window + 1 if staged else None)
     else:
         plan = plan_graph_memory(layers, facts.modules)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(facts, len(layers)))
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(facts, len(layers)),
+                               thd_layout=(facts.thd_max_seqs, facts.packed_max_seqlen) if facts.packed_graphs else None)
 
 
 def thd_buffer_bytes(facts, graphs: int) -> int | None:

@@ -171,6 +171,19 @@ def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
     assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
 
 
+def test_packed_graphs_print_their_layouts_bound():
+    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), micro_batch_size=2,
+                       inter_document_masking=True, thd_max_seqs=8, seq_length=256)
+    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
+    assert plan.thd_buffer_bytes == 2 * 9 * 4 and "9 cu_seqlens entries, max_seqlen 256" in plan.describe()
+    bounded = plan_from_args(megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS,
+                             deterministic=True)
+    assert "9 cu_seqlens entries, max_seqlen 64" in bounded.describe()
+    unpacked = plan_from_args(megatron_args(), dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
+                              config=DEFAULTS, deterministic=True)
+    assert unpacked.thd_layout is None and "cu_seqlens" not in unpacked.describe()
+
+
 def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=1.5, pad_to_capacity=True)
@@ -743,3 +756,33 @@ def test_the_realistic_moe_slot_arenas_hold_the_second_expert_gemms_output():
     plan = plan_slot_memory([realistic_moe(16 * 256)] * 8, ("attn", "moe"))
     # measured 992808960 (s65); 320 KiB more predicted (small routing saves), 0.03%; 0.86x without the kept output
     assert abs(plan.arena_bytes / 992808960 - 1) <= 0.001
+
+
+@pytest.mark.parametrize("name,measured_mib", [
+    ("gpt_4x2048_docmask_layer_megatron_lm", 17564), ("gpt_4x2048_docmask_attn_megatron_lm", 16792),
+    ("gpt_4x2048_sft_layer_megatron_lm", 33948), ("gpt_4x2048_sft_attn_megatron_lm", 33176)])
+def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(tmp_path, name, measured_mib):
+    """s81/s82 (docs/results/session-2026-12-03b): deterministic packed graphs' pools are mostly cuDNN's THD
+    backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
+    predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
+    from megatron_cg_plugin.enforce import predict_graph_memory
+    from megatron_cg_plugin.launch import dry_run
+    from megatron_cg_plugin.testing import farm
+
+    case, _ = farm.prepare_case(farm.case_folder(name), out_dir=tmp_path)
+    env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
+    args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env,
+                                                 launcher=False)  # Megatron-LM's pretrain_gpt.py, as the farm runs it
+    plan = predict_graph_memory(args, facts, config, environ=env)
+    assert facts.packed_graphs and not plan.unpredicted
+    assert abs(plan.pool_bytes / (measured_mib * MiB) - 1) <= 0.02, plan.pool_bytes / MiB
+
+
+def test_a_packed_layers_deterministic_workspace_rounds_its_sequences_up_to_a_power_of_two():
+    packed = dataclasses.replace(big(), thd_sequences=21)
+    assert attention_workspace(packed) - attention_workspace(dataclasses.replace(packed, deterministic=False)) == \
+        32 * packed.heads * packed.tokens ** 2 * 2
+    assert attention_workspace(dataclasses.replace(packed, thd_sequences=32)) == attention_workspace(packed)
+    assert attention_workspace(dataclasses.replace(packed, thd_sequences=33)) > attention_workspace(packed)
+    with pytest.raises(ValueError, match="thd_sequences"):
+        dataclasses.replace(packed, thd_sequences=0)
