@@ -114,6 +114,11 @@ def graph_input(params: Any, layout: PackedLayout, where: str) -> torch.Tensor:
     """The graph input of a replay's ``PackedSeqParams``, which must be in the fixed layout."""
     offsets = params.cu_seqlens_q
     tensor = isinstance(offsets, torch.Tensor)
+    if (tensor and offsets.shape == (layout.entries,) and offsets.dtype == torch.int32  # every replay: no message built
+            and params.max_seqlen_q == layout.max_seqlen and params.max_seqlen_kv == layout.max_seqlen
+            and params.cu_seqlens_kv is offsets and params.cu_seqlens_q_padded is None
+            and params.cu_seqlens_kv_padded is None):
+        return offsets
     found = {"cu_seqlens_q shape": tuple(offsets.shape) if tensor else type(offsets).__name__,
              "cu_seqlens_q dtype": str(offsets.dtype) if tensor else None,
              "max_seqlen_q": params.max_seqlen_q, "max_seqlen_kv": params.max_seqlen_kv,

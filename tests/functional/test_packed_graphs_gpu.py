@@ -6,6 +6,7 @@ one packed stream per microbatch).
 - stock Megatron with TE graphs stops at the first replay (the assert s70 saw), whole layer;
 - the plugin with ``--cg-thd-max-seqs``: graphed (whole layer, ``attn``) equals its eager run bit for bit
   at every step, and its eager run prints the stock eager losses (the padding entries change nothing);
+- the plugin's launcher (its own packed batch path) trains graphed == eager the same way;
 - a capacity below what a batch holds is refused, naming the flag.
 
 Needs a GPU, Transformer Engine and ``MEGATRON_LM_DIR`` (``test_megatron_lm_script``); skipped otherwise.
@@ -47,8 +48,12 @@ def packed(farm_out: Path) -> tuple[str, list[str], Path]:
     return str(scripts / "pretrain_gpt.py"), flags(data), out
 
 
+LAUNCHER = "launcher"  # plugin()'s script for the plugin's own launcher (megatron-cg run without a script)
+
+
 def plugin(script: str, argv: list[str], out: Path, name: str):
-    done = run(["-m", "megatron_cg_plugin.cli", "run", script, *argv,
+    entry = ["-m", "megatron_cg_plugin.pretrain_gpt"] if script == LAUNCHER else ["-m", "megatron_cg_plugin.cli", "run", script]
+    done = run([*entry, *argv,
                 "--cg-metrics-out", str(out / f"{name}.metrics.json"), "--cg-report-out", str(out / f"{name}.report.json")],
                out, name)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -78,6 +83,16 @@ def test_graphed_packed_runs_equal_eager_and_stock(packed) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # The fixed layout's zero-length sequences and --seq-length bound change no printed loss.
     assert summary["stock_eager_printed"] == summary["plugin_eager_printed"], summary
+
+
+def test_the_launcher_trains_packed_graphs_like_its_eager_run(packed) -> None:
+    """The launcher's own packed batch path (data/packed.py) into the same layout: graphed == eager."""
+    _, argv, out = packed
+    _, eager_losses = plugin(LAUNCHER, [*argv, *CAPACITY, "--cuda-graph-impl", "none"], out, "launcher_eager")
+    for scope, extra in (("layer", []), ("attn", ["--cuda-graph-modules", "attn"])):
+        _, graphed_losses = plugin(LAUNCHER, [*argv, *CAPACITY, "--cuda-graph-impl", "transformer_engine", *extra], out,
+                                   f"launcher_graphed_{scope}")
+        assert dict(graphed_losses) == dict(eager_losses) and len(graphed_losses) == STEPS, (scope, graphed_losses)
 
 
 def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag(packed) -> None:
