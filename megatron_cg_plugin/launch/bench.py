@@ -264,6 +264,12 @@ def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], fl
     ends, then each is torn down while active, the last captured first (each teardown then finds
     only its own pools new)."""
     captured: dict[str, tuple[Any, float | None, int | None]] = {}
+
+    def tear_down() -> None:
+        for arm in reversed(list(captured)):
+            trainer.activate(arm)
+            trainer.release(captured[arm][0])
+
     try:
         for arm in arms:
             trainer.deactivate()
@@ -272,10 +278,13 @@ def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], fl
             if seconds is not None:
                 progress(f"captured {arm}: {seconds:.2f} s, graph pools {(pool or 0) / 2**20:.0f} MiB")
         yield captured
-    finally:
-        for arm in reversed(list(captured)):
-            trainer.activate(arm)
-            trainer.release(captured[arm][0])
+    except BaseException:
+        try:
+            tear_down()
+        except Exception as error:  # noqa: BLE001 - the failure that stopped the bench is the one raised
+            progress(f"tearing the captured arms down after that failure also failed: {error!r}")
+        raise
+    tear_down()
 
 
 def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
@@ -449,12 +458,26 @@ class MegatronTrainer:
             helper_class = self.helper_class(arm)
         helper = helper_class(model=self.model, config=self.config, seq_length=self.args.seq_length,
                               micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
-        helper.create_cudagraphs()
-        if not helper.graphs_created():
-            raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
-                             "did the capture fail? see the log above).")
+        try:
+            helper.create_cudagraphs()
+            if not helper.graphs_created():
+                raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
+                                 "did the capture fail? see the log above).")
+        except BaseException:
+            self._discard(helper)
+            raise
         self._active = _ArmState(arm, helper, recording, recorded_step)
         return helper
+
+    def _discard(self, helper: Any) -> None:
+        """A failed capture's leftovers taken off the layers: Megatron's own capture is not transactional,
+        and the arms captured before it are restored onto eager layers only to be torn down."""
+        try:
+            helper.delete_cuda_graphs()
+        except Exception as error:  # noqa: BLE001 - the capture's own error is the one raised
+            print(f"megatron-cg bench: tearing down the failed capture also failed: {error!r}", file=sys.stderr)
+        for layer in self.graphable_layers():
+            layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
 
     def deactivate(self) -> None:
         """The active arm's graphs and hooks set aside, the layers eager (as Megatron's teardown

@@ -392,3 +392,37 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
         trainer.release(stock)
     with pytest.raises(KeyError):
         trainer.activate("plugin-no-check")  # never captured
+
+
+def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_torn_down(monkeypatch):
+    """Megatron's own capture is not transactional: one that fails after the first layer leaves that layer
+    its graph. The arms captured before it used to be restored onto that layer for their teardown, and
+    the restore's assert replaced the capture's error."""
+    import megatron.core.transformer.cuda_graphs as cuda_graphs
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    class HalfCapture(FakeMegatronHelper):
+        def create_cudagraphs(self) -> None:
+            self.layers[0].cuda_graphs = [Replay("stock", 0)]
+            raise RuntimeError("stock capture failed at layer 2")
+
+    monkeypatch.setattr(FakeMegatronHelper, "handed", [])
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", HalfCapture)
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    model = graphable_model()
+    layers = [m for m in model[0].modules() if hasattr(m, "cuda_graphs")]
+    trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, model, "optimizer", None, "config", None), {})
+    monkeypatch.setattr(trainer, "synchronize", lambda: None)  # no GPU here
+    monkeypatch.setattr(trainer, "pool_bytes", dict)
+    progress: list[str] = []
+    with pytest.raises(RuntimeError, match="stock capture failed at layer 2"):
+        with bench._captured_arms(("plugin", "stock"), trainer, Clock(), progress.append):
+            pass
+    assert [g.resets for g in FakeMegatronHelper.handed] == [1, 1]  # the plugin arm's graphs torn down
+    assert all(layer.cuda_graphs == [] and layer.cuda_graph_manual_hooks == [] for layer in layers)
+    assert not any("also failed" in line for line in progress)
