@@ -146,6 +146,22 @@ def build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable
     return compile_helpers
 
 
+def build_offload_reload_wait(original: Callable, session: Any) -> Callable:
+    """``ChunkOffloadHandler.tensor_pop`` waiting for a still-offloaded tensor's copy to the host
+    before Megatron reloads it on the current stream (the ledger says why)."""
+    from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+    @functools.wraps(original)
+    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
+        if not isinstance(tensor_tag, torch.Tensor) and not is_graph_capturing():
+            group = self.offload_groups[tensor_tag[0] - 1]
+            if isinstance(group._tensors.get(tensor_tag), tuple):  # on the host: Megatron reloads it right here
+                group.wait_offload_event(torch.cuda.current_stream())
+        return original(self, tensor_tag)
+
+    return tensor_pop
+
+
 def build_strided_weak_ref(original: Callable, session: Any) -> Callable:
     """TE's ``make_weak_ref`` rebuilds every tensor as row-major from its data pointer and shape.
     Non-contiguous tensors go through it as their flat addressed span (row-major by construction)
@@ -176,6 +192,7 @@ BUILDERS: Mapping[str, Builder] = {
     "mtp-loss-tap": build_mtp_loss_tap,
     "prebuilt-dataset-helpers": build_prebuilt_dataset_helpers,
     "strided-weak-ref": build_strided_weak_ref,
+    "offload-reload-waits-for-its-copy": build_offload_reload_wait,
     "packed-thd-layout": packed_graphs.build_thd_layout,
     "packed-graph-capture": packed_graphs.build_capture,
     "packed-graph-replay": packed_graphs.build_replay,

@@ -166,6 +166,18 @@ PATCHES: tuple[Patch, ...] = (
         needs_te=True,
     ),
     Patch(
+        name="offload-reload-waits-for-its-copy",
+        module="megatron.core.pipeline_parallel.fine_grained_activation_offload",
+        attribute="ChunkOffloadHandler.tensor_pop",
+        reason="Megatron 0.19.2's fine-grained offload reloads a saved tensor that no bulk reload brought back "
+        "(every one in its first, warmup iteration, when the last layers' groups are offloaded too) on the compute "
+        "stream without waiting for the tensor's device-to-host copy on the d2h stream (tensor_pop l.972-984: "
+        "only bulk_reload_group waits for the offload event, l.1045), so the reload can read a pinned buffer not "
+        "yet written; s62-s64 saw 3 of 4 6.7B runs with wrong step-1 gradients. The wrapper makes the current "
+        "stream wait for the group's offload event before such a reload (outside graph capture).",
+        expected_params=("tensor_tag",),
+    ),
+    Patch(
         name="packed-thd-layout",
         module="megatron.core.models.gpt.gpt_model",
         attribute="GPTModel.forward",

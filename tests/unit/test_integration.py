@@ -219,7 +219,7 @@ def test_real_patches_match_installed_megatron():
     assert [patch.name for patch in PATCHES] == ["plugin-args", "validate-args-rules", "train-step-timer",
                                                   "train-end-report", "helper-swap", "training-log-tap",
                                                   "mtp-loss-tap", "prebuilt-dataset-helpers", "strided-weak-ref",
-                                                  "packed-thd-layout", "packed-graph-capture", "packed-graph-replay"]
+                                                  "offload-reload-waits-for-its-copy", "packed-thd-layout", "packed-graph-capture", "packed-graph-replay"]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
         assert patch.reason.strip()
@@ -1114,3 +1114,36 @@ def test_the_packed_graph_patches_reach_megatrons_classes():
     finally:
         integration.uninstall()
     assert (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay) == originals
+
+
+def test_an_offloaded_tensor_is_reloaded_only_after_its_copy_to_the_host(monkeypatch):
+    """Megatron's tensor_pop reloads a tensor no bulk reload brought back on the current stream; the
+    patch makes that stream wait for the group's offload event first, and only for such a tensor."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
+
+    from megatron_cg_plugin.patch_builders import build_offload_reload_wait
+
+    events: list = []
+
+    class Group:
+        def __init__(self, tensors):
+            self._tensors = tensors
+
+        def wait_offload_event(self, stream):
+            events.append(("wait", stream))
+
+    def original(self, tensor_tag):
+        events.append(("pop", tensor_tag))
+        return tensor_tag
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "compute")
+    tensor_pop = build_offload_reload_wait(original, session=None)
+    handler = types.SimpleNamespace(offload_groups=[Group({(1, 0): ("cpu", "state"), (1, 1): torch.ones(1)})])
+    tensor_pop(handler, (1, 0))
+    assert events == [("wait", "compute"), ("pop", (1, 0))]  # still on the host: wait, then Megatron reloads
+    events.clear()
+    tensor_pop(handler, (1, 1))  # already reloaded by a bulk reload
+    passthrough = torch.ones(1)
+    tensor_pop(handler, passthrough)  # never offloaded
+    assert events == [("pop", (1, 1)), ("pop", passthrough)]
+    compat.check_parameters(offload.ChunkOffloadHandler.tensor_pop, ("tensor_tag",), where="tensor_pop")
