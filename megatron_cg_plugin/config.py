@@ -284,7 +284,8 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
                "The longest packed sequence (document) per microbatch, at most --seq-length (the default): the "
                "max_seqlen that --cg-thd-max-seqs lays packed data out and captures its graphs with. With "
                "--deterministic-mode set it to the longest document of the data: TE 2.20 keeps cuDNN attention on "
-               "Hopper only while N x heads per rank x L^2 < 2^30. A microbatch with a longer document is refused.",
+               "Hopper only while N x heads per rank x L^2 < 2^30 (with --sft a sample's end padding belongs to its last "
+               "conversation). A microbatch with a longer document is refused.",
                {"type": int, "default": None, "metavar": "L"}, doc="docs/variants.md"),
     PluginFlag("--cg-metrics-out", "outputs and report",
                "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to "

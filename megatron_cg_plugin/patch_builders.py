@@ -149,11 +149,10 @@ def build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable
 def build_offload_reload_wait(original: Callable, session: Any) -> Callable:
     """``ChunkOffloadHandler.tensor_pop`` waiting for a still-offloaded tensor's copy to the host
     before Megatron reloads it on the current stream (the ledger says why)."""
-    from megatron.core.transformer.cuda_graphs import is_graph_capturing
-
     @functools.wraps(original)
     def tensor_pop(self: Any, tensor_tag: Any) -> Any:
-        if not isinstance(tensor_tag, torch.Tensor) and not is_graph_capturing():
+        # The stream's own capture state: Megatron's flag is also set in TE's eager warmup passes.
+        if not isinstance(tensor_tag, torch.Tensor) and not torch.cuda.is_current_stream_capturing():
             group = self.offload_groups[tensor_tag[0] - 1]
             if isinstance(group._tensors.get(tensor_tag), tuple):  # on the host: Megatron reloads it right here
                 group.wait_offload_event(torch.cuda.current_stream())

@@ -174,7 +174,7 @@ PATCHES: tuple[Patch, ...] = (
         "stream without waiting for the tensor's device-to-host copy on the d2h stream (tensor_pop l.972-984: "
         "only bulk_reload_group waits for the offload event, l.1045), so the reload can read a pinned buffer not "
         "yet written; s62-s64 saw 3 of 4 6.7B runs with wrong step-1 gradients. The wrapper makes the current "
-        "stream wait for the group's offload event before such a reload (outside graph capture).",
+        "stream wait for the group's offload event before such a reload (unless that stream is capturing).",
         expected_params=("tensor_tag",),
     ),
     Patch(

@@ -254,6 +254,19 @@ def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]
     return lambda f: f.te_graphs and check(f)
 
 
+def _fitting_seqlen(f: GraphFacts) -> str:
+    """What --cg-thd-max-seqlen can be at the run's --cg-thd-max-seqs: under TE's deterministic limit, and
+    long enough that a sample's documents fit the capacity (rule packed-graphs-capacity)."""
+    largest = f.deterministic_thd_max_seqlen
+    per_sample = f.thd_max_seqs // max(1, f.micro_batch_size)  # documents a sample may hold
+    smallest = -(-f.seq_length // per_sample) if f.seq_length and per_sample else None
+    if smallest is None or largest >= smallest:
+        return f"the largest --cg-thd-max-seqlen that fits: {largest}" + (
+            f", and the capacity needs at least {smallest}" if smallest is not None else "")
+    return (f"no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most {largest} for TE, at least {smallest} "
+            "for the capacity; lower --cg-thd-max-seqs")
+
+
 RULES: tuple[Rule, ...] = (
     Rule("num-layers", "megatron", lambda f: f.num_layers is not None and f.num_layers < 1,
          "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
@@ -499,13 +512,11 @@ RULES: tuple[Rule, ...] = (
          "and max_seqlen, eager and graphed), and otherwise falls back to unfused attention, which holds N x heads x "
          "L x L scores per layer and computes other bits than Megatron's own layout: set --cg-thd-max-seqlen to the "
          "longest document the data holds (and --cg-thd-max-seqs to the most documents per microbatch) so the product "
-         "stays under 2^30, or train without --deterministic-mode (where the packed graphs keep TE's fused attention "
-         "at any L).",
+         "stays under 2^30 (with --sft a sample's end padding belongs to its last conversation, so L covers it unless "
+         "every sample is full), or train without --deterministic-mode (where the packed graphs keep TE's fused "
+         "attention at any L); an eager run (--cuda-graph-impl none) can drop --cg-thd-max-seqs instead.",
          detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs} x {f.heads_per_rank} heads per rank x "
-                          f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; "
-                          + (f"the largest --cg-thd-max-seqlen that fits: {f.deterministic_thd_max_seqlen})"
-                             if f.deterministic_thd_max_seqlen else
-                             "no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs)")),
+                          f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; {_fitting_seqlen(f)})"),
     Rule("packed-graphs-moe", "plugin", lambda f: f.packed_graphs and f.has_moe_layers,
          "packed graphs (--cg-thd-max-seqs without hybrid CP) are built for dense layers: Megatron un-flattens a "
          "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "

@@ -38,6 +38,7 @@ from megatron_cg_plugin.bench_output import (
     is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.capture.offload_groups import OffloadCopies
+from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
 from megatron_cg_plugin.capture.slot_backend import SlotBackend
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.helper import bind_helper_class
@@ -458,25 +459,33 @@ class MegatronTrainer:
             helper_class = self.helper_class(arm)
         helper = helper_class(model=self.model, config=self.config, seq_length=self.args.seq_length,
                               micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
-        try:
-            helper.create_cudagraphs()
-            if not helper.graphs_created():
-                raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, and "
-                                 "did the capture fail? see the log above).")
-        except BaseException:
-            self._discard(helper)
-            raise
+        from megatron.core.transformer import cuda_graphs
+
+        # Megatron's own capture is not transactional: a failure leaves its capture flag set, GC frozen and
+        # some layers holding graphs, onto which the arms captured before would be restored for teardown.
+        with CaptureTransaction([attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
+                                 gc_state(), gc_freeze()]):
+            try:
+                helper.create_cudagraphs()
+                if not helper.graphs_created():
+                    raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, "
+                                     "and did the capture fail? see the log above).")
+            except BaseException:
+                self._discard()
+                raise
         self._active = _ArmState(arm, helper, recording, recorded_step)
         return helper
 
-    def _discard(self, helper: Any) -> None:
-        """A failed capture's leftovers taken off the layers: Megatron's own capture is not transactional,
-        and the arms captured before it are restored onto eager layers only to be torn down."""
-        try:
-            helper.delete_cuda_graphs()
-        except Exception as error:  # noqa: BLE001 - the capture's own error is the one raised
-            print(f"megatron-cg bench: tearing down the failed capture also failed: {error!r}", file=sys.stderr)
+    def _discard(self) -> None:
+        """A failed capture's graphs reset and taken off the layers (Megatron's delete_cuda_graphs asserts
+        a finished capture, so it cannot)."""
         for layer in self.graphable_layers():
+            for graph in layer.cuda_graphs:
+                try:
+                    graph.reset()
+                except Exception as error:  # noqa: BLE001 - the capture's own error is the one raised
+                    print(f"megatron-cg bench: resetting a graph of the failed capture failed too: {error!r}",
+                          file=sys.stderr)
             layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
 
     def deactivate(self) -> None:

@@ -220,7 +220,8 @@ def attention_workspace(s: LayerShape) -> int:
     value gradients expanded to every head. A packed (THD) microbatch's deterministic buffer is
     ``next_pow2(sequences) x heads x tokens^2`` bf16, whatever its longest document: s81/s82's
     graph pools at 4096 tokens and 16 heads held 16 GiB at 32 sequences and 32 GiB at 48 (so did
-    stock Megatron's eager steps at 18 and 43 documents), and predicted so they are within 0.2%."""
+    stock Megatron's eager steps at 18 and 43 documents), and predicted so they are within 0.2%. Fitted
+    at micro-batch 1 and 4096 tokens only: the ``tokens^2`` factor is untested elsewhere."""
     nbytes = s.micro_batch * s.heads * s.seq * FP32 + 256
     if s.deterministic and s.thd_sequences is not None:
         nbytes += (1 << (s.thd_sequences - 1).bit_length()) * s.heads * s.tokens * s.tokens * BF16

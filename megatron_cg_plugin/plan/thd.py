@@ -49,7 +49,8 @@ def check_sequence_length(longest: int, max_seqlen: int) -> None:
     if longest > max_seqlen:
         raise ThdCapacityError(
             f"the pack's longest sequence holds {longest} tokens but graphs were captured for at most {max_seqlen}; "
-            f"raise --cg-thd-max-seqlen to at least {longest}, or drop it to use --seq-length.")
+            f"raise --cg-thd-max-seqlen to at least {longest}, or drop it to use --seq-length (with --sft a sample's "
+            "end padding belongs to its last conversation).")
 
 
 def padded_offsets(offsets: Sequence[int], entries: int) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ trainer with Megatron's real graphable layers, and the refusals of what cannot b
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import types
@@ -394,7 +395,7 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
         trainer.activate("plugin-no-check")  # never captured
 
 
-def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_torn_down(monkeypatch):
+def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_torn_down(monkeypatch, capsys):
     """Megatron's own capture is not transactional: one that fails after the first layer leaves that layer
     its graph. The arms captured before it used to be restored onto that layer for their teardown, and
     the restore's assert replaced the capture's error."""
@@ -406,9 +407,17 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     from megatron_cg_plugin.session import RunSession
 
     class HalfCapture(FakeMegatronHelper):
-        def create_cudagraphs(self) -> None:
+        def create_cudagraphs(self) -> None:  # as Megatron's: capture flag set, GC frozen, one layer's graph made
+            cuda_graphs._set_capture_start()
+            gc.freeze()
+            frozen_by_capture.append(gc.get_freeze_count())
             self.layers[0].cuda_graphs = [Replay("stock", 0)]
+            FakeMegatronHelper.handed.append(self.layers[0].cuda_graphs[0])
             raise RuntimeError("stock capture failed at layer 2")
+
+        def delete_cuda_graphs(self) -> None:  # Megatron's asserts a finished capture
+            assert self._created, "No CUDA Graphs were created to delete."
+            super().delete_cuda_graphs()
 
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
@@ -420,9 +429,13 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     monkeypatch.setattr(trainer, "synchronize", lambda: None)  # no GPU here
     monkeypatch.setattr(trainer, "pool_bytes", dict)
     progress: list[str] = []
+    gc.unfreeze()  # nothing frozen before the capture (gc_freeze undoes a freeze only then)
+    frozen_by_capture: list[int] = []
     with pytest.raises(RuntimeError, match="stock capture failed at layer 2"):
         with bench._captured_arms(("plugin", "stock"), trainer, Clock(), progress.append):
             pass
-    assert [g.resets for g in FakeMegatronHelper.handed] == [1, 1]  # the plugin arm's graphs torn down
+    # the plugin arm's two graphs torn down, and the failed capture's one graph reset
+    assert [g.resets for g in FakeMegatronHelper.handed] == [1, 1, 1]
     assert all(layer.cuda_graphs == [] and layer.cuda_graph_manual_hooks == [] for layer in layers)
-    assert not any("also failed" in line for line in progress)
+    assert not cuda_graphs.is_graph_capturing() and gc.get_freeze_count() < frozen_by_capture[0]
+    assert not any("also failed" in line for line in progress) and "failed too" not in capsys.readouterr().err

@@ -1137,6 +1137,8 @@ def test_an_offloaded_tensor_is_reloaded_only_after_its_copy_to_the_host(monkeyp
         return tensor_tag
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "compute")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     tensor_pop = build_offload_reload_wait(original, session=None)
     handler = types.SimpleNamespace(offload_groups=[Group({(1, 0): ("cpu", "state"), (1, 1): torch.ones(1)})])
     tensor_pop(handler, (1, 0))
@@ -1146,4 +1148,9 @@ def test_an_offloaded_tensor_is_reloaded_only_after_its_copy_to_the_host(monkeyp
     passthrough = torch.ones(1)
     tensor_pop(handler, passthrough)  # never offloaded
     assert events == [("pop", (1, 1)), ("pop", passthrough)]
+    events.clear()
+    capturing[0] = True  # a graph capture must not wait on an event recorded outside it
+    handler.offload_groups[0]._tensors[(1, 2)] = ("cpu", "state")
+    tensor_pop(handler, (1, 2))
+    assert events == [("pop", (1, 2))]
     compat.check_parameters(offload.ChunkOffloadHandler.tensor_pop, ("tensor_tag",), where="tensor_pop")

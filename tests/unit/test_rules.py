@@ -598,8 +598,14 @@ def test_the_deterministic_attention_rule_names_the_product_and_the_longest_boun
     facts = dataclasses.replace(DETERMINISTIC_PACKED, thd_max_seqs=32)
     (message,) = [m for n, m in violations(facts) if n == "packed-graphs-deterministic-attention"]
     assert "(--cg-thd-max-seqs 32 x 16 heads per rank x 4096^2 = 8589934592 >= 2^30; the largest " \
-           "--cg-thd-max-seqlen that fits: 1448)" in message
+           "--cg-thd-max-seqlen that fits: 1448, and the capacity needs at least 128)" in message
     assert "train without --deterministic-mode" in message and "unfused attention" in message
+    assert "drop --cg-thd-max-seqs" in message and "--sft" in message
+    # the bound TE allows can be below what the capacity needs (rule packed-graphs-capacity): no L fits then
+    (crowded,) = [m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=4, num_attention_heads=64,
+                                                               seq_length=16384, thd_max_seqlen=None))
+                  if n == "packed-graphs-deterministic-attention"]
+    assert "no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most 2047 for TE, at least 4096" in crowded
     assert names(dataclasses.replace(facts, thd_max_seqlen=1448)) == []
     # TE keeps fused attention without deterministic mode, and off Hopper this limitation is not TE's
     assert names(dataclasses.replace(facts, deterministic=False)) == []
