@@ -263,8 +263,9 @@ def _fitting_seqlen(f: GraphFacts) -> str:
     if smallest is None or largest >= smallest:
         return f"the largest --cg-thd-max-seqlen that fits: {largest}" + (
             f", and the capacity needs at least {smallest}" if smallest is not None else "")
+    # TE's bound falls as 1/sqrt(N), the capacity's as 1/N: more, shorter documents meet both.
     return (f"no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most {largest} for TE, at least {smallest} "
-            "for the capacity; lower --cg-thd-max-seqs")
+            "for the capacity; raise --cg-thd-max-seqs")
 
 
 RULES: tuple[Rule, ...] = (

@@ -606,6 +606,9 @@ def test_the_deterministic_attention_rule_names_the_product_and_the_longest_boun
                                                                seq_length=16384, thd_max_seqlen=None))
                   if n == "packed-graphs-deterministic-attention"]
     assert "no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most 2047 for TE, at least 4096" in crowded
+    assert "raise --cg-thd-max-seqs" in crowded  # 17 documents: at most 993 for TE, at least 964 for the capacity
+    roomy = dataclasses.replace(facts, thd_max_seqs=17, num_attention_heads=64, seq_length=16384, thd_max_seqlen=964)
+    assert "packed-graphs-deterministic-attention" not in names(roomy) and "packed-graphs-capacity" not in names(roomy)
     assert names(dataclasses.replace(facts, thd_max_seqlen=1448)) == []
     # TE keeps fused attention without deterministic mode, and off Hopper this limitation is not TE's
     assert names(dataclasses.replace(facts, deterministic=False)) == []
