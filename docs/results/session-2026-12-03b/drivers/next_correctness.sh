@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issues 34 and 32, each alone on the GPU, one after the other:
+# Ran as s84 (../../session-2026-12-03c): issues 34 and 32, each alone on the GPU, one after the other:
 # the launcher's packed path (test_the_launcher_trains_packed_graphs_like_its_eager_run, ~2 min), then the 6.7B farm
 # case (its eager run holds 118 GiB: nothing beside it; s79).
 ( MEGATRON_CG_FARM_OUT=$F/functional timeout 240 python3 -m pytest tests/functional/test_packed_graphs_gpu.py -rs -q \

@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 32's 6.7B case, alone on the GPU (~5 min).
+# Ran as s85 (../../session-2026-12-03c): issue 32's 6.7B case, alone on the GPU (~5 min).
 # The offload-reload-waits-for-its-copy patch (not yet confirmed): three eager runs with Megatron's own offload,
 # steps 1-3 each; without the patch 3 of 4 such runs had a wrong step-1 gradient norm (right: 43.539).
 python3 docs/results/session-2026-12-03b/drivers/offload_step1_argv.py $F/offload > $F/offload_argv.txt 2>> $F/flags.err
