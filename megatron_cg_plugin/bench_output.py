@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.plan.bench_schedule import (
-    BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, summarize,
-    summarize_steps,
+    BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, round_ratios,
+    summarize, summarize_steps,
 )
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
@@ -76,6 +76,15 @@ class BlockRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class CaptureRecord:
+    """One capture of the step schedule's capture rounds (``--bench-capture-rounds``), released at once."""
+
+    round: int
+    arm: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One timed step of the step schedule (``--bench-interleave steps``)."""
 
@@ -102,6 +111,8 @@ class BenchResult:
     copies: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # per arm: DeviceTime fields
     schedule: str = "blocks"  # --bench-interleave: blocks, or single steps in mirrored cycles
     steps: tuple[StepRecord, ...] = ()  # the step schedule's timed steps, in schedule order
+    recording_us: float | None = None  # host cost per step of the plugin-recording arm's hooks
+    capture_rounds: tuple[CaptureRecord, ...] = ()  # the step schedule's timed captures, in schedule order
 
     def summary(self) -> BenchSummary:
         if self.schedule == "steps":
@@ -114,6 +125,12 @@ class BenchResult:
         are enough of them: ``plan.bench_schedule.fewest_for_interval``)."""
         return {pair: found for pair, spread in self.summary().ratios.items()
                 if (found := median_interval(spread.values)) is not None}
+
+    def capture_ratios(self) -> dict[tuple[str, str], Spread]:
+        """Per pair of arms in the capture rounds, the spread of their per-round capture ratios."""
+        seconds = {Block(record.round, record.arm): record.seconds for record in self.capture_rounds}
+        arms = list(dict.fromkeys(record.arm for record in self.capture_rounds))
+        return {(a, b): Spread.of(round_ratios(seconds, a, b)) for a, b in _ordered_pairs(arms)}
 
     def per_arm(self, field: str) -> dict[str, Spread]:
         """Per graphed arm, the spread of a block field (``capture_seconds``, ``pool_bytes``, ...)."""
@@ -145,7 +162,11 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
         "peak_with_pools_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_with_pools_bytes").items()},
         "busy_fraction": result.busy_fraction, "contract_check_us": result.contract_check_us,
-        "replays_per_step": result.replays_per_step, "copies": result.copies,
+        "replays_per_step": result.replays_per_step, "copies": result.copies, "recording_us": result.recording_us,
+        "capture_rounds": [dataclasses.asdict(record) for record in result.capture_rounds],
+        "capture_ratios": {f"{a}/{b}": {**spread(value), "interval": None if (found := median_interval(value.values))
+                                        is None else dataclasses.asdict(found)}
+                           for (a, b), value in result.capture_ratios().items()},
         "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
         "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
         "ratio_intervals": {f"{a}/{b}": {**dataclasses.asdict(found), "half_width": found.half_width,
@@ -201,6 +222,12 @@ def markdown(result: BenchResult) -> str:
         for mode, micros in result.contract_check_us.items():
             lines.append(f"| {mode} | {micros:.1f} | "
                          f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |")
+    if result.capture_rounds:
+        lines += _capture_table(result)
+    if result.recording_us is not None:
+        share = result.recording_us / 1e6 / summary.arms[RECORDING_ARM].median
+        lines += ["", "| recording (--cg-metrics-out, --cg-report-out) | host us per step | of its arm's median step |",
+                  "| --- | --- | --- |", f"| train-step timer and training_log tap | {result.recording_us:.1f} | {share:.2%} |"]
     return "\n".join(lines)
 
 
@@ -220,6 +247,23 @@ def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], Medi
                  [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
                  + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS])
         lines.append(f"| {pair[0]} / {pair[1]} | {summary.ratios[pair].format()} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _capture_table(result: BenchResult) -> list[str]:
+    """The capture rounds: each arm's capture seconds, and each pair's per-round ratio with its
+    median's distribution-free 95% interval (``-`` below 6 rounds)."""
+    rounds = len({record.round for record in result.capture_rounds})
+    lines = ["", f"| capture rounds ({rounds}, mirrored) | median [spread] | median [95% interval] |",
+             "| --- | --- | --- |"]
+    per_arm: dict[str, list[float]] = {}
+    for record in result.capture_rounds:
+        per_arm.setdefault(record.arm, []).append(record.seconds)
+    lines += [f"| {arm} capture s | {Spread.of(values).format()} | - |" for arm, values in per_arm.items()]
+    for (a, b), ratios in result.capture_ratios().items():
+        found = median_interval(ratios.values)
+        interval = "- (under 6 rounds)" if found is None else f"{found.median:.3f} [{found.low:.3f}, {found.high:.3f}]"
+        lines.append(f"| {a} / {b} capture | {ratios.format()} | {interval} |")
     return lines
 
 
@@ -294,7 +338,8 @@ def from_json(data: dict[str, Any]) -> BenchResult:
     return BenchResult(data["method"], data["steps_per_block"], data["skip_steps"], blocks, data["busy_fraction"],
                        data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]),
                        data.get("copies", {}), data.get("schedule", "blocks"),
-                       tuple(StepRecord(**step) for step in data.get("steps", ())))
+                       tuple(StepRecord(**step) for step in data.get("steps", ())), data.get("recording_us"),
+                       tuple(CaptureRecord(**record) for record in data.get("capture_rounds", ())))
 
 
 def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) -> None:

@@ -28,8 +28,7 @@ from megatron_cg_plugin.report import RunReport, ScopeReport
 
 
 class DeviceProbe(Protocol):
-    def memory_allocated(self) -> int: ...
-    def max_memory_allocated(self) -> int: ...
+    def allocated_bytes(self) -> tuple[int, int]: ...  # (now, peak)
     def is_rank0(self) -> bool: ...
 
 
@@ -37,15 +36,13 @@ class CudaProbe:
     """The real device, through the caching allocator's counters: host-side, so reading them
     waits for nothing on the device."""
 
-    def memory_allocated(self) -> int:
+    def allocated_bytes(self) -> tuple[int, int]:
         import torch
 
-        return torch.cuda.memory_allocated()
-
-    def max_memory_allocated(self) -> int:
-        import torch
-
-        return torch.cuda.max_memory_allocated()
+        # torch.cuda.memory_allocated() and max_memory_allocated() each flatten and sort every
+        # allocator statistic (with an entry per graph pool): one nested read gives both.
+        allocated = torch.cuda.memory_stats_as_nested_dict().get("allocated_bytes", {}).get("all", {})
+        return allocated.get("current", 0), allocated.get("peak", 0)
 
     def is_rank0(self) -> bool:
         import torch.distributed as dist
@@ -248,8 +245,8 @@ class RunSession:
                              "iterations must increase; log each iteration once, in order.")
         values: dict[str, Any] = {}
         if self.keeps_values:
-            values["mem-allocated-bytes"] = float(self.probe.memory_allocated())
-            values["mem-max-allocated-bytes"] = float(self.probe.max_memory_allocated())
+            allocated, peak = self.probe.allocated_bytes()
+            values["mem-allocated-bytes"], values["mem-max-allocated-bytes"] = float(allocated), float(peak)
             if "lm loss" in loss_dict:
                 values["lm loss"] = _kept(loss_dict["lm loss"])
             if num_zeros_in_grad is not None:

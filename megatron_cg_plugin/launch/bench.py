@@ -34,8 +34,8 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, integration, patch_builders, patches, rules
 from megatron_cg_plugin.bench_output import (
-    ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, StepRecord,
-    is_known_arm, is_slot_arm,
+    ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord,
+    StepRecord, is_known_arm, is_slot_arm,
 )
 from megatron_cg_plugin.capture.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
@@ -79,6 +79,10 @@ class BenchOptions:
     # ``cycles`` of them, the first ``skip_steps`` cycles dropped.
     interleave: str = "blocks"
     cycles: int = 60
+    # steps: before the schedule's own captures, each graphed arm captured and released this many mirrored
+    # rounds, so capture times compare capture against capture in one process (the block schedule
+    # recaptures every block already).
+    capture_rounds: int = 0
 
     def __post_init__(self) -> None:
         unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
@@ -94,6 +98,9 @@ class BenchOptions:
         if self.interleave == "steps":
             self._check_steps()
             return
+        if self.capture_rounds:
+            raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: the block schedule captures every block "
+                             "already (its capture column spans them): drop the flag, or add --bench-interleave steps.")
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -108,6 +115,12 @@ class BenchOptions:
                              f"the {'/'.join(slots)} arm(s) capture slot-shared graphs, whose arenas and saved-tensor "
                              "hooks are not switched: drop them from --bench-arms, or run them with "
                              "--bench-interleave blocks.")
+        if self.capture_rounds:
+            graphed = [arm for arm in self.arms if arm != "eager"]
+            try:
+                interleaved_blocks(graphed, self.capture_rounds)
+            except ValueError as error:
+                raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: {error}") from None
         fewest = fewest_for_interval()
         if self.cycles - self.skip_steps < fewest:
             raise BenchError(f"--bench-cycles {self.cycles} keeps {max(0, self.cycles - self.skip_steps)} cycle(s) after "
@@ -137,6 +150,7 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-no-plot", action="store_true")
     parser.add_argument("--bench-profile-dir", type=Path)
     parser.add_argument("--bench-cached-batches", type=int, default=BenchOptions.cached_batches)
+    parser.add_argument("--bench-capture-rounds", type=int, default=BenchOptions.capture_rounds)
     known, flags = parser.parse_known_args(list(argv))
     stepwise = known.bench_interleave == "steps"
     unused = ([f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
@@ -149,7 +163,8 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
                                              ("cycles", known.bench_cycles)) if value is not None}
     options = BenchOptions(skip_steps=known.bench_skip_steps, arms=tuple(a for a in known.bench_arms.split(",") if a),
                            out=known.bench_out, plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
-                           cached_batches=known.bench_cached_batches, interleave=known.bench_interleave, **sizes)
+                           cached_batches=known.bench_cached_batches, interleave=known.bench_interleave,
+                           capture_rounds=known.bench_capture_rounds, **sizes)
     return options, flags
 
 
@@ -177,27 +192,29 @@ class Trainer(Protocol):
 def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] = (),
               clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
               profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None = None,
-              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None) -> BenchResult:
+              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None,
+              recording_cost: Callable[[], float] | None = None) -> BenchResult:
     """Runs the chosen schedule through ``trainer`` and measures every step; then, per arm,
-    ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap) and,
-    on a plugin capture, ``contract_cost``."""
+    ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap), on a
+    plugin capture ``contract_cost``, and on the plugin-recording arm's ``recording_cost``."""
     for _ in range(options.warmup_steps):
         _timed_step(trainer, clock)
     run = _bench_steps if options.interleave == "steps" else _bench_blocks
     return run(options, trainer, tuple(flags), clock, progress,
                functools.partial(_profiled, options, trainer=trainer, profile=profile, contract_cost=contract_cost,
-                                 progress=progress))
+                                 recording_cost=recording_cost, progress=progress))
 
 
 def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
                  progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
-    """The step schedule: every arm captured once, then single steps in mirrored cycles, then each
-    arm profiled with its graphs in place, then the teardown."""
+    """The step schedule: the capture rounds (if any), every arm captured once, then single steps in
+    mirrored cycles, then each arm profiled with its graphs in place, then the teardown."""
+    capture_rounds = _capture_rounds(options, trainer, clock, progress)
     with _captured_arms(options.arms, trainer, clock, progress) as captured:
         steps, peaks = _run_step_schedule(options, trainer, clock, progress)
         records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
         result = BenchResult(_method(options), 1, options.skip_steps, records, {}, {}, None, flags,
-                             schedule="steps", steps=tuple(steps))
+                             schedule="steps", steps=tuple(steps), capture_rounds=capture_rounds)
 
         @contextlib.contextmanager
         def activated(arm: str) -> Iterator[Any]:
@@ -242,6 +259,9 @@ def _method(options: BenchOptions) -> str:
     """The method line: which schedule ran, and what was left out of every arm."""
     method = METHOD if options.interleave == "blocks" else (
         f"{STEPS_METHOD}; the first {options.skip_steps} of {options.cycles} cycles dropped (--bench-skip-steps)")
+    if options.capture_rounds:
+        method += (f"; before the cycles, each graphed arm captured and released in {options.capture_rounds} mirrored rounds "
+                   "(--bench-capture-rounds)")
     if options.cached_batches:
         method += (f"; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
                    "(--bench-cached-batches: the data loader's time is left out of every arm)")
@@ -255,6 +275,20 @@ def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
     trainer.step()
     trainer.synchronize()
     return clock() - start
+
+
+def _capture_rounds(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
+                    progress: Callable[[str], None]) -> tuple[CaptureRecord, ...]:
+    """``--bench-capture-rounds``: each graphed arm captured from eager layers and released at once,
+    round by round in mirrored order, so a drift over a pair of rounds cancels from the ratios."""
+    graphed = [arm for arm in options.arms if arm != "eager"]
+    records = []
+    for block in (interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ()):
+        helper, seconds, _ = _capture(trainer, block.arm, clock)
+        trainer.release(helper)
+        records.append(CaptureRecord(block.round, block.arm, seconds))
+        progress(f"capture round {block.round + 1}/{options.capture_rounds}: {block.arm} {seconds:.2f} s")
+    return tuple(records)
 
 
 @contextlib.contextmanager
@@ -312,13 +346,14 @@ def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
               with_arm: Callable[[str], ContextManager[Any]],
               profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
               contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
-              progress: Callable[[str], None]) -> BenchResult:
+              recording_cost: Callable[[], float] | None, progress: Callable[[str], None]) -> BenchResult:
     """``result`` with, per arm (its graphs in place through ``with_arm``, which gives its helper),
-    the profiled device time per step and, on the plugin arm, the contract check's cost."""
+    the profiled device time per step, on the plugin arm the contract check's cost, and on the
+    plugin-recording arm the recording hooks' cost."""
     busy: dict[str, float | None] = {}
     copies: dict[str, dict[str, float]] = {}
     costs: dict[str, float] = {}
-    replays = None
+    replays = recording_us = None
     medians = result.summary().arms
     for arm in options.arms:
         with with_arm(arm) as helper:
@@ -329,9 +364,11 @@ def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
                 copies[arm] = dataclasses.asdict(device)
             if arm == "plugin" and contract_cost is not None:
                 costs, replays = contract_cost(helper)
+            if arm == RECORDING_ARM and recording_cost is not None:
+                recording_us = recording_cost()
         progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
     return dataclasses.replace(result, busy_fraction=busy, contract_check_us=costs, replays_per_step=replays,
-                               copies=copies)
+                               copies=copies, recording_us=recording_us)
 
 
 def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
@@ -640,6 +677,21 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     return costs, len(helper.flattened_callables) * microbatches
 
 
+def recording_cost(session: RunSession, step_result: Any, *, repeats: int = 2000) -> float:
+    """Host microseconds a recording run adds to each step: the train-step timer's mark and the
+    training_log tap's record of ``step_result``'s values, on a session of its own with
+    ``session``'s config and helpers (the arm's own records stay as they are; no read of the kept
+    values comes within ``repeats``, as none comes within 1000 steps of a run)."""
+    loss_dict, num_zeros_in_grad = logged_values(step_result)
+    timed = RunSession(session.config, read_every=repeats + 1)
+    timed.helpers = list(session.helpers)
+    start = time.perf_counter()
+    for iteration in range(1, repeats + 1):
+        timed.mark_iteration_start()
+        timed.on_training_log(iteration=iteration, loss_dict=loss_dict, num_zeros_in_grad=num_zeros_in_grad)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
 def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Callable[..., Any],
                      sink: list[BenchResult], before: Callable[[], None] | None = None) -> Callable[..., Any]:
     """Stands in for Megatron's ``train_step``: its first call runs ``before`` (if any), then the
@@ -659,8 +711,9 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
                                   cached_microbatches=options.cached_batches * get_num_microbatches())
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
         profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
+        recorded = (lambda: recording_cost(trainer.recording, trainer.last)) if RECORDING_ARM in options.arms else None
         sink.append(run_bench(options, trainer, flags=flags, profile=profile,
-                              contract_cost=cost if "plugin" in options.arms else None))
+                              contract_cost=cost if "plugin" in options.arms else None, recording_cost=recorded))
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
         return trainer.last
 

@@ -42,6 +42,14 @@ def interleaved_blocks(arms: Sequence[str], rounds: int) -> list[Block]:
     return [Block(r, arm) for r in range(rounds) for arm in (arms if r % 2 == 0 else list(reversed(arms)))]
 
 
+def round_ratios(seconds: Mapping[Block, float], numerator: str, denominator: str) -> list[float]:
+    """Per round in which both arms ran, ``numerator``'s seconds over ``denominator``'s (the step
+    schedule's capture rounds: one capture per arm per round), in round order."""
+    rounds = sorted({block.round for block in seconds})
+    return [seconds[Block(r, numerator)] / seconds[Block(r, denominator)] for r in rounds
+            if Block(r, numerator) in seconds and Block(r, denominator) in seconds]
+
+
 @dataclasses.dataclass(frozen=True)
 class Spread:
     median: float

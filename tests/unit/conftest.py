@@ -30,11 +30,8 @@ class FakeProbe:
     def synchronize(self) -> None:
         self.synchronize_calls += 1
 
-    def memory_allocated(self) -> int:
-        return self.allocated
-
-    def max_memory_allocated(self) -> int:
-        return self.max_allocated
+    def allocated_bytes(self) -> tuple[int, int]:
+        return self.allocated, self.max_allocated
 
     def is_rank0(self) -> bool:
         return self.rank0

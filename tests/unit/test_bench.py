@@ -84,7 +84,8 @@ def bench_with_fakes(**options):
 
     result = run_bench(BenchOptions(**({"rounds": 4, "steps": 6, "skip_steps": 1} | options)), trainer, clock=clock,
                        progress=lines.append, profile=profile,
-                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24))
+                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
+                       recording_cost=lambda: (profiled.append(f"recording cost on {trainer.arm}"), 63.0)[1])
     return result, trainer, lines, profiled
 
 
@@ -512,12 +513,48 @@ def test_the_recording_arm_is_known_and_taken_by_bench_arms():
 
 def test_the_recording_arm_runs_interleaved_and_its_ratio_to_plugin_is_in_the_table(tmp_path):
     result, trainer, _, profiled = bench_with_fakes(arms=("stock", "plugin", "plugin-recording"))
-    assert profiled == ["stock", "plugin", "plugin-recording"]
+    # The recording hooks are timed once, with the recording arm's graphs in place.
+    assert profiled == ["stock", "plugin", "plugin-recording", "recording cost on plugin-recording"]
     assert result.summary().ratios["plugin-recording", "plugin"].median == pytest.approx(0.0127 / 0.0126, rel=2e-3)
     written = bench_output.write(result, tmp_path, with_plot=False)
     table = written[1].read_text()
     assert "| plugin-recording / plugin | 1.01 [" in table and "| plugin-recording |" in table
     assert "plugin-recording/plugin" in json.loads(written[0].read_text())["ratio_precision"]
+    share = 63.0e-6 / result.summary().arms["plugin-recording"].median
+    assert f"| train-step timer and training_log tap | 63.0 | {share:.2%} |" in table
+    assert bench_output.from_json(json.loads(written[0].read_text())).recording_us == 63.0
+    without, *_ = bench_with_fakes(arms=("stock", "plugin"))
+    assert without.recording_us is None and "training_log tap" not in bench_output.markdown(without)
+
+
+def test_the_recording_cost_times_the_hooks_on_a_session_of_its_own(monkeypatch, tmp_path):
+    """The bench's recording figure runs what a recording run adds to a step (the timer's mark, the
+    tap's record with the step's values, the probe's one read) on a copy of the arm's session: the
+    arm's own records are untouched and nothing is read from the device."""
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.session import RunSession
+
+    reads = []
+
+    class Probe:
+        def allocated_bytes(self):
+            reads.append("allocated")
+            return 1, 2
+
+        def is_rank0(self):
+            return True
+
+    monkeypatch.setattr("megatron_cg_plugin.session.CudaProbe", Probe)
+
+    class Loss:  # a device value: detached when kept, never read (no item)
+        def detach(self):
+            return self
+
+    arm_session = RunSession(PluginConfig(metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json"),
+                             probe=Probe())
+    arm_session.helpers.append(_FakeMegatronHelper())
+    micros = bench.recording_cost(arm_session, ({"lm loss": Loss()}, 0, False, False, 0, 1.5, 3.0, 0.0), repeats=50)
+    assert micros > 0 and len(reads) == 50 and arm_session.iterations == []
 
 
 class _FakeMegatronHelper:

@@ -327,3 +327,12 @@ def test_the_interval_covers_the_true_median_as_often_as_it_says():
         hits += found.low <= 1.0 <= found.high
     assert found.coverage == pytest.approx(1 - 2 * binomial_tail(25, 7))
     assert abs(hits / 600 - found.coverage) < 0.025
+
+
+def test_round_ratios_pair_each_rounds_two_arms_and_skip_rounds_missing_one():
+    from megatron_cg_plugin.plan.bench_schedule import Block, round_ratios
+
+    seconds = {Block(0, "a"): 2.0, Block(0, "b"): 1.0, Block(1, "b"): 4.0, Block(1, "a"): 2.0, Block(2, "a"): 9.0}
+    assert round_ratios(seconds, "a", "b") == [2.0, 0.5]
+    assert round_ratios(seconds, "b", "a") == [0.5, 2.0]
+    assert round_ratios({}, "a", "b") == []

@@ -101,7 +101,8 @@ def run(seed: int = 0, *, profile=None, **options):
     lines: list[str] = []
     result = run_bench(BenchOptions(**({"arms": ("stock", "plugin")} | options)), trainer, clock=clock,
                        progress=lines.append, profile=profile,
-                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24))
+                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
+                       recording_cost=lambda: 63.0)
     return result, trainer, lines
 
 
@@ -155,6 +156,7 @@ def test_every_arm_is_captured_once_up_front_stepped_in_mirrored_cycles_and_torn
     assert records["plugin"].pool_bytes == 64 << 20 and records["plugin"].step_seconds == ()
     assert records["plugin"].peak_allocated_bytes == (1 << 30) + (3 << 20)  # all three captures alive
     assert result.contract_check_us["full"] == 7.0 and result.replays_per_step == 24
+    assert result.recording_us == 63.0
     medians = result.summary().arms
     assert result.busy_fraction["plugin"] == pytest.approx(0.05 / medians["plugin"].median)
 
@@ -217,9 +219,58 @@ def test_the_step_schedules_options_and_what_they_refuse():
                                                                  ".* raise --bench-cycles to 8"),
         (["--bench-interleave", "steps", "--bench-arms", "stock,slot-offload"],
          "the slot-offload arm\\(s\\) capture slot-shared graphs.*--bench-interleave blocks"),
+        (["--bench-capture-rounds", "8"], "the block schedule captures every block already.*add --bench-interleave steps"),
+        (["--bench-interleave", "steps", "--bench-capture-rounds", "3"],
+         "--bench-capture-rounds 3: rounds must be an even number"),
+        (["--bench-interleave", "steps", "--bench-arms", "eager", "--bench-capture-rounds", "2"],
+         "--bench-capture-rounds 2: arms must be distinct and not empty"),
     ]:
         with pytest.raises(BenchError, match=message):
             parse_bench_argv(argv)
+
+
+class SlowerCapture(NoisyTrainer):
+    """The plugin's capture takes 1.08 times stock's, on a host whose speed drifts and shifts."""
+
+    CAPTURE_SECONDS = {"stock": 1.0, "plugin": 1.08}
+
+    def capture(self, arm: str) -> str:
+        helper = super().capture(arm)
+        self.clock.now += self.CAPTURE_SECONDS[arm] * self.host.factor() - 1.0  # NoisyTrainer's capture took 1 s
+        return helper
+
+
+def test_capture_rounds_time_each_arm_against_the_other_in_mirrored_rounds(tmp_path):
+    clock = Clock()
+    trainer = SlowerCapture(clock, ShiftingHost(3))
+    lines: list[str] = []
+    options, _ = parse_bench_argv(["--bench-interleave", "steps", "--bench-cycles", "8", "--bench-arms",
+                                   "eager,stock,plugin", "--bench-capture-rounds", "12"])
+    result = run_bench(options, trainer, clock=clock, progress=lines.append)
+    # Captured and released round by round, mirrored, before the schedule's own captures (no eager arm).
+    rounds = [f"{event} {arm}" for r in range(12) for arm in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))
+              for event in ("capture", "release")]
+    assert trainer.events[:48] == rounds and trainer.events[48:50] == ["capture stock", "capture plugin"]
+    assert [(r.round, r.arm) for r in result.capture_rounds] == [(i // 2, e.split()[1]) for i, e in
+                                                                 enumerate(rounds[::2])]
+    assert lines[0].startswith("capture round 1/12: stock 1.")
+    ratios = result.capture_ratios()
+    assert list(ratios) == [("plugin", "stock")] and len(ratios["plugin", "stock"].values) == 12
+    found = bench_output.median_interval(ratios["plugin", "stock"].values)
+    assert found.low <= 1.08 <= found.high  # (19 of the first 20 seeds' intervals hold it: a 95% interval)
+    written = bench_output.write(result, tmp_path, with_plot=False)
+    table = written[1].read_text()
+    assert "; before the cycles, each graphed arm captured and released in 12 mirrored rounds (--bench-capture-rounds)" in table
+    assert "| capture rounds (12, mirrored) | median [spread] | median [95% interval] |" in table
+    assert f"| plugin / stock capture | {ratios['plugin', 'stock'].format()} | {found.median:.3f} [" in table
+    assert "| stock capture s | " in table
+    data = json.loads(written[0].read_text())
+    assert data["capture_ratios"]["plugin/stock"]["interval"]["n"] == 12
+    assert bench_output.from_json(data) == result
+    short, *_ = run(interleave="steps", cycles=8, capture_rounds=2)
+    assert "| plugin / stock capture | " in (table := bench_output.markdown(short)) and "- (under 6 rounds)" in table
+    plain, *_ = run(interleave="steps", cycles=8)
+    assert plain.capture_rounds == () and "capture rounds" not in bench_output.markdown(plain)
 
 
 ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,

@@ -673,8 +673,7 @@ def test_installed_tap_wraps_megatrons_training_log(monkeypatch):
     fake = _fake_training_log_factory(calls)
     monkeypatch.setattr(training, "training_log", fake)
     session = integration.install()
-    session.probe = types.SimpleNamespace(synchronize=lambda: None, memory_allocated=lambda: 0,
-                                          max_memory_allocated=lambda: 0)
+    session.probe = types.SimpleNamespace(synchronize=lambda: None, allocated_bytes=lambda: (0, 0))
     assert training.training_log(*POSITIONAL) == "report_memory_flag_out"
     assert len(calls) == 1
     assert [r.iteration for r in session.iterations] == [7]

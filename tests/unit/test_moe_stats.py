@@ -69,8 +69,7 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
 
     class Probe:
         def synchronize(self): ...
-        def memory_allocated(self): return 0
-        def max_memory_allocated(self): return 0
+        def allocated_bytes(self): return 0, 0
         def is_rank0(self): return True
 
     monkeypatch.setattr(router, "TopKRouter", FakeRouter)

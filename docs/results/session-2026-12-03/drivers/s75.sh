@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# s75 (issue 31), alone on the GPU, one bench after the other: the four benchmark models of docs/performance.md
+# s75 (issue 31; not run in its session, ran as s87 in ../../session-2026-12-03c), alone on the GPU, one bench after the other: the four benchmark models of docs/performance.md
 # (s13's flags) under the step schedule, plugin / stock in mirrored cycles (A B B A).
 B="python3 -m megatron_cg_plugin.cli bench --bench-no-plot --bench-interleave steps --bench-skip-steps 4 --bench-arms plugin,stock"
 G="--cuda-graph-impl transformer_engine"

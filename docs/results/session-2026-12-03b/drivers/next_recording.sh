@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 31, alone on the GPU: what recording costs, recording and
+# Ran as s86 (../../session-2026-12-03c): issue 31, alone on the GPU: what recording costs, recording and
 # plugin alone (A B B A) so no third arm sits beside either, on the launch-bound 4-layer GPT and on the drop-and-pad
 # MoE of s74/s77.
 source "$(dirname "$0")/../../session-2026-12-03/drivers/moe_data.sh"
