@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_cg_plugin.plan.bench_schedule import (
-    BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, round_ratios,
-    summarize, summarize_steps,
+    BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, summarize,
+    summarize_steps,
 )
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
@@ -126,11 +126,11 @@ class BenchResult:
         return {pair: found for pair, spread in self.summary().ratios.items()
                 if (found := median_interval(spread.values)) is not None}
 
-    def capture_ratios(self) -> dict[tuple[str, str], Spread]:
-        """Per pair of arms in the capture rounds, the spread of their per-round capture ratios."""
-        seconds = {Block(record.round, record.arm): record.seconds for record in self.capture_rounds}
-        arms = list(dict.fromkeys(record.arm for record in self.capture_rounds))
-        return {(a, b): Spread.of(round_ratios(seconds, a, b)) for a, b in _ordered_pairs(arms)}
+    def capture_summary(self) -> BenchSummary:
+        """The capture rounds summarized as blocks of one capture each: per arm its capture seconds,
+        per pair of arms the geometric mean of its two per-round ratios in each pair of mirrored
+        rounds (a drift linear over the pair cancels)."""
+        return summarize({Block(record.round, record.arm): (record.seconds,) for record in self.capture_rounds})
 
     def per_arm(self, field: str) -> dict[str, Spread]:
         """Per graphed arm, the spread of a block field (``capture_seconds``, ``pool_bytes``, ...)."""
@@ -164,9 +164,10 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "busy_fraction": result.busy_fraction, "contract_check_us": result.contract_check_us,
         "replays_per_step": result.replays_per_step, "copies": result.copies, "recording_us": result.recording_us,
         "capture_rounds": [dataclasses.asdict(record) for record in result.capture_rounds],
-        "capture_ratios": {f"{a}/{b}": {**spread(value), "interval": None if (found := median_interval(value.values))
-                                        is None else dataclasses.asdict(found)}
-                           for (a, b), value in result.capture_ratios().items()},
+        "capture_ratios": {} if not result.capture_rounds else {
+            f"{a}/{b}": {**spread(value), "interval": None if (found := median_interval(value.values)) is None
+                         else {**dataclasses.asdict(found), "half_width": found.half_width}}
+            for (a, b), value in result.capture_summary().ratios.items()},
         "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
         "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
         "ratio_intervals": {f"{a}/{b}": {**dataclasses.asdict(found), "half_width": found.half_width,
@@ -251,19 +252,18 @@ def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], Medi
 
 
 def _capture_table(result: BenchResult) -> list[str]:
-    """The capture rounds: each arm's capture seconds, and each pair's per-round ratio with its
-    median's distribution-free 95% interval (``-`` below 6 rounds)."""
+    """The capture rounds: each arm's capture seconds, and each pair's ratio over pairs of mirrored
+    rounds with its median's distribution-free 95% interval (``-`` below 6 pairs)."""
+    summary = result.capture_summary()
     rounds = len({record.round for record in result.capture_rounds})
+    arms = list(dict.fromkeys(record.arm for record in result.capture_rounds))
     lines = ["", f"| capture rounds ({rounds}, mirrored) | median [spread] | median [95% interval] |",
              "| --- | --- | --- |"]
-    per_arm: dict[str, list[float]] = {}
-    for record in result.capture_rounds:
-        per_arm.setdefault(record.arm, []).append(record.seconds)
-    lines += [f"| {arm} capture s | {Spread.of(values).format()} | - |" for arm, values in per_arm.items()]
-    for (a, b), ratios in result.capture_ratios().items():
-        found = median_interval(ratios.values)
-        interval = "- (under 6 rounds)" if found is None else f"{found.median:.3f} [{found.low:.3f}, {found.high:.3f}]"
-        lines.append(f"| {a} / {b} capture | {ratios.format()} | {interval} |")
+    lines += [f"| {arm} capture s | {summary.arms[arm].format()} | - |" for arm in arms]
+    for a, b in _ordered_pairs(arms):
+        found = median_interval(summary.ratios[a, b].values)
+        interval = "- (under 6 pairs)" if found is None else f"{found.median:.3f} [{found.low:.3f}, {found.high:.3f}]"
+        lines.append(f"| {a} / {b} capture | {summary.ratios[a, b].format()} | {interval} |")
     return lines
 
 

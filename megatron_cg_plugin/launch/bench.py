@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,7 @@ METHOD = ("one model and optimizer for every arm in one process; each graphed bl
           "captures, trains and tears down (capture runs again in the next block)")
 STEPS_METHOD = ("one model and optimizer for every arm in one process; every graphed arm captured once up front, "
                 "each with its own helper and graph pool, all alive together; single steps alternate the arms in "
-                "mirrored cycles (A B B A, A B C C B A), the layers switched to an arm's graphs between steps "
+                "mirrored cycles (A B B A, then B A A B), the layers switched to an arm's graphs between steps "
                 "(--bench-interleave steps)")
 
 
@@ -115,17 +116,25 @@ class BenchOptions:
                              f"the {'/'.join(slots)} arm(s) capture slot-shared graphs, whose arenas and saved-tensor "
                              "hooks are not switched: drop them from --bench-arms, or run them with "
                              "--bench-interleave blocks.")
-        if self.capture_rounds:
-            graphed = [arm for arm in self.arms if arm != "eager"]
-            try:
-                interleaved_blocks(graphed, self.capture_rounds)
-            except ValueError as error:
-                raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: {error}") from None
         fewest = fewest_for_interval()
+        if self.capture_rounds:
+            self._check_capture_rounds(2 * fewest)
         if self.cycles - self.skip_steps < fewest:
             raise BenchError(f"--bench-cycles {self.cycles} keeps {max(0, self.cycles - self.skip_steps)} cycle(s) after "
                              f"--bench-skip-steps {self.skip_steps}; the ratios' 95% interval needs at least {fewest}: "
                              f"raise --bench-cycles to {self.skip_steps + fewest} or more.")
+
+    def _check_capture_rounds(self, fewest: int) -> None:
+        """Capture rounds give ratios over pairs of mirrored rounds: two graphed arms, and pairs
+        enough for the median's interval."""
+        graphed = [arm for arm in self.arms if arm != "eager"]
+        if len(graphed) < 2:
+            raise BenchError(f"--bench-capture-rounds {self.capture_rounds} compares the captures of two or more graphed "
+                             f"arms, and --bench-arms {','.join(self.arms)} names {len(graphed)}: add one (e.g. "
+                             "--bench-arms plugin,stock), or drop --bench-capture-rounds.")
+        if self.capture_rounds < fewest or self.capture_rounds % 2:
+            raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: the capture ratios' 95% interval needs "
+                             f"{fewest // 2} pairs of mirrored rounds: give an even number of rounds, {fewest} or more.")
 
     @property
     def total_steps(self) -> int:
@@ -280,13 +289,15 @@ def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
 def _capture_rounds(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
                     progress: Callable[[str], None]) -> tuple[CaptureRecord, ...]:
     """``--bench-capture-rounds``: each graphed arm captured from eager layers and released at once,
-    round by round in mirrored order, so a drift over a pair of rounds cancels from the ratios."""
+    round by round in mirrored order (``BenchResult.capture_summary`` pairs the rounds)."""
     graphed = [arm for arm in options.arms if arm != "eager"]
     records = []
     for block in (interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ()):
-        helper, seconds, _ = _capture(trainer, block.arm, clock)
-        trainer.release(helper)
-        records.append(CaptureRecord(block.round, block.arm, seconds))
+        helper, seconds, _ = _capture(trainer, block.arm, clock)  # a failed capture leaves nothing captured
+        try:
+            records.append(CaptureRecord(block.round, block.arm, seconds))
+        finally:
+            trainer.release(helper)
         progress(f"capture round {block.round + 1}/{options.capture_rounds}: {block.arm} {seconds:.2f} s")
     return tuple(records)
 
@@ -677,18 +688,31 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     return costs, len(helper.flattened_callables) * microbatches
 
 
-def recording_cost(session: RunSession, step_result: Any, *, repeats: int = 2000) -> float:
-    """Host microseconds a recording run adds to each step: the train-step timer's mark and the
-    training_log tap's record of ``step_result``'s values, on a session of its own with
-    ``session``'s config and helpers (the arm's own records stay as they are; no read of the kept
-    values comes within ``repeats``, as none comes within 1000 steps of a run)."""
+def recording_cost(session: RunSession, step_result: Any, training_log: Callable[..., Any], *,
+                   repeats: int = 2000) -> float:
+    """Host microseconds a recording run adds to each step: the train-step-timer and
+    training-log-tap patches' own wrappers (around calls that do nothing: what they wrap runs in
+    every arm), binding ``step_result``'s values as Megatron's ``training_log`` gets them, on a
+    session of its own with ``session``'s config and helpers (the arm's records stay as they
+    are). ``repeats`` beyond the session's ``read_every`` include its reads of the kept values."""
     loss_dict, num_zeros_in_grad = logged_values(step_result)
-    timed = RunSession(session.config, read_every=repeats + 1)
+    timed = RunSession(session.config, read_every=session.read_every)
     timed.helpers = list(session.helpers)
+    signature = inspect.signature(training_log)
+
+    def untimed(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    untimed.__signature__ = signature  # type: ignore[attr-defined]  # the tap binds Megatron's arguments
+    timer = patch_builders.build_train_step_timer(untimed, timed)
+    tap = patch_builders.build_training_log_tap(untimed, timed)
+    named = [name for name, parameter in signature.parameters.items()
+             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    arguments = {**dict.fromkeys(named), "loss_dict": loss_dict, "num_zeros_in_grad": num_zeros_in_grad}
     start = time.perf_counter()
     for iteration in range(1, repeats + 1):
-        timed.mark_iteration_start()
-        timed.on_training_log(iteration=iteration, loss_dict=loss_dict, num_zeros_in_grad=num_zeros_in_grad)
+        timer()
+        tap(**{**arguments, "iteration": iteration})
     return (time.perf_counter() - start) / repeats * 1e6
 
 
@@ -711,7 +735,9 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
                                   cached_microbatches=options.cached_batches * get_num_microbatches())
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
         profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
-        recorded = (lambda: recording_cost(trainer.recording, trainer.last)) if RECORDING_ARM in options.arms else None
+        recorded = None
+        if RECORDING_ARM in options.arms:  # timed while that arm is in place (its session, the last step's values)
+            recorded = lambda: recording_cost(trainer.recording, trainer.last, trainer.training.training_log)  # noqa: E731
         sink.append(run_bench(options, trainer, flags=flags, profile=profile,
                               contract_cost=cost if "plugin" in options.arms else None, recording_cost=recorded))
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last

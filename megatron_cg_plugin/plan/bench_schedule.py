@@ -10,9 +10,10 @@ quoted with their spread; a ratio of two arms is the geometric mean of its two p
 each pair of rounds, and its median and spread over the pairs. ``median_precision`` says how
 closely that median is known, and how many pairs would pin it to a given width.
 
-The step schedule (``interleaved_steps``) alternates single steps in mirrored cycles (A B B A;
-A B C C B A): every arm's steps in a cycle sit at places with the same mean, so a drift that is
-exponential over the cycle cancels exactly from the per-cycle ratio, and a shift of the host's
+The step schedule (``interleaved_steps``) alternates single steps in mirrored cycles (A B B A, then
+B A A B; A B C C B A, then C B A A B C): every arm's steps in a cycle sit at places with the same
+mean, so a drift that is exponential over the cycle cancels exactly from the per-cycle ratio, a cost
+of the places next to a cycle's ends falls on each arm in turn, and a shift of the host's
 speed lasting a few steps, which moves whole blocks, touches few cycles. ``median_interval`` gives
 the per-cycle ratios' median a distribution-free confidence interval and the cycles it would take
 to narrow it to a given half-width.
@@ -40,14 +41,6 @@ def interleaved_blocks(arms: Sequence[str], rounds: int) -> list[Block]:
     if rounds < 2 or rounds % 2:
         raise ValueError(f"rounds must be an even number >= 2 (pairs of mirrored rounds), got {rounds}.")
     return [Block(r, arm) for r in range(rounds) for arm in (arms if r % 2 == 0 else list(reversed(arms)))]
-
-
-def round_ratios(seconds: Mapping[Block, float], numerator: str, denominator: str) -> list[float]:
-    """Per round in which both arms ran, ``numerator``'s seconds over ``denominator``'s (the step
-    schedule's capture rounds: one capture per arm per round), in round order."""
-    rounds = sorted({block.round for block in seconds})
-    return [seconds[Block(r, numerator)] / seconds[Block(r, denominator)] for r in rounds
-            if Block(r, numerator) in seconds and Block(r, denominator) in seconds]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +158,17 @@ class Step:
 
 
 def interleaved_steps(arms: Sequence[str], cycles: int) -> list[Step]:
-    """``cycles`` mirrored cycles of single steps: each runs every arm once in ``arms``' order and
-    once reversed (A B B A, A B C C B A), so within a cycle each arm's two places have the same mean."""
+    """``cycles`` mirrored cycles of single steps: each runs every arm once in one order and once
+    reversed, so within a cycle each arm's two places have the same mean; the order alternates
+    cycle by cycle (A B B A, B A A B; A B C C B A, C B A A B C), so no arm always holds the outer
+    places, next to the cycle's ends (s87: on the Llama-like model the plugin, outer in every cycle,
+    stepped 2-5% slower than stock; with one order a place's cost and an arm's look the same)."""
     if len(set(arms)) != len(arms) or not arms:
         raise ValueError(f"arms must be distinct and not empty, got {list(arms)}.")
     if cycles < 1:
         raise ValueError(f"cycles must be >= 1, got {cycles}.")
-    return [Step(c, arm) for c in range(cycles) for arm in (*arms, *reversed(arms))]
+    orders = (list(arms), list(reversed(arms)))
+    return [Step(c, arm) for c in range(cycles) for arm in (*orders[c % 2], *reversed(orders[c % 2]))]
 
 
 def _geometric_mean(values: Sequence[float]) -> float:

@@ -4,6 +4,7 @@ and the contract-cost measurement on a real plugin check."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 
@@ -527,10 +528,11 @@ def test_the_recording_arm_runs_interleaved_and_its_ratio_to_plugin_is_in_the_ta
     assert without.recording_us is None and "training_log tap" not in bench_output.markdown(without)
 
 
-def test_the_recording_cost_times_the_hooks_on_a_session_of_its_own(monkeypatch, tmp_path):
-    """The bench's recording figure runs what a recording run adds to a step (the timer's mark, the
-    tap's record with the step's values, the probe's one read) on a copy of the arm's session: the
-    arm's own records are untouched and nothing is read from the device."""
+def test_the_recording_cost_times_the_patches_wrappers_on_a_session_of_its_own(monkeypatch, tmp_path):
+    """The bench's recording figure runs what a recording run adds to a step: the train-step timer's
+    and the training_log tap's own wrappers (binding Megatron's training_log arguments), the probe's
+    one read per step, and the session's periodic read of the kept values, on a copy of the arm's
+    session: the arm's own records are untouched."""
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
@@ -546,15 +548,31 @@ def test_the_recording_cost_times_the_hooks_on_a_session_of_its_own(monkeypatch,
 
     monkeypatch.setattr("megatron_cg_plugin.session.CudaProbe", Probe)
 
-    class Loss:  # a device value: detached when kept, never read (no item)
+    class Loss:  # a device value: detached when kept, read to the host every read_every steps
         def detach(self):
             return self
 
+        def item(self):
+            reads.append("loss")
+            return 2.0
+
+    bound = []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *, max_attention_logit=None):
+        raise AssertionError("the tap's wrapped call runs in every arm: it is not timed")
+
+    real_tap = bench.patch_builders.build_training_log_tap
+    monkeypatch.setattr(bench.patch_builders, "build_training_log_tap",
+                        lambda original, session: (bound.append(inspect.signature(original)), real_tap(original, session))[1])
     arm_session = RunSession(PluginConfig(metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json"),
-                             probe=Probe())
+                             probe=Probe(), read_every=20)
     arm_session.helpers.append(_FakeMegatronHelper())
-    micros = bench.recording_cost(arm_session, ({"lm loss": Loss()}, 0, False, False, 0, 1.5, 3.0, 0.0), repeats=50)
-    assert micros > 0 and len(reads) == 50 and arm_session.iterations == []
+    micros = bench.recording_cost(arm_session, ({"lm loss": Loss()}, 0, False, False, 0, 1.5, 3.0, 0.0), training_log,
+                                  repeats=50)
+    assert micros > 0 and arm_session.iterations == []
+    assert bound == [inspect.signature(training_log)]  # the tap bound Megatron's arguments
+    assert reads.count("allocated") == 50 and reads.count("loss") == 40  # two reads of 20 kept losses
 
 
 class _FakeMegatronHelper:

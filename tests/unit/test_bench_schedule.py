@@ -185,7 +185,8 @@ def test_every_cycle_runs_every_arm_twice_at_places_with_the_same_mean(arms, cyc
     assert len(schedule) == 2 * len(arms) * cycles
     for c in range(cycles):
         this_cycle = [s.arm for s in schedule if s.cycle == c]
-        assert this_cycle == arms + arms[::-1]  # A B B A, A B C C B A
+        first = arms if c % 2 == 0 else arms[::-1]
+        assert this_cycle == first + first[::-1]  # A B B A, then B A A B; A B C C B A, then C B A A B C
         for arm in arms:
             assert sum(i for i, a in enumerate(this_cycle) if a == arm) == len(this_cycle) - 1
 
@@ -213,6 +214,25 @@ def test_a_drift_exponential_over_each_cycle_cancels_exactly_from_every_ratio(ar
     for (a, b), spread in summary.ratios.items():
         assert len(spread.values) == cycles
         assert all(value == pytest.approx(base[a] / base[b], rel=1e-9) for value in spread.values)
+
+
+@given(st.floats(1.005, 1.2), st.integers(1, 20))
+def test_a_cost_of_the_outer_places_falls_on_each_arm_in_turn(penalty, pairs):
+    """Steps next to a cycle's ends (its first and last place) cost ``penalty`` more, whatever the
+    arm: with the outer arm alternating, the per-cycle ratios of two equal arms are penalty and
+    1 / penalty in turn, and their median is 1 to within (penalty - 1)^2 / 2. Were A always outer,
+    every cycle's ratio would be the penalty."""
+    places = 4  # two arms: A B B A
+
+    def outer(index: int) -> float:
+        return penalty if index % places in (0, places - 1) else 1.0
+
+    summary = summarize_steps(timed(interleaved_steps(["a", "b"], 2 * pairs), {"a": 1.0, "b": 1.0}, outer))
+    values = summary.ratios["a", "b"].values
+    assert sorted(values) == sorted([penalty, 1 / penalty] * pairs)
+    assert summary.ratios["a", "b"].median == pytest.approx(1.0, abs=(penalty - 1) ** 2 / 2 + 1e-12)
+    always_outer = [(Step(i // places, "abba"[i % places]), outer(i)) for i in range(places * 2 * pairs)]
+    assert summarize_steps(always_outer).ratios["a", "b"].median == pytest.approx(penalty)
 
 
 def test_a_step_of_one_arm_between_two_of_another_does_not_cancel_drift():
@@ -328,11 +348,3 @@ def test_the_interval_covers_the_true_median_as_often_as_it_says():
     assert found.coverage == pytest.approx(1 - 2 * binomial_tail(25, 7))
     assert abs(hits / 600 - found.coverage) < 0.025
 
-
-def test_round_ratios_pair_each_rounds_two_arms_and_skip_rounds_missing_one():
-    from megatron_cg_plugin.plan.bench_schedule import Block, round_ratios
-
-    seconds = {Block(0, "a"): 2.0, Block(0, "b"): 1.0, Block(1, "b"): 4.0, Block(1, "a"): 2.0, Block(2, "a"): 9.0}
-    assert round_ratios(seconds, "a", "b") == [2.0, 0.5]
-    assert round_ratios(seconds, "b", "a") == [0.5, 2.0]
-    assert round_ratios({}, "a", "b") == []

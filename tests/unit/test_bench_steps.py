@@ -59,6 +59,7 @@ class NoisyTrainer:
         self.events: list[str] = []
         self.pools: dict = {}
         self.stepped: list[str] = []
+        self.recording_costs: list[str] = []  # the arm in place when the recording hooks were timed
 
     def step(self) -> None:
         self.stepped.append(self.arm)
@@ -102,7 +103,7 @@ def run(seed: int = 0, *, profile=None, **options):
     result = run_bench(BenchOptions(**({"arms": ("stock", "plugin")} | options)), trainer, clock=clock,
                        progress=lines.append, profile=profile,
                        contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
-                       recording_cost=lambda: 63.0)
+                       recording_cost=lambda: (trainer.recording_costs.append(trainer.arm), 63.0)[1])
     return result, trainer, lines
 
 
@@ -144,8 +145,9 @@ def test_every_arm_is_captured_once_up_front_stepped_in_mirrored_cycles_and_torn
         [f"release {arm}" for arm in reversed(graphed)] + ["release None"]
     assert trainer.stepped[:3] == ["eager"] * 3  # the warmup steps
     schedule = trainer.stepped[3:3 + 8 * 8]
-    assert schedule == ["eager", "stock", "plugin", "plugin-recording", "plugin-recording", "plugin", "stock",
-                        "eager"] * 8
+    forward = ["eager", "stock", "plugin", "plugin-recording"]
+    backward = forward[::-1]
+    assert schedule == (forward + backward + backward + forward) * 4  # the outer arm alternates cycle by cycle
     assert profiled == ["eager", "stock", "plugin", "plugin-recording"]
     assert trainer.stepped[3 + 64:] == [arm for arm in profiled for _ in range(3)]  # profiled with its graphs in place
     assert [r.arm for r in result.steps] == schedule and all(r.cycle == i // 8 for i, r in enumerate(result.steps))
@@ -156,7 +158,7 @@ def test_every_arm_is_captured_once_up_front_stepped_in_mirrored_cycles_and_torn
     assert records["plugin"].pool_bytes == 64 << 20 and records["plugin"].step_seconds == ()
     assert records["plugin"].peak_allocated_bytes == (1 << 30) + (3 << 20)  # all three captures alive
     assert result.contract_check_us["full"] == 7.0 and result.replays_per_step == 24
-    assert result.recording_us == 63.0
+    assert result.recording_us == 63.0 and trainer.recording_costs == ["plugin-recording"]
     medians = result.summary().arms
     assert result.busy_fraction["plugin"] == pytest.approx(0.05 / medians["plugin"].median)
 
@@ -220,10 +222,11 @@ def test_the_step_schedules_options_and_what_they_refuse():
         (["--bench-interleave", "steps", "--bench-arms", "stock,slot-offload"],
          "the slot-offload arm\\(s\\) capture slot-shared graphs.*--bench-interleave blocks"),
         (["--bench-capture-rounds", "8"], "the block schedule captures every block already.*add --bench-interleave steps"),
-        (["--bench-interleave", "steps", "--bench-capture-rounds", "3"],
-         "--bench-capture-rounds 3: rounds must be an even number"),
-        (["--bench-interleave", "steps", "--bench-arms", "eager", "--bench-capture-rounds", "2"],
-         "--bench-capture-rounds 2: arms must be distinct and not empty"),
+        (["--bench-interleave", "steps", "--bench-capture-rounds", "13"],
+         "--bench-capture-rounds 13: .* needs 6 pairs of mirrored rounds: give an even number of rounds, 12 or more"),
+        (["--bench-interleave", "steps", "--bench-capture-rounds", "4"], "12 or more"),
+        (["--bench-interleave", "steps", "--bench-arms", "eager,plugin", "--bench-capture-rounds", "12"],
+         "compares the captures of two or more graphed arms, and --bench-arms eager,plugin names 1: add one"),
     ]:
         with pytest.raises(BenchError, match=message):
             parse_bench_argv(argv)
@@ -245,32 +248,38 @@ def test_capture_rounds_time_each_arm_against_the_other_in_mirrored_rounds(tmp_p
     trainer = SlowerCapture(clock, ShiftingHost(3))
     lines: list[str] = []
     options, _ = parse_bench_argv(["--bench-interleave", "steps", "--bench-cycles", "8", "--bench-arms",
-                                   "eager,stock,plugin", "--bench-capture-rounds", "12"])
+                                   "eager,stock,plugin", "--bench-capture-rounds", "24"])
     result = run_bench(options, trainer, clock=clock, progress=lines.append)
     # Captured and released round by round, mirrored, before the schedule's own captures (no eager arm).
-    rounds = [f"{event} {arm}" for r in range(12) for arm in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))
+    rounds = [f"{event} {arm}" for r in range(24) for arm in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))
               for event in ("capture", "release")]
-    assert trainer.events[:48] == rounds and trainer.events[48:50] == ["capture stock", "capture plugin"]
+    assert trainer.events[:96] == rounds and trainer.events[96:98] == ["capture stock", "capture plugin"]
     assert [(r.round, r.arm) for r in result.capture_rounds] == [(i // 2, e.split()[1]) for i, e in
                                                                  enumerate(rounds[::2])]
-    assert lines[0].startswith("capture round 1/12: stock 1.")
-    ratios = result.capture_ratios()
-    assert list(ratios) == [("plugin", "stock")] and len(ratios["plugin", "stock"].values) == 12
-    found = bench_output.median_interval(ratios["plugin", "stock"].values)
-    assert found.low <= 1.08 <= found.high  # (19 of the first 20 seeds' intervals hold it: a 95% interval)
+    assert lines[0].startswith("capture round 1/24: stock 1.")
+    summary = result.capture_summary()
+    ratios = summary.ratios["plugin", "stock"]
+    assert len(ratios.values) == 12  # one per pair of mirrored rounds
+    seconds = {(r.round, r.arm): r.seconds for r in result.capture_rounds}
+    first = (seconds[0, "plugin"] / seconds[0, "stock"] * seconds[1, "plugin"] / seconds[1, "stock"]) ** 0.5
+    assert ratios.values[0] == pytest.approx(first)  # the pair's geometric mean: a linear drift cancels
+    found = bench_output.median_interval(ratios.values)
+    assert found.low <= 1.08 <= found.high  # (29 of the first 30 seeds: a 95% interval)
     written = bench_output.write(result, tmp_path, with_plot=False)
     table = written[1].read_text()
-    assert "; before the cycles, each graphed arm captured and released in 12 mirrored rounds (--bench-capture-rounds)" in table
-    assert "| capture rounds (12, mirrored) | median [spread] | median [95% interval] |" in table
-    assert f"| plugin / stock capture | {ratios['plugin', 'stock'].format()} | {found.median:.3f} [" in table
-    assert "| stock capture s | " in table
+    assert "; before the cycles, each graphed arm captured and released in 24 mirrored rounds (--bench-capture-rounds)" in table
+    assert "| capture rounds (24, mirrored) | median [spread] | median [95% interval] |" in table
+    assert f"| plugin / stock capture | {ratios.format()} | {found.median:.3f} [" in table
+    assert f"| stock capture s | {summary.arms['stock'].format()} | - |" in table
     data = json.loads(written[0].read_text())
     assert data["capture_ratios"]["plugin/stock"]["interval"]["n"] == 12
+    assert data["capture_ratios"]["plugin/stock"]["interval"]["half_width"] == pytest.approx(found.half_width)
     assert bench_output.from_json(data) == result
-    short, *_ = run(interleave="steps", cycles=8, capture_rounds=2)
-    assert "| plugin / stock capture | " in (table := bench_output.markdown(short)) and "- (under 6 rounds)" in table
+    short = dataclasses.replace(result, capture_rounds=result.capture_rounds[:8])  # 2 pairs, read back
+    assert "| plugin / stock capture | " in (table := bench_output.markdown(short)) and "- (under 6 pairs)" in table
     plain, *_ = run(interleave="steps", cycles=8)
     assert plain.capture_rounds == () and "capture rounds" not in bench_output.markdown(plain)
+    assert bench_output.to_json(plain)["capture_ratios"] == {}
 
 
 ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
