@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 31, alone on the GPU (~7 min): capture time over 12
+# Written for the next device call (not run yet), issue 31, alone on the GPU (~8-9 min): capture time over 12
 # mirrored capture rounds (--bench-capture-rounds) on the two models whose single captures came out above
 # 1.10x in s87 (dense 1B 1.22x, tiny MoE 1.14x), then the llama-like model, plugin / stock 1.039 in s87, again
 # with its host operators profiled per arm (--bench-profile-dir) to name the gap, stock first this time and the
@@ -14,7 +14,7 @@ bench dense1b 150 --bench-arms plugin,stock --bench-cycles 40 --bench-capture-ro
   --global-batch-size 4 --vocab-size 32768 $G
 bench tinymoe 110 --bench-arms plugin,stock --bench-cycles 60 --bench-capture-rounds 12 --cg-preset tiny-moe --cuda-graph-modules attn moe \
   --moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity $G
-bench llama 150 --bench-arms stock,plugin --bench-cycles 300 --bench-profile-dir $F/llama_profile --cg-preset tiny-gpt --num-layers 3 \
+bench llama 240 --bench-arms stock,plugin --bench-cycles 600 --bench-profile-dir $F/llama_profile --cg-preset tiny-gpt --num-layers 3 \
   --hidden-size 512 --ffn-hidden-size 1408 --num-attention-heads 8 --group-query-attention --num-query-groups 2 --swiglu \
   --normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear --seq-length 512 \
   --max-position-embeddings 512 $G
