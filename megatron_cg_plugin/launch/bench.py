@@ -294,11 +294,11 @@ def _capture_rounds(options: BenchOptions, trainer: Trainer, clock: Callable[[],
     records = []
     for block in (interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ()):
         helper, seconds, _ = _capture(trainer, block.arm, clock)  # a failed capture leaves nothing captured
-        try:
+        try:  # the arm is in place until released, whatever stops the bench here
             records.append(CaptureRecord(block.round, block.arm, seconds))
+            progress(f"capture round {block.round + 1}/{options.capture_rounds}: {block.arm} {seconds:.2f} s")
         finally:
             trainer.release(helper)
-        progress(f"capture round {block.round + 1}/{options.capture_rounds}: {block.arm} {seconds:.2f} s")
     return tuple(records)
 
 

@@ -282,6 +282,20 @@ def test_capture_rounds_time_each_arm_against_the_other_in_mirrored_rounds(tmp_p
     assert bench_output.to_json(plain)["capture_ratios"] == {}
 
 
+def test_a_capture_round_stopped_after_its_capture_still_releases_the_arm():
+    clock = Clock()
+    trainer = NoisyTrainer(clock, ShiftingHost(0))
+
+    def progress(line: str) -> None:
+        if line.startswith("capture round"):
+            raise KeyboardInterrupt  # the user stops the bench between capture and release
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(BenchOptions(arms=("stock", "plugin"), interleave="steps", cycles=8, capture_rounds=12), trainer,
+                  clock=clock, progress=progress)
+    assert trainer.events == ["capture stock", "release stock"] and not trainer.alive
+
+
 ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
             overlap_param_gather=False, save=None)
 STEPS = BenchOptions(arms=("stock", "plugin"), interleave="steps")
