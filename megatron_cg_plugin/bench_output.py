@@ -366,16 +366,25 @@ def read_device_timeline(path: Path) -> tuple[int, list[tuple[float, float, str,
     return data["steps"], [tuple(row) for row in data["events"]]
 
 
-def host_ops_diff(first: Path, second: Path, *, rows: int = 25) -> str:
-    """Where two arms' host time per step differs: operators by self CPU time of ``first`` minus
-    ``second``, largest differences first (the first file's arm is the one asked about)."""
+def host_ops_diff(first: Path, second: Path, *, rows: int = 25, calls_first: bool = False) -> str:
+    """Where two arms' host time per step differs: operators (or, from ``python_calls.json``,
+    Python functions) by self CPU time of ``first`` minus ``second``, largest differences first (the
+    first file's arm is the one asked about). ``calls_first``: rows whose calls per step differ
+    come first, by how much (calls are exact where the times carry the host's noise)."""
     a, b = (json.loads(path.read_text())["per_step"] for path in (first, second))
     empty = {"calls": 0.0, "self_cpu_us": 0.0}
-    deltas = sorted(((name, a.get(name, empty), b.get(name, empty)) for name in set(a) | set(b)),
-                    key=lambda item: -abs(item[1]["self_cpu_us"] - item[2]["self_cpu_us"]))
+
+    def order(item: tuple[str, dict, dict]) -> tuple[float, float]:
+        _, x, y = item
+        calls = abs(x["calls"] - y["calls"]) if calls_first else 0.0
+        return -calls, -abs(x["self_cpu_us"] - y["self_cpu_us"])
+
+    deltas = sorted(((name, a.get(name, empty), b.get(name, empty)) for name in set(a) | set(b)), key=order)
     total = sum(x["self_cpu_us"] for x in a.values()) - sum(x["self_cpu_us"] for x in b.values())
-    lines = [f"host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us", "",
-             "| operator | us per step, difference | first | second | calls per step, first / second |",
+    kind = first.name.split(".")[1].replace("_", " ")  # host ops, python calls
+    lines = [f"{kind}: host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us", "",
+             f"| {'function' if calls_first else 'operator'} | us per step, difference | first | second | "
+             "calls per step, first / second |",
              "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{name}` | {x['self_cpu_us'] - y['self_cpu_us']:+.1f} | {x['self_cpu_us']:.1f} | "
               f"{y['self_cpu_us']:.1f} | {x['calls']:g} / {y['calls']:g} |" for name, x, y in deltas[:rows]]
@@ -421,6 +430,9 @@ def main(argv: Sequence[str]) -> int:
                   "in --bench-arms.")
             return 2
         print(host_ops_diff(*paths))
+        python = [Path(argv[1]) / f"{arm}.python_calls.json" for arm in argv[2:]]
+        if all(path.exists() for path in python):  # benches before s90 wrote none
+            print("\n" + host_ops_diff(*python, rows=40, calls_first=True))
         return 0
     if len(argv) != 1:
         print(USAGE)

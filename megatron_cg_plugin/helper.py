@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -425,11 +426,8 @@ class PluginHelperMixin:
     @staticmethod
     def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck) -> Callable:
         contract = ReplayContract.record(name, args, kwargs, module=layer)
-
-        def check(replay_args: tuple, replay_kwargs: dict) -> None:
-            contract.check(replay_args, replay_kwargs, mode=mode)
-
-        check.contract = contract  # for diagnostics: what the replay is held to
+        check = functools.partial(contract.check, mode=mode)  # no frame of its own on the replay's path
+        check.contract = contract  # type: ignore[attr-defined]  # for diagnostics: what the replay is held to
         return check
 
     def _release_failed_capture(self) -> None:

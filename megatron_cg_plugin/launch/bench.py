@@ -142,7 +142,8 @@ class BenchOptions:
             timed = self.cycles * 2 * len(self.arms)
         else:
             timed = self.rounds * len(self.arms) * self.steps
-        return self.warmup_steps + timed + len(self.arms) * self.profile_steps
+        profiled = 2 if self.profile_dir is not None else 1  # with a profile dir, the Python profile's steps too
+        return self.warmup_steps + timed + len(self.arms) * self.profile_steps * profiled
 
 
 def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
@@ -638,8 +639,9 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
     seconds, and how much of the copying ran while a kernel ran. None if the profiler saw no
     device activity. With
     ``table_dir``, the arm's host operators by self CPU time go to ``<arm>.host_ops.txt`` there,
-    to compare where two arms spend their host time, and its device activity, stream by stream, to
-    ``<arm>.device_timeline.json.gz`` (where a copy holds the compute stream up)."""
+    to compare where two arms spend their host time, its Python functions (``steps`` more steps,
+    ``python_calls_per_step``) to ``<arm>.python_calls.json``, and its device activity, stream by
+    stream, to ``<arm>.device_timeline.json.gz`` (where a copy holds the compute stream up)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -661,6 +663,8 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
                  "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel",
                  event.device_resource_id, event.name)
                 for event in trace.events() if event.device_type == DeviceType.CUDA]
+    if table_dir is not None:
+        python_calls_per_step(step, steps, table_dir / f"{arm}.python_calls.json", synchronize=torch.cuda.synchronize)
     if not timeline:
         return None
     by_kind = intervals_by_kind(timeline)
@@ -669,21 +673,50 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
     return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)
 
 
+def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *,
+                          synchronize: Callable[[], None]) -> None:
+    """``steps`` more steps under cProfile, each Python function's calls and own time per step to
+    ``path`` (the host operators' format): torch's profiler sees operators, whose calls were equal in
+    every arm so far (s77, s89), not the Python that runs between them, where a plugin's extra work
+    per step would show first as extra calls."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    synchronize()
+    profiler.enable()
+    try:
+        for _ in range(steps):
+            step()
+        synchronize()
+    finally:
+        profiler.disable()
+    functions: dict[str, tuple[int, float]] = {}
+    for (file, line, name), (_, calls, own_seconds, _, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        label = f"{'/'.join(Path(file).parts[-2:])}:{line}({name})"
+        count, micros = functions.get(label, (0, 0.0))
+        functions[label] = (count + calls, micros + own_seconds * 1e6)
+    bench_output.write_host_ops(path, steps, functions)
+
+
 def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
     """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
-    first graph, replayed with fresh tensors of its captured inputs), and layer replays per step
-    (every graphed layer once per microbatch)."""
+    first graph, replayed with fresh tensors of its captured inputs, each microbatch in turn with
+    the ``is_first_microbatch`` Megatron passes), and layer replays per step (every graphed layer
+    once per microbatch)."""
     import torch
     from torch.utils import _pytree as pytree
 
     layer, args, kwargs = helper.first_capture_sample
-    fresh = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    fresh_args, fresh_kwargs = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                                               (args, kwargs))
+    step = [{**fresh_kwargs, "is_first_microbatch": microbatch == 0} for microbatch in range(microbatches)]
     costs = {}
     for mode in ContractCheck:
         check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
-        for _ in range(repeats):
-            check(*fresh)
+        for index in range(repeats):
+            check(fresh_args, step[index % microbatches])
         costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 

@@ -183,7 +183,7 @@ def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
     assert (options.rounds, options.arms, options.plot, options.cached_batches) == (6, ("stock", "plugin"), False, 3)
     assert options.profile_dir == Path("prof")
     assert flags == ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine"]
-    assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3
+    assert options.total_steps == 3 + 6 * 2 * 20 + 2 * 3 * 2  # with a profile dir, the Python profile's steps too
 
 
 def test_cli_refuses_bad_bench_options_before_any_gpu_work(capsys):
@@ -254,8 +254,13 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
         step("forward", "data", iteration=1)
 
 
-def test_contract_cost_times_every_mode_on_the_first_captured_layer():
+def test_contract_cost_times_every_mode_on_the_first_captured_layer(monkeypatch):
+    from megatron_cg_plugin.capture.contracts import ReplayContract
     from megatron_cg_plugin.helper import PluginHelperMixin
+
+    held_checks = []
+    check_held = ReplayContract._check_held
+    monkeypatch.setattr(ReplayContract, "_check_held", lambda self: held_checks.append(1) or check_held(self))
 
     layer = torch.nn.Linear(4, 4)
     layer.pg_collection = None
@@ -265,6 +270,7 @@ def test_contract_cost_times_every_mode_on_the_first_captured_layer():
     costs, replays = bench.contract_check_cost(helper, microbatches=4, repeats=50)
     assert set(costs) == {"full", "shapes", "off"} and all(us > 0 for us in costs.values())
     assert costs["off"] < costs["full"] and replays == 12
+    assert len(held_checks) == 13  # full mode: parameters and groups on each step's first of 4 microbatches (50 replays)
 
 
 def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monkeypatch):
@@ -428,7 +434,7 @@ def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys
         "aten::copy_": (30, 3000.0), "contract_check": (12, 600.0), "aten::add": (3, 30.0)})
     bench_output.write_host_ops(tmp_path / "stock.host_ops.json", 3, {"aten::copy_": (30, 2700.0), "aten::add": (3, 33.0)})
     table = bench_output.host_ops_diff(tmp_path / "plugin.host_ops.json", tmp_path / "stock.host_ops.json")
-    assert table.startswith("host time per step, plugin - stock: +299 us")  # (3630 - 2733) / 3 steps
+    assert table.startswith("host ops: host time per step, plugin - stock: +299 us")  # (3630 - 2733) / 3 steps
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert rows == ["| `contract_check` | +200.0 | 200.0 | 0.0 | 4 / 0 |",  # only the first arm runs it
                     "| `aten::copy_` | +100.0 | 1000.0 | 900.0 | 10 / 10 |",
@@ -438,6 +444,35 @@ def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys
     assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "eager"]) == 2
     assert "run megatron-cg bench with --bench-profile-dir" in capsys.readouterr().out
     assert bench_output.main([]) == 2
+
+
+def _replay_wrapper(calls: list) -> None:
+    calls[0] += 1  # no call of its own: the wrapper's are the only extra calls
+
+
+def test_the_python_profile_counts_each_function_per_step_and_the_diff_puts_extra_calls_first(tmp_path, capsys):
+    calls, syncs = [0], []
+
+    def plugin_step():
+        for _ in range(3):
+            _replay_wrapper(calls)
+
+    bench.python_calls_per_step(plugin_step, 2, tmp_path / "plugin.python_calls.json", synchronize=lambda: syncs.append(1))
+    bench.python_calls_per_step(lambda: None, 2, tmp_path / "stock.python_calls.json", synchronize=lambda: None)
+    assert calls == [6] and len(syncs) == 2  # the steps ran, the device drained before and after
+    per_step = json.loads((tmp_path / "plugin.python_calls.json").read_text())["per_step"]
+    wrapper = [row for name, row in per_step.items() if name.endswith("(_replay_wrapper)")]
+    assert [row["calls"] for row in wrapper] == [3.0]
+    assert "unit/test_bench.py:" in next(name for name in per_step if name.endswith("(_replay_wrapper)"))
+    table = bench_output.host_ops_diff(tmp_path / "plugin.python_calls.json", tmp_path / "stock.python_calls.json",
+                                       calls_first=True)
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert table.startswith("python calls: host time per step, plugin - stock")
+    assert "(_replay_wrapper)` |" in rows[0] and rows[0].endswith("| 3 / 0 |")  # three more calls a step: first
+    for arm in ("plugin", "stock"):
+        bench_output.write_host_ops(tmp_path / f"{arm}.host_ops.json", 1, {"aten::add": (1, 1.0)})
+    assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "stock"]) == 0
+    assert "python calls: host time per step" in capsys.readouterr().out
 
 
 def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
