@@ -381,7 +381,7 @@ def host_ops_diff(first: Path, second: Path, *, rows: int = 25, calls_first: boo
 
     deltas = sorted(((name, a.get(name, empty), b.get(name, empty)) for name in set(a) | set(b)), key=order)
     total = sum(x["self_cpu_us"] for x in a.values()) - sum(x["self_cpu_us"] for x in b.values())
-    kind = first.name.split(".")[1].replace("_", " ")  # host ops, python calls
+    kind = "python calls (the calls are exact; the times carry cProfile's overhead)" if calls_first else "host ops"
     lines = [f"{kind}: host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us", "",
              f"| {'function' if calls_first else 'operator'} | us per step, difference | first | second | "
              "calls per step, first / second |",

@@ -244,8 +244,8 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
                {"choices": ON_CAPTURE_ERROR, "default": "raise"}, graphs_only=True),
     PluginFlag("--cg-contract-check", "capture",
                "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
-               "values, parameter storage and process groups, these on each step's first microbatch (full), tensor "
-               "shapes and dtypes (shapes), or nothing (off).",
+               "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
+               "(off).",
                {"choices": CONTRACT_CHECKS, "default": ContractCheck.FULL.value}, graphs_only=True),
     PluginFlag("--cg-stale-graph-check", "capture",
                "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "

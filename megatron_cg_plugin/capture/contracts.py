@@ -15,12 +15,10 @@ So a contract compares only what changes a replay's result or safety:
   buffer would overwrite before it is read;
 - non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
   both are looked up again where they live (the owner's ``_parameters``, the layer's
-  ``pg_collection``), not by walking the module on every replay. Parameters and groups are
-  checked on a step's first microbatch only, where the replay says which one it is (Megatron's
-  ``is_first_microbatch``): every microbatch graph of a layer holds the same ones, and nothing
-  between two microbatches of a step reallocates them (a checkpoint loads between steps). On
-  the Llama-like model this check on every replay was most of the plugin's host time over stock's
-  (s90: 276 lookups a step for 12 replays).
+  ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
+  its collection once per check (s90: a lookup call per group, 276 a step for 12 replays of the
+  Llama-like model, were most of the check's host time). Every replay checks them: Megatron-FSDP
+  frees and regathers parameters around each forward, so they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """
@@ -113,9 +111,9 @@ class StaticInput:
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    # The storage's address, without building the storage object untyped_storage() returns (a replay's
-    # hot path): a tensor starts storage_offset elements into it.
-    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+    if tensor.numel():  # without building the storage object (a replay's hot path): the tensor starts
+        return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()  # storage_offset elements in
+    return tensor.untyped_storage().data_ptr()  # an empty tensor's data_ptr() is 0
 
 
 def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:
@@ -158,7 +156,9 @@ def _same_value(expected: Any, actual: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Held:
     """State a graph reads in place besides its inputs, found again by ``lookup`` at each check: a
-    parameter (``captured``: its storage address) or a process group (``captured``: the object)."""
+    parameter (``captured``: its storage address; ``lookup``: the parameter now) or a process group
+    (``captured``: the object; ``lookup``: the layer's groups by name now, one function shared by
+    all of a layer's groups, so a check reads the collection once)."""
 
     name: str
     captured: Any
@@ -175,10 +175,10 @@ def _parameters_of(module: Any) -> tuple[Held, ...]:
 
 
 def _groups_of(module: Any) -> tuple[Held, ...]:
-    def lookup(name: str) -> Any:
-        return getattr(getattr(module, "pg_collection", None), name, None)
+    def groups_now() -> Mapping[str, Any]:  # where process_groups_of found them
+        return getattr(getattr(module, "pg_collection", None), "__dict__", {})
 
-    return tuple(Held(name, group, functools.partial(lookup, name)) for name, group in process_groups_of(module))
+    return tuple(Held(name, group, groups_now) for name, group in process_groups_of(module))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +231,7 @@ class ReplayContract:
                 self._check_tensor(name, expected, value, full=full)
             elif full and not _same_value(expected, value):
                 raise ContractViolation(self.graph, "control", expected, value, name)
-        if full and kwargs.get("is_first_microbatch", True) is not False:  # absent: checked on every replay
+        if full:
             self._check_held()
 
     def _check_held(self) -> None:
@@ -241,8 +241,11 @@ class ReplayContract:
             if ptr != held.captured:
                 raise ContractViolation(self.graph, "parameter storage", hex(held.captured),
                                         "gone" if ptr is None else hex(ptr), held.name)
+        source = groups = None
         for held in self.process_groups:
-            now = held.lookup()
+            if held.lookup is not source:  # a layer's groups share one lookup: its collection, read once
+                source, groups = held.lookup, held.lookup()
+            now = groups.get(held.name)
             if now is not held.captured:
                 raise ContractViolation(self.graph, "process group", group_label(held.captured), group_label(now),
                                         held.name)

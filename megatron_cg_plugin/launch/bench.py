@@ -664,7 +664,8 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
                  event.device_resource_id, event.name)
                 for event in trace.events() if event.device_type == DeviceType.CUDA]
     if table_dir is not None:
-        python_calls_per_step(step, steps, table_dir / f"{arm}.python_calls.json", synchronize=torch.cuda.synchronize)
+        python_calls_per_step(step, steps, table_dir / f"{arm}.python_calls.json", synchronize=torch.cuda.synchronize,
+                              one_thread=functools.partial(torch.autograd.set_multithreading_enabled, False))
     if not timeline:
         return None
     by_kind = intervals_by_kind(timeline)
@@ -673,24 +674,27 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
     return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)
 
 
-def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *,
-                          synchronize: Callable[[], None]) -> None:
+def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, synchronize: Callable[[], None],
+                          one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
     """``steps`` more steps under cProfile, each Python function's calls and own time per step to
     ``path`` (the host operators' format): torch's profiler sees operators, whose calls were equal in
     every arm so far (s77, s89), not the Python that runs between them, where a plugin's extra work
-    per step would show first as extra calls."""
+    per step would show first as extra calls. cProfile sees the calling thread only, so the steps
+    run inside ``one_thread`` (on the GPU: autograd's backward on this thread, not its device
+    threads)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     synchronize()
-    profiler.enable()
-    try:
-        for _ in range(steps):
-            step()
-        synchronize()
-    finally:
-        profiler.disable()
+    with one_thread():
+        profiler.enable()
+        try:
+            for _ in range(steps):
+                step()
+            synchronize()
+        finally:
+            profiler.disable()
     functions: dict[str, tuple[int, float]] = {}
     for (file, line, name), (_, calls, own_seconds, _, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
         label = f"{'/'.join(Path(file).parts[-2:])}:{line}({name})"
