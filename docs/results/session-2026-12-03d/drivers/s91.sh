@@ -1,6 +1,6 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# s91 (issue 31), alone on the GPU, after the contract check's held state moved to a step's first microbatch:
-# plugin / stock on the three host-bound benchmark models with the cycles s87/s89 asked for +-2%, the Llama-like
+# s91 (issue 31), alone on the GPU, after the contract check's cheaper process-group read (one read of a layer's collection
+# per check): plugin / stock on the three host-bound benchmark models with the cycles s87/s89 asked for +-2%, the Llama-like
 # model with s89's flags (stock first, 600 cycles) and capture rounds; sized to the 560 s of device time left.
 B="python3 -m megatron_cg_plugin.cli bench --bench-no-plot --bench-interleave steps --bench-skip-steps 4"
 G="--cuda-graph-impl transformer_engine"
