@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 31, alone on the GPU (~8-9 min): capture time over 12
+# Ran as s89 (../../session-2026-12-03d), issue 31, alone on the GPU (~8-9 min): capture time over 12
 # mirrored capture rounds (--bench-capture-rounds) on the two models whose single captures came out above
 # 1.10x in s87 (dense 1B 1.22x, tiny MoE 1.14x), then the llama-like model, plugin / stock 1.039 in s87, again
 # with its host operators profiled per arm (--bench-profile-dir) to name the gap, stock first this time and the
