@@ -177,7 +177,7 @@ def _bench(argv: Sequence[str]) -> int:
               "slot-offload-staged, and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; -f<P> "
               "after either: --activation-offload-fraction P/100)] "
               "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] [--bench-cached-batches N] "
-              "[--bench-interleave steps --bench-cycles 60 [--bench-capture-rounds N]] "
+              "[--bench-interleave steps --bench-cycles 60 [--bench-capture-rounds N] [--bench-seconds S]] "
               "[SCRIPT.py] <launcher or script flags>\n\n"
               "Trains the launcher's model (or, with SCRIPT.py first, your own Megatron script's, run as "
               "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "

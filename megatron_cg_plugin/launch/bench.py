@@ -84,6 +84,10 @@ class BenchOptions:
     # rounds, so capture times compare capture against capture in one process (the block schedule
     # recaptures every block already).
     capture_rounds: int = 0
+    # steps: the cycles stop at the end of the first pair of cycles past this many seconds of them (0: all
+    # ``cycles``), so a bench on a host slower than planned still ends with its summary inside a job's time
+    # limit (s91 did not).
+    seconds: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
@@ -96,12 +100,18 @@ class BenchOptions:
                              "global batches to cycle through.")
         if self.interleave not in SCHEDULES:
             raise BenchError(f"--bench-interleave {self.interleave}: use {' or '.join(SCHEDULES)}.")
+        if self.seconds < 0:
+            raise BenchError(f"--bench-seconds {self.seconds:g}: give the seconds of cycles after which the bench stops "
+                             "(0, the default: no limit).")
         if self.interleave == "steps":
             self._check_steps()
             return
         if self.capture_rounds:
             raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: the block schedule captures every block "
                              "already (its capture column spans them): drop the flag, or add --bench-interleave steps.")
+        if self.seconds:
+            raise BenchError(f"--bench-seconds {self.seconds:g} stops the step schedule's cycles: add --bench-interleave "
+                             "steps, or size the blocks with --bench-rounds.")
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -161,6 +171,7 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-profile-dir", type=Path)
     parser.add_argument("--bench-cached-batches", type=int, default=BenchOptions.cached_batches)
     parser.add_argument("--bench-capture-rounds", type=int, default=BenchOptions.capture_rounds)
+    parser.add_argument("--bench-seconds", type=float, default=BenchOptions.seconds)
     known, flags = parser.parse_known_args(list(argv))
     stepwise = known.bench_interleave == "steps"
     unused = ([f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
@@ -174,7 +185,7 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     options = BenchOptions(skip_steps=known.bench_skip_steps, arms=tuple(a for a in known.bench_arms.split(",") if a),
                            out=known.bench_out, plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
                            cached_batches=known.bench_cached_batches, interleave=known.bench_interleave,
-                           capture_rounds=known.bench_capture_rounds, **sizes)
+                           capture_rounds=known.bench_capture_rounds, seconds=known.bench_seconds, **sizes)
     return options, flags
 
 
@@ -223,7 +234,8 @@ def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...]
     with _captured_arms(options.arms, trainer, clock, progress) as captured:
         steps, peaks = _run_step_schedule(options, trainer, clock, progress)
         records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
-        result = BenchResult(_method(options), 1, options.skip_steps, records, {}, {}, None, flags,
+        cycles_run = len(steps) // (2 * len(options.arms))
+        result = BenchResult(_method(options, cycles_run), 1, options.skip_steps, records, {}, {}, None, flags,
                              schedule="steps", steps=tuple(steps), capture_rounds=capture_rounds)
 
         @contextlib.contextmanager
@@ -265,10 +277,14 @@ def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...
                                 flags), with_arm=recaptured)
 
 
-def _method(options: BenchOptions) -> str:
-    """The method line: which schedule ran, and what was left out of every arm."""
+def _method(options: BenchOptions, cycles_run: int | None = None) -> str:
+    """The method line: which schedule ran (with steps, over ``cycles_run`` cycles), and what was left
+    out of every arm."""
+    cycles = options.cycles if cycles_run is None else cycles_run
     method = METHOD if options.interleave == "blocks" else (
-        f"{STEPS_METHOD}; the first {options.skip_steps} of {options.cycles} cycles dropped (--bench-skip-steps)")
+        f"{STEPS_METHOD}; the first {options.skip_steps} of {cycles} cycles dropped (--bench-skip-steps)")
+    if cycles < options.cycles and options.interleave == "steps":
+        method += f"; stopped after {cycles} of {options.cycles} cycles at --bench-seconds {options.seconds:g}"
     if options.capture_rounds:
         method += (f"; before the cycles, each graphed arm captured and released in {options.capture_rounds} mirrored rounds "
                    "(--bench-capture-rounds)")
@@ -337,10 +353,11 @@ def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], fl
 def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
                        progress: Callable[[str], None]) -> tuple[list[StepRecord], dict[str, int]]:
     """The step schedule over the captured arms: each step timed alone, the arm switched before its
-    sync; per arm the peak allocated over its steps."""
+    sync; per arm the peak allocated over its steps. With ``--bench-seconds``, fewer cycles."""
     steps: list[StepRecord] = []
     peaks: dict[str, int] = {}
     per_cycle = 2 * len(options.arms)
+    start = clock()
     for index, step in enumerate(interleaved_steps(options.arms, options.cycles)):
         trainer.activate(step.arm)
         trainer.peak_allocated(reset=True)
@@ -351,6 +368,11 @@ def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[
             line = ", ".join(f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms"
                              for arm in options.arms)
             progress(f"cycle {step.cycle + 1}/{options.cycles}: {line}")
+            done = step.cycle + 1  # stopped after a pair of cycles only: each arm then held the outer places as often
+            if options.seconds and clock() - start >= options.seconds and done % 2 == 0 and done < options.cycles:
+                progress(f"--bench-seconds {options.seconds:g} reached: the cycles stop after {done} of "
+                         f"{options.cycles}")
+                break
     return steps, peaks
 
 

@@ -205,12 +205,27 @@ def test_the_step_schedules_outputs_say_which_schedule_ran(tmp_path):
     assert len(points["plugin"]) == 2 * 28 and points["stock"][0][0] == 2 * 6  # the kept steps, at their places
 
 
+def test_a_time_limit_stops_the_cycles_after_a_pair_and_the_bench_still_ends_with_its_summary(tmp_path):
+    result, trainer, lines = run(interleave="steps", cycles=60, skip_steps=2, seconds=5.0)
+    cycles = len(result.steps) // 4
+    # 0.13 s steps, four a cycle: 5 s are passed inside the tenth cycle, and the pair ends with it
+    assert cycles == 10 and [r.cycle for r in result.steps[-4:]] == [9] * 4
+    assert "--bench-seconds 5 reached: the cycles stop after 10 of 60" in lines
+    assert "the first 2 of 10 cycles dropped" in result.method
+    assert result.method.endswith("stopped after 10 of 60 cycles at --bench-seconds 5")
+    assert len(result.summary().ratios["plugin", "stock"].values) == 8
+    assert trainer.events[-2:] == ["release plugin", "release stock"]  # torn down as after every cycle
+    full, *_ = run(interleave="steps", cycles=8, seconds=1000.0)
+    assert len(full.steps) == 8 * 4 and "stopped after" not in full.method
+
+
 def test_the_step_schedules_options_and_what_they_refuse():
     options, flags = parse_bench_argv(["--bench-interleave", "steps", "--bench-cycles", "40", "--bench-arms",
                                        "plugin-recording,plugin,stock", "--num-layers", "8"])
     assert (options.interleave, options.cycles, options.arms) == ("steps", 40, ("plugin-recording", "plugin", "stock"))
     assert flags == ["--num-layers", "8"] and options.total_steps == 3 + 40 * 6 + 3 * 3
     assert parse_bench_argv(["--bench-interleave", "steps"])[0].cycles == BenchOptions.cycles
+    assert parse_bench_argv(["--bench-interleave", "steps", "--bench-seconds", "90"])[0].seconds == 90.0
     assert parse_bench_argv([])[0].interleave == "blocks"
     for argv, message in [
         (["--bench-interleave", "steps", "--bench-rounds", "4"], "--bench-rounds size\\(s\\) the block schedule"),
@@ -222,6 +237,8 @@ def test_the_step_schedules_options_and_what_they_refuse():
         (["--bench-interleave", "steps", "--bench-arms", "stock,slot-offload"],
          "the slot-offload arm\\(s\\) capture slot-shared graphs.*--bench-interleave blocks"),
         (["--bench-capture-rounds", "8"], "the block schedule captures every block already.*add --bench-interleave steps"),
+        (["--bench-seconds", "60"], "--bench-seconds 60 stops the step schedule's cycles: add --bench-interleave steps"),
+        (["--bench-interleave", "steps", "--bench-seconds", "-1"], "--bench-seconds -1: give the seconds"),
         (["--bench-interleave", "steps", "--bench-capture-rounds", "13"],
          "--bench-capture-rounds 13: .* needs 6 pairs of mirrored rounds: give an even number of rounds, 12 or more"),
         (["--bench-interleave", "steps", "--bench-capture-rounds", "4"], "12 or more"),
