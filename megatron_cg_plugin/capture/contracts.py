@@ -16,9 +16,9 @@ So a contract compares only what changes a replay's result or safety:
 - non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
-  its collection once per check (s90: a lookup call per group, 276 a step for 12 replays of the
-  Llama-like model, were most of the check's host time). Every replay checks them: Megatron-FSDP
-  frees and regathers parameters around each forward, so they may move between microbatches.
+  its collection once per check (s90 counted a lookup call per group, 276 a step for 12 replays of
+  the Llama-like model). Every replay checks them: Megatron-FSDP frees and regathers parameters
+  around each forward, so they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """
@@ -111,9 +111,7 @@ class StaticInput:
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    if tensor.numel():  # without building the storage object (a replay's hot path): the tensor starts
-        return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()  # storage_offset elements in
-    return tensor.untyped_storage().data_ptr()  # an empty tensor's data_ptr() is 0
+    return tensor.untyped_storage().data_ptr()
 
 
 def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:

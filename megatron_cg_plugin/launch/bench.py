@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import time
 from pathlib import Path
@@ -84,9 +85,9 @@ class BenchOptions:
     # rounds, so capture times compare capture against capture in one process (the block schedule
     # recaptures every block already).
     capture_rounds: int = 0
-    # steps: the cycles stop at the end of the first pair of cycles past this many seconds of them (0: all
-    # ``cycles``), so a bench on a host slower than planned still ends with its summary inside a job's time
-    # limit (s91 did not).
+    # steps: the cycles stop at the first even count of kept cycles (6 at least, the interval's fewest) past this
+    # many seconds of cycles (0: all ``cycles``), so a bench on a host slower than planned still ends with its
+    # summary (s91's ran into the job's limit and wrote none). Start-up, capture and profiling come on top.
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -100,7 +101,7 @@ class BenchOptions:
                              "global batches to cycle through.")
         if self.interleave not in SCHEDULES:
             raise BenchError(f"--bench-interleave {self.interleave}: use {' or '.join(SCHEDULES)}.")
-        if self.seconds < 0:
+        if not (math.isfinite(self.seconds) and self.seconds >= 0):
             raise BenchError(f"--bench-seconds {self.seconds:g}: give the seconds of cycles after which the bench stops "
                              "(0, the default: no limit).")
         if self.interleave == "steps":
@@ -357,6 +358,7 @@ def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[
     steps: list[StepRecord] = []
     peaks: dict[str, int] = {}
     per_cycle = 2 * len(options.arms)
+    fewest = fewest_for_interval()
     start = clock()
     for index, step in enumerate(interleaved_steps(options.arms, options.cycles)):
         trainer.activate(step.arm)
@@ -368,8 +370,10 @@ def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[
             line = ", ".join(f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms"
                              for arm in options.arms)
             progress(f"cycle {step.cycle + 1}/{options.cycles}: {line}")
-            done = step.cycle + 1  # stopped after a pair of cycles only: each arm then held the outer places as often
-            if options.seconds and clock() - start >= options.seconds and done % 2 == 0 and done < options.cycles:
+            done = step.cycle + 1
+            kept = done - options.skip_steps  # stopped with pairs of kept cycles (each arm outer as often), enough of them
+            if options.seconds and clock() - start >= options.seconds and kept % 2 == 0 and kept >= fewest \
+                    and done < options.cycles:
                 progress(f"--bench-seconds {options.seconds:g} reached: the cycles stop after {done} of "
                          f"{options.cycles}")
                 break

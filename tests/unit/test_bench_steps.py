@@ -205,16 +205,38 @@ def test_the_step_schedules_outputs_say_which_schedule_ran(tmp_path):
     assert len(points["plugin"]) == 2 * 28 and points["stock"][0][0] == 2 * 6  # the kept steps, at their places
 
 
-def test_a_time_limit_stops_the_cycles_after_a_pair_and_the_bench_still_ends_with_its_summary(tmp_path):
-    result, trainer, lines = run(interleave="steps", cycles=60, skip_steps=2, seconds=5.0)
-    cycles = len(result.steps) // 4
-    # 0.13 s steps, four a cycle: 5 s are passed inside the tenth cycle, and the pair ends with it
-    assert cycles == 10 and [r.cycle for r in result.steps[-4:]] == [9] * 4
-    assert "--bench-seconds 5 reached: the cycles stop after 10 of 60" in lines
-    assert "the first 2 of 10 cycles dropped" in result.method
-    assert result.method.endswith("stopped after 10 of 60 cycles at --bench-seconds 5")
-    assert len(result.summary().ratios["plugin", "stock"].values) == 8
-    assert trainer.events[-2:] == ["release plugin", "release stock"]  # torn down as after every cycle
+def _cycle_ends(result, per_cycle: int = 4) -> list[float]:
+    """Seconds of cycles at the end of each cycle (the fake clock moves only with the steps)."""
+    seconds = [record.seconds for record in result.steps]
+    return [sum(seconds[:end]) for end in range(per_cycle, len(seconds) + 1, per_cycle)]
+
+
+@pytest.mark.parametrize("seconds, skip, stops_after", [
+    (5.0, 2, 10),  # 5 s are passed inside cycle 9: 7 kept, so the stop waits for cycle 10 (8 kept, a pair)
+    (5.0, 3, 9),  # skipping 3, cycle 9 leaves 6 kept: a pair, and the interval's fewest
+    (0.5, 2, 8),  # passed in the first cycle: the stop waits for the 6 kept cycles the interval needs
+])
+def test_a_time_limit_stops_the_cycles_at_pairs_of_enough_kept_cycles_and_the_bench_still_ends_with_its_summary(
+        seconds, skip, stops_after):
+    profiled = []
+
+    def profile(step, count, arm):
+        profiled.append(arm)
+        return None
+
+    result, trainer, lines = run(interleave="steps", cycles=60, skip_steps=skip, seconds=seconds, profile=profile)
+    ends = _cycle_ends(result)
+    assert len(ends) == stops_after and ends[-1] >= seconds
+    first_past = next(index for index, end in enumerate(ends) if end >= seconds) + 1
+    assert first_past == {5.0: 9, 0.5: 1}[seconds]  # where the limit was passed: the cases above test the rule
+    kept = stops_after - skip
+    assert f"--bench-seconds {seconds:g} reached: the cycles stop after {stops_after} of 60" in lines
+    assert f"the first {skip} of {stops_after} cycles dropped" in result.method
+    assert result.method.endswith(f"stopped after {stops_after} of 60 cycles at --bench-seconds {seconds:g}")
+    assert len(result.summary().ratios["plugin", "stock"].values) == kept
+    assert result.ratio_intervals()["plugin", "stock"] is not None
+    assert profiled == ["stock", "plugin"]  # the profiling after the cycles ran as after the last one
+    assert trainer.events[-2:] == ["release plugin", "release stock"]
     full, *_ = run(interleave="steps", cycles=8, seconds=1000.0)
     assert len(full.steps) == 8 * 4 and "stopped after" not in full.method
 
@@ -239,6 +261,7 @@ def test_the_step_schedules_options_and_what_they_refuse():
         (["--bench-capture-rounds", "8"], "the block schedule captures every block already.*add --bench-interleave steps"),
         (["--bench-seconds", "60"], "--bench-seconds 60 stops the step schedule's cycles: add --bench-interleave steps"),
         (["--bench-interleave", "steps", "--bench-seconds", "-1"], "--bench-seconds -1: give the seconds"),
+        (["--bench-interleave", "steps", "--bench-seconds", "nan"], "--bench-seconds nan: give the seconds"),
         (["--bench-interleave", "steps", "--bench-capture-rounds", "13"],
          "--bench-capture-rounds 13: .* needs 6 pairs of mirrored rounds: give an even number of rounds, 12 or more"),
         (["--bench-interleave", "steps", "--bench-capture-rounds", "4"], "12 or more"),

@@ -295,14 +295,6 @@ def test_a_layers_process_groups_are_read_from_its_collection_once_per_check():
     assert violation(contract, (x(),)).field == "process group"
 
 
-@pytest.mark.parametrize("index", [(), (slice(1, None),), (slice(None), 2), (slice(2, 3), slice(None), slice(1, None)),
-                                   (slice(2, 2),), (slice(None), slice(1, 1))])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_the_storage_address_is_the_storages_own_for_views_and_empty_slices(index, dtype):
-    view = torch.zeros(4, 3, 5, dtype=dtype)[index]
-    assert contracts._storage_ptr(view) == view.untyped_storage().data_ptr()
-
-
 def test_process_groups_by_identity():
     tp, dp = process_group(), process_group()
     layer = Layer(dp=dp, tp=tp, sizes=[1, 2])
