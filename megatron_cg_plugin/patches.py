@@ -251,6 +251,13 @@ LENT: tuple[ForeignState, ...] = (
 
 SCOPED: tuple[ForeignState, ...] = (
     ForeignState(
+        "bench-profile-one-thread", "torch.autograd:set_multithreading_enabled",
+        "megatron-cg bench --bench-profile-dir counts each arm's Python calls per step with cProfile, which sees only "
+        "the thread that runs it; autograd's engine runs the backward on device threads unless its multithreading is "
+        "off, so it is off for those profiled steps (the timed steps keep it on) and back on after them.",
+        "launch.bench.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
+        "around the profiled steps)"),
+    ForeignState(
         "bench-train-step", "megatron.training.training:train_step",
         "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
         "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
