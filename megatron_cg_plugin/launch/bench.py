@@ -703,9 +703,9 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
 def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, synchronize: Callable[[], None],
                           one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
     """``steps`` more steps under cProfile, each Python function's calls and own time per step to
-    ``path`` (the host operators' format): torch's profiler sees operators, whose calls were equal in
-    every arm so far (s77, s89), not the Python that runs between them, where a plugin's extra work
-    per step would show first as extra calls. cProfile sees the calling thread only, so the steps
+    ``path`` (the host operators' format): torch's profiler sees operators, whose calls per step
+    matched across arms so far but for event polls (s77, s89), not the Python that runs between them,
+    where a plugin's extra work per step would show first as extra calls. cProfile sees the calling thread only, so the steps
     run inside ``one_thread`` (on the GPU: autograd's backward on this thread, not its device
     threads)."""
     import cProfile
