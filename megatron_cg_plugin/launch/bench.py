@@ -731,22 +731,22 @@ def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, s
 
 def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
     """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
-    first graph, replayed with fresh tensors of its captured inputs, each microbatch in turn with
-    the ``is_first_microbatch`` Megatron passes), and layer replays per step (every graphed layer
-    once per microbatch)."""
+    first graph, replayed with fresh tensors of its captured inputs and the ``is_first_microbatch``
+    keyword Megatron adds at replay), and layer replays per step (every graphed layer once per
+    microbatch)."""
     import torch
     from torch.utils import _pytree as pytree
 
     layer, args, kwargs = helper.first_capture_sample
     fresh_args, fresh_kwargs = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
                                                (args, kwargs))
-    step = [{**fresh_kwargs, "is_first_microbatch": microbatch == 0} for microbatch in range(microbatches)]
+    replay_kwargs = {**fresh_kwargs, "is_first_microbatch": False}
     costs = {}
     for mode in ContractCheck:
         check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
-        for index in range(repeats):
-            check(fresh_args, step[index % microbatches])
+        for _ in range(repeats):
+            check(fresh_args, replay_kwargs)
         costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 
