@@ -123,6 +123,9 @@ class MedianPrecision:
         return 2 * max(self.pairs, self.pairs_needed)
 
 
+TIE_TOLERANCE = 1e-12  # in log ratio: far below any dispersion a bench can see (1e-12 is 1e-10 %)
+
+
 def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrecision | None:
     """From a ratio's per-pair values: the standard error of their median as a normal sample's,
     sqrt(pi/2) * s / sqrt(n), with s the log ratios' median absolute deviation scaled to a normal
@@ -139,7 +142,10 @@ def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrec
         return None
     logs = [math.log(value) for value in ratios]
     center = statistics.median(logs)
-    sigma = MAD_TO_SIGMA * statistics.median([abs(value - center) for value in logs]) or statistics.stdev(logs)
+    mad = statistics.median([abs(value - center) for value in logs])
+    # Ties at the median: a deviation of rounding size (1e-16 or so) is a tie too, or a constant factor
+    # on every ratio, which moves no dispersion, would switch between the two estimates.
+    sigma = MAD_TO_SIGMA * mad if mad > TIE_TOLERANCE else statistics.stdev(logs)
     scale = Z95 * MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
     half_target = width / 2
     needed = max(2, math.ceil((scale / half_target) ** 2))

@@ -4,7 +4,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.plan.bench_schedule import (
@@ -161,6 +161,7 @@ def test_the_same_dispersion_over_more_pairs_never_asks_for_more(ratios, width):
 
 
 @given(RATIOS, st.floats(0.25, 4.0))
+@example([1.0, 0.5, 0.5000000000000001], 0.25)  # a tie off by rounding: scaled, it became an exact tie
 def test_the_precision_does_not_depend_on_the_ratios_scale(ratios, factor):
     # A constant factor (a faster arm) moves every log ratio alike: the dispersion stays.
     plain, scaled = median_precision(ratios), median_precision([r * factor for r in ratios])
