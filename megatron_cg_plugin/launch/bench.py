@@ -738,8 +738,10 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     from torch.utils import _pytree as pytree
 
     layer, args, kwargs = helper.first_capture_sample
-    fresh_args, fresh_kwargs = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
-                                               (args, kwargs))
+    # fresh tensors as a step hands them in: new memory, each needing a gradient where its sample did
+    fresh_args, fresh_kwargs = pytree.tree_map(
+        lambda v: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v,
+        (args, kwargs))
     replay_kwargs = {**fresh_kwargs, "is_first_microbatch": False}
     costs = {}
     for mode in ContractCheck:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from megatron_cg_plugin.capture import contracts
@@ -289,8 +291,11 @@ def test_a_layers_process_groups_are_read_from_its_collection_once_per_check():
     layer.pg_collection = Collection(tp=tp, dp=dp)
     contract = record(module=layer)
     reads.clear()
-    contract.check((x(),), {}, mode=FULL)
-    assert reads == ["__dict__"] and len(contract.process_groups) == 2
+    contract.check((x(),), {}, mode=FULL)  # the full check, then the quick one learns the collection
+    assert reads == ["__dict__", "__dict__"] and len(contract.process_groups) == 2
+    reads.clear()
+    contract.check((x(),), {}, mode=FULL)  # the quick one accepts
+    assert reads == ["__dict__"]
     layer.pg_collection.dp = process_group()
     assert violation(contract, (x(),)).field == "process group"
 
@@ -386,7 +391,8 @@ def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
     del gone
 
     def contract_with(buffer):
-        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
+        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(),
+                             here.untyped_storage().nbytes(), buffer)
         return ReplayContract.of_inputs(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))))
 
     alive = contract_with(weakref.ref(here))
@@ -409,8 +415,187 @@ def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
     dead = weakref.ref(gone)
     del gone
     live_first = StaticInput.of(first)
-    dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(), dead)
+    dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(),
+                              storage.untyped_storage().nbytes(), dead)
     contract = ReplayContract.of_inputs(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
     assert contract.static_storages() == {storage.untyped_storage().data_ptr()}
     inside = storage.view(-1)[1:25].view(4, 2, 3)  # neither buffer's address, but their memory
     assert violation(contract, (x(), inside)).field == "alias"
+
+
+# ====================================================================== the quick accept
+#
+# After a call the full check passed, the contract's quick accept takes calls of the same shape. It
+# must accept only what the full check passes: each case below is refused by the full check, so the
+# quick accept has to turn it down too (each is what one of its comparisons is there for), and the
+# property test combines them.
+
+
+class MegatronCall:
+    """A layer replayed as Megatron does: hidden states positional, keywords that are tensors or None,
+    ``is_first_microbatch`` added at replay; one control value, a parameter owner and a group."""
+
+    def __init__(self) -> None:
+        self.layer = Layer(tp=process_group(), dp=process_group())
+        self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
+        STATIC_BUFFERS.append((self.hidden, self.rope))
+        self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer)
+
+    @staticmethod
+    def kwargs(rope, **changes):
+        return {"attention_mask": None, "rotary_pos_emb": rope, "window": 4, "packed_seq_params": None,
+                "is_first_microbatch": False, **changes}
+
+    def fresh(self, **changes):
+        return (x(requires_grad=True),), self.kwargs(x(4, 1, 1, 2), **changes)
+
+
+def _relaid_in_place(call):  # the static buffer itself, another layout: read in place, so refused
+    return (call.hidden.detach().as_strided((4, 2, 3), (1, 4, 8)).requires_grad_(),), call.kwargs(x(4, 1, 1, 2))
+
+
+def _inside_a_static_buffer(call):  # a copied input starting inside rope's buffer
+    return (x(requires_grad=True),), call.kwargs(call.rope.as_strided((4, 1, 1, 2), (0, 0, 0, 1), 1))
+
+
+def _new_parameter(call):
+    call.layer.norm.bias = torch.nn.Parameter(torch.zeros(3))
+    return call.fresh()
+
+
+def _moved_parameter(call):
+    call.layer.linear.weight.data = torch.zeros(3, 2)
+    return call.fresh()
+
+
+def _swapped_group(call):
+    call.layer.pg_collection.dp = process_group()
+    return call.fresh()
+
+
+def _exchanged_groups(call):  # the same objects, each under the other's name
+    groups = call.layer.pg_collection
+    groups.tp, groups.dp = groups.dp, groups.tp
+    return call.fresh()
+
+
+def _renamed_group(call):  # the same objects in the same order, one under another name
+    held = vars(call.layer.pg_collection)
+    renamed = {("tq" if name == "tp" else name): value for name, value in held.items()}
+    held.clear()
+    held.update(renamed)
+    return call.fresh()
+
+
+def _renamed_keyword(call):  # the same values in the same places, one under another name
+    args, kwargs = call.fresh()
+    return args, {("rotary_emb" if key == "rotary_pos_emb" else key): value for key, value in kwargs.items()}
+
+
+REFUSED = {
+    "shape": lambda call: ((x(8, 2, 3, requires_grad=True),), call.kwargs(x(4, 1, 1, 2))),
+    "dtype": lambda call: ((x(dtype=torch.float64, requires_grad=True),), call.kwargs(x(4, 1, 1, 2))),
+    "requires_grad": lambda call: call.fresh(rotary_pos_emb=x(4, 1, 1, 2, requires_grad=True)),
+    "device": lambda call: ((torch.zeros(4, 2, 3, device="meta", requires_grad=True),), call.kwargs(x(4, 1, 1, 2))),
+    "arguments (a keyword added)": lambda call: call.fresh(attention_mask=x(1, 1)),
+    "arguments (a keyword None)": lambda call: call.fresh(rotary_pos_emb=None),
+    "arguments (a keyword gone)": lambda call: (call.fresh()[0], {k: v for k, v in call.fresh()[1].items()
+                                                                  if k != "rotary_pos_emb"}),
+    "arguments (a keyword renamed)": _renamed_keyword,
+    "arguments (a positional added)": lambda call: ((x(requires_grad=True), x()), call.kwargs(x(4, 1, 1, 2))),
+    "arguments (a list)": lambda call: (([x(requires_grad=True)],), call.kwargs(x(4, 1, 1, 2))),
+    "kind": lambda call: call.fresh(window=x()),
+    "control": lambda call: call.fresh(window=5),
+    "stride": _relaid_in_place,
+    "alias": _inside_a_static_buffer,
+    "parameter storage (a new parameter)": _new_parameter,
+    "parameter storage (moved)": _moved_parameter,
+    "process group (swapped)": _swapped_group,
+    "process group (renamed)": _renamed_group,
+    "process group (exchanged)": _exchanged_groups,
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_the_quick_accept_turns_down_what_the_full_check_refuses(case):
+    call = MegatronCall()
+    contract = call.contract
+    for _ in range(2):  # learns from the first, accepts the second
+        contract.check(*call.fresh(), mode=FULL)
+    assert contract.quick.accepts(*call.fresh(), full=True)
+    args, kwargs = REFUSED[case](call)
+    assert not contract.quick.accepts(args, kwargs, full=True)
+    assert violation(contract, args, kwargs).field == case.split(" (")[0]
+
+
+def test_the_quick_accept_takes_a_replay_like_the_learned_one_and_leaves_the_rest_to_the_full_check():
+    call = MegatronCall()
+    contract = call.contract
+    assert not contract.quick.accepts(*call.fresh(), full=True)  # nothing learned yet
+    contract.check(*call.fresh(), mode=FULL)
+    assert contract.quick.accepts(*call.fresh(), full=True)
+    assert contract.quick.accepts(*call.fresh(is_first_microbatch=True), full=True)
+    args, kwargs = call.fresh()
+    in_place = ((call.hidden,), kwargs)  # the static buffer itself, as captured
+    assert contract.quick.accepts(*in_place, full=True)
+    no_gradient = ((x(),), kwargs)  # fine (the capture computed one), but left to the full check
+    assert not contract.quick.accepts(*no_gradient, full=True)
+    contract.check(*no_gradient, mode=FULL)
+
+
+def test_the_quick_accept_in_shapes_mode_compares_shape_and_dtype_only():
+    call = MegatronCall()
+    contract = call.contract
+    contract.check(*call.fresh(), mode=SHAPES)
+    _swapped_group(call)
+    assert contract.quick.accepts(*call.fresh(window=5), full=False)  # neither is checked in shapes
+    assert not contract.quick.accepts(*REFUSED["shape"](call), full=False)
+    assert not contract.quick.accepts(*REFUSED["dtype"](call), full=False)
+
+
+def test_a_freed_static_buffers_address_is_left_to_the_full_check():
+    call = MegatronCall()
+    contract = call.contract
+    contract.check(*call.fresh(), mode=FULL)
+    static = contract.quick.statics[0]
+    dead = contracts.StaticInput(static.spec, static.data_ptr, static.storage_ptr, static.storage_nbytes,
+                                 lambda: None)
+    contract.quick.statics = (dead, *contract.quick.statics[1:])
+    assert not contract.quick.accepts((call.hidden,), call.fresh()[1], full=True)
+
+
+BENIGN = {
+    "first microbatch": lambda call, args, kwargs: (args, {**kwargs, "is_first_microbatch": True}),
+    "no gradient": lambda call, args, kwargs: (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                               kwargs),
+    "in place": lambda call, args, kwargs: ((call.hidden,), kwargs),
+    "another None keyword": lambda call, args, kwargs: (args, {**kwargs, "inference_context": None}),
+}
+
+
+@given(refused=st.lists(st.sampled_from(sorted(REFUSED)), max_size=2),
+       benign=st.lists(st.sampled_from(sorted(BENIGN)), max_size=3))
+@settings(max_examples=150, deadline=None)
+def test_the_quick_accept_never_takes_a_call_the_full_check_refuses(refused, benign):
+    call = MegatronCall()
+    contract = call.contract
+    contract.check(*call.fresh(), mode=FULL)
+    args, kwargs = call.fresh()
+    for case in refused:
+        args, kwargs = REFUSED[case](call)
+    for case in benign:
+        args, kwargs = BENIGN[case](call, args, kwargs)
+    if contract.quick.accepts(args, kwargs, full=True):
+        contract._check_in_full(args, kwargs, full=True)  # must not raise
+
+
+def test_the_quick_accept_reads_held_parameters_given_by_name_too():
+    # Slot-shared capture holds its parameters as given, not through an owner's _parameters.
+    p = torch.nn.Parameter(torch.ones(3))
+    contract = record((x(),), params=[("w", p)])
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    assert contract.quick.accepts((x(),), {}, full=True)
+    p.data = torch.ones(3)
+    assert not contract.quick.accepts((x(),), {}, full=True)
+    assert violation(contract, (x(),)).field == "parameter storage"
