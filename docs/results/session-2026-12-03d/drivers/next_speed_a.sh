@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 31, alone on the GPU (~9 min): plugin / stock on the
+# Ran as s92 (results in session-2026-12-03e/s92), issue 31, alone on the GPU (~9 min): plugin / stock on the
 # Llama-like model (stock first, capture rounds) and the 4-layer GPT, each with more cycles than the bench
 # asked for +-2% and --bench-seconds so a slow host still ends with bench.json (s91's benches ran into
 # their timeouts and wrote none); each timeout leaves ~80-100 s for start-up, captures and profiling (s91's

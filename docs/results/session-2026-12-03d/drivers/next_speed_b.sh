@@ -1,5 +1,5 @@
 source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
-# Written for the next device call (not run yet), issue 31, alone on the GPU (~9.5 min): plugin / stock on the
+# Not run as a whole (its dropless half ran in session-2026-12-03e/drivers/s93.sh), issue 31, alone on the GPU (~9.5 min): plugin / stock on the
 # tiny MoE (capture rounds; s89 asked for ~1500 cycles for +-2%) and on the realistic dropless MoE through
 # Megatron-LM's pretrain_gpt.py (s90 asked for 141), each bounded by --bench-seconds with ~90-120 s left for
 # start-up, captures and profiling (s89's tiny MoE spent up to 78 s outside its cycles, s90's dropless 116 s).
