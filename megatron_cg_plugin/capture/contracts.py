@@ -212,9 +212,9 @@ class QuickAccept:
     distinct calls, each over all of a kind at once: the call's keywords and types in two tuple
     comparisons, the tensors' metadata in one, the parameters in one ``map``, the groups by identity.
 
-    A copied-in input is accepted only if its first byte lies outside every static buffer's storage
-    (alive or not): an input sharing a live static buffer's storage starts inside it, so the full
-    check's refusal ("alias") is never skipped."""
+    A copied-in input is accepted only if its first byte lies outside the storage of every static
+    buffer alive when it learned: an input sharing a live static buffer's storage starts inside it, so
+    the full check's refusal ("alias") is never skipped."""
 
     __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "static_starts", "static_ends", "parameter_ptrs",
                  "parameters_now", "group_sources", "call", "groups_seen")
@@ -225,8 +225,8 @@ class QuickAccept:
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
         self.metas_full = tuple((s.spec.shape, s.spec.dtype, s.spec.device, s.spec.requires_grad) for s in self.statics)
         self.metas_shapes = tuple((s.spec.shape, s.spec.dtype) for s in self.statics)
-        ranges = _merged((s.storage_ptr, s.storage_ptr + s.storage_nbytes) for s in self.statics)
-        self.static_starts, self.static_ends = tuple(r[0] for r in ranges), tuple(r[1] for r in ranges)
+        self.static_starts: tuple[int, ...] = ()
+        self.static_ends: tuple[int, ...] = ()
         self.parameter_ptrs = tuple(held.captured for held in parameters)
         self.parameters_now = _reader([held.lookup for held in parameters])
         self.group_sources = tuple(dict.fromkeys(held.lookup for held in process_groups))
@@ -251,6 +251,10 @@ class QuickAccept:
                 controls.append(expected)
         self.call = _CallShape(tuple(kwargs), tuple(map(type, values)), tuple(tensor_at),
                                tuple(control_at), tuple(controls))
+        # The static buffers alive now: one alive at a later replay is alive now too, and a freed one's
+        # memory, where new inputs may land, stops sending every replay to the full check.
+        ranges = _merged((s.storage_ptr, s.storage_ptr + s.storage_nbytes) for s in self.statics if s.alive)
+        self.static_starts, self.static_ends = tuple(r[0] for r in ranges), tuple(r[1] for r in ranges)
         if full:
             seen = [source() for source in self.group_sources]
             self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)

@@ -599,3 +599,21 @@ def test_the_quick_accept_reads_held_parameters_given_by_name_too():
     p.data = torch.ones(3)
     assert not contract.quick.accepts((x(),), {}, full=True)
     assert violation(contract, (x(),)).field == "parameter storage"
+
+
+def test_a_freed_static_buffers_memory_stops_sending_replays_to_the_full_check():
+    import weakref
+
+    from megatron_cg_plugin.capture.contracts import StaticInput
+
+    storage = torch.zeros(2, 4, 2, 3)
+    gone = x()
+    dead = weakref.ref(gone)
+    del gone
+    freed = StaticInput(TensorSpec.of(storage[0]), storage[0].data_ptr(), storage.untyped_storage().data_ptr(),
+                        storage.untyped_storage().nbytes(), dead)
+    contract = ReplayContract.of_inputs(GRAPH, (("arg0", freed),))
+    landed = storage[1]  # a new input where the freed buffer's memory was
+    for _ in range(2):
+        contract.check((landed,), {}, mode=FULL)  # the full check holds nothing against it
+    assert contract.quick.accepts((landed,), {}, full=True)
