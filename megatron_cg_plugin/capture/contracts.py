@@ -273,7 +273,8 @@ class QuickAccept:
             return False  # requires_grad off where the capture had it on is fine too, but rare: the full check passes it
         if call.control_at:
             try:
-                if tuple(map(values.__getitem__, call.control_at)) != call.controls:
+                # captured on the left, as the full check compares them (an __eq__ need not be symmetric)
+                if not call.controls == tuple(map(values.__getitem__, call.control_at)):
                     return False
             except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors
                 return False

@@ -617,3 +617,18 @@ def test_a_freed_static_buffers_memory_stops_sending_replays_to_the_full_check()
     for _ in range(2):
         contract.check((landed,), {}, mode=FULL)  # the full check holds nothing against it
     assert contract.quick.accepts((landed,), {}, full=True)
+
+
+def test_the_quick_accept_compares_control_values_as_the_full_check_does():
+    class AtMost:  # an __eq__ that is not symmetric: the captured value's decides, as in the full check
+        def __init__(self, limit):
+            self.limit = limit
+
+        def __eq__(self, other):
+            return self.limit <= other.limit
+
+    contract = record((x(), AtMost(2)))
+    for _ in range(2):
+        contract.check((x(), AtMost(2)), {}, mode=FULL)
+    assert not contract.quick.accepts((x(), AtMost(1)), {}, full=True)
+    assert violation(contract, (x(), AtMost(1))).field == "control"
