@@ -135,8 +135,7 @@ def flatten_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[s
     Replay-only and None keyword arguments are left out (TE drops them as well)."""
     items: list[tuple[str, Any]] = []
     named = [(f"arg{index}", value) for index, value in enumerate(args)]
-    named += [(f"{key}=", value) for key, value in sorted(kwargs.items())
-              if key not in REPLAY_ONLY_KWARGS and value is not None]
+    named += [(name, value) for key, value in sorted(kwargs.items()) if (name := _keyword_leaf(key, value))]
     for name, value in named:
         if not isinstance(value, (list, tuple, dict)):  # a leaf (the common case): skip pytree's walk
             items.append((name, value))
@@ -144,6 +143,11 @@ def flatten_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[s
         leaves, _ = pytree.tree_flatten_with_path(value)
         items += [(name + pytree.keystr(path), leaf) for path, leaf in leaves]
     return items
+
+
+def _keyword_leaf(key: str, value: Any) -> str | None:
+    """A keyword argument's name among the call's leaves; None for one the contract leaves out."""
+    return None if key in REPLAY_ONLY_KWARGS or value is None else f"{key}="
 
 
 def _same_value(expected: Any, actual: Any) -> bool:
@@ -238,9 +242,7 @@ class QuickAccept:
         values = (*args, *kwargs.values())
         if any(isinstance(value, (list, tuple, dict)) for value in values):
             return  # leaves named by place: the full check's walk
-        names = [f"arg{i}" for i in range(len(args))]
-        names += [f"{key}=" if key not in REPLAY_ONLY_KWARGS and value is not None else None
-                  for key, value in kwargs.items()]
+        names = [f"arg{i}" for i in range(len(args))] + [_keyword_leaf(key, value) for key, value in kwargs.items()]
         where = {name: position for position, name in enumerate(names) if name is not None}
         tensor_at, control_at, controls = [], [], []
         for name, expected in self.inputs:
