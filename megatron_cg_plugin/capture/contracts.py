@@ -11,8 +11,9 @@ So a contract compares only what changes a replay's result or safety:
 - every tensor: shape and dtype (``shapes`` and ``full``); device, and a gradient the capture did
   not compute (``full``);
 - a tensor read in place: its strides, ignoring those of size-1 dimensions, which address nothing;
-- a tensor to be copied: that it shares no memory with any static buffer, which a copy into that
-  buffer would overwrite before it is read;
+- a tensor to be copied: that it does not view the storage of a live static buffer, which a copy
+  into that buffer would overwrite before it is read (memory shared without sharing a storage, as
+  two ``from_blob`` views of one allocation can, is not seen);
 - non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
@@ -25,7 +26,6 @@ like any other. A violation names the graph, the field, the captured and the act
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import operator
@@ -101,13 +101,11 @@ class StaticInput:
     spec: TensorSpec
     data_ptr: int  # an input at this address is read in place, any other is copied in
     storage_ptr: int
-    storage_nbytes: int  # with storage_ptr, the memory an input copied in must not start in
     buffer: weakref.ref = dataclasses.field(compare=False, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "StaticInput":
-        storage = tensor.untyped_storage()
-        return cls(TensorSpec.of(tensor), tensor.data_ptr(), storage.data_ptr(), storage.nbytes(), weakref.ref(tensor))
+        return cls(TensorSpec.of(tensor), tensor.data_ptr(), _storage_ptr(tensor), weakref.ref(tensor))
 
     @property
     def alive(self) -> bool:
@@ -192,6 +190,12 @@ _SHAPES_META = operator.attrgetter("shape", "dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def _plain_data_ptr(types: Iterable[type]) -> bool:
+    """Whether ``torch.Tensor.data_ptr`` is these types' own ``data_ptr``: the quick accept calls it
+    unbound (one ``map``), where the full check calls the method, which a subclass may override."""
+    return all(kind.data_ptr is _DATA_PTR for kind in types)
+
+
 @dataclasses.dataclass(frozen=True)
 class _CallShape:
     """How replays call a graph, learned from a call the full check passed: the keyword names in
@@ -206,9 +210,9 @@ class _CallShape:
 
 
 class QuickAccept:
-    """A cheaper test run before the full check on every replay. It accepts only calls the full
-    check passes; anything else (a difference, or a case it does not cover) goes on to the full
-    check, which decides, names what differs, and teaches this one the call's shape again.
+    """A cheaper test run before the full check on every replay. Anything it does not accept (a
+    difference, or a case it does not cover) goes on to the full check, which decides, names what
+    differs, and teaches this one the call again.
 
     Why: inside a training step, where its code and objects are out of cache, the full check cost
     the Llama-like model 2.4% of its step (s93, against the plugin without checks; ~30 us a layer
@@ -216,12 +220,21 @@ class QuickAccept:
     distinct calls, each over all of a kind at once: the call's keywords and types in two tuple
     comparisons, the tensors' metadata in one, the parameters in one ``map``, the groups by identity.
 
-    A copied-in input is accepted only if its first byte lies outside the storage of every static
-    buffer alive when it learned: an input sharing a live static buffer's storage starts inside it, so
-    the full check's refusal ("alias") is never skipped."""
+    It accepts only calls the full check passes. Each comparison holds a call to what a call the full
+    check passed (the learned one) had, or to something stricter:
+    - keywords, value types and control values equal to the learned call's: the same leaves under
+      the same names, tensors where tensors were, the captured control values;
+    - tensor metadata equal to the learned call's (after a full check; the captured one's before);
+    - an input at its static buffer's address: that buffer alive and the captured strides exactly;
+      any other input: its storage none of the live static buffers' (those alive when it learned:
+      a buffer alive now was alive then), which is the full check's alias rule;
+    - parameters of the learned types at their captured addresses, read with ``torch.Tensor.data_ptr``
+      only where that is every learned type's own (else a parameter's check is left to the full one);
+    - each group collection holding, under the same names, the objects of the last full check.
+    Calls with list, tuple or dict arguments (leaves named by place) are left to the full check."""
 
-    __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "static_starts", "static_ends", "parameter_ptrs",
-                 "parameters_now", "group_sources", "call", "groups_seen")
+    __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "live_storages", "parameter_ptrs",
+                 "parameter_types", "parameters_now", "group_sources", "call", "groups_seen")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
                  process_groups: tuple[Held, ...]) -> None:
@@ -229,16 +242,17 @@ class QuickAccept:
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
         self.metas_full = tuple((s.spec.shape, s.spec.dtype, s.spec.device, s.spec.requires_grad) for s in self.statics)
         self.metas_shapes = tuple((s.spec.shape, s.spec.dtype) for s in self.statics)
-        self.static_starts: tuple[int, ...] = ()
-        self.static_ends: tuple[int, ...] = ()
+        self.live_storages: frozenset[int] = frozenset()
         self.parameter_ptrs = tuple(held.captured for held in parameters)
+        self.parameter_types: tuple[type, ...] | None = None  # learned by a full check
         self.parameters_now = _reader([held.lookup for held in parameters])
         self.group_sources = tuple(dict.fromkeys(held.lookup for held in process_groups))
         self.call: _CallShape | None = None
         self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
 
     def learn(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
-        """After the full check passed this call: its shape, and in full its groups' collections."""
+        """After the full check passed this call: its shape, and in full its tensors' metadata, its
+        parameters' types and its groups' collections."""
         values = (*args, *kwargs.values())
         if any(isinstance(value, (list, tuple, dict)) for value in values):
             return  # leaves named by place: the full check's walk
@@ -251,13 +265,18 @@ class QuickAccept:
             else:
                 control_at.append(where[name])
                 controls.append(expected)
+        tensors = tuple(map(values.__getitem__, tensor_at))
+        if not _plain_data_ptr(map(type, tensors)):
+            return  # a tensor type with its own data_ptr: the full check calls it
         self.call = _CallShape(tuple(kwargs), tuple(map(type, values)), tuple(tensor_at),
                                tuple(control_at), tuple(controls))
-        # The static buffers alive now: one alive at a later replay is alive now too, and a freed one's
-        # memory, where new inputs may land, stops sending every replay to the full check.
-        ranges = _merged((s.storage_ptr, s.storage_ptr + s.storage_nbytes) for s in self.statics if s.alive)
-        self.static_starts, self.static_ends = tuple(r[0] for r in ranges), tuple(r[1] for r in ranges)
+        self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
         if full:
+            # What the full check just passed: a graph captured with a gradient replayed without one
+            # is accepted here from now on, not sent to the full check on every replay.
+            self.metas_full = tuple(map(_FULL_META, tensors))
+            parameter_types = tuple(map(type, self.parameters_now()))
+            self.parameter_types = parameter_types if _plain_data_ptr(parameter_types) else None
             seen = [source() for source in self.group_sources]
             self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
 
@@ -272,7 +291,7 @@ class QuickAccept:
         if not full:
             return tuple(map(_SHAPES_META, tensors)) == self.metas_shapes
         if tuple(map(_FULL_META, tensors)) != self.metas_full:
-            return False  # requires_grad off where the capture had it on is fine too, but rare: the full check passes it
+            return False
         if call.control_at:
             try:
                 # captured on the left, as the full check compares them (an __eq__ need not be symmetric)
@@ -283,25 +302,26 @@ class QuickAccept:
         return self._memory_accepts(tensors) and self._held_accepts()
 
     def _memory_accepts(self, tensors: tuple[torch.Tensor, ...]) -> bool:
-        """Read in place: the captured strides exactly; copied in: starting outside every static buffer."""
+        """Read in place: the captured strides exactly; copied in: not in a live static buffer's storage."""
         for tensor, ptr, static in zip(tensors, map(_DATA_PTR, tensors), self.statics):
             if ptr == static.data_ptr:
                 if static.buffer() is None or tensor.stride() != static.spec.stride:
                     return False
-            else:
-                index = bisect.bisect_right(self.static_starts, ptr)
-                if index and ptr < self.static_ends[index - 1]:
-                    return False
+            elif _storage_ptr(tensor) in self.live_storages:
+                return False
         return True
 
     def _held_accepts(self) -> bool:
-        """Parameters at their captured storage; each group collection holding the objects the last
-        full check saw, under the same names (so the groups the contract holds are the captured ones)."""
-        try:
-            if tuple(map(_DATA_PTR, self.parameters_now())) != self.parameter_ptrs:
+        """Parameters of the learned types at their captured addresses; each group collection holding
+        the objects of the last full check under the same names, so ``get(name)`` finds what the full
+        check found: the captured group."""
+        if self.parameter_ptrs:
+            parameters = tuple(self.parameters_now())
+            # Unequal too where none were learned (None: no full check yet, or a type with its own data_ptr)
+            if tuple(map(type, parameters)) != self.parameter_types:  # one gone (None) or of another type
                 return False
-        except TypeError:  # a parameter gone (None): the full check names it
-            return False
+            if tuple(map(_DATA_PTR, parameters)) != self.parameter_ptrs:
+                return False
         seen = self.groups_seen
         if seen is None:
             return not self.group_sources
@@ -321,17 +341,6 @@ def _reader(lookups: list[Callable[[], Any]]) -> Callable[[], Iterable[Any]]:
         return lambda: map(dict.get, mappings, keys)
     calls = tuple(lookups)
     return lambda: map(operator.call, calls)
-
-
-def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint ``[start, end)`` ranges covering the same addresses as ``ranges``."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 @dataclasses.dataclass(frozen=True)

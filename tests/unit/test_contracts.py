@@ -391,8 +391,7 @@ def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
     del gone
 
     def contract_with(buffer):
-        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(),
-                             here.untyped_storage().nbytes(), buffer)
+        static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
         return ReplayContract.of_inputs(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))))
 
     alive = contract_with(weakref.ref(here))
@@ -415,8 +414,7 @@ def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
     dead = weakref.ref(gone)
     del gone
     live_first = StaticInput.of(first)
-    dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(),
-                              storage.untyped_storage().nbytes(), dead)
+    dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(), dead)
     contract = ReplayContract.of_inputs(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
     assert contract.static_storages() == {storage.untyped_storage().data_ptr()}
     inside = storage.view(-1)[1:25].view(4, 2, 3)  # neither buffer's address, but their memory
@@ -538,9 +536,10 @@ def test_the_quick_accept_takes_a_replay_like_the_learned_one_and_leaves_the_res
     args, kwargs = call.fresh()
     in_place = ((call.hidden,), kwargs)  # the static buffer itself, as captured
     assert contract.quick.accepts(*in_place, full=True)
-    no_gradient = ((x(),), kwargs)  # fine (the capture computed one), but left to the full check
+    no_gradient = ((x(),), kwargs)  # fine (the capture computed one): the full check passes it, and
     assert not contract.quick.accepts(*no_gradient, full=True)
     contract.check(*no_gradient, mode=FULL)
+    assert contract.quick.accepts((x(),), call.fresh()[1], full=True)  # the quick accept learns it
 
 
 def test_the_quick_accept_in_shapes_mode_compares_shape_and_dtype_only():
@@ -558,8 +557,7 @@ def test_a_freed_static_buffers_address_is_left_to_the_full_check():
     contract = call.contract
     contract.check(*call.fresh(), mode=FULL)
     static = contract.quick.statics[0]
-    dead = contracts.StaticInput(static.spec, static.data_ptr, static.storage_ptr, static.storage_nbytes,
-                                 lambda: None)
+    dead = contracts.StaticInput(static.spec, static.data_ptr, static.storage_ptr, lambda: None)
     contract.quick.statics = (dead, *contract.quick.statics[1:])
     assert not contract.quick.accepts((call.hidden,), call.fresh()[1], full=True)
 
@@ -610,8 +608,7 @@ def test_a_freed_static_buffers_memory_stops_sending_replays_to_the_full_check()
     gone = x()
     dead = weakref.ref(gone)
     del gone
-    freed = StaticInput(TensorSpec.of(storage[0]), storage[0].data_ptr(), storage.untyped_storage().data_ptr(),
-                        storage.untyped_storage().nbytes(), dead)
+    freed = StaticInput(TensorSpec.of(storage[0]), storage[0].data_ptr(), storage.untyped_storage().data_ptr(), dead)
     contract = ReplayContract.of_inputs(GRAPH, (("arg0", freed),))
     landed = storage[1]  # a new input where the freed buffer's memory was
     for _ in range(2):
@@ -632,3 +629,71 @@ def test_the_quick_accept_compares_control_values_as_the_full_check_does():
         contract.check((x(), AtMost(2)), {}, mode=FULL)
     assert not contract.quick.accepts((x(), AtMost(1)), {}, full=True)
     assert violation(contract, (x(), AtMost(1))).field == "control"
+
+
+def test_an_input_in_a_larger_storage_at_a_static_buffers_address_is_left_to_the_full_check():
+    # Two storages over one allocation (torch.frombuffer, or a CUDA block resized in place): the
+    # input starts past the static buffer's bytes, but in a storage at the same address, which the
+    # full check refuses as an alias. A test by address range alone would accept it.
+    memory = bytearray(2 * 24 * 4)
+    static = torch.frombuffer(memory, dtype=torch.float32, count=24).view(4, 2, 3)
+    beyond = torch.frombuffer(memory, dtype=torch.float32, count=48)[24:].view(4, 2, 3)
+    contract = record((static,))
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    assert contract.quick.accepts((x(),), {}, full=True)
+    assert not contract.quick.accepts((beyond,), {}, full=True)
+    assert violation(contract, (beyond,)).field == "alias"
+
+
+class OwnPointer(torch.nn.Parameter):
+    """A parameter whose ``data_ptr`` is another tensor's (a quantized parameter's data, say)."""
+
+    def data_ptr(self) -> int:
+        return self.inner.data_ptr()
+
+
+def test_a_parameter_type_with_its_own_data_ptr_is_left_to_the_full_check():
+    p = OwnPointer(torch.ones(3))
+    p.inner = p.detach()  # at capture, the parameter's own memory
+    contract = record((x(),), params=[("w", p)])
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    p.inner = torch.ones(3)  # torch.Tensor.data_ptr(p) is unchanged, p.data_ptr() is not
+    assert not contract.quick.accepts((x(),), {}, full=True)
+    assert violation(contract, (x(),)).field == "parameter storage"
+
+
+def test_a_parameter_replaced_by_one_of_another_type_is_left_to_the_full_check():
+    layer = Layer()
+    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+    STATIC_BUFFERS.append(contract)
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    assert contract.quick.accepts((x(),), {}, full=True)
+    weight = layer.linear.weight
+    replaced = OwnPointer(weight.detach())
+    replaced.inner = torch.ones(3, 2)  # at the old parameter's address by torch.Tensor.data_ptr only
+    layer.linear._parameters["weight"] = replaced
+    assert not contract.quick.accepts((x(),), {}, full=True)
+    assert violation(contract, (x(),)).field == "parameter storage"
+
+
+class OwnInputPointer(torch.Tensor):
+    """An input whose ``data_ptr`` claims the static buffer's address: the full check reads it in place."""
+
+    static_ptr = 0
+
+    def data_ptr(self) -> int:
+        return self.static_ptr
+
+
+def test_an_input_type_with_its_own_data_ptr_is_left_to_the_full_check():
+    contract = record((x(),))
+    contract.check((x(),), {}, mode=FULL)
+    relaid = x(2, 4, 3).transpose(0, 1).as_subclass(OwnInputPointer)  # another layout, as if in place
+    relaid.static_ptr = contract.quick.statics[0].data_ptr
+    assert not contract.quick.accepts((relaid,), {}, full=True)
+    assert violation(contract, (relaid,)).field == "stride"
+    contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)  # passes, and is not learned
+    assert contract.quick.call.types == (torch.Tensor,)
