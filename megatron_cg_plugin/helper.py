@@ -404,6 +404,7 @@ class PluginHelperMixin:
                 "release captures differently; install the supported megatron-core (docs/versions.md).")
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
+        held_every_replay = not parameters_stay_within_a_step(self.model)
         first_sample = None
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
@@ -417,15 +418,16 @@ class PluginHelperMixin:
                     first_sample = (layer, capture.sample_args[index], capture.sample_kwargs[index] or {})
                 check = None if mode is ContractCheck.OFF else self._contract_check(
                     layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
-                    capture.sample_kwargs[index] or {}, mode)
+                    capture.sample_kwargs[index] or {}, mode, held_every_replay=held_every_replay)
                 wrapped.append(counter.wrap(graph, slot, check))
             layer.cuda_graphs = wrapped
         self.first_capture_sample = first_sample
         return counter
 
     @staticmethod
-    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck) -> Callable:
-        contract = ReplayContract.record(name, args, kwargs, module=layer)
+    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck, *,
+                        held_every_replay: bool = True) -> Callable:
+        contract = ReplayContract.record(name, args, kwargs, module=layer, held_every_replay=held_every_replay)
         check = functools.partial(contract.check, mode=mode)  # no frame of its own on the replay's path
         check.contract = contract  # type: ignore[attr-defined]  # for diagnostics: what the replay is held to
         return check
@@ -515,6 +517,18 @@ def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
     in training); None for TE's graphs."""
     slotted = tuple(graph for graph in graphs or () if isinstance(graph, SlotLayerGraph))
     return (lambda: tuple(graph.stats for graph in slotted)) if slotted else None
+
+
+def parameters_stay_within_a_step(model: Iterable[Any]) -> bool:
+    """Whether every model chunk is wrapped in Megatron's ``DistributedDataParallel``, whose
+    parameters live in its buffers for the whole run, so a replay's contract may read them once a
+    step (``QuickAccept``). Megatron-FSDP and torch FSDP2 wrap chunks in other classes and regather
+    parameters around each forward; any wrapper not known to keep them counts as moving them."""
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+    except ImportError:  # no Megatron: nothing known to keep them
+        return False
+    return all(isinstance(chunk, DistributedDataParallel) for chunk in model)
 
 
 def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:

@@ -18,8 +18,10 @@ So a contract compares only what changes a replay's result or safety:
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
   its collection once per check (s90 counted a lookup call per group, 276 a step for 12 replays of
-  the Llama-like model). Every replay checks them: Megatron-FSDP frees and regathers parameters
-  around each forward, so they may move between microbatches.
+  the Llama-like model). The full check reads them on every replay; the quick accept reads them on
+  a step's first microbatch only, where the model keeps its parameters in place for the whole
+  step (``held_every_replay`` False: Megatron's DDP; see ``QuickAccept``). Megatron-FSDP frees and
+  regathers parameters around each forward, so there they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """
@@ -39,7 +41,8 @@ from megatron_cg_plugin.bank_router import group_label
 from megatron_cg_plugin.config import ContractCheck
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
-REPLAY_ONLY_KWARGS = frozenset({"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"})
+FIRST_MICROBATCH = "is_first_microbatch"  # True for a step's first microbatch (module.py l.332)
+REPLAY_ONLY_KWARGS = frozenset({FIRST_MICROBATCH, "cuda_graph_stream", "cuda_graph_event"})
 
 _HINTS = {
     "shape": "graphs replay fixed shapes: keep --seq-length, --micro-batch-size and the parallel sizes as at capture",
@@ -220,8 +223,9 @@ class QuickAccept:
     distinct calls, each over all of a kind at once: the call's keywords and types in two tuple
     comparisons, the tensors' metadata in one, the parameters in one ``map``, the groups by identity.
 
-    It accepts only calls the full check passes. Each comparison holds a call to what a call the full
-    check passed (the learned one) had, or to something stricter:
+    It accepts only calls the full check passes, but for the held state it may skip within a step
+    (below). Each comparison holds a call to what a call the full check passed (the learned one)
+    had, or to something stricter:
     - keywords, value types and control values equal to the learned call's: the same leaves under
       the same names, tensors where tensors were, the captured control values;
     - tensor metadata equal to the learned call's (after a full check; the captured one's before);
@@ -231,13 +235,29 @@ class QuickAccept:
     - parameters of the learned types at their captured addresses, read with ``torch.Tensor.data_ptr``
       only where that is every learned type's own (else a parameter's check is left to the full one);
     - each group collection holding, under the same names, the objects of the last full check.
-    Calls with list, tuple or dict arguments (leaves named by place) are left to the full check."""
+    Calls with list, tuple or dict arguments (leaves named by place) are left to the full check.
+
+    Parameters and groups (held state) are read on every replay where ``held_every_replay``, else
+    only until a replay marked as a step's first microbatch (``is_first_microbatch=True``, which
+    Megatron passes to every graph replayed for microbatch 0) found them as captured; the replays
+    for the later microbatches of that step (``False``) then skip them. Why: inside a step the
+    check's every read costs several times what it does in a loop (s95: 37 us a Llama-like layer
+    replay, where the loop takes 8), and the held state is most of its reads. It holds because
+    between a step's first microbatch and its last only Megatron's forward and backward run, and
+    with Megatron's DDP they leave parameters and process groups where they are (the optimizer
+    steps after the last microbatch, and writes into the same storage); the caller passes
+    ``held_every_replay`` for anything else (Megatron-FSDP, torch FSDP2: regathered per forward).
+    A graph never replayed as a first microbatch (one per microbatch under pipelining: only graph 0
+    sees ``True``) and a call without the keyword (slot-shared capture) read them every replay."""
 
     __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "live_storages", "parameter_ptrs",
-                 "parameter_types", "parameters_now", "group_sources", "call", "groups_seen")
+                 "parameter_types", "parameters_now", "group_sources", "call", "groups_seen",
+                 "held_every_replay", "held_this_step")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
-                 process_groups: tuple[Held, ...]) -> None:
+                 process_groups: tuple[Held, ...], *, held_every_replay: bool = True) -> None:
+        self.held_every_replay = held_every_replay
+        self.held_this_step = False  # held state found as captured at this step's first microbatch
         self.inputs = inputs
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
         self.metas_full = tuple((s.spec.shape, s.spec.dtype, s.spec.device, s.spec.requires_grad) for s in self.statics)
@@ -271,6 +291,8 @@ class QuickAccept:
         self.call = _CallShape(tuple(kwargs), tuple(map(type, values)), tuple(tensor_at),
                                tuple(control_at), tuple(controls))
         self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
+        # the full check read the held state only in full
+        self.held_this_step = full and self._skips_held_after(kwargs.get(FIRST_MICROBATCH))
         if full:
             # What the full check just passed: a graph captured with a gradient replayed without one
             # is accepted here from now on, not sent to the full check on every replay.
@@ -281,6 +303,9 @@ class QuickAccept:
             self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
 
     def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> bool:
+        first = kwargs.get(FIRST_MICROBATCH)
+        if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet
+            self.held_this_step = False
         call = self.call
         if call is None or tuple(kwargs) != call.keys:  # with the types' count, the positional count too
             return False
@@ -299,7 +324,19 @@ class QuickAccept:
                     return False
             except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors
                 return False
-        return self._memory_accepts(tensors) and self._held_accepts()
+        if not self._memory_accepts(tensors):
+            return False
+        if first is False and self.held_this_step:  # read at this step's first microbatch (class docstring)
+            return True
+        if not self._held_accepts():
+            return False
+        self.held_this_step = self._skips_held_after(first)
+        return True
+
+    def _skips_held_after(self, first_microbatch: Any) -> bool:
+        """Whether the held state, just found as captured on a replay with this ``is_first_microbatch``,
+        may be skipped on the rest of the step's replays."""
+        return first_microbatch is True and not self.held_every_replay
 
     def _memory_accepts(self, tensors: tuple[torch.Tensor, ...]) -> bool:
         """Read in place: the captured strides exactly; copied in: not in a live static buffer's storage."""
@@ -355,24 +392,26 @@ class ReplayContract:
 
     @classmethod
     def of_inputs(cls, graph: str, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...] = (),
-                  process_groups: tuple[Held, ...] = ()) -> "ReplayContract":
+                  process_groups: tuple[Held, ...] = (), *, held_every_replay: bool = True) -> "ReplayContract":
         by_storage: dict[int, tuple[StaticInput, ...]] = {}
         for _, value in inputs:
             if isinstance(value, StaticInput):
                 by_storage[value.storage_ptr] = by_storage.get(value.storage_ptr, ()) + (value,)
         return cls(graph, inputs, parameters, process_groups, by_storage,
-                   QuickAccept(inputs, parameters, process_groups))
+                   QuickAccept(inputs, parameters, process_groups, held_every_replay=held_every_replay))
 
     @classmethod
     def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, module: Any = None,
-               params: Iterable[tuple[str, torch.Tensor]] = ()) -> "ReplayContract":
+               params: Iterable[tuple[str, torch.Tensor]] = (), held_every_replay: bool = True) -> "ReplayContract":
         """The contract of a graph captured with ``args``/``kwargs``: ``module``'s parameters and
-        process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture)."""
+        process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture).
+        ``held_every_replay`` False: the model keeps its parameters in place within a step
+        (``QuickAccept``)."""
         inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
                        for name, v in flatten_call(args, kwargs))
         held = tuple(Held(name, p.data_ptr(), functools.partial(lambda tensor: tensor, p)) for name, p in params)
         return cls.of_inputs(graph, inputs, held + (_parameters_of(module) if module is not None else ()),
-                             _groups_of(module) if module is not None else ())
+                             _groups_of(module) if module is not None else (), held_every_replay=held_every_replay)
 
     def static_storages(self) -> frozenset[int]:
         """The storages of the static buffers still alive."""

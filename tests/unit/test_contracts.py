@@ -261,7 +261,8 @@ def test_a_layers_parameters_are_found_again_where_they_live():
 
 
 def test_held_state_is_checked_on_every_replay_whichever_microbatch_it_is():
-    # Megatron-FSDP frees and regathers parameters around each forward: a later microbatch may find them moved.
+    # Megatron-FSDP frees and regathers parameters around each forward: a later microbatch may find them
+    # moved. The default (held_every_replay) is what every model but one wrapped in Megatron's DDP gets.
     layer = Layer(tp=process_group())
     contract = record(module=layer)
     groups_only = ReplayContract.of_inputs(GRAPH, contract.inputs, (), contract.process_groups)
@@ -471,9 +472,10 @@ def _swapped_group(call):
     return call.fresh()
 
 
-def _exchanged_groups(call):  # the same objects, each under the other's name
-    groups = call.layer.pg_collection
-    groups.tp, groups.dp = groups.dp, groups.tp
+def _exchanged_groups(call):  # the same objects, each under the other's name (whatever the names are now)
+    held = vars(call.layer.pg_collection)
+    first, second = list(held)[:2]
+    held[first], held[second] = held[second], held[first]
     return call.fresh()
 
 
@@ -697,3 +699,71 @@ def test_an_input_type_with_its_own_data_ptr_is_left_to_the_full_check():
     assert violation(contract, (relaid,)).field == "stride"
     contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)  # passes, and is not learned
     assert contract.quick.call.types == (torch.Tensor,)
+
+
+# ---------------------------------------------------------------------- held state once a step
+#
+# Under Megatron's DDP parameters and groups stay put between a step's first microbatch and its last;
+# the quick accept then reads them on the first microbatch's replay only.
+
+
+class SteppedCall(MegatronCall):
+    def __init__(self, held_every_replay: bool) -> None:
+        self.layer = Layer(tp=process_group(), dp=process_group())
+        self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
+        STATIC_BUFFERS.append((self.hidden, self.rope))
+        self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer,
+                                              held_every_replay=held_every_replay)
+
+    def replay(self, first):
+        args, kwargs = self.fresh(is_first_microbatch=first)
+        self.contract.check(args, kwargs, mode=FULL)
+
+    def accepts(self, first):
+        return self.contract.quick.accepts(*self.fresh(is_first_microbatch=first), full=True)
+
+
+MOVES = {"parameter storage": _moved_parameter, "process group": _swapped_group}
+
+
+@pytest.mark.parametrize("field", sorted(MOVES))
+def test_held_state_is_read_on_a_steps_first_microbatch_and_not_again_in_that_step(field):
+    call = SteppedCall(held_every_replay=False)
+    for first in (True, False, False):
+        call.replay(first)
+    MOVES[field](call)
+    assert call.accepts(False)  # a later microbatch of the same step: not read again
+    assert not call.accepts(True)  # the next step's first microbatch reads it
+    with pytest.raises(ContractViolation) as refused:
+        call.replay(True)
+    assert refused.value.field == field
+    assert not call.accepts(False)  # nothing was found as captured this step: read again
+
+
+def test_held_state_is_read_on_every_replay_where_the_model_may_move_it():
+    call = SteppedCall(held_every_replay=True)
+    for first in (True, False):
+        call.replay(first)
+    _moved_parameter(call)
+    assert not call.accepts(False)
+
+
+@pytest.mark.parametrize("marks", [(False, False, False), (None, None, None)], ids=["never first", "unmarked"])
+def test_a_graph_never_replayed_as_a_first_microbatch_reads_held_state_on_every_replay(marks):
+    # Under pipelining each microbatch has a graph of its own: only graph 0 sees is_first_microbatch=True.
+    call = SteppedCall(held_every_replay=False)
+    for first in marks:
+        call.replay(first)
+    _moved_parameter(call)
+    assert not call.accepts(marks[0])
+
+
+def test_a_first_microbatch_the_full_check_passed_marks_the_step_read_in_full_mode_only():
+    call = SteppedCall(held_every_replay=False)
+    call.replay(True)  # nothing learned yet: the full check, which reads the held state
+    _moved_parameter(call)
+    assert call.accepts(False)
+    shapes_only = SteppedCall(held_every_replay=False)
+    shapes_only.contract.check(*shapes_only.fresh(is_first_microbatch=True), mode=SHAPES)  # reads none
+    _moved_parameter(shapes_only)
+    assert not shapes_only.accepts(False)

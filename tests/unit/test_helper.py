@@ -1480,3 +1480,36 @@ def test_capture_shows_the_session_the_built_models_config_first(probe):
     backend.make_graphed_callables = lambda *a, **k: events.append(("capture", None)) or capture(*a, **k)
     helper.create_cudagraphs()
     assert events[:2] == [("config", helper.config), ("capture", None)] and helper.graphs_created()
+
+
+# ====================================================================== held state once a step
+
+
+def test_only_megatrons_ddp_counts_as_keeping_parameters_in_place_within_a_step():
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    ddp, megatron_fsdp, torch_fsdp2 = (cls.__new__(cls) for cls in (
+        DistributedDataParallel, FullyShardedDataParallel, TorchFullyShardedDataParallel))
+    assert helper_module.parameters_stay_within_a_step([ddp, ddp])
+    assert not helper_module.parameters_stay_within_a_step([ddp, megatron_fsdp])
+    assert not helper_module.parameters_stay_within_a_step([torch_fsdp2])
+    assert not helper_module.parameters_stay_within_a_step([torch.nn.Linear(2, 2)])  # unwrapped: not known
+
+
+@pytest.mark.parametrize("stays", [True, False])
+def test_a_model_that_keeps_its_parameters_has_them_read_once_a_step(probe, memory, monkeypatch, stays):
+    monkeypatch.setattr(helper_module, "parameters_stay_within_a_step", lambda model: stays)
+    _, _, model, _ = _captured(probe)
+    layer = all_layers(model)[0]
+    for first in (True, False):
+        assert layer.cuda_graphs[0](hidden(), attention_mask=mask(), is_first_microbatch=first) == ("replayed", 0)
+    layer.weight.data = torch.zeros_like(layer.weight)
+    if stays:  # the same step: read at its first microbatch
+        assert layer.cuda_graphs[0](hidden(), attention_mask=mask(), is_first_microbatch=False) == ("replayed", 0)
+    else:
+        assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
+            == "parameter storage"
+    assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=True).field \
+        == "parameter storage"
