@@ -1,12 +1,14 @@
 """Recomputes the figures of this session's README that the bench does not print: per pair of arms the
 median difference in ms over the cycles run wholly in the host's fast mode (every step of the cycle
 under 1.2x the 5th percentile of all kept steps), and the plugin / stock ratio by which arm held the
-cycle's outer places (two-arm runs). Run: python3 analyse.py (no dependencies beyond the standard library)."""
+cycle's outer places (two-arm runs). Run: python3 analyse.py [RESULTS_DIR] (no dependencies beyond the
+standard library); RESULTS_DIR, this folder by default, holds one folder per call (s*/)."""
 
 import gzip
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -25,7 +27,8 @@ def geometric(values: list[float]) -> float:
 
 
 def main() -> None:
-    for path in sorted(HERE.glob("s*/*.bench.json.gz")):
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
+    for path in sorted(results.glob("s*/*.bench.json.gz")):
         bench = json.loads(gzip.decompress(path.read_bytes()))
         cycles = cycles_of(bench)
         arms = sorted({arm for cycle in cycles for arm, _ in cycle})
