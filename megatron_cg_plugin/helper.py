@@ -36,6 +36,7 @@ from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.plan.bank_sizes import bank_sizes
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
+from megatron_cg_plugin.step_marks import StepMarks
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +405,8 @@ class PluginHelperMixin:
                 "release captures differently; install the supported megatron-core (docs/versions.md).")
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
         counter = diagnostics.ReplayCounter(len(self.flattened_callables))
-        held_every_replay = not parameters_stay_within_a_step(self.model)
+        # Megatron's DDP keeps parameters in place within a step: the contracts may read them once a step
+        step_marks = self.session.step_marks if parameters_stay_within_a_step(self.model) else None
         first_sample = None
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
@@ -418,7 +420,7 @@ class PluginHelperMixin:
                     first_sample = (layer, capture.sample_args[index], capture.sample_kwargs[index] or {})
                 check = None if mode is ContractCheck.OFF else self._contract_check(
                     layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
-                    capture.sample_kwargs[index] or {}, mode, held_every_replay=held_every_replay)
+                    capture.sample_kwargs[index] or {}, mode, step_marks=step_marks)
                 wrapped.append(counter.wrap(graph, slot, check))
             layer.cuda_graphs = wrapped
         self.first_capture_sample = first_sample
@@ -426,8 +428,8 @@ class PluginHelperMixin:
 
     @staticmethod
     def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck, *,
-                        held_every_replay: bool = True) -> Callable:
-        contract = ReplayContract.record(name, args, kwargs, module=layer, held_every_replay=held_every_replay)
+                        step_marks: StepMarks | None = None) -> Callable:
+        contract = ReplayContract.record(name, args, kwargs, module=layer, step_marks=step_marks)
         check = functools.partial(contract.check, mode=mode)  # no frame of its own on the replay's path
         check.contract = contract  # type: ignore[attr-defined]  # for diagnostics: what the replay is held to
         return check
@@ -520,10 +522,11 @@ def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
 
 
 def parameters_stay_within_a_step(model: Iterable[Any]) -> bool:
-    """Whether every model chunk is wrapped in Megatron's ``DistributedDataParallel``, whose
-    parameters live in its buffers for the whole run, so a replay's contract may read them once a
-    step (``QuickAccept``). Megatron-FSDP and torch FSDP2 wrap chunks in other classes and regather
-    parameters around each forward; any wrapper not known to keep them counts as moving them."""
+    """Whether every model chunk is wrapped in Megatron's ``DistributedDataParallel``, which leaves
+    parameters where they are within a step (what re-points them, a checkpoint load, does so between
+    steps), so a replay's contract may read them once a step (``QuickAccept``). Megatron-FSDP and torch
+    FSDP2 wrap chunks in other classes and regather parameters around each forward; any wrapper not
+    known to keep them counts as moving them."""
     try:
         from megatron.core.distributed import DistributedDataParallel
     except ImportError:  # no Megatron: nothing known to keep them

@@ -98,12 +98,14 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
 
 
 def build_train_step_timer(original: Callable, session: Any) -> Callable:
-    """Marks each iteration's start (the bench's plugin-recording arm wraps its steps the same way)."""
+    """Marks each iteration's start, and the step's span for the replay contracts (the bench's
+    plugin-recording arm wraps its steps the same way)."""
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
-        return original(*args, **kwargs)
+        with session.step_marks:
+            return original(*args, **kwargs)
 
     return train_step
 

@@ -25,6 +25,7 @@ from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
 from megatron_cg_plugin.plan.graph_memory import GraphMemoryPlan
 from megatron_cg_plugin.plan.moe import MoeCapacityPlan, uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
+from megatron_cg_plugin.step_marks import StepMarks
 
 
 class DeviceProbe(Protocol):
@@ -152,6 +153,7 @@ class RunSession:
         self._logged: list[_Logged] = []
         self._read_upto = 0  # _logged[:_read_upto] hold host numbers only
         self._iteration_start: float | None = None
+        self.step_marks = StepMarks()  # entered by the train-step-timer patch around each train_step
         self._pending_mtp: dict[str, Any] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
         self.prediction = RunPrediction()  # until the rules' check makes one (predict)

@@ -11,17 +11,17 @@ So a contract compares only what changes a replay's result or safety:
 - every tensor: shape and dtype (``shapes`` and ``full``); device, and a gradient the capture did
   not compute (``full``);
 - a tensor read in place: its strides, ignoring those of size-1 dimensions, which address nothing;
-- a tensor to be copied: that it does not view the storage of a live static buffer, which a copy
-  into that buffer would overwrite before it is read (memory shared without sharing a storage, as
-  two ``from_blob`` views of one allocation can, is not seen);
+- a tensor to be copied: that its storage does not start where a live static buffer's does (so it
+  is not that buffer's storage), which a copy into that buffer would overwrite before it is read;
+  storages that share memory from different starting addresses are not seen;
 - non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
   its collection once per check (s90 counted a lookup call per group, 276 a step for 12 replays of
-  the Llama-like model). The full check reads them on every replay; the quick accept reads them on
-  a step's first microbatch only, where the model keeps its parameters in place for the whole
-  step (``held_every_replay`` False: Megatron's DDP; see ``QuickAccept``). Megatron-FSDP frees and
-  regathers parameters around each forward, so there they may move between microbatches.
+  the Llama-like model). Every check reads them, but for one case: under Megatron's DDP, with the
+  plugin's step marks given, the quick accept skips them on the later microbatches of a step whose
+  first microbatch found them as captured (``QuickAccept``). Megatron-FSDP frees and regathers
+  parameters around each forward, so there they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """
@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.bank_router import group_label
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.step_marks import StepMarks
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 FIRST_MICROBATCH = "is_first_microbatch"  # True for a step's first microbatch (module.py l.332)
@@ -108,7 +109,7 @@ class StaticInput:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "StaticInput":
-        return cls(TensorSpec.of(tensor), tensor.data_ptr(), _storage_ptr(tensor), weakref.ref(tensor))
+        return cls(TensorSpec.of(tensor), _data_ptr(tensor), _storage_ptr(tensor), weakref.ref(tensor))
 
     @property
     def alive(self) -> bool:
@@ -117,6 +118,12 @@ class StaticInput:
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _data_ptr(tensor: torch.Tensor) -> int:
+    """A tensor's address by its type's ``data_ptr`` (a subclass may override it there); the quick
+    accept reads it the same way, so an attribute set on one instance counts in neither."""
+    return type(tensor).data_ptr(tensor)
 
 
 def alias_topology(tensors: Sequence[torch.Tensor], state: Mapping[str, torch.Tensor] | None = None) -> tuple:
@@ -175,7 +182,7 @@ class Held:
 def _parameters_of(module: Any) -> tuple[Held, ...]:
     """Every parameter of ``module``, looked up again where it lives (its owner's ``_parameters``):
     a parameter replaced by a new one is seen, and the walk over submodules is made only once."""
-    return tuple(Held(f"{prefix}.{attribute}" if prefix else attribute, param.data_ptr(),
+    return tuple(Held(f"{prefix}.{attribute}" if prefix else attribute, _data_ptr(param),
                       functools.partial(dict.get, owner._parameters, attribute))
                  for prefix, owner in module.named_modules() for attribute, param in owner._parameters.items()
                  if param is not None)
@@ -195,7 +202,7 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 def _plain_data_ptr(types: Iterable[type]) -> bool:
     """Whether ``torch.Tensor.data_ptr`` is these types' own ``data_ptr``: the quick accept calls it
-    unbound (one ``map``), where the full check calls the method, which a subclass may override."""
+    unbound (one ``map``), where the full check calls the type's, which a subclass may override."""
     return all(kind.data_ptr is _DATA_PTR for kind in types)
 
 
@@ -228,7 +235,8 @@ class QuickAccept:
     had, or to something stricter:
     - keywords, value types and control values equal to the learned call's: the same leaves under
       the same names, tensors where tensors were, the captured control values;
-    - tensor metadata equal to the learned call's (after a full check; the captured one's before);
+    - tensor metadata equal to the learned call's (after a full check in full mode; the captured
+      one's before);
     - an input at its static buffer's address: that buffer alive and the captured strides exactly;
       any other input: its storage none of the live static buffers' (those alive when it learned:
       a buffer alive now was alive then), which is the full check's alias rule;
@@ -237,27 +245,29 @@ class QuickAccept:
     - each group collection holding, under the same names, the objects of the last full check.
     Calls with list, tuple or dict arguments (leaves named by place) are left to the full check.
 
-    Parameters and groups (held state) are read on every replay where ``held_every_replay``, else
-    only until a replay marked as a step's first microbatch (``is_first_microbatch=True``, which
-    Megatron passes to every graph replayed for microbatch 0) found them as captured; the replays
-    for the later microbatches of that step (``False``) then skip them. Why: inside a step the
-    check's every read costs several times what it does in a loop (s95: 37 us a Llama-like layer
-    replay, where the loop takes 8), and the held state is most of its reads. It holds because
-    between a step's first microbatch and its last only Megatron's forward and backward run, and
-    with Megatron's DDP they leave parameters and process groups where they are (the optimizer
-    steps after the last microbatch, and writes into the same storage); the caller passes
-    ``held_every_replay`` for anything else (Megatron-FSDP, torch FSDP2: regathered per forward).
-    A graph never replayed as a first microbatch (one per microbatch under pipelining: only graph 0
-    sees ``True``) and a call without the keyword (slot-shared capture) read them every replay."""
+    Parameters and groups (held state) are read on every replay, but for one case. With
+    ``step_marks`` given (the caller does so for a model wrapped in Megatron's DDP), a replay marked
+    as a step's first microbatch (``is_first_microbatch=True``, which Megatron passes to every graph
+    replayed for microbatch 0) that finds them as captured, inside a marked ``train_step``, lets the
+    replays marked ``False`` skip them until that step ends; any replay not marked ``False`` reads
+    them again. Why: inside a step the check's every read costs several times what it does in a
+    loop (s95: 37 us a Llama-like layer replay, where the loop takes 8), and the held state is most
+    of its reads. It holds because between a step's first microbatch and its end only Megatron's
+    schedule runs, and with Megatron's DDP it leaves parameters and process groups where they are
+    (the optimizer writes into the same storage; what re-points parameters does so between steps).
+    Read every replay: without step marks (Megatron-FSDP, torch FSDP2, any other wrapper; slot-shared
+    capture), outside a marked step (a training-mode forward of one's own, which Megatron marks as a
+    later microbatch), on a graph never replayed as a first microbatch (one per microbatch under
+    pipelining: only graph 0 sees ``True``), and on calls without the keyword."""
 
     __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "live_storages", "parameter_ptrs",
                  "parameter_types", "parameters_now", "group_sources", "call", "groups_seen",
-                 "held_every_replay", "held_this_step")
+                 "step_marks", "held_at_step")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
-                 process_groups: tuple[Held, ...], *, held_every_replay: bool = True) -> None:
-        self.held_every_replay = held_every_replay
-        self.held_this_step = False  # held state found as captured at this step's first microbatch
+                 process_groups: tuple[Held, ...], *, step_marks: StepMarks | None = None) -> None:
+        self.step_marks = step_marks
+        self.held_at_step: int | None = None  # the step whose first microbatch found the held state as captured
         self.inputs = inputs
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
         self.metas_full = tuple((s.spec.shape, s.spec.dtype, s.spec.device, s.spec.requires_grad) for s in self.statics)
@@ -271,8 +281,9 @@ class QuickAccept:
         self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
 
     def learn(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
-        """After the full check passed this call: its shape, and in full its tensors' metadata, its
-        parameters' types and its groups' collections."""
+        """After the full check passed this call: its shape and the static buffers alive now; in full
+        mode also its tensors' metadata, its parameters' types, its groups' collections and (on a
+        step's first microbatch) the step whose later microbatches may skip them."""
         values = (*args, *kwargs.values())
         if any(isinstance(value, (list, tuple, dict)) for value in values):
             return  # leaves named by place: the full check's walk
@@ -291,8 +302,8 @@ class QuickAccept:
         self.call = _CallShape(tuple(kwargs), tuple(map(type, values)), tuple(tensor_at),
                                tuple(control_at), tuple(controls))
         self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
-        # the full check read the held state only in full
-        self.held_this_step = full and self._skips_held_after(kwargs.get(FIRST_MICROBATCH))
+        # the full check read the held state only in full mode
+        self.held_at_step = self._held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
         if full:
             # What the full check just passed: a graph captured with a gradient replayed without one
             # is accepted here from now on, not sent to the full check on every replay.
@@ -305,7 +316,7 @@ class QuickAccept:
     def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> bool:
         first = kwargs.get(FIRST_MICROBATCH)
         if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet
-            self.held_this_step = False
+            self.held_at_step = None
         call = self.call
         if call is None or tuple(kwargs) != call.keys:  # with the types' count, the positional count too
             return False
@@ -326,17 +337,19 @@ class QuickAccept:
                 return False
         if not self._memory_accepts(tensors):
             return False
-        if first is False and self.held_this_step:  # read at this step's first microbatch (class docstring)
-            return True
+        held_at = self.held_at_step  # None unless first is False (reset above)
+        if held_at is not None and held_at == self.step_marks.step_now():
+            return True  # read at this step's first microbatch (class docstring)
         if not self._held_accepts():
             return False
-        self.held_this_step = self._skips_held_after(first)
+        self.held_at_step = self._held_step_after(first)
         return True
 
-    def _skips_held_after(self, first_microbatch: Any) -> bool:
-        """Whether the held state, just found as captured on a replay with this ``is_first_microbatch``,
-        may be skipped on the rest of the step's replays."""
-        return first_microbatch is True and not self.held_every_replay
+    def _held_step_after(self, first_microbatch: Any) -> int | None:
+        """The step whose later microbatches may skip the held state just found as captured on a
+        replay with this ``is_first_microbatch``: a first microbatch's, inside a marked step."""
+        marks = self.step_marks
+        return marks.step_now() if first_microbatch is True and marks is not None else None
 
     def _memory_accepts(self, tensors: tuple[torch.Tensor, ...]) -> bool:
         """Read in place: the captured strides exactly; copied in: not in a live static buffer's storage."""
@@ -392,26 +405,26 @@ class ReplayContract:
 
     @classmethod
     def of_inputs(cls, graph: str, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...] = (),
-                  process_groups: tuple[Held, ...] = (), *, held_every_replay: bool = True) -> "ReplayContract":
+                  process_groups: tuple[Held, ...] = (), *, step_marks: StepMarks | None = None) -> "ReplayContract":
         by_storage: dict[int, tuple[StaticInput, ...]] = {}
         for _, value in inputs:
             if isinstance(value, StaticInput):
                 by_storage[value.storage_ptr] = by_storage.get(value.storage_ptr, ()) + (value,)
         return cls(graph, inputs, parameters, process_groups, by_storage,
-                   QuickAccept(inputs, parameters, process_groups, held_every_replay=held_every_replay))
+                   QuickAccept(inputs, parameters, process_groups, step_marks=step_marks))
 
     @classmethod
     def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, module: Any = None,
-               params: Iterable[tuple[str, torch.Tensor]] = (), held_every_replay: bool = True) -> "ReplayContract":
+               params: Iterable[tuple[str, torch.Tensor]] = (), step_marks: StepMarks | None = None) -> "ReplayContract":
         """The contract of a graph captured with ``args``/``kwargs``: ``module``'s parameters and
         process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture).
-        ``held_every_replay`` False: the model keeps its parameters in place within a step
+        ``step_marks``: the run's, where the model keeps its parameters in place within a step
         (``QuickAccept``)."""
         inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
                        for name, v in flatten_call(args, kwargs))
-        held = tuple(Held(name, p.data_ptr(), functools.partial(lambda tensor: tensor, p)) for name, p in params)
+        held = tuple(Held(name, _data_ptr(p), functools.partial(lambda tensor: tensor, p)) for name, p in params)
         return cls.of_inputs(graph, inputs, held + (_parameters_of(module) if module is not None else ()),
-                             _groups_of(module) if module is not None else (), held_every_replay=held_every_replay)
+                             _groups_of(module) if module is not None else (), step_marks=step_marks)
 
     def static_storages(self) -> frozenset[int]:
         """The storages of the static buffers still alive."""
@@ -448,7 +461,7 @@ class ReplayContract:
     def _check_held(self) -> None:
         for held in self.parameters:
             now = held.lookup()
-            ptr = None if now is None else now.data_ptr()
+            ptr = None if now is None else _data_ptr(now)
             if ptr != held.captured:
                 raise ContractViolation(self.graph, "parameter storage", hex(held.captured),
                                         "gone" if ptr is None else hex(ptr), held.name)
@@ -473,7 +486,7 @@ class ReplayContract:
             raise ContractViolation(self.graph, "device", spec.device, value.device, name)
         if value.requires_grad and not spec.requires_grad:
             raise ContractViolation(self.graph, "requires_grad", spec.requires_grad, value.requires_grad, name)
-        if value.data_ptr() == static.data_ptr and static.alive:  # read in place: the layout is the graph's
+        if _data_ptr(value) == static.data_ptr and static.alive:  # read in place: the layout is the graph's
             stride = value.stride()
             if stride != spec.stride and addressed_strides(value.shape, stride) != addressed_strides(spec.shape,
                                                                                                       spec.stride):

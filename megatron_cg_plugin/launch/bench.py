@@ -514,7 +514,10 @@ class MegatronTrainer:
         self.args.curr_iteration = self.iteration
         state = self._active
         if state is None or state.recording is None:
-            self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+            # The run's step marks, as the train-step-timer patch enters them: a script's bench holds the
+            # bare train_step (the patch wraps the bench's own stand-in), the launcher's the wrapped one.
+            with self._session.step_marks:
+                self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
         else:  # what a run's train-step-timer and training-log-tap patches call, and nothing more
             self.last = state.recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
             loss_dict, num_zeros_in_grad = logged_values(self.last)
@@ -733,7 +736,8 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
     first graph, replayed with fresh tensors of its captured inputs and the ``is_first_microbatch``
     keyword Megatron adds at replay), and layer replays per step (every graphed layer once per
-    microbatch)."""
+    microbatch). Each check reads parameters and groups: the dearest replay (under Megatron's DDP a
+    step's later microbatches skip them, ``QuickAccept``)."""
     import torch
     from torch.utils import _pytree as pytree
 

@@ -19,6 +19,7 @@ from megatron_cg_plugin.capture.contracts import (
     process_groups_of,
 )
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.step_marks import StepMarks
 
 FULL, SHAPES = ContractCheck.FULL, ContractCheck.SHAPES
 
@@ -698,26 +699,27 @@ def test_an_input_type_with_its_own_data_ptr_is_left_to_the_full_check():
     assert not contract.quick.accepts((relaid,), {}, full=True)
     assert violation(contract, (relaid,)).field == "stride"
     contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)  # passes, and is not learned
-    assert contract.quick.call.types == (torch.Tensor,)
+    assert not contract.quick.accepts((relaid,), {}, full=True)
 
 
 # ---------------------------------------------------------------------- held state once a step
 #
-# Under Megatron's DDP parameters and groups stay put between a step's first microbatch and its last;
-# the quick accept then reads them on the first microbatch's replay only.
+# Under Megatron's DDP parameters and groups stay put between a step's first microbatch and its end; with
+# the run's step marks given, the quick accept then reads them on the first microbatch's replay only.
 
 
 class SteppedCall(MegatronCall):
-    def __init__(self, held_every_replay: bool) -> None:
+    """A layer replayed step by step: ``steps`` are the run's marks (None: none given)."""
+
+    def __init__(self, steps: StepMarks | None) -> None:
         self.layer = Layer(tp=process_group(), dp=process_group())
         self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
         STATIC_BUFFERS.append((self.hidden, self.rope))
         self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer,
-                                              held_every_replay=held_every_replay)
+                                              step_marks=steps)
 
     def replay(self, first):
-        args, kwargs = self.fresh(is_first_microbatch=first)
-        self.contract.check(args, kwargs, mode=FULL)
+        self.contract.check(*self.fresh(is_first_microbatch=first), mode=FULL)
 
     def accepts(self, first):
         return self.contract.quick.accepts(*self.fresh(is_first_microbatch=first), full=True)
@@ -728,20 +730,48 @@ MOVES = {"parameter storage": _moved_parameter, "process group": _swapped_group}
 
 @pytest.mark.parametrize("field", sorted(MOVES))
 def test_held_state_is_read_on_a_steps_first_microbatch_and_not_again_in_that_step(field):
-    call = SteppedCall(held_every_replay=False)
-    for first in (True, False, False):
-        call.replay(first)
-    MOVES[field](call)
-    assert call.accepts(False)  # a later microbatch of the same step: not read again
-    assert not call.accepts(True)  # the next step's first microbatch reads it
-    with pytest.raises(ContractViolation) as refused:
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
+        for first in (True, False, False):
+            call.replay(first)
+    with steps:
+        call.replay(True)  # a later step: taken by the quick accept, which reads the held state and marks the step
+        MOVES[field](call)
+        assert call.accepts(False)  # a later microbatch of the same step: not read again
+        assert not call.accepts(True)  # a first microbatch reads it
+        with pytest.raises(ContractViolation) as refused:
+            call.replay(True)
+        assert refused.value.field == field
+        assert not call.accepts(False)  # nothing was found as captured this step: read again
+
+
+def test_a_step_that_ended_lets_no_replay_skip_the_held_state():
+    # A training-mode forward of one's own after a step: Megatron marks it as a later microbatch.
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
         call.replay(True)
-    assert refused.value.field == field
-    assert not call.accepts(False)  # nothing was found as captured this step: read again
+        call.replay(False)
+    _moved_parameter(call)
+    assert not call.accepts(False)  # outside any step
+    with steps:
+        assert not call.accepts(False)  # another step, whose first microbatch has not been seen
 
 
-def test_held_state_is_read_on_every_replay_where_the_model_may_move_it():
-    call = SteppedCall(held_every_replay=True)
+def test_a_step_that_ended_inside_another_lets_no_replay_skip_the_held_state():
+    # A script's bench: the patch marks the bench's whole run, the bench each step inside it.
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
+        with steps:
+            call.replay(True)
+        _moved_parameter(call)
+        assert not call.accepts(False)
+
+
+def test_without_step_marks_held_state_is_read_on_every_replay():
+    call = SteppedCall(None)  # the model may move parameters between microbatches (Megatron-FSDP)
     for first in (True, False):
         call.replay(first)
     _moved_parameter(call)
@@ -751,19 +781,56 @@ def test_held_state_is_read_on_every_replay_where_the_model_may_move_it():
 @pytest.mark.parametrize("marks", [(False, False, False), (None, None, None)], ids=["never first", "unmarked"])
 def test_a_graph_never_replayed_as_a_first_microbatch_reads_held_state_on_every_replay(marks):
     # Under pipelining each microbatch has a graph of its own: only graph 0 sees is_first_microbatch=True.
-    call = SteppedCall(held_every_replay=False)
-    for first in marks:
-        call.replay(first)
-    _moved_parameter(call)
-    assert not call.accepts(marks[0])
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
+        for first in marks:
+            call.replay(first)
+        _moved_parameter(call)
+        assert not call.accepts(marks[0])
 
 
-def test_a_first_microbatch_the_full_check_passed_marks_the_step_read_in_full_mode_only():
-    call = SteppedCall(held_every_replay=False)
-    call.replay(True)  # nothing learned yet: the full check, which reads the held state
-    _moved_parameter(call)
-    assert call.accepts(False)
-    shapes_only = SteppedCall(held_every_replay=False)
-    shapes_only.contract.check(*shapes_only.fresh(is_first_microbatch=True), mode=SHAPES)  # reads none
-    _moved_parameter(shapes_only)
-    assert not shapes_only.accepts(False)
+def test_an_unmarked_replay_ends_the_skip():
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
+        call.replay(True)
+        _moved_parameter(call)
+        assert not call.accepts(None)  # read, and refused
+        assert not call.accepts(False)  # and the skip is over
+
+
+def test_a_first_microbatch_the_full_check_passed_marks_the_step_in_full_mode_only():
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    with steps:
+        call.replay(True)  # nothing learned yet: the full check, which reads the held state
+        _moved_parameter(call)
+        assert call.accepts(False)
+    shapes_only = SteppedCall(steps)
+    with steps:
+        shapes_only.contract.check(*shapes_only.fresh(is_first_microbatch=True), mode=SHAPES)  # reads none
+        _moved_parameter(shapes_only)
+        assert not shapes_only.accepts(False)
+
+
+def test_step_marks_tell_the_step_and_whether_one_is_under_way():
+    steps = StepMarks()
+    assert steps.step_now() is None
+    with steps:
+        first = steps.step_now()
+        with steps:  # the bench's step inside a wrapped train_step
+            assert steps.step_now() not in (None, first)
+        assert steps.step_now() not in (None, first)
+    assert steps.step_now() is None
+
+
+def test_a_data_ptr_set_on_one_instance_counts_in_neither_check():
+    # Both checks read an address through the tensor's type, so they cannot disagree over it.
+    p = torch.nn.Parameter(torch.ones(3))
+    contract = record((x(),), params=[("w", p)])
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    p.data_ptr = lambda: 0
+    assert contract.quick.accepts((x(),), {}, full=True)
+    contract._check_in_full((x(),), {}, full=True)  # passes too

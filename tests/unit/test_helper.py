@@ -1501,15 +1501,20 @@ def test_only_megatrons_ddp_counts_as_keeping_parameters_in_place_within_a_step(
 @pytest.mark.parametrize("stays", [True, False])
 def test_a_model_that_keeps_its_parameters_has_them_read_once_a_step(probe, memory, monkeypatch, stays):
     monkeypatch.setattr(helper_module, "parameters_stay_within_a_step", lambda model: stays)
-    _, _, model, _ = _captured(probe)
+    session, _, model, _ = _captured(probe)
     layer = all_layers(model)[0]
-    for first in (True, False):
-        assert layer.cuda_graphs[0](hidden(), attention_mask=mask(), is_first_microbatch=first) == ("replayed", 0)
-    layer.weight.data = torch.zeros_like(layer.weight)
-    if stays:  # the same step: read at its first microbatch
-        assert layer.cuda_graphs[0](hidden(), attention_mask=mask(), is_first_microbatch=False) == ("replayed", 0)
-    else:
-        assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
-            == "parameter storage"
-    assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=True).field \
+
+    def replay(first):
+        return layer.cuda_graphs[0](hidden(), attention_mask=mask(), is_first_microbatch=first)
+
+    with session.step_marks:  # as the train-step-timer patch enters them
+        assert replay(True) == replay(False) == ("replayed", 0)
+        layer.weight.data = torch.zeros_like(layer.weight)
+        if stays:  # the same step: read at its first microbatch
+            assert replay(False) == ("replayed", 0)
+        else:
+            assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
+                == "parameter storage"
+    # after the step, a forward of one's own (marked as a later microbatch) reads them
+    assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
         == "parameter storage"

@@ -824,6 +824,19 @@ def test_train_step_timer_marks_each_iteration(probe, clock):
     assert session.iterations[0].seconds == 0.5
 
 
+def test_train_step_timer_marks_the_step_for_the_replay_contracts(probe, clock):
+    session = RunSession(PluginConfig(), probe=probe, clock=clock)
+    seen = []
+    step = patch_builders.build_train_step_timer(lambda: seen.append(session.step_marks.step_now()), session)
+    step()
+    step()
+    assert None not in seen and seen[0] != seen[1]  # inside a step, a different one each time
+    assert session.step_marks.step_now() is None
+    with pytest.raises(ZeroDivisionError):
+        patch_builders.build_train_step_timer(lambda: 1 / 0, session)()
+    assert session.step_marks.step_now() is None  # a step that raised has ended too
+
+
 def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
     # megatron-cg run installs with the config deferred; the script's install(config) then wins.
     first = integration.install()
