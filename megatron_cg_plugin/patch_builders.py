@@ -20,6 +20,7 @@ from megatron_cg_plugin.helper import bind_helper_class
 from megatron_cg_plugin.memory.layout import span_of
 from megatron_cg_plugin.moe_stats import RouterDropTap
 from megatron_cg_plugin.parse_errors import plugin_args_provider
+from megatron_cg_plugin.step_marks import StepMarks
 
 Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
@@ -98,16 +99,37 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
 
 
 def build_train_step_timer(original: Callable, session: Any) -> Callable:
-    """Marks each iteration's start, and the step's span for the replay contracts (the bench's
+    """Marks each iteration's start, and hands ``train_step`` its schedule (``forward_backward_func``)
+    entering the session's step marks around each call, for the replay contracts (the bench's
     plugin-recording arm wraps its steps the same way)."""
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
-        with session.step_marks:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:  # the call's own error, from train_step itself
             return original(*args, **kwargs)
+        schedule = bound.arguments.get("forward_backward_func")
+        if callable(schedule):
+            bound.arguments["forward_backward_func"] = marked_schedule(schedule, session.step_marks)
+        return original(*bound.args, **bound.kwargs)
 
     return train_step
+
+
+def marked_schedule(schedule: Callable, marks: StepMarks) -> Callable:
+    """Megatron's ``forward_backward_func`` entering ``marks`` around each call: the microbatches of
+    one step are exactly what it runs (a rerun gets marks of its own), so nothing a wrapped
+    ``train_step`` does before or after it counts as inside the step."""
+
+    @functools.wraps(schedule)
+    def forward_backward(*args: Any, **kwargs: Any) -> Any:
+        with marks:
+            return schedule(*args, **kwargs)
+
+    return forward_backward
 
 
 def build_train_end_report(original: Callable, session: Any) -> Callable:

@@ -104,10 +104,11 @@ PATCHES: tuple[Patch, ...] = (
         attribute="train_step",
         reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
         "there (the host clock only, no device synchronize) times every iteration of any script from its start "
-        "to the next one's, as Megatron's interval timer does, for the metrics and the report; and entering "
-        "the session's step marks around the call, so a replay contract knows the microbatches of one step "
-        "(it reads parameters and groups once a step under Megatron's DDP, and on every replay outside a step).",
-        expected_params=("forward_step_func", "data_iterator", "model"),
+        "to the next one's, as Megatron's interval timer does, for the metrics and the report; and handing "
+        "train_step its forward_backward_func entering the session's step marks around each call, so a replay "
+        "contract knows the microbatches of one schedule run (under Megatron's DDP the quick accept reads "
+        "parameters and groups on its first microbatch only; graph 0's, under pipelining).",
+        expected_params=("forward_step_func", "data_iterator", "model", "forward_backward_func"),
     ),
     Patch(
         name="train-end-report",

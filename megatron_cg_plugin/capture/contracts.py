@@ -18,9 +18,9 @@ So a contract compares only what changes a replay's result or safety:
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
   its collection once per check (s90 counted a lookup call per group, 276 a step for 12 replays of
-  the Llama-like model). Every check reads them, but for one case: under Megatron's DDP, with the
-  plugin's step marks given, the quick accept skips them on the later microbatches of a step whose
-  first microbatch found them as captured (``QuickAccept``). Megatron-FSDP frees and regathers
+  the Llama-like model). Every check in full mode reads them, but for one case: under Megatron's
+  DDP, with the plugin's step marks given, the quick accept skips them on the later microbatches of
+  a schedule run whose first microbatch found them as captured (``QuickAccept``). Megatron-FSDP frees and regathers
   parameters around each forward, so there they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
@@ -248,15 +248,17 @@ class QuickAccept:
     Parameters and groups (held state) are read on every replay, but for one case. With
     ``step_marks`` given (the caller does so for a model wrapped in Megatron's DDP), a replay marked
     as a step's first microbatch (``is_first_microbatch=True``, which Megatron passes to every graph
-    replayed for microbatch 0) that finds them as captured, inside a marked ``train_step``, lets the
-    replays marked ``False`` skip them until that step ends; any replay not marked ``False`` reads
-    them again. Why: inside a step the check's every read costs several times what it does in a
-    loop (s95: 37 us a Llama-like layer replay, where the loop takes 8), and the held state is most
-    of its reads. It holds because between a step's first microbatch and its end only Megatron's
-    schedule runs, and with Megatron's DDP it leaves parameters and process groups where they are
-    (the optimizer writes into the same storage; what re-points parameters does so between steps).
-    Read every replay: without step marks (Megatron-FSDP, torch FSDP2, any other wrapper; slot-shared
-    capture), outside a marked step (a training-mode forward of one's own, which Megatron marks as a
+    replayed for microbatch 0) that finds them as captured inside a marked run of Megatron's
+    schedule (``step_marks.py``: the train-step-timer patch marks the ``forward_backward_func`` it
+    hands ``train_step``) lets the replays marked ``False`` skip them until that run ends; any replay
+    not marked ``False`` reads them again. Why: inside a step the check's every read costs several
+    times what it does in a loop (s95: 37 us a Llama-like layer replay, where the loop takes 8), and
+    the held state is most of its reads. It holds because inside one schedule run only the
+    microbatches' forwards and backwards run, and under Megatron's DDP they leave parameters and
+    process groups where they are (what re-points parameters, a checkpoint load or a train_step of
+    one's own, does so outside the schedule). Read every replay: without step marks (Megatron-FSDP,
+    torch FSDP2, any other wrapper; graph banks' own contracts, whose calls carry no keyword),
+    outside a marked schedule run (a training-mode forward of one's own, which Megatron marks as a
     later microbatch), on a graph never replayed as a first microbatch (one per microbatch under
     pipelining: only graph 0 sees ``True``), and on calls without the keyword."""
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, integration, patch_builders, patches, rules
+from megatron_cg_plugin.patch_builders import marked_schedule
 from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord,
     StepRecord, is_known_arm, is_slot_arm,
@@ -476,6 +477,11 @@ class MegatronTrainer:
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
         unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
+        schedule = self.step_args[6]
+        if callable(schedule):  # the run's step marks, as the train-step-timer patch enters them: a script's
+            # bench holds the bare train_step (the patch wraps the bench's own stand-in)
+            self.step_args = (*self.step_args[:6], marked_schedule(schedule, self._session.step_marks),
+                              *self.step_args[7:])
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
         self._active: _ArmState | None = None  # None: eager
@@ -514,10 +520,7 @@ class MegatronTrainer:
         self.args.curr_iteration = self.iteration
         state = self._active
         if state is None or state.recording is None:
-            # The run's step marks, as the train-step-timer patch enters them: a script's bench holds the
-            # bare train_step (the patch wraps the bench's own stand-in), the launcher's the wrapped one.
-            with self._session.step_marks:
-                self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
+            self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
         else:  # what a run's train-step-timer and training-log-tap patches call, and nothing more
             self.last = state.recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
             loss_dict, num_zeros_in_grad = logged_values(self.last)
@@ -602,9 +605,9 @@ class MegatronTrainer:
         asked for (a run has one session and one helper), the plugin's helper reporting to it, and
         Megatron's train_step wrapped by the train-step-timer patch's code for it; ``step`` then
         hands it the values the training_log tap would. Its session is never finished: no file is
-        written. (Every arm's step also passes the installed timer of the run's own session, whose
-        mark is a no-op after the bench's first step: no training_log runs inside the bench to end
-        that iteration.)"""
+        written. (In the launcher's bench every arm's step also passes the installed timer of the
+        run's own session, whose mark is a no-op after the bench's first step: no training_log runs
+        inside the bench to end that iteration. A script's bench holds the bare train_step.)"""
         recording = RunSession(dataclasses.replace(self._session.config, **self.RECORDED_OUTPUTS))
         recorded_step = patch_builders.build_train_step_timer(self.train_step, recording)
         return bind_helper_class(self._te_helper, recording), recording, recorded_step

@@ -424,6 +424,33 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     assert seen == list("abcdabcd" "ab")[:6]
 
 
+def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
+    # A script's bench holds the bare train_step: the trainer marks its schedule as the patch does.
+    import types
+
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    session = RunSession(PluginConfig())
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, session))
+    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
+    seen = []
+
+    def train_step(forward, data_iterator, model, optimizer, scheduler, config, forward_backward_func, *, iteration):
+        seen.append((session.step_marks.step_now(), forward_backward_func()))
+
+    trainer = bench.MegatronTrainer(train_step, (None, None, "model", "optimizer", None, "config",
+                                                 session.step_marks.step_now), {})
+    for _ in range(2):
+        trainer.step()
+    (outside, first), (_, second) = seen
+    assert outside is None and None not in (first, second) and first != second
+
+
 def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys):
     bench_output.write_host_ops(tmp_path / "plugin.host_ops.json", 3, {
         "aten::copy_": (30, 3000.0), "contract_check": (12, 600.0), "aten::add": (3, 30.0)})

@@ -759,6 +759,15 @@ def test_a_step_that_ended_lets_no_replay_skip_the_held_state():
         assert not call.accepts(False)  # another step, whose first microbatch has not been seen
 
 
+def test_replays_outside_any_marked_step_read_the_held_state():
+    steps = StepMarks()  # given, never entered: train_step was called past the plugin's patch
+    call = SteppedCall(steps)
+    call.replay(True)
+    call.replay(False)
+    _moved_parameter(call)
+    assert not call.accepts(False)
+
+
 def test_a_step_that_ended_inside_another_lets_no_replay_skip_the_held_state():
     # A script's bench: the patch marks the bench's whole run, the bench each step inside it.
     steps = StepMarks()
@@ -826,11 +835,13 @@ def test_step_marks_tell_the_step_and_whether_one_is_under_way():
 
 
 def test_a_data_ptr_set_on_one_instance_counts_in_neither_check():
-    # Both checks read an address through the tensor's type, so they cannot disagree over it.
-    p = torch.nn.Parameter(torch.ones(3))
-    contract = record((x(),), params=[("w", p)])
+    # Every address is read through the tensor's type (record, full check, quick accept): none can disagree.
+    p, static = torch.nn.Parameter(torch.ones(3)), x()
+    p.data_ptr = static.data_ptr = lambda: 0  # set before the capture is recorded
+    contract = record((static,), params=[("w", p)])
+    contract.check((static,), {}, mode=FULL)  # read in place: the static buffer's own address
+    claims_static = x(2, 4, 3).transpose(0, 1)  # another layout, in memory of its own
+    claims_static.data_ptr = lambda: contract.quick.statics[0].data_ptr
     for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    p.data_ptr = lambda: 0
-    assert contract.quick.accepts((x(),), {}, full=True)
-    contract._check_in_full((x(),), {}, full=True)  # passes too
+        contract.check((claims_static,), {}, mode=FULL)  # copied in, whatever it claims
+    assert contract.quick.accepts((claims_static,), {}, full=True)

@@ -824,17 +824,55 @@ def test_train_step_timer_marks_each_iteration(probe, clock):
     assert session.iterations[0].seconds == 0.5
 
 
-def test_train_step_timer_marks_the_step_for_the_replay_contracts(probe, clock):
+def _train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                forward_backward_func, iteration=None):
+    """Megatron 0.19's train_step signature: around the schedule, work of its own (optimizer step ...)."""
+    before = model.step_now()
+    during = forward_backward_func()
+    return before, during, model.step_now()
+
+
+def test_train_step_timer_marks_only_the_schedule_for_the_replay_contracts(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
-    seen = []
-    step = patch_builders.build_train_step_timer(lambda: seen.append(session.step_marks.step_now()), session)
-    step()
-    step()
-    assert None not in seen and seen[0] != seen[1]  # inside a step, a different one each time
-    assert session.step_marks.step_now() is None
+    marks = session.step_marks
+    step = patch_builders.build_train_step_timer(_train_step, session)
+    first = step(None, None, marks, None, None, None, marks.step_now, iteration=3)
+    second = step(None, None, marks, None, None, None, forward_backward_func=marks.step_now)
+    assert first[0] is None and first[2] is None  # before and after the schedule: outside the step
+    assert None not in (first[1], second[1]) and first[1] != second[1]  # inside it, a different one each time
     with pytest.raises(ZeroDivisionError):
-        patch_builders.build_train_step_timer(lambda: 1 / 0, session)()
-    assert session.step_marks.step_now() is None  # a step that raised has ended too
+        step(None, None, marks, None, None, None, lambda: 1 / 0)
+    assert marks.step_now() is None  # a schedule that raised has ended too
+
+
+def test_a_forward_of_a_wrapped_train_step_after_its_schedule_reads_the_held_state(probe, clock):
+    # A train_step of one's own (installed before the plugin) that moves a parameter and runs a forward after
+    # Megatron's schedule: Megatron marks that forward as a later microbatch; it is outside the step's marks.
+    import torch
+    from megatron_cg_plugin.capture.contracts import ContractViolation, ReplayContract
+    from megatron_cg_plugin.config import ContractCheck
+
+    session = RunSession(PluginConfig(), probe=probe, clock=clock)
+    weight = torch.nn.Parameter(torch.ones(3))
+    contract = ReplayContract.record("g", (torch.zeros(2),), {}, params=[("w", weight)],
+                                     step_marks=session.step_marks)
+
+    def replay(first):
+        contract.check((torch.zeros(2),), {"is_first_microbatch": first}, mode=ContractCheck.FULL)
+
+    def schedule():
+        for first in (True, False, True, False):  # the first step learns, the second skips
+            replay(first)
+
+    def users_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                         forward_backward_func, iteration=None):
+        forward_backward_func()
+        weight.data = torch.ones(3)
+        replay(False)
+
+    step = patch_builders.build_train_step_timer(users_train_step, session)
+    with pytest.raises(ContractViolation, match="parameter storage"):
+        step(None, None, None, None, None, None, schedule)
 
 
 def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
