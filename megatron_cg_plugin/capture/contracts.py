@@ -20,8 +20,8 @@ So a contract compares only what changes a replay's result or safety:
   its collection once per check (s90 counted a lookup call per group, 276 a step for 12 replays of
   the Llama-like model). Every check in full mode reads them, but for one case: under Megatron's
   DDP, with the plugin's step marks given, the quick accept skips them on the later microbatches of
-  a schedule run whose first microbatch found them as captured (``QuickAccept``). Megatron-FSDP frees and regathers
-  parameters around each forward, so there they may move between microbatches.
+  a schedule run whose first microbatch found them as captured (``QuickAccept``). Megatron-FSDP
+  frees and regathers parameters around each forward, so there they may move between microbatches.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other. A violation names the graph, the field, the captured and the actual value.
 """

@@ -3,9 +3,7 @@ source "$(dirname "$0")/../../real-users-2026-12-01/drivers/common.sh"
 # 0.1 ms. (a) in-step timing of every check, counts of quick accepts / full checks / learns, GC per arm;
 # (b) the plugin arm as a bound copy like plugin-no-check's, so the two differ in the check alone.
 D="python3 docs/results/session-2026-12-04/drivers/diag.py bench --bench-no-plot --bench-interleave steps --bench-skip-steps 4"
-LLAMA="--cg-preset tiny-gpt --num-layers 3 --hidden-size 512 --ffn-hidden-size 1408 --num-attention-heads 8
-  --group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights
-  --disable-bias-linear --seq-length 512 --max-position-embeddings 512 --cuda-graph-impl transformer_engine"
+source "$(dirname "$0")/llama.sh"
 export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
 DIAG_TIME=1 DIAG_OUT=$F/timed.json MASTER_PORT=29991 timeout 200 $D --bench-out $F/timed \
   --bench-arms plugin,plugin-no-check --bench-cycles 3000 --bench-seconds 80 $LLAMA > $F/timed.log 2>&1
