@@ -430,7 +430,7 @@ class PluginHelperMixin:
     def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck, *,
                         step_marks: StepMarks | None = None) -> Callable:
         contract = ReplayContract.record(name, args, kwargs, module=layer, step_marks=step_marks)
-        check = functools.partial(contract.check, mode=mode)  # no frame of its own on the replay's path
+        check = contract.replay_check(mode)
         check.contract = contract  # type: ignore[attr-defined]  # for diagnostics: what the replay is held to
         return check
 

@@ -38,6 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.bank_router import group_label
+from megatron_cg_plugin.capture.tensor_match import TensorMatch, tensor_match
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.step_marks import StepMarks
 
@@ -195,8 +196,6 @@ def _groups_of(module: Any) -> tuple[Held, ...]:
     return tuple(Held(name, group, groups_now) for name, group in process_groups_of(module))
 
 
-_FULL_META = operator.attrgetter("shape", "dtype", "device", "requires_grad")
-_SHAPES_META = operator.attrgetter("shape", "dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -206,17 +205,29 @@ def _plain_data_ptr(types: Iterable[type]) -> bool:
     return all(kind.data_ptr is _DATA_PTR for kind in types)
 
 
-@dataclasses.dataclass(frozen=True)
-class _CallShape:
-    """How replays call a graph, learned from a call the full check passed: the keyword names in
-    order, every value's type (so which are None, tensors or other values), where the tensors are
-    (in the order of the contract's static inputs) and the other values the contract holds."""
+def _picker(positions: Sequence[int]) -> Callable[[tuple], tuple]:
+    """The values at ``positions`` of a tuple, as a tuple, in one C call (a one-element slice for one)."""
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallShape:
+    """How replays call a graph, learned from a call the full check passed. A call's values are its
+    positional arguments, then its keyword values in order; of them ``tensors_of`` picks the tensors
+    (in the order of the contract's static inputs), ``others_of`` every other value but the
+    replay-only keywords (None, or a control value), ``controls_of`` the control values."""
+
+    positional: int
     keys: tuple[str, ...]
-    types: tuple[type, ...]
-    tensor_at: tuple[int, ...]
-    control_at: tuple[int, ...]
+    tensors_of: Callable[[tuple], tuple]
+    tensors_match: TensorMatch  # their type, shape, dtype, device and requires_grad: the learned call's
+    others_of: Callable[[tuple], tuple]
+    other_types: tuple[type, ...]
+    controls_of: Callable[[tuple], tuple] | None  # None: no control values
     controls: tuple[Any, ...]
+    full: bool  # learned from a check in full mode (a call passed in shapes mode vouches for no more)
 
 
 class QuickAccept:
@@ -227,23 +238,25 @@ class QuickAccept:
     Why: inside a training step, where its code and objects are out of cache, the full check cost
     the Llama-like model 2.4% of its step (s93, against the plugin without checks; ~30 us a layer
     replay on the fastest cycles, where a loop of checks takes ~10 us each). This one makes few
-    distinct calls, each over all of a kind at once: the call's keywords and types in two tuple
-    comparisons, the tensors' metadata in one, the parameters in one ``map``, the groups by identity.
+    distinct calls, each over all of a kind at once: the call's keywords in one tuple comparison,
+    the tensors' metadata in one call (``tensor_match.py``), the other values' types in one
+    comparison, the addresses in one ``map``, the parameters in one ``map``, the groups by identity.
 
     It accepts only calls the full check passes, but for the held state it may skip within a step
     (below). Each comparison holds a call to what a call the full check passed (the learned one)
     had, or to something stricter:
-    - keywords, value types and control values equal to the learned call's: the same leaves under
-      the same names, tensors where tensors were, the captured control values;
-    - tensor metadata equal to the learned call's (after a full check in full mode; the captured
-      one's before);
+    - the positional count, the keywords in order and the other values' types equal to the learned
+      call's, and its control values (in full mode): the same leaves under the same names, tensors
+      where tensors were, None where None was, the captured control values;
+    - each tensor's type, shape, dtype, device and ``requires_grad`` equal to the learned call's;
     - an input at its static buffer's address: that buffer alive and the captured strides exactly;
       any other input: its storage none of the live static buffers' (those alive when it learned:
       a buffer alive now was alive then), which is the full check's alias rule;
     - parameters of the learned types at their captured addresses, read with ``torch.Tensor.data_ptr``
       only where that is every learned type's own (else a parameter's check is left to the full one);
     - each group collection holding, under the same names, the objects of the last full check.
-    Calls with list, tuple or dict arguments (leaves named by place) are left to the full check.
+    Calls with list, tuple or dict arguments (leaves named by place), and tensor types with a
+    ``data_ptr`` of their own, are left to the full check.
 
     Parameters and groups (held state) are read on every replay, but for one case. With
     ``step_marks`` given (the caller does so for a model wrapped in Megatron's DDP), a replay marked
@@ -262,9 +275,8 @@ class QuickAccept:
     later microbatch), on a graph never replayed as a first microbatch (one per microbatch under
     pipelining: only graph 0 sees ``True``), and on calls without the keyword."""
 
-    __slots__ = ("inputs", "statics", "metas_full", "metas_shapes", "live_storages", "parameter_ptrs",
-                 "parameter_types", "parameters_now", "group_sources", "call", "groups_seen",
-                 "step_marks", "held_at_step")
+    __slots__ = ("inputs", "statics", "static_ptrs", "live_storages", "parameter_ptrs", "parameter_types",
+                 "parameters_now", "group_sources", "call", "groups_seen", "step_marks", "held_at_step")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
                  process_groups: tuple[Held, ...], *, step_marks: StepMarks | None = None) -> None:
@@ -272,8 +284,7 @@ class QuickAccept:
         self.held_at_step: int | None = None  # the step whose first microbatch found the held state as captured
         self.inputs = inputs
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
-        self.metas_full = tuple((s.spec.shape, s.spec.dtype, s.spec.device, s.spec.requires_grad) for s in self.statics)
-        self.metas_shapes = tuple((s.spec.shape, s.spec.dtype) for s in self.statics)
+        self.static_ptrs = frozenset(static.data_ptr for static in self.statics)
         self.live_storages: frozenset[int] = frozenset()
         self.parameter_ptrs = tuple(held.captured for held in parameters)
         self.parameter_types: tuple[type, ...] | None = None  # learned by a full check
@@ -283,13 +294,14 @@ class QuickAccept:
         self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
 
     def learn(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
-        """After the full check passed this call: its shape and the static buffers alive now; in full
-        mode also its tensors' metadata, its parameters' types, its groups' collections and (on a
-        step's first microbatch) the step whose later microbatches may skip them."""
+        """After the full check passed this call: its shape, its tensors' metadata and the static
+        buffers alive now; in full mode also its parameters' types, its groups' collections and (on
+        a step's first microbatch) the step whose later microbatches may skip them."""
         values = (*args, *kwargs.values())
         if any(isinstance(value, (list, tuple, dict)) for value in values):
             return  # leaves named by place: the full check's walk
-        names = [f"arg{i}" for i in range(len(args))] + [_keyword_leaf(key, value) for key, value in kwargs.items()]
+        keys = [f"arg{i}" for i in range(len(args))] + list(kwargs)
+        names = keys[:len(args)] + [_keyword_leaf(key, value) for key, value in kwargs.items()]
         where = {name: position for position, name in enumerate(names) if name is not None}
         tensor_at, control_at, controls = [], [], []
         for name, expected in self.inputs:
@@ -301,39 +313,39 @@ class QuickAccept:
         tensors = tuple(map(values.__getitem__, tensor_at))
         if not _plain_data_ptr(map(type, tensors)):
             return  # a tensor type with its own data_ptr: the full check calls it
-        self.call = _CallShape(tuple(kwargs), tuple(map(type, values)), tuple(tensor_at),
-                               tuple(control_at), tuple(controls))
+        # What the full check just passed: a graph captured with a gradient replayed without one is
+        # accepted from now on, not sent to the full check on every replay.
+        other_at = [position for position, key in enumerate(keys)
+                    if position not in tensor_at and key not in REPLAY_ONLY_KWARGS]
+        self.call = _CallShape(len(args), tuple(kwargs), _picker(tensor_at), tensor_match(tensors),
+                               _picker(other_at), tuple(type(values[position]) for position in other_at),
+                               _picker(control_at) if control_at else None, tuple(controls), full)
         self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
         # the full check read the held state only in full mode
         self.held_at_step = self._held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
         if full:
-            # What the full check just passed: a graph captured with a gradient replayed without one
-            # is accepted here from now on, not sent to the full check on every replay.
-            self.metas_full = tuple(map(_FULL_META, tensors))
             parameter_types = tuple(map(type, self.parameters_now()))
             self.parameter_types = parameter_types if _plain_data_ptr(parameter_types) else None
             seen = [source() for source in self.group_sources]
             self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
 
-    def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> bool:
+    def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], full: bool) -> bool:
         first = kwargs.get(FIRST_MICROBATCH)
         if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet
             self.held_at_step = None
         call = self.call
-        if call is None or tuple(kwargs) != call.keys:  # with the types' count, the positional count too
+        if call is None or len(args) != call.positional or tuple(kwargs) != call.keys or (full and not call.full):
             return False
         values = (*args, *kwargs.values())
-        if tuple(map(type, values)) != call.types:
+        tensors = call.tensors_of(values)
+        if not call.tensors_match(*tensors) or tuple(map(type, call.others_of(values))) != call.other_types:
             return False
-        tensors = tuple(map(values.__getitem__, call.tensor_at))
         if not full:
-            return tuple(map(_SHAPES_META, tensors)) == self.metas_shapes
-        if tuple(map(_FULL_META, tensors)) != self.metas_full:
-            return False
-        if call.control_at:
+            return True
+        if call.controls_of is not None:
             try:
                 # captured on the left, as the full check compares them (an __eq__ need not be symmetric)
-                if not call.controls == tuple(map(values.__getitem__, call.control_at)):
+                if not call.controls == call.controls_of(values):
                     return False
             except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors
                 return False
@@ -355,7 +367,10 @@ class QuickAccept:
 
     def _memory_accepts(self, tensors: tuple[torch.Tensor, ...]) -> bool:
         """Read in place: the captured strides exactly; copied in: not in a live static buffer's storage."""
-        for tensor, ptr, static in zip(tensors, map(_DATA_PTR, tensors), self.statics):
+        ptrs = tuple(map(_DATA_PTR, tensors))
+        if self.static_ptrs.isdisjoint(ptrs):  # all copied in (the usual case): the storages at once
+            return self.live_storages.isdisjoint(map(_storage_ptr, tensors))
+        for tensor, ptr, static in zip(tensors, ptrs, self.statics):
             if ptr == static.data_ptr:
                 if static.buffer() is None or tensor.stride() != static.spec.stride:
                     return False
@@ -435,11 +450,21 @@ class ReplayContract:
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, mode: ContractCheck) -> None:
         """Raises ``ContractViolation`` on the first difference. ``SHAPES`` checks the arguments and
         tensor shape and dtype; ``FULL`` everything in the module docstring; ``OFF`` nothing."""
+        if mode != ContractCheck.OFF:
+            self.check_as(mode != ContractCheck.SHAPES, args, kwargs)
+
+    def replay_check(self, mode: ContractCheck) -> functools.partial:
+        """``check`` with ``mode`` bound, for the replay's path: ``check(args, kwargs)``. Bound
+        positionally, so a call merges no keywords (each costs inside a step)."""
         if mode == ContractCheck.OFF:
-            return
-        full = mode != ContractCheck.SHAPES  # any mode but these two is checked in full: fail closed
+            return functools.partial(_unchecked)
+        return functools.partial(self.check_as, mode != ContractCheck.SHAPES)
+
+    def check_as(self, full: bool, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """The quick accept, else the full check (``full``: in full mode; any mode but ``SHAPES`` and
+        ``OFF`` is checked in full: fail closed), which then teaches the quick accept the call."""
         quick = self.quick
-        if quick is not None and quick.accepts(args, kwargs, full=full):
+        if quick is not None and quick.accepts(args, kwargs, full):
             return
         self._check_in_full(args, kwargs, full=full)
         if quick is not None:
@@ -497,6 +522,10 @@ class ReplayContract:
             sharing = self.static_by_storage.get(_storage_ptr(value))
             if sharing and any(static.alive for static in sharing):
                 raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
+
+
+def _unchecked(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """``--cg-contract-check off``."""
 
 
 def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:
