@@ -15,7 +15,7 @@ Two implementations, the first where it passes a probe of those guarantees:
 
 Why: inside a training step each read of the replay check costs several times what it does in a
 loop (s95: 37 us a Llama-like layer replay, where a loop takes 8); on the CPU stand-in the Python
-tuples took 13 us of a 47 us check, torch's guards 6 (s97)."""
+tuples took 13 us of a 47 us check, torch's guards 5 (s98)."""
 
 from __future__ import annotations
 
