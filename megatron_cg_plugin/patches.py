@@ -11,8 +11,6 @@ each exists.
 - ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
 - ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
   ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
-- ``PROBED_API``: private functions used only where a probe at first use finds them doing what is
-  relied on, with a public way otherwise; never refused, since nothing depends on them.
 
 The ledger and the mechanics that apply it (``PatchSet``, ``lend``, ``scoped``) depend on ``compat``
 only, so any module may make its change through them; what each patch builds lives above the
@@ -411,14 +409,6 @@ PRIVATE_API: tuple[ForeignState, ...] = (
     ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
                  "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/backend.py",
                  needs_te=True),
-)
-
-PROBED_API: tuple[ForeignState, ...] = (
-    ForeignState("torch-tensor-guards", "torch:_C._dynamo.guards.TensorGuards",
-                 "the quick accept compares a replay's tensors with a passed call's (type, shape, dtype, device, "
-                 "requires_grad) in one C++ call, where inside a training step the Python reads cost several times "
-                 "more; _torch_guards_hold probes each of those differences once a process, else Python tuples.",
-                 "capture/tensor_match.py"),
 )
 
 _ABSENT = object()  # scoped: the owner had no value of its own

@@ -38,7 +38,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.bank_router import group_label
-from megatron_cg_plugin.capture.tensor_match import TensorMatch, tensor_match
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.step_marks import StepMarks
 
@@ -196,6 +195,7 @@ def _groups_of(module: Any) -> tuple[Held, ...]:
     return tuple(Held(name, group, groups_now) for name, group in process_groups_of(module))
 
 
+_META = operator.attrgetter("shape", "dtype", "device", "requires_grad")  # as the full check reads them
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -215,16 +215,16 @@ def _picker(positions: Sequence[int]) -> Callable[[tuple], tuple]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _CallShape:
     """How replays call a graph, learned from a call the full check passed. A call's values are its
-    positional arguments, then its keyword values in order; of them ``tensors_of`` picks the tensors
-    (in the order of the contract's static inputs), ``others_of`` every other value but the
-    replay-only keywords (None, or a control value), ``controls_of`` the control values."""
+    positional arguments, then its keyword values in order; of them ``typed_of`` picks every value but
+    the replay-only keywords (tensors, None and control values), ``tensors_of`` the tensors (in the
+    order of the contract's static inputs), ``controls_of`` the control values."""
 
     positional: int
     keys: tuple[str, ...]
+    typed_of: Callable[[tuple], tuple]
+    types: tuple[type, ...]
     tensors_of: Callable[[tuple], tuple]
-    tensors_match: TensorMatch  # their type, shape, dtype, device and requires_grad: the learned call's
-    others_of: Callable[[tuple], tuple]
-    other_types: tuple[type, ...]
+    metas: tuple[tuple[Any, ...], ...]  # the tensors' shape, dtype, device and requires_grad
     controls_of: Callable[[tuple], tuple] | None  # None: no control values
     controls: tuple[Any, ...]
     full: bool  # learned from a check in full mode (a call passed in shapes mode vouches for no more)
@@ -239,16 +239,18 @@ class QuickAccept:
     the Llama-like model 2.4% of its step (s93, against the plugin without checks; ~30 us a layer
     replay on the fastest cycles, where a loop of checks takes ~10 us each). This one makes few
     distinct calls, each over all of a kind at once: the call's keywords in one tuple comparison,
-    the tensors' metadata in one call (``tensor_match.py``), the other values' types in one
-    comparison, the addresses in one ``map``, the parameters in one ``map``, the groups by identity.
+    the values' types in one, the tensors' metadata in one, the addresses in one ``map``, the
+    parameters in one ``map``, the groups by identity. Metadata is read through the tensor's Python
+    attributes, as the full check reads it (s98 tried torch's C++ tensor guards: a subclass's own
+    ``dtype`` or ``requires_grad`` went unseen, and a nested tensor aborted the process).
 
     It accepts only calls the full check passes, but for the held state it may skip within a step
     (below). Each comparison holds a call to what a call the full check passed (the learned one)
     had, or to something stricter:
-    - the positional count, the keywords in order and the other values' types equal to the learned
-      call's, and its control values (in full mode): the same leaves under the same names, tensors
-      where tensors were, None where None was, the captured control values;
-    - each tensor's type, shape, dtype, device and ``requires_grad`` equal to the learned call's;
+    - the positional count, the keywords in order and the values' types equal to the learned call's,
+      and its control values (in full mode): the same leaves under the same names, tensors of the
+      same types where tensors were, None where None was, the captured control values;
+    - each tensor's shape, dtype, device and ``requires_grad`` equal to the learned call's;
     - an input at its static buffer's address: that buffer alive and the captured strides exactly;
       any other input: its storage none of the live static buffers' (those alive when it learned:
       a buffer alive now was alive then), which is the full check's alias rule;
@@ -313,13 +315,13 @@ class QuickAccept:
         tensors = tuple(map(values.__getitem__, tensor_at))
         if not _plain_data_ptr(map(type, tensors)):
             return  # a tensor type with its own data_ptr: the full check calls it
-        # What the full check just passed: a graph captured with a gradient replayed without one is
-        # accepted from now on, not sent to the full check on every replay.
-        other_at = [position for position, key in enumerate(keys)
-                    if position not in tensor_at and key not in REPLAY_ONLY_KWARGS]
-        self.call = _CallShape(len(args), tuple(kwargs), _picker(tensor_at), tensor_match(tensors),
-                               _picker(other_at), tuple(type(values[position]) for position in other_at),
-                               _picker(control_at) if control_at else None, tuple(controls), full)
+        typed_at = [position for position, key in enumerate(keys) if key not in REPLAY_ONLY_KWARGS]
+        # The metadata the full check just passed: a graph captured with a gradient replayed without
+        # one is accepted from now on, not sent to the full check on every replay.
+        self.call = _CallShape(len(args), tuple(kwargs), _picker(typed_at),
+                               tuple(type(values[position]) for position in typed_at), _picker(tensor_at),
+                               tuple(map(_META, tensors)), _picker(control_at) if control_at else None,
+                               tuple(controls), full)
         self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
         # the full check read the held state only in full mode
         self.held_at_step = self._held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
@@ -337,8 +339,10 @@ class QuickAccept:
         if call is None or len(args) != call.positional or tuple(kwargs) != call.keys or (full and not call.full):
             return False
         values = (*args, *kwargs.values())
+        if tuple(map(type, call.typed_of(values))) != call.types:
+            return False
         tensors = call.tensors_of(values)
-        if not call.tensors_match(*tensors) or tuple(map(type, call.others_of(values))) != call.other_types:
+        if tuple(map(_META, tensors)) != call.metas:
             return False
         if not full:
             return True
