@@ -98,6 +98,9 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     return validate_args
 
 
+SCHEDULE = "forward_backward_func"  # train_step's argument: Megatron's schedule, one step's microbatches
+
+
 def build_train_step_timer(original: Callable, session: Any) -> Callable:
     """Marks each iteration's start, and hands ``train_step`` its schedule (``forward_backward_func``)
     entering the session's step marks around each call, for the replay contracts (the bench's
@@ -116,9 +119,6 @@ def build_train_step_timer(original: Callable, session: Any) -> Callable:
         return original(*args, **kwargs)
 
     return train_step
-
-
-SCHEDULE = "forward_backward_func"  # train_step's argument: Megatron's schedule, one step's microbatches
 
 
 def marked_schedule(schedule: Callable, marks: StepMarks) -> Callable:

@@ -153,7 +153,7 @@ class RunSession:
         self._logged: list[_Logged] = []
         self._read_upto = 0  # _logged[:_read_upto] hold host numbers only
         self._iteration_start: float | None = None
-        self.step_marks = StepMarks()  # entered by the train-step-timer patch around each train_step
+        self.step_marks = StepMarks()  # entered around each schedule run train_step makes (train-step-timer patch)
         self._pending_mtp: dict[str, Any] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
         self.prediction = RunPrediction()  # until the rules' check makes one (predict)

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from megatron_cg_plugin import bench_output, diagnostics, integration, patch_builders, patches, rules
-from megatron_cg_plugin.patch_builders import marked_schedule
 from megatron_cg_plugin.bench_output import (
     ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord,
     StepRecord, is_known_arm, is_slot_arm,
@@ -466,7 +465,7 @@ class MegatronTrainer:
 
         self.torch, self.training, self.args = torch, training, get_args()
         self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
-        _, data_iterator, self.model, self.optimizer, _, self.config, _ = step_args
+        _, data_iterator, self.model, self.optimizer, _, self.config, schedule = step_args
         if cached_microbatches:
             self.step_args = (step_args[0], cycled_microbatches(data_iterator, cached_microbatches), *step_args[2:])
         self.iteration = self.step_kwargs.pop("iteration", None) or 0
@@ -477,10 +476,9 @@ class MegatronTrainer:
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
         unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
-        schedule = self.step_args[6]
         if callable(schedule):  # the run's step marks, as the train-step-timer patch enters them: a script's
             # bench holds the bare train_step (the patch wraps the bench's own stand-in)
-            self.step_args = (*self.step_args[:6], marked_schedule(schedule, self._session.step_marks),
+            self.step_args = (*self.step_args[:6], patch_builders.marked_schedule(schedule, self._session.step_marks),
                               *self.step_args[7:])
         self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
                         UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
