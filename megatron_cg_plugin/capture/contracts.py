@@ -38,6 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.bank_router import group_label
+from megatron_cg_plugin.capture.accept_code import Accept, AcceptLayout, accept_function, refuse_all
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.step_marks import StepMarks
 
@@ -205,31 +206,6 @@ def _plain_data_ptr(types: Iterable[type]) -> bool:
     return all(kind.data_ptr is _DATA_PTR for kind in types)
 
 
-def _picker(positions: Sequence[int]) -> Callable[[tuple], tuple]:
-    """The values at ``positions`` of a tuple, as a tuple, in one C call (a one-element slice for one)."""
-    if len(positions) == 1:
-        return operator.itemgetter(slice(positions[0], positions[0] + 1))
-    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _CallShape:
-    """How replays call a graph, learned from a call the full check passed. A call's values are its
-    positional arguments, then its keyword values in order; of them ``typed_of`` picks every value but
-    the replay-only keywords (tensors, None and control values), ``tensors_of`` the tensors (in the
-    order of the contract's static inputs), ``controls_of`` the control values."""
-
-    positional: int
-    keys: tuple[str, ...]
-    typed_of: Callable[[tuple], tuple]
-    types: tuple[type, ...]
-    tensors_of: Callable[[tuple], tuple]
-    metas: tuple[tuple[Any, ...], ...]  # the tensors' shape, dtype, device and requires_grad
-    controls_of: Callable[[tuple], tuple] | None  # None: no control values
-    controls: tuple[Any, ...]
-    full: bool  # learned from a check in full mode (a call passed in shapes mode vouches for no more)
-
-
 class QuickAccept:
     """A cheaper test run before the full check on every replay. Anything it does not accept (a
     difference, or a case it does not cover) goes on to the full check, which decides, names what
@@ -237,12 +213,12 @@ class QuickAccept:
 
     Why: inside a training step, where its code and objects are out of cache, the full check cost
     the Llama-like model 2.4% of its step (s93, against the plugin without checks; ~30 us a layer
-    replay on the fastest cycles, where a loop of checks takes ~10 us each). This one makes few
-    distinct calls, each over all of a kind at once: the call's keywords in one tuple comparison,
-    the values' types in one, the tensors' metadata in one, the addresses in one ``map``, the
-    parameters in one ``map``, the groups by identity. Metadata is read through the tensor's Python
-    attributes, as the full check reads it (s98 tried torch's C++ tensor guards: a subclass's own
-    ``dtype`` or ``requires_grad`` went unseen, and a nested tensor aborted the process).
+    replay on the fastest cycles, where a loop of checks takes ~10 us each). Each learned call is
+    compiled into one function (``accept_code.py``) that unpacks the call's values and reads each
+    one directly: every distinct call costs inside a step, so it makes as few as it can. Metadata is
+    read through the tensor's Python attributes, as the full check reads it (s98 tried torch's C++
+    tensor guards: a subclass's own ``dtype`` or ``requires_grad`` went unseen, and a nested tensor
+    aborted the process).
 
     It accepts only calls the full check passes, but for the held state it may skip within a step
     (below). Each comparison holds a call to what a call the full check passed (the learned one)
@@ -252,8 +228,8 @@ class QuickAccept:
       same types where tensors were, None where None was, the captured control values;
     - each tensor's shape, dtype, device and ``requires_grad`` equal to the learned call's;
     - an input at its static buffer's address: that buffer alive and the captured strides exactly;
-      any other input: its storage none of the live static buffers' (those alive when it learned:
-      a buffer alive now was alive then), which is the full check's alias rule;
+      any other input: its storage none of the live static buffers' (when all are copied in, those
+      alive when it learned: a buffer alive now was alive then), which is the full check's alias rule;
     - parameters of the learned types at their captured addresses, read with ``torch.Tensor.data_ptr``
       only where that is every learned type's own (else a parameter's check is left to the full one);
     - each group collection holding, under the same names, the objects of the last full check.
@@ -277,8 +253,8 @@ class QuickAccept:
     later microbatch), on a graph never replayed as a first microbatch (one per microbatch under
     pipelining: only graph 0 sees ``True``), and on calls without the keyword."""
 
-    __slots__ = ("inputs", "statics", "static_ptrs", "live_storages", "parameter_ptrs", "parameter_types",
-                 "parameters_now", "group_sources", "call", "groups_seen", "step_marks", "held_at_step")
+    __slots__ = ("inputs", "statics", "static_ptrs", "parameter_ptrs", "parameter_types", "parameters_now",
+                 "group_sources", "accept", "groups_seen", "step_marks", "held_at_step")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
                  process_groups: tuple[Held, ...], *, step_marks: StepMarks | None = None) -> None:
@@ -287,12 +263,11 @@ class QuickAccept:
         self.inputs = inputs
         self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
         self.static_ptrs = frozenset(static.data_ptr for static in self.statics)
-        self.live_storages: frozenset[int] = frozenset()
         self.parameter_ptrs = tuple(held.captured for held in parameters)
         self.parameter_types: tuple[type, ...] | None = None  # learned by a full check
         self.parameters_now = _reader([held.lookup for held in parameters])
         self.group_sources = tuple(dict.fromkeys(held.lookup for held in process_groups))
-        self.call: _CallShape | None = None
+        self.accept: Accept = refuse_all  # compiled for each call learned (accept_code.py)
         self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
 
     def learn(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
@@ -315,14 +290,16 @@ class QuickAccept:
         tensors = tuple(map(values.__getitem__, tensor_at))
         if not _plain_data_ptr(map(type, tensors)):
             return  # a tensor type with its own data_ptr: the full check calls it
-        typed_at = [position for position, key in enumerate(keys) if key not in REPLAY_ONLY_KWARGS]
+        typed_at = tuple(position for position, key in enumerate(keys) if key not in REPLAY_ONLY_KWARGS)
+        live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
+        layout = AcceptLayout(len(args), tuple(kwargs), typed_at, tuple(tensor_at), tuple(control_at), full,
+                              reads_storages=bool(live_storages), step_marked=self.step_marks is not None)
         # The metadata the full check just passed: a graph captured with a gradient replayed without
         # one is accepted from now on, not sent to the full check on every replay.
-        self.call = _CallShape(len(args), tuple(kwargs), _picker(typed_at),
-                               tuple(type(values[position]) for position in typed_at), _picker(tensor_at),
-                               tuple(map(_META, tensors)), _picker(control_at) if control_at else None,
-                               tuple(controls), full)
-        self.live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
+        self.accept = accept_function(
+            layout, quick=self, first_keyword=FIRST_MICROBATCH, types=tuple(type(values[p]) for p in typed_at),
+            metas=tuple(field for tensor in tensors for field in _META(tensor)), controls=tuple(controls),
+            static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR)
         # the full check read the held state only in full mode
         self.held_at_step = self._held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
         if full:
@@ -332,36 +309,7 @@ class QuickAccept:
             self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
 
     def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], full: bool) -> bool:
-        first = kwargs.get(FIRST_MICROBATCH)
-        if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet
-            self.held_at_step = None
-        call = self.call
-        if call is None or len(args) != call.positional or tuple(kwargs) != call.keys or (full and not call.full):
-            return False
-        values = (*args, *kwargs.values())
-        if tuple(map(type, call.typed_of(values))) != call.types:
-            return False
-        tensors = call.tensors_of(values)
-        if tuple(map(_META, tensors)) != call.metas:
-            return False
-        if not full:
-            return True
-        if call.controls_of is not None:
-            try:
-                # captured on the left, as the full check compares them (an __eq__ need not be symmetric)
-                if not call.controls == call.controls_of(values):
-                    return False
-            except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors
-                return False
-        if not self._memory_accepts(tensors):
-            return False
-        held_at = self.held_at_step  # None unless first is False (reset above)
-        if held_at is not None and held_at == self.step_marks.step_now():
-            return True  # read at this step's first microbatch (class docstring)
-        if not self._held_accepts():
-            return False
-        self.held_at_step = self._held_step_after(first)
-        return True
+        return self.accept(args, kwargs, full)
 
     def _held_step_after(self, first_microbatch: Any) -> int | None:
         """The step whose later microbatches may skip the held state just found as captured on a
@@ -369,16 +317,15 @@ class QuickAccept:
         marks = self.step_marks
         return marks.step_now() if first_microbatch is True and marks is not None else None
 
-    def _memory_accepts(self, tensors: tuple[torch.Tensor, ...]) -> bool:
-        """Read in place: the captured strides exactly; copied in: not in a live static buffer's storage."""
-        ptrs = tuple(map(_DATA_PTR, tensors))
-        if self.static_ptrs.isdisjoint(ptrs):  # all copied in (the usual case): the storages at once
-            return self.live_storages.isdisjoint(map(_storage_ptr, tensors))
+    def _memory_in_place(self, tensors: tuple[torch.Tensor, ...], ptrs: tuple[int, ...]) -> bool:
+        """Where an input is at a static buffer's address: read in place, the captured strides exactly;
+        copied in, not in a live static buffer's storage. ``tensors`` in the static inputs' order."""
+        live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
         for tensor, ptr, static in zip(tensors, ptrs, self.statics):
             if ptr == static.data_ptr:
                 if static.buffer() is None or tensor.stride() != static.spec.stride:
                     return False
-            elif _storage_ptr(tensor) in self.live_storages:
+            elif _storage_ptr(tensor) in live_storages:
                 return False
         return True
 
@@ -457,22 +404,31 @@ class ReplayContract:
         if mode != ContractCheck.OFF:
             self.check_as(mode != ContractCheck.SHAPES, args, kwargs)
 
-    def replay_check(self, mode: ContractCheck) -> functools.partial:
-        """``check`` with ``mode`` bound, for the replay's path: ``check(args, kwargs)``. Bound
-        positionally, so a call merges no keywords (each costs inside a step)."""
+    def replay_check(self, mode: ContractCheck) -> Callable[[Sequence[Any], Mapping[str, Any]], None]:
+        """``check`` with ``mode`` bound, for the replay's path: ``check(args, kwargs)``. A closure that
+        calls the quick accept itself: each call on the way costs inside a step."""
         if mode == ContractCheck.OFF:
             return functools.partial(_unchecked)
-        return functools.partial(self.check_as, mode != ContractCheck.SHAPES)
+        full, quick, check_and_learn = mode != ContractCheck.SHAPES, self.quick, self._check_and_learn
+        if quick is None:
+            return functools.partial(check_and_learn, full)
+
+        def check(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+            if not quick.accept(args, kwargs, full):
+                check_and_learn(full, args, kwargs)
+
+        return check
 
     def check_as(self, full: bool, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """The quick accept, else the full check (``full``: in full mode; any mode but ``SHAPES`` and
         ``OFF`` is checked in full: fail closed), which then teaches the quick accept the call."""
-        quick = self.quick
-        if quick is not None and quick.accepts(args, kwargs, full):
-            return
+        if self.quick is None or not self.quick.accept(args, kwargs, full):
+            self._check_and_learn(full, args, kwargs)
+
+    def _check_and_learn(self, full: bool, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         self._check_in_full(args, kwargs, full=full)
-        if quick is not None:
-            quick.learn(args, kwargs, full=full)
+        if self.quick is not None:
+            self.quick.learn(args, kwargs, full=full)
 
     def _check_in_full(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
         actual = flatten_call(args, kwargs)

@@ -41,23 +41,35 @@ def on_gc(phase, info):
 
 gc.callbacks.append(on_gc)
 
-if os.environ.get("DIAG_TIME") == "1":
-    # The replay's entry: check_as since s98 (bound by replay_check), check before it.
-    entry = "check_as" if hasattr(contracts.ReplayContract, "check_as") else "check"
-    check = getattr(contracts.ReplayContract, entry)
-
-    def timed_check(self, *a, **k):
+def timed(check):
+    def timed_check(*a, **k):
         t0 = time.perf_counter_ns()
-        check(self, *a, **k)
+        check(*a, **k)
         t1 = time.perf_counter_ns()
-        check(self, *a, **k)
+        check(*a, **k)
         t2 = time.perf_counter_ns()
         samples[arm[0]]["in_step_ns"].append(t1 - t0)
         samples[arm[0]]["hot_ns"].append(t2 - t1)
+    return timed_check
 
-    setattr(contracts.ReplayContract, entry, timed_check)
-    for cls, name in ((contracts.QuickAccept, "accepts"), (contracts.QuickAccept, "learn"),
-                      (contracts.ReplayContract, "_check_in_full"), (contracts.QuickAccept, "_held_accepts")):
+
+if os.environ.get("DIAG_TIME") == "1":
+    if hasattr(contracts.QuickAccept, "accept"):  # s99 on: replay_check returns a closure over the compiled accept
+        replay_check = contracts.ReplayContract.replay_check
+
+        def timed_replay_check(self, mode):
+            return timed(replay_check(self, mode))
+
+        contracts.ReplayContract.replay_check = timed_replay_check
+        counted_methods = ((contracts.QuickAccept, "learn"), (contracts.ReplayContract, "_check_in_full"),
+                           (contracts.QuickAccept, "_held_accepts"))
+    else:  # the replay's entry: check_as since s98 (bound by replay_check), check before it
+        entry = "check_as" if hasattr(contracts.ReplayContract, "check_as") else "check"
+        check = getattr(contracts.ReplayContract, entry)
+        setattr(contracts.ReplayContract, entry, timed(check))
+        counted_methods = ((contracts.QuickAccept, "accepts"), (contracts.QuickAccept, "learn"),
+                           (contracts.ReplayContract, "_check_in_full"), (contracts.QuickAccept, "_held_accepts"))
+    for cls, name in counted_methods:
         def counted(*a, __f=getattr(cls, name), __n=name, **k):
             result = __f(*a, **k)
             stats[arm[0]][f"{__n}_{result}" if __n in ("accepts", "_held_accepts") else __n] += 1

@@ -1,0 +1,151 @@
+"""The quick accept of one learned call, compiled into one Python function (``QuickAccept.learn``).
+
+``accept_function(layout, ...)`` returns ``accept(args, kwargs, full) -> bool``, which makes the
+quick accept's comparisons (``contracts.QuickAccept``) with each value unpacked into a local and
+each read written out: ``type(v0) is t0``, ``(v0.shape, v0.dtype, ...) != metas``, and so on.
+
+Why: inside a training step each distinct call the check makes costs microseconds, whatever it
+reads (the code and objects it touches are out of cache). The quick accept before it read a call
+through tuples, ``map``s and ``itemgetter``s, a dozen calls a replay; on the CPU stand-in
+(``docs/results/session-2026-12-04b/drivers/insitu.py``) the compiled one, called from the replay
+check's closure, takes ~0.56x its time (session-2026-12-04c). The source depends on the call's
+layout only (how many values, which are tensors, which controls), so it is compiled once a layout;
+the learned values are bound into each function's closure."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+Accept = Callable[[Sequence[Any], dict, bool], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptLayout:
+    """Where a learned call's values are: its positional count, keywords in order, and the positions
+    (in ``(*args, *kwargs.values())``) of the values whose types are compared, of the tensors (in the
+    contract's static-input order) and of the control values (in the contract's input order)."""
+
+    positional: int
+    keys: tuple[str, ...]
+    typed: tuple[int, ...]
+    tensors: tuple[int, ...]
+    controls: tuple[int, ...]
+    full: bool  # learned in full mode: controls, memory and held state are compared too
+    reads_storages: bool  # static buffers were alive at learning: copied-in inputs' storages are read
+    step_marked: bool  # the held state may be skipped within a marked step (``QuickAccept``)
+
+
+def refuse_all(args: Sequence[Any], kwargs: dict, full: bool) -> bool:
+    """The accept before any call was learned."""
+    return False
+
+
+def accept_function(layout: AcceptLayout, *, quick: Any, first_keyword: str, types: tuple[type, ...],
+                    metas: tuple[Any, ...], controls: tuple[Any, ...], static_ptrs: frozenset[int],
+                    live_storages: frozenset[int], data_ptr: Callable[[Any], int]) -> Accept:
+    """``layout``'s accept over these learned values. ``quick`` keeps ``held_at_step`` and
+    ``step_marks`` and gives ``_memory_in_place`` and ``_held_accepts``. ``metas``: each tensor's
+    shape, dtype, device and ``requires_grad``, flattened."""
+    return _maker(layout, first_keyword)(quick, types, metas, controls, static_ptrs, live_storages, data_ptr)
+
+
+@functools.cache
+def _maker(layout: AcceptLayout, first_keyword: str) -> Callable[..., Accept]:
+    namespace: dict[str, Any] = {}
+    exec(compile(accept_source(layout, first_keyword), f"<quick accept {layout}>", "exec"), namespace)
+    return namespace["make"]
+
+
+def _tuple(items: Sequence[str]) -> str:
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
+def _targets(names: Sequence[str]) -> str:
+    """Assignment targets that unpack exactly ``len(names)`` values."""
+    return f"{names[0]}," if len(names) == 1 else ", ".join(names)
+
+
+def accept_source(layout: AcceptLayout, first_keyword: str) -> str:
+    """The source of ``make(...)``, which returns ``accept`` with the learned values as its closure.
+    Each test returns False at the first difference; types come before metadata (a non-tensor has
+    no shape to read)."""
+    count = layout.positional + len(layout.keys)
+    value = [f"v{position}" for position in range(count)]
+    tensors = [value[position] for position in layout.tensors]
+    body = [
+        f"first = kwargs.get({first_keyword!r})",
+        "if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet",
+        "    quick.held_at_step = None",
+    ]
+    if not layout.full:
+        body.append("if full:  # learned in shapes mode: vouches for no more")
+        body.append("    return False")
+    body.append(f"if len(args) != {layout.positional} or tuple(kwargs) != {layout.keys!r}:")
+    body.append("    return False")
+    if layout.positional:
+        body.append(f"{_targets(value[:layout.positional])} = args")
+    if layout.keys:
+        body.append(f"{_targets(value[layout.positional:])} = kwargs.values()")
+    if layout.typed:
+        body.append("if " + " or ".join(f"type({value[p]}) is not t{i}" for i, p in enumerate(layout.typed)) + ":")
+        body.append("    return False")
+    if tensors:
+        reads = [f"{tensor}.{field}" for tensor in tensors for field in ("shape", "dtype", "device", "requires_grad")]
+        body.append(f"if {_tuple(reads)} != metas:")
+        body.append("    return False")
+    if layout.full:
+        body.extend(_full_mode_source(layout, value, tensors))
+    else:
+        body.append("return True")
+    types = [f"t{i}" for i in range(len(layout.typed))]
+    unpack = [f"    {_targets(types)} = types"] if types else []
+    bound = []  # the methods full mode calls, looked up once
+    if layout.full:
+        bound.append("    memory_in_place, held_accepts = quick._memory_in_place, quick._held_accepts")
+    if layout.full and layout.step_marked:
+        bound.append("    step_now = quick.step_marks.step_now")
+    return "\n".join([
+        "def make(quick, types, metas, controls, static_ptrs, live_storages, data_ptr):",
+        *unpack,
+        *bound,
+        "    def accept(args, kwargs, full):",
+        *(f"        {line}" for line in body),
+        "    return accept",
+        "",
+    ])
+
+
+def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]) -> list[str]:
+    """What full mode compares past the metadata: controls, memory, then the held state."""
+    lines = ["if not full:", "    return True"]
+    if layout.controls:
+        lines += [
+            "try:  # captured on the left, as the full check compares them (an __eq__ need not be symmetric)",
+            f"    if not controls == {_tuple([value[p] for p in layout.controls])}:",
+            "        return False",
+            "except (RuntimeError, TypeError, ValueError):  # e.g. objects holding tensors",
+            "    return False",
+        ]
+    if tensors:
+        pointers = [f"p{i}" for i in range(len(tensors))]
+        lines.append(f"{_targets(pointers)} = {_tuple([f'data_ptr({t})' for t in tensors])}")
+        lines.append("if " + " or ".join(f"{p} in static_ptrs" for p in pointers) + ":  # one read in place")
+        lines.append(f"    if not memory_in_place({_tuple(tensors)}, {_tuple(pointers)}):")
+        lines.append("        return False")
+        if layout.reads_storages:  # all copied in (the usual case): not into a live static buffer's storage
+            lines.append("elif " + " or ".join(f"{t}.untyped_storage().data_ptr() in live_storages" for t in tensors)
+                         + ":")
+            lines.append("    return False")
+    if layout.step_marked:
+        lines += [
+            "held_at = quick.held_at_step  # None unless first is False (reset above)",
+            "if held_at is not None and held_at == step_now():",
+            "    return True  # read at this step's first microbatch (QuickAccept)",
+        ]
+    lines += ["if not held_accepts():", "    return False"]
+    if layout.step_marked:
+        lines.append("quick.held_at_step = step_now() if first is True else None")
+    lines.append("return True")
+    return lines
