@@ -18,7 +18,8 @@ KINDS = ("tensor", "tensor with grad", "vector", "none", "int", "str")
 
 def sample(kind: str):
     """A fresh value of ``kind``, equal in metadata (tensors) or value (controls) each time."""
-    return {"tensor": lambda: torch.zeros(4, 2, 3), "tensor with grad": lambda: torch.zeros(4, 2, 3, requires_grad=True),
+    return {"tensor": lambda: torch.zeros(4, 2, 3),
+            "tensor with grad": lambda: torch.zeros(4, 2, 3, requires_grad=True),
             "vector": lambda: torch.zeros(5, dtype=torch.float64), "none": lambda: None, "int": lambda: 3,
             "str": lambda: "causal"}[kind]()
 
