@@ -23,12 +23,12 @@ Accept = Callable[[Sequence[Any], dict, bool], bool]
 
 @dataclasses.dataclass(frozen=True)
 class AcceptLayout:
-    """Where a learned call's values are: its positional count, keywords in order, and the positions
+    """Where a learned call's values are: its positional and keyword counts, and the positions
     (in ``(*args, *kwargs.values())``) of the values whose types are compared, of the tensors (in the
     contract's static-input order) and of the control values (in the contract's input order)."""
 
     positional: int
-    keys: tuple[str, ...]
+    keywords: int  # their names are a learned value, not part of the source
     typed: tuple[int, ...]
     tensors: tuple[int, ...]
     controls: tuple[int, ...]
@@ -42,19 +42,21 @@ def refuse_all(args: Sequence[Any], kwargs: dict, full: bool) -> bool:
     return False
 
 
-def accept_function(layout: AcceptLayout, *, quick: Any, first_keyword: str, types: tuple[type, ...],
-                    metas: tuple[Any, ...], controls: tuple[Any, ...], static_ptrs: frozenset[int],
-                    live_storages: frozenset[int], data_ptr: Callable[[Any], int]) -> Accept:
-    """``layout``'s accept over these learned values. ``quick`` keeps ``held_at_step`` and
-    ``step_marks`` and gives ``_memory_in_place`` and ``_held_accepts``. ``metas``: each tensor's
+def accept_function(layout: AcceptLayout, state: Any, *, first_keyword: str, keys: tuple[str, ...],
+                    types: tuple[type, ...], metas: tuple[Any, ...], controls: tuple[Any, ...],
+                    static_ptrs: frozenset[int], live_storages: frozenset[int],
+                    data_ptr: Callable[[Any], int]) -> Accept:
+    """``layout``'s accept over these learned values. ``state`` (``contracts.QuickState``) keeps
+    ``held_at_step`` and ``step_marks`` and gives ``memory_in_place`` and ``held_accepts``; it must
+    not hold the function (a cycle). ``keys``: the keywords in order. ``metas``: each tensor's
     shape, dtype, device and ``requires_grad``, flattened."""
-    return _maker(layout, first_keyword)(quick, types, metas, controls, static_ptrs, live_storages, data_ptr)
+    return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr)
 
 
 @functools.cache
-def _maker(layout: AcceptLayout, first_keyword: str) -> Callable[..., Accept]:
+def _maker(layout: AcceptLayout) -> Callable[..., Accept]:
     namespace: dict[str, Any] = {}
-    exec(compile(accept_source(layout, first_keyword), f"<quick accept {layout}>", "exec"), namespace)
+    exec(compile(accept_source(layout), f"<quick accept {layout}>", "exec"), namespace)
     return namespace["make"]
 
 
@@ -67,26 +69,27 @@ def _targets(names: Sequence[str]) -> str:
     return f"{names[0]}," if len(names) == 1 else ", ".join(names)
 
 
-def accept_source(layout: AcceptLayout, first_keyword: str) -> str:
-    """The source of ``make(...)``, which returns ``accept`` with the learned values as its closure.
+def accept_source(layout: AcceptLayout) -> str:
+    """The source of ``make(...)``, which returns ``accept`` with the learned values as its closure:
+    the source holds counts and positions only, never a name or value from the call.
     Each test returns False at the first difference; types come before metadata (a non-tensor has
     no shape to read)."""
-    count = layout.positional + len(layout.keys)
+    count = layout.positional + layout.keywords
     value = [f"v{position}" for position in range(count)]
     tensors = [value[position] for position in layout.tensors]
     body = [
-        f"first = kwargs.get({first_keyword!r})",
+        "first = kwargs.get(first_keyword)",
         "if first is not False:  # a step's first microbatch (or no such mark): nothing read for it yet",
-        "    quick.held_at_step = None",
+        "    state.held_at_step = None",
     ]
     if not layout.full:
         body.append("if full:  # learned in shapes mode: vouches for no more")
         body.append("    return False")
-    body.append(f"if len(args) != {layout.positional} or tuple(kwargs) != {layout.keys!r}:")
+    body.append(f"if len(args) != {layout.positional} or tuple(kwargs) != keys:")
     body.append("    return False")
     if layout.positional:
         body.append(f"{_targets(value[:layout.positional])} = args")
-    if layout.keys:
+    if layout.keywords:
         body.append(f"{_targets(value[layout.positional:])} = kwargs.values()")
     if layout.typed:
         body.append("if " + " or ".join(f"type({value[p]}) is not t{i}" for i, p in enumerate(layout.typed)) + ":")
@@ -103,11 +106,11 @@ def accept_source(layout: AcceptLayout, first_keyword: str) -> str:
     unpack = [f"    {_targets(types)} = types"] if types else []
     bound = []  # the methods full mode calls, looked up once
     if layout.full:
-        bound.append("    memory_in_place, held_accepts = quick._memory_in_place, quick._held_accepts")
+        bound.append("    memory_in_place, held_accepts = state.memory_in_place, state.held_accepts")
     if layout.full and layout.step_marked:
-        bound.append("    step_now = quick.step_marks.step_now")
+        bound.append("    step_now = state.step_marks.step_now")
     return "\n".join([
-        "def make(quick, types, metas, controls, static_ptrs, live_storages, data_ptr):",
+        "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr):",
         *unpack,
         *bound,
         "    def accept(args, kwargs, full):",
@@ -140,12 +143,12 @@ def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]
             lines.append("    return False")
     if layout.step_marked:
         lines += [
-            "held_at = quick.held_at_step  # None unless first is False (reset above)",
+            "held_at = state.held_at_step  # None unless first is False (reset above)",
             "if held_at is not None and held_at == step_now():",
             "    return True  # read at this step's first microbatch (QuickAccept)",
         ]
     lines += ["if not held_accepts():", "    return False"]
     if layout.step_marked:
-        lines.append("quick.held_at_step = step_now() if first is True else None")
+        lines.append("state.held_at_step = step_now() if first is True else None")
     lines.append("return True")
     return lines

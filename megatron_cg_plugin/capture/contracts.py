@@ -253,22 +253,15 @@ class QuickAccept:
     later microbatch), on a graph never replayed as a first microbatch (one per microbatch under
     pipelining: only graph 0 sees ``True``), and on calls without the keyword."""
 
-    __slots__ = ("inputs", "statics", "static_ptrs", "parameter_ptrs", "parameter_types", "parameters_now",
-                 "group_sources", "accept", "groups_seen", "step_marks", "held_at_step")
+    __slots__ = ("inputs", "static_ptrs", "state", "accept")
 
     def __init__(self, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...],
                  process_groups: tuple[Held, ...], *, step_marks: StepMarks | None = None) -> None:
-        self.step_marks = step_marks
-        self.held_at_step: int | None = None  # the step whose first microbatch found the held state as captured
         self.inputs = inputs
-        self.statics = tuple(value for _, value in inputs if isinstance(value, StaticInput))
-        self.static_ptrs = frozenset(static.data_ptr for static in self.statics)
-        self.parameter_ptrs = tuple(held.captured for held in parameters)
-        self.parameter_types: tuple[type, ...] | None = None  # learned by a full check
-        self.parameters_now = _reader([held.lookup for held in parameters])
-        self.group_sources = tuple(dict.fromkeys(held.lookup for held in process_groups))
+        self.state = QuickState(tuple(value for _, value in inputs if isinstance(value, StaticInput)), parameters,
+                                process_groups, step_marks)
+        self.static_ptrs = frozenset(static.data_ptr for static in self.state.statics)
         self.accept: Accept = refuse_all  # compiled for each call learned (accept_code.py)
-        self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
 
     def learn(self, args: Sequence[Any], kwargs: Mapping[str, Any], *, full: bool) -> None:
         """After the full check passed this call: its shape, its tensors' metadata and the static
@@ -290,34 +283,62 @@ class QuickAccept:
         tensors = tuple(map(values.__getitem__, tensor_at))
         if not _plain_data_ptr(map(type, tensors)):
             return  # a tensor type with its own data_ptr: the full check calls it
+        state = self.state
         typed_at = tuple(position for position, key in enumerate(keys) if key not in REPLAY_ONLY_KWARGS)
-        live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
-        layout = AcceptLayout(len(args), tuple(kwargs), typed_at, tuple(tensor_at), tuple(control_at), full,
-                              reads_storages=bool(live_storages), step_marked=self.step_marks is not None)
+        live_storages = frozenset(s.storage_ptr for s in state.statics if s.alive)
+        layout = AcceptLayout(len(args), len(kwargs), typed_at, tuple(tensor_at), tuple(control_at), full,
+                              reads_storages=bool(live_storages), step_marked=state.step_marks is not None)
         # The metadata the full check just passed: a graph captured with a gradient replayed without
         # one is accepted from now on, not sent to the full check on every replay.
         self.accept = accept_function(
-            layout, quick=self, first_keyword=FIRST_MICROBATCH, types=tuple(type(values[p]) for p in typed_at),
+            layout, state, first_keyword=FIRST_MICROBATCH, keys=tuple(kwargs),
+            types=tuple(type(values[p]) for p in typed_at),
             metas=tuple(field for tensor in tensors for field in _META(tensor)), controls=tuple(controls),
             static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR)
         # the full check read the held state only in full mode
-        self.held_at_step = self._held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
+        state.held_at_step = state.held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
         if full:
-            parameter_types = tuple(map(type, self.parameters_now()))
-            self.parameter_types = parameter_types if _plain_data_ptr(parameter_types) else None
-            seen = [source() for source in self.group_sources]
-            self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
+            state.learn_held()
 
     def accepts(self, args: Sequence[Any], kwargs: Mapping[str, Any], full: bool) -> bool:
         return self.accept(args, kwargs, full)
 
-    def _held_step_after(self, first_microbatch: Any) -> int | None:
+
+class QuickState:
+    """What a quick accept's compiled function reads besides the call: the static buffers, the held
+    state as the last full check found it, and the step whose later microbatches may skip it (the one
+    thing the function writes). The function holds this, not its ``QuickAccept`` (which holds the
+    function), so no reference cycle keeps a dropped contract's parameters alive until the cyclic
+    collector runs (Megatron's ``--manual-gc`` turns it off)."""
+
+    __slots__ = ("statics", "step_marks", "held_at_step", "parameter_ptrs", "parameter_types", "parameters_now",
+                 "group_sources", "groups_seen")
+
+    def __init__(self, statics: tuple[StaticInput, ...], parameters: tuple[Held, ...],
+                 process_groups: tuple[Held, ...], step_marks: StepMarks | None) -> None:
+        self.statics = statics
+        self.step_marks = step_marks
+        self.held_at_step: int | None = None  # the step whose first microbatch found the held state as captured
+        self.parameter_ptrs = tuple(held.captured for held in parameters)
+        self.parameter_types: tuple[type, ...] | None = None  # learned by a full check
+        self.parameters_now = _reader([held.lookup for held in parameters])
+        self.group_sources = tuple(dict.fromkeys(held.lookup for held in process_groups))
+        self.groups_seen: tuple[tuple[tuple[str, ...], tuple[Any, ...]], ...] | None = None
+
+    def learn_held(self) -> None:
+        """The parameters' types and the group collections, as a full check just found them."""
+        parameter_types = tuple(map(type, self.parameters_now()))
+        self.parameter_types = parameter_types if _plain_data_ptr(parameter_types) else None
+        seen = [source() for source in self.group_sources]
+        self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
+
+    def held_step_after(self, first_microbatch: Any) -> int | None:
         """The step whose later microbatches may skip the held state just found as captured on a
         replay with this ``is_first_microbatch``: a first microbatch's, inside a marked step."""
         marks = self.step_marks
         return marks.step_now() if first_microbatch is True and marks is not None else None
 
-    def _memory_in_place(self, tensors: tuple[torch.Tensor, ...], ptrs: tuple[int, ...]) -> bool:
+    def memory_in_place(self, tensors: tuple[torch.Tensor, ...], ptrs: tuple[int, ...]) -> bool:
         """Where an input is at a static buffer's address: read in place, the captured strides exactly;
         copied in, not in a live static buffer's storage. ``tensors`` in the static inputs' order."""
         live_storages = frozenset(s.storage_ptr for s in self.statics if s.alive)
@@ -329,7 +350,7 @@ class QuickAccept:
                 return False
         return True
 
-    def _held_accepts(self) -> bool:
+    def held_accepts(self) -> bool:
         """Parameters of the learned types at their captured addresses; each group collection holding
         the objects of the last full check under the same names, so ``get(name)`` finds what the full
         check found: the captured group."""

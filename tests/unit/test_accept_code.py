@@ -168,10 +168,46 @@ def test_the_replay_check_refuses_through_the_compiled_accept_and_names_the_fiel
 
 
 def test_a_layout_is_compiled_once():
-    layout = accept_code.AcceptLayout(1, ("k0",), (0, 1), (0,), (1,), True, reads_storages=True, step_marked=False)
-    assert accept_code._maker(layout, FIRST_MICROBATCH) is accept_code._maker(layout, FIRST_MICROBATCH)
+    layout = accept_code.AcceptLayout(1, 1, (0, 1), (0,), (1,), True, reads_storages=True, step_marked=False)
+    assert accept_code._maker(layout) is accept_code._maker(layout)
     first, second = Call(["tensor"], ["int"], False), Call(["tensor"], ["int"], False)
     for call in (first, second):
         call.contract.check(*call.fresh(), mode=ContractCheck.FULL)
     assert first.contract.quick.accept.__code__ is second.contract.quick.accept.__code__
     assert first.contract.quick.accepts(*first.fresh(), True) and second.contract.quick.accepts(*second.fresh(), True)
+
+
+def test_keywords_in_another_order_are_refused_even_where_each_value_fits_a_place():
+    # The values are unpacked by place: b's value read where a's was learned would pass a's tests.
+    static_a, static_b = torch.zeros(4, 2, 3), torch.zeros(4, 2, 3)
+    contract = ReplayContract.record("g", (), {"a": static_a, "b": static_b}, step_marks=None)
+    for _ in range(2):
+        contract.check((), {"a": torch.zeros(4, 2, 3), "b": torch.zeros(4, 2, 3)}, mode=ContractCheck.FULL)
+    swapped = {"b": static_a, "a": torch.zeros(4, 2, 3)}  # a's static buffer given as b
+    assert not contract.quick.accepts((), swapped, True)
+    with pytest.raises(ContractViolation) as info:
+        contract.check((), swapped, mode=ContractCheck.FULL)
+    assert info.value.field == "alias"
+
+
+class OddKey(str):
+    """A keyword whose ``repr`` is code that runs, were it pasted into the accept's source."""
+
+    def __repr__(self) -> str:
+        return f"__import__('builtins').__dict__.setdefault({RAN!r}, 'mask')"
+
+
+RAN = "odd_key_repr_ran"
+
+
+@pytest.mark.parametrize("key", [OddKey("mask"), "it's\n\"odd\"", "\\"], ids=["repr is code", "quotes", "backslash"])
+def test_any_keyword_name_is_taken_as_a_value_not_as_source(key):
+    import builtins
+
+    static = torch.zeros(2)  # kept, as TE keeps its static buffers: a fresh tensor cannot land at its address
+    contract = ReplayContract.record("g", (static,), {key: 3}, step_marks=None)
+    for _ in range(2):
+        contract.check((torch.zeros(2),), {key: 3}, mode=ContractCheck.FULL)
+    assert contract.quick.accepts((torch.zeros(2),), {key: 3}, True)
+    assert not contract.quick.accepts((torch.zeros(2),), {key + "x": 3}, True)
+    assert vars(builtins).pop(RAN, None) is None

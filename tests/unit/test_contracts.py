@@ -459,6 +459,10 @@ def _inside_a_static_buffer(call):  # a copied input starting inside rope's buff
     return (x(requires_grad=True),), call.kwargs(call.rope.as_strided((4, 1, 1, 2), (0, 0, 0, 1), 1))
 
 
+def _inside_one_read_in_place(call):  # hidden read in place, rope copied from inside hidden's buffer
+    return (call.hidden,), call.kwargs(call.hidden.detach().as_strided((4, 1, 1, 2), (0, 0, 0, 1), 1))
+
+
 def _new_parameter(call):
     call.layer.norm.bias = torch.nn.Parameter(torch.zeros(3))
     return call.fresh()
@@ -510,6 +514,7 @@ REFUSED = {
     "control": lambda call: call.fresh(window=5),
     "stride": _relaid_in_place,
     "alias": _inside_a_static_buffer,
+    "alias (beside an input read in place)": _inside_one_read_in_place,
     "parameter storage (a new parameter)": _new_parameter,
     "parameter storage (moved)": _moved_parameter,
     "process group (swapped)": _swapped_group,
@@ -560,9 +565,9 @@ def test_a_freed_static_buffers_address_is_left_to_the_full_check():
     call = MegatronCall()
     contract = call.contract
     contract.check(*call.fresh(), mode=FULL)
-    static = contract.quick.statics[0]
+    static = contract.quick.state.statics[0]
     dead = contracts.StaticInput(static.spec, static.data_ptr, static.storage_ptr, lambda: None)
-    contract.quick.statics = (dead, *contract.quick.statics[1:])
+    contract.quick.state.statics = (dead, *contract.quick.state.statics[1:])
     assert not contract.quick.accepts((call.hidden,), call.fresh()[1], full=True)
 
 
@@ -696,7 +701,7 @@ def test_an_input_type_with_its_own_data_ptr_is_left_to_the_full_check():
     contract = record((x(),))
     contract.check((x(),), {}, mode=FULL)
     relaid = x(2, 4, 3).transpose(0, 1).as_subclass(OwnInputPointer)  # another layout, as if in place
-    relaid.static_ptr = contract.quick.statics[0].data_ptr
+    relaid.static_ptr = contract.quick.state.statics[0].data_ptr
     assert not contract.quick.accepts((relaid,), {}, full=True)
     assert violation(contract, (relaid,)).field == "stride"
     contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)  # passes, and is not learned
@@ -839,13 +844,20 @@ def test_a_graph_never_replayed_as_a_first_microbatch_reads_held_state_on_every_
         assert not call.accepts(marks[0])
 
 
-def test_an_unmarked_replay_ends_the_skip():
+@pytest.mark.parametrize("layout", ["the captured", "another"])
+def test_an_unmarked_replay_ends_the_skip(layout):
+    # Before the call's layout is compared: an unmarked call of another layout, refused, ends it too.
     steps = StepMarks()
     call = SteppedCall(steps)
     with steps:
         call.replay(True)
         _moved_parameter(call)
-        assert not call.accepts(None)  # read, and refused
+        args, kwargs = call.fresh(is_first_microbatch=None)
+        if layout == "another":
+            args = (*args, x())
+        assert not call.contract.quick.accepts(args, kwargs, full=True)  # read, and refused
+        with pytest.raises(ContractViolation):
+            call.contract.check(args, kwargs, mode=FULL)
         assert not call.accepts(False)  # and the skip is over
 
 
@@ -881,7 +893,68 @@ def test_a_data_ptr_set_on_one_instance_counts_in_neither_check():
     contract = record((static,), params=[("w", p)])
     contract.check((static,), {}, mode=FULL)  # read in place: the static buffer's own address
     claims_static = x(2, 4, 3).transpose(0, 1)  # another layout, in memory of its own
-    claims_static.data_ptr = lambda: contract.quick.statics[0].data_ptr
+    claims_static.data_ptr = lambda: contract.quick.state.statics[0].data_ptr
     for _ in range(2):
         contract.check((claims_static,), {}, mode=FULL)  # copied in, whatever it claims
     assert contract.quick.accepts((claims_static,), {}, full=True)
+
+
+def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
+    # Megatron's --manual-gc turns the collector off: a cycle through the compiled accept would keep
+    # every dropped graph's parameters (and what they hold) alive until a manual collection.
+    import gc
+    import weakref
+
+    parameter = torch.nn.Parameter(torch.ones(3))
+    contract = record(params=[("w", parameter)])
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    assert contract.quick.accepts((x(),), {}, full=True)  # learned: the compiled function exists
+    held = weakref.ref(parameter)
+    gc.disable()
+    try:
+        del contract, parameter
+        assert held() is None
+    finally:
+        gc.enable()
+
+
+@given(data=st.data())
+@settings(max_examples=1500, deadline=None)
+def test_a_quick_accept_in_any_sequence_of_steps_and_moves_is_one_the_full_check_passes(data):
+    # Except the one skip the design allows: a later microbatch of a step whose first microbatch found
+    # the held state as captured, with no replay since that was not marked as a later microbatch.
+    steps = StepMarks()
+    call = SteppedCall(steps)
+    captured_weight, captured_dp = call.layer.linear.weight.data, call.layer.pg_collection.dp
+    skip_step = None  # the step a later microbatch may skip the held state in
+    if data.draw(st.booleans(), label="inside a step"):
+        steps.__enter__()
+    for _ in range(data.draw(st.integers(1, 24), label="events")):
+        event = data.draw(st.sampled_from(("enter", "exit", "move", "swap", "restore", "replay")), label="event")
+        if event == "enter" and steps.depth < 2:
+            steps.__enter__()
+        elif event == "exit" and steps.depth:
+            steps.__exit__()
+        elif event in ("move", "swap"):
+            (_moved_parameter if event == "move" else _swapped_group)(call)
+        elif event == "restore":
+            call.layer.linear.weight.data, call.layer.pg_collection.dp = captured_weight, captured_dp
+        elif event == "replay":
+            first = data.draw(st.sampled_from((True, False, None)), label="first")
+            args, kwargs = call.fresh(is_first_microbatch=first)
+            if data.draw(st.booleans(), label="another layout"):
+                args = (*args, x())
+            if first is not False:
+                skip_step = None
+            accepted = call.contract.quick.accepts(args, kwargs, full=True)
+            try:
+                call.contract._check_in_full(args, kwargs, full=True)
+            except ContractViolation as refused:
+                assert not accepted or (first is False and skip_step is not None and skip_step == steps.step_now()
+                                        and refused.field in MOVES), refused
+                continue
+            if not accepted:
+                call.contract.quick.learn(args, kwargs, full=True)
+            if not (accepted and first is False and skip_step is not None and skip_step == steps.step_now()):
+                skip_step = steps.step_now() if first is True else None  # the held state was read

@@ -62,7 +62,7 @@ if os.environ.get("DIAG_TIME") == "1":
 
         contracts.ReplayContract.replay_check = timed_replay_check
         counted_methods = ((contracts.QuickAccept, "learn"), (contracts.ReplayContract, "_check_in_full"),
-                           (contracts.QuickAccept, "_held_accepts"))
+                           (contracts.QuickState, "held_accepts"))
     else:  # the replay's entry: check_as since s98 (bound by replay_check), check before it
         entry = "check_as" if hasattr(contracts.ReplayContract, "check_as") else "check"
         check = getattr(contracts.ReplayContract, entry)
@@ -72,7 +72,7 @@ if os.environ.get("DIAG_TIME") == "1":
     for cls, name in counted_methods:
         def counted(*a, __f=getattr(cls, name), __n=name, **k):
             result = __f(*a, **k)
-            stats[arm[0]][f"{__n}_{result}" if __n in ("accepts", "_held_accepts") else __n] += 1
+            stats[arm[0]][f"{__n}_{result}" if __n in ("accepts", "_held_accepts", "held_accepts") else __n] += 1
             return result
         setattr(cls, name, counted)
 
