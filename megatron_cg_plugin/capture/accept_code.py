@@ -48,8 +48,8 @@ def accept_function(layout: AcceptLayout, state: Any, *, first_keyword: str, key
                     data_ptr: Callable[[Any], int]) -> Accept:
     """``layout``'s accept over these learned values. ``state`` (``contracts.QuickState``) keeps
     ``held_at_step`` and ``step_marks`` and gives ``memory_in_place`` and ``held_accepts``; it must
-    not hold the function (a cycle). ``keys``: the keywords in order. ``metas``: each tensor's
-    shape, dtype, device and ``requires_grad``, flattened."""
+    not hold the function (a cycle). ``keys``: the keywords in order, each a plain ``str``.
+    ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened."""
     return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr)
 
 
@@ -69,6 +69,11 @@ def _targets(names: Sequence[str]) -> str:
     return f"{names[0]}," if len(names) == 1 else ", ".join(names)
 
 
+def _key_names(count: int) -> tuple[list[str], list[str]]:
+    """The locals of the call's keyword names and of the learned ones."""
+    return [f"key{i}" for i in range(count)], [f"learned_key{i}" for i in range(count)]
+
+
 def accept_source(layout: AcceptLayout) -> str:
     """The source of ``make(...)``, which returns ``accept`` with the learned values as its closure:
     the source holds counts and positions only, never a name or value from the call.
@@ -85,8 +90,14 @@ def accept_source(layout: AcceptLayout) -> str:
     if not layout.full:
         body.append("if full:  # learned in shapes mode: vouches for no more")
         body.append("    return False")
-    body.append(f"if len(args) != {layout.positional} or tuple(kwargs) != keys:")
+    body.append(f"if len(args) != {layout.positional} or len(kwargs) != {layout.keywords}:")
     body.append("    return False")
+    if layout.keywords:  # by identity (names in code are interned), else as plain str (a subclass's == may lie)
+        names, learned = _key_names(layout.keywords)
+        body.append(f"{_targets(names)} = kwargs")
+        body.append("if " + " or ".join(f"({name} is not {key} and (type({name}) is not str or {name} != {key}))"
+                                        for name, key in zip(names, learned)) + ":")
+        body.append("    return False")
     if layout.positional:
         body.append(f"{_targets(value[:layout.positional])} = args")
     if layout.keywords:
@@ -104,6 +115,8 @@ def accept_source(layout: AcceptLayout) -> str:
         body.append("return True")
     types = [f"t{i}" for i in range(len(layout.typed))]
     unpack = [f"    {_targets(types)} = types"] if types else []
+    if layout.keywords:
+        unpack.append(f"    {_targets(_key_names(layout.keywords)[1])} = keys")
     bound = []  # the methods full mode calls, looked up once
     if layout.full:
         bound.append("    memory_in_place, held_accepts = state.memory_in_place, state.held_accepts")

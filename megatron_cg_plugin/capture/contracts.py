@@ -44,6 +44,7 @@ from megatron_cg_plugin.step_marks import StepMarks
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 FIRST_MICROBATCH = "is_first_microbatch"  # True for a step's first microbatch (module.py l.332)
+_FIRST = operator.itemgetter(0)
 REPLAY_ONLY_KWARGS = frozenset({FIRST_MICROBATCH, "cuda_graph_stream", "cuda_graph_event"})
 
 _HINTS = {
@@ -144,7 +145,8 @@ def flatten_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[s
     Replay-only and None keyword arguments are left out (TE drops them as well)."""
     items: list[tuple[str, Any]] = []
     named = [(f"arg{index}", value) for index, value in enumerate(args)]
-    named += [(name, value) for key, value in sorted(kwargs.items()) if (name := _keyword_leaf(key, value))]
+    # by name alone: a str subclass's == must not send the sort on to the values
+    named += [(name, value) for key, value in sorted(kwargs.items(), key=_FIRST) if (name := _keyword_leaf(key, value))]
     for name, value in named:
         if not isinstance(value, (list, tuple, dict)):  # a leaf (the common case): skip pytree's walk
             items.append((name, value))
@@ -233,8 +235,9 @@ class QuickAccept:
     - parameters of the learned types at their captured addresses, read with ``torch.Tensor.data_ptr``
       only where that is every learned type's own (else a parameter's check is left to the full one);
     - each group collection holding, under the same names, the objects of the last full check.
-    Calls with list, tuple or dict arguments (leaves named by place), and tensor types with a
-    ``data_ptr`` of their own, are left to the full check.
+    Calls with list, tuple or dict arguments (leaves named by place), tensor types with a
+    ``data_ptr`` of their own, and keyword or group names of a ``str`` subclass (whose ``==`` may
+    say anything) are left to the full check.
 
     Parameters and groups (held state) are read on every replay, but for one case. With
     ``step_marks`` given (the caller does so for a model wrapped in Megatron's DDP), a replay marked
@@ -270,6 +273,8 @@ class QuickAccept:
         values = (*args, *kwargs.values())
         if any(isinstance(value, (list, tuple, dict)) for value in values):
             return  # leaves named by place: the full check's walk
+        if not _plain_names(kwargs):
+            return  # a keyword name of a str subclass: its == may say anything
         keys = [f"arg{i}" for i in range(len(args))] + list(kwargs)
         names = keys[:len(args)] + [_keyword_leaf(key, value) for key, value in kwargs.items()]
         where = {name: position for position, name in enumerate(names) if name is not None}
@@ -330,7 +335,9 @@ class QuickState:
         parameter_types = tuple(map(type, self.parameters_now()))
         self.parameter_types = parameter_types if _plain_data_ptr(parameter_types) else None
         seen = [source() for source in self.group_sources]
-        self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen)
+        # a name of a str subclass: read the groups on every replay (groups_seen None refuses)
+        self.groups_seen = tuple((tuple(groups), tuple(groups.values())) for groups in seen) if all(
+            map(_plain_names, seen)) else None
 
     def held_step_after(self, first_microbatch: Any) -> int | None:
         """The step whose later microbatches may skip the held state just found as captured on a
@@ -366,9 +373,22 @@ class QuickState:
             return not self.group_sources
         for source, (names, groups) in zip(self.group_sources, seen):
             now = source()
-            if tuple(now) != names or not all(map(operator.is_, now.values(), groups)):
+            if not _same_names(now, names) or not all(map(operator.is_, now.values(), groups)):
                 return False
         return True
+
+
+def _plain_names(mapping: Mapping[Any, Any]) -> bool:
+    return all(type(name) is str for name in mapping)
+
+
+def _same_names(mapping: Mapping[Any, Any], names: tuple[str, ...]) -> bool:
+    """``mapping``'s keys are ``names`` (plain ``str``), in order: by identity (attribute names are
+    interned), else as plain ``str`` by value; a subclass's ``==`` may say anything."""
+    if len(mapping) != len(names):
+        return False
+    return all(map(operator.is_, mapping, names)) or all(
+        type(name) is str and name == learned for name, learned in zip(mapping, names))
 
 
 def _reader(lookups: list[Callable[[], Any]]) -> Callable[[], Iterable[Any]]:
@@ -516,5 +536,5 @@ def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:
         return ()
     if not torch.distributed.is_available():
         return ()
-    return tuple((name, value) for name, value in sorted(getattr(collection, "__dict__", {}).items())
+    return tuple((name, value) for name, value in sorted(getattr(collection, "__dict__", {}).items(), key=_FIRST)
                  if isinstance(value, torch.distributed.ProcessGroup))

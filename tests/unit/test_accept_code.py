@@ -208,6 +208,7 @@ def test_any_keyword_name_is_taken_as_a_value_not_as_source(key):
     contract = ReplayContract.record("g", (static,), {key: 3}, step_marks=None)
     for _ in range(2):
         contract.check((torch.zeros(2),), {key: 3}, mode=ContractCheck.FULL)
-    assert contract.quick.accepts((torch.zeros(2),), {key: 3}, True)
+    # a name of a str subclass is left to the full check (its == may say anything): not learned
+    assert contract.quick.accepts((torch.zeros(2),), {key: 3}, True) is (type(key) is str)
     assert not contract.quick.accepts((torch.zeros(2),), {key + "x": 3}, True)
     assert vars(builtins).pop(RAN, None) is None
