@@ -50,21 +50,32 @@ def checker(arm):
     return functools.partial(contract.check, mode=ContractCheck.FULL)
 
 
-arms = {arm: [checker(arm) for _ in range(3)] for arm in ("noop", "check")}
-times = {arm: [] for arm in arms}
-with torch.no_grad():
-    for cycle in range(int(sys.argv[1]) if len(sys.argv) > 1 else 300):
-        for arm in (list(arms) if cycle % 2 else list(arms)[::-1]):
-            with marks:
-                for microbatch in range(4):
-                    for check in arms[arm]:
-                        model(x)
-                        args, kwargs = (torch.zeros(4, 2, 8, requires_grad=True),), replay_kwargs(microbatch == 0)
-                        start = time.perf_counter_ns()
-                        check(args, kwargs)
-                        if cycle >= 20:
-                            times[arm].append(time.perf_counter_ns() - start)
-for arm, values in times.items():
-    values.sort()
-    print(f"{arm:6s} median {values[len(values) // 2] / 1e3:6.1f} us  p10 {values[len(values) // 10] / 1e3:6.1f}  "
-          f"p90 {values[9 * len(values) // 10] / 1e3:6.1f}  mean {sum(values) / len(values) / 1e3:6.1f}")
+def run(arms: dict, cycles: int, rotate: bool = False) -> None:
+    """Each cycle a marked step of 4 microbatches per arm, the arms' order mirrored from cycle to
+    cycle (and ``rotate``d by one, for three arms); prints each arm's check times (the first 20
+    cycles are warmup)."""
+    times = {arm: [] for arm in arms}
+    names = list(arms)
+    with torch.no_grad():
+        for cycle in range(cycles):
+            shift = cycle % len(names) if rotate else 0
+            order = names[shift:] + names[:shift]
+            for arm in (order if cycle % 2 else order[::-1]):
+                with marks:
+                    for microbatch in range(4):
+                        for check in arms[arm]:
+                            model(x)
+                            args, kwargs = (torch.zeros(4, 2, 8, requires_grad=True),), replay_kwargs(microbatch == 0)
+                            start = time.perf_counter_ns()
+                            check(args, kwargs)
+                            if cycle >= 20:
+                                times[arm].append(time.perf_counter_ns() - start)
+    for arm, values in times.items():
+        values.sort()
+        print(f"{arm:6s} median {values[len(values) // 2] / 1e3:6.1f} us  p10 {values[len(values) // 10] / 1e3:6.1f}  "
+              f"p90 {values[9 * len(values) // 10] / 1e3:6.1f}  mean {sum(values) / len(values) / 1e3:6.1f}")
+
+
+if __name__ == "__main__":
+    run({arm: [checker(arm) for _ in range(3)] for arm in ("noop", "check")},
+        int(sys.argv[1]) if len(sys.argv) > 1 else 300)
