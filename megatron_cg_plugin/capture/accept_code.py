@@ -35,6 +35,9 @@ class AcceptLayout:
     full: bool  # learned in full mode: controls, memory and held state are compared too
     reads_storages: bool  # static buffers were alive at learning: copied-in inputs' storages are read
     step_marked: bool  # the held state may be skipped within a marked step (``QuickAccept``)
+    # Per tensor: its storage's address computed from its own address and offset (a plain tensor or
+    # parameter), not read through ``untyped_storage()`` (any other type: it may keep its storage apart).
+    storage_by_offset: tuple[bool, ...]
 
 
 def refuse_all(args: Sequence[Any], kwargs: dict, full: bool) -> bool:
@@ -45,12 +48,14 @@ def refuse_all(args: Sequence[Any], kwargs: dict, full: bool) -> bool:
 def accept_function(layout: AcceptLayout, state: Any, *, first_keyword: str, keys: tuple[str, ...],
                     types: tuple[type, ...], metas: tuple[Any, ...], controls: tuple[Any, ...],
                     static_ptrs: frozenset[int], live_storages: frozenset[int],
-                    data_ptr: Callable[[Any], int]) -> Accept:
+                    data_ptr: Callable[[Any], int], itemsizes: tuple[int, ...] = ()) -> Accept:
     """``layout``'s accept over these learned values. ``state`` (``contracts.QuickState``) keeps
     ``held_at_step`` and ``step_marks`` and gives ``memory_in_place`` and ``held_accepts``; it must
     not hold the function (a cycle). ``keys``: the keywords in order, each a plain ``str``.
-    ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened."""
-    return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr)
+    ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened. ``itemsizes``:
+    each tensor's element size in bytes (read where ``layout.storage_by_offset`` says so)."""
+    return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,
+                          itemsizes)
 
 
 @functools.cache
@@ -117,13 +122,16 @@ def accept_source(layout: AcceptLayout) -> str:
     unpack = [f"    {_targets(types)} = types"] if types else []
     if layout.keywords:
         unpack.append(f"    {_targets(_key_names(layout.keywords)[1])} = keys")
+    if layout.full and layout.reads_storages and any(layout.storage_by_offset):
+        unpack.append(f"    {_targets(_itemsize_names(len(tensors)))} = itemsizes")
     bound = []  # the methods full mode calls, looked up once
     if layout.full:
         bound.append("    memory_in_place, held_accepts = state.memory_in_place, state.held_accepts")
     if layout.full and layout.step_marked:
         bound.append("    step_now = state.step_marks.step_now")
     return "\n".join([
-        "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr):",
+        "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,"
+        " itemsizes):",
         *unpack,
         *bound,
         "    def accept(args, kwargs, full):",
@@ -131,6 +139,20 @@ def accept_source(layout: AcceptLayout) -> str:
         "    return accept",
         "",
     ])
+
+
+def _itemsize_names(count: int) -> list[str]:
+    return [f"s{i}" for i in range(count)]
+
+
+def _storage_read(tensor: str, pointer: str, itemsize: str, by_offset: bool) -> str:
+    """The expression of ``tensor``'s storage address. A plain tensor's address is its storage's plus
+    its offset in elements (``TensorImpl::data``), so the storage's is one method call away, where
+    ``untyped_storage()`` makes a storage object on each replay (~3 of ~14 us a check inside a step,
+    on the CPU stand-in)."""
+    if by_offset:
+        return f"{pointer} - {tensor}.storage_offset() * {itemsize}"
+    return f"{tensor}.untyped_storage().data_ptr()"
 
 
 def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]) -> list[str]:
@@ -151,8 +173,9 @@ def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]
         lines.append(f"    if not memory_in_place({_tuple(tensors)}, {_tuple(pointers)}):")
         lines.append("        return False")
         if layout.reads_storages:  # all copied in (the usual case): not into a live static buffer's storage
-            lines.append("elif " + " or ".join(f"{t}.untyped_storage().data_ptr() in live_storages" for t in tensors)
-                         + ":")
+            storages = [_storage_read(t, p, size, by_offset) for t, p, size, by_offset
+                        in zip(tensors, pointers, _itemsize_names(len(tensors)), layout.storage_by_offset, strict=True)]
+            lines.append("elif " + " or ".join(f"{storage} in live_storages" for storage in storages) + ":")
             lines.append("    return False")
     if layout.step_marked:
         lines += [

@@ -192,14 +192,25 @@ def _parameters_of(module: Any) -> tuple[Held, ...]:
 
 
 def _groups_of(module: Any) -> tuple[Held, ...]:
+    # By weak reference where the module takes one: the layer holds its graphs, which hold this
+    # contract, so a strong one is a cycle that keeps a dropped layer alive under --manual-gc. A layer
+    # gone reads as no groups: refused, as a group swapped would be.
+    try:
+        layer = weakref.ref(module)
+    except TypeError:  # e.g. types.SimpleNamespace
+        layer = functools.partial(lambda held: held, module)
+
     def groups_now() -> Mapping[str, Any]:  # where process_groups_of found them
-        return getattr(getattr(module, "pg_collection", None), "__dict__", {})
+        return getattr(getattr(layer(), "pg_collection", None), "__dict__", {})
 
     return tuple(Held(name, group, groups_now) for name, group in process_groups_of(module))
 
 
 _META = operator.attrgetter("shape", "dtype", "device", "requires_grad")  # as the full check reads them
 _DATA_PTR = torch.Tensor.data_ptr
+# Types whose storage address the quick accept computes (``accept_code._storage_read``): address minus
+# offset, exactly their storage's. Other types (a wrapper subclass, say) read their storage.
+_STORAGE_BY_OFFSET = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain_data_ptr(types: Iterable[type]) -> bool:
@@ -292,14 +303,16 @@ class QuickAccept:
         typed_at = tuple(position for position, key in enumerate(keys) if key not in REPLAY_ONLY_KWARGS)
         live_storages = frozenset(s.storage_ptr for s in state.statics if s.alive)
         layout = AcceptLayout(len(args), len(kwargs), typed_at, tuple(tensor_at), tuple(control_at), full,
-                              reads_storages=bool(live_storages), step_marked=state.step_marks is not None)
+                              reads_storages=bool(live_storages), step_marked=state.step_marks is not None,
+                              storage_by_offset=tuple(type(tensor) in _STORAGE_BY_OFFSET for tensor in tensors))
         # The metadata the full check just passed: a graph captured with a gradient replayed without
         # one is accepted from now on, not sent to the full check on every replay.
         self.accept = accept_function(
             layout, state, first_keyword=FIRST_MICROBATCH, keys=tuple(kwargs),
             types=tuple(type(values[p]) for p in typed_at),
             metas=tuple(field for tensor in tensors for field in _META(tensor)), controls=tuple(controls),
-            static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR)
+            static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR,
+            itemsizes=tuple(tensor.dtype.itemsize for tensor in tensors))
         # the full check read the held state only in full mode
         state.held_at_step = state.held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
         if full:

@@ -168,7 +168,8 @@ def test_the_replay_check_refuses_through_the_compiled_accept_and_names_the_fiel
 
 
 def test_a_layout_is_compiled_once():
-    layout = accept_code.AcceptLayout(1, 1, (0, 1), (0,), (1,), True, reads_storages=True, step_marked=False)
+    layout = accept_code.AcceptLayout(1, 1, (0, 1), (0,), (1,), True, reads_storages=True, step_marked=False,
+                                          storage_by_offset=(True,))
     assert accept_code._maker(layout) is accept_code._maker(layout)
     first, second = Call(["tensor"], ["int"], False), Call(["tensor"], ["int"], False)
     for call in (first, second):

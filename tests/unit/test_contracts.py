@@ -126,7 +126,8 @@ def test_a_control_value_holding_tensors_is_compared_without_raising():
 
 def test_matching_replay_passes_in_every_mode():
     p = torch.nn.Parameter(torch.ones(3))
-    contract = record((x(requires_grad=True), 2), {"mask": x(1, 1)}, [("w", p)], Layer(tp=process_group()))
+    layer = Layer(tp=process_group())  # held, as the model holds its layers (the contract does not)
+    contract = record((x(requires_grad=True), 2), {"mask": x(1, 1)}, [("w", p)], layer)
     for mode in ContractCheck:
         contract.check((x(requires_grad=True), 2), {"mask": x(1, 1)}, mode=mode)
 
@@ -679,6 +680,31 @@ def test_an_input_in_a_larger_storage_at_a_static_buffers_address_is_left_to_the
     assert violation(contract, (beyond,)).field == "alias"
 
 
+class OwnOffset(torch.Tensor):
+    """An input type whose ``storage_offset`` is its own: its address minus that offset is not its
+    storage's, so the quick accept reads its storage as the full check does."""
+
+    def storage_offset(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("kind", [torch.Tensor, torch.nn.Parameter, OwnOffset])
+def test_an_input_at_an_offset_inside_a_static_buffer_is_refused_whatever_its_type(kind):
+    # A plain tensor's storage address is computed from its own address and offset; any other type's
+    # storage is read. Both must find the static buffer's storage (offset 1 of 4-byte elements).
+    def of_kind(tensor):
+        return torch.nn.Parameter(tensor) if kind is torch.nn.Parameter else tensor.as_subclass(kind)
+
+    static = x()
+    contract = record((of_kind(static),))
+    for _ in range(2):
+        contract.check((of_kind(x()),), {}, mode=FULL)
+    assert contract.quick.accepts((of_kind(x()),), {}, full=True)
+    inside = of_kind(static.as_strided((4, 2, 3), (0, 0, 1), 1))
+    assert not contract.quick.accepts((inside,), {}, full=True)
+    assert violation(contract, (inside,)).field == "alias"
+
+
 class OwnPointer(torch.nn.Parameter):
     """A parameter whose ``data_ptr`` is another tensor's (a quantized parameter's data, say)."""
 
@@ -941,6 +967,41 @@ def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
         assert held() is None
     finally:
         gc.enable()
+
+
+def test_a_dropped_layer_holding_its_contract_is_freed_without_the_cyclic_collector():
+    # The layer holds its graphs and they their contracts (layer.cuda_graphs); the contract's group
+    # lookup must not hold the layer back.
+    import gc
+    import weakref
+
+    layer = Layer(tp=process_group(), dp=process_group())
+    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+    layer.cuda_graphs = [contract.replay_check(FULL)]
+    for _ in range(2):
+        layer.cuda_graphs[0]((x(),), {})
+    assert contract.quick.accepts((x(),), {}, full=True)
+    held = weakref.ref(layer)
+    gc.disable()
+    try:
+        del contract, layer
+        assert held() is None
+    finally:
+        gc.enable()
+
+
+def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
+    layer = Layer(tp=process_group())
+    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+    STATIC_BUFFERS.append(contract)
+    for _ in range(2):
+        contract.check((x(),), {}, mode=FULL)
+    del layer
+    import gc
+
+    gc.collect()
+    assert not contract.quick.accepts((x(),), {}, full=True)
+    assert violation(contract, (x(),)).field == "process group"
 
 
 CALL_CHANGES = sorted(case for case in REFUSED if not case.startswith(tuple(MOVES)))  # the rest move held state

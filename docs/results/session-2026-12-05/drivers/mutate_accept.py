@@ -1,7 +1,8 @@
 """Each test the compiled quick accept makes (accept_code.py) and each read of QuickState
 (contracts.py), removed or weakened in turn, must fail the unit tests. Run from anywhere with the
 project's venv: ``.venv/bin/python docs/results/session-2026-12-05/drivers/mutate_accept.py``.
-Restores both files."""
+Restores both files. Kept in step with the code: session-2026-12-05b added four mutants and rewrote
+"live storages ignored" for the storage read it changed."""
 import os
 import pathlib
 import subprocess
@@ -44,7 +45,13 @@ MUTANTS = {
     "controls not compared": (AC, 'f"    if not controls == {', 'f"    if False and not controls == {'),
     "memory_in_place ignored": (AC, 'lines.append(f"    if not memory_in_place(',
                                 'lines.append(f"    if False and not memory_in_place('),
-    "live storages ignored": (AC, 'f"{t}.untyped_storage().data_ptr() in live_storages"', 'f"False"'),
+    "live storages ignored": (AC, 'f"{storage} in live_storages"', 'f"False"'),
+    # session-2026-12-05b: storage addresses computed from address and offset, groups by weak reference
+    "storage offset in elements": (AC, "{tensor}.storage_offset() * {itemsize}", "{tensor}.storage_offset()"),
+    "storage offset added": (AC, 'f"{pointer} - {tensor}', 'f"{pointer} + {tensor}'),
+    "every type by offset": (CO, "tuple(type(tensor) in _STORAGE_BY_OFFSET for tensor in tensors)",
+                             "tuple(True for tensor in tensors)"),
+    "groups' layer held strongly": (CO, "        layer = weakref.ref(module)\n", "        raise TypeError\n"),
     "skip in any step": (AC, '"if held_at is not None and held_at == step_now():"', '"if held_at is not None:"'),
     "held state not read": (AC, 'lines += ["if not held_accepts():", "    return False"]', 'lines += []'),
     "skip kept after a later microbatch": (AC, '"state.held_at_step = step_now() if first is True else None"',
