@@ -3,8 +3,10 @@ every replay (on CPU tensors)."""
 
 from __future__ import annotations
 
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -383,7 +385,6 @@ def test_process_groups_of_keeps_only_groups_sorted_by_name():
 def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
     # TE keeps its static buffers alive; once one is gone, a tensor landing at its address is
     # copied in like any other, so neither its layout nor its memory is held against it.
-    import weakref
 
     from megatron_cg_plugin.capture.contracts import StaticInput
 
@@ -408,7 +409,6 @@ def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
 
 
 def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
-    import weakref
 
     from megatron_cg_plugin.capture.contracts import StaticInput
 
@@ -634,7 +634,6 @@ def test_the_quick_accept_reads_held_parameters_given_by_name_too():
 
 
 def test_a_freed_static_buffers_memory_stops_sending_replays_to_the_full_check():
-    import weakref
 
     from megatron_cg_plugin.capture.contracts import StaticInput
 
@@ -949,45 +948,44 @@ def test_a_data_ptr_set_on_one_instance_counts_in_neither_check():
     assert contract.quick.accepts((claims_static,), {}, full=True)
 
 
-def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
-    # Megatron's --manual-gc turns the collector off: a cycle through the compiled accept would keep
-    # every dropped graph's parameters (and what they hold) alive until a manual collection.
-    import gc
-    import weakref
-
-    parameter = torch.nn.Parameter(torch.ones(3))
-    contract = record(params=[("w", parameter)])
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    assert contract.quick.accepts((x(),), {}, full=True)  # learned: the compiled function exists
-    held = weakref.ref(parameter)
+def outlives_its_holders_with_gc_off(make) -> bool:
+    """Whether the object ``make()`` returns first outlives the pair it returns (the object and what
+    holds it) being dropped, with the cyclic collector off as Megatron's --manual-gc leaves it."""
     gc.disable()
     try:
-        del contract, parameter
-        assert held() is None
+        held = weakref.ref(make()[0])  # the pair is dropped at once; make's frame is gone
+        return held() is not None
     finally:
         gc.enable()
+
+
+def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
+    # A cycle through the compiled accept would keep every dropped graph's parameters (and what they
+    # hold) alive until a manual collection.
+    def learned():
+        parameter = torch.nn.Parameter(torch.ones(3))
+        contract = record(params=[("w", parameter)])
+        for _ in range(2):
+            contract.check((x(),), {}, mode=FULL)
+        assert contract.quick.accepts((x(),), {}, full=True)  # learned: the compiled function exists
+        return parameter, contract
+
+    assert not outlives_its_holders_with_gc_off(learned)
 
 
 def test_a_dropped_layer_holding_its_contract_is_freed_without_the_cyclic_collector():
     # The layer holds its graphs and they their contracts (layer.cuda_graphs); the contract's group
     # lookup must not hold the layer back.
-    import gc
-    import weakref
+    def graphed():
+        layer = Layer(tp=process_group(), dp=process_group())
+        contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+        layer.cuda_graphs = [contract.replay_check(FULL)]
+        for _ in range(2):
+            layer.cuda_graphs[0]((x(),), {})
+        assert contract.quick.accepts((x(),), {}, full=True)
+        return layer, contract
 
-    layer = Layer(tp=process_group(), dp=process_group())
-    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
-    layer.cuda_graphs = [contract.replay_check(FULL)]
-    for _ in range(2):
-        layer.cuda_graphs[0]((x(),), {})
-    assert contract.quick.accepts((x(),), {}, full=True)
-    held = weakref.ref(layer)
-    gc.disable()
-    try:
-        del contract, layer
-        assert held() is None
-    finally:
-        gc.enable()
+    assert not outlives_its_holders_with_gc_off(graphed)
 
 
 def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
@@ -997,8 +995,6 @@ def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
     for _ in range(2):
         contract.check((x(),), {}, mode=FULL)
     del layer
-    import gc
-
     gc.collect()
     assert not contract.quick.accepts((x(),), {}, full=True)
     assert violation(contract, (x(),)).field == "process group"
