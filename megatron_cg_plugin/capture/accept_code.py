@@ -48,14 +48,17 @@ def refuse_all(args: Sequence[Any], kwargs: dict, full: bool) -> bool:
 def accept_function(layout: AcceptLayout, state: Any, *, first_keyword: str, keys: tuple[str, ...],
                     types: tuple[type, ...], metas: tuple[Any, ...], controls: tuple[Any, ...],
                     static_ptrs: frozenset[int], live_storages: frozenset[int],
-                    data_ptr: Callable[[Any], int], itemsizes: tuple[int, ...] = ()) -> Accept:
+                    data_ptr: Callable[[Any], int], storage_offset: Callable[[Any], int],
+                    itemsizes: tuple[int, ...]) -> Accept:
     """``layout``'s accept over these learned values. ``state`` (``contracts.QuickState``) keeps
     ``held_at_step`` and ``step_marks`` and gives ``memory_in_place`` and ``held_accepts``; it must
     not hold the function (a cycle). ``keys``: the keywords in order, each a plain ``str``.
-    ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened. ``itemsizes``:
-    each tensor's element size in bytes (read where ``layout.storage_by_offset`` says so)."""
+    ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened. ``data_ptr`` and
+    ``storage_offset``: ``torch.Tensor``'s own, called unbound (an attribute set on one instance counts
+    in neither check). ``itemsizes``: each tensor's element size in bytes (read where
+    ``layout.storage_by_offset`` says so)."""
     return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,
-                          itemsizes)
+                          storage_offset, itemsizes)
 
 
 @functools.cache
@@ -131,7 +134,7 @@ def accept_source(layout: AcceptLayout) -> str:
         bound.append("    step_now = state.step_marks.step_now")
     return "\n".join([
         "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,"
-        " itemsizes):",
+        " storage_offset, itemsizes):",
         *unpack,
         *bound,
         "    def accept(args, kwargs, full):",
@@ -151,8 +154,8 @@ def _storage_read(tensor: str, pointer: str, itemsize: str, by_offset: bool) -> 
     ``untyped_storage()`` makes a storage object on each replay (~3 of ~14 us a check inside a step,
     on the CPU stand-in)."""
     if by_offset:
-        return f"{pointer} - {tensor}.storage_offset() * {itemsize}"
-    return f"{tensor}.untyped_storage().data_ptr()"
+        return f"{pointer} - storage_offset({tensor}) * {itemsize}"
+    return f"type({tensor}).untyped_storage({tensor}).data_ptr()"  # the type's, as the full check reads it
 
 
 def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]) -> list[str]:

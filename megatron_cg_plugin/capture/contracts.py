@@ -119,7 +119,8 @@ class StaticInput:
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    """A tensor's storage address by its type's ``untyped_storage``, as ``_data_ptr`` reads its address."""
+    return type(tensor).untyped_storage(tensor).data_ptr()
 
 
 def _data_ptr(tensor: torch.Tensor) -> int:
@@ -210,7 +211,7 @@ _META = operator.attrgetter("shape", "dtype", "device", "requires_grad")  # as t
 _DATA_PTR = torch.Tensor.data_ptr
 # Types whose storage address the quick accept computes (``accept_code._storage_read``): address minus
 # offset, exactly their storage's. Other types (a wrapper subclass, say) read their storage.
-_STORAGE_BY_OFFSET = (torch.Tensor, torch.nn.Parameter)
+_STORAGE_BY_OFFSET = (torch.Tensor, torch.nn.Parameter)  # compared by identity: a metaclass's == may lie
 
 
 def _plain_data_ptr(types: Iterable[type]) -> bool:
@@ -304,7 +305,8 @@ class QuickAccept:
         live_storages = frozenset(s.storage_ptr for s in state.statics if s.alive)
         layout = AcceptLayout(len(args), len(kwargs), typed_at, tuple(tensor_at), tuple(control_at), full,
                               reads_storages=bool(live_storages), step_marked=state.step_marks is not None,
-                              storage_by_offset=tuple(type(tensor) in _STORAGE_BY_OFFSET for tensor in tensors))
+                              storage_by_offset=tuple(any(type(tensor) is kind for kind in _STORAGE_BY_OFFSET)
+                                                      for tensor in tensors))
         # The metadata the full check just passed: a graph captured with a gradient replayed without
         # one is accepted from now on, not sent to the full check on every replay.
         self.accept = accept_function(
@@ -312,6 +314,7 @@ class QuickAccept:
             types=tuple(type(values[p]) for p in typed_at),
             metas=tuple(field for tensor in tensors for field in _META(tensor)), controls=tuple(controls),
             static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR,
+            storage_offset=torch.Tensor.storage_offset,
             itemsizes=tuple(tensor.dtype.itemsize for tensor in tensors))
         # the full check read the held state only in full mode
         state.held_at_step = state.held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None

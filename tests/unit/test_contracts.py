@@ -679,20 +679,12 @@ def test_an_input_in_a_larger_storage_at_a_static_buffers_address_is_left_to_the
     assert violation(contract, (beyond,)).field == "alias"
 
 
-class OwnOffset(torch.Tensor):
-    """An input type whose ``storage_offset`` is its own: its address minus that offset is not its
-    storage's, so the quick accept reads its storage as the full check does."""
-
-    def storage_offset(self) -> int:
-        return 0
-
-
-@pytest.mark.parametrize("kind", [torch.Tensor, torch.nn.Parameter, OwnOffset])
-def test_an_input_at_an_offset_inside_a_static_buffer_is_refused_whatever_its_type(kind):
-    # A plain tensor's storage address is computed from its own address and offset; any other type's
-    # storage is read. Both must find the static buffer's storage (offset 1 of 4-byte elements).
+@pytest.mark.parametrize("kind", [torch.Tensor, torch.nn.Parameter])
+def test_an_input_at_an_offset_inside_a_static_buffer_is_refused(kind):
+    # A plain tensor's storage address is computed from its own address and offset: it must find the
+    # static buffer's storage at offset 1 of 4-byte elements.
     def of_kind(tensor):
-        return torch.nn.Parameter(tensor) if kind is torch.nn.Parameter else tensor.as_subclass(kind)
+        return torch.nn.Parameter(tensor) if kind is torch.nn.Parameter else tensor
 
     static = x()
     contract = record((of_kind(static),))
@@ -700,6 +692,73 @@ def test_an_input_at_an_offset_inside_a_static_buffer_is_refused_whatever_its_ty
         contract.check((of_kind(x()),), {}, mode=FULL)
     assert contract.quick.accepts((of_kind(x()),), {}, full=True)
     inside = of_kind(static.as_strided((4, 2, 3), (0, 0, 1), 1))
+    assert not contract.quick.accepts((inside,), {}, full=True)
+    assert violation(contract, (inside,)).field == "alias"
+
+
+class OwnStorage(torch.Tensor):
+    """A tensor type whose storage is its own business (``claims``, where set): its address minus its
+    offset need not be its storage's, so both checks read the storage through the type."""
+
+    def untyped_storage(self):
+        return getattr(self, "claims", None) or super().untyped_storage()
+
+
+class EqualsAnyType(type(torch.Tensor)):
+    """A metaclass whose classes say they equal any type (``in`` a tuple of types compares with ==)."""
+
+    def __eq__(cls, other):
+        return True
+
+    __hash__ = type.__hash__
+
+
+class PosesAsTensor(OwnStorage, metaclass=EqualsAnyType):
+    pass
+
+
+def _offset_view(static, kind):
+    return static.as_strided((4, 2, 3), (0, 0, 1), 1)
+
+
+def _claiming(static, kind):  # memory of its own, in the static buffer's storage by its type
+    inside = x().as_subclass(kind)
+    inside.claims = static.untyped_storage()
+    return inside
+
+
+def _with_instance_attribute(make, name, value):
+    def disguised(static, kind):
+        inside = make(static, kind)
+        setattr(inside, name, value)
+        return inside
+
+    return disguised
+
+
+# disguise: (the input type, the input in a static buffer's storage)
+DISGUISES = {
+    "an instance's storage_offset": (torch.Tensor, _with_instance_attribute(_offset_view, "storage_offset", lambda: 0)),
+    "an instance's untyped_storage": (torch.Tensor, _with_instance_attribute(
+        _offset_view, "untyped_storage", x().untyped_storage)),
+    "a type with its own storage": (OwnStorage, _claiming),
+    "a type with its own storage and an instance's": (OwnStorage, _with_instance_attribute(
+        _claiming, "untyped_storage", x().untyped_storage)),
+    "a type equal to torch.Tensor": (PosesAsTensor, _claiming),
+}
+
+
+@pytest.mark.parametrize("disguise", sorted(DISGUISES))
+def test_an_input_in_a_static_buffers_storage_is_refused_in_any_disguise(disguise):
+    # Both checks read a tensor's offset and storage through its type, never through the instance,
+    # and the quick accept computes the storage only for exactly torch.Tensor or Parameter (by identity).
+    kind, disguised = DISGUISES[disguise]
+    static = x()
+    contract = record((static.as_subclass(kind),))
+    for _ in range(2):
+        contract.check((x().as_subclass(kind),), {}, mode=FULL)
+    assert contract.quick.accepts((x().as_subclass(kind),), {}, full=True)
+    inside = disguised(static, kind)
     assert not contract.quick.accepts((inside,), {}, full=True)
     assert violation(contract, (inside,)).field == "alias"
 

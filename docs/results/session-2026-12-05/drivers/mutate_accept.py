@@ -1,7 +1,7 @@
 """Each test the compiled quick accept makes (accept_code.py) and each read of QuickState
 (contracts.py), removed or weakened in turn, must fail the unit tests. Run from anywhere with the
 project's venv: ``.venv/bin/python docs/results/session-2026-12-05/drivers/mutate_accept.py``.
-Restores both files. Kept in step with the code: session-2026-12-05b added four mutants and rewrote
+Restores both files. Kept in step with the code: session-2026-12-05b added eight mutants and rewrote
 "live storages ignored" for the storage read it changed."""
 import os
 import pathlib
@@ -47,10 +47,17 @@ MUTANTS = {
                                 'lines.append(f"    if False and not memory_in_place('),
     "live storages ignored": (AC, 'f"{storage} in live_storages"', 'f"False"'),
     # session-2026-12-05b: storage addresses computed from address and offset, groups by weak reference
-    "storage offset in elements": (AC, "{tensor}.storage_offset() * {itemsize}", "{tensor}.storage_offset()"),
-    "storage offset added": (AC, 'f"{pointer} - {tensor}', 'f"{pointer} + {tensor}'),
-    "every type by offset": (CO, "tuple(type(tensor) in _STORAGE_BY_OFFSET for tensor in tensors)",
-                             "tuple(True for tensor in tensors)"),
+    "storage offset in elements": (AC, "storage_offset({tensor}) * {itemsize}", "storage_offset({tensor})"),
+    "storage offset added": (AC, 'f"{pointer} - storage_offset', 'f"{pointer} + storage_offset'),
+    "every type by offset": (CO, "storage_by_offset=tuple(any(", "storage_by_offset=tuple(True or any("),
+    "offset types by ==": (CO, "any(type(tensor) is kind for kind in _STORAGE_BY_OFFSET)",
+                           "type(tensor) in _STORAGE_BY_OFFSET"),
+    "instance's storage_offset": (AC, 'f"{pointer} - storage_offset({tensor}) * {itemsize}"',
+                                  'f"{pointer} - {tensor}.storage_offset() * {itemsize}"'),
+    "instance's storage, quick": (AC, 'f"type({tensor}).untyped_storage({tensor}).data_ptr()"',
+                                  'f"{tensor}.untyped_storage().data_ptr()"'),
+    "instance's storage, full": (CO, "return type(tensor).untyped_storage(tensor).data_ptr()",
+                                 "return tensor.untyped_storage().data_ptr()"),
     "groups' layer held strongly": (CO, "        layer = weakref.ref(module)\n", "        raise TypeError\n"),
     "skip in any step": (AC, '"if held_at is not None and held_at == step_now():"', '"if held_at is not None:"'),
     "held state not read": (AC, 'lines += ["if not held_accepts():", "    return False"]', 'lines += []'),
