@@ -36,11 +36,11 @@ def checker(arm):
     if arm == "noop":
         return lambda args, kwargs: None
     contracts, contract_check = CODES[arm]
-    hidden = torch.zeros(4, 2, 8, requires_grad=True)
-    insitu.keep.append(hidden)
+    hidden, layer = torch.zeros(4, 2, 8, requires_grad=True), insitu.Layer()
+    insitu.keep.extend((hidden, layer))  # held, as in insitu.py
     contract = contracts.ReplayContract.record(
         "g", (hidden,), insitu.replay_kwargs(None) | {"rotary_pos_emb": torch.zeros(4, 1, 1, 8)},
-        module=insitu.Layer(), step_marks=insitu.marks)
+        module=layer, step_marks=insitu.marks)
     return contract.replay_check(contract_check.FULL)
 
 
