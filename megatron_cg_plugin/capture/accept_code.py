@@ -49,16 +49,17 @@ def accept_function(layout: AcceptLayout, state: Any, *, first_keyword: str, key
                     types: tuple[type, ...], metas: tuple[Any, ...], controls: tuple[Any, ...],
                     static_ptrs: frozenset[int], live_storages: frozenset[int],
                     data_ptr: Callable[[Any], int], storage_offset: Callable[[Any], int],
-                    itemsizes: tuple[int, ...]) -> Accept:
+                    storage_ptr: Callable[[Any], int], itemsizes: tuple[int, ...]) -> Accept:
     """``layout``'s accept over these learned values. ``state`` (``contracts.QuickState``) keeps
     ``held_at_step`` and ``step_marks`` and gives ``memory_in_place`` and ``held_accepts``; it must
     not hold the function (a cycle). ``keys``: the keywords in order, each a plain ``str``.
     ``metas``: each tensor's shape, dtype, device and ``requires_grad``, flattened. ``data_ptr`` and
     ``storage_offset``: ``torch.Tensor``'s own, called unbound (an attribute set on one instance counts
-    in neither check). ``itemsizes``: each tensor's element size in bytes (read where
+    in neither check). ``storage_ptr``: the full check's own storage read, for the types whose storage
+    is not computed. ``itemsizes``: each tensor's element size in bytes (read where
     ``layout.storage_by_offset`` says so)."""
     return _maker(layout)(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,
-                          storage_offset, itemsizes)
+                          storage_offset, storage_ptr, itemsizes)
 
 
 @functools.cache
@@ -134,7 +135,7 @@ def accept_source(layout: AcceptLayout) -> str:
         bound.append("    step_now = state.step_marks.step_now")
     return "\n".join([
         "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,"
-        " storage_offset, itemsizes):",
+        " storage_offset, storage_ptr, itemsizes):",
         *unpack,
         *bound,
         "    def accept(args, kwargs, full):",
@@ -152,10 +153,10 @@ def _storage_read(tensor: str, pointer: str, itemsize: str, by_offset: bool) -> 
     """The expression of ``tensor``'s storage address. A plain tensor's address is its storage's plus
     its offset in elements (``TensorImpl::data``), so the storage's is one method call away, where
     ``untyped_storage()`` makes a storage object on each replay (~3 of ~14 us a check inside a step,
-    on the CPU stand-in)."""
+    on the CPU stand-in). Any other type: the full check's own read (``storage_ptr``)."""
     if by_offset:
         return f"{pointer} - storage_offset({tensor}) * {itemsize}"
-    return f"type({tensor}).untyped_storage({tensor}).data_ptr()"  # the type's, as the full check reads it
+    return f"storage_ptr({tensor})"
 
 
 def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]) -> list[str]:

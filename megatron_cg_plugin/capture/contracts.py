@@ -192,6 +192,15 @@ def _parameters_of(module: Any) -> tuple[Held, ...]:
                  if param is not None)
 
 
+def _returning(value: Any) -> Callable[[], Any]:
+    """A lookup that finds ``value`` itself, held strongly."""
+    return functools.partial(_itself, value)
+
+
+def _itself(value: Any) -> Any:
+    return value
+
+
 def _groups_of(module: Any) -> tuple[Held, ...]:
     # By weak reference where the module takes one: the layer holds its graphs, which hold this
     # contract, so a strong one is a cycle that keeps a dropped layer alive under --manual-gc. A layer
@@ -199,7 +208,7 @@ def _groups_of(module: Any) -> tuple[Held, ...]:
     try:
         layer = weakref.ref(module)
     except TypeError:  # e.g. types.SimpleNamespace
-        layer = functools.partial(lambda held: held, module)
+        layer = _returning(module)
 
     def groups_now() -> Mapping[str, Any]:  # where process_groups_of found them
         return getattr(getattr(layer(), "pg_collection", None), "__dict__", {})
@@ -314,7 +323,7 @@ class QuickAccept:
             types=tuple(type(values[p]) for p in typed_at),
             metas=tuple(field for tensor in tensors for field in _META(tensor)), controls=tuple(controls),
             static_ptrs=self.static_ptrs, live_storages=live_storages, data_ptr=_DATA_PTR,
-            storage_offset=torch.Tensor.storage_offset,
+            storage_offset=torch.Tensor.storage_offset, storage_ptr=_storage_ptr,
             itemsizes=tuple(tensor.dtype.itemsize for tensor in tensors))
         # the full check read the held state only in full mode
         state.held_at_step = state.held_step_after(kwargs.get(FIRST_MICROBATCH)) if full else None
@@ -447,7 +456,7 @@ class ReplayContract:
         (``QuickAccept``)."""
         inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
                        for name, v in flatten_call(args, kwargs))
-        held = tuple(Held(name, _data_ptr(p), functools.partial(lambda tensor: tensor, p)) for name, p in params)
+        held = tuple(Held(name, _data_ptr(p), _returning(p)) for name, p in params)
         return cls.of_inputs(graph, inputs, held + (_parameters_of(module) if module is not None else ()),
                              _groups_of(module) if module is not None else (), step_marks=step_marks)
 

@@ -1,7 +1,7 @@
 """Each test the compiled quick accept makes (accept_code.py) and each read of QuickState
 (contracts.py), removed or weakened in turn, must fail the unit tests. Run from anywhere with the
 project's venv: ``.venv/bin/python docs/results/session-2026-12-05/drivers/mutate_accept.py``.
-Restores both files. Kept in step with the code: session-2026-12-05b added eight mutants and rewrote
+Restores both files. Kept in step with the code: session-2026-12-05b added seven mutants and rewrote
 "live storages ignored" for the storage read it changed."""
 import os
 import pathlib
@@ -54,9 +54,7 @@ MUTANTS = {
                            "type(tensor) in _STORAGE_BY_OFFSET"),
     "instance's storage_offset": (AC, 'f"{pointer} - storage_offset({tensor}) * {itemsize}"',
                                   'f"{pointer} - {tensor}.storage_offset() * {itemsize}"'),
-    "instance's storage, quick": (AC, 'f"type({tensor}).untyped_storage({tensor}).data_ptr()"',
-                                  'f"{tensor}.untyped_storage().data_ptr()"'),
-    "instance's storage, full": (CO, "return type(tensor).untyped_storage(tensor).data_ptr()",
+    "instance's storage": (CO, "return type(tensor).untyped_storage(tensor).data_ptr()",
                                  "return tensor.untyped_storage().data_ptr()"),
     "groups' layer held strongly": (CO, "        layer = weakref.ref(module)\n", "        raise TypeError\n"),
     "skip in any step": (AC, '"if held_at is not None and held_at == step_now():"', '"if held_at is not None:"'),
