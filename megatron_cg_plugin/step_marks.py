@@ -13,7 +13,8 @@ from __future__ import annotations
 
 class StepMarks:
     """Entered around each schedule run. Nested entries (the bench's own marks and the patch's around
-    one run) count too: a count that moves more often only makes replays read more."""
+    one run) count too: a count that moves more often only makes replays read more. The quick accept's
+    compiled code (``capture/accept_code.py``) reads ``depth`` and ``count`` itself, as ``step_now`` does."""
 
     __slots__ = ("depth", "count")
 

@@ -132,7 +132,7 @@ def accept_source(layout: AcceptLayout) -> str:
     if layout.full:
         bound.append("    memory_in_place, held_accepts = state.memory_in_place, state.held_accepts")
     if layout.full and layout.step_marked:
-        bound.append("    step_now = state.step_marks.step_now")
+        bound.append("    marks = state.step_marks  # its step_now() read inline: a call costs inside a step")
     return "\n".join([
         "def make(state, first_keyword, keys, types, metas, controls, static_ptrs, live_storages, data_ptr,"
         " storage_offset, storage_ptr, itemsizes):",
@@ -184,11 +184,13 @@ def _full_mode_source(layout: AcceptLayout, value: list[str], tensors: list[str]
     if layout.step_marked:
         lines += [
             "held_at = state.held_at_step  # None unless first is False (reset above)",
-            "if held_at is not None and held_at == step_now():",
+            # marks.count names one stretch between marks, and held_at is set only inside a marked run: the same
+            # count is the same run (step_now() need not read depth here)
+            "if held_at is not None and held_at == marks.count:",
             "    return True  # read at this step's first microbatch (QuickAccept)",
         ]
     lines += ["if not held_accepts():", "    return False"]
     if layout.step_marked:
-        lines.append("state.held_at_step = step_now() if first is True else None")
+        lines.append("state.held_at_step = marks.count if first is True and marks.depth else None  # step_now()")
     lines.append("return True")
     return lines

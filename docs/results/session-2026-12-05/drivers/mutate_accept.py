@@ -2,7 +2,8 @@
 (contracts.py), removed or weakened in turn, must fail the unit tests. Run from anywhere with the
 project's venv: ``.venv/bin/python docs/results/session-2026-12-05/drivers/mutate_accept.py``.
 Restores both files. Kept in step with the code: session-2026-12-05b added seven mutants and rewrote
-"live storages ignored" for the storage read it changed."""
+"live storages ignored" for the storage read it changed; session-2026-12-05c rewrote the skip's three for
+the step marks read inline and added "held step set outside a marked run"."""
 import os
 import pathlib
 import subprocess
@@ -15,11 +16,11 @@ RESET = '''        "if first is not False:  # a step's first microbatch (or no s
 LAYOUT_TEST = '''    body.append(f"if len(args) != {layout.positional} or len(kwargs) != {layout.keywords}:")
     body.append("    return False")'''
 SKIP = '''            "held_at = state.held_at_step  # None unless first is False (reset above)",
-            "if held_at is not None and held_at == step_now():",
+            "if held_at is not None and held_at == marks.count:",
             "    return True  # read at this step's first microbatch (QuickAccept)",
 '''
 EARLY_SKIP = ('    if layout.full and layout.step_marked:\n        body += ["if full and state.held_at_step is not None and '
-              'state.held_at_step == step_now():", "    return True"]\n')
+              'state.held_at_step == state.step_marks.count:", "    return True"]\n')
 AFTER_TYPES = '    if tensors:\n        reads = '
 AFTER_METAS = '    if layout.full:\n        body.extend('
 RESET_LATE = '\n    body.append("if first is not False:")\n    body.append("    state.held_at_step = None")'
@@ -57,10 +58,11 @@ MUTANTS = {
     "instance's storage": (CO, "return type(tensor).untyped_storage(tensor).data_ptr()",
                                  "return tensor.untyped_storage().data_ptr()"),
     "groups' layer held strongly": (CO, "        layer = weakref.ref(module)\n", "        raise TypeError\n"),
-    "skip in any step": (AC, '"if held_at is not None and held_at == step_now():"', '"if held_at is not None:"'),
+    "skip in any step": (AC, '"if held_at is not None and held_at == marks.count:"', '"if held_at is not None:"'),
     "held state not read": (AC, 'lines += ["if not held_accepts():", "    return False"]', 'lines += []'),
-    "skip kept after a later microbatch": (AC, '"state.held_at_step = step_now() if first is True else None"',
-                                           '"state.held_at_step = step_now()"'),
+    "skip kept after a later microbatch": (AC, '"state.held_at_step = marks.count if first is True and marks.depth else None',
+                                           '"state.held_at_step = marks.count if marks.depth else None'),
+    "held step set outside a marked run": (AC, "if first is True and marks.depth else None", "if first is True else None"),
     "parameter types ignored": (CO, "if tuple(map(type, parameters)) != self.parameter_types:", "if False:"),
     "parameter addresses ignored": (CO, "if tuple(map(_DATA_PTR, parameters)) != self.parameter_ptrs:", "if False:"),
     "group names ignored": (CO, "if not _same_names(now, names) or not all", "if not all"),
