@@ -16,7 +16,7 @@ set -e
 python3 - "$out" <<'PY'
 import json, sys
 from pathlib import Path
-from megatron_cg_plugin.testing.farm import format_summary
+from megatron_cg_plugin.farm.runner import format_summary
 out = Path(sys.argv[1])
 rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.summary.json"))]
 table = format_summary(rows)

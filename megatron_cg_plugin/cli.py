@@ -15,15 +15,15 @@ import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from megatron_cg_plugin import console, golden, helptext
-from megatron_cg_plugin.bench_output import BenchOutputError
-from megatron_cg_plugin.enforce import predict_graph_memory
-from megatron_cg_plugin.plan.capture import plan_capture
-from megatron_cg_plugin.plan.moe import capacity_plan_from_args, parse_load
+from megatron_cg_plugin.bench.output import BenchOutputError
+from megatron_cg_plugin.refusal import predict_graph_memory
+from megatron_cg_plugin.planner.capture_plan import plan_capture
+from megatron_cg_plugin.moe.capacity import capacity_plan_from_args, parse_load
 from megatron_cg_plugin.rules import GraphFacts
-from megatron_cg_plugin.testing.cases import CaseError
+from megatron_cg_plugin.farm.cases import CaseError
 
 if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by the commands that use it
-    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.farm import runner as farm
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH, console.EXIT_BAD_INPUT
 
@@ -183,7 +183,7 @@ def _bench(argv: Sequence[str]) -> int:
               "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "
               "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
         return EXIT_OK
-    from megatron_cg_plugin.launch import bench  # deferred: torch (seconds); --help and golden start without it
+    from megatron_cg_plugin.bench import command as bench  # deferred: torch (seconds); --help and golden start without it
 
     try:
         return bench.main(argv)
@@ -197,7 +197,7 @@ def _farm(argv: Sequence[str]) -> int:
     eager vs graphed on case folders in Megatron's model_config.yaml format (the farm's or Megatron-LM's)"""
     from pathlib import Path
 
-    from megatron_cg_plugin.testing import farm  # deferred: torch (seconds); --help and golden start without it
+    from megatron_cg_plugin.farm import runner as farm  # deferred: torch (seconds); --help and golden start without it
 
     parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
         "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
@@ -245,7 +245,7 @@ def _farm(argv: Sequence[str]) -> int:
 def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
     """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
     ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
-    from megatron_cg_plugin.testing import farm  # noqa: F811  # deferred: imports torch, as in _farm
+    from megatron_cg_plugin.farm import runner as farm  # noqa: F811  # deferred: imports torch, as in _farm
 
     if options.dry_run:
         print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
@@ -290,10 +290,10 @@ def _matrix(argv: Sequence[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from megatron_cg_plugin.testing import matrix  # deferred: torch (seconds); --help and golden start without it
+    from megatron_cg_plugin.matrix import runner as matrix  # deferred: torch (seconds); --help and golden start without it
 
     if argv[:1] == ["bench"]:  # its own parser: the flags after -- go to megatron-cg bench
-        from megatron_cg_plugin.testing import matrix_bench  # deferred: torch, as matrix above
+        from megatron_cg_plugin.matrix import bench as matrix_bench  # deferred: torch, as matrix above
 
         return matrix_bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])

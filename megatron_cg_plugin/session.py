@@ -19,13 +19,13 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping, Protocol
 
-from megatron_cg_plugin import diagnostics
+from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
-from megatron_cg_plugin.plan.graph_memory import GraphMemoryPlan
-from megatron_cg_plugin.plan.moe import MoeCapacityPlan, uniform_load
+from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
+from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
-from megatron_cg_plugin.step_marks import StepMarks
+from megatron_cg_plugin.capture.step_marks import StepMarks
 
 
 class DeviceProbe(Protocol):
@@ -99,7 +99,7 @@ class CaptureStats:
     graphs: int
     seconds: float
     pool_bytes: int
-    replays: diagnostics.ReplayTotals  # a ReplayCounter; for graph banks, BankReplayCounts
+    replays: accounting.ReplayTotals  # a ReplayCounter; for graph banks, BankReplayCounts
     failure: str | None = None  # "<layer>: <cause>" when capture failed and was rolled back
     banks: Callable[[], list[dict[str, int]]] | None = None  # graph banks: live per-bank counts
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per capture phase
@@ -293,8 +293,8 @@ class RunSession:
     def report(self) -> RunReport:
         eager = [r.seconds for r in self.iterations if not r.graphed and r.seconds is not None]
         graphed = [r.seconds for r in self.iterations if r.graphed and r.seconds is not None]
-        eager_median = diagnostics.steady_median(eager)
-        graphed_median = diagnostics.steady_median(graphed)
+        eager_median = accounting.steady_median(eager)
+        graphed_median = accounting.steady_median(graphed)
         memory, moe = self.prediction.graph_memory, self.prediction.moe_capacity
         scopes = tuple(
             ScopeReport(

@@ -1,3 +1,5 @@
-"""Capture machinery: the transaction, the one seam to TE (``backend``), slot-shared capture
-(``slot_shared``, in Megatron's lifecycle through ``slot_backend``), graph banks (``graph_banks``),
-replay contracts, branch checks, stale-graph hygiene, scratch clearing and offload-group names."""
+"""The capture lifecycle around Megatron's ``create_cudagraphs`` (``lifecycle``): the transaction that
+rolls a failed capture back (``transaction``), the one seam to TE's capture and its FP8 state
+(``te_backend``), replay contracts (``contracts``), stale autograd graphs found and named
+(``stale_graphs``), per-forward scratch cleared (``scratch``), and graph-pool and replay accounting
+(``accounting``)."""

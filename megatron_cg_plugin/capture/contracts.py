@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin.bank_router import group_label
+from megatron_cg_plugin.banks.router import group_label
 from megatron_cg_plugin.capture.accept_code import Accept, AcceptLayout, accept_function, refuse_all
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.step_marks import StepMarks
+from megatron_cg_plugin.capture.step_marks import StepMarks
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 FIRST_MICROBATCH = "is_first_microbatch"  # True for a step's first microbatch (module.py l.332)

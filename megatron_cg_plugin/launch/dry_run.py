@@ -14,12 +14,10 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron_cg_plugin import compat, rules
-from megatron_cg_plugin.enforce import (
-    MEGATRON_HEADING, MEGATRON_REJECTIONS, megatron_rejection, missing_required_flags, transformer_config_backstop,
-)
-from megatron_cg_plugin.integration import gpu_host_stand_ins
+from megatron_cg_plugin.refusal import MEGATRON_HEADING, MEGATRON_REJECTIONS, megatron_rejection, missing_required_flags, transformer_config_backstop
+from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch import pretrain_gpt
-from megatron_cg_plugin.plan.capture import plan_capture
+from megatron_cg_plugin.planner.capture_plan import plan_capture
 
 
 class CheckError(ValueError):

@@ -20,11 +20,12 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_cg_plugin import console, helptext, integration
-from megatron_cg_plugin.data.hybrid_cp import get_hybrid_cp_batch
-from megatron_cg_plugin.data.packed import packed_batch_params, with_packed_keys
+from megatron_cg_plugin import console, helptext
+from megatron_cg_plugin import installation
+from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
+from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.data.sources import build_datasets
-from megatron_cg_plugin.dynamic_cp import hybrid_cp_layer_spec
+from megatron_cg_plugin.banks.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
@@ -148,11 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(launcher_help())
         return 0
     with single_process_rendezvous():
-        session = integration.install(launcher=True)
+        session = installation.install(launcher=True)
         try:
             run(parse_megatron_args(argv), session)  # validate_args ran every rule: the flags can train
         finally:
-            integration.uninstall()
+            installation.uninstall()
     return 0
 
 
@@ -185,4 +186,4 @@ def run(args: Any, session: Any) -> None:
             banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine")
     pretrain(pretrain_cfg_container_from_args(args, model_config), provider, ModelType.encoder_or_decoder,
              functools.partial(forward_step, spec=spec))
-    integration.finish()  # already done when train() ran; a run that skipped training still reports
+    installation.finish()  # already done when train() ran; a run that skipped training still reports

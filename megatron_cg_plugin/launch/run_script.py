@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from megatron_cg_plugin import compat, console, integration
+from megatron_cg_plugin import compat, console
+from megatron_cg_plugin import installation
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
@@ -63,7 +64,7 @@ def run_in_process(script: Path, args: Sequence[str]) -> int:
     """Runs ``script`` in this process with the plugin installed; returns its exit code."""
     with single_process_rendezvous(), argv_as([str(script), *args]), script_search_path(script):
         try:
-            integration.install()
+            installation.install()
         except (compat.UnsupportedVersionError, compat.SignatureMismatchError) as error:
             print(f"megatron-cg run: {error}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -72,7 +73,7 @@ def run_in_process(script: Path, args: Sequence[str]) -> int:
         except SystemExit as error:
             return exit_code(error)
         finally:
-            integration.uninstall()
+            installation.uninstall()
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.testing.distributed import run_probe
+from megatron_cg_plugin.farm.distributed import run_probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 PROBE = Path(__file__).parent / "_probes" / "lifecycle_probe.py"

@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin import golden
-from megatron_cg_plugin.testing.distributed import gpu_stack_missing, gpus_available
-from megatron_cg_plugin.testing.farm import (
-    FarmCase, golden_mismatches, golden_rewrite_refusal, load_cases, problems_of, run_case,
-)
+from megatron_cg_plugin.farm.distributed import gpu_stack_missing, gpus_available
+from megatron_cg_plugin.farm.runner import FarmCase, golden_mismatches, golden_rewrite_refusal, load_cases, problems_of, run_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 # Cases running Megatron-LM's own scripts find them in the checkout MEGATRON_LM_DIR names (skipped without one).

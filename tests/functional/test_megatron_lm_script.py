@@ -22,7 +22,7 @@ from megatron_cg_plugin import compat
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 from megatron_cg_plugin.launch.rendezvous import single_process_values
-from megatron_cg_plugin.testing.distributed import gpu_stack_missing
+from megatron_cg_plugin.farm.distributed import gpu_stack_missing
 
 pytestmark = [pytest.mark.gpu]
 

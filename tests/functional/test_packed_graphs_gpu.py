@@ -23,7 +23,7 @@ from test_megatron_lm_script import printed_losses, run, script_dir
 
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
-from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
+from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 
 pytestmark = [pytest.mark.gpu]
 
@@ -86,7 +86,7 @@ def test_graphed_packed_runs_equal_eager_and_stock(packed) -> None:
 
 
 def test_the_launcher_trains_packed_graphs_like_its_eager_run(packed) -> None:
-    """The launcher's own packed batch path (data/packed.py) into the same layout: graphed == eager."""
+    """The launcher's own packed batch path (packed/batches.py) into the same layout: graphed == eager."""
     _, argv, out = packed
     _, eager_losses = plugin(LAUNCHER, [*argv, *CAPACITY, "--cuda-graph-impl", "none"], out, "launcher_eager")
     for scope, extra in (("layer", []), ("attn", ["--cuda-graph-modules", "attn"])):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cg_plugin.memory import saved_tensors
-from megatron_cg_plugin.memory.autograd_graph import reachable_nodes
+from megatron_cg_plugin.slot_sharing import saved_tensors
+from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
 
 
 class _Node:

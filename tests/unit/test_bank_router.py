@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.bank_router import BankRouter, BankSelectionError, GraphBank
-from megatron_cg_plugin.plan.bank_sizes import bank_sizes
-from megatron_cg_plugin.testing.distributed import launch
+from megatron_cg_plugin.banks.router import BankRouter, BankSelectionError, GraphBank
+from megatron_cg_plugin.banks.sizes import bank_sizes
+from megatron_cg_plugin.farm.distributed import launch
 
 SCRIPTS = Path(__file__).parent / "_rank_scripts"
 

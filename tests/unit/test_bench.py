@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_cg_plugin import bench_output, cli
-from megatron_cg_plugin.bench_output import BenchOutputError
+from megatron_cg_plugin import cli
+from megatron_cg_plugin.bench import output as bench_output
+from megatron_cg_plugin.bench.output import BenchOutputError
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.launch import bench
-from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
-from megatron_cg_plugin.plan.bench_schedule import DeviceTime
+from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench.command import BenchError, BenchOptions, parse_bench_argv, run_bench
+from megatron_cg_plugin.bench.schedule import DeviceTime
 
 STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123,
                 "plugin-recording": 0.0127}
@@ -256,7 +257,7 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
 
 
 def test_contract_cost_times_every_mode_on_the_first_captured_layer():
-    from megatron_cg_plugin.helper import PluginHelperMixin
+    from megatron_cg_plugin.capture.lifecycle import PluginHelperMixin
 
     layer = torch.nn.Linear(4, 4)
     layer.pg_collection = None
@@ -326,7 +327,7 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Base:
@@ -407,7 +408,7 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, RunSession(PluginConfig())))
@@ -432,7 +433,7 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(PluginConfig())
@@ -517,9 +518,9 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.capture.offload_groups import OffloadCopies
+    from megatron_cg_plugin.offload.groups import OffloadCopies
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Base:
@@ -558,7 +559,7 @@ def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tm
 
 
 def test_copy_stalls_count_the_copy_time_no_kernel_ran_beside():
-    from megatron_cg_plugin.plan.bench_schedule import CopyStalls
+    from megatron_cg_plugin.bench.schedule import CopyStalls
 
     # Two steps: kernels 0-4 and 6-10; a D2H 3-8 (kernels beside it but for 4-6) and an H2D 10-12 (alone).
     events = [(0.0, 4.0, "kernel", 7, "a"), (6.0, 10.0, "kernel", 9, "b"), (3.0, 8.0, "d2h", 21, "c"),
@@ -672,7 +673,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     calls = []
@@ -726,7 +727,7 @@ def test_the_recording_arm_takes_the_loss_dict_and_num_zeros_from_train_steps_re
 
 
 def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_percent():
-    from megatron_cg_plugin.plan.bench_schedule import median_precision
+    from megatron_cg_plugin.bench.schedule import median_precision
 
     result, *_ = bench_with_fakes(rounds=6)  # 3 pairs
     ratios = result.summary().ratios["plugin", "stock"]

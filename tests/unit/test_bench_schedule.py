@@ -7,10 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.bench_schedule import (
-    Block, Spread, Step, busy_seconds, fewest_for_interval, interleaved_blocks, interleaved_steps, median_interval,
-    median_precision, run_schedule, summarize, summarize_steps,
-)
+from megatron_cg_plugin.bench.schedule import Block, Spread, Step, busy_seconds, fewest_for_interval, interleaved_blocks, interleaved_steps, median_interval, median_precision, run_schedule, summarize, summarize_steps
 
 
 @given(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True), st.integers(1, 6))
@@ -96,7 +93,7 @@ def test_busy_time_is_at_most_the_sum_and_at_least_the_longest(pairs):
 
 
 def test_device_time_splits_copies_from_kernels_and_measures_their_overlap():
-    from megatron_cg_plugin.plan.bench_schedule import DeviceTime
+    from megatron_cg_plugin.bench.schedule import DeviceTime
 
     kernels = [(0, 10), (12, 20)]
     d2h, h2d = [(8, 14)], [(25, 27)]  # 8-10 and 12-14 under kernels, 10-12 and 25-27 alone

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from megatron_cg_plugin import bench_output
+from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.launch import bench
-from megatron_cg_plugin.launch.bench import BenchError, BenchOptions, parse_bench_argv, run_bench
-from megatron_cg_plugin.plan.bench_schedule import DeviceTime
+from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench.command import BenchError, BenchOptions, parse_bench_argv, run_bench
+from megatron_cg_plugin.bench.schedule import DeviceTime
 
 TRUE_RATIO = 1.02  # plugin / stock
 SPEEDS = {"eager": 0.300, "stock": 0.130, "plugin": 0.130 * TRUE_RATIO, "plugin-recording": 0.130 * 1.005}
@@ -429,7 +429,7 @@ def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkey
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Tagged(RunSession):  # which arm's session a plugin helper reports to
@@ -492,7 +492,7 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
@@ -517,7 +517,7 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class HalfCapture(FakeMegatronHelper):

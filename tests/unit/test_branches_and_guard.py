@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from megatron_cg_plugin.capture.branches import BranchMismatchError, BranchSignature, check_branches
+from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError, BranchSignature, check_branches
 from megatron_cg_plugin.capture.contracts import alias_topology
-from megatron_cg_plugin.memory.guard import SlotGuard, SlotReuseError
-from megatron_cg_plugin.plan.slot_plan import plan_slots
+from megatron_cg_plugin.slot_sharing.guard import SlotGuard, SlotReuseError
+from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
 from _doubles.schedules import planned
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.testing.cases import CaseError, FarmSettings, load_case, render_flags
+from megatron_cg_plugin.farm.cases import CaseError, FarmSettings, load_case, render_flags
 
 MEGATRON_LM = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 
@@ -120,7 +120,7 @@ def test_megatron_lms_own_graph_case_loads(tmp_path):
 
 # ---------------------------------------------------------------- --fit-gpus
 
-from megatron_cg_plugin.testing.cases import fit_gpus  # noqa: E402
+from megatron_cg_plugin.farm.cases import fit_gpus  # noqa: E402
 
 MOE_CASE = {"--tensor-model-parallel-size": 4, "--pipeline-model-parallel-size": 2, "--expert-model-parallel-size": 2,
             "--expert-tensor-parallel-size": 2, "--pipeline-model-parallel-layout": "Et|(tt|)*6mL",

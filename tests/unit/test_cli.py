@@ -403,7 +403,7 @@ def test_check_hybrid_cp_with_graph_banks(capsys):
 
 
 def test_plan_prints_the_moe_capacity_plan(capsys):
-    from megatron_cg_plugin.plan.moe import MoeCapacityPlan
+    from megatron_cg_plugin.moe.capacity import MoeCapacityPlan
 
     code = cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine",
                      "--cuda-graph-modules", "attn", "moe", "--moe-expert-capacity-factor", "1.5",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin import cli, compat, console
-from megatron_cg_plugin.testing.distributed import MultiRankError, RankFailure
-from megatron_cg_plugin.testing.farm import CASES_DIR, FarmRunError
+from megatron_cg_plugin.farm.distributed import MultiRankError, RankFailure
+from megatron_cg_plugin.farm.runner import CASES_DIR, FarmRunError
 
 REPO = Path(__file__).resolve().parents[2]
 # Refused on every host, before any GPU work: TE graphs do not take full recompute.
@@ -61,7 +61,7 @@ def test_megatron_cg_run_and_the_datasets_module_print_no_megatron_import_notes(
     hello.write_text("print('hello')\n")
     result = run("-m", "megatron_cg_plugin.cli", "run", str(hello), tmp_path=tmp_path)
     assert (result.returncode, result.stdout, result.stderr) == (0, "hello\n", "")
-    result = run("-m", "megatron_cg_plugin.testing.datasets", str(tmp_path / "data"), tmp_path=tmp_path)
+    result = run("-m", "megatron_cg_plugin.data.synthetic", str(tmp_path / "data"), tmp_path=tmp_path)
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 

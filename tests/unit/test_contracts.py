@@ -22,7 +22,7 @@ from megatron_cg_plugin.capture.contracts import (
     process_groups_of,
 )
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.step_marks import StepMarks
+from megatron_cg_plugin.capture.step_marks import StepMarks
 
 FULL, SHAPES = ContractCheck.FULL, ContractCheck.SHAPES
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.covering import all_pairs, combinations, pairs_of, uncovered_pairs
+from megatron_cg_plugin.matrix.covering import all_pairs, combinations, pairs_of, uncovered_pairs
 
 factor_spaces = st.dictionaries(
     st.sampled_from("abcde"), st.lists(st.sampled_from("uvwxyz"), min_size=1, max_size=4, unique=True),

@@ -16,11 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin import cli, integration
-from megatron_cg_plugin.data import hybrid_cp, sources
+from megatron_cg_plugin import cli
+from megatron_cg_plugin import installation
+from megatron_cg_plugin.data import sources
+from megatron_cg_plugin.banks import hybrid_cp_batch as hybrid_cp
 from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
-from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout, partitioned_indices
-from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
+from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout, partitioned_indices
+from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 
 IndexedDataset = importlib.import_module("megatron.core.datasets.indexed_dataset").IndexedDataset
 global_vars = importlib.import_module("megatron.training.global_vars")
@@ -237,7 +239,7 @@ def gpt_dataset(prefix, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with integration.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
+    with installation.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
         args = parse_megatron_args([*GPT, "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
                                     "--data-path", prefix, "--dataloader-inter-document-masking",
                                     "--data-cache-path", os.path.join(os.path.dirname(prefix), "cache")])
@@ -493,10 +495,11 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     message), ``SFTTokenizer`` a HuggingFace folder with the nemotron-h-aligned tokens; same seed, same bytes."""
     import json
 
-    from megatron_cg_plugin.testing import datasets, farm
+    from megatron_cg_plugin.data import synthetic
+    from megatron_cg_plugin.farm import runner as farm
 
-    dataset, tokenizer = datasets.write_sft_dataset(tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6)
-    again, _ = datasets.write_sft_dataset(tmp_path / "b", samples=5, seed=3, min_conversations=4, max_conversations=6)
+    dataset, tokenizer = synthetic.write_sft_dataset(tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6)
+    again, _ = synthetic.write_sft_dataset(tmp_path / "b", samples=5, seed=3, min_conversations=4, max_conversations=6)
     assert dataset.read_bytes() == again.read_bytes()
     lines = [json.loads(line) for line in dataset.read_text().splitlines()]
     assert len(lines) == 5
@@ -507,10 +510,10 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
         assert all(message["content"] for message in line["messages"])  # an empty assistant turn is refused there
     model = json.loads((tokenizer / "tokenizer.json").read_text())
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
-    assert {token["content"] for token in model["added_tokens"]} == set(datasets.SFT_SPECIAL)
+    assert {token["content"] for token in model["added_tokens"]} == set(synthetic.SFT_SPECIAL)
     assert {"<SPECIAL_10>", "<SPECIAL_11>", "System", "User", "Assistant"} <= set(model["model"]["vocab"])
     assert (config["eos_token"], config["pad_token"]) == ("<eos>", "<SPECIAL_233>")
     flags = farm.data_flags("sft", tmp_path / "farm")
     assert flags[flags.index("--tokenizer-type") + 1] == "SFTTokenizer"
-    assert flags[flags.index("--sft-tokenizer-prompt-format") + 1] == datasets.SFT_PROMPT_FORMAT
+    assert flags[flags.index("--sft-tokenizer-prompt-format") + 1] == synthetic.SFT_PROMPT_FORMAT
     assert farm.data_flags("sft", tmp_path / "farm") == flags  # built once

@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.diagnostics (pool bytes, replay counters, medians) and
+"""Tests for megatron_cg_plugin.capture.accounting (pool bytes, replay counters, medians) and
 megatron_cg_plugin.report (the run report table and JSON)."""
 
 from __future__ import annotations
@@ -10,14 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin import diagnostics
-from megatron_cg_plugin.diagnostics import (
-    CountingGraph,
-    ReplayCounter,
-    new_pool_bytes,
-    pool_bytes_by_id,
-    steady_median,
-)
+from megatron_cg_plugin.capture import accounting as diagnostics
+from megatron_cg_plugin.capture.accounting import CountingGraph, ReplayCounter, new_pool_bytes, pool_bytes_by_id, steady_median
 from megatron_cg_plugin.report import RunReport, ScopeReport
 
 MiB = 2**20

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from megatron_cg_plugin.helptext import flags_markdown_table
-from megatron_cg_plugin.patches import PATCHES
+from megatron_cg_plugin.patching.ledger import PATCHES
 from megatron_cg_plugin.rules import RULES, markdown_rows
 
 ROOT = Path(__file__).resolve().parents[2]

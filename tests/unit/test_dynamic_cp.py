@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from megatron_cg_plugin.dynamic_cp import adapt_layer_spec, dynamic_cp_attention_class, microbatch_cp_group
+from megatron_cg_plugin.banks.dynamic_cp import adapt_layer_spec, dynamic_cp_attention_class, microbatch_cp_group
 
 
 class Group:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_cg_plugin.testing import farm
-from megatron_cg_plugin.testing.cases import CaseError, load_case
+from megatron_cg_plugin.farm import runner as farm
+from megatron_cg_plugin.farm.cases import CaseError, load_case
 
 
 # Cases written before their first GPU run: their golden files come from that run (MEGATRON_CG_UPDATE_GOLDEN=1); a
@@ -68,7 +68,7 @@ def test_farm_settings_reach_the_case(tmp_path):
 
 
 def test_dropping_the_offload_flags_takes_each_option_with_its_values():
-    from megatron_cg_plugin.testing.farm import without_offload_flags
+    from megatron_cg_plugin.farm.runner import without_offload_flags
 
     assert without_offload_flags(
         ["--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin import cli
-from megatron_cg_plugin.testing.case_adapt import adapt_case_args
-from megatron_cg_plugin.testing.farm import prepare_case
+from megatron_cg_plugin.farm.case_adapt import adapt_case_args
+from megatron_cg_plugin.farm.runner import prepare_case
 
 MEGATRON_LM = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 
@@ -141,7 +141,7 @@ def test_megatron_lms_graph_cases_fit_one_gpu_on_mock_data(tmp_path, name):
 
 
 def test_what_deterministic_mode_refuses_goes_with_a_note(tmp_path):
-    from megatron_cg_plugin.testing.case_adapt import adapt_case_env
+    from megatron_cg_plugin.farm.case_adapt import adapt_case_env
 
     args, _, changes = adapt_case_args({"--cross-entropy-loss-fusion": True, "--tp-comm-overlap": True,
                                         "--train-samples": 1000, "--num-layers": 2}, data_path="/d", out_dir=tmp_path,
@@ -157,7 +157,7 @@ def test_what_deterministic_mode_refuses_goes_with_a_note(tmp_path):
 def test_the_determinism_tables_are_megatrons():
     from megatron.training import determinism
 
-    from megatron_cg_plugin.testing import case_adapt
+    from megatron_cg_plugin.farm import case_adapt
 
     assert set(case_adapt.NONDETERMINISTIC_FLAGS.values()) == set(determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM)
     assert all(value is False for value in determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM.values())
@@ -166,7 +166,7 @@ def test_the_determinism_tables_are_megatrons():
 
 
 def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
-    from megatron_cg_plugin.testing.cases import fit_gpus
+    from megatron_cg_plugin.farm.cases import fit_gpus
 
     args, changes = fit_gpus({"--pipeline-model-parallel-size": 4, "--pipeline-model-parallel-layout": "Et|(tt|)*3L",
                               "--num-virtual-stages-per-pipeline-rank": 2}, 2)
@@ -179,7 +179,7 @@ def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
 
 def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed(tmp_path):
     from megatron_cg_plugin.golden import GoldenValues, MetricSeries
-    from megatron_cg_plugin.testing.farm import CaseResult, problems_of
+    from megatron_cg_plugin.farm.runner import CaseResult, problems_of
 
     text = MEGATRON_STYLE.replace('  - "lm loss"\n', '  - "lm loss"\n  - "mtp_1 loss"\n  - "iteration-time"\n')
     case, _ = prepare_case(write_case(tmp_path, text), out_dir=tmp_path / "out", gpus=1)
@@ -217,7 +217,7 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
 
 
 def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_the_plan(tmp_path):
-    from megatron_cg_plugin.testing.farm import CASES_DIR, format_summary
+    from megatron_cg_plugin.farm.runner import CASES_DIR, format_summary
 
     moe, _ = prepare_case(CASES_DIR / "moe" / "tiny_moe_droppad", out_dir=tmp_path)
     dense, _ = prepare_case(CASES_DIR / "gpt" / "tiny_gpt_layer", out_dir=tmp_path)
@@ -233,7 +233,7 @@ def test_a_slot_offload_case_whose_graphs_moved_nothing_to_the_host_fails():
     import dataclasses
 
     from megatron_cg_plugin.golden import GoldenValues, MetricSeries
-    from megatron_cg_plugin.testing.farm import CASES, CaseResult, problems_of
+    from megatron_cg_plugin.farm.runner import CASES, CaseResult, problems_of
 
     case = dataclasses.replace(next(c for c in CASES if c.name == "tiny_gpt_slot_offload"), check_golden=False)
     run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)}),
@@ -266,7 +266,7 @@ def test_farm_refuses_a_data_path_that_does_not_exist(tmp_path, capsys):
 
 def test_the_eager_reference_leaves_out_the_flags_only_graphs_use(tmp_path):
     from megatron_cg_plugin.config import PLUGIN_FLAGS
-    from megatron_cg_plugin.testing.farm import load_cases, without_graph_only_flags
+    from megatron_cg_plugin.farm.runner import load_cases, without_graph_only_flags
 
     graph_only = {flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only}
     assert without_graph_only_flags(["--cg-slot-capture", "--cg-offload-window", "2", "--cg-contract-check=off",
@@ -307,7 +307,7 @@ def scoped_without_recompute(tmp_path: Path) -> Path:
 
 
 def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_takes(tmp_path):
-    from megatron_cg_plugin.testing.farm import refusal_of
+    from megatron_cg_plugin.farm.runner import refusal_of
 
     case, notes = prepare_case(OFFLOADING, out_dir=tmp_path, gpus=1)
     assert "--overlap-moe-expert-parallel-comm dropped (EP 4 -> 1: Megatron overlaps expert-parallel communication " \
@@ -355,7 +355,7 @@ def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
     ({"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, 2, [], ["--sequence-parallel"]),
 ])
 def test_fit_gpus_drops_each_flag_the_smaller_run_cannot_take_and_says_why(model_args, gpus, dropped, kept):
-    from megatron_cg_plugin.testing.cases import fit_gpus
+    from megatron_cg_plugin.farm.cases import fit_gpus
 
     args, changes = fit_gpus(model_args, gpus)
     for flag in dropped:
@@ -365,7 +365,7 @@ def test_fit_gpus_drops_each_flag_the_smaller_run_cannot_take_and_says_why(model
 
 
 def test_fit_gpus_turns_the_flex_dispatcher_into_alltoall_without_tp_or_ep():
-    from megatron_cg_plugin.testing.cases import fit_gpus
+    from megatron_cg_plugin.farm.cases import fit_gpus
 
     flex = {"--expert-model-parallel-size": 8, "--moe-token-dispatcher-type": "flex",
             "--moe-flex-dispatcher-backend": "deepep"}
@@ -381,7 +381,7 @@ def test_fit_gpus_turns_the_flex_dispatcher_into_alltoall_without_tp_or_ep():
 
 
 def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, capsys, monkeypatch):
-    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.farm import runner as farm
 
     monkeypatch.setattr(farm, "run_case", lambda *a, **k: pytest.fail("a refused case must not launch"))
     assert cli.main(["farm", str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
@@ -396,7 +396,7 @@ def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, c
 
 def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsys, monkeypatch):
     from megatron_cg_plugin.golden import GoldenValues, MetricSeries
-    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.farm import runner as farm
 
     def passing_run(case, out_dir):
         run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)})})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_cg_plugin.launch.presets import expand_preset, flag_value
-from megatron_cg_plugin.testing import farm
+from megatron_cg_plugin.farm import runner as farm
 
 INDEXED = ("synthetic", "sentencepiece")  # the data kinds written as Megatron indexed datasets
 CASES = [case for case in farm.CASES if case.data in INDEXED]

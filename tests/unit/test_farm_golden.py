@@ -1,7 +1,7 @@
 """Golden update mode refuses to overwrite a golden file the run differs from, unless accepted."""
 
 from megatron_cg_plugin import golden
-from megatron_cg_plugin.testing.farm import ACCEPT_GOLDEN_CHANGE, golden_rewrite_refusal
+from megatron_cg_plugin.farm.runner import ACCEPT_GOLDEN_CHANGE, golden_rewrite_refusal
 
 
 def series(values: dict[int, float]) -> golden.GoldenValues:

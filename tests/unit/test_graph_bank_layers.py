@@ -9,10 +9,9 @@ import types
 import pytest
 import torch
 
-from megatron_cg_plugin.bank_router import BankRouter, BankSelectionError, GraphBank
-from megatron_cg_plugin.capture.graph_banks import (BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity,
-                                               attention_in_graph, banked_layer_class, capture_banks)
-from megatron_cg_plugin.plan.thd import ThdCapacityError
+from megatron_cg_plugin.banks.router import BankRouter, BankSelectionError, GraphBank
+from megatron_cg_plugin.banks.capture import BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity, attention_in_graph, banked_layer_class, capture_banks
+from megatron_cg_plugin.packed.layout import ThdCapacityError
 
 CAPACITY = ThdCapacity(tokens_per_rank=8, max_seqs=2)
 
@@ -292,7 +291,7 @@ ALLTOALL_CUDAGRAPH_ATTRS = ["tokens_per_expert", "input_splits", "output_splits"
 
 
 def test_a_banks_capture_records_the_preprocess_shapes_before_its_scratch_is_cleared():
-    from megatron_cg_plugin.capture.graph_banks import bank_capture_call
+    from megatron_cg_plugin.banks.capture import bank_capture_call
     from megatron_cg_plugin.capture.scratch import moe_dispatcher_scratch
 
     layer = partial_moe_layer()
@@ -338,7 +337,7 @@ def test_a_bank_replay_empties_megatrons_moe_tensor_store_when_the_eager_rest_ra
 def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe_block():
     from megatron.core.transformer import cuda_graphs
 
-    from megatron_cg_plugin.capture.graph_banks import megatron_capturing
+    from megatron_cg_plugin.banks.capture import megatron_capturing
 
     whole = partial_moe_layer(("attn", "moe"))
     with megatron_capturing([whole]):
@@ -351,7 +350,7 @@ def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe
 
 
 def test_banks_ending_inside_the_moe_block_are_captured_in_training_mode_only():
-    from megatron_cg_plugin.capture.graph_banks import _validate_bank_capture
+    from megatron_cg_plugin.banks.capture import _validate_bank_capture
 
     layer = FakeMoeLayer()
     layer.is_moe_layer = True

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.plan import allocator
-from megatron_cg_plugin.plan.allocator import PoolModel, round_request, segment_size
-from megatron_cg_plugin.plan.graph_memory import (LayerShape, MoeShape, attention_workspace, plan_from_args,
-                                                  plan_graph_memory, scope_parts)
+from megatron_cg_plugin.planner import allocator
+from megatron_cg_plugin.planner.allocator import PoolModel, round_request, segment_size
+from megatron_cg_plugin.planner.graph_memory import LayerShape, MoeShape, attention_workspace, plan_from_args, plan_graph_memory, scope_parts
 from megatron_cg_plugin.rules import GraphFacts
 
 MiB = 2**20
@@ -210,7 +209,7 @@ def big(**changes):
 
 
 def offloaded_host_bytes(layers, modules, policy):
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     return plan_slot_memory(layers, modules, policy).host_arena_bytes
 
@@ -221,7 +220,7 @@ def first_layer_host_bytes(shape, modules, policy):
 
 
 def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_groups_offload():
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
 
     act = 2048 * 1024 * 2  # a [tokens, hidden] bf16 activation: 4 MiB
     every = OffloadPolicy.from_flags(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"])
@@ -305,8 +304,8 @@ MEASURED_SLOT_RUNS = {
 
 @pytest.mark.parametrize("name", sorted(MEASURED_SLOT_RUNS))
 def test_slot_arenas_are_predicted_to_the_byte_and_the_pool_within_15_percent(name):
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
 
     shape, layers, modules, policy, arenas, host, pool_mib = MEASURED_SLOT_RUNS[name]
     offload = None if policy is None else OffloadPolicy.from_flags(policy[0], min_tensor_elements=policy[1])
@@ -318,7 +317,7 @@ def test_slot_arenas_are_predicted_to_the_byte_and_the_pool_within_15_percent(na
 
 
 def test_slot_arenas_are_the_forwards_saves_less_its_output_plus_its_input():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     shape = big()
     act = shape.act(shape.hidden)  # 4 MiB
@@ -337,7 +336,7 @@ def test_slot_arenas_are_the_forwards_saves_less_its_output_plus_its_input():
 
 
 def test_slot_boundaries_are_each_graphs_output_and_gradients_and_one_layers_parameter_gradients():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     shape = big()
     act = shape.act(shape.hidden)
@@ -359,7 +358,7 @@ def test_slot_boundaries_are_each_graphs_output_and_gradients_and_one_layers_par
 
 
 def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     layers = [big()] * 12
     slot, te = plan_slot_memory(layers, ("attn",)), plan_graph_memory(layers, ["attn"])
@@ -377,7 +376,7 @@ TRACED_COLUMN_SUMS = [(2048, 8192, 128 * MiB), (2048, 4096, 64 * MiB), (2048, 30
 
 @pytest.mark.parametrize("rows, cols, traced", TRACED_COLUMN_SUMS)
 def test_the_bias_gradients_column_sum_stages_what_the_reduce_kernel_allocated(rows, cols, traced):
-    from megatron_cg_plugin.plan.reduction import column_sum_workspace
+    from megatron_cg_plugin.planner.reduction import column_sum_workspace
 
     assert column_sum_workspace(rows, cols) == traced
 
@@ -385,7 +384,7 @@ def test_the_bias_gradients_column_sum_stages_what_the_reduce_kernel_allocated(r
 def test_the_column_sum_stops_growing_once_its_blocks_fill_the_gpu():
     """Twice the tokens of 2048 x 8192 take 132 MiB, not the 256 MiB of ``tokens x ffn x 8``, the
     model of the 2048-token traces that over-predicted the issue-30 FP8 slot pool (808 MiB, 1.30x)."""
-    from megatron_cg_plugin.plan.reduction import column_sum_workspace
+    from megatron_cg_plugin.planner.reduction import column_sum_workspace
 
     assert column_sum_workspace(8192, 8192) == column_sum_workspace(4096, 8192) < 4096 * 8192 * 8
     # The SM count sizes it: on 66 SMs, 17 blocks a column (66 x 16 blocks of 128 threads over 64) instead of 33.
@@ -393,7 +392,7 @@ def test_the_column_sum_stops_growing_once_its_blocks_fill_the_gpu():
 
 
 def _temps(shape, parts):
-    from megatron_cg_plugin.plan.graph_memory import _graph
+    from megatron_cg_plugin.planner.graph_memory import _graph
 
     _, bwd = _graph(shape, scope_parts(parts), "")
     return {name: nbytes for action, name, nbytes in bwd.ops if action == "alloc" and name.endswith("column_sum")}
@@ -412,9 +411,9 @@ def test_the_issue_30_fp8_slot_case_is_predicted_from_its_flags_within_15_percen
     """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (s66-s68: 620 MiB measured, the trace in
     docs/results/exact-matrix-2026-12-02/traces): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
-    from megatron_cg_plugin.enforce import predict_graph_memory
+    from megatron_cg_plugin.refusal import predict_graph_memory
     from megatron_cg_plugin.launch import dry_run
-    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.farm import runner as farm
 
     case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
@@ -432,7 +431,7 @@ def test_slot_runs_get_the_arena_and_boundary_prediction_and_graphs_that_end_in_
     assert not any("slot" in what for what in plan.unpredicted)
     te = plan_from_args(megatron_args(), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
     assert te.arena_bytes is None and "GPU arenas" not in te.describe()
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     moe = tiny(moe=MoeShape(experts=4, topk=2, ffn=512, rows=1024))
     with pytest.raises(ValueError, match="not --cuda-graph-modules attn moe_router on an MoE layer"):
@@ -443,7 +442,7 @@ def test_slot_runs_get_the_arena_and_boundary_prediction_and_graphs_that_end_in_
 
 
 def test_parameter_gradient_buffers_keep_every_layout_the_layers_need():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     dense = tiny(gated=True, bias=False)
     moe = dataclasses.replace(dense, moe=MoeShape(experts=2, topk=2, ffn=512, rows=1024, router_experts=8))
@@ -461,7 +460,7 @@ def test_parameter_gradient_buffers_keep_every_layout_the_layers_need():
 
 
 def test_ropes_table_follows_the_rotary_percent():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     full, half = plan_slot_memory([big()], ("attn",)), plan_slot_memory([big(rotary_dim=32)], ("attn",))
     table = 2048 * 64 * 4
@@ -526,8 +525,8 @@ POLICIES = st.builds(lambda modules, minimum: (tuple(sorted(modules)), minimum),
 @settings(max_examples=60, deadline=None)
 @given(DENSE_SHAPES, st.integers(1, 3), st.sampled_from([(), ("attn",), ("mlp",), ("attn", "mlp")]), POLICIES)
 def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(shape, layers, modules, policy):
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
 
     kept = plan_slot_memory([shape] * layers, modules)
     offloaded = plan_slot_memory([shape] * layers, modules, OffloadPolicy.from_flags(policy[0],
@@ -543,7 +542,7 @@ def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(sh
 
 
 def test_fp8_layers_save_their_gemm_inputs_quantized_and_delayed_scaling_also_the_projections():
-    from megatron_cg_plugin.plan.graph_memory import fp8_quantized_saves, plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import fp8_quantized_saves, plan_slot_memory
 
     bf16 = plan_slot_memory([tiny()], ()).arena_bytes
     tokens, hidden, ffn, q = 512, 256, 1024, 256
@@ -612,7 +611,7 @@ def test_te_graph_pools_under_fp8_are_predicted_within_5_percent(name):
 def test_the_te_programs_keep_what_the_slot_arenas_count_as_fp8_saves():
     """Both paths read one rule (fp8_quantized_saves for the arenas, the programs' column-wise copies
     for TE's pool): a GEMM input kept for backward, 1 byte an element."""
-    from megatron_cg_plugin.plan.graph_memory import _graph, fp8_quantized_saves
+    from megatron_cg_plugin.planner.graph_memory import _graph, fp8_quantized_saves
 
     in_programs = {"ln1.out": "ln1.out.col", "proj.input": "o.in.col", "ln2.out": "ln2.out.col",
                    "mlp.act": "mlp.act.in.col"}
@@ -652,8 +651,8 @@ def test_fp8_quantize_buffers_change_tes_pool():
 def test_the_staging_ring_is_window_plus_one_buffers_of_a_layers_offload(window, measured):
     """docs/results/windows-fp8-2026-12-01/s45: the 1B, every attention group offloaded, copies between
     replays: the GPU arenas (saves that stay plus the ring) as measured."""
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
 
     policy = OffloadPolicy.from_flags(EVERY_ATTENTION_GROUP, min_tensor_elements=1024 * 1024)
     plan = plan_slot_memory([dense_1b()] * 16, ("attn", "mlp"), policy, staging_depth=window + 1)
@@ -661,7 +660,7 @@ def test_the_staging_ring_is_window_plus_one_buffers_of_a_layers_offload(window,
 
 
 def test_a_larger_layer_than_its_ring_buffer_gets_a_buffer_of_its_own():
-    from megatron_cg_plugin.plan.graph_memory import staging_ring_bytes
+    from megatron_cg_plugin.planner.graph_memory import staging_ring_bytes
 
     assert staging_ring_bytes([10, 10, 10, 10], 2) == 20
     # Position 0: sized 10 by the first layer, so the third's 30 gets a buffer of its own; position 1: the fourth's 10.
@@ -670,8 +669,8 @@ def test_a_larger_layer_than_its_ring_buffer_gets_a_buffer_of_its_own():
 
 
 def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot():
-    from megatron_cg_plugin.plan.graph_memory import fp8_attention_saves, plan_slot_memory
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
+    from megatron_cg_plugin.planner.graph_memory import fp8_attention_saves, plan_slot_memory
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
 
     fp8 = tiny(heads=2, query_groups=2, head_dim=128, fp8_recipe="delayed")
     tokens, width = 512, 256
@@ -691,7 +690,7 @@ def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot
 
 
 def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_on():
-    from megatron_cg_plugin.enforce import model_config_adds, repredict_graph_memory
+    from megatron_cg_plugin.refusal import model_config_adds, repredict_graph_memory
 
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
@@ -715,14 +714,14 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
 
 
 def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_capture(monkeypatch):
-    from megatron_cg_plugin import enforce
+    from megatron_cg_plugin import refusal
     from megatron_cg_plugin.session import RunSession
 
     facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    monkeypatch.setattr(enforce, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
+    monkeypatch.setattr(refusal, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
     session = RunSession()
-    enforce.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
+    refusal.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
     flags_plan = session.prediction.graph_memory
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=False))
     assert session.prediction.graph_memory is flags_plan  # nothing beyond the flags
@@ -751,7 +750,7 @@ def test_the_realistic_moe_pool_is_predicted_within_two_percent(modules, rows, m
 
 
 def test_the_realistic_moe_slot_arenas_hold_the_second_expert_gemms_output():
-    from megatron_cg_plugin.plan.graph_memory import plan_slot_memory
+    from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     plan = plan_slot_memory([realistic_moe(16 * 256)] * 8, ("attn", "moe"))
     # measured 992808960 (s65); 320 KiB more predicted (small routing saves), 0.03%; 0.86x without the kept output
@@ -765,9 +764,9 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
     """s81/s82 (docs/results/session-2026-12-03b): deterministic packed graphs' pools are mostly cuDNN's THD
     backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
     predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
-    from megatron_cg_plugin.enforce import predict_graph_memory
+    from megatron_cg_plugin.refusal import predict_graph_memory
     from megatron_cg_plugin.launch import dry_run
-    from megatron_cg_plugin.testing import farm
+    from megatron_cg_plugin.farm import runner as farm
 
     case, _ = farm.prepare_case(farm.case_folder(name), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}

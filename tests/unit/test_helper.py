@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.helper: the plugin's TECudaGraphHelper subclass (transactional,
+"""Tests for megatron_cg_plugin.capture.lifecycle: the plugin's TECudaGraphHelper subclass (transactional,
 fail-closed capture; replay contracts; measured teardown), on CPU fakes of Megatron's helper and of
 Transformer Engine's ``make_graphed_callables`` (through the ``GraphBackend`` seam)."""
 
@@ -15,22 +15,15 @@ import pytest
 import torch
 from megatron.core.transformer import cuda_graphs as mcg
 
-from megatron_cg_plugin import diagnostics
-from megatron_cg_plugin import helper as helper_module
-from megatron_cg_plugin.capture import hygiene
+from megatron_cg_plugin.capture import accounting
+from megatron_cg_plugin.capture import lifecycle as helper_module
+from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.contracts import ContractViolation
-from megatron_cg_plugin.capture.hygiene import StaleAutogradGraphError
+from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError
 from megatron_cg_plugin.capture.transaction import attribute, gc_state
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.diagnostics import CountingGraph, MemoryState, TeardownStats
-from megatron_cg_plugin.helper import (
-    CaptureFailedError,
-    InjectedCaptureFailure,
-    PluginHelperMixin,
-    _CaptureTracker,
-    bind_helper_class,
-    scope_label,
-)
+from megatron_cg_plugin.capture.accounting import CountingGraph, MemoryState, TeardownStats
+from megatron_cg_plugin.capture.lifecycle import CaptureFailedError, InjectedCaptureFailure, PluginHelperMixin, _CaptureTracker, bind_helper_class, scope_label
 from megatron_cg_plugin.session import RunPrediction, RunSession
 
 MiB = 2**20
@@ -48,7 +41,7 @@ class Scope(enum.Enum):  # shaped like megatron.core.transformer.enums.CudaGraph
 
 
 class FakeMemory:
-    """What ``diagnostics.memory_state`` would report: each fake CUDA graph adds a private pool
+    """What ``accounting.memory_state`` would report: each fake CUDA graph adds a private pool
     (2 MiB) and 1 MiB of allocated static buffers; ``reset()`` frees them (unless it leaks)."""
 
     def __init__(self) -> None:
@@ -109,7 +102,7 @@ def _eager_graph_reaches(params) -> bool:
     ``find_stale_graphs``, whose holder search refreshes frames' ``f_locals`` snapshots."""
     ids = {id(p) for p in params}
     return any(issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None
-               and any(id(v) in ids for v in hygiene._accumulated_variables(obj.grad_fn))
+               and any(id(v) in ids for v in stale_graphs._accumulated_variables(obj.grad_fn))
                for obj in gc.get_objects())
 
 
@@ -453,7 +446,7 @@ def _clean_globals(monkeypatch):
 @pytest.fixture
 def memory(monkeypatch):
     fake = FakeMemory()
-    monkeypatch.setattr(diagnostics, "memory_state", fake.state)
+    monkeypatch.setattr(accounting, "memory_state", fake.state)
     return fake
 
 
@@ -1125,7 +1118,7 @@ def test_teardown_names_what_holds_the_pool_blocks_left(probe, memory, cuda_sync
     kept_after_teardown = torch.zeros(3, 5)  # a capture output some object still holds
     leaked_pool = backend.graphs[1].pool
     block = {"address": kept_after_teardown.untyped_storage().data_ptr(), "size": 60, "state": "active_allocated"}
-    monkeypatch.setattr(diagnostics, "allocator_segments",
+    monkeypatch.setattr(accounting, "allocator_segments",
                         lambda: [{"segment_pool_id": leaked_pool, "total_size": 2 * MiB, "blocks": [block]}])
     helper.delete_cuda_graphs()
     (holder,) = helper.teardown_stats.pool_holders
@@ -1268,8 +1261,8 @@ def test_graph_held_by_garbage_is_collected_before_capture_with_the_before_check
 
 def test_the_default_check_lists_the_heap_only_after_a_failure(probe, monkeypatch):
     scans = []
-    real = hygiene.find_stale_graphs
-    monkeypatch.setattr(hygiene, "find_stale_graphs", lambda *a, **k: scans.append(1) or real(*a, **k))
+    real = stale_graphs.find_stale_graphs
+    monkeypatch.setattr(stale_graphs, "find_stale_graphs", lambda *a, **k: scans.append(1) or real(*a, **k))
     session, backend, model, helper = build(probe, layout=(2,), stale_graph_check="refuse")
     helper.create_cudagraphs()
     assert helper.graphs_created() and scans == [] and "stale-graph check" not in helper.capture_stats.phases
@@ -1301,7 +1294,7 @@ def test_a_diagnosis_that_fails_itself_leaves_the_capture_failure_as_it_came(pro
     def broken(*args, **kwargs):
         raise RuntimeError("diagnosis blew up")
 
-    monkeypatch.setattr(hygiene, "diagnose_failed_capture", broken)
+    monkeypatch.setattr(stale_graphs, "diagnose_failed_capture", broken)
     session, backend, model, helper = stale_build(probe, "refuse", on_capture_error="eager")
     loss = (all_layers(model)[0].weight * 2).sum()
     helper.create_cudagraphs()  # eager mode: training goes on
@@ -1314,13 +1307,13 @@ class RefusingBackend(FakeTEBackend):
 
     def make_graphed_callables(self, callables, sample_args, **kwargs):
         self.calls.append(dict(kwargs, n=len(sample_args)))
-        raise StaleAutogradGraphError([hygiene.StaleGraph(root="SumBackward0 output", parameters=1,
+        raise StaleAutogradGraphError([stale_graphs.StaleGraph(root="SumBackward0 output", parameters=1,
                                                           holders=("local variable 'x'",))])
 
 
 def test_a_refusal_raised_inside_the_capture_is_that_refusal_without_another_scan(probe, monkeypatch):
     scans = []
-    monkeypatch.setattr(hygiene, "find_stale_graphs", lambda *a, **k: scans.append(1) or [])
+    monkeypatch.setattr(stale_graphs, "find_stale_graphs", lambda *a, **k: scans.append(1) or [])
     session, backend, model, helper = build(probe, layout=(2,), backend=RefusingBackend(), stale_graph_check="refuse")
     with pytest.raises(StaleAutogradGraphError, match="local variable 'x'"):
         helper.create_cudagraphs()
@@ -1388,7 +1381,7 @@ def test_banks_need_the_banked_layer_class(probe, hybrid_groups):
 
 @pytest.mark.parametrize("on_error", ["raise", "eager"])
 def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monkeypatch, on_error):
-    import megatron_cg_plugin.capture.graph_banks as banked
+    import megatron_cg_plugin.banks.capture as banked
 
     seen = {}
 
@@ -1415,7 +1408,7 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
 def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups, monkeypatch, collections, on_error):
     # The banks' capture goes through the capture transaction, as TE's does: what it changed before it
     # failed is put back, and the failure ends as every capture's does.
-    import megatron_cg_plugin.capture.graph_banks as banked
+    import megatron_cg_plugin.banks.capture as banked
 
     def capture_banks(layers, groups, capacity, **kwargs):
         mcg._set_capture_start()  # a patched Megatron global left set
@@ -1447,7 +1440,7 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
 
 
 def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, monkeypatch):
-    import megatron_cg_plugin.capture.graph_banks as banked
+    import megatron_cg_plugin.banks.capture as banked
 
     outputs = []
 

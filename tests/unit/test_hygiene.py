@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.capture.hygiene: finding eager autograd graphs still alive before
+"""Tests for megatron_cg_plugin.capture.stale_graphs: finding eager autograd graphs still alive before
 capture, naming what holds them, and refusing capture while they exist."""
 
 from __future__ import annotations
@@ -8,14 +8,8 @@ import gc
 import pytest
 import torch
 
-from megatron_cg_plugin.capture import hygiene
-from megatron_cg_plugin.capture.hygiene import (
-    StaleAutogradGraphError,
-    StaleGraph,
-    diagnose_failed_capture,
-    ensure_no_stale_graphs,
-    find_stale_graphs,
-)
+from megatron_cg_plugin.capture import stale_graphs as hygiene
+from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError, StaleGraph, diagnose_failed_capture, ensure_no_stale_graphs, find_stale_graphs
 
 
 class Holder:

@@ -191,8 +191,8 @@ def test_function_local_imports_of_the_plugin_say_why_they_wait():
 def test_the_graph_sees_the_package_as_it_is():
     # A graph that missed imports would pass both tests above: a few edges known to exist.
     edges = graph(imports())
-    assert "megatron_cg_plugin.patches" in edges["megatron_cg_plugin.integration"]
-    assert "megatron_cg_plugin.capture.transaction" in edges["megatron_cg_plugin.helper"]
+    assert "megatron_cg_plugin.patching.ledger" in edges["megatron_cg_plugin.installation"]
+    assert "megatron_cg_plugin.capture.transaction" in edges["megatron_cg_plugin.capture.lifecycle"]
     assert "megatron_cg_plugin.config" in edges["megatron_cg_plugin"]
 
 
@@ -290,7 +290,7 @@ def test_the_layers_block_names_only_modules_that_exist():
 def test_the_ledger_depends_on_compat_only():
     # Any layer may make its foreign change through patches.lend / patches.scoped: the ledger sits
     # below everything and knows none of the modules that use it.
-    imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.patches"}
+    imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.patching.ledger"}
     assert imported == {"megatron_cg_plugin.compat"}
 
 

@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.integration and megatron_cg_plugin.patches, on the real
+"""Tests for megatron_cg_plugin.installation and megatron_cg_plugin.patching.ledger, on the real
 megatron-core installed here (no GPU, no Transformer Engine needed)."""
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ import pytest
 import torch
 
 import megatron_cg_plugin
-from megatron_cg_plugin import compat, integration, patch_builders, patches
+from megatron_cg_plugin import compat
+from megatron_cg_plugin import installation as integration
+from megatron_cg_plugin.patching import builders as patch_builders
+from megatron_cg_plugin.patching import ledger as patches
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig, add_plugin_args
-from megatron_cg_plugin.helper import PluginHelperMixin
-from megatron_cg_plugin.patch_builders import BUILDERS
-from megatron_cg_plugin.patches import PATCHES, Patch, PatchSet
+from megatron_cg_plugin.capture.lifecycle import PluginHelperMixin
+from megatron_cg_plugin.patching.builders import BUILDERS
+from megatron_cg_plugin.patching.ledger import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 
 training = importlib.import_module("megatron.training.training")
@@ -293,7 +296,7 @@ def test_install_without_config_and_args_lacking_cg_flags(monkeypatch):
 
 
 def test_install_after_the_script_parsed_runs_the_rules_at_once(monkeypatch, capsys):
-    from megatron_cg_plugin.enforce import RunRefused
+    from megatron_cg_plugin.refusal import RunRefused
 
     args = megatron_namespace(monkeypatch, "--cuda-graph-impl", "transformer_engine")  # APEX fusion left on
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
@@ -994,7 +997,7 @@ def test_scoped_megatron_capture_call_is_restored_by_identity_and_unlisted_chang
 
 
 def test_scoped_te_capture_flag_is_restored(monkeypatch):
-    from megatron_cg_plugin.capture import backend
+    from megatron_cg_plugin.capture import te_backend as backend
 
     graph = types.ModuleType("transformer_engine.pytorch.graph")
     graph._IS_GRAPH_CAPTURING = False
@@ -1171,7 +1174,7 @@ def test_an_offloaded_tensor_is_reloaded_only_after_its_copy_to_the_host(monkeyp
     patch makes that stream wait for the group's offload event first, and only for such a tensor."""
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
 
-    from megatron_cg_plugin.patch_builders import build_offload_reload_wait
+    from megatron_cg_plugin.patching.builders import build_offload_reload_wait
 
     events: list = []
 

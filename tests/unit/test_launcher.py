@@ -1,4 +1,4 @@
-"""Real multi-rank CPU (gloo) tests of megatron_cg_plugin.testing.distributed.launch."""
+"""Real multi-rank CPU (gloo) tests of megatron_cg_plugin.farm.distributed.launch."""
 
 from __future__ import annotations
 
@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin.config import PLUGIN_FLAGS
-from megatron_cg_plugin.testing.distributed import (
-    LaunchResult,
-    MultiRankError,
-    gpus_available,
-    launch,
-    require_gpus,
-)
+from megatron_cg_plugin.farm.distributed import LaunchResult, MultiRankError, gpus_available, launch, require_gpus
 
 SCRIPTS = Path(__file__).parent / "_rank_scripts"
 
@@ -116,7 +110,7 @@ def test_gpu_helpers_on_any_machine():
 
 
 def test_gpu_stack_missing_names_what_is_missing(monkeypatch):
-    from megatron_cg_plugin.testing import distributed
+    from megatron_cg_plugin.farm import distributed
 
     monkeypatch.setattr(distributed, "gpus_available", lambda: 1)
     assert distributed.gpu_stack_missing(2) == "needs 2 CUDA GPU(s), found 1"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.plan.covering import uncovered_pairs
-from megatron_cg_plugin.testing import matrix
-from megatron_cg_plugin.testing.distributed import MultiRankError
+from megatron_cg_plugin.matrix.covering import uncovered_pairs
+from megatron_cg_plugin.matrix import runner as matrix
+from megatron_cg_plugin.farm.distributed import MultiRankError
 
 REPO = Path(__file__).resolve().parents[2]
 CELLS = REPO / "docs" / "results" / "exact-matrix-2026-12-02" / "cells.json"

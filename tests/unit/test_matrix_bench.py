@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin import bench_output, cli
-from megatron_cg_plugin.bench_output import BenchResult, BlockRecord
-from megatron_cg_plugin.launch.bench import parse_bench_argv, user_script
-from megatron_cg_plugin.testing import matrix, matrix_bench
-from megatron_cg_plugin.testing.ports import ephemeral_start
+from megatron_cg_plugin import cli
+from megatron_cg_plugin.bench import output as bench_output
+from megatron_cg_plugin.bench.output import BenchResult, BlockRecord
+from megatron_cg_plugin.bench.command import parse_bench_argv, user_script
+from megatron_cg_plugin.matrix import runner as matrix
+from megatron_cg_plugin.matrix import bench as matrix_bench
+from megatron_cg_plugin.farm.ports import ephemeral_start
 
 GPT_TE = {"model": "gpt", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1"}
 LLAMA_SLOT = {"model": "llama", "scope": "attn", "precision": "bf16", "capture": "slot", "mbs": "2"}

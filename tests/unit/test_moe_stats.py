@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cg_plugin.moe_stats import RouterDropTap
+from megatron_cg_plugin.moe.drop_stats import RouterDropTap
 
 
 class FakeRouter(torch.nn.Module):
@@ -63,7 +63,7 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
     import pytest
     from megatron.core.transformer.moe import router
 
-    from megatron_cg_plugin import patch_builders
+    from megatron_cg_plugin.patching import builders as patch_builders
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 

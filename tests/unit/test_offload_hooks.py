@@ -1,4 +1,4 @@
-"""In-graph activation offload's saved-tensor hook (memory/offload.py), on CPU with InlineCopies:
+"""In-graph activation offload's saved-tensor hook (offload/host_arenas.py), on CPU with InlineCopies:
 the plan made at warmup is followed, offloaded storages leave the GPU arena, come back for backward
 with their aliases, and the next group is prefetched while one is unpacked."""
 
@@ -10,11 +10,11 @@ import contextlib
 import pytest
 import torch
 
-from megatron_cg_plugin.memory import offload
-from megatron_cg_plugin.memory.offload import HostArena, HostArenaError, OffloadingArenaHooks
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaSizer
-from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
-from megatron_cg_plugin.plan.slot_plan import arena_aligned
+from megatron_cg_plugin.offload import host_arenas as offload
+from megatron_cg_plugin.offload.host_arenas import HostArena, HostArenaError, OffloadingArenaHooks
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
+from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+from megatron_cg_plugin.slot_sharing.plan import arena_aligned
 
 from _doubles.copies import InlineCopies
 
@@ -145,7 +145,7 @@ def test_storages_get_new_ordinals_at_reused_addresses_in_warmup_and_in_the_fram
 def test_megatrons_offload_interface_only_names_its_group_inside_the_tracker_and_is_restored_after():
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    from megatron_cg_plugin.capture.offload_groups import OffloadGroupTracker
+    from megatron_cg_plugin.offload.groups import OffloadGroupTracker
 
     interface = fgo.FineGrainedActivationOffloadingInterface
     before = (interface.__enter__, interface.__exit__, interface.group_offload)
@@ -378,7 +378,7 @@ def test_each_first_unpack_keeps_window_groups_reloading_ahead(window):
 
 
 def test_a_capture_that_raises_still_joins_its_copy_streams():
-    from megatron_cg_plugin.capture.slot_shared import _copies_joined
+    from megatron_cg_plugin.slot_sharing.capture import _copies_joined
 
     sizer, plan = warmup_plan(["core_attn", "mlp_norm"])
     for graph, join in (("forward", "join forward"), ("backward", "join backward")):

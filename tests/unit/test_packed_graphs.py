@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_cg_plugin import packed_graphs
+from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.packed_graphs import THD_KWARG, PackedFormError
-from megatron_cg_plugin.plan.graph_memory import thd_buffer_bytes
-from megatron_cg_plugin.plan.thd import PackedLayout, ThdCapacityError, padded_offsets
+from megatron_cg_plugin.packed.graphs import THD_KWARG, PackedFormError
+from megatron_cg_plugin.planner.graph_memory import thd_buffer_bytes
+from megatron_cg_plugin.packed.layout import PackedLayout, ThdCapacityError, padded_offsets
 from megatron_cg_plugin.rules import GraphFacts
 from megatron_cg_plugin.session import RunSession
 
@@ -301,7 +301,7 @@ def test_the_planner_counts_the_static_offsets():
 # -- the launcher's packed batches --------------------------------------------------------------------
 
 def test_the_launchers_params_are_megatrons_script_s():
-    from megatron_cg_plugin.data.packed import packed_batch_params, with_packed_keys
+    from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 
     batch = with_packed_keys({"tokens": torch.zeros(1, 16), "cu_seqlens": torch.tensor([[0, 5, 12, 16]], dtype=torch.int32),
                               "max_seqlen": torch.tensor([7])})

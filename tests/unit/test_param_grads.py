@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cg_plugin.memory.param_grads import ParamGradBuffers
+from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
 
 
 def layer_params(hidden=8):

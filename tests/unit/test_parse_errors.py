@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import megatron_cg_plugin
-from megatron_cg_plugin import integration, parse_errors
+from megatron_cg_plugin import parse_errors
+from megatron_cg_plugin import installation
 from megatron_cg_plugin.parse_errors import short_message, shorten
 
 arguments = importlib.import_module("megatron.training.arguments")
@@ -210,14 +211,14 @@ def test_shorten_is_idempotent_and_wraps_the_original_type_once():
 
 @pytest.fixture
 def installed():
-    integration.uninstall()
-    session = integration.install()
+    installation.uninstall()
+    session = installation.install()
     assert arguments.add_megatron_arguments is not ORIGINAL_ADD_MEGATRON_ARGUMENTS
     try:
         yield session
     finally:
-        integration.uninstall()
-    assert integration.active_session() is None
+        installation.uninstall()
+    assert installation.active_session() is None
 
 
 PLUGIN_FLAGS = ["--cg-no-report", "--cg-contract-check", "shapes"]
@@ -247,8 +248,8 @@ def test_installed_parse_args_errors_are_one_line(installed, monkeypatch, capsys
 
 
 def test_after_uninstall_parse_args_rejects_cg_flags(monkeypatch, capsys):
-    integration.install()
-    integration.uninstall()
+    installation.install()
+    installation.uninstall()
     monkeypatch.setattr(sys, "argv", ["script", *MEGATRON_FLAGS, "--cg-no-report"])
     with pytest.raises(SystemExit) as info:
         arguments.parse_args()

@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.plan.capture: which layers and microbatches a run would capture."""
+"""Tests for megatron_cg_plugin.planner.capture_plan: which layers and microbatches a run would capture."""
 
 import dataclasses
 import itertools
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.capture import CapturePlan, layer_is_graphed, plan_capture
+from megatron_cg_plugin.planner.capture_plan import CapturePlan, layer_is_graphed, plan_capture
 from megatron_cg_plugin.rules import GraphFacts
 
 TE = "transformer_engine"

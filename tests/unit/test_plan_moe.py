@@ -6,9 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.moe import (
-    MoeCapacityPlan, megatron_capacity, parse_load, tokens_per_rank, uniform_load, zipf_load,
-)
+from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, megatron_capacity, parse_load, tokens_per_rank, uniform_load, zipf_load
 
 
 @settings(max_examples=300, deadline=None)

@@ -11,10 +11,10 @@ from pathlib import Path
 import megatron_cg_plugin
 
 PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
-        "megatron_cg_plugin.scopes", "megatron_cg_plugin.bank_router",
-        "megatron_cg_plugin.plan.bank_sizes", "megatron_cg_plugin.plan.capture", "megatron_cg_plugin.plan.slot_plan",
-        "megatron_cg_plugin.plan.thd", "megatron_cg_plugin.plan.moe", "megatron_cg_plugin.plan.bench_schedule", "megatron_cg_plugin.plan.offload",
-        "megatron_cg_plugin.plan.allocator", "megatron_cg_plugin.plan.graph_memory",
+        "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks.router",
+        "megatron_cg_plugin.banks.sizes", "megatron_cg_plugin.planner.capture_plan", "megatron_cg_plugin.slot_sharing.plan",
+        "megatron_cg_plugin.packed.layout", "megatron_cg_plugin.moe.capacity", "megatron_cg_plugin.bench.schedule", "megatron_cg_plugin.offload.plan",
+        "megatron_cg_plugin.planner.allocator", "megatron_cg_plugin.planner.graph_memory",
         "megatron_cg_plugin.data", "megatron_cg_plugin.parse_errors")
 
 
@@ -77,9 +77,11 @@ def imported_modules(tree: ast.AST) -> set[str]:
 
 
 def test_capture_code_needs_nothing_of_the_rules():
-    """capture/ and the helper read scope names from ``scopes``; the rules are the run's check, a
-    layer above them (``plan.capture`` and ``enforce`` use them)."""
-    capture = [*sorted((PACKAGE / "capture").glob("*.py")), PACKAGE / "helper.py"]
+    """Capture code (capture/, slot_sharing/, banks/, offload/, packed/) reads scope names from
+    ``scopes``; the rules are the run's check, a layer above it (``planner.capture_plan`` and
+    ``refusal`` use them)."""
+    capture = sorted(path for folder in ("capture", "slot_sharing", "banks", "offload", "packed")
+                     for path in (PACKAGE / folder).glob("*.py"))
     importers = [str(path.relative_to(PACKAGE)) for path in capture
                  if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))]
     assert importers == []
@@ -101,7 +103,7 @@ def module_level_imports(tree: ast.Module) -> ast.Module:
 
 def test_the_package_imports_no_test_extra_at_module_level():
     """hypothesis and pytest are test extras: the tests' doubles and strategies live under
-    tests/unit/_doubles (testing/distributed.py's pytest helpers import pytest inside the call)."""
+    tests/unit/_doubles (farm/distributed.py's pytest helpers import pytest inside the call)."""
     importers = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
                  if {"hypothesis", "pytest"} & {name.split(".")[0] for name in
                                                 imported_modules(module_level_imports(ast.parse(path.read_text())))}]

@@ -13,11 +13,13 @@ import os
 import pytest
 import torch
 
-from megatron_cg_plugin import compat, enforce, integration, rules
+from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import refusal as enforce
+from megatron_cg_plugin import installation
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
-from megatron_cg_plugin.testing.datasets import synthetic_documents, write_indexed_dataset
+from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 
 global_vars = importlib.import_module("megatron.training.global_vars")
 microbatches = importlib.import_module("megatron.core.num_microbatches_calculator")
@@ -134,15 +136,15 @@ def clean_process(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     # The run's validate_args under --deterministic-mode sets these (and torch's switch) for the process.
     environ, deterministic = dict(os.environ), torch.are_deterministic_algorithms_enabled()
-    integration.uninstall()
+    installation.uninstall()
     reset_megatron_globals()
     yield
-    integration.uninstall()
+    installation.uninstall()
     reset_megatron_globals()
     os.environ.clear()
     os.environ.update(environ)
     torch.use_deterministic_algorithms(deterministic)
-    assert integration.active_session() is None
+    assert installation.active_session() is None
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def data_prefix(tmp_path_factory) -> str:
 
 def dry_run_verdict(flags: list[str], nproc: int) -> tuple[frozenset[str], dict[str, str]]:
     """The rules ``megatron-cg check`` reports broken (and their messages)."""
-    assert integration.active_session() is None  # check validates with Megatron's own validate_args
+    assert installation.active_session() is None  # check validates with Megatron's own validate_args
     try:
         plan = dry_run.check(flags, nproc=nproc, env={})
     except rules.RuleViolation as violation:
@@ -173,14 +175,14 @@ def run_verdict(flags: list[str], nproc: int, monkeypatch) -> tuple[frozenset[st
         patch.setenv("RANK", "0")
         patch.setenv("LOCAL_RANK", "0")
         patch.setattr(compat, "te_available", lambda: True)  # check assumes TE on the GPU host
-        integration.install(launcher=True)
+        installation.install(launcher=True)
         try:
-            with integration.gpu_host_stand_ins():
+            with installation.gpu_host_stand_ins():
                 args = pretrain_gpt.parse_megatron_args(flags)
         except enforce.RunRefused as refusal:
             return frozenset(name for name, _ in refusal.violations), dict(refusal.violations)
         finally:
-            integration.uninstall()
+            installation.uninstall()
             reset_megatron_globals()
     assert args.world_size == nproc
     return frozenset(), {}

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin import cli, integration
+from megatron_cg_plugin import cli
+from megatron_cg_plugin import installation as integration
 from megatron_cg_plugin.launch import run_script
 from megatron_cg_plugin.launch.rendezvous import RENDEZVOUS_VARS
 
@@ -24,7 +25,7 @@ RECORDER = textwrap.dedent("""\
     import json, os, sys
 
     import {sibling}
-    from megatron_cg_plugin import integration
+    from megatron_cg_plugin import installation
 
     out = sys.argv[sys.argv.index("--out") + 1]
     record = {{
@@ -32,7 +33,7 @@ RECORDER = textwrap.dedent("""\
         "argv": list(sys.argv),
         "path0": sys.path[0],
         "sibling": {sibling}.VALUE,
-        "installed": integration.active_session() is not None,
+        "installed": installation.active_session() is not None,
         "env": {{key: os.environ.get(key) for key in
                 ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "NCCL_NVLS_ENABLE")}},

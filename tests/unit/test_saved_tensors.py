@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.memory.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer, storage_keys
-from megatron_cg_plugin.plan.slot_plan import ARENA_ALIGNMENT as ALIGNMENT
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer, storage_keys
+from megatron_cg_plugin.slot_sharing.plan import ARENA_ALIGNMENT as ALIGNMENT
 
 
 class SaveAndSeen(torch.autograd.Function):
@@ -330,7 +330,7 @@ def test_sizer_counts_ctx_tensors_not_already_saved():
 
 
 def test_warmup_records_each_save_with_its_offload_group_for_the_plan():
-    from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
 
     running = {"group": None}
     sizer = ArenaSizer(group=lambda: running["group"])

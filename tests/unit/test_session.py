@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.diagnostics import ReplayCounter
+from megatron_cg_plugin.capture.accounting import ReplayCounter
 from megatron_cg_plugin.golden import GoldenValues
-from megatron_cg_plugin.plan.graph_memory import GraphMemoryPlan
+from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
 from megatron_cg_plugin.session import CaptureStats, CudaProbe, IterationRecord, RunPrediction, RunSession
 
 ALLOC, MAX_ALLOC = 1_339_286_016, 3_418_015_744
@@ -408,7 +408,7 @@ def test_report_scopes_from_helpers_capture_stats(probe, clock):
 
 
 def test_report_sums_the_slot_layers_memory_and_sets_the_plan_beside_it(probe, clock):
-    from megatron_cg_plugin.capture.slot_backend import LayerSlotStats
+    from megatron_cg_plugin.slot_sharing.megatron_backend import LayerSlotStats
 
     session = make_session(probe, clock)
     counter = ReplayCounter(2)
@@ -564,7 +564,7 @@ def test_the_model_config_a_script_changed_redoes_the_prediction_the_report_prin
 
 
 def test_the_report_reads_the_prediction_the_session_was_given(probe, clock):
-    from megatron_cg_plugin.plan.moe import MoeCapacityPlan, uniform_load
+    from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, uniform_load
 
     session = make_session(probe, clock)
     assert session.report().predicted_pool_bytes is None and session.report().moe_planned_capacity is None

@@ -1,4 +1,4 @@
-"""``--cg-slot-capture`` (capture/slot_backend.py, capture/offload_groups.MegatronOffload) on CPU: what
+"""``--cg-slot-capture`` (slot_sharing/megatron_backend.py, capture/offload_groups.MegatronOffload) on CPU: what
 the capture call refuses, how a replay call maps onto the graph's inputs, Megatron's offload
 interface and the layers' in-graph flag during capture, and which backend the helper picks. The
 capture itself needs a GPU: tests/functional/test_slot_capture_megatron.py."""
@@ -11,15 +11,13 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import fine_grained_activation_offload as megatron_offload
 
-from megatron_cg_plugin.capture import slot_backend
-from megatron_cg_plugin.capture.backend import TEBackend
-from megatron_cg_plugin.capture.offload_groups import MegatronOffload, OffloadCopies
-from megatron_cg_plugin.capture.slot_backend import (
-    SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call,
-)
+from megatron_cg_plugin.slot_sharing import megatron_backend as slot_backend
+from megatron_cg_plugin.capture.te_backend import TEBackend
+from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies
+from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call
 from megatron_cg_plugin.config import ConfigError, PluginConfig
-from megatron_cg_plugin.helper import bind_helper_class
-from megatron_cg_plugin.plan.offload import OffloadPolicy
+from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+from megatron_cg_plugin.offload.plan import OffloadPolicy
 from megatron_cg_plugin.session import RunSession
 
 
@@ -200,7 +198,7 @@ def test_slot_capture_and_graph_banks_together_are_refused():
 
 
 def test_the_delayed_offload_flush_is_observed_at_the_next_graph_call_and_counted(offload_manager):
-    from megatron_cg_plugin.capture.slot_backend import DelayedFlushWatch
+    from megatron_cg_plugin.slot_sharing.megatron_backend import DelayedFlushWatch
 
     watch = DelayedFlushWatch(types.SimpleNamespace(delay_offload_until_cuda_graph=True))
     first, second = (SlotLayerGraph(FakeSlotted(), f"layer {n}", 1, (), watch) for n in (1, 2))
@@ -222,7 +220,7 @@ def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused()
         OffloadCopies("sideways")
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):
         OffloadCopies(window=-1)
-    from megatron_cg_plugin.capture.slot_shared import SlotOffload
+    from megatron_cg_plugin.slot_sharing.capture import SlotOffload
 
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):  # capture_slotted's own API
         SlotOffload(OffloadPolicy.from_flags(["core_attn"]), group=lambda: None, window=-1)
@@ -307,7 +305,7 @@ def test_copies_between_replays_get_a_ring_of_window_plus_one_buffers(capture_ca
 
 
 def test_each_layers_offload_plans_it_at_its_place_in_the_stack():
-    from megatron_cg_plugin.plan.offload import Save
+    from megatron_cg_plugin.offload.plan import Save
 
     layers = [torch.nn.Module() for _ in range(3)]
     offload = MegatronOffload(OffloadPolicy.from_flags(["core_attn"]), layers)

@@ -1,4 +1,4 @@
-"""FP8 in slot-shared capture, the parts that need no GPU (capture/backend.py): which recipes it
+"""FP8 in slot-shared capture, the parts that need no GPU (capture/te_backend.py): which recipes it
 refuses and why; TE's FP8 state around a capture (the weight-update flag made before warmup and put
 back after a failure, delayed scaling's meta saved and restored, the modules forwards reach); and
 what a replay does around its graphs (the flag filled, the visited modules joined to the amax
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megatron_cg_plugin.capture import backend
+from megatron_cg_plugin.capture import te_backend as backend
 
 
 class FakeRecipe:

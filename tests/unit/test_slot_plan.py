@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from megatron_cg_plugin.plan.slot_plan import OrderError, SlotPlan, plan_slots
+from megatron_cg_plugin.slot_sharing.plan import OrderError, SlotPlan, plan_slots
 
 from _doubles.schedules import megatron_order, megatron_orders, planned, schedules, warmup_of
 

@@ -7,15 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_cg_plugin.capture.branches import BranchMismatchError
+from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError
 from megatron_cg_plugin.capture.contracts import ContractViolation
-from megatron_cg_plugin.capture.slot_shared import (
-    Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches, planned_slots,
-    slot_arena_bytes,
-)
+from megatron_cg_plugin.slot_sharing.capture import Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches, planned_slots, slot_arena_bytes
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.memory.layout import span_elements, span_of
-from megatron_cg_plugin.plan.slot_plan import exclusive_plan, plan_slots
+from megatron_cg_plugin.slot_sharing.layout import span_elements, span_of
+from megatron_cg_plugin.slot_sharing.plan import exclusive_plan, plan_slots
 
 BASE = torch.arange(24.0).reshape(4, 6)
 LAYOUTS = {
@@ -138,7 +135,7 @@ class FakeGraph:
 
 def _slotted_graphs(contract_check=ContractCheck.FULL):
     """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
-    from megatron_cg_plugin.capture.slot_shared import SlottedGraphs, SlottedStats, _Boundary, _Entry
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
 
     sample = torch.zeros(4, 6, requires_grad=True)
     variant = Variant("v", lambda x: x * 2, (sample,))
@@ -210,9 +207,9 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     import types
     import weakref
 
-    from megatron_cg_plugin.capture.slot_backend import SlotLayerGraph
-    from megatron_cg_plugin.capture.slot_shared import SlottedGraphs, SlottedStats, _Boundary, _Entry
-    from megatron_cg_plugin.helper import _slot_layer_stats
+    from megatron_cg_plugin.slot_sharing.megatron_backend import SlotLayerGraph
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
+    from megatron_cg_plugin.capture.lifecycle import _slot_layer_stats
 
     hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
     variant = Variant("layer", lambda x, m: x * m, (hidden, mask))
@@ -245,7 +242,7 @@ def _coverage_entry():
 
 
 def test_coverage_refuses_pool_blocks_alive_besides_the_outputs_naming_their_holder():
-    from megatron_cg_plugin.capture.slot_shared import SlotCoverageError, _check_coverage
+    from megatron_cg_plugin.slot_sharing.capture import SlotCoverageError, _check_coverage
 
     output = torch.zeros(16)
     kept = torch.zeros(8)  # backward state a module kept outside save_for_backward (say)
@@ -262,7 +259,7 @@ def test_coverage_refuses_pool_blocks_alive_besides_the_outputs_naming_their_hol
 
 
 def test_coverage_passes_when_only_the_outputs_are_alive_and_measures_when_not_strict():
-    from megatron_cg_plugin.capture.slot_shared import _check_coverage
+    from megatron_cg_plugin.slot_sharing.capture import _check_coverage
 
     output, kept = torch.zeros(16), torch.zeros(8)
     after = {output.untyped_storage().data_ptr(): 64}
@@ -288,7 +285,7 @@ def test_returned_parameter_gradients_are_copies_of_the_shared_buffer():
 
 
 def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_allocated():
-    from megatron_cg_plugin.capture.slot_shared import _Boundary, _Entry
+    from megatron_cg_plugin.slot_sharing.capture import _Boundary, _Entry
 
     sample, table = torch.zeros(4, 6, requires_grad=True), torch.arange(6.0)  # a RoPE-like table shared by graphs
     variant = Variant("v", lambda x, t: x * t, (sample, table))
@@ -307,7 +304,7 @@ def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_
 
 
 def test_only_samples_that_own_their_storage_alone_are_adopted():
-    from megatron_cg_plugin.capture.slot_shared import _Boundary
+    from megatron_cg_plugin.slot_sharing.capture import _Boundary
 
     base = torch.zeros(64, 6)
     twice = torch.zeros(4, 6)
@@ -323,7 +320,7 @@ def test_only_samples_that_own_their_storage_alone_are_adopted():
 
 
 def test_generators_come_back_after_a_block_that_drew_from_them():
-    from megatron_cg_plugin.capture.backend import generators_preserved
+    from megatron_cg_plugin.capture.te_backend import generators_preserved
 
     generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     expected = [torch.rand(4, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
@@ -334,7 +331,7 @@ def test_generators_come_back_after_a_block_that_drew_from_them():
 
 
 def test_a_failed_block_leaves_the_generators_to_the_rollback():
-    from megatron_cg_plugin.capture.backend import generators_preserved
+    from megatron_cg_plugin.capture.te_backend import generators_preserved
 
     generator = torch.Generator().manual_seed(3)
     with pytest.raises(RuntimeError, match="capture"), generators_preserved([generator]):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.plan.thd import ThdCapacityError, fixed_capacity_layout, padded_length
+from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout, padded_length
 
 
 @st.composite

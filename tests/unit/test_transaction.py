@@ -403,7 +403,7 @@ def test_failed_transaction_restores_every_attribute(initial, ops, late):
 
 
 def test_te_backend_tracking_reports_graphs_only_inside_and_puts_the_class_back():
-    from megatron_cg_plugin.capture.backend import TEBackend
+    from megatron_cg_plugin.capture.te_backend import TEBackend
 
     original = torch.cuda.CUDAGraph
     with pytest.raises(Boom):

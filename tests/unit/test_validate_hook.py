@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from megatron_cg_plugin import compat, enforce, integration, rules
-from megatron_cg_plugin.integration import gpu_host_stand_ins
+from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import refusal as enforce
+from megatron_cg_plugin import installation
+from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 
 arguments = importlib.import_module("megatron.training.arguments")
@@ -40,15 +42,15 @@ def plugin(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(compat, "te_available", lambda: True)
-    integration.uninstall()
+    installation.uninstall()
     reset_megatron_globals()
-    session = integration.install()
+    session = installation.install()
     try:
         yield session
     finally:
-        integration.uninstall()
+        installation.uninstall()
         reset_megatron_globals()
-    assert integration.active_session() is None
+    assert installation.active_session() is None
 
 
 def parse_and_validate(monkeypatch, flags):
@@ -172,7 +174,7 @@ def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypat
     assert "megatron-cg-plugin" not in capsys.readouterr().err
     assert global_vars.get_args() is args  # parse_and_validate_args went on to set Megatron's globals
     assert plugin.config_resolved
-    config = integration.active_session().config
+    config = installation.active_session().config
     assert config.contract_check == "shapes"
     assert config.print_report is False
     assert config.report_out == report
@@ -182,15 +184,15 @@ def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypat
 def test_explicit_config_wins_over_cg_flags(monkeypatch):
     from megatron_cg_plugin.config import PluginConfig
 
-    integration.uninstall()
+    installation.uninstall()
     explicit = PluginConfig(thd_max_seqs=4)  # not a graphs-only flag: TINY_GPT trains without graphs
-    session = integration.install(explicit)
+    session = installation.install(explicit)
     parse_and_validate(monkeypatch, [*TINY_GPT, "--cg-thd-max-seqs", "2"])
     assert session.config is explicit
 
 
 def test_uninstalled_validation_does_not_run_the_rules(monkeypatch):
-    integration.uninstall()
+    installation.uninstall()
     args = parse_and_validate(monkeypatch, [*WITH_FUSION, *TE])  # would break gradient-accumulation-fusion
     assert args.gradient_accumulation_fusion is True
     assert not hasattr(args, "cg_preset")  # nor add the --cg-* flags
@@ -207,8 +209,8 @@ def test_graph_only_cg_flags_without_te_graphs_stop_the_run(monkeypatch, capsys,
 def test_an_explicit_graph_only_config_without_te_graphs_is_refused_too(monkeypatch, capsys):
     from megatron_cg_plugin.config import PluginConfig
 
-    integration.uninstall()
-    integration.install(PluginConfig(slot_capture=True))
+    installation.uninstall()
+    installation.install(PluginConfig(slot_capture=True))
     refusal, err = refused(monkeypatch, capsys, TINY_GPT)
     assert [name for name, _ in refusal.violations] == ["cg-flags-need-te-graphs"]
     assert "--cg-slot-capture (--cuda-graph-impl none)" in err
@@ -234,10 +236,10 @@ def test_the_graph_memory_prediction_follows_the_explicit_config_not_the_flags(m
 
     staged_flags = ["--cg-slot-capture", "--cg-offload-copies", "between-replays", "--cg-offload-window", "2"]
     parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD, *staged_flags])
-    from_flags = integration.active_session().prediction.graph_memory
-    integration.uninstall()
+    from_flags = installation.active_session().prediction.graph_memory
+    installation.uninstall()
     reset_megatron_globals()
-    session = integration.install(PluginConfig(**STAGED))
+    session = installation.install(PluginConfig(**STAGED))
     parse_and_validate(monkeypatch, [*TINY_GPT, *TE, *OFFLOAD])  # the flags say in-graph, window 1
     predicted = session.prediction.graph_memory
     assert predicted.arena_bytes == from_flags.arena_bytes and predicted.host_arena_bytes > 0

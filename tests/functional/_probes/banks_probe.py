@@ -77,8 +77,8 @@ def build(spec_options=None, **config_extra):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_cg_plugin.capture.graph_banks import banked_layer_class
-    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.banks.capture import banked_layer_class
+    from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()  # eager hybrid CP needs it too (Megatron leaves it None at static CP 1)
     torch.manual_seed(1234)  # the same weights on both ranks
@@ -91,8 +91,8 @@ def build(spec_options=None, **config_extra):
 
 def packs(groups):
     """Per microbatch: (cp size, group, cu, cu_padded, max_seqlen, hidden, grad) on this rank."""
-    from megatron_cg_plugin.packed_cp import packed_seq_params
-    from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
+    from megatron_cg_plugin.banks.cp_packs import packed_seq_params
+    from megatron_cg_plugin.packed.layout import fixed_capacity_layout, padded_length
 
     rank = dist.get_rank()
     result = []
@@ -164,7 +164,7 @@ def moe(result, groups, config=MOE_CONFIG):
     """MoE layers whose MoE block is graphed with attention (drop-and-pad; or, ``dropless_moe``, a
     dropless MoE whose graph ends after the dispatcher's preprocess): banks for CP 1 and 2 replay the
     schedule bitwise like eager (outputs, input and parameter gradients)."""
-    from megatron_cg_plugin.capture.graph_banks import ThdCapacity, capture_banks
+    from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
 
     layers = build(MOE_SPEC, **config)
     params_list = [p for p in layers.parameters() if p.requires_grad]
@@ -186,10 +186,10 @@ def dropless_moe(result, groups):
 
 
 def run(result, groups):
-    from megatron_cg_plugin.bank_router import BankSelectionError
-    from megatron_cg_plugin.capture.graph_banks import ThdCapacity, capture_banks
-    from megatron_cg_plugin.packed_cp import packed_seq_params
-    from megatron_cg_plugin.plan.thd import ThdCapacityError
+    from megatron_cg_plugin.banks.router import BankSelectionError
+    from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
+    from megatron_cg_plugin.banks.cp_packs import packed_seq_params
+    from megatron_cg_plugin.packed.layout import ThdCapacityError
 
     layers = build()
     params_list = [p for p in layers.parameters() if p.requires_grad]
@@ -253,8 +253,8 @@ def build_gpt():
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_cg_plugin.capture.graph_banks import banked_layer_class
-    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.banks.capture import banked_layer_class
+    from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream
 
     ensure_dynamic_cp_stream()
     model_parallel_cuda_manual_seed(123, te_rng_tracker=True, use_cudagraphable_rng=True, force_reset_rng=True)
@@ -272,8 +272,8 @@ def training_batches(groups):
     CP-2 packs are the same on both ranks and split per sequence (TE's thd_get_partitioned_indices)."""
     import transformer_engine_torch as tex
 
-    from megatron_cg_plugin.packed_cp import packed_seq_params
-    from megatron_cg_plugin.plan.thd import fixed_capacity_layout, padded_length
+    from megatron_cg_plugin.banks.cp_packs import packed_seq_params
+    from megatron_cg_plugin.packed.layout import fixed_capacity_layout, padded_length
 
     rank = dist.get_rank()
     steps = []
@@ -346,7 +346,7 @@ def train(model, steps, on_step=None):
 
 
 def training(result, groups):
-    from megatron_cg_plugin.capture.graph_banks import ThdCapacity, capture_banks
+    from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
 
     steps = training_batches(groups)
     eager_losses, eager_times = train(build_gpt(), steps)
@@ -373,8 +373,8 @@ def rope_layer():
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_cg_plugin.packed_cp import ensure_dynamic_cp_stream
-    from megatron_cg_plugin.dynamic_cp import adapt_layer_spec
+    from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream
+    from megatron_cg_plugin.banks.dynamic_cp import adapt_layer_spec
 
     ensure_dynamic_cp_stream()
     torch.manual_seed(1234)
@@ -388,8 +388,8 @@ def rope_pack(size, groups, sequence, rotary):
     the token indices they hold in the pack, the PackedSeqParams and the model's RoPE table."""
     import transformer_engine_torch as tex
 
-    from megatron_cg_plugin.packed_cp import packed_seq_params
-    from megatron_cg_plugin.plan.thd import fixed_capacity_layout
+    from megatron_cg_plugin.banks.cp_packs import packed_seq_params
+    from megatron_cg_plugin.packed.layout import fixed_capacity_layout
 
     layout = fixed_capacity_layout([ROPE_LENGTH], size, TOKENS_PER_RANK, MAX_SEQS)
     full = torch.zeros(layout.tokens, 1, H, device="cuda", dtype=torch.bfloat16)
@@ -451,7 +451,7 @@ def rope(result, groups):
     replay bitwise like eager."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_cg_plugin.capture.graph_banks import ThdCapacity, capture_banks
+    from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
 
     sequence = torch.randn(ROPE_LENGTH, 1, H, device="cuda", dtype=torch.bfloat16,
                            generator=torch.Generator(device="cuda").manual_seed(7))  # the same on both ranks
@@ -502,7 +502,7 @@ def largest_pool_allocations(snapshot, pool, count=8):
 def bank_memory(result, groups):
     """One GPU, CP size 1: what a banked layer pair's pool holds (dense layers and MoE layers),
     against its arenas and boundary storage."""
-    from megatron_cg_plugin.capture.graph_banks import ThdCapacity, capture_banks
+    from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
 
     for name, spec, config in (("dense", None, {}), ("moe", MOE_SPEC, MOE_CONFIG)):
         layers = build(spec, **config)

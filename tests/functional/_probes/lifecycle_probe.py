@@ -79,7 +79,7 @@ class Trainer:
 def helper_for(config, model, plugin_config):
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from megatron_cg_plugin.helper import bind_helper_class
+    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(plugin_config)
@@ -279,7 +279,7 @@ def fp8_failure(result, recipe: str, restore_fp8_meta: bool = True):
     layer 1's capture): the FP8 state is as before, and eager training goes on equal to a run
     that never captured. ``restore_fp8_meta=False`` drops the transaction's FP8 meta restorable
     (the guard under test), which must show as changed state."""
-    from megatron_cg_plugin.capture import backend
+    from megatron_cg_plugin.capture import te_backend as backend
     from megatron_cg_plugin.capture.transaction import Restorable
     from megatron_cg_plugin.config import PluginConfig
 

@@ -40,7 +40,7 @@ def build(heads=HEADS, dropout=0.0):
 
 def variants_for(n, stack, equal_sizes=False):
     """CP-size stand-ins (local sequence S/cp), or n same-size variants (sequence buckets of one size)."""
-    from megatron_cg_plugin.capture.slot_shared import Variant
+    from megatron_cg_plugin.slot_sharing.capture import Variant
 
     result = []
     for index, cp in enumerate(CP_SIZES[:n]):
@@ -116,8 +116,8 @@ def reserved():
 
 
 def exactness(result):
-    from megatron_cg_plugin.capture.slot_shared import capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import plan_slots
+    from megatron_cg_plugin.slot_sharing.capture import capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
     layers, stack = build()
     params = list(layers.parameters())
@@ -150,9 +150,9 @@ def dropout(result):
     """Dropout inside the graphs (Megatron's default 0.1): frames replayed one after another from the
     generator state an eager run starts from must draw the eager masks. ``unrestored`` captures with
     the generators left where warmup and capture moved them (the fix taken out): it must differ."""
-    from megatron_cg_plugin.capture import backend
-    from megatron_cg_plugin.capture.slot_shared import Variant, capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan
+    from megatron_cg_plugin.capture import te_backend as backend
+    from megatron_cg_plugin.slot_sharing.capture import Variant, capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
     layers, stack = build(dropout=0.1)
     params = list(layers.parameters())
@@ -206,8 +206,8 @@ def record_case(result, key, capture, describe, width=400):
 def memory(result):
     """Graph memory (reserved-bytes delta) for N = 1, 2, 4 variants at one slot ring, slots vs one
     pool per graph pair (what separate make_graphed_callables calls per variant and microbatch do)."""
-    from megatron_cg_plugin.capture.slot_shared import capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan, plan_slots
+    from megatron_cg_plugin.slot_sharing.capture import capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan, plan_slots
 
     layers, stack = build()
     params = list(layers.parameters())
@@ -245,11 +245,11 @@ def memory(result):
 def checks(result):
     """The debug guard on a wrong order, a replay contract, and the strided make_weak_ref patch."""
     from megatron_cg_plugin.capture.contracts import ContractViolation
-    from megatron_cg_plugin.capture.slot_shared import capture_slotted
-    from megatron_cg_plugin.memory.guard import SlotReuseError
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan
-    from megatron_cg_plugin.patches import PATCHES
-    from megatron_cg_plugin.patch_builders import BUILDERS
+    from megatron_cg_plugin.slot_sharing.capture import capture_slotted
+    from megatron_cg_plugin.slot_sharing.guard import SlotReuseError
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
+    from megatron_cg_plugin.patching.ledger import PATCHES
+    from megatron_cg_plugin.patching.builders import BUILDERS
     import transformer_engine.pytorch.graph as te_graph
 
     layers, stack = build()
@@ -310,11 +310,11 @@ def offload(result):
     layer 0's saves or both layers', with the copies on side streams (async) or on the compute
     stream (serial), against the same capture without offload; bitwise eager, GPU arena and host
     arena bytes, and the replay time of a forward + backward with and without."""
-    from megatron_cg_plugin.capture.slot_shared import SlotOffload, capture_slotted
-    from megatron_cg_plugin.memory.offload import CudaTransfers, SerialTransfers
-    from megatron_cg_plugin.memory.staging import StagingRing
-    from megatron_cg_plugin.plan.offload import OffloadPolicy
-    from megatron_cg_plugin.plan.slot_plan import plan_slots
+    from megatron_cg_plugin.slot_sharing.capture import SlotOffload, capture_slotted
+    from megatron_cg_plugin.offload.host_arenas import CudaTransfers, SerialTransfers
+    from megatron_cg_plugin.offload.staging import StagingRing
+    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
     layers, _ = build()
     stack = grouped(layers)
@@ -365,7 +365,7 @@ def offload(result):
 def sleepy_transfers(snapshot):
     """Side-stream copies whose D2H stream first sleeps (so the copy runs long after the save), with
     or without the compute-stream snapshot the plugin takes before a D2H copy."""
-    from megatron_cg_plugin.memory.offload import CudaTransfers
+    from megatron_cg_plugin.offload.host_arenas import CudaTransfers
 
     class Sleepy(CudaTransfers):
         def stage(self, source):
@@ -390,11 +390,11 @@ def offload_edges(result):
     - ``mixed-views``: a storage saved once inside the offloaded group and once outside stays on
       the GPU whole; a storage saved as two views inside the group comes back as two views of one
       reloaded buffer."""
-    from megatron_cg_plugin.capture.slot_shared import SlotOffload, Variant, capture_slotted
-    from megatron_cg_plugin.memory.saved_tensors import ArenaSizer
-    from megatron_cg_plugin.memory.staging import StagingRing
-    from megatron_cg_plugin.plan.offload import OffloadPolicy, plan_offload
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan
+    from megatron_cg_plugin.slot_sharing.capture import SlotOffload, Variant, capture_slotted
+    from megatron_cg_plugin.slot_sharing.saved_tensors import ArenaSizer
+    from megatron_cg_plugin.offload.staging import StagingRing
+    from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
     n = 512
     weight = None  # each case its own parameter: no eager graph of one case reaches the next case's capture
@@ -469,8 +469,8 @@ def failed_capture(result, n, policy):
     """A forward that raises under capture after its offloaded save started a D2H copy: the capture
     is refused, and the process's CUDA generators are left working (an unjoined copy stream would
     make the capture's end fail and leave them in capture mode), so random ops and the next capture go on."""
-    from megatron_cg_plugin.capture.slot_shared import SlotOffload, Variant, capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan
+    from megatron_cg_plugin.slot_sharing.capture import SlotOffload, Variant, capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
     weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
     sample = torch.randn(n, n, device="cuda", requires_grad=True)
@@ -539,8 +539,8 @@ def fp8(result, attention=False):
     import transformer_engine.pytorch.graph as te_graph
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
-    from megatron_cg_plugin.capture.slot_shared import SlotFp8, capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import plan_slots
+    from megatron_cg_plugin.slot_sharing.capture import SlotFp8, capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
     seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
     both = ("slots", "shared-pool")
@@ -609,8 +609,8 @@ def fp8_weight_cache(result, name, recipe, layers, params):
     import transformer_engine.pytorch as te
     import transformer_engine.pytorch.graph as te_graph
 
-    from megatron_cg_plugin.capture.slot_shared import SlotFp8, Variant, capture_slotted
-    from megatron_cg_plugin.plan.slot_plan import exclusive_plan
+    from megatron_cg_plugin.slot_sharing.capture import SlotFp8, Variant, capture_slotted
+    from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
     def stack(x, first=None):
         for layer in layers:

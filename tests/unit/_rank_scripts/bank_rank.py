@@ -11,8 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_cg_plugin.bank_router import BankRouter, BankSelectionError
-from megatron_cg_plugin.plan.bank_sizes import bank_sizes
+from megatron_cg_plugin.banks.router import BankRouter, BankSelectionError
+from megatron_cg_plugin.banks.sizes import bank_sizes
 
 
 def main() -> None:

@@ -1,0 +1,173 @@
+"""Install and uninstall the plugin, and stand in for the GPU host in a CPU dry run: the module
+that sets Megatron's globals for a run or a check (every change listed in ``patches``; a ``with``
+block elsewhere changes only what ``patches.SCOPED`` lists, through ``patches.scoped``).
+
+``install()`` checks versions and the private functions the plugin relies on
+(``patches.PRIVATE_API``), applies every patch in ``patches.PATCHES`` (all or nothing) and creates
+the run's ``RunSession``; ``uninstall()`` restores each patched and lent attribute
+(``patches.LENT``) to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
+lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import os
+import types
+from typing import Any, Iterator
+
+import torch
+
+from megatron_cg_plugin import compat
+from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.config import PluginConfig, config_from_args, has_plugin_flags
+from megatron_cg_plugin.refusal import enforce_for_session
+from megatron_cg_plugin.patching.builders import BUILDERS
+from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, revert_lent, start_lending
+from megatron_cg_plugin.session import RunSession
+
+
+@dataclasses.dataclass
+class _Installed:
+    session: RunSession
+    patches: PatchSet
+
+
+_installed: _Installed | None = None
+
+
+def _config_from_megatron_args() -> PluginConfig:
+    """The ``--cg-*`` flags Megatron parsed, or defaults when the script did not add them."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:  # Megatron asserts when its args were never parsed
+        return PluginConfig()
+    if args is None or not has_plugin_flags(args):
+        return PluginConfig()
+    return config_from_args(args)
+
+
+def install(config: PluginConfig | None = None, *, launcher: bool = False) -> RunSession:
+    """Hooks the plugin into Megatron and returns the run's session.
+
+    Called before the script parses its arguments, it makes Megatron's parser accept the ``--cg-*``
+    flags whatever ``extra_args_provider`` the script passes, and runs the plugin's rules when
+    Megatron validates the arguments (a broken run stops there, one line per rule). Without
+    ``config`` the run's config is what the ``--cg-*`` flags say. When training ends, rank 0 prints
+    the run report and writes the files the flags ask for. Called after the arguments were parsed,
+    it runs the rules on them at once. ``launcher`` is for the plugin's own launcher, whose data
+    path has rules of its own. Calling it again returns the same session: a ``config`` given then
+    is taken while the first call's config is still deferred (not yet used), else a different one
+    is refused.
+    """
+    global _installed
+    if _installed is not None:
+        session = _installed.session
+        if config is not None and not session.config_resolved:
+            session.adopt_config(config)  # e.g. a script's own install(config) under megatron-cg run
+        if config is not None and config != session.config:
+            raise RuntimeError(
+                "megatron_cg_plugin is already installed with a different config; call "
+                "megatron_cg_plugin.uninstall() first."
+            )
+        return _installed.session
+    versions = compat.installed_versions()
+    compat.check_versions(versions, require_te=False)
+    with_te = versions.transformer_engine is not None
+    check_private_api(with_te=with_te)
+    session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
+    patch_set = PatchSet(PATCHES, BUILDERS)
+    patch_set.apply_all(session, with_te=with_te)
+    start_lending()
+    try:
+        _enforce_on_parsed_args(session)
+    except BaseException:
+        revert_lent()
+        patch_set.revert_all()
+        raise
+    _installed = _Installed(session, patch_set)
+    return session
+
+
+def _enforce_on_parsed_args(session: RunSession) -> None:
+    """A script that parsed its arguments before ``install()``: its flags get the rules now."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:  # Megatron asserts when its args were never parsed
+        return
+    if args is not None:
+        enforce_for_session(args, session, environ=os.environ)
+
+
+def uninstall() -> None:
+    """Restores every patched Megatron attribute by identity; harmless when not installed."""
+    global _installed
+    if _installed is None:
+        return
+    revert_lent()
+    _installed.patches.revert_all()
+    _installed = None
+
+
+def active_session() -> RunSession | None:
+    return None if _installed is None else _installed.session
+
+
+def finish(print_fn: Any = print) -> Any:
+    """Ends the run's session (done by itself when Megatron's ``train()`` returns): report and
+    metrics files on rank 0. Returns the report, or None when not installed."""
+    if _installed is None:
+        return None
+    return _installed.session.finish(print_fn=print_fn)
+
+
+def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
+
+
+# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
+TE_KERNELS = (
+    ("megatron.core.models.common.embeddings.rope_utils",
+     ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")),  # --apply-rope-fusion
+    ("megatron.core.transformer.moe.moe_utils",
+     ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+      "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),  # --moe-permute-fusion
+)
+
+
+@contextlib.contextmanager
+def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
+    differ, all restored on exit (``patches.SCOPED``): when there is no GPU here,
+    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
+    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
+    not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
+    RoPE and permutation fusion) are stand-ins that are never called, and Megatron's cached TE
+    version is the lowest release the plugin supports (its config checks gate features on it;
+    unset, they would read 0.0.0)."""
+    from megatron.core import utils as megatron_utils
+
+    with contextlib.ExitStack() as stack:
+        if not torch.cuda.is_available():
+            properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
+                                               name=f"stand-in sm_{capability[0]}{capability[1]}",
+                                               total_memory=0, multi_processor_count=0)
+            stack.enter_context(patches.scoped(torch.cuda, "get_device_capability", lambda *_a, **_k: capability,
+                                               "cpu-device-stand-ins"))
+            stack.enter_context(patches.scoped(torch.cuda, "get_device_properties", lambda *_a, **_k: properties,
+                                               "cpu-device-stand-ins"))
+        for module_name, names in TE_KERNELS:
+            module = importlib.import_module(module_name)
+            for name in names:
+                if getattr(module, name, None) is None:  # TE's kernel did not import here
+                    stack.enter_context(patches.scoped(module, name, _te_kernel_stand_in, "te-kernel-stand-ins"))
+        if not compat.te_available():
+            lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
+            stack.enter_context(patches.scoped(megatron_utils, "_te_version", lowest, "te-version-stand-in"))
+        yield

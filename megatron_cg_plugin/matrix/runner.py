@@ -1,0 +1,348 @@
+"""The support matrix: configurations built from factors, each run eager vs graphed through
+Megatron-LM's own ``pretrain_gpt.py`` (``megatron-cg run``) at the sizes users train, and the table
+``docs/support-matrix.md`` generated from the run's JSON.
+
+The factors (model, graphed scope, precision, capture path, micro-batch size) are crossed in an
+all-pairs covering design (``plan.covering``): every pair of values meets in some cell. Before any
+GPU work both runs of each cell go through the plugin's one rule check (``farm.refusal_of``, what
+``megatron-cg check`` runs); a refused cell is recorded with its rules and not run. The design
+prefers cells that run, so refusals cover only pairs no running cell can. Every other cell trains
+the same steps eagerly and graphed on a real indexed dataset (the farm's synthetic one) and is
+compared bit for bit per step (``testing.farm``), with the pools the run measured beside the
+prediction it made, and what teardown left.
+
+    megatron-cg matrix plan [--out cells.json]        the design, with each cell's refusal (CPU)
+    megatron-cg matrix run CELLS.json --out DIR [--jobs N] [--steps N]   on a GPU host (MEGATRON_LM_DIR)
+    megatron-cg matrix bench CELLS.json --out DIR [--parallel N] [-- BENCH FLAGS]   plugin / stock step time
+    megatron-cg matrix render CELLS.json RESULTS.json...   docs/support-matrix.md's text
+
+The bench (``testing.matrix_bench``) times each cell's capture against Megatron's own graphs with
+``megatron-cg bench``; its JSON renders beside the runs' as the "plugin / stock" column.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
+from megatron_cg_plugin.farm.distributed import MultiRankError
+from megatron_cg_plugin.farm.runner import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
+from megatron_cg_plugin.farm.runner import refusal_of as farm_refusal_of
+from megatron_cg_plugin.farm.ports import PortAllocator
+
+FACTORS: dict[str, tuple[str, ...]] = {
+    "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
+    "scope": ("layer", "attn", "moe"),
+    "precision": ("bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise"),
+    "capture": ("te", "slot", "slot-offload"),
+    "mbs": ("1", "2"),
+}
+MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
+MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
+SEQ = 2048
+
+_SIZES = f"--seq-length {SEQ} --max-position-embeddings {SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
+_TRAINING = ("--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
+             "--bf16 --eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad --seed 1234 "
+             "--transformer-impl transformer_engine --no-gradient-accumulation-fusion --num-workers 0")
+_LLAMA = ("--group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+          "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0")
+_MOE = (f"{_LLAMA} --ffn-hidden-size 5632 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1408 "
+        "--moe-token-dispatcher-type alltoall --moe-grouped-gemm")
+# GPT-3's layer as Megatron-LM's script defaults it (learned positions, GELU, LayerNorm, biases, dropout 0.1);
+# Llama's (GQA, SwiGLU, RMSNorm, RoPE, untied, no biases, no dropout); a 16-expert top-2 MoE on Llama's attention.
+MODEL_FLAGS = {
+    "gpt": "--ffn-hidden-size 8192",
+    "llama": f"{_LLAMA} --ffn-hidden-size 5632",
+    "moe-droppad": f"{_MOE} --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity",
+    "moe-dropless": _MOE,
+}
+PRECISION_FLAGS = {
+    "bf16": "",
+    "fp8-delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max",
+    "fp8-tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
+    "fp8-blockwise": "--fp8-format e4m3 --fp8-recipe blockwise",
+}
+CAPTURE_FLAGS = {
+    "te": "",
+    "slot": "--cg-slot-capture",
+    # Attention's saves to pinned host memory inside the graphs (Megatron's flags name the groups).
+    "slot-offload": "--cg-slot-capture --fine-grained-activation-offloading --offload-modules core_attn attn_proj",
+}
+OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
+
+
+def scope_flags(cell: Mapping[str, str]) -> str:
+    if cell["scope"] == "layer":
+        return ""
+    if cell["scope"] == "attn":
+        return "--cuda-graph-modules attn"
+    # The MoE block: whole with a fixed capacity, its router and preprocess where dropless.
+    return "--cuda-graph-modules " + ("attn moe" if cell["model"] == "moe-droppad" else "attn moe_router moe_preprocess")
+
+
+def allowed(cell: Mapping[str, str]) -> bool:
+    """The MoE-block scope exists on MoE models only."""
+    return cell["scope"] != "moe" or cell["model"].startswith("moe")
+
+
+def cell_name(cell: Mapping[str, str]) -> str:
+    return "_".join(cell[factor] for factor in FACTORS).replace("-", "")
+
+
+def cell_flags(cell: Mapping[str, str]) -> list[str]:
+    """The Megatron and ``--cg-*`` flags of a cell, without ``--cuda-graph-impl`` (the farm sets it
+    per run) and without the data flags (the farm builds its dataset)."""
+    mbs = int(cell["mbs"])
+    text = " ".join((_SIZES, _TRAINING, MODEL_FLAGS[cell["model"]], scope_flags(cell), PRECISION_FLAGS[cell["precision"]],
+                     CAPTURE_FLAGS[cell["capture"]], f"--micro-batch-size {mbs} --global-batch-size {MICROBATCHES * mbs}"))
+    return text.split()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    factors: dict[str, str]
+    refused_by: tuple[str, ...] = ()  # the rules (or Megatron's check) that refuse it before any GPU work
+    refusal: str = ""
+
+    @property
+    def name(self) -> str:
+        return cell_name(self.factors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "factors": self.factors, "flags": cell_flags(self.factors),
+                "refused_by": list(self.refused_by), "refusal": self.refusal}
+
+
+def load_cells(path: Path) -> list[Cell]:
+    """The design ``matrix plan`` wrote."""
+    return [Cell(row["factors"], tuple(row["refused_by"]), row["refusal"]) for row in json.loads(path.read_text())]
+
+
+def select_cells(cells: Sequence[Cell], only: Sequence[str] | None, source: Path) -> list[Cell]:
+    """The cells ``--only`` names (all without it); a name not in the design is refused."""
+    if not only:
+        return list(cells)
+    unknown = sorted(set(only) - {cell.name for cell in cells})
+    if unknown:
+        raise ValueError(f"--only names cells not in {source}: {', '.join(unknown)}")
+    return [cell for cell in cells if cell.name in only]
+
+
+def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
+    """The environment a cell's runs get beyond the host's (Megatron's offload needs TE's v1 offload)."""
+    return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
+
+
+def refusal_of(cell: Mapping[str, str], out_dir: Path, *,
+               flags: Sequence[str] | None = None) -> tuple[tuple[str, ...], str]:
+    """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.refusal_of``, its
+    dataset built under ``out_dir``), on ``flags`` in place of the cell's where given; ``((), "")``
+    when both would start."""
+    case = farm_case(Cell(dict(cell)), megatron_lm_dir=None)
+    if flags is not None:
+        case = dataclasses.replace(case, flags=tuple(flags))
+    refusal = farm_refusal_of(case, out_dir)
+    if refusal is None:
+        return (), ""
+    return tuple(name for name, _ in refusal.violations), "\n".join(refusal.lines())
+
+
+def design(refused: Callable[[Mapping[str, str]], tuple[tuple[str, ...], str]]) -> list[Cell]:
+    """The all-pairs design over ``FACTORS``; running cells cover their pairs first."""
+    verdicts: dict[str, tuple[tuple[str, ...], str]] = {}
+
+    def verdict(cell: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
+        name = cell_name(cell)
+        if name not in verdicts:
+            verdicts[name] = refused(cell)
+        return verdicts[name]
+
+    chosen = all_pairs(FACTORS, allowed=allowed, preferred=lambda cell: not verdict(cell)[0])
+    assert not uncovered_pairs(chosen, FACTORS, allowed=allowed)
+    return [Cell(cell, *verdict(cell)) for cell in chosen]
+
+
+def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_STEPS) -> FarmCase:
+    """A cell as a farm run of Megatron-LM's pretrain_gpt.py on the farm's synthetic indexed dataset.
+    The eager reference of an offload cell trains without Megatron's offload (it moves saves and
+    changes no value; Megatron's eager offload is not reproducible run to run, docs/farm.md)."""
+    return FarmCase(name=cell.name, nproc=1, flags=tuple(cell_flags(cell.factors)), folder=Path("."), steps=steps,
+                    script=MEGATRON_LM_SCRIPT + "pretrain_gpt.py", data="synthetic", check_golden=False,
+                    env=tuple(cell_env(cell.factors).items()), eager_offload=cell.factors["capture"] != "slot-offload",
+                    megatron_lm_dir=megatron_lm_dir)
+
+
+def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float,
+             ports: Callable[[], int] | None = None) -> dict[str, Any]:
+    """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
+    row: dict[str, Any] = {**cell.to_json(), "steps": steps}
+    if cell.refused_by:
+        return {**row, "result": "refused"}
+    case = farm_case(cell, megatron_lm_dir=megatron_lm_dir, steps=steps)
+    try:
+        result = run_case(case, out_dir, timeout_s=timeout_s, ports=ports)
+    except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
+        return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
+    problems = problems_of(case, result, with_golden=False)
+    differing = differing_steps(result.losses(result.eager), result.losses(result.graphed))
+    return {**row, "result": "differs" if differing else ("failed" if problems else "exact"),
+            "problems": problems, "first_differing_step": min(differing, default=None),
+            "summary": result.summary(), **memory_figures(result.report)}
+
+
+def memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
+    scopes = report.get("scopes", [])
+
+    def total(key: str) -> int | None:
+        values = [s.get(key) for s in scopes if s.get(key) is not None]
+        return sum(values) if values else None
+
+    return {"pool_bytes": total("pool_bytes"), "predicted_pool_bytes": report.get("predicted_pool_bytes"),
+            "arena_bytes": total("arena_bytes"), "predicted_arena_bytes": report.get("predicted_arena_bytes"),
+            "teardown_pool_bytes_left": total("teardown_pool_bytes_left"),
+            "teardown_allocated_delta_bytes": total("teardown_allocated_delta_bytes"),
+            "prediction_leaves_out": list(report.get("prediction_leaves_out") or ())}
+
+
+def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | None, jobs: int = 1,
+               steps: int = MATRIX_STEPS, timeout_s: float = 900,
+               progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Runs every cell (``jobs`` at a time on the one GPU: correctness is compared within each cell,
+    step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish. Each
+    launch takes its rendezvous port from one allocator, so cells side by side never share one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+    ports = PortAllocator()
+
+    def record(row: dict[str, Any]) -> None:
+        rows[row["name"]] = row
+        progress(f"{row['name']}: {row['result']}" + (f" {row['refused_by']}" if row.get("refused_by") else ""))
+        (out_dir / "matrix.json").write_text(json.dumps(
+            {"factors": FACTORS, "steps": steps, "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps,
+                               timeout_s=timeout_s, ports=ports) for cell in cells]
+        for future in concurrent.futures.as_completed(futures):
+            record(future.result())
+    return [rows[cell.name] for cell in cells]
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _ratio(predicted: int | None, measured: int | None) -> str:
+    if predicted is None or not measured:
+        return "-"
+    return f"{_mib(predicted)} / {_mib(measured)} ({predicted / measured:.2f})"
+
+
+RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed**", "refused": "refused",
+                "not-run": "**not run**"}
+
+
+BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
+
+
+def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One matrix over the design ``cells`` from several runs' ``matrix.json`` (a matrix split over
+    GPU sessions, or a cell run again): each cell's row from the last run that has it; a refused
+    cell from the design (the rules refuse it on CPU); any other cell without a row is "not run".
+    Matrix benches' JSON among ``runs`` merge the same way, by cell name, into each row's ``bench``
+    (a refused cell has none)."""
+    benches = [run for run in runs if BENCH_KEY in run]
+    runs = [run for run in runs if BENCH_KEY not in run]
+    if not runs or len({run["steps"] for run in runs}) != 1:
+        raise ValueError("give one or more matrix.json files, all run with the same --steps (and any "
+                         "matrix-bench.json beside them).")
+    latest = {row["name"]: row for run in runs for row in run["rows"]}
+    benched = {row["name"]: row for run in benches for row in run["rows"]}
+    rows = []
+    for cell in cells:
+        if cell.refused_by:
+            rows.append({**cell.to_json(), "result": "refused"})
+            continue
+        row = latest.get(cell.name, {**cell.to_json(), "result": "not-run"})
+        rows.append({**row, BENCH_KEY: benched[cell.name]} if cell.name in benched else row)
+    return {"factors": FACTORS, "steps": runs[0]["steps"], "rows": rows}
+
+
+def _bench_cell(row: Mapping[str, Any]) -> str:
+    """The plugin / stock ratio of a cell's bench: median [lowest, highest] +-95% (n pairs of rounds)."""
+    bench = row.get(BENCH_KEY)
+    if row["result"] == "refused" or bench is None or bench["result"] == "refused":
+        return "-"
+    if bench["result"] == "stock-refused":
+        return "- (stock: " + ", ".join(f"`{rule}`" for rule in bench["stock_refused_by"]) + ")"
+    if bench["result"] != "benched":
+        return "**bench failed**"
+    ratio, half = bench["ratio"], bench.get("ratio_half_width")
+    return (f"{ratio['median']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}]"
+            + ("" if half is None else f" +-{half:.1%}") + f" (n={ratio['n']})")
+
+
+def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """How the plugin / stock column was measured, from the benches' own rows."""
+    benches = [row[BENCH_KEY] for row in rows if row.get(BENCH_KEY) and row["result"] != "refused"]
+    benched = [bench for bench in benches if bench["result"] == "benched"]
+    if not benched:
+        return "plugin / stock: not benched (`megatron-cg matrix bench`); `-` in every cell."
+
+    def values(key: str) -> str:
+        return "/".join(str(value) for value in sorted({bench[key] for bench in benched}))
+
+    parallel = max(bench["parallel"] for bench in benched)  # refused rows never launched: no "parallel"
+    side = "one bench at a time on the GPU" if parallel == 1 else \
+        f"up to {parallel} benches side by side on the one GPU (shared-GPU figures)"
+    return (f"plugin / stock ({len(benched)} cells benched): the step time of the cell's own capture (bench arm "
+            "`plugin` in te cells, `slot`, `slot-offload`) over Megatron's TE graphs on the same flags (with Megatron's "
+            "offload in slot-offload cells), from `megatron-cg bench` through `pretrain_gpt.py` without "
+            "`--deterministic-mode`, one process per cell; the median over pairs of mirrored rounds [lowest, highest] "
+            f"+- the median's 95% half-width (n pairs); {values('rounds')} rounds of {values('steps_per_block')} steps "
+            f"per arm, the first {values('skip_steps')} of each block left out; {side}. Below 1 the plugin's step is "
+            "faster; `-` for a refused or not benched cell, with the rule that refuses the stock arm where one does.")
+
+
+def render(results: Mapping[str, Any]) -> str:
+    """``docs/support-matrix.md`` from a matrix's JSON (``run_matrix``'s, or ``merge_results``')."""
+    rows = results["rows"]
+    factors = results["factors"]
+    pair_count = len(uncovered_pairs([], factors, allowed=allowed))
+    lines = [
+        "# Support matrix",
+        "",
+        "Generated by `megatron-cg matrix render` from a run's `matrix.json`; do not edit by hand. Each cell trains "
+        f"{results['steps']} steps eagerly and graphed through Megatron-LM's own `pretrain_gpt.py` (`megatron-cg run`) "
+        "on a synthetic indexed dataset, deterministic, on one GPU, and compares the lm loss of every step bit for "
+        "bit; a refused cell was stopped by the named rule before any GPU work (`megatron-cg check` says the same).",
+        "",
+        f"The {len(rows)} cells are an all-pairs design over {', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
+        f"each of the {pair_count} pairs of values that can meet does so in some cell.",
+        "",
+        _bench_note(rows),
+        "",
+        "| cell | model | scope | precision | capture | mbs | result | plugin / stock | pool MiB predicted / measured "
+        "| arenas MiB predicted / measured | left after teardown (pool, allocated MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        f = row["factors"]
+        result = RESULT_WORDS[row["result"]]
+        if row["result"] == "refused":
+            result += " " + ", ".join(f"`{rule}`" for rule in row["refused_by"])
+        elif row.get("first_differing_step") is not None:
+            result += f" from step {row['first_differing_step']}"
+        left = "-" if row.get("teardown_pool_bytes_left") is None else \
+            f"{_mib(row['teardown_pool_bytes_left'])}, {_mib(row.get('teardown_allocated_delta_bytes'))}"
+        lines.append(f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
+                     f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
+                     f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |")
+    counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
+    lines += ["", ", ".join(f"{n} {word.replace('-', ' ')}" for word, n in counts.items() if n) + "."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,226 @@
+"""What each patch of the ledger (``patches.PATCHES``) puts in place of Megatron's or TE's
+attribute: ``BUILDERS`` maps a patch's name to ``build(original, session)``, which returns the
+replacement. These reach up into the helper, the rules and the session; the ledger and the
+mechanics that apply it (``patches``) stay below everything and know none of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import inspect
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+
+from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import refusal
+from megatron_cg_plugin.packed import graphs as packed_graphs
+from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+from megatron_cg_plugin.slot_sharing.layout import span_of
+from megatron_cg_plugin.moe.drop_stats import RouterDropTap
+from megatron_cg_plugin.parse_errors import plugin_args_provider
+from megatron_cg_plugin.capture.step_marks import StepMarks
+
+Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
+
+def build_helper(original: type, session: Any) -> type:
+    return bind_helper_class(original, session)
+
+
+def build_training_log_tap(original: Callable, session: Any) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if not session.times_steps:  # the run records nothing per step (no metrics, no report)
+            return result
+        bound = signature.bind(*args, **kwargs)
+        session.on_training_log(
+            iteration=bound.arguments["iteration"],
+            loss_dict=bound.arguments["loss_dict"],
+            num_zeros_in_grad=bound.arguments.get("num_zeros_in_grad"),
+        )
+        return result
+
+    return training_log
+
+
+def build_mtp_loss_tap(original: type, session: Any) -> type:
+    """Megatron's MTP logging helper with ``track_mtp_metrics`` tapped: it adds each MTP layer's
+    reduced loss of the iteration into ``total_loss_dict`` (``mtp_N loss``); the tap hands the
+    iteration's additions to the session, which records them with the iteration's other metrics."""
+    track = original.track_mtp_metrics
+    compat.check_parameters(track, ("loss_scale", "iteration", "total_loss_dict"),
+                            where=f"{original.__module__}.{original.__qualname__}.track_mtp_metrics")
+    signature = inspect.signature(track)
+
+    def track_mtp_metrics(*args: Any, **kwargs: Any) -> Any:
+        if not session.keeps_values:  # no metrics file: not even the difference runs on the device
+            return track(*args, **kwargs)
+        totals = signature.bind(*args, **kwargs).arguments.get("total_loss_dict")
+        before = {} if totals is None else {name: totals[name] for name in totals if _is_mtp_loss(name)}
+        result = track(*args, **kwargs)
+        if totals is not None:
+            session.on_mtp_losses({name: totals[name] - before.get(name, 0) for name in totals if _is_mtp_loss(name)})
+        return result
+
+    return type(original.__name__, (original,), {"track_mtp_metrics": staticmethod(track_mtp_metrics),
+                                                 "__module__": __name__, "__doc__": original.__doc__})
+
+
+def _is_mtp_loss(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith("mtp_") and name.endswith(" loss")
+
+
+def build_plugin_args(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def add_megatron_arguments(parser: Any) -> Any:
+        return plugin_args_provider(original(parser))
+
+    return add_megatron_arguments
+
+
+def build_validate_args_rules(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        parsed = copy.deepcopy(args)  # the flags as given: Megatron's checks change args (lists too) before one fails
+        try:
+            result = original(args, *rest, **kwargs)
+        except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
+            # The plugin's rules the flags break too, first (as megatron-cg check lists them).
+            raise refusal.refuse_megatron(error, environ=os.environ,
+                                          plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)) from None
+        refusal.enforce_for_session(args, session, environ=os.environ)
+        return result
+
+    return validate_args
+
+
+SCHEDULE = "forward_backward_func"  # train_step's argument: Megatron's schedule, one step's microbatches
+
+
+def build_train_step_timer(original: Callable, session: Any) -> Callable:
+    """Marks each iteration's start, and hands ``train_step`` its schedule (``forward_backward_func``)
+    entering the session's step marks around each call, for the replay contracts (the bench's
+    plugin-recording arm wraps its steps the same way)."""
+    names = list(inspect.signature(original).parameters)
+    # Where the schedule comes (train() passes it positionally; found once, not bound per call)
+    position = names.index(SCHEDULE) if SCHEDULE in names else None
+
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        session.mark_iteration_start()
+        if position is not None and len(args) > position and callable(args[position]):
+            args = (*args[:position], marked_schedule(args[position], session.step_marks), *args[position + 1:])
+        elif callable(kwargs.get(SCHEDULE)):
+            kwargs = {**kwargs, SCHEDULE: marked_schedule(kwargs[SCHEDULE], session.step_marks)}
+        return original(*args, **kwargs)
+
+    return train_step
+
+
+def marked_schedule(schedule: Callable, marks: StepMarks) -> Callable:
+    """Megatron's ``forward_backward_func`` entering ``marks`` around each call: the microbatches of
+    one step are exactly what it runs (a rerun gets marks of its own), so nothing a wrapped
+    ``train_step`` does before or after it counts as inside the step."""
+
+    @functools.wraps(schedule)
+    def forward_backward(*args: Any, **kwargs: Any) -> Any:
+        with marks:
+            return schedule(*args, **kwargs)
+
+    return forward_backward
+
+
+def build_train_end_report(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def train(*args: Any, **kwargs: Any) -> Any:
+        tap = RouterDropTap() if session.config.moe_drop_stats else None
+        if tap is not None:  # train(forward_step_func, model, ...): the model chunks' routers
+            tap.attach(kwargs.get("model", args[1] if len(args) > 1 else ()))
+
+        def finish() -> None:
+            if tap is not None:
+                session.record_moe_drops(tap.dropped_fraction())
+            session.finish()
+
+        try:
+            try:
+                result = original(*args, **kwargs)
+            except SystemExit:  # --exit-interval, --exit-duration-in-mins, signals: Megatron's normal exits
+                finish()
+                raise
+            finish()
+            return result
+        finally:  # a crash too: no hook stays on Megatron's routers
+            if tap is not None:
+                tap.remove()
+
+    return train
+
+
+def build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable:
+    @functools.wraps(original)
+    def compile_helpers() -> None:
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            original()  # a source checkout: let Megatron build the helpers as usual
+
+    return compile_helpers
+
+
+def build_offload_reload_wait(original: Callable, session: Any) -> Callable:
+    """``ChunkOffloadHandler.tensor_pop`` waiting for a still-offloaded tensor's copy to the host
+    before Megatron reloads it on the current stream (the ledger says why)."""
+    @functools.wraps(original)
+    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
+        # The stream's own capture state: Megatron's flag is also set in TE's eager warmup passes.
+        if not isinstance(tensor_tag, torch.Tensor) and not torch.cuda.is_current_stream_capturing():
+            group = self.offload_groups[tensor_tag[0] - 1]
+            if isinstance(group._tensors.get(tensor_tag), tuple):  # on the host: Megatron reloads it right here
+                group.wait_offload_event(torch.cuda.current_stream())
+        return original(self, tensor_tag)
+
+    return tensor_pop
+
+
+def build_strided_weak_ref(original: Callable, session: Any) -> Callable:
+    """TE's ``make_weak_ref`` rebuilds every tensor as row-major from its data pointer and shape.
+    Non-contiguous tensors go through it as their flat addressed span (row-major by construction)
+    and come back as a view with their own strides; containers are walked here so nested tensors
+    get the same treatment; everything else is TE's."""
+    @functools.wraps(original)
+    def make_weak_ref(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.numel() and not x.is_contiguous():
+            return original(span_of(x)).as_strided(tuple(x.shape), tuple(x.stride()))
+        if isinstance(x, tuple):
+            return tuple(make_weak_ref(item) for item in x)
+        if isinstance(x, list):
+            return [make_weak_ref(item) for item in x]
+        if isinstance(x, dict):
+            return {key: make_weak_ref(value) for key, value in x.items()}
+        return original(x)
+
+    return make_weak_ref
+
+
+BUILDERS: Mapping[str, Builder] = {
+    "plugin-args": build_plugin_args,
+    "validate-args-rules": build_validate_args_rules,
+    "train-step-timer": build_train_step_timer,
+    "train-end-report": build_train_end_report,
+    "helper-swap": build_helper,
+    "training-log-tap": build_training_log_tap,
+    "mtp-loss-tap": build_mtp_loss_tap,
+    "prebuilt-dataset-helpers": build_prebuilt_dataset_helpers,
+    "strided-weak-ref": build_strided_weak_ref,
+    "offload-reload-waits-for-its-copy": build_offload_reload_wait,
+    "packed-thd-layout": packed_graphs.build_thd_layout,
+    "packed-graph-capture": packed_graphs.build_capture,
+    "packed-graph-replay": packed_graphs.build_replay,
+}

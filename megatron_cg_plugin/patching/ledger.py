@@ -1,0 +1,553 @@
+"""Every change the plugin makes to Megatron's, TE's and torch's state, in lists, with the reason
+each exists.
+
+- ``PATCHES``: module attributes replaced by ``install()``. Each is applied only on the supported
+  megatron-core and TE ranges (``compat``; TE patches only where TE is installed), checks the
+  signature it relies on before replacing anything, and is reverted by restoring the very object
+  it replaced. ``PatchSet.apply_all`` is all-or-nothing: if one patch fails, the ones already
+  applied are reverted before the error propagates.
+- ``LENT``: attributes the plugin sets at run time (``lend``) and ``uninstall()`` restores, by
+  identity, with the patches.
+- ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
+- ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
+  ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
+
+The ledger and the mechanics that apply it (``PatchSet``, ``lend``, ``scoped``) depend on ``compat``
+only, so any module may make its change through them; what each patch builds lives above the
+helper, in ``patch_builders``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from megatron_cg_plugin import compat
+
+HELPER_METHODS = (
+    "create_cudagraphs",
+    "cuda_graph_set_manual_hooks",
+    "delete_cuda_graphs",
+    "capture_finished",
+    "graphs_created",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One replaced attribute ``module.attribute``; ``attribute`` may be a class's (``Class.method``).
+
+    ``expected_params`` are the parameters of the original that the replacement relies on (for a
+    class: of its ``__init__``), and ``expected_methods`` the methods a replaced class must still
+    have. What replaces it is built by the builder ``PatchSet`` is given under ``name``
+    (``patch_builders.BUILDERS``).
+    """
+
+    name: str
+    module: str
+    attribute: str
+    reason: str
+    expected_params: tuple[str, ...] = ()
+    expected_methods: tuple[str, ...] = ()
+    needs_te: bool = False  # skipped where Transformer Engine is not installed
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+    def locate(self) -> tuple[Any, str]:
+        """The object that holds the replaced attribute (the module, or the class it names), and the
+        attribute's name there."""
+        owner: Any = importlib.import_module(self.module)
+        *path, name = self.attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, name
+
+    def check(self, original: Any) -> None:
+        target = original.__init__ if inspect.isclass(original) else original
+        compat.check_parameters(target, self.expected_params, where=self.where)
+        missing = [name for name in self.expected_methods if not callable(getattr(original, name, None))]
+        if missing:
+            raise compat.SignatureMismatchError(
+                f"{self.where} lacks method(s) {', '.join(missing)}; install the supported megatron-core "
+                "(see docs/versions.md)."
+            )
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="plugin-args",
+        module="megatron.training.arguments",
+        attribute="add_megatron_arguments",
+        reason="parse_args() builds every Megatron parser through this module global (arguments.py l.121), "
+        "whatever extra_args_provider the script passes; the wrapper adds the --cg-* flags (once) so any "
+        "Megatron script accepts them, and makes the parser's errors one line (parse_errors.shorten).",
+        expected_params=("parser",),
+    ),
+    Patch(
+        name="validate-args-rules",
+        module="megatron.training.arguments",
+        attribute="validate_args",
+        reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
+        "after Megatron's own checks the wrapper runs the plugin's rules (the list megatron-cg check runs) and "
+        "resolves the run's config from the --cg-* flags, stopping a broken run with one line per rule; when "
+        "Megatron's own checks refuse the flags first, the rules the flags break are listed before its line.",
+        expected_params=("args", "defaults"),
+    ),
+    Patch(
+        name="train-step-timer",
+        module="megatron.training.training",
+        attribute="train_step",
+        reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
+        "there (the host clock only, no device synchronize) times every iteration of any script from its start "
+        "to the next one's, as Megatron's interval timer does, for the metrics and the report; and handing "
+        "train_step its forward_backward_func entering the session's step marks around each call, so a replay "
+        "contract knows the microbatches of one schedule run (under Megatron's DDP the quick accept reads "
+        "parameters and groups on its first microbatch only; graph 0's, under pipelining).",
+        expected_params=("forward_step_func", "data_iterator", "model", "forward_backward_func"),
+    ),
+    Patch(
+        name="train-end-report",
+        module="megatron.training.training",
+        attribute="train",
+        reason="pretrain() calls this module global (training.py l.1423) and it returns after Megatron tore "
+        "its graphs down (l.4100), or exits through sys.exit (--exit-interval, --exit-duration-in-mins, "
+        "l.4155); the wrapper then prints the run report on rank 0 and writes the --cg-metrics-out / "
+        "--cg-report-out files, so a script needs no call of its own.",
+        expected_params=("forward_step_func", "model", "optimizer"),
+    ),
+    Patch(
+        name="helper-swap",
+        module="megatron.training.training",
+        attribute="TECudaGraphHelper",
+        reason="train() constructs the TE graph helper from this module global at call time "
+        "(training.py l.3715); swapping it is the only hook that puts the plugin's helper "
+        "(diagnostics, replay counters, later banks/slots) into Megatron's own loop.",
+        expected_params=("model", "config", "seq_length", "micro_batch_size", "optimizers"),
+        expected_methods=HELPER_METHODS,
+    ),
+    Patch(
+        name="training-log-tap",
+        module="megatron.training.training",
+        attribute="training_log",
+        reason="the per-iteration lm loss (reduced over DP) and num-zeros are only available here; after "
+        "Megatron's logger ran unchanged, the tap hands them to the session, which keeps device tensors as "
+        "they are and reads them in batches (no per-step synchronize), for golden values and the run report.",
+        expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
+    ),
+    Patch(
+        name="mtp-loss-tap",
+        module="megatron.training.training",
+        attribute="MTPLossLoggingHelper",
+        reason="training_log() reduces each multi-token-prediction layer's loss in this class's "
+        "track_mtp_metrics (imported by name into training.py, l.125) and keeps it only for its own "
+        "log line and TensorBoard; the tap records the iteration's mtp_N loss for golden values "
+        "(Megatron's METRICS name them) and then returns Megatron's result unchanged.",
+        expected_methods=("track_mtp_metrics",),
+    ),
+    Patch(
+        name="prebuilt-dataset-helpers",
+        module="megatron.core.datasets.utils",
+        attribute="compile_helpers",
+        reason="initialize_megatron() runs `make` for the dataset C++ helpers on rank 0, but the "
+        "megatron-core wheel ships the compiled helpers_cpp and no Makefile, so every run "
+        "from the wheel exits; use the shipped module when it imports.",
+    ),
+    Patch(
+        name="strided-weak-ref",
+        module="transformer_engine.pytorch.graph",
+        attribute="make_weak_ref",
+        reason="TE 2.20's make_weak_ref (utils.py l.1050-1088, imported by name into graph.py) rebuilds "
+        "tensors from data pointer and shape only, so transposed or expanded static outputs and "
+        "gradients come back row-major after make_graphed_callables weak-refs them (buffer reuse "
+        "path); the replacement keeps their strides.",
+        expected_params=("x",),
+        needs_te=True,
+    ),
+    Patch(
+        name="offload-reload-waits-for-its-copy",
+        module="megatron.core.pipeline_parallel.fine_grained_activation_offload",
+        attribute="ChunkOffloadHandler.tensor_pop",
+        reason="Megatron 0.19.2's fine-grained offload reloads a saved tensor that no bulk reload brought back "
+        "(every one in its first, warmup iteration, when the last layers' groups are offloaded too) on the compute "
+        "stream without waiting for the tensor's device-to-host copy on the d2h stream (tensor_pop l.972-984: "
+        "only bulk_reload_group waits for the offload event, l.1045), so the reload can read a pinned buffer not "
+        "yet written; s62-s64 saw 3 of 4 6.7B runs with wrong step-1 gradients. The wrapper makes the current "
+        "stream wait for the group's offload event before such a reload (unless that stream is capturing).",
+        expected_params=("tensor_tag",),
+    ),
+    Patch(
+        name="packed-thd-layout",
+        module="megatron.core.models.gpt.gpt_model",
+        attribute="GPTModel.forward",
+        reason="with --cg-thd-max-seqs, a training microbatch of packed sequences (--dataloader-inter-document-masking, "
+        "--sft) enters the model with cu_seqlens of its own length and max_seqlen of its longest document "
+        "(Megatron-LM's pretrain_gpt.py forward_step); the wrapper lays it out at the fixed capacity graphs are "
+        "captured for (offsets padded with zero-length sequences, max_seqlen = --cg-thd-max-seqlen, default "
+        "--seq-length, a batch beyond the capacity or with a longer document refused naming the flag) before "
+        "GPTModel computes its RoPE table from it, so eager and graphed steps compute on one layout "
+        "(packed_graphs.fixed_params). Other calls pass through.",
+        expected_params=("packed_seq_params",),
+    ),
+    Patch(
+        name="packed-graph-capture",
+        module="megatron.core.transformer.transformer_layer",
+        attribute="TransformerLayer._te_cuda_graph_capture",
+        reason="a TE graph takes tensor inputs only; with --cg-thd-max-seqs the capture's sample inputs carry a "
+        "packed microbatch's offsets as the tensor keyword thd_cu_seqlens, which the wrapper turns back into the "
+        "PackedSeqParams of the fixed layout before Megatron's capture callable runs (packed_graphs.build_capture).",
+    ),
+    Patch(
+        name="packed-graph-replay",
+        module="megatron.core.transformer.transformer_layer",
+        attribute="TransformerLayer._te_cuda_graph_replay",
+        reason="Megatron's replay asserts packed_seq_params is None (transformer_layer.py l.1225) when attention is "
+        "graphed; with --cg-thd-max-seqs the wrapper checks a packed microbatch is in the fixed layout and hands its "
+        "offsets to the graph as thd_cu_seqlens (TE copies them into the static buffer), then runs Megatron's own "
+        "replay (packed_graphs.build_replay). Other calls pass through.",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignState:
+    """A change that is not an install-time replacement: ``target`` is ``module:attribute.path``;
+    ``where`` says which code makes it (and, for ``SCOPED``, which ``with`` block restores it)."""
+
+    name: str
+    target: str
+    reason: str
+    where: str
+    expected_params: tuple[str, ...] = ()  # PRIVATE_API: the parameters relied on
+    needs_te: bool = False
+    calls: tuple[str, ...] = ()  # PRIVATE_API: module globals the function must still call by name
+
+    def resolve(self) -> Any:
+        module_name, _, path = self.target.partition(":")
+        value: Any = importlib.import_module(module_name)
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+
+
+LENT: tuple[ForeignState, ...] = (
+    ForeignState(
+        "dynamic-cp-stream", "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream",
+        "Megatron creates the side stream TE's CP attention needs only when the static CP size is > 1; hybrid CP "
+        "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
+        "attention fails on None.wait_event without it).",
+        "packed_cp.ensure_dynamic_cp_stream", needs_te=True),
+    ForeignState(
+        "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
+        "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
+        "preprocess sets them in Python, so a moe_preprocess graph's replay does not, and the eager rest of the MoE "
+        "block reads them after it (Megatron's own path keeps them from its capture; the banks' capture clears "
+        "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
+        "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
+        "them anew.",
+        "capture.graph_banks.LayerBanks.replay (BankGraph.restore_dispatcher)"),
+)
+
+SCOPED: tuple[ForeignState, ...] = (
+    ForeignState(
+        "bench-profile-one-thread", "torch.autograd:set_multithreading_enabled",
+        "megatron-cg bench --bench-profile-dir counts each arm's Python calls per step with cProfile, which sees only "
+        "the thread that runs it; autograd's engine runs the backward on device threads unless its multithreading is "
+        "off, so it is off for those profiled steps (the timed steps keep it on) and back on after them.",
+        "launch.bench.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
+        "around the profiled steps)"),
+    ForeignState(
+        "bench-train-step", "megatron.training.training:train_step",
+        "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
+        "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
+        "launch.bench.main (patches.scoped around the launcher's pretrain())"),
+    ForeignState(
+        "megatron-capture-call", "megatron.core.transformer.cuda_graphs:make_graphed_callables",
+        "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
+        "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
+        "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
+        "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
+        needs_te=True),  # Megatron imports it from TE
+    ForeignState(
+        "layer-capture-tracker", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+        "Set on each graphed layer instance for one capture, wrapping Megatron's method: it names the layer and phase "
+        "where a capture failed (the forward, or the backward autograd reaches through a tensor hook on the forward's "
+        "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
+        "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
+        "and no hook stays on TE's static outputs.",
+        "helper._CaptureTracker.installed (patches.scoped around Megatron's create_cudagraphs in the capture "
+        "transaction, and around the graph banks' capture)"),
+    ForeignState(
+        "tracked-cuda-graphs", "torch:cuda.CUDAGraph",
+        "TE creates its graph objects inside make_graphed_callables and drops them on failure; the transaction must "
+        "reset every graph created so far, so while TE captures, the class TE looks up on torch.cuda at call time is "
+        "a subclass that reports each instance.",
+        "capture.backend.TEBackend.tracking (patches.scoped around TE's make_graphed_callables in the capture call)"),
+    ForeignState(
+        "offload-group-names",
+        "megatron.core.pipeline_parallel.fine_grained_activation_offload:FineGrainedActivationOffloadingInterface.__enter__",
+        "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
+        "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
+        "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
+        "capture.offload_groups.OffloadGroupTracker.scoped (patches.scoped around slot-shared warmup and capture)"),
+    ForeignState(
+        "offload-in-graph-flag", "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, Megatron's "
+        "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
+        "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
+        "copy streams, so it is False during warmup and capture.",
+        "capture.offload_groups.MegatronOffload.capturing (patches.scoped around slot-shared warmup and capture)"),
+    ForeignState(
+        "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
+        "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
+        "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
+        "(captured along with the graphs that hold the router).",
+        "moe_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
+    ForeignState(
+        "megatron-capture-flag", "megatron.core.transformer.cuda_graphs:_IS_GRAPH_CAPTURING",
+        "An MoE layer whose graph ends inside the MoE block (moe_router, moe_preprocess) returns after the router or "
+        "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
+        "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
+        "same way for such layers.",
+        "capture.graph_banks.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
+    ForeignState(
+        "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
+        "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
+        "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
+        "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
+    ForeignState(
+        "slot-capture-generators", "transformer_engine.pytorch.distributed:get_all_rng_states",
+        "The states of the CUDA generators graphs draw from (torch's default one and TE's graph-safe tracker states "
+        "this function returns): slot-shared warmup and capture draw random numbers eager training never draws, and "
+        "a replay draws from a generator's live offset, so they are set back to where they were before warmup once "
+        "the capture succeeds, as TE's make_graphed_callables does (graph.py 1692-1725); without it every dropout mask "
+        "after capture moved and graphed training differed from eager (issue 30, s65-s66).",
+        "capture.backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
+        needs_te=True),
+    ForeignState(
+        "slot-fp8-weight-update-flag",
+        "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor",
+        "slot-shared capture with FP8 caches weights as TE's make_graphed_callables does: TE's global weight-update "
+        "flag exists from before the first warmup (set to update), so each module quantizes its weight into its "
+        "cached workspace under the flag inside the graph; each replay fills it (skip unless Megatron's "
+        "is_first_microbatch). The graphs read it by address, so after a successful capture it stays, as TE's "
+        "own does; a failed capture puts back what was there.",
+        "capture.backend.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
+        "Fp8Replay.before_forward fills it)", needs_te=True),
+    ForeignState(
+        "slot-fp8-replay-amax-group",
+        "transformer_engine.pytorch.module.base:TransformerEngineBaseModule.fp8_meta",
+        "delayed scaling in slot-shared graphs: before each replay the modules the graph's forward reached take "
+        "the replay-time autocast's recipe and amax group in fp8_meta['recipe'] / ['fp8_group'] and join TE's "
+        "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
+        "capture.backend.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
+    ForeignState(
+        "cpu-device-stand-ins", "torch:cuda.get_device_capability",
+        "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
+        "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
+        "connection rules).",
+        "integration.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
+    ForeignState(
+        "te-kernel-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+        "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
+        "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
+        "fused permute/unpermute/sort-chunks symbols (integration.TE_KERNELS) are stand-ins that are never called.",
+        "integration.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
+    ForeignState(
+        "te-version-stand-in", "megatron.core.utils:_te_version",
+        "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
+        "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
+        "TE release the plugin supports, the one the GPU host will have at least.",
+        "integration.gpu_host_stand_ins (with block around the dry run; only where TE is not installed)"),
+)
+
+PRIVATE_API: tuple[ForeignState, ...] = (
+    ForeignState("megatron-create-cudagraphs", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
+                 "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
+                 "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
+                 "helper.py", ("self",), calls=("make_graphed_callables",)),
+    ForeignState("megatron-sample-arguments",
+                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
+                 "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
+                 "and microbatch as a packed microbatch brings them (packed_graphs.sample_inputs).", "helper.py",
+                 ("self", "order", "chunk_id_list")),
+    ForeignState("megatron-reset-after-capture",
+                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
+                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "helper.py",
+                 ("self",)),
+    ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+                 "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
+                 "helper.py, banks/capture.py"),
+    ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
+                 "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
+                 "banks/capture.py"),
+    ForeignState("megatron-forward-attention", "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
+                 "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
+                 "banks/capture.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
+    ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
+                 "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
+                 "in-place check sees what it would have seen without the arena.", "slot_sharing/saved_tensors.py"),
+    ForeignState("te-graph-autocast", "transformer_engine.pytorch.quantization:autocast.__init__",
+                 "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
+                 "uses (_graph=True: no global amax buffer, no reduction at exit).", "capture/te_backend.py",
+                 ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"), needs_te=True),
+    ForeignState("te-save-fp8-tensors", "transformer_engine.pytorch.graph:save_fp8_tensors",
+                 "delayed scaling: slot-shared capture clones the amax histories and scales before warmup and copies "
+                 "them back after capture (restore_fp8_tensors), as make_graphed_callables does.", "capture/te_backend.py",
+                 ("modules", "recipe"), needs_te=True),
+    ForeignState("te-restore-fp8-tensors", "transformer_engine.pytorch.graph:restore_fp8_tensors",
+                 "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).", "capture/te_backend.py",
+                 ("modules", "fp8_tensors"), needs_te=True),
+    ForeignState("te-amax-buffer", "transformer_engine.pytorch.quantization:FP8GlobalStateManager.add_fp8_tensors_to_global_buffer",
+                 "a delayed-scaling replay joins its modules to the autocast's amax reduction (slot-fp8-replay-amax-group); "
+                 "the autocast's first FP8 graph (is_first_fp8_module) runs reduce_and_update_fp8_tensors(forward=False) "
+                 "after its backward replay.", "capture/te_backend.py", ("fp8_meta",), needs_te=True),
+    ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
+                 "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/te_backend.py",
+                 needs_te=True),
+)
+
+_ABSENT = object()  # scoped: the owner had no value of its own
+_lent: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, value before the first lend, the lent value)
+_recording = False  # True while the plugin is installed: uninstall() then restores what was lent
+
+
+def start_lending() -> None:
+    global _recording
+    _recording = True
+
+
+def lend(owner: Any, attribute: str, value: Any, change: str) -> None:
+    """Sets ``owner.attribute`` (a change listed in ``LENT``). While the plugin is installed,
+    ``revert_lent`` (``uninstall()``) restores the value it had before the first lend; outside an
+    installed run (a probe, a bare test) the change is the caller's own and stays."""
+    if change not in {entry.name for entry in LENT}:
+        raise ValueError(f"{change!r} is not listed in patches.LENT; list every foreign change there.")
+    if _recording and not any(held is owner and name == attribute for held, name, _, _ in _lent):
+        _lent.append((owner, attribute, getattr(owner, attribute), value))
+    elif _recording:
+        _lent[:] = [(o, n, before, value if (o is owner and n == attribute) else lent) for o, n, before, lent in _lent]
+    setattr(owner, attribute, value)
+
+
+def revert_lent() -> None:
+    """Restores each lent attribute, unless something else has replaced the lent value since."""
+    global _recording
+    _recording = False
+    while _lent:
+        owner, attribute, original, lent = _lent.pop()
+        if getattr(owner, attribute) is lent:
+            setattr(owner, attribute, original)
+
+
+@contextlib.contextmanager
+def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None]:
+    """Sets ``owner.attribute`` (a change listed in ``SCOPED``) for the ``with`` block; on exit,
+    whatever happens, it is as before: the value it had, or, where ``owner`` had none of its own
+    (a method of its class, an attribute not there), absent again, so nothing is left behind."""
+    if change not in {entry.name for entry in SCOPED}:
+        raise ValueError(f"{change!r} is not listed in patches.SCOPED; list every foreign change there.")
+    own = getattr(owner, "__dict__", None)
+    if own is None or _set_through_type(owner, attribute):  # slots, a property: set and put back as a value
+        before = getattr(owner, attribute)
+    else:  # the object as stored (a staticmethod stays one), or absent: then deleted again on exit
+        before = own.get(attribute, _ABSENT)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        if before is _ABSENT:
+            if attribute in own:
+                delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, before)
+
+
+def _set_through_type(owner: Any, attribute: str) -> bool:
+    """Whether ``owner.attribute = value`` goes to a data descriptor of its type (a property with a
+    setter, a slot) rather than into ``owner.__dict__``."""
+    for klass in type(owner).__mro__:  # the first class that has it decides, as attribute lookup does
+        if attribute in vars(klass):
+            return hasattr(type(vars(klass)[attribute]), "__set__")
+    return False
+
+
+def check_private_api(*, with_te: bool) -> None:
+    """Raises ``compat.SignatureMismatchError`` naming the first private function that moved."""
+    for entry in PRIVATE_API:
+        if entry.needs_te and not with_te:
+            continue
+        try:
+            target = entry.resolve()
+        except (ImportError, AttributeError) as error:
+            raise compat.SignatureMismatchError(
+                f"{entry.target} is gone ({error}); the plugin relies on it ({entry.reason}) Install the supported "
+                "megatron-core / TE (docs/versions.md).") from None
+        if not callable(target):
+            raise compat.SignatureMismatchError(f"{entry.target} is no longer callable; install the supported versions.")
+        if entry.expected_params:  # builtins (torch's C functions) carry no signature to check
+            compat.check_parameters(target, entry.expected_params, where=entry.target)
+        # A wrapper's own code calls what it wraps: the names are looked for in the function it wraps.
+        code = getattr(compat.unwrapped(target), "__code__", None)
+        missing = [name for name in entry.calls if code is None or name not in code.co_names]
+        if missing:
+            raise compat.SignatureMismatchError(
+                f"{entry.target} no longer calls {', '.join(missing)}, which the plugin stands in for ({entry.reason}) "
+                f"{compat.found_at(target, entry.target)}")
+
+
+class PatchSet:
+    """Applies ``patches`` for one session, each replacement built by ``builders[patch.name]``, and
+    reverts them by identity. Every patch needs its builder and every builder its patch: nothing
+    is replaced that the ledger does not list."""
+
+    def __init__(self, patches: Sequence[Patch], builders: Mapping[str, Callable[[Any, Any], Any]]) -> None:
+        names = [patch.name for patch in patches]
+        unbuilt = [name for name in names if name not in builders]
+        unlisted = sorted(set(builders) - set(names))
+        if unbuilt or unlisted:
+            raise ValueError(f"each patch needs one builder and each builder a patch: no builder for {unbuilt}, "
+                             f"no patch listed for {unlisted}.")
+        self._patches = tuple(patches)
+        self._builders = dict(builders)
+        # (patch, the object holding the attribute, its name there, the original, whether that object held it itself)
+        self._originals: list[tuple[Patch, Any, str, Any, bool]] = []
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._originals)
+
+    def apply_all(self, session: Any, *, with_te: bool = True) -> None:
+        assert not self._originals, "patches already applied"
+        try:
+            for patch in self._patches:
+                if patch.needs_te and not with_te:
+                    continue
+                owner, name = patch.locate()
+                original = getattr(owner, name)
+                patch.check(original)
+                replacement = self._builders[patch.name](original, session)
+                own = name in vars(owner)  # a class's inherited method is deleted again on revert, not copied in
+                setattr(owner, name, replacement)
+                self._originals.append((patch, owner, name, original, own))
+        except BaseException:
+            self.revert_all()
+            raise
+
+    def revert_all(self) -> None:
+        while self._originals:
+            _patch, owner, name, original, own = self._originals.pop()
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+    def original(self, name: str) -> Any:
+        for patch, _owner, _name, original, _own in self._originals:
+            if patch.name == name:
+                return original
+        raise KeyError(name)

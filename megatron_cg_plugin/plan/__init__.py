@@ -1,1 +1,0 @@
-"""Pure planning logic: no torch.cuda, runs anywhere, unit-tested exhaustively."""
