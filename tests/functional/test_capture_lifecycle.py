@@ -33,7 +33,7 @@ def test_contracts_teardown_and_recapture(farm_out: Path) -> None:
     assert result["violations"]["seq_length"]["field"] == "shape", result["violations"]
     assert result["violations"]["dtype"]["field"] == "dtype", result["violations"]
     assert result["rejected"] == 2
-    # Recorded, not asserted as a timing: the figure goes to docs/results.
+    # Recorded, not asserted as a timing (published figures come from benchmarks/).
     assert result["overhead"]["check_us_per_replay"]["full"] > 0
 
 

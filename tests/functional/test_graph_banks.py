@@ -69,7 +69,7 @@ def test_banks_graphing_the_moe_block_replay_bitwise_eager(moe: list[dict]) -> N
 
 
 def test_banks_ending_inside_a_dropless_moe_block_replay_bitwise_eager(dropless_moe: list[dict]) -> None:
-    """Issue 16, item 6: attn moe_router moe_preprocess; the eager rest gets the replayed bank's routing state."""
+    """Banks with attn moe_router moe_preprocess: the eager rest gets the replayed bank's routing state."""
     for result in dropless_moe:
         assert result["all_exact"], result
         banks = {row["cp_size"]: row for row in result["report"]["banks"]}
@@ -83,7 +83,7 @@ def test_tiny_gpt_trains_30_steps_with_banks_and_the_eager_losses(training: list
         banks = {row["cp_size"]: row for row in result["report"]["banks"]}
         assert set(banks) == {1, 2} and all(row["replays"] > 0 and row["rejected"] == 0 for row in banks.values())
         assert result["report"]["unknown_size_rejections"] == 0
-        # Step times are recorded (docs/results), not asserted.
+        # Step times are recorded, not asserted.
 
 
 def test_banked_replays_are_bitwise_eager_on_every_rank(ranks: list[dict]) -> None:

@@ -1,9 +1,9 @@
-"""Packed sequences under TE graphs without hybrid CP (issue 34), through Megatron-LM's own
+"""Packed sequences under TE graphs without hybrid CP, through Megatron-LM's own
 ``pretrain_gpt.py`` (core_r0.19.0, unmodified) on one GPU, with ``--dataloader-inter-document-masking``
 on a real indexed dataset built here: tiny-gpt's model (RoPE, micro-batch 2: two samples flattened into
 one packed stream per microbatch).
 
-- stock Megatron with TE graphs stops at the first replay (the assert s70 saw), whole layer;
+- stock Megatron with TE graphs stops at the first replay (the assert Megatron-LM #5619 reports), whole layer;
 - the plugin with ``--cg-thd-max-seqs``: graphed (whole layer, ``attn``) equals its eager run bit for bit
   at every step, and its eager run prints the stock eager losses (the padding entries change nothing);
 - the plugin's launcher (its own packed batch path) trains graphed == eager the same way;

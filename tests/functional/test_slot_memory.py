@@ -1,4 +1,4 @@
-"""GPU: slot-shared graph memory on a stack of two TE TransformerLayers (issue 4's acceptance).
+"""GPU: slot-shared graph memory on a stack of two TE TransformerLayers (its acceptance checks).
 
 One probe run (tests/functional/_probes/slots_probe.py, its own process) captures 2 and 4 variants
 (the local sequence lengths of CP sizes 1, 2, 4, 8) into one pool, replays them in orders that wrap
@@ -72,7 +72,7 @@ def test_each_slot_arena_is_sized_by_the_variants_the_plan_puts_there(probe: dic
 
 @pytest.mark.parametrize("mode", ["layer0", "both", "both-window0", "both-window4", "both-serial", "both-staged"])
 def test_in_graph_offload_is_bitwise_eager_and_takes_its_saves_off_the_gpu(probe: dict, mode: str) -> None:
-    """Issue 14: the planned saves go to pinned host arenas inside the graphs and come back for
+    """In-graph offload: the planned saves go to pinned host arenas inside the graphs and come back for
     backward; replays stay bitwise eager, and the GPU arenas shrink by what went to the host."""
     base, case = probe["offload/wrap-ring2/none"], probe[f"offload/wrap-ring2/{mode}"]
     assert "error" not in base and "error" not in case, case.get("error") or base.get("error")
@@ -111,7 +111,7 @@ def test_a_storage_with_a_view_outside_the_offloaded_group_stays_on_the_gpu_and_
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_fp8_replays_are_bitwise_eager_fp8_and_need_the_arenas(probe: dict, n: int, recipe: str) -> None:
-    """Issue 15: FP8 (hybrid; current and delayed scaling) inside slot-shared capture; the quantized
+    """FP8 (hybrid; current and delayed scaling) inside slot-shared capture; the quantized
     saves (data and scale-inverse by parts) go to the arenas like any other save. Under delayed
     scaling the amax histories and scales after the graphed run equal those after the eager run."""
     case = probe[f"fp8/{recipe}/n{n}/wrap-ring2/slots"]
@@ -137,7 +137,7 @@ def test_fp8_replays_keep_the_cached_weights_between_first_microbatches_as_eager
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_protected(probe: dict, n: int) -> None:
-    """Issue 15: FP8 attention (SBHD, delayed scaling). FusedAttnFunc keeps a clone of the S scale on
+    """FP8 attention (SBHD, delayed scaling). FusedAttnFunc keeps a clone of the S scale on
     a per-call quantizer copy on ctx, in the pool; the arenas take it (capture.backend.per_call_quantizers).
     Left in the pool, another variant's replay overwrites it before this frame's backward."""
     if "fp8/delayed-dpa/unavailable" in probe:

@@ -216,7 +216,7 @@ def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, messa
 
 @pytest.mark.parametrize("packed", [dict(dataloader_inter_document_masking=True), dict(sft=True)])
 def test_the_stock_arm_is_refused_on_packed_data(packed):
-    """Megatron's own graphs assert on packed batches at their first replay (s70): eager and plugin arms only."""
+    """Megatron's own graphs assert on packed batches at their first replay (Megatron-LM #5619): eager and plugin arms only."""
     import types
 
     args = types.SimpleNamespace(**ARGS, **packed)

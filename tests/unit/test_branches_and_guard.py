@@ -1,4 +1,4 @@
-"""Capture-time branch checks and the slot debug guard (issue 4 building blocks)."""
+"""Capture-time branch checks and the slot debug guard (slot-shared capture's building blocks)."""
 
 from __future__ import annotations
 

@@ -844,7 +844,7 @@ def test_the_quick_accept_reads_metadata_as_the_full_check_does(mode, attribute,
 
 
 def test_a_nested_tensor_where_a_dense_one_was_learned_raises_in_python():
-    # torch's C++ tensor guards (tried in s98) abort the whole process on a strided nested tensor.
+    # torch's C++ tensor guards (tried once for a quicker check) abort the whole process on a strided nested tensor.
     contract = record((x(),))
     for _ in range(2):
         contract.check((x(),), {}, mode=FULL)

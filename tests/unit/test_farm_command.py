@@ -296,7 +296,7 @@ def with_model_args(tmp_path: Path, folder: Path, **extra) -> Path:
 
 
 def scoped_without_recompute(tmp_path: Path) -> Path:
-    """Megatron's offloading case with attention graphed and no selective recompute: exact on one GPU (s71)."""
+    """Megatron's offloading case with attention graphed and no selective recompute: exact on one GPU."""
     import yaml
 
     folder = with_model_args(tmp_path / "scoped", OFFLOADING, **{"--cuda-graph-modules": "[attn]"})
@@ -321,7 +321,7 @@ def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_
         "whole-layer-moe-needs-drop-and-pad", "whole-layer-offload-unjoined", "offload-recompute-in-graphs"}  # no "megatron"
     scoped, _ = prepare_case(with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"}),
                              out_dir=tmp_path, gpus=1)
-    # Attention graphed: trained differently with its offload and recompute together (s70, s71), so refused.
+    # Attention graphed: trained differently with its offload and recompute together on one GPU, so refused.
     refusal = refusal_of(scoped, tmp_path)
     assert refusal is not None and {name for name, _ in refusal.violations} == {"offload-recompute-in-graphs"}
     exact, _ = prepare_case(scoped_without_recompute(tmp_path), out_dir=tmp_path, gpus=1)

@@ -1,6 +1,6 @@
 """Every farm case that trains on an indexed dataset the farm builds has the samples its run asks for: Megatron's
 own dataset builder (BlendedMegatronDatasetBuilder with a GPTDatasetConfig of the case's flags) on the farm's
-files. A split Megatron builds with no sample stops the run before its first step (s76: the document-masking
+files. A split Megatron builds with no sample stops the run before its first step (seen on the GPU: the document-masking
 cases at seq 4096 got a 2% validation split of ~2,600 tokens, 'no sample to consume: 0' in
 MegatronPretrainingSampler for the validation loader, although --eval-iters 0 never reads it)."""
 

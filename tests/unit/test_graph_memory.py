@@ -1,5 +1,6 @@
 """The graph-pool planner: the caching-allocator model (plan.allocator) and the capture programs of
-TE layers (plan.graph_memory), on CPU. Its GPU check is docs/results/planner-2026-12-01."""
+TE layers (plan.graph_memory), on CPU. The measured figures here are graph pools and arenas of real captures on an H200
+(benchmarks/planner_pool, planner_slot and planner_fp8 publish them)."""
 
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_gr
     act = 2048 * 1024 * 2  # a [tokens, hidden] bf16 activation: 4 MiB
     every = OffloadPolicy.from_flags(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"])
     # Input, norm output, q, k, v and the attention output (its stats and RNG are under the 1M-element minimum),
-    # of every layer but the last, which keeps its groups as Megatron does: 264 MiB, as measured (s57).
+    # of every layer but the last, which keeps its groups as Megatron does: 264 MiB, as measured on the GPU.
     assert offloaded_host_bytes([big()] * 12, ["attn", "mlp"], every) == 11 * 6 * act
     # Without attn_proj, the attention output is saved outside the offloaded groups too: it stays (alias rule).
     core = OffloadPolicy.from_flags(["core_attn"])
@@ -265,17 +266,16 @@ def dense_1b(**changes):
 
 # Measured on the H200 (each run's report): (layers, modules, policy flags, GPU arena bytes, host, pool MiB).
 MEASURED_SLOT_RUNS = {
-    # docs/results/offload-2026-12-01/s32: the 12x1024 bench, slot arm.
+    # Measured on the 12x1024 bench, slot arm.
     "12x1024 slot": (big(), 12, ("attn", "mlp"), None, 813570048, None, 252),
-    # docs/results/planner-fp8-2026-12-01/s57, after offload followed Megatron's choice across the layers (the last
-    # layer keeps its groups): the slot-offload farm cases (gpt_12x1024_slot_offload_user_script; tiny_gpt_slot_offload;
+    # Measured after offload followed Megatron's choice across the layers (the last layer keeps its groups): the slot-offload farm cases (gpt_12x1024_slot_offload_user_script; tiny_gpt_slot_offload;
     # tiny_moe_slot_offload, attention only; gpt_1b_slot_offload_user_script, whole layer; tiny_gpt_slot_fp8_offload).
     "12x1024 slot-offload": (big(), 12, ("attn", "mlp"), (EVERY_ATTENTION_GROUP, 1024 * 1024), 536745984, 276824064, 272),
     "tiny_gpt_slot_offload": (tiny(), 2, (), (("attn_norm", "core_attn", "mlp_norm"), 65536), 7767040, 786432, 26),
     "tiny_moe_slot_offload": (tiny(gated=True, bias=False), 2, ("attn",),
                               (("attn_norm", "core_attn", "expert_fc1", "moe_act"), 65536), 2515968, 786432, 24),
     "1b slot-offload": (dense_1b(), 16, (), (EVERY_ATTENTION_GROUP, 1024 * 1024), 1411915776, 754974720, 480),
-    # docs/results/fp8-2026-12-01/s37 and slot-megatron: the FP8 slot farm cases (quantized saves), whole layers;
+    # The FP8 slot farm cases (quantized saves), whole layers;
     # tensorwise keeps its first and last layers in bf16.
     "tiny_gpt_slot_fp8_delayed": ([tiny(fp8_recipe="delayed")] * 3, 3, (), None, 10867200, None, 26),
     "tiny_gpt_slot_fp8_tensorwise": ([tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()],
@@ -283,18 +283,18 @@ MEASURED_SLOT_RUNS = {
     "tiny_gpt_slot_fp8_offload": (  # qkv_linear offloaded too: its FP8 input goes to the host
         [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], 4, (),
         (("attn_norm", "qkv_linear", "core_attn", "mlp_norm"), 65536), 11865600, 3670016, 26),
-    # docs/results/exact-matrix-2026-12-02/s65: the issue-30 shape (5 x 2048, ffn 8192, seq 2048, FP8 hybrid,
+    # A user-sized FP8 GPT (5 x 2048, ffn 8192, seq 2048, FP8 hybrid,
     # RoPE, no dropout) through Megatron-LM's pretrain_gpt.py; mbs 2 took 788 MiB of pool predicted (1.21x) while
     # the bias-GELU column sum was tokens x ffn x 8.
-    "issue-30 tensorwise mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="tensorwise"),
+    "5x2048 tensorwise mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="tensorwise"),
                                   5, (), None, 1097406720, None, 652),
-    "issue-30 delayed mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="delayed"),
+    "5x2048 delayed mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="delayed"),
                                5, (), None, 1139351040, None, 652),
-    "issue-30 tensorwise mbs 1": (big(hidden=2048, ffn=8192, head_dim=128, fp8_recipe="tensorwise"),
+    "5x2048 tensorwise mbs 1": (big(hidden=2048, ffn=8192, head_dim=128, fp8_recipe="tensorwise"),
                                   5, (), None, 551328000, None, 420),
-    "issue-30 tensorwise h1024 mbs 2": (big(heads=8, query_groups=8, head_dim=128, micro_batch=2,
+    "5x2048 tensorwise h1024 mbs 2": (big(heads=8, query_groups=8, head_dim=128, micro_batch=2,
                                             fp8_recipe="tensorwise"), 5, (), None, 551491840, None, 388),
-    # docs/results/fp8-attention-2026-12-01/s52: tiny_gpt_slot_fp8_attention_user_script, FP8 dot-product attention
+    # tiny_gpt_slot_fp8_attention_user_script, FP8 dot-product attention
     # (delayed scaling, head size 128, non-deterministic cuDNN), whole layers; modelled after the run, not held out.
     "tiny_gpt_slot_fp8_attention_user_script": (
         [tiny(heads=2, query_groups=2, head_dim=128, deterministic=False, fp8_recipe="delayed", fp8_attention=True)] * 3,
@@ -347,7 +347,7 @@ def test_slot_boundaries_are_each_graphs_output_and_gradients_and_one_layers_par
     assert plan_slot_memory([shape] * 3, ()).boundary_bytes == 3 * 3 * act + 2 * (attention + mlp)
     assert plan_slot_memory([shape], ("attn",)).boundary_bytes == 3 * act + 2 * attention
     assert plan_slot_memory([shape], ("mlp",)).boundary_bytes == 3 * act + 2 * mlp
-    # The tiny GPT's whole layers: s39 measured 4069888 B with copies of the inputs (hidden states, Megatron's
+    # The tiny GPT's whole layers: a GPU run measured 4069888 B with copies of the inputs (hidden states, Megatron's
     # [2, 1, 256, 256] bool mask, the [256, 1, 1, 64] fp32 RoPE table); adopted, those 2 x 448 KiB are Megatron's.
     assert plan_slot_memory([tiny()] * 2, ()).boundary_bytes == 4069888 - 2 * (256 * 1024 + 128 * 1024 + 64 * 1024)
     # An MoE layer's graphed block brings its router and experts' gradients; an attn graph does not.
@@ -367,8 +367,8 @@ def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():
 
 
 # PyTorch's reduce kernel's staging buffer for a bias gradient's column sum, as the H200 traces allocated it:
-# (rows, columns, bytes). planner-2026-12-01 traces dense_2048 / dense_1024 (bias-GELU, 2048 tokens),
-# planner-fp8-2026-12-01 s56 fp8t (the QKV bias under current scaling, 4 x 1024), exact-matrix-2026-12-02's
+# (rows, columns, bytes). Dense traces at 2048 and 1024 hidden (bias-GELU, 2048 tokens), an FP8 trace
+# (the QKV bias under current scaling, 4 x 1024), the farm case
 # gpt_5x2048_slot_fp8_tensorwise_megatron_lm (4096 tokens: bias-GELU and the QKV bias), tiny models (512 tokens).
 TRACED_COLUMN_SUMS = [(2048, 8192, 128 * MiB), (2048, 4096, 64 * MiB), (2048, 3072, 48 * MiB),
                       (4096, 8192, 132 * MiB), (4096, 6144, 132 * MiB), (512, 1024, 0), (512, 4096, 0)]
@@ -383,7 +383,7 @@ def test_the_bias_gradients_column_sum_stages_what_the_reduce_kernel_allocated(r
 
 def test_the_column_sum_stops_growing_once_its_blocks_fill_the_gpu():
     """Twice the tokens of 2048 x 8192 take 132 MiB, not the 256 MiB of ``tokens x ffn x 8``, the
-    model of the 2048-token traces that over-predicted the issue-30 FP8 slot pool (808 MiB, 1.30x)."""
+    model of the 2048-token traces that over-predicted the 5 x 2048 FP8 slot pool (808 MiB, 1.30x)."""
     from megatron_cg_plugin.planner.reduction import column_sum_workspace
 
     assert column_sum_workspace(8192, 8192) == column_sum_workspace(4096, 8192) < 4096 * 8192 * 8
@@ -407,9 +407,9 @@ def test_the_backward_sums_the_bias_gelu_bias_and_under_current_scaling_the_qkv_
     assert plan_graph_memory([big()] * 2, []).pool_bytes >= plan_graph_memory([big(bias=False)] * 2, []).pool_bytes + 56 * MiB
 
 
-def test_the_issue_30_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(tmp_path):
-    """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (s66-s68: 620 MiB measured, the trace in
-    docs/results/exact-matrix-2026-12-02/traces): 808 MiB predicted (1.30x) while the bias-GELU column sum
+def test_the_5x2048_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(tmp_path):
+    """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (620 MiB measured, and its allocator
+    trace): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
     from megatron_cg_plugin.refusal import predict_graph_memory
     from megatron_cg_plugin.launch import dry_run
@@ -577,7 +577,7 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
 
 
-# docs/results/planner-fp8-2026-12-01/s56: TE's own graph pools under FP8 (the report's pool bytes), from which
+# TE's own graph pools under FP8, measured (the report's pool bytes), from which
 # the FP8 programs were written: (layers, --cuda-graph-modules, measured MiB).
 def _four_by_1024(**changes):
     return [big(heads=8, query_groups=8, head_dim=128, **changes)] * 4
@@ -641,15 +641,15 @@ def test_moe_layers_with_fp8_attention_are_planned_with_bf16_experts():
 
 
 def test_fp8_quantize_buffers_change_tes_pool():
-    """Written as bf16 (the model before s56), the FP8-attention farm case came out at 16 MiB against 12."""
+    """Written as bf16 (the model before the FP8 traces), the FP8-attention farm case came out at 16 MiB against 12."""
     layers, modules, measured = MEASURED_TE_FP8_POOLS["tiny_gpt_fp8_attention_user_script"]
     assert plan_graph_memory(_tiny_attention(), modules).pool_bytes == 16 * MiB
     assert plan_graph_memory(layers, modules).pool_bytes == measured * MiB
 
 
-@pytest.mark.parametrize("window, measured", [(1, 1512579072), (3, 1613242368)])  # planner-fp8-2026-12-01/s57
+@pytest.mark.parametrize("window, measured", [(1, 1512579072), (3, 1613242368)])  # measured on the GPU
 def test_the_staging_ring_is_window_plus_one_buffers_of_a_layers_offload(window, measured):
-    """docs/results/windows-fp8-2026-12-01/s45: the 1B, every attention group offloaded, copies between
+    """The 1B, every attention group offloaded, copies between
     replays: the GPU arenas (saves that stay plus the ring) as measured."""
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
     from megatron_cg_plugin.offload.plan import OffloadPolicy
@@ -729,7 +729,7 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
     assert session.prediction.graph_memory.arena_bytes < flags_plan.arena_bytes
 
 
-# Issue 30's realistic MoE (s65 traces, s67 farm cases): 8 layers x 2048, GQA 16/4, 16 experts top-2, expert ffn
+# The realistic MoE (allocator traces and farm cases): 8 layers x 2048, GQA 16/4, 16 experts top-2, expert ffn
 # 1408, SwiGLU, no biases, RoPE, seq 2048, micro-batch 1, alltoall; TE's pool measured 1468 MiB drop-and-pad
 # (attn moe) and 720 MiB dropless (attn moe_router moe_preprocess); slot capture's arenas 947 MiB (attn moe).
 REALISTIC = LayerShape(seq=2048, micro_batch=1, hidden=2048, ffn=8192, heads=16, query_groups=4, head_dim=128,
@@ -753,7 +753,7 @@ def test_the_realistic_moe_slot_arenas_hold_the_second_expert_gemms_output():
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
     plan = plan_slot_memory([realistic_moe(16 * 256)] * 8, ("attn", "moe"))
-    # measured 992808960 (s65); 320 KiB more predicted (small routing saves), 0.03%; 0.86x without the kept output
+    # measured 992808960; 320 KiB more predicted (small routing saves), 0.03%; 0.86x without the kept output
     assert abs(plan.arena_bytes / 992808960 - 1) <= 0.001
 
 
@@ -761,7 +761,7 @@ def test_the_realistic_moe_slot_arenas_hold_the_second_expert_gemms_output():
     ("gpt_4x2048_docmask_layer_megatron_lm", 17564), ("gpt_4x2048_docmask_attn_megatron_lm", 16792),
     ("gpt_4x2048_sft_layer_megatron_lm", 33948), ("gpt_4x2048_sft_attn_megatron_lm", 33176)])
 def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(tmp_path, name, measured_mib):
-    """s81/s82 (docs/results/session-2026-12-03b): deterministic packed graphs' pools are mostly cuDNN's THD
+    """Deterministic packed graphs' pools (the four packed farm cases on the GPU) are mostly cuDNN's THD
     backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
     predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
     from megatron_cg_plugin.refusal import predict_graph_memory

@@ -13,7 +13,10 @@ from megatron_cg_plugin.matrix import runner as matrix
 from megatron_cg_plugin.farm.distributed import MultiRankError
 
 REPO = Path(__file__).resolve().parents[2]
-CELLS = REPO / "docs" / "results" / "exact-matrix-2026-12-02" / "cells.json"
+# The support matrix is a published result: its design and runs live beside the script that reruns them.
+MATRIX = REPO / "benchmarks" / "support_matrix"
+CELLS = MATRIX / "cells.json"
+RUNS = ("1-correctness.json", "2-correctness.json", "3-correctness.json", "4-bench.json")
 
 
 def no_refusal(_cell):
@@ -52,7 +55,7 @@ def test_an_offload_cell_offloads_inside_the_graphs_and_trains_its_reference_wit
 
 
 def test_the_committed_design_is_what_plan_writes_today(tmp_path):
-    """The cells the matrix ran (docs/results/.../cells.json) are the design and the rules' verdicts
+    """The cells the matrix ran (benchmarks/support_matrix/cells.json) are the design and the rules' verdicts
     `megatron-cg matrix plan` gives today: a rule change that moves a cell shows here."""
     cells = matrix.design(lambda cell: matrix.refusal_of(cell, tmp_path))
     committed = json.loads(CELLS.read_text())
@@ -110,11 +113,9 @@ def test_a_matrix_split_over_runs_takes_each_cells_last_row_and_names_what_did_n
 
 
 def test_the_support_matrix_page_is_the_render_of_its_runs():
-    """docs/support-matrix.md is `megatron-cg matrix render` of the committed design and runs (s68, s69, then s70,
-    which ran the last cell) and s76's matrix bench (the plugin / stock column)."""
-    runs = [json.loads((CELLS.parent / run / "matrix.json").read_text()) for run in ("s68", "s69")]
-    runs.append(json.loads((REPO / "docs" / "results" / "open-issues-2026-12-02" / "s70" / "matrix.json").read_text()))
-    runs.append(json.loads((REPO / "docs" / "results" / "session-2026-12-03" / "s76" / "matrix-bench.json").read_text()))
+    """docs/support-matrix.md is `megatron-cg matrix render` of the committed design and runs: three correctness
+    runs (the last ran the one cell the first two left) and the matrix bench (the plugin / stock column)."""
+    runs = [json.loads((MATRIX / "runs" / run).read_text()) for run in RUNS]
     cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
     assert (REPO / "docs" / "support-matrix.md").read_text() == matrix.render(matrix.merge_results(cells, runs))
 

@@ -263,7 +263,7 @@ def test_render_sets_each_cells_ratio_beside_its_run_and_says_how_the_bench_ran(
     first = {"bench": {"parallel": 4}, "rows": [
         {"name": REFUSED.name, "result": "refused"},
         {**bench_row, "name": matrix.cell_name(GPT_TE), "ratio": {**bench_row["ratio"], "median": 1.5}},
-        # as run_benches records it: never launched, so no "parallel" (s76's render stopped on that)
+        # as run_benches records it: never launched, so no "parallel" (a render once stopped on that)
         {"name": matrix.cell_name(LLAMA_LAYER_OFFLOAD), "result": "stock-refused",
          "stock_refused_by": ["whole-layer-offload-unjoined"]},
         {"name": matrix.cell_name(MOE_OFFLOAD), "result": "failed", "parallel": 4, "problem": "exited with code 1"}]}

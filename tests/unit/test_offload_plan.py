@@ -1,4 +1,4 @@
-"""The in-graph offload plan (issue 14's policy, alias rule, reload groups and host arena keying),
+"""The in-graph offload plan (its policy, alias rule, reload groups and host arena keying),
 on warmup records made by hand."""
 
 from __future__ import annotations

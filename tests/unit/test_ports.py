@@ -1,5 +1,5 @@
 """Rendezvous ports for launches side by side (testing.ports): each handed out once, never from the
-kernel's ephemeral range (where s68's neighbour took a cell's port), a held one skipped."""
+kernel's ephemeral range (where a neighbour once took a cell's port), a held one skipped."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def test_every_rule_has_a_violating_example(rule):
 
 def test_slot_fp8_is_refused_where_layers_hold_te_norm_modules():
     """An MoE layer's pre-MLP norm (and q/k or MLA norms) is a TE norm module built from te.ops, which the
-    slot backend refuses under FP8 at capture (s67); the rule says so before any GPU work."""
+    slot backend refuses under FP8 at capture (seen on the GPU); the rule says so before any GPU work."""
     facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_norms=True)
     assert [name for name, _ in violations(facts)] == ["slot-capture-fp8-op-fuser"]
     assert "(TE norm modules in the layers)" in violations(facts)[0][1]
@@ -215,7 +215,7 @@ def test_baseline_passes():
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
-    # Offload inside the graphed scope: banks and --cg-slot-capture protect it (issue 14).
+    # Offload inside the graphed scope: banks and --cg-slot-capture protect it.
     GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
     GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True, position_embedding_type="rope",
@@ -482,7 +482,7 @@ def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
 
 
 @pytest.mark.parametrize("offloaded, moe, fires", [
-    (("core_attn",), False, True),  # seen failing on the H200 (s38)
+    (("core_attn",), False, True),  # seen failing on an H200
     (("attn_norm", "mlp_norm"), False, False),  # a dense TE layer's norms are fused: nothing is offloaded
     (("mlp_norm",), True, True),  # an MoE layer's pre-MLP norm is a module of its own
     (("expert_fc1", "moe_act"), True, True),
@@ -552,7 +552,7 @@ def test_slot_capture_takes_delayed_and_current_scaling(recipe):
 
 
 def test_packed_data_graphs_with_a_capacity():
-    """s70: whole layer and attn died at the first graphed step on packed data; --cg-thd-max-seqs lays the
+    """Whole layer and attn died at the first graphed step on packed data; --cg-thd-max-seqs lays the
     batches out for the graphs, and the scopes that leave attention eager at micro-batch size 1 are Megatron's."""
     packed = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, position_embedding_type="rope")
     for modules in ((), ("attn",)):

@@ -134,8 +134,8 @@ def test_the_step_path_reads_only_the_host_clock(clock):
 
 
 def test_the_cuda_probe_reads_the_allocator_once_without_flattening_it(monkeypatch):
-    """torch.cuda.memory_allocated() flattens and sorts every allocator statistic (s88: 172-184 us for
-    it and max_memory_allocated() per logged step); the probe reads the nested counters once for both."""
+    """torch.cuda.memory_allocated() flattens and sorts every allocator statistic (a large cost for
+    it and max_memory_allocated() per logged step on a GPU host); the probe reads the nested counters once for both."""
     import torch
 
     reads = []

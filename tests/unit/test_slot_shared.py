@@ -201,8 +201,8 @@ def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
 def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_layer_graphs():
     """The run report reads each layer's slot stats after teardown (helper._slot_layer_stats holds the
     layer graphs, which hold their replay callables and entries): the adopted static inputs (Megatron's
-    sample arguments) and TE's FP8 weight-update flag must go with the graphs all the same (s65-s69
-    left 1.5 activations a layer allocated: a layer's hidden states and its attention mask)."""
+    sample arguments) and TE's FP8 weight-update flag must go with the graphs all the same (GPU runs
+    once left 1.5 activations a layer allocated: a layer's hidden states and its attention mask)."""
     import gc
     import types
     import weakref

@@ -476,7 +476,7 @@ def rope(result, groups):
     exact = [[size, all(torch.equal(a, b) for a, b in zip(got, eager[size]))] for size, got in graphed]
     # Megatron's stock attention is not measured here: on a CP-2 pack its RoPE call with the static
     # CP-1 group walks the global sequence bounds over the rank's half of the tokens, out of bounds
-    # (an illegal memory access on H200, docs/results/hybrid-cp-scopes-2026-11-29).
+    # (an illegal memory access on an H200).
     report = banks.report()
     banks.reset()
     result.update(rank=dist.get_rank(), cp2_vs_cp1_relative=dynamic, graphed_equal_eager=exact, report=report)

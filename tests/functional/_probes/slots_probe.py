@@ -306,7 +306,7 @@ def grouped(layers):
 
 
 def offload(result):
-    """In-graph activation offload (issue 14): the wrap-ring2 order with 2 variants, offloading
+    """In-graph activation offload: the wrap-ring2 order with 2 variants, offloading
     layer 0's saves or both layers', with the copies on side streams (async) or on the compute
     stream (serial), against the same capture without offload; bitwise eager, GPU arena and host
     arena bytes, and the replay time of a forward + backward with and without."""
@@ -381,7 +381,7 @@ def sleepy_transfers(snapshot):
 
 
 def offload_edges(result):
-    """Issue 14's edge cases, each replayed (3 frames) against its eager reference:
+    """In-graph offload's edge cases, each replayed (3 frames) against its eager reference:
     - ``mutated``: a save's storage is written in place later in the same forward (through
       ``.data``: no version bump, as a fused kernel writes), while the D2H stream sleeps. The
       backward must see the value at save time (eager with a synchronous copy at save), with the

@@ -1,0 +1,72 @@
+"""Every figure the README and docs publish comes from a benchmarks/<name>/result.json through a table
+benchmarks/render.py generates: a committed table that differs from its JSON fails here, and so does a result
+that lacks the fields that say how to reproduce it. Doc links must point at files that exist."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("benchmarks_render", ROOT / "benchmarks" / "render.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
+RESULTS = render.load_results()
+DOCS = [path for path in render.documents(ROOT) if path.exists()]
+
+
+def test_there_are_published_results():
+    assert RESULTS and "support_matrix" in RESULTS and "llama_like" in RESULTS
+
+
+@pytest.mark.parametrize("name", sorted(RESULTS))
+def test_each_result_says_how_to_reproduce_it(name):
+    result = RESULTS[name]
+    assert not render.missing_fields(result), f"benchmarks/{name}/result.json lacks {render.missing_fields(result)}"
+    assert result["name"] == name, f"benchmarks/{name}/result.json is named {result['name']!r}"
+    assert re.search(r"\bmegatron-cg (bench|farm|matrix)\b", result["command"]), result["command"]
+    assert re.fullmatch(r"[0-9a-f]{7,40}", result["commit"]), result["commit"]
+    assert (ROOT / "benchmarks" / name / "run.sh").is_file(), f"benchmarks/{name}/ has no run.sh"
+
+
+def test_a_result_without_its_fields_is_refused():
+    assert render.missing_fields({"name": "x", "command": "", "figures": {}}) == ["command", "commit", "device",
+                                                                                  "figures"]
+
+
+def test_every_table_is_quoted_and_renders():
+    quoted = {table for path in DOCS for table, _ in render.blocks(path.read_text())}
+    assert quoted == set(render.TABLES), f"tables rendered but quoted nowhere, or unknown: {quoted ^ set(render.TABLES)}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_generated_tables_are_what_the_json_renders(path):
+    for table, body in render.blocks(path.read_text()):
+        assert body == render.render(table, RESULTS) + "\n", (
+            f"{path.relative_to(ROOT)}'s table {table!r} differs from benchmarks/*/result.json: "
+            "run python benchmarks/render.py")
+
+
+def test_a_changed_figure_fails():
+    text = next(path.read_text() for path in DOCS if render.blocks(path.read_text()))
+    table, body = render.blocks(text)[0]
+    changed = {name: {**result} for name, result in RESULTS.items()}
+    changed["llama_like"] = {**RESULTS["llama_like"], "figures": {**RESULTS["llama_like"]["figures"],
+                                                                  "plugin_over_stock": {"median": 9.0, "low": 8.0,
+                                                                                        "high": 10.0}}}
+    assert render.render("speed", changed) != render.render("speed", RESULTS)
+    assert render.rewrite(text, RESULTS) == text
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("path", DOCS + [ROOT / "docs" / "design" / "fp8-slot-capture.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_at_files(path):
+    missing = [target for target in LINK.findall(path.read_text())
+               if "://" not in target and not (path.parent / target).exists()]
+    assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
