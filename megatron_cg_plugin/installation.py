@@ -1,11 +1,12 @@
 """Install and uninstall the plugin, and stand in for the GPU host in a CPU dry run: the module
-that sets Megatron's globals for a run or a check (every change listed in ``patches``; a ``with``
-block elsewhere changes only what ``patches.SCOPED`` lists, through ``patches.scoped``).
+that sets Megatron's globals for a run or a check (every change listed in ``patching.ledger``; a
+``with`` block elsewhere changes only what ``ledger.SCOPED`` lists, through
+``patching.foreign_state``).
 
 ``install()`` checks versions and the private functions the plugin relies on
-(``patches.PRIVATE_API``), applies every patch in ``patches.PATCHES`` (all or nothing) and creates
-the run's ``RunSession``; ``uninstall()`` restores each patched and lent attribute
-(``patches.LENT``) to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
+(``ledger.PRIVATE_API``), applies every patch in ``ledger.PATCHES`` (all or nothing), saves the
+attributes the run may lend (``ledger.LENT``) and creates the run's ``RunSession``; ``uninstall()``
+restores each patched and lent attribute to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
 lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``).
 """
 
@@ -21,18 +22,21 @@ from typing import Any, Iterator
 import torch
 
 from megatron_cg_plugin import compat
-from megatron_cg_plugin.patching import ledger as patches
 from megatron_cg_plugin.config import PluginConfig, config_from_args, has_plugin_flags
+from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
 from megatron_cg_plugin.refusal import enforce_for_session
-from megatron_cg_plugin.patching.builders import BUILDERS
-from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, revert_lent, start_lending
 from megatron_cg_plugin.session import RunSession
 
 
 @dataclasses.dataclass
 class _Installed:
+    """The install's handle: the run's session, the applied patches, and the lent attributes as
+    they were before the run (restored by ``uninstall()``)."""
+
     session: RunSession
     patches: PatchSet
+    lent: foreign_state.Changes
 
 
 _installed: _Installed | None = None
@@ -80,16 +84,17 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     with_te = versions.transformer_engine is not None
     check_private_api(with_te=with_te)
     session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
-    patch_set = PatchSet(PATCHES, BUILDERS)
+    patch_set = PatchSet(PATCHES)
     patch_set.apply_all(session, with_te=with_te)
-    start_lending()
+    lent = foreign_state.Changes()
     try:
+        hold_lent(lent, with_te=with_te)
         _enforce_on_parsed_args(session)
     except BaseException:
-        revert_lent()
+        lent.restore()
         patch_set.revert_all()
         raise
-    _installed = _Installed(session, patch_set)
+    _installed = _Installed(session, patch_set, lent)
     return session
 
 
@@ -110,7 +115,7 @@ def uninstall() -> None:
     global _installed
     if _installed is None:
         return
-    revert_lent()
+    _installed.lent.restore()
     _installed.patches.revert_all()
     _installed = None
 
@@ -144,7 +149,7 @@ TE_KERNELS = (
 @contextlib.contextmanager
 def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
     """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
-    differ, all restored on exit (``patches.SCOPED``): when there is no GPU here,
+    differ, all restored on exit (``ledger.SCOPED``): when there is no GPU here,
     ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
     ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
     not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
@@ -153,21 +158,19 @@ def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None
     unset, they would read 0.0.0)."""
     from megatron.core import utils as megatron_utils
 
-    with contextlib.ExitStack() as stack:
+    with foreign_state.Changes() as changes:
         if not torch.cuda.is_available():
             properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
                                                name=f"stand-in sm_{capability[0]}{capability[1]}",
                                                total_memory=0, multi_processor_count=0)
-            stack.enter_context(patches.scoped(torch.cuda, "get_device_capability", lambda *_a, **_k: capability,
-                                               "cpu-device-stand-ins"))
-            stack.enter_context(patches.scoped(torch.cuda, "get_device_properties", lambda *_a, **_k: properties,
-                                               "cpu-device-stand-ins"))
+            changes.set(torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins")
+            changes.set(torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins")
         for module_name, names in TE_KERNELS:
             module = importlib.import_module(module_name)
             for name in names:
                 if getattr(module, name, None) is None:  # TE's kernel did not import here
-                    stack.enter_context(patches.scoped(module, name, _te_kernel_stand_in, "te-kernel-stand-ins"))
+                    changes.set(module, name, _te_kernel_stand_in, change="te-kernel-stand-ins")
         if not compat.te_available():
             lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
-            stack.enter_context(patches.scoped(megatron_utils, "_te_version", lowest, "te-version-stand-in"))
+            changes.set(megatron_utils, "_te_version", lowest, change="te-version-stand-in")
         yield

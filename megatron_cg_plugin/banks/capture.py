@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.banks.router import BankRouter, GraphBank
 from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
@@ -381,7 +381,7 @@ def megatron_capturing(layers: list[Any]) -> Any:
         return
     from megatron.core.transformer import cuda_graphs
 
-    with patches.scoped(cuda_graphs, "_IS_GRAPH_CAPTURING", True, "megatron-capture-flag"):
+    with foreign_state.setting(cuda_graphs, "_IS_GRAPH_CAPTURING", True, change="megatron-capture-flag"):
         yield
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 
 
 def packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, group: Any,
@@ -29,9 +29,9 @@ def ensure_dynamic_cp_stream() -> None:
     """Megatron creates the side stream TE's CP attention needs (``TEDotProductAttention.cp_stream``)
     only when the static CP size is > 1; hybrid CP switches CP on per microbatch, so eager and
     graphed runs alike need it whatever the static size (without it TE's P2P attention fails on
-    ``None.wait_event``). Sets it once (``patches.LENT``, restored by ``uninstall()``); an existing
-    stream is kept."""
+    ``None.wait_event``). Sets it once (``ledger.LENT``: ``install()`` saved the attribute and
+    ``uninstall()`` restores it); an existing stream is kept."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     if TEDotProductAttention.cp_stream is None:
-        patches.lend(TEDotProductAttention, "cp_stream", torch.cuda.Stream(), "dynamic-cp-stream")  # uninstall() undoes it
+        foreign_state.put(TEDotProductAttention, "cp_stream", torch.cuda.Stream())  # dynamic-cp-stream

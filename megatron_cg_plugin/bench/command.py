@@ -3,7 +3,7 @@ measured in one process, in interleaved blocks (``plan.bench_schedule``).
 
 The launcher builds Megatron's model, optimizer and data from the flags and enters Megatron's own
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
-``train_step`` call runs the whole bench (``patches.SCOPED``, ``bench-train-step``), then ends the
+``train_step`` call runs the whole bench (``ledger.SCOPED``, ``bench-train-step``), then ends the
 loop. One model serves every arm: each graphed block makes a fresh helper (Megatron's
 ``TECudaGraphHelper`` for ``stock``, the plugin's for ``plugin``, the plugin's without replay
 checks for ``plugin-no-check``, the plugin's with the session's per-step recording for
@@ -39,7 +39,7 @@ from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin import installation
 from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.bench.output import ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord, StepRecord, is_known_arm, is_slot_arm
 from megatron_cg_plugin.offload.groups import OffloadCopies
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
@@ -927,7 +927,7 @@ def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, 
             args = pretrain_gpt.parse_megatron_args(flags)
             refuse_unbenchable(args, session.config, options)  # the config the flags resolved
             driver = bench_train_step(options, flags, training.train_step, results)
-            with patches.scoped(training, "train_step", driver, "bench-train-step"):
+            with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
                 pretrain_gpt.run(args, session)
         finally:
             installation.uninstall()
@@ -946,7 +946,7 @@ def _bench_script(script: Path, options: BenchOptions, flags: Sequence[str], tra
         refuse_unbenchable(get_args(), session.config, options)
 
     driver = bench_train_step(options, flags, training.train_step, results, before=refuse)
-    with patches.scoped(training, "train_step", driver, "bench-train-step"):
+    with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
         code = run_script.run_in_process(script, run_script.expand_preset(flags))
     if code and not results:
         raise BenchError(f"{script} exited with code {code} before the bench ran; its output is above.")

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.packed import graphs as packed_graphs
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.banks import capture as graph_banks
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
@@ -86,15 +86,17 @@ class _CaptureTracker:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["_CaptureTracker"]:
-        """The wrappers on every layer for the block (``patches.SCOPED``, ``layer-capture-tracker``);
+        """The wrappers on every layer for the block (``ledger.SCOPED``, ``layer-capture-tracker``);
         after it, success or failure, the layers have their class's method again and the output
         hooks are gone."""
-        with contextlib.ExitStack() as stack:
+        with foreign_state.Changes() as changes:
             for index, layer in enumerate(self.layers):
-                stack.enter_context(patches.scoped(layer, "_te_cuda_graph_capture", self._wrap(
-                    layer._te_cuda_graph_capture, index, layer), "layer-capture-tracker"))
-            stack.callback(self._remove_hooks)
-            yield self
+                changes.set(layer, "_te_cuda_graph_capture", self._wrap(layer._te_cuda_graph_capture, index, layer),
+                            change="layer-capture-tracker")
+            try:
+                yield self
+            finally:
+                self._remove_hooks()
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -262,8 +264,8 @@ class PluginHelperMixin:
             capture = _CaptureCall(backend, transaction, tracker)
             # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
             # and microbatch, finish) with the plugin's capture call in place of TE's.
-            with phases("Megatron and TE capture"), patches.scoped(
-                    cuda_graphs, "make_graphed_callables", capture, "megatron-capture-call"):
+            with phases("Megatron and TE capture"), foreign_state.setting(
+                    cuda_graphs, "make_graphed_callables", capture, change="megatron-capture-call"):
                 super().create_cudagraphs()
             with phases("replay contracts"):
                 counter = self._hold_to_contracts(capture, self.session.config.contract_check)

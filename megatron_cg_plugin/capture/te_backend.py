@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.capture.transaction import Restorable, attribute
 
 
@@ -41,7 +41,7 @@ class TEBackend:
     def tracking(self, on_graph: Callable[[Any], None]) -> Iterator[None]:
         """Reports each ``torch.cuda.CUDAGraph`` created inside (TE looks the class up on
         ``torch.cuda`` at call time); the original class is back on exit, whatever happens
-        (``patches.SCOPED``, ``tracked-cuda-graphs``)."""
+        (``ledger.SCOPED``, ``tracked-cuda-graphs``)."""
         import torch
 
         class TrackedCUDAGraph(torch.cuda.CUDAGraph):  # type: ignore[misc, valid-type]
@@ -49,7 +49,7 @@ class TEBackend:
                 super().__init__(*args, **kwargs)
                 on_graph(self)
 
-        with patches.scoped(torch.cuda, "CUDAGraph", TrackedCUDAGraph, "tracked-cuda-graphs"):
+        with foreign_state.setting(torch.cuda, "CUDAGraph", TrackedCUDAGraph, change="tracked-cuda-graphs"):
             yield
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
@@ -113,12 +113,9 @@ def te_capture_flag() -> Iterator[None]:
     device-to-host slice). Its previous value is back on exit, whatever happens."""
     import transformer_engine.pytorch.graph as te_graph
 
-    before = te_graph._IS_GRAPH_CAPTURING
-    te_graph.set_capture_start()
-    try:
+    with foreign_state.held(te_graph, "_IS_GRAPH_CAPTURING", change="te-capture-flag"):
+        te_graph.set_capture_start()
         yield
-    finally:
-        te_graph._IS_GRAPH_CAPTURING = before
 
 
 def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
@@ -217,7 +214,8 @@ class Fp8Capture:
                 self._meta = None
         finally:
             if failed:  # read anew: a reset inside replaces the state object
-                FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor = self._flag_before
+                foreign_state.put(FP8GlobalStateManager.quantization_state, "skip_fp8_weight_update_tensor",
+                                  self._flag_before)
                 if self._flag_before is not None:
                     self._flag_before.copy_(self._flag_value_before)
 

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 from typing import Any, Callable, Iterable, Sequence
 
-_MISSING = object()
+from megatron_cg_plugin.patching import foreign_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,20 +27,15 @@ class Restorable:
 
 
 def attribute(owner: Any, name: str, *, label: str | None = None) -> Restorable:
-    """``owner.name`` as set directly on ``owner`` (absent stays absent: inherited attributes such
-    as a class's ``__call__`` from ``nn.Module`` are deleted again, not frozen as a copy)."""
-
-    def save() -> Any:
-        return vars(owner).get(name, _MISSING)
+    """``owner.name`` as ``owner`` itself holds it, saved and put back by ``patching.foreign_state``
+    (absent stays absent: inherited attributes such as a class's ``__call__`` from ``nn.Module``
+    are deleted again, not frozen as a copy)."""
 
     def restore(value: Any) -> None:
-        if value is _MISSING:
-            if name in vars(owner):
-                delattr(owner, name)
-        elif vars(owner).get(name, _MISSING) is not value:
-            setattr(owner, name, value)
+        foreign_state.put(owner, name, value)
 
-    return Restorable(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}", save, restore)
+    return Restorable(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}",
+                      lambda: foreign_state.stored(owner, name), restore)
 
 
 def gc_state() -> Restorable:
@@ -65,17 +60,12 @@ def tensor_grads(params: Iterable[Any]) -> Restorable:
     params = list(params)
 
     def save() -> list[tuple[Any, Any]]:
-        return [(p.grad, getattr(p, "main_grad", _MISSING)) for p in params]
+        return [(foreign_state.stored(p, "grad"), foreign_state.stored(p, "main_grad")) for p in params]
 
     def restore(saved: list[tuple[Any, Any]]) -> None:
         for p, (grad, main_grad) in zip(params, saved):
-            if p.grad is not grad:
-                p.grad = grad
-            if main_grad is _MISSING:
-                if hasattr(p, "main_grad"):  # added during capture: absent stays absent
-                    del p.main_grad
-            elif getattr(p, "main_grad", _MISSING) is not main_grad:
-                p.main_grad = main_grad
+            foreign_state.put(p, "grad", grad)
+            foreign_state.put(p, "main_grad", main_grad)  # added during capture: absent stays absent
 
     return Restorable(f"grad/main_grad of {len(params)} parameters", save, restore)
 

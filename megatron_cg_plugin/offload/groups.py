@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Sequence
 
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.slot_sharing.capture import SlotOffload
 from megatron_cg_plugin.config import OFFLOAD_COPIES
 from megatron_cg_plugin.offload.staging import StagingRing
@@ -91,9 +91,10 @@ class OffloadGroupTracker:
                           delay_offload: bool = False) -> Any:
             return tensor
 
-        with patches.scoped(interface, "__enter__", enter, "offload-group-names"), \
-                patches.scoped(interface, "__exit__", exit_, "offload-group-names"), \
-                patches.scoped(interface, "group_offload", group_offload, "offload-group-names"):
+        with foreign_state.Changes() as changes:
+            changes.set(interface, "__enter__", enter, change="offload-group-names")
+            changes.set(interface, "__exit__", exit_, change="offload-group-names")
+            changes.set(interface, "group_offload", group_offload, change="offload-group-names")
             yield self
 
 
@@ -138,11 +139,10 @@ class MegatronOffload:
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """Warmup and capture: Megatron's interface names groups; its in-graph offload streams stay out."""
-        with self.tracker.scoped(), contextlib.ExitStack() as stack:
+        with self.tracker.scoped(), foreign_state.Changes() as changes:
             for layer in self.layers:
                 if getattr(layer, "offload_module_in_cuda_graph", False):
-                    stack.enter_context(patches.scoped(layer, "offload_module_in_cuda_graph", False,
-                                                       "offload-in-graph-flag"))
+                    changes.set(layer, "offload_module_in_cuda_graph", False, change="offload-in-graph-flag")
             yield
 
 

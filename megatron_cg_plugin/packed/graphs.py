@@ -200,7 +200,7 @@ def helper_sample_inputs(helper: Any, sample_args: Sequence[tuple], sample_kwarg
                          rope=packed_rope_table(helper.chunks_with_decoder, layout))
 
 
-# -- what the three patches put in place (patch_builders.BUILDERS) ---------------------------------
+# -- what the three patches put in place (their entries in patching.ledger.PATCHES) ---------------
 
 def _config_layout(session: Any) -> Callable[[], PackedLayout | None]:
     """The session's layout, made once its config is resolved and kept while that config holds."""

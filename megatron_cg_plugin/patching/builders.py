@@ -1,7 +1,6 @@
-"""What each patch of the ledger (``patches.PATCHES``) puts in place of Megatron's or TE's
-attribute: ``BUILDERS`` maps a patch's name to ``build(original, session)``, which returns the
-replacement. These reach up into the helper, the rules and the session; the ledger and the
-mechanics that apply it (``patches``) stay below everything and know none of them.
+"""What the patches of the ledger (``patching.ledger.PATCHES``) put in place of Megatron's or TE's
+attributes: each ``build_*(original, session)`` returns a replacement, and the ledger's entry for
+the patch names its builder. These reach up into the helper, the rules and the session.
 """
 
 from __future__ import annotations
@@ -11,20 +10,18 @@ import functools
 import importlib
 import inspect
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from megatron_cg_plugin import compat, rules
 from megatron_cg_plugin import refusal
-from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.capture.lifecycle import bind_helper_class
 from megatron_cg_plugin.slot_sharing.layout import span_of
 from megatron_cg_plugin.moe.drop_stats import RouterDropTap
 from megatron_cg_plugin.parse_errors import plugin_args_provider
 from megatron_cg_plugin.capture.step_marks import StepMarks
 
-Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
 def build_helper(original: type, session: Any) -> type:
     return bind_helper_class(original, session)
@@ -207,20 +204,3 @@ def build_strided_weak_ref(original: Callable, session: Any) -> Callable:
         return original(x)
 
     return make_weak_ref
-
-
-BUILDERS: Mapping[str, Builder] = {
-    "plugin-args": build_plugin_args,
-    "validate-args-rules": build_validate_args_rules,
-    "train-step-timer": build_train_step_timer,
-    "train-end-report": build_train_end_report,
-    "helper-swap": build_helper,
-    "training-log-tap": build_training_log_tap,
-    "mtp-loss-tap": build_mtp_loss_tap,
-    "prebuilt-dataset-helpers": build_prebuilt_dataset_helpers,
-    "strided-weak-ref": build_strided_weak_ref,
-    "offload-reload-waits-for-its-copy": build_offload_reload_wait,
-    "packed-thd-layout": packed_graphs.build_thd_layout,
-    "packed-graph-capture": packed_graphs.build_capture,
-    "packed-graph-replay": packed_graphs.build_replay,
-}

@@ -1,31 +1,34 @@
 """Every change the plugin makes to Megatron's, TE's and torch's state, in lists, with the reason
-each exists.
+each exists; ``docs/patches.md`` is rendered from them (``markdown()``).
 
-- ``PATCHES``: module attributes replaced by ``install()``. Each is applied only on the supported
-  megatron-core and TE ranges (``compat``; TE patches only where TE is installed), checks the
-  signature it relies on before replacing anything, and is reverted by restoring the very object
-  it replaced. ``PatchSet.apply_all`` is all-or-nothing: if one patch fails, the ones already
-  applied are reverted before the error propagates.
-- ``LENT``: attributes the plugin sets at run time (``lend``) and ``uninstall()`` restores, by
-  identity, with the patches.
+- ``PATCHES``: module attributes replaced by ``install()``, each entry with its builder (``build``:
+  what replaces the attribute). Each is applied only on the supported megatron-core and TE ranges
+  (``compat``; TE patches only where TE is installed), checks the signature it relies on before
+  replacing anything, and is reverted by restoring the very object it replaced. ``PatchSet.apply_all``
+  is all-or-nothing: if one patch fails, the ones already applied are reverted before the error
+  propagates.
+- ``LENT``: attributes the plugin sets at run time; ``install()`` saves each one (``hold_lent``) and
+  ``uninstall()`` restores it, by identity, with the patches.
 - ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
 - ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
   ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
 
-The ledger and the mechanics that apply it (``PatchSet``, ``lend``, ``scoped``) depend on ``compat``
-only, so any module may make its change through them; what each patch builds lives above the
-helper, in ``patch_builders``.
+Every change is made and undone through ``patching.foreign_state``, which sits below everything;
+this ledger owns the builders (``patching.builders``), so it sits at the install layer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import inspect
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin import compat
+from megatron_cg_plugin.packed import graphs as packed_graphs
+from megatron_cg_plugin.patching import builders, foreign_state
+
+Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
 HELPER_METHODS = (
     "create_cudagraphs",
@@ -42,14 +45,14 @@ class Patch:
 
     ``expected_params`` are the parameters of the original that the replacement relies on (for a
     class: of its ``__init__``), and ``expected_methods`` the methods a replaced class must still
-    have. What replaces it is built by the builder ``PatchSet`` is given under ``name``
-    (``patch_builders.BUILDERS``).
+    have. What replaces it is what ``build(original, session)`` returns.
     """
 
     name: str
     module: str
     attribute: str
     reason: str
+    build: Builder = dataclasses.field(kw_only=True)
     expected_params: tuple[str, ...] = ()
     expected_methods: tuple[str, ...] = ()
     needs_te: bool = False  # skipped where Transformer Engine is not installed
@@ -81,6 +84,7 @@ class Patch:
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="plugin-args",
+        build=builders.build_plugin_args,
         module="megatron.training.arguments",
         attribute="add_megatron_arguments",
         reason="parse_args() builds every Megatron parser through this module global (arguments.py l.121), "
@@ -90,6 +94,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="validate-args-rules",
+        build=builders.build_validate_args_rules,
         module="megatron.training.arguments",
         attribute="validate_args",
         reason="parse_and_validate_args() calls this module global (arguments.py l.107) before any GPU work; "
@@ -100,6 +105,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="train-step-timer",
+        build=builders.build_train_step_timer,
         module="megatron.training.training",
         attribute="train_step",
         reason="train() calls this module global once per iteration (training.py l.3856); marking the start "
@@ -112,6 +118,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="train-end-report",
+        build=builders.build_train_end_report,
         module="megatron.training.training",
         attribute="train",
         reason="pretrain() calls this module global (training.py l.1423) and it returns after Megatron tore "
@@ -122,6 +129,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="helper-swap",
+        build=builders.build_helper,
         module="megatron.training.training",
         attribute="TECudaGraphHelper",
         reason="train() constructs the TE graph helper from this module global at call time "
@@ -132,6 +140,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="training-log-tap",
+        build=builders.build_training_log_tap,
         module="megatron.training.training",
         attribute="training_log",
         reason="the per-iteration lm loss (reduced over DP) and num-zeros are only available here; after "
@@ -141,6 +150,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="mtp-loss-tap",
+        build=builders.build_mtp_loss_tap,
         module="megatron.training.training",
         attribute="MTPLossLoggingHelper",
         reason="training_log() reduces each multi-token-prediction layer's loss in this class's "
@@ -151,6 +161,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="prebuilt-dataset-helpers",
+        build=builders.build_prebuilt_dataset_helpers,
         module="megatron.core.datasets.utils",
         attribute="compile_helpers",
         reason="initialize_megatron() runs `make` for the dataset C++ helpers on rank 0, but the "
@@ -159,6 +170,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="strided-weak-ref",
+        build=builders.build_strided_weak_ref,
         module="transformer_engine.pytorch.graph",
         attribute="make_weak_ref",
         reason="TE 2.20's make_weak_ref (utils.py l.1050-1088, imported by name into graph.py) rebuilds "
@@ -170,18 +182,20 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="offload-reload-waits-for-its-copy",
+        build=builders.build_offload_reload_wait,
         module="megatron.core.pipeline_parallel.fine_grained_activation_offload",
         attribute="ChunkOffloadHandler.tensor_pop",
         reason="Megatron 0.19.2's fine-grained offload reloads a saved tensor that no bulk reload brought back "
         "(every one in its first, warmup iteration, when the last layers' groups are offloaded too) on the compute "
         "stream without waiting for the tensor's device-to-host copy on the d2h stream (tensor_pop l.972-984: "
         "only bulk_reload_group waits for the offload event, l.1045), so the reload can read a pinned buffer not "
-        "yet written; s62-s64 saw 3 of 4 6.7B runs with wrong step-1 gradients. The wrapper makes the current "
+        "yet written (runs of a 6.7B model came out with wrong step-1 gradients). The wrapper makes the current "
         "stream wait for the group's offload event before such a reload (unless that stream is capturing).",
         expected_params=("tensor_tag",),
     ),
     Patch(
         name="packed-thd-layout",
+        build=packed_graphs.build_thd_layout,
         module="megatron.core.models.gpt.gpt_model",
         attribute="GPTModel.forward",
         reason="with --cg-thd-max-seqs, a training microbatch of packed sequences (--dataloader-inter-document-masking, "
@@ -190,25 +204,27 @@ PATCHES: tuple[Patch, ...] = (
         "captured for (offsets padded with zero-length sequences, max_seqlen = --cg-thd-max-seqlen, default "
         "--seq-length, a batch beyond the capacity or with a longer document refused naming the flag) before "
         "GPTModel computes its RoPE table from it, so eager and graphed steps compute on one layout "
-        "(packed_graphs.fixed_params). Other calls pass through.",
+        "(packed.graphs.fixed_params). Other calls pass through.",
         expected_params=("packed_seq_params",),
     ),
     Patch(
         name="packed-graph-capture",
+        build=packed_graphs.build_capture,
         module="megatron.core.transformer.transformer_layer",
         attribute="TransformerLayer._te_cuda_graph_capture",
         reason="a TE graph takes tensor inputs only; with --cg-thd-max-seqs the capture's sample inputs carry a "
         "packed microbatch's offsets as the tensor keyword thd_cu_seqlens, which the wrapper turns back into the "
-        "PackedSeqParams of the fixed layout before Megatron's capture callable runs (packed_graphs.build_capture).",
+        "PackedSeqParams of the fixed layout before Megatron's capture callable runs (packed.graphs.build_capture).",
     ),
     Patch(
         name="packed-graph-replay",
+        build=packed_graphs.build_replay,
         module="megatron.core.transformer.transformer_layer",
         attribute="TransformerLayer._te_cuda_graph_replay",
         reason="Megatron's replay asserts packed_seq_params is None (transformer_layer.py l.1225) when attention is "
         "graphed; with --cg-thd-max-seqs the wrapper checks a packed microbatch is in the fixed layout and hands its "
         "offsets to the graph as thd_cu_seqlens (TE copies them into the static buffer), then runs Megatron's own "
-        "replay (packed_graphs.build_replay). Other calls pass through.",
+        "replay (packed.graphs.build_replay). Other calls pass through.",
     ),
 )
 
@@ -225,13 +241,20 @@ class ForeignState:
     expected_params: tuple[str, ...] = ()  # PRIVATE_API: the parameters relied on
     needs_te: bool = False
     calls: tuple[str, ...] = ()  # PRIVATE_API: module globals the function must still call by name
+    held: bool = False  # LENT: install() saves the attribute and uninstall() restores it
+
+    def locate(self) -> tuple[Any, str]:
+        """The object that holds the attribute ``target`` names, and the attribute's name there."""
+        module_name, _, path = self.target.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        return owner, name
 
     def resolve(self) -> Any:
-        module_name, _, path = self.target.partition(":")
-        value: Any = importlib.import_module(module_name)
-        for part in path.split("."):
-            value = getattr(value, part)
-        return value
+        owner, name = self.locate()
+        return getattr(owner, name)
 
 
 LENT: tuple[ForeignState, ...] = (
@@ -240,7 +263,7 @@ LENT: tuple[ForeignState, ...] = (
         "Megatron creates the side stream TE's CP attention needs only when the static CP size is > 1; hybrid CP "
         "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
         "attention fails on None.wait_event without it).",
-        "packed_cp.ensure_dynamic_cp_stream", needs_te=True),
+        "banks.cp_packs.ensure_dynamic_cp_stream", needs_te=True, held=True),
     ForeignState(
         "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
         "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
@@ -249,7 +272,7 @@ LENT: tuple[ForeignState, ...] = (
         "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
         "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
         "them anew.",
-        "capture.graph_banks.LayerBanks.replay (BankGraph.restore_dispatcher)"),
+        "banks.capture.LayerBanks.replay (BankGraph.restore_dispatcher)"),
 )
 
 SCOPED: tuple[ForeignState, ...] = (
@@ -258,19 +281,19 @@ SCOPED: tuple[ForeignState, ...] = (
         "megatron-cg bench --bench-profile-dir counts each arm's Python calls per step with cProfile, which sees only "
         "the thread that runs it; autograd's engine runs the backward on device threads unless its multithreading is "
         "off, so it is off for those profiled steps (the timed steps keep it on) and back on after them.",
-        "launch.bench.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
+        "bench.command.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
         "around the profiled steps)"),
     ForeignState(
         "bench-train-step", "megatron.training.training:train_step",
         "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
         "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
-        "launch.bench.main (patches.scoped around the launcher's pretrain())"),
+        "bench.command.main (foreign_state.setting around the launcher's pretrain())"),
     ForeignState(
         "megatron-capture-call", "megatron.core.transformer.cuda_graphs:make_graphed_callables",
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
         "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
-        "helper.PluginHelperMixin.create_cudagraphs (patches.scoped around Megatron's create_cudagraphs)",
+        "capture.lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's create_cudagraphs)",
         needs_te=True),  # Megatron imports it from TE
     ForeignState(
         "layer-capture-tracker", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
@@ -279,54 +302,54 @@ SCOPED: tuple[ForeignState, ...] = (
         "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
         "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
         "and no hook stays on TE's static outputs.",
-        "helper._CaptureTracker.installed (patches.scoped around Megatron's create_cudagraphs in the capture "
+        "capture.lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the capture "
         "transaction, and around the graph banks' capture)"),
     ForeignState(
         "tracked-cuda-graphs", "torch:cuda.CUDAGraph",
         "TE creates its graph objects inside make_graphed_callables and drops them on failure; the transaction must "
         "reset every graph created so far, so while TE captures, the class TE looks up on torch.cuda at call time is "
         "a subclass that reports each instance.",
-        "capture.backend.TEBackend.tracking (patches.scoped around TE's make_graphed_callables in the capture call)"),
+        "capture.te_backend.TEBackend.tracking (foreign_state.setting around TE's make_graphed_callables in the capture call)"),
     ForeignState(
         "offload-group-names",
         "megatron.core.pipeline_parallel.fine_grained_activation_offload:FineGrainedActivationOffloadingInterface.__enter__",
         "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
         "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
         "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
-        "capture.offload_groups.OffloadGroupTracker.scoped (patches.scoped around slot-shared warmup and capture)"),
+        "offload.groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)"),
     ForeignState(
         "offload-in-graph-flag", "megatron.core.transformer.transformer_layer:TransformerLayer",
         "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, Megatron's "
         "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
         "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
         "copy streams, so it is False during warmup and capture.",
-        "capture.offload_groups.MegatronOffload.capturing (patches.scoped around slot-shared warmup and capture)"),
+        "offload.groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)"),
     ForeignState(
         "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
         "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
         "(captured along with the graphs that hold the router).",
-        "moe_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
+        "moe.drop_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
     ForeignState(
         "megatron-capture-flag", "megatron.core.transformer.cuda_graphs:_IS_GRAPH_CAPTURING",
         "An MoE layer whose graph ends inside the MoE block (moe_router, moe_preprocess) returns after the router or "
         "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
         "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
         "same way for such layers.",
-        "capture.graph_banks.megatron_capturing (patches.scoped around the banks' warmup and capture)"),
+        "banks.capture.megatron_capturing (foreign_state.setting around the banks' warmup and capture)"),
     ForeignState(
         "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
-        "capture.backend.te_capture_flag (with block around slot-shared capture)", needs_te=True),
+        "capture.te_backend.te_capture_flag (foreign_state.held around slot-shared capture)", needs_te=True),
     ForeignState(
         "slot-capture-generators", "transformer_engine.pytorch.distributed:get_all_rng_states",
         "The states of the CUDA generators graphs draw from (torch's default one and TE's graph-safe tracker states "
         "this function returns): slot-shared warmup and capture draw random numbers eager training never draws, and "
         "a replay draws from a generator's live offset, so they are set back to where they were before warmup once "
         "the capture succeeds, as TE's make_graphed_callables does (graph.py 1692-1725); without it every dropout mask "
-        "after capture moved and graphed training differed from eager (issue 30, s65-s66).",
-        "capture.backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
+        "after capture moved and graphed training differed from eager.",
+        "capture.te_backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
         needs_te=True),
     ForeignState(
         "slot-fp8-weight-update-flag",
@@ -336,7 +359,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "cached workspace under the flag inside the graph; each replay fills it (skip unless Megatron's "
         "is_first_microbatch). The graphs read it by address, so after a successful capture it stays, as TE's "
         "own does; a failed capture puts back what was there.",
-        "capture.backend.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
+        "capture.te_backend.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
         "Fp8Replay.before_forward fills it)", needs_te=True),
     ForeignState(
         "slot-fp8-replay-amax-group",
@@ -344,44 +367,44 @@ SCOPED: tuple[ForeignState, ...] = (
         "delayed scaling in slot-shared graphs: before each replay the modules the graph's forward reached take "
         "the replay-time autocast's recipe and amax group in fp8_meta['recipe'] / ['fp8_group'] and join TE's "
         "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
-        "capture.backend.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
+        "capture.te_backend.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
     ForeignState(
         "cpu-device-stand-ins", "torch:cuda.get_device_capability",
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
         "connection rules).",
-        "integration.gpu_host_stand_ins (with block around the dry run; only where no GPU is present)"),
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where no GPU is present)"),
     ForeignState(
         "te-kernel-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
         "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
         "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
-        "fused permute/unpermute/sort-chunks symbols (integration.TE_KERNELS) are stand-ins that are never called.",
-        "integration.gpu_host_stand_ins (with block around the dry run; only where TE did not import)"),
+        "fused permute/unpermute/sort-chunks symbols (installation.TE_KERNELS) are stand-ins that are never called.",
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE did not import)"),
     ForeignState(
         "te-version-stand-in", "megatron.core.utils:_te_version",
         "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
         "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
         "TE release the plugin supports, the one the GPU host will have at least.",
-        "integration.gpu_host_stand_ins (with block around the dry run; only where TE is not installed)"),
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE is not installed)"),
 )
 
 PRIVATE_API: tuple[ForeignState, ...] = (
     ForeignState("megatron-create-cudagraphs", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
                  "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
                  "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
-                 "helper.py", ("self",), calls=("make_graphed_callables",)),
+                 "capture/lifecycle.py", ("self",), calls=("make_graphed_callables",)),
     ForeignState("megatron-sample-arguments",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
                  "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
-                 "and microbatch as a packed microbatch brings them (packed_graphs.sample_inputs).", "helper.py",
+                 "and microbatch as a packed microbatch brings them (packed.graphs.sample_inputs).", "capture/lifecycle.py",
                  ("self", "order", "chunk_id_list")),
     ForeignState("megatron-reset-after-capture",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
-                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "helper.py",
+                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "capture/lifecycle.py",
                  ("self",)),
     ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
                  "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
-                 "helper.py, banks/capture.py"),
+                 "capture/lifecycle.py, banks/capture.py"),
     ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
                  "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
                  "banks/capture.py"),
@@ -411,69 +434,93 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  needs_te=True),
 )
 
-_ABSENT = object()  # scoped: the owner had no value of its own
-_lent: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, value before the first lend, the lent value)
-_recording = False  # True while the plugin is installed: uninstall() then restores what was lent
+def markdown() -> str:
+    """``docs/patches.md``: every list of this ledger as a table (a unit test holds the page to it)."""
+    lines = [
+        "# What the plugin changes in Megatron, TE and torch, and why",
+        "",
+        "Generated from `megatron_cg_plugin/patching/ledger.py` (`python -c 'from megatron_cg_plugin.patching.ledger "
+        "import markdown; print(markdown(), end=\"\")' > docs/patches.md`); edit the ledger, not this page.",
+        "Every change below is made and undone through one primitive, `megatron_cg_plugin/patching/foreign_state.py`:",
+        "what is saved is what the object itself holds, and an attribute it did not hold itself (absent, or only",
+        "inherited from its class) is restored by deleting it, so nothing is left behind.",
+        "",
+        "## Replaced by `install()` (`PATCHES`)",
+        "",
+        "Each entry names its builder, which makes what replaces the attribute. Every patch replaces one module",
+        "attribute (or one method of a Megatron class, reverted by restoring the class's own function), is applied",
+        "only on the supported megatron-core and TE ranges (TE patches only where TE is installed), checks the",
+        "original's signature before replacing it, and is reverted by `uninstall()` by restoring the very object it",
+        "replaced. Applying is all-or-nothing.",
+        "",
+        "| name | attribute | built by | why |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| `{patch.name}` | `{patch.where}` | `{patch.build.__module__.removeprefix('megatron_cg_plugin.')}."
+              f"{patch.build.__name__}` | {patch.reason} |" for patch in PATCHES]
+    sections = (
+        ("Attributes set at run time, restored by `uninstall()` (`LENT`)",
+         "`install()` saves each attribute marked held as it is then; `uninstall()` puts it back by identity, with "
+         "the patches.", "set by"),
+        ("State set inside a `with` block (`SCOPED`)", "Back on exit, whatever happens.", "block"),
+        ("Private functions relied on, checked at `install()` (`PRIVATE_API`)",
+         "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the parameters "
+         "listed, or no longer calls the function the plugin stands in for. A wrapper found there (`__wrapped__`, as "
+         "`functools.wraps` sets it) is checked through to the function it wraps; the error names the object found "
+         "and says whether it is the library's own (the build differs) or defined elsewhere (a wrapper: "
+         "[troubleshooting.md](troubleshooting.md#signaturemismatcherror)).", "used by"),
+    )
+    for (title, text, where), entries in zip(sections, (LENT, SCOPED, PRIVATE_API), strict=True):
+        lines += ["", f"## {title}", "", text, "", f"| name | attribute | {where} | why |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where} | {entry.reason} |"
+                  for entry in entries]
+    return "\n".join(lines) + "\n\n" + OTHER_STATE
 
 
-def start_lending() -> None:
-    global _recording
-    _recording = True
+# Changes no entry above lists: objects that live for one call, hooks for one capture, and the rest.
+OTHER_STATE = """\
+| A tensor hook (`Tensor.register_hook`) on each output of a graphed layer's capture call that takes a gradient | names that layer's backward when autograd reaches it (TE captures every forward first, then the backwards in reverse order, so the last forward is not where a backward failed); does nothing else, and is removed with the `layer-capture-tracker` wrappers, after success and failure alike, so none stays on TE's static outputs. |
+
+## Instance attributes lent for one call (hybrid CP)
+
+Set on the plugin's own subclasses' instances (injected through the layer spec), restored in a
+`finally` when the call returns or raises; no class and no shared object changes:
+
+| what | why |
+| --- | --- |
+| `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's `TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own scope post-processing and its delayed offload flush after the bank replay. |
+| `pg_collection` of a dynamic-CP attention (`dynamic_cp.py`), for one forward | Megatron's attention applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, so the shared collection is never edited. |
+
+One more Megatron instance state is written, not lent: graph banks that graph an MoE block set the
+token dispatcher's per-forward attributes to None before capture and as each captured forward
+returns (`capture/scratch.py`). Those are the attributes Megatron lists in the dispatcher's
+`cudagraph_attrs`, which every forward sets again before reading them. Left in place, they would
+keep a graph's temporaries alive in the shared pool (`SlotCoverageError`), and the last eager step's
+autograd graph alive at capture.
+
+Megatron internals these rely on are checked before use. `TransformerLayer._forward_attention`
+must take `attention_mask`, `rotary_pos_emb` and `packed_seq_params`, and the attention's `forward`
+must take `packed_seq_params` and `rotary_pos_emb`; otherwise `SignatureMismatchError`. The run
+report also reads Megatron's delayed offload queue (`PipelineOffloadManager._delayed_offload_groups`,
+read only) to count the groups flushed after bank replays.
+
+`strided-weak-ref` is the only TE attribute patched. Slot-shared capture (`slot_sharing/capture.py`)
+captures with torch's graphs directly; it sets TE's capture flag inside a `with` block
+(`te-capture-flag` above).
+
+`megatron-cg check` (a CPU dry run) additionally lets Megatron's `validate_args` run as on the GPU
+host: for the duration of the check only, `torch.cuda.get_device_capability` answers the target's
+capability (9.0) when there is no GPU, and RoPE fusion (a TE kernel) is turned off when TE is not
+installed. Both are restored when the check returns.
+"""
 
 
-def lend(owner: Any, attribute: str, value: Any, change: str) -> None:
-    """Sets ``owner.attribute`` (a change listed in ``LENT``). While the plugin is installed,
-    ``revert_lent`` (``uninstall()``) restores the value it had before the first lend; outside an
-    installed run (a probe, a bare test) the change is the caller's own and stays."""
-    if change not in {entry.name for entry in LENT}:
-        raise ValueError(f"{change!r} is not listed in patches.LENT; list every foreign change there.")
-    if _recording and not any(held is owner and name == attribute for held, name, _, _ in _lent):
-        _lent.append((owner, attribute, getattr(owner, attribute), value))
-    elif _recording:
-        _lent[:] = [(o, n, before, value if (o is owner and n == attribute) else lent) for o, n, before, lent in _lent]
-    setattr(owner, attribute, value)
-
-
-def revert_lent() -> None:
-    """Restores each lent attribute, unless something else has replaced the lent value since."""
-    global _recording
-    _recording = False
-    while _lent:
-        owner, attribute, original, lent = _lent.pop()
-        if getattr(owner, attribute) is lent:
-            setattr(owner, attribute, original)
-
-
-@contextlib.contextmanager
-def scoped(owner: Any, attribute: str, value: Any, change: str) -> Iterator[None]:
-    """Sets ``owner.attribute`` (a change listed in ``SCOPED``) for the ``with`` block; on exit,
-    whatever happens, it is as before: the value it had, or, where ``owner`` had none of its own
-    (a method of its class, an attribute not there), absent again, so nothing is left behind."""
-    if change not in {entry.name for entry in SCOPED}:
-        raise ValueError(f"{change!r} is not listed in patches.SCOPED; list every foreign change there.")
-    own = getattr(owner, "__dict__", None)
-    if own is None or _set_through_type(owner, attribute):  # slots, a property: set and put back as a value
-        before = getattr(owner, attribute)
-    else:  # the object as stored (a staticmethod stays one), or absent: then deleted again on exit
-        before = own.get(attribute, _ABSENT)
-    setattr(owner, attribute, value)
-    try:
-        yield
-    finally:
-        if before is _ABSENT:
-            if attribute in own:
-                delattr(owner, attribute)
-        else:
-            setattr(owner, attribute, before)
-
-
-def _set_through_type(owner: Any, attribute: str) -> bool:
-    """Whether ``owner.attribute = value`` goes to a data descriptor of its type (a property with a
-    setter, a slot) rather than into ``owner.__dict__``."""
-    for klass in type(owner).__mro__:  # the first class that has it decides, as attribute lookup does
-        if attribute in vars(klass):
-            return hasattr(type(vars(klass)[attribute]), "__set__")
-    return False
+def hold_lent(changes: foreign_state.Changes, *, with_te: bool) -> None:
+    """Saves, in ``changes`` (the install's), each ``LENT`` attribute that uninstall restores, as
+    it is before the run lends it (``ForeignState.held``)."""
+    for entry in LENT:
+        if entry.held and (with_te or not entry.needs_te):
+            changes.hold(*entry.locate(), change=entry.name)
 
 
 def check_private_api(*, with_te: bool) -> None:
@@ -501,28 +548,23 @@ def check_private_api(*, with_te: bool) -> None:
 
 
 class PatchSet:
-    """Applies ``patches`` for one session, each replacement built by ``builders[patch.name]``, and
-    reverts them by identity. Every patch needs its builder and every builder its patch: nothing
-    is replaced that the ledger does not list."""
+    """Applies ``patches`` for one session, each replacement built by the patch's own ``build``,
+    and reverts them by identity (``foreign_state.Changes``)."""
 
-    def __init__(self, patches: Sequence[Patch], builders: Mapping[str, Callable[[Any, Any], Any]]) -> None:
-        names = [patch.name for patch in patches]
-        unbuilt = [name for name in names if name not in builders]
-        unlisted = sorted(set(builders) - set(names))
-        if unbuilt or unlisted:
-            raise ValueError(f"each patch needs one builder and each builder a patch: no builder for {unbuilt}, "
-                             f"no patch listed for {unlisted}.")
+    def __init__(self, patches: Sequence[Patch]) -> None:
+        unbuilt = [patch.name for patch in patches if not callable(patch.build)]
+        if unbuilt:
+            raise ValueError(f"each patch needs a builder: none for {unbuilt}.")
         self._patches = tuple(patches)
-        self._builders = dict(builders)
-        # (patch, the object holding the attribute, its name there, the original, whether that object held it itself)
-        self._originals: list[tuple[Patch, Any, str, Any, bool]] = []
+        self._changes = foreign_state.Changes()
+        self._originals: dict[str, Any] = {}  # each applied patch's original, as its builder got it
 
     @property
     def applied(self) -> bool:
-        return bool(self._originals)
+        return bool(self._changes)
 
     def apply_all(self, session: Any, *, with_te: bool = True) -> None:
-        assert not self._originals, "patches already applied"
+        assert not self._changes, "patches already applied"
         try:
             for patch in self._patches:
                 if patch.needs_te and not with_te:
@@ -530,24 +572,16 @@ class PatchSet:
                 owner, name = patch.locate()
                 original = getattr(owner, name)
                 patch.check(original)
-                replacement = self._builders[patch.name](original, session)
-                own = name in vars(owner)  # a class's inherited method is deleted again on revert, not copied in
-                setattr(owner, name, replacement)
-                self._originals.append((patch, owner, name, original, own))
+                replacement = patch.build(original, session)
+                self._changes.set(owner, name, replacement, change=patch.name)
+                self._originals[patch.name] = original
         except BaseException:
             self.revert_all()
             raise
 
     def revert_all(self) -> None:
-        while self._originals:
-            _patch, owner, name, original, own = self._originals.pop()
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        self._originals.clear()
+        self._changes.restore()
 
     def original(self, name: str) -> Any:
-        for patch, _owner, _name, original, _own in self._originals:
-            if patch.name == name:
-                return original
-        raise KeyError(name)
+        return self._originals[name]

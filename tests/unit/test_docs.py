@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from megatron_cg_plugin.helptext import flags_markdown_table
-from megatron_cg_plugin.patching.ledger import PATCHES
+from megatron_cg_plugin.patching.ledger import PATCHES, markdown
 from megatron_cg_plugin.rules import RULES, markdown_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,3 +43,10 @@ def test_every_patch_is_in_patches_doc():
     text = (ROOT / "docs" / "patches.md").read_text()
     missing = [patch.name for patch in PATCHES if f"`{patch.name}`" not in text or patch.where not in text]
     assert not missing, f"add these patches (name and attribute) to docs/patches.md: {missing}"
+
+
+def test_the_patches_page_is_the_one_the_ledger_renders():
+    assert (ROOT / "docs" / "patches.md").read_text() == markdown(), (
+        "docs/patches.md differs from patching/ledger.py: regenerate it with "
+        "python -c 'from megatron_cg_plugin.patching.ledger import markdown; print(markdown(), end=\"\")' "
+        "> docs/patches.md")

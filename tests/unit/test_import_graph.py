@@ -287,11 +287,14 @@ def test_the_layers_block_names_only_modules_that_exist():
     assert not stale, f"docs/architecture.md's layers name modules that do not exist: {stale}"
 
 
-def test_the_ledger_depends_on_compat_only():
-    # Any layer may make its foreign change through patches.lend / patches.scoped: the ledger sits
-    # below everything and knows none of the modules that use it.
-    imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.patching.ledger"}
-    assert imported == {"megatron_cg_plugin.compat"}
+def test_the_foreign_state_primitive_imports_nothing_of_the_plugin():
+    # Any layer may make its foreign change through patching.foreign_state: it sits below
+    # everything and knows none of the modules that use it (the ledger, which owns the builders, sits above).
+    imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.patching.foreign_state"}
+    assert imported == set()
+    users = {item.importer for item in imports() if item.imported == "megatron_cg_plugin.patching.foreign_state"}
+    assert {"megatron_cg_plugin.patching.ledger", "megatron_cg_plugin.capture.transaction",
+            "megatron_cg_plugin.bench.command", "megatron_cg_plugin.installation"} <= users
 
 
 LAYERED = """

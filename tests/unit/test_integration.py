@@ -23,11 +23,11 @@ import megatron_cg_plugin
 from megatron_cg_plugin import compat
 from megatron_cg_plugin import installation as integration
 from megatron_cg_plugin.patching import builders as patch_builders
+from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.patching import ledger as patches
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig, add_plugin_args
 from megatron_cg_plugin.capture.lifecycle import PluginHelperMixin
-from megatron_cg_plugin.patching.builders import BUILDERS
 from megatron_cg_plugin.patching.ledger import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 
@@ -208,9 +208,8 @@ def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
 def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_module):
     target = fake_module(g=lambda a: a)
     failing = Patch(name="failing", module=target.__name__, attribute="g", reason="test",
-                    expected_params=("does_not_exist",))
-    monkeypatch.setattr(integration, "PatchSet", lambda patches, builders: PatchSet(
-        (*patches, failing), {**builders, "failing": lambda original, session: original}))
+                    expected_params=("does_not_exist",), build=lambda original, session: original)
+    monkeypatch.setattr(integration, "PatchSet", lambda patches: PatchSet((*patches, failing)))
     with pytest.raises(SignatureMismatchError, match="does_not_exist"):
         integration.install()
     assert_pristine()
@@ -341,9 +340,13 @@ def _wrap_build(original, session):
     return replacement
 
 
-def _patch_set(*patches, builders=None):
-    """``patches`` with their builders: the ledger's own for its patches, else ``_wrap_build``."""
-    return PatchSet(patches, {patch.name: BUILDERS.get(patch.name, _wrap_build) for patch in patches} | (builders or {}))
+def _patch(*fields, build=_wrap_build, **named):
+    """A test's patch, built by ``_wrap_build`` unless it names its own builder."""
+    return Patch(*fields, build=build, **named)
+
+
+def _patch_set(*patches):
+    return PatchSet(patches)
 
 
 def _f(x, y=1):
@@ -356,8 +359,8 @@ def _g(a):
 
 def test_patchset_applies_and_reverts_by_identity(fake_module):
     target = fake_module(f=_f, g=_g)
-    good = Patch("good", target.__name__, "f", "test", expected_params=("x",))
-    other = Patch("other", target.__name__, "g", "test")
+    good = _patch("good", target.__name__, "f", "test", expected_params=("x",))
+    other = _patch("other", target.__name__, "g", "test")
     patch_set = _patch_set(good, other)
     session = object()
     patch_set.apply_all(session)
@@ -376,20 +379,20 @@ def test_patchset_applies_and_reverts_by_identity(fake_module):
     assert target.f is _f
 
 
-def test_every_patch_has_one_builder_and_every_builder_a_listed_patch(fake_module):
-    assert set(BUILDERS) == {patch.name for patch in PATCHES}
+def test_every_patch_owns_its_builder(fake_module):
+    assert all(callable(patch.build) for patch in PATCHES)
+    assert len({patch.build for patch in PATCHES}) == len(PATCHES)  # one builder per patch
     target = fake_module(f=_f)
-    listed = Patch("listed", target.__name__, "f", "test")
-    with pytest.raises(ValueError, match=r"no builder for \['listed'\], no patch listed for \[\]"):
-        PatchSet((listed,), {})
-    with pytest.raises(ValueError, match=r"no builder for \[\], no patch listed for \['unlisted'\]"):
-        PatchSet((listed,), {"listed": _wrap_build, "unlisted": _wrap_build})
+    with pytest.raises(TypeError):
+        Patch("listed", target.__name__, "f", "test")  # an entry without its builder
+    with pytest.raises(ValueError, match=r"each patch needs a builder: none for \['listed'\]"):
+        PatchSet((_patch("listed", target.__name__, "f", "test", build=None),))
     assert target.f is _f
 
 
 def test_patchset_refuses_double_apply(fake_module):
     target = fake_module(f=_f)
-    patch_set = _patch_set(Patch("good", target.__name__, "f", "test"))
+    patch_set = _patch_set(_patch("good", target.__name__, "f", "test"))
     patch_set.apply_all(None)
     wrapped = target.f
     with pytest.raises(AssertionError):
@@ -412,11 +415,11 @@ def _raising_build(original, session):
 ])
 def test_apply_all_is_all_or_nothing(fake_module, second, error):
     target = fake_module(f=_f, g=_g)
-    good = Patch("good", target.__name__, "f", "test", expected_params=("x", "y"))
+    good = _patch("good", target.__name__, "f", "test", expected_params=("x", "y"))
     fields = dict(name="bad", module=target.__name__, reason="test")
     fields.update(second)
-    builder = fields.pop("builder", _wrap_build)
-    patch_set = _patch_set(good, Patch(**fields), builders={"bad": builder})
+    fields["build"] = fields.pop("builder", _wrap_build)
+    patch_set = _patch_set(good, Patch(**fields))
     with pytest.raises(error):
         patch_set.apply_all(object())
     assert target.f is _f
@@ -426,7 +429,7 @@ def test_apply_all_is_all_or_nothing(fake_module, second, error):
 
 def test_signature_mismatch_names_the_parameter_and_target(fake_module):
     target = fake_module(g=_g)
-    patch = Patch("bad", target.__name__, "g", "test", expected_params=("a", "iteration"))
+    patch = _patch("bad", target.__name__, "g", "test", expected_params=("a", "iteration"))
     with pytest.raises(SignatureMismatchError) as info:
         _patch_set(patch).apply_all(None)
     assert f"{target.__name__}.g" in str(info.value)
@@ -435,8 +438,8 @@ def test_signature_mismatch_names_the_parameter_and_target(fake_module):
 
 def test_revert_restores_the_first_original_when_patches_stack(fake_module):
     target = fake_module(f=_f)
-    first = Patch("first", target.__name__, "f", "test")
-    second = Patch("second", target.__name__, "f", "test")
+    first = _patch("first", target.__name__, "f", "test")
+    second = _patch("second", target.__name__, "f", "test")
     patch_set = _patch_set(first, second)
     patch_set.apply_all(None)
     assert target.f(1) == ("wrapped", ("wrapped", 2))
@@ -756,7 +759,7 @@ def test_installed_compile_helpers_does_not_run_make(monkeypatch):
 
 def test_te_patches_are_skipped_without_te(fake_module):
     target = fake_module(f=_f)
-    te_only = Patch("te-only", target.__name__, "f", "test", needs_te=True)
+    te_only = _patch("te-only", target.__name__, "f", "test", needs_te=True)
     patch_set = _patch_set(te_only)
     patch_set.apply_all(None, with_te=False)
     assert target.f is _f and not patch_set.applied
@@ -774,7 +777,7 @@ def _row_major_weak_ref(x):
 
 
 def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
-    make_weak_ref = BUILDERS["strided-weak-ref"](_row_major_weak_ref, None)
+    make_weak_ref = patch_builders.build_strided_weak_ref(_row_major_weak_ref, None)
     base = torch.arange(24.0).reshape(4, 6)
     views = {"transposed": base.t(), "sliced": base[1:, ::2], "expanded": torch.arange(3.0).reshape(3, 1).expand(3, 5)}
     for name, view in views.items():
@@ -901,46 +904,79 @@ def test_every_foreign_state_entry_resolves_and_is_documented():
             entry.resolve()  # present in the installed megatron-core / torch
 
 
-def test_lent_attributes_are_restored_by_uninstall_by_identity():
+@pytest.fixture
+def lent_owner(monkeypatch, fake_module):
+    """A class whose ``cp_stream`` the ledger lists as lent (held by install, restored by uninstall)."""
+
     class Owner:
         cp_stream = None
 
-    original = Owner.cp_stream
+    module = fake_module(Owner=Owner)
+    entry = patches.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
+    monkeypatch.setattr(patches, "LENT", (entry,))
+    return Owner
+
+
+def test_lent_attributes_are_restored_by_uninstall_by_identity(lent_owner):
+    original = lent_owner.cp_stream
     integration.install()
     first, second = object(), object()
-    patches.lend(Owner, "cp_stream", first, "dynamic-cp-stream")
-    patches.lend(Owner, "cp_stream", second, "dynamic-cp-stream")  # lent twice: the first original is kept
-    assert Owner.cp_stream is second
+    foreign_state.put(lent_owner, "cp_stream", first)
+    foreign_state.put(lent_owner, "cp_stream", second)  # lent twice: the first original is kept
+    assert lent_owner.cp_stream is second
     integration.uninstall()
-    assert Owner.cp_stream is original
+    assert lent_owner.cp_stream is original
 
 
-def test_only_listed_changes_can_be_lent():
-    with pytest.raises(ValueError, match="not listed"):
-        patches.lend(types.SimpleNamespace(x=1), "x", 2, "an-unlisted-change")
-
-
-def test_a_lend_outside_an_installed_run_is_the_callers_and_stays():
-    class Owner:
+def test_a_lent_attribute_the_owner_only_inherited_is_deleted_again(monkeypatch, fake_module):
+    class Base:
         cp_stream = None
 
+    class Owner(Base):
+        pass
+
+    module = fake_module(Owner=Owner)
+    entry = patches.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
+    monkeypatch.setattr(patches, "LENT", (entry,))
+    integration.install()
+    foreign_state.put(Owner, "cp_stream", object())
+    integration.uninstall()
+    assert "cp_stream" not in vars(Owner) and Owner.cp_stream is None
+
+
+def test_every_change_the_package_makes_names_a_listed_entry():
+    """Each ``change=`` the package hands ``foreign_state`` names an entry of the ledger (unlisted
+    changes are refused here, before any run), and the plugin reaches foreign attributes through it."""
+    import ast
+
+    listed = {entry.name for entry in (*patches.PATCHES, *patches.LENT, *patches.SCOPED)}
+    named = []
+    for path in Path(megatron_cg_plugin.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                named += [(path.name, keyword.value.value) for keyword in node.keywords if keyword.arg == "change"
+                          and isinstance(keyword.value, ast.Constant)]
+    assert {name for _, name in named} >= {"megatron-capture-call", "layer-capture-tracker", "tracked-cuda-graphs",
+                                           "offload-group-names", "bench-train-step", "te-capture-flag"}
+    unlisted = [(file, name) for file, name in named if name not in listed]
+    assert not unlisted, f"list these changes in patching/ledger.py: {unlisted}"
+
+
+def test_a_lend_outside_an_installed_run_is_the_callers_and_stays(lent_owner):
     lent = object()
-    patches.lend(Owner, "cp_stream", lent, "dynamic-cp-stream")  # a probe, no plugin installed
+    foreign_state.put(lent_owner, "cp_stream", lent)  # a probe, no plugin installed
     integration.install()
     integration.uninstall()
-    assert Owner.cp_stream is lent  # a later install/uninstall does not undo what it never made
+    assert lent_owner.cp_stream is lent  # a later install/uninstall does not undo what it never made
 
 
-def test_a_lent_attribute_replaced_since_is_left_alone():
-    class Owner:
-        cp_stream = None
-
+def test_uninstall_restores_a_lent_attribute_to_what_it_was_at_install(lent_owner):
+    original = lent_owner.cp_stream
     integration.install()
-    patches.lend(Owner, "cp_stream", object(), "dynamic-cp-stream")
-    theirs = object()
-    Owner.cp_stream = theirs  # someone else's stream now
+    foreign_state.put(lent_owner, "cp_stream", object())
+    lent_owner.cp_stream = object()  # set again during the run, by whomever
     integration.uninstall()
-    assert Owner.cp_stream is theirs
+    assert lent_owner.cp_stream is original
 
 
 def test_scoped_cpu_stand_ins_are_restored_by_identity():
@@ -971,14 +1007,14 @@ def test_scoped_leaves_an_attribute_absent_where_the_owner_had_none_of_its_own(f
             return "the class's"
 
     layer, module = Layer(), fake_module()
-    with patches.scoped(layer, "capture", lambda: "lent", "megatron-capture-call"), \
-            patches.scoped(module, "make_graphed_callables", len, "megatron-capture-call"):
+    with foreign_state.setting(layer, "capture", lambda: "lent", change="megatron-capture-call"), \
+            foreign_state.setting(module, "make_graphed_callables", len, change="megatron-capture-call"):
         assert layer.capture() == "lent" and module.make_graphed_callables is len
     assert "capture" not in vars(layer) and layer.capture() == "the class's"  # the method again, no copy of it
     assert not hasattr(module, "make_graphed_callables")
 
 
-def test_scoped_megatron_capture_call_is_restored_by_identity_and_unlisted_changes_refused(monkeypatch):
+def test_scoped_megatron_capture_call_is_restored_by_identity(monkeypatch):
     from megatron.core.transformer import cuda_graphs
 
     def te_make_graphed_callables(*args, **kwargs):
@@ -986,13 +1022,9 @@ def test_scoped_megatron_capture_call_is_restored_by_identity_and_unlisted_chang
 
     monkeypatch.setattr(cuda_graphs, "make_graphed_callables", te_make_graphed_callables, raising=False)
     with pytest.raises(KeyError):
-        with patches.scoped(cuda_graphs, "make_graphed_callables", len, "megatron-capture-call"):
+        with foreign_state.setting(cuda_graphs, "make_graphed_callables", len, change="megatron-capture-call"):
             assert cuda_graphs.make_graphed_callables is len
             raise KeyError("restored on an error too")
-    assert cuda_graphs.make_graphed_callables is te_make_graphed_callables
-    with pytest.raises(ValueError, match="'unlisted' is not listed in patches.SCOPED"):
-        with patches.scoped(cuda_graphs, "make_graphed_callables", len, "unlisted"):
-            pass
     assert cuda_graphs.make_graphed_callables is te_make_graphed_callables
 
 
@@ -1124,8 +1156,8 @@ def test_scoped_puts_back_an_attribute_a_property_of_its_class_holds():
         helper = staticmethod(len)
 
     layer = Layer()
-    with patches.scoped(layer, "flag", False, "offload-in-graph-flag"), \
-            patches.scoped(Holder, "helper", abs, "megatron-capture-call"):
+    with foreign_state.setting(layer, "flag", False, change="offload-in-graph-flag"), \
+            foreign_state.setting(Holder, "helper", abs, change="megatron-capture-call"):
         assert layer.flag is False and Holder.helper is abs
     assert layer.flag is True and "flag" not in vars(layer)
     assert isinstance(vars(Holder)["helper"], staticmethod) and Holder.helper is len  # stored as it was
@@ -1145,9 +1177,11 @@ def test_a_class_method_patch_goes_back_to_the_class_as_it_was(fake_module):
 
     own = vars(Child)["own"]
     target = fake_module(Child=Child)
-    listed = (Patch("own", target.__name__, "Child.own", "test"), Patch("inherited", target.__name__, "Child.inherited", "test"))
-    patch_set = PatchSet(listed, {"own": lambda original, session: lambda self: ("wrapped", original(self)),
-                                  "inherited": lambda original, session: lambda self: ("wrapped", original(self))})
+    def build(original, session):
+        return lambda self: ("wrapped", original(self))
+
+    patch_set = PatchSet((Patch("own", target.__name__, "Child.own", "test", build=build),
+                          Patch("inherited", target.__name__, "Child.inherited", "test", build=build)))
     patch_set.apply_all(None)
     assert (Child().own(), Child().inherited()) == (("wrapped", "own"), ("wrapped", "base"))
     assert patch_set.original("own") is own

@@ -249,7 +249,6 @@ def checks(result):
     from megatron_cg_plugin.slot_sharing.guard import SlotReuseError
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
     from megatron_cg_plugin.patching.ledger import PATCHES
-    from megatron_cg_plugin.patching.builders import BUILDERS
     import transformer_engine.pytorch.graph as te_graph
 
     layers, stack = build()
@@ -274,7 +273,7 @@ def checks(result):
     (patch,) = [p for p in PATCHES if p.name == "strided-weak-ref"]
     original = te_graph.make_weak_ref
     patch.check(original)
-    patched = BUILDERS[patch.name](original, None)
+    patched = patch.build(original, None)
     base = torch.arange(24.0, device="cuda").reshape(4, 6)
     weak = {}
     for name, view in (("transposed", base.t()), ("expanded", base[:, :1].expand(4, 6)), ("sliced", base[1:, ::2])):
