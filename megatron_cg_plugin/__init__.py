@@ -6,20 +6,20 @@ version checks and the (reversible) hook-in.
 
 __version__ = "0.1.0"
 
-from megatron_cg_plugin.config import PluginConfig, add_plugin_args  # noqa: E402  (no torch, no TE)
+from megatron_cg_plugin.config import PluginConfig, add_plugin_args  # no torch, no TE
 
 __all__ = ["__version__", "PluginConfig", "add_plugin_args", "install", "uninstall"]
 
 
 def install(config=None):
     """Hook the plugin into Megatron's training loop. See ``megatron_cg_plugin.installation``."""
-    from megatron_cg_plugin import installation as integration  # deferred: imports torch, which importing the package must not
+    from megatron_cg_plugin import installation as integration  # deferred: imports torch; the package must not
 
     return integration.install(config)
 
 
 def uninstall():
     """Undo ``install()``: every patched Megatron global is restored by identity."""
-    from megatron_cg_plugin import installation as integration  # deferred: imports torch, which importing the package must not
+    from megatron_cg_plugin import installation as integration  # deferred: imports torch; the package must not
 
     integration.uninstall()

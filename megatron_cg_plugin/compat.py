@@ -12,7 +12,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 SUPPORTED_MEGATRON_CORE = ((0, 19, 2), (0, 20, 0))  # [min, max)
 SUPPORTED_TRANSFORMER_ENGINE = ((2, 20, 0), (2, 21, 0))

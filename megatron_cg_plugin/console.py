@@ -19,7 +19,7 @@ import re
 import sys
 import tempfile
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 # Megatron's import-time notes about optional packages (megatron-core 0.19.2's wording); on a
 # CPU host TE's version reads 0.0.0, which only says TE is missing.

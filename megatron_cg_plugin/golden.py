@@ -9,6 +9,7 @@ stay strict JSON. Pure Python on purpose: the comparison runs in CI jobs without
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import os
@@ -71,7 +72,7 @@ class MetricSeries:
 
     @property
     def end_step(self) -> int:
-        return next(reversed(self.values))
+        return max(self.values)  # the last step: __post_init__ sorts them
 
     def to_json(self) -> dict[str, Any]:
         """The schema dict; start/end come from the steps actually present."""
@@ -198,7 +199,7 @@ class MetricsRecorder:
         metrics = {}
         for name, vals in self._values.items():
             steps = list(vals)
-            interval = math.gcd(*(b - a for a, b in zip(steps, steps[1:]))) if len(steps) > 1 else 1
+            interval = math.gcd(*(b - a for a, b in itertools.pairwise(steps))) if len(steps) > 1 else 1
             metrics[name] = MetricSeries(vals, interval)
         return GoldenValues(metrics)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from megatron_cg_plugin import __version__, compat
 from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS, SLOT_DEBUG_ENV, add_plugin_args
@@ -58,8 +58,10 @@ def usage(commands: Mapping[str, Callable]) -> str:
     return "\n".join([
         "usage: megatron-cg COMMAND [ARGS...]   (megatron-cg --version: the plugin's and the stack's versions)",
         "",
-        "Megatron-LM's Transformer Engine CUDA graphs over more of training: keep Megatron's flags, add --cg-* ones.",
-        "The launcher: python -m megatron_cg_plugin.pretrain_gpt [--cg-preset NAME] <Megatron flags> <--cg-* flags>",
+        ("Megatron-LM's Transformer Engine CUDA graphs over more of training: "
+         "keep Megatron's flags, add --cg-* ones."),
+        ("The launcher: python -m megatron_cg_plugin.pretrain_gpt "
+         "[--cg-preset NAME] <Megatron flags> <--cg-* flags>"),
         "",
         "commands:",
         command_lines(commands),

@@ -13,7 +13,8 @@ import argparse
 import difflib
 import functools
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, cast
 
 from megatron_cg_plugin.config import add_plugin_args
 
@@ -99,5 +100,6 @@ def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser._megatron_cg_short_errors = True  # type: ignore[attr-defined]
     for action in parser._actions:
         if GRAPH_MODULE_FLAGS & set(action.option_strings) and action.type is not None:
-            action.type = graph_module_type(action.type, _graph_module_names())
+            # Megatron's --cuda-graph-modules type is a parsing function (argparse also allows a FileType or a name)
+            action.type = graph_module_type(cast(Callable[[str], Any], action.type), _graph_module_names())
     return parser

@@ -96,6 +96,7 @@ class RunReport:
                 lines.append(f"  {scope.scope}: capture phases: " + ", ".join(
                     f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items()))
             if scope.arena_bytes is not None:
+                assert scope.host_arena_bytes is not None  # the session sets both arena figures together
                 per_step = (f", {scope.offloaded_bytes / self.graphed_steps / 2**20:.1f} MiB per graphed step"
                             if scope.offloaded_bytes and self.graphed_steps else "")
                 lines.append(f"  {scope.scope}: GPU arenas {scope.arena_bytes / 2**20:.1f} MiB, pinned host arenas "
@@ -109,7 +110,9 @@ class RunReport:
                              f"{bank['rejected']} rejected" + (f", {flushed} delayed offload groups flushed after them"
                                                                if flushed else ""))
             if scope.teardown_allocated_delta_bytes is not None:
-                lines.append(f"  {scope.scope}: after teardown, allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
+                assert scope.teardown_pool_bytes_left is not None  # both come from the one teardown record
+                lines.append(f"  {scope.scope}: after teardown, "
+                             f"allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
                              f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools"
                              + (f" ({'; '.join(scope.teardown_pool_holders)})" if scope.teardown_pool_holders else ""))
         if self.predicted_pool_bytes is not None and self.measured_pool_bytes:

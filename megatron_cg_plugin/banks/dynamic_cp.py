@@ -14,7 +14,8 @@ a pack hands Megatron's layers (its ``PackedSeqParams``, TE attention's CP strea
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_cg_plugin.banks.capture import banked_layer_class
 from megatron_cg_plugin.compat import check_parameters
@@ -39,7 +40,7 @@ def microbatch_cp_group(packed_seq_params: Any, static_group: Any) -> Any:
     return group
 
 
-def dynamic_cp_attention_class(base: type) -> type:
+def dynamic_cp_attention_class(base: type[Any]) -> type:
     """A subclass of Megatron's attention class ``base`` whose RoPE uses the microbatch's CP group.
 
     Megatron reads the group as ``self.pg_collection.cp`` at each RoPE call; for one forward the

@@ -24,7 +24,8 @@ group. In your own script::
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def pack_hybrid_cp_sample(sample: Mapping[str, Any], *, tokens_per_rank: int, ma
     length = int(sample["tokens"].numel())
     layout = fixed_capacity_layout([length], size, tokens_per_rank, max_seqs)
     device = sample["tokens"].device if device is None else torch.device(device)
-    batch = {}
+    batch: dict[str, Any] = {}
     for key in SAMPLE_KEYS:
         value = sample[key].reshape(-1).to(device, non_blocking=True)
         padded = torch.zeros(layout.tokens, dtype=value.dtype, device=device)

@@ -12,7 +12,8 @@ the very group object that bank was captured with; anything else fails closed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ["BankRouter", "BankSelectionError", "GraphBank", "group_label"]
 
@@ -42,7 +43,7 @@ class BankRouter:
         self.unknown_size_rejections = 0
 
     @classmethod
-    def build(cls, sizes: tuple[int, ...], resolve_group: Callable[[int], Any]) -> "BankRouter":
+    def build(cls, sizes: tuple[int, ...], resolve_group: Callable[[int], Any]) -> BankRouter:
         """One bank per size, each holding the real group of that size (``resolve_group``)."""
         return cls({size: GraphBank(size, resolve_group(size)) for size in sizes})
 

@@ -7,10 +7,22 @@ import dataclasses
 import gzip
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from megatron_cg_plugin.bench.schedule import BenchSummary, Block, CopyStalls, MedianInterval, Spread, Step, median_interval, median_precision, summarize, summarize_steps
+from megatron_cg_plugin.bench.schedule import (
+    BenchSummary,
+    Block,
+    CopyStalls,
+    MedianInterval,
+    Spread,
+    Step,
+    median_interval,
+    median_precision,
+    summarize,
+    summarize_steps,
+)
 
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
@@ -26,7 +38,7 @@ UNCHECKED_ARM = "plugin-no-check"
 # The plugin's helper with the session's per-step recording as a run does it (train_step timer,
 # training_log values): beside plugin, what recording the metrics and report costs.
 RECORDING_ARM = "plugin-recording"
-ALL_ARMS = ARMS + (UNCHECKED_ARM, RECORDING_ARM) + SLOT_ARMS
+ALL_ARMS = (*ARMS, UNCHECKED_ARM, RECORDING_ARM, *SLOT_ARMS)
 # The width each ratio's median is to be known to: +-1% tells 1.02 from 1.00.
 RATIO_WIDTH = 0.02
 # The step schedule's ratio table: the pairs (cycles) its interval would need for these half-widths.
@@ -151,9 +163,9 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "step_seconds": {arm: spread(value) for arm, value in summary.arms.items()},
         "ratios": {f"{a}/{b}": spread(value) for (a, b), value in summary.ratios.items()},
         # the block schedule's rounds for +-1% (the step schedule gives ratio_intervals and its cycles instead)
-        "ratio_precision": {f"{a}/{b}": dataclasses.asdict(found) for (a, b), value in summary.ratios.items()
+        "ratio_precision": {f"{a}/{b}": dataclasses.asdict(precision) for (a, b), value in summary.ratios.items()
                             if result.schedule == "blocks"
-                            and (found := median_precision(value.values, RATIO_WIDTH)) is not None},
+                            and (precision := median_precision(value.values, RATIO_WIDTH)) is not None},
         "capture_seconds": {arm: spread(v) for arm, v in result.per_arm("capture_seconds").items()},
         "pool_bytes": {arm: spread(v) for arm, v in result.per_arm("pool_bytes").items()},
         "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
@@ -313,8 +325,8 @@ def _plotted(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
             if record.cycle >= result.skip_steps:
                 points.setdefault(record.arm, []).append((index, record.seconds * 1e3))
         return points
-    for index, record in enumerate(result.blocks):
-        points.setdefault(record.arm, []).extend((index, step * 1e3) for step in record.step_seconds[result.skip_steps:])
+    for index, block in enumerate(result.blocks):
+        points.setdefault(block.arm, []).extend((index, step * 1e3) for step in block.step_seconds[result.skip_steps:])
     return points
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Callable, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Spread:
     values: tuple[float, ...]
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Spread":
+    def of(cls, values: Sequence[float]) -> Spread:
         if not values:
             raise ValueError("no values to summarize.")
         return cls(statistics.median(values), min(values), max(values), tuple(values))
@@ -318,7 +318,7 @@ class DeviceTime:
 
     @classmethod
     def of(cls, kernels: Sequence[tuple[float, float]], d2h: Sequence[tuple[float, float]],
-           h2d: Sequence[tuple[float, float]], *, steps: int, scale: float = 1.0) -> "DeviceTime":
+           h2d: Sequence[tuple[float, float]], *, steps: int, scale: float = 1.0) -> DeviceTime:
         """From device intervals (start, end) over ``steps`` steps, ``scale`` seconds per unit."""
         copies = [*d2h, *h2d]
         overlap = busy_seconds(kernels) + busy_seconds(copies) - busy_seconds([*kernels, *copies])
@@ -350,7 +350,7 @@ class CopyStalls:
 
     @classmethod
     def of(cls, events: Sequence[tuple[float, float, str, int, str]], *, steps: int,
-           scale: float = 1e-6) -> "CopyStalls":
+           scale: float = 1e-6) -> CopyStalls:
         """``events``: (start, end, kind, stream, name), kind kernel, d2h or h2d; ``scale`` seconds per unit."""
         by_kind = intervals_by_kind(events)
         kernels = busy_seconds(by_kind["kernel"])

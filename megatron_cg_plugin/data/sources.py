@@ -10,7 +10,8 @@ loader on what a flag names.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Megatron's tokenizers that load a model file named by --tokenizer-model (HuggingFace takes hub
 # names there too, so it is not checked).

@@ -20,8 +20,8 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from megatron_cg_plugin import console
 

@@ -22,8 +22,9 @@ Any other placeholder is left for ``render_flags`` to refuse by name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 CHECKPOINT_FLAGS = ("--save", "--load", "--save-interval", "--async-save", "--use-persistent-ckpt-worker",
                     "--ckpt-format", "--ckpt-fully-parallel-load", "--ckpt-fully-parallel-save",

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 CASE_FILE = "model_config.yaml"
 # Megatron's model_config.yaml keys (core_r0.19.0's test cases), and what the farm does with each.

@@ -15,6 +15,7 @@ releases. ``run`` still raises elastic's ``ChildFailedError``, whose
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["RankFailure", "MultiRankError", "LaunchResult", "launch", "gpus_available", "gpu_stack_missing",
            "require_gpus"]
@@ -119,10 +121,8 @@ def _marked_pids(launch_id: str) -> list[int]:
 def _kill_all(proc: subprocess.Popen, launch_id: str) -> None:
     # SIGTERM first so elastic shuts its ranks down itself, then SIGKILL everything.
     for sig, wait_s in ((signal.SIGTERM, _SHUTDOWN_S + 5), (signal.SIGKILL, 10)):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         try:
             proc.wait(wait_s)
             break
@@ -182,11 +182,15 @@ def launch(
         raise ValueError("argv must be ['-m', 'module', ...] or ['script.py', ...]")
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    tmp = tempfile.TemporaryDirectory(prefix="mcg_launch_") if log_dir is None else None
-    root = tmp.name if tmp else os.fspath(log_dir)
+    tmp = None
+    if log_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="mcg_launch_")
+        root = tmp.name
+    else:
+        root = os.fspath(log_dir)
     os.makedirs(root, exist_ok=True)
     launch_id = uuid.uuid4().hex
-    spec = {"argv": argv, "nproc": nproc, "port": master_port or _free_port(),
+    spec: dict[str, Any] = {"argv": argv, "nproc": nproc, "port": master_port or _free_port(),
             "run_id": launch_id, "log_dir": root, "result": os.path.join(root, f"{launch_id}.json")}
     # The ranks inherit the child's environment. NVLink multicast stays off in
     # every run of this project, whatever the caller passes.
@@ -233,7 +237,7 @@ def gpus_available() -> int:
         import torch
 
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    except Exception:  # CPU-only build, missing driver, broken NVML
+    except Exception:  # noqa: BLE001 - CPU-only build, missing driver, broken NVML
         return 0
 
 
@@ -249,15 +253,16 @@ def gpu_stack_missing(n: int) -> str | None:
     return None
 
 
-def run_probe(probe: "os.PathLike[str] | str", out_dir: "os.PathLike[str] | str", name: str, *, nproc: int = 1,
+def run_probe(probe: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, name: str, *, nproc: int = 1,
               args: Sequence[str] = (), timeout_s: float = 900) -> list[dict]:
     """Runs a GPU probe script on ``nproc`` ranks and returns the JSON result of each rank.
 
     Skips the calling test (with the reason) where the GPUs or TE are missing. The probe gets
     ``--out OUT_DIR/NAME.json``; on one rank it writes that file, on several ``NAME.rankN.json``.
     A result with ``probe_error`` fails the test with the probe's traceback."""
-    import pytest  # lazily: the package must not depend on pytest
     from pathlib import Path
+
+    import pytest  # lazily: the package must not depend on pytest
 
     reason = gpu_stack_missing(nproc)
     if reason:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_START = 32768  # the kernel's default, where the file cannot be read

@@ -16,19 +16,20 @@ import io
 import json
 import os
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from megatron_cg_plugin import compat, golden, rules
 from megatron_cg_plugin.config import PLUGIN_FLAGS
 from megatron_cg_plugin.console import failure_cause
-from megatron_cg_plugin.golden import GoldenValues, format_report
-from megatron_cg_plugin.launch import dry_run
-from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 from megatron_cg_plugin.data import synthetic as datasets
 from megatron_cg_plugin.farm.case_adapt import adapt_case_args, adapt_case_env
 from megatron_cg_plugin.farm.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, fit_gpus, load_case, render_flags
 from megatron_cg_plugin.farm.distributed import MultiRankError, launch
+from megatron_cg_plugin.golden import GoldenValues, format_report
+from megatron_cg_plugin.launch import dry_run
+from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
@@ -451,11 +452,11 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     if not len(graphed) == len(eager) == case.steps:  # every step asked for (--steps), in both runs
         problems.append(f"expected {case.steps} logged steps, got {len(eager)} eager / {len(graphed)} graphed")
     for metric in case.equal_metrics:
-        series = [run.metrics.get(metric) for run in (result.eager, result.graphed)]
-        if None in series:
-            problems.append(f"{metric} was not recorded by the {'eager' if series[0] is None else 'graphed'} run")
+        eager_series, graphed_series = (run.metrics.get(metric) for run in (result.eager, result.graphed))
+        if eager_series is None or graphed_series is None:
+            problems.append(f"{metric} was not recorded by the {'eager' if eager_series is None else 'graphed'} run")
             continue
-        differing = differing_steps(*(dict(s.values) for s in series))
+        differing = differing_steps(dict(eager_series.values), dict(graphed_series.values))
         if differing:
             problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
                             + _before_capture(case, min(differing)))
@@ -543,8 +544,8 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs | replays | pool MiB "
-             "| capture s | MoE dropped (plan: capacity, uniform router) |",
+    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs "
+             "| replays | pool MiB | capture s | MoE dropped (plan: capacity, uniform router) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"

@@ -9,7 +9,7 @@ graphs on, on the ranks its description names.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_cg_plugin.config import PRESETS
 

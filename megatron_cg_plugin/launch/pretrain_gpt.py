@@ -16,18 +16,18 @@ import argparse
 import dataclasses
 import functools
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from megatron_cg_plugin import console, helptext
-from megatron_cg_plugin import installation
-from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
-from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
-from megatron_cg_plugin.data.sources import build_datasets
+from megatron_cg_plugin import console, helptext, installation
 from megatron_cg_plugin.banks.dynamic_cp import hybrid_cp_layer_spec
+from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
+from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
+from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
@@ -68,12 +68,14 @@ class BatchSpec:
 def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict[str, Any]:
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import (
-        flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank,
+        flatten_batch_for_packed_sequences,
+        get_batch_on_this_cp_rank,
+        get_batch_on_this_tp_rank,
     )
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return {key: None for key in BATCH_KEYS}
+        return dict.fromkeys(BATCH_KEYS)
     batch: dict[str, Any] = {}
     tp_rank = mpu.get_tensor_model_parallel_rank()
     if tp_rank == 0:
@@ -115,6 +117,7 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
     from megatron.core.utils import get_attr_wrapped_model
 
     if spec.hybrid_context_parallel:
+        assert spec.tokens_per_rank is not None  # Megatron requires --max-seqlen-per-dp-cp-rank with hybrid CP
         batch, packed = get_hybrid_cp_batch(data_iterator, tokens_per_rank=spec.tokens_per_rank,
                                             max_seqs=spec.thd_max_seqs)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
@@ -176,7 +179,7 @@ def run(args: Any, session: Any) -> None:
         packed=bool(getattr(args, "dataloader_inter_document_masking", False))
         and not getattr(args, "hybrid_context_parallel", False),
     )
-    provider = functools.partial(build_datasets, args=args)
+    provider: Any = functools.partial(build_datasets, args=args)  # Megatron reads an attribute of it
     provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)
     model_config = gpt_config_from_args(args)
     if spec.hybrid_context_parallel:

@@ -12,7 +12,7 @@ import contextlib
 import os
 import socket
 import sys
-from typing import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -17,11 +17,10 @@ import contextlib
 import os
 import runpy
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
-from megatron_cg_plugin import compat, console
-from megatron_cg_plugin import installation
+from megatron_cg_plugin import compat, console, installation
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 

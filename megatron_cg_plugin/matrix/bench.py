@@ -27,15 +27,16 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from megatron_cg_plugin.console import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK
-from megatron_cg_plugin.launch.rendezvous import single_process_values
-from megatron_cg_plugin.farm.runner import REPO, data_flags, without_graph_only_flags
-from megatron_cg_plugin.matrix.runner import Cell, cell_env, cell_flags, farm_case, load_cells, refusal_of, select_cells
 from megatron_cg_plugin.farm.ports import PortAllocator
+from megatron_cg_plugin.farm.runner import REPO, data_flags, without_graph_only_flags
+from megatron_cg_plugin.launch.rendezvous import single_process_values
+from megatron_cg_plugin.matrix.runner import Cell, cell_env, cell_flags, farm_case, load_cells, refusal_of, select_cells
 
 # The bench arm that captures as the cell's graphed run does. The cell's flags keep --cg-slot-capture, so
 # the bench's session has the run's config; ``slot`` is slot-shared capture offloading nothing (the cell
@@ -229,7 +230,9 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
         unmet = case.unmet()  # no Megatron-LM checkout: nothing launches
         if unmet:
             raise ValueError(unmet)
-        launches.append(bench_launch(cell, out_dir, script=case.script_file, bench_flags=bench_flags,
+        script = case.script_file
+        assert script is not None  # farm_case runs Megatron-LM's pretrain_gpt.py
+        launches.append(bench_launch(cell, out_dir, script=script, bench_flags=bench_flags,
                                      port=ports(), environ=environ))
     for launch in launches:
         launch.result.unlink(missing_ok=True)  # a former run's figures are not this one's

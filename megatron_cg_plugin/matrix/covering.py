@@ -12,7 +12,7 @@ refused) cover their pairs first; the others only cover what no preferred one ca
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 Combination = tuple[tuple[str, str], ...]  # ((factor, value), ...) in factor order
 Pair = tuple[tuple[str, str], tuple[str, str]]

@@ -25,14 +25,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
 from megatron_cg_plugin.farm.distributed import MultiRankError
+from megatron_cg_plugin.farm.ports import PortAllocator
 from megatron_cg_plugin.farm.runner import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.farm.runner import refusal_of as farm_refusal_of
-from megatron_cg_plugin.farm.ports import PortAllocator
+from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
@@ -322,7 +323,8 @@ def render(results: Mapping[str, Any]) -> str:
         "on a synthetic indexed dataset, deterministic, on one GPU, and compares the lm loss of every step bit for "
         "bit; a refused cell was stopped by the named rule before any GPU work (`megatron-cg check` says the same).",
         "",
-        f"The {len(rows)} cells are an all-pairs design over {', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
+        f"The {len(rows)} cells are an all-pairs design over "
+        f"{', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
         f"each of the {pair_count} pairs of values that can meet does so in some cell.",
         "",
         _bench_note(rows),

@@ -10,7 +10,8 @@ captured too, so replays keep counting. The hooks live for ``train()`` and are r
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class RouterDropTap:

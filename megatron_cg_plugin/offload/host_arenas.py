@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
 from megatron_cg_plugin.offload.plan import OffloadPlan
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
 
 
 class HostArenaError(RuntimeError):
@@ -181,11 +182,11 @@ class SerialTransfers:
 class _Offloaded:
     """A saved tensor whose storage went to the host arena."""
 
-    storage: Hashable  # the storage's ordinal in the frame (as in the plan)
+    storage: int  # the storage's ordinal in the frame (as in the plan)
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    storage_offset: int
+    storage_offset: int | torch.SymInt  # Tensor.storage_offset's type
     version: int
 
 
@@ -229,7 +230,8 @@ class PlannedArenaHooks(ArenaHooks):
     def _check_bytes(self, ordinal: int, nbytes: int) -> None:
         if nbytes != self.plan.storage_bytes[ordinal]:
             raise OffloadPlanError(
-                f"storage {ordinal} of the frame holds {nbytes} bytes under capture but {self.plan.storage_bytes[ordinal]} "
+                f"storage {ordinal} of the frame holds {nbytes} bytes under capture "
+                f"but {self.plan.storage_bytes[ordinal]} "
                 "at warmup: the forward saves differently under capture (a branch on torch.cuda.is_current_stream_"
                 "capturing(), shapes that changed?), so its offload plan does not fit; keep the forward the same or "
                 "capture without offload.")
@@ -283,8 +285,8 @@ class OffloadingArenaHooks(PlannedArenaHooks):
         self.window = window  # groups whose copies may run beside the one being staged or unpacked
         host.used = 0  # a new frame: the previous frame's backward has run (the slot plan guarantees it)
         self.host, self.transfers = host, transfers
-        self._host_span: dict[int, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
-        self._reloaded: dict[int, torch.Tensor] = {}  # ordinal -> device buffer, in backward
+        self._host_span: dict[Hashable, tuple[int, int]] = {}  # ordinal -> (host offset, bytes)
+        self._reloaded: dict[Hashable, torch.Tensor] = {}  # ordinal -> device buffer, in backward
         self._requested: set[str] = set()
         self._staging_group: str | None = None
         transfers.reset()

@@ -35,7 +35,7 @@ capture follows:
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned, per_slot_max
 
@@ -64,7 +64,7 @@ class OffloadPolicy:
 
     @classmethod
     def from_flags(cls, offload_modules: Sequence[str], *, min_tensor_elements: int = MEGATRON_MIN_OFFLOADED_TENSOR_SIZE,
-                   fraction: float = 1.0) -> "OffloadPolicy":
+                   fraction: float = 1.0) -> OffloadPolicy:
         unknown = sorted(set(offload_modules) - MEGATRON_OFFLOAD_MODULES)
         if unknown:
             raise ValueError(f"--offload-modules {' '.join(unknown)}: Megatron offloads only "
@@ -74,7 +74,7 @@ class OffloadPolicy:
         return cls(frozenset(offload_modules), min_tensor_elements, fraction)
 
     @classmethod
-    def from_args(cls, args) -> "OffloadPolicy | None":
+    def from_args(cls, args) -> OffloadPolicy | None:
         """The policy of Megatron's parsed flags (``--fine-grained-activation-offloading
         --offload-modules ... --min-offloaded-tensor-size N --activation-offload-fraction F``), or
         None when they offload nothing. Attributes only: megatron-core 0.19.2's names."""
@@ -169,8 +169,9 @@ def _eligible_groups(saves: Sequence[Save], policy: OffloadPolicy
     reload_group: dict[Hashable, str] = {}
     kept = []
     for storage, views in by_storage.items():
-        if all(policy.qualifies(view) for view in views):
-            reload_group[storage] = views[-1].group  # type: ignore[assignment]  (qualifies: a listed group)
+        group = views[-1].group  # None never qualifies: the policy's modules are named groups
+        if group is not None and all(policy.qualifies(view) for view in views):
+            reload_group[storage] = group
         else:
             kept.append(storage)
     groups: dict[str, list[Hashable]] = {}

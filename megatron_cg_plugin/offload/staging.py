@@ -107,7 +107,7 @@ class StagingRing:
         """The next layer: its frames take the next buffer of the ring."""
         self._position = (self._position + 1) % self.depth
 
-    def frame(self, nbytes: int, host: HostArena, name: str) -> "StagedFrame":
+    def frame(self, nbytes: int, host: HostArena, name: str) -> StagedFrame:
         """A frame of ``nbytes`` offloaded bytes in the current layer's buffer (allocated at the
         first claim, sized by it; a larger frame gets a buffer of its own)."""
         index = max(self._position, 0)

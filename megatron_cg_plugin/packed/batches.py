@@ -6,7 +6,8 @@ layout (``packed_graphs``) meets the same params from either entry point.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 # What Megatron's get_batch_on_this_tp_rank reads of a packed batch besides the tokens (None where absent).
 PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")

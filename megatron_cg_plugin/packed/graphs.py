@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -230,9 +231,9 @@ def build_thd_layout(original: Callable, session: Any) -> Callable:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         positional = len(args) > position
         params = args[position] if positional else kwargs.get("packed_seq_params")
-        if not (self.training and _carried(params)) or layout() is None:
+        if not (self.training and _carried(params)) or (current := layout()) is None:
             return original(self, *args, **kwargs)
-        fixed = fixed_params(params, layout())
+        fixed = fixed_params(params, current)
         if positional:
             args = (*args[:position], fixed, *args[position + 1:])
         else:
@@ -250,8 +251,9 @@ def build_capture(original: Callable, session: Any) -> Callable:
     def _te_cuda_graph_capture(self: Any, *args: Any, **kwargs: Any) -> Any:
         offsets = kwargs.pop(THD_KWARG, None)
         if offsets is not None:
-            assert layout() is not None, "packed sample inputs were made without --cg-thd-max-seqs"
-            kwargs["packed_seq_params"] = capture_params(offsets, layout())
+            current = layout()
+            assert current is not None, "packed sample inputs were made without --cg-thd-max-seqs"
+            kwargs["packed_seq_params"] = capture_params(offsets, current)
         return original(self, *args, **kwargs)
 
     return _te_cuda_graph_capture
@@ -265,14 +267,15 @@ def build_replay(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def _te_cuda_graph_replay(self: Any, *args: Any, **kwargs: Any) -> Any:
         params = kwargs.get("packed_seq_params")
-        if not _carried(params) or layout() is None or not attention_in_graph(self.config.cuda_graph_modules):
+        current = layout() if _carried(params) else None
+        if current is None or not attention_in_graph(self.config.cuda_graph_modules):
             return original(self, *args, **kwargs)  # Megatron's own path (and its assert)
         kwargs = dict(kwargs)
         del kwargs["packed_seq_params"]
         if kwargs.pop("attention_mask", None) is not None:
             raise PackedFormError(f"layer {self.layer_number}: a packed microbatch also brings an attention mask, "
                                   "which packed graphs do not take (THD attention masks by cu_seqlens): pass None.")
-        kwargs[THD_KWARG] = graph_input(params, layout(), f"layer {self.layer_number}")
+        kwargs[THD_KWARG] = graph_input(params, current, f"layer {self.layer_number}")
         return original(self, *args, **kwargs)
 
     return _te_cuda_graph_replay

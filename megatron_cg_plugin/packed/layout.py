@@ -24,7 +24,8 @@ batch already covers every token, so its offsets need no dummy: ``PackedLayout``
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import itertools
+from collections.abc import Sequence
 
 from megatron_cg_plugin.config import is_power_of_two
 
@@ -164,7 +165,7 @@ def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: in
     if not is_power_of_two(cp_size) or not 0 <= rank < cp_size:
         raise ValueError(f"rank {rank} of CP size {cp_size}: the size must be a power of two and 0 <= rank < size.")
     indices: list[int] = []
-    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+    for start, end in itertools.pairwise(cu_seqlens_padded):
         if end < start:
             raise ValueError(f"cu_seqlens_padded must not decrease, got {list(cu_seqlens_padded)}.")
         if (end - start) % (2 * cp_size):

@@ -10,7 +10,7 @@ the two branches, the field and both values.
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ class TensorLayout:
     nbytes: int
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorLayout":
+    def of(cls, tensor: torch.Tensor) -> TensorLayout:
         return cls(TensorSpec.of(tensor), tensor.untyped_storage().nbytes())
 
 
@@ -45,7 +45,7 @@ class BranchSignature:
 
     @classmethod
     def of(cls, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *,
-           state: Mapping[str, torch.Tensor] | None = None, arenas: Sequence[int] = ()) -> "BranchSignature":
+           state: Mapping[str, torch.Tensor] | None = None, arenas: Sequence[int] = ()) -> BranchSignature:
         return cls(tuple(TensorLayout.of(t) for t in outputs), tuple(TensorLayout.of(t) for t in grads),
                    alias_topology(outputs, state), tuple(arenas))
 

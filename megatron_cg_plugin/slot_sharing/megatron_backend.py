@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from megatron_cg_plugin.capture.te_backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
-from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
-from megatron_cg_plugin.slot_sharing.capture import SlotFp8, SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.capture.te_backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
+from megatron_cg_plugin.scopes import module_names
+from megatron_cg_plugin.slot_sharing.capture import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
 from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
-from megatron_cg_plugin.scopes import module_names
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
@@ -72,7 +73,7 @@ class DelayedFlushWatch:
         self._waiting: list[Any] = []
         self._flusher: SlotLayerGraph | None = None
 
-    def on_replay(self, graph: "SlotLayerGraph") -> None:
+    def on_replay(self, graph: SlotLayerGraph) -> None:
         now = delayed_offload_groups(self.config)
         left = still_queued(self._waiting, now)
         if left:
@@ -137,7 +138,7 @@ class SlotLayerGraph:
 
 def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwargs: dict[str, Any]) -> None:
     """What ``--cg-slot-capture`` refuses of Megatron's capture call, before anything is captured."""
-    recipe = kwargs.get("fp8_recipe")
+    recipe: Any = kwargs.get("fp8_recipe")  # set wherever FP8 is on
     if any(_fp8_enabled(kwargs, len(callables))):
         refusal = slot_fp8_refusal(recipe, tuple(callables))
         if refusal is None and recipe.fp8_mha:  # rule slot-capture-fp8
@@ -158,7 +159,8 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
         if ends_inside_moe_block(layer):
             scopes = module_names(layer.config.cuda_graph_modules)
             raise SlotCaptureError(
-                f"--cuda-graph-modules {' '.join(sorted(scopes))} ends the graph inside the MoE block and hands routing "
+                f"--cuda-graph-modules {' '.join(sorted(scopes))} ends the graph inside the MoE block "
+                "and hands routing "
                 "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
 
 

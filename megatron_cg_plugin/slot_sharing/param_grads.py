@@ -11,7 +11,7 @@ Parameters a graph never reaches (an MoE layer's experts under an ``attn`` graph
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict, deque
-from typing import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 DEFAULT_VARIANT = "default"
 ARENA_ALIGNMENT = 256  # bytes; every storage copied into an arena starts aligned for vectorized kernels
@@ -38,7 +38,7 @@ class Frame:
     backward_at: int  # position of its backward
     slot: int
 
-    def overlaps(self, other: "Frame") -> bool:
+    def overlaps(self, other: Frame) -> bool:
         return self.forward_at <= other.backward_at and other.forward_at <= self.backward_at
 
 

@@ -20,13 +20,15 @@ that are no container (TE's quantizer copies) are entered where ``entering`` nam
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
 from megatron_cg_plugin.offload.plan import Save
+
 # One alignment (plan.slot_plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned as _aligned
 
@@ -57,7 +59,7 @@ class _Saved:
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    storage_offset: int  # elements
+    storage_offset: int | torch.SymInt  # elements (Tensor.storage_offset's type)
     version: int
 
 
@@ -104,13 +106,13 @@ class _Packer:
         self._shared: frozenset = frozenset()
         self._call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects
 
-    def sharing(self, storages: frozenset) -> "_Packer":
+    def sharing(self, storages: frozenset) -> _Packer:
         """Saves on these storages (``storage_keys``) are kept as they are: every frame shares them
         and nothing a frame does rewrites them before its backward (FP8 weight workspaces)."""
         self._shared = storages
         return self
 
-    def entering(self, call_objects: Callable[[Any], tuple[str, ...]]) -> "_Packer":
+    def entering(self, call_objects: Callable[[Any], tuple[str, ...]]) -> _Packer:
         """Objects on ``ctx`` that belong to one call although they are no container: for each,
         ``call_objects(obj)`` names the tensor attributes to protect (TE's per-call quantizer copies,
         whose scale snapshot the backward reads), or ``()`` for objects shared beyond the call."""
@@ -163,7 +165,7 @@ class _Packer:
             # TE's prepare_for_saving empties the object it is called on; the caller may go on using
             # the tensor (a module's cached FP8 weight workspace), so an alias sharing its parts is
             # emptied instead, and rebuilt from the packed parts at unpack.
-            alias = tensor.detach()
+            alias: Any = tensor.detach()  # a TE QuantizedTensor (torch's stubs know nothing of prepare_for_saving)
             parts, rebuild = alias.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
         key = _storage_key(tensor)
