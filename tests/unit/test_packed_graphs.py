@@ -229,6 +229,14 @@ def test_the_model_entry_lays_training_microbatches_out(packed_session):
     assert evaluating.seen is raw  # eval steps run eagerly: Megatron's own layout
 
 
+def test_the_model_entry_takes_the_sequence_length_from_the_runs_settings(packed_session):
+    packed_session.take_settings(RunSettings(seq_length=32))  # the rules passed them: not the job's 16
+    forward = packed_graphs.build_thd_layout(FakeGPT.forward, packed_session)
+    model = FakeGPT()
+    forward(model, 1, 2, None, packed_seq_params=params_of([0, 5, 16], longest=11))
+    assert model.seen.max_seqlen_q == 32
+
+
 def test_the_model_entry_passes_through_without_the_flag(monkeypatch):
     forward = packed_graphs.build_thd_layout(FakeGPT.forward, RunSession(PluginConfig()))
     model, raw = FakeGPT(), params_of([0, 5, 16], longest=11)
