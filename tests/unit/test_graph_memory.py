@@ -173,15 +173,15 @@ def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
     assert plan.pool_bytes == plan_graph_memory([tiny()] * 2, ["attn"]).pool_bytes and plan.unpredicted == ()
     left_out = plan_of(megatron_args(multi_latent_attention=True, mtp_num_layers=1, fp8="hybrid", fp8_recipe="blockwise",
                                      attention_backend=types.SimpleNamespace(name="unfused")),
-                              dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
+                       dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
     offloaded = plan_of(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
-                               config=DEFAULTS, deterministic=True).unpredicted
+                        config=DEFAULTS, deterministic=True).unpredicted
     assert offloaded == ("Megatron's activation offloading (its offloaded saves leave the pool)",)
     in_graphs = plan_of(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
-                                             min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
-                               dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
-                               config=DEFAULTS, deterministic=True)
+                                      min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
+                        dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
+                        config=DEFAULTS, deterministic=True)
     # The slot planner counts what it offloads; the copies' transient buffers in the pool it names as left out.
     assert in_graphs.host_arena_bytes > 0 and in_graphs.unpredicted == (
         "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",)
@@ -194,10 +194,10 @@ def test_packed_graphs_print_their_layouts_bound():
     plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.thd_buffer_bytes == 2 * 9 * 4 and "9 cu_seqlens entries, max_seqlen 256" in plan.describe()
     bounded = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS,
-                             deterministic=True)
+                      deterministic=True)
     assert "9 cu_seqlens entries, max_seqlen 64" in bounded.describe()
     unpacked = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
-                              config=DEFAULTS, deterministic=True)
+                       config=DEFAULTS, deterministic=True)
     assert unpacked.thd_layout is None and "cu_seqlens" not in unpacked.describe()
 
 
@@ -493,15 +493,15 @@ def test_what_the_slot_plan_leaves_out_is_named():
         facts, offload_modules=("core_attn",))
     in_graph = plan_of(args, attention, config=DEFAULTS, deterministic=True)
     staged = plan_of(args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"),
-                            deterministic=True)
+                     deterministic=True)
     per_layer = in_graph.host_arena_bytes // 2
     assert staged.arena_bytes == in_graph.arena_bytes + 2 * per_layer  # the staging ring's two buffers
     assert not any("between-replays" in what for what in staged.unpredicted)
     moe_facts = dataclasses.replace(facts, num_experts=4, capacity_factor=1.5, pad_to_capacity=True,
                                     offload_modules=("core_attn", "expert_fc1"))
     moe = plan_of(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
-                                       add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
-                         moe_facts, config=DEFAULTS, deterministic=True)
+                                add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
+                  moe_facts, config=DEFAULTS, deterministic=True)
     assert any("MoE block's saves" in what for what in moe.unpredicted)
     cp = plan_of(megatron_args(context_parallel_size=2), RunSettings(
         cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), config=DEFAULTS, deterministic=True)
@@ -524,7 +524,7 @@ def test_the_offload_copies_and_window_come_from_the_config_in_force_not_the_fla
         assert staged.arena_bytes == in_graph.arena_bytes + (window + 1) * per_layer  # the staging ring
         assert staged.unpredicted == ()
     assert plan_of(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS,
-                          deterministic=True) == in_graph
+                   deterministic=True) == in_graph
 
 
 DENSE_SHAPES = st.builds(
@@ -579,9 +579,9 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
                        fp8_recipe="tensorwise")
     every = plan_of(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
     ends = plan_of(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                                        num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
+                                 num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
     plain = plan_of(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
-                           config=DEFAULTS, deterministic=True)
+                    config=DEFAULTS, deterministic=True)
     per_layer = (plain.arena_bytes - every.arena_bytes) // 4
     assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
     assert not any("FP8" in what for what in ends.unpredicted)
@@ -591,7 +591,7 @@ def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
         facts, fp8=False, slot_capture=False), config=DEFAULTS, deterministic=True).pool_bytes
     mxfp8 = plan_of(megatron_args(**base | {"fp8_recipe": "mxfp8"}),
                     dataclasses.replace(facts, slot_capture=False, fp8_recipe="mxfp8"),
-                           config=DEFAULTS, deterministic=True)
+                    config=DEFAULTS, deterministic=True)
     assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
 
 
