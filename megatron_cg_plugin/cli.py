@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from megatron_cg_plugin import console, golden, helptext
 from megatron_cg_plugin.bench.output import BenchOutputError
-from megatron_cg_plugin.refusal import predict_graph_memory
 from megatron_cg_plugin.planner.capture_plan import plan_capture
-from megatron_cg_plugin.moe.capacity import capacity_plan_from_args, parse_load
-from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.planner.prediction import predict_graph_memory
+from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.farm.cases import CaseError
 
 if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by the commands that use it
@@ -28,31 +28,27 @@ if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by t
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH, console.EXIT_BAD_INPUT
 
 
-def moe_plan_text(args, router_load: str | None = None) -> str:
+def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
     and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
     load is checked whatever the model; a dense model, which has no router, refuses one."""
-    if not args.num_experts:
+    if not settings.num_experts:
         if router_load is not None:
             raise ValueError(f"--router-load {router_load} says how a router spreads tokens over experts, and this "
                              "model is dense (no --num-experts): drop --router-load.")
         return "MoE: none (a dense model)."
     router_load = router_load or "uniform"
-    load = parse_load(router_load, args.num_experts)
-    facts = GraphFacts(num_layers=args.num_layers, num_experts=args.num_experts,
-                       moe_layer_freq=args.moe_layer_freq if isinstance(args.moe_layer_freq, int)
-                       else tuple(args.moe_layer_freq))
-    layers = [index + 1 for index in range(args.num_layers) if facts.is_moe_layer(index)]
-    if args.moe_expert_capacity_factor is None:
+    load = parse_load(router_load, settings.num_experts)
+    layers = [index + 1 for index in range(settings.num_layers) if settings.is_moe_layer(index)]
+    if settings.capacity_factor is None:
         return (f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
                 "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
                 "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity.")
-    plan = capacity_plan_from_args(args)
-    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
-    shapes = plan.gemm_shapes(args.hidden_size, ffn,
-                              gated=bool(getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)))
+    plan = capacity_plan(settings)
+    ffn = settings.moe_ffn_hidden_size or settings.ffn_hidden_size
+    shapes = plan.gemm_shapes(settings.hidden_size, ffn, gated=settings.swiglu or settings.quick_geglu)
     dropped = plan.dropped_fraction(load)
-    padded = "" if args.moe_pad_expert_input_to_capacity else (
+    padded = "" if settings.pad_to_capacity else (
         " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
     return "\n".join([
         f"MoE layers {layers}: {plan.tokens_per_rank} tokens x top-{plan.topk} per rank and microbatch, "
@@ -152,9 +148,9 @@ def _plan(argv: Sequence[str]) -> int:
         from megatron_cg_plugin.launch import dry_run  # deferred: torch (seconds); --help and golden start without it
 
         env = dict(os.environ)
-        args, facts, config = dry_run.validated_args(flags, nproc=options.nproc, env=env)
-        memory = predict_graph_memory(args, facts, config, environ=env)
-        return (plan_capture(facts).describe() + "\n" + moe_plan_text(args, options.router_load) + "\n"
+        _args, settings, config = dry_run.validated_args(flags, nproc=options.nproc, env=env)
+        memory = predict_graph_memory(settings, config)
+        return (plan_capture(settings).describe() + "\n" + moe_plan_text(settings, options.router_load) + "\n"
                 + ("graph pool: nothing graphed, or layers the planner does not model" if memory is None
                    else memory.describe()))
 

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import enum
 import os
-import types
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -131,8 +130,11 @@ class PluginConfig:
 class ConfigError(ValueError):
     """Plugin flags with bad values; ``problems`` holds one message per flag, each naming the fix."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], given: Mapping[str, Any] | None = None) -> None:
         self.problems = problems
+        # The values as the flags gave them, by PluginConfig field (config_from_args fills it): what the
+        # rules read of a refused config, so that its other rules still report beside the refusal.
+        self.given: Mapping[str, Any] = dict(given or {})
         super().__init__(" ".join(problems))
 
 
@@ -346,23 +348,27 @@ def has_plugin_flags(args: Any) -> bool:
     return hasattr(args, "cg_preset")
 
 
-def unchecked_settings(args: Any) -> types.SimpleNamespace:
-    """The ``--cg-*`` values as parsed, unchecked, as attributes named like ``PluginConfig``'s fields
-    (its defaults for flags the parser lacks): what the rules read when ``config_from_args`` refused
-    the flags, so that the other rules still report beside that refusal."""
-    values = {field.name: field.default for field in dataclasses.fields(PluginConfig)}
-    values.update({flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS if hasattr(args, flag.dest)})
-    return types.SimpleNamespace(**values)
+def missing_plugin_flags(args: Any) -> list[str]:
+    """The ``--cg-*`` destinations a parsed namespace lacks (a parser ``add_plugin_args`` did not extend)."""
+    return [flag.dest for flag in PLUGIN_FLAGS if not hasattr(args, flag.dest)]
 
 
 def config_from_args(args: Any, environ: Mapping[str, str] | None = None) -> PluginConfig:
     """Builds the frozen config from a parsed Megatron namespace that went through ``add_plugin_args``
-    (and the environment, for the debug switch)."""
-    missing = [flag.dest for flag in PLUGIN_FLAGS if not hasattr(args, flag.dest)]
+    (and the environment, for the debug switch). Bad values raise ``ConfigError`` holding the values as
+    given (``ConfigError.given``); ``settings.read_settings`` is the one caller."""
+    missing = missing_plugin_flags(args)
     if missing:
         raise ValueError(
             "Megatron's arguments lack the plugin's --cg-* flags "
             f"({', '.join(missing)}); parse them with extra_args_provider=megatron_cg_plugin.config.add_plugin_args."
         )
-    return PluginConfig(**{flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS},
-                        slot_debug=slot_debug_from_environment(environ))
+    given = {flag.config_field: flag.config_value(args) for flag in PLUGIN_FLAGS}
+    try:
+        slot_debug = slot_debug_from_environment(environ)
+    except ValueError as error:
+        raise ConfigError([str(error)], given) from None
+    try:
+        return PluginConfig(**given, slot_debug=slot_debug)
+    except ConfigError as error:
+        raise ConfigError(error.problems, given) from None

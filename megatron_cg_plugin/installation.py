@@ -22,10 +22,11 @@ from typing import Any, Iterator
 import torch
 
 from megatron_cg_plugin import compat
-from megatron_cg_plugin.config import PluginConfig, config_from_args, has_plugin_flags
+from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
 from megatron_cg_plugin.refusal import enforce_for_session
+from megatron_cg_plugin.settings import plugin_config
 from megatron_cg_plugin.session import RunSession
 
 
@@ -50,9 +51,12 @@ def _config_from_megatron_args() -> PluginConfig:
         args = get_args()
     except AssertionError:  # Megatron asserts when its args were never parsed
         return PluginConfig()
-    if args is None or not has_plugin_flags(args):
+    if args is None:
         return PluginConfig()
-    return config_from_args(args)
+    config, problems, _given = plugin_config(args, env=os.environ)
+    if config is None:
+        raise ConfigError(list(problems))
+    return config
 
 
 def install(config: PluginConfig | None = None, *, launcher: bool = False) -> RunSession:

@@ -8,8 +8,6 @@ launcher through the same hook. Megatron's own argument assertions are shortened
 
 from __future__ import annotations
 
-import argparse
-import logging
 import re
 import sys
 import traceback
@@ -17,9 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.planner.graph_memory import plan_from_args
-from megatron_cg_plugin.moe.capacity import capacity_plan_from_args
-from megatron_cg_plugin.session import RunPrediction
+from megatron_cg_plugin.settings import RunSettings
 
 EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
@@ -109,9 +105,9 @@ def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
 
 
 def _enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
-             config: PluginConfig | None) -> tuple[rules.GraphFacts, PluginConfig | None]:
+             config: PluginConfig | None) -> tuple[RunSettings, PluginConfig | None]:
     try:
-        facts, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
+        settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
     except rules.RuleViolation as violation:
         raise refuse(violation.violations, rules.RuleViolation.HEADING, environ=environ) from None
     if launcher:
@@ -119,62 +115,13 @@ def _enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
             transformer_config_backstop(args)
         except MEGATRON_REJECTIONS as error:
             raise refuse_megatron(error, environ=environ) from None
-    return facts, resolved
+    return settings, resolved
 
 
 def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) -> None:
     """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves
-    it. The session also gets the planner's predictions (``session.RunPrediction``), for the report
-    to set beside what the run measures."""
-    facts, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
+    it, and the session takes the run's settings (``RunSession.take_settings``, which has the planners
+    predict the run for the report)."""
+    settings, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
     session.resolve_config(resolved)
-
-    def repredict(model_config: Any) -> Any:
-        if not model_config_adds(args, model_config):
-            return session.prediction.graph_memory  # as it stands
-        return repredict_graph_memory(args, facts, session.config, model_config, environ=environ)
-
-    session.predict(RunPrediction(graph_memory=predict_graph_memory(args, facts, session.config, environ=environ),
-                                  moe_capacity=_capacity_plan(args), repredict=repredict))
-
-
-def _capacity_plan(args: Any) -> Any:
-    try:
-        return capacity_plan_from_args(args)
-    except (ValueError, AttributeError) as error:  # Megatron's own checks refuse these flags first
-        logging.getLogger(__name__).warning("MoE capacity not planned: %s", error)
-        return None
-
-
-# TransformerConfig fields that change the prediction and that megatron-core 0.19.2 has no flag for
-# (a user's script sets them on the model config after the flags are parsed), with their defaults.
-MODEL_CONFIG_ONLY_FIELDS = {"fp8_dot_product_attention": False}
-
-
-def model_config_adds(args: Any, model_config: Any) -> bool:
-    """The built model's ``TransformerConfig`` differs from the flags in a field the prediction reads."""
-    return any(hasattr(model_config, name) and getattr(model_config, name) != getattr(args, name, default)
-               for name, default in MODEL_CONFIG_ONLY_FIELDS.items())
-
-
-def repredict_graph_memory(args: Any, facts: rules.GraphFacts, config: PluginConfig, model_config: Any, *,
-                           environ: Mapping[str, str]) -> Any:
-    """``predict_graph_memory`` with the ``MODEL_CONFIG_ONLY_FIELDS`` the built model's
-    ``TransformerConfig`` holds in place of the flags' (None: not predicted, as there). ``args`` is
-    left as it is: the prediction reads a copy."""
-    seen = {name: getattr(model_config, name) for name in MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
-    return predict_graph_memory(argparse.Namespace(**{**vars(args), **seen}), facts, config, environ=environ)
-
-
-def predict_graph_memory(args: Any, facts: rules.GraphFacts, config: PluginConfig, *,
-                         environ: Mapping[str, str]) -> Any:
-    """``plan.graph_memory``'s prediction for the run under the plugin ``config`` in force, or None
-    where the planner cannot model its layers (the reason is logged; a prediction never stops a run)."""
-    if not facts.te_graphs:
-        return None
-    deterministic = environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0" or bool(getattr(args, "deterministic_mode", False))
-    try:
-        return plan_from_args(args, facts, config=config, deterministic=deterministic)
-    except (ValueError, AttributeError) as error:  # a user script's parser may lack flags
-        logging.getLogger(__name__).warning("graph memory not predicted: %s", error)
-        return None
+    session.take_settings(settings)

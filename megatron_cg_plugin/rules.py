@@ -11,32 +11,16 @@ a run would refuse.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from megatron_cg_plugin import compat
-from megatron_cg_plugin.config import (ConfigError, PluginConfig, config_from_args, graph_only_flags, has_plugin_flags,
-                                       is_power_of_two, unchecked_settings)
+from megatron_cg_plugin.config import PluginConfig, has_plugin_flags, is_power_of_two, missing_plugin_flags, \
+    slot_debug_from_environment
 from megatron_cg_plugin.data.sources import missing_files
-from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES, module_names
+from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES
+from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, read_settings
 
 SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
-# Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
-OFFLOAD_INSIDE_SCOPE = {
-    "attn": frozenset({"attn_norm", "qkv_linear", "core_attn", "attn_proj"}),
-    "mlp": frozenset({"mlp_norm"}),
-    "moe": frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"}),
-}
-
-
-# TE 2.20.2 (dot_product_attention/utils.py) disables FusedAttention for deterministic F16/BF16 THD training on
-# sm90 once batch (cu_seqlens entries - 1) x heads per rank x max_seqlen_q x max_seqlen_kv reaches this.
-DETERMINISTIC_THD_LIMIT = 1 << 30
-
-WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
-MOE_BLOCK_OFFLOADS = OFFLOAD_INSIDE_SCOPE["moe"]
-
-
 class RuleViolation(ValueError):
     """Flags a run cannot train with; the message lists each broken rule and its fix, a line each."""
 
@@ -48,213 +32,26 @@ class RuleViolation(ValueError):
         super().__init__(self.HEADING + "\n" + "\n".join(lines))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GraphFacts:
-    """The flags and environment facts the rules look at (all plain values)."""
-
-    cuda_graph_impl: str = "none"
-    modules: tuple[str, ...] = ()  # empty = whole layer
-    warmup_steps: int = 3
-    transformer_impl: str = "transformer_engine"
-    num_layers: int | None = 2
-    num_experts: int | None = None
-    moe_layer_freq: int | tuple[int, ...] = 1
-    capacity_factor: float | None = None
-    pad_to_capacity: bool = False
-    dispatcher: str = "allgather"
-    router_padding_for_fp8: bool = False
-    recompute_granularity: str | None = None
-    recompute_modules: tuple[str, ...] = ()
-    cpu_offloading: bool = False
-    gradient_accumulation_fusion: bool = False
-    apex_fused_wgrad: bool = False
-    hybrid_context_parallel: bool = False
-    graph_banks: bool = False  # --cg-graph-banks
-    slot_capture: bool = False  # --cg-slot-capture
-    bank_min_cp: int = 1  # --cg-bank-min-cp
-    position_embedding_type: str = "learned_absolute"
-    apply_rope_fusion: bool = True  # --no-rope-fusion clears it
-    overlap_param_gather: bool = False
-    activation_offloading: bool = False  # --fine-grained-activation-offloading
-    offload_modules: tuple[str, ...] = ()
-    delay_wgrad_compute: bool = False
-    overlap_moe_expert_parallel_comm: bool = False
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    virtual_pipeline: int | None = None
-    context_parallel: int = 1
-    world_size: int = 1
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    te_available: bool = True
-    expandable_segments: bool = False
-    nccl_graph_register_off: bool = False
-    fp8: bool = False  # --fp8-format
-    fp8_recipe: str = "delayed"  # --fp8-recipe
-    # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
-    # them): seen here only where a script sets them on args; one that sets them on the model config is
-    # refused at capture (capture.slot_backend.check_slot_capture_call) by the same rule
-    fp8_attention: bool = False  # either of them
-    fp8_multi_head_attention: bool = False
-    te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
-    te_op_norms: bool = False  # the layers hold TE's standalone (te.ops) norms: MoE pre-MLP norm, q/k or MLA norms
-    # Megatron's TE layer fuses the input norm into the QKV linear, except multi-latent attention
-    # without --mla-down-proj-fusion (gpt_layer_specs.py): there attn_norm offloads a real norm's saves.
-    input_norm_fused: bool = True
-    fp4: bool = False  # --fp4-format
-    device_capability: tuple[int, int] | None = None  # of the GPU the run trains on (None: unknown here)
-    cuda_version: tuple[int, int] | None = None  # torch's CUDA build
-    sft: bool = False  # --sft: the dataset marks document boundaries itself
-    moe_topk: int = 2
-    sequence_parallel: bool = False
-    launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
-    rerun_mode: str = "disabled"
-    inter_document_masking: bool = False  # --dataloader-inter-document-masking
-    thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
-    thd_max_seqlen: int | None = None  # --cg-thd-max-seqlen (None: not given, --seq-length)
-    seq_length: int | None = None  # --seq-length
-    num_attention_heads: int | None = None
-    # --deterministic-mode, or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (which TE reads): deterministic attention backward
-    deterministic: bool = False
-    multi_latent_attention: bool = False
-    max_seqlen_per_dp_cp_rank: int | None = None
-    graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
-    config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
-    missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
-
-    @property
-    def te_graphs(self) -> bool:
-        return self.cuda_graph_impl == "transformer_engine"
-
-    @property
-    def packed(self) -> bool:
-        """Packed (THD) microbatches through Megatron's own batch path, without hybrid CP."""
-        return (self.inter_document_masking or self.sft) and not self.hybrid_context_parallel
-
-    @property
-    def packed_graphs(self) -> bool:
-        """Packed microbatches laid out at a fixed capacity for TE graphs (``packed_graphs``)."""
-        return self.te_graphs and self.packed and self.thd_max_seqs is not None
-
-    @property
-    def packed_layout(self) -> bool:
-        """Packed microbatches the plugin lays out at the fixed capacity: eager and graphed steps alike."""
-        return self.packed and self.thd_max_seqs is not None
-
-    @property
-    def packed_max_seqlen(self) -> int | None:
-        """The layout's ``max_seqlen``: ``--cg-thd-max-seqlen``, else ``--seq-length`` (None: unknown)."""
-        return self.seq_length if self.thd_max_seqlen is None else self.thd_max_seqlen
-
-    @property
-    def packed_min_seqs(self) -> int:
-        """The fewest documents a packed microbatch holds: Megatron's offsets cover every token of each
-        sample, in documents of at most ``packed_max_seqlen`` tokens."""
-        if self.seq_length is None or self.packed_max_seqlen is None or self.packed_max_seqlen < 1:
-            return self.micro_batch_size  # a bad --cg-thd-max-seqlen is rule cg-flags'
-        return self.micro_batch_size * -(-self.seq_length // self.packed_max_seqlen)
-
-    @property
-    def deterministic_thd_product(self) -> int | None:
-        """TE's deterministic THD bound for the packed layout: ``--cg-thd-max-seqs`` x query heads per
-        tensor-parallel rank x ``packed_max_seqlen``^2 (None where a factor is unknown)."""
-        if not (self.thd_max_seqs and self.num_attention_heads and self.packed_max_seqlen):
-            return None
-        return self.thd_max_seqs * self.heads_per_rank * self.packed_max_seqlen ** 2
-
-    @property
-    def heads_per_rank(self) -> int:
-        return -(-(self.num_attention_heads or 0) // max(1, self.tensor_parallel))
-
-    @property
-    def deterministic_thd_max_seqlen(self) -> int:
-        """The largest ``--cg-thd-max-seqlen`` that keeps ``deterministic_thd_product`` under the limit."""
-        return math.isqrt((DETERMINISTIC_THD_LIMIT - 1) // (self.thd_max_seqs * self.heads_per_rank))
-
-    @property
-    def attention_graphed(self) -> bool:
-        return not self.modules or "attn" in self.modules
-
-    @property
-    def moe(self) -> bool:
-        """Megatron allows the MoE graph scopes only with more than one expert."""
-        return self.num_experts is not None and self.num_experts > 1
-
-    @property
-    def has_moe_layers(self) -> bool:
-        """Megatron builds MoE layers whenever --num-experts is set, even to 1."""
-        return self.num_experts is not None
-
-    @property
-    def moe_layer_freq_fits(self) -> bool:
-        return isinstance(self.moe_layer_freq, int) or len(self.moe_layer_freq) == self.num_layers
-
-    @property
-    def data_context_parallel(self) -> int:
-        """DP x CP: the ranks hybrid context parallelism splits into power-of-two CP groups."""
-        return max(1, self.world_size // (self.tensor_parallel * self.pipeline_parallel))
-
-    @property
-    def data_parallel(self) -> int:
-        return max(1, self.data_context_parallel // self.context_parallel)
-
-    @property
-    def drop_and_pad(self) -> bool:
-        return self.capacity_factor is not None and self.pad_to_capacity
-
-    @property
-    def offloaded_in_graphs(self) -> frozenset[str]:
-        """The offloaded modules that would run inside the graphed scope (every one for whole layers)."""
-        if not self.activation_offloading:
-            return frozenset()
-        scopes = self.modules or tuple(OFFLOAD_INSIDE_SCOPE)
-        inside = frozenset().union(*(OFFLOAD_INSIDE_SCOPE.get(scope, frozenset()) for scope in scopes))
-        return inside & frozenset(self.offload_modules)
-
-    @property
-    def unjoined_whole_layer_offloads(self) -> frozenset[str]:
-        """Offloaded groups Megatron 0.19.2 runs inside a whole-layer graph (transformer_layer.py
-        _set_offload_modules): attention's always; the pre-MLP norm and the experts' only on MoE layers;
-        the input norm's only where it is not fused (a dense TE layer fuses its norms into the linears,
-        so attn_norm and mlp_norm offload nothing there)."""
-        inside = WHOLE_LAYER_OFFLOADS | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset()) | (
-            frozenset() if self.input_norm_fused else frozenset({"attn_norm"}))
-        return self.offloaded_in_graphs & inside
-
-    def is_moe_layer(self, index: int) -> bool:
-        """``index`` is 0-based, as in Megatron's ``moe_layer_freq``; a layer the pattern does not
-        cover counts as dense (the ``moe-layer-freq`` rule reports the short pattern)."""
-        if not self.has_moe_layers:
-            return False
-        if isinstance(self.moe_layer_freq, int):
-            return index % self.moe_layer_freq == 0
-        return index < len(self.moe_layer_freq) and bool(self.moe_layer_freq[index])
-
-    @property
-    def all_layers_moe(self) -> bool:
-        return all(self.is_moe_layer(i) for i in range(self.num_layers))
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """``violated(facts)`` is True when the flags break the rule; ``fix`` says what to change."""
 
     name: str
     source: str  # "megatron" (mirrors a Megatron check) or "plugin"
-    violated: Callable[[GraphFacts], bool]
+    violated: Callable[[RunSettings], bool]
     fix: str
     # What the facts add to the fix (the files that are missing, the bad values), if anything.
-    detail: Callable[[GraphFacts], str] | None = None
+    detail: Callable[[RunSettings], str] | None = None
 
-    def message(self, facts: GraphFacts) -> str:
+    def message(self, facts: RunSettings) -> str:
         return self.fix if self.detail is None else f"{self.fix} {self.detail(facts)}"
 
 
-def _graphs(check: Callable[[GraphFacts], bool]) -> Callable[[GraphFacts], bool]:
+def _graphs(check: Callable[[RunSettings], bool]) -> Callable[[RunSettings], bool]:
     return lambda f: f.te_graphs and check(f)
 
 
-def _fitting_seqlen(f: GraphFacts) -> str:
+def _fitting_seqlen(f: RunSettings) -> str:
     """What --cg-thd-max-seqlen can be at the run's --cg-thd-max-seqs: under TE's deterministic limit, and
     long enough that a sample's documents fit the capacity (rule packed-graphs-capacity)."""
     largest = f.deterministic_thd_max_seqlen
@@ -602,100 +399,15 @@ def markdown_rows(rules: tuple[Rule, ...] = RULES) -> str:
     return "\n".join(f"| `{rule.name}` | {rule.source} | {rule.fix} |" for rule in rules)
 
 
-def violations(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:
+def violations(facts: RunSettings, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:
     return [(rule.name, rule.message(facts)) for rule in rules if rule.violated(facts)]
 
 
-def validate(facts: GraphFacts, rules: tuple[Rule, ...] = RULES) -> None:
+def validate(facts: RunSettings, rules: tuple[Rule, ...] = RULES) -> None:
     """Raises ``RuleViolation`` listing every broken rule (not just the first)."""
     broken = violations(facts, rules)
     if broken:
         raise RuleViolation(broken)
-
-
-def facts_from_args(args: Any, *, te_available: bool, apex_fused_wgrad: bool,
-                    env: Mapping[str, str] | None = None, launcher: bool = False,
-                    config: PluginConfig | None = None, config_problems: Sequence[str] = (),
-                    missing_files: Sequence[str] = (), device_capability: tuple[int, int] | None = None,
-                    cuda_version: tuple[int, int] | None = None) -> GraphFacts:
-    """Reads the facts from a parsed Megatron namespace (before or after ``validate_args``);
-    ``config``, when given, supplies the plugin's settings, else the ``--cg-*`` flags as parsed do
-    (``config.unchecked_settings``: a refused config's other rules still report);
-    ``device_capability`` and ``cuda_version`` describe the GPU and torch build (probed by ``check_run``)."""
-    env = env or {}
-    settings = config if config is not None else unchecked_settings(args)
-    freq = getattr(args, "moe_layer_freq", 1)
-    recompute_modules = getattr(args, "recompute_modules", None) or ()
-    return GraphFacts(
-        cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
-        modules=module_names(getattr(args, "cuda_graph_modules", None)),
-        warmup_steps=getattr(args, "cuda_graph_warmup_steps", 3),
-        transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
-        num_layers=args.num_layers,
-        num_experts=getattr(args, "num_experts", None),
-        moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
-        capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
-        pad_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
-        dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
-        router_padding_for_fp8=bool(getattr(args, "moe_router_padding_for_fp8", False)),
-        recompute_granularity=getattr(args, "recompute_granularity", None),
-        recompute_modules=tuple(recompute_modules),
-        cpu_offloading=bool(getattr(args, "cpu_offloading", False)),
-        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
-        apex_fused_wgrad=apex_fused_wgrad,
-        hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-        graph_banks=bool(settings.graph_banks),
-        slot_capture=bool(settings.slot_capture),
-        bank_min_cp=settings.bank_min_cp or 1,
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
-        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
-        activation_offloading=bool(getattr(args, "fine_grained_activation_offloading", False)),
-        offload_modules=tuple(getattr(args, "offload_modules", None) or ()),
-        delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),
-        overlap_moe_expert_parallel_comm=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
-        tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),
-        pipeline_parallel=getattr(args, "pipeline_model_parallel_size", 1),
-        virtual_pipeline=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        context_parallel=getattr(args, "context_parallel_size", 1),
-        world_size=getattr(args, "world_size", 1) or 1,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=getattr(args, "global_batch_size", None),
-        te_available=te_available,
-        expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
-        fp8=getattr(args, "fp8", None) is not None,
-        fp8_recipe=str(getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
-                       or "delayed"),
-        input_norm_fused=not (getattr(args, "multi_latent_attention", False)
-                              and not getattr(args, "mla_down_proj_fusion", False)),
-        fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
-                           or getattr(args, "fp8_multi_head_attention", False)),
-        te_op_fuser=bool(getattr(args, "use_transformer_engine_op_fuser", False)),
-        te_op_norms=bool(getattr(args, "num_experts", None)) or bool(getattr(args, "qk_layernorm", False))
-        or (getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False)),
-        fp8_multi_head_attention=bool(getattr(args, "fp8_multi_head_attention", False)),
-        fp4=getattr(args, "fp4", None) is not None,
-        device_capability=device_capability,
-        cuda_version=cuda_version,
-        sft=bool(getattr(args, "sft", False)),
-        moe_topk=getattr(args, "moe_router_topk", 2) or 2,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        launcher=launcher,
-        rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
-        inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
-        thd_max_seqs=settings.thd_max_seqs,
-        thd_max_seqlen=settings.thd_max_seqlen,
-        seq_length=getattr(args, "seq_length", None),
-        num_attention_heads=getattr(args, "num_attention_heads", None),
-        deterministic=bool(getattr(args, "deterministic_mode", False))
-        or env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
-        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)),
-        max_seqlen_per_dp_cp_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
-        graph_only_flags=graph_only_flags(config) if config is not None else (),
-        config_problems=tuple(config_problems),
-        missing_files=tuple(missing_files),
-    )
 
 
 PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
@@ -706,41 +418,30 @@ def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[
     first assertion (often the world size) before the plugin's rules run, so a dry run reports these
     beside Megatron's refusal and neither hides the other. Read before Megatron normalizes the flags
     (TE assumed present, as on the GPU host), so this is a best effort: flags it cannot read give none."""
-    try:
-        config, problems = config_from_args(args, environ=env), ()
-    except ConfigError as error:
-        config, problems = None, tuple(error.problems)
-    except ValueError:
+    if not has_plugin_flags(args) or missing_plugin_flags(args):
         return []
     try:
-        facts = facts_from_args(args, te_available=True, apex_fused_wgrad=True, env=env, config=config,
-                                config_problems=problems)
-        return violations(facts, PLUGIN_RULES)
+        slot_debug_from_environment(env)
+    except ValueError:  # the run's own check reports it
+        return []
+    try:
+        settings, _config = read_settings(args, env=env, te_available=True, apex_fused_wgrad=True)
+        return violations(settings, PLUGIN_RULES)
     except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
         return []
 
 
 def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, config: PluginConfig | None = None,
-              te_present: bool | None = None) -> tuple[GraphFacts, PluginConfig | None]:
+              te_present: bool | None = None) -> tuple[RunSettings, PluginConfig | None]:
     """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
     ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
     the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
-    returns the facts and the config. ``te_present`` overrides the probe (the CPU dry run checks
+    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides the probe (the CPU dry run checks
     flags for a GPU host it is not running on)."""
-    problems: list[str] = []
-    if config is None and not has_plugin_flags(args):  # a parser without the --cg-* flags: defaults
-        config = PluginConfig()
-    if config is None:
-        try:
-            config = config_from_args(args, environ=env)
-        except ConfigError as error:
-            problems = error.problems
-        except ValueError as error:  # MEGATRON_CG_SLOT_DEBUG with a value it does not understand
-            problems = [str(error)]
-    facts = facts_from_args(args, te_available=compat.te_available() if te_present is None else te_present,
-                            apex_fused_wgrad=compat.apex_fused_wgrad_available(), env=env, launcher=launcher,
-                            config=config, config_problems=problems,
-                            missing_files=missing_files(args, indexed_data=launcher),
-                            device_capability=compat.device_capability(), cuda_version=compat.torch_cuda_version())
-    validate(facts)
-    return facts, config
+    settings, config = read_settings(
+        args, env=env, config=config, te_available=compat.te_available() if te_present is None else te_present,
+        apex_fused_wgrad=compat.apex_fused_wgrad_available(), launcher=launcher,
+        missing_files=missing_files(args, indexed_data=launcher), device_capability=compat.device_capability(),
+        cuda_version=compat.torch_cuda_version())
+    validate(settings)
+    return settings, config

@@ -22,9 +22,10 @@ from typing import Any, Callable, Mapping, Protocol
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
-from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
+from megatron_cg_plugin.planner.prediction import RunPrediction, predict_run
 from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.capture.step_marks import StepMarks
 
 
@@ -106,18 +107,6 @@ class CaptureStats:
     slot_layers: Callable[[], tuple] | None = None  # --cg-slot-capture: live per-layer slot_backend.LayerSlotStats
 
 
-@dataclasses.dataclass(frozen=True)
-class RunPrediction:
-    """What the rules' check predicted before any GPU work (``enforce.enforce_for_session``), for
-    the report to set beside what the run measures: the graph pool and arenas (None: not
-    predicted), the fixed-capacity MoE plan (None: no such MoE), and ``repredict``, the prediction
-    for the built model's ``TransformerConfig`` (None: nothing to redo)."""
-
-    graph_memory: GraphMemoryPlan | None = None
-    moe_capacity: MoeCapacityPlan | None = None
-    repredict: Callable[[Any], GraphMemoryPlan | None] | None = None
-
-
 def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
     """Slot-shared capture's arenas, and the bytes its graphs offloaded: each layer's per-replay
     bytes times the forward replays counted for that layer."""
@@ -156,8 +145,15 @@ class RunSession:
         self.step_marks = StepMarks()  # entered around each schedule run train_step makes (train-step-timer patch)
         self._pending_mtp: dict[str, Any] = {}  # this iteration's mtp_N loss, until training_log records it
         self._finished: RunReport | None = None
+        self.settings: RunSettings | None = None  # the run's settings, once the rules passed them (take_settings)
         self.prediction = RunPrediction()  # until the rules' check makes one (predict)
         self.moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: rank 0's routers over the run
+
+    def take_settings(self, settings: RunSettings) -> None:
+        """The rules passed the run's ``settings``: kept, and the planners predict the run under the
+        config in force (``planner.prediction.predict_run``) for the report."""
+        self.settings = settings
+        self.predict(predict_run(settings, self.config))
 
     def predict(self, prediction: RunPrediction) -> None:
         """The rules' check predicted the run (once its flags were validated)."""

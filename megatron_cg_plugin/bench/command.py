@@ -49,6 +49,7 @@ from megatron_cg_plugin.capture.lifecycle import bind_helper_class
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.settings import read_settings
 from megatron_cg_plugin.bench.schedule import Block, DeviceTime, fewest_for_interval, interleaved_blocks, interleaved_steps, intervals_by_kind, run_schedule
 
 METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
@@ -848,9 +849,9 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
-        facts = rules.facts_from_args(args, te_available=True, apex_fused_wgrad=True,
-                                      config=PluginConfig(slot_capture=True))
-        broken = [message for name, message in rules.violations(facts) if name.startswith("slot-capture")]
+        slot_settings, _config = read_settings(args, te_available=True, apex_fused_wgrad=True,
+                                               config=PluginConfig(slot_capture=True))
+        broken = [message for name, message in rules.violations(slot_settings) if name.startswith("slot-capture")]
         offloading = [arm for arm in options.arms if arm.startswith("slot-offload")]
         if offloading and not (getattr(args, "fine_grained_activation_offloading", False)
                                and getattr(args, "offload_modules", None)):

@@ -89,9 +89,9 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
     launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
-    _args, facts, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
-    plan = plan_capture(facts).describe()
-    if facts.te_graphs and not compat.te_available():
+    _args, settings, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
+    plan = plan_capture(settings).describe()
+    if settings.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
     return plan
 
@@ -99,8 +99,9 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
 def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
                    capability: tuple[int, int] = (9, 0), launcher: bool = True):
     """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args, the
-    rules' facts and the plugin's config, or raises ``RuleViolation`` / ``CheckError``. ``launcher``
-    False: the rules as ``megatron-cg run SCRIPT`` applies them (a user's script builds its own data)."""
+    run's settings (``settings.RunSettings``) and the plugin's config, or raises ``RuleViolation`` /
+    ``CheckError``. ``launcher`` False: the rules as ``megatron-cg run SCRIPT`` applies them (a user's
+    script builds its own data)."""
     from megatron.training.arguments import validate_args
 
     with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
@@ -115,9 +116,9 @@ def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error, early) from error
             # TE is needed where the run happens, not on this machine.
-            facts, config = rules.check_run(args, env=env, launcher=launcher, te_present=True)
+            settings, config = rules.check_run(args, env=env, launcher=launcher, te_present=True)
             try:
                 transformer_config_backstop(args)
             except MEGATRON_REJECTIONS as error:
                 raise _megatron_rejects(error) from error
-    return args, facts, config
+    return args, settings, config

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from megatron_cg_plugin.settings import RunSettings
+
 
 def megatron_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
     """Megatron's ``get_capacity``, in the same float arithmetic."""
@@ -162,15 +164,14 @@ def tokens_per_rank(*, seq_length: int, micro_batch_size: int, context_parallel:
     return seq_length // shards * micro_batch_size
 
 
-def capacity_plan_from_args(args) -> MoeCapacityPlan | None:
-    """The plan for Megatron's parsed ``args`` (attributes only), or None for a dense or dropless model."""
-    if not args.num_experts or args.moe_expert_capacity_factor is None:
+def capacity_plan(settings: RunSettings) -> MoeCapacityPlan | None:
+    """The plan for a run's ``settings`` (``settings.read_settings``), or None for a dense or dropless model."""
+    if not settings.num_experts or settings.capacity_factor is None:
         return None
     return MoeCapacityPlan(
-        tokens_per_rank=tokens_per_rank(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                        context_parallel=args.context_parallel_size,
-                                        tensor_parallel=args.tensor_model_parallel_size,
-                                        sequence_parallel=args.sequence_parallel),
-        topk=args.moe_router_topk, num_experts=args.num_experts, capacity_factor=args.moe_expert_capacity_factor,
-        expert_parallel=args.expert_model_parallel_size,
-        tensor_parallel=args.expert_tensor_parallel_size or 1)
+        tokens_per_rank=tokens_per_rank(seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
+                                        context_parallel=settings.context_parallel,
+                                        tensor_parallel=settings.tensor_parallel,
+                                        sequence_parallel=settings.sequence_parallel),
+        topk=settings.moe_topk, num_experts=settings.num_experts, capacity_factor=settings.capacity_factor,
+        expert_parallel=settings.expert_parallel, tensor_parallel=settings.expert_tensor_parallel or 1)

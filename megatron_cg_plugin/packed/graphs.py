@@ -204,14 +204,16 @@ def helper_sample_inputs(helper: Any, sample_args: Sequence[tuple], sample_kwarg
 # -- what the three patches put in place (their entries in patching.ledger.PATCHES) ---------------
 
 def _config_layout(session: Any) -> Callable[[], PackedLayout | None]:
-    """The session's layout, made once its config is resolved and kept while that config holds."""
+    """The session's layout, made once its config is resolved and kept while that config holds; its
+    ``--seq-length`` from the run's settings (``session.settings``, once the rules passed them)."""
     held: dict[int, PackedLayout | None] = {}
 
     def layout() -> PackedLayout | None:
         config = session.config
         if id(config) not in held:
             held.clear()
-            held[id(config)] = layout_of(config)
+            settings = session.settings  # None before the rules' check (a session of its own): the job's args
+            held[id(config)] = layout_of(config, seq_length=None if settings is None else settings.seq_length)
         return held[id(config)]
 
     return layout

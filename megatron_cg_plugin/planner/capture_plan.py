@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_cg_plugin.banks.sizes import bank_sizes
-from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.scopes import MOE_SCOPES
 
 
@@ -61,7 +61,7 @@ class CapturePlan:
         ])
 
 
-def layer_is_graphed(facts: GraphFacts, index: int) -> bool:
+def layer_is_graphed(facts: RunSettings, index: int) -> bool:
     """``index`` is 0-based; dense/MoE layer kinds follow ``--moe-layer-freq``."""
     if not facts.modules:
         return True
@@ -73,7 +73,7 @@ def layer_is_graphed(facts: GraphFacts, index: int) -> bool:
     return "mlp" in facts.modules and not moe_layer
 
 
-def plan_capture(facts: GraphFacts) -> CapturePlan:
+def plan_capture(facts: RunSettings) -> CapturePlan:
     data_parallel = facts.data_parallel
     global_batch = facts.global_batch_size or facts.micro_batch_size * data_parallel
     microbatches = max(1, global_batch // (facts.micro_batch_size * data_parallel))

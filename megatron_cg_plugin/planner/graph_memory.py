@@ -39,9 +39,10 @@ from typing import Iterator, Sequence
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner.allocator import PoolModel
 from megatron_cg_plugin.planner.capture_plan import plan_capture
-from megatron_cg_plugin.moe.capacity import capacity_plan_from_args
-from megatron_cg_plugin.offload.plan import OffloadPolicy, OffloadStack, Save
+from megatron_cg_plugin.moe.capacity import capacity_plan
+from megatron_cg_plugin.offload.plan import MEGATRON_MIN_OFFLOADED_TENSOR_SIZE, OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.planner.reduction import column_sum_workspace
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
 
 BF16 = 2
@@ -718,94 +719,97 @@ def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], stack: OffloadSta
     return stack.plan(attention_saves(shape), index).host_bytes if "attn" in parts else 0
 
 
-def _fp8_layer(args, number: int) -> bool:
+def _fp8_layer(settings: RunSettings, number: int) -> bool:
     """Layer ``number`` (1-based) runs in FP8: ``--fp8-format`` set and not one of the
     ``--first-last-layers-bf16`` layers."""
-    if not getattr(args, "fp8", None):
+    if not settings.fp8:
         return False
-    if not getattr(args, "first_last_layers_bf16", False):
+    if not settings.first_last_layers_bf16:
         return True
-    start, end = getattr(args, "num_layers_at_start_in_bf16", 1), getattr(args, "num_layers_at_end_in_bf16", 1)
-    return start < number <= args.num_layers - end
+    return settings.num_layers_at_start_in_bf16 < number <= settings.num_layers - settings.num_layers_at_end_in_bf16
 
 
-def plan_from_args(args, facts, *, config: PluginConfig, deterministic: bool) -> GraphMemoryPlan:
-    """The prediction for a run from Megatron's parsed and validated ``args``, the rules' ``facts``
-    (attributes only: this module stays free of Megatron and torch) and the plugin's ``config`` in
-    force (its offload copies and window; never the ``--cg-*`` flags, which an ``install(config)``
-    overrides). ``deterministic``: the run's NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0."""
-    capture = plan_capture(facts)
-    policy = OffloadPolicy.from_args(args) if facts.slot_capture else None
+def offload_policy(settings: RunSettings) -> OffloadPolicy | None:
+    """The policy of Megatron's offload flags (``OffloadPolicy.from_flags``), or None when they offload nothing."""
+    if not settings.activation_offloading or not settings.offload_modules:
+        return None
+    return OffloadPolicy.from_flags(settings.offload_modules, min_tensor_elements=MEGATRON_MIN_OFFLOADED_TENSOR_SIZE
+                                    if settings.min_offloaded_tensor_size is None else settings.min_offloaded_tensor_size,
+                                    fraction=settings.activation_offload_fraction)
+
+
+def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryPlan:
+    """The prediction for a run from its ``settings`` (``settings.read_settings``: Megatron's flags
+    as validated; this module stays free of Megatron and torch) and the plugin's ``config`` in force
+    (its offload copies and window; never the ``--cg-*`` flags, which an ``install(config)``
+    overrides). ``settings.deterministic``: cuDNN's deterministic attention backward."""
+    s = settings
+    capture = plan_capture(s)
+    policy = offload_policy(s) if s.slot_capture else None
     unpredicted = [what for what, present in (
-        ("pipeline parallelism (several microbatches captured per layer)", facts.pipeline_parallel > 1),
+        ("pipeline parallelism (several microbatches captured per layer)", s.pipeline_parallel > 1),
         ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
-        (f"FP8 recipe {getattr(args, 'fp8_recipe', None)!r} (modelled as tensorwise)",
-         facts.fp8 and getattr(args, "fp8_recipe", None) not in FP8_MODELLED_RECIPES),
-        ("FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)", facts.fp8
-         and not facts.slot_capture and facts.has_moe_layers),
-        ("FP8 MoE experts (their quantized saves)", facts.fp8 and facts.slot_capture and facts.has_moe_layers),
-        ("multi-latent attention (modelled as standard attention)", getattr(args, "multi_latent_attention", False)),
+        (f"FP8 recipe {s.fp8_recipe!r} (modelled as tensorwise)", s.fp8 and s.fp8_recipe not in FP8_MODELLED_RECIPES),
+        ("FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)", s.fp8
+         and not s.slot_capture and s.has_moe_layers),
+        ("FP8 MoE experts (their quantized saves)", s.fp8 and s.slot_capture and s.has_moe_layers),
+        ("multi-latent attention (modelled as standard attention)", s.multi_latent_attention),
         ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
-         getattr(getattr(args, "attention_backend", None), "name", getattr(args, "attention_backend", None))
-         in ("unfused", "local")),
-        ("multi-token-prediction layers", bool(getattr(args, "mtp_num_layers", None))),
-        ("activation recomputation inside the graphs", facts.recompute_granularity is not None),
-        ("tensor parallelism's communication buffers", facts.tensor_parallel > 1),
+         s.attention_backend in ("unfused", "local")),
+        ("multi-token-prediction layers", bool(s.mtp_num_layers)),
+        ("activation recomputation inside the graphs", s.recompute_granularity is not None),
+        ("tensor parallelism's communication buffers", s.tensor_parallel > 1),
         ("Megatron's activation offloading (its offloaded saves leave the pool)",
-         (facts.activation_offloading and not facts.slot_capture) or facts.cpu_offloading),
+         (s.activation_offloading and not s.slot_capture) or s.cpu_offloading),
         ("context parallelism (one rank's share of the sequence, without CP's communication buffers)",
-         facts.context_parallel > 1),
+         s.context_parallel > 1),
         ("in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
-         facts.slot_capture and policy is not None and config.offload_copies == "in-graph"),
+         s.slot_capture and policy is not None and config.offload_copies == "in-graph"),
         ("FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
-         "count the FP8 saves)", facts.slot_capture and facts.fp8 and bool(getattr(args, "fp8_dot_product_attention",
-                                                                                 False))),
+         "count the FP8 saves)", s.slot_capture and s.fp8 and s.fp8_dot_product_attention),
         ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
-         facts.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
-         and "moe" in scope_parts(facts.modules) and facts.has_moe_layers),
+         s.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
+         and "moe" in scope_parts(s.modules) and s.has_moe_layers),
     ) if present]
-    tp, cp = facts.tensor_parallel, facts.context_parallel
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
-    head_dim = args.kv_channels or args.hidden_size // heads
+    tp, cp = s.tensor_parallel, s.context_parallel
+    heads = s.num_attention_heads
+    groups = s.num_query_groups if s.group_query_attention and s.num_query_groups else heads
+    head_dim = s.kv_channels or s.hidden_size // heads
     dense = LayerShape(
-        seq=args.seq_length // cp, micro_batch=args.micro_batch_size, hidden=args.hidden_size,
-        ffn=args.ffn_hidden_size // tp, heads=max(1, heads // tp), query_groups=max(1, groups // tp),
-        head_dim=head_dim, gated=bool(args.swiglu), bias=bool(args.add_bias_linear),
-        rmsnorm=args.normalization == "RMSNorm", rope=args.position_embedding_type in ("rope", "yarn"),
-        hidden_dropout=args.hidden_dropout > 0, deterministic=deterministic,
-        rotary_dim=int(head_dim * getattr(args, "rotary_percent", 1.0)),
-        thd_sequences=facts.thd_max_seqs if facts.packed_graphs else None)
+        seq=s.seq_length // cp, micro_batch=s.micro_batch_size, hidden=s.hidden_size,
+        ffn=s.ffn_hidden_size // tp, heads=max(1, heads // tp), query_groups=max(1, groups // tp),
+        head_dim=head_dim, gated=s.swiglu, bias=s.add_bias_linear,
+        rmsnorm=s.normalization == "RMSNorm", rope=s.position_embedding_type in ("rope", "yarn"),
+        hidden_dropout=s.hidden_dropout > 0, deterministic=s.deterministic,
+        rotary_dim=int(head_dim * s.rotary_percent),
+        thd_sequences=s.thd_max_seqs if s.packed_graphs else None)
     moe_shape = None
-    if facts.num_experts:
-        ep = getattr(args, "expert_model_parallel_size", 1) or 1
-        local = facts.num_experts // ep
-        capacity = capacity_plan_from_args(args) if facts.pad_to_capacity else None  # the plan megatron-cg plan prints
+    if s.num_experts:
+        local = s.num_experts // s.expert_parallel
+        capacity = capacity_plan(s) if s.pad_to_capacity else None  # the plan megatron-cg plan prints
         # Padded: each local expert takes its capacity from every source rank; dropless: the router's assignments.
-        rows = local * capacity.tokens_per_local_expert if capacity else dense.tokens * args.moe_router_topk
-        moe_shape = MoeShape(experts=local, topk=args.moe_router_topk, ffn=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-                             rows=rows, shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
-                             router_fp32=getattr(args, "moe_router_dtype", None) == "fp32",
-                             router_experts=facts.num_experts)
+        rows = local * capacity.tokens_per_local_expert if capacity else dense.tokens * s.moe_topk
+        moe_shape = MoeShape(experts=local, topk=s.moe_topk, ffn=s.moe_ffn_hidden_size or s.ffn_hidden_size,
+                             rows=rows, shared_ffn=s.moe_shared_expert_intermediate_size or 0,
+                             router_fp32=s.moe_router_dtype == "fp32", router_experts=s.num_experts)
     first = set(capture.first_stage_layers)
-    layers = [dataclasses.replace(dense, moe=moe_shape if facts.is_moe_layer(n - 1) else None,
-                                  fp8_recipe=args.fp8_recipe if _fp8_layer(args, n) else None,
-                                  fp8_attention=_fp8_layer(args, n)
-                                  and bool(getattr(args, "fp8_dot_product_attention", False))
-                                  and args.fp8_recipe == "delayed")
+    layers = [dataclasses.replace(dense, moe=moe_shape if s.is_moe_layer(n - 1) else None,
+                                  fp8_recipe=s.fp8_recipe if _fp8_layer(s, n) else None,
+                                  fp8_attention=_fp8_layer(s, n) and s.fp8_dot_product_attention
+                                  and s.fp8_recipe == "delayed")
               for n in capture.graphed_layers if n in first]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
-    if facts.slot_capture:
+    if s.slot_capture:
         staged = policy is not None and config.offload_copies == "between-replays"
-        plan = plan_slot_memory(layers, facts.modules, policy, config.offload_window + 1 if staged else None)
+        plan = plan_slot_memory(layers, s.modules, policy, config.offload_window + 1 if staged else None)
     else:
-        plan = plan_graph_memory(layers, facts.modules)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(facts, len(layers)),
-                               thd_layout=(facts.thd_max_seqs, facts.packed_max_seqlen) if facts.packed_graphs else None)
+        plan = plan_graph_memory(layers, s.modules)
+    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(s, len(layers)),
+                               thd_layout=(s.thd_max_seqs, s.packed_max_seqlen) if s.packed_graphs else None)
 
 
-def thd_buffer_bytes(facts, graphs: int) -> int | None:
+def thd_buffer_bytes(facts: RunSettings, graphs: int) -> int | None:
     """Packed graphs' static offsets: ``--cg-thd-max-seqs + 1`` int32 entries per graph that holds
     attention (None where the run has no packed graphs)."""
     if not facts.packed_graphs:

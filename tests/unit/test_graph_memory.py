@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner import allocator
 from megatron_cg_plugin.planner.allocator import PoolModel, round_request, segment_size
-from megatron_cg_plugin.planner.graph_memory import LayerShape, MoeShape, attention_workspace, plan_from_args, plan_graph_memory, scope_parts
-from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.planner.graph_memory import LayerShape, MoeShape, attention_workspace, plan_for_run, plan_graph_memory, scope_parts
+from megatron_cg_plugin.settings import RunSettings, read_settings
 
 MiB = 2**20
 DEFAULTS = PluginConfig()  # the prediction reads the offload copies and window from the config in force
@@ -149,55 +149,72 @@ def megatron_args(**changes):
                 sequence_parallel=False, expert_tensor_parallel_size=1)
     return types.SimpleNamespace(**(base | changes))
 
+_DEFAULT_SETTINGS = RunSettings()
+
+
+def run_settings(args, facts: RunSettings, *, deterministic: bool = True) -> RunSettings:
+    """A run's settings: Megatron's ``args`` (``read_settings``) under what ``facts`` sets away from
+    the defaults (the rules' side of a test run), deterministic as NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 makes it."""
+    flags = types.SimpleNamespace(**({"num_layers": facts.num_layers} | vars(args)))
+    read, _config = read_settings(flags)
+    given = {field.name: getattr(facts, field.name) for field in dataclasses.fields(RunSettings)
+             if getattr(facts, field.name) != getattr(_DEFAULT_SETTINGS, field.name)}
+    return dataclasses.replace(read, **given, deterministic=deterministic)
+
+
+def plan_of(args, facts: RunSettings, *, config: PluginConfig, deterministic: bool):
+    return plan_for_run(run_settings(args, facts, deterministic=deterministic), config=config)
+
+
 
 def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",))
-    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",))
+    plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.pool_bytes == plan_graph_memory([tiny()] * 2, ["attn"]).pool_bytes and plan.unpredicted == ()
-    left_out = plan_from_args(megatron_args(multi_latent_attention=True, mtp_num_layers=1,
-                                            attention_backend=types.SimpleNamespace(name="unfused")),
-                              dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
+    left_out = plan_of(megatron_args(multi_latent_attention=True, mtp_num_layers=1, fp8="hybrid", fp8_recipe="blockwise",
+                                     attention_backend=types.SimpleNamespace(name="unfused")),
+                       dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
-    offloaded = plan_from_args(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
-                               config=DEFAULTS, deterministic=True).unpredicted
+    offloaded = plan_of(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
+                        config=DEFAULTS, deterministic=True).unpredicted
     assert offloaded == ("Megatron's activation offloading (its offloaded saves leave the pool)",)
-    in_graphs = plan_from_args(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
-                                             min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
-                               dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
-                               config=DEFAULTS, deterministic=True)
+    in_graphs = plan_of(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                                      min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
+                        dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
+                        config=DEFAULTS, deterministic=True)
     # The slot planner counts what it offloads; the copies' transient buffers in the pool it names as left out.
     assert in_graphs.host_arena_bytes > 0 and in_graphs.unpredicted == (
         "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",)
-    assert "not predicted: " in plan_from_args(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
+    assert "not predicted: " in plan_of(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
 
 
 def test_packed_graphs_print_their_layouts_bound():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), micro_batch_size=2,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), micro_batch_size=2,
                        inter_document_masking=True, thd_max_seqs=8, seq_length=256)
-    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
+    plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.thd_buffer_bytes == 2 * 9 * 4 and "9 cu_seqlens entries, max_seqlen 256" in plan.describe()
-    bounded = plan_from_args(megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS,
-                             deterministic=True)
+    bounded = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS,
+                      deterministic=True)
     assert "9 cu_seqlens entries, max_seqlen 64" in bounded.describe()
-    unpacked = plan_from_args(megatron_args(), dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
-                              config=DEFAULTS, deterministic=True)
+    unpacked = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
+                       config=DEFAULTS, deterministic=True)
     assert unpacked.thd_layout is None and "cu_seqlens" not in unpacked.describe()
 
 
 def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=1.5, pad_to_capacity=True)
     args = megatron_args(swiglu=True, add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5)
-    plan = plan_from_args(args, facts, config=DEFAULTS, deterministic=True)
+    plan = plan_of(args, facts, config=DEFAULTS, deterministic=True)
     expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
                                  ["attn", "moe"])
     assert plan.pool_bytes == expected.pool_bytes == 30 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
 
 
 def test_no_graphed_layer_predicts_an_empty_pool():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4,
                        capacity_factor=None)
-    assert plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
+    assert plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
 
 
 def test_segment_constants_are_the_allocators():
@@ -245,14 +262,14 @@ def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_gr
 
 
 def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True,
                        activation_offloading=True, offload_modules=("core_attn",))
     args = megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
                          min_offloaded_tensor_size=65536, activation_offload_fraction=1.0)
-    plan = plan_from_args(args, facts, config=DEFAULTS, deterministic=True)
+    plan = plan_of(args, facts, config=DEFAULTS, deterministic=True)
     assert plan.host_arena_bytes == 3 * 256 * 2 * 256 * 2  # q, k, v of the first layer (the last keeps its own)
     assert "pinned host arenas (predicted, --cg-slot-capture offload): 0.8 MiB" in plan.describe()
-    assert plan_from_args(args, dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True).host_arena_bytes is None
+    assert plan_of(args, dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True).host_arena_bytes is None
 
 
 # -- --cg-slot-capture: arenas, boundary buffers, the pool of temporaries ----------------------------------
@@ -411,25 +428,25 @@ def test_the_5x2048_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(
     """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (620 MiB measured, and its allocator
     trace): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
-    from megatron_cg_plugin.refusal import predict_graph_memory
+    from megatron_cg_plugin.planner.prediction import predict_graph_memory
     from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.farm import runner as farm
 
     case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
     args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
-    plan = predict_graph_memory(args, facts, config, environ=env)
+    plan = predict_graph_memory(facts, config)
     assert facts.slot_capture and args.fp8_recipe == "tensorwise" and args.hidden_dropout > 0
     assert abs(plan.pool_bytes / (620 * MiB) - 1) <= 0.15, plan.pool_bytes / MiB
 
 
 def test_slot_runs_get_the_arena_and_boundary_prediction_and_graphs_that_end_in_the_moe_block_are_refused():
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True)
-    plan = plan_from_args(megatron_args(), facts, config=DEFAULTS, deterministic=True)
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True)
+    plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.arena_bytes is not None and plan.boundary_bytes is not None and plan.host_arena_bytes is None
     assert "GPU arenas (predicted, --cg-slot-capture)" in plan.describe()
     assert not any("slot" in what for what in plan.unpredicted)
-    te = plan_from_args(megatron_args(), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
+    te = plan_of(megatron_args(), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
     assert te.arena_bytes is None and "GPU arenas" not in te.describe()
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
 
@@ -470,23 +487,23 @@ def test_ropes_table_follows_the_rotary_percent():
 def test_what_the_slot_plan_leaves_out_is_named():
     base = dict(fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536,
                 activation_offload_fraction=1.0)
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True,
                        activation_offloading=True)
     args, attention = megatron_args(**base, offload_modules=["core_attn"]), dataclasses.replace(
         facts, offload_modules=("core_attn",))
-    in_graph = plan_from_args(args, attention, config=DEFAULTS, deterministic=True)
-    staged = plan_from_args(args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"),
-                            deterministic=True)
+    in_graph = plan_of(args, attention, config=DEFAULTS, deterministic=True)
+    staged = plan_of(args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"),
+                     deterministic=True)
     per_layer = in_graph.host_arena_bytes // 2
     assert staged.arena_bytes == in_graph.arena_bytes + 2 * per_layer  # the staging ring's two buffers
     assert not any("between-replays" in what for what in staged.unpredicted)
     moe_facts = dataclasses.replace(facts, num_experts=4, capacity_factor=1.5, pad_to_capacity=True,
                                     offload_modules=("core_attn", "expert_fc1"))
-    moe = plan_from_args(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
-                                       add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
-                         moe_facts, config=DEFAULTS, deterministic=True)
+    moe = plan_of(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
+                                add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
+                  moe_facts, config=DEFAULTS, deterministic=True)
     assert any("MoE block's saves" in what for what in moe.unpredicted)
-    cp = plan_from_args(megatron_args(context_parallel_size=2), GraphFacts(
+    cp = plan_of(megatron_args(context_parallel_size=2), RunSettings(
         cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), config=DEFAULTS, deterministic=True)
     assert any("context parallelism" in what for what in cp.unpredicted)
 
@@ -496,18 +513,18 @@ def test_the_offload_copies_and_window_come_from_the_config_in_force_not_the_fla
     must follow the config, the staging ring of window + 1 buffers and no note on in-graph copies."""
     base = dict(fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536,
                 activation_offload_fraction=1.0, offload_modules=["core_attn"], num_layers=4)
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True,
                        activation_offloading=True, offload_modules=("core_attn",))
-    in_graph = plan_from_args(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
+    in_graph = plan_of(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
     per_layer = in_graph.host_arena_bytes // 3  # Megatron keeps the last layer's saves on the GPU
     flags = megatron_args(**base, cg_offload_copies="in-graph", cg_offload_window=1)
     for window in (1, 2):
-        staged = plan_from_args(flags, facts, config=PluginConfig(
+        staged = plan_of(flags, facts, config=PluginConfig(
             slot_capture=True, offload_copies="between-replays", offload_window=window), deterministic=True)
         assert staged.arena_bytes == in_graph.arena_bytes + (window + 1) * per_layer  # the staging ring
         assert staged.unpredicted == ()
-    assert plan_from_args(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS,
-                          deterministic=True) == in_graph
+    assert plan_of(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS,
+                   deterministic=True) == in_graph
 
 
 DENSE_SHAPES = st.builds(
@@ -558,22 +575,23 @@ def test_fp8_layers_save_their_gemm_inputs_quantized_and_delayed_scaling_also_th
 
 def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     base = dict(fp8="hybrid", fp8_recipe="tensorwise", num_layers=4)
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True,
                        fp8_recipe="tensorwise")
-    every = plan_from_args(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
-    ends = plan_from_args(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                                        num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
-    plain = plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
-                           config=DEFAULTS, deterministic=True)
+    every = plan_of(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
+    ends = plan_of(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                                 num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
+    plain = plan_of(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
+                    config=DEFAULTS, deterministic=True)
     per_layer = (plain.arena_bytes - every.arena_bytes) // 4
     assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
     assert not any("FP8" in what for what in ends.unpredicted)
-    te_path = plan_from_args(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
+    te_path = plan_of(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
     assert not any("FP8" in what for what in te_path.unpredicted)  # tensorwise is modelled on TE's path too
-    assert te_path.pool_bytes != plan_from_args(megatron_args(fp8=None, num_layers=4), dataclasses.replace(
+    assert te_path.pool_bytes != plan_of(megatron_args(fp8=None, num_layers=4), dataclasses.replace(
         facts, fp8=False, slot_capture=False), config=DEFAULTS, deterministic=True).pool_bytes
-    mxfp8 = plan_from_args(megatron_args(**base | {"fp8_recipe": "mxfp8"}), dataclasses.replace(facts, slot_capture=False),
-                           config=DEFAULTS, deterministic=True)
+    mxfp8 = plan_of(megatron_args(**base | {"fp8_recipe": "mxfp8"}),
+                    dataclasses.replace(facts, slot_capture=False, fp8_recipe="mxfp8"),
+                    config=DEFAULTS, deterministic=True)
     assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
 
 
@@ -634,9 +652,9 @@ def test_moe_layers_with_fp8_attention_are_planned_with_bf16_experts():
     moe = tiny(gated=True, bias=False, fp8_recipe="delayed", fp8_attention=True, heads=2, query_groups=2, head_dim=128,
                moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384, shared_ffn=256))
     assert plan_graph_memory([moe] * 2, ["attn", "moe"]).pool_bytes > 0
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
                        capacity_factor=None, fp8=True, fp8_recipe="delayed")
-    left_out = plan_from_args(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, config=DEFAULTS, deterministic=True).unpredicted
+    left_out = plan_of(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, config=DEFAULTS, deterministic=True).unpredicted
     assert "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)" in left_out
 
 
@@ -690,26 +708,27 @@ def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot
 
 
 def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_on():
-    from megatron_cg_plugin.refusal import model_config_adds, repredict_graph_memory
+    from megatron_cg_plugin.planner.prediction import model_config_adds, repredict_graph_memory
 
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    bf16_attention = plan_from_args(args, facts, config=DEFAULTS, deterministic=True).arena_bytes
-    flagged = plan_from_args(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts,
-                             config=DEFAULTS, deterministic=True).arena_bytes
+    bf16_attention = plan_of(args, facts, config=DEFAULTS, deterministic=True).arena_bytes
+    flagged = plan_of(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts,
+                      config=DEFAULTS, deterministic=True).arena_bytes
     assert flagged < bf16_attention
-    environ = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    settings = run_settings(args, facts)
     config = types.SimpleNamespace(fp8_dot_product_attention=True)
-    assert repredict_graph_memory(args, facts, DEFAULTS, config, environ=environ).arena_bytes == flagged
-    assert not hasattr(args, "fp8_dot_product_attention")  # the flags are left as they were
+    assert repredict_graph_memory(settings, DEFAULTS, config).arena_bytes == flagged
+    assert not settings.fp8_dot_product_attention  # the flags' settings are left as they were
     # Nothing beyond the flags (the field at its default, or as the flags said it): nothing to redo.
-    assert model_config_adds(args, config)
-    assert not model_config_adds(args, types.SimpleNamespace(fp8_dot_product_attention=False))
-    assert not model_config_adds(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), config)
-    assert not model_config_adds(args, object())
+    assert model_config_adds(settings, config)
+    assert not model_config_adds(settings, types.SimpleNamespace(fp8_dot_product_attention=False))
+    assert not model_config_adds(run_settings(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts),
+                                 config)
+    assert not model_config_adds(settings, object())
     # Under current scaling the planner does not model FP8 attention (--cg-slot-capture refuses it).
     tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
-    assert plan_from_args(tensorwise, facts, config=DEFAULTS, deterministic=True).arena_bytes == plan_from_args(
+    assert plan_of(tensorwise, facts, config=DEFAULTS, deterministic=True).arena_bytes == plan_of(
         megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, config=DEFAULTS, deterministic=True).arena_bytes
 
 
@@ -717,9 +736,9 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
     from megatron_cg_plugin import refusal
     from megatron_cg_plugin.session import RunSession
 
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
+    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    monkeypatch.setattr(refusal, "_enforce", lambda *a, **k: (facts, None))  # the rules passed
+    monkeypatch.setattr(refusal, "_enforce", lambda *a, **k: (run_settings(args, facts), None))  # the rules passed
     session = RunSession()
     refusal.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
     flags_plan = session.prediction.graph_memory
@@ -764,7 +783,7 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
     """Deterministic packed graphs' pools (the four packed farm cases on the GPU) are mostly cuDNN's THD
     backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
     predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
-    from megatron_cg_plugin.refusal import predict_graph_memory
+    from megatron_cg_plugin.planner.prediction import predict_graph_memory
     from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.farm import runner as farm
 
@@ -772,7 +791,7 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
     args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env,
                                                  launcher=False)  # Megatron-LM's pretrain_gpt.py, as the farm runs it
-    plan = predict_graph_memory(args, facts, config, environ=env)
+    plan = predict_graph_memory(facts, config)
     assert facts.packed_graphs and not plan.unpredicted
     assert abs(plan.pool_bytes / (measured_mib * MiB) - 1) <= 0.02, plan.pool_bytes / MiB
 

@@ -231,6 +231,74 @@ def test_a_deferral_needs_a_reason(tmp_path, text):
     assert [item.marked for item in imports(root)] == [False]
 
 
+# ---------------------------------------------------------------- folders
+
+
+def folder_of(module: str) -> str:
+    """A module's folder: its first package component under the package (``pkg.banks.capture`` ->
+    ``banks``); a top-level module (``pkg.rules``) and the package itself count as themselves."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_graph(found: list[Import]) -> dict[str, set[str]]:
+    """The imports between folders (``folder_of``), an import inside one folder left out."""
+    edges: dict[str, set[str]] = {}
+    for item in found:
+        importer, imported = folder_of(item.importer), folder_of(item.imported)
+        if importer != imported:
+            edges.setdefault(importer, set()).add(imported)
+    return edges
+
+
+# Imports that still close a loop between feature folders, each where a folder holds modules of two
+# layers: capture/lifecycle.py drives the features that build on the rest of capture/;
+# patching/builders.py installs what the ledger beside it (imported by capture code) lists; in-graph
+# offload and slot-shared capture import each other; packed graphs take a helper of banks/, which
+# builds on packed/. Moving the module that sits above its folder removes its entries; the list only
+# shrinks (an entry whose import is gone fails the test below), and any other loop fails it.
+FOLDER_LOOP_IMPORTS = frozenset((f"megatron_cg_plugin.{importer}", f"megatron_cg_plugin.{imported}")
+                                for importer, targets in {
+    "capture.lifecycle": ("banks.capture", "banks.sizes", "session", "slot_sharing.megatron_backend"),
+    "capture.contracts": ("banks.router",),
+    "patching.builders": ("capture.lifecycle", "capture.step_marks", "refusal", "rules", "slot_sharing.layout"),
+    "offload.groups": ("slot_sharing.capture",),
+    "offload.host_arenas": ("slot_sharing.saved_tensors", "slot_sharing.plan"),
+    "offload.plan": ("slot_sharing.plan",),
+    "offload.staging": ("slot_sharing.saved_tensors",),
+    "packed.graphs": ("banks.capture",),
+}.items() for imported in targets)
+
+
+def folder_cycle_problems(root: Path = ROOT, known: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
+    """One line per loop between the folders of the package at ``root`` (``known`` imports left out)."""
+    edges = folder_graph([item for item in imports(root) if (item.importer, item.imported) not in known])
+    return [f"{' -> '.join(cycle)}  (and every loop among {', '.join(sorted(_component(cycle[0], edges)))})"
+            for cycle in cycles(edges)]
+
+
+def test_the_folders_import_each_other_without_a_loop():
+    found = {(item.importer, item.imported) for item in imports()}
+    gone = sorted(FOLDER_LOOP_IMPORTS - found)
+    assert not gone, f"imports no longer there: take them off FOLDER_LOOP_IMPORTS: {gone}"
+    problems = folder_cycle_problems(known=FOLDER_LOOP_IMPORTS)
+    assert not problems, ("folders that import each other (a feature folder imports only folders below it; move "
+                          "the module that sits above its folder):\n" + "\n".join(problems))
+
+
+def test_a_loop_between_folders_is_found_and_top_level_modules_are_folders_of_their_own(tmp_path):
+    root = _package(tmp_path, {
+        "a/__init__.py": "", "a/low.py": "", "a/high.py": "from pkg.b import user\n",
+        "b/__init__.py": "", "b/user.py": "from pkg.a import low\nfrom pkg import c\n",
+        "c.py": "", "d.py": "import pkg.a.high\n",
+    })
+    # No module imports itself back, yet a and b import each other; c and d are folders of their own.
+    assert cycle_problems(root) == []
+    assert folder_graph(imports(root)) == {"a": {"b"}, "b": {"a", "c"}, "d": {"a"}}
+    assert folder_cycle_problems(root) == ["a -> b -> a  (and every loop among a, b)"]
+    assert folder_cycle_problems(root, known=frozenset({("pkg.a.high", "pkg.b.user")})) == []
+
+
 # ---------------------------------------------------------------- layers
 
 

@@ -18,7 +18,7 @@ from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.packed.graphs import THD_KWARG, PackedFormError
 from megatron_cg_plugin.planner.graph_memory import thd_buffer_bytes
 from megatron_cg_plugin.packed.layout import PackedLayout, ThdCapacityError, padded_offsets
-from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.session import RunSession
 
 LAYOUT = PackedLayout(max_seqs=6, max_seqlen=16)
@@ -229,6 +229,14 @@ def test_the_model_entry_lays_training_microbatches_out(packed_session):
     assert evaluating.seen is raw  # eval steps run eagerly: Megatron's own layout
 
 
+def test_the_model_entry_takes_the_sequence_length_from_the_runs_settings(packed_session):
+    packed_session.take_settings(RunSettings(seq_length=32))  # the rules passed them: not the job's 16
+    forward = packed_graphs.build_thd_layout(FakeGPT.forward, packed_session)
+    model = FakeGPT()
+    forward(model, 1, 2, None, packed_seq_params=params_of([0, 5, 16], longest=11))
+    assert model.seen.max_seqlen_q == 32
+
+
 def test_the_model_entry_passes_through_without_the_flag(monkeypatch):
     forward = packed_graphs.build_thd_layout(FakeGPT.forward, RunSession(PluginConfig()))
     model, raw = FakeGPT(), params_of([0, 5, 16], longest=11)
@@ -291,7 +299,7 @@ def test_the_capture_turns_the_graph_input_into_params(packed_session):
 # -- the planner ------------------------------------------------------------------------------------
 
 def test_the_planner_counts_the_static_offsets():
-    packed = GraphFacts(cuda_graph_impl="transformer_engine", inter_document_masking=True, thd_max_seqs=31)
+    packed = RunSettings(cuda_graph_impl="transformer_engine", inter_document_masking=True, thd_max_seqs=31)
     assert thd_buffer_bytes(packed, 4) == 4 * 32 * 4  # per graph: --cg-thd-max-seqs + 1 int32 entries
     assert thd_buffer_bytes(dataclasses.replace(packed, modules=("mlp",)), 4) == 0  # attention eager: no offsets
     assert thd_buffer_bytes(dataclasses.replace(packed, thd_max_seqs=None), 4) is None

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.planner.capture_plan import CapturePlan, layer_is_graphed, plan_capture
-from megatron_cg_plugin.rules import GraphFacts
+from megatron_cg_plugin.settings import RunSettings
 
 TE = "transformer_engine"
 MOE_SCOPE_SETS = [("moe",), ("moe_router",), ("moe_router", "moe_preprocess"), ("attn", "moe_router")]
@@ -29,8 +29,8 @@ def freqs_for(num_layers):
 GRID = [(n, f) for n in range(1, 5) for f in freqs_for(n)]
 
 
-def te(**kw) -> GraphFacts:
-    return GraphFacts(cuda_graph_impl=TE, **kw)
+def te(**kw) -> RunSettings:
+    return RunSettings(cuda_graph_impl=TE, **kw)
 
 
 @pytest.mark.parametrize("num_layers, num_experts", itertools.product(range(1, 7), [None, 4]))
@@ -140,7 +140,7 @@ def test_global_batch_defaults_to_one_microbatch():
 @pytest.mark.parametrize("impl", ["none", "local", "full_iteration"])
 @pytest.mark.parametrize("modules", [(), ("attn",), ("mlp",)])
 def test_non_te_impl_graphs_nothing(impl, modules):
-    plan = plan_capture(GraphFacts(cuda_graph_impl=impl, modules=modules, num_layers=4))
+    plan = plan_capture(RunSettings(cuda_graph_impl=impl, modules=modules, num_layers=4))
     assert plan.graphed_layers == ()
     assert plan.graphs_on_first_stage == 0
     text = plan.describe()
@@ -240,7 +240,7 @@ def test_graphed_layers_are_a_sorted_subset(facts):
 
 @pytest.mark.parametrize("world, min_cp, banks", [(2, 1, (1, 2)), (4, 1, (1, 2, 4)), (4, 2, (2, 4)), (8, 8, (8,))])
 def test_graph_banks_in_the_plan(world, min_cp, banks):
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
                        world_size=world, bank_min_cp=min_cp, num_layers=3)
     plan = plan_capture(facts)
     assert plan.banks == banks
@@ -252,7 +252,7 @@ def test_graph_banks_in_the_plan(world, min_cp, banks):
 
 @pytest.mark.parametrize("modules, per_layer", [((), 2), (("attn",), 2), (("mlp",), 1), (("attn", "mlp"), 2)])
 def test_banks_without_attention_in_the_scope_share_one_graph_per_layer(modules, per_layer):
-    facts = GraphFacts(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
+    facts = RunSettings(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
                        world_size=2, num_layers=3, modules=modules)
     plan = plan_capture(facts)
     assert plan.banks == (1, 2) and plan.graphs_on_first_stage == 3 * per_layer

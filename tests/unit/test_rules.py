@@ -8,143 +8,144 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.rules import RULES, GraphFacts, RuleViolation, facts_from_args, validate, violations
+from megatron_cg_plugin.rules import RULES, RuleViolation, validate, violations
+from megatron_cg_plugin.settings import RunSettings, read_settings
 
 TE = "transformer_engine"
 # A valid run with TE graphs on: the starting point every violating example changes.
-BASELINE = GraphFacts(cuda_graph_impl=TE)
+BASELINE = RunSettings(cuda_graph_impl=TE)
 MOE_DROP_PAD = dict(num_experts=4, capacity_factor=1.5, pad_to_capacity=True)
 # Hybrid CP with what Megatron's hybrid-CP loader needs.
 HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seqlen_per_dp_cp_rank=256)
 
 # rule name -> (facts that break exactly that rule, a flag/env the message must tell the user to change)
-VIOLATING: dict[str, tuple[GraphFacts, str]] = {
-    "num-layers": (GraphFacts(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
-    "hybrid-cp-ranks": (GraphFacts(**HYBRID), "--nproc-per-node 2"),
-    "cg-flags-need-te-graphs": (GraphFacts(graph_only_flags=("--cg-slot-capture",)),
+VIOLATING: dict[str, tuple[RunSettings, str]] = {
+    "num-layers": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
+    "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
+    "cg-flags-need-te-graphs": (RunSettings(graph_only_flags=("--cg-slot-capture",)),
                                 "--cuda-graph-impl transformer_engine"),
-    "te-installed": (GraphFacts(cuda_graph_impl=TE, te_available=False), "--cuda-graph-impl none"),
-    "te-layers": (GraphFacts(cuda_graph_impl=TE, transformer_impl="local"),
+    "te-installed": (RunSettings(cuda_graph_impl=TE, te_available=False), "--cuda-graph-impl none"),
+    "te-layers": (RunSettings(cuda_graph_impl=TE, transformer_impl="local"),
                   "--transformer-impl transformer_engine"),
-    "moe-xor-router": (GraphFacts(cuda_graph_impl=TE, modules=("moe", "moe_router"), **MOE_DROP_PAD),
+    "moe-xor-router": (RunSettings(cuda_graph_impl=TE, modules=("moe", "moe_router"), **MOE_DROP_PAD),
                        "--cuda-graph-modules"),
-    "preprocess-needs-router": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_preprocess"), num_experts=4),
+    "preprocess-needs-router": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_preprocess"), num_experts=4),
                                 "moe_router"),
-    "moe-scope-needs-moe": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_router")), "--num-experts"),
-    "mlp-scope-needs-dense": (GraphFacts(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=4),
+    "moe-scope-needs-moe": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router")), "--num-experts"),
+    "mlp-scope-needs-dense": (RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=4),
                               "--moe-layer-freq"),
-    "moe-scope-needs-drop-and-pad": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
+    "moe-scope-needs-drop-and-pad": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
                                                 capacity_factor=1.5),
                                      "--moe-pad-expert-input-to-capacity"),
-    "preprocess-no-host-sync": (GraphFacts(cuda_graph_impl=TE, modules=("moe_router", "moe_preprocess"),
+    "preprocess-no-host-sync": (RunSettings(cuda_graph_impl=TE, modules=("moe_router", "moe_preprocess"),
                                            num_experts=4, dispatcher="alltoall", capacity_factor=1.5),
                                 "--moe-pad-expert-input-to-capacity"),
-    "whole-layer-moe-needs-drop-and-pad": (GraphFacts(cuda_graph_impl=TE, num_experts=4, dispatcher="alltoall"),
+    "whole-layer-moe-needs-drop-and-pad": (RunSettings(cuda_graph_impl=TE, num_experts=4, dispatcher="alltoall"),
                                            "--moe-expert-capacity-factor"),
-    "full-recompute": (GraphFacts(cuda_graph_impl=TE, recompute_granularity="full"),
+    "full-recompute": (RunSettings(cuda_graph_impl=TE, recompute_granularity="full"),
                        "--recompute-granularity selective"),
-    "moe-recompute-vs-router": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
+    "moe-recompute-vs-router": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
                                            recompute_granularity="selective", recompute_modules=("moe",)),
                                 "--recompute-modules moe"),
-    "cpu-offloading": (GraphFacts(cuda_graph_impl=TE, cpu_offloading=True), "--cpu-offloading"),
-    "hybrid-cp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, world_size=2), "--hybrid-context-parallel"),
-    "gradient-accumulation-fusion": (GraphFacts(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
+    "cpu-offloading": (RunSettings(cuda_graph_impl=TE, cpu_offloading=True), "--cpu-offloading"),
+    "hybrid-cp": (RunSettings(cuda_graph_impl=TE, **HYBRID, world_size=2), "--hybrid-context-parallel"),
+    "gradient-accumulation-fusion": (RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
                                      "--no-gradient-accumulation-fusion"),
-    "expandable-segments": (GraphFacts(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
-    "warmup-steps": (GraphFacts(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
-    "hybrid-cp-pipeline": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=4,
+    "expandable-segments": (RunSettings(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
+    "warmup-steps": (RunSettings(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
+    "hybrid-cp-pipeline": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=4,
                                       pipeline_parallel=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-power-of-two": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
+    "hybrid-cp-power-of-two": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
                                "power of two"),
-    "hybrid-cp-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "hybrid-cp-delayed-wgrad": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                            delay_wgrad_compute=True, world_size=2), "--delay-wgrad-compute"),
-    "hybrid-cp-ep-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "hybrid-cp-ep-overlap": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                         overlap_moe_expert_parallel_comm=True, world_size=2), "--overlap-moe-expert-parallel-comm"),
-    "hybrid-cp-mamba-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "hybrid-cp-mamba-scope": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                          world_size=2, modules=("attn", "mamba")), "drop mamba"),
-    "banks-need-hybrid-cp": (GraphFacts(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
-    "banks-rope-type": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "banks-need-hybrid-cp": (RunSettings(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
+    "banks-rope-type": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                    position_embedding_type="yarn", world_size=2), "--position-embedding-type rope"),
-    "banks-rope-fusion": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "banks-rope-fusion": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                      position_embedding_type="rope", apply_rope_fusion=False, world_size=2), "--no-rope-fusion"),
-    "hybrid-cp-rope-static-cp": (GraphFacts(**HYBRID, position_embedding_type="rope",
+    "hybrid-cp-rope-static-cp": (RunSettings(**HYBRID, position_embedding_type="rope",
                                             context_parallel=2, world_size=2), "--context-parallel-size 1"),
-    "banks-scope": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "banks-scope": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                modules=("attn", "moe_router"), **MOE_DROP_PAD, world_size=2), "--cuda-graph-modules attn moe"),
-    "offload-in-graph-warmup": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
+    "offload-in-graph-warmup": (RunSettings(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
                                            position_embedding_type="rope",
                                            offload_modules=("core_attn",), warmup_steps=0),
                                 "--cuda-graph-warmup-steps 1"),
-    "whole-layer-offload-unjoined": (GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope",
+    "whole-layer-offload-unjoined": (RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope",
                                                 offload_modules=("core_attn",)), "--cuda-graph-modules attn mlp"),
-    "offload-recompute-in-graphs": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
+    "offload-recompute-in-graphs": (RunSettings(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
                                                offload_modules=("core_attn",), recompute_granularity="selective",
                                                recompute_modules=("layernorm",), position_embedding_type="rope"),
                                     "(--offload-modules core_attn inside the graphs, --recompute-modules layernorm)"),
-    "offload-learned-positions": (GraphFacts(activation_offloading=True, offload_modules=("core_attn",),
+    "offload-learned-positions": (RunSettings(activation_offloading=True, offload_modules=("core_attn",),
                                              position_embedding_type="learned_absolute"),
                                   "--position-embedding-type rope"),
-    "slot-capture-pipeline": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
+    "slot-capture-pipeline": (RunSettings(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
                               "--pipeline-model-parallel-size 1"),
-    "slot-capture-fp8": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
+    "slot-capture-fp8": (RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
                          "--fp8-recipe delayed or tensorwise"),
-    "slot-capture-fp8-op-fuser": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_fuser=True),
+    "slot-capture-fp8-op-fuser": (RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_fuser=True),
                                   "drop --use-transformer-engine-op-fuser"),
-    "slot-capture-scope": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
+    "slot-capture-scope": (RunSettings(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
                                       **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "slot-capture-delayed-wgrad": (GraphFacts(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
+    "slot-capture-delayed-wgrad": (RunSettings(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
                                    "--delay-wgrad-compute"),
-    "banks-param-gather-overlap": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
+    "banks-param-gather-overlap": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
                                               overlap_param_gather=True, world_size=2), "--overlap-param-gather"),
-    "moe-layer-freq": (GraphFacts(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
+    "moe-layer-freq": (RunSettings(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
                                   moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
                        "--moe-layer-freq"),
-    "parallel-sizes": (GraphFacts(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
+    "parallel-sizes": (RunSettings(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
                        "--tensor-model-parallel-size"),
-    "hybrid-cp-rerun-mode": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results",
+    "hybrid-cp-rerun-mode": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results",
                                          world_size=2),
                              "--rerun-mode disabled"),
-    "hybrid-cp-document-masking": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
+    "hybrid-cp-document-masking": (RunSettings(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
                                               graph_banks=True, world_size=2), "--dataloader-inter-document-masking"),
-    "packed-sequences-te-graphs": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True),
+    "packed-sequences-te-graphs": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True),
                                    "add --cg-thd-max-seqs N"),
-    "thd-max-seqs-without-packed-data": (GraphFacts(cuda_graph_impl=TE, thd_max_seqs=8), "drop --cg-thd-max-seqs"),
-    "thd-max-seqlen-without-packed-graphs": (GraphFacts(cuda_graph_impl=TE, thd_max_seqlen=1024),
+    "thd-max-seqs-without-packed-data": (RunSettings(cuda_graph_impl=TE, thd_max_seqs=8), "drop --cg-thd-max-seqs"),
+    "thd-max-seqlen-without-packed-graphs": (RunSettings(cuda_graph_impl=TE, thd_max_seqlen=1024),
                                              "add --cg-thd-max-seqs N"),
-    "thd-max-seqlen-bound": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, seq_length=256,
+    "thd-max-seqlen-bound": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, seq_length=256,
                                         thd_max_seqlen=512), "(--cg-thd-max-seqlen 512, --seq-length 256)"),
-    "packed-graphs-deterministic-attention": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=32,
+    "packed-graphs-deterministic-attention": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=32,
                                                          seq_length=4096, num_attention_heads=16, deterministic=True),
                                               "set --cg-thd-max-seqlen to the longest document"),
-    "packed-graphs-capacity": (GraphFacts(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4,
+    "packed-graphs-capacity": (RunSettings(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4,
                                           global_batch_size=4), "raise --cg-thd-max-seqs"),
-    "packed-graphs-moe": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, num_experts=4,
+    "packed-graphs-moe": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, num_experts=4,
                                      capacity_factor=1.0, pad_to_capacity=True), "dense layers"),
-    "packed-graphs-slot-capture": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+    "packed-graphs-slot-capture": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
                                               slot_capture=True), "drop --cg-slot-capture"),
-    "packed-graphs-offload": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+    "packed-graphs-offload": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
                                          modules=("attn",), activation_offloading=True, offload_modules=("core_attn",),
                                          position_embedding_type="rope", warmup_steps=3), "outside --cuda-graph-modules"),
-    "packed-graphs-rope": (GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
+    "packed-graphs-rope": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
                                       position_embedding_type="rope", apply_rope_fusion=False), "drop --no-rope-fusion"),
-    "packed-launcher-sft": (GraphFacts(launcher=True, sft=True), "megatron-cg run PATH/pretrain_gpt.py"),
-    "packed-launcher-pipeline": (GraphFacts(launcher=True, inter_document_masking=True, pipeline_parallel=2,
+    "packed-launcher-sft": (RunSettings(launcher=True, sft=True), "megatron-cg run PATH/pretrain_gpt.py"),
+    "packed-launcher-pipeline": (RunSettings(launcher=True, inter_document_masking=True, pipeline_parallel=2,
                                             world_size=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-seqlen-per-rank": (GraphFacts(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
+    "hybrid-cp-seqlen-per-rank": (RunSettings(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
                                              graph_banks=True, world_size=2), "--max-seqlen-per-dp-cp-rank"),
-    "hybrid-cp-launcher-tp": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
+    "hybrid-cp-launcher-tp": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
                                          tensor_parallel=2), "--tensor-model-parallel-size 1"),
-    "banks-fp8": (GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True, world_size=2), "--fp8-format"),
-    "fp8-recipe-device": (GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0),
+    "banks-fp8": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True, world_size=2), "--fp8-format"),
+    "fp8-recipe-device": (RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0),
                                      cuda_version=(13, 0)), "(--fp8-recipe mxfp8, compute capability 9.0, CUDA 13.0)"),
-    "fp4-device": (GraphFacts(cuda_graph_impl=TE, fp4=True, device_capability=(9, 0)), "(compute capability 9.0)"),
-    "cg-flags": (GraphFacts(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
+    "fp4-device": (RunSettings(cuda_graph_impl=TE, fp4=True, device_capability=(9, 0)), "(compute capability 9.0)"),
+    "cg-flags": (RunSettings(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
                  "--cg-thd-max-seqs 0 must be >= 1."),
-    "data-files": (GraphFacts(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")), "/data/a.bin, /data/a.idx"),
-    "moe-capacity-over-tokens": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
+    "data-files": (RunSettings(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")), "/data/a.bin, /data/a.idx"),
+    "moe-capacity-over-tokens": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
                                             capacity_factor=3.0, pad_to_capacity=True, dispatcher="alltoall",
                                             moe_topk=2), "num-experts / topk"),
-    "moe-tp-needs-sequence-parallel": (GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
+    "moe-tp-needs-sequence-parallel": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
                                                   tensor_parallel=2, world_size=2), "--sequence-parallel"),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
@@ -156,7 +157,7 @@ ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq",
              "packed-graphs-deterministic-attention"}
 
 
-def names(facts: GraphFacts) -> list[str]:
+def names(facts: RunSettings) -> list[str]:
     return [name for name, _ in violations(facts)]
 
 
@@ -166,14 +167,14 @@ def test_rule_names_are_unique():
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
 def test_every_rule_has_a_violating_example(rule):
-    assert rule.name in VIOLATING, f"add a GraphFacts that breaks {rule.name!r} to VIOLATING"
+    assert rule.name in VIOLATING, f"add a RunSettings that breaks {rule.name!r} to VIOLATING"
     assert rule.source in ("megatron", "plugin")
 
 
 def test_slot_fp8_is_refused_where_layers_hold_te_norm_modules():
     """An MoE layer's pre-MLP norm (and q/k or MLA norms) is a TE norm module built from te.ops, which the
     slot backend refuses under FP8 at capture (seen on the GPU); the rule says so before any GPU work."""
-    facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_norms=True)
+    facts = RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_norms=True)
     assert [name for name, _ in violations(facts)] == ["slot-capture-fp8-op-fuser"]
     assert "(TE norm modules in the layers)" in violations(facts)[0][1]
     assert not violations(dataclasses.replace(facts, fp8=False))
@@ -190,40 +191,40 @@ def test_baseline_passes():
 
 
 @pytest.mark.parametrize("valid", [
-    GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_router", "moe_preprocess"), num_experts=8,
+    RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router", "moe_preprocess"), num_experts=8,
                dispatcher="alltoall"),
-    GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe"), **MOE_DROP_PAD),
-    GraphFacts(cuda_graph_impl=TE, **MOE_DROP_PAD),  # whole layer with drop-and-pad
-    GraphFacts(cuda_graph_impl=TE, modules=("mlp", "moe_router"), num_experts=4, num_layers=4, moe_layer_freq=2),
-    GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp")),
-    GraphFacts(cuda_graph_impl=TE, gradient_accumulation_fusion=True, apex_fused_wgrad=True),
-    GraphFacts(cuda_graph_impl=TE, expandable_segments=True, nccl_graph_register_off=True),
-    GraphFacts(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
-    GraphFacts(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
-    GraphFacts(cuda_graph_impl=TE, warmup_steps=0),
+    RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), **MOE_DROP_PAD),
+    RunSettings(cuda_graph_impl=TE, **MOE_DROP_PAD),  # whole layer with drop-and-pad
+    RunSettings(cuda_graph_impl=TE, modules=("mlp", "moe_router"), num_experts=4, num_layers=4, moe_layer_freq=2),
+    RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp")),
+    RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True, apex_fused_wgrad=True),
+    RunSettings(cuda_graph_impl=TE, expandable_segments=True, nccl_graph_register_off=True),
+    RunSettings(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
+    RunSettings(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
+    RunSettings(cuda_graph_impl=TE, warmup_steps=0),
     # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU is unknown.
-    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)),
-    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(10, 0), cuda_version=(13, 0)),
-    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="tensorwise", device_capability=(9, 0)),
-    GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8"),
-    GraphFacts(cuda_graph_impl=TE, fp4=True, device_capability=(10, 0)),
+    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)),
+    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(10, 0), cuda_version=(13, 0)),
+    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="tensorwise", device_capability=(9, 0)),
+    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8"),
+    RunSettings(cuda_graph_impl=TE, fp4=True, device_capability=(10, 0)),
     # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
-    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                position_embedding_type="rope", modules=("attn",)),
-    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("mlp",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
-    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("expert_fc1", "moe_act"),
                **MOE_DROP_PAD),
     # Offload inside the graphed scope: banks and --cg-slot-capture protect it.
-    GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True, position_embedding_type="rope",
+    RunSettings(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True, position_embedding_type="rope",
                offload_modules=("attn_norm", "core_attn", "mlp_norm")),
     # Megatron joins its offload stream into graphs that name attn / mlp: the same whole dense layer.
-    GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True, position_embedding_type="rope",
+    RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True, position_embedding_type="rope",
                offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm")),
-    GraphFacts(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True, position_embedding_type="rope",
+    RunSettings(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True, position_embedding_type="rope",
                offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
 ], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
 def test_valid_combinations_pass(valid):
@@ -254,7 +255,7 @@ def test_graph_only_rules_are_silent_without_graphs(name):
 
 
 def test_all_broken_rules_reported_at_once():
-    facts = GraphFacts(cuda_graph_impl=TE, modules=("moe", "moe_router"), num_experts=4,
+    facts = RunSettings(cuda_graph_impl=TE, modules=("moe", "moe_router"), num_experts=4,
                        recompute_granularity="full", cpu_offloading=True,
                        gradient_accumulation_fusion=True, world_size=3, tensor_parallel=2)
     with pytest.raises(RuleViolation) as info:
@@ -292,15 +293,15 @@ def test_the_launcher_tp_rule_is_the_launchers_own():
 @pytest.mark.parametrize("num_experts, is_moe", [(None, False), (0, False), (1, False), (2, True), (8, True)])
 def test_moe_scope_needs_more_than_one_expert(num_experts, is_moe):
     # mirrors TransformerConfig: "moe cuda graph is only supported for MoE" when num_moe_experts <= 1
-    facts = GraphFacts(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=num_experts)
+    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=num_experts)
     assert facts.moe is is_moe
     assert names(facts) == ([] if is_moe else ["moe-scope-needs-moe"])
 
 
 def test_drop_and_pad_needs_both_flags():
-    assert not GraphFacts(capacity_factor=1.5).drop_and_pad
-    assert not GraphFacts(pad_to_capacity=True).drop_and_pad
-    assert GraphFacts(capacity_factor=1.5, pad_to_capacity=True).drop_and_pad
+    assert not RunSettings(capacity_factor=1.5).drop_and_pad
+    assert not RunSettings(pad_to_capacity=True).drop_and_pad
+    assert RunSettings(capacity_factor=1.5, pad_to_capacity=True).drop_and_pad
 
 
 # -- is_moe_layer -----------------------------------------------------------------------------------
@@ -313,21 +314,21 @@ def test_drop_and_pad_needs_both_flags():
     ((1, 1, 1, 1, 1, 1), [True] * 6),
 ])
 def test_is_moe_layer(freq, expected):
-    facts = GraphFacts(num_layers=6, num_experts=4, moe_layer_freq=freq)
+    facts = RunSettings(num_layers=6, num_experts=4, moe_layer_freq=freq)
     assert [facts.is_moe_layer(i) for i in range(6)] == expected
     assert facts.all_layers_moe == all(expected)
 
 
 @pytest.mark.parametrize("freq", [1, 2, (1, 0)])
 def test_dense_model_has_no_moe_layers(freq):
-    facts = GraphFacts(num_layers=2, num_experts=None, moe_layer_freq=freq)
+    facts = RunSettings(num_layers=2, num_experts=None, moe_layer_freq=freq)
     assert not facts.moe
     assert not any(facts.is_moe_layer(i) for i in range(2))
     assert not facts.all_layers_moe
 
 
 def test_mlp_scope_allowed_when_some_layer_is_dense():
-    all_moe = GraphFacts(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=2,
+    all_moe = RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=2,
                          moe_layer_freq=(1, 1))
     assert names(all_moe) == ["mlp-scope-needs-dense"]
     assert names(dataclasses.replace(all_moe, moe_layer_freq=(1, 0))) == []
@@ -335,13 +336,18 @@ def test_mlp_scope_allowed_when_some_layer_is_dense():
 
 
 def test_short_moe_layer_freq_list_is_a_rule_violation():
-    facts = GraphFacts(cuda_graph_impl=TE, modules=("attn", "mlp"), num_experts=4, num_layers=4,
+    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp"), num_experts=4, num_layers=4,
                        moe_layer_freq=(1, 1))
     with pytest.raises(ValueError, match="--moe-layer-freq"):
         validate(facts)
 
 
-# -- facts_from_args on Megatron's real parser ------------------------------------------------------
+# -- read_settings on Megatron's real parser --------------------------------------------------------
+
+
+def settings_of(args, **probed):
+    return read_settings(args, **probed)[0]
+
 
 @pytest.fixture
 def parse(monkeypatch):
@@ -354,7 +360,7 @@ def parse(monkeypatch):
 
 def test_facts_from_parsed_moe_namespace(parse):
     args = parse("--cg-preset", "tiny-moe", "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "moe_router")
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
+    facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env={})
     assert facts.te_graphs
     assert facts.modules == ("attn", "moe_router")
     assert facts.num_experts == 4 and facts.moe
@@ -372,7 +378,7 @@ def test_facts_from_parsed_drop_and_pad_namespace(parse):
     args = parse("--cg-preset", "tiny-moe", "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "moe",
                  "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
                  "--moe-layer-freq", "[1,0]", "--cuda-graph-warmup-steps", "5")
-    facts = facts_from_args(args, te_available=False, apex_fused_wgrad=False)
+    facts = settings_of(args, te_available=False, apex_fused_wgrad=False)
     assert facts.modules == ("attn", "moe")
     assert facts.capacity_factor == 1.5 and facts.pad_to_capacity and facts.drop_and_pad
     assert facts.moe_layer_freq == (1, 0)
@@ -385,17 +391,17 @@ def test_facts_from_parsed_dense_namespace(parse):
     # no preset: Megatron's own default keeps gradient-accumulation fusion on
     args = parse("--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
                  "--micro-batch-size", "1", "--recompute-granularity", "full", "--recompute-method", "uniform")
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
+    facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env={})
     assert facts.cuda_graph_impl == "none" and not facts.te_graphs
     assert facts.modules == ()
     assert facts.num_experts is None and not facts.moe
     assert facts.recompute_granularity == "full"
     assert facts.gradient_accumulation_fusion is True
     assert facts.input_norm_fused  # standard attention: the input norm is in TE's QKV linear
-    mla = facts_from_args(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True})), te_available=True,
+    mla = settings_of(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True})), te_available=True,
                           apex_fused_wgrad=False, env={})
     assert not mla.input_norm_fused
-    assert facts_from_args(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True,
+    assert settings_of(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True,
                                                                    "mla_down_proj_fusion": True})),
                            te_available=True, apex_fused_wgrad=False, env={}).input_norm_fused
     # full recompute is graph-only; the missing APEX kernel is not
@@ -412,7 +418,7 @@ def test_facts_from_parsed_dense_namespace(parse):
 ])
 def test_facts_read_the_environment(parse, env, expandable, register_off, broken):
     args = parse("--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE)
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env=env)
+    facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env=env)
     assert facts.expandable_segments is expandable
     assert facts.nccl_graph_register_off is register_off
     assert names(facts) == broken
@@ -421,7 +427,7 @@ def test_facts_read_the_environment(parse, env, expandable, register_off, broken
 def test_facts_world_size_from_env(parse, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     args = parse("--cg-preset", "tiny-gpt", "--tensor-model-parallel-size", "4")
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False)
+    facts = settings_of(args, te_available=True, apex_fused_wgrad=False)
     assert facts.world_size == 6 and facts.tensor_parallel == 4
     assert names(facts) == ["parallel-sizes"]
 
@@ -429,7 +435,7 @@ def test_facts_world_size_from_env(parse, monkeypatch):
 def test_facts_from_minimal_namespace_use_defaults():
     import argparse
 
-    facts = facts_from_args(argparse.Namespace(num_layers=3, micro_batch_size=1, cuda_graph_modules="attn mlp"),
+    facts = settings_of(argparse.Namespace(num_layers=3, micro_batch_size=1, cuda_graph_modules="attn mlp"),
                             te_available=True, apex_fused_wgrad=True)
     assert facts.cuda_graph_impl == "none"
     assert facts.modules == ("attn", "mlp")
@@ -441,7 +447,7 @@ def test_facts_from_minimal_namespace_use_defaults():
 SCOPES = ["attn", "mlp", "moe", "moe_router", "moe_preprocess"]
 
 facts_strategy = st.builds(
-    GraphFacts,
+    RunSettings,
     cuda_graph_impl=st.sampled_from([TE, "none"]),
     modules=st.lists(st.sampled_from(SCOPES), unique=True, max_size=5).map(tuple),
     num_layers=st.integers(1, 4),
@@ -475,7 +481,7 @@ def test_validate_raises_iff_violations(facts):
     (("attn", "moe_router"), True), (("attn", "moe_router", "moe_preprocess"), True), (("moe_router",), True),
 ])
 def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
-    facts = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
+    facts = RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
                        modules=modules, **MOE_DROP_PAD)
     assert ("banks-scope" in names(facts)) == refused
     assert "banks-scope" not in names(dataclasses.replace(facts, num_experts=None, modules=("attn",)))
@@ -488,14 +494,14 @@ def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
     (("expert_fc1", "moe_act"), True, True),
 ])
 def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_graph(offloaded, moe, fires):
-    facts = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded,
+    facts = RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded,
                        **(MOE_DROP_PAD if moe else {}))
     assert ("whole-layer-offload-unjoined" in names(facts)) == fires
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, modules=("attn", "mlp")))
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, slot_capture=True))
 
     # Multi-latent attention without the fused down-projection keeps a real input norm: attn_norm offloads it.
-    unfused = GraphFacts(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=("attn_norm",),
+    unfused = RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=("attn_norm",),
                          input_norm_fused=False)
     assert "whole-layer-offload-unjoined" in names(unfused)
 
@@ -508,19 +514,19 @@ def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_gr
     (("attn", "moe"), ("qkv_linear", "moe_act"), {"qkv_linear", "moe_act"}),
 ])
 def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
-    facts = GraphFacts(cuda_graph_impl=TE, modules=modules, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded)
+    facts = RunSettings(cuda_graph_impl=TE, modules=modules, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded)
     assert facts.offloaded_in_graphs == inside
     assert dataclasses.replace(facts, activation_offloading=False).offloaded_in_graphs == frozenset()
 
 
 def test_sft_data_carries_document_boundaries_for_hybrid_cp():
-    facts = GraphFacts(**dict(HYBRID, inter_document_masking=False), sft=True, world_size=2)
+    facts = RunSettings(**dict(HYBRID, inter_document_masking=False), sft=True, world_size=2)
     assert names(facts) == []
     assert names(dataclasses.replace(facts, sft=False)) == ["hybrid-cp-document-masking"]
 
 
 def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
-    facts = GraphFacts(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0),
+    facts = RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0),
                        cuda_version=(12, 8))
     assert names(facts) == ["fp8-recipe-device"]
     assert names(dataclasses.replace(facts, cuda_graph_impl="none")) == []  # eager runs are TE's to refuse
@@ -535,7 +541,7 @@ def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
     (dict(fp8=False, fp4=True), "(--fp4-format)"),
 ])
 def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
-    facts = dataclasses.replace(GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
+    facts = dataclasses.replace(RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
                                 **change)
     (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
     assert detail in message and "drop --cg-slot-capture" in message
@@ -543,7 +549,7 @@ def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_slot_capture_takes_delayed_and_current_scaling(recipe):
-    facts = GraphFacts(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe=recipe)
+    facts = RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe=recipe)
     assert "slot-capture-fp8" not in names(facts)
     # FP8 dot-product attention: under delayed scaling only; FP8 multi-head attention under neither.
     attention = dataclasses.replace(facts, fp8_attention=True)
@@ -554,7 +560,7 @@ def test_slot_capture_takes_delayed_and_current_scaling(recipe):
 def test_packed_data_graphs_with_a_capacity():
     """Whole layer and attn died at the first graphed step on packed data; --cg-thd-max-seqs lays the
     batches out for the graphs, and the scopes that leave attention eager at micro-batch size 1 are Megatron's."""
-    packed = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, position_embedding_type="rope")
+    packed = RunSettings(cuda_graph_impl=TE, inter_document_masking=True, position_embedding_type="rope")
     for modules in ((), ("attn",)):
         assert names(dataclasses.replace(packed, modules=modules)) == ["packed-sequences-te-graphs"]
         assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32)) == []
@@ -565,13 +571,13 @@ def test_packed_data_graphs_with_a_capacity():
     assert names(several) == ["packed-sequences-te-graphs"]  # the flattened stream misses the sampled shape
     assert names(dataclasses.replace(several, thd_max_seqs=2)) == []
     assert names(dataclasses.replace(packed, thd_max_seqs=32, cuda_graph_impl="none")) == []  # eager: laid out too
-    hybrid = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
+    hybrid = RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
     assert names(hybrid) == []  # hybrid CP's packs: graph banks
 
 
 # -- the packed layout's max_seqlen -----------------------------------------------------------------
 
-DETERMINISTIC_PACKED = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, seq_length=4096,
+DETERMINISTIC_PACKED = RunSettings(cuda_graph_impl=TE, inter_document_masking=True, seq_length=4096,
                                   num_attention_heads=16, deterministic=True, position_embedding_type="rope")
 
 
@@ -621,21 +627,21 @@ def test_the_deterministic_attention_rule_names_the_product_and_the_longest_boun
 
 @pytest.mark.parametrize("max_seqlen, refused", [(4096, False), (4097, True), (1, False)])
 def test_the_packed_max_seqlen_is_at_most_the_sequence_length(max_seqlen, refused):
-    facts = GraphFacts(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=4096, seq_length=4096,
+    facts = RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=4096, seq_length=4096,
                        thd_max_seqlen=max_seqlen)
     assert names(facts) == (["thd-max-seqlen-bound"] if refused else [])
 
 
 def test_the_packed_max_seqlen_needs_the_packed_layout():
-    assert names(GraphFacts(thd_max_seqlen=64)) == ["thd-max-seqlen-without-packed-graphs"]
-    hybrid = GraphFacts(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
+    assert names(RunSettings(thd_max_seqlen=64)) == ["thd-max-seqlen-without-packed-graphs"]
+    hybrid = RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, thd_max_seqs=4)
     assert names(dataclasses.replace(hybrid, thd_max_seqlen=64)) == ["thd-max-seqlen-without-packed-graphs"]
-    assert names(GraphFacts(inter_document_masking=True, thd_max_seqs=8, thd_max_seqlen=64)) == []
+    assert names(RunSettings(inter_document_masking=True, thd_max_seqs=8, thd_max_seqlen=64)) == []
 
 
 @pytest.mark.parametrize("mbs, max_seqlen, least", [(2, None, 2), (2, 4096, 2), (1, 1000, 5), (2, 1024, 8)])
 def test_packed_graphs_hold_at_least_the_documents_that_cover_every_token(mbs, max_seqlen, least):
-    facts = GraphFacts(cuda_graph_impl=TE, sft=True, seq_length=4096, thd_max_seqlen=max_seqlen,
+    facts = RunSettings(cuda_graph_impl=TE, sft=True, seq_length=4096, thd_max_seqlen=max_seqlen,
                        micro_batch_size=mbs, global_batch_size=mbs, thd_max_seqs=least)
     assert facts.packed_min_seqs == least and names(facts) == []
     (message,) = [m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=least - 1))
@@ -646,10 +652,10 @@ def test_packed_graphs_hold_at_least_the_documents_that_cover_every_token(mbs, m
 def test_facts_read_the_packed_bound_and_deterministic_mode(parse):
     args = parse("--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE, "--dataloader-inter-document-masking",
                  "--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "128", "--deterministic-mode")
-    facts = facts_from_args(args, te_available=True, apex_fused_wgrad=False, env={})
+    facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env={})
     assert (facts.thd_max_seqs, facts.thd_max_seqlen, facts.seq_length, facts.num_attention_heads) == (16, 128, 256, 4)
     assert facts.deterministic and facts.packed_max_seqlen == 128
     plain = parse("--cg-preset", "tiny-gpt")
-    assert not facts_from_args(plain, te_available=True, apex_fused_wgrad=False, env={}).deterministic
-    assert facts_from_args(plain, te_available=True, apex_fused_wgrad=False,
+    assert not settings_of(plain, te_available=True, apex_fused_wgrad=False, env={}).deterministic
+    assert settings_of(plain, te_available=True, apex_fused_wgrad=False,
                            env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}).deterministic  # what TE reads
