@@ -65,6 +65,9 @@ class ReplayCounter(ReplayTotals):
     """Counts forward replays, and replays refused by their contract, per graphed layer (slot); the
     graphs' wrappers (``capture.contracts.CheckedGraph``) count into it."""
 
+    counts: list[int]
+    rejected: list[int]
+
     def __init__(self, slots: int) -> None:
         self.counts = [0] * slots
         self.rejected = [0] * slots

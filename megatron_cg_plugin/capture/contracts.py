@@ -207,6 +207,7 @@ def _groups_of(module: Any) -> tuple[Held, ...]:
     # By weak reference where the module takes one: the layer holds its graphs, which hold this
     # contract, so a strong one is a cycle that keeps a dropped layer alive under --manual-gc. A layer
     # gone reads as no groups: refused, as a group swapped would be.
+    layer: Callable[[], Any]
     try:
         layer = weakref.ref(module)
     except TypeError:  # e.g. types.SimpleNamespace
@@ -239,9 +240,10 @@ def _flat_call(inputs: tuple[tuple[str, Any], ...]) -> tuple[int, tuple[str, ...
 def _reader(lookups: list[Callable[[], Any]]) -> Callable[[], Iterable[Any]]:
     """The objects ``lookups`` return, read in one ``map``: straight from their dicts where every
     lookup is ``partial(dict.get, mapping, key)`` (the parameters of a layer), else call by call."""
-    if all(isinstance(lookup, functools.partial) and lookup.func is dict.get and not lookup.keywords
-           for lookup in lookups):
-        mappings, keys = tuple(lookup.args[0] for lookup in lookups), tuple(lookup.args[1] for lookup in lookups)
+    partials = [lookup for lookup in lookups
+                if isinstance(lookup, functools.partial) and lookup.func is dict.get and not lookup.keywords]
+    if len(partials) == len(lookups):
+        mappings, keys = tuple(lookup.args[0] for lookup in partials), tuple(lookup.args[1] for lookup in partials)
         return lambda: map(dict.get, mappings, keys)
     calls = tuple(lookups)
     return lambda: map(operator.call, calls)
@@ -396,7 +398,8 @@ class ReplayContract:
             if ptr != held.captured:
                 raise ContractViolation(self.graph, "parameter storage", hex(held.captured),
                                         "gone" if ptr is None else hex(ptr), held.name)
-        source = groups = None
+        source: Callable[[], Any] | None = None
+        groups: Mapping[str, Any] = {}
         for held in self.process_groups:
             if held.lookup is not source:  # a layer's groups share one lookup: its collection, read once
                 source, groups = held.lookup, held.lookup()
