@@ -42,6 +42,7 @@ from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.bench.output import ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord, StepRecord, is_known_arm, is_slot_arm
 from megatron_cg_plugin.offload.groups import OffloadCopies
+from megatron_cg_plugin.capture.contracts import StaticInput
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
@@ -735,26 +736,34 @@ def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, s
 
 
 def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
-    """Host microseconds of one layer replay's contract check per mode (the first graphed layer's
-    first graph, replayed with fresh tensors of its captured inputs and the ``is_first_microbatch``
-    keyword Megatron adds at replay), and layer replays per step (every graphed layer once per
-    microbatch). Each check reads parameters and groups: the dearest replay (under Megatron's DDP a
-    step's later microbatches skip them, ``QuickAccept``)."""
+    """Host microseconds of one layer replay's contract check per mode (the contract of the first
+    graphed layer's first graph, checking fresh tensors of its captured inputs and the
+    ``is_first_microbatch`` keyword Megatron adds at replay), and layer replays per step (every
+    graphed layer once per microbatch). Timed outside any step, so each check reads parameters and
+    groups: the dearest replay (inside a step a contract reads them at its first replay only)."""
     import torch
-    from torch.utils import _pytree as pytree
 
-    layer, args, kwargs = helper.first_capture_sample
-    # fresh tensors as a step hands them in: new memory, each needing a gradient where its sample did
-    fresh_args, fresh_kwargs = pytree.tree_map(
-        lambda v: v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v,
-        (args, kwargs))
-    replay_kwargs = {**fresh_kwargs, "is_first_microbatch": False}
+    contract = getattr(helper.flattened_callables[0].cuda_graphs[0], "contract", None)
+    if contract is None or contract.flat_call is None:
+        raise BenchError("the plugin arm's first graph holds no contract of one-leaf arguments to time: run the "
+                         "bench with --cg-contract-check full on a Megatron layer.")
+    positional, keys = contract.flat_call
+
+    def fresh(expected: Any) -> Any:  # a new tensor as a step hands it in, needing a gradient where the sample did
+        if not isinstance(expected, StaticInput):
+            return expected
+        spec = expected.spec
+        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device,
+                                   requires_grad=spec.requires_grad)
+
+    leaves = [fresh(expected) for _, expected in contract.inputs]
+    args = tuple(leaves[:positional])
+    kwargs = {**dict(zip(keys, leaves[positional:])), "is_first_microbatch": False}
     costs = {}
     for mode in ContractCheck:
-        check = helper._contract_check(layer, "bench", args, kwargs, mode)
         start = time.perf_counter()
         for _ in range(repeats):
-            check(fresh_args, replay_kwargs)
+            contract.check(args, kwargs, mode)
         costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 

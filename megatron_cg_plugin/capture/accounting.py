@@ -1,5 +1,5 @@
 """Allocator and replay diagnostics: private-pool bytes from the caching allocator's snapshot, and
-replay counters that wrap captured graph callables without changing what they do.
+the replay counters the graphs' wrappers count into.
 
 The pure functions take snapshot segments as plain dicts (the format of
 ``torch.cuda.memory_snapshot()``), so they are tested on CPU with hand-made snapshots.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 DEFAULT_POOL = (0, 0)  # the caching allocator's id for ordinary (non-graph) segments
 
@@ -62,46 +62,15 @@ class ReplayTotals:
 
 
 class ReplayCounter(ReplayTotals):
-    """Counts forward replays, and replays refused by their contract, per graphed layer (slot)."""
+    """Counts forward replays, and replays refused by their contract, per graphed layer (slot); the
+    graphs' wrappers (``capture.contracts.CheckedGraph``) count into it."""
+
+    counts: list[int]
+    rejected: list[int]
 
     def __init__(self, slots: int) -> None:
         self.counts = [0] * slots
         self.rejected = [0] * slots
-
-    def wrap(self, graph: Callable, slot: int, check: Callable[[tuple, dict], None] | None = None) -> "CountingGraph":
-        return CountingGraph(graph, self, slot, check)
-
-
-class CountingGraph:
-    """Calls the wrapped graphed callable and counts the call; every attribute (``reset``,
-    ``backward_dw`` ...) is forwarded, so Megatron's replay and teardown code sees no difference.
-    ``check``, when given, runs before each replay; a replay it refuses is counted as rejected."""
-
-    __slots__ = ("graph", "_counter", "_slot", "_check")
-
-    def __init__(self, graph: Callable, counter: ReplayCounter, slot: int,
-                 check: Callable[[tuple, dict], None] | None = None) -> None:
-        self.graph = graph
-        self._counter = counter
-        self._slot = slot
-        self._check = check
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._check is not None:
-            try:
-                self._check(args, kwargs)
-            except Exception:
-                self._counter.rejected[self._slot] += 1
-                raise
-        self._counter.counts[self._slot] += 1
-        return self.graph(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names not found normally; "graph" itself is unset while copy/pickle
-        # builds an instance, and forwarding it would recurse.
-        if name == "graph" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.graph, name)
 
 
 @dataclasses.dataclass(frozen=True)

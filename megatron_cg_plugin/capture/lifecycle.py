@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import time
@@ -28,7 +27,7 @@ from megatron_cg_plugin.patching import foreign_state
 from megatron_cg_plugin.banks import capture as graph_banks
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
-from megatron_cg_plugin.capture.contracts import ReplayContract
+from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
 from megatron_cg_plugin.offload.groups import OffloadCopies
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
@@ -39,7 +38,6 @@ from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.banks.sizes import bank_sizes
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
-from megatron_cg_plugin.capture.step_marks import StepMarks
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +189,6 @@ class PluginHelperMixin:
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: accounting.TeardownStats | None = None
         self._banks: Any = None  # capture.graph_banks.BankedLayers while graph banks are installed
-        self.first_capture_sample: tuple | None = None  # (layer, args, kwargs) while graphs exist
         self._baseline: accounting.MemoryState | None = None
         self.session.attach_helper(self)
 
@@ -403,7 +400,8 @@ class PluginHelperMixin:
 
     def _hold_to_contracts(self, capture: "_CaptureCall", mode: ContractCheck) -> accounting.ReplayCounter:
         """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
-        graph's own sample arguments, found by identity) and its replay counter."""
+        graph's own sample arguments, found by identity; none with ``--cg-contract-check off``) and
+        its replay counter."""
         if capture.graphs is None:
             raise CaptureFailedError(
                 "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
@@ -412,7 +410,6 @@ class PluginHelperMixin:
         counter = accounting.ReplayCounter(len(self.flattened_callables))
         # Megatron's DDP keeps parameters in place within a step: the contracts may read them once a step
         step_marks = self.session.step_marks if parameters_stay_within_a_step(self.model) else None
-        first_sample = None
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
             for microbatch, graph in enumerate(layer.cuda_graphs):
@@ -421,23 +418,12 @@ class PluginHelperMixin:
                     raise CaptureFailedError(
                         f"{layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
                         "megatron-core release hands graphs out differently; install the supported one (docs/versions.md).")
-                if first_sample is None:  # what the first layer's first graph was captured with (the bench)
-                    first_sample = (layer, capture.sample_args[index], capture.sample_kwargs[index] or {})
-                check = None if mode is ContractCheck.OFF else self._contract_check(
-                    layer, f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
-                    capture.sample_kwargs[index] or {}, mode, step_marks=step_marks)
-                wrapped.append(counter.wrap(graph, slot, check))
+                contract = None if mode is ContractCheck.OFF else ReplayContract.record(
+                    f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
+                    capture.sample_kwargs[index] or {}, module=layer, step_marks=step_marks)
+                wrapped.append(CheckedGraph(graph, contract, mode, counter, slot))
             layer.cuda_graphs = wrapped
-        self.first_capture_sample = first_sample
         return counter
-
-    @staticmethod
-    def _contract_check(layer: Any, name: str, args: Any, kwargs: dict, mode: ContractCheck, *,
-                        step_marks: StepMarks | None = None) -> Callable:
-        contract = ReplayContract.record(name, args, kwargs, module=layer, step_marks=step_marks)
-        check = contract.replay_check(mode)
-        check.contract = contract  # type: ignore[attr-defined]  # for diagnostics: what the replay is held to
-        return check
 
     def _release_failed_capture(self) -> None:
         """After the transaction rolled back: Megatron's own post-capture reset. Garbage is
@@ -486,7 +472,6 @@ class PluginHelperMixin:
             self._banks.reset()
             self._banks = None
         super().delete_cuda_graphs()
-        self.first_capture_sample = None
         self._clear_moe_scratch()
         gc.collect()
         if torch.cuda.is_initialized():  # graphs were captured, so only a CPU test lacks it
@@ -529,7 +514,7 @@ def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
 def parameters_stay_within_a_step(model: Iterable[Any]) -> bool:
     """Whether every model chunk is wrapped in Megatron's ``DistributedDataParallel``, which leaves
     parameters where they are within a step (what re-points them, a checkpoint load, does so between
-    steps), so a replay's contract may read them once a step (``QuickAccept``). Megatron-FSDP and torch
+    steps), so a replay's contract may read them once a step (``ReplayContract``). Megatron-FSDP and torch
     FSDP2 wrap chunks in other classes and regather parameters around each forward; any wrapper not
     known to keep them counts as moving them."""
     try:

@@ -1,26 +1,25 @@
 """Where each run of Megatron's schedule (``forward_backward_func``: a step's microbatches) begins
 and ends, as the plugin's ``train_step`` wrapper hands it the schedule.
 
-A replay's contract may skip reading parameters and process groups on a step's later microbatches
-once the first microbatch found them as captured (``capture/contracts.py``, ``QuickAccept``). That
-holds only inside one schedule run: before and after it (the optimizer, anything a train_step of
-one's own does) anything may move them. ``StepMarks`` tells a replay whether it runs inside a
-schedule run (``depth``) and which one (``count``: it changes as any run begins or ends). Where
-nothing marks the schedule, ``depth`` stays 0 and nothing is skipped."""
+A replay contract reads parameters and process groups once per run, at its first replay in it
+(``capture/contracts.py``, ``ReplayContract``). That holds only inside one run: before and after
+it (the optimizer, an evaluation, a checkpoint load, anything a train_step of one's own does)
+anything may move them. ``StepMarks`` tells a replay whether it runs inside a schedule run
+(``depth``) and which one (``count``: it changes as any run begins or ends). Where nothing marks
+the schedule, ``depth`` stays 0 and every replay reads them."""
 
 from __future__ import annotations
 
 
 class StepMarks:
     """Entered around each schedule run. Nested entries (the bench's own marks and the patch's around
-    one run) count too: a count that moves more often only makes replays read more. The quick accept's
-    compiled code (``capture/accept_code.py``) reads ``depth`` and ``count`` itself, as ``step_now`` does."""
+    one run) count too: a count that moves more often only makes replays read more."""
 
     __slots__ = ("depth", "count")
 
     def __init__(self) -> None:
         self.depth = 0  # schedule runs under way
-        self.count = 0  # entries and exits so far: the same value means the same step
+        self.count = 0  # entries and exits so far: the same value means the same run
 
     def __enter__(self) -> "StepMarks":
         self.depth += 1
@@ -32,5 +31,5 @@ class StepMarks:
         self.count += 1
 
     def step_now(self) -> int | None:
-        """The current step's mark, or None outside any step."""
+        """The current run's mark, or None outside any run."""
         return self.count if self.depth else None

@@ -112,8 +112,8 @@ PATCHES: tuple[Patch, ...] = (
         "there (the host clock only, no device synchronize) times every iteration of any script from its start "
         "to the next one's, as Megatron's interval timer does, for the metrics and the report; and handing "
         "train_step its forward_backward_func entering the session's step marks around each call, so a replay "
-        "contract knows the microbatches of one schedule run (under Megatron's DDP the quick accept reads "
-        "parameters and groups on its first microbatch only; graph 0's, under pipelining).",
+        "contract knows the microbatches of one schedule run (under Megatron's DDP it reads parameters and "
+        "groups at its first replay in each run only).",
         expected_params=("forward_step_func", "data_iterator", "model", "forward_backward_func"),
     ),
     Patch(

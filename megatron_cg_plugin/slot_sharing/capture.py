@@ -34,7 +34,7 @@ from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.capture import te_backend as te_seam
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.slot_sharing.branches import BranchSignature, check_branches
-from megatron_cg_plugin.capture.contracts import ContractViolation, ReplayContract
+from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation, ReplayContract
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.slot_sharing.guard import SlotGuard
@@ -329,12 +329,16 @@ class _Entry:
             raise RuntimeError(f"the graphs of {self.name} were reset (delete_cuda_graphs or SlottedGraphs.reset); "
                                "capture again before replaying.")
 
-    def replay_forward(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def checked_forward(self) -> CheckedGraph:
+        """``replay_forward`` held to this entry's contract (in its mode), as TE's graphs are."""
+        contract = None if self.contract_check == ContractCheck.OFF else self.contract
+        return CheckedGraph(self.replay_forward, contract, self.contract_check)
+
+    def replay_forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self._check_live()
         if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
             raise ContractViolation(self.name, "arguments", [name for name, _ in self.contract.inputs],
                                     [f"arg{index}" for index in range(len(args))])
-        self.contract.check(args, {}, mode=self.contract_check)
         for arg, static in zip(args, self.boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)
@@ -374,10 +378,11 @@ class _Entry:
 
 class _SlotReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, input_count: int, update_fp8_weights: bool, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, entry: _Entry, replay: CheckedGraph, input_count: int, update_fp8_weights: bool,
+                *tensors: torch.Tensor) -> Any:
         ctx.entry = entry
         ctx.fp8_first = entry.fp8.before_forward(update_fp8_weights) if entry.fp8 is not None else False
-        outputs = entry.replay_forward(tensors[:input_count])
+        outputs = replay(*tensors[:input_count])  # the entry's replay_forward, held to its contract
         ctx.mark_non_differentiable(*[o for o, rg in zip(outputs, entry.output_requires_grad) if not rg])
         return outputs
 
@@ -386,7 +391,7 @@ class _SlotReplay(torch.autograd.Function):
         grads_in = ctx.entry.replay_backward(grads)
         if ctx.entry.fp8 is not None:
             ctx.entry.fp8.after_backward(ctx.fp8_first)
-        return (None, None, None, *grads_in)
+        return (None, None, None, None, *grads_in)
 
 
 class SlottedGraphs:
@@ -411,8 +416,10 @@ class SlottedGraphs:
             raise KeyError(f"no graph for variant {variant!r} in slot {slot}: captured variants {variants}, "
                            f"slots 0..{self.stats.ring_size - 1}") from None
 
+        forward = entry.checked_forward()  # held here, not by the entry: no cycle through it
+
         def replay(*inputs: torch.Tensor, update_fp8_weights: bool = True) -> Any:
-            outputs = _SlotReplay.apply(entry, len(inputs), update_fp8_weights, *inputs, *entry.params)
+            outputs = _SlotReplay.apply(entry, forward, len(inputs), update_fp8_weights, *inputs, *entry.params)
             return outputs[0] if len(outputs) == 1 else outputs
 
         return replay

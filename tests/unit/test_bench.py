@@ -256,17 +256,39 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
         step("forward", "data", iteration=1)
 
 
-def test_contract_cost_times_every_mode_on_the_first_captured_layer():
-    from megatron_cg_plugin.capture.lifecycle import PluginHelperMixin
+def test_contract_cost_times_every_mode_on_the_first_captured_layers_own_contract(monkeypatch):
+    import types
+
+    from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
+    from megatron_cg_plugin.config import ContractCheck
 
     layer = torch.nn.Linear(4, 4)
     layer.pg_collection = None
-    helper = type("Helper", (), {"_contract_check": staticmethod(PluginHelperMixin._contract_check)})()
-    helper.first_capture_sample = (layer, (torch.zeros(8, 2, 4),), {"attention_mask": torch.ones(2, 1, 8, 8)})
-    helper.flattened_callables = [layer] * 3
+    sample = (torch.zeros(8, 2, 4, requires_grad=True),), {"attention_mask": torch.ones(2, 1, 8, 8), "window": 3}
+    contract = ReplayContract.record("layer 0", *sample, module=layer)
+    layer.cuda_graphs = [CheckedGraph(lambda *args, **kwargs: None, contract, ContractCheck.FULL)]
+    helper = types.SimpleNamespace(flattened_callables=[layer] * 3)
+    checked = []
+    check = ReplayContract.check
+    monkeypatch.setattr(ReplayContract, "check", lambda self, args, kwargs, mode: checked.append((args, kwargs))
+                        or check(self, args, kwargs, mode))
     costs, replays = bench.contract_check_cost(helper, microbatches=4, repeats=50)
     assert set(costs) == {"full", "shapes", "off"} and all(us > 0 for us in costs.values())
     assert costs["off"] < costs["full"] and replays == 12
+    (hidden,), kwargs = checked[0]  # fresh tensors like the captured ones, the keyword Megatron adds at replay
+    assert hidden.shape == (8, 2, 4) and hidden.requires_grad and hidden.data_ptr() != sample[0][0].data_ptr()
+    assert kwargs["window"] == 3 and kwargs["is_first_microbatch"] is False
+
+
+def test_contract_cost_needs_the_plugin_arms_contracts():
+    import types
+
+    from megatron_cg_plugin.capture.contracts import CheckedGraph
+    from megatron_cg_plugin.config import ContractCheck
+
+    layer = types.SimpleNamespace(cuda_graphs=[CheckedGraph(lambda: None, None, ContractCheck.OFF)])
+    with pytest.raises(bench.BenchError, match="--cg-contract-check full"):
+        bench.contract_check_cost(types.SimpleNamespace(flattened_callables=[layer]), microbatches=1)
 
 
 def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monkeypatch):

@@ -1,5 +1,7 @@
 """Tests for megatron_cg_plugin.capture.contracts: what a graph was captured for, checked before
-every replay (on CPU tensors)."""
+every replay (on CPU tensors). Every call the check refuses is listed here (``REFUSED``, the
+disguises, the property tests against a reference written out field by field), so a leaner check
+cannot let one through."""
 
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ import torch
 
 from megatron_cg_plugin.capture import contracts
 from megatron_cg_plugin.capture.contracts import (
+    FIRST_MICROBATCH,
     REPLAY_ONLY_KWARGS,
+    CheckedGraph,
     ContractViolation,
     ReplayContract,
+    StaticInput,
     TensorSpec,
+    flatten_call,
     process_groups_of,
 )
 from megatron_cg_plugin.config import ContractCheck
@@ -270,7 +276,7 @@ def test_held_state_is_checked_on_every_replay_whichever_microbatch_it_is():
     # moved. The default (held_every_replay) is what every model but one wrapped in Megatron's DDP gets.
     layer = Layer(tp=process_group())
     contract = record(module=layer)
-    groups_only = ReplayContract.of_inputs(GRAPH, contract.inputs, (), contract.process_groups)
+    groups_only = ReplayContract(GRAPH, contract.inputs, (), contract.process_groups)
     old = hex(layer.norm.bias.data_ptr())
     layer.norm.bias = torch.nn.Parameter(torch.zeros(3))
     layer.pg_collection.tp = process_group()
@@ -296,12 +302,10 @@ def test_a_layers_process_groups_are_read_from_its_collection_once_per_check():
     layer = Layer()
     layer.pg_collection = Collection(tp=tp, dp=dp)
     contract = record(module=layer)
-    reads.clear()
-    contract.check((x(),), {}, mode=FULL)  # the full check, then the quick one learns the collection
-    assert reads == ["__dict__", "__dict__"] and len(contract.process_groups) == 2
-    reads.clear()
-    contract.check((x(),), {}, mode=FULL)  # the quick one accepts
-    assert reads == ["__dict__"]
+    for _ in range(2):
+        reads.clear()
+        contract.check((x(),), {}, mode=FULL)
+        assert reads == ["__dict__"] and len(contract.process_groups) == 2
     layer.pg_collection.dp = process_group()
     assert violation(contract, (x(),)).field == "process group"
 
@@ -397,7 +401,7 @@ def test_a_freed_static_buffer_neither_reads_in_place_nor_aliases():
 
     def contract_with(buffer):
         static = StaticInput(TensorSpec.of(here), here.data_ptr(), here.untyped_storage().data_ptr(), buffer)
-        return ReplayContract.of_inputs(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))))
+        return ReplayContract(GRAPH, (("arg0", static), ("arg1", StaticInput.of(second))))
 
     alive = contract_with(weakref.ref(here))
     assert violation(alive, (relaid, second)).field == "stride"  # read in place, another layout
@@ -419,18 +423,16 @@ def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
     del gone
     live_first = StaticInput.of(first)
     dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(), dead)
-    contract = ReplayContract.of_inputs(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
+    contract = ReplayContract(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
     assert contract.static_storages() == {storage.untyped_storage().data_ptr()}
     inside = storage.view(-1)[1:25].view(4, 2, 3)  # neither buffer's address, but their memory
     assert violation(contract, (x(), inside)).field == "alias"
 
 
-# ====================================================================== the quick accept
+# ====================================================================== every refused call
 #
-# After a call the full check passed, the contract's quick accept takes calls of the same shape. It
-# must accept only what the full check passes: each case below is refused by the full check, so the
-# quick accept has to turn it down too (each is what one of its comparisons is there for), and the
-# property test combines them.
+# Each case below is a call the check refuses, named by the field it refuses; the property tests
+# combine them, and compare the check with a reference that reads every field the plain way.
 
 
 class MegatronCall:
@@ -548,52 +550,101 @@ REFUSED = {
 }
 
 
+def refusal(contract, args, kwargs, mode=FULL) -> str | None:
+    """The field ``check`` refuses the call by, or None where it passes."""
+    try:
+        contract.check(args, kwargs, mode)
+    except ContractViolation as error:
+        return error.field
+    return None
+
+
+def reference_refusal(contract, args, kwargs, *, full=True, read_held=True) -> str | None:
+    """What the check must refuse, written out field by field the plain way (every call flattened,
+    every storage read through its type's ``untyped_storage``)."""
+    actual = flatten_call(args, kwargs)
+    if [name for name, _ in actual] != [name for name, _ in contract.inputs]:
+        return "arguments"
+    for (_, expected), (_, value) in zip(contract.inputs, actual):
+        if isinstance(expected, StaticInput) != isinstance(value, torch.Tensor):
+            return "kind"
+        if not isinstance(value, torch.Tensor):
+            try:
+                same = expected is value or bool(expected == value)
+            except (RuntimeError, TypeError, ValueError):
+                same = False
+            if full and not same:
+                return "control"
+            continue
+        spec = expected.spec
+        if tuple(value.shape) != spec.shape:
+            return "shape"
+        if value.dtype != spec.dtype:
+            return "dtype"
+        if not full:
+            continue
+        if value.device != spec.device:
+            return "device"
+        if value.requires_grad and not spec.requires_grad:
+            return "requires_grad"
+        if type(value).data_ptr(value) == expected.data_ptr and expected.alive:
+            if contracts.addressed_strides(value.shape, value.stride()) != contracts.addressed_strides(
+                    spec.shape, spec.stride):
+                return "stride"
+        elif value.numel() and type(value).untyped_storage(value).data_ptr() in contract.static_storages():
+            return "alias"
+    if full and read_held:
+        for held in contract.parameters:
+            now = held.lookup()
+            if now is None or type(now).data_ptr(now) != held.captured:
+                return "parameter storage"
+        for held in contract.process_groups:
+            if held.lookup().get(held.name) is not held.captured:
+                return "process group"
+    return None
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_the_quick_accept_turns_down_what_the_full_check_refuses(case):
+def test_each_refused_call_is_refused_naming_its_field(case):
     call = MegatronCall()
     contract = call.contract
-    for _ in range(2):  # learns from the first, accepts the second
+    for _ in range(2):
         contract.check(*call.fresh(), mode=FULL)
-    assert contract.quick.accepts(*call.fresh(), full=True)
     args, kwargs = REFUSED[case](call)
-    assert not contract.quick.accepts(args, kwargs, full=True)
-    assert violation(contract, args, kwargs).field == case.split(" (")[0]
+    assert refusal(contract, args, kwargs) == case.split(" (")[0] == reference_refusal(contract, args, kwargs)
 
 
-def test_the_quick_accept_takes_a_replay_like_the_learned_one_and_leaves_the_rest_to_the_full_check():
+def test_a_replay_like_the_captured_one_passes():
     call = MegatronCall()
     contract = call.contract
-    assert not contract.quick.accepts(*call.fresh(), full=True)  # nothing learned yet
-    contract.check(*call.fresh(), mode=FULL)
-    assert contract.quick.accepts(*call.fresh(), full=True)
-    assert contract.quick.accepts(*call.fresh(is_first_microbatch=True), full=True)
+    for kwargs in ({}, {"is_first_microbatch": True}, {"is_first_microbatch": None}, {"inference_context": None}):
+        args, fresh = call.fresh()
+        contract.check(args, {**fresh, **kwargs}, mode=FULL)
+    contract.check((call.hidden,), call.fresh()[1], mode=FULL)  # the static buffer itself, as captured
+    contract.check((x(),), call.fresh()[1], mode=FULL)  # no gradient: the capture computed one, autograd drops it
     args, kwargs = call.fresh()
-    in_place = ((call.hidden,), kwargs)  # the static buffer itself, as captured
-    assert contract.quick.accepts(*in_place, full=True)
-    no_gradient = ((x(),), kwargs)  # fine (the capture computed one): the full check passes it, and
-    assert not contract.quick.accepts(*no_gradient, full=True)
-    contract.check(*no_gradient, mode=FULL)
-    assert contract.quick.accepts((x(),), call.fresh()[1], full=True)  # the quick accept learns it
+    contract.check(args, dict(reversed(list(kwargs.items()))), mode=FULL)  # keywords in another order
+    contract.check(list(args), kwargs, mode=FULL)  # positional arguments as a list
 
 
-def test_the_quick_accept_in_shapes_mode_compares_shape_and_dtype_only():
+def test_shapes_mode_compares_the_arguments_shape_and_dtype_only():
     call = MegatronCall()
     contract = call.contract
-    contract.check(*call.fresh(), mode=SHAPES)
     _swapped_group(call)
-    assert contract.quick.accepts(*call.fresh(window=5), full=False)  # neither is checked in shapes
-    assert not contract.quick.accepts(*REFUSED["shape"](call), full=False)
-    assert not contract.quick.accepts(*REFUSED["dtype"](call), full=False)
+    _moved_parameter(call)
+    contract.check(*call.fresh(window=5), mode=SHAPES)  # neither is checked in shapes
+    contract.check(*_inside_a_static_buffer(call), mode=SHAPES)
+    for case in ("shape", "dtype", "kind", "arguments (a keyword added)"):
+        assert refusal(contract, *REFUSED[case](call), mode=SHAPES) == case.split(" (")[0]
 
 
-def test_a_freed_static_buffers_address_is_left_to_the_full_check():
+def test_a_freed_static_buffers_address_is_copied_in_like_any_other():
     call = MegatronCall()
-    contract = call.contract
-    contract.check(*call.fresh(), mode=FULL)
-    static = contract.quick.state.statics[0]
-    dead = contracts.StaticInput(static.spec, static.data_ptr, static.storage_ptr, lambda: None)
-    contract.quick.state.statics = (dead, *contract.quick.state.statics[1:])
-    assert not contract.quick.accepts((call.hidden,), call.fresh()[1], full=True)
+    (name, static), *rest = call.contract.inputs
+    dead = StaticInput(static.spec, static.data_ptr, static.storage_ptr, lambda: None)
+    contract = ReplayContract(GRAPH, ((name, dead), *rest), call.contract.parameters, call.contract.process_groups)
+    relaid = call.hidden.detach().as_strided((4, 2, 3), (1, 4, 8)).requires_grad_()
+    contract.check((relaid,), call.fresh()[1], mode=FULL)  # at its address, another layout: copied in
 
 
 BENIGN = {
@@ -608,7 +659,7 @@ BENIGN = {
 @given(refused=st.lists(st.sampled_from(sorted(REFUSED)), max_size=2),
        benign=st.lists(st.sampled_from(sorted(BENIGN)), max_size=3))
 @settings(max_examples=150, deadline=None)
-def test_the_quick_accept_never_takes_a_call_the_full_check_refuses(refused, benign):
+def test_the_check_refuses_what_the_reference_refuses_in_any_combination(refused, benign):
     call = MegatronCall()
     contract = call.contract
     contract.check(*call.fresh(), mode=FULL)
@@ -617,40 +668,30 @@ def test_the_quick_accept_never_takes_a_call_the_full_check_refuses(refused, ben
         args, kwargs = REFUSED[case](call)
     for case in benign:
         args, kwargs = BENIGN[case](call, args, kwargs)
-    if contract.quick.accepts(args, kwargs, full=True):
-        contract._check_in_full(args, kwargs, full=True)  # must not raise
+    assert refusal(contract, args, kwargs) == reference_refusal(contract, args, kwargs)
 
 
-def test_the_quick_accept_reads_held_parameters_given_by_name_too():
+def test_held_parameters_given_by_name_are_read_too():
     # Slot-shared capture holds its parameters as given, not through an owner's _parameters.
     p = torch.nn.Parameter(torch.ones(3))
     contract = record((x(),), params=[("w", p)])
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    assert contract.quick.accepts((x(),), {}, full=True)
+    contract.check((x(),), {}, mode=FULL)
     p.data = torch.ones(3)
-    assert not contract.quick.accepts((x(),), {}, full=True)
     assert violation(contract, (x(),)).field == "parameter storage"
 
 
-def test_a_freed_static_buffers_memory_stops_sending_replays_to_the_full_check():
-
-    from megatron_cg_plugin.capture.contracts import StaticInput
-
+def test_a_freed_static_buffers_memory_is_no_alias():
     storage = torch.zeros(2, 4, 2, 3)
     gone = x()
     dead = weakref.ref(gone)
     del gone
     freed = StaticInput(TensorSpec.of(storage[0]), storage[0].data_ptr(), storage.untyped_storage().data_ptr(), dead)
-    contract = ReplayContract.of_inputs(GRAPH, (("arg0", freed),))
-    landed = storage[1]  # a new input where the freed buffer's memory was
-    for _ in range(2):
-        contract.check((landed,), {}, mode=FULL)  # the full check holds nothing against it
-    assert contract.quick.accepts((landed,), {}, full=True)
+    contract = ReplayContract(GRAPH, (("arg0", freed),))
+    contract.check((storage[1],), {}, mode=FULL)  # a new input where the freed buffer's memory was
 
 
-def test_the_quick_accept_compares_control_values_as_the_full_check_does():
-    class AtMost:  # an __eq__ that is not symmetric: the captured value's decides, as in the full check
+def test_control_values_are_compared_with_the_captured_value_on_the_left():
+    class AtMost:  # an __eq__ that is not symmetric: the captured value's decides
         def __init__(self, limit):
             self.limit = limit
 
@@ -658,24 +699,27 @@ def test_the_quick_accept_compares_control_values_as_the_full_check_does():
             return self.limit <= other.limit
 
     contract = record((x(), AtMost(2)))
-    for _ in range(2):
-        contract.check((x(), AtMost(2)), {}, mode=FULL)
-    assert not contract.quick.accepts((x(), AtMost(1)), {}, full=True)
+    contract.check((x(), AtMost(3)), {}, mode=FULL)
     assert violation(contract, (x(), AtMost(1))).field == "control"
 
 
-def test_an_input_in_a_larger_storage_at_a_static_buffers_address_is_left_to_the_full_check():
+def test_a_control_value_equal_to_a_list_is_no_substitute_for_its_leaf():
+    class EqualsAll:
+        def __eq__(self, other):
+            return True
+
+    contract = record((x(), EqualsAll()))
+    assert violation(contract, (x(), [1])).field == "arguments"  # its leaves are named by place
+
+
+def test_an_input_in_a_larger_storage_at_a_static_buffers_address_is_refused():
     # Two storages over one allocation (torch.frombuffer, or a CUDA block resized in place): the
-    # input starts past the static buffer's bytes, but in a storage at the same address, which the
-    # full check refuses as an alias. A test by address range alone would accept it.
+    # input starts past the static buffer's bytes, but in a storage at the same address.
     memory = bytearray(2 * 24 * 4)
     static = torch.frombuffer(memory, dtype=torch.float32, count=24).view(4, 2, 3)
     beyond = torch.frombuffer(memory, dtype=torch.float32, count=48)[24:].view(4, 2, 3)
     contract = record((static,))
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    assert contract.quick.accepts((x(),), {}, full=True)
-    assert not contract.quick.accepts((beyond,), {}, full=True)
+    contract.check((x(),), {}, mode=FULL)
     assert violation(contract, (beyond,)).field == "alias"
 
 
@@ -688,17 +732,14 @@ def test_an_input_at_an_offset_inside_a_static_buffer_is_refused(kind):
 
     static = x()
     contract = record((of_kind(static),))
-    for _ in range(2):
-        contract.check((of_kind(x()),), {}, mode=FULL)
-    assert contract.quick.accepts((of_kind(x()),), {}, full=True)
+    contract.check((of_kind(x()),), {}, mode=FULL)
     inside = of_kind(static.as_strided((4, 2, 3), (0, 0, 1), 1))
-    assert not contract.quick.accepts((inside,), {}, full=True)
     assert violation(contract, (inside,)).field == "alias"
 
 
 class OwnStorage(torch.Tensor):
     """A tensor type whose storage is its own business (``claims``, where set): its address minus its
-    offset need not be its storage's, so both checks read the storage through the type."""
+    offset need not be its storage's, so the check reads the storage through the type."""
 
     def untyped_storage(self):
         return getattr(self, "claims", None) or super().untyped_storage()
@@ -750,16 +791,13 @@ DISGUISES = {
 
 @pytest.mark.parametrize("disguise", sorted(DISGUISES))
 def test_an_input_in_a_static_buffers_storage_is_refused_in_any_disguise(disguise):
-    # Both checks read a tensor's offset and storage through its type, never through the instance,
-    # and the quick accept computes the storage only for exactly torch.Tensor or Parameter (by identity).
+    # A tensor's offset and storage are read through its type, never through the instance, and the
+    # storage is computed from the offset only for exactly torch.Tensor or Parameter (by identity).
     kind, disguised = DISGUISES[disguise]
     static = x()
     contract = record((static.as_subclass(kind),))
-    for _ in range(2):
-        contract.check((x().as_subclass(kind),), {}, mode=FULL)
-    assert contract.quick.accepts((x().as_subclass(kind),), {}, full=True)
+    contract.check((x().as_subclass(kind),), {}, mode=FULL)
     inside = disguised(static, kind)
-    assert not contract.quick.accepts((inside,), {}, full=True)
     assert violation(contract, (inside,)).field == "alias"
 
 
@@ -770,34 +808,29 @@ class OwnPointer(torch.nn.Parameter):
         return self.inner.data_ptr()
 
 
-def test_a_parameter_type_with_its_own_data_ptr_is_left_to_the_full_check():
+def test_a_parameter_type_with_its_own_data_ptr_is_read_through_it():
     p = OwnPointer(torch.ones(3))
     p.inner = p.detach()  # at capture, the parameter's own memory
     contract = record((x(),), params=[("w", p)])
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
+    contract.check((x(),), {}, mode=FULL)
     p.inner = torch.ones(3)  # torch.Tensor.data_ptr(p) is unchanged, p.data_ptr() is not
-    assert not contract.quick.accepts((x(),), {}, full=True)
     assert violation(contract, (x(),)).field == "parameter storage"
 
 
-def test_a_parameter_replaced_by_one_of_another_type_is_left_to_the_full_check():
+def test_a_parameter_replaced_by_one_of_another_type_at_the_same_plain_address_is_refused():
     layer = Layer()
     contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
     STATIC_BUFFERS.append(contract)
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    assert contract.quick.accepts((x(),), {}, full=True)
+    contract.check((x(),), {}, mode=FULL)
     weight = layer.linear.weight
     replaced = OwnPointer(weight.detach())
     replaced.inner = torch.ones(3, 2)  # at the old parameter's address by torch.Tensor.data_ptr only
     layer.linear._parameters["weight"] = replaced
-    assert not contract.quick.accepts((x(),), {}, full=True)
     assert violation(contract, (x(),)).field == "parameter storage"
 
 
 class OwnInputPointer(torch.Tensor):
-    """An input whose ``data_ptr`` claims the static buffer's address: the full check reads it in place."""
+    """An input whose ``data_ptr`` claims the static buffer's address: the check reads it in place."""
 
     static_ptr = 0
 
@@ -805,20 +838,17 @@ class OwnInputPointer(torch.Tensor):
         return self.static_ptr
 
 
-def test_an_input_type_with_its_own_data_ptr_is_left_to_the_full_check():
+def test_an_input_type_with_its_own_data_ptr_is_read_through_it():
     contract = record((x(),))
-    contract.check((x(),), {}, mode=FULL)
     relaid = x(2, 4, 3).transpose(0, 1).as_subclass(OwnInputPointer)  # another layout, as if in place
-    relaid.static_ptr = contract.quick.state.statics[0].data_ptr
-    assert not contract.quick.accepts((relaid,), {}, full=True)
+    relaid.static_ptr = contract.inputs[0][1].data_ptr
     assert violation(contract, (relaid,)).field == "stride"
-    contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)  # passes, and is not learned
-    assert not contract.quick.accepts((relaid,), {}, full=True)
+    contract.check((x().as_subclass(OwnInputPointer),), {}, mode=FULL)
 
 
 class LogicalDtype(torch.Tensor):
     """An input whose Python-level ``dtype`` and ``requires_grad`` are its own (a quantized tensor's
-    logical dtype, say): the full check reads these attributes, so the quick accept must too."""
+    logical dtype, say): the check reads these attributes."""
 
     @property
     def dtype(self):
@@ -832,22 +862,17 @@ class LogicalDtype(torch.Tensor):
 @pytest.mark.parametrize("mode, attribute, value, field", [
     (FULL, "logical", torch.bfloat16, "dtype"), (SHAPES, "logical", torch.bfloat16, "dtype"),
     (FULL, "wants_grad", True, "requires_grad")])  # shapes mode does not check requires_grad
-def test_the_quick_accept_reads_metadata_as_the_full_check_does(mode, attribute, value, field):
+def test_metadata_is_read_through_the_tensors_attributes(mode, attribute, value, field):
     contract = record((x(),))
-    for _ in range(2):
-        contract.check((x().as_subclass(LogicalDtype),), {}, mode=mode)
-    assert contract.quick.accepts((x().as_subclass(LogicalDtype),), {}, mode == FULL)
+    contract.check((x().as_subclass(LogicalDtype),), {}, mode=mode)
     changed = x().as_subclass(LogicalDtype)
     setattr(changed, attribute, value)
-    assert not contract.quick.accepts((changed,), {}, mode == FULL)
     assert violation(contract, (changed,), mode=mode).field == field
 
 
-def test_a_nested_tensor_where_a_dense_one_was_learned_raises_in_python():
-    # torch's C++ tensor guards (tried once for a quicker check) abort the whole process on a strided nested tensor.
+def test_a_nested_tensor_where_a_dense_one_was_captured_raises_in_python():
+    # torch's C++ tensor guards abort the whole process on a strided nested tensor; the check reads Python attributes.
     contract = record((x(),))
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nested tensors are a prototype
         nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
@@ -855,70 +880,233 @@ def test_a_nested_tensor_where_a_dense_one_was_learned_raises_in_python():
         contract.check((nested,), {}, mode=FULL)
 
 
+def test_a_data_ptr_set_on_one_instance_counts_nowhere():
+    # Every address is read through the tensor's type (record and check): none can disagree.
+    p, static = torch.nn.Parameter(torch.ones(3)), x()
+    p.data_ptr = static.data_ptr = lambda: 0  # set before the capture is recorded
+    contract = record((static,), params=[("w", p)])
+    contract.check((static,), {}, mode=FULL)  # read in place: the static buffer's own address
+    claims_static = x(2, 4, 3).transpose(0, 1)  # another layout, in memory of its own
+    claims_static.data_ptr = lambda: contract.inputs[0][1].data_ptr
+    contract.check((claims_static,), {}, mode=FULL)  # copied in, whatever it claims
+
+
+@pytest.mark.parametrize("where", ["keyword", "group"])
+def test_a_name_of_a_str_subclass_is_compared_by_its_text(where):
+    # Its == could match any later name: names are compared as the plain text flatten_call gives them.
+    call = MegatronCall()
+    if where == "group":
+        held = vars(call.layer.pg_collection)
+        held.update({EqualsAnything(name): held.pop(name) for name in list(held)})
+    kwargs = call.kwargs(call.rope)
+    kwargs = {(EqualsAnything(key) if key == "window" and where == "keyword" else key): value
+              for key, value in kwargs.items()}
+    contract = ReplayContract.record(GRAPH, (call.hidden,), kwargs, module=call.layer)
+    replay = (x(requires_grad=True),), {**kwargs, "rotary_pos_emb": x(4, 1, 1, 2)}
+    contract.check(*replay, mode=FULL)
+    if where == "keyword":
+        renamed = {(EqualsAnything("wind") if key == "window" else key): value for key, value in replay[1].items()}
+        assert violation(contract, replay[0], renamed).field == "arguments"
+    else:  # plain names now, under which the check finds none of the captured groups
+        held = vars(call.layer.pg_collection)
+        held.update({str(name) + "x": held.pop(name) for name in list(held)})
+        assert violation(contract, *replay).field == "process group"
+
+
+# ---------------------------------------------------------------------- any layout of a call
+#
+# A graph's call of a drawn layout (how many positional and keyword values, of which kinds, in which
+# order), changed in drawn ways: the check refuses exactly what the reference refuses, by its field.
+
+KINDS = ("tensor", "tensor with grad", "vector", "none", "int", "str")
+
+
+def sample(kind: str):
+    """A fresh value of ``kind``, equal in metadata (tensors) or value (controls) each time."""
+    return {"tensor": lambda: torch.zeros(4, 2, 3),
+            "tensor with grad": lambda: torch.zeros(4, 2, 3, requires_grad=True),
+            "vector": lambda: torch.zeros(5, dtype=torch.float64), "none": lambda: None, "int": lambda: 3,
+            "str": lambda: "causal"}[kind]()
+
+
+class DrawnCall:
+    """A graph's call of a drawn layout; the capture's sample tensors are kept as TE keeps its
+    static buffers (alive as long as the graph)."""
+
+    def __init__(self, positional: list[str], keywords: list[str], replay_only: bool) -> None:
+        self.positional, self.keywords, self.replay_only = positional, keywords, replay_only
+        self.captured = self.fresh(first=None)
+        self.contract = ReplayContract.record("g", *self.captured)
+
+    def fresh(self, first=False):
+        args = tuple(sample(kind) for kind in self.positional)
+        kwargs = {f"k{index}": sample(kind) for index, kind in enumerate(self.keywords)}
+        if self.replay_only and first is not None:
+            kwargs[FIRST_MICROBATCH] = first
+        return list(args), kwargs
+
+    def static(self, place, value: torch.Tensor) -> torch.Tensor:
+        """The static buffer captured at ``place``; ``value`` where a tensor was not captured there."""
+        where, key = place
+        captured = self.captured[0] if where == "args" else self.captured[1]
+        found = (captured[key] if key < len(captured) else None) if where == "args" else captured.get(key)
+        return found if isinstance(found, torch.Tensor) else value
+
+
+def _get(args, kwargs, place):
+    return args[place[1]] if place[0] == "args" else kwargs[place[1]]
+
+
+def _set(args, kwargs, place, value):
+    if place[0] == "args":
+        args[place[1]] = value
+    else:
+        kwargs[place[1]] = value
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def _changed_tensor(value: torch.Tensor, change: str, static: torch.Tensor):
+    """``value`` with one thing changed; some changes are benign (the check passes them)."""
+    if change == "shape":
+        return torch.zeros(*value.shape[:-1], value.shape[-1] + 1, dtype=value.dtype)
+    if change == "dtype":
+        return value.to(torch.float16)
+    if change == "gradient":
+        return value.detach().requires_grad_(not value.requires_grad)
+    if change == "device":
+        return torch.zeros(value.shape, dtype=value.dtype, device="meta")
+    if change == "subclass":
+        return value.detach().as_subclass(Subclass)
+    if change == "in place":  # the static buffer itself: read where it is
+        return static
+    if change == "in place, relaid":  # at the static buffer's address, another layout
+        return static.as_strided(static.shape, tuple(reversed(static.stride())))
+    if change == "inside a static buffer" and static.numel() > 1:  # in a static buffer's memory, past its start
+        return static.detach().as_strided(static.shape, (0,) * static.dim(), 1)
+    if change == "in a list":
+        return [value]
+    return {"none": None, "int": 3, "inside a static buffer": static}[change]
+
+
+TENSOR_CHANGES = ("shape", "dtype", "gradient", "device", "subclass", "in place", "in place, relaid",
+                  "inside a static buffer", "none", "int", "in a list")
+CONTROL_CHANGES = ("other value", "same value", "bool for int", "tensor", "none", "in a list")
+CALL_CHANGES = ("keyword dropped", "keyword renamed", "keyword added", "keywords reordered", "positional added",
+                "positional dropped", "first microbatch", "first microbatch None", "keyword of a str subclass")
+
+
+def _mutated(call: DrawnCall, data, args: list, kwargs: dict):
+    places = [("args", index) for index in range(len(args))] + [("kwargs", key) for key in kwargs]
+    change = data.draw(st.sampled_from(("value",) * 3 + CALL_CHANGES), label="change")
+    if change == "value" and places:
+        place = data.draw(st.sampled_from(places), label="place")
+        value = _get(args, kwargs, place)
+        if place == ("kwargs", FIRST_MICROBATCH):
+            _set(args, kwargs, place, data.draw(st.sampled_from((True, False, None, 1))))
+        elif isinstance(value, torch.Tensor):
+            _set(args, kwargs, place, _changed_tensor(value, data.draw(st.sampled_from(TENSOR_CHANGES)),
+                                                      call.static(place, value)))
+        else:
+            control = data.draw(st.sampled_from(CONTROL_CHANGES), label="control change")
+            _set(args, kwargs, place, {"other value": "other" if isinstance(value, str) else 4,
+                                       "same value": value, "bool for int": True, "tensor": torch.zeros(2),
+                                       "none": None, "in a list": [value]}[control])
+    elif change == "keyword dropped" and kwargs:
+        kwargs.pop(data.draw(st.sampled_from(sorted(kwargs))))
+    elif change == "keyword renamed" and kwargs:
+        key = data.draw(st.sampled_from(sorted(kwargs)))
+        kwargs[key + "_renamed"] = kwargs.pop(key)
+    elif change == "keyword of a str subclass" and kwargs:
+        key = data.draw(st.sampled_from(sorted(kwargs)))
+        kwargs[EqualsAnything(key if data.draw(st.booleans()) else key + "_renamed")] = kwargs.pop(key)
+    elif change == "keyword added":
+        kwargs["extra"] = data.draw(st.sampled_from((None, 1, "x"))) if data.draw(st.booleans()) else torch.zeros(1)
+    elif change == "keywords reordered":
+        kwargs = dict(reversed(list(kwargs.items())))
+    elif change == "positional added":
+        args.append(torch.zeros(4, 2, 3))
+    elif change == "positional dropped" and args:
+        args.pop()
+    elif change.startswith("first microbatch"):
+        kwargs[FIRST_MICROBATCH] = None if change.endswith("None") else True
+    return args, kwargs
+
+
+@given(positional=st.lists(st.sampled_from(KINDS), max_size=3),
+       keywords=st.lists(st.sampled_from(KINDS), max_size=4), replay_only=st.booleans(),
+       mode=st.sampled_from((FULL, SHAPES)), data=st.data())
+@settings(max_examples=400, deadline=None)
+def test_the_check_refuses_what_the_reference_refuses_whatever_the_calls_layout(
+        positional, keywords, replay_only, mode, data):
+    call = DrawnCall(positional, keywords, replay_only)
+    call.contract.check(*call.fresh(), mode=mode)  # its like, with fresh tensors
+    args, kwargs = call.fresh()
+    for _ in range(data.draw(st.integers(1, 3), label="changes")):
+        args, kwargs = _mutated(call, data, args, kwargs)
+    assert refusal(call.contract, args, kwargs, mode) == reference_refusal(call.contract, args, kwargs,
+                                                                           full=mode == FULL)
+
+
+def test_keywords_in_another_order_are_matched_by_name_not_by_place():
+    static_a, static_b = torch.zeros(4, 2, 3), torch.zeros(4, 2, 3)
+    contract = ReplayContract.record("g", (), {"a": static_a, "b": static_b})
+    contract.check((), {"b": torch.zeros(4, 2, 3), "a": torch.zeros(4, 2, 3)}, mode=FULL)
+    swapped = {"b": static_a, "a": torch.zeros(4, 2, 3)}  # a's static buffer given as b
+    assert violation(contract, (), swapped).field == "alias"
+
+
 # ---------------------------------------------------------------------- held state once a step
 #
-# Under Megatron's DDP parameters and groups stay put between a step's first microbatch and its end; with
-# the run's step marks given, the quick accept then reads them on the first microbatch's replay only.
+# Under Megatron's DDP parameters and groups stay put within a run of Megatron's schedule; with the
+# run's step marks given, a contract reads them at its first replay in each run only.
 
 
 class SteppedCall(MegatronCall):
     """A layer replayed step by step: ``steps`` are the run's marks (None: none given)."""
 
-    def __init__(self, steps: StepMarks | None) -> None:
-        self.layer = Layer(tp=process_group(), dp=process_group())
+    def __init__(self, steps: StepMarks | None, layer: Layer | None = None) -> None:
+        self.layer = layer or Layer(tp=process_group(), dp=process_group())
         self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
         STATIC_BUFFERS.append((self.hidden, self.rope))
         self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer,
                                               step_marks=steps)
 
-    def replay(self, first):
+    def replay(self, first=False):
         self.contract.check(*self.fresh(is_first_microbatch=first), mode=FULL)
 
-    def accepts(self, first):
-        return self.contract.quick.accepts(*self.fresh(is_first_microbatch=first), full=True)
+    def refused(self, first=False):
+        return refusal(self.contract, *self.fresh(is_first_microbatch=first))
 
 
 MOVES = {"parameter storage": _moved_parameter, "process group": _swapped_group}
 
 
 @pytest.mark.parametrize("field", sorted(MOVES))
-def test_held_state_is_read_on_a_steps_first_microbatch_and_not_again_in_that_step(field):
+def test_held_state_is_read_at_a_contracts_first_replay_in_a_step_and_not_again_in_it(field):
     steps = StepMarks()
     call = SteppedCall(steps)
     with steps:
-        for first in (True, False, False):
-            call.replay(first)
-    with steps:
-        call.replay(True)  # a later step: taken by the quick accept, which reads the held state and marks the step
+        call.replay(True)  # reads the held state
         MOVES[field](call)
-        assert call.accepts(False)  # a later microbatch of the same step: not read again
-        assert not call.accepts(True)  # a first microbatch reads it
-        with pytest.raises(ContractViolation) as refused:
-            call.replay(True)
-        assert refused.value.field == field
-        assert not call.accepts(False)  # nothing was found as captured this step: read again
+        for first in (False, True, None):  # whatever Megatron marks the microbatch
+            call.replay(first)
+    assert call.refused() == field  # outside any step: read
+    with steps:
+        assert call.refused(True) == field  # the next step's first replay reads it
+        assert call.refused(False) == field  # found moved: read again
 
 
-def test_a_step_that_ended_lets_no_replay_skip_the_held_state():
-    # A training-mode forward of one's own after a step: Megatron marks it as a later microbatch.
+def test_a_replay_outside_any_step_reads_the_held_state_every_time():
+    # A training-mode forward of one's own, or train_step called past the plugin's patch (marks never entered).
     steps = StepMarks()
     call = SteppedCall(steps)
-    with steps:
-        call.replay(True)
-        call.replay(False)
+    for first in (True, False):
+        call.replay(first)
     _moved_parameter(call)
-    assert not call.accepts(False)  # outside any step
-    with steps:
-        assert not call.accepts(False)  # another step, whose first microbatch has not been seen
-
-
-def test_replays_outside_any_marked_step_read_the_held_state():
-    steps = StepMarks()  # given, never entered: train_step was called past the plugin's patch
-    call = SteppedCall(steps)
-    call.replay(True)
-    call.replay(False)
-    _moved_parameter(call)
-    assert not call.accepts(False)
+    assert call.refused(False) == "parameter storage"
 
 
 def test_a_step_that_ended_inside_another_lets_no_replay_skip_the_held_state():
@@ -929,7 +1117,7 @@ def test_a_step_that_ended_inside_another_lets_no_replay_skip_the_held_state():
         with steps:
             call.replay(True)
         _moved_parameter(call)
-        assert not call.accepts(False)
+        assert call.refused(False) == "parameter storage"
 
 
 def test_without_step_marks_held_state_is_read_on_every_replay():
@@ -937,50 +1125,42 @@ def test_without_step_marks_held_state_is_read_on_every_replay():
     for first in (True, False):
         call.replay(first)
     _moved_parameter(call)
-    assert not call.accepts(False)
+    assert call.refused(False) == "parameter storage"
 
 
-@pytest.mark.parametrize("marks", [(False, False, False), (None, None, None)], ids=["never first", "unmarked"])
-def test_a_graph_never_replayed_as_a_first_microbatch_reads_held_state_on_every_replay(marks):
-    # Under pipelining each microbatch has a graph of its own: only graph 0 sees is_first_microbatch=True.
+def test_each_graph_reads_the_held_state_at_its_own_first_replay_in_a_step():
+    # Under pipelining each microbatch has a graph (and contract) of its own on the same layer.
+    steps = StepMarks()
+    first_graph = SteppedCall(steps)
+    later_graph = SteppedCall(steps, layer=first_graph.layer)
+    with steps:
+        first_graph.replay(True)
+        _moved_parameter(first_graph)
+        first_graph.replay(False)
+        assert later_graph.refused(False) == "parameter storage"
+
+
+def test_a_check_in_shapes_mode_reads_no_held_state_for_a_later_full_one():
     steps = StepMarks()
     call = SteppedCall(steps)
     with steps:
-        for first in marks:
-            call.replay(first)
+        call.contract.check(*call.fresh(is_first_microbatch=True), mode=SHAPES)
         _moved_parameter(call)
-        assert not call.accepts(marks[0])
+        assert call.refused(False) == "parameter storage"
 
 
-@pytest.mark.parametrize("layout", ["the captured", "another"])
-def test_an_unmarked_replay_ends_the_skip(layout):
-    # Before the call's layout is compared: an unmarked call of another layout, refused, ends it too.
+SAME_HELD = sorted(case for case in REFUSED if not case.startswith(tuple(MOVES)))  # the rest move held state
+
+
+@pytest.mark.parametrize("case", SAME_HELD)
+def test_the_skip_in_a_step_spares_the_held_state_only(case):
+    # A later replay in a step whose first found the held state as captured: its call is still compared.
     steps = StepMarks()
     call = SteppedCall(steps)
     with steps:
         call.replay(True)
-        _moved_parameter(call)
-        args, kwargs = call.fresh(is_first_microbatch=None)
-        if layout == "another":
-            args = (*args, x())
-        assert not call.contract.quick.accepts(args, kwargs, full=True)  # read, and refused
-        with pytest.raises(ContractViolation):
-            call.contract.check(args, kwargs, mode=FULL)
-        assert not call.accepts(False)  # and the skip is over
-
-
-def test_a_first_microbatch_the_full_check_passed_marks_the_step_in_full_mode_only():
-    steps = StepMarks()
-    call = SteppedCall(steps)
-    with steps:
-        call.replay(True)  # nothing learned yet: the full check, which reads the held state
-        _moved_parameter(call)
-        assert call.accepts(False)
-    shapes_only = SteppedCall(steps)
-    with steps:
-        shapes_only.contract.check(*shapes_only.fresh(is_first_microbatch=True), mode=SHAPES)  # reads none
-        _moved_parameter(shapes_only)
-        assert not shapes_only.accepts(False)
+        args, kwargs = REFUSED[case](call)
+        assert refusal(call.contract, args, {**kwargs, "is_first_microbatch": False}) == case.split(" (")[0]
 
 
 def test_step_marks_tell_the_step_and_whether_one_is_under_way():
@@ -994,105 +1174,23 @@ def test_step_marks_tell_the_step_and_whether_one_is_under_way():
     assert steps.step_now() is None
 
 
-def test_a_data_ptr_set_on_one_instance_counts_in_neither_check():
-    # Every address is read through the tensor's type (record, full check, quick accept): none can disagree.
-    p, static = torch.nn.Parameter(torch.ones(3)), x()
-    p.data_ptr = static.data_ptr = lambda: 0  # set before the capture is recorded
-    contract = record((static,), params=[("w", p)])
-    contract.check((static,), {}, mode=FULL)  # read in place: the static buffer's own address
-    claims_static = x(2, 4, 3).transpose(0, 1)  # another layout, in memory of its own
-    claims_static.data_ptr = lambda: contract.quick.state.statics[0].data_ptr
-    for _ in range(2):
-        contract.check((claims_static,), {}, mode=FULL)  # copied in, whatever it claims
-    assert contract.quick.accepts((claims_static,), {}, full=True)
-
-
-def outlives_its_holders_with_gc_off(make) -> bool:
-    """Whether the object ``make()`` returns first outlives the pair it returns (the object and what
-    holds it) being dropped, with the cyclic collector off as Megatron's --manual-gc leaves it."""
-    gc.disable()
-    try:
-        held = weakref.ref(make()[0])  # the pair is dropped at once; make's frame is gone
-        return held() is not None
-    finally:
-        gc.enable()
-
-
-def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
-    # A cycle through the compiled accept would keep every dropped graph's parameters (and what they
-    # hold) alive until a manual collection.
-    def learned():
-        parameter = torch.nn.Parameter(torch.ones(3))
-        contract = record(params=[("w", parameter)])
-        for _ in range(2):
-            contract.check((x(),), {}, mode=FULL)
-        assert contract.quick.accepts((x(),), {}, full=True)  # learned: the compiled function exists
-        return parameter, contract
-
-    assert not outlives_its_holders_with_gc_off(learned)
-
-
-def test_a_dropped_layer_holding_its_contract_is_freed_without_the_cyclic_collector():
-    # The layer holds its graphs and they their contracts (layer.cuda_graphs); the contract's group
-    # lookup must not hold the layer back.
-    def graphed():
-        layer = Layer(tp=process_group(), dp=process_group())
-        contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
-        layer.cuda_graphs = [contract.replay_check(FULL)]
-        for _ in range(2):
-            layer.cuda_graphs[0]((x(),), {})
-        assert contract.quick.accepts((x(),), {}, full=True)
-        return layer, contract
-
-    assert not outlives_its_holders_with_gc_off(graphed)
-
-
-def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
-    layer = Layer(tp=process_group())
-    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
-    STATIC_BUFFERS.append(contract)
-    for _ in range(2):
-        contract.check((x(),), {}, mode=FULL)
-    del layer
-    gc.collect()
-    assert not contract.quick.accepts((x(),), {}, full=True)
-    assert violation(contract, (x(),)).field == "process group"
-
-
-CALL_CHANGES = sorted(case for case in REFUSED if not case.startswith(tuple(MOVES)))  # the rest move held state
-
-
-@pytest.mark.parametrize("case", CALL_CHANGES)
-def test_the_skip_in_a_step_spares_the_held_state_only(case):
-    # A later microbatch of a step whose first found the held state as captured: its call is still compared.
-    steps = StepMarks()
-    call = SteppedCall(steps)
-    with steps:
-        call.replay(True)
-        assert call.accepts(False)
-        args, kwargs = REFUSED[case](call)
-        assert not call.contract.quick.accepts(args, {**kwargs, "is_first_microbatch": False}, full=True)
-
-
-# The calls a replay may make: like the captured one, each read in place, and each of CALL_CHANGES (held
+# The calls a replay may make: like the captured one, each read in place, and each of SAME_HELD (held
 # state moves are drawn as events of their own).
 CALLS = {
     "fresh": MegatronCall.fresh,
     "hidden states in place": lambda call: ((call.hidden,), call.kwargs(x(4, 1, 1, 2))),
     "rope in place": lambda call: call.fresh(rotary_pos_emb=call.rope),
-    **{case: REFUSED[case] for case in CALL_CHANGES},
+    **{case: REFUSED[case] for case in SAME_HELD},
 }
 
 
 @given(data=st.data())
 @settings(max_examples=1500, deadline=None)
-def test_a_quick_accept_in_any_sequence_of_steps_and_moves_is_one_the_full_check_passes(data):
-    # Except the one skip the design allows: a later microbatch of a step whose first microbatch found
-    # the held state as captured, with no replay since that was not marked as a later microbatch.
+def test_in_any_sequence_of_steps_and_moves_the_check_skips_only_held_state_read_in_the_same_step(data):
     steps = StepMarks()
     call = SteppedCall(steps)
     captured_weight, captured_dp = call.layer.linear.weight.data, call.layer.pg_collection.dp
-    skip_step = None  # the step a later microbatch may skip the held state in
+    read_in = None  # the step whose held state the contract found as captured
     if data.draw(st.booleans(), label="inside a step"):
         steps.__enter__()
     for _ in range(data.draw(st.integers(1, 24), label="events")):
@@ -1107,41 +1205,82 @@ def test_a_quick_accept_in_any_sequence_of_steps_and_moves_is_one_the_full_check
             call.layer.linear.weight.data, call.layer.pg_collection.dp = captured_weight, captured_dp
         elif event == "replay":
             first = data.draw(st.sampled_from((True, False, None)), label="first")
-            call_of = data.draw(st.sampled_from(sorted(CALLS)), label="call")
-            args, kwargs = CALLS[call_of](call)
+            args, kwargs = CALLS[data.draw(st.sampled_from(sorted(CALLS)), label="call")](call)
             kwargs = {**kwargs, "is_first_microbatch": first}
-            if first is not False:
-                skip_step = None
-            accepted = call.contract.quick.accepts(args, kwargs, full=True)
-            try:
-                call.contract._check_in_full(args, kwargs, full=True)
-            except ContractViolation as refused:
-                assert not accepted or (first is False and skip_step is not None and skip_step == steps.step_now()
-                                        and refused.field in MOVES), refused
-                continue
-            if not accepted:
-                call.contract.quick.learn(args, kwargs, full=True)
-            if not (accepted and first is False and skip_step is not None and skip_step == steps.step_now()):
-                skip_step = steps.step_now() if first is True else None  # the held state was read
+            run = steps.step_now()
+            skips = run is not None and run == read_in
+            expected = reference_refusal(call.contract, args, kwargs, read_held=not skips)
+            assert refusal(call.contract, args, kwargs) == expected
+            if not skips and expected is None:
+                read_in = run
+            elif expected in MOVES:
+                read_in = None
 
 
-@pytest.mark.parametrize("where", ["keyword", "group"])
-def test_a_name_of_a_str_subclass_at_capture_is_never_learned(where):
-    # Its == could match any later name: the quick accept leaves such a call to the full check.
-    call = MegatronCall()
-    if where == "group":
-        held = vars(call.layer.pg_collection)
-        held.update({EqualsAnything(name): held.pop(name) for name in list(held)})
-    kwargs = call.kwargs(call.rope)
-    kwargs = {(EqualsAnything(key) if key == "window" and where == "keyword" else key): value
-              for key, value in kwargs.items()}
-    contract = ReplayContract.record(GRAPH, (call.hidden,), kwargs, module=call.layer)
-    replay = (x(requires_grad=True),), {**kwargs, "rotary_pos_emb": x(4, 1, 1, 2)}
-    for _ in range(2):
-        contract.check(*replay, mode=FULL)
-    assert not contract.quick.accepts(*replay, full=True)
-    if where == "group":  # plain names now, under which the full check finds none of the captured groups
-        held = vars(call.layer.pg_collection)
-        held.update({str(name) + "x": held.pop(name) for name in list(held)})
-        assert not contract.quick.accepts(*replay, full=True)
-        assert violation(contract, *replay).field == "process group"
+# ---------------------------------------------------------------------- the one wrapper
+
+
+def test_a_checked_graph_refuses_before_the_graph_runs_and_counts_replays_and_refusals():
+    from megatron_cg_plugin.capture.accounting import ReplayCounter
+
+    calls = []
+
+    def graph(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "replayed"
+
+    graph.reset = lambda: "reset"
+    counter = ReplayCounter(2)
+    checked = CheckedGraph(graph, record(), FULL, counter, 1)
+    assert checked(x()) == "replayed" and checked.reset() == "reset"
+    with pytest.raises(ContractViolation):
+        checked(x(8, 2, 3))
+    assert len(calls) == 1 and counter.counts == [0, 1] and counter.rejected == [0, 1]
+    unchecked = CheckedGraph(graph, None, ContractCheck.OFF)
+    assert unchecked(x(8, 2, 3)) == "replayed"
+
+
+def outlives_its_holders_with_gc_off(make) -> bool:
+    """Whether the object ``make()`` returns first outlives the pair it returns (the object and what
+    holds it) being dropped, with the cyclic collector off as Megatron's --manual-gc leaves it."""
+    gc.disable()
+    try:
+        held = weakref.ref(make()[0])  # the pair is dropped at once; make's frame is gone
+        return held() is not None
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_contract_frees_its_parameters_without_the_cyclic_collector():
+    def checked():
+        parameter = torch.nn.Parameter(torch.ones(3))
+        contract = record(params=[("w", parameter)])
+        for _ in range(2):
+            contract.check((x(),), {}, mode=FULL)
+        return parameter, contract
+
+    assert not outlives_its_holders_with_gc_off(checked)
+
+
+def test_a_dropped_layer_holding_its_contract_is_freed_without_the_cyclic_collector():
+    # The layer holds its graphs and they their contracts (layer.cuda_graphs); the contract's group
+    # lookup must not hold the layer back.
+    def graphed():
+        layer = Layer(tp=process_group(), dp=process_group())
+        contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+        layer.cuda_graphs = [CheckedGraph(lambda *args: None, contract, FULL)]
+        for _ in range(2):
+            layer.cuda_graphs[0](x())
+        return layer, contract
+
+    assert not outlives_its_holders_with_gc_off(graphed)
+
+
+def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
+    layer = Layer(tp=process_group())
+    contract = ReplayContract.record(GRAPH, (x(),), {}, module=layer)
+    STATIC_BUFFERS.append(contract)
+    contract.check((x(),), {}, mode=FULL)
+    del layer
+    gc.collect()
+    assert violation(contract, (x(),)).field == "process group"

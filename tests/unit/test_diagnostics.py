@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.capture import accounting as diagnostics
-from megatron_cg_plugin.capture.accounting import CountingGraph, ReplayCounter, new_pool_bytes, pool_bytes_by_id, steady_median
+from megatron_cg_plugin.capture.accounting import ReplayCounter, new_pool_bytes, pool_bytes_by_id, steady_median
+from megatron_cg_plugin.capture.contracts import CheckedGraph
+from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.report import RunReport, ScopeReport
 
 MiB = 2**20
@@ -119,10 +121,15 @@ class FakeGraph:
         return f"dw-{self.tag}"
 
 
+def wrap(counter, graph, slot):
+    """A graph counted and held to no contract (``--cg-contract-check off``)."""
+    return CheckedGraph(graph, None, ContractCheck.OFF, counter, slot)
+
+
 def test_counting_graph_counts_per_slot_and_forwards_calls():
     counter = ReplayCounter(3)
     graphs = [FakeGraph(f"g{i}") for i in range(3)]
-    wrapped = [counter.wrap(graph, slot) for slot, graph in enumerate(graphs)]
+    wrapped = [wrap(counter, graph, slot) for slot, graph in enumerate(graphs)]
 
     assert wrapped[0](1, 2, key="v") == ("g0", (1, 2), {"key": "v"})
     wrapped[2]("x")
@@ -138,7 +145,7 @@ def test_counting_graph_counts_per_slot_and_forwards_calls():
 
 def test_counting_graph_shares_a_slot_between_microbatch_graphs():
     counter = ReplayCounter(2)
-    layer_graphs = [counter.wrap(FakeGraph(f"mb{mb}"), 1) for mb in range(4)]
+    layer_graphs = [wrap(counter, FakeGraph(f"mb{mb}"), 1) for mb in range(4)]
     for graph in layer_graphs:
         graph()
     assert counter.counts == [0, 4]
@@ -147,7 +154,7 @@ def test_counting_graph_shares_a_slot_between_microbatch_graphs():
 def test_counting_graph_forwards_attributes_without_counting():
     counter = ReplayCounter(1)
     graph = FakeGraph("g")
-    wrapped = counter.wrap(graph, 0)
+    wrapped = wrap(counter, graph, 0)
 
     wrapped.reset()
     wrapped.reset()
@@ -160,7 +167,7 @@ def test_counting_graph_forwards_attributes_without_counting():
 
 
 def test_counting_graph_missing_attribute_raises_attribute_error():
-    wrapped = ReplayCounter(1).wrap(lambda: None, 0)
+    wrapped = wrap(ReplayCounter(1), lambda: None, 0)
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute
     assert not hasattr(wrapped, "reset")  # Megatron probes hasattr(graph, ...) on old TE graphs
@@ -170,7 +177,7 @@ def test_counting_graph_propagates_exceptions():
     def broken(*_):
         raise RuntimeError("replay failed")
 
-    wrapped = ReplayCounter(1).wrap(broken, 0)
+    wrapped = wrap(ReplayCounter(1), broken, 0)
     with pytest.raises(RuntimeError, match="replay failed"):
         wrapped()
 
@@ -187,12 +194,13 @@ def test_counting_graph_check_runs_before_each_replay():
     graph = FakeGraph("g")
     seen = []
 
-    def check(args, kwargs):
-        seen.append((args, kwargs))
-        if kwargs.get("bad"):
-            raise ValueError("refused")
+    class Contract:
+        def check(self, args, kwargs, mode):
+            seen.append((args, kwargs))
+            if kwargs.get("bad"):
+                raise ValueError("refused")
 
-    wrapped = CountingGraph(graph, counter, 1, check)
+    wrapped = CheckedGraph(graph, Contract(), ContractCheck.FULL, counter, 1)
     assert wrapped(1, key="v") == ("g", (1,), {"key": "v"})
     with pytest.raises(ValueError, match="refused"):
         wrapped(2, bad=True)
@@ -204,7 +212,7 @@ def test_counting_graph_check_runs_before_each_replay():
 
 def test_counting_graph_without_check_never_rejects():
     counter = ReplayCounter(1)
-    wrapped = counter.wrap(FakeGraph("g"), 0)
+    wrapped = wrap(counter, FakeGraph("g"), 0)
     wrapped()
     assert counter.rejected == [0] and counter.total_rejected == 0
 
@@ -227,10 +235,10 @@ def test_memory_state_without_cuda():
 @pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
 def test_counting_graph_can_be_copied(copier):
     counter = ReplayCounter(1)
-    original = counter.wrap(FakeGraph("g"), 0)
+    original = wrap(counter, FakeGraph("g"), 0)
     clone = copier(original)
     clone()
-    assert isinstance(clone, CountingGraph)
+    assert isinstance(clone, CheckedGraph)
 
 
 # ---------------------------------------------------------------- steady_median

@@ -22,7 +22,8 @@ from megatron_cg_plugin.capture.contracts import ContractViolation
 from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError
 from megatron_cg_plugin.capture.transaction import attribute, gc_state
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.capture.accounting import CountingGraph, MemoryState, TeardownStats
+from megatron_cg_plugin.capture.accounting import MemoryState, TeardownStats
+from megatron_cg_plugin.capture.contracts import CheckedGraph
 from megatron_cg_plugin.capture.lifecycle import CaptureFailedError, InjectedCaptureFailure, PluginHelperMixin, _CaptureTracker, bind_helper_class, scope_label
 from megatron_cg_plugin.session import RunPrediction, RunSession
 
@@ -722,7 +723,7 @@ def test_every_layer_gets_its_graphs_in_megatrons_order(probe, memory, layout, m
     for chunk, count in zip(model, layout):
         for position, layer in enumerate(chunk.decoder.layers):
             assert len(layer.cuda_graphs) == microbatches
-            assert all(isinstance(w, CountingGraph) for w in layer.cuda_graphs)
+            assert all(isinstance(w, CheckedGraph) for w in layer.cuda_graphs)
             for mb, wrapper in enumerate(layer.cuda_graphs):
                 index = expected_index(before, count, position, mb, microbatches, overlap)
                 assert wrapper.graph.index == index
@@ -741,7 +742,7 @@ def test_contracts_follow_the_graphs_megatron_hands_out_by_identity(probe, memor
     helper.create_cudagraphs()
     for layer in all_layers(model):
         for wrapper in layer.cuda_graphs:
-            (_, static), *_ = wrapper._check.contract.inputs
+            (_, static), *_ = wrapper.contract.inputs
             assert static.data_ptr == helper.sample_args[wrapper.graph.index][0].data_ptr()
     assert [w.graph.index for w in all_layers(model)[0].cuda_graphs] == [4, 2, 0]
 
@@ -1033,7 +1034,7 @@ def test_layout_checked_only_for_an_input_read_in_place(probe, memory):
 def test_contract_check_off_runs_no_check(probe, memory):
     session, backend, model, helper = _captured(probe, contract_check="off")
     wrapper = all_layers(model)[0].cuda_graphs[0]
-    assert wrapper._check is None
+    assert wrapper.contract is None
     assert wrapper(hidden(seq=3)) == ("replayed", 0)  # wrong shape, missing mask: not checked
     assert helper.capture_stats.replays.counts == [1, 0]
 

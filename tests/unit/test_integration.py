@@ -867,7 +867,7 @@ def test_a_forward_of_a_wrapped_train_step_after_its_schedule_reads_the_held_sta
         contract.check((torch.zeros(2),), {"is_first_microbatch": first}, mode=ContractCheck.FULL)
 
     def schedule():
-        for first in (True, False, True, False):  # the first step learns, the second skips
+        for first in (True, False):  # the first replay reads the held state, the second skips it
             replay(first)
 
     def users_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,

@@ -299,7 +299,7 @@ def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_
     entry = _Entry(variant, 0, adopted, [], [], None, "off")
     entry.forward_graph = FakeGraph()
     other = torch.ones(6)
-    entry.replay_forward((torch.ones(4, 6), other))
+    entry.replay_forward(torch.ones(4, 6), other)
     assert torch.equal(table, other) and torch.equal(sample.detach(), torch.ones(4, 6))
 
 

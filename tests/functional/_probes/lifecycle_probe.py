@@ -90,7 +90,7 @@ def static_inputs_alive(helper) -> bool:
     from megatron_cg_plugin.capture.contracts import StaticInput
 
     statics = [value for layer in helper.flattened_callables for wrapper in layer.cuda_graphs
-               for _, value in wrapper._check.contract.inputs if isinstance(value, StaticInput)]
+               for _, value in wrapper.contract.inputs if isinstance(value, StaticInput)]
     return bool(statics) and all(static.alive for static in statics)
 
 
@@ -160,19 +160,20 @@ def lifecycle(result):
     layer = helper.flattened_callables[0]
     seen = {}
     wrapper = layer.cuda_graphs[0]
-    original_check = wrapper._check
+    original_contract = wrapper.contract
 
-    def spy(args, kwargs):
-        seen["call"] = (args, kwargs)
-        return original_check(args, kwargs)
+    class Spy:  # the wrapper's contract, keeping the last call it checked
+        def check(self, args, kwargs, mode):
+            seen["call"] = (args, kwargs)
+            return original_contract.check(args, kwargs, mode)
 
-    wrapper._check = spy
+    wrapper.contract = Spy()
     step_times = []
     for batch in batches(30):
         torch.cuda.synchronize(); start = time.perf_counter()
         trainer.step(*batch)
         torch.cuda.synchronize(); step_times.append(time.perf_counter() - start)
-    wrapper._check = original_check
+    wrapper.contract = original_contract
     args, kwargs = seen["call"]
     from megatron_cg_plugin.capture.contracts import ReplayContract
     from megatron_cg_plugin.config import ContractCheck
