@@ -85,8 +85,7 @@ class PluginConfig:
             copies captured in each layer's graphs on side streams, joined before each graph ends)
             or ``between-replays`` (the graphs stage them in a ring of GPU buffers shared by the
             layers, and one copy per layer and direction runs between replays). In-graph measured
-            faster on the host-bound 12x1024 bench, between replays on the GPU-bound 1B
-            (docs/results/offload-2026-12-01, windows-fp8-2026-12-01).
+            faster on the host-bound 12x1024 bench, between replays on the GPU-bound 1B.
         offload_window: how far the offload copies may run beside the compute. In-graph copies:
             how many of Megatron's offload groups' copies may run beside the group being staged
             (forward) or unpacked (backward); up to ``window + 1`` groups' staging and reload buffers

@@ -171,7 +171,7 @@ RULES: tuple[Rule, ...] = (
          "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
          "offload inside themselves.",
          detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})"),
-    # s70/s71: Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
+    # Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
     # first step after a graphed backward; without the offload, or without the recompute, it was exact.
     Rule("offload-recompute-in-graphs", "plugin",
          _graphs(lambda f: bool(f.offloaded_in_graphs) and f.recompute_granularity == "selective"
@@ -179,7 +179,7 @@ RULES: tuple[Rule, ...] = (
          "Megatron's fine-grained activation offload inside the graphed scope together with selective recompute "
          "trained differently from eager under TE graphs (Megatron-LM's moe fine_grained_offloading case on one GPU, "
          "attention graphed: the loss after the first graphed step's gradients was off by up to 0.4; without either "
-         "one it was exact, s71). Drop --recompute-granularity selective, or offload only modules outside "
+         "one it was exact). Drop --recompute-granularity selective, or offload only modules outside "
          "--cuda-graph-modules, or drop --fine-grained-activation-offloading.",
          detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs, "
                           f"--recompute-modules {' '.join(f.recompute_modules)})"),
@@ -188,7 +188,7 @@ RULES: tuple[Rule, ...] = (
          "Megatron 0.19.2's own fine-grained activation offload stopped with a CUDA illegal memory access in the "
          "first training step of a GPT with learned absolute position embeddings (4 x 2048, attention's groups "
          "offloaded), eager and graphed, with and without dropout, also in Megatron-LM's pretrain_gpt.py without "
-         "the plugin (s66-s69); every offloading run with RoPE trained. Use --position-embedding-type rope, or "
+         "the plugin; every offloading run with RoPE trained. Use --position-embedding-type rope, or "
          "drop --fine-grained-activation-offloading."),
     Rule("slot-capture-pipeline", "plugin",
          _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
@@ -260,7 +260,7 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
          "--hybrid-context-parallel splits each sample into its documents: add "
          "--dataloader-inter-document-masking (or train --sft data, whose samples carry them)."),
-    # s70: stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619), whole layer and
+    # Stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619), whole layer and
     # attn; with --micro-batch-size > 1 the flattened stream also misses the graphs' static hidden states' shape.
     Rule("packed-sequences-te-graphs", "megatron",
          _graphs(lambda f: f.packed and f.thd_max_seqs is None and (f.attention_graphed or f.micro_batch_size > 1)),
@@ -297,7 +297,7 @@ RULES: tuple[Rule, ...] = (
                           f"{f', --seq-length {f.seq_length}' if f.seq_length else ''}"
                           f"{f', --cg-thd-max-seqlen {f.thd_max_seqlen}' if f.thd_max_seqlen else ''}: "
                           f"at least {f.packed_min_seqs})"),
-    # s80: on the H200 (TE 2.20.2, sm90) deterministic packed training at 32 x 16 heads x 4096^2 fell back to
+    # On Hopper (TE 2.20.2, sm90) deterministic packed training at 32 x 16 heads x 4096^2 fell back to
     # unfused attention (16 GiB of scores per layer: the farm's packed cases OOMed) and gave other bits than
     # Megatron's own layout; with max_seqlen the batch's longest document the bits were Megatron's, and without
     # deterministic mode every max_seqlen (4096 too) gave Megatron's bits.

@@ -42,7 +42,7 @@ class CudaProbe:
         import torch
 
         # torch.cuda.memory_allocated() and max_memory_allocated() each flatten and sort every
-        # allocator statistic (122, 172-184 us for the two on the H200 host, s88): one nested read gives both.
+        # allocator statistic (122, 172-184 us for the two, measured on a GPU host): one nested read gives both.
         allocated = torch.cuda.memory_stats_as_nested_dict().get("allocated_bytes", {}).get("all", {})
         return allocated.get("current", 0), allocated.get("peak", 0)
 

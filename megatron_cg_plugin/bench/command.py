@@ -89,7 +89,7 @@ class BenchOptions:
     capture_rounds: int = 0
     # steps: the cycles stop at the first even count of kept cycles (6 at least, the interval's fewest) past this
     # many seconds of cycles (0: all ``cycles``), so a bench on a host slower than planned still ends with its
-    # summary (s91's ran into the job's limit and wrote none). Start-up, capture and profiling come on top.
+    # summary (a bench that runs into its job's limit otherwise writes none). Start-up, capture and profiling come on top.
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -710,7 +710,7 @@ def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, s
                           one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
     """``steps`` more steps under cProfile, each Python function's calls and own time per step to
     ``path`` (the host operators' format): torch's profiler sees operators, whose calls per step
-    matched across arms so far but for event polls (s77, s89), not the Python that runs between them,
+    matched across arms but for event polls, not the Python that runs between them,
     where a plugin's extra work per step would show first as extra calls. cProfile sees the calling thread only, so the steps
     run inside ``one_thread`` (on the GPU: autograd's backward on this thread, not its device
     threads)."""

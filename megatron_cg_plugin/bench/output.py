@@ -440,7 +440,7 @@ def main(argv: Sequence[str]) -> int:
             return 2
         print(host_ops_diff(*paths))
         python = [Path(argv[1]) / f"{arm}.python_calls.json" for arm in argv[2:]]
-        if all(path.exists() for path in python):  # benches before s90 wrote none
+        if all(path.exists() for path in python):  # older benches wrote none
             print("\n" + host_ops_diff(*python, rows=40, calls_first=True))
         return 0
     if len(argv) != 1:

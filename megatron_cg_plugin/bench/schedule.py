@@ -167,8 +167,8 @@ def interleaved_steps(arms: Sequence[str], cycles: int) -> list[Step]:
     """``cycles`` mirrored cycles of single steps: each runs every arm once in one order and once
     reversed, so within a cycle each arm's two places have the same mean; the order alternates
     cycle by cycle (A B B A, B A A B; A B C C B A, C B A A B C), so no arm always holds the outer
-    places, next to the cycle's ends (s87: on the Llama-like model the plugin, outer in every cycle,
-    stepped 2-5% slower than stock; with one order a place's cost and an arm's look the same)."""
+    places, next to the cycle's ends (on the Llama-like model the plugin, outer in every cycle, stepped
+    2-5% slower than stock; with one order a place's cost and an arm's look the same)."""
     if len(set(arms)) != len(arms) or not arms:
         raise ValueError(f"arms must be distinct and not empty, got {list(arms)}.")
     if cycles < 1:

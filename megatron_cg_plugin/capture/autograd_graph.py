@@ -10,7 +10,7 @@ def reachable_nodes(roots: Iterable[Any]) -> Iterator[Any]:
 
     The walk keeps every visited node's Python wrapper alive until it ends. torch makes the
     wrappers of C++ nodes on access, and a dropped wrapper's id can go to the next one made, which
-    would prune that branch unvisited. On the H200 (s51) that skipped FusedAttnFunc's node in some
+    would prune that branch unvisited. On Hopper that skipped FusedAttnFunc's node in some
     frames, so its ctx's S-scale snapshot stayed in the graph pool."""
     stack = list(roots)
     seen: dict[int, Any] = {}

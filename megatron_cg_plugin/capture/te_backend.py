@@ -291,7 +291,7 @@ def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ..
     the modules own are shared state and are not entered. Ownership is looked up when a ctx object
     is met, by identity: DotProductAttention rebuilds its quantizers in a forward (its recipe
     state re-made), so a set of ids taken earlier goes stale, and a copy made later in the forward
-    can take a freed quantizer's id (seen on the H200, s47-s48: the S-scale snapshot left in the pool)."""
+    can take a freed quantizer's id (seen on Hopper: the S-scale snapshot left in the pool)."""
     import torch
     from transformer_engine.pytorch.quantized_tensor import Quantizer
 

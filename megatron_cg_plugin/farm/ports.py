@@ -2,7 +2,7 @@
 
 A port found free by binding port 0 comes from the kernel's ephemeral range, which every other
 bind(0) and every outgoing connection draw from too, so between the probe's close and the launch's
-own bind a neighbour can take it: in s68 a matrix cell's graphed launch lost its rendezvous port
+own bind a neighbour can take it: a matrix cell's graphed launch lost its rendezvous port
 that way ("The connection to the C10d store has failed"). The ports here come from below that
 range, which the kernel never hands out by itself; each is handed out once per allocator, and one
 that something holds now is skipped. Each process starts at its own block of the range (by process

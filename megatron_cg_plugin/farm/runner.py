@@ -3,8 +3,8 @@ through the plugin's launcher or through ``megatron-cg run`` with a user's own M
 mock data or on a real indexed dataset it builds, and compares the per-step metrics.
 
 Cases are folders in Megatron's functional-test format under ``tests/functional/test_cases``
-(``testing.cases``). Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``;
-the summary table it writes is what ``docs/results/`` records.
+(``farm.cases``). Used by ``tests/functional/test_farm.py`` and ``ci/run_gpu_functional.sh``,
+which writes the summary table.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ with sizes from the shapes, and replays the program through the caching allocato
 What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
 drop-and-pad or the router/preprocess scope, bf16 or FP8 with delayed or tensorwise scaling (the
-dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from the s56
+dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from allocator
 traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredicted``.
 
 Which term comes from which measurement: cuDNN's attention workspace (``attention_workspace``) and the
-dense programs from the planner-2026-12-01 traces; the FP8 quantize buffers from s56
-(planner-fp8-2026-12-01); the MoE terms from s66 (exact-matrix-2026-12-02); the bias gradients' column
-sums (``plan.reduction``) from ATen's reduce-kernel arithmetic, checked against the 2048-token traces
-(dense_1024, dense_2048, s56 fp8t) and the 4096-token trace of the issue-30 FP8 slot case.
+dense programs from allocator traces of dense models at hidden 1024 and 2048; the FP8 quantize buffers
+from traces of the FP8 farm cases; the MoE terms from traces of a 16-expert top-2 model; the bias
+gradients' column sums (``planner.reduction``) from ATen's reduce-kernel arithmetic, checked against the
+2048-token traces and the 4096-token trace of the 5 x 2048 FP8 slot case.
 
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
@@ -219,7 +219,7 @@ def attention_workspace(s: LayerShape) -> int:
     """cuDNN fused attention's backward workspace (measured, TE 2.20.2 on sm_90): the softmax-stat
     gradients, under deterministic mode an s x s bf16 buffer per head, and with GQA the key and
     value gradients expanded to every head. A packed (THD) microbatch's deterministic buffer is
-    ``next_pow2(sequences) x heads x tokens^2`` bf16, whatever its longest document: s81/s82's
+    ``next_pow2(sequences) x heads x tokens^2`` bf16, whatever its longest document: the packed farm cases'
     graph pools at 4096 tokens and 16 heads held 16 GiB at 32 sequences and 32 GiB at 48 (so did
     stock Megatron's eager steps at 18 and 43 documents), and predicted so they are within 0.2%. Fitted
     at micro-batch 1 and 4096 tokens only: the ``tokens^2`` factor is untested elsewhere."""
@@ -288,7 +288,7 @@ def _mlp_forward(p: _Program, s: LayerShape, ffn: int, name: str, norm: str | No
 
 def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str, weights: int = 1) -> str:
     """``weights``: the MLPs whose weight gradients one GEMM writes (TE's grouped linear writes every
-    local expert's at once: s66's traces, 16 experts' fc1 and fc2 gradients as two allocations)."""
+    local expert's at once: in traces of 16 experts, fc1 and fc2 gradients as two allocations)."""
     fc1 = 2 * ffn if s.gated else ffn
     fp8 = s.fp8_recipe is not None
     if fp8:
@@ -315,7 +315,7 @@ def _bf16(s: LayerShape) -> LayerShape:
 
 
 def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, parts: frozenset[str]) -> None:
-    """The MoE block after its norm, as far as the graph holds it (s66 traces, 16 experts top-2): the
+    """The MoE block after its norm, as far as the graph holds it (traced with 16 experts top-2): the
     router, then with ``preprocess`` the dispatcher's permuted tokens and probabilities (outputs of a
     router graph, live until its backward), then through the experts, whose second GEMM's output
     stays until backward (the deterministic unpermute's index_add reads it through a temporary)."""
@@ -588,7 +588,7 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
                              f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
         # The slot pool is modelled with bf16 programs (measured within 8% on the FP8 slot cases); FP8's saves
         # are the arenas' (_with_fp8_saves). The programs keep a forward's saves in the pool to the capture's
-        # end, where slot capture frees each once copied into the arena: the dense issue-30 FP8 case comes out
+        # end, where slot capture frees each once copied into the arena: the dense 5 x 2048 FP8 case comes out
         # 684 / 620 MiB for it (its trace); freeing them fits the dense runs but leaves the attention-only
         # slot-offload cells at 0.83, whose in-graph staging in the pool is not modelled.
         fwd, bwd = _graph(_bf16(shape), parts, f"L{index}.")
@@ -673,7 +673,7 @@ def fp8_quantized_saves(s: LayerShape, parts: frozenset[str]) -> dict[str, int]:
     linears) and the activation the second MLP linear reads are saved so; the bf16 tensors go.
     Under delayed scaling the output projection also saves a quantized copy of attention's output
     (``proj.input``); under other recipes Megatron has it save the original (``set_save_original_input``).
-    Measured exact on the three FP8 slot farm cases (docs/results/fp8-2026-12-01)."""
+    Measured exact on the three FP8 slot farm cases."""
     if s.fp8_recipe is None:
         return {}
     saves = {}

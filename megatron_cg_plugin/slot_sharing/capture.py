@@ -313,7 +313,7 @@ class _Entry:
         """Resets the graphs and drops every tensor they used: the run report keeps each layer's
         replay callable, and with it this entry, after teardown. The variant's samples go too: once
         adopted they are the static inputs (Megatron's sample arguments, a layer's hidden states and
-        attention mask), which would otherwise outlive the graphs (s65-s69: 1.5 activations a layer)."""
+        attention mask), which would otherwise outlive the graphs (1.5 activations a layer)."""
         for graph in (self.forward_graph, self.backward_graph):
             if graph is not None:
                 graph.reset()
