@@ -28,6 +28,12 @@ NO_CUDA_RUNTIME = "No CUDA runtime is found"  # torch.utils.cpp_extension on a h
 PLUGIN_PREFIX = "megatron-cg-plugin:"
 # The entry points' exit codes: done, a mismatch or failure found, input refused (the flag named).
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def group_label(group: object) -> str:
+    """A process group named in a message by identity (two groups of equal ranks are different
+    communicators)."""
+    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
 # The last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``.
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt|Failure|Violation)\b(: .*)?$")
 

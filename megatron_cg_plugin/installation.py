@@ -23,7 +23,7 @@ import torch
 
 from megatron_cg_plugin import compat
 from megatron_cg_plugin.config import ConfigError, PluginConfig
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
 from megatron_cg_plugin.refusal import enforce_for_session
 from megatron_cg_plugin.settings import plugin_config

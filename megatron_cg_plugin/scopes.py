@@ -17,3 +17,10 @@ def module_names(modules: Any) -> tuple[str, ...]:
     if isinstance(modules, str):
         modules = modules.split()
     return tuple(getattr(m, "name", str(m)) for m in modules)
+
+
+def attention_in_graph(cuda_graph_modules: Any) -> bool:
+    """Whether Megatron's capture callable runs attention for these ``--cuda-graph-modules``
+    (none listed: the whole layer)."""
+    names = module_names(cuda_graph_modules)
+    return not names or "attn" in names

@@ -48,9 +48,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.banks.router import BankRouter, GraphBank
-from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
+from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.compat import check_parameters
@@ -59,7 +59,7 @@ from megatron_cg_plugin.capture.accounting import ReplayTotals
 from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout
-from megatron_cg_plugin.scopes import module_names
+from megatron_cg_plugin.scopes import attention_in_graph, module_names
 
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
@@ -83,13 +83,6 @@ class ThdCapacity:
     @property
     def cu_length(self) -> int:
         return self.max_seqs + 2  # leading 0, the sequences, the dummy
-
-
-def attention_in_graph(cuda_graph_modules: Any) -> bool:
-    """Whether Megatron's capture callable runs attention for these ``--cuda-graph-modules``
-    (none listed: the whole layer)."""
-    names = module_names(cuda_graph_modules)
-    return not names or "attn" in names
 
 
 class BankGraph:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 
 
 def packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, group: Any,

@@ -15,12 +15,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["BankRouter", "BankSelectionError", "GraphBank", "group_label"]
+from megatron_cg_plugin.console import group_label
 
-
-def group_label(group: Any) -> str:
-    """A process group named by identity (two groups of equal ranks are different communicators)."""
-    return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
+__all__ = ["BankRouter", "BankSelectionError", "GraphBank"]
 
 
 class BankSelectionError(RuntimeError):

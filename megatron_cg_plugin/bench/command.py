@@ -39,14 +39,14 @@ from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin import installation
 from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.bench.output import ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord, StepRecord, is_known_arm, is_slot_arm
-from megatron_cg_plugin.offload.groups import OffloadCopies
+from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.contracts import StaticInput
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
-from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.session import RunSession

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin.banks.router import group_label
+from megatron_cg_plugin.console import group_label
 from megatron_cg_plugin.capture.accounting import ReplayCounter
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.config import ContractCheck

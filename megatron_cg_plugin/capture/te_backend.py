@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.capture.transaction import Restorable, attribute
 
 

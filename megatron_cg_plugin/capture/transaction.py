@@ -14,7 +14,7 @@ import dataclasses
 import gc
 from typing import Any, Callable, Iterable, Sequence
 
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 
 
 @dataclasses.dataclass(frozen=True)

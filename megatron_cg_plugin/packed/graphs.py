@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin.banks.capture import attention_in_graph
+from megatron_cg_plugin.scopes import attention_in_graph
 from megatron_cg_plugin.packed.layout import PackedLayout, check_sequence_count, check_sequence_length
 
 THD_KWARG = "thd_cu_seqlens"  # the graph input holding a packed microbatch's offsets

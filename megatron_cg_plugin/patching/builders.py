@@ -16,7 +16,7 @@ import torch
 
 from megatron_cg_plugin import compat, rules
 from megatron_cg_plugin import refusal
-from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.slot_sharing.layout import span_of
 from megatron_cg_plugin.moe.drop_stats import RouterDropTap
 from megatron_cg_plugin.parse_errors import plugin_args_provider

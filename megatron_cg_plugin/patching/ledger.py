@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 
 from megatron_cg_plugin import compat
 from megatron_cg_plugin.packed import graphs as packed_graphs
-from megatron_cg_plugin.patching import builders, foreign_state
+from megatron_cg_plugin.patching import builders
+from megatron_cg_plugin import foreign_state
 
 Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
@@ -392,19 +393,19 @@ PRIVATE_API: tuple[ForeignState, ...] = (
     ForeignState("megatron-create-cudagraphs", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
                  "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
                  "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
-                 "capture/lifecycle.py", ("self",), calls=("make_graphed_callables",)),
+                 "capture_lifecycle.py", ("self",), calls=("make_graphed_callables",)),
     ForeignState("megatron-sample-arguments",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
                  "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
-                 "and microbatch as a packed microbatch brings them (packed.graphs.sample_inputs).", "capture/lifecycle.py",
+                 "and microbatch as a packed microbatch brings them (packed.graphs.sample_inputs).", "capture_lifecycle.py",
                  ("self", "order", "chunk_id_list")),
     ForeignState("megatron-reset-after-capture",
                  "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
-                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "capture/lifecycle.py",
+                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "capture_lifecycle.py",
                  ("self",)),
     ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
                  "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
-                 "capture/lifecycle.py, banks/capture.py"),
+                 "capture_lifecycle.py, banks/capture.py"),
     ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
                  "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
                  "banks/capture.py"),
@@ -441,7 +442,7 @@ def markdown() -> str:
         "",
         "Generated from `megatron_cg_plugin/patching/ledger.py` (`python -c 'from megatron_cg_plugin.patching.ledger "
         "import markdown; print(markdown(), end=\"\")' > docs/patches.md`); edit the ledger, not this page.",
-        "Every change below is made and undone through one primitive, `megatron_cg_plugin/patching/foreign_state.py`:",
+        "Every change below is made and undone through one primitive, `megatron_cg_plugin/foreign_state.py`:",
         "what is saved is what the object itself holds, and an attribute it did not hold itself (absent, or only",
         "inherited from its class) is restored by deleting it, so nothing is left behind.",
         "",

@@ -40,7 +40,7 @@ from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner.allocator import PoolModel
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.moe.capacity import capacity_plan
-from megatron_cg_plugin.offload.plan import MEGATRON_MIN_OFFLOADED_TENSOR_SIZE, OffloadPolicy, OffloadStack, Save
+from megatron_cg_plugin.slot_sharing.offload_plan import MEGATRON_MIN_OFFLOADED_TENSOR_SIZE, OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.planner.reduction import column_sum_workspace
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned

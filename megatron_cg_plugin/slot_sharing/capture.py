@@ -39,11 +39,11 @@ from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.slot_sharing.guard import SlotGuard
 from megatron_cg_plugin.slot_sharing.layout import span_elements, span_of
-from megatron_cg_plugin.offload.host_arenas import CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers
+from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers
 from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, ArenaSizer, no_call_objects, storage_keys
-from megatron_cg_plugin.offload.staging import StagedFrame, StagingRing
-from megatron_cg_plugin.offload.plan import OffloadPlan, OffloadPolicy, OffloadStack, Save, host_arena_bytes, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_staging import StagedFrame, StagingRing
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPlan, OffloadPolicy, OffloadStack, Save, host_arena_bytes, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import SlotPlan, per_slot_max
 
 

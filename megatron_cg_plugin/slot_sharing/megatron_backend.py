@@ -30,7 +30,7 @@ from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, 
 from megatron_cg_plugin.capture.te_backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
+from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.slot_sharing.capture import SlotFp8, SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers

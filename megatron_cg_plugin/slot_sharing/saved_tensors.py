@@ -27,7 +27,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
-from megatron_cg_plugin.offload.plan import Save
+from megatron_cg_plugin.slot_sharing.offload_plan import Save
 
 # One alignment (plan.slot_plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned as _aligned

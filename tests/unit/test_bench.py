@@ -349,7 +349,7 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Base:
@@ -430,7 +430,7 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, RunSession(PluginConfig())))
@@ -455,7 +455,7 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(PluginConfig())
@@ -540,9 +540,9 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.offload.groups import OffloadCopies
+    from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Base:
@@ -695,7 +695,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
     from megatron.training import training
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     calls = []

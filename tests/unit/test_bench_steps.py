@@ -429,7 +429,7 @@ def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkey
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Tagged(RunSession):  # which arm's session a plugin helper reports to
@@ -492,7 +492,7 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
@@ -517,7 +517,7 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class HalfCapture(FakeMegatronHelper):

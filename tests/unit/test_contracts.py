@@ -27,6 +27,7 @@ from megatron_cg_plugin.capture.contracts import (
     flatten_call,
     process_groups_of,
 )
+from megatron_cg_plugin.console import group_label
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.capture.step_marks import StepMarks
 
@@ -318,7 +319,7 @@ def test_process_groups_by_identity():
     contract.check((x(),), {}, mode=FULL)
     layer.pg_collection.tp = lookalike = process_group()  # a re-created communicator
     error = violation(contract, (x(),))
-    assert_message(error, "process group", contracts.group_label(tp), contracts.group_label(lookalike), "tp")
+    assert_message(error, "process group", group_label(tp), group_label(lookalike), "tp")
     assert f"{id(tp):#x}" in str(error) and f"{id(lookalike):#x}" in str(error)
     contract.check((x(),), {}, mode=SHAPES)
     layer.pg_collection = types.SimpleNamespace(dp=dp, tp=tp)  # a new collection of the same groups: fine

@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.patching.foreign_state: the one primitive that sets and restores an
+"""Tests for megatron_cg_plugin.foreign_state: the one primitive that sets and restores an
 attribute of Megatron, TE or torch (one rule for an absent attribute: restored by deletion)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from megatron_cg_plugin.patching import foreign_state
-from megatron_cg_plugin.patching.foreign_state import ABSENT, Changes, held, put, setting, stored
+from megatron_cg_plugin import foreign_state
+from megatron_cg_plugin.foreign_state import ABSENT, Changes, held, put, setting, stored
 
 
 class Base:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_cg_plugin.banks.router import BankRouter, BankSelectionError, GraphBank
-from megatron_cg_plugin.banks.capture import BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity, attention_in_graph, banked_layer_class, capture_banks
+from megatron_cg_plugin.banks.capture import BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity, banked_layer_class, capture_banks
+from megatron_cg_plugin.scopes import attention_in_graph
 from megatron_cg_plugin.packed.layout import ThdCapacityError
 
 CAPACITY = ThdCapacity(tokens_per_rank=8, max_seqs=2)

@@ -238,7 +238,7 @@ def first_layer_host_bytes(shape, modules, policy):
 
 
 def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_groups_offload():
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     act = 2048 * 1024 * 2  # a [tokens, hidden] bf16 activation: 4 MiB
     every = OffloadPolicy.from_flags(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"])
@@ -322,7 +322,7 @@ MEASURED_SLOT_RUNS = {
 @pytest.mark.parametrize("name", sorted(MEASURED_SLOT_RUNS))
 def test_slot_arenas_are_predicted_to_the_byte_and_the_pool_within_15_percent(name):
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     shape, layers, modules, policy, arenas, host, pool_mib = MEASURED_SLOT_RUNS[name]
     offload = None if policy is None else OffloadPolicy.from_flags(policy[0], min_tensor_elements=policy[1])
@@ -543,7 +543,7 @@ POLICIES = st.builds(lambda modules, minimum: (tuple(sorted(modules)), minimum),
 @given(DENSE_SHAPES, st.integers(1, 3), st.sampled_from([(), ("attn",), ("mlp",), ("attn", "mlp")]), POLICIES)
 def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(shape, layers, modules, policy):
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     kept = plan_slot_memory([shape] * layers, modules)
     offloaded = plan_slot_memory([shape] * layers, modules, OffloadPolicy.from_flags(policy[0],
@@ -670,7 +670,7 @@ def test_the_staging_ring_is_window_plus_one_buffers_of_a_layers_offload(window,
     """The 1B, every attention group offloaded, copies between
     replays: the GPU arenas (saves that stay plus the ring) as measured."""
     from megatron_cg_plugin.planner.graph_memory import plan_slot_memory
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     policy = OffloadPolicy.from_flags(EVERY_ATTENTION_GROUP, min_tensor_elements=1024 * 1024)
     plan = plan_slot_memory([dense_1b()] * 16, ("attn", "mlp"), policy, staging_depth=window + 1)
@@ -688,7 +688,7 @@ def test_a_larger_layer_than_its_ring_buffer_gets_a_buffer_of_its_own():
 
 def test_fp8_attention_keeps_quantized_q_k_v_and_output_and_the_s_scale_snapshot():
     from megatron_cg_plugin.planner.graph_memory import fp8_attention_saves, plan_slot_memory
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     fp8 = tiny(heads=2, query_groups=2, head_dim=128, fp8_recipe="delayed")
     tokens, width = 512, 256

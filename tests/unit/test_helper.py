@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.capture.lifecycle: the plugin's TECudaGraphHelper subclass (transactional,
+"""Tests for megatron_cg_plugin.capture_lifecycle: the plugin's TECudaGraphHelper subclass (transactional,
 fail-closed capture; replay contracts; measured teardown), on CPU fakes of Megatron's helper and of
 Transformer Engine's ``make_graphed_callables`` (through the ``GraphBackend`` seam)."""
 
@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer import cuda_graphs as mcg
 
 from megatron_cg_plugin.capture import accounting
-from megatron_cg_plugin.capture import lifecycle as helper_module
+from megatron_cg_plugin import capture_lifecycle as helper_module
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.contracts import ContractViolation
 from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError
@@ -24,7 +24,7 @@ from megatron_cg_plugin.capture.transaction import attribute, gc_state
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.capture.accounting import MemoryState, TeardownStats
 from megatron_cg_plugin.capture.contracts import CheckedGraph
-from megatron_cg_plugin.capture.lifecycle import CaptureFailedError, InjectedCaptureFailure, PluginHelperMixin, _CaptureTracker, bind_helper_class, scope_label
+from megatron_cg_plugin.capture_lifecycle import CaptureFailedError, InjectedCaptureFailure, PluginHelperMixin, _CaptureTracker, bind_helper_class, scope_label
 from megatron_cg_plugin.session import RunPrediction, RunSession
 
 MiB = 2**20

@@ -23,11 +23,11 @@ import megatron_cg_plugin
 from megatron_cg_plugin import compat
 from megatron_cg_plugin import installation as integration
 from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.patching import ledger as patches
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig, add_plugin_args
-from megatron_cg_plugin.capture.lifecycle import PluginHelperMixin
+from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
 from megatron_cg_plugin.patching.ledger import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 

@@ -1,4 +1,4 @@
-"""In-graph activation offload's saved-tensor hook (offload/host_arenas.py), on CPU with InlineCopies:
+"""In-graph activation offload's saved-tensor hook (slot_sharing/offload_arenas.py), on CPU with InlineCopies:
 the plan made at warmup is followed, offloaded storages leave the GPU arena, come back for backward
 with their aliases, and the next group is prefetched while one is unpacked."""
 
@@ -10,10 +10,10 @@ import contextlib
 import pytest
 import torch
 
-from megatron_cg_plugin.offload import host_arenas as offload
-from megatron_cg_plugin.offload.host_arenas import HostArena, HostArenaError, OffloadingArenaHooks
+from megatron_cg_plugin.slot_sharing import offload_arenas as offload
+from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena, HostArenaError, OffloadingArenaHooks
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
-from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
 
 from _doubles.copies import InlineCopies
@@ -145,7 +145,7 @@ def test_storages_get_new_ordinals_at_reused_addresses_in_warmup_and_in_the_fram
 def test_megatrons_offload_interface_only_names_its_group_inside_the_tracker_and_is_restored_after():
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    from megatron_cg_plugin.offload.groups import OffloadGroupTracker
+    from megatron_cg_plugin.slot_sharing.offload_groups import OffloadGroupTracker
 
     interface = fgo.FineGrainedActivationOffloadingInterface
     before = (interface.__enter__, interface.__exit__, interface.group_offload)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.offload.plan import MEGATRON_OFFLOAD_MODULES, OffloadPolicy, OffloadStack, OffloadStackError, Save, StackPosition, groups_kept, host_arena_bytes, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_plan import MEGATRON_OFFLOAD_MODULES, OffloadPolicy, OffloadStack, OffloadStackError, Save, StackPosition, groups_kept, host_arena_bytes, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned, plan_slots
 
 BIG = 1 << 20  # elements: Megatron's default --min-offloaded-tensor-size

@@ -13,7 +13,7 @@ import megatron_cg_plugin
 PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
         "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks.router",
         "megatron_cg_plugin.banks.sizes", "megatron_cg_plugin.planner.capture_plan", "megatron_cg_plugin.slot_sharing.plan",
-        "megatron_cg_plugin.packed.layout", "megatron_cg_plugin.moe.capacity", "megatron_cg_plugin.bench.schedule", "megatron_cg_plugin.offload.plan",
+        "megatron_cg_plugin.packed.layout", "megatron_cg_plugin.moe.capacity", "megatron_cg_plugin.bench.schedule", "megatron_cg_plugin.slot_sharing.offload_plan",
         "megatron_cg_plugin.planner.allocator", "megatron_cg_plugin.planner.graph_memory",
         "megatron_cg_plugin.data", "megatron_cg_plugin.parse_errors")
 

@@ -330,7 +330,7 @@ def test_sizer_counts_ctx_tensors_not_already_saved():
 
 
 def test_warmup_records_each_save_with_its_offload_group_for_the_plan():
-    from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
 
     running = {"group": None}
     sizer = ArenaSizer(group=lambda: running["group"])

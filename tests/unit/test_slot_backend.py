@@ -13,11 +13,11 @@ from megatron.core.pipeline_parallel import fine_grained_activation_offload as m
 
 from megatron_cg_plugin.slot_sharing import megatron_backend as slot_backend
 from megatron_cg_plugin.capture.te_backend import TEBackend
-from megatron_cg_plugin.offload.groups import MegatronOffload, OffloadCopies
+from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call
 from megatron_cg_plugin.config import ConfigError, PluginConfig
-from megatron_cg_plugin.capture.lifecycle import bind_helper_class
-from megatron_cg_plugin.offload.plan import OffloadPolicy
+from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 from megatron_cg_plugin.session import RunSession
 
 
@@ -305,7 +305,7 @@ def test_copies_between_replays_get_a_ring_of_window_plus_one_buffers(capture_ca
 
 
 def test_each_layers_offload_plans_it_at_its_place_in_the_stack():
-    from megatron_cg_plugin.offload.plan import Save
+    from megatron_cg_plugin.slot_sharing.offload_plan import Save
 
     layers = [torch.nn.Module() for _ in range(3)]
     offload = MegatronOffload(OffloadPolicy.from_flags(["core_attn"]), layers)

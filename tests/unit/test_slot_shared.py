@@ -209,7 +209,7 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
 
     from megatron_cg_plugin.slot_sharing.megatron_backend import SlotLayerGraph
     from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
-    from megatron_cg_plugin.capture.lifecycle import _slot_layer_stats
+    from megatron_cg_plugin.capture_lifecycle import _slot_layer_stats
 
     hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
     variant = Variant("layer", lambda x, m: x * m, (hidden, mask))

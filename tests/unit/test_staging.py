@@ -1,4 +1,4 @@
-"""Offload between replays (offload/staging.py, memory/offload.StagedArenaHooks) on CPU: the saves a
+"""Offload between replays (slot_sharing/offload_staging.py, memory/offload.StagedArenaHooks) on CPU: the saves a
 plan offloads go to the frame's staging buffer and come back for backward; the ring hands each
 frame's data back to its buffer before its backward (kept, prefetched, or reloaded on demand) in
 Megatron's orders, and a frame larger than the ring's buffers gets its own."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_cg_plugin.offload.host_arenas import HostArena, StagedArenaHooks
+from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena, StagedArenaHooks
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
-from megatron_cg_plugin.offload.staging import StagingRing
-from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
 
 from _doubles.copies import InlineCopies

@@ -79,7 +79,7 @@ class Trainer:
 def helper_for(config, model, plugin_config):
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    from megatron_cg_plugin.capture.lifecycle import bind_helper_class
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(plugin_config)

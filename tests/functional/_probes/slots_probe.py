@@ -310,9 +310,9 @@ def offload(result):
     stream (serial), against the same capture without offload; bitwise eager, GPU arena and host
     arena bytes, and the replay time of a forward + backward with and without."""
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, capture_slotted
-    from megatron_cg_plugin.offload.host_arenas import CudaTransfers, SerialTransfers
-    from megatron_cg_plugin.offload.staging import StagingRing
-    from megatron_cg_plugin.offload.plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers, SerialTransfers
+    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
     from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
     layers, _ = build()
@@ -364,7 +364,7 @@ def offload(result):
 def sleepy_transfers(snapshot):
     """Side-stream copies whose D2H stream first sleeps (so the copy runs long after the save), with
     or without the compute-stream snapshot the plugin takes before a D2H copy."""
-    from megatron_cg_plugin.offload.host_arenas import CudaTransfers
+    from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers
 
     class Sleepy(CudaTransfers):
         def stage(self, source):
@@ -391,8 +391,8 @@ def offload_edges(result):
       reloaded buffer."""
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, Variant, capture_slotted
     from megatron_cg_plugin.slot_sharing.saved_tensors import ArenaSizer
-    from megatron_cg_plugin.offload.staging import StagingRing
-    from megatron_cg_plugin.offload.plan import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+    from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
     n = 512

@@ -22,11 +22,11 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Sequence
 
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.slot_sharing.capture import SlotOffload
 from megatron_cg_plugin.config import OFFLOAD_COPIES
-from megatron_cg_plugin.offload.staging import StagingRing
-from megatron_cg_plugin.offload.plan import OffloadPolicy, OffloadStack
+from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, OffloadStack
 
 
 @dataclasses.dataclass(frozen=True)

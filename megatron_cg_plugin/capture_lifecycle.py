@@ -23,12 +23,12 @@ from torch.utils import _pytree as pytree
 
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.packed import graphs as packed_graphs
-from megatron_cg_plugin.patching import foreign_state
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.banks import capture as graph_banks
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
-from megatron_cg_plugin.offload.groups import OffloadCopies
+from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
 from megatron_cg_plugin.capture.transaction import (

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megatron_cg_plugin.offload.plan import OffloadPlan
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPlan
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
 

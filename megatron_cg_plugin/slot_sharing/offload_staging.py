@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_cg_plugin.offload.host_arenas import HostArena
+from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena
 
 logger = logging.getLogger(__name__)
