@@ -360,7 +360,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "cached workspace under the flag inside the graph; each replay fills it (skip unless Megatron's "
         "is_first_microbatch). The graphs read it by address, so after a successful capture it stays, as TE's "
         "own does; a failed capture puts back what was there.",
-        "capture.te_backend.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
+        "slot_sharing.fp8_state.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
         "Fp8Replay.before_forward fills it)", needs_te=True),
     ForeignState(
         "slot-fp8-replay-amax-group",
@@ -368,7 +368,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "delayed scaling in slot-shared graphs: before each replay the modules the graph's forward reached take "
         "the replay-time autocast's recipe and amax group in fp8_meta['recipe'] / ['fp8_group'] and join TE's "
         "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
-        "capture.te_backend.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
+        "slot_sharing.fp8_state.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
     ForeignState(
         "cpu-device-stand-ins", "torch:cuda.get_device_capability",
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
@@ -417,19 +417,19 @@ PRIVATE_API: tuple[ForeignState, ...] = (
                  "in-place check sees what it would have seen without the arena.", "slot_sharing/saved_tensors.py"),
     ForeignState("te-graph-autocast", "transformer_engine.pytorch.quantization:autocast.__init__",
                  "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
-                 "uses (_graph=True: no global amax buffer, no reduction at exit).", "capture/te_backend.py",
+                 "uses (_graph=True: no global amax buffer, no reduction at exit).", "slot_sharing/fp8_state.py",
                  ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"), needs_te=True),
     ForeignState("te-save-fp8-tensors", "transformer_engine.pytorch.graph:save_fp8_tensors",
                  "delayed scaling: slot-shared capture clones the amax histories and scales before warmup and copies "
-                 "them back after capture (restore_fp8_tensors), as make_graphed_callables does.", "capture/te_backend.py",
+                 "them back after capture (restore_fp8_tensors), as make_graphed_callables does.", "slot_sharing/fp8_state.py",
                  ("modules", "recipe"), needs_te=True),
     ForeignState("te-restore-fp8-tensors", "transformer_engine.pytorch.graph:restore_fp8_tensors",
-                 "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).", "capture/te_backend.py",
+                 "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).", "slot_sharing/fp8_state.py",
                  ("modules", "fp8_tensors"), needs_te=True),
     ForeignState("te-amax-buffer", "transformer_engine.pytorch.quantization:FP8GlobalStateManager.add_fp8_tensors_to_global_buffer",
                  "a delayed-scaling replay joins its modules to the autocast's amax reduction (slot-fp8-replay-amax-group); "
                  "the autocast's first FP8 graph (is_first_fp8_module) runs reduce_and_update_fp8_tensors(forward=False) "
-                 "after its backward replay.", "capture/te_backend.py", ("fp8_meta",), needs_te=True),
+                 "after its backward replay.", "slot_sharing/fp8_state.py", ("fp8_meta",), needs_te=True),
     ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
                  "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/te_backend.py",
                  needs_te=True),

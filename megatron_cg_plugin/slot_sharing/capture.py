@@ -32,6 +32,7 @@ import torch
 
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.capture import te_backend as te_seam
+from megatron_cg_plugin.slot_sharing import fp8_state
 from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.slot_sharing.branches import BranchSignature, check_branches
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation, ReplayContract
@@ -105,7 +106,7 @@ class SlotOffload:
 class SlotFp8:
     """FP8 for the variants of one capture, as TE's ``make_graphed_callables`` takes it: warmup and
     capture run under TE's graph autocast with ``recipe`` and the amax reduction ``group``
-    (``enabled=False``: a layer kept in bf16). Delayed or current scaling (``te_seam.slot_fp8_refusal``).
+    (``enabled=False``: a layer kept in bf16). Delayed or current scaling (``fp8_state.slot_fp8_refusal``).
     ``modules`` are the modules the variants call (Megatron: the layer). Their FP8 weight workspaces
     are shared by every frame, so saves of them are not copied into arenas. Under delayed scaling,
     their amax histories and scales come back as they were after capture, and replays join TE's amax
@@ -192,8 +193,8 @@ class _Sharing:
 
 
 def _fp8_sharing(fp8: "SlotFp8") -> _Sharing:
-    call_objects = te_seam.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else no_call_objects
-    return _Sharing(storage_keys(te_seam.fp8_workspace_storages(fp8.modules)), call_objects)
+    call_objects = fp8_state.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else no_call_objects
+    return _Sharing(storage_keys(fp8_state.fp8_workspace_storages(fp8.modules)), call_objects)
 
 
 @dataclasses.dataclass
@@ -300,7 +301,7 @@ class _Entry:
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
         self.staged: StagedFrame | None = None  # offload between replays: the copies around them
-        self.fp8: te_seam.Fp8Replay | None = None  # captured under FP8: TE's state around each replay
+        self.fp8: fp8_state.Fp8Replay | None = None  # captured under FP8: TE's state around each replay
 
     def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(f"parameter {index}", param) for index, param in enumerate(self.params)]
@@ -468,7 +469,7 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     fp8_capture = None
     if fp8 is not None:
         variants = [dataclasses.replace(v, fn=_under_fp8(v.fn, fp8)) for v in variants]
-        fp8_capture = te_seam.Fp8Capture(fp8.recipe, fp8.modules)
+        fp8_capture = fp8_state.Fp8Capture(fp8.recipe, fp8.modules)
     if check_stale:  # an eager graph alive at capture breaks the backward capture, also where TE's tolerates it
         stale_graphs.ensure_no_stale_graphs(params, tolerate=False)
     start = time.perf_counter()
@@ -635,7 +636,7 @@ def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, t
 
 
 @contextlib.contextmanager
-def _fp8_capturing(capture: "te_seam.Fp8Capture | None") -> Any:
+def _fp8_capturing(capture: "fp8_state.Fp8Capture | None") -> Any:
     if capture is None:
         yield
         return
@@ -650,7 +651,7 @@ def _fp8_capturing(capture: "te_seam.Fp8Capture | None") -> Any:
 
 def _under_fp8(fn: Callable[..., Any], fp8: SlotFp8) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
-        with te_seam.fp8_capture_autocast(fp8.enabled, fp8.recipe, fp8.group):
+        with fp8_state.fp8_capture_autocast(fp8.enabled, fp8.recipe, fp8.group):
             return fn(*args)
 
     return run
@@ -673,7 +674,7 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
     for variant in variants:
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in variant.sample_args):
             raise ValueError(f"variant {variant.name!r}: sample_args must be CUDA tensors.")
-    if te_seam.fp8_autocast_active():
+    if fp8_state.fp8_autocast_active():
         raise ValueError("slot-shared capture was called inside an FP8 autocast, whose exit would reduce amaxes "
                          "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
     if fp8 is not None and not isinstance(fp8, SlotFp8):
@@ -681,7 +682,7 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
     if fp8 is not None and warmup_iterations < 2:
         raise ValueError("slot-shared capture with FP8 needs warmup_iterations >= 2: the FP8 weight workspaces are "
                          "made in the first one, and frames are measured without them in the last.")
-    if fp8 is not None and fp8.enabled and (refusal := te_seam.slot_fp8_refusal(fp8.recipe, fp8.modules)):
+    if fp8 is not None and fp8.enabled and (refusal := fp8_state.slot_fp8_refusal(fp8.recipe, fp8.modules)):
         raise ValueError(refusal)
     return slots_of
 

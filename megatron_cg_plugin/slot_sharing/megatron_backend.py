@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
-from megatron_cg_plugin.capture.te_backend import TEBackend, _generators_out_of_capture, slot_fp8_refusal
+from megatron_cg_plugin.capture.te_backend import TEBackend, generators_out_of_capture
+from megatron_cg_plugin.slot_sharing.fp8_state import slot_fp8_refusal
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
@@ -208,7 +209,7 @@ class SlotBackend(TEBackend):
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
-        return [_generators_out_of_capture()]  # TE's capture flag is restored by capture_slotted itself
+        return [generators_out_of_capture()]  # TE's capture flag is restored by capture_slotted itself
 
     def make_graphed_callables(self, callables: tuple, sample_args: Sequence, **kwargs: Any) -> Sequence[Callable]:
         import torch

@@ -138,7 +138,7 @@ def test_fp8_replays_keep_the_cached_weights_between_first_microbatches_as_eager
 @pytest.mark.parametrize("n", [2, 4])
 def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_protected(probe: dict, n: int) -> None:
     """FP8 attention (SBHD, delayed scaling). FusedAttnFunc keeps a clone of the S scale on
-    a per-call quantizer copy on ctx, in the pool; the arenas take it (capture.backend.per_call_quantizers).
+    a per-call quantizer copy on ctx, in the pool; the arenas take it (slot_sharing.fp8_state.per_call_quantizers).
     Left in the pool, another variant's replay overwrites it before this frame's backward."""
     if "fp8/delayed-dpa/unavailable" in probe:
         pytest.skip("TE has no FP8 attention backend under these settings (on sm_90 it needs head size 128, and "

@@ -1,4 +1,4 @@
-"""FP8 in slot-shared capture, the parts that need no GPU (capture/te_backend.py): which recipes it
+"""FP8 in slot-shared capture, the parts that need no GPU (slot_sharing/fp8_state.py): which recipes it
 refuses and why; TE's FP8 state around a capture (the weight-update flag made before warmup and put
 back after a failure, delayed scaling's meta saved and restored, the modules forwards reach); and
 what a replay does around its graphs (the flag filled, the visited modules joined to the amax
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from megatron_cg_plugin.capture import te_backend as backend
+from megatron_cg_plugin.slot_sharing import fp8_state
 
 
 class FakeRecipe:
@@ -41,7 +41,7 @@ REPLAY_RECIPE = FakeRecipe("delayed")  # the caller's autocast at replay
     (FakeRecipe("current", fp8_mha=True), MODULES, "with delayed scaling only"),
 ])
 def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, modules, words):
-    refusal = backend.slot_fp8_refusal(recipe, modules)
+    refusal = fp8_state.slot_fp8_refusal(recipe, modules)
     assert refusal is not None and words in refusal
 
 
@@ -49,7 +49,7 @@ def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, m
                                              (FakeRecipe("delayed"), MODULES),
                                              (FakeRecipe("delayed", fp8_dpa=True), MODULES)])
 def test_current_and_delayed_scaling_are_taken_and_fp8_attention_with_delayed(recipe, modules):
-    assert backend.slot_fp8_refusal(recipe, modules) is None
+    assert fp8_state.slot_fp8_refusal(recipe, modules) is None
 
 
 def test_layers_with_te_ops_fused_operations_are_refused_naming_the_flag(fake_te):
@@ -57,9 +57,9 @@ def test_layers_with_te_ops_fused_operations_are_refused_naming_the_flag(fake_te
 
     fused = torch.nn.Sequential(FakeTEModule(), torch.nn.Sequential(ops.BasicOperation()))
     for recipe in (FakeRecipe("current"), FakeRecipe("delayed")):
-        refusal = backend.slot_fp8_refusal(recipe, (fused,))
+        refusal = fp8_state.slot_fp8_refusal(recipe, (fused,))
         assert refusal is not None and "--use-transformer-engine-op-fuser" in refusal
-        assert backend.slot_fp8_refusal(recipe, (torch.nn.Sequential(FakeTEModule()),)) is None
+        assert fp8_state.slot_fp8_refusal(recipe, (torch.nn.Sequential(FakeTEModule()),)) is None
 
 
 class FakeTEModule(torch.nn.Module):
@@ -86,7 +86,7 @@ class FakeQuantizer:
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """The TE modules backend.py imports, with TE's global quantization state and a log of calls."""
+    """The TE modules fp8_state.py imports, with TE's global quantization state and a log of calls."""
     log = []
     state = types.SimpleNamespace(skip_fp8_weight_update_tensor=None, fp8_enabled=True, is_first_fp8_module=True)
 
@@ -152,7 +152,7 @@ def layer():
 
 
 def test_the_weight_update_flag_exists_from_before_warmup_and_says_update(fake_te):
-    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("current"), (layer(),))
     capture.enter()
     assert capture.flag is fake_te.state.skip_fp8_weight_update_tensor and capture.flag.item() == 0
     capture.exit(failed=False)
@@ -163,7 +163,7 @@ def test_the_weight_update_flag_exists_from_before_warmup_and_says_update(fake_t
 def test_a_failed_capture_puts_back_the_flag_that_was_there_with_its_value(fake_te, before):
     fake_te.state.skip_fp8_weight_update_tensor = None if before is None else torch.ones(1)  # says skip
     kept = fake_te.state.skip_fp8_weight_update_tensor
-    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("current"), (layer(),))
     capture.enter()
     assert capture.flag.item() == 0  # warmup updates the workspaces
     capture.exit(failed=True)
@@ -173,7 +173,7 @@ def test_a_failed_capture_puts_back_the_flag_that_was_there_with_its_value(fake_
 
 @pytest.mark.parametrize("failed", [False, True])
 def test_delayed_scalings_meta_is_saved_before_warmup_and_restored_after_capture_whatever_happens(fake_te, failed):
-    capture = backend.Fp8Capture(FakeRecipe("delayed"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("delayed"), (layer(),))
     capture.enter()
     assert fake_te.log == [("save", "delayed")]
     capture.exit(failed)
@@ -181,7 +181,7 @@ def test_delayed_scalings_meta_is_saved_before_warmup_and_restored_after_capture
 
 
 def test_current_scaling_has_no_meta_to_restore(fake_te):
-    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("current"), (layer(),))
     capture.enter()
     capture.exit(False)
     assert [entry for entry in fake_te.log if entry[0] == "restore"] == []
@@ -189,7 +189,7 @@ def test_current_scaling_has_no_meta_to_restore(fake_te):
 
 def test_the_modules_a_forward_reaches_are_recorded_and_the_hooks_removed(fake_te):
     model = layer()
-    capture = backend.Fp8Capture(FakeRecipe("delayed"), (model,))
+    capture = fp8_state.Fp8Capture(FakeRecipe("delayed"), (model,))
     capture.enter()
     out = model[0](torch.ones(1))  # the attention module is never called
     capture.exit(False)
@@ -200,7 +200,7 @@ def test_the_modules_a_forward_reaches_are_recorded_and_the_hooks_removed(fake_t
 
 
 def test_a_layer_kept_in_bf16_replays_without_fp8(fake_te):
-    capture = backend.Fp8Capture(FakeRecipe("delayed"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("delayed"), (layer(),))
     capture.enter()
     capture.exit(False)
     assert capture.replay(enabled=False) is None
@@ -208,7 +208,7 @@ def test_a_layer_kept_in_bf16_replays_without_fp8(fake_te):
 
 @pytest.mark.parametrize("update", [True, False])
 def test_a_replay_fills_the_flag_with_skip_unless_it_updates_the_weights(fake_te, update):
-    capture = backend.Fp8Capture(FakeRecipe("current"), (layer(),))
+    capture = fp8_state.Fp8Capture(FakeRecipe("current"), (layer(),))
     capture.enter()
     capture.exit(False)
     capture.replay(True).before_forward(update)
@@ -217,7 +217,7 @@ def test_a_replay_fills_the_flag_with_skip_unless_it_updates_the_weights(fake_te
 
 def captured(kind, model, fake_te, called):
     """An Fp8Capture of ``model`` whose forwards reached ``called``, and the replay it makes."""
-    capture = backend.Fp8Capture(FakeRecipe(kind), (model,))
+    capture = fp8_state.Fp8Capture(FakeRecipe(kind), (model,))
     capture.enter()
     for module in called:
         module(torch.ones(1))
@@ -257,7 +257,7 @@ def test_outside_an_fp8_autocast_a_replay_joins_nothing(fake_te):
 
 def test_the_workspaces_tensors_are_what_frames_share(fake_te):
     model = layer()
-    found = backend.fp8_workspace_storages((model,))
+    found = fp8_state.fp8_workspace_storages((model,))
     workspace = model[0]._fp8_workspaces["weight"]
     assert {id(t) for t in found} >= {id(workspace._data), id(workspace._transpose), id(workspace._scale_inv)}
 
@@ -266,7 +266,7 @@ def test_per_call_quantizer_copies_have_their_scale_protected_and_module_quantiz
     model = layer()
     owned = FakeQuantizer()
     model[1].quantizers = {"scaling_fwd": [owned], "scaling_bwd": []}
-    attributes = backend.per_call_quantizers((model,))
+    attributes = fp8_state.per_call_quantizers((model,))
     assert attributes(FakeQuantizer()) == ("scale",)  # a copy made in the call (FusedAttnFunc's S)
     assert attributes(owned) == ()  # the module's own: shared state
     assert attributes(torch.ones(1)) == () and attributes(object()) == ()
