@@ -16,28 +16,43 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin.capture import accounting
-from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.banks import capture as graph_banks
-from megatron_cg_plugin.capture import stale_graphs
-from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
+from megatron_cg_plugin.banks.sizes import bank_sizes
+from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
-from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
-from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
+from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.transaction import (
-    CaptureTransaction, Restorable, attribute, gc_freeze, gc_state, rng_state, tensor_grads,
+    CaptureTransaction,
+    Restorable,
+    attribute,
+    gc_freeze,
+    gc_state,
+    rng_state,
+    tensor_grads,
 )
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.banks.sizes import bank_sizes
+from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
+from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
+from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
+
+__all__ = [
+    "CaptureFailedError",
+    "InjectedCaptureFailure",
+    "PluginHelperMixin",
+    "bind_helper_class",
+    "parameters_stay_within_a_step",
+    "scope_label",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +98,18 @@ class _CaptureTracker:
         return self.current or "the capture's setup, before any layer ran"
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["_CaptureTracker"]:
+    def installed(self) -> Iterator[_CaptureTracker]:
         """The wrappers on every layer for the block (``ledger.SCOPED``, ``layer-capture-tracker``);
         after it, success or failure, the layers have their class's method again and the output
         hooks are gone."""
         with foreign_state.Changes() as changes:
             for index, layer in enumerate(self.layers):
-                changes.set(layer, "_te_cuda_graph_capture", self._wrap(layer._te_cuda_graph_capture, index, layer),
-                            change="layer-capture-tracker")
+                changes.set(
+                    layer,
+                    "_te_cuda_graph_capture",
+                    self._wrap(layer._te_cuda_graph_capture, index, layer),
+                    change="layer-capture-tracker",
+                )
             try:
                 yield self
             finally:
@@ -118,11 +137,15 @@ class _CaptureTracker:
     def _name_on_backward(self, outputs: Any, label: str) -> None:
         """``label`` becomes current when autograd reaches any of ``outputs``: the first thing a
         layer's backward does. Outputs that take no gradient start no backward."""
+
         def reached(grad: Any) -> None:
             self.current = label
 
-        self._hooks += [leaf.register_hook(reached) for leaf in pytree.tree_leaves(outputs)
-                        if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        self._hooks += [
+            leaf.register_hook(reached)
+            for leaf in pytree.tree_leaves(outputs)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
 
 
 class _CaptureCall:
@@ -197,8 +220,13 @@ class PluginHelperMixin:
         from megatron.core.transformer import cuda_graphs
 
         params = [p for chunk in self.model for p in chunk.parameters()]
-        items = [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
-                 gc_state(), gc_freeze(), rng_state(), tensor_grads(params)]
+        items = [
+            attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
+            gc_state(),
+            gc_freeze(),
+            rng_state(),
+            tensor_grads(params),
+        ]
         items += [attribute(layer, "cuda_graphs") for layer in layers]
         items += [attribute(self, name) for name in ("_graphs_created", "_capture_finished", "num_microbatches")]
         return items
@@ -220,10 +248,15 @@ class PluginHelperMixin:
         layers = self.flattened_callables  # every graphed layer, chunk by chunk
         scope = scope_label(self.config.cuda_graph_modules) + (" (slot-shared)" if config.slot_capture else "")
         backend = self.capture_backend()
-        attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(
-            layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing),
-            what=f"CUDA graph capture ({scope})", undone="Everything the capture changed was rolled back.",
-            megatron_lifecycle=True)
+        attempt = _Attempt(
+            scope,
+            layers,
+            time.perf_counter(),
+            _CaptureTracker(layers, inject_at=config.inject_capture_failure, is_capturing=backend.is_capturing),
+            what=f"CUDA graph capture ({scope})",
+            undone="Everything the capture changed was rolled back.",
+            megatron_lifecycle=True,
+        )
         phases = _Phases()  # where capture time goes, for the report (the plugin's cost is the non-capture part)
         # The last eager step's MoE dispatcher state holds that step's autograd graph: dropped first
         # (the next forward sets it anew), so no stale-graph check has it to collect.
@@ -242,11 +275,17 @@ class PluginHelperMixin:
             return
         self._baseline = baseline
         self.capture_stats = self._capture_stats(
-            attempt, graphs=sum(len(layer.cuda_graphs) for layer in layers), replays=counter, baseline=baseline,
-            phases=dict(phases.seconds), slot_layers=_slot_layer_stats(capture.graphs))
+            attempt,
+            graphs=sum(len(layer.cuda_graphs) for layer in layers),
+            replays=counter,
+            baseline=baseline,
+            phases=dict(phases.seconds),
+            slot_layers=_slot_layer_stats(capture.graphs),
+        )
 
-    def _capture_in_transaction(self, backend: GraphBackend, tracker: _CaptureTracker,
-                                phases: _Phases) -> tuple[accounting.MemoryState, "_CaptureCall", accounting.ReplayCounter]:
+    def _capture_in_transaction(
+        self, backend: GraphBackend, tracker: _CaptureTracker, phases: _Phases
+    ) -> tuple[accounting.MemoryState, _CaptureCall, accounting.ReplayCounter]:
         """One capture through Megatron's ``create_cudagraphs``; on any error everything it changed
         is rolled back before the error propagates."""
         from megatron.core.transformer import cuda_graphs
@@ -255,14 +294,17 @@ class PluginHelperMixin:
             with phases("rollback snapshot"):
                 baseline = accounting.memory_state()
                 transaction = scope_of_transaction.enter_context(
-                    CaptureTransaction(self._restorables(self.flattened_callables)))
+                    CaptureTransaction(self._restorables(self.flattened_callables))
+                )
             # The capture wrappers are the transaction's: gone when it ends, after success too.
             scope_of_transaction.enter_context(tracker.installed())
             capture = _CaptureCall(backend, transaction, tracker)
             # Megatron's own lifecycle (start, input data, the capture, graph i handed to its layer
             # and microbatch, finish) with the plugin's capture call in place of TE's.
-            with phases("Megatron and TE capture"), foreign_state.setting(
-                    cuda_graphs, "make_graphed_callables", capture, change="megatron-capture-call"):
+            with (
+                phases("Megatron and TE capture"),
+                foreign_state.setting(cuda_graphs, "make_graphed_callables", capture, change="megatron-capture-call"),
+            ):
                 super().create_cudagraphs()
             with phases("replay contracts"):
                 counter = self._hold_to_contracts(capture, self.session.config.contract_check)
@@ -289,27 +331,41 @@ class PluginHelperMixin:
             raise CaptureFailedError(
                 f"--cg-graph-banks needs the banked layer class in the model's layer spec, but {unbanked} were "
                 "built; use the plugin's launcher (python -m megatron_cg_plugin.pretrain_gpt), or set "
-                "megatron_cg_plugin.banks.dynamic_cp.adapt_layer_spec(spec, rope=..., banks=True) on the model's layer spec.")
+                "megatron_cg_plugin.banks.dynamic_cp.adapt_layer_spec(spec, rope=..., banks=True) on the model's layer spec."
+            )
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
-        groups = {size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
-                  for size in sizes}
+        groups = {
+            size: parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
+            for size in sizes
+        }
         capacity = graph_banks.ThdCapacity(self.config.max_seqlen_per_dp_cp_rank, config.thd_capacity)
         scope = f"{scope_label(self.config.cuda_graph_modules)} (banks CP {'/'.join(map(str, sizes))})"
         # Banks capture each layer's forward and backward back to back; the tracker names which ran.
-        attempt = _Attempt(scope, layers, time.perf_counter(), _CaptureTracker(
-            layers, inject_at=None, is_capturing=lambda: False),
-            what="graph bank capture", undone="No layer was left banked.", megatron_lifecycle=False)
+        attempt = _Attempt(
+            scope,
+            layers,
+            time.perf_counter(),
+            _CaptureTracker(layers, inject_at=None, is_capturing=lambda: False),
+            what="graph bank capture",
+            undone="No layer was left banked.",
+            megatron_lifecycle=False,
+        )
         baseline = accounting.memory_state()
         try:
             # capture_banks resets the graphs it made itself; the transaction puts back what the capture
             # changed, a layer's banks included (none is left banked, whatever failed).
             banked_layers = [attribute(layer, "_graph_banks") for layer in layers]
             with CaptureTransaction(self._restorables(layers) + banked_layers), attempt.tracker.installed():
-                banks = graph_banks.capture_banks(layers, groups, capacity,
-                                                  rope_tables=graph_banks.bank_rope_tables(self.model[0], groups, capacity),
-                                                  debug=config.slot_debug, contract_check=config.contract_check,
-                                                  offload_copies=OffloadCopies.of(config))
+                banks = graph_banks.capture_banks(
+                    layers,
+                    groups,
+                    capacity,
+                    rope_tables=graph_banks.bank_rope_tables(self.model[0], groups, capacity),
+                    debug=config.slot_debug,
+                    contract_check=config.contract_check,
+                    offload_copies=OffloadCopies.of(config),
+                )
         except Exception as error:  # noqa: BLE001 - rolled back and nothing left banked; raise or go on eagerly
             self._capture_failed(error, attempt)
             return
@@ -317,8 +373,13 @@ class PluginHelperMixin:
         self._baseline = baseline
         self._graphs_created = True
         self._capture_finished = True
-        self.capture_stats = self._capture_stats(attempt, graphs=banks.graph_count, replays=banks.replay_counts(),
-                                                 baseline=baseline, banks=lambda: banks.report()["banks"])
+        self.capture_stats = self._capture_stats(
+            attempt,
+            graphs=banks.graph_count,
+            replays=banks.replay_counts(),
+            baseline=baseline,
+            banks=lambda: banks.report()["banks"],
+        )
 
     def _graphed_parameters(self) -> list[Any]:
         return [p for layer in self.flattened_callables for p in layer.parameters()]
@@ -332,13 +393,18 @@ class PluginHelperMixin:
         """``--cg-stale-graph-check before``: the check runs before capture changes anything, so a
         refusal needs no rollback."""
         try:
-            tolerated = stale_graphs.ensure_no_stale_graphs(self._graphed_parameters(), tolerate=self._tolerate_stale_graphs())
+            tolerated = stale_graphs.ensure_no_stale_graphs(
+                self._graphed_parameters(), tolerate=self._tolerate_stale_graphs()
+            )
         except stale_graphs.StaleAutogradGraphError as refusal:
             self._refuse(refusal, attempt, "refused before capture")
             return False
         for graph in tolerated:
-            logger.info("capture proceeds with a tolerated live autograd graph: %s held by %s",
-                        graph.root, "; ".join(graph.holders))
+            logger.info(
+                "capture proceeds with a tolerated live autograd graph: %s held by %s",
+                graph.root,
+                "; ".join(graph.holders),
+            )
         return True
 
     def _stale_graphs_refuse_after_failure(self, error: Exception, attempt: _Attempt) -> bool:
@@ -346,22 +412,30 @@ class PluginHelperMixin:
         reaching the graphed parameters (named, in place of the bare CUDA error). A refusal raised
         inside the capture (slot-shared capture's own check) is that refusal. The diagnosis never
         hides the capture's own failure: if it fails itself, the failure goes on as it came."""
-        found = next((link for link in stale_graphs.chain(error) if isinstance(link, stale_graphs.StaleAutogradGraphError)), None)
+        found = next(
+            (link for link in stale_graphs.chain(error) if isinstance(link, stale_graphs.StaleAutogradGraphError)), None
+        )
         try:
             if found is None:
-                stale_graphs.diagnose_failed_capture(self._graphed_parameters(), error,
-                                                tolerate=self._tolerate_stale_graphs())
+                stale_graphs.diagnose_failed_capture(
+                    self._graphed_parameters(), error, tolerate=self._tolerate_stale_graphs()
+                )
         except stale_graphs.StaleAutogradGraphError as refusal:
             found = refusal
         except Exception as diagnosis_error:  # noqa: BLE001 - the capture's failure is what must be reported
-            logger.warning("the stale-graph check after the failed capture failed itself (%s: %s); reporting the "
-                           "capture's failure as it came.", type(diagnosis_error).__name__, diagnosis_error)
+            logger.warning(
+                "the stale-graph check after the failed capture failed itself (%s: %s); reporting the "
+                "capture's failure as it came.",
+                type(diagnosis_error).__name__,
+                diagnosis_error,
+            )
             return False
         if found is None:
             return False
         self._empty_cache()
-        self._refuse(found, attempt,
-                     f"refused after a failed capture ({attempt.tracker.where}: {type(error).__name__}: {error})")
+        self._refuse(
+            found, attempt, f"refused after a failed capture ({attempt.tracker.where}: {type(error).__name__}: {error})"
+        )
         return True
 
     @staticmethod
@@ -384,28 +458,42 @@ class PluginHelperMixin:
         """No graphs for this phase: the report shows why, and Megatron's loop must not try again
         every step."""
         self._capture_finished = True
-        self.capture_stats = self._capture_stats(attempt, graphs=0, replays=accounting.ReplayCounter(len(attempt.layers)),
-                                                 baseline=None, failure=failure)
+        self.capture_stats = self._capture_stats(
+            attempt, graphs=0, replays=accounting.ReplayCounter(len(attempt.layers)), baseline=None, failure=failure
+        )
 
     @staticmethod
-    def _capture_stats(attempt: _Attempt, *, graphs: int, replays: accounting.ReplayTotals,
-                       baseline: accounting.MemoryState | None, **details: Any) -> CaptureStats:
+    def _capture_stats(
+        attempt: _Attempt,
+        *,
+        graphs: int,
+        replays: accounting.ReplayTotals,
+        baseline: accounting.MemoryState | None,
+        **details: Any,
+    ) -> CaptureStats:
         """What the report shows of a capture, captured or failed: its time so far and the graph-pool
         bytes it added over ``baseline`` (None: a failed capture, which holds none)."""
-        return CaptureStats(scope=attempt.scope, layers=len(attempt.layers), graphs=graphs,
-                            seconds=time.perf_counter() - attempt.start,
-                            pool_bytes=0 if baseline is None else accounting.new_pool_bytes(
-                                baseline.pools, accounting.memory_state().pools),
-                            replays=replays, **details)
+        return CaptureStats(
+            scope=attempt.scope,
+            layers=len(attempt.layers),
+            graphs=graphs,
+            seconds=time.perf_counter() - attempt.start,
+            pool_bytes=0
+            if baseline is None
+            else accounting.new_pool_bytes(baseline.pools, accounting.memory_state().pools),
+            replays=replays,
+            **details,
+        )
 
-    def _hold_to_contracts(self, capture: "_CaptureCall", mode: ContractCheck) -> accounting.ReplayCounter:
+    def _hold_to_contracts(self, capture: _CaptureCall, mode: ContractCheck) -> accounting.ReplayCounter:
         """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
         graph's own sample arguments, found by identity; none with ``--cg-contract-check off``) and
         its replay counter."""
         if capture.graphs is None:
             raise CaptureFailedError(
                 "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
-                "release captures differently; install the supported megatron-core (docs/versions.md).")
+                "release captures differently; install the supported megatron-core (docs/versions.md)."
+            )
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
         counter = accounting.ReplayCounter(len(self.flattened_callables))
         # Megatron's DDP keeps parameters in place within a step: the contracts may read them once a step
@@ -417,10 +505,19 @@ class PluginHelperMixin:
                 if index is None:
                     raise CaptureFailedError(
                         f"{layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
-                        "megatron-core release hands graphs out differently; install the supported one (docs/versions.md).")
-                contract = None if mode is ContractCheck.OFF else ReplayContract.record(
-                    f"{layer_label(layer, slot)} microbatch {microbatch}", capture.sample_args[index],
-                    capture.sample_kwargs[index] or {}, module=layer, step_marks=step_marks)
+                        "megatron-core release hands graphs out differently; install the supported one (docs/versions.md)."
+                    )
+                contract = (
+                    None
+                    if mode is ContractCheck.OFF
+                    else ReplayContract.record(
+                        f"{layer_label(layer, slot)} microbatch {microbatch}",
+                        capture.sample_args[index],
+                        capture.sample_kwargs[index] or {},
+                        module=layer,
+                        step_marks=step_marks,
+                    )
+                )
                 wrapped.append(CheckedGraph(graph, contract, mode, counter, slot))
             layer.cuda_graphs = wrapped
         return counter
@@ -443,7 +540,8 @@ class PluginHelperMixin:
         if attempt.megatron_lifecycle:
             self._release_failed_capture()
             if self.session.config.stale_graph_check == "refuse" and self._stale_graphs_refuse_after_failure(
-                    error, attempt):
+                error, attempt
+            ):
                 return
         gc.collect()
         self._empty_cache()
@@ -453,9 +551,14 @@ class PluginHelperMixin:
         if self.session.config.on_capture_error == "raise":
             raise CaptureFailedError(
                 f"{attempt.what} failed in {where}: {cause}\n{attempt.undone} Fix the cause "
-                "(docs/troubleshooting.md), or pass --cg-on-capture-error eager to keep training without graphs.") from error
-        logger.warning("%s failed in %s: %s; rolled back, training continues eagerly (--cg-on-capture-error eager).",
-                       attempt.what, where, cause)
+                "(docs/troubleshooting.md), or pass --cg-on-capture-error eager to keep training without graphs."
+            ) from error
+        logger.warning(
+            "%s failed in %s: %s; rolled back, training continues eagerly (--cg-on-capture-error eager).",
+            attempt.what,
+            where,
+            cause,
+        )
 
     # -- teardown -----------------------------------------------------------------------------
     def cuda_graph_set_manual_hooks(self) -> None:
@@ -497,10 +600,15 @@ class PluginHelperMixin:
         if not stats.pool_bytes_left:
             return stats
         blocks = accounting.blocks_of_new_pools(baseline, accounting.allocator_segments())
-        holders = tuple(f"{tuple(t.shape)} {t.dtype} held by {'; '.join(stale_graphs.describe_holders(t)) or 'nothing in Python'}"
-                        for t in stale_graphs.tensors_in(blocks)[:4])
-        logger.warning("after delete_cuda_graphs %.2f MiB stay in graph pools: %s", stats.pool_bytes_left / 2**20,
-                       "; ".join(holders) or "no Python tensor there (a library workspace)")
+        holders = tuple(
+            f"{tuple(t.shape)} {t.dtype} held by {'; '.join(stale_graphs.describe_holders(t)) or 'nothing in Python'}"
+            for t in stale_graphs.tensors_in(blocks)[:4]
+        )
+        logger.warning(
+            "after delete_cuda_graphs %.2f MiB stay in graph pools: %s",
+            stats.pool_bytes_left / 2**20,
+            "; ".join(holders) or "no Python tensor there (a library workspace)",
+        )
         return dataclasses.replace(stats, pool_holders=holders)
 
 
@@ -527,5 +635,8 @@ def parameters_stay_within_a_step(model: Iterable[Any]) -> bool:
 def bind_helper_class(base: type, session: RunSession, backend: GraphBackend | None = None) -> type:
     """A subclass of ``base`` (Megatron's helper) whose instances report to ``session`` and capture
     through ``backend`` (by default the one the run's config asks for: ``capture_backend``)."""
-    return type("PluginTECudaGraphHelper", (PluginHelperMixin, base),
-                {"session": session, "backend": backend, "__module__": __name__})
+    return type(
+        "PluginTECudaGraphHelper",
+        (PluginHelperMixin, base),
+        {"session": session, "backend": backend, "__module__": __name__},
+    )

@@ -12,18 +12,21 @@ import os
 import shlex
 import sys
 import warnings
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from megatron_cg_plugin import console, golden, helptext
 from megatron_cg_plugin.bench.output import BenchOutputError
+from megatron_cg_plugin.farm.cases import CaseError
+from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.planner.prediction import predict_graph_memory
-from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
 from megatron_cg_plugin.settings import RunSettings
-from megatron_cg_plugin.farm.cases import CaseError
 
 if TYPE_CHECKING:  # the farm imports torch (through the dry run): imported by the commands that use it
     from megatron_cg_plugin.farm import runner as farm
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_MISMATCH", "EXIT_OK", "main"]
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH, console.EXIT_BAD_INPUT
 
@@ -34,33 +37,46 @@ def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
     load is checked whatever the model; a dense model, which has no router, refuses one."""
     if not settings.num_experts:
         if router_load is not None:
-            raise ValueError(f"--router-load {router_load} says how a router spreads tokens over experts, and this "
-                             "model is dense (no --num-experts): drop --router-load.")
+            raise ValueError(
+                f"--router-load {router_load} says how a router spreads tokens over experts, and this "
+                "model is dense (no --num-experts): drop --router-load."
+            )
         return "MoE: none (a dense model)."
     router_load = router_load or "uniform"
     load = parse_load(router_load, settings.num_experts)
     layers = [index + 1 for index in range(settings.num_layers) if settings.is_moe_layer(index)]
     if settings.capacity_factor is None:
-        return (f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
-                "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
-                "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity.")
+        return (
+            f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
+            "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
+            "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity."
+        )
     plan = capacity_plan(settings)
     ffn = settings.moe_ffn_hidden_size or settings.ffn_hidden_size
     shapes = plan.gemm_shapes(settings.hidden_size, ffn, gated=settings.swiglu or settings.quick_geglu)
     dropped = plan.dropped_fraction(load)
-    padded = "" if settings.pad_to_capacity else (
-        " (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
-    return "\n".join([
-        f"MoE layers {layers}: {plan.tokens_per_rank} tokens x top-{plan.topk} per rank and microbatch, "
-        f"{plan.num_experts} experts ({plan.local_experts} local), capacity factor {plan.capacity_factor}",
-        f"  capacity: {plan.capacity} slots per expert per source rank{padded}; each local expert's GEMMs take "
-        f"{plan.tokens_per_local_expert} rows (x TP {plan.tensor_parallel} x EP {plan.expert_parallel})",
-        *([f"  the capacity exceeds the {plan.tokens_per_rank} tokens per rank (factor x top-k > experts): Megatron "
-           "pads each expert to the tokens alone, and its alltoall dispatcher fails; use a factor of at most "
-           f"{plan.num_experts / plan.topk:g}"] if plan.exceeds_tokens else []),
-        f"  expert GEMMs (rows, in, out): fc1 {shapes['fc1']}, fc2 {shapes['fc2']}",
-        f"  dropped tokens for a {router_load} router: {100 * dropped:.1f}%",
-    ])
+    padded = (
+        "" if settings.pad_to_capacity else (" (not padded: add --moe-pad-expert-input-to-capacity for static shapes)")
+    )
+    return "\n".join(
+        [
+            f"MoE layers {layers}: {plan.tokens_per_rank} tokens x top-{plan.topk} per rank and microbatch, "
+            f"{plan.num_experts} experts ({plan.local_experts} local), capacity factor {plan.capacity_factor}",
+            f"  capacity: {plan.capacity} slots per expert per source rank{padded}; each local expert's GEMMs take "
+            f"{plan.tokens_per_local_expert} rows (x TP {plan.tensor_parallel} x EP {plan.expert_parallel})",
+            *(
+                [
+                    f"  the capacity exceeds the {plan.tokens_per_rank} tokens per rank (factor x top-k > experts): Megatron "
+                    "pads each expert to the tokens alone, and its alltoall dispatcher fails; use a factor of at most "
+                    f"{plan.num_experts / plan.topk:g}"
+                ]
+                if plan.exceeds_tokens
+                else []
+            ),
+            f"  expert GEMMs (rows, in, out): fc1 {shapes['fc1']}, fc2 {shapes['fc2']}",
+            f"  dropped tokens for a {router_load} router: {100 * dropped:.1f}%",
+        ]
+    )
 
 
 def _golden(argv: Sequence[str]) -> int:
@@ -71,8 +87,9 @@ def _golden(argv: Sequence[str]) -> int:
     compare = sub.add_parser("compare", help="compare a run's metrics with a golden file")
     compare.add_argument("expected")
     compare.add_argument("actual")
-    compare.add_argument("--deterministic", action="store_true",
-                         help="lm loss must match exactly (runs with --deterministic-mode)")
+    compare.add_argument(
+        "--deterministic", action="store_true", help="lm loss must match exactly (runs with --deterministic-mode)"
+    )
     compare.add_argument("--metrics", nargs="+", default=None, help="compare only these metrics")
     update = sub.add_parser("update", help="write a real run's metrics as the new golden file")
     update.add_argument("actual")
@@ -97,14 +114,20 @@ def _golden(argv: Sequence[str]) -> int:
     return EXIT_MISMATCH if mismatches else EXIT_OK
 
 
-def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
-                     produce: Callable[[argparse.Namespace, list[str]], str],
-                     extra_options: Sequence[tuple[str, str]] = ()) -> int:
+def _dry_run_command(
+    argv: Sequence[str],
+    *,
+    prog: str,
+    usage: str,
+    produce: Callable[[argparse.Namespace, list[str]], str],
+    extra_options: Sequence[tuple[str, str]] = (),
+) -> int:
     """``check`` and ``plan``: their own options (``--nproc``, ``extra_options`` as (flag, default)),
     the launcher flags after them, ``produce``'s text on success, one line and exit 2 on bad input."""
     parser = argparse.ArgumentParser(prog=prog, add_help=False)
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="number of ranks the run would use (sets the data-parallel size)")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="number of ranks the run would use (sets the data-parallel size)"
+    )
     for flag, default in extra_options:
         parser.add_argument(flag, default=default)
     if any(flag in ("-h", "--help") for flag in argv):
@@ -128,10 +151,12 @@ def _dry_run_command(argv: Sequence[str], *, prog: str, usage: str,
 def _check(argv: Sequence[str]) -> int:
     """[--nproc N] <launcher flags>
     validate the flags on CPU (Megatron's checks and the plugin's rules); print the capture plan"""
-    usage = ("usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
-             "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
-             "The flags are Megatron's plus the plugin's --cg-* below (docs/troubleshooting.md lists every rule); "
-             "--cg-preset NAME gives a complete model to start from.")
+    usage = (
+        "usage: megatron-cg check [--nproc N] <launcher flags>\n\nValidates the flags the launcher "
+        "(python -m megatron_cg_plugin.pretrain_gpt) would get, on CPU, and prints the capture plan. "
+        "The flags are Megatron's plus the plugin's --cg-* below (docs/troubleshooting.md lists every rule); "
+        "--cg-preset NAME gives a complete model to start from."
+    )
 
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
         from megatron_cg_plugin.launch import dry_run  # deferred: torch (seconds); --help and golden start without it
@@ -144,42 +169,58 @@ def _check(argv: Sequence[str]) -> int:
 def _plan(argv: Sequence[str]) -> int:
     """[--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>
     the check, then the graph pool the capture will reserve and, for MoE, the expert capacity plan"""
+
     def produce(options: argparse.Namespace, flags: list[str]) -> str:
         from megatron_cg_plugin.launch import dry_run  # deferred: torch (seconds); --help and golden start without it
 
         env = dict(os.environ)
         _args, settings, config = dry_run.validated_args(flags, nproc=options.nproc, env=env)
         memory = predict_graph_memory(settings, config)
-        return (plan_capture(settings).describe() + "\n" + moe_plan_text(settings, options.router_load) + "\n"
-                + ("graph pool: nothing graphed, or layers the planner does not model" if memory is None
-                   else memory.describe()))
+        return (
+            plan_capture(settings).describe()
+            + "\n"
+            + moe_plan_text(settings, options.router_load)
+            + "\n"
+            + (
+                "graph pool: nothing graphed, or layers the planner does not model"
+                if memory is None
+                else memory.describe()
+            )
+        )
 
-    usage = ("usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
-             "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
-             "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
-             "load, and the graph pool the capture will reserve (predicted from the shapes: docs/performance.md). "
-             "Set NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or --deterministic-mode) as the run will, for cuDNN's deterministic "
-             "attention backward workspace.")
-    return _dry_run_command(argv, prog="megatron-cg plan", usage=usage, produce=produce,
-                            extra_options=(("--router-load", None),))
+    usage = (
+        "usage: megatron-cg plan [--nproc N] [--router-load uniform|zipf:S|s1,s2,...] <launcher flags>\n\n"
+        "Checks the flags as megatron-cg check does, then prints the capture plan and, for MoE models, the "
+        "fixed expert capacity, the padded expert GEMM shapes and the dropped-token fraction for a router "
+        "load, and the graph pool the capture will reserve (predicted from the shapes: docs/performance.md). "
+        "Set NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or --deterministic-mode) as the run will, for cuDNN's deterministic "
+        "attention backward workspace."
+    )
+    return _dry_run_command(
+        argv, prog="megatron-cg plan", usage=usage, produce=produce, extra_options=(("--router-load", None),)
+    )
 
 
 def _bench(argv: Sequence[str]) -> int:
     """[--bench-rounds R --bench-steps S --bench-arms ARM,... --bench-out DIR] [SCRIPT.py] <flags>
     eager vs Megatron's graphs vs the plugin's, in one process on a GPU (bench.json, bench.md, bench.png)"""
     if any(flag in ("-h", "--help") for flag in argv):
-        print("usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
-              "[--bench-arms eager,stock,plugin (also plugin-no-check, plugin-recording, slot, slot-offload, "
-              "slot-offload-staged, and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; -f<P> "
-              "after either: --activation-offload-fraction P/100)] "
-              "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] [--bench-cached-batches N] "
-              "[--bench-interleave steps --bench-cycles 60 [--bench-capture-rounds N] [--bench-seconds S]] "
-              "[SCRIPT.py] <launcher or script flags>\n\n"
-              "Trains the launcher's model (or, with SCRIPT.py first, your own Megatron script's, run as "
-              "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "
-              "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help())
+        print(
+            "usage: megatron-cg bench [--bench-rounds 8] [--bench-steps 20] [--bench-skip-steps 2] "
+            "[--bench-arms eager,stock,plugin (also plugin-no-check, plugin-recording, slot, slot-offload, "
+            "slot-offload-staged, and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; -f<P> "
+            "after either: --activation-offload-fraction P/100)] "
+            "[--bench-out bench-out] [--bench-no-plot] [--bench-profile-dir DIR] [--bench-cached-batches N] "
+            "[--bench-interleave steps --bench-cycles 60 [--bench-capture-rounds N] [--bench-seconds S]] "
+            "[SCRIPT.py] <launcher or script flags>\n\n"
+            "Trains the launcher's model (or, with SCRIPT.py first, your own Megatron script's, run as "
+            "megatron-cg run runs it) in interleaved blocks of each arm in one process and writes "
+            "bench.json, bench.md and bench.png (docs/performance.md).\n\n" + helptext.plugin_flags_help()
+        )
         return EXIT_OK
-    from megatron_cg_plugin.bench import command as bench  # deferred: torch (seconds); --help and golden start without it
+    from megatron_cg_plugin.bench import (
+        command as bench,  # deferred: torch (seconds); --help and golden start without it
+    )
 
     try:
         return bench.main(argv)
@@ -195,26 +236,45 @@ def _farm(argv: Sequence[str]) -> int:
 
     from megatron_cg_plugin.farm import runner as farm  # deferred: torch (seconds); --help and golden start without it
 
-    parser = argparse.ArgumentParser(prog="megatron-cg farm", description=(
-        "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
-        "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them. A "
-        "case whose flags Megatron or a rule refuses is reported REFUSED and not run. Exit code: 0 when every case "
-        "that ran passed, 1 when one failed, 2 on bad input or when every case was refused."))
+    parser = argparse.ArgumentParser(
+        prog="megatron-cg farm",
+        description=(
+            "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
+            "tests/functional_tests/test_cases) eagerly and with TE graphs through the plugin, and compares them. A "
+            "case whose flags Megatron or a rule refuses is reported REFUSED and not run. Exit code: 0 when every case "
+            "that ran passed, 1 when one failed, 2 on bad input or when every case was refused."
+        ),
+    )
     parser.add_argument("cases", nargs="+", type=Path, help="case folders holding model_config.yaml")
     parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
     parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
-    parser.add_argument("--out", type=Path, default=Path("farm-out"),
-                        help="metrics, reports, logs and built datasets (default: farm-out in the current folder)")
-    parser.add_argument("--steps", type=int, help=f"training steps per run, >= 1 (default: the case's, else "
-                                                  f"{farm.FARM_STEPS})")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print what would run and check each case's flags as megatron-cg check does (on CPU), "
-                             "run nothing")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("farm-out"),
+        help="metrics, reports, logs and built datasets (default: farm-out in the current folder)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help=f"training steps per run, >= 1 (default: the case's, else {farm.FARM_STEPS})"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run and check each case's flags as megatron-cg check does (on CPU), run nothing",
+    )
     options = parser.parse_args(argv)
     try:
-        prepared = [farm.prepare_case(folder, out_dir=options.out, gpus=options.fit_gpus, data_path=options.data_path,
-                                      steps=options.steps, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"))
-                    for folder in options.cases]
+        prepared = [
+            farm.prepare_case(
+                folder,
+                out_dir=options.out,
+                gpus=options.fit_gpus,
+                data_path=options.data_path,
+                steps=options.steps,
+                megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+            )
+            for folder in options.cases
+        ]
         unmet = next((reason for case, _ in prepared if (reason := case.unmet())), None)
         if unmet:  # a Megatron-LM script the host has no checkout of
             raise CaseError(unmet)
@@ -223,8 +283,10 @@ def _farm(argv: Sequence[str]) -> int:
         return EXIT_BAD_INPUT
     outcomes, rows = [], []
     for case, notes in prepared:
-        print(f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
-              f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}")
+        print(
+            f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
+            f"{'golden file and eager vs graphed' if case.check_golden else 'eager vs graphed'}"
+        )
         for note in notes:
             print(f"   {note}")
         outcome, row = _farm_case(case, options)
@@ -241,7 +303,7 @@ def _farm(argv: Sequence[str]) -> int:
 def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
     """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
     ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
-    from megatron_cg_plugin.farm import runner as farm  # noqa: F811  # deferred: imports torch, as in _farm
+    from megatron_cg_plugin.farm import runner as farm  # deferred: imports torch, as in _farm
 
     if options.dry_run:
         print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
@@ -263,10 +325,17 @@ def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, d
 
 
 def _farm_tally(outcomes: Sequence[str]) -> str:
-    counts = ", ".join(f"{outcomes.count(name)} {name}" for name in ("passed", "failed", "checked", "refused")
-                       if name in outcomes)
-    refused = (" (refused: Megatron or a plugin rule refuses the case's flags, so it cannot run as written; that "
-               "is no failure of the plugin, and each line says what to change)") if "refused" in outcomes else ""
+    counts = ", ".join(
+        f"{outcomes.count(name)} {name}" for name in ("passed", "failed", "checked", "refused") if name in outcomes
+    )
+    refused = (
+        (
+            " (refused: Megatron or a plugin rule refuses the case's flags, so it cannot run as written; that "
+            "is no failure of the plugin, and each line says what to change)"
+        )
+        if "refused" in outcomes
+        else ""
+    )
     return f"farm: {counts}{refused}"
 
 
@@ -286,7 +355,9 @@ def _matrix(argv: Sequence[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from megatron_cg_plugin.matrix import runner as matrix  # deferred: torch (seconds); --help and golden start without it
+    from megatron_cg_plugin.matrix import (
+        runner as matrix,  # deferred: torch (seconds); --help and golden start without it
+    )
 
     if argv[:1] == ["bench"]:  # its own parser: the flags after -- go to megatron-cg bench
         from megatron_cg_plugin.matrix import bench as matrix_bench  # deferred: torch, as matrix above
@@ -294,8 +365,10 @@ def _matrix(argv: Sequence[str]) -> int:
         return matrix_bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("bench", help="plugin / stock step time per cell (megatron-cg bench) on this GPU host; "
-                                 "megatron-cg matrix bench --help")
+    sub.add_parser(
+        "bench",
+        help="plugin / stock step time per cell (megatron-cg bench) on this GPU host; megatron-cg matrix bench --help",
+    )
     plan = sub.add_parser("plan", help="the all-pairs design, each cell checked by the plugin's rules (CPU)")
     plan.add_argument("--out", type=Path, default=Path("matrix-cells.json"))
     run = sub.add_parser("run", help="run the cells eager vs graphed on this GPU host (needs MEGATRON_LM_DIR)")
@@ -306,8 +379,12 @@ def _matrix(argv: Sequence[str]) -> int:
     run.add_argument("--only", nargs="+", help="run only these cells (names from the cells file)")
     render = sub.add_parser("render", help="the support-matrix markdown of the design and its runs' matrix.json")
     render.add_argument("cells", type=Path, help="the cells file `matrix plan` wrote")
-    render.add_argument("results", type=Path, nargs="+",
-                        help="matrix.json of each run and matrix-bench.json of each bench, later ones win")
+    render.add_argument(
+        "results",
+        type=Path,
+        nargs="+",
+        help="matrix.json of each run and matrix-bench.json of each bench, later ones win",
+    )
     options = parser.parse_args(argv)
     try:
         if options.action == "plan":
@@ -324,8 +401,13 @@ def _matrix(argv: Sequence[str]) -> int:
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
-        rows = matrix.run_matrix(matrix.select_cells(cells, options.only, options.cells), options.out,
-                                 megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"), jobs=options.jobs, steps=options.steps)
+        rows = matrix.run_matrix(
+            matrix.select_cells(cells, options.only, options.cells),
+            options.out,
+            megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+            jobs=options.jobs,
+            steps=options.steps,
+        )
     except (OSError, ValueError, KeyError) as error:
         print(f"megatron-cg matrix: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -343,14 +425,23 @@ def _run(argv: Sequence[str]) -> int:
 def unknown_command(name: str, commands: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, list(commands), n=1)
     hint = f", did you mean {close[0]!r}?" if close else ""
-    return (f"megatron-cg: unknown command {name!r}{hint} The commands: {', '.join(commands)} "
-            "(megatron-cg --help lists them with every --cg-* flag).")
+    return (
+        f"megatron-cg: unknown command {name!r}{hint} The commands: {', '.join(commands)} "
+        "(megatron-cg --help lists them with every --cg-* flag)."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": _bench, "check": _check, "farm": _farm, "golden": _golden, "matrix": _matrix, "plan": _plan,
-                "run": _run}
+    commands = {
+        "bench": _bench,
+        "check": _check,
+        "farm": _farm,
+        "golden": _golden,
+        "matrix": _matrix,
+        "plan": _plan,
+        "run": _run,
+    }
     if not argv or argv[0] in ("-h", "--help"):
         print(helptext.usage(commands))
         return EXIT_OK

@@ -15,6 +15,24 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+__all__ = [
+    "SUPPORTED_TRANSFORMER_ENGINE",
+    "SignatureMismatchError",
+    "UnsupportedVersionError",
+    "Versions",
+    "apex_fused_wgrad_available",
+    "check_parameters",
+    "check_versions",
+    "device_capability",
+    "distribution_version",
+    "found_at",
+    "installed_versions",
+    "parse_version",
+    "te_available",
+    "torch_cuda_version",
+    "unwrapped",
+]
+
 SUPPORTED_MEGATRON_CORE = ((0, 19, 2), (0, 20, 0))  # [min, max)
 SUPPORTED_TRANSFORMER_ENGINE = ((2, 20, 0), (2, 21, 0))
 MIN_TORCH = (2, 9, 0)
@@ -144,15 +162,17 @@ def check_parameters(target: Callable, expected: Iterable[str], *, where: str) -
     if not expected:
         return  # nothing is relied on
     inner = unwrapped(target)
-    signatures = [names for names in map(_parameter_names, (target,) if inner is target else (target, inner))
-                  if names is not None]
+    signatures = [
+        names for names in map(_parameter_names, (target,) if inner is target else (target, inner)) if names is not None
+    ]
     if any(all(name in names for name in expected) for names in signatures):
         return
     has = signatures[-1] if signatures else ()  # the innermost readable one: what really runs
     missing = [name for name in expected if name not in has]
     listed = ", ".join(has) if signatures else "no signature to read"
     raise SignatureMismatchError(
-        f"{where} no longer takes parameter(s) {', '.join(missing)} (has: {listed}). {found_at(target, where)}")
+        f"{where} no longer takes parameter(s) {', '.join(missing)} (has: {listed}). {found_at(target, where)}"
+    )
 
 
 def unwrapped(target: Any) -> Any:
@@ -177,11 +197,15 @@ def found_at(target: Any, where: str) -> str:
     found = _qualified_name(target) + ("" if inner is target else f", which wraps {_qualified_name(inner)}")
     library = _library_of(where)
     if _is_from(inner, library):
-        return (f"Found {found}: this {library or 'megatron-core/TE'} build differs from the supported release; "
-                "install the supported versions listed in docs/versions.md.")
-    return (f"Found {found}, defined outside {library or 'megatron-core, TE and torch'}: it looks wrapped by another "
-            "library or your own patch; apply that patch after megatron_cg_plugin.install(), or remove it (a wrapper "
-            "made with functools.wraps(original) is checked through to the function it wraps).")
+        return (
+            f"Found {found}: this {library or 'megatron-core/TE'} build differs from the supported release; "
+            "install the supported versions listed in docs/versions.md."
+        )
+    return (
+        f"Found {found}, defined outside {library or 'megatron-core, TE and torch'}: it looks wrapped by another "
+        "library or your own patch; apply that patch after megatron_cg_plugin.install(), or remove it (a wrapper "
+        "made with functools.wraps(original) is checked through to the function it wraps)."
+    )
 
 
 def _parameter_names(target: Any) -> tuple[str, ...] | None:

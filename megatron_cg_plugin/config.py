@@ -11,8 +11,27 @@ import argparse
 import dataclasses
 import enum
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "ContractCheck",
+    "FLAG_GROUPS",
+    "OFFLOAD_COPIES",
+    "PLUGIN_FLAGS",
+    "PRESETS",
+    "PluginConfig",
+    "SLOT_DEBUG_ENV",
+    "add_plugin_args",
+    "config_from_args",
+    "graph_only_flags",
+    "has_plugin_flags",
+    "is_power_of_two",
+    "missing_plugin_flags",
+    "slot_debug_from_environment",
+]
 
 PRESETS = ("tiny-gpt", "tiny-moe", "tiny-gpt-hybrid-cp")
 ON_CAPTURE_ERROR = ("raise", "eager")
@@ -142,10 +161,12 @@ def config_problems(config: PluginConfig) -> list[str]:
     problems = []
     if config.preset is not None and config.preset not in PRESETS:
         problems.append(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
-    for flag, value, allowed in (("--cg-on-capture-error", config.on_capture_error, ON_CAPTURE_ERROR),
-                                 ("--cg-contract-check", config.contract_check, CONTRACT_CHECKS),
-                                 ("--cg-stale-graph-check", config.stale_graph_check, STALE_GRAPH_CHECKS),
-                                 ("--cg-offload-copies", config.offload_copies, OFFLOAD_COPIES)):
+    for flag, value, allowed in (
+        ("--cg-on-capture-error", config.on_capture_error, ON_CAPTURE_ERROR),
+        ("--cg-contract-check", config.contract_check, CONTRACT_CHECKS),
+        ("--cg-stale-graph-check", config.stale_graph_check, STALE_GRAPH_CHECKS),
+        ("--cg-offload-copies", config.offload_copies, OFFLOAD_COPIES),
+    ):
         if value not in allowed:
             problems.append(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
@@ -153,8 +174,10 @@ def config_problems(config: PluginConfig) -> list[str]:
     if config.thd_max_seqs is not None and config.thd_max_seqs < 1:
         problems.append(f"--cg-thd-max-seqs {config.thd_max_seqs} must be >= 1 (sequences per packed microbatch).")
     if config.thd_max_seqlen is not None and config.thd_max_seqlen < 1:
-        problems.append(f"--cg-thd-max-seqlen {config.thd_max_seqlen} must be >= 1 (tokens of the longest document "
-                        "in a packed microbatch).")
+        problems.append(
+            f"--cg-thd-max-seqlen {config.thd_max_seqlen} must be >= 1 (tokens of the longest document "
+            "in a packed microbatch)."
+        )
     if not is_power_of_two(config.bank_min_cp):
         problems.append(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
@@ -162,14 +185,20 @@ def config_problems(config: PluginConfig) -> list[str]:
             problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
     if config.offload_window < 0:
         problems.append(f"--cg-offload-window {config.offload_window} must be >= 0 (offload groups copied ahead).")
-    for flag, value, default in (("--cg-offload-copies", config.offload_copies, PluginConfig.offload_copies),
-                                 ("--cg-offload-window", config.offload_window, PluginConfig.offload_window)):
+    for flag, value, default in (
+        ("--cg-offload-copies", config.offload_copies, PluginConfig.offload_copies),
+        ("--cg-offload-window", config.offload_window, PluginConfig.offload_window),
+    ):
         if value != default and not (config.slot_capture or config.graph_banks):
-            problems.append(f"{flag} {value} only chooses how slot-shared capture copies offloaded saves: add "
-                            "--cg-slot-capture (or --cg-graph-banks), or drop it.")
+            problems.append(
+                f"{flag} {value} only chooses how slot-shared capture copies offloaded saves: add "
+                "--cg-slot-capture (or --cg-graph-banks), or drop it."
+            )
     if config.slot_capture and config.graph_banks:
-        problems.append("--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
-                        "capture that way: drop --cg-slot-capture.")
+        problems.append(
+            "--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
+            "capture that way: drop --cg-slot-capture."
+        )
     if config.metrics_out is not None and config.report_out is not None:
         if Path(config.metrics_out).resolve() == Path(config.report_out).resolve():
             problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
@@ -204,7 +233,7 @@ class PluginFlag:
 
     @property
     def config_field(self) -> str:
-        return self.field or self.dest[len("cg_"):]
+        return self.field or self.dest[len("cg_") :]
 
     @property
     def switch(self) -> bool:
@@ -230,82 +259,151 @@ class PluginFlag:
         return (not value) if self.invert else value
 
 
-FLAG_GROUPS = ("first run", "capture", "slot-shared capture and offload", "graph banks (hybrid context parallelism)",
-               "outputs and report", "testing hooks")
+FLAG_GROUPS = (
+    "first run",
+    "capture",
+    "slot-shared capture and offload",
+    "graph banks (hybrid context parallelism)",
+    "outputs and report",
+    "testing hooks",
+)
 
 PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
-    PluginFlag("--cg-preset", "first run",
-               "Megatron flags for a first run, placed before yours (yours win): tiny-gpt (a 2-layer GPT on mock "
-               "data), tiny-moe (4 dropless alltoall experts, graphing attn moe_router moe_preprocess), "
-               "tiny-gpt-hybrid-cp (hybrid context parallelism, on 2 or more ranks); presets never turn graphs on.",
-               {"choices": PRESETS, "default": None}),
-    PluginFlag("--cg-on-capture-error", "capture",
-               "After a failed capture (always rolled back): stop, naming the layer and the cause (raise), or train "
-               "on without graphs (eager).",
-               {"choices": ON_CAPTURE_ERROR, "default": "raise"}, graphs_only=True),
-    PluginFlag("--cg-contract-check", "capture",
-               "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
-               "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
-               "(off).",
-               {"choices": CONTRACT_CHECKS, "default": ContractCheck.FULL.value}, graphs_only=True),
-    PluginFlag("--cg-stale-graph-check", "capture",
-               "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "
-               "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
-               "capture (before, about 0.2 s).",
-               {"choices": STALE_GRAPH_CHECKS, "default": "refuse"}, graphs_only=True),
-    PluginFlag("--cg-slot-capture", "slot-shared capture and offload",
-               "PP = 1: capture every graphed layer through slot-shared capture inside Megatron's own "
-               "create_cudagraphs (one pool, each layer's backward state in an arena); with "
-               "--fine-grained-activation-offloading --offload-modules ..., the offloaded modules inside the graphed "
-               "scope go to pinned host arenas inside the graphs.",
-               {"action": "store_true"}, doc="docs/variants.md", graphs_only=True),
-    PluginFlag("--cg-offload-copies", "slot-shared capture and offload",
-               "Where slot-shared offload copies: in each layer's graphs on side streams (in-graph), or between "
-               "replays through a ring of staging buffers shared by the layers (between-replays).",
-               {"choices": OFFLOAD_COPIES, "default": "in-graph"}, graphs_only=True),
-    PluginFlag("--cg-offload-window", "slot-shared capture and offload",
-               "How far those copies run beside the compute: N offload groups ahead inside the graphs, or a ring of "
-               "N + 1 staging buffers between replays; more overlap, more GPU memory.",
-               {"type": int, "default": 1, "metavar": "N"}, graphs_only=True),
-    PluginFlag("--cg-graph-banks", "graph banks (hybrid context parallelism)",
-               "With --hybrid-context-parallel: one graph bank per power-of-two CP size for every layer (whole layer, "
-               "attn, mlp or attn moe scope; fused RoPE), all in one slot-shared pool; each packed microbatch replays "
-               "the bank of its CP size through Megatron's replay path.",
-               {"action": "store_true"}, doc="docs/variants.md", graphs_only=True),
-    PluginFlag("--cg-bank-min-cp", "graph banks (hybrid context parallelism)",
-               "The smallest CP size that gets a bank (powers of two from K to DP x CP).",
-               {"type": int, "default": 1, "metavar": "K"}, graphs_only=True),
-    PluginFlag("--cg-thd-max-seqs", "graph banks (hybrid context parallelism)",
-               "The most packed sequences (documents) per microbatch: graphs fix their cu_seqlens buffers at capture. "
-               "Needed to graph --dataloader-inter-document-masking or --sft data (no hybrid CP), whose microbatches "
-               "are then laid out at this capacity, eager and graphed alike; hybrid CP's packs take 8 when it is not "
-               "given. A microbatch with more is refused.",
-               {"type": int, "default": None, "metavar": "N"}, doc="docs/variants.md"),
-    PluginFlag("--cg-thd-max-seqlen", "graph banks (hybrid context parallelism)",
-               "The longest packed sequence (document) per microbatch, at most --seq-length (the default): the "
-               "max_seqlen that --cg-thd-max-seqs lays packed data out and captures its graphs with. With "
-               "--deterministic-mode set it to the longest document of the data: TE 2.20 keeps cuDNN attention on "
-               "Hopper only while N x heads per rank x L^2 < 2^30 (with --sft a sample's end padding belongs to its last "
-               "conversation). A microbatch with a longer document is refused.",
-               {"type": int, "default": None, "metavar": "L"}, doc="docs/variants.md"),
-    PluginFlag("--cg-metrics-out", "outputs and report",
-               "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to "
-               "FILE.",
-               {"type": Path, "default": None, "metavar": "FILE"}),
-    PluginFlag("--cg-report-out", "outputs and report",
-               "Write the run report (graphs captured and replayed, capture time, pool bytes, step times) as JSON to "
-               "FILE.",
-               {"type": Path, "default": None, "metavar": "FILE"}, doc="docs/report.md"),
-    PluginFlag("--cg-no-report", "outputs and report", "Do not print the run report table when training ends.",
-               {"action": "store_true"}, field="print_report", invert=True),
-    PluginFlag("--cg-moe-drop-stats", "outputs and report",
-               "Count the token-to-expert assignments the MoE routers drop at a fixed capacity (forward hooks on the "
-               "routers, counted on the device, inside graphs too); the report sets the fraction beside the capacity "
-               "plan, and the farm turns it on for its MoE cases.",
-               {"action": "store_true"}),
-    PluginFlag("--cg-inject-capture-failure", "testing hooks",
-               "Testing only: fail inside the capture of the N-th graphed layer (from 1), to exercise the rollback.",
-               {"type": int, "default": None, "metavar": "N"}, graphs_only=True),
+    PluginFlag(
+        "--cg-preset",
+        "first run",
+        "Megatron flags for a first run, placed before yours (yours win): tiny-gpt (a 2-layer GPT on mock "
+        "data), tiny-moe (4 dropless alltoall experts, graphing attn moe_router moe_preprocess), "
+        "tiny-gpt-hybrid-cp (hybrid context parallelism, on 2 or more ranks); presets never turn graphs on.",
+        {"choices": PRESETS, "default": None},
+    ),
+    PluginFlag(
+        "--cg-on-capture-error",
+        "capture",
+        "After a failed capture (always rolled back): stop, naming the layer and the cause (raise), or train "
+        "on without graphs (eager).",
+        {"choices": ON_CAPTURE_ERROR, "default": "raise"},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-contract-check",
+        "capture",
+        "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
+        "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
+        "(off).",
+        {"choices": CONTRACT_CHECKS, "default": ContractCheck.FULL.value},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-stale-graph-check",
+        "capture",
+        "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "
+        "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
+        "capture (before, about 0.2 s).",
+        {"choices": STALE_GRAPH_CHECKS, "default": "refuse"},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-slot-capture",
+        "slot-shared capture and offload",
+        "PP = 1: capture every graphed layer through slot-shared capture inside Megatron's own "
+        "create_cudagraphs (one pool, each layer's backward state in an arena); with "
+        "--fine-grained-activation-offloading --offload-modules ..., the offloaded modules inside the graphed "
+        "scope go to pinned host arenas inside the graphs.",
+        {"action": "store_true"},
+        doc="docs/variants.md",
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-offload-copies",
+        "slot-shared capture and offload",
+        "Where slot-shared offload copies: in each layer's graphs on side streams (in-graph), or between "
+        "replays through a ring of staging buffers shared by the layers (between-replays).",
+        {"choices": OFFLOAD_COPIES, "default": "in-graph"},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-offload-window",
+        "slot-shared capture and offload",
+        "How far those copies run beside the compute: N offload groups ahead inside the graphs, or a ring of "
+        "N + 1 staging buffers between replays; more overlap, more GPU memory.",
+        {"type": int, "default": 1, "metavar": "N"},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-graph-banks",
+        "graph banks (hybrid context parallelism)",
+        "With --hybrid-context-parallel: one graph bank per power-of-two CP size for every layer (whole layer, "
+        "attn, mlp or attn moe scope; fused RoPE), all in one slot-shared pool; each packed microbatch replays "
+        "the bank of its CP size through Megatron's replay path.",
+        {"action": "store_true"},
+        doc="docs/variants.md",
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-bank-min-cp",
+        "graph banks (hybrid context parallelism)",
+        "The smallest CP size that gets a bank (powers of two from K to DP x CP).",
+        {"type": int, "default": 1, "metavar": "K"},
+        graphs_only=True,
+    ),
+    PluginFlag(
+        "--cg-thd-max-seqs",
+        "graph banks (hybrid context parallelism)",
+        "The most packed sequences (documents) per microbatch: graphs fix their cu_seqlens buffers at capture. "
+        "Needed to graph --dataloader-inter-document-masking or --sft data (no hybrid CP), whose microbatches "
+        "are then laid out at this capacity, eager and graphed alike; hybrid CP's packs take 8 when it is not "
+        "given. A microbatch with more is refused.",
+        {"type": int, "default": None, "metavar": "N"},
+        doc="docs/variants.md",
+    ),
+    PluginFlag(
+        "--cg-thd-max-seqlen",
+        "graph banks (hybrid context parallelism)",
+        "The longest packed sequence (document) per microbatch, at most --seq-length (the default): the "
+        "max_seqlen that --cg-thd-max-seqs lays packed data out and captures its graphs with. With "
+        "--deterministic-mode set it to the longest document of the data: TE 2.20 keeps cuDNN attention on "
+        "Hopper only while N x heads per rank x L^2 < 2^30 (with --sft a sample's end padding belongs to its last "
+        "conversation). A microbatch with a longer document is refused.",
+        {"type": int, "default": None, "metavar": "L"},
+        doc="docs/variants.md",
+    ),
+    PluginFlag(
+        "--cg-metrics-out",
+        "outputs and report",
+        "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to FILE.",
+        {"type": Path, "default": None, "metavar": "FILE"},
+    ),
+    PluginFlag(
+        "--cg-report-out",
+        "outputs and report",
+        "Write the run report (graphs captured and replayed, capture time, pool bytes, step times) as JSON to FILE.",
+        {"type": Path, "default": None, "metavar": "FILE"},
+        doc="docs/report.md",
+    ),
+    PluginFlag(
+        "--cg-no-report",
+        "outputs and report",
+        "Do not print the run report table when training ends.",
+        {"action": "store_true"},
+        field="print_report",
+        invert=True,
+    ),
+    PluginFlag(
+        "--cg-moe-drop-stats",
+        "outputs and report",
+        "Count the token-to-expert assignments the MoE routers drop at a fixed capacity (forward hooks on the "
+        "routers, counted on the device, inside graphs too); the report sets the fraction beside the capacity "
+        "plan, and the farm turns it on for its MoE cases.",
+        {"action": "store_true"},
+    ),
+    PluginFlag(
+        "--cg-inject-capture-failure",
+        "testing hooks",
+        "Testing only: fail inside the capture of the N-th graphed layer (from 1), to exercise the rollback.",
+        {"type": int, "default": None, "metavar": "N"},
+        graphs_only=True,
+    ),
 )
 
 

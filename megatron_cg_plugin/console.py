@@ -21,6 +21,16 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_MISMATCH",
+    "EXIT_OK",
+    "failure_cause",
+    "group_label",
+    "hide_optional_package_warnings",
+    "megatron_printout_held",
+]
+
 # Megatron's import-time notes about optional packages (megatron-core 0.19.2's wording); on a
 # CPU host TE's version reads 0.0.0, which only says TE is missing.
 OPTIONAL_PACKAGE_WARNING = r".*(is not installed|are not installed|Falling back to|your version is 0\.0\.0)"
@@ -34,6 +44,8 @@ def group_label(group: object) -> str:
     """A process group named in a message by identity (two groups of equal ranks are different
     communicators)."""
     return "None" if group is None else f"{type(group).__name__}@{id(group):#x}"
+
+
 # The last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``.
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt|Failure|Violation)\b(: .*)?$")
 
@@ -69,8 +81,11 @@ def megatron_printout_held() -> Iterator[None]:
     out, err = io.StringIO(), io.StringIO()
     caught: list[warnings.WarningMessage] = []
     try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
             yield
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (None, 0)):
@@ -94,8 +109,9 @@ def _report_failure(out: str, err: str, caught: list[warnings.WarningMessage]) -
     log = _keep_log(out + notes)
     sys.stderr.write(err)
     if log is not None:
-        print(f"{PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}", file=sys.stderr,
-              flush=True)
+        print(
+            f"{PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}", file=sys.stderr, flush=True
+        )
 
 
 def failure_cause(text: str) -> str | None:
@@ -111,7 +127,7 @@ def failure_cause(text: str) -> str | None:
 
 
 def _indented_after(lines: list[str], start: int) -> Iterator[str]:
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("  "):
             return
         yield line

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["ABSENT", "Changes", "Saved", "held", "put", "save", "setting", "stored"]
 
@@ -114,7 +115,7 @@ class Changes:
         if first_error is not None:
             raise first_error
 
-    def __enter__(self) -> "Changes":
+    def __enter__(self) -> Changes:
         return self
 
     def __exit__(self, *_exc: Any) -> None:

@@ -22,8 +22,16 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
-    "GoldenFormatError", "MetricSeries", "GoldenValues", "MetricsRecorder", "Tolerance",
-    "default_tolerances", "Mismatch", "compare", "format_report", "update",
+    "GoldenFormatError",
+    "MetricSeries",
+    "GoldenValues",
+    "MetricsRecorder",
+    "Tolerance",
+    "default_tolerances",
+    "Mismatch",
+    "compare",
+    "format_report",
+    "update",
 ]
 
 # Non-finite values as spelled in Megatron files (strict JSON has no NaN/Infinity literals).
@@ -189,8 +197,10 @@ class MetricsRecorder:
                 raise TypeError(f"metric {name!r} at step {step}: value must be a number, got {value!r}")
             seen = self._values.get(name)
             if seen and step <= next(reversed(seen)):
-                raise ValueError(f"metric {name!r}: step {step} is not after the last recorded step "
-                                 f"{next(reversed(seen))}; steps must be strictly increasing")
+                raise ValueError(
+                    f"metric {name!r}: step {step} is not after the last recorded step "
+                    f"{next(reversed(seen))}; steps must be strictly increasing"
+                )
         for name, value in values.items():
             self._values.setdefault(name, {})[step] = value
 
@@ -265,9 +275,14 @@ def _median(values: list[float]) -> float:
     return math.nan if any(math.isnan(v) for v in values) else statistics.median(values)
 
 
-def compare(expected: GoldenValues, actual: GoldenValues, *, deterministic: bool,
-            metrics: Iterable[str] | None = None,
-            tolerances: Mapping[str, Tolerance] | None = None) -> list[Mismatch]:
+def compare(
+    expected: GoldenValues,
+    actual: GoldenValues,
+    *,
+    deterministic: bool,
+    metrics: Iterable[str] | None = None,
+    tolerances: Mapping[str, Tolerance] | None = None,
+) -> list[Mismatch]:
     """Check ``actual`` against ``expected``; returns every mismatch (empty list = pass).
 
     Only metrics in ``expected`` (or the ``metrics`` subset) are checked; a subset name absent from
@@ -314,9 +329,11 @@ def _unknown_metrics(unknown: list[str], expected: GoldenValues, tolerances: Map
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"unknown metric {', '.join(named)}: the expected file has {', '.join(map(repr, expected.metrics))}, "
-            f"and there are thresholds for {', '.join(map(repr, tolerances))} (names with spaces need quotes: "
-            "'lm loss').")
+    return (
+        f"unknown metric {', '.join(named)}: the expected file has {', '.join(map(repr, expected.metrics))}, "
+        f"and there are thresholds for {', '.join(map(repr, tolerances))} (names with spaces need quotes: "
+        "'lm loss')."
+    )
 
 
 def format_report(mismatches: Iterable[Mismatch]) -> str:

@@ -11,21 +11,31 @@ from collections.abc import Callable, Mapping
 from megatron_cg_plugin import __version__, compat
 from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS, SLOT_DEBUG_ENV, add_plugin_args
 
-ENVIRONMENT = (f"{SLOT_DEBUG_ENV}=1: slot-shared graphs check, at every replay, that no live frame owns the slot "
-               "about to be reused.")
+__all__ = ["flags_markdown_table", "plugin_flags_help", "usage", "versions_text"]
+
+ENVIRONMENT = (
+    f"{SLOT_DEBUG_ENV}=1: slot-shared graphs check, at every replay, that no live frame owns the slot "
+    "about to be reused."
+)
 DOCS = "README.md, docs/troubleshooting.md (every error and rule), docs/farm.md, docs/variants.md"
 # Where Megatron's own flags are described, since megatron-core 0.19.2's --help cannot print them.
-MEGATRON_FLAGS_DOC = ("megatron/training/arguments.py in megatron-core (python -c 'import megatron.training.arguments "
-                      "as a; print(a.__file__)'), or Megatron-LM's docs")
-STACK = (("torch", ("torch",)), ("megatron-core", ("megatron-core", "megatron_core")),
-         ("transformer-engine", ("transformer-engine", "transformer_engine")))
+MEGATRON_FLAGS_DOC = (
+    "megatron/training/arguments.py in megatron-core (python -c 'import megatron.training.arguments "
+    "as a; print(a.__file__)'), or Megatron-LM's docs"
+)
+STACK = (
+    ("torch", ("torch",)),
+    ("megatron-core", ("megatron-core", "megatron_core")),
+    ("transformer-engine", ("transformer-engine", "transformer_engine")),
+)
 
 
 def plugin_flags_help(width: int = 100) -> str:
     """Every ``--cg-*`` flag with its help, grouped, as argparse formats them (plain text)."""
     formatter = lambda prog: argparse.HelpFormatter(prog, max_help_position=38, width=width)  # noqa: E731
-    parser = argparse.ArgumentParser(prog="megatron-cg", add_help=False, usage=argparse.SUPPRESS,
-                                     formatter_class=formatter)
+    parser = argparse.ArgumentParser(
+        prog="megatron-cg", add_help=False, usage=argparse.SUPPRESS, formatter_class=formatter
+    )
     add_plugin_args(parser)
     environment = textwrap.fill(ENVIRONMENT, width, initial_indent="  ", subsequent_indent="    ")
     return f"{parser.format_help().strip()}\n\nenvironment:\n{environment}"
@@ -55,23 +65,29 @@ def command_lines(commands: Mapping[str, Callable]) -> str:
 
 def usage(commands: Mapping[str, Callable]) -> str:
     """``megatron-cg --help``: the subcommands, then every plugin flag they (and the launcher) take."""
-    return "\n".join([
-        "usage: megatron-cg COMMAND [ARGS...]   (megatron-cg --version: the plugin's and the stack's versions)",
-        "",
-        ("Megatron-LM's Transformer Engine CUDA graphs over more of training: "
-         "keep Megatron's flags, add --cg-* ones."),
-        ("The launcher: python -m megatron_cg_plugin.pretrain_gpt "
-         "[--cg-preset NAME] <Megatron flags> <--cg-* flags>"),
-        "",
-        "commands:",
-        command_lines(commands),
-        "",
-        "plugin flags (check, plan, bench, run, the launcher and install() take them beside Megatron's):",
-        "",
-        plugin_flags_help(),
-        "",
-        f"docs: {DOCS}",
-    ])
+    return "\n".join(
+        [
+            "usage: megatron-cg COMMAND [ARGS...]   (megatron-cg --version: the plugin's and the stack's versions)",
+            "",
+            (
+                "Megatron-LM's Transformer Engine CUDA graphs over more of training: "
+                "keep Megatron's flags, add --cg-* ones."
+            ),
+            (
+                "The launcher: python -m megatron_cg_plugin.pretrain_gpt "
+                "[--cg-preset NAME] <Megatron flags> <--cg-* flags>"
+            ),
+            "",
+            "commands:",
+            command_lines(commands),
+            "",
+            "plugin flags (check, plan, bench, run, the launcher and install() take them beside Megatron's):",
+            "",
+            plugin_flags_help(),
+            "",
+            f"docs: {DOCS}",
+        ]
+    )
 
 
 def versions_text() -> str:

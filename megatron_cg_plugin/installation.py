@@ -17,17 +17,19 @@ import dataclasses
 import importlib
 import os
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from megatron_cg_plugin import compat
+from megatron_cg_plugin import compat, foreign_state
 from megatron_cg_plugin.config import ConfigError, PluginConfig
-from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
 from megatron_cg_plugin.refusal import enforce_for_session
-from megatron_cg_plugin.settings import plugin_config
 from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.settings import plugin_config
+
+__all__ = ["active_session", "finish", "gpu_host_stand_ins", "install", "uninstall"]
 
 
 @dataclasses.dataclass
@@ -142,11 +144,20 @@ def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
 
 # TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
 TE_KERNELS = (
-    ("megatron.core.models.common.embeddings.rope_utils",
-     ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")),  # --apply-rope-fusion
-    ("megatron.core.transformer.moe.moe_utils",
-     ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-      "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),  # --moe-permute-fusion
+    (
+        "megatron.core.models.common.embeddings.rope_utils",
+        ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"),
+    ),  # --apply-rope-fusion
+    (
+        "megatron.core.transformer.moe.moe_utils",
+        (
+            "fused_permute",
+            "fused_permute_with_probs",
+            "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs",
+            "fused_unpermute",
+        ),
+    ),  # --moe-permute-fusion
 )
 
 
@@ -164,11 +175,19 @@ def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None
 
     with foreign_state.Changes() as changes:
         if not torch.cuda.is_available():
-            properties = types.SimpleNamespace(major=capability[0], minor=capability[1],
-                                               name=f"stand-in sm_{capability[0]}{capability[1]}",
-                                               total_memory=0, multi_processor_count=0)
-            changes.set(torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins")
-            changes.set(torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins")
+            properties = types.SimpleNamespace(
+                major=capability[0],
+                minor=capability[1],
+                name=f"stand-in sm_{capability[0]}{capability[1]}",
+                total_memory=0,
+                multi_processor_count=0,
+            )
+            changes.set(
+                torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins"
+            )
+            changes.set(
+                torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins"
+            )
         for module_name, names in TE_KERNELS:
             module = importlib.import_module(module_name)
             for name in names:

@@ -18,6 +18,8 @@ from typing import Any, NoReturn, cast
 
 from megatron_cg_plugin.config import add_plugin_args
 
+__all__ = ["GRAPH_MODULE_FLAGS", "plugin_args_provider", "printable_help", "short_message", "shorten", "suggestions"]
+
 GRAPH_MODULE_FLAGS = frozenset({"--cuda-graph-modules", "--cuda-graph-scope"})
 
 
@@ -40,9 +42,9 @@ def short_message(parser: argparse.ArgumentParser, message: str) -> str:
     if not message.startswith(prefix):
         return f"{parser.prog}: error: {message}"
     options = [option for option in parser._option_string_actions if option.startswith("--")]
-    unknown = [token for token in message[len(prefix):].split() if token.startswith("-") and not _is_number(token)]
+    unknown = [token for token in message[len(prefix) :].split() if token.startswith("-") and not _is_number(token)]
     parts = []
-    for flag in unknown or message[len(prefix):].split():
+    for flag in unknown or message[len(prefix) :].split():
         close = suggestions(flag, options)
         parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
     return f"{parser.prog}: error: unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
@@ -62,7 +64,8 @@ def graph_module_type(parse: Callable[[str], Any], valid: list[str]) -> Callable
             return parse(value)
         except KeyError:
             raise argparse.ArgumentTypeError(
-                f"{value!r} is not a CUDA graph module; use any of {' '.join(valid)} (none: the whole layer)") from None
+                f"{value!r} is not a CUDA graph module; use any of {' '.join(valid)} (none: the whole layer)"
+            ) from None
 
     return parse_module
 

@@ -11,11 +11,23 @@ from __future__ import annotations
 import re
 import sys
 import traceback
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.settings import RunSettings
+
+__all__ = [
+    "MEGATRON_HEADING",
+    "MEGATRON_REJECTIONS",
+    "RunRefused",
+    "enforce_for_session",
+    "megatron_rejection",
+    "missing_required_flags",
+    "refuse_megatron",
+    "transformer_config_backstop",
+]
 
 EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
@@ -23,8 +35,13 @@ EXIT_REFUSED = 2
 MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError)
 MEGATRON_HEADING = "Megatron rejects these flags:"
 # Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
-REQUIRED_FLAGS = ("--micro-batch-size", "--num-layers", "--hidden-size", "--num-attention-heads",
-                  "--max-position-embeddings")
+REQUIRED_FLAGS = (
+    "--micro-batch-size",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--max-position-embeddings",
+)
 # How those asserts read: "assert args.micro_batch_size is not None", "hidden_size argument is None".
 _NOT_GIVEN = re.compile(r"args\.(\w+) is not None|^(\w+) argument is None")
 
@@ -76,8 +93,9 @@ def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[
     return refusal
 
 
-def refuse_megatron(error: BaseException, *, environ: Mapping[str, str],
-                    plugin: Sequence[tuple[str, str]] = ()) -> RunRefused:
+def refuse_megatron(
+    error: BaseException, *, environ: Mapping[str, str], plugin: Sequence[tuple[str, str]] = ()
+) -> RunRefused:
     """Megatron's refusal, after the plugin's rules the flags break too (``plugin``, from
     ``rules.unvalidated_plugin_violations``: Megatron stops at its first assertion, often the world
     size, before the rules run, and a rule names the flag to change)."""
@@ -95,8 +113,9 @@ def transformer_config_backstop(args: Any) -> None:
     core_transformer_config_from_args(args)
 
 
-def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
-            config: PluginConfig | None = None) -> PluginConfig | None:
+def enforce(
+    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None = None
+) -> PluginConfig | None:
     """Runs every rule on ``args``; raises ``RunRefused`` listing the broken ones, else returns the
     plugin config the flags describe (``config`` itself when given). For the plugin's launcher,
     whose model config is Megatron's ``TransformerConfig`` of these flags, that config's checks run
@@ -104,8 +123,9 @@ def enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
     return _enforce(args, environ=environ, launcher=launcher, config=config)[1]
 
 
-def _enforce(args: Any, *, environ: Mapping[str, str], launcher: bool,
-             config: PluginConfig | None) -> tuple[RunSettings, PluginConfig | None]:
+def _enforce(
+    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None
+) -> tuple[RunSettings, PluginConfig | None]:
     try:
         settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
     except rules.RuleViolation as violation:

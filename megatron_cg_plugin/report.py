@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+__all__ = ["RunReport", "ScopeReport"]
+
 
 @dataclasses.dataclass(frozen=True)
 class ScopeReport:
@@ -82,8 +84,17 @@ class RunReport:
 
         rows = [("scope", "layers", "graphs", "replays", "rejected", "capture s", "pool MiB")]
         for scope in self.scopes:
-            rows.append((scope.scope, str(scope.layers), str(scope.graphs_captured), str(scope.replays),
-                         str(scope.rejected), f"{scope.capture_seconds:.2f}", f"{scope.pool_bytes / 2**20:.1f}"))
+            rows.append(
+                (
+                    scope.scope,
+                    str(scope.layers),
+                    str(scope.graphs_captured),
+                    str(scope.replays),
+                    str(scope.rejected),
+                    f"{scope.capture_seconds:.2f}",
+                    f"{scope.pool_bytes / 2**20:.1f}",
+                )
+            )
         if not self.scopes:
             rows.append(("(no graphs captured)", "-", "-", "-", "-", "-", "-"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -93,46 +104,72 @@ class RunReport:
             if scope.failure:
                 lines.append(f"  {scope.scope}: capture failed and was rolled back: {scope.failure}")
             if scope.capture_phases:
-                lines.append(f"  {scope.scope}: capture phases: " + ", ".join(
-                    f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items()))
+                lines.append(
+                    f"  {scope.scope}: capture phases: "
+                    + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in scope.capture_phases.items())
+                )
             if scope.arena_bytes is not None:
                 assert scope.host_arena_bytes is not None  # the session sets both arena figures together
-                per_step = (f", {scope.offloaded_bytes / self.graphed_steps / 2**20:.1f} MiB per graphed step"
-                            if scope.offloaded_bytes and self.graphed_steps else "")
-                lines.append(f"  {scope.scope}: GPU arenas {scope.arena_bytes / 2**20:.1f} MiB, pinned host arenas "
-                             f"{scope.host_arena_bytes / 2**20:.1f} MiB, offloaded "
-                             f"{(scope.offloaded_bytes or 0) / 2**20:.1f} MiB in all{per_step}"
-                             + (f"; {scope.offload_groups_flushed} delayed offload groups seen flushed after the replays"
-                                if scope.offload_groups_flushed else ""))
+                per_step = (
+                    f", {scope.offloaded_bytes / self.graphed_steps / 2**20:.1f} MiB per graphed step"
+                    if scope.offloaded_bytes and self.graphed_steps
+                    else ""
+                )
+                lines.append(
+                    f"  {scope.scope}: GPU arenas {scope.arena_bytes / 2**20:.1f} MiB, pinned host arenas "
+                    f"{scope.host_arena_bytes / 2**20:.1f} MiB, offloaded "
+                    f"{(scope.offloaded_bytes or 0) / 2**20:.1f} MiB in all{per_step}"
+                    + (
+                        f"; {scope.offload_groups_flushed} delayed offload groups seen flushed after the replays"
+                        if scope.offload_groups_flushed
+                        else ""
+                    )
+                )
             for bank in scope.banks:
                 flushed = bank.get("offload_groups_flushed")
-                lines.append(f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "
-                             f"{bank['rejected']} rejected" + (f", {flushed} delayed offload groups flushed after them"
-                                                               if flushed else ""))
+                lines.append(
+                    f"  {scope.scope}: bank CP {bank['cp_size']}: {bank['replays']} replays, "
+                    f"{bank['rejected']} rejected"
+                    + (f", {flushed} delayed offload groups flushed after them" if flushed else "")
+                )
             if scope.teardown_allocated_delta_bytes is not None:
                 assert scope.teardown_pool_bytes_left is not None  # both come from the one teardown record
-                lines.append(f"  {scope.scope}: after teardown, "
-                             f"allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
-                             f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools"
-                             + (f" ({'; '.join(scope.teardown_pool_holders)})" if scope.teardown_pool_holders else ""))
+                lines.append(
+                    f"  {scope.scope}: after teardown, "
+                    f"allocated {scope.teardown_allocated_delta_bytes / 2**20:+.2f} MiB "
+                    f"vs before capture, {scope.teardown_pool_bytes_left / 2**20:.2f} MiB left in graph pools"
+                    + (f" ({'; '.join(scope.teardown_pool_holders)})" if scope.teardown_pool_holders else "")
+                )
         if self.predicted_pool_bytes is not None and self.measured_pool_bytes:
-            lines.append(f"  graph pool: predicted {self.predicted_pool_bytes / 2**20:.0f} MiB, measured "
-                         f"{self.measured_pool_bytes / 2**20:.0f} MiB "
-                         f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
-                         + (f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
-                            if self.prediction_leaves_out else ""))
-        for label, predicted, field in (("GPU arenas", self.predicted_arena_bytes, "arena_bytes"),
-                                        ("boundary buffers", self.predicted_boundary_bytes, "boundary_bytes"),
-                                        ("pinned host arenas", self.predicted_host_arena_bytes, "host_arena_bytes")):
+            lines.append(
+                f"  graph pool: predicted {self.predicted_pool_bytes / 2**20:.0f} MiB, measured "
+                f"{self.measured_pool_bytes / 2**20:.0f} MiB "
+                f"({self.predicted_pool_bytes / self.measured_pool_bytes:.2f}x)"
+                + (
+                    f"; the prediction leaves out {', '.join(self.prediction_leaves_out)}"
+                    if self.prediction_leaves_out
+                    else ""
+                )
+            )
+        for label, predicted, field in (
+            ("GPU arenas", self.predicted_arena_bytes, "arena_bytes"),
+            ("boundary buffers", self.predicted_boundary_bytes, "boundary_bytes"),
+            ("pinned host arenas", self.predicted_host_arena_bytes, "host_arena_bytes"),
+        ):
             measured = sum(getattr(scope, field) or 0 for scope in self.scopes if not scope.failure)
             if predicted is not None and measured:
                 lines.append(f"  {label}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
         if self.moe_dropped_fraction is not None:
-            plan = ("" if self.moe_planned_capacity is None else
-                    f"; the plan: {self.moe_planned_capacity} slots per expert per source rank, "
-                    f"{100 * (self.moe_uniform_dropped_fraction or 0):.2f}% dropped by a uniform router")
-            lines.append(f"  MoE routers dropped {100 * self.moe_dropped_fraction:.2f}% of token-to-expert assignments "
-                         f"at their capacity{plan}")
+            plan = (
+                ""
+                if self.moe_planned_capacity is None
+                else f"; the plan: {self.moe_planned_capacity} slots per expert per source rank, "
+                f"{100 * (self.moe_uniform_dropped_fraction or 0):.2f}% dropped by a uniform router"
+            )
+            lines.append(
+                f"  MoE routers dropped {100 * self.moe_dropped_fraction:.2f}% of token-to-expert assignments "
+                f"at their capacity{plan}"
+            )
         reduction = self.step_time_reduction
         lines.append(
             f"  steady-state step time: eager {ms(self.eager_step_ms)} ms ({self.eager_steps} steps), "

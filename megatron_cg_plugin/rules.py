@@ -11,16 +11,34 @@ a run would refuse.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron_cg_plugin import compat
-from megatron_cg_plugin.config import PluginConfig, has_plugin_flags, is_power_of_two, missing_plugin_flags, \
-    slot_debug_from_environment
+from megatron_cg_plugin.config import (
+    PluginConfig,
+    has_plugin_flags,
+    is_power_of_two,
+    missing_plugin_flags,
+    slot_debug_from_environment,
+)
 from megatron_cg_plugin.data.sources import missing_files
 from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES
 from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, read_settings
 
+__all__ = [
+    "RULES",
+    "RuleViolation",
+    "check_run",
+    "markdown_rows",
+    "unvalidated_plugin_violations",
+    "validate",
+    "violations",
+]
+
 SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
+
+
 class RuleViolation(ValueError):
     """Flags a run cannot train with; the message lists each broken rule and its fix, a line each."""
 
@@ -59,338 +77,625 @@ def _fitting_seqlen(f: RunSettings) -> str:
     smallest = -(-f.seq_length // per_sample) if f.seq_length and per_sample else None
     if smallest is None or largest >= smallest:
         return f"the largest --cg-thd-max-seqlen that fits: {largest}" + (
-            f", and the capacity needs at least {smallest}" if smallest is not None else "")
+            f", and the capacity needs at least {smallest}" if smallest is not None else ""
+        )
     # TE's bound falls as 1/sqrt(N), the capacity's as 1/N: more, shorter documents meet both.
-    return (f"no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most {largest} for TE, at least {smallest} "
-            "for the capacity; raise --cg-thd-max-seqs")
+    return (
+        f"no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most {largest} for TE, at least {smallest} "
+        "for the capacity; raise --cg-thd-max-seqs"
+    )
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("num-layers", "megatron", lambda f: f.num_layers is not None and f.num_layers < 1,
-         "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
-         "error' otherwise): give the number of transformer layers.",
-         detail=lambda f: f"(--num-layers {f.num_layers})"),
-    Rule("cg-flags-need-te-graphs", "plugin", lambda f: not f.te_graphs and bool(f.graph_only_flags),
-         "these --cg-* flags shape the plugin's CUDA graphs, and without --cuda-graph-impl transformer_engine nothing "
-         "is captured, so they would do nothing: add --cuda-graph-impl transformer_engine, or drop them:",
-         detail=lambda f: f"{' '.join(f.graph_only_flags)} (--cuda-graph-impl {f.cuda_graph_impl})"),
-    Rule("te-installed", "plugin", _graphs(lambda f: not f.te_available),
-         "--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
-         "'megatron-cg-plugin[te]', or use --cuda-graph-impl none."),
-    Rule("te-layers", "megatron", _graphs(lambda f: f.transformer_impl != "transformer_engine"),
-         "TE CUDA graphs capture TE layers: use --transformer-impl transformer_engine."),
-    Rule("moe-xor-router", "megatron", _graphs(lambda f: {"moe", "moe_router"} <= set(f.modules)),
-         "--cuda-graph-modules lists both moe and moe_router: keep moe (whole MoE block, needs "
-         "drop-and-pad) or moe_router [moe_preprocess], not both."),
-    Rule("preprocess-needs-router", "megatron",
-         _graphs(lambda f: "moe_preprocess" in f.modules and "moe_router" not in f.modules),
-         "--cuda-graph-modules moe_preprocess needs moe_router too: add moe_router."),
-    Rule("moe-scope-needs-moe", "megatron",
-         _graphs(lambda f: bool(MOE_SCOPES & set(f.modules)) and not f.moe),
-         "--cuda-graph-modules moe/moe_router/moe_preprocess need an MoE model: set --num-experts > 1 "
-         "or drop those modules."),
-    Rule("moe-layer-freq", "megatron", lambda f: f.has_moe_layers and not f.moe_layer_freq_fits,
-         "--moe-layer-freq lists a pattern whose length differs from --num-layers: give one 0/1 entry "
-         "per layer, or an integer frequency."),
-    Rule("mlp-scope-needs-dense", "megatron",
-         _graphs(lambda f: "mlp" in f.modules and f.moe and f.all_layers_moe),
-         "--cuda-graph-modules mlp graphs dense MLPs, but every layer is MoE: use moe or moe_router "
-         "instead of mlp, or make some layers dense with --moe-layer-freq."),
-    Rule("moe-scope-needs-drop-and-pad", "megatron",
-         _graphs(lambda f: "moe" in f.modules and not f.drop_and_pad),
-         "--cuda-graph-modules moe needs static expert shapes: add --moe-expert-capacity-factor "
-         "(e.g. 1.5) and --moe-pad-expert-input-to-capacity, or graph moe_router instead."),
-    Rule("preprocess-no-host-sync", "megatron",
-         _graphs(lambda f: "moe_preprocess" in f.modules and not f.drop_and_pad
-                 and f.dispatcher == "alltoall"
-                 and (f.capacity_factor is not None or f.router_padding_for_fp8)),
-         "moe_preprocess cannot be graphed when the alltoall preprocess copies to the host "
-         "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
-         "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity."),
-    Rule("moe-capacity-over-tokens", "megatron",
-         lambda f: f.has_moe_layers and f.drop_and_pad and f.dispatcher == "alltoall" and f.num_experts
-         and f.capacity_factor * f.moe_topk > f.num_experts,
-         "--moe-expert-capacity-factor x --moe-router-topk exceeds --num-experts, so each expert's capacity is larger "
-         "than the rank's tokens, which Megatron's alltoall dispatcher cannot lay out (a view error in permute): use "
-         "a capacity factor of at most num-experts / topk."),
-    Rule("moe-tp-needs-sequence-parallel", "megatron",
-         lambda f: f.has_moe_layers and f.tensor_parallel > 1 and not f.sequence_parallel,
-         "Megatron trains MoE layers under tensor parallelism only with sequence parallelism (moe_layer.py raises "
-         "otherwise): add --sequence-parallel."),
-    Rule("whole-layer-moe-needs-drop-and-pad", "plugin",
-         _graphs(lambda f: not f.modules and f.has_moe_layers and not f.drop_and_pad),
-         "whole-layer capture (empty --cuda-graph-modules) of MoE layers graphs the token "
-         "dispatcher, whose shapes change per step: add --moe-expert-capacity-factor and "
-         "--moe-pad-expert-input-to-capacity, or list modules such as attn moe_router."),
-    Rule("full-recompute", "megatron",
-         _graphs(lambda f: f.recompute_granularity == "full"),
-         "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration: use "
-         "--recompute-granularity selective or turn graphs off."),
-    Rule("moe-recompute-vs-router", "megatron",
-         _graphs(lambda f: f.recompute_granularity == "selective" and "moe" in f.recompute_modules
-                 and "moe_router" in f.modules),
-         "--recompute-modules moe cannot be combined with --cuda-graph-modules moe_router: drop one."),
-    Rule("cpu-offloading", "megatron", _graphs(lambda f: f.cpu_offloading),
-         "--cpu-offloading is not supported with CUDA graphs: use --fine-grained-activation-offloading "
-         "or turn graphs off."),
-    Rule("hybrid-cp", "plugin", _graphs(lambda f: f.hybrid_context_parallel and not f.graph_banks),
-         "--hybrid-context-parallel with TE CUDA graphs needs one graph bank per CP size (Megatron's "
-         "own replay refuses packed sequences): add --cg-graph-banks, or use --cuda-graph-impl none."),
-    Rule("banks-need-hybrid-cp", "plugin", _graphs(lambda f: f.graph_banks and not f.hybrid_context_parallel),
-         "--cg-graph-banks captures one bank per CP size of --hybrid-context-parallel: add "
-         "--hybrid-context-parallel, or drop --cg-graph-banks."),
-    Rule("banks-rope-type", "plugin",
-         _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("yarn", "mrope")),
-         "graph banks bind one RoPE table per CP size for --position-embedding-type rope; yarn and mrope "
-         "tables are not supported: use --position-embedding-type rope or learned_absolute."),
-    Rule("banks-rope-fusion", "plugin",
-         _graphs(lambda f: f.graph_banks and f.position_embedding_type == "rope" and not f.apply_rope_fusion),
-         "Megatron's unfused THD RoPE reads sequence lengths on the host (.tolist()), which a graph cannot "
-         "capture: drop --no-rope-fusion with --cg-graph-banks."),
-    Rule("hybrid-cp-rope-static-cp", "plugin",
-         lambda f: f.hybrid_context_parallel and f.position_embedding_type == "rope" and f.context_parallel > 1,
-         "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
-         "microbatches with the static one, which must then have one rank: use --context-parallel-size 1."),
-    Rule("banks-scope", "plugin",
-         _graphs(lambda f: f.graph_banks and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
-         "graph banks graph an MoE block whole (--cuda-graph-modules attn moe, or no modules, with drop-and-pad) "
-         "or leave it eager (attn); moe_router/moe_preprocess end the graph inside the block and hand routing state "
-         "to its eager rest, which is not verified with banks: use --cuda-graph-modules attn moe "
-         "(--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity) or attn with --cg-graph-banks."),
-    Rule("offload-in-graph-warmup", "megatron",
-         _graphs(lambda f: bool(f.offloaded_in_graphs) and f.warmup_steps < 1),
-         "offloading modules inside the graphed scope needs eager steps before capture (Megatron asserts "
-         "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
-         "--cuda-graph-warmup-steps 1 or more."),
-    Rule("whole-layer-offload-unjoined", "megatron",
-         _graphs(lambda f: not f.modules and bool(f.unjoined_whole_layer_offloads) and not f.slot_capture
-                 and not f.graph_banks),
-         "Megatron joins its offload stream into a layer's graph only when --cuda-graph-modules names attn (or mlp), "
-         "so a whole-layer capture (no --cuda-graph-modules) with these saves offloaded fails in TE's capture with "
-         "'capturing stream has unjoined work' (seen on megatron-core 0.19.2): pass --cuda-graph-modules attn mlp "
-         "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
-         "offload inside themselves.",
-         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})"),
+    Rule(
+        "num-layers",
+        "megatron",
+        lambda f: f.num_layers is not None and f.num_layers < 1,
+        "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
+        "error' otherwise): give the number of transformer layers.",
+        detail=lambda f: f"(--num-layers {f.num_layers})",
+    ),
+    Rule(
+        "cg-flags-need-te-graphs",
+        "plugin",
+        lambda f: not f.te_graphs and bool(f.graph_only_flags),
+        "these --cg-* flags shape the plugin's CUDA graphs, and without --cuda-graph-impl transformer_engine nothing "
+        "is captured, so they would do nothing: add --cuda-graph-impl transformer_engine, or drop them:",
+        detail=lambda f: f"{' '.join(f.graph_only_flags)} (--cuda-graph-impl {f.cuda_graph_impl})",
+    ),
+    Rule(
+        "te-installed",
+        "plugin",
+        _graphs(lambda f: not f.te_available),
+        "--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
+        "'megatron-cg-plugin[te]', or use --cuda-graph-impl none.",
+    ),
+    Rule(
+        "te-layers",
+        "megatron",
+        _graphs(lambda f: f.transformer_impl != "transformer_engine"),
+        "TE CUDA graphs capture TE layers: use --transformer-impl transformer_engine.",
+    ),
+    Rule(
+        "moe-xor-router",
+        "megatron",
+        _graphs(lambda f: {"moe", "moe_router"} <= set(f.modules)),
+        "--cuda-graph-modules lists both moe and moe_router: keep moe (whole MoE block, needs "
+        "drop-and-pad) or moe_router [moe_preprocess], not both.",
+    ),
+    Rule(
+        "preprocess-needs-router",
+        "megatron",
+        _graphs(lambda f: "moe_preprocess" in f.modules and "moe_router" not in f.modules),
+        "--cuda-graph-modules moe_preprocess needs moe_router too: add moe_router.",
+    ),
+    Rule(
+        "moe-scope-needs-moe",
+        "megatron",
+        _graphs(lambda f: bool(MOE_SCOPES & set(f.modules)) and not f.moe),
+        "--cuda-graph-modules moe/moe_router/moe_preprocess need an MoE model: set --num-experts > 1 "
+        "or drop those modules.",
+    ),
+    Rule(
+        "moe-layer-freq",
+        "megatron",
+        lambda f: f.has_moe_layers and not f.moe_layer_freq_fits,
+        "--moe-layer-freq lists a pattern whose length differs from --num-layers: give one 0/1 entry "
+        "per layer, or an integer frequency.",
+    ),
+    Rule(
+        "mlp-scope-needs-dense",
+        "megatron",
+        _graphs(lambda f: "mlp" in f.modules and f.moe and f.all_layers_moe),
+        "--cuda-graph-modules mlp graphs dense MLPs, but every layer is MoE: use moe or moe_router "
+        "instead of mlp, or make some layers dense with --moe-layer-freq.",
+    ),
+    Rule(
+        "moe-scope-needs-drop-and-pad",
+        "megatron",
+        _graphs(lambda f: "moe" in f.modules and not f.drop_and_pad),
+        "--cuda-graph-modules moe needs static expert shapes: add --moe-expert-capacity-factor "
+        "(e.g. 1.5) and --moe-pad-expert-input-to-capacity, or graph moe_router instead.",
+    ),
+    Rule(
+        "preprocess-no-host-sync",
+        "megatron",
+        _graphs(
+            lambda f: (
+                "moe_preprocess" in f.modules
+                and not f.drop_and_pad
+                and f.dispatcher == "alltoall"
+                and (f.capacity_factor is not None or f.router_padding_for_fp8)
+            )
+        ),
+        "moe_preprocess cannot be graphed when the alltoall preprocess copies to the host "
+        "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
+        "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity.",
+    ),
+    Rule(
+        "moe-capacity-over-tokens",
+        "megatron",
+        lambda f: (
+            f.has_moe_layers
+            and f.drop_and_pad
+            and f.dispatcher == "alltoall"
+            and f.num_experts
+            and f.capacity_factor * f.moe_topk > f.num_experts
+        ),
+        "--moe-expert-capacity-factor x --moe-router-topk exceeds --num-experts, so each expert's capacity is larger "
+        "than the rank's tokens, which Megatron's alltoall dispatcher cannot lay out (a view error in permute): use "
+        "a capacity factor of at most num-experts / topk.",
+    ),
+    Rule(
+        "moe-tp-needs-sequence-parallel",
+        "megatron",
+        lambda f: f.has_moe_layers and f.tensor_parallel > 1 and not f.sequence_parallel,
+        "Megatron trains MoE layers under tensor parallelism only with sequence parallelism (moe_layer.py raises "
+        "otherwise): add --sequence-parallel.",
+    ),
+    Rule(
+        "whole-layer-moe-needs-drop-and-pad",
+        "plugin",
+        _graphs(lambda f: not f.modules and f.has_moe_layers and not f.drop_and_pad),
+        "whole-layer capture (empty --cuda-graph-modules) of MoE layers graphs the token "
+        "dispatcher, whose shapes change per step: add --moe-expert-capacity-factor and "
+        "--moe-pad-expert-input-to-capacity, or list modules such as attn moe_router.",
+    ),
+    Rule(
+        "full-recompute",
+        "megatron",
+        _graphs(lambda f: f.recompute_granularity == "full"),
+        "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration: use "
+        "--recompute-granularity selective or turn graphs off.",
+    ),
+    Rule(
+        "moe-recompute-vs-router",
+        "megatron",
+        _graphs(
+            lambda f: (
+                f.recompute_granularity == "selective" and "moe" in f.recompute_modules and "moe_router" in f.modules
+            )
+        ),
+        "--recompute-modules moe cannot be combined with --cuda-graph-modules moe_router: drop one.",
+    ),
+    Rule(
+        "cpu-offloading",
+        "megatron",
+        _graphs(lambda f: f.cpu_offloading),
+        "--cpu-offloading is not supported with CUDA graphs: use --fine-grained-activation-offloading "
+        "or turn graphs off.",
+    ),
+    Rule(
+        "hybrid-cp",
+        "plugin",
+        _graphs(lambda f: f.hybrid_context_parallel and not f.graph_banks),
+        "--hybrid-context-parallel with TE CUDA graphs needs one graph bank per CP size (Megatron's "
+        "own replay refuses packed sequences): add --cg-graph-banks, or use --cuda-graph-impl none.",
+    ),
+    Rule(
+        "banks-need-hybrid-cp",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and not f.hybrid_context_parallel),
+        "--cg-graph-banks captures one bank per CP size of --hybrid-context-parallel: add "
+        "--hybrid-context-parallel, or drop --cg-graph-banks.",
+    ),
+    Rule(
+        "banks-rope-type",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("yarn", "mrope")),
+        "graph banks bind one RoPE table per CP size for --position-embedding-type rope; yarn and mrope "
+        "tables are not supported: use --position-embedding-type rope or learned_absolute.",
+    ),
+    Rule(
+        "banks-rope-fusion",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and f.position_embedding_type == "rope" and not f.apply_rope_fusion),
+        "Megatron's unfused THD RoPE reads sequence lengths on the host (.tolist()), which a graph cannot "
+        "capture: drop --no-rope-fusion with --cg-graph-banks.",
+    ),
+    Rule(
+        "hybrid-cp-rope-static-cp",
+        "plugin",
+        lambda f: f.hybrid_context_parallel and f.position_embedding_type == "rope" and f.context_parallel > 1,
+        "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
+        "microbatches with the static one, which must then have one rank: use --context-parallel-size 1.",
+    ),
+    Rule(
+        "banks-scope",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
+        "graph banks graph an MoE block whole (--cuda-graph-modules attn moe, or no modules, with drop-and-pad) "
+        "or leave it eager (attn); moe_router/moe_preprocess end the graph inside the block and hand routing state "
+        "to its eager rest, which is not verified with banks: use --cuda-graph-modules attn moe "
+        "(--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity) or attn with --cg-graph-banks.",
+    ),
+    Rule(
+        "offload-in-graph-warmup",
+        "megatron",
+        _graphs(lambda f: bool(f.offloaded_in_graphs) and f.warmup_steps < 1),
+        "offloading modules inside the graphed scope needs eager steps before capture (Megatron asserts "
+        "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
+        "--cuda-graph-warmup-steps 1 or more.",
+    ),
+    Rule(
+        "whole-layer-offload-unjoined",
+        "megatron",
+        _graphs(
+            lambda f: (
+                not f.modules and bool(f.unjoined_whole_layer_offloads) and not f.slot_capture and not f.graph_banks
+            )
+        ),
+        "Megatron joins its offload stream into a layer's graph only when --cuda-graph-modules names attn (or mlp), "
+        "so a whole-layer capture (no --cuda-graph-modules) with these saves offloaded fails in TE's capture with "
+        "'capturing stream has unjoined work' (seen on megatron-core 0.19.2): pass --cuda-graph-modules attn mlp "
+        "for dense layers (the same whole layer) or attn for MoE layers, or add --cg-slot-capture, whose graphs "
+        "offload inside themselves.",
+        detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})",
+    ),
     # Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
     # first step after a graphed backward; without the offload, or without the recompute, it was exact.
-    Rule("offload-recompute-in-graphs", "plugin",
-         _graphs(lambda f: bool(f.offloaded_in_graphs) and f.recompute_granularity == "selective"
-                 and bool(f.recompute_modules)),
-         "Megatron's fine-grained activation offload inside the graphed scope together with selective recompute "
-         "trained differently from eager under TE graphs (Megatron-LM's moe fine_grained_offloading case on one GPU, "
-         "attention graphed: the loss after the first graphed step's gradients was off by up to 0.4; without either "
-         "one it was exact). Drop --recompute-granularity selective, or offload only modules outside "
-         "--cuda-graph-modules, or drop --fine-grained-activation-offloading.",
-         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs, "
-                          f"--recompute-modules {' '.join(f.recompute_modules)})"),
-    Rule("offload-learned-positions", "megatron",
-         lambda f: f.activation_offloading and f.position_embedding_type == "learned_absolute",
-         "Megatron 0.19.2's own fine-grained activation offload stopped with a CUDA illegal memory access in the "
-         "first training step of a GPT with learned absolute position embeddings (4 x 2048, attention's groups "
-         "offloaded), eager and graphed, with and without dropout, also in Megatron-LM's pretrain_gpt.py without "
-         "the plugin; every offloading run with RoPE trained. Use --position-embedding-type rope, or "
-         "drop --fine-grained-activation-offloading."),
-    Rule("slot-capture-pipeline", "plugin",
-         _graphs(lambda f: f.slot_capture and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline)
-                                              or f.overlap_moe_expert_parallel_comm)),
-         "--cg-slot-capture captures one graph per layer, for runs where each microbatch's backward follows its "
-         "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
-         "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture."),
-    Rule("slot-capture-fp8", "plugin",
-         _graphs(lambda f: f.slot_capture and (f.fp4 or (f.fp8 and (
-             f.fp8_recipe not in SLOT_FP8_RECIPES or f.fp8_multi_head_attention
-             or f.fp8_attention and f.fp8_recipe != "delayed")))),
-         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise, and FP8 dot-product attention "
-         "(TransformerConfig fp8_dot_product_attention) with delayed scaling only, without "
-         "fp8_multi_head_attention: under current scaling TE 2.20.2 finds no FP8 attention backend on the "
-         "verified H200 (cuDNN 9.14), so slot-shared replays of it are not verified. Use one of those recipes, "
-         "--fp8-recipe delayed for FP8 attention, leave fp8_multi_head_attention off, or drop --cg-slot-capture "
-         "(TE's graphs take every FP8 recipe).",
-         detail=lambda f: "(--fp4-format)" if f.fp4 else f"(--fp8-recipe {f.fp8_recipe})"
-         if f.fp8_recipe not in SLOT_FP8_RECIPES else "(fp8_multi_head_attention)" if f.fp8_multi_head_attention
-         else f"(FP8 attention with --fp8-recipe {f.fp8_recipe})"),
-    Rule("slot-capture-fp8-op-fuser", "plugin",
-         _graphs(lambda f: f.slot_capture and f.fp8 and (f.te_op_fuser or f.te_op_norms)),
-         "--cg-slot-capture with FP8 does not cover Transformer Engine's fused operations (te.ops), which TE 2.20 "
-         "also builds its standalone norms from (Megatron's TENorm: an MoE layer's pre-MLP norm, --qk-layernorm, "
-         "multi-latent attention's norms without --mla-down-proj-fusion): they run without module hooks, so "
-         "slot-shared replays would not join their FP8 state to TE's amax reduction (delayed scaling), and their "
-         "weight caching inside slot-shared graphs is not verified: drop --use-transformer-engine-op-fuser and "
-         "those norms, train in bf16, or drop --cg-slot-capture (TE's graphs take them).",
-         detail=lambda f: "(--use-transformer-engine-op-fuser)" if f.te_op_fuser else "(TE norm modules in the layers)"),
-    Rule("slot-capture-scope", "plugin",
-         _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
-         "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
-         "eager (attn); moe_router/moe_preprocess hand routing state to the eager rest, which slot capture does not "
-         "verify: use --cuda-graph-modules attn moe or attn."),
-    Rule("slot-capture-delayed-wgrad", "plugin", _graphs(lambda f: f.slot_capture and f.delay_wgrad_compute),
-         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
-         "memory cannot protect: drop --delay-wgrad-compute with --cg-slot-capture."),
-    Rule("banks-param-gather-overlap", "plugin", _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
-         "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
-         "--overlap-param-gather with --cg-graph-banks."),
-    Rule("hybrid-cp-mamba-scope", "plugin", _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
-         "graph banks under --hybrid-context-parallel capture TransformerLayers (attention, MLP); Mamba layers "
-         "have no per-CP-size bank: drop mamba from --cuda-graph-modules."),
-    Rule("hybrid-cp-pipeline", "megatron", _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
-         "--hybrid-context-parallel needs --pipeline-model-parallel-size 1."),
-    Rule("hybrid-cp-power-of-two", "plugin",
-         _graphs(lambda f: f.hybrid_context_parallel and not is_power_of_two(f.data_context_parallel)),
-         "graph banks under --hybrid-context-parallel exist per power-of-two CP size, so DP x CP (ranks / "
-         "(TP x PP)) must be a power of two: change the number of ranks or the TP/PP sizes."),
-    Rule("hybrid-cp-delayed-wgrad", "plugin",
-         _graphs(lambda f: f.hybrid_context_parallel and f.delay_wgrad_compute),
-         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
-         "graph memory cannot protect: drop --delay-wgrad-compute with graph banks."),
-    Rule("hybrid-cp-ep-overlap", "plugin",
-         _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
-         "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
-         "drop it with --hybrid-context-parallel."),
-    Rule("hybrid-cp-ranks", "plugin", lambda f: f.hybrid_context_parallel and f.data_context_parallel < 2,
-         "--hybrid-context-parallel splits each sample's documents over the DP x CP ranks (ranks / (TP x PP)), and "
-         "these flags leave one, so every document trains with CP 1: run on 2 or more ranks (python -m "
-         "torch.distributed.run --nproc-per-node 2 ..., or torchrun; megatron-cg check --nproc 2).",
-         detail=lambda f: f"(DP x CP {f.data_context_parallel}: {f.world_size} rank(s), TP {f.tensor_parallel}, "
-                          f"PP {f.pipeline_parallel})"),
-    Rule("hybrid-cp-rerun-mode", "megatron",
-         lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
-         "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
-         "RerunDataIterator)."),
-    Rule("hybrid-cp-document-masking", "megatron",
-         lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
-         "--hybrid-context-parallel splits each sample into its documents: add "
-         "--dataloader-inter-document-masking (or train --sft data, whose samples carry them)."),
+    Rule(
+        "offload-recompute-in-graphs",
+        "plugin",
+        _graphs(
+            lambda f: (
+                bool(f.offloaded_in_graphs) and f.recompute_granularity == "selective" and bool(f.recompute_modules)
+            )
+        ),
+        "Megatron's fine-grained activation offload inside the graphed scope together with selective recompute "
+        "trained differently from eager under TE graphs (Megatron-LM's moe fine_grained_offloading case on one GPU, "
+        "attention graphed: the loss after the first graphed step's gradients was off by up to 0.4; without either "
+        "one it was exact). Drop --recompute-granularity selective, or offload only modules outside "
+        "--cuda-graph-modules, or drop --fine-grained-activation-offloading.",
+        detail=lambda f: (
+            f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs, "
+            f"--recompute-modules {' '.join(f.recompute_modules)})"
+        ),
+    ),
+    Rule(
+        "offload-learned-positions",
+        "megatron",
+        lambda f: f.activation_offloading and f.position_embedding_type == "learned_absolute",
+        "Megatron 0.19.2's own fine-grained activation offload stopped with a CUDA illegal memory access in the "
+        "first training step of a GPT with learned absolute position embeddings (4 x 2048, attention's groups "
+        "offloaded), eager and graphed, with and without dropout, also in Megatron-LM's pretrain_gpt.py without "
+        "the plugin; every offloading run with RoPE trained. Use --position-embedding-type rope, or "
+        "drop --fine-grained-activation-offloading.",
+    ),
+    Rule(
+        "slot-capture-pipeline",
+        "plugin",
+        _graphs(
+            lambda f: (
+                f.slot_capture
+                and (f.pipeline_parallel > 1 or bool(f.virtual_pipeline) or f.overlap_moe_expert_parallel_comm)
+            )
+        ),
+        "--cg-slot-capture captures one graph per layer, for runs where each microbatch's backward follows its "
+        "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
+        "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture.",
+    ),
+    Rule(
+        "slot-capture-fp8",
+        "plugin",
+        _graphs(
+            lambda f: (
+                f.slot_capture
+                and (
+                    f.fp4
+                    or (
+                        f.fp8
+                        and (
+                            f.fp8_recipe not in SLOT_FP8_RECIPES
+                            or f.fp8_multi_head_attention
+                            or (f.fp8_attention and f.fp8_recipe != "delayed")
+                        )
+                    )
+                )
+            )
+        ),
+        "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise, and FP8 dot-product attention "
+        "(TransformerConfig fp8_dot_product_attention) with delayed scaling only, without "
+        "fp8_multi_head_attention: under current scaling TE 2.20.2 finds no FP8 attention backend on the "
+        "verified H200 (cuDNN 9.14), so slot-shared replays of it are not verified. Use one of those recipes, "
+        "--fp8-recipe delayed for FP8 attention, leave fp8_multi_head_attention off, or drop --cg-slot-capture "
+        "(TE's graphs take every FP8 recipe).",
+        detail=lambda f: (
+            "(--fp4-format)"
+            if f.fp4
+            else f"(--fp8-recipe {f.fp8_recipe})"
+            if f.fp8_recipe not in SLOT_FP8_RECIPES
+            else "(fp8_multi_head_attention)"
+            if f.fp8_multi_head_attention
+            else f"(FP8 attention with --fp8-recipe {f.fp8_recipe})"
+        ),
+    ),
+    Rule(
+        "slot-capture-fp8-op-fuser",
+        "plugin",
+        _graphs(lambda f: f.slot_capture and f.fp8 and (f.te_op_fuser or f.te_op_norms)),
+        "--cg-slot-capture with FP8 does not cover Transformer Engine's fused operations (te.ops), which TE 2.20 "
+        "also builds its standalone norms from (Megatron's TENorm: an MoE layer's pre-MLP norm, --qk-layernorm, "
+        "multi-latent attention's norms without --mla-down-proj-fusion): they run without module hooks, so "
+        "slot-shared replays would not join their FP8 state to TE's amax reduction (delayed scaling), and their "
+        "weight caching inside slot-shared graphs is not verified: drop --use-transformer-engine-op-fuser and "
+        "those norms, train in bf16, or drop --cg-slot-capture (TE's graphs take them).",
+        detail=lambda f: "(--use-transformer-engine-op-fuser)" if f.te_op_fuser else "(TE norm modules in the layers)",
+    ),
+    Rule(
+        "slot-capture-scope",
+        "plugin",
+        _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
+        "--cg-slot-capture graphs an MoE block whole (attn moe with drop-and-pad, or the whole layer) or leaves it "
+        "eager (attn); moe_router/moe_preprocess hand routing state to the eager rest, which slot capture does not "
+        "verify: use --cuda-graph-modules attn moe or attn.",
+    ),
+    Rule(
+        "slot-capture-delayed-wgrad",
+        "plugin",
+        _graphs(lambda f: f.slot_capture and f.delay_wgrad_compute),
+        "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
+        "memory cannot protect: drop --delay-wgrad-compute with --cg-slot-capture.",
+    ),
+    Rule(
+        "banks-param-gather-overlap",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
+        "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
+        "--overlap-param-gather with --cg-graph-banks.",
+    ),
+    Rule(
+        "hybrid-cp-mamba-scope",
+        "plugin",
+        _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
+        "graph banks under --hybrid-context-parallel capture TransformerLayers (attention, MLP); Mamba layers "
+        "have no per-CP-size bank: drop mamba from --cuda-graph-modules.",
+    ),
+    Rule(
+        "hybrid-cp-pipeline",
+        "megatron",
+        _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
+        "--hybrid-context-parallel needs --pipeline-model-parallel-size 1.",
+    ),
+    Rule(
+        "hybrid-cp-power-of-two",
+        "plugin",
+        _graphs(lambda f: f.hybrid_context_parallel and not is_power_of_two(f.data_context_parallel)),
+        "graph banks under --hybrid-context-parallel exist per power-of-two CP size, so DP x CP (ranks / "
+        "(TP x PP)) must be a power of two: change the number of ranks or the TP/PP sizes.",
+    ),
+    Rule(
+        "hybrid-cp-delayed-wgrad",
+        "plugin",
+        _graphs(lambda f: f.hybrid_context_parallel and f.delay_wgrad_compute),
+        "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
+        "graph memory cannot protect: drop --delay-wgrad-compute with graph banks.",
+    ),
+    Rule(
+        "hybrid-cp-ep-overlap",
+        "plugin",
+        _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
+        "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
+        "drop it with --hybrid-context-parallel.",
+    ),
+    Rule(
+        "hybrid-cp-ranks",
+        "plugin",
+        lambda f: f.hybrid_context_parallel and f.data_context_parallel < 2,
+        "--hybrid-context-parallel splits each sample's documents over the DP x CP ranks (ranks / (TP x PP)), and "
+        "these flags leave one, so every document trains with CP 1: run on 2 or more ranks (python -m "
+        "torch.distributed.run --nproc-per-node 2 ..., or torchrun; megatron-cg check --nproc 2).",
+        detail=lambda f: (
+            f"(DP x CP {f.data_context_parallel}: {f.world_size} rank(s), TP {f.tensor_parallel}, "
+            f"PP {f.pipeline_parallel})"
+        ),
+    ),
+    Rule(
+        "hybrid-cp-rerun-mode",
+        "megatron",
+        lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
+        "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
+        "RerunDataIterator).",
+    ),
+    Rule(
+        "hybrid-cp-document-masking",
+        "megatron",
+        lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
+        "--hybrid-context-parallel splits each sample into its documents: add "
+        "--dataloader-inter-document-masking (or train --sft data, whose samples carry them).",
+    ),
     # Stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619), whole layer and
     # attn; with --micro-batch-size > 1 the flattened stream also misses the graphs' static hidden states' shape.
-    Rule("packed-sequences-te-graphs", "megatron",
-         _graphs(lambda f: f.packed and f.thd_max_seqs is None and (f.attention_graphed or f.micro_batch_size > 1)),
-         "--dataloader-inter-document-masking and --sft train packed (THD) batches whose cu_seqlens change from batch "
-         "to batch, and megatron-core 0.19.2's TE graph replay refuses their packed_seq_params "
-         "(TransformerLayer._te_cuda_graph_replay asserts at the first graphed step, Megatron-LM #5619): add "
-         "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
-         "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none."),
-    Rule("thd-max-seqs-without-packed-data", "plugin",
-         _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
-         "--cg-thd-max-seqs captures the graphs for packed (THD) microbatches, and these flags train unpacked data, "
-         "so no batch would bring the offsets the graphs take: drop --cg-thd-max-seqs, or train packed data "
-         "(--dataloader-inter-document-masking, or --sft)."),
-    Rule("thd-max-seqlen-without-packed-graphs", "plugin",
-         lambda f: f.thd_max_seqlen is not None and (f.thd_max_seqs is None or f.hybrid_context_parallel),
-         "--cg-thd-max-seqlen bounds the documents of the fixed layout --cg-thd-max-seqs lays packed data out at "
-         "(--dataloader-inter-document-masking or --sft, no hybrid CP) and does nothing without it: add "
-         "--cg-thd-max-seqs N, the most documents one microbatch holds, or drop --cg-thd-max-seqlen (hybrid CP's packs "
-         "are bounded by --max-seqlen-per-dp-cp-rank).",
-         detail=lambda f: "(--hybrid-context-parallel)" if f.hybrid_context_parallel else "(no --cg-thd-max-seqs)"),
-    Rule("thd-max-seqlen-bound", "plugin",
-         lambda f: f.thd_max_seqlen is not None and f.seq_length is not None and f.thd_max_seqlen > f.seq_length,
-         "--cg-thd-max-seqlen is the longest document a packed microbatch holds, and no document is longer than a "
-         "sample of --seq-length tokens: lower --cg-thd-max-seqlen to at most --seq-length, or drop it (--seq-length "
-         "is its default).",
-         detail=lambda f: f"(--cg-thd-max-seqlen {f.thd_max_seqlen}, --seq-length {f.seq_length})"),
-    Rule("packed-graphs-capacity", "plugin",
-         lambda f: f.packed_graphs and f.thd_max_seqs < f.packed_min_seqs,
-         "Megatron's offsets cover every token of a microbatch's samples, in documents of at most --cg-thd-max-seqlen "
-         "tokens (default --seq-length), so each sample holds at least --seq-length / --cg-thd-max-seqlen (rounded up) "
-         "documents and packed graphs need --cg-thd-max-seqs of at least --micro-batch-size times that: raise "
-         "--cg-thd-max-seqs (or --cg-thd-max-seqlen).",
-         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs}, --micro-batch-size {f.micro_batch_size}"
-                          f"{f', --seq-length {f.seq_length}' if f.seq_length else ''}"
-                          f"{f', --cg-thd-max-seqlen {f.thd_max_seqlen}' if f.thd_max_seqlen else ''}: "
-                          f"at least {f.packed_min_seqs})"),
+    Rule(
+        "packed-sequences-te-graphs",
+        "megatron",
+        _graphs(lambda f: f.packed and f.thd_max_seqs is None and (f.attention_graphed or f.micro_batch_size > 1)),
+        "--dataloader-inter-document-masking and --sft train packed (THD) batches whose cu_seqlens change from batch "
+        "to batch, and megatron-core 0.19.2's TE graph replay refuses their packed_seq_params "
+        "(TransformerLayer._te_cuda_graph_replay asserts at the first graphed step, Megatron-LM #5619): add "
+        "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
+        "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none.",
+    ),
+    Rule(
+        "thd-max-seqs-without-packed-data",
+        "plugin",
+        _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
+        "--cg-thd-max-seqs captures the graphs for packed (THD) microbatches, and these flags train unpacked data, "
+        "so no batch would bring the offsets the graphs take: drop --cg-thd-max-seqs, or train packed data "
+        "(--dataloader-inter-document-masking, or --sft).",
+    ),
+    Rule(
+        "thd-max-seqlen-without-packed-graphs",
+        "plugin",
+        lambda f: f.thd_max_seqlen is not None and (f.thd_max_seqs is None or f.hybrid_context_parallel),
+        "--cg-thd-max-seqlen bounds the documents of the fixed layout --cg-thd-max-seqs lays packed data out at "
+        "(--dataloader-inter-document-masking or --sft, no hybrid CP) and does nothing without it: add "
+        "--cg-thd-max-seqs N, the most documents one microbatch holds, or drop --cg-thd-max-seqlen (hybrid CP's packs "
+        "are bounded by --max-seqlen-per-dp-cp-rank).",
+        detail=lambda f: "(--hybrid-context-parallel)" if f.hybrid_context_parallel else "(no --cg-thd-max-seqs)",
+    ),
+    Rule(
+        "thd-max-seqlen-bound",
+        "plugin",
+        lambda f: f.thd_max_seqlen is not None and f.seq_length is not None and f.thd_max_seqlen > f.seq_length,
+        "--cg-thd-max-seqlen is the longest document a packed microbatch holds, and no document is longer than a "
+        "sample of --seq-length tokens: lower --cg-thd-max-seqlen to at most --seq-length, or drop it (--seq-length "
+        "is its default).",
+        detail=lambda f: f"(--cg-thd-max-seqlen {f.thd_max_seqlen}, --seq-length {f.seq_length})",
+    ),
+    Rule(
+        "packed-graphs-capacity",
+        "plugin",
+        lambda f: f.packed_graphs and f.thd_max_seqs < f.packed_min_seqs,
+        "Megatron's offsets cover every token of a microbatch's samples, in documents of at most --cg-thd-max-seqlen "
+        "tokens (default --seq-length), so each sample holds at least --seq-length / --cg-thd-max-seqlen (rounded up) "
+        "documents and packed graphs need --cg-thd-max-seqs of at least --micro-batch-size times that: raise "
+        "--cg-thd-max-seqs (or --cg-thd-max-seqlen).",
+        detail=lambda f: (
+            f"(--cg-thd-max-seqs {f.thd_max_seqs}, --micro-batch-size {f.micro_batch_size}"
+            f"{f', --seq-length {f.seq_length}' if f.seq_length else ''}"
+            f"{f', --cg-thd-max-seqlen {f.thd_max_seqlen}' if f.thd_max_seqlen else ''}: "
+            f"at least {f.packed_min_seqs})"
+        ),
+    ),
     # On Hopper (TE 2.20.2, sm90) deterministic packed training at 32 x 16 heads x 4096^2 fell back to
     # unfused attention (16 GiB of scores per layer: the farm's packed cases OOMed) and gave other bits than
     # Megatron's own layout; with max_seqlen the batch's longest document the bits were Megatron's, and without
     # deterministic mode every max_seqlen (4096 too) gave Megatron's bits.
-    Rule("packed-graphs-deterministic-attention", "plugin",
-         lambda f: f.packed_layout and f.deterministic and f.deterministic_thd_product is not None
-         and f.deterministic_thd_product >= DETERMINISTIC_THD_LIMIT
-         and (f.device_capability is None or f.device_capability[0] == 9),
-         "TE 2.20.2 runs deterministic THD attention backward in cuDNN on Hopper only while N x heads-per-rank x L^2 < "
-         "2^30 (N = --cg-thd-max-seqs, L = --cg-thd-max-seqlen, default --seq-length: the packed layout's cu_seqlens "
-         "and max_seqlen, eager and graphed), and otherwise falls back to unfused attention, which holds N x heads x "
-         "L x L scores per layer and computes other bits than Megatron's own layout: set --cg-thd-max-seqlen to the "
-         "longest document the data holds (and --cg-thd-max-seqs to the most documents per microbatch) so the product "
-         "stays under 2^30 (with --sft a sample's end padding belongs to its last conversation, so L covers it unless "
-         "every sample is full), or train without --deterministic-mode (where the packed graphs keep TE's fused "
-         "attention at any L); an eager run (--cuda-graph-impl none) can drop --cg-thd-max-seqs instead.",
-         detail=lambda f: f"(--cg-thd-max-seqs {f.thd_max_seqs} x {f.heads_per_rank} heads per rank x "
-                          f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; {_fitting_seqlen(f)})"),
-    Rule("packed-graphs-moe", "plugin", lambda f: f.packed_graphs and f.has_moe_layers,
-         "packed graphs (--cg-thd-max-seqs without hybrid CP) are built for dense layers: Megatron un-flattens a "
-         "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "
-         "with --cuda-graph-impl none on packed data."),
-    Rule("packed-graphs-slot-capture", "plugin", lambda f: f.packed_graphs and f.slot_capture,
-         "--cg-slot-capture does not carry packed microbatches' offsets (not built): drop --cg-slot-capture with "
-         "--cg-thd-max-seqs (TE's capture takes them)."),
-    Rule("packed-graphs-offload", "plugin", lambda f: f.packed_graphs and bool(f.offloaded_in_graphs),
-         "fine-grained activation offload inside the graphed scope is not built for packed graphs: offload only "
-         "modules outside --cuda-graph-modules, or drop --fine-grained-activation-offloading.",
-         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs)"),
-    Rule("packed-graphs-rope", "plugin",
-         lambda f: f.packed_graphs and f.attention_graphed and (
-             f.position_embedding_type in ("yarn", "mrope") or f.multi_latent_attention
-             or (f.position_embedding_type == "rope" and not f.apply_rope_fusion)),
-         "packed graphs take Megatron's fused THD RoPE (--position-embedding-type rope, the default --rope-fusion) or "
-         "learned absolute positions; the unfused THD RoPE reads sequence lengths on the host (.tolist()), which a "
-         "graph cannot capture, and yarn, mrope and multi-latent attention's RoPE are not built: change "
-         "--position-embedding-type, drop --no-rope-fusion, or graph --cuda-graph-modules mlp only.",
-         detail=lambda f: "(--multi-latent-attention)" if f.multi_latent_attention
-         else f"(--position-embedding-type {f.position_embedding_type}"
-              f"{', --no-rope-fusion' if not f.apply_rope_fusion else ''})"),
-    Rule("packed-launcher-sft", "plugin", lambda f: f.launcher and f.sft,
-         "the plugin's launcher builds GPT datasets (indexed or mock), not Megatron's SFT dataset: train --sft through "
-         "Megatron-LM's pretrain_gpt.py (megatron-cg run PATH/pretrain_gpt.py ...)."),
-    Rule("packed-launcher-pipeline", "plugin",
-         lambda f: f.launcher and f.inter_document_masking and not f.hybrid_context_parallel
-         and f.pipeline_parallel > 1,
-         "the launcher's packed data path feeds the first and last pipeline stages only: use "
-         "--pipeline-model-parallel-size 1 with --dataloader-inter-document-masking, or Megatron-LM's pretrain_gpt.py "
-         "through megatron-cg run."),
-    Rule("hybrid-cp-seqlen-per-rank", "megatron",
-         lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
-         "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch)."),
-    Rule("hybrid-cp-launcher-tp", "plugin",
-         lambda f: f.launcher and f.hybrid_context_parallel and f.tensor_parallel != 1,
-         "the launcher's hybrid-CP data path does not broadcast over tensor parallelism: use "
-         "--tensor-model-parallel-size 1 with --hybrid-context-parallel."),
-    Rule("banks-fp8", "plugin", _graphs(lambda f: f.graph_banks and f.fp8),
-         "graph banks capture through slot-shared memory, which does not protect FP8 quantizer state yet: drop "
-         "--fp8-format with --cg-graph-banks."),
-    Rule("fp8-recipe-device", "plugin",
-         _graphs(lambda f: f.fp8 and f.device_capability is not None and (
-             (f.fp8_recipe == "mxfp8" and f.device_capability < (10, 0))
-             or (f.fp8_recipe == "blockwise" and (f.device_capability < (9, 0)
-                                                  or (f.cuda_version is not None and f.cuda_version < (12, 9)))))),
-         "this GPU cannot run the --fp8-recipe asked for (TE 2.20: MXFP8 needs compute capability 10.0+, "
-         "blockwise scaling 9.0+ with CUDA 12.9+): use --fp8-recipe tensorwise (current scaling) or delayed, or "
-         "blockwise on sm_90 with a CUDA 12.9+ build of torch and TE.",
-         detail=lambda f: f"(--fp8-recipe {f.fp8_recipe}, compute capability "
-                          f"{'.'.join(map(str, f.device_capability or ()))}, CUDA "
-                          f"{'.'.join(map(str, f.cuda_version or ())) or 'unknown'})"),
-    Rule("fp4-device", "plugin", _graphs(lambda f: f.fp4 and f.device_capability is not None
-                                         and f.device_capability < (10, 0)),
-         "--fp4-format (NVFP4) needs compute capability 10.0+ (TE 2.20); on this GPU use --fp8-format with "
-         "--fp8-recipe tensorwise or delayed.",
-         detail=lambda f: f"(compute capability {'.'.join(map(str, f.device_capability or ()))})"),
-    Rule("cg-flags", "plugin", lambda f: bool(f.config_problems),
-         "a --cg-* flag has a value the plugin cannot use:", detail=lambda f: " ".join(f.config_problems)),
-    Rule("data-files", "plugin", lambda f: bool(f.missing_files),
-         "a dataset or tokenizer file named by the flags does not exist (--data-path PREFIX needs PREFIX.bin and "
-         "PREFIX.idx); fix the path:", detail=lambda f: ", ".join(f.missing_files)),
-    Rule("gradient-accumulation-fusion", "megatron",
-         lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
-         "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
-         "which is not installed: add --no-gradient-accumulation-fusion."),
-    Rule("expandable-segments", "megatron",
-         _graphs(lambda f: f.expandable_segments and not f.nccl_graph_register_off),
-         "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts memory under CUDA "
-         "graphs unless NCCL_GRAPH_REGISTER=0: export NCCL_GRAPH_REGISTER=0."),
-    Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0),
-         "--cuda-graph-warmup-steps must be >= 0."),
-    Rule("parallel-sizes", "megatron",
-         lambda f: f.world_size % (f.tensor_parallel * f.pipeline_parallel * f.context_parallel) != 0,
-         "the world size must be a multiple of TP x PP x CP: change --tensor-model-parallel-size, "
-         "--pipeline-model-parallel-size, --context-parallel-size or the number of ranks."),
+    Rule(
+        "packed-graphs-deterministic-attention",
+        "plugin",
+        lambda f: (
+            f.packed_layout
+            and f.deterministic
+            and f.deterministic_thd_product is not None
+            and f.deterministic_thd_product >= DETERMINISTIC_THD_LIMIT
+            and (f.device_capability is None or f.device_capability[0] == 9)
+        ),
+        "TE 2.20.2 runs deterministic THD attention backward in cuDNN on Hopper only while N x heads-per-rank x L^2 < "
+        "2^30 (N = --cg-thd-max-seqs, L = --cg-thd-max-seqlen, default --seq-length: the packed layout's cu_seqlens "
+        "and max_seqlen, eager and graphed), and otherwise falls back to unfused attention, which holds N x heads x "
+        "L x L scores per layer and computes other bits than Megatron's own layout: set --cg-thd-max-seqlen to the "
+        "longest document the data holds (and --cg-thd-max-seqs to the most documents per microbatch) so the product "
+        "stays under 2^30 (with --sft a sample's end padding belongs to its last conversation, so L covers it unless "
+        "every sample is full), or train without --deterministic-mode (where the packed graphs keep TE's fused "
+        "attention at any L); an eager run (--cuda-graph-impl none) can drop --cg-thd-max-seqs instead.",
+        detail=lambda f: (
+            f"(--cg-thd-max-seqs {f.thd_max_seqs} x {f.heads_per_rank} heads per rank x "
+            f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; {_fitting_seqlen(f)})"
+        ),
+    ),
+    Rule(
+        "packed-graphs-moe",
+        "plugin",
+        lambda f: f.packed_graphs and f.has_moe_layers,
+        "packed graphs (--cg-thd-max-seqs without hybrid CP) are built for dense layers: Megatron un-flattens a "
+        "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "
+        "with --cuda-graph-impl none on packed data.",
+    ),
+    Rule(
+        "packed-graphs-slot-capture",
+        "plugin",
+        lambda f: f.packed_graphs and f.slot_capture,
+        "--cg-slot-capture does not carry packed microbatches' offsets (not built): drop --cg-slot-capture with "
+        "--cg-thd-max-seqs (TE's capture takes them).",
+    ),
+    Rule(
+        "packed-graphs-offload",
+        "plugin",
+        lambda f: f.packed_graphs and bool(f.offloaded_in_graphs),
+        "fine-grained activation offload inside the graphed scope is not built for packed graphs: offload only "
+        "modules outside --cuda-graph-modules, or drop --fine-grained-activation-offloading.",
+        detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs)",
+    ),
+    Rule(
+        "packed-graphs-rope",
+        "plugin",
+        lambda f: (
+            f.packed_graphs
+            and f.attention_graphed
+            and (
+                f.position_embedding_type in ("yarn", "mrope")
+                or f.multi_latent_attention
+                or (f.position_embedding_type == "rope" and not f.apply_rope_fusion)
+            )
+        ),
+        "packed graphs take Megatron's fused THD RoPE (--position-embedding-type rope, the default --rope-fusion) or "
+        "learned absolute positions; the unfused THD RoPE reads sequence lengths on the host (.tolist()), which a "
+        "graph cannot capture, and yarn, mrope and multi-latent attention's RoPE are not built: change "
+        "--position-embedding-type, drop --no-rope-fusion, or graph --cuda-graph-modules mlp only.",
+        detail=lambda f: (
+            "(--multi-latent-attention)"
+            if f.multi_latent_attention
+            else f"(--position-embedding-type {f.position_embedding_type}"
+            f"{', --no-rope-fusion' if not f.apply_rope_fusion else ''})"
+        ),
+    ),
+    Rule(
+        "packed-launcher-sft",
+        "plugin",
+        lambda f: f.launcher and f.sft,
+        "the plugin's launcher builds GPT datasets (indexed or mock), not Megatron's SFT dataset: train --sft through "
+        "Megatron-LM's pretrain_gpt.py (megatron-cg run PATH/pretrain_gpt.py ...).",
+    ),
+    Rule(
+        "packed-launcher-pipeline",
+        "plugin",
+        lambda f: f.launcher and f.inter_document_masking and not f.hybrid_context_parallel and f.pipeline_parallel > 1,
+        "the launcher's packed data path feeds the first and last pipeline stages only: use "
+        "--pipeline-model-parallel-size 1 with --dataloader-inter-document-masking, or Megatron-LM's pretrain_gpt.py "
+        "through megatron-cg run.",
+    ),
+    Rule(
+        "hybrid-cp-seqlen-per-rank",
+        "megatron",
+        lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
+        "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch).",
+    ),
+    Rule(
+        "hybrid-cp-launcher-tp",
+        "plugin",
+        lambda f: f.launcher and f.hybrid_context_parallel and f.tensor_parallel != 1,
+        "the launcher's hybrid-CP data path does not broadcast over tensor parallelism: use "
+        "--tensor-model-parallel-size 1 with --hybrid-context-parallel.",
+    ),
+    Rule(
+        "banks-fp8",
+        "plugin",
+        _graphs(lambda f: f.graph_banks and f.fp8),
+        "graph banks capture through slot-shared memory, which does not protect FP8 quantizer state yet: drop "
+        "--fp8-format with --cg-graph-banks.",
+    ),
+    Rule(
+        "fp8-recipe-device",
+        "plugin",
+        _graphs(
+            lambda f: (
+                f.fp8
+                and f.device_capability is not None
+                and (
+                    (f.fp8_recipe == "mxfp8" and f.device_capability < (10, 0))
+                    or (
+                        f.fp8_recipe == "blockwise"
+                        and (f.device_capability < (9, 0) or (f.cuda_version is not None and f.cuda_version < (12, 9)))
+                    )
+                )
+            )
+        ),
+        "this GPU cannot run the --fp8-recipe asked for (TE 2.20: MXFP8 needs compute capability 10.0+, "
+        "blockwise scaling 9.0+ with CUDA 12.9+): use --fp8-recipe tensorwise (current scaling) or delayed, or "
+        "blockwise on sm_90 with a CUDA 12.9+ build of torch and TE.",
+        detail=lambda f: (
+            f"(--fp8-recipe {f.fp8_recipe}, compute capability "
+            f"{'.'.join(map(str, f.device_capability or ()))}, CUDA "
+            f"{'.'.join(map(str, f.cuda_version or ())) or 'unknown'})"
+        ),
+    ),
+    Rule(
+        "fp4-device",
+        "plugin",
+        _graphs(lambda f: f.fp4 and f.device_capability is not None and f.device_capability < (10, 0)),
+        "--fp4-format (NVFP4) needs compute capability 10.0+ (TE 2.20); on this GPU use --fp8-format with "
+        "--fp8-recipe tensorwise or delayed.",
+        detail=lambda f: f"(compute capability {'.'.join(map(str, f.device_capability or ()))})",
+    ),
+    Rule(
+        "cg-flags",
+        "plugin",
+        lambda f: bool(f.config_problems),
+        "a --cg-* flag has a value the plugin cannot use:",
+        detail=lambda f: " ".join(f.config_problems),
+    ),
+    Rule(
+        "data-files",
+        "plugin",
+        lambda f: bool(f.missing_files),
+        "a dataset or tokenizer file named by the flags does not exist (--data-path PREFIX needs PREFIX.bin and "
+        "PREFIX.idx); fix the path:",
+        detail=lambda f: ", ".join(f.missing_files),
+    ),
+    Rule(
+        "gradient-accumulation-fusion",
+        "megatron",
+        lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
+        "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
+        "which is not installed: add --no-gradient-accumulation-fusion.",
+    ),
+    Rule(
+        "expandable-segments",
+        "megatron",
+        _graphs(lambda f: f.expandable_segments and not f.nccl_graph_register_off),
+        "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts memory under CUDA "
+        "graphs unless NCCL_GRAPH_REGISTER=0: export NCCL_GRAPH_REGISTER=0.",
+    ),
+    Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0), "--cuda-graph-warmup-steps must be >= 0."),
+    Rule(
+        "parallel-sizes",
+        "megatron",
+        lambda f: f.world_size % (f.tensor_parallel * f.pipeline_parallel * f.context_parallel) != 0,
+        "the world size must be a multiple of TP x PP x CP: change --tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size, --context-parallel-size or the number of ranks.",
+    ),
 )
 
 
@@ -431,17 +736,29 @@ def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[
         return []
 
 
-def check_run(args: Any, *, env: Mapping[str, str], launcher: bool = False, config: PluginConfig | None = None,
-              te_present: bool | None = None) -> tuple[RunSettings, PluginConfig | None]:
+def check_run(
+    args: Any,
+    *,
+    env: Mapping[str, str],
+    launcher: bool = False,
+    config: PluginConfig | None = None,
+    te_present: bool | None = None,
+) -> tuple[RunSettings, PluginConfig | None]:
     """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
     ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
     the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
     returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides the probe (the CPU dry run checks
     flags for a GPU host it is not running on)."""
     settings, config = read_settings(
-        args, env=env, config=config, te_available=compat.te_available() if te_present is None else te_present,
-        apex_fused_wgrad=compat.apex_fused_wgrad_available(), launcher=launcher,
-        missing_files=missing_files(args, indexed_data=launcher), device_capability=compat.device_capability(),
-        cuda_version=compat.torch_cuda_version())
+        args,
+        env=env,
+        config=config,
+        te_available=compat.te_available() if te_present is None else te_present,
+        apex_fused_wgrad=compat.apex_fused_wgrad_available(),
+        launcher=launcher,
+        missing_files=missing_files(args, indexed_data=launcher),
+        device_capability=compat.device_capability(),
+        cuda_version=compat.torch_cuda_version(),
+    )
     validate(settings)
     return settings, config

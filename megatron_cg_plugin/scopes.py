@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["MOE_SCOPES", "PARTIAL_MOE_SCOPES", "attention_in_graph", "module_names"]
+
 MOE_SCOPES = frozenset({"moe", "moe_router", "moe_preprocess"})
 PARTIAL_MOE_SCOPES = MOE_SCOPES - {"moe"}  # the graph ends inside the MoE block
 

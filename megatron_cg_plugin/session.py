@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from megatron_cg_plugin.capture import accounting
+from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import GoldenValues, MetricsRecorder
+from megatron_cg_plugin.moe.capacity import uniform_load
 from megatron_cg_plugin.planner.prediction import RunPrediction, predict_run
-from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, uniform_load
 from megatron_cg_plugin.report import RunReport, ScopeReport
 from megatron_cg_plugin.settings import RunSettings
-from megatron_cg_plugin.capture.step_marks import StepMarks
+
+__all__ = ["CaptureStats", "CudaProbe", "IterationRecord", "RunPrediction", "RunSession"]
 
 
 class DeviceProbe(Protocol):
@@ -113,18 +116,25 @@ def _slot_fields(stats: CaptureStats) -> dict[str, Any]:
     if stats.slot_layers is None:
         return {}
     layers = stats.slot_layers()
-    return {"arena_bytes": sum(layer.arena_bytes for layer in layers),
-            "host_arena_bytes": sum(layer.host_arena_bytes for layer in layers),
-            "boundary_bytes": sum(layer.boundary_bytes for layer in layers),
-            "offloaded_bytes": sum(layer.offloaded_bytes * replays for layer, replays in zip(layers, stats.replays.counts)),
-            "offload_groups_flushed": sum(layer.offload_groups_flushed for layer in layers)}
+    return {
+        "arena_bytes": sum(layer.arena_bytes for layer in layers),
+        "host_arena_bytes": sum(layer.host_arena_bytes for layer in layers),
+        "boundary_bytes": sum(layer.boundary_bytes for layer in layers),
+        "offloaded_bytes": sum(layer.offloaded_bytes * replays for layer, replays in zip(layers, stats.replays.counts)),
+        "offload_groups_flushed": sum(layer.offload_groups_flushed for layer in layers),
+    }
 
 
 class RunSession:
-    def __init__(self, config: PluginConfig | Callable[[], PluginConfig] | None = None, *,
-                 probe: DeviceProbe | None = None,
-                 clock: Callable[[], float] = time.perf_counter, launcher: bool = False,
-                 read_every: int = 1000) -> None:
+    def __init__(
+        self,
+        config: PluginConfig | Callable[[], PluginConfig] | None = None,
+        *,
+        probe: DeviceProbe | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        launcher: bool = False,
+        read_every: int = 1000,
+    ) -> None:
         # A callable defers the config until first use: install() may run before Megatron has
         # parsed the --cg-* flags (Megatron's validate_args then resolves it, see resolve_config).
         self._explicit = config if isinstance(config, PluginConfig) else None
@@ -231,16 +241,17 @@ class RunSession:
         if self._logged and self._logged[-1].end is None:
             self._logged[-1].end = now
 
-    def on_training_log(self, *, iteration: int, loss_dict: Mapping[str, Any],
-                        num_zeros_in_grad: Any = None) -> None:
+    def on_training_log(self, *, iteration: int, loss_dict: Mapping[str, Any], num_zeros_in_grad: Any = None) -> None:
         """The iteration's values as Megatron's ``training_log`` gets them; device tensors are kept
         (detached), not read: Megatron builds each iteration's loss as a new tensor and neither
         it nor training_log writes to it afterwards (0.19.2 train_step and training_log)."""
         if not self.times_steps:  # resolves a deferred config at the first iteration at the latest
             return
         if self._logged and iteration <= self._logged[-1].iteration:
-            raise ValueError(f"training_log at iteration {iteration} after iteration {self._logged[-1].iteration}: "
-                             "iterations must increase; log each iteration once, in order.")
+            raise ValueError(
+                f"training_log at iteration {iteration} after iteration {self._logged[-1].iteration}: "
+                "iterations must increase; log each iteration once, in order."
+            )
         values: dict[str, Any] = {}
         if self.keeps_values:
             allocated, peak = self.probe.allocated_bytes()
@@ -264,7 +275,7 @@ class RunSession:
 
     def _read(self) -> None:
         """Reads every kept device value to the host (each read waits for the device)."""
-        for logged in self._logged[self._read_upto:]:
+        for logged in self._logged[self._read_upto :]:
             logged.values = {name: _as_float(value) for name, value in logged.values.items()}
         self._read_upto = len(self._logged)
 
@@ -282,8 +293,9 @@ class RunSession:
         recorder = MetricsRecorder()
         for logged in self._logged:
             seconds = logged.seconds
-            recorder.record(logged.iteration, logged.values if seconds is None else
-                            {**logged.values, "iteration-time": seconds})
+            recorder.record(
+                logged.iteration, logged.values if seconds is None else {**logged.values, "iteration-time": seconds}
+            )
         return recorder.golden()
 
     def report(self) -> RunReport:
@@ -310,8 +322,9 @@ class RunSession:
                 capture_phases=dict(stats.phases),
                 **_slot_fields(stats),
             )
-            for stats, teardown in ((getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None))
-                                    for h in self.helpers)
+            for stats, teardown in (
+                (getattr(h, "capture_stats", None), getattr(h, "teardown_stats", None)) for h in self.helpers
+            )
             if stats is not None
         )
         return RunReport(

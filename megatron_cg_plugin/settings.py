@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from megatron_cg_plugin.config import (ConfigError, PluginConfig, config_from_args, graph_only_flags, has_plugin_flags,
-                                       missing_plugin_flags)
+from megatron_cg_plugin.config import (
+    ConfigError,
+    PluginConfig,
+    config_from_args,
+    graph_only_flags,
+    has_plugin_flags,
+)
 from megatron_cg_plugin.scopes import module_names
+
+__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "plugin_config", "read_settings"]
 
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 OFFLOAD_INSIDE_SCOPE = {
@@ -28,7 +36,6 @@ DETERMINISTIC_THD_LIMIT = 1 << 30
 
 WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 MOE_BLOCK_OFFLOADS = OFFLOAD_INSIDE_SCOPE["moe"]
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,7 +178,7 @@ class RunSettings:
         tensor-parallel rank x ``packed_max_seqlen``^2 (None where a factor is unknown)."""
         if not (self.thd_max_seqs and self.num_attention_heads and self.packed_max_seqlen):
             return None
-        return self.thd_max_seqs * self.heads_per_rank * self.packed_max_seqlen ** 2
+        return self.thd_max_seqs * self.heads_per_rank * self.packed_max_seqlen**2
 
     @property
     def heads_per_rank(self) -> int:
@@ -228,8 +235,11 @@ class RunSettings:
         _set_offload_modules): attention's always; the pre-MLP norm and the experts' only on MoE layers;
         the input norm's only where it is not fused (a dense TE layer fuses its norms into the linears,
         so attn_norm and mlp_norm offload nothing there)."""
-        inside = WHOLE_LAYER_OFFLOADS | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset()) | (
-            frozenset() if self.input_norm_fused else frozenset({"attn_norm"}))
+        inside = (
+            WHOLE_LAYER_OFFLOADS
+            | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset())
+            | (frozenset() if self.input_norm_fused else frozenset({"attn_norm"}))
+        )
         return self.offloaded_in_graphs & inside
 
     def is_moe_layer(self, index: int) -> bool:
@@ -250,8 +260,9 @@ class RunSettings:
 _PLUGIN_FIELDS = ("graph_banks", "slot_capture", "bank_min_cp", "thd_max_seqs", "thd_max_seqlen")
 
 
-def plugin_config(args: Any, *, env: Mapping[str, str],
-                  config: PluginConfig | None = None) -> tuple[PluginConfig | None, tuple[str, ...], Mapping[str, Any]]:
+def plugin_config(
+    args: Any, *, env: Mapping[str, str], config: PluginConfig | None = None
+) -> tuple[PluginConfig | None, tuple[str, ...], Mapping[str, Any]]:
     """The plugin config in force: ``config`` when given (``install(config)``), defaults for a parser
     without the ``--cg-*`` flags, else the flags' (``config.config_from_args``). Returns it (None when
     the flags are refused), the problems that refused it, and the plugin values the rules read: the
@@ -275,10 +286,18 @@ def _value(option: Any) -> Any:
     return getattr(option, "value", option)
 
 
-def read_settings(args: Any, *, env: Mapping[str, str] | None = None, config: PluginConfig | None = None,
-                  te_available: bool = True, apex_fused_wgrad: bool = False, launcher: bool = False,
-                  missing_files: Sequence[str] = (), device_capability: tuple[int, int] | None = None,
-                  cuda_version: tuple[int, int] | None = None) -> tuple[RunSettings, PluginConfig | None]:
+def read_settings(
+    args: Any,
+    *,
+    env: Mapping[str, str] | None = None,
+    config: PluginConfig | None = None,
+    te_available: bool = True,
+    apex_fused_wgrad: bool = False,
+    launcher: bool = False,
+    missing_files: Sequence[str] = (),
+    device_capability: tuple[int, int] | None = None,
+    cuda_version: tuple[int, int] | None = None,
+) -> tuple[RunSettings, PluginConfig | None]:
     """Reads the run's settings from a parsed Megatron namespace (before or after ``validate_args``)
     under ``config`` (``plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
@@ -287,7 +306,9 @@ def read_settings(args: Any, *, env: Mapping[str, str] | None = None, config: Pl
     env = env or {}
     resolved, problems, plugin = plugin_config(args, env=env, config=config)
     freq = getattr(args, "moe_layer_freq", 1)
-    mla_unfused = bool(getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False))
+    mla_unfused = bool(
+        getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False)
+    )
     attention_backend = getattr(args, "attention_backend", None)
     return RunSettings(
         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
@@ -330,10 +351,13 @@ def read_settings(args: Any, *, env: Mapping[str, str] | None = None, config: Pl
         fp8=getattr(args, "fp8", None) is not None,
         fp8_recipe=str(_value(getattr(args, "fp8_recipe", None)) or "delayed"),
         input_norm_fused=not mla_unfused,
-        fp8_attention=bool(getattr(args, "fp8_dot_product_attention", False)
-                           or getattr(args, "fp8_multi_head_attention", False)),
+        fp8_attention=bool(
+            getattr(args, "fp8_dot_product_attention", False) or getattr(args, "fp8_multi_head_attention", False)
+        ),
         te_op_fuser=bool(getattr(args, "use_transformer_engine_op_fuser", False)),
-        te_op_norms=bool(getattr(args, "num_experts", None)) or bool(getattr(args, "qk_layernorm", False)) or mla_unfused,
+        te_op_norms=bool(getattr(args, "num_experts", None))
+        or bool(getattr(args, "qk_layernorm", False))
+        or mla_unfused,
         fp8_multi_head_attention=bool(getattr(args, "fp8_multi_head_attention", False)),
         fp4=getattr(args, "fp4", None) is not None,
         device_capability=device_capability,
@@ -363,7 +387,9 @@ def read_settings(args: Any, *, env: Mapping[str, str] | None = None, config: Pl
         normalization=getattr(args, "normalization", "LayerNorm"),
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         hidden_dropout=getattr(args, "hidden_dropout", 0.0),
-        attention_backend=None if attention_backend is None else str(getattr(attention_backend, "name", attention_backend)),
+        attention_backend=None
+        if attention_backend is None
+        else str(getattr(attention_backend, "name", attention_backend)),
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         fp8_dot_product_attention=bool(getattr(args, "fp8_dot_product_attention", False)),
         first_last_layers_bf16=bool(getattr(args, "first_last_layers_bf16", False)),

@@ -44,22 +44,41 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from megatron_cg_plugin import foreign_state
+from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.banks.router import BankRouter, GraphBank
-from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
+from megatron_cg_plugin.capture.accounting import ReplayTotals
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
-from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, Variant, capture_slotted
 from megatron_cg_plugin.compat import check_parameters
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.capture.accounting import ReplayTotals
-from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream, packed_seq_params
-from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout
 from megatron_cg_plugin.scopes import attention_in_graph, module_names
+from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.slot_sharing.offload_groups import (
+    MegatronOffload,
+    OffloadCopies,
+    delayed_offload_groups,
+    still_queued,
+)
+from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
+
+__all__ = [
+    "BankGraph",
+    "BankReplayError",
+    "BankedLayers",
+    "LayerBanks",
+    "ThdCapacity",
+    "bank_capture_call",
+    "bank_rope_tables",
+    "banked_layer_class",
+    "capture_banks",
+    "megatron_capturing",
+]
 
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
@@ -67,8 +86,18 @@ from megatron_cg_plugin.scopes import attention_in_graph, module_names
 PREPROCESS_SHAPES = ("hidden_shape", "hidden_shape_before_permute")
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
-_UNSUPPORTED = ("attention_mask", "context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
-                "rotary_pos_cos_sin", "attention_bias", "inference_context", "sequence_len_offset", "padding_mask")
+_UNSUPPORTED = (
+    "attention_mask",
+    "context",
+    "context_mask",
+    "rotary_pos_cos",
+    "rotary_pos_sin",
+    "rotary_pos_cos_sin",
+    "attention_bias",
+    "inference_context",
+    "sequence_len_offset",
+    "padding_mask",
+)
 
 
 class BankReplayError(RuntimeError):
@@ -89,8 +118,14 @@ class BankGraph:
     """One bank's graph and the inputs it binds besides the hidden states: the THD layout and, when
     captured with RoPE, the rotary table of the bank's ``max_seqlen`` bound."""
 
-    def __init__(self, replay: Callable[..., Any], *, takes_layout: bool, rope_table: torch.Tensor | None,
-                 dispatcher_state: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        replay: Callable[..., Any],
+        *,
+        takes_layout: bool,
+        rope_table: torch.Tensor | None,
+        dispatcher_state: dict[str, Any] | None = None,
+    ) -> None:
         self._replay = replay
         self.takes_layout = takes_layout
         self.rope_table = rope_table  # held for the graph's lifetime: the graph reads it in place
@@ -122,14 +157,16 @@ class BankGraph:
             raise BankReplayError(
                 f"the bank was captured {'without' if self.rope_table is None else 'with'} a RoPE table but the call "
                 f"passes {'one' if rope is not None else 'none'}: capture and training must use the same "
-                "--position-embedding-type.")
+                "--position-embedding-type."
+            )
         if rope is None or rope is self.rope_table:  # the model's cached table: nothing to copy
             return
         if rope.shape != self.rope_table.shape or rope.dtype != self.rope_table.dtype:
             raise ThdCapacityError(
                 f"rotary table {tuple(rope.shape)} {rope.dtype} but the bank was captured with "
                 f"{tuple(self.rope_table.shape)} {self.rope_table.dtype}: the pack's max_seqlen must be its bound, "
-                "CP size x --max-seqlen-per-dp-cp-rank (plan.thd.fixed_capacity_layout), in eager and graphed runs.")
+                "CP size x --max-seqlen-per-dp-cp-rank (plan.thd.fixed_capacity_layout), in eager and graphed runs."
+            )
         self.rope_table.copy_(rope)
 
 
@@ -147,7 +184,8 @@ class LayerBanks:
             raise BankReplayError(
                 f"layer {layer.layer_number}: a graph bank replays hidden states, the THD layout and the RoPE "
                 f"table only, but the call also passes {unsupported or 'extra positional arguments'}; train "
-                "without attention masks or biases (packed sequences carry the layout) with --cg-graph-banks.")
+                "without attention masks or biases (packed sequences carry the layout) with --cg-graph-banks."
+            )
         hidden_states = args[0] if args else kwargs.pop("hidden_states")
         params = kwargs["packed_seq_params"]
         bank = self.router.select(params.local_cp_size, params.cp_group)
@@ -186,7 +224,8 @@ def _check_flushed(layer: Any, waiting: list[Any]) -> None:
             f"layer {layer.layer_number}: {len(left)} of the {len(waiting)} offload groups delayed until this graph "
             "replay are still queued after it: Megatron's replay path (TransformerLayer._te_cuda_graph_replay) "
             "did not flush them, so their activations would stay on the GPU; this megatron-core release handles "
-            "the delayed flush differently: train without --delay-offload-until-cuda-graph.")
+            "the delayed flush differently: train without --delay-offload-until-cuda-graph."
+        )
 
 
 def banked_layer_class(base: type) -> type:
@@ -198,13 +237,20 @@ def banked_layer_class(base: type) -> type:
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         banks = vars(self).get("_graph_banks")
-        if banks is None or kwargs.get("packed_seq_params") is None or not self.training \
-                or not torch.is_grad_enabled():
+        if banks is None or kwargs.get("packed_seq_params") is None or not self.training or not torch.is_grad_enabled():
             return base.__call__(self, *args, **kwargs)
         return banks.replay(self, base, args, kwargs)
 
-    return type(f"Banked{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__, "graph_banks": True,
-                                                     "__doc__": f"{base.__name__} with dynamic-CP graph banks."})
+    return type(
+        f"Banked{base.__name__}",
+        (base,),
+        {
+            "__call__": __call__,
+            "__module__": __name__,
+            "graph_banks": True,
+            "__doc__": f"{base.__name__} with dynamic-CP graph banks.",
+        },
+    )
 
 
 def _check_layout(capacity: ThdCapacity, cp_size: int, params: Any) -> None:
@@ -215,13 +261,16 @@ def _check_layout(capacity: ThdCapacity, cp_size: int, params: Any) -> None:
                 f"{name} has shape {None if tensor is None else tuple(tensor.shape)} but the banks were "
                 f"captured for ({capacity.cu_length},): {capacity.max_seqs} sequences + the padding dummy. "
                 "Build packs with plan.thd.fixed_capacity_layout, and raise --cg-thd-max-seqs if more "
-                "sequences must fit.")
+                "sequences must fit."
+            )
     if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
         raise BankReplayError("graph banks serve self-attention packs: cu_seqlens_kv must be cu_seqlens_q.")
     bound = cp_size * capacity.tokens_per_rank
     if params.max_seqlen_q is not None and params.max_seqlen_q > bound:
-        raise ThdCapacityError(f"max_seqlen {params.max_seqlen_q} exceeds the captured bound {bound} "
-                               f"(CP size {cp_size} x --max-seqlen-per-dp-cp-rank {capacity.tokens_per_rank}).")
+        raise ThdCapacityError(
+            f"max_seqlen {params.max_seqlen_q} exceeds the captured bound {bound} "
+            f"(CP size {cp_size} x --max-seqlen-per-dp-cp-rank {capacity.tokens_per_rank})."
+        )
 
 
 @dataclasses.dataclass
@@ -241,19 +290,21 @@ class BankedLayers:
                 for key in row.keys() - {"cp_size"}:
                     entry[key] += row[key]
         stats = [g.stats for g in self.graphs.values()]
-        return {"banks": list(banks.values()),
-                "unknown_size_rejections": sum(r.unknown_size_rejections for r in self.routers.values()),
-                "pool_bytes": max((s.pool_bytes for s in stats), default=0),  # one pool shared by all layers
-                "arena_bytes": sum(s.arena_bytes for s in stats),
-                "boundary_bytes": sum(s.boundary_bytes for s in stats),
-                "retained_bytes": sum(s.retained_bytes for s in stats),  # pool blocks still allocated after capture
-                "capture_seconds": sum(s.capture_seconds for s in stats)}
+        return {
+            "banks": list(banks.values()),
+            "unknown_size_rejections": sum(r.unknown_size_rejections for r in self.routers.values()),
+            "pool_bytes": max((s.pool_bytes for s in stats), default=0),  # one pool shared by all layers
+            "arena_bytes": sum(s.arena_bytes for s in stats),
+            "boundary_bytes": sum(s.boundary_bytes for s in stats),
+            "retained_bytes": sum(s.retained_bytes for s in stats),  # pool blocks still allocated after capture
+            "capture_seconds": sum(s.capture_seconds for s in stats),
+        }
 
     @property
     def graph_count(self) -> int:
         return sum(g.stats.graphs for g in self.graphs.values())
 
-    def replay_counts(self) -> "BankReplayCounts":
+    def replay_counts(self) -> BankReplayCounts:
         return BankReplayCounts(self)
 
     def reset(self) -> None:
@@ -276,14 +327,24 @@ class BankReplayCounts(ReplayTotals):
 
     @property
     def rejected(self) -> list[int]:
-        return [sum(bank.rejected for bank in router.banks.values()) + router.unknown_size_rejections
-                for router in self._routers]
+        return [
+            sum(bank.rejected for bank in router.banks.values()) + router.unknown_size_rejections
+            for router in self._routers
+        ]
 
 
-def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: ThdCapacity, *,
-                  rope_tables: Mapping[int, torch.Tensor] | None = None, debug: bool = False,
-                  warmup_iterations: int = 2, contract_check: ContractCheck = ContractCheck.FULL, offload: bool = True,
-                  offload_copies: OffloadCopies | str = OffloadCopies()) -> BankedLayers:
+def capture_banks(
+    layers: Iterable[Any],
+    groups: Mapping[int, Any],
+    capacity: ThdCapacity,
+    *,
+    rope_tables: Mapping[int, torch.Tensor] | None = None,
+    debug: bool = False,
+    warmup_iterations: int = 2,
+    contract_check: ContractCheck = ContractCheck.FULL,
+    offload: bool = True,
+    offload_copies: OffloadCopies | str = OffloadCopies(),
+) -> BankedLayers:
     """Captures, for every layer (instances of a ``banked_layer_class``), one bank per CP size in
     ``groups`` (CP size -> its process group; None for 1), all layers and banks into one pool.
 
@@ -306,19 +367,35 @@ def capture_banks(layers: Iterable[Any], groups: Mapping[int, Any], capacity: Th
     offload_copies = OffloadCopies.given(offload_copies)
     ring = offload_copies.staging_ring()
     try:
-        with megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext(), \
-                megatron_capturing(layers):
+        with (
+            megatron_offload.capturing() if megatron_offload is not None else contextlib.nullcontext(),
+            megatron_capturing(layers),
+        ):
             for layer in layers:
-                _capture_layer_banks(layer, sizes, groups, capacity, rope_tables, scratch[id(layer)], result, pool=pool,
-                                     stream=stream,
-                                     debug=debug, warmup_iterations=warmup_iterations, contract_check=contract_check,
-                                     offload=None if megatron_offload is None else megatron_offload.slot_offload(layer, ring, offload_copies.window))
+                _capture_layer_banks(
+                    layer,
+                    sizes,
+                    groups,
+                    capacity,
+                    rope_tables,
+                    scratch[id(layer)],
+                    result,
+                    pool=pool,
+                    stream=stream,
+                    debug=debug,
+                    warmup_iterations=warmup_iterations,
+                    contract_check=contract_check,
+                    offload=None
+                    if megatron_offload is None
+                    else megatron_offload.slot_offload(layer, ring, offload_copies.window),
+                )
     except BaseException:
         result.reset()
         raise
     for layer in layers:  # banked only once every layer's banks exist
-        vars(layer)["_graph_banks"] = LayerBanks(result.routers[id(layer)], capacity,
-                                                  attention_in_graph(layer.config.cuda_graph_modules))
+        vars(layer)["_graph_banks"] = LayerBanks(
+            result.routers[id(layer)], capacity, attention_in_graph(layer.config.cuda_graph_modules)
+        )
     return result
 
 
@@ -334,32 +411,44 @@ def bank_rope_tables(model: Any, groups: Mapping[int, Any], capacity: ThdCapacit
         return None
     if model.position_embedding_type != "rope":
         return None
-    return {size: model.rotary_pos_emb(size * capacity.tokens_per_rank, packed_seq=True, cp_group=group)
-            for size, group in groups.items()}
+    return {
+        size: model.rotary_pos_emb(size * capacity.tokens_per_rank, packed_seq=True, cp_group=group)
+        for size, group in groups.items()
+    }
 
 
-def _validate_bank_capture(layers: list[Any], groups: Mapping[int, Any], sizes: list[int],
-                           rope_tables: Mapping[int, torch.Tensor] | None) -> None:
+def _validate_bank_capture(
+    layers: list[Any], groups: Mapping[int, Any], sizes: list[int], rope_tables: Mapping[int, torch.Tensor] | None
+) -> None:
     """Everything ``capture_banks`` refuses, before anything is captured (``ValueError`` naming the fix)."""
     import torch.distributed as dist
 
     for layer_class in {type(layer) for layer in layers}:  # the call the banks' capture makes
-        check_parameters(layer_class._forward_attention, ("attention_mask", "rotary_pos_emb", "packed_seq_params"),
-                         where=f"{layer_class.__name__}._forward_attention")
+        check_parameters(
+            layer_class._forward_attention,
+            ("attention_mask", "rotary_pos_emb", "packed_seq_params"),
+            where=f"{layer_class.__name__}._forward_attention",
+        )
     not_te = [layer.layer_number for layer in layers if layer.config.cuda_graph_impl != "transformer_engine"]
     if not_te:
-        raise ValueError(f"layers {not_te} were built without cuda_graph_impl='transformer_engine'; banks replay "
-                         "through Megatron's TE graph path: pass --cuda-graph-impl transformer_engine (or set it "
-                         "in the TransformerConfig).")
+        raise ValueError(
+            f"layers {not_te} were built without cuda_graph_impl='transformer_engine'; banks replay "
+            "through Megatron's TE graph path: pass --cuda-graph-impl transformer_engine (or set it "
+            "in the TransformerConfig)."
+        )
     for size in sizes:
         group = groups[size]
         if size > 1 and (group is None or dist.get_world_size(group) != size):
-            raise ValueError(f"the group for CP size {size} has {None if group is None else dist.get_world_size(group)} "
-                             "ranks; pass parallel_state.get_hybrid_data_context_parallel_groups(group_size=size).")
+            raise ValueError(
+                f"the group for CP size {size} has {None if group is None else dist.get_world_size(group)} "
+                "ranks; pass parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)."
+            )
     evaluating = [layer.layer_number for layer in layers if ends_inside_moe_block(layer) and not layer.training]
     if evaluating:  # the MoE forward returns inside the block only in training (moe_utils.maybe_raise_signal)
-        raise ValueError(f"layers {evaluating} are in eval mode; their graphs end inside the MoE block only in "
-                         "training: call model.train() before capture_banks.")
+        raise ValueError(
+            f"layers {evaluating} are in eval mode; their graphs end inside the MoE block only in "
+            "training: call model.train() before capture_banks."
+        )
     if rope_tables is not None and set(rope_tables) != set(sizes):
         raise ValueError(f"rope_tables has CP sizes {sorted(rope_tables)} but banks are captured for {sizes}.")
 
@@ -412,36 +501,76 @@ def _prepare_bank_capture(layers: list[Any], sizes: list[int]) -> dict[int, Any]
     return scratch
 
 
-def _capture_layer_banks(layer: Any, sizes: list[int], groups: Mapping[int, Any], capacity: ThdCapacity,
-                         rope_tables: Mapping[int, torch.Tensor] | None, scratch: Any, result: "BankedLayers", *,
-                         pool: Any, **capture_options: Any) -> None:
+def _capture_layer_banks(
+    layer: Any,
+    sizes: list[int],
+    groups: Mapping[int, Any],
+    capacity: ThdCapacity,
+    rope_tables: Mapping[int, torch.Tensor] | None,
+    scratch: Any,
+    result: BankedLayers,
+    *,
+    pool: Any,
+    **capture_options: Any,
+) -> None:
     """One layer's banks in the shared ``pool``: a graph per CP size when attention is graphed,
     else one graph for every size. Its graphs go into ``result`` as soon as they exist (so a later
     failure resets them), then its router."""
     # The hidden states a layer gets: [tokens, 1, hidden] in the model's parameter dtype.
-    hidden = torch.randn(capacity.tokens_per_rank, 1, layer.config.hidden_size, device="cuda",
-                         dtype=layer.config.params_dtype, requires_grad=True)
+    hidden = torch.randn(
+        capacity.tokens_per_rank,
+        1,
+        layer.config.hidden_size,
+        device="cuda",
+        dtype=layer.config.params_dtype,
+        requires_grad=True,
+    )
     attention = attention_in_graph(layer.config.cuda_graph_modules)
     states: dict[int | None, dict[str, Any]] = {size: {} for size in (sizes if attention else [None])}
-    variants = ([_attention_variant(bank_capture_call(layer, scratch, states[size]), size, groups[size], capacity,
-                                    hidden, None if rope_tables is None else rope_tables[size]) for size in sizes]
-                if attention else [Variant("any-cp", bank_capture_call(layer, scratch, states[None]), (hidden,))])
+    variants = (
+        [
+            _attention_variant(
+                bank_capture_call(layer, scratch, states[size]),
+                size,
+                groups[size],
+                capacity,
+                hidden,
+                None if rope_tables is None else rope_tables[size],
+            )
+            for size in sizes
+        ]
+        if attention
+        else [Variant("any-cp", bank_capture_call(layer, scratch, states[None]), (hidden,))]
+    )
     graphs = result.graphs[id(layer)] = capture_slotted(
-        variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options)
+        variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options
+    )
 
     def payload(size: int) -> BankGraph:
         if not attention:  # one graph for every CP size
-            return BankGraph(graphs.callable("any-cp", 0), takes_layout=False, rope_table=None,
-                             dispatcher_state=states[None])
-        return BankGraph(graphs.callable(f"cp{size}", 0), takes_layout=True,
-                         rope_table=None if rope_tables is None else rope_tables[size], dispatcher_state=states[size])
+            return BankGraph(
+                graphs.callable("any-cp", 0), takes_layout=False, rope_table=None, dispatcher_state=states[None]
+            )
+        return BankGraph(
+            graphs.callable(f"cp{size}", 0),
+            takes_layout=True,
+            rope_table=None if rope_tables is None else rope_tables[size],
+            dispatcher_state=states[size],
+        )
 
-    result.routers[id(layer)] = BankRouter({size: GraphBank(size, groups[size] if size > 1 else None,
-                                                            payload=payload(size)) for size in sizes})
+    result.routers[id(layer)] = BankRouter(
+        {size: GraphBank(size, groups[size] if size > 1 else None, payload=payload(size)) for size in sizes}
+    )
 
 
-def _attention_variant(capture: Callable[..., Any], size: int, group: Any, capacity: ThdCapacity,
-                       hidden: torch.Tensor, rope_table: torch.Tensor | None) -> Variant:
+def _attention_variant(
+    capture: Callable[..., Any],
+    size: int,
+    group: Any,
+    capacity: ThdCapacity,
+    hidden: torch.Tensor,
+    rope_table: torch.Tensor | None,
+) -> Variant:
     """The bank of CP size ``size``: Megatron's capture callable ``capture`` on a pack of that size."""
     # One sequence filling the pack: a valid layout of the captured shapes (replays bring their own).
     layout = fixed_capacity_layout([size * capacity.tokens_per_rank], size, capacity.tokens_per_rank, capacity.max_seqs)

@@ -12,17 +12,26 @@ import torch
 
 from megatron_cg_plugin import foreign_state
 
+__all__ = ["ensure_dynamic_cp_stream", "packed_seq_params"]
 
-def packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, group: Any,
-                      max_seqlen: int) -> Any:
+
+def packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, group: Any, max_seqlen: int) -> Any:
     """Megatron's ``PackedSeqParams`` for a fixed-capacity THD pack of CP size ``cp_size``: the
     form both the capture and the eager run use."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
-                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, local_cp_size=cp_size,
-                           cp_group=group if cp_size > 1 else None, pad_between_seqs=True)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        local_cp_size=cp_size,
+        cp_group=group if cp_size > 1 else None,
+        pad_between_seqs=True,
+    )
 
 
 def ensure_dynamic_cp_stream() -> None:

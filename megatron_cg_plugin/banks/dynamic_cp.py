@@ -20,6 +20,8 @@ from typing import Any
 from megatron_cg_plugin.banks.capture import banked_layer_class
 from megatron_cg_plugin.compat import check_parameters
 
+__all__ = ["adapt_layer_spec", "dynamic_cp_attention_class", "hybrid_cp_layer_spec", "microbatch_cp_group"]
+
 
 def microbatch_cp_group(packed_seq_params: Any, static_group: Any) -> Any:
     """The CP group a microbatch's RoPE must use: ``static_group`` unless the microbatch carries its
@@ -29,14 +31,18 @@ def microbatch_cp_group(packed_seq_params: Any, static_group: Any) -> Any:
         return static_group
     if size == 1:
         if static_group is not None and static_group.size() != 1:
-            raise ValueError(f"a CP-1 microbatch of hybrid CP cannot apply RoPE with the static CP group of size "
-                             f"{static_group.size()}: use --context-parallel-size 1 with --hybrid-context-parallel.")
+            raise ValueError(
+                f"a CP-1 microbatch of hybrid CP cannot apply RoPE with the static CP group of size "
+                f"{static_group.size()}: use --context-parallel-size 1 with --hybrid-context-parallel."
+            )
         return static_group
     group = packed_seq_params.cp_group
     if group is None or group.size() != size:
-        raise ValueError(f"the microbatch has local_cp_size {size} but its cp_group has "
-                         f"{None if group is None else group.size()} ranks; pass "
-                         f"parallel_state.get_hybrid_data_context_parallel_groups(group_size={size}).")
+        raise ValueError(
+            f"the microbatch has local_cp_size {size} but its cp_group has "
+            f"{None if group is None else group.size()} ranks; pass "
+            f"parallel_state.get_hybrid_data_context_parallel_groups(group_size={size})."
+        )
     return group
 
 
@@ -64,9 +70,16 @@ def dynamic_cp_attention_class(base: type[Any]) -> type:
         finally:
             self.pg_collection = static
 
-    return type(f"DynamicCp{base.__name__}", (base,), {
-        "forward": forward, "__module__": __name__, "dynamic_cp_rope": True,
-        "__doc__": f"{base.__name__} applying THD RoPE with the microbatch's CP group (hybrid CP)."})
+    return type(
+        f"DynamicCp{base.__name__}",
+        (base,),
+        {
+            "forward": forward,
+            "__module__": __name__,
+            "dynamic_cp_rope": True,
+            "__doc__": f"{base.__name__} applying THD RoPE with the microbatch's CP group (hybrid CP).",
+        },
+    )
 
 
 def _layer_specs(spec: Any) -> list[Any]:
@@ -77,10 +90,15 @@ def _layer_specs(spec: Any) -> list[Any]:
     specs = getattr(spec, "layer_specs", None)
     specs = [spec] if specs is None else list(specs)
     for layer_spec in specs:
-        if not (isinstance(layer_spec, ModuleSpec) and isinstance(layer_spec.module, type)
-                and issubclass(layer_spec.module, TransformerLayer)):
-            raise ValueError(f"hybrid CP with this plugin supports TransformerLayer specs; this model builds "
-                             f"{getattr(layer_spec, 'module', layer_spec)!r}: use a GPT or MoE layer spec.")
+        if not (
+            isinstance(layer_spec, ModuleSpec)
+            and isinstance(layer_spec.module, type)
+            and issubclass(layer_spec.module, TransformerLayer)
+        ):
+            raise ValueError(
+                f"hybrid CP with this plugin supports TransformerLayer specs; this model builds "
+                f"{getattr(layer_spec, 'module', layer_spec)!r}: use a GPT or MoE layer spec."
+            )
     return specs
 
 

@@ -32,6 +32,8 @@ import torch
 from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream, packed_seq_params
 from megatron_cg_plugin.packed.layout import fixed_capacity_layout, partitioned_indices
 
+__all__ = ["SAMPLE_KEYS", "get_hybrid_cp_batch", "pack_hybrid_cp_sample"]
+
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
@@ -39,13 +41,22 @@ def cp_size_of(sample: Mapping[str, Any]) -> int:
     """The CP size the hybrid-CP scheduler picked for ``sample`` (checking it is such a sample)."""
     missing = [key for key in (*SAMPLE_KEYS, "local_cp_size") if key not in sample]
     if missing:
-        raise KeyError(f"a hybrid-CP sample lacks {missing}: feed the iterator Megatron's hybrid-CP loader yields "
-                       "(--hybrid-context-parallel with --dataloader-inter-document-masking).")
+        raise KeyError(
+            f"a hybrid-CP sample lacks {missing}: feed the iterator Megatron's hybrid-CP loader yields "
+            "(--hybrid-context-parallel with --dataloader-inter-document-masking)."
+        )
     return int(sample["local_cp_size"])
 
 
-def pack_hybrid_cp_sample(sample: Mapping[str, Any], *, tokens_per_rank: int, max_seqs: int, group: Any = None,
-                          rank: int = 0, device: Any = None) -> tuple[dict[str, Any], Any]:
+def pack_hybrid_cp_sample(
+    sample: Mapping[str, Any],
+    *,
+    tokens_per_rank: int,
+    max_seqs: int,
+    group: Any = None,
+    rank: int = 0,
+    device: Any = None,
+) -> tuple[dict[str, Any], Any]:
     """One hybrid-CP sample as this rank's share of its fixed-capacity THD pack.
 
     ``group`` is the sample's CP group (``rank`` this rank's place in it); both matter only when
@@ -72,8 +83,9 @@ def pack_hybrid_cp_sample(sample: Mapping[str, Any], *, tokens_per_rank: int, ma
     return batch, packed_seq_params(cu, cu_padded, size, group, layout.max_seqlen)
 
 
-def get_hybrid_cp_batch(data_iterator: Iterator[Mapping[str, Any]], *, tokens_per_rank: int,
-                        max_seqs: int = 8) -> tuple[dict[str, Any], Any]:
+def get_hybrid_cp_batch(
+    data_iterator: Iterator[Mapping[str, Any]], *, tokens_per_rank: int, max_seqs: int = 8
+) -> tuple[dict[str, Any], Any]:
     """The next microbatch of Megatron's hybrid-CP schedule, packed for this rank (on its GPU, with
     the hybrid data-context-parallel group of the sample's CP size). ``tokens_per_rank`` is
     ``--max-seqlen-per-dp-cp-rank``, ``max_seqs`` the run config's ``thd_capacity``
@@ -86,5 +98,11 @@ def get_hybrid_cp_batch(data_iterator: Iterator[Mapping[str, Any]], *, tokens_pe
     size = cp_size_of(sample)
     group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
     rank = dist.get_rank(group) if group is not None else 0
-    return pack_hybrid_cp_sample(sample, tokens_per_rank=tokens_per_rank, max_seqs=max_seqs, group=group,
-                                 rank=rank, device=torch.device("cuda", torch.cuda.current_device()))
+    return pack_hybrid_cp_sample(
+        sample,
+        tokens_per_rank=tokens_per_rank,
+        max_seqs=max_seqs,
+        group=group,
+        rank=rank,
+        device=torch.device("cuda", torch.cuda.current_device()),
+    )

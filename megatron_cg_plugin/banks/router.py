@@ -31,7 +31,9 @@ class GraphBank:
     payload: Any = None  # the bank's graphed callables, once captured
     replays: int = 0
     rejected: int = 0
-    offload_groups_flushed: int = 0  # delayed offload groups (--delay-offload-until-cuda-graph) flushed after its replays
+    offload_groups_flushed: int = (
+        0  # delayed offload groups (--delay-offload-until-cuda-graph) flushed after its replays
+    )
 
 
 class BankRouter:
@@ -53,16 +55,25 @@ class BankRouter:
             raise BankSelectionError(
                 f"microbatch asks for CP size {size}, but banks were captured for CP sizes "
                 f"{list(self.banks)}; lower --cg-bank-min-cp, or keep --max-seqlen-per-dp-cp-rank such "
-                "that every microbatch fits a captured size.")
+                "that every microbatch fits a captured size."
+            )
         if cp_group is not bank.group:
             bank.rejected += 1
             raise BankSelectionError(
                 f"microbatch with CP size {size} brings process group {group_label(cp_group)}, but the "
                 f"bank for CP size {size} was captured with {group_label(bank.group)}: graphs bake in "
-                "their communicators, so only that very group may replay them.")
+                "their communicators, so only that very group may replay them."
+            )
         bank.replays += 1
         return bank
 
     def report(self) -> list[dict[str, int]]:
-        return [{"cp_size": bank.cp_size, "replays": bank.replays, "rejected": bank.rejected,
-                 "offload_groups_flushed": bank.offload_groups_flushed} for bank in self.banks.values()]
+        return [
+            {
+                "cp_size": bank.cp_size,
+                "replays": bank.replays,
+                "rejected": bank.rejected,
+                "offload_groups_flushed": bank.offload_groups_flushed,
+            }
+            for bank in self.banks.values()
+        ]

@@ -31,34 +31,78 @@ import inspect
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Any, ContextManager, Protocol
 
-from megatron_cg_plugin import rules
+from megatron_cg_plugin import foreign_state, installation, rules
 from megatron_cg_plugin.bench import output as bench_output
+from megatron_cg_plugin.bench.output import (
+    ALL_ARMS,
+    ARMS,
+    OFFLOAD_ARM,
+    RECORDING_ARM,
+    SCHEDULES,
+    UNCHECKED_ARM,
+    BenchResult,
+    BlockRecord,
+    CaptureRecord,
+    StepRecord,
+    is_known_arm,
+    is_slot_arm,
+)
+from megatron_cg_plugin.bench.schedule import (
+    Block,
+    DeviceTime,
+    fewest_for_interval,
+    interleaved_blocks,
+    interleaved_steps,
+    intervals_by_kind,
+    run_schedule,
+)
 from megatron_cg_plugin.capture import accounting
-from megatron_cg_plugin import installation
-from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin import foreign_state
-from megatron_cg_plugin.bench.output import ALL_ARMS, ARMS, OFFLOAD_ARM, RECORDING_ARM, SCHEDULES, UNCHECKED_ARM, BenchResult, BlockRecord, CaptureRecord, StepRecord, is_known_arm, is_slot_arm
-from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 from megatron_cg_plugin.capture.contracts import StaticInput
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
-from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
-from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
+from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import read_settings
-from megatron_cg_plugin.bench.schedule import Block, DeviceTime, fewest_for_interval, interleaved_blocks, interleaved_steps, intervals_by_kind, run_schedule
+from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
+from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 
-METHOD = ("one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
-          "captures, trains and tears down (capture runs again in the next block)")
-STEPS_METHOD = ("one model and optimizer for every arm in one process; every graphed arm captured once up front, "
-                "each with its own helper and graph pool, all alive together; single steps alternate the arms in "
-                "mirrored cycles (A B B A, then B A A B), the layers switched to an arm's graphs between steps "
-                "(--bench-interleave steps)")
+__all__ = [
+    "BenchError",
+    "BenchOptions",
+    "METHOD",
+    "MegatronTrainer",
+    "STEPS_METHOD",
+    "bench_train_step",
+    "contract_check_cost",
+    "cycled_microbatches",
+    "logged_values",
+    "main",
+    "parse_bench_argv",
+    "patch_builders",
+    "python_calls_per_step",
+    "recording_cost",
+    "refuse_unbenchable",
+    "run_bench",
+    "user_script",
+]
+
+METHOD = (
+    "one model and optimizer for every arm in one process; each graphed block builds a fresh helper, "
+    "captures, trains and tears down (capture runs again in the next block)"
+)
+STEPS_METHOD = (
+    "one model and optimizer for every arm in one process; every graphed arm captured once up front, "
+    "each with its own helper and graph pool, all alive together; single steps alternate the arms in "
+    "mirrored cycles (A B B A, then B A A B), the layers switched to an arm's graphs between steps "
+    "(--bench-interleave steps)"
+)
 
 
 class BenchError(ValueError):
@@ -95,26 +139,36 @@ class BenchOptions:
     def __post_init__(self) -> None:
         unknown = sorted(arm for arm in self.arms if not is_known_arm(arm))
         if unknown or not self.arms:
-            raise BenchError(f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
-                             f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; "
-                             "-f<P> after either, P from 0 to 100: --activation-offload-fraction P/100).")
+            raise BenchError(
+                f"--bench-arms {','.join(self.arms)}: use a comma-separated subset of "
+                f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; "
+                "-f<P> after either, P from 0 to 100: --activation-offload-fraction P/100)."
+            )
         if self.cached_batches < 0:
-            raise BenchError(f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
-                             "global batches to cycle through.")
+            raise BenchError(
+                f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "
+                "global batches to cycle through."
+            )
         if self.interleave not in SCHEDULES:
             raise BenchError(f"--bench-interleave {self.interleave}: use {' or '.join(SCHEDULES)}.")
         if not (math.isfinite(self.seconds) and self.seconds >= 0):
-            raise BenchError(f"--bench-seconds {self.seconds:g}: give the seconds of cycles after which the bench stops "
-                             "(0, the default: no limit).")
+            raise BenchError(
+                f"--bench-seconds {self.seconds:g}: give the seconds of cycles after which the bench stops "
+                "(0, the default: no limit)."
+            )
         if self.interleave == "steps":
             self._check_steps()
             return
         if self.capture_rounds:
-            raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: the block schedule captures every block "
-                             "already (its capture column spans them): drop the flag, or add --bench-interleave steps.")
+            raise BenchError(
+                f"--bench-capture-rounds {self.capture_rounds}: the block schedule captures every block "
+                "already (its capture column spans them): drop the flag, or add --bench-interleave steps."
+            )
         if self.seconds:
-            raise BenchError(f"--bench-seconds {self.seconds:g} stops the step schedule's cycles: add --bench-interleave "
-                             "steps, or size the blocks with --bench-rounds.")
+            raise BenchError(
+                f"--bench-seconds {self.seconds:g} stops the step schedule's cycles: add --bench-interleave "
+                "steps, or size the blocks with --bench-rounds."
+            )
         if self.steps <= self.skip_steps:
             raise BenchError(f"--bench-steps {self.steps} must exceed --bench-skip-steps {self.skip_steps}.")
         try:
@@ -125,29 +179,37 @@ class BenchOptions:
     def _check_steps(self) -> None:
         slots = [arm for arm in self.arms if is_slot_arm(arm)]
         if slots:
-            raise BenchError(f"--bench-interleave steps keeps every arm's graphs alive and switches them between steps; "
-                             f"the {'/'.join(slots)} arm(s) capture slot-shared graphs, whose arenas and saved-tensor "
-                             "hooks are not switched: drop them from --bench-arms, or run them with "
-                             "--bench-interleave blocks.")
+            raise BenchError(
+                f"--bench-interleave steps keeps every arm's graphs alive and switches them between steps; "
+                f"the {'/'.join(slots)} arm(s) capture slot-shared graphs, whose arenas and saved-tensor "
+                "hooks are not switched: drop them from --bench-arms, or run them with "
+                "--bench-interleave blocks."
+            )
         fewest = fewest_for_interval()
         if self.capture_rounds:
             self._check_capture_rounds(2 * fewest)
         if self.cycles - self.skip_steps < fewest:
-            raise BenchError(f"--bench-cycles {self.cycles} keeps {max(0, self.cycles - self.skip_steps)} cycle(s) after "
-                             f"--bench-skip-steps {self.skip_steps}; the ratios' 95% interval needs at least {fewest}: "
-                             f"raise --bench-cycles to {self.skip_steps + fewest} or more.")
+            raise BenchError(
+                f"--bench-cycles {self.cycles} keeps {max(0, self.cycles - self.skip_steps)} cycle(s) after "
+                f"--bench-skip-steps {self.skip_steps}; the ratios' 95% interval needs at least {fewest}: "
+                f"raise --bench-cycles to {self.skip_steps + fewest} or more."
+            )
 
     def _check_capture_rounds(self, fewest: int) -> None:
         """Capture rounds give ratios over pairs of mirrored rounds: two graphed arms, and pairs
         enough for the median's interval."""
         graphed = [arm for arm in self.arms if arm != "eager"]
         if len(graphed) < 2:
-            raise BenchError(f"--bench-capture-rounds {self.capture_rounds} compares the captures of two or more graphed "
-                             f"arms, and --bench-arms {','.join(self.arms)} names {len(graphed)}: add one (e.g. "
-                             "--bench-arms plugin,stock), or drop --bench-capture-rounds.")
+            raise BenchError(
+                f"--bench-capture-rounds {self.capture_rounds} compares the captures of two or more graphed "
+                f"arms, and --bench-arms {','.join(self.arms)} names {len(graphed)}: add one (e.g. "
+                "--bench-arms plugin,stock), or drop --bench-capture-rounds."
+            )
         if self.capture_rounds < fewest or self.capture_rounds % 2:
-            raise BenchError(f"--bench-capture-rounds {self.capture_rounds}: the capture ratios' 95% interval needs "
-                             f"{fewest // 2} pairs of mirrored rounds: give an even number of rounds, {fewest} or more.")
+            raise BenchError(
+                f"--bench-capture-rounds {self.capture_rounds}: the capture ratios' 95% interval needs "
+                f"{fewest // 2} pairs of mirrored rounds: give an even number of rounds, {fewest} or more."
+            )
 
     @property
     def total_steps(self) -> int:
@@ -177,18 +239,40 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-seconds", type=float, default=BenchOptions.seconds)
     known, flags = parser.parse_known_args(list(argv))
     stepwise = known.bench_interleave == "steps"
-    unused = ([f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
-              if stepwise else ["--bench-cycles"] if known.bench_cycles is not None else [])
+    unused = (
+        [f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
+        if stepwise
+        else ["--bench-cycles"]
+        if known.bench_cycles is not None
+        else []
+    )
     if unused:
-        raise BenchError(f"{' and '.join(unused)} size(s) the {'block' if stepwise else 'step'} schedule, which this "
-                         f"bench does not run (--bench-interleave {known.bench_interleave}): "
-                         + ("give --bench-cycles N instead." if stepwise else "add --bench-interleave steps, or drop it."))
-    sizes = {name: value for name, value in (("rounds", known.bench_rounds), ("steps", known.bench_steps),
-                                             ("cycles", known.bench_cycles)) if value is not None}
-    options = BenchOptions(skip_steps=known.bench_skip_steps, arms=tuple(a for a in known.bench_arms.split(",") if a),
-                           out=known.bench_out, plot=not known.bench_no_plot, profile_dir=known.bench_profile_dir,
-                           cached_batches=known.bench_cached_batches, interleave=known.bench_interleave,
-                           capture_rounds=known.bench_capture_rounds, seconds=known.bench_seconds, **sizes)
+        raise BenchError(
+            f"{' and '.join(unused)} size(s) the {'block' if stepwise else 'step'} schedule, which this "
+            f"bench does not run (--bench-interleave {known.bench_interleave}): "
+            + ("give --bench-cycles N instead." if stepwise else "add --bench-interleave steps, or drop it.")
+        )
+    sizes = {
+        name: value
+        for name, value in (
+            ("rounds", known.bench_rounds),
+            ("steps", known.bench_steps),
+            ("cycles", known.bench_cycles),
+        )
+        if value is not None
+    }
+    options = BenchOptions(
+        skip_steps=known.bench_skip_steps,
+        arms=tuple(a for a in known.bench_arms.split(",") if a),
+        out=known.bench_out,
+        plot=not known.bench_no_plot,
+        profile_dir=known.bench_profile_dir,
+        cached_batches=known.bench_cached_batches,
+        interleave=known.bench_interleave,
+        capture_rounds=known.bench_capture_rounds,
+        seconds=known.bench_seconds,
+        **sizes,
+    )
     return options, flags
 
 
@@ -213,33 +297,71 @@ class Trainer(Protocol):
     def pool_bytes(self) -> dict: ...
 
 
-def run_bench(options: BenchOptions, trainer: Trainer, *, flags: Sequence[str] = (),
-              clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
-              profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None = None,
-              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None,
-              recording_cost: Callable[[], float] | None = None) -> BenchResult:
+def run_bench(
+    options: BenchOptions,
+    trainer: Trainer,
+    *,
+    flags: Sequence[str] = (),
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] = print,
+    profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None = None,
+    contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None = None,
+    recording_cost: Callable[[], float] | None = None,
+) -> BenchResult:
     """Runs the chosen schedule through ``trainer`` and measures every step; then, per arm,
     ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap), on a
     plugin capture ``contract_cost``, and on the plugin-recording arm's ``recording_cost``."""
     for _ in range(options.warmup_steps):
         _timed_step(trainer, clock)
     run = _bench_steps if options.interleave == "steps" else _bench_blocks
-    return run(options, trainer, tuple(flags), clock, progress,
-               functools.partial(_profiled, options, trainer=trainer, profile=profile, contract_cost=contract_cost,
-                                 recording_cost=recording_cost, progress=progress))
+    return run(
+        options,
+        trainer,
+        tuple(flags),
+        clock,
+        progress,
+        functools.partial(
+            _profiled,
+            options,
+            trainer=trainer,
+            profile=profile,
+            contract_cost=contract_cost,
+            recording_cost=recording_cost,
+            progress=progress,
+        ),
+    )
 
 
-def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
-                 progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+def _bench_steps(
+    options: BenchOptions,
+    trainer: Trainer,
+    flags: tuple[str, ...],
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+    profiled: Callable[..., BenchResult],
+) -> BenchResult:
     """The step schedule: the capture rounds (if any), every arm captured once, then single steps in
     mirrored cycles, then each arm profiled with its graphs in place, then the teardown."""
     capture_rounds = _capture_rounds(options, trainer, clock, progress)
     with _captured_arms(options.arms, trainer, clock, progress) as captured:
         steps, peaks = _run_step_schedule(options, trainer, clock, progress)
-        records = tuple(BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items())
+        records = tuple(
+            BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items()
+        )
         cycles_run = len(steps) // (2 * len(options.arms))
-        result = BenchResult(_method(options, cycles_run), 1, options.skip_steps, records, {}, {}, None, flags,
-                             schedule="steps", steps=tuple(steps), capture_rounds=capture_rounds)
+        result = BenchResult(
+            _method(options, cycles_run),
+            1,
+            options.skip_steps,
+            records,
+            {},
+            {},
+            None,
+            flags,
+            schedule="steps",
+            steps=tuple(steps),
+            capture_rounds=capture_rounds,
+        )
 
         @contextlib.contextmanager
         def activated(arm: str) -> Iterator[Any]:
@@ -249,8 +371,14 @@ def _bench_steps(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...]
         return profiled(result, with_arm=activated)
 
 
-def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...], clock: Callable[[], float],
-                  progress: Callable[[str], None], profiled: Callable[..., BenchResult]) -> BenchResult:
+def _bench_blocks(
+    options: BenchOptions,
+    trainer: Trainer,
+    flags: tuple[str, ...],
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+    profiled: Callable[..., BenchResult],
+) -> BenchResult:
     """The block schedule: each block captures, steps and tears down; then each arm captured again
     to be profiled."""
     records: list[BlockRecord] = []
@@ -262,8 +390,17 @@ def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...
             steps = [_timed_step(trainer, clock) for _ in range(options.steps)]
         finally:
             trainer.release(helper)
-        records.append(BlockRecord(block.round, block.arm, tuple(steps), trainer.peak_allocated(), capture_seconds,
-                                   pool_bytes, *_arena_bytes(helper)))
+        records.append(
+            BlockRecord(
+                block.round,
+                block.arm,
+                tuple(steps),
+                trainer.peak_allocated(),
+                capture_seconds,
+                pool_bytes,
+                *_arena_bytes(helper),
+            )
+        )
         return steps
 
     run_schedule(interleaved_blocks(options.arms, options.rounds), run_block, progress, skip_steps=options.skip_steps)
@@ -276,24 +413,33 @@ def _bench_blocks(options: BenchOptions, trainer: Trainer, flags: tuple[str, ...
         finally:
             trainer.release(helper)
 
-    return profiled(BenchResult(_method(options), options.steps, options.skip_steps, tuple(records), {}, {}, None,
-                                flags), with_arm=recaptured)
+    return profiled(
+        BenchResult(_method(options), options.steps, options.skip_steps, tuple(records), {}, {}, None, flags),
+        with_arm=recaptured,
+    )
 
 
 def _method(options: BenchOptions, cycles_run: int | None = None) -> str:
     """The method line: which schedule ran (with steps, over ``cycles_run`` cycles), and what was left
     out of every arm."""
     cycles = options.cycles if cycles_run is None else cycles_run
-    method = METHOD if options.interleave == "blocks" else (
-        f"{STEPS_METHOD}; the first {options.skip_steps} of {cycles} cycles dropped (--bench-skip-steps)")
+    method = (
+        METHOD
+        if options.interleave == "blocks"
+        else (f"{STEPS_METHOD}; the first {options.skip_steps} of {cycles} cycles dropped (--bench-skip-steps)")
+    )
     if cycles < options.cycles and options.interleave == "steps":
         method += f"; stopped after {cycles} of {options.cycles} cycles at --bench-seconds {options.seconds:g}"
     if options.capture_rounds:
-        method += (f"; before the cycles, each graphed arm captured and released in {options.capture_rounds} mirrored rounds "
-                   "(--bench-capture-rounds)")
+        method += (
+            f"; before the cycles, each graphed arm captured and released in {options.capture_rounds} mirrored rounds "
+            "(--bench-capture-rounds)"
+        )
     if options.cached_batches:
-        method += (f"; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
-                   "(--bench-cached-batches: the data loader's time is left out of every arm)")
+        method += (
+            f"; every step cycles through {options.cached_batches} global batch(es) read before the schedule "
+            "(--bench-cached-batches: the data loader's time is left out of every arm)"
+        )
     return method
 
 
@@ -306,13 +452,14 @@ def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
     return clock() - start
 
 
-def _capture_rounds(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
-                    progress: Callable[[str], None]) -> tuple[CaptureRecord, ...]:
+def _capture_rounds(
+    options: BenchOptions, trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+) -> tuple[CaptureRecord, ...]:
     """``--bench-capture-rounds``: each graphed arm captured from eager layers and released at once,
     round by round in mirrored order (``BenchResult.capture_summary`` pairs the rounds)."""
     graphed = [arm for arm in options.arms if arm != "eager"]
     records = []
-    for block in (interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ()):
+    for block in interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ():
         helper, seconds, _ = _capture(trainer, block.arm, clock)  # a failed capture leaves nothing captured
         try:  # the arm is in place until released, whatever stops the bench here
             records.append(CaptureRecord(block.round, block.arm, seconds))
@@ -323,8 +470,9 @@ def _capture_rounds(options: BenchOptions, trainer: Trainer, clock: Callable[[],
 
 
 @contextlib.contextmanager
-def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], float],
-                   progress: Callable[[str], None]) -> Iterator[dict[str, tuple[Any, float | None, int | None]]]:
+def _captured_arms(
+    arms: Sequence[str], trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+) -> Iterator[dict[str, tuple[Any, float | None, int | None]]]:
     """Every arm captured once, in order, each from eager layers (a capture that found another arm's
     graphs on a layer would replay them instead of capturing); all stay alive until the block
     ends, then each is torn down while active, the last captured first (each teardown then finds
@@ -353,8 +501,9 @@ def _captured_arms(arms: Sequence[str], trainer: Trainer, clock: Callable[[], fl
     tear_down()
 
 
-def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[[], float],
-                       progress: Callable[[str], None]) -> tuple[list[StepRecord], dict[str, int]]:
+def _run_step_schedule(
+    options: BenchOptions, trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+) -> tuple[list[StepRecord], dict[str, int]]:
     """The step schedule over the captured arms: each step timed alone, the arm switched before its
     sync; per arm the peak allocated over its steps. With ``--bench-seconds``, fewer cycles."""
     steps: list[StepRecord] = []
@@ -369,24 +518,39 @@ def _run_step_schedule(options: BenchOptions, trainer: Trainer, clock: Callable[
         peaks[step.arm] = max(peaks.get(step.arm, 0), trainer.peak_allocated())
         if (index + 1) % per_cycle == 0:
             cycle = steps[-per_cycle:]
-            line = ", ".join(f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms"
-                             for arm in options.arms)
+            line = ", ".join(
+                f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms" for arm in options.arms
+            )
             progress(f"cycle {step.cycle + 1}/{options.cycles}: {line}")
             done = step.cycle + 1
-            kept = done - options.skip_steps  # stopped with pairs of kept cycles (each arm outer as often), enough of them
-            if options.seconds and clock() - start >= options.seconds and kept % 2 == 0 and kept >= fewest \
-                    and done < options.cycles:
-                progress(f"--bench-seconds {options.seconds:g} reached: the cycles stop after {done} of "
-                         f"{options.cycles}")
+            kept = (
+                done - options.skip_steps
+            )  # stopped with pairs of kept cycles (each arm outer as often), enough of them
+            if (
+                options.seconds
+                and clock() - start >= options.seconds
+                and kept % 2 == 0
+                and kept >= fewest
+                and done < options.cycles
+            ):
+                progress(
+                    f"--bench-seconds {options.seconds:g} reached: the cycles stop after {done} of {options.cycles}"
+                )
                 break
     return steps, peaks
 
 
-def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
-              with_arm: Callable[[str], ContextManager[Any]],
-              profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
-              contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
-              recording_cost: Callable[[], float] | None, progress: Callable[[str], None]) -> BenchResult:
+def _profiled(
+    options: BenchOptions,
+    result: BenchResult,
+    *,
+    trainer: Trainer,
+    with_arm: Callable[[str], ContextManager[Any]],
+    profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
+    contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
+    recording_cost: Callable[[], float] | None,
+    progress: Callable[[str], None],
+) -> BenchResult:
     """``result`` with, per arm (its graphs in place through ``with_arm``, which gives its helper),
     the profiled device time per step, on the plugin arm the contract check's cost, and on the
     plugin-recording arm the recording hooks' cost."""
@@ -407,8 +571,14 @@ def _profiled(options: BenchOptions, result: BenchResult, *, trainer: Trainer,
             if arm == RECORDING_ARM and recording_cost is not None:
                 recording_us = recording_cost()
         progress(f"profiled {arm}: GPU busy {'-' if busy[arm] is None else f'{busy[arm]:.2f}'}")
-    return dataclasses.replace(result, busy_fraction=busy, contract_check_us=costs, replays_per_step=replays,
-                               copies=copies, recording_us=recording_us)
+    return dataclasses.replace(
+        result,
+        busy_fraction=busy,
+        contract_check_us=costs,
+        replays_per_step=replays,
+        copies=copies,
+        recording_us=recording_us,
+    )
 
 
 def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
@@ -434,6 +604,7 @@ def _capture(trainer: Trainer, arm: str, clock: Callable[[], float]) -> tuple[An
 
 # -- Megatron's side ------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class _ArmState:
     """Everything that makes a training step run as one captured arm. Megatron 0.19.2's layers
@@ -458,12 +629,12 @@ class MegatronTrainer:
     and data ``pretrain()`` built; graph helpers as Megatron's ``train()`` makes them. One arm is
     active at a time: the one captured last, or the one ``activate`` switched to."""
 
-    def __init__(self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict, *,
-                 cached_microbatches: int = 0) -> None:
+    def __init__(
+        self, train_step: Callable[..., Any], step_args: tuple, step_kwargs: dict, *, cached_microbatches: int = 0
+    ) -> None:
         import torch
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
-        from megatron.training import get_args
-        from megatron.training import training
+        from megatron.training import get_args, training
 
         self.torch, self.training, self.args = torch, training, get_args()
         self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
@@ -480,10 +651,16 @@ class MegatronTrainer:
         self._te_helper, self._session = TECudaGraphHelper, plugin.session
         if callable(schedule):  # the run's step marks, as the train-step-timer patch enters them: a script's
             # bench holds the bare train_step (the patch wraps the bench's own stand-in)
-            self.step_args = (*self.step_args[:6], patch_builders.marked_schedule(schedule, self._session.step_marks),
-                              *self.step_args[7:])
-        self.helpers = {"stock": TECudaGraphHelper, "plugin": plugin,
-                        UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked)}
+            self.step_args = (
+                *self.step_args[:6],
+                patch_builders.marked_schedule(schedule, self._session.step_marks),
+                *self.step_args[7:],
+            )
+        self.helpers = {
+            "stock": TECudaGraphHelper,
+            "plugin": plugin,
+            UNCHECKED_ARM: bind_helper_class(TECudaGraphHelper, unchecked),
+        }
         self._active: _ArmState | None = None  # None: eager
         self._parked: dict[str, _ArmState] = {}  # captured arms not active (the step schedule)
         self._layers: list[Any] | None = None
@@ -499,8 +676,12 @@ class MegatronTrainer:
         if self._layers is None:
             from megatron.core.transformer.module import GraphableMegatronModule
 
-            self._layers = [module for chunk in self.model for module in chunk.modules()
-                            if isinstance(module, GraphableMegatronModule) and hasattr(module, "cuda_graphs")]
+            self._layers = [
+                module
+                for chunk in self.model
+                for module in chunk.modules()
+                if isinstance(module, GraphableMegatronModule) and hasattr(module, "cuda_graphs")
+            ]
         return self._layers
 
     def helper_class(self, arm: str) -> Any:
@@ -509,11 +690,16 @@ class MegatronTrainer:
             assert is_slot_arm(arm), arm  # BenchOptions refused the others
             offloaded = OFFLOAD_ARM.fullmatch(arm)
             base, window, percent = offloaded.groups() if offloaded else (arm, None, None)
-            copies = OffloadCopies("between-replays" if base.endswith("staged") else "in-graph",
-                                   self._session.config.offload_window if window is None else int(window))
+            copies = OffloadCopies(
+                "between-replays" if base.endswith("staged") else "in-graph",
+                self._session.config.offload_window if window is None else int(window),
+            )
             fraction = None if percent is None else int(percent) / 100
-            self.helpers[arm] = bind_helper_class(self._te_helper, self._session, SlotBackend(
-                offload=arm != "slot", copies=copies, offload_fraction=fraction))
+            self.helpers[arm] = bind_helper_class(
+                self._te_helper,
+                self._session,
+                SlotBackend(offload=arm != "slot", copies=copies, offload_fraction=fraction),
+            )
         return self.helpers[arm]
 
     def step(self) -> None:
@@ -525,32 +711,42 @@ class MegatronTrainer:
             self.last = state.recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
             loss_dict, num_zeros_in_grad = logged_values(self.last)
             # train() logs the iteration counted after the step (training.py l.3986, iteration += 1 before it)
-            state.recording.on_training_log(iteration=self.iteration + 1, loss_dict=loss_dict,
-                                            num_zeros_in_grad=num_zeros_in_grad)
+            state.recording.on_training_log(
+                iteration=self.iteration + 1, loss_dict=loss_dict, num_zeros_in_grad=num_zeros_in_grad
+            )
         self.iteration += 1
 
     def capture(self, arm: str) -> Any:
         # A layer that still held another arm's graphs would replay them under this capture.
-        assert self._active is None and not any(layer.cuda_graphs for layer in self.graphable_layers()), \
+        assert self._active is None and not any(layer.cuda_graphs for layer in self.graphable_layers()), (
             "capture from eager layers: release or deactivate the active arm first"
+        )
         recording, recorded_step = None, None
         if arm == RECORDING_ARM:
             helper_class, recording, recorded_step = self._recording_block()
         else:
             helper_class = self.helper_class(arm)
-        helper = helper_class(model=self.model, config=self.config, seq_length=self.args.seq_length,
-                              micro_batch_size=self.args.micro_batch_size, optimizers=[self.optimizer])
+        helper = helper_class(
+            model=self.model,
+            config=self.config,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            optimizers=[self.optimizer],
+        )
         from megatron.core.transformer import cuda_graphs
 
         # Megatron's own capture is not transactional: a failure leaves its capture flag set, GC frozen and
         # some layers holding graphs, onto which the arms captured before would be restored for teardown.
-        with CaptureTransaction([attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
-                                 gc_state(), gc_freeze()]):
+        with CaptureTransaction(
+            [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"), gc_state(), gc_freeze()]
+        ):
             try:
                 helper.create_cudagraphs()
                 if not helper.graphs_created():
-                    raise BenchError(f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, "
-                                     "and did the capture fail? see the log above).")
+                    raise BenchError(
+                        f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, "
+                        "and did the capture fail? see the log above)."
+                    )
             except BaseException:
                 self._discard()
                 raise
@@ -565,8 +761,10 @@ class MegatronTrainer:
                 try:
                     graph.reset()
                 except Exception as error:  # noqa: BLE001 - the capture's own error is the one raised
-                    print(f"megatron-cg bench: resetting a graph of the failed capture failed too: {error!r}",
-                          file=sys.stderr)
+                    print(
+                        f"megatron-cg bench: resetting a graph of the failed capture failed too: {error!r}",
+                        file=sys.stderr,
+                    )
             layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
 
     def deactivate(self) -> None:
@@ -597,8 +795,10 @@ class MegatronTrainer:
 
     # A run with --cg-metrics-out and --cg-report-out records every value: the recording arm's session
     # is made with both (it is never finished, so nothing is written there).
-    RECORDED_OUTPUTS = {"metrics_out": Path("plugin-recording.metrics.json"),
-                        "report_out": Path("plugin-recording.report.json")}
+    RECORDED_OUTPUTS = {
+        "metrics_out": Path("plugin-recording.metrics.json"),
+        "report_out": Path("plugin-recording.report.json"),
+    }
 
     def _recording_block(self) -> tuple[type, RunSession, Callable[..., Any]]:
         """The plugin-recording arm: a session of its own with the run's config and both outputs
@@ -636,8 +836,10 @@ def logged_values(step_result: Any) -> tuple[Any, Any]:
     try:  # 0.19.2: loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros, logit
         loss_dict, _skipped, _checkpoint, _exit, _code, _grad_norm, num_zeros_in_grad, _logit = step_result
     except (TypeError, ValueError):
-        raise BenchError(f"Megatron's train_step returned {type(step_result).__name__} of another shape than "
-                         "0.19.2's eight values: install the supported megatron-core (docs/versions.md).") from None
+        raise BenchError(
+            f"Megatron's train_step returned {type(step_result).__name__} of another shape than "
+            "0.19.2's eight values: install the supported megatron-core (docs/versions.md)."
+        ) from None
     return loss_dict, num_zeros_in_grad
 
 
@@ -653,18 +855,22 @@ def cycled_microbatches(data_iterator: Any, count: int) -> Any:
     if data_iterator is None:
         return None
     if isinstance(data_iterator, list):  # refuse_unbenchable stops this on every rank before any GPU work
-        raise BenchError("--bench-cached-batches needs one data iterator (no virtual pipeline stages): "
-                         "drop --bench-cached-batches for this run.")
+        raise BenchError(
+            "--bench-cached-batches needs one data iterator (no virtual pipeline stages): "
+            "drop --bench-cached-batches for this run."
+        )
     try:
         cached = [next(data_iterator) for _ in range(count)]
     except StopIteration:
-        raise BenchError(f"--bench-cached-batches: the dataset ran out before {count} microbatches; "
-                         "ask for fewer.") from None
+        raise BenchError(
+            f"--bench-cached-batches: the dataset ran out before {count} microbatches; ask for fewer."
+        ) from None
     return RerunDataIterator(itertools.cycle(cached))
 
 
-def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
-                         table_dir: Path | None = None) -> DeviceTime | None:
+def device_time_per_step(
+    step: Callable[[], None], steps: int, arm: str, *, table_dir: Path | None = None
+) -> DeviceTime | None:
     """Device time of one step under torch's profiler, over ``steps`` steps: GPU-busy seconds (the
     union of its device activity; over the step's wall time it says how close the step is to the
     sum of its kernels, 1.0 being the physical limit), device-to-host and host-to-device copy
@@ -688,16 +894,31 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
         averages = trace.key_averages()
         (table_dir / f"{arm}.host_ops.txt").write_text(
             f"{steps} profiled steps of the {arm} arm\n"
-            + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
-        bench_output.write_host_ops(table_dir / f"{arm}.host_ops.json", steps,
-                                    {op.key: (op.count, op.self_cpu_time_total) for op in averages})
-    timeline = [(event.time_range.start, event.time_range.end,
-                 "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel",
-                 event.device_resource_id, event.name)
-                for event in trace.events() if event.device_type == DeviceType.CUDA]
+            + averages.table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\n"
+        )
+        bench_output.write_host_ops(
+            table_dir / f"{arm}.host_ops.json", steps, {op.key: (op.count, op.self_cpu_time_total) for op in averages}
+        )
+    timeline = [
+        (
+            event.time_range.start,
+            event.time_range.end,
+            "d2h" if "DtoH" in event.name else "h2d" if "HtoD" in event.name else "kernel",
+            event.device_resource_id,
+            event.name,
+        )
+        for event in trace.events()
+        if event.device_type == DeviceType.CUDA
+    ]
     if table_dir is not None:
-        python_calls_per_step(step, steps, table_dir / f"{arm}.python_calls.json", synchronize=torch.cuda.synchronize,
-                              one_thread=functools.partial(torch.autograd.set_multithreading_enabled, False))
+        python_calls_per_step(
+            step,
+            steps,
+            table_dir / f"{arm}.python_calls.json",
+            synchronize=torch.cuda.synchronize,
+            one_thread=functools.partial(torch.autograd.set_multithreading_enabled, False),
+        )
     if not timeline:
         return None
     by_kind = intervals_by_kind(timeline)
@@ -706,8 +927,14 @@ def device_time_per_step(step: Callable[[], None], steps: int, arm: str, *,
     return DeviceTime.of(by_kind["kernel"], by_kind["d2h"], by_kind["h2d"], steps=steps, scale=1e-6)
 
 
-def python_calls_per_step(step: Callable[[], None], steps: int, path: Path, *, synchronize: Callable[[], None],
-                          one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+def python_calls_per_step(
+    step: Callable[[], None],
+    steps: int,
+    path: Path,
+    *,
+    synchronize: Callable[[], None],
+    one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> None:
     """``steps`` more steps under cProfile, each Python function's calls and own time per step to
     ``path`` (the host operators' format): torch's profiler sees operators, whose calls per step
     matched across arms but for event polls, not the Python that runs between them,
@@ -745,16 +972,19 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
 
     contract = getattr(helper.flattened_callables[0].cuda_graphs[0], "contract", None)
     if contract is None or contract.flat_call is None:
-        raise BenchError("the plugin arm's first graph holds no contract of one-leaf arguments to time: run the "
-                         "bench with --cg-contract-check full on a Megatron layer.")
+        raise BenchError(
+            "the plugin arm's first graph holds no contract of one-leaf arguments to time: run the "
+            "bench with --cg-contract-check full on a Megatron layer."
+        )
     positional, keys = contract.flat_call
 
     def fresh(expected: Any) -> Any:  # a new tensor as a step hands it in, needing a gradient where the sample did
         if not isinstance(expected, StaticInput):
             return expected
         spec = expected.spec
-        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device,
-                                   requires_grad=spec.requires_grad)
+        return torch.empty_strided(
+            spec.shape, spec.stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
+        )
 
     leaves = [fresh(expected) for _, expected in contract.inputs]
     args = tuple(leaves[:positional])
@@ -768,8 +998,9 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     return costs, len(helper.flattened_callables) * microbatches
 
 
-def recording_cost(session: RunSession, step_result: Any, training_log: Callable[..., Any], *,
-                   repeats: int = 2000) -> float:
+def recording_cost(
+    session: RunSession, step_result: Any, training_log: Callable[..., Any], *, repeats: int = 2000
+) -> float:
     """Host microseconds a recording run adds to each step: the train-step-timer and
     training-log-tap patches' own wrappers (around calls that do nothing: what they wrap runs in
     every arm), binding ``step_result``'s values as Megatron's ``training_log`` gets them, on a
@@ -786,8 +1017,11 @@ def recording_cost(session: RunSession, step_result: Any, training_log: Callable
     untimed.__signature__ = signature  # type: ignore[attr-defined]  # the tap binds Megatron's arguments
     timer = patch_builders.build_train_step_timer(untimed, timed)
     tap = patch_builders.build_training_log_tap(untimed, timed)
-    named = [name for name, parameter in signature.parameters.items()
-             if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    named = [
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    ]
     arguments = {**dict.fromkeys(named), "loss_dict": loss_dict, "num_zeros_in_grad": num_zeros_in_grad}
     start = time.perf_counter()
     for iteration in range(1, repeats + 1):
@@ -797,8 +1031,13 @@ def recording_cost(session: RunSession, step_result: Any, training_log: Callable
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Callable[..., Any],
-                     sink: list[BenchResult], before: Callable[[], None] | None = None) -> Callable[..., Any]:
+def bench_train_step(
+    options: BenchOptions,
+    flags: Sequence[str],
+    train_step: Callable[..., Any],
+    sink: list[BenchResult],
+    before: Callable[[], None] | None = None,
+) -> Callable[..., Any]:
     """Stands in for Megatron's ``train_step``: its first call runs ``before`` (if any), then the
     bench through the real ``train_step``, and returns the last step's result; ``train()``'s loop
     then ends."""
@@ -806,21 +1045,32 @@ def bench_train_step(options: BenchOptions, flags: Sequence[str], train_step: Ca
     @functools.wraps(train_step)  # install()'s signature check, run after this patch for a script, looks through it
     def step(*args: Any, **kwargs: Any) -> Any:
         if sink:
-            raise BenchError("Megatron's loop went on after the bench; this megatron-core reads --train-iters "
-                             "differently: install the supported version (docs/versions.md).")
+            raise BenchError(
+                "Megatron's loop went on after the bench; this megatron-core reads --train-iters "
+                "differently: install the supported version (docs/versions.md)."
+            )
         if before is not None:
             before()
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        trainer = MegatronTrainer(train_step, args, kwargs,
-                                  cached_microbatches=options.cached_batches * get_num_microbatches())
+        trainer = MegatronTrainer(
+            train_step, args, kwargs, cached_microbatches=options.cached_batches * get_num_microbatches()
+        )
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
         profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
         recorded = None
         if RECORDING_ARM in options.arms:  # timed while that arm is in place (its session, the last step's values)
             recorded = lambda: recording_cost(trainer.recording, trainer.last, trainer.training.training_log)  # noqa: E731
-        sink.append(run_bench(options, trainer, flags=flags, profile=profile,
-                              contract_cost=cost if "plugin" in options.arms else None, recording_cost=recorded))
+        sink.append(
+            run_bench(
+                options,
+                trainer,
+                flags=flags,
+                profile=profile,
+                contract_cost=cost if "plugin" in options.arms else None,
+                recording_cost=recorded,
+            )
+        )
         trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
         return trainer.last
 
@@ -834,41 +1084,61 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
         _refuse_unswitchable(args, config, options)
     graphed = [arm for arm in options.arms if arm != "eager"]
     if graphed and args.cuda_graph_impl != "transformer_engine":
-        raise BenchError(f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
-                         "(or --bench-arms eager).")
-    packed = (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)) \
-        and not getattr(args, "hybrid_context_parallel", False)
+        raise BenchError(
+            f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
+            "(or --bench-arms eager)."
+        )
+    packed = (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)) and not getattr(
+        args, "hybrid_context_parallel", False
+    )
     if "stock" in options.arms and packed:
-        raise BenchError("the stock arm replays Megatron's own graphs, which refuse packed batches (rule "
-                         "packed-sequences-te-graphs): bench packed data with --bench-arms eager,plugin.")
+        raise BenchError(
+            "the stock arm replays Megatron's own graphs, which refuse packed batches (rule "
+            "packed-sequences-te-graphs): bench packed data with --bench-arms eager,plugin."
+        )
     if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
-        raise BenchError("--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the bench's "
-                         "first step; leave it at its default (3) or set it >= 1.")
+        raise BenchError(
+            "--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the bench's "
+            "first step; leave it at its default (3) or set it >= 1."
+        )
     if args.use_distributed_optimizer and args.overlap_param_gather:
-        raise BenchError("the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
-                         "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench.")
+        raise BenchError(
+            "the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
+            "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench."
+        )
     if UNCHECKED_ARM in options.arms and config.contract_check is not ContractCheck.FULL:
-        raise BenchError(f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
-                         f"leave --cg-contract-check at full (it is {config.contract_check}).")
-    if options.cached_batches and (args.pipeline_model_parallel_size > 1
-                                   or getattr(args, "virtual_pipeline_model_parallel_size", None)):
-        raise BenchError("--bench-cached-batches caches the batches of a PP = 1 run (each stage of a pipeline reads "
-                         "its own part): drop --bench-cached-batches, or run the bench with "
-                         "--pipeline-model-parallel-size 1.")
+        raise BenchError(
+            f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
+            f"leave --cg-contract-check at full (it is {config.contract_check})."
+        )
+    if options.cached_batches and (
+        args.pipeline_model_parallel_size > 1 or getattr(args, "virtual_pipeline_model_parallel_size", None)
+    ):
+        raise BenchError(
+            "--bench-cached-batches caches the batches of a PP = 1 run (each stage of a pipeline reads "
+            "its own part): drop --bench-cached-batches, or run the bench with "
+            "--pipeline-model-parallel-size 1."
+        )
     if args.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
-        slot_settings, _config = read_settings(args, te_available=True, apex_fused_wgrad=True,
-                                               config=PluginConfig(slot_capture=True))
+        slot_settings, _config = read_settings(
+            args, te_available=True, apex_fused_wgrad=True, config=PluginConfig(slot_capture=True)
+        )
         broken = [message for name, message in rules.violations(slot_settings) if name.startswith("slot-capture")]
         offloading = [arm for arm in options.arms if arm.startswith("slot-offload")]
-        if offloading and not (getattr(args, "fine_grained_activation_offloading", False)
-                               and getattr(args, "offload_modules", None)):
-            broken.append(f"the {'/'.join(offloading)} arm(s) offload what Megatron's flags select, and these offload "
-                          "nothing: add --fine-grained-activation-offloading --offload-modules ...")
+        if offloading and not (
+            getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None)
+        ):
+            broken.append(
+                f"the {'/'.join(offloading)} arm(s) offload what Megatron's flags select, and these offload "
+                "nothing: add --fine-grained-activation-offloading --offload-modules ..."
+            )
         if broken:
-            raise BenchError(f"the {'/'.join(a for a in options.arms if is_slot_arm(a))} arm(s) capture with "
-                             f"--cg-slot-capture, which these flags break: {' '.join(broken)}")
+            raise BenchError(
+                f"the {'/'.join(a for a in options.arms if is_slot_arm(a))} arm(s) capture with "
+                f"--cg-slot-capture, which these flags break: {' '.join(broken)}"
+            )
 
 
 def _refuse_unswitchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
@@ -878,18 +1148,26 @@ def _refuse_unswitchable(args: Any, config: PluginConfig, options: BenchOptions)
     plugin_arms = [arm for arm in options.arms if arm.startswith("plugin")]
     broken = []
     if plugin_arms and (config.slot_capture or config.graph_banks):
-        broken.append(f"{'--cg-slot-capture' if config.slot_capture else '--cg-graph-banks'}: the "
-                      f"{'/'.join(plugin_arms)} arm(s) would capture slot-shared graphs, whose arenas, saved-tensor "
-                      "hooks and banked layers live outside the layers' graph lists")
+        broken.append(
+            f"{'--cg-slot-capture' if config.slot_capture else '--cg-graph-banks'}: the "
+            f"{'/'.join(plugin_arms)} arm(s) would capture slot-shared graphs, whose arenas, saved-tensor "
+            "hooks and banked layers live outside the layers' graph lists"
+        )
     if getattr(args, "fine_grained_activation_offloading", False):
-        broken.append("--fine-grained-activation-offloading: Megatron's offload manager keeps one capture's state "
-                      "(reset after each capture, cuda_graphs.py _finish_capturing)")
+        broken.append(
+            "--fine-grained-activation-offloading: Megatron's offload manager keeps one capture's state "
+            "(reset after each capture, cuda_graphs.py _finish_capturing)"
+        )
     if getattr(args, "fp8", None) or getattr(args, "fp4", None):
-        broken.append("--fp8-format/--fp4-format: TE's graphs keep FP8 weight caches and scaling state per capture, not "
-                      "verified with several captures alive")
+        broken.append(
+            "--fp8-format/--fp4-format: TE's graphs keep FP8 weight caches and scaling state per capture, not "
+            "verified with several captures alive"
+        )
     if broken:
-        raise BenchError("--bench-interleave steps keeps every arm's graphs alive and switches them between steps, "
-                         f"which these cannot take: {'; '.join(broken)}. Run this bench with --bench-interleave blocks.")
+        raise BenchError(
+            "--bench-interleave steps keeps every arm's graphs alive and switches them between steps, "
+            f"which these cannot take: {'; '.join(broken)}. Run this bench with --bench-interleave blocks."
+        )
 
 
 def user_script(flags: Sequence[str]) -> Path | None:
@@ -898,8 +1176,10 @@ def user_script(flags: Sequence[str]) -> Path | None:
     if flags and flags[0].endswith(".py"):
         script = Path(flags[0])
         if not script.is_file():
-            raise BenchError(f"no such script {script}: give the path of a Megatron training script "
-                             "(e.g. Megatron-LM's pretrain_gpt.py), or the launcher's flags alone.")
+            raise BenchError(
+                f"no such script {script}: give the path of a Megatron training script "
+                "(e.g. Megatron-LM's pretrain_gpt.py), or the launcher's flags alone."
+            )
         return script
     return None
 
@@ -921,8 +1201,9 @@ def main(argv: Sequence[str]) -> int:
     else:
         _bench_script(script, options, flags, training, results)
     if not results:
-        raise BenchError("Megatron's pretrain() returned without training (are --train-iters and --do-train "
-                         "set? see the log above).")
+        raise BenchError(
+            "Megatron's pretrain() returned without training (are --train-iters and --do-train set? see the log above)."
+        )
     for path in bench_output.write(results[0], options.out, with_plot=options.plot):
         print(f"megatron-cg bench: wrote {path}")
     print(bench_output.markdown(results[0]))
@@ -943,8 +1224,9 @@ def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, 
             installation.uninstall()
 
 
-def _bench_script(script: Path, options: BenchOptions, flags: Sequence[str], training: Any,
-                  results: list[BenchResult]) -> None:
+def _bench_script(
+    script: Path, options: BenchOptions, flags: Sequence[str], training: Any, results: list[BenchResult]
+) -> None:
     """A user's own script, run as ``megatron-cg run`` runs it: the script parses its flags and
     builds its model and data, so the bench's refusals come at its first train_step, before any block."""
     from megatron.training import get_args

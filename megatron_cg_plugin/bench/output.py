@@ -24,6 +24,34 @@ from megatron_cg_plugin.bench.schedule import (
     summarize_steps,
 )
 
+__all__ = [
+    "ALL_ARMS",
+    "ARMS",
+    "BenchOutputError",
+    "BenchResult",
+    "BlockRecord",
+    "CaptureRecord",
+    "OFFLOAD_ARM",
+    "RATIO_WIDTH",
+    "RECORDING_ARM",
+    "SCHEDULES",
+    "StepRecord",
+    "UNCHECKED_ARM",
+    "from_json",
+    "host_ops_diff",
+    "is_known_arm",
+    "is_slot_arm",
+    "main",
+    "markdown",
+    "median_interval",
+    "plot_available",
+    "read_device_timeline",
+    "to_json",
+    "write",
+    "write_device_timeline",
+    "write_host_ops",
+]
+
 ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelper; the plugin's
 # Arms run only when asked for (--bench-arms): the plugin's helper with slot-shared capture
 # (--cg-slot-capture), without and with offload of the modules Megatron's offload flags name, the
@@ -125,15 +153,19 @@ class BenchResult:
 
     def summary(self) -> BenchSummary:
         if self.schedule == "steps":
-            return summarize_steps([(record.step, record.seconds) for record in self.steps],
-                                   skip_cycles=self.skip_steps)
+            return summarize_steps(
+                [(record.step, record.seconds) for record in self.steps], skip_cycles=self.skip_steps
+            )
         return summarize({record.block: record.step_seconds for record in self.blocks}, skip_steps=self.skip_steps)
 
     def ratio_intervals(self) -> dict[tuple[str, str], MedianInterval]:
         """Per ratio, its median's 95% interval over the pairs of rounds or the cycles (where there
         are enough of them: ``plan.bench_schedule.fewest_for_interval``)."""
-        return {pair: found for pair, spread in self.summary().ratios.items()
-                if (found := median_interval(spread.values)) is not None}
+        return {
+            pair: found
+            for pair, spread in self.summary().ratios.items()
+            if (found := median_interval(spread.values)) is not None
+        }
 
     def capture_summary(self) -> BenchSummary:
         """The capture rounds summarized as blocks of one capture each: per arm its capture seconds,
@@ -158,30 +190,49 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         return {"median": value.median, "low": value.low, "high": value.high, "n": len(value.values)}
 
     return {
-        "method": result.method, "flags": list(result.flags), "steps_per_block": result.steps_per_block,
+        "method": result.method,
+        "flags": list(result.flags),
+        "steps_per_block": result.steps_per_block,
         "skip_steps": result.skip_steps,
         "step_seconds": {arm: spread(value) for arm, value in summary.arms.items()},
         "ratios": {f"{a}/{b}": spread(value) for (a, b), value in summary.ratios.items()},
         # the block schedule's rounds for +-1% (the step schedule gives ratio_intervals and its cycles instead)
-        "ratio_precision": {f"{a}/{b}": dataclasses.asdict(precision) for (a, b), value in summary.ratios.items()
-                            if result.schedule == "blocks"
-                            and (precision := median_precision(value.values, RATIO_WIDTH)) is not None},
+        "ratio_precision": {
+            f"{a}/{b}": dataclasses.asdict(precision)
+            for (a, b), value in summary.ratios.items()
+            if result.schedule == "blocks" and (precision := median_precision(value.values, RATIO_WIDTH)) is not None
+        },
         "capture_seconds": {arm: spread(v) for arm, v in result.per_arm("capture_seconds").items()},
         "pool_bytes": {arm: spread(v) for arm, v in result.per_arm("pool_bytes").items()},
         "peak_allocated_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_allocated_bytes").items()},
         "peak_with_pools_bytes": {arm: spread(v) for arm, v in result.per_arm("peak_with_pools_bytes").items()},
-        "busy_fraction": result.busy_fraction, "contract_check_us": result.contract_check_us,
-        "replays_per_step": result.replays_per_step, "copies": result.copies, "recording_us": result.recording_us,
+        "busy_fraction": result.busy_fraction,
+        "contract_check_us": result.contract_check_us,
+        "replays_per_step": result.replays_per_step,
+        "copies": result.copies,
+        "recording_us": result.recording_us,
         "capture_rounds": [dataclasses.asdict(record) for record in result.capture_rounds],
-        "capture_ratios": {} if not result.capture_rounds else {
-            f"{a}/{b}": {**spread(value), "interval": None if (found := median_interval(value.values)) is None
-                         else {**dataclasses.asdict(found), "half_width": found.half_width}}
-            for (a, b), value in result.capture_summary().ratios.items()},
+        "capture_ratios": {}
+        if not result.capture_rounds
+        else {
+            f"{a}/{b}": {
+                **spread(value),
+                "interval": None
+                if (found := median_interval(value.values)) is None
+                else {**dataclasses.asdict(found), "half_width": found.half_width},
+            }
+            for (a, b), value in result.capture_summary().ratios.items()
+        },
         "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
         "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
-        "ratio_intervals": {f"{a}/{b}": {**dataclasses.asdict(found), "half_width": found.half_width,
-                                         "pairs_for_half_width": {f"{h:g}": found.pairs_for(h) for h in HALF_WIDTHS}}
-                            for (a, b), found in result.ratio_intervals().items()},
+        "ratio_intervals": {
+            f"{a}/{b}": {
+                **dataclasses.asdict(found),
+                "half_width": found.half_width,
+                "pairs_for_half_width": {f"{h:g}": found.pairs_for(h) for h in HALF_WIDTHS},
+            }
+            for (a, b), found in result.ratio_intervals().items()
+        },
         "schedule": result.schedule,
         "blocks": [dataclasses.asdict(record) for record in result.blocks],
         "steps": [dataclasses.asdict(record) for record in result.steps],
@@ -191,71 +242,109 @@ def to_json(result: BenchResult) -> dict[str, Any]:
 def markdown(result: BenchResult) -> str:
     summary = result.summary()
     arms = [arm for arm in ALL_ARMS if arm in summary.arms] + sorted(set(summary.arms) - set(ALL_ARMS))
-    capture, pools, arenas, hosts, peaks, totals = (result.per_arm(f) for f in (
-        "capture_seconds", "pool_bytes", "arena_bytes", "host_arena_bytes", "peak_allocated_bytes",
-        "peak_with_pools_bytes"))
+    capture, pools, arenas, hosts, peaks, totals = (
+        result.per_arm(f)
+        for f in (
+            "capture_seconds",
+            "pool_bytes",
+            "arena_bytes",
+            "host_arena_bytes",
+            "peak_allocated_bytes",
+            "peak_with_pools_bytes",
+        )
+    )
 
     def mib(spreads: dict[str, Spread], arm: str) -> str:
         return spreads[arm].format(scale=2**-20) if arm in spreads else "-"
 
     figure = "median of its steps [spread]" if result.schedule == "steps" else "median of block medians [spread]"
-    lines = [f"Method: {result.method}.", "",
-             f"| arm | step ms: {figure} | capture s | graph pool MiB | GPU arenas MiB "
-             "| pinned host arenas MiB | peak allocated MiB | peak allocated + graph pool MiB | GPU busy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Method: {result.method}.",
+        "",
+        f"| arm | step ms: {figure} | capture s | graph pool MiB | GPU arenas MiB "
+        "| pinned host arenas MiB | peak allocated MiB | peak allocated + graph pool MiB | GPU busy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for arm in arms:
         busy = result.busy_fraction.get(arm)
-        lines.append(f"| {arm} | {summary.arms[arm].format(scale=1e3)} | "
-                     f"{capture[arm].format() if arm in capture else '-'} | {mib(pools, arm)} | {mib(arenas, arm)} | "
-                     f"{mib(hosts, arm)} | {mib(peaks, arm)} | {mib(totals, arm)} | "
-                     f"{'-' if busy is None else f'{busy:.2f}'} |")
+        lines.append(
+            f"| {arm} | {summary.arms[arm].format(scale=1e3)} | "
+            f"{capture[arm].format() if arm in capture else '-'} | {mib(pools, arm)} | {mib(arenas, arm)} | "
+            f"{mib(hosts, arm)} | {mib(peaks, arm)} | {mib(totals, arm)} | "
+            f"{'-' if busy is None else f'{busy:.2f}'} |"
+        )
     copying = {arm: c for arm, c in result.copies.items() if c.get("d2h_seconds") or c.get("h2d_seconds")}
     if copying:
-        lines += ["", "| arm | D2H ms per step | H2D ms per step | copy time overlapped by kernels |",
-                  "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| arm | D2H ms per step | H2D ms per step | copy time overlapped by kernels |",
+            "| --- | --- | --- | --- |",
+        ]
         for arm, c in copying.items():
             total = c["d2h_seconds"] + c["h2d_seconds"]
-            lines.append(f"| {arm} | {c['d2h_seconds'] * 1e3:.2f} | {c['h2d_seconds'] * 1e3:.2f} | "
-                         f"{c['copy_overlap_seconds'] / total:.0%} |")
+            lines.append(
+                f"| {arm} | {c['d2h_seconds'] * 1e3:.2f} | {c['h2d_seconds'] * 1e3:.2f} | "
+                f"{c['copy_overlap_seconds'] / total:.0%} |"
+            )
     if result.schedule == "steps":
         lines += _interval_table(summary, result.ratio_intervals(), _ordered_pairs(arms))
     else:
-        lines += ["", f"| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) "
-                  f"| rounds for +-{RATIO_WIDTH * 50:g}% |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) "
+            f"| rounds for +-{RATIO_WIDTH * 50:g}% |",
+            "| --- | --- | --- | --- |",
+        ]
         for a, b in _ordered_pairs(arms):
             if (a, b) in summary.ratios:
-                lines.append(f"| {a} / {b} | {summary.ratios[a, b].format()} | "
-                             f"{_precision_cells(median_precision(summary.ratios[a, b].values, RATIO_WIDTH))} |")
+                lines.append(
+                    f"| {a} / {b} | {summary.ratios[a, b].format()} | "
+                    f"{_precision_cells(median_precision(summary.ratios[a, b].values, RATIO_WIDTH))} |"
+                )
     if result.contract_check_us:
         per_step = result.replays_per_step
         lines += ["", "| --cg-contract-check | host us per layer replay | per step |", "| --- | --- | --- |"]
         for mode, micros in result.contract_check_us.items():
-            lines.append(f"| {mode} | {micros:.1f} | "
-                         f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |")
+            lines.append(
+                f"| {mode} | {micros:.1f} | "
+                f"{'-' if per_step is None else f'{micros * per_step / 1e3:.2f} ms ({per_step} replays)'} |"
+            )
     if result.capture_rounds:
         lines += _capture_table(result)
     if result.recording_us is not None:
         share = result.recording_us / 1e6 / summary.arms[RECORDING_ARM].median
-        lines += ["", "| recording (--cg-metrics-out, --cg-report-out) | host us per step | of its arm's median step |",
-                  "| --- | --- | --- |", f"| train-step timer and training_log tap | {result.recording_us:.1f} | {share:.2%} |"]
+        lines += [
+            "",
+            "| recording (--cg-metrics-out, --cg-report-out) | host us per step | of its arm's median step |",
+            "| --- | --- | --- |",
+            f"| train-step timer and training_log tap | {result.recording_us:.1f} | {share:.2%} |",
+        ]
     return "\n".join(lines)
 
 
-def _interval_table(summary: BenchSummary, intervals: dict[tuple[str, str], MedianInterval],
-                    pairs: Sequence[tuple[str, str]]) -> list[str]:
+def _interval_table(
+    summary: BenchSummary, intervals: dict[tuple[str, str], MedianInterval], pairs: Sequence[tuple[str, str]]
+) -> list[str]:
     """The step schedule's ratios: per-cycle ratios' median and spread, the median's distribution-free
     95% interval, its half-width, and the cycles that would bring the half-width under each of
     ``HALF_WIDTHS`` at the dispersion seen (``-`` below 6 cycles)."""
-    lines = ["", "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | "
-             + " | ".join(f"cycles for +-{h:.0%}" for h in HALF_WIDTHS) + " |",
-             "| --- | --- | --- | --- | " + " | ".join("---" for _ in HALF_WIDTHS) + " |"]
+    lines = [
+        "",
+        "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | "
+        + " | ".join(f"cycles for +-{h:.0%}" for h in HALF_WIDTHS)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in HALF_WIDTHS) + " |",
+    ]
     for pair in pairs:
         if pair not in summary.ratios:
             continue
         found = intervals.get(pair)
-        cells = (["- (under 6 cycles)", "-"] + ["-" for _ in HALF_WIDTHS] if found is None else
-                 [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
-                 + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS])
+        cells = (
+            ["- (under 6 cycles)", "-"] + ["-" for _ in HALF_WIDTHS]
+            if found is None
+            else [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
+            + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS]
+        )
         lines.append(f"| {pair[0]} / {pair[1]} | {summary.ratios[pair].format()} | " + " | ".join(cells) + " |")
     return lines
 
@@ -266,8 +355,11 @@ def _capture_table(result: BenchResult) -> list[str]:
     summary = result.capture_summary()
     rounds = len({record.round for record in result.capture_rounds})
     arms = list(dict.fromkeys(record.arm for record in result.capture_rounds))
-    lines = ["", f"| capture rounds ({rounds}, mirrored) | median [spread] | median [95% interval] |",
-             "| --- | --- | --- |"]
+    lines = [
+        "",
+        f"| capture rounds ({rounds}, mirrored) | median [spread] | median [95% interval] |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {arm} capture s | {summary.arms[arm].format()} | - |" for arm in arms]
     for a, b in _ordered_pairs(arms):
         found = median_interval(summary.ratios[a, b].values)
@@ -293,8 +385,9 @@ def plot_available() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise BenchOutputError("the bench's PNG plot needs matplotlib: pip install 'megatron-cg-plugin[bench]', "
-                               "or pass --bench-no-plot.")
+        raise BenchOutputError(
+            "the bench's PNG plot needs matplotlib: pip install 'megatron-cg-plugin[bench]', or pass --bench-no-plot."
+        )
 
 
 def plot(result: BenchResult, path: Path) -> None:
@@ -326,7 +419,7 @@ def _plotted(result: BenchResult) -> dict[str, list[tuple[int, float]]]:
                 points.setdefault(record.arm, []).append((index, record.seconds * 1e3))
         return points
     for index, block in enumerate(result.blocks):
-        points.setdefault(block.arm, []).extend((index, step * 1e3) for step in block.step_seconds[result.skip_steps:])
+        points.setdefault(block.arm, []).extend((index, step * 1e3) for step in block.step_seconds[result.skip_steps :])
     return points
 
 
@@ -344,23 +437,41 @@ def write(result: BenchResult, out: Path, *, with_plot: bool) -> list[Path]:
 def from_json(data: dict[str, Any]) -> BenchResult:
     """The result back from ``bench.json`` (to plot it on another machine)."""
     blocks = tuple(BlockRecord(**{**block, "step_seconds": tuple(block["step_seconds"])}) for block in data["blocks"])
-    return BenchResult(data["method"], data["steps_per_block"], data["skip_steps"], blocks, data["busy_fraction"],
-                       data["contract_check_us"], data["replays_per_step"], tuple(data["flags"]),
-                       data.get("copies", {}), data.get("schedule", "blocks"),
-                       tuple(StepRecord(**step) for step in data.get("steps", ())), data.get("recording_us"),
-                       tuple(CaptureRecord(**record) for record in data.get("capture_rounds", ())))
+    return BenchResult(
+        data["method"],
+        data["steps_per_block"],
+        data["skip_steps"],
+        blocks,
+        data["busy_fraction"],
+        data["contract_check_us"],
+        data["replays_per_step"],
+        tuple(data["flags"]),
+        data.get("copies", {}),
+        data.get("schedule", "blocks"),
+        tuple(StepRecord(**step) for step in data.get("steps", ())),
+        data.get("recording_us"),
+        tuple(CaptureRecord(**record) for record in data.get("capture_rounds", ())),
+    )
 
 
 def write_host_ops(path: Path, steps: int, ops: dict[str, tuple[int, float]]) -> None:
     """One arm's profiled host operators (``--bench-profile-dir``): per operator, calls and self
     CPU microseconds per step."""
-    path.write_text(json.dumps({"steps": steps, "per_step": {
-        name: {"calls": count / steps, "self_cpu_us": micros / steps} for name, (count, micros) in ops.items()}},
-        indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "per_step": {
+                    name: {"calls": count / steps, "self_cpu_us": micros / steps}
+                    for name, (count, micros) in ops.items()
+                },
+            },
+            indent=1,
+        )
+    )
 
 
-def write_device_timeline(path: Path, steps: int,
-                          events: Sequence[tuple[float, float, str, int, str]]) -> None:
+def write_device_timeline(path: Path, steps: int, events: Sequence[tuple[float, float, str, int, str]]) -> None:
     """One arm's profiled device activity (``--bench-profile-dir``): per device event, its start
     and end in microseconds, its kind (d2h, h2d; kernel for everything else the device ran, memsets
     and device-to-device copies included), its stream and its name, in start order."""
@@ -391,30 +502,43 @@ def host_ops_diff(first: Path, second: Path, *, rows: int = 25, calls_first: boo
     deltas = sorted(((name, a.get(name, empty), b.get(name, empty)) for name in set(a) | set(b)), key=order)
     total = sum(x["self_cpu_us"] for x in a.values()) - sum(x["self_cpu_us"] for x in b.values())
     kind = "python calls (the calls are exact; the times carry cProfile's overhead)" if calls_first else "host ops"
-    lines = [f"{kind}: host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us", "",
-             f"| {'function' if calls_first else 'operator'} | us per step, difference | first | second | "
-             "calls per step, first / second |",
-             "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{name}` | {x['self_cpu_us'] - y['self_cpu_us']:+.1f} | {x['self_cpu_us']:.1f} | "
-              f"{y['self_cpu_us']:.1f} | {x['calls']:g} / {y['calls']:g} |" for name, x, y in deltas[:rows]]
+    lines = [
+        f"{kind}: host time per step, {first.stem.split('.')[0]} - {second.stem.split('.')[0]}: {total:+.0f} us",
+        "",
+        f"| {'function' if calls_first else 'operator'} | us per step, difference | first | second | "
+        "calls per step, first / second |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{name}` | {x['self_cpu_us'] - y['self_cpu_us']:+.1f} | {x['self_cpu_us']:.1f} | "
+        f"{y['self_cpu_us']:.1f} | {x['calls']:g} / {y['calls']:g} |"
+        for name, x, y in deltas[:rows]
+    ]
     return "\n".join(lines)
 
 
-USAGE = ("usage: python -m megatron_cg_plugin.bench.output BENCH_JSON  (draws bench.png beside it)\n"
-         "       python -m megatron_cg_plugin.bench.output --host-diff DIR ARM OTHER_ARM  "
-         "(the --bench-profile-dir operators where two arms differ)\n"
-         "       python -m megatron_cg_plugin.bench.output --timeline DIR/ARM.device_timeline.json.gz ...  "
-         "(per step: kernel time, host copies and how much of them no kernel ran beside)")
+USAGE = (
+    "usage: python -m megatron_cg_plugin.bench.output BENCH_JSON  (draws bench.png beside it)\n"
+    "       python -m megatron_cg_plugin.bench.output --host-diff DIR ARM OTHER_ARM  "
+    "(the --bench-profile-dir operators where two arms differ)\n"
+    "       python -m megatron_cg_plugin.bench.output --timeline DIR/ARM.device_timeline.json.gz ...  "
+    "(per step: kernel time, host copies and how much of them no kernel ran beside)"
+)
 
 
 def timeline_table(paths: Sequence[Path]) -> str:
     """One row per device timeline: where its host copies left the compute waiting."""
-    lines = ["| timeline | span ms | kernels ms | D2H ms (exposed) | H2D ms (exposed) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| timeline | span ms | kernels ms | D2H ms (exposed) | H2D ms (exposed) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for path in paths:
         steps, events = read_device_timeline(path)
         s = CopyStalls.of(events, steps=steps)
-        lines.append(f"| {path.name.replace('.device_timeline.json.gz', '')} | {s.span * 1e3:.1f} | {s.kernels * 1e3:.1f} | "
-                     f"{s.d2h * 1e3:.1f} ({s.exposed_d2h * 1e3:.1f}) | {s.h2d * 1e3:.1f} ({s.exposed_h2d * 1e3:.1f}) |")
+        lines.append(
+            f"| {path.name.replace('.device_timeline.json.gz', '')} | {s.span * 1e3:.1f} | {s.kernels * 1e3:.1f} | "
+            f"{s.d2h * 1e3:.1f} ({s.exposed_d2h * 1e3:.1f}) | {s.h2d * 1e3:.1f} ({s.exposed_h2d * 1e3:.1f}) |"
+        )
     return "\n".join(lines)
 
 
@@ -426,8 +550,10 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--timeline":
         missing = [path for path in argv[1:] if not Path(path).exists()]
         if missing:
-            print(f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir DIR, then pass "
-                  "DIR/<arm>.device_timeline.json.gz.")
+            print(
+                f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir DIR, then pass "
+                "DIR/<arm>.device_timeline.json.gz."
+            )
             return 2
         print(timeline_table([Path(path) for path in argv[1:]]))
         return 0
@@ -435,8 +561,10 @@ def main(argv: Sequence[str]) -> int:
         paths = [Path(argv[1]) / f"{arm}.host_ops.json" for arm in argv[2:]]
         missing = [str(path) for path in paths if not path.exists()]
         if missing:
-            print(f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir {argv[1]} and both arms "
-                  "in --bench-arms.")
+            print(
+                f"no {', '.join(missing)}: run megatron-cg bench with --bench-profile-dir {argv[1]} and both arms "
+                "in --bench-arms."
+            )
             return 2
         print(host_ops_diff(*paths))
         python = [Path(argv[1]) / f"{arm}.python_calls.json" for arm in argv[2:]]

@@ -27,6 +27,26 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 
+__all__ = [
+    "BenchSummary",
+    "Block",
+    "CopyStalls",
+    "DeviceTime",
+    "MedianInterval",
+    "Spread",
+    "Step",
+    "busy_seconds",
+    "fewest_for_interval",
+    "interleaved_blocks",
+    "interleaved_steps",
+    "intervals_by_kind",
+    "median_interval",
+    "median_precision",
+    "run_schedule",
+    "summarize",
+    "summarize_steps",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Block:
@@ -57,8 +77,9 @@ class Spread:
         return cls(statistics.median(values), min(values), max(values), tuple(values))
 
     def format(self, unit: str = "", scale: float = 1.0) -> str:
-        return (f"{self.median * scale:.3g}{unit} [{self.low * scale:.3g}, {self.high * scale:.3g}] "
-                f"(n={len(self.values)})")
+        return (
+            f"{self.median * scale:.3g}{unit} [{self.low * scale:.3g}, {self.high * scale:.3g}] (n={len(self.values)})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +99,9 @@ def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int =
             raise ValueError(f"block {block} has no step left after skipping {skip_steps}.")
         medians[block] = statistics.median(kept)
     arms = sorted({block.arm for block in medians})
-    per_arm = {arm: Spread.of([medians[b] for b in sorted(medians, key=lambda b: b.round) if b.arm == arm])
-               for arm in arms}
+    per_arm = {
+        arm: Spread.of([medians[b] for b in sorted(medians, key=lambda b: b.round) if b.arm == arm]) for arm in arms
+    }
     pairs = sorted({block.round // 2 for block in medians})
     ratios = {}
     for a in arms:
@@ -242,7 +264,7 @@ def _order_rank(n: int, confidence: float) -> tuple[int, float] | None:
     probability >= ``confidence``, and that probability: 1 - 2 P(Binomial(n, 1/2) <= k - 1).
     Exact in integers; None where even [min, max] covers too little."""
     tail = Fraction(1) - Fraction(confidence)  # both tails together
-    total, cumulative, term, k = 2 ** n, 0, 1, 0
+    total, cumulative, term, k = 2**n, 0, 1, 0
     while k < (n + 1) // 2:
         if 2 * (cumulative + term) * tail.denominator > tail.numerator * total:  # 2 P(B <= k) > tail
             break
@@ -279,8 +301,13 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> Median
     return MedianInterval(statistics.median(ordered), ordered[k - 1], ordered[-k], len(ordered), confidence, coverage)
 
 
-def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequence[float]],
-                 progress: Callable[[str], None] = lambda line: None, *, skip_steps: int = 0) -> dict[Block, list[float]]:
+def run_schedule(
+    schedule: Sequence[Block],
+    run_block: Callable[[Block], Sequence[float]],
+    progress: Callable[[str], None] = lambda line: None,
+    *,
+    skip_steps: int = 0,
+) -> dict[Block, list[float]]:
     """Runs every block in order (``run_block`` returns its step times) and reports each, its median
     without the first ``skip_steps`` as ``summarize`` will take it."""
     results: dict[Block, list[float]] = {}
@@ -289,8 +316,10 @@ def run_schedule(schedule: Sequence[Block], run_block: Callable[[Block], Sequenc
         results[block] = steps
         kept = steps[skip_steps:]
         median = statistics.median(kept) if kept else float("nan")
-        progress(f"block {index + 1}/{len(schedule)}: round {block.round} {block.arm}: "
-                 f"{len(steps)} steps, median {median * 1e3:.2f} ms")
+        progress(
+            f"block {index + 1}/{len(schedule)}: round {block.round} {block.arm}: "
+            f"{len(steps)} steps, median {median * 1e3:.2f} ms"
+        )
     return results
 
 
@@ -317,14 +346,25 @@ class DeviceTime:
     copy_overlap_seconds: float = 0.0
 
     @classmethod
-    def of(cls, kernels: Sequence[tuple[float, float]], d2h: Sequence[tuple[float, float]],
-           h2d: Sequence[tuple[float, float]], *, steps: int, scale: float = 1.0) -> DeviceTime:
+    def of(
+        cls,
+        kernels: Sequence[tuple[float, float]],
+        d2h: Sequence[tuple[float, float]],
+        h2d: Sequence[tuple[float, float]],
+        *,
+        steps: int,
+        scale: float = 1.0,
+    ) -> DeviceTime:
         """From device intervals (start, end) over ``steps`` steps, ``scale`` seconds per unit."""
         copies = [*d2h, *h2d]
         overlap = busy_seconds(kernels) + busy_seconds(copies) - busy_seconds([*kernels, *copies])
         per_step = scale / steps
-        return cls(busy_seconds([*kernels, *copies]) * per_step, busy_seconds(d2h) * per_step,
-                   busy_seconds(h2d) * per_step, overlap * per_step)
+        return cls(
+            busy_seconds([*kernels, *copies]) * per_step,
+            busy_seconds(d2h) * per_step,
+            busy_seconds(h2d) * per_step,
+            overlap * per_step,
+        )
 
 
 def intervals_by_kind(events: Sequence[tuple[float, float, str, int, str]]) -> dict[str, list[tuple[float, float]]]:
@@ -349,14 +389,17 @@ class CopyStalls:
     exposed_h2d: float
 
     @classmethod
-    def of(cls, events: Sequence[tuple[float, float, str, int, str]], *, steps: int,
-           scale: float = 1e-6) -> CopyStalls:
+    def of(cls, events: Sequence[tuple[float, float, str, int, str]], *, steps: int, scale: float = 1e-6) -> CopyStalls:
         """``events``: (start, end, kind, stream, name), kind kernel, d2h or h2d; ``scale`` seconds per unit."""
         by_kind = intervals_by_kind(events)
         kernels = busy_seconds(by_kind["kernel"])
         span = max(end for _, end, *_ in events) - min(start for start, *_ in events) if events else 0.0
         per_step = scale / steps
-        return cls(span * per_step, kernels * per_step, busy_seconds(by_kind["d2h"]) * per_step,
-                   busy_seconds(by_kind["h2d"]) * per_step,
-                   (busy_seconds(by_kind["kernel"] + by_kind["d2h"]) - kernels) * per_step,
-                   (busy_seconds(by_kind["kernel"] + by_kind["h2d"]) - kernels) * per_step)
+        return cls(
+            span * per_step,
+            kernels * per_step,
+            busy_seconds(by_kind["d2h"]) * per_step,
+            busy_seconds(by_kind["h2d"]) * per_step,
+            (busy_seconds(by_kind["kernel"] + by_kind["d2h"]) - kernels) * per_step,
+            (busy_seconds(by_kind["kernel"] + by_kind["h2d"]) - kernels) * per_step,
+        )

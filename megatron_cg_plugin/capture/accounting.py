@@ -10,7 +10,23 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "MemoryState",
+    "ReplayCounter",
+    "ReplayTotals",
+    "TeardownStats",
+    "allocator_segments",
+    "blocks_of_new_pools",
+    "live_blocks",
+    "memory_state",
+    "new_pool_bytes",
+    "pool_bytes_by_id",
+    "steady_median",
+    "teardown_stats",
+]
 
 DEFAULT_POOL = (0, 0)  # the caching allocator's id for ordinary (non-graph) segments
 
@@ -32,9 +48,13 @@ def new_pool_bytes(before: Mapping[tuple[int, int], int], after: Mapping[tuple[i
 
 def live_blocks(segments: Iterable[Mapping[str, Any]], pool: tuple[int, int]) -> dict[int, int]:
     """Allocated blocks (address -> bytes) of the private pool ``pool``."""
-    return {int(block["address"]): int(block["size"])
-            for segment in segments if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == tuple(pool)
-            for block in segment["blocks"] if block["state"] == "active_allocated"}
+    return {
+        int(block["address"]): int(block["size"])
+        for segment in segments
+        if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == tuple(pool)
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
 
 
 def allocator_segments() -> list[dict[str, Any]]:
@@ -92,8 +112,11 @@ def memory_state() -> MemoryState:
             pinned = int(host_stats().get("allocated_bytes.current", 0))
         except RuntimeError:  # older builds without host allocator stats
             pinned = None
-    return MemoryState(allocated=torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
-                       pools=pool_bytes_by_id(allocator_segments()), pinned_host=pinned)
+    return MemoryState(
+        allocated=torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
+        pools=pool_bytes_by_id(allocator_segments()),
+        pinned_host=pinned,
+    )
 
 
 def steady_median(seconds: Sequence[float], skip_first: int = 1) -> float | None:
@@ -122,5 +145,7 @@ def teardown_stats(before: MemoryState, after: MemoryState) -> TeardownStats:
     return TeardownStats(
         allocated_delta_bytes=after.allocated - before.allocated,
         pool_bytes_left=new_pool_bytes(before.pools, after.pools),
-        pinned_host_delta_bytes=None if after.pinned_host is None or before.pinned_host is None
-        else after.pinned_host - before.pinned_host)
+        pinned_host_delta_bytes=None
+        if after.pinned_host is None or before.pinned_host is None
+        else after.pinned_host - before.pinned_host,
+    )

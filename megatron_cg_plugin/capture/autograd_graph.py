@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = ["reachable_nodes"]
 
 
 def reachable_nodes(roots: Iterable[Any]) -> Iterator[Any]:

@@ -34,15 +34,30 @@ import dataclasses
 import functools
 import operator
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from megatron_cg_plugin.console import group_label
 from megatron_cg_plugin.capture.accounting import ReplayCounter
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.console import group_label
+
+__all__ = [
+    "CheckedGraph",
+    "ContractViolation",
+    "FIRST_MICROBATCH",
+    "REPLAY_ONLY_KWARGS",
+    "ReplayContract",
+    "StaticInput",
+    "TensorSpec",
+    "addressed_strides",
+    "alias_topology",
+    "flatten_call",
+    "process_groups_of",
+]
 
 # Keyword arguments Megatron adds at replay only; TE consumes them outside the graph.
 FIRST_MICROBATCH = "is_first_microbatch"  # True for a step's first microbatch (module.py l.332)
@@ -53,18 +68,17 @@ _HINTS = {
     "shape": "graphs replay fixed shapes: keep --seq-length, --micro-batch-size and the parallel sizes as at capture",
     "dtype": "inputs must keep the captured dtype (TE would cast silently)",
     "stride": "an input passed in the graph's own static buffer is read in place and must keep the captured "
-              "memory layout",
+    "memory layout",
     "device": "inputs must stay on the device the graph was captured on",
     "requires_grad": "an input now requires a gradient that the captured backward does not compute",
     "kind": "an input changed between tensor and non-tensor",
     "alias": "an input shares memory with a static buffer of this graph, which copying the inputs in would "
-             "overwrite before it is read; pass a separate tensor",
+    "overwrite before it is read; pass a separate tensor",
     "control": "a non-tensor argument differs from its captured value; graphs bake control values in",
     "arguments": "the set of arguments differs from the captured call",
     "parameter storage": "a parameter was reallocated after capture (e.g. a checkpoint loaded into new "
-                         "tensors); copy into the existing parameters, or recapture",
-    "process group": "the layer now uses a different process group than at capture; graphs bake in "
-                     "their communicators",
+    "tensors); copy into the existing parameters, or recapture",
+    "process group": "the layer now uses a different process group than at capture; graphs bake in their communicators",
 }
 
 
@@ -90,7 +104,7 @@ class TensorSpec:
     requires_grad: bool
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype, tuple(tensor.stride()), tensor.device, tensor.requires_grad)
 
 
@@ -112,7 +126,7 @@ class StaticInput:
     buffer: weakref.ref = dataclasses.field(compare=False, repr=False)
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "StaticInput":
+    def of(cls, tensor: torch.Tensor) -> StaticInput:
         return cls(TensorSpec.of(tensor), _data_ptr(tensor), _storage_ptr(tensor), weakref.ref(tensor))
 
     @property
@@ -188,10 +202,16 @@ class Held:
 def _parameters_of(module: Any) -> tuple[Held, ...]:
     """Every parameter of ``module``, looked up again where it lives (its owner's ``_parameters``):
     a parameter replaced by a new one is seen, and the walk over submodules is made only once."""
-    return tuple(Held(f"{prefix}.{attribute}" if prefix else attribute, _data_ptr(param),
-                      functools.partial(dict.get, owner._parameters, attribute))
-                 for prefix, owner in module.named_modules() for attribute, param in owner._parameters.items()
-                 if param is not None)
+    return tuple(
+        Held(
+            f"{prefix}.{attribute}" if prefix else attribute,
+            _data_ptr(param),
+            functools.partial(dict.get, owner._parameters, attribute),
+        )
+        for prefix, owner in module.named_modules()
+        for attribute, param in owner._parameters.items()
+        if param is not None
+    )
 
 
 def _returning(value: Any) -> Callable[[], Any]:
@@ -240,8 +260,11 @@ def _flat_call(inputs: tuple[tuple[str, Any], ...]) -> tuple[int, tuple[str, ...
 def _reader(lookups: list[Callable[[], Any]]) -> Callable[[], Iterable[Any]]:
     """The objects ``lookups`` return, read in one ``map``: straight from their dicts where every
     lookup is ``partial(dict.get, mapping, key)`` (the parameters of a layer), else call by call."""
-    partials = [lookup for lookup in lookups
-                if isinstance(lookup, functools.partial) and lookup.func is dict.get and not lookup.keywords]
+    partials = [
+        lookup
+        for lookup in lookups
+        if isinstance(lookup, functools.partial) and lookup.func is dict.get and not lookup.keywords
+    ]
     if len(partials) == len(lookups):
         mappings, keys = tuple(lookup.args[0] for lookup in partials), tuple(lookup.args[1] for lookup in partials)
         return lambda: map(dict.get, mappings, keys)
@@ -262,11 +285,29 @@ class ReplayContract:
     (``step_marks.py``), so the first replay after any of those reads it again; a replay outside any
     run (a training-mode forward of one's own) reads it every time."""
 
-    __slots__ = ("graph", "inputs", "parameters", "process_groups", "static_by_storage", "flat_call",
-                 "_tensor_at", "_step_marks", "_held_at", "_parameters_now", "__weakref__")
+    __slots__ = (
+        "graph",
+        "inputs",
+        "parameters",
+        "process_groups",
+        "static_by_storage",
+        "flat_call",
+        "_tensor_at",
+        "_step_marks",
+        "_held_at",
+        "_parameters_now",
+        "__weakref__",
+    )
 
-    def __init__(self, graph: str, inputs: tuple[tuple[str, Any], ...], parameters: tuple[Held, ...] = (),
-                 process_groups: tuple[Held, ...] = (), *, step_marks: StepMarks | None = None) -> None:
+    def __init__(
+        self,
+        graph: str,
+        inputs: tuple[tuple[str, Any], ...],
+        parameters: tuple[Held, ...] = (),
+        process_groups: tuple[Held, ...] = (),
+        *,
+        step_marks: StepMarks | None = None,
+    ) -> None:
         self.graph, self.inputs = graph, inputs
         self.parameters, self.process_groups = parameters, process_groups
         # Storage address -> the static inputs there: what a copied-in input must not alias (alive ones).
@@ -283,16 +324,30 @@ class ReplayContract:
         self._parameters_now = _reader([held.lookup for held in parameters])
 
     @classmethod
-    def record(cls, graph: str, args: Sequence[Any], kwargs: Mapping[str, Any], *, module: Any = None,
-               params: Iterable[tuple[str, torch.Tensor]] = (), step_marks: StepMarks | None = None) -> "ReplayContract":
+    def record(
+        cls,
+        graph: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        module: Any = None,
+        params: Iterable[tuple[str, torch.Tensor]] = (),
+        step_marks: StepMarks | None = None,
+    ) -> ReplayContract:
         """The contract of a graph captured with ``args``/``kwargs``: ``module``'s parameters and
         process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture).
         ``step_marks``: the run's, where the model keeps its parameters in place within a step."""
-        inputs = tuple((name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v)
-                       for name, v in flatten_call(args, kwargs))
+        inputs = tuple(
+            (name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v) for name, v in flatten_call(args, kwargs)
+        )
         held = tuple(Held(name, _data_ptr(p), _returning(p)) for name, p in params)
-        return cls(graph, inputs, held + (_parameters_of(module) if module is not None else ()),
-                   _groups_of(module) if module is not None else (), step_marks=step_marks)
+        return cls(
+            graph,
+            inputs,
+            held + (_parameters_of(module) if module is not None else ()),
+            _groups_of(module) if module is not None else (),
+            step_marks=step_marks,
+        )
 
     def static_storages(self) -> frozenset[int]:
         """The storages of the static buffers still alive."""
@@ -332,13 +387,17 @@ class ReplayContract:
             if ptr == expected.data_ptr and expected.buffer() is not None:  # read in place: the graph's layout
                 stride = value.stride()
                 if stride != spec.stride and addressed_strides(value.shape, stride) != addressed_strides(
-                        spec.shape, spec.stride):
+                    spec.shape, spec.stride
+                ):
                     raise ContractViolation(self.graph, "stride", spec.stride, tuple(stride), name)
             elif value.numel():
                 # A plain tensor's address is its storage's plus its offset (TensorImpl::data): one method call,
                 # where untyped_storage() makes a storage object. Any other type may keep its storage apart.
-                storage = ptr - _STORAGE_OFFSET(value) * spec.dtype.itemsize if (
-                    kind is torch.Tensor or kind is torch.nn.Parameter) else _storage_ptr(value)
+                storage = (
+                    ptr - _STORAGE_OFFSET(value) * spec.dtype.itemsize
+                    if (kind is torch.Tensor or kind is torch.nn.Parameter)
+                    else _storage_ptr(value)
+                )
                 sharing = by_storage.get(storage)
                 if sharing and any(static.alive for static in sharing):
                     raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
@@ -365,8 +424,9 @@ class ReplayContract:
         return [value for _, value in actual]
 
     @staticmethod
-    def _flat_leaves(args: Sequence[Any], kwargs: Mapping[str, Any], positional: int,
-                     keys: tuple[str, ...]) -> list[Any] | None:
+    def _flat_leaves(
+        args: Sequence[Any], kwargs: Mapping[str, Any], positional: int, keys: tuple[str, ...]
+    ) -> list[Any] | None:
         """The leaves of a call that is exactly ``positional`` arguments and ``keys`` (besides the
         keywords flatten_call leaves out), each one leaf; None for any other (flatten_call decides)."""
         if len(args) != positional:
@@ -396,8 +456,9 @@ class ReplayContract:
         for held, now in zip(self.parameters, self._parameters_now()):
             ptr = None if now is None else _data_ptr(now)
             if ptr != held.captured:
-                raise ContractViolation(self.graph, "parameter storage", hex(held.captured),
-                                        "gone" if ptr is None else hex(ptr), held.name)
+                raise ContractViolation(
+                    self.graph, "parameter storage", hex(held.captured), "gone" if ptr is None else hex(ptr), held.name
+                )
         source: Callable[[], Any] | None = None
         groups: Mapping[str, Any] = {}
         for held in self.process_groups:
@@ -405,8 +466,9 @@ class ReplayContract:
                 source, groups = held.lookup, held.lookup()
             now = groups.get(held.name)
             if now is not held.captured:
-                raise ContractViolation(self.graph, "process group", group_label(held.captured), group_label(now),
-                                        held.name)
+                raise ContractViolation(
+                    self.graph, "process group", group_label(held.captured), group_label(now), held.name
+                )
 
 
 class CheckedGraph:
@@ -419,8 +481,14 @@ class CheckedGraph:
 
     __slots__ = ("graph", "contract", "mode", "_counter", "_slot")
 
-    def __init__(self, graph: Callable, contract: ReplayContract | None, mode: ContractCheck,
-                 counter: ReplayCounter | None = None, slot: int = 0) -> None:
+    def __init__(
+        self,
+        graph: Callable,
+        contract: ReplayContract | None,
+        mode: ContractCheck,
+        counter: ReplayCounter | None = None,
+        slot: int = 0,
+    ) -> None:
         self.graph, self.contract, self.mode = graph, contract, mode
         self._counter, self._slot = counter, slot
 
@@ -452,5 +520,8 @@ def process_groups_of(module: Any) -> tuple[tuple[str, Any], ...]:
         return ()
     if not torch.distributed.is_available():
         return ()
-    return tuple((name, value) for name, value in sorted(getattr(collection, "__dict__", {}).items(), key=_FIRST)
-                 if isinstance(value, torch.distributed.ProcessGroup))
+    return tuple(
+        (name, value)
+        for name, value in sorted(getattr(collection, "__dict__", {}).items(), key=_FIRST)
+        if isinstance(value, torch.distributed.ProcessGroup)
+    )

@@ -13,9 +13,12 @@ leaves alive is still refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from megatron_cg_plugin.scopes import PARTIAL_MOE_SCOPES, module_names
+
+__all__ = ["ScratchAttribute", "clear", "clearing", "ends_inside_moe_block", "moe_dispatcher_scratch", "resolve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,8 @@ def ends_inside_moe_block(layer: Any) -> bool:
     """The layer's graph ends inside its MoE block (``--cuda-graph-modules moe_router``,
     ``moe_preprocess``) and hands the dispatcher's state to the block's eager rest."""
     return getattr(layer, "is_moe_layer", False) and bool(
-        PARTIAL_MOE_SCOPES & set(module_names(getattr(layer.config, "cuda_graph_modules", None))))
+        PARTIAL_MOE_SCOPES & set(module_names(getattr(layer.config, "cuda_graph_modules", None)))
+    )
 
 
 def moe_dispatcher_scratch(layer: Any) -> tuple[ScratchAttribute, ...]:
@@ -79,5 +83,6 @@ def moe_dispatcher_scratch(layer: Any) -> tuple[ScratchAttribute, ...]:
         raise RuntimeError(
             f"{type(dispatcher).__name__} has no cudagraph_attrs (its per-forward state), which graph banks need "
             "to graph the MoE block; this megatron-core is outside the tested range (docs/versions.md): graph "
-            "only attention with --cuda-graph-modules attn.")
+            "only attention with --cuda-graph-modules attn."
+        )
     return tuple(resolve(dispatcher, name) for name in names)

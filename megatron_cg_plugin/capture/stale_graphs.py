@@ -18,11 +18,24 @@ import gc
 import sys
 import traceback
 import types
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
+
+__all__ = [
+    "StaleAutogradGraphError",
+    "StaleGraph",
+    "chain",
+    "describe_holders",
+    "diagnose_failed_capture",
+    "ensure_no_stale_graphs",
+    "find_stale_graphs",
+    "shows_stale_graph_symptoms",
+    "tensors_in",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +62,20 @@ class StaleAutogradGraphError(RuntimeError):
         for graph in stale:
             held = "; ".join(graph.holders) or "no Python referrer found (held from C++ or a closure)"
             lines.append(f"  - {graph.root}, reaching {graph.parameters} graphed parameter(s), held by: {held}")
-        opening = ("CUDA graph capture failed and was rolled back, and the likely cause is still there"
-                   if after_failure else "CUDA graph capture refused")
+        opening = (
+            "CUDA graph capture failed and was rolled back, and the likely cause is still there"
+            if after_failure
+            else "CUDA graph capture refused"
+        )
         super().__init__(
             f"{opening}: {len(stale)} autograd graph(s) from an eager step are still "
             "alive and keep AccumulateGrad nodes of graphed parameters bound to the eager stream; with "
             "torch >= 2.9 capture fails with 'operation would make the legacy stream depend on a "
-            "capturing blocking stream'.\n" + "\n".join(lines) +
-            "\nDrop these references before capture (e.g. `del loss`, or keep `loss.item()` instead of the "
-            "tensor).")
+            "capturing blocking stream'.\n"
+            + "\n".join(lines)
+            + "\nDrop these references before capture (e.g. `del loss`, or keep `loss.item()` instead of the "
+            "tensor)."
+        )
 
 
 def _accumulated_variables(root: Any) -> Iterable[torch.Tensor]:
@@ -80,8 +98,10 @@ def _frame_holders(target: Any) -> list[str]:
             names = [name for name, value in frame.f_locals.items() if value is target]
             if names:
                 code = frame.f_code
-                found.append(f"local variable {', '.join(map(repr, names))} in {code.co_name}() "
-                             f"({code.co_filename}:{frame.f_lineno})")
+                found.append(
+                    f"local variable {', '.join(map(repr, names))} in {code.co_name}() "
+                    f"({code.co_filename}:{frame.f_lineno})"
+                )
             frame = frame.f_back
     return found
 
@@ -140,8 +160,11 @@ def describe_holders(target: Any) -> tuple[str, ...]:
         text = _describe_holder(referrer, target)
         if text is None:
             continue
-        owners = [o for o in _owners(referrer) if o is not None and not isinstance(o, types.ModuleType)
-                  and _attributes_holding(o, target)]
+        owners = [
+            o
+            for o in _owners(referrer)
+            if o is not None and not isinstance(o, types.ModuleType) and _attributes_holding(o, target)
+        ]
         # Only attributes above: locals and bare lists there name the scan itself more than the holder.
         above = [h for o in owners for h in _referrer_holders(o) if h.startswith("attribute ")]
         described.append(f"{text}, which is {'; '.join(above)}" if above else text)
@@ -185,10 +208,14 @@ def find_stale_graphs(params: Iterable[torch.Tensor], objects: Iterable[Any] | N
         holders = tuple(frames) + _referrer_holders(obj, ignore=[scanned])
         owners = [owner for r in gc.get_referrers(obj) if r is not scanned for owner in _owners(r)]
         tolerated = [_tolerated(owner, obj) for owner in owners]
-        stale.append(StaleGraph(
-            root=f"{type(obj.grad_fn).__name__} output, shape {tuple(obj.shape)}, {obj.dtype}",
-            parameters=len(reached), holders=holders,
-            tolerated=not frames and bool(owners) and all(tolerated)))
+        stale.append(
+            StaleGraph(
+                root=f"{type(obj.grad_fn).__name__} output, shape {tuple(obj.shape)}, {obj.dtype}",
+                parameters=len(reached),
+                holders=holders,
+                tolerated=not frames and bool(owners) and all(tolerated),
+            )
+        )
     return stale
 
 
@@ -198,7 +225,9 @@ def _tolerated(owner: Any, target: Any) -> bool:
     attributes = _attributes_holding(owner, target)
     return bool(attributes) and all(
         type(owner).__name__.endswith(suffix) and name == attribute
-        for attribute in attributes for suffix, name in TOLERATED_HOLDERS)
+        for attribute in attributes
+        for suffix, name in TOLERATED_HOLDERS
+    )
 
 
 def _untolerated(graphs: list[StaleGraph], tolerate: bool) -> list[StaleGraph]:
@@ -238,8 +267,13 @@ def shows_stale_graph_symptoms(error: BaseException) -> bool:
     return _cuda_says(error, STALE_GRAPH_ERROR) or _cuda_says(error, INVALIDATED_CAPTURE)
 
 
-def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException, *, tolerate: bool = True,
-                            collect: Callable[[], Any] = gc.collect) -> None:
+def diagnose_failed_capture(
+    params: Iterable[torch.Tensor],
+    error: BaseException,
+    *,
+    tolerate: bool = True,
+    collect: Callable[[], Any] = gc.collect,
+) -> None:
     """After a capture failed and was rolled back with CUDA's symptoms of a live eager graph:
     raises ``StaleAutogradGraphError`` (from ``error``) naming what holds the eager graphs that
     reach ``params`` and survive a garbage collection. Returns if there are none, or if the
@@ -255,14 +289,16 @@ def diagnose_failed_capture(params: Iterable[torch.Tensor], error: BaseException
     if not _untolerated(find_stale_graphs(params), tolerate):
         return
     collect()
-    remaining = [graph for graph in _untolerated(find_stale_graphs(params), tolerate)
-                 if graph.holders or not named_only]
+    remaining = [
+        graph for graph in _untolerated(find_stale_graphs(params), tolerate) if graph.holders or not named_only
+    ]
     if remaining:
         raise StaleAutogradGraphError(remaining, after_failure=True) from error
 
 
-def ensure_no_stale_graphs(params: Iterable[torch.Tensor], *, tolerate: bool = True,
-                           collect: Callable[[], Any] = gc.collect) -> list[StaleGraph]:
+def ensure_no_stale_graphs(
+    params: Iterable[torch.Tensor], *, tolerate: bool = True, collect: Callable[[], Any] = gc.collect
+) -> list[StaleGraph]:
     """Collects garbage if stale graphs are found (the safe fix), then refuses if any remain that
     are not tolerated (``tolerate=False``: any). Returns the tolerated ones, for the log."""
     params = list(params)

@@ -10,6 +10,8 @@ the schedule, ``depth`` stays 0 and every replay reads them."""
 
 from __future__ import annotations
 
+__all__ = ["StepMarks"]
+
 
 class StepMarks:
     """Entered around each schedule run. Nested entries (the bench's own marks and the patch's around
@@ -21,7 +23,7 @@ class StepMarks:
         self.depth = 0  # schedule runs under way
         self.count = 0  # entries and exits so far: the same value means the same run
 
-    def __enter__(self) -> "StepMarks":
+    def __enter__(self) -> StepMarks:
         self.depth += 1
         self.count += 1
         return self

@@ -8,10 +8,21 @@ reset them), and the TE-global state a failed capture leaves behind. CPU tests s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.capture.transaction import Restorable, attribute
+
+__all__ = [
+    "GraphBackend",
+    "TEBackend",
+    "generators_out_of_capture",
+    "generators_preserved",
+    "graph_generators",
+    "register_graph_safe_generators",
+    "te_capture_flag",
+]
 
 
 class GraphBackend(Protocol):
@@ -60,12 +71,16 @@ class TEBackend:
         (Megatron freezes GC too). It changes no allocator setting."""
         import transformer_engine.pytorch.graph as te_graph
 
-        items = [attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag"),
-                 generators_out_of_capture()]
+        items = [
+            attribute(te_graph, "_IS_GRAPH_CAPTURING", label="transformer_engine capture flag"),
+            generators_out_of_capture(),
+        ]
         for cls in {type(module): None for module in callables}:
             items.append(attribute(cls, "__call__"))
-        items += [attribute(module, "forward", label=f"{type(module).__name__}#{i}.forward")
-                  for i, module in enumerate(callables)]
+        items += [
+            attribute(module, "forward", label=f"{type(module).__name__}#{i}.forward")
+            for i, module in enumerate(callables)
+        ]
         recipe = capture_kwargs.get("fp8_recipe")
         if recipe is not None and any(_as_tuple(capture_kwargs.get("fp8_enabled", False))):
             items.append(_fp8_meta_tensors(te_graph, callables, recipe))

@@ -12,9 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from megatron_cg_plugin import foreign_state
+
+__all__ = [
+    "CaptureTransaction",
+    "Restorable",
+    "attribute",
+    "gc_freeze",
+    "gc_state",
+    "restorables_for",
+    "rng_state",
+    "tensor_grads",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +46,11 @@ def attribute(owner: Any, name: str, *, label: str | None = None) -> Restorable:
     def restore(value: Any) -> None:
         foreign_state.put(owner, name, value)
 
-    return Restorable(label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}",
-                      lambda: foreign_state.stored(owner, name), restore)
+    return Restorable(
+        label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}",
+        lambda: foreign_state.stored(owner, name),
+        restore,
+    )
 
 
 def gc_state() -> Restorable:
@@ -87,7 +102,7 @@ class CaptureTransaction:
     def track(self, graph: Any) -> None:
         self.graphs.append(graph)
 
-    def __enter__(self) -> "CaptureTransaction":
+    def __enter__(self) -> CaptureTransaction:
         self._snapshots = [(item, item.save()) for item in self._restorables]
         return self
 
@@ -136,10 +151,20 @@ def rng_state() -> Restorable:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     def save() -> Any:
-        cuda = torch.cuda.default_generators[torch.cuda.current_device()].get_state() if torch.cuda.is_available() else None
+        cuda = (
+            torch.cuda.default_generators[torch.cuda.current_device()].get_state()
+            if torch.cuda.is_available()
+            else None
+        )
         tracker = get_cuda_rng_tracker().get_states()
-        return torch.get_rng_state(), cuda, {name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
-                                              for name, value in tracker.items()}
+        return (
+            torch.get_rng_state(),
+            cuda,
+            {
+                name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
+                for name, value in tracker.items()
+            },
+        )
 
     def restore(saved: Any) -> None:
         cpu, cuda, tracker = saved

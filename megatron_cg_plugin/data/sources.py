@@ -13,10 +13,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+__all__ = ["build_datasets", "dataset_config", "missing_files"]
+
 # Megatron's tokenizers that load a model file named by --tokenizer-model (HuggingFace takes hub
 # names there too, so it is not checked).
-_TOKENIZER_MODEL_FILES = frozenset({"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                                    "TikTokenizer"})
+_TOKENIZER_MODEL_FILES = frozenset(
+    {"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer"}
+)
 
 
 def _is_local(path: str) -> bool:
@@ -27,8 +30,11 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
     """The dataset prefixes the flags name, and the argument files that could not be read."""
     from megatron.training.utils import get_blend_and_blend_per_split
 
-    argument_files = [path for path in (getattr(args, "data_args_path", None),
-                                        getattr(args, "per_split_data_args_path", None)) if path is not None]
+    argument_files = [
+        path
+        for path in (getattr(args, "data_args_path", None), getattr(args, "per_split_data_args_path", None))
+        if path is not None
+    ]
     if any(not _is_local(path) for path in argument_files):
         return [], []  # an object store's listing is read by the run, not checked here
     unreadable = [path for path in argument_files if not os.path.isfile(path)]
@@ -37,8 +43,9 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
     try:
         blend, blend_per_split = get_blend_and_blend_per_split(args)
     except (OSError, ValueError, KeyError, TypeError) as error:  # a malformed argument file
-        return [], [f"{' '.join(argument_files)} (cannot be read as Megatron's data arguments: "
-                    f"{type(error).__name__}: {error})"]
+        return [], [
+            f"{' '.join(argument_files)} (cannot be read as Megatron's data arguments: {type(error).__name__}: {error})"
+        ]
     blends = [blend] if blend is not None else [split for split in blend_per_split or () if split is not None]
     return [prefix for prefixes, _weights in blends for prefix in prefixes], []
 
@@ -95,5 +102,6 @@ def build_datasets(train_val_test_num_samples: Sequence[int], vp_stage: int | No
         return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
 
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_this_rank,
-                                         dataset_config(args)).build()
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, built_on_this_rank, dataset_config(args)
+    ).build()

@@ -25,13 +25,57 @@ from pathlib import Path
 
 from megatron_cg_plugin import console
 
-WORDS = ("graph", "replay", "capture", "memory", "pool", "layer", "token", "expert", "router", "stream",
-         "kernel", "tensor", "gradient", "optimizer", "batch", "sequence", "attention", "rank", "bank",
-         "arena", "offload", "scale", "the", "a", "of", "and", "in", "to", "is", "with", "each", "every")
+__all__ = [
+    "SFT_PROMPT_FORMAT",
+    "SFT_SPECIAL",
+    "sft_flags",
+    "synthetic_corpus",
+    "synthetic_documents",
+    "tokenize_corpus",
+    "train_sentencepiece",
+    "write_indexed_dataset",
+    "write_sft_dataset",
+]
+
+WORDS = (
+    "graph",
+    "replay",
+    "capture",
+    "memory",
+    "pool",
+    "layer",
+    "token",
+    "expert",
+    "router",
+    "stream",
+    "kernel",
+    "tensor",
+    "gradient",
+    "optimizer",
+    "batch",
+    "sequence",
+    "attention",
+    "rank",
+    "bank",
+    "arena",
+    "offload",
+    "scale",
+    "the",
+    "a",
+    "of",
+    "and",
+    "in",
+    "to",
+    "is",
+    "with",
+    "each",
+    "every",
+)
 
 
-def write_indexed_dataset(prefix: str | Path, documents: Iterable[Sequence[int]], *, eod: int,
-                          dtype: str = "int32") -> Path:
+def write_indexed_dataset(
+    prefix: str | Path, documents: Iterable[Sequence[int]], *, eod: int, dtype: str = "int32"
+) -> Path:
     """Writes ``PREFIX.bin`` and ``PREFIX.idx`` holding ``documents`` (each followed by ``eod``)."""
     import numpy
     import torch
@@ -50,8 +94,9 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[Sequence[int]]
     return prefix
 
 
-def synthetic_documents(count: int, *, vocab_size: int, seed: int, min_length: int = 16,
-                        max_length: int = 600) -> list[list[int]]:
+def synthetic_documents(
+    count: int, *, vocab_size: int, seed: int, min_length: int = 16, max_length: int = 600
+) -> list[list[int]]:
     """Seeded documents of token ids in ``[0, vocab_size - 1)`` (the last id is NullTokenizer's EOD)."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size - 1) for _ in range(rng.randint(min_length, max_length))] for _ in range(count)]
@@ -60,8 +105,7 @@ def synthetic_documents(count: int, *, vocab_size: int, seed: int, min_length: i
 def synthetic_corpus(count: int, *, seed: int, min_words: int = 8, max_words: int = 300) -> list[str]:
     """Seeded text documents of English-looking words."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "."
-            for _ in range(count)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "." for _ in range(count)]
 
 
 def train_sentencepiece(corpus: Sequence[str], model_prefix: str | Path, *, vocab_size: int = 256) -> Path:
@@ -71,8 +115,17 @@ def train_sentencepiece(corpus: Sequence[str], model_prefix: str | Path, *, voca
     model_prefix = Path(model_prefix)
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_prefix=str(model_prefix), vocab_size=vocab_size, model_type="bpe",
-        num_threads=1, bos_id=-1, eos_id=1, unk_id=0, pad_id=-1, minloglevel=2)
+        sentence_iterator=iter(corpus),
+        model_prefix=str(model_prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        num_threads=1,
+        bos_id=-1,
+        eos_id=1,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
     return model_prefix.with_suffix(".model")
 
 
@@ -90,8 +143,9 @@ SFT_ROLE_WORDS = ("System", "User", "Assistant")
 SFT_PROMPT_FORMAT = "nemotron-h-aligned"
 
 
-def sft_conversations(count: int, *, seed: int, min_turns: int = 1, max_turns: int = 3,
-                      max_words: int = 40) -> list[list[dict[str, str]]]:
+def sft_conversations(
+    count: int, *, seed: int, min_turns: int = 1, max_turns: int = 3, max_words: int = 40
+) -> list[list[dict[str, str]]]:
     """Seeded conversations (a system message, then user/assistant turns) of ``WORDS``."""
     rng = random.Random(seed)
 
@@ -114,20 +168,47 @@ def write_sft_tokenizer(folder: str | Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {token: index for index, token in enumerate((*SFT_SPECIAL, *SFT_ROLE_WORDS, *WORDS))}
-    special = [{"id": vocab[token], "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-                "normalized": False, "special": True} for token in SFT_SPECIAL]
-    model = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
-             "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
-             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    special = [
+        {
+            "id": vocab[token],
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for token in SFT_SPECIAL
+    ]
+    model = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
     (folder / "tokenizer.json").write_text(json.dumps(model))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>",
-        "pad_token": "<SPECIAL_233>", "model_max_length": 1 << 30}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "unk_token": "<unk>",
+                "pad_token": "<SPECIAL_233>",
+                "model_max_length": 1 << 30,
+            }
+        )
+    )
     return folder
 
 
-def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conversations: int = 60,
-                      max_conversations: int = 80) -> tuple[Path, Path]:
+def write_sft_dataset(
+    folder: str | Path, *, samples: int, seed: int, min_conversations: int = 60, max_conversations: int = 80
+) -> tuple[Path, Path]:
     """``FOLDER/sft.jsonl`` (``samples`` lines, each ``min_conversations`` to ``max_conversations``
     seeded conversations: Megatron packs one line into one sample) and the tokenizer folder
     ``FOLDER/sft_tokenizer``. The default lines hold more than a 4096-token sample (Megatron truncates
@@ -139,7 +220,9 @@ def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conver
     path = folder / "sft.jsonl"
     with path.open("w") as out:
         for index in range(samples):
-            conversations = sft_conversations(rng.randint(min_conversations, max_conversations), seed=seed * 7919 + index)
+            conversations = sft_conversations(
+                rng.randint(min_conversations, max_conversations), seed=seed * 7919 + index
+            )
             out.write(json.dumps({"messages": [message for conversation in conversations for message in conversation]}))
             out.write("\n")
     return path, write_sft_tokenizer(folder / "sft_tokenizer")
@@ -147,24 +230,41 @@ def write_sft_dataset(folder: str | Path, *, samples: int, seed: int, min_conver
 
 def sft_flags(dataset: Path, tokenizer: Path) -> tuple[str, ...]:
     """The data and tokenizer flags of a ``--sft`` run on ``write_sft_dataset``'s files."""
-    return ("--data-path", str(dataset), "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(tokenizer),
-            "--sft-tokenizer-prompt-format", SFT_PROMPT_FORMAT)
+    return (
+        "--data-path",
+        str(dataset),
+        "--tokenizer-type",
+        "SFTTokenizer",
+        "--tokenizer-model",
+        str(tokenizer),
+        "--sft-tokenizer-prompt-format",
+        SFT_PROMPT_FORMAT,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_cg_plugin.data.synthetic",
-                                     description="Write small real Megatron datasets (nothing is downloaded).")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_cg_plugin.data.synthetic",
+        description="Write small real Megatron datasets (nothing is downloaded).",
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024, help="NullTokenizer dataset: --vocab-size of the run")
-    parser.add_argument("--max-document-length", type=int, default=600,
-                        help="NullTokenizer dataset: the longest document in tokens (from 16; shorter: more per sample)")
+    parser.add_argument(
+        "--max-document-length",
+        type=int,
+        default=600,
+        help="NullTokenizer dataset: the longest document in tokens (from 16; shorter: more per sample)",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     options = parser.parse_args(argv)
-    tokens = write_indexed_dataset(options.out_dir / "synthetic_text_document",
-                                   synthetic_documents(options.documents, vocab_size=options.vocab_size,
-                                                       seed=options.seed, max_length=options.max_document_length),
-                                   eod=options.vocab_size - 1)
+    tokens = write_indexed_dataset(
+        options.out_dir / "synthetic_text_document",
+        synthetic_documents(
+            options.documents, vocab_size=options.vocab_size, seed=options.seed, max_length=options.max_document_length
+        ),
+        eod=options.vocab_size - 1,
+    )
     print(f"NullTokenizer data: --data-path {tokens} --tokenizer-type NullTokenizer --vocab-size {options.vocab_size}")
     corpus = synthetic_corpus(options.documents, seed=options.seed)
     model = train_sentencepiece(corpus, options.out_dir / "spm")

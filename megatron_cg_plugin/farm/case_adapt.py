@@ -26,22 +26,70 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_FLAGS = ("--save", "--load", "--save-interval", "--async-save", "--use-persistent-ckpt-worker",
-                    "--ckpt-format", "--ckpt-fully-parallel-load", "--ckpt-fully-parallel-save",
-                    "--ckpt-assume-constant-structure", "--use-checkpoint-opt_param-scheduler",
-                    "--dist-ckpt-optim-fully-reshardable", "--dist-ckpt-strictness", "--auto-detect-ckpt-format",
-                    "--pretrained-checkpoint", "--finetune", "--no-load-optim", "--no-load-rng",
-                    "--ckpt-convert-save", "--ckpt-convert-format", "--non-persistent-save-interval")
-LOGGER_FLAGS = ("--tensorboard-dir", "--tensorboard-log-interval", "--tensorboard-queue-size", "--wandb-project",
-                "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity")
-DATA_FLAGS = ("--data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-type",
-              "--tokenizer-model", "--data-args-path", "--per-split-data-args-path", "--train-data-path",
-              "--valid-data-path", "--test-data-path", "--mock-data", "--object-storage-cache-path")
-FARM_OWNED_FLAGS = ("--train-iters", "--exit-interval", "--exit-duration-in-mins", "--cuda-graph-impl",
-                    "--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
+__all__ = ["DETERMINISTIC_ENV", "NONDETERMINISTIC_FLAGS", "adapt_case_args", "adapt_case_env"]
+
+CHECKPOINT_FLAGS = (
+    "--save",
+    "--load",
+    "--save-interval",
+    "--async-save",
+    "--use-persistent-ckpt-worker",
+    "--ckpt-format",
+    "--ckpt-fully-parallel-load",
+    "--ckpt-fully-parallel-save",
+    "--ckpt-assume-constant-structure",
+    "--use-checkpoint-opt_param-scheduler",
+    "--dist-ckpt-optim-fully-reshardable",
+    "--dist-ckpt-strictness",
+    "--auto-detect-ckpt-format",
+    "--pretrained-checkpoint",
+    "--finetune",
+    "--no-load-optim",
+    "--no-load-rng",
+    "--ckpt-convert-save",
+    "--ckpt-convert-format",
+    "--non-persistent-save-interval",
+)
+LOGGER_FLAGS = (
+    "--tensorboard-dir",
+    "--tensorboard-log-interval",
+    "--tensorboard-queue-size",
+    "--wandb-project",
+    "--wandb-exp-name",
+    "--wandb-save-dir",
+    "--wandb-entity",
+)
+DATA_FLAGS = (
+    "--data-path",
+    "--data-cache-path",
+    "--vocab-file",
+    "--merge-file",
+    "--tokenizer-type",
+    "--tokenizer-model",
+    "--data-args-path",
+    "--per-split-data-args-path",
+    "--train-data-path",
+    "--valid-data-path",
+    "--test-data-path",
+    "--mock-data",
+    "--object-storage-cache-path",
+)
+FARM_OWNED_FLAGS = (
+    "--train-iters",
+    "--exit-interval",
+    "--exit-duration-in-mins",
+    "--cuda-graph-impl",
+    "--train-samples",
+    "--lr-decay-samples",
+    "--lr-warmup-samples",
+    "--lr-wsd-decay-samples",
+)
 # What the farm's --deterministic-mode refuses (megatron/training/determinism.py, core 0.19.2:
 # ARG_VALUES_REQUIRED_FOR_DETERMINISM, ACCEPTED_ENV_VAR_VALUES; a unit test holds these to it).
-NONDETERMINISTIC_FLAGS = {"--cross-entropy-loss-fusion": "cross_entropy_loss_fusion", "--tp-comm-overlap": "tp_comm_overlap"}
+NONDETERMINISTIC_FLAGS = {
+    "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion",
+    "--tp-comm-overlap": "tp_comm_overlap",
+}
 DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
 MOCK_VOCAB_SIZE = 32768  # NullTokenizer's vocabulary when the case names none (GPT-2 BPE rounds to 50304)
 
@@ -50,19 +98,24 @@ def _is_logger_flag(flag: str) -> bool:
     return flag in LOGGER_FLAGS or flag.endswith("-to-tensorboard") or flag.startswith("--wandb-")
 
 
-def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path,
-                    apex_wgrad: bool) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def adapt_case_args(
+    model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path, apex_wgrad: bool
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """The case's ``MODEL_ARGS`` for a farm run; returns them, the placeholders the farm resolves,
     and one line per flag changed or dropped. ``apex_wgrad``: APEX's fused weight-gradient kernel
     is installed where the case runs."""
     args: dict[str, Any] = {}
     changes: list[str] = []
-    reasons = [(lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
-               (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
-               (lambda flag: flag in FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
-               (lambda flag: flag in NONDETERMINISTIC_FLAGS, "--deterministic-mode refuses it (eager == graphed is "
-                                                             "compared bit for bit)"),
-               (lambda flag: data_path is None and flag in DATA_FLAGS, "mock data (no --data-path given)")]
+    reasons = [
+        (lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
+        (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
+        (lambda flag: flag in FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
+        (
+            lambda flag: flag in NONDETERMINISTIC_FLAGS,
+            "--deterministic-mode refuses it (eager == graphed is compared bit for bit)",
+        ),
+        (lambda flag: data_path is None and flag in DATA_FLAGS, "mock data (no --data-path given)"),
+    ]
     for flag, value in model_args.items():
         reason = next((why for matches, why in reasons if matches(flag)), None)
         if reason is None or value is False:
@@ -71,14 +124,18 @@ def adapt_case_args(model_args: Mapping[str, Any], *, data_path: str | None, out
             changes.append(f"{flag} dropped: {reason}")
     if not apex_wgrad and args.get("--no-gradient-accumulation-fusion") is not True:
         args["--no-gradient-accumulation-fusion"] = True
-        changes.append("--no-gradient-accumulation-fusion added: APEX's fused weight-gradient kernel, which "
-                       "Megatron's default --gradient-accumulation-fusion needs, is not installed here")
+        changes.append(
+            "--no-gradient-accumulation-fusion added: APEX's fused weight-gradient kernel, which "
+            "Megatron's default --gradient-accumulation-fusion needs, is not installed here"
+        )
     placeholders = {"DATA_CACHE_PATH": str(out_dir / "data_cache")}
     if data_path is None:
         vocab = args.get("--vocab-size", MOCK_VOCAB_SIZE)
         args.update({"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": vocab})
-        changes.append(f"--mock-data --tokenizer-type NullTokenizer --vocab-size {vocab} added (pass --data-path "
-                       "DIR for the case's own dataset, DIR standing for ${DATA_PATH})")
+        changes.append(
+            f"--mock-data --tokenizer-type NullTokenizer --vocab-size {vocab} added (pass --data-path "
+            "DIR for the case's own dataset, DIR standing for ${DATA_PATH})"
+        )
     else:
         placeholders["DATA_PATH"] = data_path
     return args, placeholders, changes
@@ -96,6 +153,8 @@ def adapt_case_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
             env[name] = accepted[0]
     if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "") and env.get("NCCL_GRAPH_REGISTER") != "0":
         env["NCCL_GRAPH_REGISTER"] = "0"
-        changes.append("NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which "
-                       "corrupts memory under CUDA graphs otherwise (rule expandable-segments)")
+        changes.append(
+            "NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which "
+            "corrupts memory under CUDA graphs otherwise (rule expandable-segments)"
+        )
     return env, changes

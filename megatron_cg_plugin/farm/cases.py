@@ -16,20 +16,53 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+__all__ = ["CASE_FILE", "CaseError", "FarmSettings", "MEGATRON_CI_GPUS", "fit_gpus", "load_case", "render_flags"]
+
 CASE_FILE = "model_config.yaml"
 # Megatron's model_config.yaml keys (core_r0.19.0's test cases), and what the farm does with each.
-KNOWN_KEYS = frozenset({"ENV_VARS", "MODEL_ARGS", "METRICS", "TEST_TYPE", "MODE", "LAUNCHER", "BEFORE_SCRIPT",
-                        "AFTER_SCRIPT", "THROUGHPUT_TEST_PARAMS", "TEST_EVALUATION", "MODEL_ENV_VARS", "CG_FARM"})
-NEVER_RUN = {"BEFORE_SCRIPT": "the farm runs no script from a case file",
-             "AFTER_SCRIPT": "the farm runs no script from a case file"}
+KNOWN_KEYS = frozenset(
+    {
+        "ENV_VARS",
+        "MODEL_ARGS",
+        "METRICS",
+        "TEST_TYPE",
+        "MODE",
+        "LAUNCHER",
+        "BEFORE_SCRIPT",
+        "AFTER_SCRIPT",
+        "THROUGHPUT_TEST_PARAMS",
+        "TEST_EVALUATION",
+        "MODEL_ENV_VARS",
+        "CG_FARM",
+    }
+)
+NEVER_RUN = {
+    "BEFORE_SCRIPT": "the farm runs no script from a case file",
+    "AFTER_SCRIPT": "the farm runs no script from a case file",
+}
 SUPPORTED_MODES = ("pretraining",)
 SUPPORTED_TEST_TYPES = ("regular", "release")
 # Test types whose first half is a regular run: the farm runs that half and says so.
-FIRST_HALF_TEST_TYPES = {"ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
-                                        "the first half saves, which the farm does not keep"}
-FARM_KEYS = frozenset({"nproc", "compare", "expect_refusal", "steps", "script", "data", "expect_capture_failure",
-                       "golden_case", "golden_metrics", "deterministic_mode", "eager_offload",
-                       "pool_prediction_tolerance"})
+FIRST_HALF_TEST_TYPES = {
+    "ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
+    "the first half saves, which the farm does not keep"
+}
+FARM_KEYS = frozenset(
+    {
+        "nproc",
+        "compare",
+        "expect_refusal",
+        "steps",
+        "script",
+        "data",
+        "expect_capture_failure",
+        "golden_case",
+        "golden_metrics",
+        "deterministic_mode",
+        "eager_offload",
+        "pool_prediction_tolerance",
+    }
+)
 FARM_DATA = ("synthetic", "sentencepiece", "sft")
 COMPARISONS = ("golden", "eager-only")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -103,8 +136,11 @@ def load_case(folder: str | Path) -> Case:
         raise _refuse(path, "must be a mapping with ENV_VARS and MODEL_ARGS.")
     unknown = sorted(set(data) - KNOWN_KEYS)
     if unknown:
-        raise _refuse(path, f"unknown key(s) {unknown}; Megatron's case files use {sorted(KNOWN_KEYS - {'CG_FARM'})}, "
-                            "and the plugin adds CG_FARM.")
+        raise _refuse(
+            path,
+            f"unknown key(s) {unknown}; Megatron's case files use {sorted(KNOWN_KEYS - {'CG_FARM'})}, "
+            "and the plugin adds CG_FARM.",
+        )
     for key, reason in NEVER_RUN.items():
         if key in data:
             raise _refuse(path, f"{key} is refused: {reason}; move what it prepares into the environment.")
@@ -113,8 +149,11 @@ def load_case(folder: str | Path) -> Case:
         raise _refuse(path, f"MODE {mode!r} is not run by the farm (it runs {', '.join(SUPPORTED_MODES)}).")
     test_type = str(data.get("TEST_TYPE", "regular")).strip()
     if test_type not in SUPPORTED_TEST_TYPES and test_type not in FIRST_HALF_TEST_TYPES:
-        raise _refuse(path, f"TEST_TYPE {test_type!r} needs a checkpoint from an earlier run, which the farm does "
-                            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(SUPPORTED_TEST_TYPES)}).")
+        raise _refuse(
+            path,
+            f"TEST_TYPE {test_type!r} needs a checkpoint from an earlier run, which the farm does "
+            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(SUPPORTED_TEST_TYPES)}).",
+        )
     notes = (f"TEST_TYPE {test_type} {FIRST_HALF_TEST_TYPES[test_type]}",) if test_type in FIRST_HALF_TEST_TYPES else ()
     model_args = data.get("MODEL_ARGS")
     if not isinstance(model_args, dict) or not model_args:
@@ -127,10 +166,17 @@ def load_case(folder: str | Path) -> Case:
         raise _refuse(path, "ENV_VARS must map variable names to values.")
     metrics = data.get("METRICS")
     if metrics is not None and (not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics)):
-        raise _refuse(path, "METRICS must be a list of metric names (\"lm loss\", \"num-zeros\", ...).")
-    return Case(name=folder.name, folder=folder, env={str(k): _env_value(v) for k, v in env.items()},
-                model_args=dict(model_args), metrics=None if metrics is None else tuple(metrics),
-                farm=_farm_settings(path, data.get("CG_FARM") or {}), notes=notes, plugin_case="CG_FARM" in data)
+        raise _refuse(path, 'METRICS must be a list of metric names ("lm loss", "num-zeros", ...).')
+    return Case(
+        name=folder.name,
+        folder=folder,
+        env={str(k): _env_value(v) for k, v in env.items()},
+        model_args=dict(model_args),
+        metrics=None if metrics is None else tuple(metrics),
+        farm=_farm_settings(path, data.get("CG_FARM") or {}),
+        notes=notes,
+        plugin_case="CG_FARM" in data,
+    )
 
 
 def _env_value(value: Any) -> str:
@@ -154,23 +200,36 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
         raise _refuse(path, f"CG_FARM compare {compare!r} is unknown; use one of {', '.join(COMPARISONS)}.")
     data = block.get("data")
     if data is not None and data not in FARM_DATA:
-        raise _refuse(path, f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
-                            "in MODEL_ARGS for a dataset of your own).")
+        raise _refuse(
+            path,
+            f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
+            "in MODEL_ARGS for a dataset of your own).",
+        )
     for key in ("expect_capture_failure", "deterministic_mode", "eager_offload"):
         if not isinstance(block.get(key, False), bool):
             raise _refuse(path, f"CG_FARM {key} must be true or false.")
     tolerance = block.get("pool_prediction_tolerance")
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
-                                  or not 0 < tolerance < 1):
-        raise _refuse(path, f"CG_FARM pool_prediction_tolerance {tolerance!r} must be a fraction between 0 and 1 "
-                            "(0.15: within 15%).")
-    return FarmSettings(nproc=block.get("nproc", 1), compare=compare, expect_refusal=_names(block, "expect_refusal"),
-                        steps=block.get("steps"), script=block.get("script"), data=data,
-                        expect_capture_failure=block.get("expect_capture_failure", False),
-                        golden_case=block.get("golden_case"), golden_metrics=_names(block, "golden_metrics"),
-                        deterministic_mode=block.get("deterministic_mode", True),
-                        eager_offload=block.get("eager_offload", True),
-                        pool_prediction_tolerance=None if tolerance is None else float(tolerance))
+    if tolerance is not None and (
+        isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1
+    ):
+        raise _refuse(
+            path,
+            f"CG_FARM pool_prediction_tolerance {tolerance!r} must be a fraction between 0 and 1 (0.15: within 15%).",
+        )
+    return FarmSettings(
+        nproc=block.get("nproc", 1),
+        compare=compare,
+        expect_refusal=_names(block, "expect_refusal"),
+        steps=block.get("steps"),
+        script=block.get("script"),
+        data=data,
+        expect_capture_failure=block.get("expect_capture_failure", False),
+        golden_case=block.get("golden_case"),
+        golden_metrics=_names(block, "golden_metrics"),
+        deterministic_mode=block.get("deterministic_mode", True),
+        eager_offload=block.get("eager_offload", True),
+        pool_prediction_tolerance=None if tolerance is None else float(tolerance),
+    )
 
 
 def _names(block: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -204,28 +263,47 @@ def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str],
             unresolved.update(name for name in names if name not in placeholders)
             flags.append(PLACEHOLDER.sub(lambda m: placeholders.get(m.group(1), m.group(0)), token))
     if unresolved:
-        raise CaseError(f"{where}: placeholder(s) {', '.join('${' + n + '}' for n in sorted(unresolved))} are not "
-                        "resolved; give their values (e.g. --data-path for ${DATA_PATH}) or drop the flags that use them.")
+        raise CaseError(
+            f"{where}: placeholder(s) {', '.join('${' + n + '}' for n in sorted(unresolved))} are not "
+            "resolved; give their values (e.g. --data-path for ${DATA_PATH}) or drop the flags that use them."
+        )
     return flags
 
 
 # ---------------------------------------------------------------------------------------------- --fit-gpus
-PARALLEL_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-                  "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
-                  "etp": "--expert-tensor-parallel-size"}
+PARALLEL_FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size",
+}
 # Flags that describe the case's pipeline stage by stage; they go when PP changes (a layout of 4 stages
 # is wrong for 2, and none of them means anything at PP 1).
-PIPELINE_ONLY_FLAGS = ("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-                       "--num-virtual-stages-per-pipeline-rank", "--microbatch-group-size-per-virtual-pipeline-stage",
-                       "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
-                       "--decoder-last-pipeline-num-layers", "--num-layers-in-first-pipeline-stage",
-                       "--num-layers-in-last-pipeline-stage", "--account-for-embedding-in-pipeline-split",
-                       "--account-for-loss-in-pipeline-split", "--overlap-p2p-comm-warmup-flush")
+PIPELINE_ONLY_FLAGS = (
+    "--virtual-pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--pipeline-model-parallel-layout",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--num-layers-in-first-pipeline-stage",
+    "--num-layers-in-last-pipeline-stage",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--overlap-p2p-comm-warmup-flush",
+)
 # Megatron's flex token dispatcher (DeepEP, NCCL EP) needs TP x EP > 1 (token_dispatcher.py); its
 # backend's own flags go with it.
-FLEX_DISPATCHER_FLAGS = ("--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-deepep-num-sms",
-                         "--moe-hybridep-num-sms", "--moe-flex-dispatcher-num-sms",
-                         "--moe-permute-fusion-into-hybridep")
+FLEX_DISPATCHER_FLAGS = (
+    "--moe-flex-dispatcher-backend",
+    "--moe-enable-deepep",
+    "--moe-deepep-num-sms",
+    "--moe-hybridep-num-sms",
+    "--moe-flex-dispatcher-num-sms",
+    "--moe-permute-fusion-into-hybridep",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,16 +321,25 @@ def _ep_overlap_why(new: Mapping[str, int], old: Mapping[str, int]) -> str:
 
 
 SIZE_NEEDS: tuple[SizeNeed, ...] = (
-    *(SizeNeed(flag, lambda new, old: new["pp"] == old["pp"], lambda new, old: f"PP {old['pp']} -> {new['pp']}")
-      for flag in PIPELINE_ONLY_FLAGS),
+    *(
+        SizeNeed(flag, lambda new, old: new["pp"] == old["pp"], lambda new, old: f"PP {old['pp']} -> {new['pp']}")
+        for flag in PIPELINE_ONLY_FLAGS
+    ),
     SizeNeed("--sequence-parallel", lambda new, old: new["tp"] > 1, lambda new, old: "TP 1"),
     # Megatron refuses these without EP overlap, which needs EP > 1 (transformer_config.py).
-    *(SizeNeed(flag, lambda new, old: new["ep"] > 1 or new["ep"] == old["ep"], _ep_overlap_why)
-      for flag in ("--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
-                   "--ep-overlap-early-attn-memory-release")),
+    *(
+        SizeNeed(flag, lambda new, old: new["ep"] > 1 or new["ep"] == old["ep"], _ep_overlap_why)
+        for flag in (
+            "--overlap-moe-expert-parallel-comm",
+            "--delay-wgrad-compute",
+            "--ep-overlap-early-attn-memory-release",
+        )
+    ),
     # Written for the case's CP size: a hierarchy of CP groups, a communication type per layer or a2a+p2p.
-    *(SizeNeed(flag, lambda new, old: new["cp"] == old["cp"], lambda new, old: f"CP {old['cp']} -> {new['cp']}")
-      for flag in ("--hierarchical-context-parallel-sizes", "--cp-comm-type")),
+    *(
+        SizeNeed(flag, lambda new, old: new["cp"] == old["cp"], lambda new, old: f"CP {old['cp']} -> {new['cp']}")
+        for flag in ("--hierarchical-context-parallel-sizes", "--cp-comm-type")
+    ),
 )
 MEGATRON_CI_GPUS = 8  # Megatron's functional cases run on one 8-GPU node unless they say otherwise
 
@@ -274,16 +361,19 @@ def _fit_dispatcher(args: dict[str, Any], sizes: Mapping[str, int]) -> list[str]
     if args.get("--moe-token-dispatcher-type") != "flex" or sizes["tp"] * sizes["ep"] > 1:
         return []
     args["--moe-token-dispatcher-type"] = "alltoall"
-    changes = ["--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP dispatchers "
-               "need TP x EP > 1)"]
+    changes = [
+        "--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP dispatchers "
+        "need TP x EP > 1)"
+    ]
     for flag in FLEX_DISPATCHER_FLAGS:
         if args.get(flag) not in (None, False):
             changes.append(f"{flag} {args.pop(flag)!r} dropped (the flex dispatcher's)")
     return changes
 
 
-def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGATRON_CI_GPUS
-             ) -> tuple[dict[str, Any], list[str]]:
+def fit_gpus(
+    model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGATRON_CI_GPUS
+) -> tuple[dict[str, Any], list[str]]:
     """``MODEL_ARGS`` scaled down to ``gpus`` GPUs: PP, then CP, then TP halve until their product
     divides ``gpus``, EP then ETP likewise; flags that need the old sizes go (``SIZE_NEEDS``) and the
     flex dispatcher becomes alltoall without TP x EP > 1; the global batch keeps its
@@ -318,6 +408,8 @@ def fit_gpus(model_args: Mapping[str, Any], gpus: int, *, from_gpus: int = MEGAT
         new_gbs = max(_size(args, "--micro-batch-size") * new_dp, old_gbs * new_dp // old_dp)
         if new_gbs != old_gbs:
             args["--global-batch-size"] = new_gbs
-            changes.append(f"--global-batch-size {old_gbs} -> {new_gbs} (data-parallel size {old_dp} -> {new_dp}, "
-                           "the same microbatches per step)")
+            changes.append(
+                f"--global-batch-size {old_gbs} -> {new_gbs} (data-parallel size {old_dp} -> {new_dp}, "
+                "the same microbatches per step)"
+            )
     return args, changes

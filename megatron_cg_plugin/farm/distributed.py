@@ -29,8 +29,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RankFailure", "MultiRankError", "LaunchResult", "launch", "gpus_available", "gpu_stack_missing",
-           "require_gpus"]
+__all__ = [
+    "RankFailure",
+    "MultiRankError",
+    "LaunchResult",
+    "launch",
+    "gpus_available",
+    "gpu_stack_missing",
+    "require_gpus",
+]
 
 _MARKER = "MCG_LAUNCH_ID"  # set in every rank's env, so stray ranks can be found after a kill
 _SHUTDOWN_S = 5  # elastic's SIGTERM -> SIGKILL grace for ranks
@@ -141,25 +148,34 @@ def _kill_all(proc: subprocess.Popen, launch_id: str) -> None:
         time.sleep(0.1)
 
 
-def _timed_out(argv: Sequence[str], nproc: int, timeout_s: float, root: str, launch_id: str, port: int,
-               launcher_log: str) -> MultiRankError:
+def _timed_out(
+    argv: Sequence[str], nproc: int, timeout_s: float, root: str, launch_id: str, port: int, launcher_log: str
+) -> MultiRankError:
     out, err = _rank_logs(root, launch_id, nproc)
-    tails = "".join(f"--- rank {r} ---\n[stderr tail]\n{_tail(err[r])}\n[stdout tail]\n{_tail(out[r])}\n"
-                    for r in range(nproc) if out[r] or err[r])
+    tails = "".join(
+        f"--- rank {r} ---\n[stderr tail]\n{_tail(err[r])}\n[stdout tail]\n{_tail(out[r])}\n"
+        for r in range(nproc)
+        if out[r] or err[r]
+    )
     tails = tails or f"no rank wrote output (rendezvous on 127.0.0.1:{port} never completed?)\n"
     return MultiRankError(
         f"multi-rank launch of {argv} timed out after {timeout_s:g} s (timeout); all {nproc} ranks "
-        f"were killed. Output so far:\n{tails}--- launcher ---\n{_tail(_read(launcher_log))}\n", timed_out=True)
+        f"were killed. Output so far:\n{tails}--- launcher ---\n{_tail(_read(launcher_log))}\n",
+        timed_out=True,
+    )
 
 
-def _ranks_failed(argv: Sequence[str], nproc: int, failed: dict[int, tuple[int, float]], out: dict[int, str],
-                  err: dict[int, str]) -> MultiRankError:
+def _ranks_failed(
+    argv: Sequence[str], nproc: int, failed: dict[int, tuple[int, float]], out: dict[int, str], err: dict[int, str]
+) -> MultiRankError:
     # Elastic also reports the siblings it tore down after the first failure;
     # list root causes (not killed by SIGTERM/SIGKILL, else the earliest) first.
     order = sorted(failed, key=lambda r: (failed[r][1], r))
     roots = [r for r in order if failed[r][0] not in (-signal.SIGTERM, -signal.SIGKILL)] or order[:1]
-    failures = [RankFailure(r, failed[r][0], _tail(err.get(r, "")), _tail(out.get(r, "")), r not in roots)
-                for r in roots + [r for r in order if r not in roots]]
+    failures = [
+        RankFailure(r, failed[r][0], _tail(err.get(r, "")), _tail(out.get(r, "")), r not in roots)
+        for r in roots + [r for r in order if r not in roots]
+    ]
     names = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if not f.terminated)
     killed = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in failures if f.terminated)
     msg = f"{len(roots)} of {nproc} ranks failed running {argv}: {names}"
@@ -190,8 +206,14 @@ def launch(
         root = os.fspath(log_dir)
     os.makedirs(root, exist_ok=True)
     launch_id = uuid.uuid4().hex
-    spec: dict[str, Any] = {"argv": argv, "nproc": nproc, "port": master_port or _free_port(),
-            "run_id": launch_id, "log_dir": root, "result": os.path.join(root, f"{launch_id}.json")}
+    spec: dict[str, Any] = {
+        "argv": argv,
+        "nproc": nproc,
+        "port": master_port or _free_port(),
+        "run_id": launch_id,
+        "log_dir": root,
+        "result": os.path.join(root, f"{launch_id}.json"),
+    }
     # The ranks inherit the child's environment. NVLink multicast stays off in
     # every run of this project, whatever the caller passes.
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "NCCL_NVLS_ENABLE": "0", _MARKER: launch_id}
@@ -204,7 +226,10 @@ def launch(
         with open(launcher_log, "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "megatron_cg_plugin.farm.distributed", json.dumps(spec)],
-                env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: killable as a whole
             )
         try:
@@ -224,8 +249,9 @@ def launch(
         if rc == 0 and failed == {}:
             return LaunchResult(nproc=nproc, stdout=out, stderr=err, wall_s=wall)
         if not failed:  # the launcher itself broke (rendezvous, bad args...)
-            raise MultiRankError(f"launcher for {argv} exited with code {rc} before reporting ranks:\n"
-                                 f"{_tail(_read(launcher_log))}")
+            raise MultiRankError(
+                f"launcher for {argv} exited with code {rc} before reporting ranks:\n{_tail(_read(launcher_log))}"
+            )
         raise _ranks_failed(argv, nproc, failed, out, err)
     finally:
         if tmp:
@@ -253,8 +279,15 @@ def gpu_stack_missing(n: int) -> str | None:
     return None
 
 
-def run_probe(probe: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, name: str, *, nproc: int = 1,
-              args: Sequence[str] = (), timeout_s: float = 900) -> list[dict]:
+def run_probe(
+    probe: os.PathLike[str] | str,
+    out_dir: os.PathLike[str] | str,
+    name: str,
+    *,
+    nproc: int = 1,
+    args: Sequence[str] = (),
+    timeout_s: float = 900,
+) -> list[dict]:
     """Runs a GPU probe script on ``nproc`` ranks and returns the JSON result of each rank.
 
     Skips the calling test (with the reason) where the GPUs or TE are missing. The probe gets
@@ -295,13 +328,22 @@ def _main(spec_json: str) -> int:
     # --shutdown-timeout arrived after torch 2.11: pass it only where this torch knows it.
     known = {option for action in parser._actions for option in action.option_strings}
     shutdown = [f"--shutdown-timeout={_SHUTDOWN_S}"] if "--shutdown-timeout" in known else []
-    args = parser.parse_args([
-        "--nnodes=1", f"--nproc-per-node={spec['nproc']}", "--max-restarts=0",
-        # c10d rendezvous hosted by this agent on loopback = torchrun --standalone, but on our port.
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{spec['port']}", f"--rdzv-id={spec['run_id']}",
-        "--local-addr=127.0.0.1", f"--log-dir={spec['log_dir']}", "--redirects=3",
-        *shutdown, *spec["argv"],
-    ])
+    args = parser.parse_args(
+        [
+            "--nnodes=1",
+            f"--nproc-per-node={spec['nproc']}",
+            "--max-restarts=0",
+            # c10d rendezvous hosted by this agent on loopback = torchrun --standalone, but on our port.
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{spec['port']}",
+            f"--rdzv-id={spec['run_id']}",
+            "--local-addr=127.0.0.1",
+            f"--log-dir={spec['log_dir']}",
+            "--redirects=3",
+            *shutdown,
+            *spec["argv"],
+        ]
+    )
     failures: dict[int, tuple[int, float]] = {}
     try:
         tdrun.run(args)

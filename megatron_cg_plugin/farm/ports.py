@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+__all__ = ["PortAllocator", "ephemeral_start", "port_is_free"]
+
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_START = 32768  # the kernel's default, where the file cannot be read
 FIRST_PORT = 20000
@@ -46,8 +48,14 @@ class PortAllocator:
     ephemeral range's start), beginning at ``start`` (default: this process's block) and wrapping
     once; thread-safe. Raises ``RuntimeError`` when every port was handed out or is held."""
 
-    def __init__(self, *, first: int = FIRST_PORT, stop: int | None = None, start: int | None = None,
-                 is_free: Callable[[int], bool] = port_is_free) -> None:
+    def __init__(
+        self,
+        *,
+        first: int = FIRST_PORT,
+        stop: int | None = None,
+        start: int | None = None,
+        is_free: Callable[[int], bool] = port_is_free,
+    ) -> None:
         stop = ephemeral_start() if stop is None else stop
         if not 0 < first < stop:
             raise ValueError(f"ports [{first}, {stop}): the range is empty or below the ephemeral range's start.")

@@ -31,6 +31,32 @@ from megatron_cg_plugin.golden import GoldenValues, format_report
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 
+__all__ = [
+    "ACCEPT_GOLDEN_CHANGE",
+    "CASES",
+    "CASES_DIR",
+    "CaseResult",
+    "FARM_STEPS",
+    "FarmCase",
+    "FarmRunError",
+    "MEGATRON_LM_SCRIPT",
+    "REPO",
+    "case_folder",
+    "case_folders",
+    "data_flags",
+    "differing_steps",
+    "format_summary",
+    "golden_mismatches",
+    "golden_rewrite_refusal",
+    "load_cases",
+    "prepare_case",
+    "problems_of",
+    "refusal_of",
+    "run_case",
+    "without_graph_only_flags",
+    "without_offload_flags",
+]
+
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
 CASES_DIR = REPO / "tests" / "functional" / "test_cases"  # <model>/<case>/model_config.yaml beside its golden file
@@ -56,10 +82,19 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     if data == "synthetic":
         prefix = root / "synthetic_text_document"
         if not prefix.with_suffix(".idx").exists():
-            datasets.write_indexed_dataset(prefix, datasets.synthetic_documents(400, vocab_size=1024, seed=1234),
-                                           eod=1023)
-        return ("--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "NullTokenizer",
-                "--vocab-size", "1024")
+            datasets.write_indexed_dataset(
+                prefix, datasets.synthetic_documents(400, vocab_size=1024, seed=1234), eod=1023
+            )
+        return (
+            "--data-path",
+            str(prefix),
+            "--split",
+            "98,2,0",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1024",
+        )
     if data == "sentencepiece":
         prefix, model = root / "spm_text_document", root / "spm.model"
         if not prefix.with_suffix(".idx").exists():
@@ -67,8 +102,16 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
             datasets.train_sentencepiece(corpus, root / "spm")
             documents, eod = datasets.tokenize_corpus(corpus, model)
             datasets.write_indexed_dataset(prefix, documents, eod=eod)
-        return ("--data-path", str(prefix), "--split", "98,2,0", "--tokenizer-type", "SentencePieceTokenizer",
-                "--tokenizer-model", str(model))
+        return (
+            "--data-path",
+            str(prefix),
+            "--split",
+            "98,2,0",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(model),
+        )
     if data == "sft":
         dataset, tokenizer = root / "sft.jsonl", root / "sft_tokenizer"
         if not dataset.exists():
@@ -117,9 +160,11 @@ class FarmCase:
         if not self.script.startswith(MEGATRON_LM_SCRIPT):
             return REPO / self.script
         if self.megatron_lm_dir is None:
-            raise CaseError(f"{self.name} runs Megatron-LM's {self.script[len(MEGATRON_LM_SCRIPT):]}: set "
-                            "MEGATRON_LM_DIR to a Megatron-LM core_r0.19.0 checkout (its top-level scripts).")
-        return Path(self.megatron_lm_dir) / self.script[len(MEGATRON_LM_SCRIPT):]
+            raise CaseError(
+                f"{self.name} runs Megatron-LM's {self.script[len(MEGATRON_LM_SCRIPT) :]}: set "
+                "MEGATRON_LM_DIR to a Megatron-LM core_r0.19.0 checkout (its top-level scripts)."
+            )
+        return Path(self.megatron_lm_dir) / self.script[len(MEGATRON_LM_SCRIPT) :]
 
     def unmet(self) -> str | None:
         """Why this host cannot run the case beyond its GPUs (a Megatron-LM script not found, the imports of
@@ -130,18 +175,32 @@ class FarmCase:
             return str(error)
         if script is not None and not script.is_file():
             return f"{self.name}: no script at {script}"
-        missing = [name for name in (SFT_IMPORTS if self.data == "sft" else ()) if importlib.util.find_spec(name) is None]
-        return f"{self.name}: Megatron's --sft path imports {' and '.join(missing)}, not installed here" if missing else None
+        missing = [
+            name for name in (SFT_IMPORTS if self.data == "sft" else ()) if importlib.util.find_spec(name) is None
+        ]
+        return (
+            f"{self.name}: Megatron's --sft path imports {' and '.join(missing)}, not installed here"
+            if missing
+            else None
+        )
 
     def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
         steps = self.steps if steps is None else steps
         mode = "graphed" if graphed else "eager"
-        entry = (["-m", "megatron_cg_plugin.cli", "run", str(self.script_file)] if self.script
-                 else ["-m", "megatron_cg_plugin.pretrain_gpt"])
+        entry = (
+            ["-m", "megatron_cg_plugin.cli", "run", str(self.script_file)]
+            if self.script
+            else ["-m", "megatron_cg_plugin.pretrain_gpt"]
+        )
         return [
-            *entry, *self.run_flags(graphed=graphed, out_dir=out_dir), "--train-iters", str(steps),
-            "--cg-metrics-out", str(out_dir / f"{self.name}.{mode}.metrics.json"),
-            "--cg-report-out", str(out_dir / f"{self.name}.{mode}.report.json"),
+            *entry,
+            *self.run_flags(graphed=graphed, out_dir=out_dir),
+            "--train-iters",
+            str(steps),
+            "--cg-metrics-out",
+            str(out_dir / f"{self.name}.{mode}.metrics.json"),
+            "--cg-report-out",
+            str(out_dir / f"{self.name}.{mode}.report.json"),
         ]
 
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
@@ -150,16 +209,22 @@ class FarmCase:
         ``--split`` replaces the farm data's ``98,2,0``."""
         # The eager reference leaves out what only graphs use (the cg-flags-need-te-graphs rule refuses it
         # without them) and, where the case says so, Megatron's offload.
-        flags = self.flags if graphed else without_graph_only_flags(
-            self.flags if self.eager_offload else without_offload_flags(self.flags))
+        flags = (
+            self.flags
+            if graphed
+            else without_graph_only_flags(self.flags if self.eager_offload else without_offload_flags(self.flags))
+        )
         data = data_flags(self.data, out_dir)
         if flag_value(self.flags, "--split") is not None:  # the case's own split (argparse would take the farm's)
             data = without_flags(data, switches=(), options=("--split",))
         return [
-            *flags, *data,
-            *(["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags
-              else []),  # the routers' measured drops, beside the capacity plan in the summary
-            "--cuda-graph-impl", "transformer_engine" if graphed else "none",
+            *flags,
+            *data,
+            *(
+                ["--cg-moe-drop-stats"] if self.is_moe and "--cg-moe-drop-stats" not in self.flags else []
+            ),  # the routers' measured drops, beside the capacity plan in the summary
+            "--cuda-graph-impl",
+            "transformer_engine" if graphed else "none",
             *(["--deterministic-mode"] if self.deterministic_mode else []),
         ]
 
@@ -185,8 +250,13 @@ class FarmCase:
 
 # Megatron 0.19.2's fine-grained offload flags: switches, and options with their values.
 OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--delay-offload-until-cuda-graph")
-OFFLOAD_OPTIONS = ("--offload-modules", "--activation-offload-fraction", "--min-offloaded-tensor-size",
-                   "--delta-offload-bytes-across-pp-ranks", "--fine-grained-offloading-max-inflight-offloads")
+OFFLOAD_OPTIONS = (
+    "--offload-modules",
+    "--activation-offload-fraction",
+    "--min-offloaded-tensor-size",
+    "--delta-offload-bytes-across-pp-ranks",
+    "--fine-grained-offloading-max-inflight-offloads",
+)
 
 
 # The plugin's flags that shape TE graphs only (config.PLUGIN_FLAGS' graphs_only).
@@ -224,12 +294,17 @@ def without_graph_only_flags(flags: Sequence[str]) -> tuple[str, ...]:
 def _before_capture(case: FarmCase, first_step: int) -> str:
     if first_step > case.eager_steps:
         return ""
-    cause = (" Megatron's eager fine-grained offload ran in those steps of the graphed run, and it is not "
-             "reproducible on every model (docs/farm.md)." if "--fine-grained-activation-offloading" in case.flags
-             else "")
-    return (f"; it differs from step {first_step}, and steps 1-{case.eager_steps} train eagerly in both runs "
-            f"(Megatron captures after --cuda-graph-warmup-steps {case.eager_steps}): the difference began outside "
-            f"the graphs.{cause}")
+    cause = (
+        " Megatron's eager fine-grained offload ran in those steps of the graphed run, and it is not "
+        "reproducible on every model (docs/farm.md)."
+        if "--fine-grained-activation-offloading" in case.flags
+        else ""
+    )
+    return (
+        f"; it differs from step {first_step}, and steps 1-{case.eager_steps} train eagerly in both runs "
+        f"(Megatron captures after --cuda-graph-warmup-steps {case.eager_steps}): the difference began outside "
+        f"the graphs.{cause}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +316,10 @@ class Refusal:
     violations: tuple[tuple[str, str], ...]
 
     def lines(self) -> list[str]:
-        return [f"REFUSED [{name}] {message}" + ("" if self.mode == "graphed" else f" (the {self.mode} run)")
-                for name, message in self.violations]
+        return [
+            f"REFUSED [{name}] {message}" + ("" if self.mode == "graphed" else f" (the {self.mode} run)")
+            for name, message in self.violations
+        ]
 
 
 def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
@@ -253,8 +330,9 @@ def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
         mode, parse_errors = "graphed" if graphed else "eager", io.StringIO()
         try:
             with dry_run.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
-                dry_run.validated_args(case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc,
-                                   env={**os.environ, **env})
+                dry_run.validated_args(
+                    case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**os.environ, **env}
+                )
         except rules.RuleViolation as violation:
             return Refusal(mode, tuple(violation.violations))
         except dry_run.CheckError as error:
@@ -278,31 +356,47 @@ def case_folder(name: str, root: Path = CASES_DIR) -> Path:
 
 def load_cases(root: Path = CASES_DIR, *, megatron_lm_dir: str | None = None) -> tuple[FarmCase, ...]:
     """The farm's own cases (their runs write nothing the folder's location matters for)."""
-    return tuple(prepare_case(folder, out_dir=Path("farm-out"), megatron_lm_dir=megatron_lm_dir)[0]
-                 for folder in case_folders(root))
+    return tuple(
+        prepare_case(folder, out_dir=Path("farm-out"), megatron_lm_dir=megatron_lm_dir)[0]
+        for folder in case_folders(root)
+    )
 
 
-def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, data_path: str | None = None,
-                 steps: int | None = None, megatron_lm_dir: str | None = None) -> tuple[FarmCase, list[str]]:
+def prepare_case(
+    folder: str | Path,
+    *,
+    out_dir: Path,
+    gpus: int | None = None,
+    data_path: str | None = None,
+    steps: int | None = None,
+    megatron_lm_dir: str | None = None,
+) -> tuple[FarmCase, list[str]]:
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
     per change, comparison included (the golden file only where the run is the one it recorded)."""
     if steps is not None and steps < 1:
-        raise CaseError(f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
-                        f"else {FARM_STEPS}).")
+        raise CaseError(
+            f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
+            f"else {FARM_STEPS})."
+        )
     if data_path is not None and not Path(data_path).is_dir():
-        raise CaseError(f"--data-path {data_path} does not exist: give the folder that ${{DATA_PATH}} stands for in "
-                        "Megatron's case files, or leave --data-path out for mock data.")
+        raise CaseError(
+            f"--data-path {data_path} does not exist: give the folder that ${{DATA_PATH}} stands for in "
+            "Megatron's case files, or leave --data-path out for mock data."
+        )
     case = load_case(folder)
     notes = list(case.notes)
     args, env = dict(case.model_args), dict(case.env)
     placeholders: dict[str, str] = {}
     if not case.plugin_case:  # Megatron's own: written for its CI's mounts and an 8-GPU node
         if gpus is None:
-            raise CaseError(f"{case.folder}: a Megatron case is written for {MEGATRON_CI_GPUS} GPUs; pass --fit-gpus N "
-                            "to scale its parallel sizes to the GPUs you have.")
-        args, placeholders, changes = adapt_case_args(args, data_path=data_path, out_dir=out_dir,
-                                                      apex_wgrad=compat.apex_fused_wgrad_available())
+            raise CaseError(
+                f"{case.folder}: a Megatron case is written for {MEGATRON_CI_GPUS} GPUs; pass --fit-gpus N "
+                "to scale its parallel sizes to the GPUs you have."
+            )
+        args, placeholders, changes = adapt_case_args(
+            args, data_path=data_path, out_dir=out_dir, apex_wgrad=compat.apex_fused_wgrad_available()
+        )
         env, env_changes = adapt_case_env(env)
         notes += changes + env_changes
     elif data_path is not None:
@@ -319,22 +413,35 @@ def prepare_case(folder: str | Path, *, out_dir: Path, gpus: int | None = None, 
     if compare == "golden" and (not case.plugin_case or fitted):
         recorded = sorted(p.name for p in case.folder.glob("golden_values_*.json")) or ["none"]
         compare = "eager-only"
-        notes.append(f"eager vs graphed only: the golden values here ({', '.join(recorded)}) were recorded on other "
-                     "hardware, parallel sizes or data than this run")
+        notes.append(
+            f"eager vs graphed only: the golden values here ({', '.join(recorded)}) were recorded on other "
+            "hardware, parallel sizes or data than this run"
+        )
     if not case.farm.eager_offload:
-        notes.append("the eager run trains without Megatron's fine-grained offload flags (eager_offload: false): "
-                     "offload moves saves and changes no value, and Megatron's eager offload is not reproducible run "
-                     "to run on this model")
+        notes.append(
+            "the eager run trains without Megatron's fine-grained offload flags (eager_offload: false): "
+            "offload moves saves and changes no value, and Megatron's eager offload is not reproducible run "
+            "to run on this model"
+        )
     farm_case = FarmCase(
-        name=case.name, nproc=gpus or case.farm.nproc, flags=tuple(render_flags(args, placeholders, where=str(folder))),
-        folder=case.folder, expect_capture_failure=case.farm.expect_capture_failure,
-        golden_case=case.farm.golden_case, golden_metrics=case.farm.golden_metrics,
-        steps=steps if steps is not None else case.farm.steps or FARM_STEPS, env=tuple(env.items()),
+        name=case.name,
+        nproc=gpus or case.farm.nproc,
+        flags=tuple(render_flags(args, placeholders, where=str(folder))),
+        folder=case.folder,
+        expect_capture_failure=case.farm.expect_capture_failure,
+        golden_case=case.farm.golden_case,
+        golden_metrics=case.farm.golden_metrics,
+        steps=steps if steps is not None else case.farm.steps or FARM_STEPS,
+        env=tuple(env.items()),
         script=case.farm.script,
-        data=case.farm.data, check_golden=compare == "golden", deterministic_mode=case.farm.deterministic_mode,
-        eager_offload=case.farm.eager_offload, megatron_lm_dir=megatron_lm_dir,
+        data=case.farm.data,
+        check_golden=compare == "golden",
+        deterministic_mode=case.farm.deterministic_mode,
+        eager_offload=case.farm.eager_offload,
+        megatron_lm_dir=megatron_lm_dir,
         pool_prediction_tolerance=case.farm.pool_prediction_tolerance,
-        equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")))
+        equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")),
+    )
     return farm_case, notes
 
 
@@ -391,8 +498,9 @@ class FarmRunError(MultiRankError):
 
     def __init__(self, mode: str, log_dir: Path, error: MultiRankError) -> None:
         roots = [failure for failure in error.failures if not failure.terminated]
-        found = next((cause for cause in (failure_cause(f.stderr_tail + "\n" + f.stdout_tail) for f in roots)
-                      if cause), None)
+        found = next(
+            (cause for cause in (failure_cause(f.stderr_tail + "\n" + f.stdout_tail) for f in roots) if cause), None
+        )
         head = f"rank {roots[0].rank} (exit code {roots[0].exitcode})" if roots else str(error).splitlines()[0]
         self.mode, self.log_dir = mode, log_dir
         self.cause = f"the {mode} run failed: {head}" + (f": {found}" if found else "")
@@ -400,8 +508,15 @@ class FarmRunError(MultiRankError):
         super().__init__(self.cause, error.failures, error.timed_out)
 
 
-def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout_s: float = 900,
-             devices: str | None = None, ports: Callable[[], int] | None = None) -> CaseResult:
+def run_case(
+    case: FarmCase,
+    out_dir: Path,
+    *,
+    steps: int | None = None,
+    timeout_s: float = 900,
+    devices: str | None = None,
+    ports: Callable[[], int] | None = None,
+) -> CaseResult:
     """Runs the eager and the graphed run; ``devices`` pins them (CUDA_VISIBLE_DEVICES), so
     single-GPU cases can run side by side on a multi-GPU host, and ``ports`` (a
     ``ports.PortAllocator``) gives each launch its rendezvous port where launches run side by side.
@@ -415,9 +530,14 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
         mode = "graphed" if graphed else "eager"
         log_dir = out_dir / f"{case.name}.{mode}.logs"
         try:
-            result = launch(case.argv(graphed=graphed, out_dir=out_dir, steps=steps), nproc=case.nproc,
-                            env=env or None, timeout_s=timeout_s, log_dir=log_dir,
-                            master_port=None if ports is None else ports())
+            result = launch(
+                case.argv(graphed=graphed, out_dir=out_dir, steps=steps),
+                nproc=case.nproc,
+                env=env or None,
+                timeout_s=timeout_s,
+                log_dir=log_dir,
+                master_port=None if ports is None else ports(),
+            )
         except MultiRankError as error:
             raise FarmRunError(mode, log_dir, error) from error
         tails.append(result.stdout.get(0, "")[-4000:])
@@ -433,8 +553,12 @@ def run_case(case: FarmCase, out_dir: Path, *, steps: int | None = None, timeout
 def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
     """The graphed run against the case's golden file (which must exist); a case run without
     --deterministic-mode is held to Megatron's non-deterministic tolerances."""
-    return golden.compare(golden.GoldenValues.load(case.golden_path), result.graphed,
-                          deterministic=case.deterministic_mode, metrics=case.compared_metrics)
+    return golden.compare(
+        golden.GoldenValues.load(case.golden_path),
+        result.graphed,
+        deterministic=case.deterministic_mode,
+        metrics=case.compared_metrics,
+    )
 
 
 def differing_steps(eager: dict[int, float], graphed: dict[int, float]) -> dict[int, tuple[float, float | None]]:
@@ -458,8 +582,10 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
             continue
         differing = differing_steps(dict(eager_series.values), dict(graphed_series.values))
         if differing:
-            problems.append(f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
-                            + _before_capture(case, min(differing)))
+            problems.append(
+                f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
+                + _before_capture(case, min(differing))
+            )
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
     problems += pool_prediction_problems(case, result.report)
@@ -474,23 +600,33 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
         problems += [f"capture failed: {failure}" for failure in summary["capture_failures"]]
         # Graph banks (hybrid CP): every CP size's bank replays, none refuses.
         banks = [bank for scope in result.report.get("scopes", []) for bank in scope.get("banks") or ()]
-        problems += [f"bank CP {bank['cp_size']}: {bank['replays']} replays, {bank['rejected']} rejected"
-                     for bank in banks if not bank["replays"] or bank["rejected"]]
+        problems += [
+            f"bank CP {bank['cp_size']}: {bank['replays']} replays, {bank['rejected']} rejected"
+            for bank in banks
+            if not bank["replays"] or bank["rejected"]
+        ]
         # In-graph offload (--cg-slot-capture with Megatron's offload flags): the replays moved saves to the host,
         # and with the delayed flush, delayed groups were seen flushed after the replays.
         if "--cg-slot-capture" in case.flags and "--fine-grained-activation-offloading" in case.flags:
             scopes = result.report.get("scopes", [])
             if not any(scope.get("offloaded_bytes") for scope in scopes):
-                problems.append("--cg-slot-capture with --fine-grained-activation-offloading offloaded nothing inside "
-                                f"the graphs: {[(s.get('scope'), s.get('offloaded_bytes')) for s in scopes]}")
+                problems.append(
+                    "--cg-slot-capture with --fine-grained-activation-offloading offloaded nothing inside "
+                    f"the graphs: {[(s.get('scope'), s.get('offloaded_bytes')) for s in scopes]}"
+                )
             if "--delay-offload-until-cuda-graph" in case.flags and not any(
-                    scope.get("offload_groups_flushed") for scope in scopes):
-                problems.append("--delay-offload-until-cuda-graph: no delayed offload group was seen flushed after a "
-                                "slot-shared replay")
+                scope.get("offload_groups_flushed") for scope in scopes
+            ):
+                problems.append(
+                    "--delay-offload-until-cuda-graph: no delayed offload group was seen flushed after a "
+                    "slot-shared replay"
+                )
     if case.check_golden and with_golden:
         if not case.golden_path.exists():
-            problems.append(f"no golden file {case.golden_path}: write it from a real GPU run with "
-                            "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh")
+            problems.append(
+                f"no golden file {case.golden_path}: write it from a real GPU run with "
+                "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh"
+            )
         else:
             mismatches = golden_mismatches(case, result)
             if mismatches:
@@ -513,30 +649,36 @@ def pool_prediction_problems(case: FarmCase, report: dict[str, Any]) -> list[str
         if predicted is None or not measured:
             problems.append(f"{what}: nothing to hold the planner to (predicted {predicted}, measured {measured})")
         elif abs(predicted / measured - 1) > case.pool_prediction_tolerance:
-            problems.append(f"{what} predicted {predicted / 2**20:.1f} MiB against {measured / 2**20:.1f} MiB measured "
-                            f"({predicted / measured:.2f}x), outside {case.pool_prediction_tolerance:.0%}")
+            problems.append(
+                f"{what} predicted {predicted / 2**20:.1f} MiB against {measured / 2**20:.1f} MiB measured "
+                f"({predicted / measured:.2f}x), outside {case.pool_prediction_tolerance:.0%}"
+            )
     return problems
 
 
 ACCEPT_GOLDEN_CHANGE = "MEGATRON_CG_ACCEPT_GOLDEN_CHANGE"
 
 
-def golden_rewrite_refusal(case: str, previous_mismatches: Sequence[Any] | None,
-                           environ: dict[str, str]) -> str | None:
+def golden_rewrite_refusal(case: str, previous_mismatches: Sequence[Any] | None, environ: dict[str, str]) -> str | None:
     """Why an update-mode run must not replace a golden file, or None: a run that differs from the
     file it would replace is a regression until someone says otherwise (``ACCEPT_GOLDEN_CHANGE=1``).
     ``previous_mismatches``: ``golden.compare`` with that file (None: there is no file yet)."""
     if not previous_mismatches or environ.get(ACCEPT_GOLDEN_CHANGE) == "1":
         return None
-    return (f"{case}: this run differs from the golden file it would replace:\n{format_report(previous_mismatches)}\n"
-            f"Fix the regression, or set {ACCEPT_GOLDEN_CHANGE}=1 to accept the change (and say why in the commit).")
+    return (
+        f"{case}: this run differs from the golden file it would replace:\n{format_report(previous_mismatches)}\n"
+        f"Fix the regression, or set {ACCEPT_GOLDEN_CHANGE}=1 to accept the change (and say why in the commit)."
+    )
 
 
 def _moe_cell(row: dict[str, Any]) -> str:
     if row.get("moe_dropped") is None:
         return "-"
-    plan = "" if row.get("moe_capacity") is None else (
-        f" (plan: {row['moe_capacity']} slots, {100 * (row.get('moe_uniform_dropped') or 0):.1f}%)")
+    plan = (
+        ""
+        if row.get("moe_capacity") is None
+        else (f" (plan: {row['moe_capacity']} slots, {100 * (row.get('moe_uniform_dropped') or 0):.1f}%)")
+    )
     return f"{100 * row['moe_dropped']:.2f}%{plan}"
 
 
@@ -544,13 +686,16 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs "
-             "| replays | pool MiB | capture s | MoE dropped (plan: capacity, uniform router) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs "
+        "| replays | pool MiB | capture s | MoE dropped (plan: capacity, uniform router) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"
         lines.append(
             f"| {row['case']} | {row['nproc']} | {row['steps']} | {'yes' if row['losses_equal'] else 'NO'} | "
             f"{num(row['eager_ms'], '.2f')} | {num(row['graphed_ms'], '.2f')} | {reduction} | {row['graphs']} | "
-            f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} | {_moe_cell(row)} |")
+            f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} | {_moe_cell(row)} |"
+        )
     return "\n".join(lines)

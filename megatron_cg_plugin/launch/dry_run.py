@@ -9,15 +9,23 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from megatron_cg_plugin import compat, rules
-from megatron_cg_plugin.refusal import MEGATRON_HEADING, MEGATRON_REJECTIONS, megatron_rejection, missing_required_flags, transformer_config_backstop
 from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.planner.capture_plan import plan_capture
+from megatron_cg_plugin.refusal import (
+    MEGATRON_HEADING,
+    MEGATRON_REJECTIONS,
+    megatron_rejection,
+    missing_required_flags,
+    transformer_config_backstop,
+)
+
+__all__ = ["CheckError", "check", "scoped_environ", "validated_args"]
 
 
 class CheckError(ValueError):
@@ -65,24 +73,27 @@ def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = 
     """Megatron's refusal, after the plugin's own rules that the flags break too (``plugin``)."""
     rejection = megatron_rejection(error)
     megatron = f"{MEGATRON_HEADING} {rejection}"
-    return CheckError(f"{rules.RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron,
-                      [*plugin, ("megatron", rejection)])
+    return CheckError(
+        f"{rules.RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron, [*plugin, ("megatron", rejection)]
+    )
 
 
 def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
     start = "a preset, e.g. megatron-cg check --cg-preset tiny-gpt --cuda-graph-impl transformer_engine"
     if not flags:
-        return CheckError(f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from "
-                          f"{start}.")
+        return CheckError(
+            f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from {start}."
+        )
     missing = missing_required_flags(args)
     if missing:
-        return CheckError(f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
-                          f"{'it' if len(missing) == 1 else 'them'}, or start from {start}, and override what differs.")
+        return CheckError(
+            f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
+            f"{'it' if len(missing) == 1 else 'them'}, or start from {start}, and override what differs."
+        )
     return None
 
 
-def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
-          capability: tuple[int, int] = (9, 0)) -> str:
+def check(flags: Sequence[str], *, nproc: int, env: dict[str, str], capability: tuple[int, int] = (9, 0)) -> str:
     """Validates ``flags`` as the launcher would on ``nproc`` ranks; returns the capture plan text.
 
     Megatron's ``validate_args`` runs first (it also normalizes deprecated flags and derives sizes
@@ -96,8 +107,14 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str],
     return plan
 
 
-def validated_args(flags: Sequence[str], *, nproc: int, env: dict[str, str],
-                   capability: tuple[int, int] = (9, 0), launcher: bool = True):
+def validated_args(
+    flags: Sequence[str],
+    *,
+    nproc: int,
+    env: dict[str, str],
+    capability: tuple[int, int] = (9, 0),
+    launcher: bool = True,
+):
     """The launcher's flags parsed and checked as ``check`` describes; returns Megatron's args, the
     run's settings (``settings.RunSettings``) and the plugin's config, or raises ``RuleViolation`` /
     ``CheckError``. ``launcher`` False: the rules as ``megatron-cg run SCRIPT`` applies them (a user's

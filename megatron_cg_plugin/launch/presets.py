@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from megatron_cg_plugin.config import PRESETS
 
+__all__ = ["DROPLESS_MOE_SCOPE", "MOE_FLAGS", "PRESET_FLAGS", "expand_preset", "find_preset", "flag_value"]
+
 _COMMON = (
     "--num-layers 2 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 4 "
     "--seq-length 256 --max-position-embeddings 256 --position-embedding-type rope "
@@ -44,7 +46,8 @@ PRESET_FLAGS: dict[str, tuple[str, ...]] = {
     # Hybrid (dynamic) context parallelism on 2+ ranks: each document of a 512-token sample runs with
     # CP 1 or 2 (256 tokens per rank), RoPE with each microbatch's CP group. Add
     # --cuda-graph-impl transformer_engine --cg-graph-banks for one graph bank per CP size.
-    "tiny-gpt-hybrid-cp": tuple(_COMMON) + tuple(
+    "tiny-gpt-hybrid-cp": tuple(_COMMON)
+    + tuple(
         "--seq-length 512 --max-position-embeddings 512 "
         "--micro-batch-size 1 --global-batch-size 4 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 256 "
         "--dataloader-type single --calculate-per-token-loss --rerun-mode disabled "
@@ -80,8 +83,14 @@ def find_preset(argv: Sequence[str]) -> str | None:
 
 
 # Megatron's data-source flags: any of them replaces the preset's mock data (Megatron refuses two sources).
-DATA_SOURCE_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
-                     "--data-args-path", "--per-split-data-args-path")
+DATA_SOURCE_FLAGS = (
+    "--data-path",
+    "--train-data-path",
+    "--valid-data-path",
+    "--test-data-path",
+    "--data-args-path",
+    "--per-split-data-args-path",
+)
 
 
 # A preset flag (with its values) that a user's flag of these replaces rather than follows: a later flag

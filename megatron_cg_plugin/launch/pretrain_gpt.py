@@ -30,6 +30,8 @@ from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezv
 from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
 
+__all__ = ["ARGS_DEFAULTS", "main", "parse_megatron_args", "run"]
+
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -49,6 +51,7 @@ def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
 
 
 # -- what Megatron's loop calls -------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchSpec:
@@ -80,8 +83,10 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
     tp_rank = mpu.get_tensor_model_parallel_rank()
     if tp_rank == 0:
         batch = next(data_iterator)
-        batch = {key: (value.cuda(non_blocking=True) if torch.is_tensor(value) else value)
-                 for key, value in (with_packed_keys(batch) if spec.packed else batch).items()}
+        batch = {
+            key: (value.cuda(non_blocking=True) if torch.is_tensor(value) else value)
+            for key, value in (with_packed_keys(batch) if spec.packed else batch).items()
+        }
     batch = get_batch_on_this_tp_rank(
         batch,
         has_cu_seqlens=spec.packed,
@@ -100,8 +105,9 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
     )
     if spec.packed:  # the microbatch's samples as one token stream, as Megatron's pretrain_gpt.py packs them
         batch = flatten_batch_for_packed_sequences(batch)
-    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group(),
-                                     use_per_sequence_balancing=spec.packed)
+    return get_batch_on_this_cp_rank(
+        batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group(), use_per_sequence_balancing=spec.packed
+    )
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -118,21 +124,36 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
 
     if spec.hybrid_context_parallel:
         assert spec.tokens_per_rank is not None  # Megatron requires --max-seqlen-per-dp-cp-rank with hybrid CP
-        batch, packed = get_hybrid_cp_batch(data_iterator, tokens_per_rank=spec.tokens_per_rank,
-                                            max_seqs=spec.thd_max_seqs)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       loss_mask=batch["loss_mask"], packed_seq_params=packed)
+        batch, packed = get_hybrid_cp_batch(
+            data_iterator, tokens_per_rank=spec.tokens_per_rank, max_seqs=spec.thd_max_seqs
+        )
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            loss_mask=batch["loss_mask"],
+            packed_seq_params=packed,
+        )
         return output, functools.partial(loss_func, batch["loss_mask"])
     batch = get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
     packed = packed_batch_params(batch, tokens_per_sample=spec.seq_length) if spec.packed else None
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], loss_mask=batch["loss_mask"], packed_seq_params=packed)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        packed_seq_params=packed,
+    )
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-USAGE = ("usage: python -m megatron_cg_plugin.pretrain_gpt [--cg-preset NAME] <Megatron flags> <--cg-* flags>\n\n"
-         "Trains a GPT or MoE through Megatron's own pretrain() with the plugin installed; megatron-cg check "
-         "validates the same flags on CPU.")
+USAGE = (
+    "usage: python -m megatron_cg_plugin.pretrain_gpt [--cg-preset NAME] <Megatron flags> <--cg-* flags>\n\n"
+    "Trains a GPT or MoE through Megatron's own pretrain() with the plugin installed; megatron-cg check "
+    "validates the same flags on CPU."
+)
 
 
 def launcher_help() -> str:
@@ -142,8 +163,10 @@ def launcher_help() -> str:
 
     megatron = argparse.ArgumentParser(prog="pretrain_gpt", usage=argparse.SUPPRESS, add_help=False)
     megatron_flags = printable_help(add_megatron_arguments(megatron)).format_help().strip()
-    return (f"{USAGE}\n\n{helptext.plugin_flags_help()}\n\nMegatron's flags (megatron-core's parser; its own --help "
-            f"fails on a bare '%' in one help string in 0.19.2, escaped here):\n\n{megatron_flags}")
+    return (
+        f"{USAGE}\n\n{helptext.plugin_flags_help()}\n\nMegatron's flags (megatron-core's parser; its own --help "
+        f"fails on a bare '%' in one help string in 0.19.2, escaped here):\n\n{megatron_flags}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,7 +209,12 @@ def run(args: Any, session: Any) -> None:
         # Eager and graphed runs alike: RoPE with each microbatch's CP group; banks when graphed.
         model_config.transformer_layer_spec = hybrid_cp_layer_spec(
             rope=args.position_embedding_type == "rope",
-            banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine")
-    pretrain(pretrain_cfg_container_from_args(args, model_config), provider, ModelType.encoder_or_decoder,
-             functools.partial(forward_step, spec=spec))
+            banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine",
+        )
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_config),
+        provider,
+        ModelType.encoder_or_decoder,
+        functools.partial(forward_step, spec=spec),
+    )
     installation.finish()  # already done when train() ran; a run that skipped training still reports

@@ -14,6 +14,8 @@ import socket
 import sys
 from collections.abc import Iterator, MutableMapping, Sequence
 
+__all__ = ["RENDEZVOUS_VARS", "argv_as", "single_process_rendezvous", "single_process_values"]
+
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -28,8 +30,14 @@ def single_process_values(environ: MutableMapping[str, str], *, port: int | None
     store on ``port`` (default: one free now)."""
     if "WORLD_SIZE" in environ:
         return {}
-    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port() if port is None else port)}
+    values = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port() if port is None else port),
+    }
     return {key: value for key, value in values.items() if key not in environ}
 
 

@@ -24,15 +24,23 @@ from megatron_cg_plugin import compat, console, installation
 from megatron_cg_plugin.launch.presets import expand_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
+__all__ = ["EXIT_BAD_INPUT", "expand_preset", "main", "parser", "run_in_process"]
+
 EXIT_BAD_INPUT = console.EXIT_BAD_INPUT
 RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
 
 
 def parser() -> argparse.ArgumentParser:
     result = argparse.ArgumentParser(
-        prog="megatron-cg run", description="Run a Megatron training script with megatron-cg-plugin installed.")
-    result.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                        help="ranks on this host (default 1: this process, no torchrun needed)")
+        prog="megatron-cg run", description="Run a Megatron training script with megatron-cg-plugin installed."
+    )
+    result.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks on this host (default 1: this process, no torchrun needed)",
+    )
     result.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     result.add_argument("args", nargs=argparse.REMAINDER, help="the script's flags (Megatron's and --cg-*)")
     return result
@@ -83,7 +91,8 @@ def launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in every multi-GPU run
     launch_args = torchrun.get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", RANK_ENTRY, str(script), *args])
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", RANK_ENTRY, str(script), *args]
+    )
     try:
         torchrun.run(launch_args)
     except ChildFailedError as failure:

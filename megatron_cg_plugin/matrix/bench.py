@@ -38,6 +38,17 @@ from megatron_cg_plugin.farm.runner import REPO, data_flags, without_graph_only_
 from megatron_cg_plugin.launch.rendezvous import single_process_values
 from megatron_cg_plugin.matrix.runner import Cell, cell_env, cell_flags, farm_case, load_cells, refusal_of, select_cells
 
+__all__ = [
+    "BenchProcesses",
+    "RESULTS_FILE",
+    "STOPPED",
+    "TIMED_OUT",
+    "bench_launch",
+    "check_bench_flags",
+    "main",
+    "run_benches",
+]
+
 # The bench arm that captures as the cell's graphed run does. The cell's flags keep --cg-slot-capture, so
 # the bench's session has the run's config; ``slot`` is slot-shared capture offloading nothing (the cell
 # offloads nothing), ``slot-offload`` follows Megatron's offload flags with in-graph copies and the run's
@@ -46,8 +57,10 @@ PLUGIN_ARMS = {"te": "plugin", "slot": "slot", "slot-offload": "slot-offload"}
 STOCK_ARM = "stock"
 RESULTS_FILE = "matrix-bench.json"
 OWN_BENCH_OPTIONS = ("--bench-arms", "--bench-out")  # set per cell here
-USAGE = ("megatron-cg matrix bench CELLS.json --out DIR [--only NAME ...] [--parallel N] [--timeout-s S] "
-         "[-- --bench-rounds R --bench-steps S ...]")
+USAGE = (
+    "megatron-cg matrix bench CELLS.json --out DIR [--only NAME ...] [--parallel N] [--timeout-s S] "
+    "[-- --bench-rounds R --bench-steps S ...]"
+)
 TIMED_OUT = 124  # as timeout(1) says it
 STOPPED = -int(signal.SIGTERM)  # not started: the driver was stopped
 LOG_TAIL = 1500
@@ -66,16 +79,23 @@ def check_bench_flags(flags: Sequence[str]) -> None:
     """The flags after ``--`` are ``megatron-cg bench``'s own options, placed before the script; any
     of them it does not know yet is its to refuse."""
     if any(flag.startswith("--") and not flag.startswith("--bench-") for flag in flags) or (
-            flags and not flags[0].startswith("--bench-")):
-        raise ValueError(f"after -- come megatron-cg bench's own --bench-* options (e.g. -- --bench-rounds 4 "
-                         f"--bench-steps 8), not {' '.join(flags)}: each cell's flags are the matrix's.")
+        flags and not flags[0].startswith("--bench-")
+    ):
+        raise ValueError(
+            f"after -- come megatron-cg bench's own --bench-* options (e.g. -- --bench-rounds 4 "
+            f"--bench-steps 8), not {' '.join(flags)}: each cell's flags are the matrix's."
+        )
     if any(flag.split("=", 1)[0] == "--bench-interleave" for flag in flags):
-        raise ValueError("--bench-interleave: matrix bench reads the block schedule's rounds and ratios (and most "
-                         "cells are slot or FP8 captures, which the step schedule refuses); drop it.")
+        raise ValueError(
+            "--bench-interleave: matrix bench reads the block schedule's rounds and ratios (and most "
+            "cells are slot or FP8 captures, which the step schedule refuses); drop it."
+        )
     own = [flag for flag in flags if flag.split("=", 1)[0] in OWN_BENCH_OPTIONS]
     if own:
-        raise ValueError(f"{own[0]}: matrix bench sets it per cell (the arms: the cell's capture and stock; "
-                         "the output: DIR/<cell>); drop it.")
+        raise ValueError(
+            f"{own[0]}: matrix bench sets it per cell (the arms: the cell's capture and stock; "
+            "the output: DIR/<cell>); drop it."
+        )
 
 
 @dataclass(frozen=True)
@@ -101,16 +121,35 @@ class BenchLaunch:
         return self.folder / "bench.json"  # megatron-cg bench's, in its --bench-out
 
 
-def bench_launch(cell: Cell, out_dir: Path, *, script: Path, bench_flags: Sequence[str], port: int,
-                 environ: Mapping[str, str]) -> BenchLaunch:
+def bench_launch(
+    cell: Cell, out_dir: Path, *, script: Path, bench_flags: Sequence[str], port: int, environ: Mapping[str, str]
+) -> BenchLaunch:
     """The cell's bench command and environment; builds its dataset under ``out_dir/<cell>``."""
     folder = out_dir / cell.name
-    argv = ("-m", "megatron_cg_plugin.cli", "bench", "--bench-arms", ",".join((plugin_arm(cell.factors), STOCK_ARM)),
-            "--bench-out", str(folder), "--bench-no-plot", *bench_flags, str(script), *cell_flags(cell.factors),
-            *data_flags("synthetic", folder), "--cuda-graph-impl", "transformer_engine")
-    env = {**environ, "OMP_NUM_THREADS": "1", **cell_env(cell.factors), **single_process_values({}, port=port),
-           "NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off in every run of this project
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH")) if p)}
+    argv = (
+        "-m",
+        "megatron_cg_plugin.cli",
+        "bench",
+        "--bench-arms",
+        ",".join((plugin_arm(cell.factors), STOCK_ARM)),
+        "--bench-out",
+        str(folder),
+        "--bench-no-plot",
+        *bench_flags,
+        str(script),
+        *cell_flags(cell.factors),
+        *data_flags("synthetic", folder),
+        "--cuda-graph-impl",
+        "transformer_engine",
+    )
+    env = {
+        **environ,
+        "OMP_NUM_THREADS": "1",
+        **cell_env(cell.factors),
+        **single_process_values({}, port=port),
+        "NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off in every run of this project
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH")) if p),
+    }
     return BenchLaunch(cell, argv, env, folder, port)
 
 
@@ -129,8 +168,14 @@ class BenchProcesses:
         with log.open("w") as out, self._lock:
             if self._stopped:
                 return STOPPED
-            proc = subprocess.Popen([sys.executable, *argv], env=dict(env), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             self._running.add(proc)
         try:
             return proc.wait(timeout_s)
@@ -170,31 +215,58 @@ def bench_row(launch: BenchLaunch, returncode: int, *, parallel: int) -> dict[st
     """The cell's row from its bench's exit code and ``bench.json``: the plugin / stock ratio's
     median, spread and pairs of rounds, its 95% half-width, and the settings it ran with."""
     arm, stock = launch.arms
-    row: dict[str, Any] = {"name": launch.cell.name, "factors": launch.cell.factors, "arms": [arm, stock],
-                           "port": launch.port, "parallel": parallel, "log": str(launch.log)}
+    row: dict[str, Any] = {
+        "name": launch.cell.name,
+        "factors": launch.cell.factors,
+        "arms": [arm, stock],
+        "port": launch.port,
+        "parallel": parallel,
+        "log": str(launch.log),
+    }
     key = f"{arm}/{stock}"
     data = json.loads(launch.result.read_text()) if not returncode and launch.result.exists() else None
-    problem = ("megatron-cg bench timed out" if returncode == TIMED_OUT else
-               f"megatron-cg bench exited with code {returncode}" if returncode else
-               "megatron-cg bench wrote no bench.json" if data is None else
-               None if key in data["ratios"] else f"bench.json has no {key} ratio (it has: {', '.join(data['ratios'])})")
+    problem = (
+        "megatron-cg bench timed out"
+        if returncode == TIMED_OUT
+        else f"megatron-cg bench exited with code {returncode}"
+        if returncode
+        else "megatron-cg bench wrote no bench.json"
+        if data is None
+        else None
+        if key in data["ratios"]
+        else f"bench.json has no {key} ratio (it has: {', '.join(data['ratios'])})"
+    )
     if problem is not None:
         return {**row, "result": "failed", "problem": problem, "log_tail": _tail(launch.log)}
     assert data is not None
-    return {**row, "result": "benched", "ratio": data["ratios"][key],
-            "ratio_half_width": data.get("ratio_precision", {}).get(key, {}).get("half_width"),
-            "rounds": 1 + max(block["round"] for block in data["blocks"]),
-            "steps_per_block": data["steps_per_block"], "skip_steps": data["skip_steps"],
-            "step_ms": {name: 1e3 * data["step_seconds"][name]["median"] for name in (arm, stock)}}
+    return {
+        **row,
+        "result": "benched",
+        "ratio": data["ratios"][key],
+        "ratio_half_width": data.get("ratio_precision", {}).get(key, {}).get("half_width"),
+        "rounds": 1 + max(block["round"] for block in data["blocks"]),
+        "steps_per_block": data["steps_per_block"],
+        "skip_steps": data["skip_steps"],
+        "step_ms": {name: 1e3 * data["step_seconds"][name]["median"] for name in (arm, stock)},
+    }
 
 
 Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
 
 
-def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | None, bench_flags: Sequence[str] = (),
-                parallel: int = 1, timeout_s: float = 600, launcher: Launcher | None = None,
-                ports: Callable[[], int] | None = None, environ: Mapping[str, str] | None = None,
-                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run_benches(
+    cells: Sequence[Cell],
+    out_dir: Path,
+    *,
+    megatron_lm_dir: str | None,
+    bench_flags: Sequence[str] = (),
+    parallel: int = 1,
+    timeout_s: float = 600,
+    launcher: Launcher | None = None,
+    ports: Callable[[], int] | None = None,
+    environ: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
     """Benches every cell that can run (``parallel`` at a time) and writes ``out_dir/RESULTS_FILE``
     as rows finish: a row per cell, ``benched``, ``failed``, ``refused`` or ``stock-refused``."""
     check_bench_flags(bench_flags)
@@ -208,9 +280,15 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
         progress(_progress_line(row))
-        (out_dir / RESULTS_FILE).write_text(json.dumps(
-            {"bench": {"parallel": parallel, "flags": list(bench_flags)},
-             "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1))
+        (out_dir / RESULTS_FILE).write_text(
+            json.dumps(
+                {
+                    "bench": {"parallel": parallel, "flags": list(bench_flags)},
+                    "rows": [rows[c.name] for c in cells if c.name in rows],
+                },
+                indent=1,
+            )
+        )
 
     # The rules' checks and the datasets first, one cell after another (the checks set process state).
     launches = []
@@ -221,8 +299,11 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
             continue
         flags = stock_flags(cell.factors)
         # A TE-graphs cell's flags are the stock arm's, and matrix plan checked them.
-        refused_by, refusal = ((), "") if list(flags) == cell_flags(cell.factors) else refusal_of(
-            cell.factors, out_dir / cell.name, flags=flags)
+        refused_by, refusal = (
+            ((), "")
+            if list(flags) == cell_flags(cell.factors)
+            else refusal_of(cell.factors, out_dir / cell.name, flags=flags)
+        )
         if refused_by:
             record({**row, "result": "stock-refused", "stock_refused_by": list(refused_by), "stock_refusal": refusal})
             continue
@@ -232,8 +313,9 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
             raise ValueError(unmet)
         script = case.script_file
         assert script is not None  # farm_case runs Megatron-LM's pretrain_gpt.py
-        launches.append(bench_launch(cell, out_dir, script=script, bench_flags=bench_flags,
-                                     port=ports(), environ=environ))
+        launches.append(
+            bench_launch(cell, out_dir, script=script, bench_flags=bench_flags, port=ports(), environ=environ)
+        )
     for launch in launches:
         launch.result.unlink(missing_ok=True)  # a former run's figures are not this one's
     launcher = BenchProcesses() if launcher is None else launcher
@@ -255,10 +337,15 @@ def run_benches(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | 
 def _progress_line(row: Mapping[str, Any]) -> str:
     if row["result"] == "benched":
         ratio = row["ratio"]
-        return (f"{row['name']}: {'/'.join(row['arms'])} {ratio['median']:.3f} [{ratio['low']:.3f}, "
-                f"{ratio['high']:.3f}] (n={ratio['n']})")
-    detail = {"refused": row.get("refused_by"), "stock-refused": row.get("stock_refused_by"),
-              "failed": row.get("problem")}[row["result"]]
+        return (
+            f"{row['name']}: {'/'.join(row['arms'])} {ratio['median']:.3f} [{ratio['low']:.3f}, "
+            f"{ratio['high']:.3f}] (n={ratio['n']})"
+        )
+    detail = {
+        "refused": row.get("refused_by"),
+        "stock-refused": row.get("stock_refused_by"),
+        "failed": row.get("problem"),
+    }[row["result"]]
     return f"{row['name']}: {row['result']} {detail}"
 
 
@@ -269,17 +356,24 @@ def _stop(signum: int, _frame: Any) -> None:
 def main(argv: Sequence[str]) -> int:
     """``megatron-cg matrix bench``; what follows ``--`` goes to every ``megatron-cg bench``."""
     argv = list(argv)
-    own, bench_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, bench_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
-        prog="megatron-cg matrix bench", usage=USAGE, epilog="The flags after -- go to every megatron-cg bench "
+        prog="megatron-cg matrix bench",
+        usage=USAGE,
+        epilog="The flags after -- go to every megatron-cg bench "
         "(megatron-cg bench --help lists them): e.g. -- --bench-rounds 4 --bench-steps 8.",
         description="Each cell's step time with the plugin's graphs over Megatron's own (megatron-cg bench through "
         "Megatron-LM's pretrain_gpt.py, MEGATRON_LM_DIR, arms: the cell's capture and stock), one process per cell, "
         f"into DIR/{RESULTS_FILE}, which megatron-cg matrix render takes beside the runs' matrix.json. Cells the "
-        "rules refuse, or whose stock arm they refuse, are recorded, not launched.")
+        "rules refuse, or whose stock arm they refuse, are recorded, not launched.",
+    )
     parser.add_argument("cells", type=Path, help="the cells file `matrix plan` wrote")
-    parser.add_argument("--out", type=Path, required=True,
-                        help=f"a folder per cell (its bench.json, bench.md, bench.log, dataset) and {RESULTS_FILE}")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help=f"a folder per cell (its bench.json, bench.md, bench.log, dataset) and {RESULTS_FILE}",
+    )
     parser.add_argument("--only", nargs="+", help="bench only these cells (names from the cells file)")
     parser.add_argument("--parallel", type=int, default=1, help="benches side by side on the one GPU (default 1)")
     parser.add_argument("--timeout-s", type=float, default=600, help="per bench; a bench past it is a failure")
@@ -287,8 +381,14 @@ def main(argv: Sequence[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _stop)  # timeout(1): through run_benches' cleanup, as Ctrl-C
     try:
         cells = select_cells(load_cells(options.cells), options.only, options.cells)
-        rows = run_benches(cells, options.out, megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
-                           bench_flags=bench_flags, parallel=options.parallel, timeout_s=options.timeout_s)
+        rows = run_benches(
+            cells,
+            options.out,
+            megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+            bench_flags=bench_flags,
+            parallel=options.parallel,
+            timeout_s=options.timeout_s,
+        )
     except (OSError, ValueError, KeyError) as error:
         print(f"megatron-cg matrix bench: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

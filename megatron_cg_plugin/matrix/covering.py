@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+__all__ = ["all_pairs", "combinations", "pairs_of", "uncovered_pairs"]
+
 Combination = tuple[tuple[str, str], ...]  # ((factor, value), ...) in factor order
 Pair = tuple[tuple[str, str], tuple[str, str]]
 
@@ -33,8 +35,12 @@ def pairs_of(combination: Combination) -> set[Pair]:
     return set(itertools.combinations(combination, 2))
 
 
-def all_pairs(factors: Mapping[str, Sequence[str]], *, allowed: Callable[[dict[str, str]], bool] = lambda _: True,
-              preferred: Callable[[dict[str, str]], bool] = lambda _: True) -> list[dict[str, str]]:
+def all_pairs(
+    factors: Mapping[str, Sequence[str]],
+    *,
+    allowed: Callable[[dict[str, str]], bool] = lambda _: True,
+    preferred: Callable[[dict[str, str]], bool] = lambda _: True,
+) -> list[dict[str, str]]:
     """A pairwise covering design over ``factors`` (name -> values): every pair of values of two
     factors that some allowed combination holds is held by one of the returned combinations."""
     candidates = [c for c in combinations(factors) if allowed(dict(c))]
@@ -56,8 +62,12 @@ def _greedy_cover(candidates: Sequence[Combination], uncovered: set[Pair]) -> li
     return chosen
 
 
-def uncovered_pairs(design: Iterable[Mapping[str, str]], factors: Mapping[str, Sequence[str]], *,
-                    allowed: Callable[[dict[str, str]], bool] = lambda _: True) -> set[Pair]:
+def uncovered_pairs(
+    design: Iterable[Mapping[str, str]],
+    factors: Mapping[str, Sequence[str]],
+    *,
+    allowed: Callable[[dict[str, str]], bool] = lambda _: True,
+) -> set[Pair]:
     """The pairs some allowed combination holds that no combination of ``design`` holds (empty for a
     covering design): the check a regenerated matrix is held to."""
     needed = set().union(set(), *(pairs_of(c) for c in combinations(factors) if allowed(dict(c))))

@@ -35,6 +35,25 @@ from megatron_cg_plugin.farm.runner import MEGATRON_LM_SCRIPT, FarmCase, differi
 from megatron_cg_plugin.farm.runner import refusal_of as farm_refusal_of
 from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
 
+__all__ = [
+    "Cell",
+    "FACTORS",
+    "MATRIX_STEPS",
+    "allowed",
+    "cell_env",
+    "cell_flags",
+    "cell_name",
+    "design",
+    "farm_case",
+    "load_cells",
+    "merge_results",
+    "refusal_of",
+    "render",
+    "run_cell",
+    "run_matrix",
+    "select_cells",
+]
+
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("gpt", "llama", "moe-droppad", "moe-dropless"),
     "scope": ("layer", "attn", "moe"),
@@ -46,14 +65,22 @@ MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
 MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
 SEQ = 2048
 
-_SIZES = f"--seq-length {SEQ} --max-position-embeddings {SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
-_TRAINING = ("--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
-             "--bf16 --eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad --seed 1234 "
-             "--transformer-impl transformer_engine --no-gradient-accumulation-fusion --num-workers 0")
-_LLAMA = ("--group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
-          "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0")
-_MOE = (f"{_LLAMA} --ffn-hidden-size 5632 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1408 "
-        "--moe-token-dispatcher-type alltoall --moe-grouped-gemm")
+_SIZES = (
+    f"--seq-length {SEQ} --max-position-embeddings {SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
+)
+_TRAINING = (
+    "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
+    "--bf16 --eval-iters 0 --eval-interval 1000000 --log-interval 1 --log-num-zeros-in-grad --seed 1234 "
+    "--transformer-impl transformer_engine --no-gradient-accumulation-fusion --num-workers 0"
+)
+_LLAMA = (
+    "--group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0"
+)
+_MOE = (
+    f"{_LLAMA} --ffn-hidden-size 5632 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 1408 "
+    "--moe-token-dispatcher-type alltoall --moe-grouped-gemm"
+)
 # GPT-3's layer as Megatron-LM's script defaults it (learned positions, GELU, LayerNorm, biases, dropout 0.1);
 # Llama's (GQA, SwiGLU, RMSNorm, RoPE, untied, no biases, no dropout); a 16-expert top-2 MoE on Llama's attention.
 MODEL_FLAGS = {
@@ -83,7 +110,9 @@ def scope_flags(cell: Mapping[str, str]) -> str:
     if cell["scope"] == "attn":
         return "--cuda-graph-modules attn"
     # The MoE block: whole with a fixed capacity, its router and preprocess where dropless.
-    return "--cuda-graph-modules " + ("attn moe" if cell["model"] == "moe-droppad" else "attn moe_router moe_preprocess")
+    return "--cuda-graph-modules " + (
+        "attn moe" if cell["model"] == "moe-droppad" else "attn moe_router moe_preprocess"
+    )
 
 
 def allowed(cell: Mapping[str, str]) -> bool:
@@ -99,8 +128,17 @@ def cell_flags(cell: Mapping[str, str]) -> list[str]:
     """The Megatron and ``--cg-*`` flags of a cell, without ``--cuda-graph-impl`` (the farm sets it
     per run) and without the data flags (the farm builds its dataset)."""
     mbs = int(cell["mbs"])
-    text = " ".join((_SIZES, _TRAINING, MODEL_FLAGS[cell["model"]], scope_flags(cell), PRECISION_FLAGS[cell["precision"]],
-                     CAPTURE_FLAGS[cell["capture"]], f"--micro-batch-size {mbs} --global-batch-size {MICROBATCHES * mbs}"))
+    text = " ".join(
+        (
+            _SIZES,
+            _TRAINING,
+            MODEL_FLAGS[cell["model"]],
+            scope_flags(cell),
+            PRECISION_FLAGS[cell["precision"]],
+            CAPTURE_FLAGS[cell["capture"]],
+            f"--micro-batch-size {mbs} --global-batch-size {MICROBATCHES * mbs}",
+        )
+    )
     return text.split()
 
 
@@ -115,8 +153,13 @@ class Cell:
         return cell_name(self.factors)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "factors": self.factors, "flags": cell_flags(self.factors),
-                "refused_by": list(self.refused_by), "refusal": self.refusal}
+        return {
+            "name": self.name,
+            "factors": self.factors,
+            "flags": cell_flags(self.factors),
+            "refused_by": list(self.refused_by),
+            "refusal": self.refusal,
+        }
 
 
 def load_cells(path: Path) -> list[Cell]:
@@ -139,8 +182,9 @@ def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
     return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
 
 
-def refusal_of(cell: Mapping[str, str], out_dir: Path, *,
-               flags: Sequence[str] | None = None) -> tuple[tuple[str, ...], str]:
+def refusal_of(
+    cell: Mapping[str, str], out_dir: Path, *, flags: Sequence[str] | None = None
+) -> tuple[tuple[str, ...], str]:
     """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.refusal_of``, its
     dataset built under ``out_dir``), on ``flags`` in place of the cell's where given; ``((), "")``
     when both would start."""
@@ -172,14 +216,30 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
     """A cell as a farm run of Megatron-LM's pretrain_gpt.py on the farm's synthetic indexed dataset.
     The eager reference of an offload cell trains without Megatron's offload (it moves saves and
     changes no value; Megatron's eager offload is not reproducible run to run, docs/farm.md)."""
-    return FarmCase(name=cell.name, nproc=1, flags=tuple(cell_flags(cell.factors)), folder=Path("."), steps=steps,
-                    script=MEGATRON_LM_SCRIPT + "pretrain_gpt.py", data="synthetic", check_golden=False,
-                    env=tuple(cell_env(cell.factors).items()), eager_offload=cell.factors["capture"] != "slot-offload",
-                    megatron_lm_dir=megatron_lm_dir)
+    return FarmCase(
+        name=cell.name,
+        nproc=1,
+        flags=tuple(cell_flags(cell.factors)),
+        folder=Path("."),
+        steps=steps,
+        script=MEGATRON_LM_SCRIPT + "pretrain_gpt.py",
+        data="synthetic",
+        check_golden=False,
+        env=tuple(cell_env(cell.factors).items()),
+        eager_offload=cell.factors["capture"] != "slot-offload",
+        megatron_lm_dir=megatron_lm_dir,
+    )
 
 
-def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: int, timeout_s: float,
-             ports: Callable[[], int] | None = None) -> dict[str, Any]:
+def run_cell(
+    cell: Cell,
+    out_dir: Path,
+    *,
+    megatron_lm_dir: str | None,
+    steps: int,
+    timeout_s: float,
+    ports: Callable[[], int] | None = None,
+) -> dict[str, Any]:
     """One cell's row: refused, or exact / differs / failed with the figures of its two runs."""
     row: dict[str, Any] = {**cell.to_json(), "steps": steps}
     if cell.refused_by:
@@ -191,9 +251,14 @@ def run_cell(cell: Cell, out_dir: Path, *, megatron_lm_dir: str | None, steps: i
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
     problems = problems_of(case, result, with_golden=False)
     differing = differing_steps(result.losses(result.eager), result.losses(result.graphed))
-    return {**row, "result": "differs" if differing else ("failed" if problems else "exact"),
-            "problems": problems, "first_differing_step": min(differing, default=None),
-            "summary": result.summary(), **memory_figures(result.report)}
+    return {
+        **row,
+        "result": "differs" if differing else ("failed" if problems else "exact"),
+        "problems": problems,
+        "first_differing_step": min(differing, default=None),
+        "summary": result.summary(),
+        **memory_figures(result.report),
+    }
 
 
 def memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,16 +268,27 @@ def memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
         values = [s.get(key) for s in scopes if s.get(key) is not None]
         return sum(values) if values else None
 
-    return {"pool_bytes": total("pool_bytes"), "predicted_pool_bytes": report.get("predicted_pool_bytes"),
-            "arena_bytes": total("arena_bytes"), "predicted_arena_bytes": report.get("predicted_arena_bytes"),
-            "teardown_pool_bytes_left": total("teardown_pool_bytes_left"),
-            "teardown_allocated_delta_bytes": total("teardown_allocated_delta_bytes"),
-            "prediction_leaves_out": list(report.get("prediction_leaves_out") or ())}
+    return {
+        "pool_bytes": total("pool_bytes"),
+        "predicted_pool_bytes": report.get("predicted_pool_bytes"),
+        "arena_bytes": total("arena_bytes"),
+        "predicted_arena_bytes": report.get("predicted_arena_bytes"),
+        "teardown_pool_bytes_left": total("teardown_pool_bytes_left"),
+        "teardown_allocated_delta_bytes": total("teardown_allocated_delta_bytes"),
+        "prediction_leaves_out": list(report.get("prediction_leaves_out") or ()),
+    }
 
 
-def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | None, jobs: int = 1,
-               steps: int = MATRIX_STEPS, timeout_s: float = 900,
-               progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run_matrix(
+    cells: Sequence[Cell],
+    out_dir: Path,
+    *,
+    megatron_lm_dir: str | None,
+    jobs: int = 1,
+    steps: int = MATRIX_STEPS,
+    timeout_s: float = 900,
+    progress: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
     """Runs every cell (``jobs`` at a time on the one GPU: correctness is compared within each cell,
     step times are then shared-GPU figures) and writes ``out_dir/matrix.json`` as rows finish. Each
     launch takes its rendezvous port from one allocator, so cells side by side never share one."""
@@ -223,12 +299,19 @@ def run_matrix(cells: Sequence[Cell], out_dir: Path, *, megatron_lm_dir: str | N
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
         progress(f"{row['name']}: {row['result']}" + (f" {row['refused_by']}" if row.get("refused_by") else ""))
-        (out_dir / "matrix.json").write_text(json.dumps(
-            {"factors": FACTORS, "steps": steps, "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1))
+        (out_dir / "matrix.json").write_text(
+            json.dumps(
+                {"factors": FACTORS, "steps": steps, "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1
+            )
+        )
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps,
-                               timeout_s=timeout_s, ports=ports) for cell in cells]
+        futures = [
+            pool.submit(
+                run_cell, cell, out_dir, megatron_lm_dir=megatron_lm_dir, steps=steps, timeout_s=timeout_s, ports=ports
+            )
+            for cell in cells
+        ]
         for future in concurrent.futures.as_completed(futures):
             record(future.result())
     return [rows[cell.name] for cell in cells]
@@ -244,8 +327,13 @@ def _ratio(predicted: int | None, measured: int | None) -> str:
     return f"{_mib(predicted)} / {_mib(measured)} ({predicted / measured:.2f})"
 
 
-RESULT_WORDS = {"exact": "exact", "differs": "**differs**", "failed": "**failed**", "refused": "refused",
-                "not-run": "**not run**"}
+RESULT_WORDS = {
+    "exact": "exact",
+    "differs": "**differs**",
+    "failed": "**failed**",
+    "refused": "refused",
+    "not-run": "**not run**",
+}
 
 
 BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
@@ -260,8 +348,9 @@ def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> d
     benches = [run for run in runs if BENCH_KEY in run]
     runs = [run for run in runs if BENCH_KEY not in run]
     if not runs or len({run["steps"] for run in runs}) != 1:
-        raise ValueError("give one or more matrix.json files, all run with the same --steps (and any "
-                         "matrix-bench.json beside them).")
+        raise ValueError(
+            "give one or more matrix.json files, all run with the same --steps (and any matrix-bench.json beside them)."
+        )
     latest = {row["name"]: row for run in runs for row in run["rows"]}
     benched = {row["name"]: row for run in benches for row in run["rows"]}
     rows = []
@@ -284,8 +373,11 @@ def _bench_cell(row: Mapping[str, Any]) -> str:
     if bench["result"] != "benched":
         return "**bench failed**"
     ratio, half = bench["ratio"], bench.get("ratio_half_width")
-    return (f"{ratio['median']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}]"
-            + ("" if half is None else f" +-{half:.1%}") + f" (n={ratio['n']})")
+    return (
+        f"{ratio['median']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}]"
+        + ("" if half is None else f" +-{half:.1%}")
+        + f" (n={ratio['n']})"
+    )
 
 
 def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -299,15 +391,20 @@ def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
         return "/".join(str(value) for value in sorted({bench[key] for bench in benched}))
 
     parallel = max(bench["parallel"] for bench in benched)  # refused rows never launched: no "parallel"
-    side = "one bench at a time on the GPU" if parallel == 1 else \
-        f"up to {parallel} benches side by side on the one GPU (shared-GPU figures)"
-    return (f"plugin / stock ({len(benched)} cells benched): the step time of the cell's own capture (bench arm "
-            "`plugin` in te cells, `slot`, `slot-offload`) over Megatron's TE graphs on the same flags (with Megatron's "
-            "offload in slot-offload cells), from `megatron-cg bench` through `pretrain_gpt.py` without "
-            "`--deterministic-mode`, one process per cell; the median over pairs of mirrored rounds [lowest, highest] "
-            f"+- the median's 95% half-width (n pairs); {values('rounds')} rounds of {values('steps_per_block')} steps "
-            f"per arm, the first {values('skip_steps')} of each block left out; {side}. Below 1 the plugin's step is "
-            "faster; `-` for a refused or not benched cell, with the rule that refuses the stock arm where one does.")
+    side = (
+        "one bench at a time on the GPU"
+        if parallel == 1
+        else f"up to {parallel} benches side by side on the one GPU (shared-GPU figures)"
+    )
+    return (
+        f"plugin / stock ({len(benched)} cells benched): the step time of the cell's own capture (bench arm "
+        "`plugin` in te cells, `slot`, `slot-offload`) over Megatron's TE graphs on the same flags (with Megatron's "
+        "offload in slot-offload cells), from `megatron-cg bench` through `pretrain_gpt.py` without "
+        "`--deterministic-mode`, one process per cell; the median over pairs of mirrored rounds [lowest, highest] "
+        f"+- the median's 95% half-width (n pairs); {values('rounds')} rounds of {values('steps_per_block')} steps "
+        f"per arm, the first {values('skip_steps')} of each block left out; {side}. Below 1 the plugin's step is "
+        "faster; `-` for a refused or not benched cell, with the rule that refuses the stock arm where one does."
+    )
 
 
 def render(results: Mapping[str, Any]) -> str:
@@ -340,11 +437,16 @@ def render(results: Mapping[str, Any]) -> str:
             result += " " + ", ".join(f"`{rule}`" for rule in row["refused_by"])
         elif row.get("first_differing_step") is not None:
             result += f" from step {row['first_differing_step']}"
-        left = "-" if row.get("teardown_pool_bytes_left") is None else \
-            f"{_mib(row['teardown_pool_bytes_left'])}, {_mib(row.get('teardown_allocated_delta_bytes'))}"
-        lines.append(f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
-                     f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
-                     f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |")
+        left = (
+            "-"
+            if row.get("teardown_pool_bytes_left") is None
+            else f"{_mib(row['teardown_pool_bytes_left'])}, {_mib(row.get('teardown_allocated_delta_bytes'))}"
+        )
+        lines.append(
+            f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
+            f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
+            f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |"
+        )
     counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
     lines += ["", ", ".join(f"{n} {word.replace('-', ' ')}" for word, n in counts.items() if n) + "."]
     return "\n".join(lines) + "\n"

@@ -14,9 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_cg_plugin.settings import RunSettings
+
+__all__ = [
+    "MoeCapacityPlan",
+    "capacity_plan",
+    "megatron_capacity",
+    "parse_load",
+    "tokens_per_rank",
+    "uniform_load",
+    "zipf_load",
+]
 
 
 def megatron_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
@@ -37,15 +47,19 @@ class MoeCapacityPlan:
 
     def __post_init__(self) -> None:
         if self.tokens_per_rank < 1 or self.topk < 1 or self.num_experts < 1:
-            raise ValueError(f"tokens per rank, top-k and experts must be >= 1, got {self.tokens_per_rank}, "
-                             f"{self.topk}, {self.num_experts}.")
+            raise ValueError(
+                f"tokens per rank, top-k and experts must be >= 1, got {self.tokens_per_rank}, "
+                f"{self.topk}, {self.num_experts}."
+            )
         if self.topk > self.num_experts:
             raise ValueError(f"--moe-router-topk {self.topk} exceeds --num-experts {self.num_experts}.")
         if self.capacity_factor <= 0:
             raise ValueError(f"--moe-expert-capacity-factor {self.capacity_factor} must be > 0.")
         if self.num_experts % self.expert_parallel:
-            raise ValueError(f"--num-experts {self.num_experts} must be a multiple of "
-                             f"--expert-model-parallel-size {self.expert_parallel}.")
+            raise ValueError(
+                f"--num-experts {self.num_experts} must be a multiple of "
+                f"--expert-model-parallel-size {self.expert_parallel}."
+            )
 
     @property
     def assignments(self) -> int:
@@ -81,8 +95,9 @@ class MoeCapacityPlan:
         """Per local expert, (rows, in, out) of fc1 and fc2 (fc1 doubles its output for a gated
         activation such as SwiGLU; the expert TP size splits the ffn dimension)."""
         if ffn_hidden % self.tensor_parallel:
-            raise ValueError(f"the expert ffn size {ffn_hidden} must be a multiple of the expert TP size "
-                             f"{self.tensor_parallel}.")
+            raise ValueError(
+                f"the expert ffn size {ffn_hidden} must be a multiple of the expert TP size {self.tensor_parallel}."
+            )
         rows, ffn = self.tokens_per_local_expert, ffn_hidden // self.tensor_parallel
         return {"fc1": (rows, hidden, ffn * (2 if gated else 1)), "fc2": (rows, ffn, hidden)}
 
@@ -91,13 +106,15 @@ class MoeCapacityPlan:
         ``load[e]``. A token picks K different experts, so no expert gets more than N: what a full
         expert would get goes to the others, in proportion to their shares (water-filling)."""
         if len(load) != self.num_experts:
-            raise ValueError(f"the router load lists {len(load)} experts; give one share per expert "
-                             f"({self.num_experts}).")
+            raise ValueError(
+                f"the router load lists {len(load)} experts; give one share per expert ({self.num_experts})."
+            )
         if any(share < 0 for share in load):
             raise ValueError("router load shares must be >= 0.")
         if sum(1 for share in load if share > 0) < self.topk:
-            raise ValueError(f"a router picks {self.topk} different experts per token: give at least {self.topk} "
-                             "experts a share.")
+            raise ValueError(
+                f"a router picks {self.topk} different experts per token: give at least {self.topk} experts a share."
+            )
         routed = [0.0] * self.num_experts
         full: set[int] = set()
         left = float(self.assignments)
@@ -143,24 +160,30 @@ def parse_load(text: str, num_experts: int) -> list[float]:
     try:
         shares = [float(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--router-load {text!r} is not understood: use uniform, zipf:S, or one share per "
-                         "expert separated by commas.") from None
+        raise ValueError(
+            f"--router-load {text!r} is not understood: use uniform, zipf:S, or one share per "
+            "expert separated by commas."
+        ) from None
     if len(shares) != num_experts:
         raise ValueError(f"--router-load lists {len(shares)} shares for {num_experts} experts.")
     return shares
 
 
-def tokens_per_rank(*, seq_length: int, micro_batch_size: int, context_parallel: int, tensor_parallel: int,
-                    sequence_parallel: bool) -> int:
+def tokens_per_rank(
+    *, seq_length: int, micro_batch_size: int, context_parallel: int, tensor_parallel: int, sequence_parallel: bool
+) -> int:
     """Tokens entering one rank's MoE router per microbatch: the rank's sequence share (CP, and TP,
     which Megatron's MoE layers train with only under sequence parallelism) times the micro-batch size."""
     if tensor_parallel > 1 and not sequence_parallel:
-        raise ValueError("Megatron trains MoE layers under tensor parallelism only with sequence parallelism "
-                         "(moe_layer.py refuses it): add --sequence-parallel.")
+        raise ValueError(
+            "Megatron trains MoE layers under tensor parallelism only with sequence parallelism "
+            "(moe_layer.py refuses it): add --sequence-parallel."
+        )
     shards = context_parallel * tensor_parallel
     if seq_length % shards:
-        raise ValueError(f"--seq-length {seq_length} must be a multiple of CP x (TP with sequence parallelism) "
-                         f"= {shards}.")
+        raise ValueError(
+            f"--seq-length {seq_length} must be a multiple of CP x (TP with sequence parallelism) = {shards}."
+        )
     return seq_length // shards * micro_batch_size
 
 
@@ -169,9 +192,16 @@ def capacity_plan(settings: RunSettings) -> MoeCapacityPlan | None:
     if not settings.num_experts or settings.capacity_factor is None:
         return None
     return MoeCapacityPlan(
-        tokens_per_rank=tokens_per_rank(seq_length=settings.seq_length, micro_batch_size=settings.micro_batch_size,
-                                        context_parallel=settings.context_parallel,
-                                        tensor_parallel=settings.tensor_parallel,
-                                        sequence_parallel=settings.sequence_parallel),
-        topk=settings.moe_topk, num_experts=settings.num_experts, capacity_factor=settings.capacity_factor,
-        expert_parallel=settings.expert_parallel, tensor_parallel=settings.expert_tensor_parallel or 1)
+        tokens_per_rank=tokens_per_rank(
+            seq_length=settings.seq_length,
+            micro_batch_size=settings.micro_batch_size,
+            context_parallel=settings.context_parallel,
+            tensor_parallel=settings.tensor_parallel,
+            sequence_parallel=settings.sequence_parallel,
+        ),
+        topk=settings.moe_topk,
+        num_experts=settings.num_experts,
+        capacity_factor=settings.capacity_factor,
+        expert_parallel=settings.expert_parallel,
+        tensor_parallel=settings.expert_tensor_parallel or 1,
+    )

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+__all__ = ["RouterDropTap"]
+
 
 class RouterDropTap:
     def __init__(self) -> None:

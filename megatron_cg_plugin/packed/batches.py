@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+__all__ = ["packed_batch_params", "with_packed_keys"]
+
 # What Megatron's get_batch_on_this_tp_rank reads of a packed batch besides the tokens (None where absent).
 PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
@@ -33,6 +35,13 @@ def packed_batch_params(batch: Mapping[str, Any], *, tokens_per_sample: int) -> 
     padded = None if padded is None else padded.squeeze(0)
     attended = offsets if padded is None else padded  # Megatron's script attends over the padded offsets when given
     longest = int(batch["max_seqlen"].max().item())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=attended, cu_seqlens_kv=attended,
-                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=longest,
-                           max_seqlen_kv=longest, tokens_per_sample=tokens_per_sample)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=attended,
+        cu_seqlens_kv=attended,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        tokens_per_sample=tokens_per_sample,
+    )

@@ -28,8 +28,24 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin.scopes import attention_in_graph
 from megatron_cg_plugin.packed.layout import PackedLayout, check_sequence_count, check_sequence_length
+from megatron_cg_plugin.scopes import attention_in_graph
+
+__all__ = [
+    "PackedFormError",
+    "THD_KWARG",
+    "build_capture",
+    "build_replay",
+    "build_thd_layout",
+    "capture_params",
+    "fixed_offsets",
+    "fixed_params",
+    "graph_input",
+    "helper_sample_inputs",
+    "layout_of",
+    "longest_sequence",
+    "sample_inputs",
+]
 
 THD_KWARG = "thd_cu_seqlens"  # the graph input holding a packed microbatch's offsets
 
@@ -61,28 +77,32 @@ def fixed_offsets(offsets: torch.Tensor, entries: int) -> torch.Tensor:
     ``ThdCapacityError`` naming ``--cg-thd-max-seqs`` when they hold more than ``entries - 1``
     sequences."""
     if offsets.dim() != 1 or not offsets.numel() or offsets.is_floating_point():
-        raise PackedFormError(f"cu_seqlens must be a non-empty 1-D integer tensor, got {tuple(offsets.shape)} "
-                              f"{offsets.dtype}.")
+        raise PackedFormError(
+            f"cu_seqlens must be a non-empty 1-D integer tensor, got {tuple(offsets.shape)} {offsets.dtype}."
+        )
     count = offsets.numel()
     check_sequence_count(count - 1, entries - 1)
     fixed = torch.empty(entries, dtype=torch.int32, device=offsets.device)
     fixed[:count].copy_(offsets)
     if count < entries:
-        fixed[count:].copy_(offsets[count - 1:].expand(entries - count))
+        fixed[count:].copy_(offsets[count - 1 :].expand(entries - count))
     return fixed
 
 
 def _check_form(params: Any, layout: PackedLayout) -> None:
     """What the fixed layout carries: self-attention THD offsets without padding between sequences."""
     if params.cu_seqlens_kv is not params.cu_seqlens_q:
-        raise PackedFormError("packed graphs serve self-attention: cu_seqlens_kv must be the very tensor "
-                              "cu_seqlens_q is (Megatron's pretrain_gpt.py builds them so).")
+        raise PackedFormError(
+            "packed graphs serve self-attention: cu_seqlens_kv must be the very tensor "
+            "cu_seqlens_q is (Megatron's pretrain_gpt.py builds them so)."
+        )
     for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         padded = getattr(params, name)
         if padded is not None and padded is not params.cu_seqlens_q:
             raise PackedFormError(
                 f"{name} differs from cu_seqlens_q (padding between sequences), which packed graphs do not carry: "
-                "pass cu_seqlens_padded=None, or train this data with --cuda-graph-impl none.")
+                "pass cu_seqlens_padded=None, or train this data with --cuda-graph-impl none."
+            )
     if params.pad_between_seqs:
         raise PackedFormError("pad_between_seqs=True is not carried by packed graphs: leave it None.")
     # A document longer than the captured max_seqlen would be computed wrongly, so a missing bound is
@@ -96,7 +116,12 @@ def _check_form(params: Any, layout: PackedLayout) -> None:
 def longest_sequence(offsets: Any) -> int:
     """The longest sequence of cumulative ``offsets`` (one host read); 0 for offsets ``fixed_offsets``
     refuses (it names what is wrong with them)."""
-    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 2 or offsets.is_floating_point():
+    if (
+        not isinstance(offsets, torch.Tensor)
+        or offsets.dim() != 1
+        or offsets.numel() < 2
+        or offsets.is_floating_point()
+    ):
         return 0
     return int((offsets[1:] - offsets[:-1]).max())
 
@@ -106,37 +131,60 @@ def fixed_params(params: Any, layout: PackedLayout) -> Any:
     tensor, so a later microbatch never overwrites what an earlier one's backward reads)."""
     _check_form(params, layout)
     offsets = fixed_offsets(params.cu_seqlens_q, layout.entries)
-    return dataclasses.replace(params, cu_seqlens_q=offsets, cu_seqlens_kv=offsets, cu_seqlens_q_padded=None,
-                               cu_seqlens_kv_padded=None, max_seqlen_q=layout.max_seqlen,
-                               max_seqlen_kv=layout.max_seqlen)
+    return dataclasses.replace(
+        params,
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        cu_seqlens_q_padded=None,
+        cu_seqlens_kv_padded=None,
+        max_seqlen_q=layout.max_seqlen,
+        max_seqlen_kv=layout.max_seqlen,
+    )
 
 
 def graph_input(params: Any, layout: PackedLayout, where: str) -> torch.Tensor:
     """The graph input of a replay's ``PackedSeqParams``, which must be in the fixed layout."""
     offsets = params.cu_seqlens_q
     tensor = isinstance(offsets, torch.Tensor)
-    if (tensor and offsets.shape == (layout.entries,) and offsets.dtype == torch.int32  # every replay: no message built
-            and params.max_seqlen_q == layout.max_seqlen and params.max_seqlen_kv == layout.max_seqlen
-            and params.cu_seqlens_kv is offsets and params.cu_seqlens_q_padded is None
-            and params.cu_seqlens_kv_padded is None):
+    if (
+        tensor
+        and offsets.shape == (layout.entries,)
+        and offsets.dtype == torch.int32  # every replay: no message built
+        and params.max_seqlen_q == layout.max_seqlen
+        and params.max_seqlen_kv == layout.max_seqlen
+        and params.cu_seqlens_kv is offsets
+        and params.cu_seqlens_q_padded is None
+        and params.cu_seqlens_kv_padded is None
+    ):
         return offsets
-    found = {"cu_seqlens_q shape": tuple(offsets.shape) if tensor else type(offsets).__name__,
-             "cu_seqlens_q dtype": str(offsets.dtype) if tensor else None,
-             "max_seqlen_q": params.max_seqlen_q, "max_seqlen_kv": params.max_seqlen_kv,
-             "cu_seqlens_kv is cu_seqlens_q": params.cu_seqlens_kv is offsets,
-             "cu_seqlens_q_padded is None": params.cu_seqlens_q_padded is None,
-             "cu_seqlens_kv_padded is None": params.cu_seqlens_kv_padded is None}
-    expected = {"cu_seqlens_q shape": (layout.entries,), "cu_seqlens_q dtype": str(torch.int32),
-                "max_seqlen_q": layout.max_seqlen, "max_seqlen_kv": layout.max_seqlen,
-                "cu_seqlens_kv is cu_seqlens_q": True, "cu_seqlens_q_padded is None": True,
-                "cu_seqlens_kv_padded is None": True}
-    wrong = [f"{name} {found[name]!r} (captured: {value!r})" for name, value in expected.items() if found[name] != value]
+    found = {
+        "cu_seqlens_q shape": tuple(offsets.shape) if tensor else type(offsets).__name__,
+        "cu_seqlens_q dtype": str(offsets.dtype) if tensor else None,
+        "max_seqlen_q": params.max_seqlen_q,
+        "max_seqlen_kv": params.max_seqlen_kv,
+        "cu_seqlens_kv is cu_seqlens_q": params.cu_seqlens_kv is offsets,
+        "cu_seqlens_q_padded is None": params.cu_seqlens_q_padded is None,
+        "cu_seqlens_kv_padded is None": params.cu_seqlens_kv_padded is None,
+    }
+    expected = {
+        "cu_seqlens_q shape": (layout.entries,),
+        "cu_seqlens_q dtype": str(torch.int32),
+        "max_seqlen_q": layout.max_seqlen,
+        "max_seqlen_kv": layout.max_seqlen,
+        "cu_seqlens_kv is cu_seqlens_q": True,
+        "cu_seqlens_q_padded is None": True,
+        "cu_seqlens_kv_padded is None": True,
+    }
+    wrong = [
+        f"{name} {found[name]!r} (captured: {value!r})" for name, value in expected.items() if found[name] != value
+    ]
     if wrong:
         raise PackedFormError(
             f"{where}: a packed microbatch reached the graph outside the fixed layout it was captured for "
             f"({'; '.join(wrong)}). The plugin lays packed batches out at GPTModel's entry (patch packed-thd-layout); "
             "a model other than GPTModel, or a call outside its forward, must pass "
-            "packed_graphs.fixed_params(params, layout) itself, or train with --cuda-graph-impl none.")
+            "packed_graphs.fixed_params(params, layout) itself, or train with --cuda-graph-impl none."
+        )
     return offsets
 
 
@@ -144,8 +192,13 @@ def capture_params(offsets: torch.Tensor, layout: PackedLayout) -> Any:
     """The ``PackedSeqParams`` a graph is captured with: what ``fixed_params`` makes of Megatron's."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
-                           max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        max_seqlen_q=layout.max_seqlen,
+        max_seqlen_kv=layout.max_seqlen,
+    )
 
 
 def packed_rope_table(chunks: Sequence[Any], layout: PackedLayout) -> torch.Tensor | None:
@@ -157,8 +210,14 @@ def packed_rope_table(chunks: Sequence[Any], layout: PackedLayout) -> torch.Tens
     return None
 
 
-def sample_inputs(sample_args: Sequence[tuple], sample_kwargs: Sequence[dict], layout: PackedLayout, *,
-                  micro_batch_size: int, rope: torch.Tensor | None) -> tuple[list, list]:
+def sample_inputs(
+    sample_args: Sequence[tuple],
+    sample_kwargs: Sequence[dict],
+    layout: PackedLayout,
+    *,
+    micro_batch_size: int,
+    rope: torch.Tensor | None,
+) -> tuple[list, list]:
     """Megatron's sample arguments per (layer, microbatch), as a fixed-layout packed microbatch
     brings them: hidden states as the flattened stream ``[mbs x rows, 1, h]``; where attention is
     graphed (Megatron's sample has an ``attention_mask``, ``TransformerLayer.get_layer_static_inputs``)
@@ -175,13 +234,18 @@ def sample_inputs(sample_args: Sequence[tuple], sample_kwargs: Sequence[dict], l
     return out_args, out_kwargs
 
 
-def _packed_sample(args: tuple, kwargs: dict, layout: PackedLayout, micro_batch_size: int,
-                   rope: torch.Tensor | None) -> tuple[tuple, dict]:
+def _packed_sample(
+    args: tuple, kwargs: dict, layout: PackedLayout, micro_batch_size: int, rope: torch.Tensor | None
+) -> tuple[tuple, dict]:
     assert len(args) == 1, "Megatron's TE sample arguments are the hidden states alone (TE >= 1.10)"
     hidden = args[0]
     if hidden.shape[1] != 1:  # [rows, mbs, h] -> the packed stream [mbs x rows, 1, h]
-        hidden = torch.ones((hidden.shape[0] * hidden.shape[1], 1, hidden.shape[2]), dtype=hidden.dtype,
-                            device=hidden.device, requires_grad=hidden.requires_grad)
+        hidden = torch.ones(
+            (hidden.shape[0] * hidden.shape[1], 1, hidden.shape[2]),
+            dtype=hidden.dtype,
+            device=hidden.device,
+            requires_grad=hidden.requires_grad,
+        )
     if "attention_mask" not in kwargs:  # attention is not graphed in this layer
         return (hidden,), kwargs
     del kwargs["attention_mask"]
@@ -197,11 +261,17 @@ def helper_sample_inputs(helper: Any, sample_args: Sequence[tuple], sample_kwarg
     layout = layout_of(helper.session.config, seq_length=helper.seq_length)
     if layout is None:
         return sample_args, sample_kwargs
-    return sample_inputs(sample_args, sample_kwargs, layout, micro_batch_size=helper.micro_batch_size,
-                         rope=packed_rope_table(helper.chunks_with_decoder, layout))
+    return sample_inputs(
+        sample_args,
+        sample_kwargs,
+        layout,
+        micro_batch_size=helper.micro_batch_size,
+        rope=packed_rope_table(helper.chunks_with_decoder, layout),
+    )
 
 
 # -- what the three patches put in place (their entries in patching.ledger.PATCHES) ---------------
+
 
 def _config_layout(session: Any) -> Callable[[], PackedLayout | None]:
     """The session's layout, made once its config is resolved and kept while that config holds; its
@@ -237,7 +307,7 @@ def build_thd_layout(original: Callable, session: Any) -> Callable:
             return original(self, *args, **kwargs)
         fixed = fixed_params(params, current)
         if positional:
-            args = (*args[:position], fixed, *args[position + 1:])
+            args = (*args[:position], fixed, *args[position + 1 :])
         else:
             kwargs["packed_seq_params"] = fixed
         return original(self, *args, **kwargs)
@@ -275,8 +345,10 @@ def build_replay(original: Callable, session: Any) -> Callable:
         kwargs = dict(kwargs)
         del kwargs["packed_seq_params"]
         if kwargs.pop("attention_mask", None) is not None:
-            raise PackedFormError(f"layer {self.layer_number}: a packed microbatch also brings an attention mask, "
-                                  "which packed graphs do not take (THD attention masks by cu_seqlens): pass None.")
+            raise PackedFormError(
+                f"layer {self.layer_number}: a packed microbatch also brings an attention mask, "
+                "which packed graphs do not take (THD attention masks by cu_seqlens): pass None."
+            )
         kwargs[THD_KWARG] = graph_input(params, current, f"layer {self.layer_number}")
         return original(self, *args, **kwargs)
 

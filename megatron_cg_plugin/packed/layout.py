@@ -29,6 +29,17 @@ from collections.abc import Sequence
 
 from megatron_cg_plugin.config import is_power_of_two
 
+__all__ = [
+    "PackedLayout",
+    "ThdCapacityError",
+    "check_sequence_count",
+    "check_sequence_length",
+    "fixed_capacity_layout",
+    "padded_length",
+    "padded_offsets",
+    "partitioned_indices",
+]
+
 
 class ThdCapacityError(ValueError):
     """A pack that does not fit the capacity the graphs were captured with."""
@@ -40,7 +51,8 @@ def check_sequence_count(count: int, max_seqs: int) -> None:
     if count > max_seqs:
         raise ThdCapacityError(
             f"the pack holds {count} sequences but graphs were captured for at most {max_seqs}; "
-            f"raise --cg-thd-max-seqs to at least {count} (or pack fewer sequences per microbatch).")
+            f"raise --cg-thd-max-seqs to at least {count} (or pack fewer sequences per microbatch)."
+        )
 
 
 def check_sequence_length(longest: int, max_seqlen: int) -> None:
@@ -51,7 +63,8 @@ def check_sequence_length(longest: int, max_seqlen: int) -> None:
         raise ThdCapacityError(
             f"the pack's longest sequence holds {longest} tokens but graphs were captured for at most {max_seqlen}; "
             f"raise --cg-thd-max-seqlen to at least {longest}, or drop it to use --seq-length (with --sft a sample's "
-            "end padding belongs to its last conversation).")
+            "end padding belongs to its last conversation)."
+        )
 
 
 def padded_offsets(offsets: Sequence[int], entries: int) -> tuple[int, ...]:
@@ -80,8 +93,10 @@ class PackedLayout:
         if self.max_seqlen < 1:
             raise ValueError(f"the sequence bound {self.max_seqlen} must be >= 1 (--cg-thd-max-seqlen, --seq-length).")
         if self.max_seqlen > self.sample_tokens:
-            raise ValueError(f"--cg-thd-max-seqlen {self.max_seqlen} exceeds --seq-length {self.sample_tokens}: a "
-                             "document never crosses a sample; lower it or drop it.")
+            raise ValueError(
+                f"--cg-thd-max-seqlen {self.max_seqlen} exceeds --seq-length {self.sample_tokens}: a "
+                "document never crosses a sample; lower it or drop it."
+            )
 
     @property
     def entries(self) -> int:
@@ -134,7 +149,9 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
     if not is_power_of_two(cp_size):
         raise ValueError(f"CP size {cp_size} must be a power of two.")
     if tokens_per_rank < 2 or tokens_per_rank % 2:
-        raise ValueError(f"tokens per rank {tokens_per_rank} must be even and >= 2 (TE splits each rank's share in halves).")
+        raise ValueError(
+            f"tokens per rank {tokens_per_rank} must be even and >= 2 (TE splits each rank's share in halves)."
+        )
     if max_seqs < 1:
         raise ValueError(f"--cg-thd-max-seqs {max_seqs} must be >= 1.")
     if any(length < 1 for length in lengths):
@@ -146,15 +163,17 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
         raise ThdCapacityError(
             f"the pack needs {sum(padded)} tokens after padding each sequence to a multiple of {2 * cp_size} "
             f"(CP size {cp_size}) but holds {tokens} ({cp_size} x {tokens_per_rank} per rank); raise "
-            "--max-seqlen-per-dp-cp-rank, or let the scheduler pick a larger CP size for it.")
+            "--max-seqlen-per-dp-cp-rank, or let the scheduler pick a larger CP size for it."
+        )
     cu, cu_padded = [0], [0]
     for length, pad in zip(lengths, padded):
         cu.append(cu[-1] + length)
         cu_padded.append(cu_padded[-1] + pad)
     cu.append(cu[-1])  # the dummy: no actual tokens ...
     cu_padded.append(tokens)  # ... covering the rest of the buffer
-    return ThdLayout(cp_size, tokens, padded_offsets(cu, max_seqs + 2), padded_offsets(cu_padded, max_seqs + 2),
-                     len(lengths))
+    return ThdLayout(
+        cp_size, tokens, padded_offsets(cu, max_seqs + 2), padded_offsets(cu_padded, max_seqs + 2), len(lengths)
+    )
 
 
 def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: int) -> list[int]:
@@ -169,8 +188,10 @@ def partitioned_indices(cu_seqlens_padded: Sequence[int], cp_size: int, rank: in
         if end < start:
             raise ValueError(f"cu_seqlens_padded must not decrease, got {list(cu_seqlens_padded)}.")
         if (end - start) % (2 * cp_size):
-            raise ValueError(f"a sequence of {end - start} padded tokens cannot be split over CP size {cp_size}; "
-                             f"pad it to a multiple of {2 * cp_size} (fixed_capacity_layout does).")
+            raise ValueError(
+                f"a sequence of {end - start} padded tokens cannot be split over CP size {cp_size}; "
+                f"pad it to a multiple of {2 * cp_size} (fixed_capacity_layout does)."
+            )
         chunk = (end - start) // (2 * cp_size)
         for index in (rank, 2 * cp_size - 1 - rank):
             indices.extend(range(start + index * chunk, start + (index + 1) * chunk))

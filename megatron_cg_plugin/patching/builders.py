@@ -10,17 +10,31 @@ import functools
 import importlib
 import inspect
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from megatron_cg_plugin import compat, rules
-from megatron_cg_plugin import refusal
+from megatron_cg_plugin import compat, refusal, rules
+from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
-from megatron_cg_plugin.slot_sharing.layout import span_of
 from megatron_cg_plugin.moe.drop_stats import RouterDropTap
 from megatron_cg_plugin.parse_errors import plugin_args_provider
-from megatron_cg_plugin.capture.step_marks import StepMarks
+from megatron_cg_plugin.slot_sharing.layout import span_of
+
+__all__ = [
+    "build_helper",
+    "build_mtp_loss_tap",
+    "build_offload_reload_wait",
+    "build_plugin_args",
+    "build_prebuilt_dataset_helpers",
+    "build_strided_weak_ref",
+    "build_train_end_report",
+    "build_train_step_timer",
+    "build_training_log_tap",
+    "build_validate_args_rules",
+    "marked_schedule",
+]
 
 
 def build_helper(original: type, session: Any) -> type:
@@ -51,8 +65,11 @@ def build_mtp_loss_tap(original: type, session: Any) -> type:
     reduced loss of the iteration into ``total_loss_dict`` (``mtp_N loss``); the tap hands the
     iteration's additions to the session, which records them with the iteration's other metrics."""
     track = original.track_mtp_metrics
-    compat.check_parameters(track, ("loss_scale", "iteration", "total_loss_dict"),
-                            where=f"{original.__module__}.{original.__qualname__}.track_mtp_metrics")
+    compat.check_parameters(
+        track,
+        ("loss_scale", "iteration", "total_loss_dict"),
+        where=f"{original.__module__}.{original.__qualname__}.track_mtp_metrics",
+    )
     signature = inspect.signature(track)
 
     def track_mtp_metrics(*args: Any, **kwargs: Any) -> Any:
@@ -65,8 +82,11 @@ def build_mtp_loss_tap(original: type, session: Any) -> type:
             session.on_mtp_losses({name: totals[name] - before.get(name, 0) for name in totals if _is_mtp_loss(name)})
         return result
 
-    return type(original.__name__, (original,), {"track_mtp_metrics": staticmethod(track_mtp_metrics),
-                                                 "__module__": __name__, "__doc__": original.__doc__})
+    return type(
+        original.__name__,
+        (original,),
+        {"track_mtp_metrics": staticmethod(track_mtp_metrics), "__module__": __name__, "__doc__": original.__doc__},
+    )
 
 
 def _is_mtp_loss(name: Any) -> bool:
@@ -89,8 +109,9 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
             result = original(args, *rest, **kwargs)
         except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
             # The plugin's rules the flags break too, first (as megatron-cg check lists them).
-            raise refusal.refuse_megatron(error, environ=os.environ,
-                                          plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)) from None
+            raise refusal.refuse_megatron(
+                error, environ=os.environ, plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)
+            ) from None
         refusal.enforce_for_session(args, session, environ=os.environ)
         return result
 
@@ -112,7 +133,7 @@ def build_train_step_timer(original: Callable, session: Any) -> Callable:
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
         if position is not None and len(args) > position and callable(args[position]):
-            args = (*args[:position], marked_schedule(args[position], session.step_marks), *args[position + 1:])
+            args = (*args[:position], marked_schedule(args[position], session.step_marks), *args[position + 1 :])
         elif callable(kwargs.get(SCHEDULE)):
             kwargs = {**kwargs, SCHEDULE: marked_schedule(kwargs[SCHEDULE], session.step_marks)}
         return original(*args, **kwargs)
@@ -174,6 +195,7 @@ def build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable
 def build_offload_reload_wait(original: Callable, session: Any) -> Callable:
     """``ChunkOffloadHandler.tensor_pop`` waiting for a still-offloaded tensor's copy to the host
     before Megatron reloads it on the current stream (the ledger says why)."""
+
     @functools.wraps(original)
     def tensor_pop(self: Any, tensor_tag: Any) -> Any:
         # The stream's own capture state: Megatron's flag is also set in TE's eager warmup passes.
@@ -191,6 +213,7 @@ def build_strided_weak_ref(original: Callable, session: Any) -> Callable:
     Non-contiguous tensors go through it as their flat addressed span (row-major by construction)
     and come back as a view with their own strides; containers are walked here so nested tensors
     get the same treatment; everything else is TE's."""
+
     @functools.wraps(original)
     def make_weak_ref(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.numel() and not x.is_contiguous():

@@ -22,12 +22,26 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from megatron_cg_plugin import compat
+from megatron_cg_plugin import compat, foreign_state
 from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.patching import builders
-from megatron_cg_plugin import foreign_state
+
+__all__ = [
+    "ForeignState",
+    "HELPER_METHODS",
+    "LENT",
+    "PATCHES",
+    "PRIVATE_API",
+    "Patch",
+    "PatchSet",
+    "SCOPED",
+    "check_private_api",
+    "hold_lent",
+    "markdown",
+]
 
 Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
@@ -260,98 +274,126 @@ class ForeignState:
 
 LENT: tuple[ForeignState, ...] = (
     ForeignState(
-        "dynamic-cp-stream", "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream",
+        "dynamic-cp-stream",
+        "megatron.core.extensions.transformer_engine:TEDotProductAttention.cp_stream",
         "Megatron creates the side stream TE's CP attention needs only when the static CP size is > 1; hybrid CP "
         "switches CP on per microbatch, so eager and graphed runs need it whatever the static size (TE's P2P "
         "attention fails on None.wait_event without it).",
-        "banks.cp_packs.ensure_dynamic_cp_stream", needs_te=True, held=True),
+        "banks.cp_packs.ensure_dynamic_cp_stream",
+        needs_te=True,
+        held=True,
+    ),
     ForeignState(
-        "bank-dispatcher-shapes", "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
+        "bank-dispatcher-shapes",
+        "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
         "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
         "preprocess sets them in Python, so a moe_preprocess graph's replay does not, and the eager rest of the MoE "
         "block reads them after it (Megatron's own path keeps them from its capture; the banks' capture clears "
         "hidden_shape with the dispatcher's other per-forward state). Each graph bank records them at its capture "
         "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
         "them anew.",
-        "banks.capture.LayerBanks.replay (BankGraph.restore_dispatcher)"),
+        "banks.capture.LayerBanks.replay (BankGraph.restore_dispatcher)",
+    ),
 )
 
 SCOPED: tuple[ForeignState, ...] = (
     ForeignState(
-        "bench-profile-one-thread", "torch.autograd:set_multithreading_enabled",
+        "bench-profile-one-thread",
+        "torch.autograd:set_multithreading_enabled",
         "megatron-cg bench --bench-profile-dir counts each arm's Python calls per step with cProfile, which sees only "
         "the thread that runs it; autograd's engine runs the backward on device threads unless its multithreading is "
         "off, so it is off for those profiled steps (the timed steps keep it on) and back on after them.",
         "bench.command.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
-        "around the profiled steps)"),
+        "around the profiled steps)",
+    ),
     ForeignState(
-        "bench-train-step", "megatron.training.training:train_step",
+        "bench-train-step",
+        "megatron.training.training:train_step",
         "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
         "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
-        "bench.command.main (foreign_state.setting around the launcher's pretrain())"),
+        "bench.command.main (foreign_state.setting around the launcher's pretrain())",
+    ),
     ForeignState(
-        "megatron-capture-call", "megatron.core.transformer.cuda_graphs:make_graphed_callables",
+        "megatron-capture-call",
+        "megatron.core.transformer.cuda_graphs:make_graphed_callables",
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
         "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
         "capture.lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's create_cudagraphs)",
-        needs_te=True),  # Megatron imports it from TE
+        needs_te=True,
+    ),  # Megatron imports it from TE
     ForeignState(
-        "layer-capture-tracker", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+        "layer-capture-tracker",
+        "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
         "Set on each graphed layer instance for one capture, wrapping Megatron's method: it names the layer and phase "
         "where a capture failed (the forward, or the backward autograd reaches through a tensor hook on the forward's "
         "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
         "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
         "and no hook stays on TE's static outputs.",
         "capture.lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the capture "
-        "transaction, and around the graph banks' capture)"),
+        "transaction, and around the graph banks' capture)",
+    ),
     ForeignState(
-        "tracked-cuda-graphs", "torch:cuda.CUDAGraph",
+        "tracked-cuda-graphs",
+        "torch:cuda.CUDAGraph",
         "TE creates its graph objects inside make_graphed_callables and drops them on failure; the transaction must "
         "reset every graph created so far, so while TE captures, the class TE looks up on torch.cuda at call time is "
         "a subclass that reports each instance.",
-        "capture.te_backend.TEBackend.tracking (foreign_state.setting around TE's make_graphed_callables in the capture call)"),
+        "capture.te_backend.TEBackend.tracking (foreign_state.setting around TE's make_graphed_callables in the capture call)",
+    ),
     ForeignState(
         "offload-group-names",
         "megatron.core.pipeline_parallel.fine_grained_activation_offload:FineGrainedActivationOffloadingInterface.__enter__",
         "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
         "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
         "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
-        "offload.groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)"),
+        "offload.groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)",
+    ),
     ForeignState(
-        "offload-in-graph-flag", "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "offload-in-graph-flag",
+        "megatron.core.transformer.transformer_layer:TransformerLayer",
         "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, Megatron's "
         "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
         "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
         "copy streams, so it is False during warmup and capture.",
-        "offload.groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)"),
+        "offload.groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)",
+    ),
     ForeignState(
-        "moe-router-drop-tap", "megatron.core.transformer.moe.router:TopKRouter.forward",
+        "moe-router-drop-tap",
+        "megatron.core.transformer.moe.router:TopKRouter.forward",
         "--cg-moe-drop-stats measures the fraction of assignments the router drops at a fixed capacity: a forward "
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
         "(captured along with the graphs that hold the router).",
-        "moe.drop_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)"),
+        "moe.drop_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)",
+    ),
     ForeignState(
-        "megatron-capture-flag", "megatron.core.transformer.cuda_graphs:_IS_GRAPH_CAPTURING",
+        "megatron-capture-flag",
+        "megatron.core.transformer.cuda_graphs:_IS_GRAPH_CAPTURING",
         "An MoE layer whose graph ends inside the MoE block (moe_router, moe_preprocess) returns after the router or "
         "the dispatcher's preprocess only while Megatron's capture flag is set (moe_utils.maybe_raise_signal), as "
         "Megatron's TECudaGraphHelper sets it around its capture; graph banks capture on their own and set it the "
         "same way for such layers.",
-        "banks.capture.megatron_capturing (foreign_state.setting around the banks' warmup and capture)"),
+        "banks.capture.megatron_capturing (foreign_state.setting around the banks' warmup and capture)",
+    ),
     ForeignState(
-        "te-capture-flag", "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
+        "te-capture-flag",
+        "transformer_engine.pytorch.graph:_IS_GRAPH_CAPTURING",
         "TE modules pick graph-safe paths while TE's capture flag is set (cuDNN's graph mode, the CP tail handling "
         "without a device-to-host slice); slot-shared capture runs its own capture and sets it the same way.",
-        "capture.te_backend.te_capture_flag (foreign_state.held around slot-shared capture)", needs_te=True),
+        "capture.te_backend.te_capture_flag (foreign_state.held around slot-shared capture)",
+        needs_te=True,
+    ),
     ForeignState(
-        "slot-capture-generators", "transformer_engine.pytorch.distributed:get_all_rng_states",
+        "slot-capture-generators",
+        "transformer_engine.pytorch.distributed:get_all_rng_states",
         "The states of the CUDA generators graphs draw from (torch's default one and TE's graph-safe tracker states "
         "this function returns): slot-shared warmup and capture draw random numbers eager training never draws, and "
         "a replay draws from a generator's live offset, so they are set back to where they were before warmup once "
         "the capture succeeds, as TE's make_graphed_callables does (graph.py 1692-1725); without it every dropout mask "
         "after capture moved and graphed training differed from eager.",
         "capture.te_backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
-        needs_te=True),
+        needs_te=True,
+    ),
     ForeignState(
         "slot-fp8-weight-update-flag",
         "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state.skip_fp8_weight_update_tensor",
@@ -361,79 +403,140 @@ SCOPED: tuple[ForeignState, ...] = (
         "is_first_microbatch). The graphs read it by address, so after a successful capture it stays, as TE's "
         "own does; a failed capture puts back what was there.",
         "slot_sharing.fp8_state.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
-        "Fp8Replay.before_forward fills it)", needs_te=True),
+        "Fp8Replay.before_forward fills it)",
+        needs_te=True,
+    ),
     ForeignState(
         "slot-fp8-replay-amax-group",
         "transformer_engine.pytorch.module.base:TransformerEngineBaseModule.fp8_meta",
         "delayed scaling in slot-shared graphs: before each replay the modules the graph's forward reached take "
         "the replay-time autocast's recipe and amax group in fp8_meta['recipe'] / ['fp8_group'] and join TE's "
         "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
-        "slot_sharing.fp8_state.Fp8Replay.before_forward (each FP8 replay under an active autocast)", needs_te=True),
+        "slot_sharing.fp8_state.Fp8Replay.before_forward (each FP8 replay under an active autocast)",
+        needs_te=True,
+    ),
     ForeignState(
-        "cpu-device-stand-ins", "torch:cuda.get_device_capability",
+        "cpu-device-stand-ins",
+        "torch:cuda.get_device_capability",
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
         "connection rules).",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where no GPU is present)"),
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where no GPU is present)",
+    ),
     ForeignState(
-        "te-kernel-stand-ins", "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
+        "te-kernel-stand-ins",
+        "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
         "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
         "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
         "fused permute/unpermute/sort-chunks symbols (installation.TE_KERNELS) are stand-ins that are never called.",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE did not import)"),
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE did not import)",
+    ),
     ForeignState(
-        "te-version-stand-in", "megatron.core.utils:_te_version",
+        "te-version-stand-in",
+        "megatron.core.utils:_te_version",
         "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
         "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
         "TE release the plugin supports, the one the GPU host will have at least.",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE is not installed)"),
+        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE is not installed)",
+    ),
 )
 
 PRIVATE_API: tuple[ForeignState, ...] = (
-    ForeignState("megatron-create-cudagraphs", "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
-                 "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
-                 "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
-                 "capture_lifecycle.py", ("self",), calls=("make_graphed_callables",)),
-    ForeignState("megatron-sample-arguments",
-                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
-                 "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
-                 "and microbatch as a packed microbatch brings them (packed.graphs.sample_inputs).", "capture_lifecycle.py",
-                 ("self", "order", "chunk_id_list")),
-    ForeignState("megatron-reset-after-capture",
-                 "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
-                 "Megatron's own post-capture reset, run after a failed capture is rolled back.", "capture_lifecycle.py",
-                 ("self",)),
-    ForeignState("megatron-layer-capture", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
-                 "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
-                 "capture_lifecycle.py, banks/capture.py"),
-    ForeignState("megatron-layer-replay", "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
-                 "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
-                 "banks/capture.py"),
-    ForeignState("megatron-forward-attention", "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
-                 "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
-                 "banks/capture.py", ("attention_mask", "rotary_pos_emb", "packed_seq_params")),
-    ForeignState("torch-version-counter", "torch:_C._autograd._unsafe_set_version_counter",
-                 "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
-                 "in-place check sees what it would have seen without the arena.", "slot_sharing/saved_tensors.py"),
-    ForeignState("te-graph-autocast", "transformer_engine.pytorch.quantization:autocast.__init__",
-                 "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
-                 "uses (_graph=True: no global amax buffer, no reduction at exit).", "slot_sharing/fp8_state.py",
-                 ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"), needs_te=True),
-    ForeignState("te-save-fp8-tensors", "transformer_engine.pytorch.graph:save_fp8_tensors",
-                 "delayed scaling: slot-shared capture clones the amax histories and scales before warmup and copies "
-                 "them back after capture (restore_fp8_tensors), as make_graphed_callables does.", "slot_sharing/fp8_state.py",
-                 ("modules", "recipe"), needs_te=True),
-    ForeignState("te-restore-fp8-tensors", "transformer_engine.pytorch.graph:restore_fp8_tensors",
-                 "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).", "slot_sharing/fp8_state.py",
-                 ("modules", "fp8_tensors"), needs_te=True),
-    ForeignState("te-amax-buffer", "transformer_engine.pytorch.quantization:FP8GlobalStateManager.add_fp8_tensors_to_global_buffer",
-                 "a delayed-scaling replay joins its modules to the autocast's amax reduction (slot-fp8-replay-amax-group); "
-                 "the autocast's first FP8 graph (is_first_fp8_module) runs reduce_and_update_fp8_tensors(forward=False) "
-                 "after its backward replay.", "slot_sharing/fp8_state.py", ("fp8_meta",), needs_te=True),
-    ForeignState("te-capture-start", "transformer_engine.pytorch.graph:set_capture_start",
-                 "sets TE's capture flag as make_graphed_callables does (te-capture-flag).", "capture/te_backend.py",
-                 needs_te=True),
+    ForeignState(
+        "megatron-create-cudagraphs",
+        "megatron.core.transformer.cuda_graphs:TECudaGraphHelper.create_cudagraphs",
+        "the plugin runs Megatron's own capture lifecycle with its capture call in place of TE's "
+        "(megatron-capture-call): the method must still call the module's make_graphed_callables.",
+        "capture_lifecycle.py",
+        ("self",),
+        calls=("make_graphed_callables",),
+    ),
+    ForeignState(
+        "megatron-sample-arguments",
+        "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._get_sample_arguments",
+        "with --cg-thd-max-seqs the plugin's helper rewrites the sample arguments Megatron builds per layer "
+        "and microbatch as a packed microbatch brings them (packed.graphs.sample_inputs).",
+        "capture_lifecycle.py",
+        ("self", "order", "chunk_id_list"),
+    ),
+    ForeignState(
+        "megatron-reset-after-capture",
+        "megatron.core.transformer.cuda_graphs:TECudaGraphHelper._reset_after_capture",
+        "Megatron's own post-capture reset, run after a failed capture is rolled back.",
+        "capture_lifecycle.py",
+        ("self",),
+    ),
+    ForeignState(
+        "megatron-layer-capture",
+        "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_capture",
+        "the scope-aware callable Megatron captures (banks capture it too; the transaction wraps it per layer).",
+        "capture_lifecycle.py, banks/capture.py",
+    ),
+    ForeignState(
+        "megatron-layer-replay",
+        "megatron.core.transformer.transformer_layer:TransformerLayer._te_cuda_graph_replay",
+        "a bank replay runs Megatron's replay path (scope post-processing, delayed offload flush).",
+        "banks/capture.py",
+    ),
+    ForeignState(
+        "megatron-forward-attention",
+        "megatron.core.transformer.transformer_layer:TransformerLayer._forward_attention",
+        "hybrid CP hands each microbatch's packed sequences and RoPE table to attention.",
+        "banks/capture.py",
+        ("attention_mask", "rotary_pos_emb", "packed_seq_params"),
+    ),
+    ForeignState(
+        "torch-version-counter",
+        "torch:_C._autograd._unsafe_set_version_counter",
+        "a tensor unpacked from a saved-tensor arena gets the version the save recorded, so autograd's "
+        "in-place check sees what it would have seen without the arena.",
+        "slot_sharing/saved_tensors.py",
+    ),
+    ForeignState(
+        "te-graph-autocast",
+        "transformer_engine.pytorch.quantization:autocast.__init__",
+        "slot-shared capture with FP8 runs warmup and capture under the autocast TE's make_graphed_callables "
+        "uses (_graph=True: no global amax buffer, no reduction at exit).",
+        "slot_sharing/fp8_state.py",
+        ("self", "enabled", "calibrating", "recipe", "amax_reduction_group", "_graph"),
+        needs_te=True,
+    ),
+    ForeignState(
+        "te-save-fp8-tensors",
+        "transformer_engine.pytorch.graph:save_fp8_tensors",
+        "delayed scaling: slot-shared capture clones the amax histories and scales before warmup and copies "
+        "them back after capture (restore_fp8_tensors), as make_graphed_callables does.",
+        "slot_sharing/fp8_state.py",
+        ("modules", "recipe"),
+        needs_te=True,
+    ),
+    ForeignState(
+        "te-restore-fp8-tensors",
+        "transformer_engine.pytorch.graph:restore_fp8_tensors",
+        "copies back what save_fp8_tensors cloned (te-save-fp8-tensors).",
+        "slot_sharing/fp8_state.py",
+        ("modules", "fp8_tensors"),
+        needs_te=True,
+    ),
+    ForeignState(
+        "te-amax-buffer",
+        "transformer_engine.pytorch.quantization:FP8GlobalStateManager.add_fp8_tensors_to_global_buffer",
+        "a delayed-scaling replay joins its modules to the autocast's amax reduction (slot-fp8-replay-amax-group); "
+        "the autocast's first FP8 graph (is_first_fp8_module) runs reduce_and_update_fp8_tensors(forward=False) "
+        "after its backward replay.",
+        "slot_sharing/fp8_state.py",
+        ("fp8_meta",),
+        needs_te=True,
+    ),
+    ForeignState(
+        "te-capture-start",
+        "transformer_engine.pytorch.graph:set_capture_start",
+        "sets TE's capture flag as make_graphed_callables does (te-capture-flag).",
+        "capture/te_backend.py",
+        needs_te=True,
+    ),
 )
+
 
 def markdown() -> str:
     """``docs/patches.md``: every list of this ledger as a table (a unit test holds the page to it)."""
@@ -441,7 +544,7 @@ def markdown() -> str:
         "# What the plugin changes in Megatron, TE and torch, and why",
         "",
         "Generated from `megatron_cg_plugin/patching/ledger.py` (`python -c 'from megatron_cg_plugin.patching.ledger "
-        "import markdown; print(markdown(), end=\"\")' > docs/patches.md`); edit the ledger, not this page.",
+        'import markdown; print(markdown(), end="")\' > docs/patches.md`); edit the ledger, not this page.',
         "Every change below is made and undone through one primitive, `megatron_cg_plugin/foreign_state.py`:",
         "what is saved is what the object itself holds, and an attribute it did not hold itself (absent, or only",
         "inherited from its class) is restored by deleting it, so nothing is left behind.",
@@ -457,24 +560,35 @@ def markdown() -> str:
         "| name | attribute | built by | why |",
         "| --- | --- | --- | --- |",
     ]
-    lines += [f"| `{patch.name}` | `{patch.where}` | `{patch.build.__module__.removeprefix('megatron_cg_plugin.')}."
-              f"{patch.build.__name__}` | {patch.reason} |" for patch in PATCHES]
+    lines += [
+        f"| `{patch.name}` | `{patch.where}` | `{patch.build.__module__.removeprefix('megatron_cg_plugin.')}."
+        f"{patch.build.__name__}` | {patch.reason} |"
+        for patch in PATCHES
+    ]
     sections = (
-        ("Attributes set at run time, restored by `uninstall()` (`LENT`)",
-         "`install()` saves each attribute marked held as it is then; `uninstall()` puts it back by identity, with "
-         "the patches.", "set by"),
+        (
+            "Attributes set at run time, restored by `uninstall()` (`LENT`)",
+            "`install()` saves each attribute marked held as it is then; `uninstall()` puts it back by identity, with "
+            "the patches.",
+            "set by",
+        ),
         ("State set inside a `with` block (`SCOPED`)", "Back on exit, whatever happens.", "block"),
-        ("Private functions relied on, checked at `install()` (`PRIVATE_API`)",
-         "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the parameters "
-         "listed, or no longer calls the function the plugin stands in for. A wrapper found there (`__wrapped__`, as "
-         "`functools.wraps` sets it) is checked through to the function it wraps; the error names the object found "
-         "and says whether it is the library's own (the build differs) or defined elsewhere (a wrapper: "
-         "[troubleshooting.md](troubleshooting.md#signaturemismatcherror)).", "used by"),
+        (
+            "Private functions relied on, checked at `install()` (`PRIVATE_API`)",
+            "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the parameters "
+            "listed, or no longer calls the function the plugin stands in for. A wrapper found there (`__wrapped__`, as "
+            "`functools.wraps` sets it) is checked through to the function it wraps; the error names the object found "
+            "and says whether it is the library's own (the build differs) or defined elsewhere (a wrapper: "
+            "[troubleshooting.md](troubleshooting.md#signaturemismatcherror)).",
+            "used by",
+        ),
     )
     for (title, text, where), entries in zip(sections, (LENT, SCOPED, PRIVATE_API), strict=True):
         lines += ["", f"## {title}", "", text, "", f"| name | attribute | {where} | why |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where} | {entry.reason} |"
-                  for entry in entries]
+        lines += [
+            f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where} | {entry.reason} |"
+            for entry in entries
+        ]
     return "\n".join(lines) + "\n\n" + OTHER_STATE
 
 
@@ -534,9 +648,12 @@ def check_private_api(*, with_te: bool) -> None:
         except (ImportError, AttributeError) as error:
             raise compat.SignatureMismatchError(
                 f"{entry.target} is gone ({error}); the plugin relies on it ({entry.reason}) Install the supported "
-                "megatron-core / TE (docs/versions.md).") from None
+                "megatron-core / TE (docs/versions.md)."
+            ) from None
         if not callable(target):
-            raise compat.SignatureMismatchError(f"{entry.target} is no longer callable; install the supported versions.")
+            raise compat.SignatureMismatchError(
+                f"{entry.target} is no longer callable; install the supported versions."
+            )
         if entry.expected_params:  # builtins (torch's C functions) carry no signature to check
             compat.check_parameters(target, entry.expected_params, where=entry.target)
         # A wrapper's own code calls what it wraps: the names are looked for in the function it wraps.
@@ -545,7 +662,8 @@ def check_private_api(*, with_te: bool) -> None:
         if missing:
             raise compat.SignatureMismatchError(
                 f"{entry.target} no longer calls {', '.join(missing)}, which the plugin stands in for ({entry.reason}) "
-                f"{compat.found_at(target, entry.target)}")
+                f"{compat.found_at(target, entry.target)}"
+            )
 
 
 class PatchSet:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+__all__ = ["LARGE_SEGMENT", "PoolModel", "SMALL_REQUEST", "SMALL_SEGMENT", "round_request", "segment_size"]
+
 MIN_BLOCK = 512
 SMALL_REQUEST = 1 << 20  # kSmallSize: the largest request the small pool serves
 SMALL_SEGMENT = 2 << 20  # kSmallBuffer
@@ -45,8 +47,8 @@ class _Block:
     size: int
     small: bool
     free: bool = True
-    prev: "_Block | None" = None  # the neighbours in the segment, for merging
-    next: "_Block | None" = None
+    prev: _Block | None = None  # the neighbours in the segment, for merging
+    next: _Block | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_cg_plugin.banks.sizes import bank_sizes
-from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.scopes import MOE_SCOPES
+from megatron_cg_plugin.settings import RunSettings
+
+__all__ = ["CapturePlan", "layer_is_graphed", "plan_capture"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +48,30 @@ class CapturePlan:
         if self.impl != "transformer_engine":
             return f"--cuda-graph-impl {self.impl}: the plugin captures nothing (eager run)."
         layers = ", ".join(str(n) for n in self.graphed_layers) or "none"
-        return "\n".join([
-            f"scope: {self.scope}",
-            f"graphed layers (global numbers): {layers}",
-            f"layers per pipeline stage: {self.layers_per_stage} in {self.model_chunks} model chunk(s)",
-            f"microbatches per step: {self.microbatches_per_step}; captured per layer: "
-            f"{self.microbatches_captured}",
-            *([f"graph banks for CP sizes {', '.join(map(str, self.banks))}: "
-               + ("one graph per layer serves every bank (no attention in the graphed scope)"
-                  if self.banks_share_one_graph else "each layer captured once per bank")
-               + ", all in one slot-shared pool"] if self.banks else []),
-            f"graphs per rank on the first pipeline stage: {self.graphs_on_first_stage}",
-            f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
-        ])
+        return "\n".join(
+            [
+                f"scope: {self.scope}",
+                f"graphed layers (global numbers): {layers}",
+                f"layers per pipeline stage: {self.layers_per_stage} in {self.model_chunks} model chunk(s)",
+                f"microbatches per step: {self.microbatches_per_step}; captured per layer: "
+                f"{self.microbatches_captured}",
+                *(
+                    [
+                        f"graph banks for CP sizes {', '.join(map(str, self.banks))}: "
+                        + (
+                            "one graph per layer serves every bank (no attention in the graphed scope)"
+                            if self.banks_share_one_graph
+                            else "each layer captured once per bank"
+                        )
+                        + ", all in one slot-shared pool"
+                    ]
+                    if self.banks
+                    else []
+                ),
+                f"graphs per rank on the first pipeline stage: {self.graphs_on_first_stage}",
+                f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
+            ]
+        )
 
 
 def layer_is_graphed(facts: RunSettings, index: int) -> bool:
@@ -89,6 +102,7 @@ def plan_capture(facts: RunSettings) -> CapturePlan:
         microbatches_captured=1 if facts.pipeline_parallel == 1 else microbatches,
         warmup_steps=facts.warmup_steps,
         banks=bank_sizes(facts.data_context_parallel, facts.bank_min_cp)
-        if facts.te_graphs and facts.graph_banks and facts.hybrid_context_parallel else (),
+        if facts.te_graphs and facts.graph_banks and facts.hybrid_context_parallel
+        else (),
         banks_share_one_graph=bool(facts.modules) and "attn" not in facts.modules,
     )

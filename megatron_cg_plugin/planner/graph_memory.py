@@ -34,16 +34,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.moe.capacity import capacity_plan
 from megatron_cg_plugin.planner.allocator import PoolModel
 from megatron_cg_plugin.planner.capture_plan import plan_capture
-from megatron_cg_plugin.moe.capacity import capacity_plan
-from megatron_cg_plugin.slot_sharing.offload_plan import MEGATRON_MIN_OFFLOADED_TENSOR_SIZE, OffloadPolicy, OffloadStack, Save
 from megatron_cg_plugin.planner.reduction import column_sum_workspace
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.slot_sharing.offload_plan import (
+    MEGATRON_MIN_OFFLOADED_TENSOR_SIZE,
+    OffloadPolicy,
+    OffloadStack,
+    Save,
+)
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
+
+__all__ = [
+    "GraphMemoryPlan",
+    "LayerShape",
+    "MoeShape",
+    "attention_workspace",
+    "fp8_attention_saves",
+    "fp8_quantized_saves",
+    "plan_for_run",
+    "plan_graph_memory",
+    "plan_slot_memory",
+    "scope_parts",
+    "staging_ring_bytes",
+    "thd_buffer_bytes",
+]
 
 BF16 = 2
 FP32 = INT32 = 4
@@ -92,8 +112,10 @@ class LayerShape:
         if self.heads % self.query_groups:
             raise ValueError(f"{self.heads} attention heads do not divide into {self.query_groups} query groups.")
         if self.fp8_attention and self.fp8_recipe != "delayed":
-            raise ValueError("the planner models FP8 dot-product attention on a delayed-scaling FP8 layer only "
-                             f"(--fp8-recipe delayed), not with fp8_recipe={self.fp8_recipe!r}.")
+            raise ValueError(
+                "the planner models FP8 dot-product attention on a delayed-scaling FP8 layer only "
+                f"(--fp8-recipe delayed), not with fp8_recipe={self.fp8_recipe!r}."
+            )
 
     @property
     def tokens(self) -> int:
@@ -406,8 +428,9 @@ def scope_parts(modules: Sequence[str]) -> frozenset[str]:
         return frozenset({"attn", "mlp", "moe"})
     unknown = [m for m in modules if m not in SCOPE_PARTS]
     if unknown:
-        raise ValueError(f"--cuda-graph-modules {' '.join(unknown)}: the memory planner knows only "
-                         f"{', '.join(SCOPE_PARTS)}.")
+        raise ValueError(
+            f"--cuda-graph-modules {' '.join(unknown)}: the memory planner knows only {', '.join(SCOPE_PARTS)}."
+        )
     return frozenset(SCOPE_PARTS[m] for m in modules)
 
 
@@ -426,18 +449,31 @@ class GraphMemoryPlan:
     thd_layout: tuple[int, int | None] | None = None  # packed graphs: (--cg-thd-max-seqs, the layout's max_seqlen)
 
     def describe(self) -> str:
-        lines = [f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
-                 f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"]
+        lines = [
+            f"graph pool (predicted): {self.pool_bytes / 2**20:.0f} MiB reserved for {self.graphs} graph(s); "
+            f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"
+        ]
         if self.arena_bytes is not None:
-            lines.append(f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; outputs, "
-                         f"gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB")
+            lines.append(
+                f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; outputs, "
+                f"gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB"
+            )
         if self.host_arena_bytes is not None:
-            lines.append(f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB")
+            lines.append(
+                f"pinned host arenas (predicted, --cg-slot-capture offload): {self.host_arena_bytes / 2**20:.1f} MiB"
+            )
         if self.thd_buffer_bytes is not None:
-            layout = "" if self.thd_layout is None else (
-                f"; layout: {self.thd_layout[0] + 1} cu_seqlens entries, max_seqlen {self.thd_layout[1] or '--seq-length'}")
-            lines.append(f"fixed-capacity THD offsets (--cg-thd-max-seqs, static inputs outside the pool): "
-                         f"{self.thd_buffer_bytes} B{layout}")
+            layout = (
+                ""
+                if self.thd_layout is None
+                else (
+                    f"; layout: {self.thd_layout[0] + 1} cu_seqlens entries, max_seqlen {self.thd_layout[1] or '--seq-length'}"
+                )
+            )
+            lines.append(
+                f"fixed-capacity THD offsets (--cg-thd-max-seqs, static inputs outside the pool): "
+                f"{self.thd_buffer_bytes} B{layout}"
+            )
         lines += [f"  not predicted: {what}" for what in self.unpredicted]
         return "\n".join(lines)
 
@@ -469,8 +505,11 @@ def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> G
         for fwd, bwd in reversed(programs):
             yield from (("free", name, 0) for name in held)
             yield from bwd.ops
-            held = [name for action, name, _ in bwd.ops if action == "alloc" and name.endswith(("wgrad", "dbias",
-                                                                                                  "dgamma", "dbeta"))]
+            held = [
+                name
+                for action, name, _ in bwd.ops
+                if action == "alloc" and name.endswith(("wgrad", "dbias", "dgamma", "dbeta"))
+            ]
 
     pool = _replay(ops())
     return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated, graphs=len(programs))
@@ -480,7 +519,7 @@ def _graph_output(shape: LayerShape, parts: frozenset[str]) -> str | None:
     """The forward program's name of the graph's output: the attention's residual sum for an
     attention-only graph, the layer's output once the graph holds the MLP or the MoE block; None for
     a graph that ends inside the MoE block (the router scope), whose outputs are not modelled."""
-    if "mlp" in parts and shape.moe is None or "moe" in parts and shape.moe is not None:
+    if ("mlp" in parts and shape.moe is None) or ("moe" in parts and shape.moe is not None):
         return "out"
     if "attn" in parts and not (shape.moe is not None and "router" in parts):
         return "x1"
@@ -553,8 +592,12 @@ def staging_ring_bytes(offloaded: Sequence[int], depth: int) -> int:
     return sum(buffers.values()) + own
 
 
-def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
-                     policy: OffloadPolicy | None = None, staging_depth: int | None = None) -> GraphMemoryPlan:
+def plan_slot_memory(
+    layers: Sequence[LayerShape],
+    modules: Sequence[str],
+    policy: OffloadPolicy | None = None,
+    staging_depth: int | None = None,
+) -> GraphMemoryPlan:
     """``--cg-slot-capture`` with one slot per layer (PP = 1): the pool, the GPU arenas (less the
     saves ``policy`` offloads, which ``host_arena_bytes`` counts) and the boundary buffers: each
     graph's output and the gradients of its output and input, and the parameter-gradient buffers
@@ -583,9 +626,11 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
     for index, shape in enumerate(layers):
         output = _graph_output(shape, parts)
         if output is None:
-            raise ValueError(f"the slot-capture planner models graphs that hold attention, the dense MLP or the whole "
-                             f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
-                             f"{'an MoE' if shape.moe is not None else 'a dense'} layer.")
+            raise ValueError(
+                f"the slot-capture planner models graphs that hold attention, the dense MLP or the whole "
+                f"MoE block, not --cuda-graph-modules {' '.join(sorted(modules)) or '(whole layer)'} on "
+                f"{'an MoE' if shape.moe is not None else 'a dense'} layer."
+            )
         # The slot pool is modelled with bf16 programs (measured within 8% on the FP8 slot cases); FP8's saves
         # are the arenas' (_with_fp8_saves). The programs keep a forward's saves in the pool to the capture's
         # end, where slot capture frees each once copied into the arena: the dense 5 x 2048 FP8 case comes out
@@ -617,9 +662,14 @@ def plan_slot_memory(layers: Sequence[LayerShape], modules: Sequence[str],
     # Megatron's sample arguments are the static inputs (capture.slot_shared adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
-    return GraphMemoryPlan(pool_bytes=pool.reserved, peak_live_bytes=pool.peak_allocated,
-                           graphs=len(layers), arena_bytes=arenas, boundary_bytes=boundary,
-                           host_arena_bytes=None if policy is None else host)
+    return GraphMemoryPlan(
+        pool_bytes=pool.reserved,
+        peak_live_bytes=pool.peak_allocated,
+        graphs=len(layers),
+        arena_bytes=arenas,
+        boundary_bytes=boundary,
+        host_arena_bytes=None if policy is None else host,
+    )
 
 
 def attention_saves(s: LayerShape) -> list[Save]:
@@ -644,25 +694,37 @@ def attention_saves(s: LayerShape) -> list[Save]:
         return [save(f"{storage}.fp8", width, group, itemsize=1), Save(f"{storage}.scale_inv", FP32, 1, group)]
 
     quantized = fp8_quantized_saves(s, frozenset({"attn"}))
-    saves = [save("input", s.hidden, "qkv_linear"), *gemm_input("ln1.out", s.hidden, "qkv_linear"),
-             save("ln1.rsigma", 1, "qkv_linear", FP32)]
+    saves = [
+        save("input", s.hidden, "qkv_linear"),
+        *gemm_input("ln1.out", s.hidden, "qkv_linear"),
+        save("ln1.rsigma", 1, "qkv_linear", FP32),
+    ]
     if not s.rmsnorm:
         saves.append(save("ln1.mu", 1, "qkv_linear", FP32))
     if s.fp8_attention:  # q, k and v quantized together: three views of one FP8 storage, one scale inverse
-        saves += [dataclasses.replace(save("qkv.fp8", q + 2 * kv, "core_attn", itemsize=1), numel=s.tokens * width)
-                  for width in (q, kv, kv)]
+        saves += [
+            dataclasses.replace(save("qkv.fp8", q + 2 * kv, "core_attn", itemsize=1), numel=s.tokens * width)
+            for width in (q, kv, kv)
+        ]
         saves += [Save("qkv.scale_inv", FP32, 1, "core_attn")] * 3
     elif s.rope:
         saves += [save("q", q, "core_attn"), save("k", kv, "core_attn"), save("v", kv, "core_attn")]
     else:  # three views of one storage
-        saves += [dataclasses.replace(save("qkv", q + 2 * kv, "core_attn"), numel=s.tokens * width)
-                  for width in (q, kv, kv)]
+        saves += [
+            dataclasses.replace(save("qkv", q + 2 * kv, "core_attn"), numel=s.tokens * width) for width in (q, kv, kv)
+        ]
     stats = s.micro_batch * s.heads * s.seq
-    output = ([save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", FP32, 1, "core_attn")]
-              if s.fp8_attention else [save("o", q, "core_attn")])
-    return saves + [*output, Save("softmax_stats", stats * FP32, stats, "core_attn"),
-                    Save("rng", 16, 2, "core_attn"),
-                    *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")])]
+    output = (
+        [save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", FP32, 1, "core_attn")]
+        if s.fp8_attention
+        else [save("o", q, "core_attn")]
+    )
+    return saves + [
+        *output,
+        Save("softmax_stats", stats * FP32, stats, "core_attn"),
+        Save("rng", 16, 2, "core_attn"),
+        *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")]),
+    ]
 
 
 def fp8_quantized_saves(s: LayerShape, parts: frozenset[str]) -> dict[str, int]:
@@ -708,8 +770,13 @@ def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
     ctx, which slot capture copies into the arena. The bf16 output goes on to the output
     projection, which keeps its own quantized copy (``fp8_quantized_saves``)."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
-    return {"attn.qkv.fp8": s.tokens * (q + 2 * kv), "attn.qkv.scale_inv": FP32,
-            "attn.o.fp8": s.tokens * q, "attn.o.scale_inv": FP32, "attn.s_scale": FP32}
+    return {
+        "attn.qkv.fp8": s.tokens * (q + 2 * kv),
+        "attn.qkv.scale_inv": FP32,
+        "attn.o.fp8": s.tokens * q,
+        "attn.o.scale_inv": FP32,
+        "attn.s_scale": FP32,
+    }
 
 
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], stack: OffloadStack, index: int) -> int:
@@ -733,9 +800,13 @@ def offload_policy(settings: RunSettings) -> OffloadPolicy | None:
     """The policy of Megatron's offload flags (``OffloadPolicy.from_flags``), or None when they offload nothing."""
     if not settings.activation_offloading or not settings.offload_modules:
         return None
-    return OffloadPolicy.from_flags(settings.offload_modules, min_tensor_elements=MEGATRON_MIN_OFFLOADED_TENSOR_SIZE
-                                    if settings.min_offloaded_tensor_size is None else settings.min_offloaded_tensor_size,
-                                    fraction=settings.activation_offload_fraction)
+    return OffloadPolicy.from_flags(
+        settings.offload_modules,
+        min_tensor_elements=MEGATRON_MIN_OFFLOADED_TENSOR_SIZE
+        if settings.min_offloaded_tensor_size is None
+        else settings.min_offloaded_tensor_size,
+        fraction=settings.activation_offload_fraction,
+    )
 
 
 def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryPlan:
@@ -746,58 +817,102 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
     s = settings
     capture = plan_capture(s)
     policy = offload_policy(s) if s.slot_capture else None
-    unpredicted = [what for what, present in (
-        ("pipeline parallelism (several microbatches captured per layer)", s.pipeline_parallel > 1),
-        ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
-        (f"FP8 recipe {s.fp8_recipe!r} (modelled as tensorwise)", s.fp8 and s.fp8_recipe not in FP8_MODELLED_RECIPES),
-        ("FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)", s.fp8
-         and not s.slot_capture and s.has_moe_layers),
-        ("FP8 MoE experts (their quantized saves)", s.fp8 and s.slot_capture and s.has_moe_layers),
-        ("multi-latent attention (modelled as standard attention)", s.multi_latent_attention),
-        ("Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
-         s.attention_backend in ("unfused", "local")),
-        ("multi-token-prediction layers", bool(s.mtp_num_layers)),
-        ("activation recomputation inside the graphs", s.recompute_granularity is not None),
-        ("tensor parallelism's communication buffers", s.tensor_parallel > 1),
-        ("Megatron's activation offloading (its offloaded saves leave the pool)",
-         (s.activation_offloading and not s.slot_capture) or s.cpu_offloading),
-        ("context parallelism (one rank's share of the sequence, without CP's communication buffers)",
-         s.context_parallel > 1),
-        ("in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
-         s.slot_capture and policy is not None and config.offload_copies == "in-graph"),
-        ("FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
-         "count the FP8 saves)", s.slot_capture and s.fp8 and s.fp8_dot_product_attention),
-        ("in-graph offload of the MoE block's saves (the plan offloads attention's only)",
-         s.slot_capture and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
-         and "moe" in scope_parts(s.modules) and s.has_moe_layers),
-    ) if present]
+    unpredicted = [
+        what
+        for what, present in (
+            ("pipeline parallelism (several microbatches captured per layer)", s.pipeline_parallel > 1),
+            ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
+            (
+                f"FP8 recipe {s.fp8_recipe!r} (modelled as tensorwise)",
+                s.fp8 and s.fp8_recipe not in FP8_MODELLED_RECIPES,
+            ),
+            (
+                "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)",
+                s.fp8 and not s.slot_capture and s.has_moe_layers,
+            ),
+            ("FP8 MoE experts (their quantized saves)", s.fp8 and s.slot_capture and s.has_moe_layers),
+            ("multi-latent attention (modelled as standard attention)", s.multi_latent_attention),
+            (
+                "Megatron's unfused attention (its s x s scores; modelled as TE's fused attention)",
+                s.attention_backend in ("unfused", "local"),
+            ),
+            ("multi-token-prediction layers", bool(s.mtp_num_layers)),
+            ("activation recomputation inside the graphs", s.recompute_granularity is not None),
+            ("tensor parallelism's communication buffers", s.tensor_parallel > 1),
+            (
+                "Megatron's activation offloading (its offloaded saves leave the pool)",
+                (s.activation_offloading and not s.slot_capture) or s.cpu_offloading,
+            ),
+            (
+                "context parallelism (one rank's share of the sequence, without CP's communication buffers)",
+                s.context_parallel > 1,
+            ),
+            (
+                "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
+                s.slot_capture and policy is not None and config.offload_copies == "in-graph",
+            ),
+            (
+                "FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
+                "count the FP8 saves)",
+                s.slot_capture and s.fp8 and s.fp8_dot_product_attention,
+            ),
+            (
+                "in-graph offload of the MoE block's saves (the plan offloads attention's only)",
+                s.slot_capture
+                and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
+                and "moe" in scope_parts(s.modules)
+                and s.has_moe_layers,
+            ),
+        )
+        if present
+    ]
     tp, cp = s.tensor_parallel, s.context_parallel
     heads = s.num_attention_heads
     groups = s.num_query_groups if s.group_query_attention and s.num_query_groups else heads
     head_dim = s.kv_channels or s.hidden_size // heads
     dense = LayerShape(
-        seq=s.seq_length // cp, micro_batch=s.micro_batch_size, hidden=s.hidden_size,
-        ffn=s.ffn_hidden_size // tp, heads=max(1, heads // tp), query_groups=max(1, groups // tp),
-        head_dim=head_dim, gated=s.swiglu, bias=s.add_bias_linear,
-        rmsnorm=s.normalization == "RMSNorm", rope=s.position_embedding_type in ("rope", "yarn"),
-        hidden_dropout=s.hidden_dropout > 0, deterministic=s.deterministic,
+        seq=s.seq_length // cp,
+        micro_batch=s.micro_batch_size,
+        hidden=s.hidden_size,
+        ffn=s.ffn_hidden_size // tp,
+        heads=max(1, heads // tp),
+        query_groups=max(1, groups // tp),
+        head_dim=head_dim,
+        gated=s.swiglu,
+        bias=s.add_bias_linear,
+        rmsnorm=s.normalization == "RMSNorm",
+        rope=s.position_embedding_type in ("rope", "yarn"),
+        hidden_dropout=s.hidden_dropout > 0,
+        deterministic=s.deterministic,
         rotary_dim=int(head_dim * s.rotary_percent),
-        thd_sequences=s.thd_max_seqs if s.packed_graphs else None)
+        thd_sequences=s.thd_max_seqs if s.packed_graphs else None,
+    )
     moe_shape = None
     if s.num_experts:
         local = s.num_experts // s.expert_parallel
         capacity = capacity_plan(s) if s.pad_to_capacity else None  # the plan megatron-cg plan prints
         # Padded: each local expert takes its capacity from every source rank; dropless: the router's assignments.
         rows = local * capacity.tokens_per_local_expert if capacity else dense.tokens * s.moe_topk
-        moe_shape = MoeShape(experts=local, topk=s.moe_topk, ffn=s.moe_ffn_hidden_size or s.ffn_hidden_size,
-                             rows=rows, shared_ffn=s.moe_shared_expert_intermediate_size or 0,
-                             router_fp32=s.moe_router_dtype == "fp32", router_experts=s.num_experts)
+        moe_shape = MoeShape(
+            experts=local,
+            topk=s.moe_topk,
+            ffn=s.moe_ffn_hidden_size or s.ffn_hidden_size,
+            rows=rows,
+            shared_ffn=s.moe_shared_expert_intermediate_size or 0,
+            router_fp32=s.moe_router_dtype == "fp32",
+            router_experts=s.num_experts,
+        )
     first = set(capture.first_stage_layers)
-    layers = [dataclasses.replace(dense, moe=moe_shape if s.is_moe_layer(n - 1) else None,
-                                  fp8_recipe=s.fp8_recipe if _fp8_layer(s, n) else None,
-                                  fp8_attention=_fp8_layer(s, n) and s.fp8_dot_product_attention
-                                  and s.fp8_recipe == "delayed")
-              for n in capture.graphed_layers if n in first]
+    layers = [
+        dataclasses.replace(
+            dense,
+            moe=moe_shape if s.is_moe_layer(n - 1) else None,
+            fp8_recipe=s.fp8_recipe if _fp8_layer(s, n) else None,
+            fp8_attention=_fp8_layer(s, n) and s.fp8_dot_product_attention and s.fp8_recipe == "delayed",
+        )
+        for n in capture.graphed_layers
+        if n in first
+    ]
     if not layers:
         return GraphMemoryPlan(pool_bytes=0, peak_live_bytes=0, graphs=0, unpredicted=tuple(unpredicted))
     if s.slot_capture:
@@ -805,8 +920,12 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
         plan = plan_slot_memory(layers, s.modules, policy, config.offload_window + 1 if staged else None)
     else:
         plan = plan_graph_memory(layers, s.modules)
-    return dataclasses.replace(plan, unpredicted=tuple(unpredicted), thd_buffer_bytes=thd_buffer_bytes(s, len(layers)),
-                               thd_layout=(s.thd_max_seqs, s.packed_max_seqlen) if s.packed_graphs else None)
+    return dataclasses.replace(
+        plan,
+        unpredicted=tuple(unpredicted),
+        thd_buffer_bytes=thd_buffer_bytes(s, len(layers)),
+        thd_layout=(s.thd_max_seqs, s.packed_max_seqlen) if s.packed_graphs else None,
+    )
 
 
 def thd_buffer_bytes(facts: RunSettings, graphs: int) -> int | None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, capacity_plan
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan, plan_for_run
 from megatron_cg_plugin.settings import RunSettings
+
+__all__ = ["RunPrediction", "model_config_adds", "predict_graph_memory", "predict_run", "repredict_graph_memory"]
 
 _log = logging.getLogger(__name__)
 
@@ -50,8 +53,10 @@ def predict_graph_memory(settings: RunSettings, config: PluginConfig) -> GraphMe
 
 def model_config_adds(settings: RunSettings, model_config: Any) -> bool:
     """The built model's ``TransformerConfig`` differs from the flags in a field the prediction reads."""
-    return any(hasattr(model_config, name) and getattr(model_config, name) != getattr(settings, name, default)
-               for name, default in MODEL_CONFIG_ONLY_FIELDS.items())
+    return any(
+        hasattr(model_config, name) and getattr(model_config, name) != getattr(settings, name, default)
+        for name, default in MODEL_CONFIG_ONLY_FIELDS.items()
+    )
 
 
 def repredict_graph_memory(settings: RunSettings, config: PluginConfig, model_config: Any) -> GraphMemoryPlan | None:

@@ -14,6 +14,8 @@ it is not proportional to the tokens: at 4096 tokens it is 132 MiB, not twice th
 
 from __future__ import annotations
 
+__all__ = ["column_sum_workspace"]
+
 H200_MULTIPROCESSORS = 132  # the verified GPU; the buffer's size depends on the SM count
 MAX_THREADS_PER_MULTIPROCESSOR = 2048  # sm_90
 MAX_REDUCE_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS for every real type
@@ -50,6 +52,8 @@ def column_sum_workspace(rows: int, cols: int, *, multiprocessors: int = H200_MU
     target_grid = multiprocessors * (MAX_THREADS_PER_MULTIPROCESSOR // (width * height))
     if values_per_thread < MAX_VALUES_PER_THREAD or grid > target_grid:
         return 0
-    ctas = max(min(_div_up(target_grid, grid), _div_up(values_per_thread, MIN_VALUES_PER_THREAD)),
-               _div_up(values_per_thread, MAX_VALUES_PER_THREAD))
+    ctas = max(
+        min(_div_up(target_grid, grid), _div_up(values_per_thread, MIN_VALUES_PER_THREAD)),
+        _div_up(values_per_thread, MAX_VALUES_PER_THREAD),
+    )
     return ACCUMULATOR_BYTES * cols * ctas * width * vec if ctas > 1 else 0

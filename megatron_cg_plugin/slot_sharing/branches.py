@@ -16,6 +16,8 @@ import torch
 
 from megatron_cg_plugin.capture.contracts import TensorSpec, alias_topology
 
+__all__ = ["BranchMismatchError", "BranchSignature", "check_branches"]
+
 
 class BranchMismatchError(ValueError):
     def __init__(self, slot: int, first: Hashable, other: Hashable, field: str, a: object, b: object) -> None:
@@ -23,7 +25,8 @@ class BranchMismatchError(ValueError):
         super().__init__(
             f"slot {slot}: branches {first!r} and {other!r} cannot share storage: {field} is {a!r} in "
             f"{first!r} but {b!r} in {other!r}. Give the variants identical output/gradient layouts "
-            "(pad to a common shape), or plan them into different slots.")
+            "(pad to a common shape), or plan them into different slots."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +47,20 @@ class BranchSignature:
     arenas: tuple[int, ...]
 
     @classmethod
-    def of(cls, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *,
-           state: Mapping[str, torch.Tensor] | None = None, arenas: Sequence[int] = ()) -> BranchSignature:
-        return cls(tuple(TensorLayout.of(t) for t in outputs), tuple(TensorLayout.of(t) for t in grads),
-                   alias_topology(outputs, state), tuple(arenas))
+    def of(
+        cls,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        *,
+        state: Mapping[str, torch.Tensor] | None = None,
+        arenas: Sequence[int] = (),
+    ) -> BranchSignature:
+        return cls(
+            tuple(TensorLayout.of(t) for t in outputs),
+            tuple(TensorLayout.of(t) for t in grads),
+            alias_topology(outputs, state),
+            tuple(arenas),
+        )
 
 
 def check_branches(slot: int, branches: Mapping[Hashable, BranchSignature]) -> None:
@@ -64,8 +77,14 @@ def check_branches(slot: int, branches: Mapping[Hashable, BranchSignature]) -> N
             for index, (a, b) in enumerate(zip(mine, theirs)):
                 for field in ("shape", "stride", "dtype", "device", "requires_grad"):
                     if getattr(a.spec, field) != getattr(b.spec, field):
-                        raise BranchMismatchError(slot, first, name, f"{kind}[{index}].{field}",
-                                                  getattr(a.spec, field), getattr(b.spec, field))
+                        raise BranchMismatchError(
+                            slot,
+                            first,
+                            name,
+                            f"{kind}[{index}].{field}",
+                            getattr(a.spec, field),
+                            getattr(b.spec, field),
+                        )
                 if a.nbytes != b.nbytes:
                     raise BranchMismatchError(slot, first, name, f"{kind}[{index}] bytes", a.nbytes, b.nbytes)
         if reference.alias != signature.alias:

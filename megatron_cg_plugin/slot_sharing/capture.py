@@ -26,26 +26,53 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from megatron_cg_plugin.capture import accounting
+from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture import te_backend as te_seam
-from megatron_cg_plugin.slot_sharing import fp8_state
-from megatron_cg_plugin.capture import stale_graphs
-from megatron_cg_plugin.slot_sharing.branches import BranchSignature, check_branches
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation, ReplayContract
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.slot_sharing import fp8_state
+from megatron_cg_plugin.slot_sharing.branches import BranchSignature, check_branches
 from megatron_cg_plugin.slot_sharing.guard import SlotGuard
 from megatron_cg_plugin.slot_sharing.layout import span_elements, span_of
-from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers, HostArena, OffloadingArenaHooks, StagedArenaHooks, Transfers
-from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, ArenaSizer, no_call_objects, storage_keys
+from megatron_cg_plugin.slot_sharing.offload_arenas import (
+    CudaTransfers,
+    HostArena,
+    OffloadingArenaHooks,
+    StagedArenaHooks,
+    Transfers,
+)
+from megatron_cg_plugin.slot_sharing.offload_plan import (
+    OffloadPlan,
+    OffloadPolicy,
+    OffloadStack,
+    Save,
+    host_arena_bytes,
+    plan_offload,
+)
 from megatron_cg_plugin.slot_sharing.offload_staging import StagedFrame, StagingRing
-from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPlan, OffloadPolicy, OffloadStack, Save, host_arena_bytes, plan_offload
+from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
 from megatron_cg_plugin.slot_sharing.plan import SlotPlan, per_slot_max
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, ArenaSizer, no_call_objects, storage_keys
+
+__all__ = [
+    "SlotCoverageError",
+    "SlotFp8",
+    "SlotOffload",
+    "SlottedGraphs",
+    "SlottedStats",
+    "Surface",
+    "Variant",
+    "capture_slotted",
+    "io_branches",
+    "planned_slots",
+    "slot_arena_bytes",
+]
 
 
 class SlotCoverageError(RuntimeError):
@@ -174,8 +201,10 @@ class Surface:
 def _as_tuple(outputs: Any, variant: Hashable) -> tuple[torch.Tensor, ...]:
     items = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     if not all(isinstance(item, torch.Tensor) for item in items):
-        raise TypeError(f"variant {variant!r}: fn must return a tensor or a tuple of tensors, got "
-                        f"{[type(item).__name__ for item in items]}; wrap it to return only tensors.")
+        raise TypeError(
+            f"variant {variant!r}: fn must return a tensor or a tuple of tensors, got "
+            f"{[type(item).__name__ for item in items]}; wrap it to return only tensors."
+        )
     return tuple(items)
 
 
@@ -192,7 +221,7 @@ class _Sharing:
         return packer.sharing(self.storages).entering(self.call_objects)
 
 
-def _fp8_sharing(fp8: "SlotFp8") -> _Sharing:
+def _fp8_sharing(fp8: SlotFp8) -> _Sharing:
     call_objects = fp8_state.per_call_quantizers(fp8.modules) if fp8.snapshot_attention_scales else no_call_objects
     return _Sharing(storage_keys(fp8_state.fp8_workspace_storages(fp8.modules)), call_objects)
 
@@ -207,8 +236,13 @@ class _Measure:
     saves: tuple = ()  # plan.offload.Save of every save, when an offload group source is given
 
 
-def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: int,
-            group: Callable[[], str | None] | None = None, sharing: Callable[[], _Sharing] = _Sharing) -> _Measure:
+def _warmup(
+    variant: Variant,
+    params: Sequence[torch.nn.Parameter],
+    iterations: int,
+    group: Callable[[], str | None] | None = None,
+    sharing: Callable[[], _Sharing] = _Sharing,
+) -> _Measure:
     """Runs forward and backward eagerly (parameters' ``.grad`` untouched) and measures the frame;
     with ``group``, every save is recorded with its offload group (the last iteration's record).
     Shared storages (``sharing``) are not counted; FP8 weight workspaces exist only after the first
@@ -222,15 +256,22 @@ def _warmup(variant: Variant, params: Sequence[torch.nn.Parameter], iterations: 
         ctx_count = sizer.protect_ctx_tensors(outputs)
         differentiable = [o for o in outputs if o.requires_grad]
         targets = [i for i in inputs if i.requires_grad] + list(params)
-        grads = torch.autograd.grad(differentiable, targets, [torch.ones_like(o) for o in differentiable],
-                                    allow_unused=True) if differentiable else (None,) * len(targets)
-        input_grads = iter(grads[:len(targets) - len(params)])
+        grads = (
+            torch.autograd.grad(
+                differentiable, targets, [torch.ones_like(o) for o in differentiable], allow_unused=True
+            )
+            if differentiable
+            else (None,) * len(targets)
+        )
+        input_grads = iter(grads[: len(targets) - len(params)])
         measure = _Measure(
-            saved_bytes=sizer.nbytes, ctx_tensors=ctx_count,
+            saved_bytes=sizer.nbytes,
+            ctx_tensors=ctx_count,
             outputs=tuple(o.detach().requires_grad_(o.requires_grad) for o in outputs),  # layout templates
             input_grads=tuple(next(input_grads) if i.requires_grad else None for i in inputs),
-            params_used=tuple(g is not None for g in grads[len(targets) - len(params):]),
-            saves=tuple(sizer.saves))
+            params_used=tuple(g is not None for g in grads[len(targets) - len(params) :]),
+            saves=tuple(sizer.saves),
+        )
     assert measure is not None  # iterations >= 1, checked by the caller
     return measure
 
@@ -242,9 +283,13 @@ def _adoptable(samples: Sequence[torch.Tensor]) -> list[bool]:
     parameter (a replay writes its input in), and shares no storage with another sample (one
     static input would then serve two arguments)."""
     storages = [s.untyped_storage().data_ptr() for s in samples]
-    return [not isinstance(s, torch.nn.Parameter) and s.storage_offset() == 0 and storages.count(storages[i]) == 1
-            and s.untyped_storage().nbytes() == span_elements(s) * s.element_size()
-            for i, s in enumerate(samples)]
+    return [
+        not isinstance(s, torch.nn.Parameter)
+        and s.storage_offset() == 0
+        and storages.count(storages[i]) == 1
+        and s.untyped_storage().nbytes() == span_elements(s) * s.element_size()
+        for i, s in enumerate(samples)
+    ]
 
 
 class _Boundary:
@@ -262,29 +307,41 @@ class _Boundary:
             if adopted:
                 self.inputs.append(sample)
                 continue
-            static = torch.empty_strided(tuple(sample.shape), tuple(sample.stride()), dtype=sample.dtype,
-                                         device=sample.device)
+            static = torch.empty_strided(
+                tuple(sample.shape), tuple(sample.stride()), dtype=sample.dtype, device=sample.device
+            )
             self.inputs.append(static.requires_grad_(sample.requires_grad))
         self.outputs = [Surface(o) for o in measure.outputs]
-        self.grad_outputs = [torch.empty(tuple(o.shape), dtype=o.dtype, device=o.device) if o.requires_grad
-                             else None for o in measure.outputs]
+        self.grad_outputs = [
+            torch.empty(tuple(o.shape), dtype=o.dtype, device=o.device) if o.requires_grad else None
+            for o in measure.outputs
+        ]
         self.input_grads = [None if g is None else Surface(g) for g in measure.input_grads]
 
     @property
     def nbytes(self) -> int:
         """The bytes this boundary allocated (adopted inputs are the caller's)."""
-        tensors = [t for t, adopted in zip(self.inputs, self.adopted) if not adopted] + \
-            [g for g in self.grad_outputs if g is not None]
-        return sum(t.untyped_storage().nbytes() for t in tensors) + \
-            sum(s.nbytes for s in self.outputs + [g for g in self.input_grads if g is not None])
+        tensors = [t for t, adopted in zip(self.inputs, self.adopted) if not adopted] + [
+            g for g in self.grad_outputs if g is not None
+        ]
+        return sum(t.untyped_storage().nbytes() for t in tensors) + sum(
+            s.nbytes for s in self.outputs + [g for g in self.input_grads if g is not None]
+        )
 
 
 class _Entry:
     """The graphs of one variant in one slot, and what their replays read and write."""
 
-    def __init__(self, variant: Variant, slot: int, boundary: _Boundary, params: Sequence[torch.nn.Parameter],
-                 param_grads: Sequence[torch.Tensor | None], guard: SlotGuard | None,
-                 contract_check: ContractCheck = ContractCheck.FULL) -> None:
+    def __init__(
+        self,
+        variant: Variant,
+        slot: int,
+        boundary: _Boundary,
+        params: Sequence[torch.nn.Parameter],
+        param_grads: Sequence[torch.Tensor | None],
+        guard: SlotGuard | None,
+        contract_check: ContractCheck = ContractCheck.FULL,
+    ) -> None:
         self.variant, self.slot, self.boundary = variant, slot, boundary
         self.params, self.param_grads = tuple(params), tuple(param_grads)
         self.guard = guard
@@ -327,8 +384,10 @@ class _Entry:
 
     def _check_live(self) -> None:
         if self.forward_graph is None:
-            raise RuntimeError(f"the graphs of {self.name} were reset (delete_cuda_graphs or SlottedGraphs.reset); "
-                               "capture again before replaying.")
+            raise RuntimeError(
+                f"the graphs of {self.name} were reset (delete_cuda_graphs or SlottedGraphs.reset); "
+                "capture again before replaying."
+            )
 
     def checked_forward(self) -> CheckedGraph:
         """``replay_forward`` held to this entry's contract (in its mode), as TE's graphs are."""
@@ -338,8 +397,12 @@ class _Entry:
     def replay_forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self._check_live()
         if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
-            raise ContractViolation(self.name, "arguments", [name for name, _ in self.contract.inputs],
-                                    [f"arg{index}" for index in range(len(args))])
+            raise ContractViolation(
+                self.name,
+                "arguments",
+                [name for name, _ in self.contract.inputs],
+                [f"arg{index}" for index in range(len(args))],
+            )
         for arg, static in zip(args, self.boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)
@@ -373,14 +436,22 @@ class _Entry:
         input_grads = tuple(None if surface is None else surface.view.detach() for surface in self.boundary.input_grads)
         # Real parameter gradients are cloned: the buffer is shared by every graph, and autograd may
         # keep a returned gradient as ``.grad``. Unused parameters get no gradient at all.
-        param_grads = tuple(buffer.clone() if used else None for buffer, used in zip(self.param_grads, self.params_used))
+        param_grads = tuple(
+            buffer.clone() if used else None for buffer, used in zip(self.param_grads, self.params_used)
+        )
         return input_grads + param_grads
 
 
 class _SlotReplay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, entry: _Entry, replay: CheckedGraph, input_count: int, update_fp8_weights: bool,
-                *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        entry: _Entry,
+        replay: CheckedGraph,
+        input_count: int,
+        update_fp8_weights: bool,
+        *tensors: torch.Tensor,
+    ) -> Any:
         ctx.entry = entry
         ctx.fp8_first = entry.fp8.before_forward(update_fp8_weights) if entry.fp8 is not None else False
         outputs = replay(*tensors[:input_count])  # the entry's replay_forward, held to its contract
@@ -414,8 +485,10 @@ class SlottedGraphs:
             entry = self._entries[variant, slot]
         except KeyError:
             variants = sorted({str(v) for v, _ in self._entries})
-            raise KeyError(f"no graph for variant {variant!r} in slot {slot}: captured variants {variants}, "
-                           f"slots 0..{self.stats.ring_size - 1}") from None
+            raise KeyError(
+                f"no graph for variant {variant!r} in slot {slot}: captured variants {variants}, "
+                f"slots 0..{self.stats.ring_size - 1}"
+            ) from None
 
         forward = entry.checked_forward()  # held here, not by the entry: no cycle through it
 
@@ -438,11 +511,23 @@ class SlottedGraphs:
 
 
 # ---------------------------------------------------------------------------------------------- capture
-def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Iterable[torch.nn.Parameter], *,
-                    protect: bool = True, pool: Any = None, stream: Any = None, warmup_iterations: int = 2,
-                    debug: bool = False, strict: bool = True, contract_check: ContractCheck = ContractCheck.FULL,
-                    offload: SlotOffload | None = None, fp8: SlotFp8 | None = None,
-                    check_stale: bool = True, param_grads: ParamGradBuffers | None = None) -> SlottedGraphs:
+def capture_slotted(
+    variants: Sequence[Variant],
+    plan: SlotPlan,
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    protect: bool = True,
+    pool: Any = None,
+    stream: Any = None,
+    warmup_iterations: int = 2,
+    debug: bool = False,
+    strict: bool = True,
+    contract_check: ContractCheck = ContractCheck.FULL,
+    offload: SlotOffload | None = None,
+    fp8: SlotFp8 | None = None,
+    check_stale: bool = True,
+    param_grads: ParamGradBuffers | None = None,
+) -> SlottedGraphs:
     """Captures each variant once per slot that ``plan`` (``plan.slot_plan.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
@@ -479,10 +564,14 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
     options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing)
     # Warmup and capture draw random numbers that eager training never draws: the generators go back after.
-    with te_seam.te_capture_flag(), _fp8_capturing(fp8_capture), \
-            te_seam.generators_preserved(te_seam.graph_generators()):
+    with (
+        te_seam.te_capture_flag(),
+        _fp8_capturing(fp8_capture),
+        te_seam.generators_preserved(te_seam.graph_generators()),
+    ):
         entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
-            variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options)
+            variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options
+        )
     if fp8_capture is not None:
         replay = fp8_capture.replay(fp8.enabled)
         for entry in entries.values():
@@ -490,17 +579,22 @@ def capture_slotted(variants: Sequence[Variant], plan: SlotPlan, parameters: Ite
     torch.cuda.synchronize()
     segments = accounting.allocator_segments()
     stats = SlottedStats(
-        ring_size=plan.ring_size, variants=len(variants), graphs=2 * len(entries),
+        ring_size=plan.ring_size,
+        variants=len(variants),
+        graphs=2 * len(entries),
         capture_seconds=time.perf_counter() - start,
         pool_bytes=accounting.pool_bytes_by_id(segments).get(tuple(pool), 0),
-        arena_bytes=sum(a.capacity for a in arenas), slot_arena_bytes=tuple(a.capacity for a in arenas),
+        arena_bytes=sum(a.capacity for a in arenas),
+        slot_arena_bytes=tuple(a.capacity for a in arenas),
         boundary_bytes=sum(b.nbytes for b in boundaries.values()) + param_grad_bytes,
         saved_bytes={name: m.saved_bytes for name, m in measures.items()},
         ctx_tensors={name: m.ctx_tensors for name, m in measures.items()},
-        retained_bytes=retained, uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()),
+        retained_bytes=retained,
+        uncovered_bytes=sum(e.uncovered_bytes for e in entries.values()),
         offloaded_bytes={name: p.host_bytes for name, p in offloading.plans.items()},
         host_arena_bytes=tuple(h.buffer.numel() for h in offloading.host_arenas),
-        staging_bytes=offloading.staging_bytes)
+        staging_bytes=offloading.staging_bytes,
+    )
     return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool, offloading])
 
 
@@ -551,15 +645,27 @@ class _Offloading:
         return OffloadingArenaHooks(arena, self.host_arenas[key[1]], plan, self.transfers, window=self.window)
 
     @classmethod
-    def plan(cls, offload: "SlotOffload", measures: dict[Hashable, "_Measure"], ring_size: int,
-             slots_of: dict[Hashable, tuple[int, ...]], placed: list[tuple[Variant, int]]) -> "_Offloading":
+    def plan(
+        cls,
+        offload: SlotOffload,
+        measures: dict[Hashable, _Measure],
+        ring_size: int,
+        slots_of: dict[Hashable, tuple[int, ...]],
+        placed: list[tuple[Variant, int]],
+    ) -> _Offloading:
         """Plans from the warmup records; pinned memory is taken here, before any capture, so what
         cannot be had is refused naming the bytes (``HostArenaError``)."""
         plans = {name: offload.plan(name, m.saves) for name, m in measures.items()}
         if offload.staging is None:
-            return cls(plans, [HostArena(nbytes, name=f"host arena of slot {slot}") for slot, nbytes
-                               in enumerate(host_arena_bytes(ring_size, slots_of, plans))], offload.transfers(),
-                       window=offload.window)
+            return cls(
+                plans,
+                [
+                    HostArena(nbytes, name=f"host arena of slot {slot}")
+                    for slot, nbytes in enumerate(host_arena_bytes(ring_size, slots_of, plans))
+                ],
+                offload.transfers(),
+                window=offload.window,
+            )
         ring, before = offload.staging, offload.staging.nbytes
         hosts, staged = [], {}
         for slot in range(ring_size):  # one position in the ring per slot: a slot's variants never overlap
@@ -571,8 +677,15 @@ class _Offloading:
         return cls(plans, hosts, None, staged, ring.nbytes - before)
 
 
-def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
-                 params: list[torch.nn.Parameter], pool: Any, stream: Any, options: _CaptureOptions) -> tuple:
+def _capture_all(
+    variants: Sequence[Variant],
+    ring_size: int,
+    slots_of: dict[Hashable, tuple[int, ...]],
+    params: list[torch.nn.Parameter],
+    pool: Any,
+    stream: Any,
+    options: _CaptureOptions,
+) -> tuple:
     """Warmup, sizing, allocation and every capture (TE's capture flag set by the caller)."""
     stream.wait_stream(torch.cuda.current_stream())
     group = options.offload.group if options.offload is not None else None
@@ -583,11 +696,19 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
 
     device = variants[0].sample_args[0].device if variants[0].sample_args else torch.device("cuda")
     placed = [(v, slot) for v in variants for slot in slots_of[v.name]]
-    offloading = _Offloading({}, [], None) if options.offload is None else \
-        _Offloading.plan(options.offload, measures, ring_size, slots_of, placed)
-    arenas = [Arena(arena_bytes, device, name=f"slot {slot}")
-              for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))] \
-        if options.protect else []
+    offloading = (
+        _Offloading({}, [], None)
+        if options.offload is None
+        else _Offloading.plan(options.offload, measures, ring_size, slots_of, placed)
+    )
+    arenas = (
+        [
+            Arena(arena_bytes, device, name=f"slot {slot}")
+            for slot, arena_bytes in enumerate(slot_arena_bytes(ring_size, slots_of, measures, offloading.plans))
+        ]
+        if options.protect
+        else []
+    )
     boundaries: dict[tuple[int, Hashable], _Boundary] = {}
     adopted: set[Hashable] = set()  # each variant's samples are one boundary's inputs at most
     for v, slot in placed:
@@ -599,9 +720,12 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     reached = [any(measure.params_used[index] for measure in measures.values()) for index in range(len(params))]
     param_grads, param_grad_bytes = (options.param_grads or ParamGradBuffers()).take(params, reached)
     guard = SlotGuard(ring_size) if options.debug else None
-    entries = {(v.name, slot): _Entry(v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard,
-                                      options.contract_check)
-               for v, slot in placed}
+    entries = {
+        (v.name, slot): _Entry(
+            v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard, options.contract_check
+        )
+        for v, slot in placed
+    }
     retained = 0
     torch.cuda.synchronize()
     sharing = options.sharing()
@@ -613,15 +737,21 @@ def _capture_all(variants: Sequence[Variant], ring_size: int, slots_of: dict[Has
     return entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading
 
 
-def slot_arena_bytes(ring_size: int, slots_of: dict[Hashable, tuple[int, ...]],
-                     measures: dict[Hashable, _Measure], offload_plans: dict[Hashable, OffloadPlan] | None = None
-                     ) -> list[int]:
+def slot_arena_bytes(
+    ring_size: int,
+    slots_of: dict[Hashable, tuple[int, ...]],
+    measures: dict[Hashable, _Measure],
+    offload_plans: dict[Hashable, OffloadPlan] | None = None,
+) -> list[int]:
     """Per slot, the bytes its arena needs: the largest frame of the variants the plan puts there
     (measured at warmup), so a slot only small variants use gets a small arena. A variant with an
     offload plan needs only the storages that stay on the GPU."""
     plans = offload_plans or {}
-    return per_slot_max(ring_size, slots_of, {name: m.saved_bytes - (plans[name].host_bytes if name in plans else 0)
-                                              for name, m in measures.items()})
+    return per_slot_max(
+        ring_size,
+        slots_of,
+        {name: m.saved_bytes - (plans[name].host_bytes if name in plans else 0) for name, m in measures.items()},
+    )
 
 
 def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, tuple[int, ...]]:
@@ -630,13 +760,15 @@ def planned_slots(plan: SlotPlan, names: Sequence[Hashable]) -> dict[Hashable, t
     unplanned = sorted(str(name) for name, slots in slots_of.items() if not slots)
     unknown = sorted({str(f.variant) for f in plan.frames} - {str(name) for name in names})
     if unplanned or unknown:
-        raise ValueError(f"the plan and the variants differ: variants in no frame of the plan {unplanned}, frames "
-                         f"of variants not given {unknown}; plan with the same variant names you capture.")
+        raise ValueError(
+            f"the plan and the variants differ: variants in no frame of the plan {unplanned}, frames "
+            f"of variants not given {unknown}; plan with the same variant names you capture."
+        )
     return slots_of
 
 
 @contextlib.contextmanager
-def _fp8_capturing(capture: "fp8_state.Fp8Capture | None") -> Any:
+def _fp8_capturing(capture: fp8_state.Fp8Capture | None) -> Any:
     if capture is None:
         yield
         return
@@ -657,12 +789,15 @@ def _under_fp8(fn: Callable[..., Any], fp8: SlotFp8) -> Callable[..., Any]:
     return run
 
 
-def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: int,
-              fp8: SlotFp8 | None = None) -> dict[Hashable, tuple[int, ...]]:
+def _validate(
+    variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: int, fp8: SlotFp8 | None = None
+) -> dict[Hashable, tuple[int, ...]]:
     """Everything capture refuses, before anything is allocated; returns each variant's slots."""
     if not isinstance(plan, SlotPlan):
-        raise TypeError(f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
-                        "(plan.slot_plan), or plan.slot_plan.exclusive_plan(names) for variants that never overlap.")
+        raise TypeError(
+            f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
+            "(plan.slot_plan), or plan.slot_plan.exclusive_plan(names) for variants that never overlap."
+        )
     if warmup_iterations < 1:
         raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")
     if not variants:
@@ -675,26 +810,35 @@ def _validate(variants: Sequence[Variant], plan: SlotPlan, warmup_iterations: in
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in variant.sample_args):
             raise ValueError(f"variant {variant.name!r}: sample_args must be CUDA tensors.")
     if fp8_state.fp8_autocast_active():
-        raise ValueError("slot-shared capture was called inside an FP8 autocast, whose exit would reduce amaxes "
-                         "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group).")
+        raise ValueError(
+            "slot-shared capture was called inside an FP8 autocast, whose exit would reduce amaxes "
+            "the graphs recorded: capture outside it and pass fp8=SlotFp8(recipe, group)."
+        )
     if fp8 is not None and not isinstance(fp8, SlotFp8):
         raise TypeError(f"fp8 is a {type(fp8).__name__}; pass SlotFp8(recipe, group, enabled).")
     if fp8 is not None and warmup_iterations < 2:
-        raise ValueError("slot-shared capture with FP8 needs warmup_iterations >= 2: the FP8 weight workspaces are "
-                         "made in the first one, and frames are measured without them in the last.")
+        raise ValueError(
+            "slot-shared capture with FP8 needs warmup_iterations >= 2: the FP8 weight workspaces are "
+            "made in the first one, and frames are measured without them in the last."
+        )
     if fp8 is not None and fp8.enabled and (refusal := fp8_state.slot_fp8_refusal(fp8.recipe, fp8.modules)):
         raise ValueError(refusal)
     return slots_of
 
 
-def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure],
-                slots_of: dict[Hashable, tuple[int, ...]]) -> dict[Hashable, Hashable]:
+def io_branches(
+    variants: Sequence[Variant], measures: dict[Hashable, _Measure], slots_of: dict[Hashable, tuple[int, ...]]
+) -> dict[Hashable, Hashable]:
     """The I/O branch of each variant: its ``io_branch`` if named (all variants naming one must have
     interchangeable layouts: ``BranchMismatchError`` otherwise), else its boundary layout, so that
     variants with identical layouts share storage."""
-    signatures = {v.name: BranchSignature.of(list(measures[v.name].outputs) + list(v.sample_args),
-                                            [g for g in measures[v.name].input_grads if g is not None])
-                  for v in variants}
+    signatures = {
+        v.name: BranchSignature.of(
+            list(measures[v.name].outputs) + list(v.sample_args),
+            [g for g in measures[v.name].input_grads if g is not None],
+        )
+        for v in variants
+    }
     named: dict[Hashable, dict[Hashable, BranchSignature]] = {}
     for v in variants:
         if v.io_branch is not None:
@@ -702,16 +846,18 @@ def io_branches(variants: Sequence[Variant], measures: dict[Hashable, _Measure],
     for branches in named.values():
         for slot in sorted({slot for name in branches for slot in slots_of[name]}):
             check_branches(slot, {name: sig for name, sig in branches.items() if slot in slots_of[name]})
-    return {v.name: ("named", v.io_branch) if v.io_branch is not None else ("layout", signatures[v.name])
-            for v in variants}
+    return {
+        v.name: ("named", v.io_branch) if v.io_branch is not None else ("layout", signatures[v.name]) for v in variants
+    }
 
 
 def _live(pool: Any) -> dict[int, int]:
     return accounting.live_blocks(accounting.allocator_segments(), pool)
 
 
-def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: Any, transaction: CaptureTransaction,
-                   strict: bool) -> int:
+def _capture_entry(
+    entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: Any, transaction: CaptureTransaction, strict: bool
+) -> int:
     """Captures one variant's forward and backward for one slot; returns the pool bytes still
     allocated afterwards that were not before (library workspaces; 0 normally). ``hooks`` (None
     without arenas) take the forward's saves; in-graph offload hooks (``OffloadingArenaHooks``)
@@ -743,24 +889,33 @@ def _capture_entry(entry: _Entry, hooks: ArenaHooks | None, pool: Any, stream: A
     transaction.track(backward)
     te_seam.register_graph_safe_generators(backward)
     with torch.cuda.graph(backward, pool=pool, stream=stream), _copies_joined(hooks, "backward"):
-        grads = torch.autograd.grad([o for o, _ in differentiable], inputs_with_grad + list(entry.params),
-                                    [g for _, g in differentiable], allow_unused=True) if differentiable else ()
+        grads = (
+            torch.autograd.grad(
+                [o for o, _ in differentiable],
+                inputs_with_grad + list(entry.params),
+                [g for _, g in differentiable],
+                allow_unused=True,
+            )
+            if differentiable
+            else ()
+        )
         grads = list(grads) or [None] * (len(inputs_with_grad) + len(entry.params))
-        input_grads = iter(grads[:len(inputs_with_grad)])
+        input_grads = iter(grads[: len(inputs_with_grad)])
         for static, surface in zip(boundary.inputs, boundary.input_grads):
             grad = next(input_grads) if static.requires_grad else None
             if surface is not None and grad is not None:
                 surface.load(grad)
-        for index, (buffer, grad) in enumerate(zip(entry.param_grads, grads[len(inputs_with_grad):])):
+        for index, (buffer, grad) in enumerate(zip(entry.param_grads, grads[len(inputs_with_grad) :])):
             if grad is not None:
                 if buffer is None:
                     raise RuntimeError(
                         f"{entry.name}: parameter {index} got a gradient in the captured "
                         "backward but none in warmup, so it has no buffer: the layer's backward reaches other "
-                        "parameters from one call to the next, which a graph cannot replay; keep it eager.")
+                        "parameters from one call to the next, which a graph cannot replay; keep it eager."
+                    )
                 buffer.copy_(grad)
     entry.backward_graph = backward
-    entry.params_used = tuple(g is not None for g in grads[len(inputs_with_grad):])
+    entry.params_used = tuple(g is not None for g in grads[len(inputs_with_grad) :])
     del outputs, differentiable, grads, input_grads, hooks
     after = _live(pool)
     return sum(size for address, size in after.items() if address not in before)
@@ -789,22 +944,30 @@ def _copies_joined(hooks: ArenaHooks | None, graph: str) -> Iterator[None]:
     join()
 
 
-def _check_coverage(entry: _Entry, before: dict[int, int], after: dict[int, int], outputs: Sequence[torch.Tensor],
-                    strict: bool) -> None:
+def _check_coverage(
+    entry: _Entry, before: dict[int, int], after: dict[int, int], outputs: Sequence[torch.Tensor], strict: bool
+) -> None:
     """Between a forward capture and its backward capture, the pool may hold only the forward's
     outputs (their blocks are released by the backward capture; the backward never reads them
     unless saved, and saved tensors are in the arena). Anything else alive there is backward state
     outside the arena, which another capture could be handed."""
     output_ptrs = [o.untyped_storage().data_ptr() for o in outputs]
-    uncovered = {address: size for address, size in after.items() if address not in before
-                 and not any(address <= ptr < address + size for ptr in output_ptrs)}
+    uncovered = {
+        address: size
+        for address, size in after.items()
+        if address not in before and not any(address <= ptr < address + size for ptr in output_ptrs)
+    }
     entry.uncovered_bytes = sum(uncovered.values())
     if uncovered and strict:
-        held = [f"{tuple(t.shape)} {t.dtype} held by {'; '.join(stale_graphs.describe_holders(t)) or 'no Python referrer'}"
-                for t in stale_graphs.tensors_in(uncovered)]
+        held = [
+            f"{tuple(t.shape)} {t.dtype} held by {'; '.join(stale_graphs.describe_holders(t)) or 'no Python referrer'}"
+            for t in stale_graphs.tensors_in(uncovered)
+        ]
         raise SlotCoverageError(
             f"{entry.name}: after its forward capture {len(uncovered)} pool block(s), {sum(uncovered.values())} bytes, "
             "are still alive besides the outputs: backward state kept outside save_for_backward and ctx "
             "attributes (a module attribute or a global cache filled during capture?). Slot sharing cannot "
             "protect it; capture this variant in its own pool, or pass strict=False to measure. Tensors there: "
-            + ("; ".join(held) or "none reachable from Python (a C++ workspace or cache)") + ".")
+            + ("; ".join(held) or "none reachable from Python (a C++ workspace or cache)")
+            + "."
+        )

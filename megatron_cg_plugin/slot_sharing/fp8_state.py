@@ -9,9 +9,21 @@ per-call quantizer copies and FP8 workspaces the arenas must hold or leave out
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_cg_plugin import foreign_state
+
+__all__ = [
+    "Fp8Capture",
+    "Fp8Replay",
+    "fp8_autocast_active",
+    "fp8_capture_autocast",
+    "fp8_workspace_storages",
+    "per_call_quantizers",
+    "slot_fp8_refusal",
+]
+
 
 def fp8_capture_autocast(enabled: bool, recipe: Any, group: Any) -> Any:
     """The autocast TE's ``make_graphed_callables`` runs warmup and capture under (``_graph=True``:
@@ -29,20 +41,28 @@ def slot_fp8_refusal(recipe: Any, modules: Sequence[Any] = ()) -> str | None:
     if recipe is None:
         return "slot-shared capture with FP8 needs the recipe: pass SlotFp8(recipe)."
     if not (recipe.delayed() or recipe.float8_current_scaling()):
-        return (f"slot-shared capture takes FP8 with delayed or current scaling (--fp8-recipe delayed|tensorwise); "
-                f"{type(recipe).__name__} is not verified in slot-shared graphs.")
+        return (
+            f"slot-shared capture takes FP8 with delayed or current scaling (--fp8-recipe delayed|tensorwise); "
+            f"{type(recipe).__name__} is not verified in slot-shared graphs."
+        )
     if (recipe.fp8_dpa or recipe.fp8_mha) and not recipe.delayed():
-        return ("slot-shared capture takes FP8 attention (recipe fp8_dpa / fp8_mha) with delayed scaling only: "
-                "FP8 attention under current scaling is not verified (TE 2.20.2 with cuDNN 9.14 on the verified "
-                "H200 finds no FP8 attention backend for it); use DelayedScaling (--fp8-recipe delayed) or turn FP8 "
-                "attention off.")
+        return (
+            "slot-shared capture takes FP8 attention (recipe fp8_dpa / fp8_mha) with delayed scaling only: "
+            "FP8 attention under current scaling is not verified (TE 2.20.2 with cuDNN 9.14 on the verified "
+            "H200 finds no FP8 attention backend for it); use DelayedScaling (--fp8-recipe delayed) or turn FP8 "
+            "attention off."
+        )
     if recipe.delayed() and not modules:
-        return ("slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
-                "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay.")
+        return (
+            "slot-shared capture with delayed scaling needs the TE modules the variants call: pass "
+            "SlotFp8(recipe, modules=...) so their amax histories are restored after capture and reduced at replay."
+        )
     if _fused_operations(modules):  # rule slot-capture-fp8-op-fuser
-        return ("slot-shared capture with FP8 does not cover Transformer Engine's fused operations (te.ops; "
-                "Megatron's --use-transformer-engine-op-fuser): they run without module hooks, so replays would not "
-                "join their FP8 state to TE's amax reduction; drop --use-transformer-engine-op-fuser.")
+        return (
+            "slot-shared capture with FP8 does not cover Transformer Engine's fused operations (te.ops; "
+            "Megatron's --use-transformer-engine-op-fuser): they run without module hooks, so replays would not "
+            "join their FP8 state to TE's amax reduction; drop --use-transformer-engine-op-fuser."
+        )
     return None
 
 
@@ -54,8 +74,12 @@ def _fused_operations(modules: Sequence[Any]) -> bool:
         from transformer_engine.pytorch.ops.op import BasicOperation
     except ImportError:  # without TE no module is one of its operations
         return False
-    return any(isinstance(m, BasicOperation) for module in modules if isinstance(module, torch.nn.Module)
-               for m in module.modules())
+    return any(
+        isinstance(m, BasicOperation)
+        for module in modules
+        if isinstance(module, torch.nn.Module)
+        for m in module.modules()
+    )
 
 
 class Fp8Capture:
@@ -109,12 +133,13 @@ class Fp8Capture:
                 self._meta = None
         finally:
             if failed:  # read anew: a reset inside replaces the state object
-                foreign_state.put(FP8GlobalStateManager.quantization_state, "skip_fp8_weight_update_tensor",
-                                  self._flag_before)
+                foreign_state.put(
+                    FP8GlobalStateManager.quantization_state, "skip_fp8_weight_update_tensor", self._flag_before
+                )
                 if self._flag_before is not None:
                     self._flag_before.copy_(self._flag_value_before)
 
-    def replay(self, enabled: bool) -> "Fp8Replay | None":
+    def replay(self, enabled: bool) -> Fp8Replay | None:
         """What each replay of the graphs captured now does, or None for a variant kept in bf16."""
         if not enabled:
             return None
@@ -136,8 +161,9 @@ class Fp8Replay:
         self.flag, self.modules, self.delayed = flag, modules, delayed
         self._manager = FP8GlobalStateManager  # resolved once: the replay path is hot
         # (module, is a base module, is attention), classified once for each replay's join.
-        self._joining = tuple((m, isinstance(m, TransformerEngineBaseModule), isinstance(m, DotProductAttention))
-                              for m in modules)
+        self._joining = tuple(
+            (m, isinstance(m, TransformerEngineBaseModule), isinstance(m, DotProductAttention)) for m in modules
+        )
 
     def before_forward(self, update_weights: bool) -> bool:
         """Returns whether this replay is its autocast's first FP8 module (it updates after backward)."""
@@ -161,8 +187,11 @@ class Fp8Replay:
         for module, is_base, is_attention in self._joining:
             if is_attention and not (recipe.fp8_mha or recipe.fp8_dpa):
                 continue
-            metas = [module.fp8_meta] if is_base else \
-                [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]  # te.ops
+            metas = (
+                [module.fp8_meta]
+                if is_base
+                else [module._fp8_metas[mode] for mode in ("forward", "backward") if module.num_quantizers(mode)]
+            )  # te.ops
             for meta in metas:
                 meta["fp8_group"], meta["recipe"] = group, recipe
                 manager.add_fp8_tensors_to_global_buffer(meta)
@@ -172,8 +201,12 @@ def _te_modules(modules: Sequence[Any]) -> list[Any]:
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
     from transformer_engine.pytorch.ops.op import BasicOperation
 
-    return [m for module in modules for m in module.modules()
-            if isinstance(m, (TransformerEngineBaseModule, BasicOperation))]
+    return [
+        m
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, (TransformerEngineBaseModule, BasicOperation))
+    ]
 
 
 def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ...]]:
@@ -193,11 +226,16 @@ def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ..
     te_modules = _te_modules(modules)
 
     def owned(value: Any) -> bool:
-        return any(value is q for module in te_modules for group in getattr(module, "quantizers", {}).values()
-                   for q in group)
+        return any(
+            value is q for module in te_modules for group in getattr(module, "quantizers", {}).values() for q in group
+        )
 
     def attributes(value: Any) -> tuple[str, ...]:
-        if isinstance(value, Quantizer) and isinstance(getattr(value, "scale", None), torch.Tensor) and not owned(value):
+        if (
+            isinstance(value, Quantizer)
+            and isinstance(getattr(value, "scale", None), torch.Tensor)
+            and not owned(value)
+        ):
             return ("scale",)  # not amax: the copy shares the module's amax, which the graphs write
         return ()
 
@@ -209,9 +247,13 @@ def fp8_workspace_storages(modules: Sequence[Any]) -> list[Any]:
     scale inverse): shared by every frame, refreshed only on a first microbatch."""
     import torch
 
-    return [value for module in _te_modules(modules)
-            for workspace in getattr(module, "_fp8_workspaces", {}).values()
-            for value in vars(workspace).values() if isinstance(value, torch.Tensor)]
+    return [
+        value
+        for module in _te_modules(modules)
+        for workspace in getattr(module, "_fp8_workspaces", {}).values()
+        for value in vars(workspace).values()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def fp8_autocast_active() -> bool:

@@ -7,6 +7,8 @@ state and one would silently corrupt the other; the guard refuses, naming both.
 
 from __future__ import annotations
 
+__all__ = ["SlotGuard", "SlotReuseError"]
+
 
 class SlotReuseError(RuntimeError):
     def __init__(self, slot: int, holder: str, claimant: str) -> None:
@@ -14,7 +16,8 @@ class SlotReuseError(RuntimeError):
         super().__init__(
             f"slot {slot} is still owned by {holder} (its backward has not run) but {claimant} is about to "
             "reuse it: their saved tensors would overwrite each other. The replay order differs from the "
-            "one the slot plan was made for; plan with this order (megatron_cg_plugin.slot_sharing.plan).")
+            "one the slot plan was made for; plan with this order (megatron_cg_plugin.slot_sharing.plan)."
+        )
 
 
 class SlotGuard:

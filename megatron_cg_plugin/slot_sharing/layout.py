@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["span_elements", "span_of"]
+
 
 def span_elements(tensor: torch.Tensor) -> int:
     """Elements from the tensor's first to its last addressed element; 0 for an empty tensor.

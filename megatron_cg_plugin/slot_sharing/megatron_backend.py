@@ -28,14 +28,29 @@ from typing import Any
 
 from megatron_cg_plugin.capture.scratch import clearing, ends_inside_moe_block, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.te_backend import TEBackend, generators_out_of_capture
-from megatron_cg_plugin.slot_sharing.fp8_state import slot_fp8_refusal
 from megatron_cg_plugin.capture.transaction import Restorable
 from megatron_cg_plugin.config import ContractCheck
-from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies, delayed_offload_groups, still_queued
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.slot_sharing.capture import SlotFp8, SlottedGraphs, Variant, capture_slotted
+from megatron_cg_plugin.slot_sharing.fp8_state import slot_fp8_refusal
+from megatron_cg_plugin.slot_sharing.offload_groups import (
+    MegatronOffload,
+    OffloadCopies,
+    delayed_offload_groups,
+    still_queued,
+)
 from megatron_cg_plugin.slot_sharing.param_grads import ParamGradBuffers
 from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
+
+__all__ = [
+    "DelayedFlushWatch",
+    "LayerSlotStats",
+    "SlotBackend",
+    "SlotCaptureError",
+    "SlotLayerGraph",
+    "SlotReplayError",
+    "check_slot_capture_call",
+]
 
 VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
@@ -82,7 +97,8 @@ class DelayedFlushWatch:
                 f"{len(left)} of the {len(self._waiting)} offload groups delayed until the replay of "
                 f"{self._flusher.label if self._flusher else 'a graph'} are still queued: Megatron's replay path did "
                 "not flush them after the graph, so their activations stay on the GPU; this megatron-core release "
-                "handles the delayed flush differently: train without --delay-offload-until-cuda-graph.")
+                "handles the delayed flush differently: train without --delay-offload-until-cuda-graph."
+            )
         if self._flusher is not None:
             self._flusher.offload_groups_flushed += len(self._waiting)
         self._waiting, self._flusher = now, graph
@@ -96,8 +112,15 @@ class SlotLayerGraph:
     """One layer's graph as Megatron's replay path calls it: ``graph(hidden_states, **kwargs)``
     returns the tuple of outputs; ``reset()`` frees it (Megatron's ``delete_cuda_graphs``)."""
 
-    def __init__(self, graphs: SlottedGraphs, label: str, arg_count: int, input_names: tuple[str, ...],
-                 flush_watch: DelayedFlushWatch | None = None, fp8_weight_caching: bool = True) -> None:
+    def __init__(
+        self,
+        graphs: SlottedGraphs,
+        label: str,
+        arg_count: int,
+        input_names: tuple[str, ...],
+        flush_watch: DelayedFlushWatch | None = None,
+        fp8_weight_caching: bool = True,
+    ) -> None:
         self._graphs = graphs
         self._replay = graphs.callable(VARIANT, 0)
         self.label, self.arg_count, self.input_names = label, arg_count, input_names
@@ -108,21 +131,28 @@ class SlotLayerGraph:
     @property
     def stats(self) -> LayerSlotStats:
         stats = self._graphs.stats
-        return LayerSlotStats(arena_bytes=stats.arena_bytes + stats.staging_bytes,
-                              host_arena_bytes=sum(stats.host_arena_bytes),
-                              offloaded_bytes=sum(stats.offloaded_bytes.values()), boundary_bytes=stats.boundary_bytes,
-                              offload_groups_flushed=self.offload_groups_flushed)
+        return LayerSlotStats(
+            arena_bytes=stats.arena_bytes + stats.staging_bytes,
+            host_arena_bytes=sum(stats.host_arena_bytes),
+            offloaded_bytes=sum(stats.offloaded_bytes.values()),
+            boundary_bytes=stats.boundary_bytes,
+            offload_groups_flushed=self.offload_groups_flushed,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple:
-        unknown = sorted(name for name, value in kwargs.items()
-                         if name not in self.input_names and name not in _NOT_INPUTS and value is not None)
+        unknown = sorted(
+            name
+            for name, value in kwargs.items()
+            if name not in self.input_names and name not in _NOT_INPUTS and value is not None
+        )
         missing = [name for name in self.input_names if kwargs.get(name) is None]
         if len(args) != self.arg_count or unknown or missing:
             raise SlotReplayError(
                 f"{self.label}: the graph was captured with {self.arg_count} positional tensor(s) and keyword tensors "
                 f"{list(self.input_names)}, but the replay passes {len(args)} positional, {unknown} unknown and "
                 f"{missing} missing: the call differs from the sample Megatron captured with (a changed "
-                "--cuda-graph-modules or attention mask setting between capture and training?).")
+                "--cuda-graph-modules or attention mask setting between capture and training?)."
+            )
         if self._flush_watch is not None:
             self._flush_watch.on_replay(self)
         # Megatron's is_first_microbatch: TE's cached FP8 weights are refreshed on the first microbatch only.
@@ -143,26 +173,31 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
     if any(_fp8_enabled(kwargs, len(callables))):
         refusal = slot_fp8_refusal(recipe, tuple(callables))
         if refusal is None and recipe.fp8_mha:  # rule slot-capture-fp8
-            refusal = ("FP8 multi-head attention (TransformerConfig fp8_multi_head_attention: FP8 tensors between "
-                       "the attention's modules) is not verified in slot-shared graphs; turn it off (FP8 dot-product "
-                       "attention with delayed scaling is taken).")
+            refusal = (
+                "FP8 multi-head attention (TransformerConfig fp8_multi_head_attention: FP8 tensors between "
+                "the attention's modules) is not verified in slot-shared graphs; turn it off (FP8 dot-product "
+                "attention with delayed scaling is taken)."
+            )
         if refusal:
-            raise SlotCaptureError(f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every "
-                                   "FP8 recipe).")
+            raise SlotCaptureError(
+                f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every FP8 recipe)."
+            )
     # One graph per layer, so the layers' backward replays never overlap: they share parameter-gradient
     # buffers (memory.param_grads), which this refusal keeps safe.
     if len(sample_args) != len(callables):
         raise SlotCaptureError(
             f"Megatron asks for {len(sample_args)} graphs of {len(callables)} layers (one per microbatch in flight: "
             "pipeline parallelism or --overlap-moe-expert-parallel-comm); --cg-slot-capture captures one graph per "
-            "layer: use --pipeline-model-parallel-size 1 without EP overlap, or drop --cg-slot-capture.")
+            "layer: use --pipeline-model-parallel-size 1 without EP overlap, or drop --cg-slot-capture."
+        )
     for layer in callables:
         if ends_inside_moe_block(layer):
             scopes = module_names(layer.config.cuda_graph_modules)
             raise SlotCaptureError(
                 f"--cuda-graph-modules {' '.join(sorted(scopes))} ends the graph inside the MoE block "
                 "and hands routing "
-                "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn.")
+                "state to its eager rest, which slot capture does not verify: use attn moe (drop-and-pad) or attn."
+            )
 
 
 def _fp8_enabled(kwargs: dict[str, Any], layers: int) -> tuple[bool, ...]:
@@ -201,8 +236,14 @@ class SlotBackend(TEBackend):
     """A ``GraphBackend`` whose capture call is slot-shared capture, layer by layer, into one pool.
     Graph tracking is TE's (``torch.cuda.CUDAGraph`` looked up at call time, as capture_slotted does)."""
 
-    def __init__(self, *, offload: bool = True, copies: OffloadCopies | str = OffloadCopies(),
-                 offload_fraction: float | None = None, debug: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        offload: bool = True,
+        copies: OffloadCopies | str = OffloadCopies(),
+        offload_fraction: float | None = None,
+        debug: bool = False,
+    ) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
         self.copies = OffloadCopies.given(copies)
         self.offload_fraction = offload_fraction  # the bench's frontier arms; None: --activation-offload-fraction
@@ -216,8 +257,9 @@ class SlotBackend(TEBackend):
 
         check_slot_capture_call(callables, sample_args, kwargs)
         sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
-        offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload,
-                                              fraction=self.offload_fraction)
+        offload = MegatronOffload.from_config(
+            callables[0].config, callables, offload=self.offload, fraction=self.offload_fraction
+        )
         fp8_enabled = _fp8_enabled(kwargs, len(callables))
         # FP8: the weight workspaces are made in the first warmup iteration, frames measured in the last.
         warmup = max(2 if any(fp8_enabled) else 1, int(kwargs.get("num_warmup_iters", 2)))
@@ -236,16 +278,25 @@ class SlotBackend(TEBackend):
                     variant, names = _layer_variant(layer, tuple(args), dict(layer_kwargs))
                     fp8 = _layer_fp8(kwargs, fp8_enabled[index], layer) if any(fp8_enabled) else None
                     slotted = capture_slotted(
-                        [variant], exclusive_plan([VARIANT]), layer.parameters(), pool=pool, stream=stream,
+                        [variant],
+                        exclusive_plan([VARIANT]),
+                        layer.parameters(),
+                        pool=pool,
+                        stream=stream,
                         warmup_iterations=warmup,
                         debug=self.debug,
                         contract_check=ContractCheck.OFF,  # the helper holds each replay to its contract
                         offload=None if offload is None else offload.slot_offload(layer, ring, self.copies.window),
                         check_stale=False,  # the helper's stale-graph check covers every layer at once
-                        param_grads=param_grads, fp8=fp8)
+                        param_grads=param_grads,
+                        fp8=fp8,
+                    )
                     label = f"layer {getattr(layer, 'layer_number', index + 1)}"
-                    graphs.append(SlotLayerGraph(slotted, label, len(args), names, watch,
-                                                 bool(kwargs.get("fp8_weight_caching", False))))
+                    graphs.append(
+                        SlotLayerGraph(
+                            slotted, label, len(args), names, watch, bool(kwargs.get("fp8_weight_caching", False))
+                        )
+                    )
         except BaseException:
             for graph in graphs:
                 graph.reset()

@@ -35,7 +35,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPlan
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, _storage_key, saved_view
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, saved_view, storage_key
+
+__all__ = [
+    "CudaTransfers",
+    "HostArena",
+    "HostArenaError",
+    "OffloadPlanError",
+    "OffloadingArenaHooks",
+    "SerialTransfers",
+    "StagedArenaHooks",
+    "Transfers",
+    "torch",
+]
 
 
 class HostArenaError(RuntimeError):
@@ -57,14 +69,17 @@ class HostArena:
             raise HostArenaError(
                 f"{name}: could not pin {arena_aligned(capacity)} bytes of host memory for offloaded activations "
                 f"({error}); offload fewer modules (--offload-modules), raise --min-offloaded-tensor-size, or "
-                "free host memory (other pinned buffers, dataloader workers).") from None
+                "free host memory (other pinned buffers, dataloader workers)."
+            ) from None
         self.used = 0
 
     def reserve(self, nbytes: int) -> int:
         offset = self.used
         if offset + nbytes > self.buffer.numel():
-            raise HostArenaError(f"{self.name} needs {offset + nbytes} bytes but holds {self.buffer.numel()}: the "
-                                 "frame offloads more than at warmup (shapes changed since the arenas were sized?).")
+            raise HostArenaError(
+                f"{self.name} needs {offset + nbytes} bytes but holds {self.buffer.numel()}: the "
+                "frame offloads more than at warmup (shapes changed since the arenas were sized?)."
+            )
         self.used = offset + arena_aligned(nbytes)
         return offset
 
@@ -207,7 +222,7 @@ class PlannedArenaHooks(ArenaHooks):
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.kept_as_is(tensor) or hasattr(tensor, "prepare_for_saving"):
             return super().pack(tensor)  # a decomposed tensor's parts come back through here
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         known = self._storages.get(key)
         new = known is None or known[1].expired()
         if new:  # a new storage (maybe at a reused address): the next ordinal
@@ -221,8 +236,9 @@ class PlannedArenaHooks(ArenaHooks):
             self._storages[key] = (self._offload(ordinal, tensor), StorageWeakRef(tensor.untyped_storage()))
             self.offloaded_bytes += tensor.untyped_storage().nbytes()
         self._unpacks_left[ordinal] = self._unpacks_left.get(ordinal, 0) + 1
-        return _Offloaded(ordinal, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-                          tensor._version)
+        return _Offloaded(
+            ordinal, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor._version
+        )
 
     def _offload(self, ordinal: int, tensor: torch.Tensor) -> int:
         raise NotImplementedError
@@ -234,7 +250,8 @@ class PlannedArenaHooks(ArenaHooks):
                 f"but {self.plan.storage_bytes[ordinal]} "
                 "at warmup: the forward saves differently under capture (a branch on torch.cuda.is_current_stream_"
                 "capturing(), shapes that changed?), so its offload plan does not fit; keep the forward the same or "
-                "capture without offload.")
+                "capture without offload."
+            )
 
     def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
         packed = self.pack(tensor)
@@ -244,7 +261,8 @@ class PlannedArenaHooks(ArenaHooks):
                 f"{tensor.untyped_storage().nbytes()} bytes) shares storage {packed.storage} with an offloaded save "
                 f"({self.plan.storage_bytes[packed.storage]} bytes at warmup, group {self._group_of[packed.storage]}): "
                 "ctx tensors stay in the GPU arena, and so must every view of their storage; the warmup recorded it "
-                "otherwise (an offload group name that outlives the forward?).")
+                "otherwise (an offload group name that outlives the forward?)."
+            )
         return self.unpack(packed)
 
 
@@ -263,7 +281,7 @@ class StagedArenaHooks(PlannedArenaHooks):
         storage = tensor.untyped_storage()
         offset = self.staging.reserve(storage.nbytes())
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.staging.buffer[offset:offset + storage.nbytes()].copy_(source)
+        self.staging.buffer[offset : offset + storage.nbytes()].copy_(source)
         self._staged_at[ordinal] = offset
         return offset
 
@@ -278,8 +296,9 @@ class OffloadingArenaHooks(PlannedArenaHooks):
     """In-graph offload: the frame's offloaded storages go to ``host`` through ``transfers``
     inside the forward graph, and come back inside the backward graph (module docstring)."""
 
-    def __init__(self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers, *,
-                 window: int = 1) -> None:
+    def __init__(
+        self, arena: Arena, host: HostArena, plan: OffloadPlan, transfers: Transfers, *, window: int = 1
+    ) -> None:
         super().__init__(arena, plan)
         assert window >= 0, window  # SlotOffload refuses a negative window
         self.window = window  # groups whose copies may run beside the one being staged or unpacked
@@ -300,7 +319,7 @@ class OffloadingArenaHooks(PlannedArenaHooks):
             self._staging_group = group
         offset = self.host.reserve(nbytes)
         span = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.transfers.to_host(self.host.buffer[offset:offset + nbytes], self.transfers.stage(span))
+        self.transfers.to_host(self.host.buffer[offset : offset + nbytes], self.transfers.stage(span))
         self._host_span[ordinal] = (offset, nbytes)
         return offset
 
@@ -337,8 +356,9 @@ class OffloadingArenaHooks(PlannedArenaHooks):
             span = self._host_span.get(storage)
             if span is not None:  # a storage the plan names but this frame never saved is skipped
                 offset, nbytes = span
-                self._reloaded[storage] = self.transfers.to_device(self.host.buffer[offset:offset + nbytes],
-                                                                   self.arena.buffer.device)
+                self._reloaded[storage] = self.transfers.to_device(
+                    self.host.buffer[offset : offset + nbytes], self.arena.buffer.device
+                )
 
     def join_backward(self) -> None:
         self.transfers.join_backward()

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from megatron_cg_plugin import foreign_state
-from megatron_cg_plugin.slot_sharing.capture import SlotOffload
 from megatron_cg_plugin.config import OFFLOAD_COPIES
-from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+from megatron_cg_plugin.slot_sharing.capture import SlotOffload
 from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, OffloadStack
+from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
+
+__all__ = ["MegatronOffload", "OffloadCopies", "OffloadGroupTracker", "delayed_offload_groups", "still_queued"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +45,19 @@ class OffloadCopies:
 
     def __post_init__(self) -> None:
         if self.mode not in OFFLOAD_COPIES:
-            raise ValueError(f"offload copies {self.mode!r}: use one of {', '.join(OFFLOAD_COPIES)} "
-                             "(--cg-offload-copies).")
+            raise ValueError(
+                f"offload copies {self.mode!r}: use one of {', '.join(OFFLOAD_COPIES)} (--cg-offload-copies)."
+            )
         if self.window < 0:
             raise ValueError(f"offload window {self.window}: use 0 or more groups (--cg-offload-window).")
 
     @classmethod
-    def given(cls, copies: "OffloadCopies | str") -> "OffloadCopies":
+    def given(cls, copies: OffloadCopies | str) -> OffloadCopies:
         """``copies`` as given to a capture call: the settings, or a mode name with the default window."""
         return cls(copies) if isinstance(copies, str) else copies
 
     @classmethod
-    def of(cls, config: Any) -> "OffloadCopies":
+    def of(cls, config: Any) -> OffloadCopies:
         """From the plugin's config (``config.PluginConfig``)."""
         return cls(config.offload_copies, config.offload_window)
 
@@ -61,7 +65,9 @@ class OffloadCopies:
         """The ring every layer of one capture shares (between replays), None for in-graph copies."""
         import torch
 
-        return StagingRing(torch.cuda.current_device(), depth=self.window + 1) if self.mode == "between-replays" else None
+        return (
+            StagingRing(torch.cuda.current_device(), depth=self.window + 1) if self.mode == "between-replays" else None
+        )
 
 
 class OffloadGroupTracker:
@@ -72,7 +78,7 @@ class OffloadGroupTracker:
         return self._names[-1] if self._names else None
 
     @contextlib.contextmanager
-    def scoped(self) -> Iterator["OffloadGroupTracker"]:
+    def scoped(self) -> Iterator[OffloadGroupTracker]:
         from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
 
         interface = offload.FineGrainedActivationOffloadingInterface
@@ -87,8 +93,9 @@ class OffloadGroupTracker:
             if manager.offload:
                 names.pop()
 
-        def group_offload(manager: Any, tensor: Any, forced_released_tensors: Any = None,
-                          delay_offload: bool = False) -> Any:
+        def group_offload(
+            manager: Any, tensor: Any, forced_released_tensors: Any = None, delay_offload: bool = False
+        ) -> Any:
             return tensor
 
         with foreign_state.Changes() as changes:
@@ -111,8 +118,9 @@ class MegatronOffload:
         self.stack = None if policy is None else OffloadStack(policy, len(self.layers))  # Megatron's choice across them
 
     @classmethod
-    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True,
-                    fraction: float | None = None) -> "MegatronOffload | None":
+    def from_config(
+        cls, config: Any, layers: Sequence[Any], *, offload: bool = True, fraction: float | None = None
+    ) -> MegatronOffload | None:
         """From Megatron's TransformerConfig (its offload fields); None without
         ``--fine-grained-activation-offloading``. Its policy is None (every save stays in the GPU
         arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``.
@@ -121,8 +129,9 @@ class MegatronOffload:
             return None
         policy = OffloadPolicy.from_args(config) if offload else None
         if policy is not None and fraction is not None:
-            policy = OffloadPolicy.from_flags(sorted(policy.modules), min_tensor_elements=policy.min_tensor_elements,
-                                              fraction=fraction)
+            policy = OffloadPolicy.from_flags(
+                sorted(policy.modules), min_tensor_elements=policy.min_tensor_elements, fraction=fraction
+            )
         return cls(policy, layers)
 
     def slot_offload(self, layer: Any, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
@@ -133,8 +142,9 @@ class MegatronOffload:
             return None
         index = next((i for i, known in enumerate(self.layers) if known is layer), None)
         assert index is not None, "slot_offload is asked for the layers MegatronOffload was made with"
-        return SlotOffload(self.policy, group=self.tracker.current, staging=staging, window=window, stack=self.stack,
-                           layer_index=index)
+        return SlotOffload(
+            self.policy, group=self.tracker.current, staging=staging, window=window, stack=self.stack, layer_index=index
+        )
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

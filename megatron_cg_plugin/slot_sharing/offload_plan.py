@@ -39,9 +39,24 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned, per_slot_max
 
+__all__ = [
+    "MEGATRON_MIN_OFFLOADED_TENSOR_SIZE",
+    "MEGATRON_OFFLOAD_MODULES",
+    "OffloadPlan",
+    "OffloadPolicy",
+    "OffloadStack",
+    "OffloadStackError",
+    "Save",
+    "StackPosition",
+    "groups_kept",
+    "host_arena_bytes",
+    "plan_offload",
+]
+
 # Megatron 0.19.2's offload groups (TransformerConfig's allowed offload_modules).
-MEGATRON_OFFLOAD_MODULES = frozenset({"core_attn", "attn_proj", "expert_fc1", "fused_group_mlp", "moe_act",
-                                      "attn_norm", "mlp_norm", "qkv_linear"})
+MEGATRON_OFFLOAD_MODULES = frozenset(
+    {"core_attn", "attn_proj", "expert_fc1", "fused_group_mlp", "moe_act", "attn_norm", "mlp_norm", "qkv_linear"}
+)
 MEGATRON_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024  # elements: Megatron's default
 
 
@@ -63,12 +78,19 @@ class OffloadPolicy:
     fraction: float = 1.0  # --activation-offload-fraction
 
     @classmethod
-    def from_flags(cls, offload_modules: Sequence[str], *, min_tensor_elements: int = MEGATRON_MIN_OFFLOADED_TENSOR_SIZE,
-                   fraction: float = 1.0) -> OffloadPolicy:
+    def from_flags(
+        cls,
+        offload_modules: Sequence[str],
+        *,
+        min_tensor_elements: int = MEGATRON_MIN_OFFLOADED_TENSOR_SIZE,
+        fraction: float = 1.0,
+    ) -> OffloadPolicy:
         unknown = sorted(set(offload_modules) - MEGATRON_OFFLOAD_MODULES)
         if unknown:
-            raise ValueError(f"--offload-modules {' '.join(unknown)}: Megatron offloads only "
-                             f"{', '.join(sorted(MEGATRON_OFFLOAD_MODULES))}.")
+            raise ValueError(
+                f"--offload-modules {' '.join(unknown)}: Megatron offloads only "
+                f"{', '.join(sorted(MEGATRON_OFFLOAD_MODULES))}."
+            )
         if min_tensor_elements < 0 or not 0.0 <= fraction <= 1.0:
             raise ValueError("--min-offloaded-tensor-size must be >= 0 and --activation-offload-fraction in [0, 1].")
         return cls(frozenset(offload_modules), min_tensor_elements, fraction)
@@ -81,13 +103,14 @@ class OffloadPolicy:
         modules = tuple(getattr(args, "offload_modules", None) or ())
         if not getattr(args, "fine_grained_activation_offloading", False) or not modules:
             return None
-        return cls.from_flags(modules, min_tensor_elements=getattr(args, "min_offloaded_tensor_size",
-                                                                   MEGATRON_MIN_OFFLOADED_TENSOR_SIZE),
-                              fraction=getattr(args, "activation_offload_fraction", 1.0))
+        return cls.from_flags(
+            modules,
+            min_tensor_elements=getattr(args, "min_offloaded_tensor_size", MEGATRON_MIN_OFFLOADED_TENSOR_SIZE),
+            fraction=getattr(args, "activation_offload_fraction", 1.0),
+        )
 
     def qualifies(self, save: Save) -> bool:
-        return (save.group in self.modules and save.numel >= self.min_tensor_elements
-                and not save.do_not_offload)
+        return save.group in self.modules and save.numel >= self.min_tensor_elements and not save.do_not_offload
 
 
 class OffloadStackError(ValueError):
@@ -146,7 +169,7 @@ class OffloadPlan:
         groups the backward needs after it."""
         order = self.reload_order()
         start = 0 if group is None else order.index(group)
-        return order[start:start + window + 1]
+        return order[start : start + window + 1]
 
 
 def plan_offload(saves: Sequence[Save], policy: OffloadPolicy, position: StackPosition | None = None) -> OffloadPlan:
@@ -159,8 +182,9 @@ def plan_offload(saves: Sequence[Save], policy: OffloadPolicy, position: StackPo
     return OffloadPlan(tuple((group, tuple(storages)) for group, storages in ordered), tuple(kept), storage_bytes)
 
 
-def _eligible_groups(saves: Sequence[Save], policy: OffloadPolicy
-                     ) -> tuple[list[tuple[str, list[Hashable]]], list[Hashable], dict[Hashable, int]]:
+def _eligible_groups(
+    saves: Sequence[Save], policy: OffloadPolicy
+) -> tuple[list[tuple[str, list[Hashable]]], list[Hashable], dict[Hashable, int]]:
     """The groups whose storages qualify, in forward order, with their storages; the storages that
     stay whatever the fraction (a view outside the policy); every storage's bytes."""
     by_storage: dict[Hashable, list[Save]] = {}
@@ -201,11 +225,13 @@ class OffloadStack:
                 f"--activation-offload-fraction {self.policy.fraction}: layer {index + 1} offloads the groups "
                 f"{list(eligible)} and layer {layer + 1} {list(groups)}; slot-shared capture keeps Megatron's "
                 "fraction only where every layer offloads the same groups: use --activation-offload-fraction 1.0, "
-                "or offload modules that every layer has.")
+                "or offload modules that every layer has."
+            )
         return plan_offload(saves, self.policy, StackPosition(index, self.num_layers))
 
 
-def host_arena_bytes(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]],
-                     plans: Mapping[Hashable, OffloadPlan]) -> list[int]:
+def host_arena_bytes(
+    ring_size: int, slots_of: Mapping[Hashable, Sequence[int]], plans: Mapping[Hashable, OffloadPlan]
+) -> list[int]:
     """Per slot, the host arena: the largest offloaded bytes of the variants the plan puts there."""
     return per_slot_max(ring_size, slots_of, {variant: plan.host_bytes for variant, plan in plans.items()})

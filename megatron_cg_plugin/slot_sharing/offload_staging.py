@@ -33,6 +33,8 @@ import torch
 from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena
 from megatron_cg_plugin.slot_sharing.saved_tensors import Arena
 
+__all__ = ["StagedFrame", "StagingRing"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,8 +117,13 @@ class StagingRing:
             self.buffers[index] = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer {index}"))
         buffer = self.buffers[index]
         if buffer.arena.capacity < nbytes:  # a larger layer than the ring was sized by: no sharing
-            logger.warning("staging: %s offloads %d bytes, more than the %d of its ring buffer; it gets a buffer of "
-                           "its own (GPU memory the ring does not share)", name, nbytes, buffer.arena.capacity)
+            logger.warning(
+                "staging: %s offloads %d bytes, more than the %d of its ring buffer; it gets a buffer of "
+                "its own (GPU memory the ring does not share)",
+                name,
+                nbytes,
+                buffer.arena.capacity,
+            )
             buffer = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer of {name}"))
             self._own.append(buffer)
         return StagedFrame(self, buffer, host, nbytes, name)
@@ -142,10 +149,10 @@ class StagedFrame:
         return self.buffer.arena
 
     def _device_region(self) -> torch.Tensor:
-        return self.buffer.arena.buffer[:self.nbytes]
+        return self.buffer.arena.buffer[: self.nbytes]
 
     def _host_region(self) -> torch.Tensor:
-        return self.host.buffer[:self.nbytes]
+        return self.host.buffer[: self.nbytes]
 
     def before_forward(self) -> None:
         copies = self.ring.copies
@@ -179,7 +186,8 @@ class StagedFrame:
 
     def _reload(self) -> None:
         copies, buffer = self.ring.copies, self.buffer
-        buffer.ready = buffer.last_copy = copies.copy(self._device_region(), self._host_region(), copies.compute_point(),
-                                                      f"reload {self.name}")
+        buffer.ready = buffer.last_copy = copies.copy(
+            self._device_region(), self._host_region(), copies.compute_point(), f"reload {self.name}"
+        )
         buffer.resident = self
         self.ring.reloads += 1

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+__all__ = ["ParamGradBuffers"]
+
 
 class ParamGradBuffers:
     """Buffers by parameter layout (shape, stride, dtype, device). ``take(params)`` gives each
@@ -23,8 +25,9 @@ class ParamGradBuffers:
     def __init__(self) -> None:
         self._by_layout: dict[tuple, list[torch.Tensor]] = {}
 
-    def take(self, params: Sequence[torch.Tensor],
-             reached: Sequence[bool] | None = None) -> tuple[list[torch.Tensor | None], int]:
+    def take(
+        self, params: Sequence[torch.Tensor], reached: Sequence[bool] | None = None
+    ) -> tuple[list[torch.Tensor | None], int]:
         """The buffers for ``params`` (in order; None where ``reached`` says the graphs give the
         parameter no gradient) and the bytes this call allocated."""
         taken: dict[tuple, int] = {}

@@ -16,6 +16,16 @@ import heapq
 from collections import defaultdict, deque
 from collections.abc import Hashable, Mapping, Sequence
 
+__all__ = [
+    "ARENA_ALIGNMENT",
+    "OrderError",
+    "SlotPlan",
+    "arena_aligned",
+    "exclusive_plan",
+    "per_slot_max",
+    "plan_slots",
+]
+
 DEFAULT_VARIANT = "default"
 ARENA_ALIGNMENT = 256  # bytes; every storage copied into an arena starts aligned for vectorized kernels
 
@@ -74,10 +84,13 @@ def _entries(order: Sequence[float]) -> list[int]:
             raise OrderError(
                 f"order entry {entry} at position {position} is a delayed weight-gradient (fractional) "
                 "entry: saved-tensor arenas cannot protect state kept until a deferred wgrad; turn off "
-                "--delay-wgrad-compute for graphed layers.")
+                "--delay-wgrad-compute for graphed layers."
+            )
         if entry == 0:
-            raise OrderError(f"order entry 0 at position {position}: entries are +chunk (forward) or "
-                             "-chunk (backward), chunks counted from 1.")
+            raise OrderError(
+                f"order entry 0 at position {position}: entries are +chunk (forward) or "
+                "-chunk (backward), chunks counted from 1."
+            )
         entries.append(int(entry))
     return entries
 
@@ -94,14 +107,17 @@ def _spans(entries: Sequence[int], variants: Sequence[Hashable]) -> list[list]:
             spans.append([chunk, per_chunk[chunk], variants[len(spans)], position, None])
             per_chunk[chunk] += 1
         elif not pending[chunk]:
-            raise OrderError(f"backward of chunk {chunk} at position {position} has no pending forward of "
-                             "that chunk; the order must run each forward before its backward.")
+            raise OrderError(
+                f"backward of chunk {chunk} at position {position} has no pending forward of "
+                "that chunk; the order must run each forward before its backward."
+            )
         else:
             spans[pending[chunk].popleft()][4] = position
     unmatched = [f"chunk {s[0]} microbatch {s[1]}" for s in spans if s[4] is None]
     if unmatched:
-        raise OrderError(f"forwards without a backward: {', '.join(unmatched)}; a training order runs "
-                         "every forward's backward.")
+        raise OrderError(
+            f"forwards without a backward: {', '.join(unmatched)}; a training order runs every forward's backward."
+        )
     return spans
 
 
@@ -120,8 +136,11 @@ def _assign_slots(spans: Sequence[list], sizes: Mapping[tuple[int, Hashable], in
         if free:
             fitting = [s for s in free if slot_sizes[s] >= need]
             # Best fit keeps a big slot for big frames; otherwise grow the largest free slot least.
-            slot = min(fitting, key=lambda s: (slot_sizes[s], s)) if fitting else \
-                max(free, key=lambda s: (slot_sizes[s], -s))
+            slot = (
+                min(fitting, key=lambda s: (slot_sizes[s], s))
+                if fitting
+                else max(free, key=lambda s: (slot_sizes[s], -s))
+            )
             free.remove(slot)
         else:
             slot = len(slot_sizes)
@@ -132,8 +151,11 @@ def _assign_slots(spans: Sequence[list], sizes: Mapping[tuple[int, Hashable], in
     return assigned, slot_sizes
 
 
-def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = None,
-               sizes: Mapping[tuple[int, Hashable], int] | None = None) -> SlotPlan:
+def plan_slots(
+    order: Sequence[float],
+    variants: Sequence[Hashable] | None = None,
+    sizes: Mapping[tuple[int, Hashable], int] | None = None,
+) -> SlotPlan:
     """Plans the slot ring for ``order``.
 
     ``variants`` gives the variant of each forward, in order (default: one variant); ``sizes`` the
@@ -148,8 +170,10 @@ def plan_slots(order: Sequence[float], variants: Sequence[Hashable] | None = Non
         raise OrderError(f"{len(variants)} variants given for {forwards} forwards; give one per forward.")
     spans = _spans(entries, variants)
     assigned, slot_sizes = _assign_slots(spans, sizes or {})
-    frames = tuple(Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3],
-                         backward_at=s[4], slot=assigned[i]) for i, s in enumerate(spans))
+    frames = tuple(
+        Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3], backward_at=s[4], slot=assigned[i])
+        for i, s in enumerate(spans)
+    )
     return SlotPlan(frames=frames, ring_size=len(slot_sizes), slot_sizes=tuple(slot_sizes))
 
 
@@ -159,7 +183,9 @@ def exclusive_plan(variants: Sequence[Hashable]) -> SlotPlan:
     return plan_slots([1, -1] * len(variants), list(variants))
 
 
-def per_slot_max(ring_size: int, slots_of: Mapping[Hashable, Sequence[int]], bytes_of: Mapping[Hashable, int]) -> list[int]:
+def per_slot_max(
+    ring_size: int, slots_of: Mapping[Hashable, Sequence[int]], bytes_of: Mapping[Hashable, int]
+) -> list[int]:
     """Per slot, the largest ``bytes_of`` among the variants placed there (``slots_of``: each
     variant's slots): an arena shared by a slot's variants, sized by the largest of them only."""
     sizes = [0] * ring_size

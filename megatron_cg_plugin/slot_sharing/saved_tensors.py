@@ -32,23 +32,36 @@ from megatron_cg_plugin.slot_sharing.offload_plan import Save
 # One alignment (plan.slot_plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned as _aligned
 
+__all__ = [
+    "storage_key",
+    "Arena",
+    "ArenaHooks",
+    "ArenaOverflowError",
+    "ArenaSizer",
+    "custom_function_nodes",
+    "no_call_objects",
+    "saved_view",
+    "storage_keys",
+]
+
 
 class ArenaOverflowError(RuntimeError):
     def __init__(self, arena: str, needed: int, capacity: int) -> None:
         super().__init__(
             f"saved-tensor arena {arena} needs {needed} bytes but holds {capacity}: the frame saves more "
             "than at warmup (shapes changed since the arena was sized?). Re-measure with ArenaSizer at the "
-            "shapes you replay, or keep shapes fixed as at capture.")
+            "shapes you replay, or keep shapes fixed as at capture."
+        )
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[Any, int]:
     storage = tensor.untyped_storage()
     return tensor.device, storage.data_ptr()
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset:
     """The storages of ``tensors``, as ``_Packer.sharing`` takes them."""
-    return frozenset(_storage_key(t) for t in tensors if t.untyped_storage().nbytes())
+    return frozenset(storage_key(t) for t in tensors if t.untyped_storage().nbytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +169,7 @@ class _Packer:
             return True
         if hasattr(tensor, "prepare_for_saving"):
             return False
-        return tensor.untyped_storage().nbytes() == 0 or _storage_key(tensor) in self._shared
+        return tensor.untyped_storage().nbytes() == 0 or storage_key(tensor) in self._shared
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.kept_as_is(tensor):
@@ -168,12 +181,18 @@ class _Packer:
             alias: Any = tensor.detach()  # a TE QuantizedTensor (torch's stubs know nothing of prepare_for_saving)
             parts, rebuild = alias.prepare_for_saving()
             return _Decomposed(tuple(None if p is None else self.pack(p) for p in parts), rebuild)
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         known = self._storages.get(key)
         if known is None or known[1].expired():
             known = self._storages[key] = (self._place(tensor), StorageWeakRef(tensor.untyped_storage()))
-        return _Saved(known[0], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                      tensor.storage_offset(), tensor._version)
+        return _Saved(
+            known[0],
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+            tensor._version,
+        )
 
 
 class ArenaSizer(_Packer):
@@ -197,7 +216,7 @@ class ArenaSizer(_Packer):
 
     def _place(self, tensor: torch.Tensor) -> int:
         # Numbered in the order of first saves; a new storage at a reused address gets a new number.
-        self._ordinal[_storage_key(tensor)] = self.storages
+        self._ordinal[storage_key(tensor)] = self.storages
         self.storages += 1
         offset = self.nbytes
         self.nbytes += _aligned(tensor.untyped_storage().nbytes())
@@ -208,8 +227,15 @@ class ArenaSizer(_Packer):
         packed = super().pack(tensor)
         if self._group is not None and isinstance(packed, _Saved):
             marked = bool(getattr(tensor, "_do_not_offload", False) or getattr(tensor, "_TE_do_not_offload", False))
-            self.saves.append(Save(self._ordinal[_storage_key(tensor)], tensor.untyped_storage().nbytes(),
-                                   tensor.numel(), None if self._in_ctx else self._group(), marked))
+            self.saves.append(
+                Save(
+                    self._ordinal[storage_key(tensor)],
+                    tensor.untyped_storage().nbytes(),
+                    tensor.numel(),
+                    None if self._in_ctx else self._group(),
+                    marked,
+                )
+            )
         return packed
 
     def _measure(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -246,7 +272,7 @@ class ArenaHooks(_Packer):
         offset = self.arena.reserve(storage.nbytes())
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         # Copy on the current (compute) stream, in order with the forward's later in-place writes.
-        self.arena.buffer[offset:offset + storage.nbytes()].copy_(source)
+        self.arena.buffer[offset : offset + storage.nbytes()].copy_(source)
         return offset
 
     def _protected(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -298,8 +324,12 @@ def no_call_objects(_: Any) -> tuple[str, ...]:
     return ()
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
-                 call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects, depth: int = 0) -> Any:
+def _map_tensors(
+    value: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    call_objects: Callable[[Any], tuple[str, ...]] = no_call_objects,
+    depth: int = 0,
+) -> Any:
     """``value`` with every frame tensor in it replaced by ``fn(tensor)``; containers are rebuilt
     (tuples) or updated in place (lists, dicts, per-call dataclasses, and the per-call objects
     ``call_objects`` names attributes of). Returns ``value`` itself when it holds no tensor."""
@@ -328,4 +358,3 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor],
         if new is not item:
             setattr(value, name, new)
     return value
-

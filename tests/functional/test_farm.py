@@ -18,7 +18,14 @@ import pytest
 
 from megatron_cg_plugin import golden
 from megatron_cg_plugin.farm.distributed import gpu_stack_missing, gpus_available
-from megatron_cg_plugin.farm.runner import FarmCase, golden_mismatches, golden_rewrite_refusal, load_cases, problems_of, run_case
+from megatron_cg_plugin.farm.runner import (
+    FarmCase,
+    golden_mismatches,
+    golden_rewrite_refusal,
+    load_cases,
+    problems_of,
+    run_case,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 # Cases running Megatron-LM's own scripts find them in the checkout MEGATRON_LM_DIR names (skipped without one).
@@ -39,8 +46,9 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     reason = gpu_stack_missing(case.nproc) or case.unmet()
     if reason:
         pytest.skip(reason)
-    result = run_case(case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")),
-                      devices=_devices_for(case))
+    result = run_case(
+        case, farm_out, timeout_s=float(os.environ.get("MEGATRON_CG_FARM_TIMEOUT_S", "900")), devices=_devices_for(case)
+    )
     summary = result.summary()
 
     updating = os.environ.get("MEGATRON_CG_UPDATE_GOLDEN") == "1" and case.golden_case is None and case.check_golden

@@ -114,6 +114,13 @@ def test_two_banks_hold_at_most_15_percent_more_arena_and_boundary_bytes_than_on
 def test_wrong_group_unknown_size_and_overfull_pack_are_refused(ranks: list[dict]) -> None:
     for result in ranks:
         refusals = result["refusals"]
-        assert refusals["lookalike_group"].startswith("BankSelectionError") and "very group" in refusals["lookalike_group"]
-        assert refusals["unknown_cp_size"].startswith("BankSelectionError") and "CP size 4" in refusals["unknown_cp_size"]
-        assert refusals["cu_beyond_capacity"].startswith("ThdCapacityError") and "--cg-thd-max-seqs" in refusals["cu_beyond_capacity"]
+        assert (
+            refusals["lookalike_group"].startswith("BankSelectionError") and "very group" in refusals["lookalike_group"]
+        )
+        assert (
+            refusals["unknown_cp_size"].startswith("BankSelectionError") and "CP size 4" in refusals["unknown_cp_size"]
+        )
+        assert (
+            refusals["cu_beyond_capacity"].startswith("ThdCapacityError")
+            and "--cg-thd-max-seqs" in refusals["cu_beyond_capacity"]
+        )

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from test_megatron_lm_script import printed_losses, run, script_dir
 
+from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
-from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 
 pytestmark = [pytest.mark.gpu]
 
@@ -44,7 +44,9 @@ def packed(farm_out: Path) -> tuple[str, list[str], Path]:
     scripts = script_dir()
     out = farm_out / "packed_graphs"
     out.mkdir(parents=True, exist_ok=True)
-    data = write_indexed_dataset(out / "data" / "tokens", synthetic_documents(400, vocab_size=1024, seed=1234), eod=1023)
+    data = write_indexed_dataset(
+        out / "data" / "tokens", synthetic_documents(400, vocab_size=1024, seed=1234), eod=1023
+    )
     return str(scripts / "pretrain_gpt.py"), flags(data), out
 
 
@@ -52,10 +54,23 @@ LAUNCHER = "launcher"  # plugin()'s script for the plugin's own launcher (megatr
 
 
 def plugin(script: str, argv: list[str], out: Path, name: str):
-    entry = ["-m", "megatron_cg_plugin.pretrain_gpt"] if script == LAUNCHER else ["-m", "megatron_cg_plugin.cli", "run", script]
-    done = run([*entry, *argv,
-                "--cg-metrics-out", str(out / f"{name}.metrics.json"), "--cg-report-out", str(out / f"{name}.report.json")],
-               out, name)
+    entry = (
+        ["-m", "megatron_cg_plugin.pretrain_gpt"]
+        if script == LAUNCHER
+        else ["-m", "megatron_cg_plugin.cli", "run", script]
+    )
+    done = run(
+        [
+            *entry,
+            *argv,
+            "--cg-metrics-out",
+            str(out / f"{name}.metrics.json"),
+            "--cg-report-out",
+            str(out / f"{name}.report.json"),
+        ],
+        out,
+        name,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done, GoldenValues.load(out / f"{name}.metrics.json").metrics["lm loss"].values
 
@@ -72,10 +87,17 @@ def test_graphed_packed_runs_equal_eager_and_stock(packed) -> None:
     stock = run([script, *argv, "--cuda-graph-impl", "none"], out, "stock_eager", stock=True)
     assert stock.returncode == 0, stock.stderr[-4000:]
     eager, eager_losses = plugin(script, [*argv, *CAPACITY, "--cuda-graph-impl", "none"], out, "plugin_eager")
-    summary = {"stock_eager_printed": printed_losses(stock.stdout), "plugin_eager_printed": printed_losses(eager.stdout)}
+    summary = {
+        "stock_eager_printed": printed_losses(stock.stdout),
+        "plugin_eager_printed": printed_losses(eager.stdout),
+    }
     for scope, extra in (("layer", []), ("attn", ["--cuda-graph-modules", "attn"])):
-        _, graphed_losses = plugin(script, [*argv, *CAPACITY, "--cuda-graph-impl", "transformer_engine", *extra], out,
-                                   f"plugin_graphed_{scope}")
+        _, graphed_losses = plugin(
+            script,
+            [*argv, *CAPACITY, "--cuda-graph-impl", "transformer_engine", *extra],
+            out,
+            f"plugin_graphed_{scope}",
+        )
         report = json.loads((out / f"plugin_graphed_{scope}.report.json").read_text())
         summary[scope] = {"equal_eager": dict(graphed_losses) == dict(eager_losses), "scopes": report["scopes"]}
         assert dict(graphed_losses) == dict(eager_losses) and len(graphed_losses) == STEPS, (scope, graphed_losses)
@@ -90,14 +112,33 @@ def test_the_launcher_trains_packed_graphs_like_its_eager_run(packed) -> None:
     _, argv, out = packed
     _, eager_losses = plugin(LAUNCHER, [*argv, *CAPACITY, "--cuda-graph-impl", "none"], out, "launcher_eager")
     for scope, extra in (("layer", []), ("attn", ["--cuda-graph-modules", "attn"])):
-        _, graphed_losses = plugin(LAUNCHER, [*argv, *CAPACITY, "--cuda-graph-impl", "transformer_engine", *extra], out,
-                                   f"launcher_graphed_{scope}")
+        _, graphed_losses = plugin(
+            LAUNCHER,
+            [*argv, *CAPACITY, "--cuda-graph-impl", "transformer_engine", *extra],
+            out,
+            f"launcher_graphed_{scope}",
+        )
         assert dict(graphed_losses) == dict(eager_losses) and len(graphed_losses) == STEPS, (scope, graphed_losses)
 
 
 def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag(packed) -> None:
     script, argv, out = packed
-    done = run(["-m", "megatron_cg_plugin.cli", "run", script, *argv, "--cg-thd-max-seqs", "2",
-                "--cuda-graph-impl", "transformer_engine"], out, "beyond_capacity")
+    done = run(
+        [
+            "-m",
+            "megatron_cg_plugin.cli",
+            "run",
+            script,
+            *argv,
+            "--cg-thd-max-seqs",
+            "2",
+            "--cuda-graph-impl",
+            "transformer_engine",
+        ],
+        out,
+        "beyond_capacity",
+    )
     assert done.returncode != 0
-    assert "ThdCapacityError" in done.stderr and "raise --cg-thd-max-seqs to at least" in done.stderr, done.stderr[-4000:]
+    assert "ThdCapacityError" in done.stderr and "raise --cg-thd-max-seqs to at least" in done.stderr, done.stderr[
+        -4000:
+    ]

@@ -94,7 +94,8 @@ def test_a_save_written_later_in_the_forward_reaches_backward_as_saved_through_t
 
 
 def test_a_capture_that_raises_after_an_offloaded_save_leaves_random_ops_and_the_next_capture_working(
-        probe: dict) -> None:
+    probe: dict,
+) -> None:
     """The copy streams are joined before the failed capture ends (capture.slot_shared._copies_joined);
     without it the capture's end fails on unjoined work and every later random op of the process raises."""
     case = probe["offload-edges/failed-capture"]
@@ -141,9 +142,11 @@ def test_fp8_attention_replays_are_bitwise_eager_only_with_the_s_scale_snapshot_
     a per-call quantizer copy on ctx, in the pool; the arenas take it (slot_sharing.fp8_state.per_call_quantizers).
     Left in the pool, another variant's replay overwrites it before this frame's backward."""
     if "fp8/delayed-dpa/unavailable" in probe:
-        pytest.skip("TE has no FP8 attention backend under these settings (on sm_90 it needs head size 128, and "
-                    "cuDNN >= 9.19 with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0; set it to 1 on older cuDNN): "
-                    f"{probe['fp8/delayed-dpa/unavailable'][:200]}")
+        pytest.skip(
+            "TE has no FP8 attention backend under these settings (on sm_90 it needs head size 128, and "
+            "cuDNN >= 9.19 with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0; set it to 1 on older cuDNN): "
+            f"{probe['fp8/delayed-dpa/unavailable'][:200]}"
+        )
     case = probe[f"fp8/delayed-dpa/n{n}/wrap-ring2/slots"]
     assert "error" not in case, case.get("error")
     assert case["exact"] and case["fp8_state_equal"] and case["uncovered_bytes"] == 0, case

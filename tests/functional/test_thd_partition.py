@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from megatron_cg_plugin.packed.layout import fixed_capacity_layout, partitioned_indices
 from megatron_cg_plugin.farm.distributed import gpu_stack_missing
+from megatron_cg_plugin.packed.layout import fixed_capacity_layout, partitioned_indices
 
 pytestmark = [pytest.mark.gpu]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_cg_plugin.slot_sharing import saved_tensors
 from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
+from megatron_cg_plugin.slot_sharing import saved_tensors
 
 
 class _Node:
-    def __init__(self, name: str, children: tuple["_Node", ...] = ()) -> None:
+    def __init__(self, name: str, children: tuple[_Node, ...] = ()) -> None:
         self.name, self.children = name, children
 
 

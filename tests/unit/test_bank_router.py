@@ -15,14 +15,17 @@ from megatron_cg_plugin.farm.distributed import launch
 SCRIPTS = Path(__file__).parent / "_rank_scripts"
 
 
-@pytest.mark.parametrize("dp_cp, minimum, sizes", [
-    (1, 1, (1,)), (2, 1, (1, 2)), (8, 1, (1, 2, 4, 8)), (8, 2, (2, 4, 8)), (8, 8, (8,))])
+@pytest.mark.parametrize(
+    "dp_cp, minimum, sizes", [(1, 1, (1,)), (2, 1, (1, 2)), (8, 1, (1, 2, 4, 8)), (8, 2, (2, 4, 8)), (8, 8, (8,))]
+)
 def test_bank_sizes(dp_cp, minimum, sizes):
     assert bank_sizes(dp_cp, minimum) == sizes
 
 
-@pytest.mark.parametrize("dp_cp, minimum, message", [
-    (6, 1, "DP x CP to be a power of two, got 6"), (8, 3, "--cg-bank-min-cp 3"), (4, 8, "--cg-bank-min-cp 8")])
+@pytest.mark.parametrize(
+    "dp_cp, minimum, message",
+    [(6, 1, "DP x CP to be a power of two, got 6"), (8, 3, "--cg-bank-min-cp 3"), (4, 8, "--cg-bank-min-cp 8")],
+)
 def test_bank_sizes_refuse_bad_input(dp_cp, minimum, message):
     with pytest.raises(ValueError, match=message):
         bank_sizes(dp_cp, minimum)
@@ -37,9 +40,11 @@ def test_router_counts_replays_and_fails_closed():
         router.select(4, groups[2])
     with pytest.raises(BankSelectionError, match="CP size 8, but banks were captured for CP sizes \\[1, 2, 4\\]"):
         router.select(8, None)
-    assert router.report() == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
-                               {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
-                               {"cp_size": 4, "replays": 0, "rejected": 1, "offload_groups_flushed": 0}]
+    assert router.report() == [
+        {"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+        {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+        {"cp_size": 4, "replays": 0, "rejected": 1, "offload_groups_flushed": 0},
+    ]
     assert router.unknown_size_rejections == 1
 
 
@@ -54,7 +59,7 @@ def test_bank_and_group_selection_on_four_gloo_ranks(tmp_path):
     ranks = {}
     for rank, out in result.stdout.items():
         line = next(l for l in out.splitlines() if l.startswith("BANKS "))
-        ranks[rank] = json.loads(line[len("BANKS "):])
+        ranks[rank] = json.loads(line[len("BANKS ") :])
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, data in ranks.items():
         assert data["sizes"] == [1, 2, 4]
@@ -64,6 +69,8 @@ def test_bank_and_group_selection_on_four_gloo_ranks(tmp_path):
         assert "captured with" in data["errors"]["wrong_size_group"]
         assert "banks were captured for CP sizes [1, 2, 4]" in data["errors"]["unknown_size"]
         assert "captured with" in data["errors"]["look_alike_group"]  # same ranks, another object: refused
-        assert data["report"] == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
-                                  {"cp_size": 2, "replays": 1, "rejected": 2, "offload_groups_flushed": 0},
-                                  {"cp_size": 4, "replays": 1, "rejected": 0, "offload_groups_flushed": 0}]
+        assert data["report"] == [
+            {"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+            {"cp_size": 2, "replays": 1, "rejected": 2, "offload_groups_flushed": 0},
+            {"cp_size": 4, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+        ]

@@ -8,22 +8,20 @@ import dataclasses
 import inspect
 import json
 import sys
-
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_cg_plugin import cli
-from megatron_cg_plugin.bench import output as bench_output
-from megatron_cg_plugin.bench.output import BenchOutputError
-from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.bench.command import BenchError, BenchOptions, parse_bench_argv, run_bench
+from megatron_cg_plugin.bench.output import BenchOutputError
 from megatron_cg_plugin.bench.schedule import DeviceTime
+from megatron_cg_plugin.config import PluginConfig
 
-STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123,
-                "plugin-recording": 0.0127}
+STEP_SECONDS = {"eager": 0.030, "stock": 0.012, "plugin": 0.0126, "plugin-no-check": 0.0123, "plugin-recording": 0.0127}
 
 
 class FakeTrainer:
@@ -85,10 +83,15 @@ def bench_with_fakes(**options):
             step()
         return DeviceTime(0.009 if trainer.arm != "eager" else 0.015)  # device seconds per step
 
-    result = run_bench(BenchOptions(**({"rounds": 4, "steps": 6, "skip_steps": 1} | options)), trainer, clock=clock,
-                       progress=lines.append, profile=profile,
-                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
-                       recording_cost=lambda: (profiled.append(f"recording cost on {trainer.arm}"), 63.0)[1])
+    result = run_bench(
+        BenchOptions(**({"rounds": 4, "steps": 6, "skip_steps": 1} | options)),
+        trainer,
+        clock=clock,
+        progress=lines.append,
+        profile=profile,
+        contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
+        recording_cost=lambda: (profiled.append(f"recording cost on {trainer.arm}"), 63.0)[1],
+    )
     return result, trainer, lines, profiled
 
 
@@ -96,12 +99,20 @@ def test_every_graphed_block_captures_trains_and_tears_down_in_the_interleaved_o
     result, trainer, lines, profiled = bench_with_fakes()
     # Round 0 forward, round 1 reversed, ...; then one profiled capture per graphed arm.
     captures = [e for e in trainer.events if e.startswith("capture")]
-    assert captures == ["capture stock", "capture plugin", "capture plugin", "capture stock"] * 2 + \
-        ["capture stock", "capture plugin"]
+    assert captures == ["capture stock", "capture plugin", "capture plugin", "capture stock"] * 2 + [
+        "capture stock",
+        "capture plugin",
+    ]
     events = trainer.events
     assert all(events[i + 1] == f"release {e.split()[1]}" for i, e in enumerate(events) if e.startswith("capture"))
-    assert [(r.round, r.arm) for r in result.blocks][:6] == [(0, "eager"), (0, "stock"), (0, "plugin"),
-                                                             (1, "plugin"), (1, "stock"), (1, "eager")]
+    assert [(r.round, r.arm) for r in result.blocks][:6] == [
+        (0, "eager"),
+        (0, "stock"),
+        (0, "plugin"),
+        (1, "plugin"),
+        (1, "stock"),
+        (1, "eager"),
+    ]
     assert trainer.steps == 3 + 4 * 3 * 6 + 3 * 3  # warmup, the blocks, the profiles
     assert len(lines) == 12 + 3 and lines[0].startswith("block 1/12: round 0 eager: 6 steps, median 30.")
     assert profiled == ["eager", "stock", "plugin"]
@@ -162,26 +173,43 @@ def test_a_failing_capture_stops_the_bench_with_its_error():
         run_bench(BenchOptions(rounds=2, steps=3, skip_steps=1), Failing(clock), clock=clock, progress=lambda _: None)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(arms=("eager", "fast")), "--bench-arms eager,fast: use a comma-separated subset of eager,stock,plugin"),
-    (dict(arms=()), "--bench-arms"),
-    (dict(arms=("slot", "slot-offload-wide")), "--bench-arms slot,slot-offload-wide: use .*slot-offload-w<N>"),
-    (dict(arms=("slot-offload-f150",)), "--bench-arms slot-offload-f150: .*-f<P> after either, P from 0 to 100"),
-    (dict(arms=("slot-offload-f50-w1",)), "--bench-arms slot-offload-f50-w1: use"),  # the window comes first
-    (dict(arms=("slot-offload-w\u0661",)), "--bench-arms slot-offload-w\u0661: use"),  # ASCII digits only
-    (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
-    (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
-    (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(arms=("eager", "fast")), "--bench-arms eager,fast: use a comma-separated subset of eager,stock,plugin"),
+        (dict(arms=()), "--bench-arms"),
+        (dict(arms=("slot", "slot-offload-wide")), "--bench-arms slot,slot-offload-wide: use .*slot-offload-w<N>"),
+        (dict(arms=("slot-offload-f150",)), "--bench-arms slot-offload-f150: .*-f<P> after either, P from 0 to 100"),
+        (dict(arms=("slot-offload-f50-w1",)), "--bench-arms slot-offload-f50-w1: use"),  # the window comes first
+        (dict(arms=("slot-offload-w\u0661",)), "--bench-arms slot-offload-w\u0661: use"),  # ASCII digits only
+        (dict(steps=2, skip_steps=2), "--bench-steps 2 must exceed --bench-skip-steps 2"),
+        (dict(rounds=3), "--bench-rounds 3: rounds must be an even number"),
+        (dict(cached_batches=-1), "--bench-cached-batches -1: use 0"),
+    ],
+)
 def test_bad_options_are_refused_naming_the_flag(options, message):
     with pytest.raises(BenchError, match=message):
         BenchOptions(**options)
 
 
 def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
-    options, flags = parse_bench_argv(["--cg-preset", "tiny-gpt", "--bench-rounds", "6", "--bench-arms",
-                                       "stock,plugin", "--cuda-graph-impl", "transformer_engine", "--bench-no-plot",
-                                       "--bench-profile-dir", "prof", "--bench-cached-batches", "3"])
+    options, flags = parse_bench_argv(
+        [
+            "--cg-preset",
+            "tiny-gpt",
+            "--bench-rounds",
+            "6",
+            "--bench-arms",
+            "stock,plugin",
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--bench-no-plot",
+            "--bench-profile-dir",
+            "prof",
+            "--bench-cached-batches",
+            "3",
+        ]
+    )
     assert (options.rounds, options.arms, options.plot, options.cached_batches) == (6, ("stock", "plugin"), False, 3)
     assert options.profile_dir == Path("prof")
     assert flags == ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine"]
@@ -189,21 +217,31 @@ def test_bench_flags_are_taken_out_and_the_rest_left_for_megatron():
 
 
 def test_cli_refuses_bad_bench_options_before_any_gpu_work(capsys):
-    assert cli.main(["bench", "--bench-rounds", "3", "--bench-no-plot", "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    assert (
+        cli.main(["bench", "--bench-rounds", "3", "--bench-no-plot", "--cg-preset", "tiny-gpt"]) == cli.EXIT_BAD_INPUT
+    )
     assert "--bench-rounds 3: rounds must be an even number" in capsys.readouterr().err
 
 
-ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
-            overlap_param_gather=False, save=None)
+ARGS = dict(
+    cuda_graph_impl="transformer_engine",
+    cuda_graph_warmup_steps=3,
+    use_distributed_optimizer=False,
+    overlap_param_gather=False,
+    save=None,
+)
 DEFAULTS = PluginConfig()  # the plugin's config in force when no --cg-* flag is given
 
 
-@pytest.mark.parametrize("changed, message", [
-    (dict(cuda_graph_impl="none"), "pass --cuda-graph-impl transformer_engine \\(or --bench-arms eager\\)"),
-    (dict(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs"),
-    (dict(use_distributed_optimizer=True, overlap_param_gather=True), "drop --overlap-param-gather for the bench"),
-    (dict(save="/ckpt"), "drop --save for the bench"),
-])
+@pytest.mark.parametrize(
+    "changed, message",
+    [
+        (dict(cuda_graph_impl="none"), "pass --cuda-graph-impl transformer_engine \\(or --bench-arms eager\\)"),
+        (dict(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs"),
+        (dict(use_distributed_optimizer=True, overlap_param_gather=True), "drop --overlap-param-gather for the bench"),
+        (dict(save="/ckpt"), "drop --save for the bench"),
+    ],
+)
 def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, message):
     import types
 
@@ -223,8 +261,9 @@ def test_the_stock_arm_is_refused_on_packed_data(packed):
     with pytest.raises(BenchError, match="bench packed data with --bench-arms eager,plugin"):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "plugin")))
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, **packed, hybrid_context_parallel=True), DEFAULTS,
-                             BenchOptions())  # hybrid CP: the launcher's packs, graph banks
+    bench.refuse_unbenchable(
+        types.SimpleNamespace(**ARGS, **packed, hybrid_context_parallel=True), DEFAULTS, BenchOptions()
+    )  # hybrid CP: the launcher's packs, graph banks
 
 
 def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(monkeypatch):
@@ -245,8 +284,9 @@ def test_the_driver_runs_the_bench_on_the_first_step_and_ends_megatrons_loop(mon
     sink: list = []
     cached: list = []
     checked: list = []
-    step = bench.bench_train_step(BenchOptions(cached_batches=2), [], train_step=None, sink=sink,
-                                  before=lambda: checked.append(len(sink)))
+    step = bench.bench_train_step(
+        BenchOptions(cached_batches=2), [], train_step=None, sink=sink, before=lambda: checked.append(len(sink))
+    )
     assert step("forward", "data", iteration=0) == ("loss dict",)
     assert checked == [0]  # the script's refusals ran before the bench
     assert step.__wrapped__ is None  # what it stands in for (train_step=None here), for install()'s signature check
@@ -270,8 +310,11 @@ def test_contract_cost_times_every_mode_on_the_first_captured_layers_own_contrac
     helper = types.SimpleNamespace(flattened_callables=[layer] * 3)
     checked = []
     check = ReplayContract.check
-    monkeypatch.setattr(ReplayContract, "check", lambda self, args, kwargs, mode: checked.append((args, kwargs))
-                        or check(self, args, kwargs, mode))
+    monkeypatch.setattr(
+        ReplayContract,
+        "check",
+        lambda self, args, kwargs, mode: checked.append((args, kwargs)) or check(self, args, kwargs, mode),
+    )
     costs, replays = bench.contract_check_cost(helper, microbatches=4, repeats=50)
     assert set(costs) == {"full", "shapes", "off"} and all(us > 0 for us in costs.values())
     assert costs["off"] < costs["full"] and replays == 12
@@ -297,7 +340,9 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monke
     class SlotTrainer(FakeTrainer):
         def capture(self, arm):
             super().capture(arm)
-            layers = (types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),) * 2
+            layers = (
+                types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),
+            ) * 2
             stats = types.SimpleNamespace(slot_layers=lambda: layers) if arm.startswith("slot") else None
             return types.SimpleNamespace(arm=arm, capture_stats=stats)
 
@@ -312,11 +357,20 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monke
     def profile(step, count, arm):
         for _ in range(count):
             step()
-        return DeviceTime(0.01, d2h_seconds=0.002 if arm == "slot-offload" else 0.0,
-                          h2d_seconds=0.002 if arm == "slot-offload" else 0.0, copy_overlap_seconds=0.003)
+        return DeviceTime(
+            0.01,
+            d2h_seconds=0.002 if arm == "slot-offload" else 0.0,
+            h2d_seconds=0.002 if arm == "slot-offload" else 0.0,
+            copy_overlap_seconds=0.003,
+        )
 
-    result = run_bench(BenchOptions(rounds=2, steps=3, skip_steps=1, arms=("stock", "slot", "slot-offload")), trainer,
-                       clock=clock, progress=lambda _: None, profile=profile)
+    result = run_bench(
+        BenchOptions(rounds=2, steps=3, skip_steps=1, arms=("stock", "slot", "slot-offload")),
+        trainer,
+        clock=clock,
+        progress=lambda _: None,
+        profile=profile,
+    )
     arenas = {r.arm: (r.arena_bytes, r.host_arena_bytes) for r in result.blocks}
     assert arenas == {"stock": (None, None), "slot": (6 << 20, 0), "slot-offload": (6 << 20, 10 << 20)}
     table = bench_output.markdown(result)
@@ -330,11 +384,13 @@ def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
     import types
 
     offload = dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
-    args = types.SimpleNamespace(**ARGS, **offload, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2,
-                                 world_size=2)
+    args = types.SimpleNamespace(
+        **ARGS, **offload, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2, world_size=2
+    )
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
-    with pytest.raises(BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*"
-                                         "--pipeline-model-parallel-size 1"):
+    with pytest.raises(
+        BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*--pipeline-model-parallel-size 1"
+    ):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("stock", "slot-offload")))
     plain = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1)
     bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("stock", "slot")))
@@ -348,8 +404,8 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
     class Base:
@@ -384,7 +440,9 @@ def test_the_unchecked_arm_needs_the_full_check_on_the_plugin_arm(mode):
     with pytest.raises(BenchError, match=f"leave --cg-contract-check at full \\(it is {mode}\\)"):
         bench.refuse_unbenchable(args, config, BenchOptions(arms=("plugin", "plugin-no-check")))
     bench.refuse_unbenchable(args, config, BenchOptions(arms=("stock", "plugin")))
-    bench.refuse_unbenchable(args, PluginConfig(contract_check="full"), BenchOptions(arms=("plugin", "plugin-no-check")))
+    bench.refuse_unbenchable(
+        args, PluginConfig(contract_check="full"), BenchOptions(arms=("plugin", "plugin-no-check"))
+    )
 
 
 def test_cached_batches_are_read_once_and_served_again_and_again_through_megatrons_wrapper():
@@ -397,10 +455,13 @@ def test_cached_batches_are_read_once_and_served_again_and_again_through_megatro
     assert next(source) == 3  # exactly three were read from the live loader
 
 
-@pytest.mark.parametrize("iterator, message", [
-    ([iter(range(4)), iter(range(4))], "needs one data iterator \\(no virtual pipeline stages\\)"),
-    (iter(range(2)), "the dataset ran out before 3 microbatches"),
-])
+@pytest.mark.parametrize(
+    "iterator, message",
+    [
+        ([iter(range(4)), iter(range(4))], "needs one data iterator \\(no virtual pipeline stages\\)"),
+        (iter(range(2)), "the dataset ran out before 3 microbatches"),
+    ],
+)
 def test_cached_batches_that_cannot_be_had_are_refused(iterator, message):
     with pytest.raises(BenchError, match=message):
         bench.cycled_microbatches(iterator, 3)
@@ -410,8 +471,13 @@ def test_a_rank_without_a_data_iterator_keeps_none():
     assert bench.cycled_microbatches(None, 3) is None  # TP ranks > 0 get their batches by broadcast
 
 
-@pytest.mark.parametrize("pipeline", [dict(pipeline_model_parallel_size=2),
-                                      dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        dict(pipeline_model_parallel_size=2),
+        dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2),
+    ],
+)
 def test_cached_batches_are_refused_for_pipelines_before_any_gpu_work(pipeline):
     import types
 
@@ -419,8 +485,9 @@ def test_cached_batches_are_refused_for_pipelines_before_any_gpu_work(pipeline):
     with pytest.raises(BenchError, match="--bench-cached-batches caches the batches of a PP = 1 run"):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(cached_batches=2))
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())  # the live loader serves pipelines
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, pipeline_model_parallel_size=1), DEFAULTS,
-                             BenchOptions(cached_batches=2))
+    bench.refuse_unbenchable(
+        types.SimpleNamespace(**ARGS, pipeline_model_parallel_size=1), DEFAULTS, BenchOptions(cached_batches=2)
+    )
 
 
 def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
@@ -429,8 +496,8 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, RunSession(PluginConfig())))
@@ -440,11 +507,12 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     def train_step(forward, data_iterator, *rest, iteration):
         seen.extend(next(data_iterator) for _ in range(2))  # two microbatches a step
 
-    trainer = bench.MegatronTrainer(train_step, (None, iter("abcdef"), "model", "optimizer", None, "config", None), {},
-                                    cached_microbatches=4)
+    trainer = bench.MegatronTrainer(
+        train_step, (None, iter("abcdef"), "model", "optimizer", None, "config", None), {}, cached_microbatches=4
+    )
     for _ in range(3):
         trainer.step()
-    assert seen == list("abcdabcd" "ab")[:6]
+    assert seen == list("abcdabcdab")[:6]
 
 
 def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
@@ -454,8 +522,8 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(PluginConfig())
@@ -466,8 +534,9 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
     def train_step(forward, data_iterator, model, optimizer, scheduler, config, forward_backward_func, *, iteration):
         seen.append((session.step_marks.step_now(), forward_backward_func()))
 
-    trainer = bench.MegatronTrainer(train_step, (None, None, "model", "optimizer", None, "config",
-                                                 session.step_marks.step_now), {})
+    trainer = bench.MegatronTrainer(
+        train_step, (None, None, "model", "optimizer", None, "config", session.step_marks.step_now), {}
+    )
     for _ in range(2):
         trainer.step()
     (outside, first), (_, second) = seen
@@ -475,15 +544,22 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
 
 
 def test_the_host_diff_ranks_operators_by_where_two_arms_differ(tmp_path, capsys):
-    bench_output.write_host_ops(tmp_path / "plugin.host_ops.json", 3, {
-        "aten::copy_": (30, 3000.0), "contract_check": (12, 600.0), "aten::add": (3, 30.0)})
-    bench_output.write_host_ops(tmp_path / "stock.host_ops.json", 3, {"aten::copy_": (30, 2700.0), "aten::add": (3, 33.0)})
+    bench_output.write_host_ops(
+        tmp_path / "plugin.host_ops.json",
+        3,
+        {"aten::copy_": (30, 3000.0), "contract_check": (12, 600.0), "aten::add": (3, 30.0)},
+    )
+    bench_output.write_host_ops(
+        tmp_path / "stock.host_ops.json", 3, {"aten::copy_": (30, 2700.0), "aten::add": (3, 33.0)}
+    )
     table = bench_output.host_ops_diff(tmp_path / "plugin.host_ops.json", tmp_path / "stock.host_ops.json")
     assert table.startswith("host ops: host time per step, plugin - stock: +299 us")  # (3630 - 2733) / 3 steps
     rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert rows == ["| `contract_check` | +200.0 | 200.0 | 0.0 | 4 / 0 |",  # only the first arm runs it
-                    "| `aten::copy_` | +100.0 | 1000.0 | 900.0 | 10 / 10 |",
-                    "| `aten::add` | -1.0 | 10.0 | 11.0 | 1 / 1 |"]
+    assert rows == [
+        "| `contract_check` | +200.0 | 200.0 | 0.0 | 4 / 0 |",  # only the first arm runs it
+        "| `aten::copy_` | +100.0 | 1000.0 | 900.0 | 10 / 10 |",
+        "| `aten::add` | -1.0 | 10.0 | 11.0 | 1 / 1 |",
+    ]
     assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "stock"]) == 0
     assert "aten::copy_" in capsys.readouterr().out
     assert bench_output.main(["--host-diff", str(tmp_path), "plugin", "eager"]) == 2
@@ -514,8 +590,13 @@ def test_the_python_profile_counts_each_function_per_step_and_the_diff_puts_extr
         assert inside == [True]  # the profiled steps run on one thread
         plugin_step()
 
-    bench.python_calls_per_step(counted_step, 2, tmp_path / "plugin.python_calls.json",
-                                synchronize=lambda: syncs.append(1), one_thread=one_thread)
+    bench.python_calls_per_step(
+        counted_step,
+        2,
+        tmp_path / "plugin.python_calls.json",
+        synchronize=lambda: syncs.append(1),
+        one_thread=one_thread,
+    )
     assert inside == [True, False]
     bench.python_calls_per_step(lambda: None, 2, tmp_path / "stock.python_calls.json", synchronize=lambda: None)
     assert calls == [6] and len(syncs) == 2  # the steps ran, the device drained before and after
@@ -523,8 +604,9 @@ def test_the_python_profile_counts_each_function_per_step_and_the_diff_puts_extr
     wrapper = [row for name, row in per_step.items() if name.endswith("(_replay_wrapper)")]
     assert [row["calls"] for row in wrapper] == [3.0]
     assert "unit/test_bench.py:" in next(name for name in per_step if name.endswith("(_replay_wrapper)"))
-    table = bench_output.host_ops_diff(tmp_path / "plugin.python_calls.json", tmp_path / "stock.python_calls.json",
-                                       calls_first=True)
+    table = bench_output.host_ops_diff(
+        tmp_path / "plugin.python_calls.json", tmp_path / "stock.python_calls.json", calls_first=True
+    )
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert table.startswith("python calls (the calls are exact") and "host time per step, plugin - stock" in table
     assert "(_replay_wrapper)` |" in rows[0] and rows[0].endswith("| 3 / 0 |")  # three more calls a step: first
@@ -540,10 +622,10 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
-    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
+    from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 
     class Base:
         pass
@@ -553,26 +635,38 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, "model", "optimizer", None, "config", None), {})
     BenchOptions(arms=("slot", "slot-offload", "slot-offload-w0", "slot-offload-staged-w3"))  # all known
-    copies = {arm: trainer.helper_class(arm).backend.copies for arm in
-              ("slot-offload", "slot-offload-w0", "slot-offload-staged", "slot-offload-staged-w3")}
-    assert copies == {"slot-offload": OffloadCopies("in-graph", 2), "slot-offload-w0": OffloadCopies("in-graph", 0),
-                      "slot-offload-staged": OffloadCopies("between-replays", 2),
-                      "slot-offload-staged-w3": OffloadCopies("between-replays", 3)}
+    copies = {
+        arm: trainer.helper_class(arm).backend.copies
+        for arm in ("slot-offload", "slot-offload-w0", "slot-offload-staged", "slot-offload-staged-w3")
+    }
+    assert copies == {
+        "slot-offload": OffloadCopies("in-graph", 2),
+        "slot-offload-w0": OffloadCopies("in-graph", 0),
+        "slot-offload-staged": OffloadCopies("between-replays", 2),
+        "slot-offload-staged-w3": OffloadCopies("between-replays", 3),
+    }
     assert trainer.helper_class("slot").backend.offload is False
     assert trainer.helper_class("slot-offload-w0") is trainer.helper_class("slot-offload-w0")  # bound once
     # The frontier over the fraction: -f<P> sets it in place of --activation-offload-fraction.
     BenchOptions(arms=("slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100"))
-    fractions = {arm: (trainer.helper_class(arm).backend.offload_fraction, trainer.helper_class(arm).backend.copies)
-                 for arm in ("slot-offload", "slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100")}
-    assert fractions == {"slot-offload": (None, OffloadCopies("in-graph", 2)),
-                         "slot-offload-f0": (0.0, OffloadCopies("in-graph", 2)),
-                         "slot-offload-w1-f50": (0.5, OffloadCopies("in-graph", 1)),
-                         "slot-offload-staged-f100": (1.0, OffloadCopies("between-replays", 2))}
+    fractions = {
+        arm: (trainer.helper_class(arm).backend.offload_fraction, trainer.helper_class(arm).backend.copies)
+        for arm in ("slot-offload", "slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100")
+    }
+    assert fractions == {
+        "slot-offload": (None, OffloadCopies("in-graph", 2)),
+        "slot-offload-f0": (0.0, OffloadCopies("in-graph", 2)),
+        "slot-offload-w1-f50": (0.5, OffloadCopies("in-graph", 1)),
+        "slot-offload-staged-f100": (1.0, OffloadCopies("between-replays", 2)),
+    }
 
 
 def test_the_device_timeline_keeps_every_event_with_its_stream_in_start_order(tmp_path):
-    events = [(5.0, 9.0, "d2h", 21, "Memcpy DtoH (Device -> Pinned)"), (1.0, 4.0, "kernel", 7, "k" * 100),
-              (3.0, 6.0, "h2d", 22, "Memcpy HtoD (Pinned -> Device)")]
+    events = [
+        (5.0, 9.0, "d2h", 21, "Memcpy DtoH (Device -> Pinned)"),
+        (1.0, 4.0, "kernel", 7, "k" * 100),
+        (3.0, 6.0, "h2d", 22, "Memcpy HtoD (Pinned -> Device)"),
+    ]
     path = tmp_path / "slot-offload.device_timeline.json.gz"
     bench_output.write_device_timeline(path, 2, events)
     steps, back = bench_output.read_device_timeline(path)
@@ -584,8 +678,12 @@ def test_copy_stalls_count_the_copy_time_no_kernel_ran_beside():
     from megatron_cg_plugin.bench.schedule import CopyStalls
 
     # Two steps: kernels 0-4 and 6-10; a D2H 3-8 (kernels beside it but for 4-6) and an H2D 10-12 (alone).
-    events = [(0.0, 4.0, "kernel", 7, "a"), (6.0, 10.0, "kernel", 9, "b"), (3.0, 8.0, "d2h", 21, "c"),
-              (10.0, 12.0, "h2d", 22, "d")]
+    events = [
+        (0.0, 4.0, "kernel", 7, "a"),
+        (6.0, 10.0, "kernel", 9, "b"),
+        (3.0, 8.0, "d2h", 21, "c"),
+        (10.0, 12.0, "h2d", 22, "d"),
+    ]
     stalls = CopyStalls.of(events, steps=2, scale=1.0)
     assert stalls == CopyStalls(span=6.0, kernels=4.0, d2h=2.5, h2d=1.0, exposed_d2h=1.0, exposed_h2d=1.0)
 
@@ -652,18 +750,35 @@ def test_the_recording_cost_times_the_patches_wrappers_on_a_session_of_its_own(m
 
     bound = []
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *, max_attention_logit=None):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        *,
+        max_attention_logit=None,
+    ):
         raise AssertionError("the tap's wrapped call runs in every arm: it is not timed")
 
     real_tap = bench.patch_builders.build_training_log_tap
-    monkeypatch.setattr(bench.patch_builders, "build_training_log_tap",
-                        lambda original, session: (bound.append(inspect.signature(original)), real_tap(original, session))[1])
-    arm_session = RunSession(PluginConfig(metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json"),
-                             probe=Probe(), read_every=20)
+    monkeypatch.setattr(
+        bench.patch_builders,
+        "build_training_log_tap",
+        lambda original, session: (bound.append(inspect.signature(original)), real_tap(original, session))[1],
+    )
+    arm_session = RunSession(
+        PluginConfig(metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json"), probe=Probe(), read_every=20
+    )
     arm_session.helpers.append(_FakeMegatronHelper())
-    micros = bench.recording_cost(arm_session, ({"lm loss": Loss()}, 0, False, False, 0, 1.5, 3.0, 0.0), training_log,
-                                  repeats=50)
+    micros = bench.recording_cost(
+        arm_session, ({"lm loss": Loss()}, 0, False, False, 0, 1.5, 3.0, 0.0), training_log, repeats=50
+    )
     assert micros > 0 and arm_session.iterations == []
     assert bound == [inspect.signature(training_log)]  # the tap bound Megatron's arguments
     assert reads.count("allocated") == 50 and reads.count("loss") == 40  # two reads of 20 kept losses
@@ -694,8 +809,8 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
     import megatron.training as megatron_training
     from megatron.training import training
 
-    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
     calls = []
@@ -734,8 +849,16 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
     assert first.config == dataclasses.replace(run_session.config, **bench.MegatronTrainer.RECORDED_OUTPUTS)
     assert first.keeps_values and first.helpers and len(first.helpers) == 1
     # Steps 6, 7 and 10, 11 of the trainer; train() logs each as the iteration after it.
-    assert [call[1:] for call in calls] == [("mark",), ("log", 7, 13.0), ("mark",), ("log", 8, 14.0),
-                                            ("mark",), ("log", 11, 17.0), ("mark",), ("log", 12, 18.0)]
+    assert [call[1:] for call in calls] == [
+        ("mark",),
+        ("log", 7, 13.0),
+        ("mark",),
+        ("log", 8, 14.0),
+        ("mark",),
+        ("log", 11, 17.0),
+        ("mark",),
+        ("log", 12, 18.0),
+    ]
     assert {session for session, *_ in calls} == {first, second}  # no other arm records
     assert [(r.iteration, r.graphed) for r in first.iterations] == [(7, True), (8, True)]
     assert trainer.recording is None and trainer.iteration == 12
@@ -755,7 +878,9 @@ def test_each_ratio_says_how_closely_its_median_is_known_and_the_rounds_for_one_
     ratios = result.summary().ratios["plugin", "stock"]
     found = median_precision(ratios.values, bench_output.RATIO_WIDTH)
     table = bench_output.markdown(result)
-    assert "| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) | rounds for +-1% |" in table
+    assert (
+        "| ratio | median [spread] over pairs of mirrored rounds | median known to (95%) | rounds for +-1% |" in table
+    )
     assert f"| plugin / stock | {ratios.format()} | +-{found.half_width:.1%} | ~{found.rounds_needed} |" in table
     assert bench_output.to_json(result)["ratio_precision"]["plugin/stock"]["pairs_needed"] == found.pairs_needed
     one_pair, *_ = bench_with_fakes(rounds=2)
@@ -795,6 +920,7 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
         def step(*args, **kwargs):
             before()
             sink.append("result")
+
         return step
 
     refused = {"ok": dict(ARGS), "bad": ARGS | dict(save="/ckpt")}
@@ -806,12 +932,22 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
 
     from megatron_cg_plugin.config import PluginConfig
 
-    monkeypatch.setattr(training, "TECudaGraphHelper", types.SimpleNamespace(session=types.SimpleNamespace(
-        config=PluginConfig())), raising=False)  # what install() swaps in
+    monkeypatch.setattr(
+        training,
+        "TECudaGraphHelper",
+        types.SimpleNamespace(session=types.SimpleNamespace(config=PluginConfig())),
+        raising=False,
+    )  # what install() swaps in
     monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["ok"]))
-    assert bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script), "--num-layers", "2"]) == 0
+    assert (
+        bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script), "--num-layers", "2"])
+        == 0
+    )
     assert seen["script"] == script and seen["patched"] and training.train_step is real_step
-    assert seen["args"][:2] == ["--num-layers", "2"] and seen["args"][2:4] == ["--train-iters", str(BenchOptions(rounds=2, steps=3).total_steps)]
+    assert seen["args"][:2] == ["--num-layers", "2"] and seen["args"][2:4] == [
+        "--train-iters",
+        str(BenchOptions(rounds=2, steps=3).total_steps),
+    ]
     monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["bad"]))
     with pytest.raises(BenchError, match="drop --save for the bench"):
         bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script)])

@@ -7,7 +7,20 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.bench.schedule import Block, Spread, Step, busy_seconds, fewest_for_interval, interleaved_blocks, interleaved_steps, median_interval, median_precision, run_schedule, summarize, summarize_steps
+from megatron_cg_plugin.bench.schedule import (
+    Block,
+    Spread,
+    Step,
+    busy_seconds,
+    fewest_for_interval,
+    interleaved_blocks,
+    interleaved_steps,
+    median_interval,
+    median_precision,
+    run_schedule,
+    summarize,
+    summarize_steps,
+)
 
 
 @given(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=7, unique=True), st.integers(1, 6))
@@ -57,8 +70,12 @@ def test_interleaved_ratios_cancel_linear_drift_that_separate_runs_would_not(plu
 
 
 def test_skipped_warmup_steps_and_the_spread():
-    blocks = {Block(0, "a"): [9.0, 1.0, 1.0], Block(1, "a"): [9.0, 3.0, 3.0],
-              Block(0, "b"): [9.0, 2.0, 2.0], Block(1, "b"): [9.0, 2.0, 2.0]}
+    blocks = {
+        Block(0, "a"): [9.0, 1.0, 1.0],
+        Block(1, "a"): [9.0, 3.0, 3.0],
+        Block(0, "b"): [9.0, 2.0, 2.0],
+        Block(1, "b"): [9.0, 2.0, 2.0],
+    }
     summary = summarize(blocks, skip_steps=1)
     assert summary.arms["a"] == Spread(2.0, 1.0, 3.0, (1.0, 3.0))
     (ratio,) = summary.ratios[("a", "b")].values  # one pair of rounds: the geometric mean of 0.5 and 1.5
@@ -120,10 +137,13 @@ def test_one_disturbed_pair_does_not_make_the_median_look_unknown():
     assert median_precision(steady + [1.6]).pairs_needed <= 2 * median_precision(steady).pairs_needed
 
 
-@pytest.mark.parametrize("ratios, width, message", [
-    ([1.0, 1.1], 0.0, "width=0.0: ask for a positive interval width"),
-    ([1.0, -1.0], 0.02, "ratios must be positive"),
-])
+@pytest.mark.parametrize(
+    "ratios, width, message",
+    [
+        ([1.0, 1.1], 0.0, "width=0.0: ask for a positive interval width"),
+        ([1.0, -1.0], 0.02, "ratios must be positive"),
+    ],
+)
 def test_median_precision_refuses_what_it_cannot_measure(ratios, width, message):
     with pytest.raises(ValueError, match=message):
         median_precision(ratios, width)
@@ -200,15 +220,20 @@ def timed(schedule, base, factor):
     return [(step, base[step.arm] * factor(index)) for index, step in enumerate(schedule)]
 
 
-@given(ARMS.filter(lambda arms: len(arms) >= 2), st.integers(1, 5), st.floats(-0.05, 0.05),
-       st.lists(st.floats(0.01, 1.0), min_size=7, max_size=7))
+@given(
+    ARMS.filter(lambda arms: len(arms) >= 2),
+    st.integers(1, 5),
+    st.floats(-0.05, 0.05),
+    st.lists(st.floats(0.01, 1.0), min_size=7, max_size=7),
+)
 def test_a_drift_exponential_over_each_cycle_cancels_exactly_from_every_ratio(arms, cycles, rate, speeds):
     base = dict(zip(arms, speeds))
     # The host slows (or speeds up) by the same factor every step, and jumps between cycles.
     jumps = [1.0, 1.4, 0.7, 1.1, 0.9]
     per_cycle = 2 * len(arms)
-    summary = summarize_steps(timed(interleaved_steps(arms, cycles), base,
-                                    lambda i: jumps[i // per_cycle] * math.exp(rate * i)))
+    summary = summarize_steps(
+        timed(interleaved_steps(arms, cycles), base, lambda i: jumps[i // per_cycle] * math.exp(rate * i))
+    )
     for (a, b), spread in summary.ratios.items():
         assert len(spread.values) == cycles
         assert all(value == pytest.approx(base[a] / base[b], rel=1e-9) for value in spread.values)
@@ -244,8 +269,16 @@ def test_a_step_of_one_arm_between_two_of_another_does_not_cancel_drift():
 
 
 def test_the_step_summary_drops_the_first_cycles_and_gives_each_arm_its_steps():
-    steps = [(Step(0, "a"), 9.0), (Step(0, "b"), 9.0), (Step(0, "b"), 9.0), (Step(0, "a"), 9.0),
-             (Step(1, "a"), 1.0), (Step(1, "b"), 2.0), (Step(1, "b"), 2.0), (Step(1, "a"), 4.0)]
+    steps = [
+        (Step(0, "a"), 9.0),
+        (Step(0, "b"), 9.0),
+        (Step(0, "b"), 9.0),
+        (Step(0, "a"), 9.0),
+        (Step(1, "a"), 1.0),
+        (Step(1, "b"), 2.0),
+        (Step(1, "b"), 2.0),
+        (Step(1, "a"), 4.0),
+    ]
     summary = summarize_steps(steps, skip_cycles=1)
     assert summary.arms["a"] == Spread(2.5, 1.0, 4.0, (1.0, 4.0))
     assert summary.ratios["a", "b"].values == (pytest.approx(1.0),)  # sqrt(1 x 4) / sqrt(2 x 2)
@@ -258,9 +291,10 @@ def test_the_step_summary_drops_the_first_cycles_and_gives_each_arm_its_steps():
 
 # ---------------------------------------------------------------- median_interval
 
+
 def binomial_tail(n: int, k: int) -> float:
     """P(Binomial(n, 1/2) <= k), in floats (an implementation apart from the module's integers)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
 
 
 def test_six_values_are_the_fewest_with_a_95_percent_interval_and_it_is_their_range():
@@ -326,10 +360,13 @@ def test_the_pairs_for_a_half_width_scale_as_its_square():
         found.pairs_for(0.0)
 
 
-@pytest.mark.parametrize("values, confidence, message", [
-    ([1.0] * 6, 1.0, "confidence=1.0: give a probability"),
-    ([1.0] * 5 + [-1.0], 0.95, "values must be positive"),
-])
+@pytest.mark.parametrize(
+    "values, confidence, message",
+    [
+        ([1.0] * 6, 1.0, "confidence=1.0: give a probability"),
+        ([1.0] * 5 + [-1.0], 0.95, "values must be positive"),
+    ],
+)
 def test_median_interval_refuses_what_it_cannot_measure(values, confidence, message):
     with pytest.raises(ValueError, match=message):
         median_interval(values, confidence)
@@ -345,4 +382,3 @@ def test_the_interval_covers_the_true_median_as_often_as_it_says():
         hits += found.low <= 1.0 <= found.high
     assert found.coverage == pytest.approx(1 - 2 * binomial_tail(25, 7))
     assert abs(hits / 600 - found.coverage) < 0.025
-

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from megatron_cg_plugin.bench import output as bench_output
-from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.bench.command import BenchError, BenchOptions, parse_bench_argv, run_bench
 from megatron_cg_plugin.bench.schedule import DeviceTime
+from megatron_cg_plugin.config import PluginConfig
 
 TRUE_RATIO = 1.02  # plugin / stock
 SPEEDS = {"eager": 0.300, "stock": 0.130, "plugin": 0.130 * TRUE_RATIO, "plugin-recording": 0.130 * 1.005}
@@ -100,10 +100,15 @@ def run(seed: int = 0, *, profile=None, **options):
     clock = Clock()
     trainer = NoisyTrainer(clock, ShiftingHost(seed))
     lines: list[str] = []
-    result = run_bench(BenchOptions(**({"arms": ("stock", "plugin")} | options)), trainer, clock=clock,
-                       progress=lines.append, profile=profile,
-                       contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
-                       recording_cost=lambda: (trainer.recording_costs.append(trainer.arm), 63.0)[1])
+    result = run_bench(
+        BenchOptions(**({"arms": ("stock", "plugin")} | options)),
+        trainer,
+        clock=clock,
+        progress=lines.append,
+        profile=profile,
+        contract_cost=lambda helper: ({"full": 7.0, "shapes": 4.0, "off": 0.5}, 24),
+        recording_cost=lambda: (trainer.recording_costs.append(trainer.arm), 63.0)[1],
+    )
     return result, trainer, lines
 
 
@@ -137,19 +142,25 @@ def test_every_arm_is_captured_once_up_front_stepped_in_mirrored_cycles_and_torn
             step()
         return DeviceTime(0.05)
 
-    result, trainer, lines = run(arms=("eager", "stock", "plugin", "plugin-recording"), interleave="steps",
-                                 cycles=8, skip_steps=1, profile=profile)
+    result, trainer, lines = run(
+        arms=("eager", "stock", "plugin", "plugin-recording"),
+        interleave="steps",
+        cycles=8,
+        skip_steps=1,
+        profile=profile,
+    )
     graphed = ["stock", "plugin", "plugin-recording"]
     # The eager arm has no helper: it is released (None) like the others, last as it was first.
-    assert trainer.events == [f"capture {arm}" for arm in graphed] + \
-        [f"release {arm}" for arm in reversed(graphed)] + ["release None"]
+    assert trainer.events == [f"capture {arm}" for arm in graphed] + [f"release {arm}" for arm in reversed(graphed)] + [
+        "release None"
+    ]
     assert trainer.stepped[:3] == ["eager"] * 3  # the warmup steps
-    schedule = trainer.stepped[3:3 + 8 * 8]
+    schedule = trainer.stepped[3 : 3 + 8 * 8]
     forward = ["eager", "stock", "plugin", "plugin-recording"]
     backward = forward[::-1]
     assert schedule == (forward + backward + backward + forward) * 4  # the outer arm alternates cycle by cycle
     assert profiled == ["eager", "stock", "plugin", "plugin-recording"]
-    assert trainer.stepped[3 + 64:] == [arm for arm in profiled for _ in range(3)]  # profiled with its graphs in place
+    assert trainer.stepped[3 + 64 :] == [arm for arm in profiled for _ in range(3)]  # profiled with its graphs in place
     assert [r.arm for r in result.steps] == schedule and all(r.cycle == i // 8 for i, r in enumerate(result.steps))
     assert len(lines) == 3 + 8 + 4 and lines[0].startswith("captured stock: 1.00 s, graph pools 64 MiB")
     assert lines[3].startswith("cycle 1/8: eager 3") and "plugin-recording" in lines[3]
@@ -173,8 +184,12 @@ def test_a_failing_step_still_tears_every_capture_down():
     clock = Clock()
     trainer = Failing(clock, ShiftingHost(0))
     with pytest.raises(RuntimeError, match="step failed"):
-        run_bench(BenchOptions(arms=("stock", "plugin"), interleave="steps", cycles=8), trainer, clock=clock,
-                  progress=lambda _: None)
+        run_bench(
+            BenchOptions(arms=("stock", "plugin"), interleave="steps", cycles=8),
+            trainer,
+            clock=clock,
+            progress=lambda _: None,
+        )
     assert trainer.events[-2:] == ["release plugin", "release stock"] and not trainer.alive
 
 
@@ -188,19 +203,27 @@ def test_the_step_schedules_outputs_say_which_schedule_ran(tmp_path):
     assert data["ratio_precision"] == {}  # rounds for +-1% are the block schedule's; cycles are in ratio_intervals
     interval = data["ratio_intervals"]["plugin/stock"]
     found = result.ratio_intervals()["plugin", "stock"]
-    assert interval["low"] == found.low and interval["pairs_for_half_width"] == {"0.01": found.pairs_for(0.01),
-                                                                                 "0.02": found.pairs_for(0.02)}
+    assert interval["low"] == found.low and interval["pairs_for_half_width"] == {
+        "0.01": found.pairs_for(0.01),
+        "0.02": found.pairs_for(0.02),
+    }
     assert bench_output.from_json(data) == result
     table = written[1].read_text()
     assert table.startswith(f"Method: {result.method}.")
     assert "| arm | step ms: median of its steps [spread] |" in table
-    assert ("| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | cycles for +-1% | "
-            "cycles for +-2% |") in table
-    assert (f"| plugin / stock | {result.summary().ratios['plugin', 'stock'].format()} | "
-            f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}] | {found.half_width:.2%} | {found.pairs_for(0.01)} | "
-            f"{found.pairs_for(0.02)} |") in table
-    few = dataclasses.replace(result, steps=result.steps[:5 * 6], skip_steps=0)  # read back from a short run
-    assert "| plugin / stock | " in (short := bench_output.markdown(few)) and "| - (under 6 cycles) | - | - | - |" in short
+    assert (
+        "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | cycles for +-1% | "
+        "cycles for +-2% |"
+    ) in table
+    assert (
+        f"| plugin / stock | {result.summary().ratios['plugin', 'stock'].format()} | "
+        f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}] | {found.half_width:.2%} | {found.pairs_for(0.01)} | "
+        f"{found.pairs_for(0.02)} |"
+    ) in table
+    few = dataclasses.replace(result, steps=result.steps[: 5 * 6], skip_steps=0)  # read back from a short run
+    assert (
+        "| plugin / stock | " in (short := bench_output.markdown(few)) and "| - (under 6 cycles) | - | - | - |" in short
+    )
     points = bench_output._plotted(result)
     assert len(points["plugin"]) == 2 * 28 and points["stock"][0][0] == 2 * 6  # the kept steps, at their places
 
@@ -211,13 +234,17 @@ def _cycle_ends(result, per_cycle: int = 4) -> list[float]:
     return [sum(seconds[:end]) for end in range(per_cycle, len(seconds) + 1, per_cycle)]
 
 
-@pytest.mark.parametrize("seconds, skip, stops_after", [
-    (5.0, 2, 10),  # 5 s are passed inside cycle 9: 7 kept, so the stop waits for cycle 10 (8 kept, a pair)
-    (5.0, 3, 9),  # skipping 3, cycle 9 leaves 6 kept: a pair, and the interval's fewest
-    (0.5, 2, 8),  # passed in the first cycle: the stop waits for the 6 kept cycles the interval needs
-])
+@pytest.mark.parametrize(
+    "seconds, skip, stops_after",
+    [
+        (5.0, 2, 10),  # 5 s are passed inside cycle 9: 7 kept, so the stop waits for cycle 10 (8 kept, a pair)
+        (5.0, 3, 9),  # skipping 3, cycle 9 leaves 6 kept: a pair, and the interval's fewest
+        (0.5, 2, 8),  # passed in the first cycle: the stop waits for the 6 kept cycles the interval needs
+    ],
+)
 def test_a_time_limit_stops_the_cycles_at_pairs_of_enough_kept_cycles_and_the_bench_still_ends_with_its_summary(
-        seconds, skip, stops_after):
+    seconds, skip, stops_after
+):
     profiled = []
 
     def profile(step, count, arm):
@@ -242,8 +269,18 @@ def test_a_time_limit_stops_the_cycles_at_pairs_of_enough_kept_cycles_and_the_be
 
 
 def test_the_step_schedules_options_and_what_they_refuse():
-    options, flags = parse_bench_argv(["--bench-interleave", "steps", "--bench-cycles", "40", "--bench-arms",
-                                       "plugin-recording,plugin,stock", "--num-layers", "8"])
+    options, flags = parse_bench_argv(
+        [
+            "--bench-interleave",
+            "steps",
+            "--bench-cycles",
+            "40",
+            "--bench-arms",
+            "plugin-recording,plugin,stock",
+            "--num-layers",
+            "8",
+        ]
+    )
     assert (options.interleave, options.cycles, options.arms) == ("steps", 40, ("plugin-recording", "plugin", "stock"))
     assert flags == ["--num-layers", "8"] and options.total_steps == 3 + 40 * 6 + 3 * 3
     assert parse_bench_argv(["--bench-interleave", "steps"])[0].cycles == BenchOptions.cycles
@@ -254,19 +291,33 @@ def test_the_step_schedules_options_and_what_they_refuse():
         (["--bench-interleave", "steps", "--bench-steps", "4"], "give --bench-cycles N instead"),
         (["--bench-cycles", "40"], "--bench-cycles size\\(s\\) the step schedule.*add --bench-interleave steps"),
         (["--bench-interleave", "cycles"], "--bench-interleave cycles: use blocks or steps"),
-        (["--bench-interleave", "steps", "--bench-cycles", "7"], "keeps 5 cycle\\(s\\) after --bench-skip-steps 2; "
-                                                                 ".* raise --bench-cycles to 8"),
-        (["--bench-interleave", "steps", "--bench-arms", "stock,slot-offload"],
-         "the slot-offload arm\\(s\\) capture slot-shared graphs.*--bench-interleave blocks"),
-        (["--bench-capture-rounds", "8"], "the block schedule captures every block already.*add --bench-interleave steps"),
-        (["--bench-seconds", "60"], "--bench-seconds 60 stops the step schedule's cycles: add --bench-interleave steps"),
+        (
+            ["--bench-interleave", "steps", "--bench-cycles", "7"],
+            "keeps 5 cycle\\(s\\) after --bench-skip-steps 2; .* raise --bench-cycles to 8",
+        ),
+        (
+            ["--bench-interleave", "steps", "--bench-arms", "stock,slot-offload"],
+            "the slot-offload arm\\(s\\) capture slot-shared graphs.*--bench-interleave blocks",
+        ),
+        (
+            ["--bench-capture-rounds", "8"],
+            "the block schedule captures every block already.*add --bench-interleave steps",
+        ),
+        (
+            ["--bench-seconds", "60"],
+            "--bench-seconds 60 stops the step schedule's cycles: add --bench-interleave steps",
+        ),
         (["--bench-interleave", "steps", "--bench-seconds", "-1"], "--bench-seconds -1: give the seconds"),
         (["--bench-interleave", "steps", "--bench-seconds", "nan"], "--bench-seconds nan: give the seconds"),
-        (["--bench-interleave", "steps", "--bench-capture-rounds", "13"],
-         "--bench-capture-rounds 13: .* needs 6 pairs of mirrored rounds: give an even number of rounds, 12 or more"),
+        (
+            ["--bench-interleave", "steps", "--bench-capture-rounds", "13"],
+            "--bench-capture-rounds 13: .* needs 6 pairs of mirrored rounds: give an even number of rounds, 12 or more",
+        ),
         (["--bench-interleave", "steps", "--bench-capture-rounds", "4"], "12 or more"),
-        (["--bench-interleave", "steps", "--bench-arms", "eager,plugin", "--bench-capture-rounds", "12"],
-         "compares the captures of two or more graphed arms, and --bench-arms eager,plugin names 1: add one"),
+        (
+            ["--bench-interleave", "steps", "--bench-arms", "eager,plugin", "--bench-capture-rounds", "12"],
+            "compares the captures of two or more graphed arms, and --bench-arms eager,plugin names 1: add one",
+        ),
     ]:
         with pytest.raises(BenchError, match=message):
             parse_bench_argv(argv)
@@ -287,15 +338,30 @@ def test_capture_rounds_time_each_arm_against_the_other_in_mirrored_rounds(tmp_p
     clock = Clock()
     trainer = SlowerCapture(clock, ShiftingHost(3))
     lines: list[str] = []
-    options, _ = parse_bench_argv(["--bench-interleave", "steps", "--bench-cycles", "8", "--bench-arms",
-                                   "eager,stock,plugin", "--bench-capture-rounds", "24"])
+    options, _ = parse_bench_argv(
+        [
+            "--bench-interleave",
+            "steps",
+            "--bench-cycles",
+            "8",
+            "--bench-arms",
+            "eager,stock,plugin",
+            "--bench-capture-rounds",
+            "24",
+        ]
+    )
     result = run_bench(options, trainer, clock=clock, progress=lines.append)
     # Captured and released round by round, mirrored, before the schedule's own captures (no eager arm).
-    rounds = [f"{event} {arm}" for r in range(24) for arm in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))
-              for event in ("capture", "release")]
+    rounds = [
+        f"{event} {arm}"
+        for r in range(24)
+        for arm in (("stock", "plugin") if r % 2 == 0 else ("plugin", "stock"))
+        for event in ("capture", "release")
+    ]
     assert trainer.events[:96] == rounds and trainer.events[96:98] == ["capture stock", "capture plugin"]
-    assert [(r.round, r.arm) for r in result.capture_rounds] == [(i // 2, e.split()[1]) for i, e in
-                                                                 enumerate(rounds[::2])]
+    assert [(r.round, r.arm) for r in result.capture_rounds] == [
+        (i // 2, e.split()[1]) for i, e in enumerate(rounds[::2])
+    ]
     assert lines[0].startswith("capture round 1/24: stock 1.")
     summary = result.capture_summary()
     ratios = summary.ratios["plugin", "stock"]
@@ -307,7 +373,10 @@ def test_capture_rounds_time_each_arm_against_the_other_in_mirrored_rounds(tmp_p
     assert found.low <= 1.08 <= found.high  # (29 of the first 30 seeds: a 95% interval)
     written = bench_output.write(result, tmp_path, with_plot=False)
     table = written[1].read_text()
-    assert "; before the cycles, each graphed arm captured and released in 24 mirrored rounds (--bench-capture-rounds)" in table
+    assert (
+        "; before the cycles, each graphed arm captured and released in 24 mirrored rounds (--bench-capture-rounds)"
+        in table
+    )
     assert "| capture rounds (24, mirrored) | median [spread] | median [95% interval] |" in table
     assert f"| plugin / stock capture | {ratios.format()} | {found.median:.3f} [" in table
     assert f"| stock capture s | {summary.arms['stock'].format()} | - |" in table
@@ -331,31 +400,50 @@ def test_a_capture_round_stopped_after_its_capture_still_releases_the_arm():
             raise KeyboardInterrupt  # the user stops the bench between capture and release
 
     with pytest.raises(KeyboardInterrupt):
-        run_bench(BenchOptions(arms=("stock", "plugin"), interleave="steps", cycles=8, capture_rounds=12), trainer,
-                  clock=clock, progress=progress)
+        run_bench(
+            BenchOptions(arms=("stock", "plugin"), interleave="steps", cycles=8, capture_rounds=12),
+            trainer,
+            clock=clock,
+            progress=progress,
+        )
     assert trainer.events == ["capture stock", "release stock"] and not trainer.alive
 
 
-ARGS = dict(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=3, use_distributed_optimizer=False,
-            overlap_param_gather=False, save=None)
+ARGS = dict(
+    cuda_graph_impl="transformer_engine",
+    cuda_graph_warmup_steps=3,
+    use_distributed_optimizer=False,
+    overlap_param_gather=False,
+    save=None,
+)
 STEPS = BenchOptions(arms=("stock", "plugin"), interleave="steps")
 
 
-@pytest.mark.parametrize("args, config, message", [
-    ({}, PluginConfig(slot_capture=True), "--cg-slot-capture: the plugin arm\\(s\\) would capture slot-shared"),
-    ({}, PluginConfig(graph_banks=True), "--cg-graph-banks: the plugin arm"),
-    (dict(fine_grained_activation_offloading=True), PluginConfig(), "--fine-grained-activation-offloading"),
-    (dict(fp8="hybrid"), PluginConfig(), "--fp8-format/--fp4-format"),
-])
+@pytest.mark.parametrize(
+    "args, config, message",
+    [
+        ({}, PluginConfig(slot_capture=True), "--cg-slot-capture: the plugin arm\\(s\\) would capture slot-shared"),
+        ({}, PluginConfig(graph_banks=True), "--cg-graph-banks: the plugin arm"),
+        (dict(fine_grained_activation_offloading=True), PluginConfig(), "--fine-grained-activation-offloading"),
+        (dict(fp8="hybrid"), PluginConfig(), "--fp8-format/--fp4-format"),
+    ],
+)
 def test_what_keeps_state_per_capture_outside_the_layers_is_refused_with_steps(args, config, message):
-    with pytest.raises(BenchError, match=f"--bench-interleave steps keeps every arm's graphs alive.*{message}.*"
-                                         "Run this bench with --bench-interleave blocks"):
+    with pytest.raises(
+        BenchError,
+        match=f"--bench-interleave steps keeps every arm's graphs alive.*{message}.*"
+        "Run this bench with --bench-interleave blocks",
+    ):
         bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, **args), config, STEPS)
     bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), PluginConfig(), STEPS)  # the plain run is benchable
     # The block schedule captures one arm at a time: it takes them all.
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, **args), config, dataclasses.replace(STEPS, interleave="blocks"))
+    bench.refuse_unbenchable(
+        types.SimpleNamespace(**ARGS, **args), config, dataclasses.replace(STEPS, interleave="blocks")
+    )
     if not args:  # stock alone captures TE's graphs whatever the plugin's config
-        bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), config, dataclasses.replace(STEPS, arms=("eager", "stock")))
+        bench.refuse_unbenchable(
+            types.SimpleNamespace(**ARGS), config, dataclasses.replace(STEPS, arms=("eager", "stock"))
+        )
 
 
 # ---------------------------------------------------------------- switching Megatron's layers
@@ -386,7 +474,9 @@ class FakeMegatronHelper:
         self._created = False
 
     def create_cudagraphs(self) -> None:
-        arm = getattr(getattr(self, "session", None), "bench_arm", "plugin") if "session" in vars(type(self)) else "stock"
+        arm = (
+            getattr(getattr(self, "session", None), "bench_arm", "plugin") if "session" in vars(type(self)) else "stock"
+        )
         for index, layer in enumerate(self.layers):
             assert not layer.cuda_graphs, "a capture found another arm's graphs in place"
             layer.cuda_graphs = [Replay(arm, index)]
@@ -495,11 +585,14 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
     from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
+    monkeypatch.setattr(
+        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig()))
+    )
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeMegatronHelper)
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
-    trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, graphable_model(), "optimizer", None, "config",
-                                                           None), {})
+    trainer = bench.MegatronTrainer(
+        lambda *a, **k: None, (None, None, graphable_model(), "optimizer", None, "config", None), {}
+    )
     stock = trainer.capture("stock")
     trainer.deactivate()
     trainer.capture("plugin")
@@ -534,7 +627,9 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
             super().delete_cuda_graphs()
 
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig())))
+    monkeypatch.setattr(
+        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig()))
+    )
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", HalfCapture)
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
     model = graphable_model()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _doubles.schedules import planned
 from hypothesis import given, settings
 
-from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError, BranchSignature, check_branches
 from megatron_cg_plugin.capture.contracts import alias_topology
+from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError, BranchSignature, check_branches
 from megatron_cg_plugin.slot_sharing.guard import SlotGuard, SlotReuseError
 from megatron_cg_plugin.slot_sharing.plan import plan_slots
-
-from _doubles.schedules import planned
 
 
 def signature(outputs, grads=(), **kwargs):
@@ -24,23 +23,29 @@ def test_identical_layouts_pass():
     check_branches(3, {"cp1": a, "cp2": b})
 
 
-@pytest.mark.parametrize("other, field", [
-    (lambda: [torch.zeros(4, 9)], "outputs[0].shape"),
-    (lambda: [torch.zeros(8, 4).t()], "outputs[0].stride"),
-    (lambda: [torch.zeros(4, 8, dtype=torch.bfloat16)], "outputs[0].dtype"),
-    (lambda: [torch.zeros(4, 8, requires_grad=True)], "outputs[0].requires_grad"),
-    (lambda: [torch.zeros(64)[:32].view(4, 8)], "outputs[0] bytes"),
-    (lambda: [torch.zeros(4, 8), torch.zeros(1)], "number of outputs"),
-])
+@pytest.mark.parametrize(
+    "other, field",
+    [
+        (lambda: [torch.zeros(4, 9)], "outputs[0].shape"),
+        (lambda: [torch.zeros(8, 4).t()], "outputs[0].stride"),
+        (lambda: [torch.zeros(4, 8, dtype=torch.bfloat16)], "outputs[0].dtype"),
+        (lambda: [torch.zeros(4, 8, requires_grad=True)], "outputs[0].requires_grad"),
+        (lambda: [torch.zeros(64)[:32].view(4, 8)], "outputs[0] bytes"),
+        (lambda: [torch.zeros(4, 8), torch.zeros(1)], "number of outputs"),
+    ],
+)
 def test_each_output_difference_is_refused_naming_the_field(other, field):
-    with pytest.raises(BranchMismatchError, match=f"slot 2: branches 'a' and 'b'.*{field.replace('[', '.').replace(']', '.')}"):
+    with pytest.raises(
+        BranchMismatchError, match=f"slot 2: branches 'a' and 'b'.*{field.replace('[', '.').replace(']', '.')}"
+    ):
         check_branches(2, {"a": signature([torch.zeros(4, 8)]), "b": signature(other())})
 
 
 def test_gradient_differences_are_refused():
     with pytest.raises(BranchMismatchError, match="grads.0..shape"):
-        check_branches(0, {"a": signature([torch.zeros(2)], [torch.zeros(2)]),
-                           "b": signature([torch.zeros(2)], [torch.zeros(3)])})
+        check_branches(
+            0, {"a": signature([torch.zeros(2)], [torch.zeros(2)]), "b": signature([torch.zeros(2)], [torch.zeros(3)])}
+        )
 
 
 def test_alias_topology_and_module_state_views():
@@ -55,14 +60,17 @@ def test_alias_topology_and_module_state_views():
 
 def test_different_arenas_are_refused():
     with pytest.raises(BranchMismatchError, match="arenas"):
-        check_branches(0, {"a": signature([torch.zeros(2)], arenas=(0,)),
-                           "b": signature([torch.zeros(2)], arenas=(1,))})
+        check_branches(
+            0, {"a": signature([torch.zeros(2)], arenas=(0,)), "b": signature([torch.zeros(2)], arenas=(1,))}
+        )
 
 
 def replay(plan, guard):
     """Host-side replay of a plan in its own order: acquire at each forward, release at backward."""
-    events = sorted([(f.forward_at, "fwd", f) for f in plan.frames] + [(f.backward_at, "bwd", f) for f in plan.frames],
-                    key=lambda e: e[0])
+    events = sorted(
+        [(f.forward_at, "fwd", f) for f in plan.frames] + [(f.backward_at, "bwd", f) for f in plan.frames],
+        key=lambda e: e[0],
+    )
     for _, kind, frame in events:
         label = f"chunk {frame.chunk} microbatch {frame.microbatch} ({frame.variant})"
         (guard.acquire if kind == "fwd" else guard.release)(frame.slot, label)

@@ -39,6 +39,7 @@ def run(capsys, *argv):
 
 # -- check: accepted flags --------------------------------------------------------------------------
 
+
 def test_check_tiny_gpt_whole_layer(capsys):
     code, out, err = run(capsys, *GPT, *TE)
     assert code == cli.EXIT_OK, err
@@ -50,16 +51,37 @@ def test_check_tiny_gpt_whole_layer(capsys):
 
 
 def test_check_tiny_moe_attn_router(capsys):
-    code, out, err = run(capsys, *MOE, *TE, "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess",
-                         "--num-layers", "4", "--moe-layer-freq", "2")
+    code, out, err = run(
+        capsys,
+        *MOE,
+        *TE,
+        "--cuda-graph-modules",
+        "attn",
+        "moe_router",
+        "moe_preprocess",
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        "2",
+    )
     assert code == 0, err
     assert "scope: attn+moe_router+moe_preprocess" in out
     assert "graphed layers (global numbers): 1, 2, 3, 4" in out
 
 
 def test_check_tiny_moe_drop_and_pad_moe_scope(capsys):
-    code, out, err = run(capsys, *MOE, *TE, *DROP_PAD, "--cuda-graph-modules", "moe",
-                         "--num-layers", "4", "--moe-layer-freq", "[1,0,0,1]")
+    code, out, err = run(
+        capsys,
+        *MOE,
+        *TE,
+        *DROP_PAD,
+        "--cuda-graph-modules",
+        "moe",
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        "[1,0,0,1]",
+    )
     assert code == 0, err
     assert "scope: moe" in out
     assert "graphed layers (global numbers): 1, 4" in out
@@ -72,8 +94,7 @@ def test_check_data_parallel_from_nproc(capsys):
 
 
 def test_check_pipeline_parallel_captures_every_microbatch(capsys):
-    code, out, err = run(capsys, "--nproc", "2", *GPT, *TE, "--pipeline-model-parallel-size", "2",
-                         "--num-layers", "4")
+    code, out, err = run(capsys, "--nproc", "2", *GPT, *TE, "--pipeline-model-parallel-size", "2", "--num-layers", "4")
     assert code == 0, err
     assert "layers per pipeline stage: 2" in out
     assert "microbatches per step: 4; captured per layer: 4" in out
@@ -87,6 +108,7 @@ def test_check_without_graphs_is_an_eager_run(capsys):
 
 
 # -- check: rejected flags --------------------------------------------------------------------------
+
 
 def test_check_reports_both_broken_moe_rules(capsys):
     code, out, err = run(capsys, *MOE, *TE, "--cuda-graph-modules", "attn", "moe", "moe_router")
@@ -110,8 +132,9 @@ def test_check_full_recompute(capsys):
 
 
 def test_check_full_recompute_without_graphs_is_fine(capsys):
-    code, _, err = run(capsys, *GPT, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "1")
+    code, _, err = run(
+        capsys, *GPT, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"
+    )
     assert code == 0, err
 
 
@@ -124,10 +147,13 @@ def test_check_expandable_segments_env(capsys, monkeypatch):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("flags, detail", [
-    (["--num-attention-heads", "3"], ""),  # 256 % 3 != 0; Megatron asserts without a message
-    (["--nproc", "2", "--global-batch-size", "3"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "flags, detail",
+    [
+        (["--num-attention-heads", "3"], ""),  # 256 % 3 != 0; Megatron asserts without a message
+        (["--nproc", "2", "--global-batch-size", "3"], "divisible"),
+    ],
+)
 def test_check_megatron_only_violations(capsys, flags, detail):
     code, out, err = run(capsys, *GPT, *TE, *flags)
     assert code == 2
@@ -160,11 +186,15 @@ def test_check_bad_preset(capsys):
 
 # -- check leaves the process as it found it --------------------------------------------------------
 
-@pytest.mark.parametrize("flags", [
-    [*GPT, *TE],  # accepted
-    [*MOE, *TE, "--cuda-graph-modules", "moe"],  # our rules reject
-    [*GPT, *TE, "--num-attention-heads", "3"],  # Megatron rejects inside the stand-ins
-])
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [*GPT, *TE],  # accepted
+        [*MOE, *TE, "--cuda-graph-modules", "moe"],  # our rules reject
+        [*GPT, *TE, "--num-attention-heads", "3"],  # Megatron rejects inside the stand-ins
+    ],
+)
 @pytest.mark.parametrize("preset_env", [False, True])
 def test_check_restores_process_state(capsys, monkeypatch, flags, preset_env):
     if preset_env:
@@ -204,15 +234,37 @@ def test_check_deprecated_scope_flag(capsys):
 
 
 def test_check_virtual_pipeline_chunks(capsys):
-    code, out, err = run(capsys, "--nproc", "2", *GPT, *TE, "--pipeline-model-parallel-size", "2",
-                         "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2")
+    code, out, err = run(
+        capsys,
+        "--nproc",
+        "2",
+        *GPT,
+        *TE,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "8",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+    )
     assert code == 0, err
     assert "in 2 model chunk(s)" in out
 
 
 def test_check_short_moe_layer_freq_list(capsys):
-    code, _, err = run(capsys, *MOE, *TE, *DROP_PAD, "--num-layers", "4", "--moe-layer-freq", "[1,1]",
-                       "--cuda-graph-modules", "attn", "mlp")
+    code, _, err = run(
+        capsys,
+        *MOE,
+        *TE,
+        *DROP_PAD,
+        "--num-layers",
+        "4",
+        "--moe-layer-freq",
+        "[1,1]",
+        "--cuda-graph-modules",
+        "attn",
+        "mlp",
+    )
     assert code == 2
     assert "--moe-layer-freq" in err
 
@@ -226,6 +278,7 @@ def test_check_model_parallel_on_cpu(capsys, monkeypatch, split):
 
 
 # -- usage ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
 def test_help_lists_the_commands_and_every_plugin_flag_grouped(capsys, argv):
@@ -256,9 +309,11 @@ def test_help_and_golden_start_without_torch(tmp_path):
     # golden answer in a fraction of a second.
     golden_file = tmp_path / "golden.json"
     golden_file.write_text('{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": 2.0}}}')
-    code = ("import sys\nfrom megatron_cg_plugin import cli\n"
-            f"cli.main(['--help'])\ncli.main(['golden', 'compare', {str(golden_file)!r}, {str(golden_file)!r}])\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    code = (
+        "import sys\nfrom megatron_cg_plugin import cli\n"
+        f"cli.main(['--help'])\ncli.main(['golden', 'compare', {str(golden_file)!r}, {str(golden_file)!r}])\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
@@ -280,11 +335,14 @@ def test_an_unknown_command_far_from_any_lists_them(capsys):
 
 # -- golden -----------------------------------------------------------------------------------------
 
+
 def values(lm=(10.0, 9.5, 9.0), zeros=(100.0, 100.0, 100.0)) -> GoldenValues:
-    return GoldenValues({
-        "lm loss": MetricSeries({i + 1: v for i, v in enumerate(lm)}),
-        "num-zeros": MetricSeries({i + 1: v for i, v in enumerate(zeros)}),
-    })
+    return GoldenValues(
+        {
+            "lm loss": MetricSeries({i + 1: v for i, v in enumerate(lm)}),
+            "num-zeros": MetricSeries({i + 1: v for i, v in enumerate(zeros)}),
+        }
+    )
 
 
 @pytest.fixture
@@ -293,6 +351,7 @@ def files(tmp_path):
         path = tmp_path / name
         gv.save(path)
         return str(path)
+
     return write
 
 
@@ -405,9 +464,23 @@ def test_check_hybrid_cp_with_graph_banks(capsys):
 def test_plan_prints_the_moe_capacity_plan(capsys):
     from megatron_cg_plugin.moe.capacity import MoeCapacityPlan
 
-    code = cli.main(["plan", "--cg-preset", "tiny-moe", "--cuda-graph-impl", "transformer_engine",
-                     "--cuda-graph-modules", "attn", "moe", "--moe-expert-capacity-factor", "1.5",
-                     "--moe-pad-expert-input-to-capacity", "--router-load", "4,1,1,1"])
+    code = cli.main(
+        [
+            "plan",
+            "--cg-preset",
+            "tiny-moe",
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--cuda-graph-modules",
+            "attn",
+            "moe",
+            "--moe-expert-capacity-factor",
+            "1.5",
+            "--moe-pad-expert-input-to-capacity",
+            "--router-load",
+            "4,1,1,1",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     expected = MoeCapacityPlan(tokens_per_rank=512, topk=2, num_experts=4, capacity_factor=1.5)
@@ -428,19 +501,45 @@ def test_plan_dense_and_dropless_models(capsys):
 def test_plan_refuses_what_check_refuses_and_a_bad_router_load(capsys):
     assert cli.main(["plan", *MOE_LAYERS, "--cuda-graph-impl", "transformer_engine"]) == 2
     assert "[whole-layer-moe-needs-drop-and-pad]" in capsys.readouterr().err
-    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "1.0",
-                     "--router-load", "1,2"]) == 2
+    assert (
+        cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "1.0", "--router-load", "1,2"])
+        == 2
+    )
     assert "2 shares for 4 experts" in capsys.readouterr().err
 
 
 def test_plan_says_when_the_capacity_exceeds_the_tokens(capsys):
     # An allgather dispatcher pads each expert to the tokens (the alltoall one is refused by a rule).
-    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-token-dispatcher-type", "allgather",
-                     "--moe-expert-capacity-factor", "3", "--moe-pad-expert-input-to-capacity"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--cg-preset",
+                "tiny-moe",
+                "--moe-token-dispatcher-type",
+                "allgather",
+                "--moe-expert-capacity-factor",
+                "3",
+                "--moe-pad-expert-input-to-capacity",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "capacity: 768 slots" in out and "512 rows" in out and "at most 2" in out
-    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--moe-expert-capacity-factor", "3",
-                     "--moe-pad-expert-input-to-capacity"]) == 2
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--cg-preset",
+                "tiny-moe",
+                "--moe-expert-capacity-factor",
+                "3",
+                "--moe-pad-expert-input-to-capacity",
+            ]
+        )
+        == 2
+    )
     assert "[moe-capacity-over-tokens]" in capsys.readouterr().err
 
 
@@ -464,7 +563,7 @@ def test_check_names_every_flag_megatron_requires_at_once(capsys):
 def test_check_refuses_a_layer_count_below_one_naming_the_flag(capsys, layers):
     code, _, err = run(capsys, *GPT, "--num-layers", layers)
     assert code == cli.EXIT_BAD_INPUT
-    assert f"[num-layers] --num-layers must be >= 1" in err and "math domain error [" not in err
+    assert "[num-layers] --num-layers must be >= 1" in err and "math domain error [" not in err
 
 
 def test_check_reports_the_plugins_rule_beside_megatrons_world_size_refusal(capsys):
@@ -476,12 +575,15 @@ def test_check_reports_the_plugins_rule_beside_megatrons_world_size_refusal(caps
 
 
 @pytest.mark.parametrize("impl", ["none", "local"])
-@pytest.mark.parametrize("flags, named", [
-    (["--cg-slot-capture"], "--cg-slot-capture"),
-    (["--cg-slot-capture", "--cg-offload-copies", "between-replays"], "--cg-offload-copies between-replays"),
-    (["--cg-graph-banks"], "--cg-graph-banks"),
-    (["--cg-contract-check", "off"], "--cg-contract-check off"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--cg-slot-capture"], "--cg-slot-capture"),
+        (["--cg-slot-capture", "--cg-offload-copies", "between-replays"], "--cg-offload-copies between-replays"),
+        (["--cg-graph-banks"], "--cg-graph-banks"),
+        (["--cg-contract-check", "off"], "--cg-contract-check off"),
+    ],
+)
 def test_check_refuses_graph_only_cg_flags_without_te_graphs(capsys, impl, flags, named):
     code, _, err = run(capsys, *GPT, "--cuda-graph-impl", impl, *flags)
     assert code == cli.EXIT_BAD_INPUT and len(err.splitlines()) == 2

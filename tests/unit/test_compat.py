@@ -26,8 +26,7 @@ GOOD = Versions(torch="2.9.0", megatron_core="0.19.2", transformer_engine="2.20.
 
 
 def versions(**overrides) -> Versions:
-    fields = {"torch": GOOD.torch, "megatron_core": GOOD.megatron_core,
-              "transformer_engine": GOOD.transformer_engine}
+    fields = {"torch": GOOD.torch, "megatron_core": GOOD.megatron_core, "transformer_engine": GOOD.transformer_engine}
     fields.update(overrides)
     return Versions(**fields)
 
@@ -35,16 +34,19 @@ def versions(**overrides) -> Versions:
 # ---------------------------------------------------------------- parse_version
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("2.20.2+cu130", (2, 20, 2)),
-    ("0.19.2rc1", (0, 19, 2)),
-    ("2.9", (2, 9, 0)),
-    ("3", (3, 0, 0)),
-    ("2.14.1+cu130", (2, 14, 1)),
-    ("2.20.0.dev0+abc123", (2, 20, 0)),
-    ("  0.19.10 ", (0, 19, 10)),
-    ("10.0.1a0", (10, 0, 1)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2.20.2+cu130", (2, 20, 2)),
+        ("0.19.2rc1", (0, 19, 2)),
+        ("2.9", (2, 9, 0)),
+        ("3", (3, 0, 0)),
+        ("2.14.1+cu130", (2, 14, 1)),
+        ("2.20.0.dev0+abc123", (2, 20, 0)),
+        ("  0.19.10 ", (0, 19, 10)),
+        ("10.0.1a0", (10, 0, 1)),
+    ],
+)
 def test_parse_version(text, expected):
     assert parse_version(text) == expected
 
@@ -63,12 +65,15 @@ def test_parse_version_orders_numerically_not_lexically():
 # ---------------------------------------------------------------- check_versions
 
 
-@pytest.mark.parametrize("v", [
-    GOOD,
-    Versions("2.14.1+cu130", "0.19.2", "2.20.2+cu130"),
-    Versions("2.9", "0.19.9", "2.20.99"),
-    Versions("3.0.0", "0.19.2rc1", "2.20.0.dev0"),
-])
+@pytest.mark.parametrize(
+    "v",
+    [
+        GOOD,
+        Versions("2.14.1+cu130", "0.19.2", "2.20.2+cu130"),
+        Versions("2.9", "0.19.9", "2.20.99"),
+        Versions("3.0.0", "0.19.2rc1", "2.20.0.dev0"),
+    ],
+)
 def test_supported_versions_pass(v):
     for require_te in (False, True):
         check_versions(v, require_te=require_te)  # no exception
@@ -261,8 +266,10 @@ def test_a_wrapper_from_elsewhere_is_named_and_not_blamed_on_the_build():
     assert "looks wrapped by another library or your own patch" in message
     assert "apply that patch after megatron_cg_plugin.install(), or remove it" in message
     assert "build differs" not in message
-    assert "no longer takes parameter(s) attention_mask, rotary_pos_emb, packed_seq_params (has: self, args, kwargs)" \
+    assert (
+        "no longer takes parameter(s) attention_mask, rotary_pos_emb, packed_seq_params (has: self, args, kwargs)"
         in message
+    )
 
 
 def test_a_wraps_wrapper_around_a_function_from_elsewhere_names_both():
@@ -272,21 +279,27 @@ def test_a_wraps_wrapper_around_a_function_from_elsewhere_names_both():
     wrapper = functools.wraps(users_function)(lambda *args, **kwargs: None)
     wrapper.__module__, wrapper.__qualname__ = "other_library.patches", "wrap"
     message = _mismatch(wrapper)
-    assert (f"Found other_library.patches.wrap, which wraps {__name__}.{users_function.__qualname__}, defined "
-            "outside megatron-core: it looks wrapped") in message
+    assert (
+        f"Found other_library.patches.wrap, which wraps {__name__}.{users_function.__qualname__}, defined "
+        "outside megatron-core: it looks wrapped"
+    ) in message
     assert "(has: self, hidden_states)" in message  # what runs in the end
 
 
 def test_a_changed_library_function_still_blames_the_build():
     message = _mismatch(_changed_release)
-    assert "Found megatron.core.fake.TransformerLayer._forward_attention: this megatron-core build differs from " \
+    assert (
+        "Found megatron.core.fake.TransformerLayer._forward_attention: this megatron-core build differs from "
         "the supported release; install the supported versions listed in docs/versions.md" in message
+    )
     assert "wrapped" not in message
     # Wrapped by someone else, the function at the end of the chain is still the library's own, changed.
     wrapper = functools.wraps(_changed_release)(lambda *args, **kwargs: None)
     wrapper.__module__, wrapper.__qualname__ = "other_library.patches", "wrap"
-    assert "Found other_library.patches.wrap, which wraps megatron.core.fake.TransformerLayer._forward_attention: " \
+    assert (
+        "Found other_library.patches.wrap, which wraps megatron.core.fake.TransformerLayer._forward_attention: "
         "this megatron-core build differs" in _mismatch(wrapper)
+    )
 
 
 def test_the_library_a_function_must_come_from_follows_where():

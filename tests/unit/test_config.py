@@ -88,7 +88,7 @@ def test_an_unknown_contract_check_is_refused_naming_the_choices(bad):
 
 def test_keyword_only():
     with pytest.raises(TypeError):
-        PluginConfig("tiny-gpt")  # noqa
+        PluginConfig("tiny-gpt")
 
 
 # -- flags ------------------------------------------------------------------------------------------
@@ -101,11 +101,21 @@ def parse(argv):
 
 
 def test_flags_into_config(tmp_path):
-    args = parse(["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"),
-                  "--cg-report-out", str(tmp_path / "r.json"), "--cg-no-report"])
+    args = parse(
+        [
+            "--cg-preset",
+            "tiny-moe",
+            "--cg-metrics-out",
+            str(tmp_path / "m.json"),
+            "--cg-report-out",
+            str(tmp_path / "r.json"),
+            "--cg-no-report",
+        ]
+    )
     config = config_from_args(args)
-    assert config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json",
-                                  report_out=tmp_path / "r.json", print_report=False)
+    assert config == PluginConfig(
+        preset="tiny-moe", metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json", print_report=False
+    )
     assert isinstance(config.metrics_out, Path)
 
 
@@ -139,10 +149,13 @@ def test_flags_validated_through_config(tmp_path):
         config_from_args(args)
 
 
-@pytest.mark.parametrize("namespace", [
-    argparse.Namespace(),
-    argparse.Namespace(num_layers=2, cg_preset=None),  # partly there
-])
+@pytest.mark.parametrize(
+    "namespace",
+    [
+        argparse.Namespace(),
+        argparse.Namespace(num_layers=2, cg_preset=None),  # partly there
+    ],
+)
 def test_config_from_args_without_plugin_flags(namespace):
     with pytest.raises(ValueError, match="add_plugin_args") as info:
         config_from_args(namespace)
@@ -164,11 +177,12 @@ def test_presets_never_turn_graphs_on(preset):
     assert scope == (["--cuda-graph-modules"] if preset == "tiny-moe" else [])
 
 
-@pytest.mark.parametrize("user", [["--cuda-graph-modules", "attn"], ["--cuda-graph-scope", "attn"],
-                                  ["--cuda-graph-modules=attn"]])
+@pytest.mark.parametrize(
+    "user", [["--cuda-graph-modules", "attn"], ["--cuda-graph-scope", "attn"], ["--cuda-graph-modules=attn"]]
+)
 def test_a_users_graph_scope_replaces_the_presets(user):
     expanded = expand_preset(["--cg-preset", "tiny-moe", *user])
-    assert "moe_router" not in expanded and expanded[-len(user):] == user
+    assert "moe_router" not in expanded and expanded[-len(user) :] == user
     assert expanded.count("--num-experts") == 1  # the rest of the preset stays
 
 
@@ -177,8 +191,8 @@ def test_expand_preset_puts_preset_first(spelling):
     user = ["--num-layers", "4", *spelling, "--cuda-graph-impl", "transformer_engine"]
     expanded = expand_preset(user)
     preset = list(PRESET_FLAGS["tiny-gpt"])
-    assert expanded[:len(preset)] == preset
-    assert expanded[len(preset):] == user
+    assert expanded[: len(preset)] == preset
+    assert expanded[len(preset) :] == user
 
 
 def test_expand_without_preset_is_identity():
@@ -190,8 +204,9 @@ def test_expand_without_preset_is_identity():
 
 def test_last_preset_wins():
     assert find_preset(["--cg-preset", "tiny-gpt", "--cg-preset=tiny-moe"]) == "tiny-moe"
-    assert expand_preset(["--cg-preset=tiny-gpt", "--cg-preset", "tiny-moe"])[:len(PRESET_FLAGS["tiny-moe"])] == \
-        list(PRESET_FLAGS["tiny-moe"])
+    assert expand_preset(["--cg-preset=tiny-gpt", "--cg-preset", "tiny-moe"])[: len(PRESET_FLAGS["tiny-moe"])] == list(
+        PRESET_FLAGS["tiny-moe"]
+    )
 
 
 @pytest.mark.parametrize("argv", [["--cg-preset", "huge"], ["--cg-preset=huge"], ["--cg-preset="]])
@@ -240,8 +255,18 @@ def test_every_preset_parses_with_megatron(megatron_parse, preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_user_flags_override_preset(megatron_parse, preset):
-    args = megatron_parse(["--cg-preset", preset, "--num-layers", "4", "--micro-batch-size", "1",
-                           "--cuda-graph-impl", "transformer_engine"])
+    args = megatron_parse(
+        [
+            "--cg-preset",
+            preset,
+            "--num-layers",
+            "4",
+            "--micro-batch-size",
+            "1",
+            "--cuda-graph-impl",
+            "transformer_engine",
+        ]
+    )
     assert args.num_layers == 4 and args.micro_batch_size == 1
     assert args.cuda_graph_impl == "transformer_engine"
     assert args.hidden_size == 256  # untouched preset flags stay
@@ -267,18 +292,21 @@ def test_slot_debug_refuses_what_it_does_not_understand():
         slot_debug_from_environment({"MEGATRON_CG_SLOT_DEBUG": "yes"})
 
 
-@pytest.mark.parametrize("drop, rule, message", [
-    ("--rerun-mode", "hybrid-cp-rerun-mode", "--rerun-mode disabled"),
-    ("--dataloader-inter-document-masking", "hybrid-cp-document-masking", "--dataloader-inter-document-masking"),
-    ("--max-seqlen-per-dp-cp-rank", "hybrid-cp-seqlen-per-rank", "--max-seqlen-per-dp-cp-rank N"),
-])
+@pytest.mark.parametrize(
+    "drop, rule, message",
+    [
+        ("--rerun-mode", "hybrid-cp-rerun-mode", "--rerun-mode disabled"),
+        ("--dataloader-inter-document-masking", "hybrid-cp-document-masking", "--dataloader-inter-document-masking"),
+        ("--max-seqlen-per-dp-cp-rank", "hybrid-cp-seqlen-per-rank", "--max-seqlen-per-dp-cp-rank N"),
+    ],
+)
 def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, monkeypatch, drop, rule, message):
     from megatron_cg_plugin.launch.presets import PRESET_FLAGS
     from megatron_cg_plugin.rules import RuleViolation, check_run
 
     flags = list(PRESET_FLAGS["tiny-gpt-hybrid-cp"])
     index = flags.index(drop)
-    del flags[index:index + (1 if drop == "--dataloader-inter-document-masking" else 2)]
+    del flags[index : index + (1 if drop == "--dataloader-inter-document-masking" else 2)]
     if drop == "--rerun-mode":
         flags += ["--rerun-mode", "validate_results"]
     monkeypatch.setenv("WORLD_SIZE", "2")  # hybrid CP needs 2 or more ranks (rule hybrid-cp-ranks)
@@ -289,8 +317,19 @@ def test_hybrid_cp_rules_name_what_the_data_path_needs(megatron_parse, monkeypat
 
 
 def test_preset_mock_data_gives_way_to_a_data_path(megatron_parse):
-    args = megatron_parse(["--cg-preset", "tiny-gpt", "--data-path", "0.3", "/data/a_text_document",
-                           "0.7", "/data/b_text_document", "--split", "99,1,0"])
+    args = megatron_parse(
+        [
+            "--cg-preset",
+            "tiny-gpt",
+            "--data-path",
+            "0.3",
+            "/data/a_text_document",
+            "0.7",
+            "/data/b_text_document",
+            "--split",
+            "99,1,0",
+        ]
+    )
     assert not args.mock_data and args.data_path == ["0.3", "/data/a_text_document", "0.7", "/data/b_text_document"]
     assert args.split == "99,1,0"
     assert megatron_parse(["--cg-preset", "tiny-gpt", "--train-data-path=/d/t"]).mock_data is False

@@ -19,8 +19,16 @@ from megatron_cg_plugin.farm.runner import CASES_DIR, FarmRunError
 
 REPO = Path(__file__).resolve().parents[2]
 # Refused on every host, before any GPU work: TE graphs do not take full recompute.
-REFUSED = ["--cg-preset", "tiny-gpt", "--cuda-graph-impl", "transformer_engine", "--recompute-granularity", "full",
-           "--recompute-method", "uniform"]
+REFUSED = [
+    "--cg-preset",
+    "tiny-gpt",
+    "--cuda-graph-impl",
+    "transformer_engine",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+]
 
 
 def run(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -28,8 +36,9 @@ def run(*argv: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("entry", [["-m", "megatron_cg_plugin.pretrain_gpt"],
-                                   ["-m", "megatron_cg_plugin.cli", "bench", "--bench-no-plot"]])
+@pytest.mark.parametrize(
+    "entry", [["-m", "megatron_cg_plugin.pretrain_gpt"], ["-m", "megatron_cg_plugin.cli", "bench", "--bench-no-plot"]]
+)
 def test_a_refused_run_shows_its_cause_and_keeps_megatrons_printout_in_a_log(tmp_path, entry):
     result = run(*entry, *REFUSED, tmp_path=tmp_path)
     assert result.returncode == 2
@@ -46,8 +55,18 @@ def test_a_refused_run_shows_its_cause_and_keeps_megatrons_printout_in_a_log(tmp
 
 
 def test_the_launcher_names_the_plugins_rule_beside_megatrons_world_size_refusal(tmp_path):
-    result = run("-m", "megatron_cg_plugin.pretrain_gpt", "--cg-preset", "tiny-gpt", "--cuda-graph-impl",
-                 "transformer_engine", "--cg-slot-capture", "--pipeline-model-parallel-size", "2", tmp_path=tmp_path)
+    result = run(
+        "-m",
+        "megatron_cg_plugin.pretrain_gpt",
+        "--cg-preset",
+        "tiny-gpt",
+        "--cuda-graph-impl",
+        "transformer_engine",
+        "--cg-slot-capture",
+        "--pipeline-model-parallel-size",
+        "2",
+        tmp_path=tmp_path,
+    )
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) <= 5 and "Traceback" not in result.stderr, result.stderr
@@ -69,12 +88,15 @@ def test_only_optional_package_notes_are_hidden():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         console.hide_optional_package_warnings()
-        for message in ("Apex is not installed. Falling back to Torch Norm",
-                        "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
-                        "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0."):
+        for message in (
+            "Apex is not installed. Falling back to Torch Norm",
+            "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+            "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0.",
+        ):
             warnings.warn_explicit(message, UserWarning, "x.py", 1, module="megatron.core.x")
-        warnings.warn_explicit("--cuda-graph-modules 'full' is deprecated", UserWarning, "x.py", 1,
-                               module="megatron.training.arguments")
+        warnings.warn_explicit(
+            "--cuda-graph-modules 'full' is deprecated", UserWarning, "x.py", 1, module="megatron.training.arguments"
+        )
         warnings.warn_explicit("Apex is not installed", UserWarning, "y.py", 1, module="my_script")
     assert [str(w.message) for w in caught] == ["--cuda-graph-modules 'full' is deprecated", "Apex is not installed"]
 
@@ -87,23 +109,32 @@ def test_the_printout_comes_out_as_usual_when_the_block_succeeds(capsys):
 
 
 def test_the_cause_of_a_failed_rank():
-    refusal = ("noise\nmegatron-cg-plugin: these flags break the plugin's rules (docs/troubleshooting.md):\n"
-               "  [full-recompute] use selective\nmegatron-cg-plugin: Megatron's printout ...: /tmp/x.log\n")
-    assert console.failure_cause(refusal) == ("megatron-cg-plugin: these flags break the plugin's rules "
-                                              "(docs/troubleshooting.md):\n  [full-recompute] use selective")
-    traceback = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom\n  warnings.warn(\n"
+    refusal = (
+        "noise\nmegatron-cg-plugin: these flags break the plugin's rules (docs/troubleshooting.md):\n"
+        "  [full-recompute] use selective\nmegatron-cg-plugin: Megatron's printout ...: /tmp/x.log\n"
+    )
+    assert console.failure_cause(refusal) == (
+        "megatron-cg-plugin: these flags break the plugin's rules "
+        "(docs/troubleshooting.md):\n  [full-recompute] use selective"
+    )
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: boom\n  warnings.warn(\n'
     assert console.failure_cause(traceback) == "ValueError: boom"
-    assert console.failure_cause("torch.OutOfMemoryError: CUDA out of memory") == \
-        "torch.OutOfMemoryError: CUDA out of memory"
+    assert (
+        console.failure_cause("torch.OutOfMemoryError: CUDA out of memory")
+        == "torch.OutOfMemoryError: CUDA out of memory"
+    )
     assert console.failure_cause("killed\n") is None
 
 
 def test_a_failed_farm_run_prints_its_cause_first_and_last(tmp_path):
     argv = ["-m", "megatron_cg_plugin.pretrain_gpt", *["--very-long-flag"] * 40]
-    failures = [RankFailure(1, -15, "", "", terminated=True),
-                RankFailure(0, 1, "a\nb\nTraceback (most recent call last):\nRuntimeError: CUDA error: bad\n", "")]
-    error = FarmRunError("graphed", tmp_path / "case.graphed.logs",
-                         MultiRankError(f"2 of 2 ranks failed running {argv}", failures))
+    failures = [
+        RankFailure(1, -15, "", "", terminated=True),
+        RankFailure(0, 1, "a\nb\nTraceback (most recent call last):\nRuntimeError: CUDA error: bad\n", ""),
+    ]
+    error = FarmRunError(
+        "graphed", tmp_path / "case.graphed.logs", MultiRankError(f"2 of 2 ranks failed running {argv}", failures)
+    )
     assert error.cause == "the graphed run failed: rank 0 (exit code 1): RuntimeError: CUDA error: bad"
     lines = cli._run_failure(error).splitlines()
     assert lines[0] == lines[-1] == f"   FAIL: {error.cause}"
@@ -113,8 +144,15 @@ def test_a_failed_farm_run_prints_its_cause_first_and_last(tmp_path):
 
 @pytest.mark.skipif(compat.te_available(), reason="on a host with TE the case trains instead of failing")
 def test_a_farm_case_that_fails_on_cpu_prints_the_cause_first_and_last(tmp_path):
-    result = run("-m", "megatron_cg_plugin.cli", "farm", str(CASES_DIR / "gpt" / "tiny_gpt_layer"), "--out",
-                 str(tmp_path / "out"), tmp_path=tmp_path)
+    result = run(
+        "-m",
+        "megatron_cg_plugin.cli",
+        "farm",
+        str(CASES_DIR / "gpt" / "tiny_gpt_layer"),
+        "--out",
+        str(tmp_path / "out"),
+        tmp_path=tmp_path,
+    )
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert lines[0].startswith("== tiny_gpt_layer")
@@ -126,12 +164,11 @@ def test_a_farm_case_that_fails_on_cpu_prints_the_cause_first_and_last(tmp_path)
 
 def test_a_failing_block_prints_its_stderr_and_names_the_log(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(SystemExit):
-        with console.megatron_printout_held():
-            print("------------------------ arguments ------------------------")
-            warnings.warn("te_rng_tracker is not enabled", RuntimeWarning)  # UserWarning: ignored by pytest here
-            print("megatron-cg-plugin: refused", file=sys.stderr)
-            raise SystemExit(2)
+    with pytest.raises(SystemExit), console.megatron_printout_held():
+        print("------------------------ arguments ------------------------")
+        warnings.warn("te_rng_tracker is not enabled", RuntimeWarning)  # UserWarning: ignored by pytest here
+        print("megatron-cg-plugin: refused", file=sys.stderr)
+        raise SystemExit(2)
     out, err = capsys.readouterr()
     assert out == ""
     cause, note = err.splitlines()

@@ -11,9 +11,9 @@ import warnings
 import weakref
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from megatron_cg_plugin.capture import contracts
 from megatron_cg_plugin.capture.contracts import (
@@ -27,9 +27,9 @@ from megatron_cg_plugin.capture.contracts import (
     flatten_call,
     process_groups_of,
 )
-from megatron_cg_plugin.console import group_label
-from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.capture.step_marks import StepMarks
+from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.console import group_label
 
 FULL, SHAPES = ContractCheck.FULL, ContractCheck.SHAPES
 
@@ -89,8 +89,9 @@ def assert_message(error: ContractViolation, field: str, captured, actual, where
 
 def test_record_specs_and_flattening():
     a, mask = x(requires_grad=True), x(2, 1, 4, 4, dtype=torch.bool)
-    contract = ReplayContract.record(GRAPH, (a, 3), {"mask": mask, "z": None, "is_first_microbatch": True,
-                                                     "flag": "causal"})
+    contract = ReplayContract.record(
+        GRAPH, (a, 3), {"mask": mask, "z": None, "is_first_microbatch": True, "flag": "causal"}
+    )
     assert [name for name, _ in contract.inputs] == ["arg0", "arg1", "flag=", "mask="]
     assert contract.inputs[0][1].spec == TensorSpec((4, 2, 3), torch.float32, (6, 3, 1), torch.device("cpu"), True)
     assert contract.inputs[0][1].data_ptr == a.data_ptr()
@@ -107,8 +108,13 @@ def test_nested_arguments_are_flattened_and_named_by_place():
 def test_a_tensor_in_a_list_is_checked_like_any_other():
     contract = record((x(), [x(2)]))
     contract.check((x(), [x(2)]), {}, mode=FULL)
-    assert_message(violation(contract, (x(), [x(2, dtype=torch.float16)]), mode=SHAPES), "dtype",
-                   torch.float32, torch.float16, "arg1[0]")
+    assert_message(
+        violation(contract, (x(), [x(2, dtype=torch.float16)]), mode=SHAPES),
+        "dtype",
+        torch.float32,
+        torch.float16,
+        "arg1[0]",
+    )
     assert_message(violation(contract, (x(), [x(3)])), "shape", (2,), (3,), "arg1[0]")
 
 
@@ -187,8 +193,7 @@ def test_size_one_dimensions_strides_are_ignored():
 def test_a_copied_input_inside_a_static_buffer_is_refused():
     first, second = x(4, 3), x(4, 3)
     contract = record((first, second))
-    assert_message(violation(contract, (second, first)), "alias", "separate memory", "a static buffer's memory",
-                   "arg0")
+    assert_message(violation(contract, (second, first)), "alias", "separate memory", "a static buffer's memory", "arg0")
     contract.check((first, second), {}, mode=FULL)  # each in its own buffer: read in place
     contract.check((x(4, 3), x(4, 3)), {}, mode=FULL)
     shared = x(4, 3)
@@ -232,12 +237,15 @@ def test_control_values():
     assert_message(violation(contract, (x(), 2), {"mode": "padding"}), "control", "causal", "padding", "mode=")
 
 
-@pytest.mark.parametrize("args, kwargs, actual", [
-    ((), {"mask": "m"}, ["mask="]),  # a positional argument missing
-    (("t", "t2"), {"mask": "m"}, ["arg0", "arg1", "mask="]),  # one too many
-    (("t",), {}, ["arg0"]),  # a tensor kwarg missing
-    (("t",), {"mask": "m", "extra": "e"}, ["arg0", "extra=", "mask="]),  # an unexpected kwarg
-])
+@pytest.mark.parametrize(
+    "args, kwargs, actual",
+    [
+        ((), {"mask": "m"}, ["mask="]),  # a positional argument missing
+        (("t", "t2"), {"mask": "m"}, ["arg0", "arg1", "mask="]),  # one too many
+        (("t",), {}, ["arg0"]),  # a tensor kwarg missing
+        (("t",), {"mask": "m", "extra": "e"}, ["arg0", "extra=", "mask="]),  # an unexpected kwarg
+    ],
+)
 def test_arguments(args, kwargs, actual):
     tensors = {"t": x(), "t2": x(), "m": x(1), "e": x(1)}
     contract = record((x(),), {"mask": x(1)})
@@ -282,8 +290,9 @@ def test_held_state_is_checked_on_every_replay_whichever_microbatch_it_is():
     layer.norm.bias = torch.nn.Parameter(torch.zeros(3))
     layer.pg_collection.tp = process_group()
     for kwargs in ({"is_first_microbatch": True}, {"is_first_microbatch": False}, {}):
-        assert_message(violation(contract, (x(),), kwargs), "parameter storage", old,
-                       hex(layer.norm.bias.data_ptr()), "norm.bias")
+        assert_message(
+            violation(contract, (x(),), kwargs), "parameter storage", old, hex(layer.norm.bias.data_ptr()), "norm.bias"
+        )
         assert violation(groups_only, (x(),), kwargs).field == "process group"
 
 
@@ -354,7 +363,7 @@ def test_replay_only_kwargs_are_ignored(name):
     contract.check((x(),), {name: object()}, mode=FULL)
     at_capture = record((x(),), {name: True})
     at_capture.check((x(),), {}, mode=FULL)
-    assert REPLAY_ONLY_KWARGS == {"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"}
+    assert {"is_first_microbatch", "cuda_graph_stream", "cuda_graph_event"} == REPLAY_ONLY_KWARGS
 
 
 def test_none_kwargs_are_ignored():
@@ -364,8 +373,19 @@ def test_none_kwargs_are_ignored():
 
 
 def test_hint_for_every_field_exists():
-    for field in ("shape", "dtype", "stride", "device", "requires_grad", "kind", "alias", "control",
-                  "arguments", "parameter storage", "process group"):
+    for field in (
+        "shape",
+        "dtype",
+        "stride",
+        "device",
+        "requires_grad",
+        "kind",
+        "alias",
+        "control",
+        "arguments",
+        "parameter storage",
+        "process group",
+    ):
         assert contracts._HINTS[field]
         assert contracts._HINTS[field] in str(ContractViolation("g", field, 1, 2))
 
@@ -448,8 +468,14 @@ class MegatronCall:
 
     @staticmethod
     def kwargs(rope, **changes):
-        return {"attention_mask": None, "rotary_pos_emb": rope, "window": 4, "packed_seq_params": None,
-                "is_first_microbatch": False, **changes}
+        return {
+            "attention_mask": None,
+            "rotary_pos_emb": rope,
+            "window": 4,
+            "packed_seq_params": None,
+            "is_first_microbatch": False,
+            **changes,
+        }
 
     def fresh(self, **changes):
         return (x(requires_grad=True),), self.kwargs(x(4, 1, 1, 2), **changes)
@@ -529,8 +555,10 @@ REFUSED = {
     "device": lambda call: ((torch.zeros(4, 2, 3, device="meta", requires_grad=True),), call.kwargs(x(4, 1, 1, 2))),
     "arguments (a keyword added)": lambda call: call.fresh(attention_mask=x(1, 1)),
     "arguments (a keyword None)": lambda call: call.fresh(rotary_pos_emb=None),
-    "arguments (a keyword gone)": lambda call: (call.fresh()[0], {k: v for k, v in call.fresh()[1].items()
-                                                                  if k != "rotary_pos_emb"}),
+    "arguments (a keyword gone)": lambda call: (
+        call.fresh()[0],
+        {k: v for k, v in call.fresh()[1].items() if k != "rotary_pos_emb"},
+    ),
     "arguments (a keyword renamed)": _renamed_keyword,
     "arguments (a positional added)": lambda call: ((x(requires_grad=True), x()), call.kwargs(x(4, 1, 1, 2))),
     "arguments (a list)": lambda call: (([x(requires_grad=True)],), call.kwargs(x(4, 1, 1, 2))),
@@ -545,9 +573,13 @@ REFUSED = {
     "process group (renamed)": _renamed_group,
     "process group (exchanged)": _exchanged_groups,
     "process group (under a name equal to anything)": _group_under_a_name_equal_to_anything,
-    "arguments (a keyword equal to anything)": lambda call: (call.fresh()[0], {
-        (EqualsAnything("rotary_emb") if key == "rotary_pos_emb" else key): value
-        for key, value in call.fresh()[1].items()}),
+    "arguments (a keyword equal to anything)": lambda call: (
+        call.fresh()[0],
+        {
+            (EqualsAnything("rotary_emb") if key == "rotary_pos_emb" else key): value
+            for key, value in call.fresh()[1].items()
+        },
+    ),
 }
 
 
@@ -590,7 +622,8 @@ def reference_refusal(contract, args, kwargs, *, full=True, read_held=True) -> s
             return "requires_grad"
         if type(value).data_ptr(value) == expected.data_ptr and expected.alive:
             if contracts.addressed_strides(value.shape, value.stride()) != contracts.addressed_strides(
-                    spec.shape, spec.stride):
+                spec.shape, spec.stride
+            ):
                 return "stride"
         elif value.numel() and type(value).untyped_storage(value).data_ptr() in contract.static_storages():
             return "alias"
@@ -650,15 +683,19 @@ def test_a_freed_static_buffers_address_is_copied_in_like_any_other():
 
 BENIGN = {
     "first microbatch": lambda call, args, kwargs: (args, {**kwargs, "is_first_microbatch": True}),
-    "no gradient": lambda call, args, kwargs: (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                                               kwargs),
+    "no gradient": lambda call, args, kwargs: (
+        tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+        kwargs,
+    ),
     "in place": lambda call, args, kwargs: ((call.hidden,), kwargs),
     "another None keyword": lambda call, args, kwargs: (args, {**kwargs, "inference_context": None}),
 }
 
 
-@given(refused=st.lists(st.sampled_from(sorted(REFUSED)), max_size=2),
-       benign=st.lists(st.sampled_from(sorted(BENIGN)), max_size=3))
+@given(
+    refused=st.lists(st.sampled_from(sorted(REFUSED)), max_size=2),
+    benign=st.lists(st.sampled_from(sorted(BENIGN)), max_size=3),
+)
 @settings(max_examples=150, deadline=None)
 def test_the_check_refuses_what_the_reference_refuses_in_any_combination(refused, benign):
     call = MegatronCall()
@@ -781,11 +818,15 @@ def _with_instance_attribute(make, name, value):
 # disguise: (the input type, the input in a static buffer's storage)
 DISGUISES = {
     "an instance's storage_offset": (torch.Tensor, _with_instance_attribute(_offset_view, "storage_offset", lambda: 0)),
-    "an instance's untyped_storage": (torch.Tensor, _with_instance_attribute(
-        _offset_view, "untyped_storage", x().untyped_storage)),
+    "an instance's untyped_storage": (
+        torch.Tensor,
+        _with_instance_attribute(_offset_view, "untyped_storage", x().untyped_storage),
+    ),
     "a type with its own storage": (OwnStorage, _claiming),
-    "a type with its own storage and an instance's": (OwnStorage, _with_instance_attribute(
-        _claiming, "untyped_storage", x().untyped_storage)),
+    "a type with its own storage and an instance's": (
+        OwnStorage,
+        _with_instance_attribute(_claiming, "untyped_storage", x().untyped_storage),
+    ),
     "a type equal to torch.Tensor": (PosesAsTensor, _claiming),
 }
 
@@ -860,9 +901,14 @@ class LogicalDtype(torch.Tensor):
         return getattr(self, "wants_grad", False)
 
 
-@pytest.mark.parametrize("mode, attribute, value, field", [
-    (FULL, "logical", torch.bfloat16, "dtype"), (SHAPES, "logical", torch.bfloat16, "dtype"),
-    (FULL, "wants_grad", True, "requires_grad")])  # shapes mode does not check requires_grad
+@pytest.mark.parametrize(
+    "mode, attribute, value, field",
+    [
+        (FULL, "logical", torch.bfloat16, "dtype"),
+        (SHAPES, "logical", torch.bfloat16, "dtype"),
+        (FULL, "wants_grad", True, "requires_grad"),
+    ],
+)  # shapes mode does not check requires_grad
 def test_metadata_is_read_through_the_tensors_attributes(mode, attribute, value, field):
     contract = record((x(),))
     contract.check((x().as_subclass(LogicalDtype),), {}, mode=mode)
@@ -900,8 +946,9 @@ def test_a_name_of_a_str_subclass_is_compared_by_its_text(where):
         held = vars(call.layer.pg_collection)
         held.update({EqualsAnything(name): held.pop(name) for name in list(held)})
     kwargs = call.kwargs(call.rope)
-    kwargs = {(EqualsAnything(key) if key == "window" and where == "keyword" else key): value
-              for key, value in kwargs.items()}
+    kwargs = {
+        (EqualsAnything(key) if key == "window" and where == "keyword" else key): value for key, value in kwargs.items()
+    }
     contract = ReplayContract.record(GRAPH, (call.hidden,), kwargs, module=call.layer)
     replay = (x(requires_grad=True),), {**kwargs, "rotary_pos_emb": x(4, 1, 1, 2)}
     contract.check(*replay, mode=FULL)
@@ -924,10 +971,14 @@ KINDS = ("tensor", "tensor with grad", "vector", "none", "int", "str")
 
 def sample(kind: str):
     """A fresh value of ``kind``, equal in metadata (tensors) or value (controls) each time."""
-    return {"tensor": lambda: torch.zeros(4, 2, 3),
-            "tensor with grad": lambda: torch.zeros(4, 2, 3, requires_grad=True),
-            "vector": lambda: torch.zeros(5, dtype=torch.float64), "none": lambda: None, "int": lambda: 3,
-            "str": lambda: "causal"}[kind]()
+    return {
+        "tensor": lambda: torch.zeros(4, 2, 3),
+        "tensor with grad": lambda: torch.zeros(4, 2, 3, requires_grad=True),
+        "vector": lambda: torch.zeros(5, dtype=torch.float64),
+        "none": lambda: None,
+        "int": lambda: 3,
+        "str": lambda: "causal",
+    }[kind]()
 
 
 class DrawnCall:
@@ -992,11 +1043,31 @@ def _changed_tensor(value: torch.Tensor, change: str, static: torch.Tensor):
     return {"none": None, "int": 3, "inside a static buffer": static}[change]
 
 
-TENSOR_CHANGES = ("shape", "dtype", "gradient", "device", "subclass", "in place", "in place, relaid",
-                  "inside a static buffer", "none", "int", "in a list")
+TENSOR_CHANGES = (
+    "shape",
+    "dtype",
+    "gradient",
+    "device",
+    "subclass",
+    "in place",
+    "in place, relaid",
+    "inside a static buffer",
+    "none",
+    "int",
+    "in a list",
+)
 CONTROL_CHANGES = ("other value", "same value", "bool for int", "tensor", "none", "in a list")
-CALL_CHANGES = ("keyword dropped", "keyword renamed", "keyword added", "keywords reordered", "positional added",
-                "positional dropped", "first microbatch", "first microbatch None", "keyword of a str subclass")
+CALL_CHANGES = (
+    "keyword dropped",
+    "keyword renamed",
+    "keyword added",
+    "keywords reordered",
+    "positional added",
+    "positional dropped",
+    "first microbatch",
+    "first microbatch None",
+    "keyword of a str subclass",
+)
 
 
 def _mutated(call: DrawnCall, data, args: list, kwargs: dict):
@@ -1008,13 +1079,27 @@ def _mutated(call: DrawnCall, data, args: list, kwargs: dict):
         if place == ("kwargs", FIRST_MICROBATCH):
             _set(args, kwargs, place, data.draw(st.sampled_from((True, False, None, 1))))
         elif isinstance(value, torch.Tensor):
-            _set(args, kwargs, place, _changed_tensor(value, data.draw(st.sampled_from(TENSOR_CHANGES)),
-                                                      call.static(place, value)))
+            _set(
+                args,
+                kwargs,
+                place,
+                _changed_tensor(value, data.draw(st.sampled_from(TENSOR_CHANGES)), call.static(place, value)),
+            )
         else:
             control = data.draw(st.sampled_from(CONTROL_CHANGES), label="control change")
-            _set(args, kwargs, place, {"other value": "other" if isinstance(value, str) else 4,
-                                       "same value": value, "bool for int": True, "tensor": torch.zeros(2),
-                                       "none": None, "in a list": [value]}[control])
+            _set(
+                args,
+                kwargs,
+                place,
+                {
+                    "other value": "other" if isinstance(value, str) else 4,
+                    "same value": value,
+                    "bool for int": True,
+                    "tensor": torch.zeros(2),
+                    "none": None,
+                    "in a list": [value],
+                }[control],
+            )
     elif change == "keyword dropped" and kwargs:
         kwargs.pop(data.draw(st.sampled_from(sorted(kwargs))))
     elif change == "keyword renamed" and kwargs:
@@ -1036,19 +1121,25 @@ def _mutated(call: DrawnCall, data, args: list, kwargs: dict):
     return args, kwargs
 
 
-@given(positional=st.lists(st.sampled_from(KINDS), max_size=3),
-       keywords=st.lists(st.sampled_from(KINDS), max_size=4), replay_only=st.booleans(),
-       mode=st.sampled_from((FULL, SHAPES)), data=st.data())
+@given(
+    positional=st.lists(st.sampled_from(KINDS), max_size=3),
+    keywords=st.lists(st.sampled_from(KINDS), max_size=4),
+    replay_only=st.booleans(),
+    mode=st.sampled_from((FULL, SHAPES)),
+    data=st.data(),
+)
 @settings(max_examples=400, deadline=None)
 def test_the_check_refuses_what_the_reference_refuses_whatever_the_calls_layout(
-        positional, keywords, replay_only, mode, data):
+    positional, keywords, replay_only, mode, data
+):
     call = DrawnCall(positional, keywords, replay_only)
     call.contract.check(*call.fresh(), mode=mode)  # its like, with fresh tensors
     args, kwargs = call.fresh()
     for _ in range(data.draw(st.integers(1, 3), label="changes")):
         args, kwargs = _mutated(call, data, args, kwargs)
-    assert refusal(call.contract, args, kwargs, mode) == reference_refusal(call.contract, args, kwargs,
-                                                                           full=mode == FULL)
+    assert refusal(call.contract, args, kwargs, mode) == reference_refusal(
+        call.contract, args, kwargs, full=mode == FULL
+    )
 
 
 def test_keywords_in_another_order_are_matched_by_name_not_by_place():
@@ -1072,8 +1163,9 @@ class SteppedCall(MegatronCall):
         self.layer = layer or Layer(tp=process_group(), dp=process_group())
         self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
         STATIC_BUFFERS.append((self.hidden, self.rope))
-        self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer,
-                                              step_marks=steps)
+        self.contract = ReplayContract.record(
+            GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer, step_marks=steps
+        )
 
     def replay(self, first=False):
         self.contract.check(*self.fresh(is_first_microbatch=first), mode=FULL)
@@ -1195,7 +1287,9 @@ def test_in_any_sequence_of_steps_and_moves_the_check_skips_only_held_state_read
     if data.draw(st.booleans(), label="inside a step"):
         steps.__enter__()
     for _ in range(data.draw(st.integers(1, 24), label="events")):
-        event = data.draw(st.sampled_from(("enter", "exit", "move", "swap", "restore") + ("replay",) * 5), label="event")
+        event = data.draw(
+            st.sampled_from(("enter", "exit", "move", "swap", "restore") + ("replay",) * 5), label="event"
+        )
         if event == "enter" and steps.depth < 2:
             steps.__enter__()
         elif event == "exit" and steps.depth:

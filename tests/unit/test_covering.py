@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 from megatron_cg_plugin.matrix.covering import all_pairs, combinations, pairs_of, uncovered_pairs
 
 factor_spaces = st.dictionaries(
-    st.sampled_from("abcde"), st.lists(st.sampled_from("uvwxyz"), min_size=1, max_size=4, unique=True),
-    min_size=2, max_size=5)
+    st.sampled_from("abcde"),
+    st.lists(st.sampled_from("uvwxyz"), min_size=1, max_size=4, unique=True),
+    min_size=2,
+    max_size=5,
+)
 
 
 @settings(max_examples=60, deadline=None)

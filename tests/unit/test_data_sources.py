@@ -16,13 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin import cli
-from megatron_cg_plugin import installation
-from megatron_cg_plugin.data import sources
+from megatron_cg_plugin import cli, installation
 from megatron_cg_plugin.banks import hybrid_cp_batch as hybrid_cp
+from megatron_cg_plugin.data import sources
+from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
 from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout, partitioned_indices
-from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 
 IndexedDataset = importlib.import_module("megatron.core.datasets.indexed_dataset").IndexedDataset
 global_vars = importlib.import_module("megatron.training.global_vars")
@@ -110,7 +109,10 @@ def test_existing_prefix_is_not_missing(prefix):
 
 def test_missing_prefix_names_both_files(tmp_path):
     missing = tmp_path / "gone"
-    assert sources.missing_files(parsed(*GPT, "--data-path", str(missing)), indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--data-path", str(missing)), indexed_data=True) == [
+        f"{missing}.bin",
+        f"{missing}.idx",
+    ]
 
 
 def test_blend_with_weights_names_only_the_missing_prefix(prefix, tmp_path):
@@ -129,7 +131,12 @@ def test_per_split_paths_are_each_checked(prefix, tmp_path):
     valid, test = str(tmp_path / "valid"), str(tmp_path / "test")
     args = parsed(*GPT, "--train-data-path", prefix, "--valid-data-path", valid, "--test-data-path", test)
     assert not args.mock_data
-    assert sources.missing_files(args, indexed_data=True) == [f"{valid}.bin", f"{valid}.idx", f"{test}.bin", f"{test}.idx"]
+    assert sources.missing_files(args, indexed_data=True) == [
+        f"{valid}.bin",
+        f"{valid}.idx",
+        f"{test}.bin",
+        f"{test}.idx",
+    ]
     assert sources.missing_files(parsed(*GPT, "--train-data-path", prefix), indexed_data=True) == []
 
 
@@ -142,16 +149,20 @@ def test_data_args_file_is_read_for_its_prefixes(prefix, tmp_path):
     args_file = tmp_path / "data_args.txt"
     missing = str(tmp_path / "elsewhere")
     args_file.write_text(f"0.7 {prefix}\n0.3 {missing}\n")
-    assert sources.missing_files(parsed(*GPT, "--data-args-path", str(args_file)), indexed_data=True) == \
-        [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--data-args-path", str(args_file)), indexed_data=True) == [
+        f"{missing}.bin",
+        f"{missing}.idx",
+    ]
 
 
 def test_per_split_data_args_file(prefix, tmp_path):
     args_file = tmp_path / "splits.json"
     missing = str(tmp_path / "valid_gone")
     args_file.write_text(json.dumps({"train": prefix, "valid": f"1.0 {missing}", "test": prefix}))
-    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file)), indexed_data=True) == \
-        [f"{missing}.bin", f"{missing}.idx"]
+    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file)), indexed_data=True) == [
+        f"{missing}.bin",
+        f"{missing}.idx",
+    ]
     absent = str(tmp_path / "no_splits.json")
     assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", absent), indexed_data=True) == [absent]
 
@@ -166,21 +177,39 @@ def test_sentencepiece_model_missing_is_named(prefix, tmp_path):
 
 def test_vocab_and_merge_files_missing_are_named(prefix, tmp_path):
     vocab, merges = str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
-    args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                  "--merge-file", merges)
+    args = parsed(
+        *GPT,
+        "--data-path",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+    )
     assert sources.missing_files(args, indexed_data=True) == [vocab, merges]
 
 
 def test_huggingface_hub_name_is_not_a_file(prefix):
-    args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
-                  "--tokenizer-model", "gpt2")
+    args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2")
     assert sources.missing_files(args, indexed_data=True) == []
 
 
 def test_object_store_prefixes_are_skipped(tmp_path):
     missing = str(tmp_path / "local_gone")
-    args = parsed(*GPT, "--data-path", "0.5", "msc://bucket/tokens", "0.5", missing,
-                  "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "msc://bucket/spm.model")
+    args = parsed(
+        *GPT,
+        "--data-path",
+        "0.5",
+        "msc://bucket/tokens",
+        "0.5",
+        missing,
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        "msc://bucket/spm.model",
+    )
     assert sources.missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
@@ -240,9 +269,20 @@ def gpt_dataset(prefix, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     with installation.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
-        args = parse_megatron_args([*GPT, "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-                                    "--data-path", prefix, "--dataloader-inter-document-masking",
-                                    "--data-cache-path", os.path.join(os.path.dirname(prefix), "cache")])
+        args = parse_megatron_args(
+            [
+                *GPT,
+                "--seq-length",
+                str(SEQ),
+                "--max-position-embeddings",
+                str(SEQ),
+                "--data-path",
+                prefix,
+                "--dataloader-inter-document-masking",
+                "--data-cache-path",
+                os.path.join(os.path.dirname(prefix), "cache"),
+            ]
+        )
     config = sources.dataset_config(args)
     assert config.inter_document_masking and config.sequence_length == SEQ
     assert config.tokenizer.eod == EOD
@@ -289,7 +329,7 @@ def hybrid_documents(gpt_dataset, samples: int = 6) -> list[dict]:
 
 def padded_pack(values: torch.Tensor, tokens: int) -> torch.Tensor:
     pack = torch.zeros(tokens, dtype=values.dtype)
-    pack[:values.numel()] = values
+    pack[: values.numel()] = values
     return pack
 
 
@@ -325,9 +365,14 @@ def test_documents_pack_whole_on_cp_1(gpt_dataset):
     assert len(short) >= 3
     for document in short:
         length = document["tokens"].numel()
-        batch, packed = hybrid_cp.pack_hybrid_cp_sample({**document, "local_cp_size": 1},
-                                                        tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS,
-                                                        group=group, rank=0, device="cpu")
+        batch, packed = hybrid_cp.pack_hybrid_cp_sample(
+            {**document, "local_cp_size": 1},
+            tokens_per_rank=TOKENS_PER_RANK,
+            max_seqs=MAX_SEQS,
+            group=group,
+            rank=0,
+            device="cpu",
+        )
         assert batch["attention_mask"] is None
         for key in hybrid_cp.SAMPLE_KEYS:
             assert batch[key].shape == (1, TOKENS_PER_RANK)
@@ -346,9 +391,14 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
         probe = {**document, "tokens": torch.arange(1, length + 1), "local_cp_size": cp}  # token = position + 1
         shares, probes = [], []
         for rank in range(cp):
-            batch, packed = hybrid_cp.pack_hybrid_cp_sample({**document, "local_cp_size": cp},
-                                                            tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS,
-                                                            group=group, rank=rank, device="cpu")
+            batch, packed = hybrid_cp.pack_hybrid_cp_sample(
+                {**document, "local_cp_size": cp},
+                tokens_per_rank=TOKENS_PER_RANK,
+                max_seqs=MAX_SEQS,
+                group=group,
+                rank=rank,
+                device="cpu",
+            )
             check_packed_seq_params(packed, length, cp, group)
             cu_padded = packed.cu_seqlens_q_padded.tolist()
             for key in hybrid_cp.SAMPLE_KEYS:
@@ -356,9 +406,9 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
                 expected = te_share(padded_pack(document[key], cp * TOKENS_PER_RANK), cu_padded, cp, rank)
                 assert torch.equal(batch[key][0], expected), (key, rank)
             shares.append(batch["tokens"][0])
-            probe_batch, _ = hybrid_cp.pack_hybrid_cp_sample(probe, tokens_per_rank=TOKENS_PER_RANK,
-                                                             max_seqs=MAX_SEQS, group=group, rank=rank,
-                                                             device="cpu")
+            probe_batch, _ = hybrid_cp.pack_hybrid_cp_sample(
+                probe, tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS, group=group, rank=rank, device="cpu"
+            )
             probes.append(probe_batch["tokens"][0])
         # Together the two ranks hold exactly the padded pack: each of its positions once ...
         positions = torch.cat([te_share(torch.arange(cp * TOKENS_PER_RANK), cu_padded, cp, rank) for rank in range(cp)])
@@ -368,15 +418,18 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
         assert together.numel() == cp * TOKENS_PER_RANK
         assert sorted(together[together > 0].tolist()) == list(range(1, length + 1))
         assert int((together == 0).sum()) == cp * TOKENS_PER_RANK - length
-        assert torch.equal(torch.sort(torch.cat(shares)).values,
-                           torch.sort(padded_pack(document["tokens"], cp * TOKENS_PER_RANK)).values)
+        assert torch.equal(
+            torch.sort(torch.cat(shares)).values,
+            torch.sort(padded_pack(document["tokens"], cp * TOKENS_PER_RANK)).values,
+        )
 
 
 def test_a_document_too_long_for_its_cp_size_names_the_flag(gpt_dataset):
     long = next(document for document in hybrid_documents(gpt_dataset) if document["tokens"].numel() > TOKENS_PER_RANK)
     with pytest.raises(ThdCapacityError, match="--max-seqlen-per-dp-cp-rank"):
-        hybrid_cp.pack_hybrid_cp_sample({**long, "local_cp_size": 1}, tokens_per_rank=TOKENS_PER_RANK,
-                                        max_seqs=MAX_SEQS, device="cpu")
+        hybrid_cp.pack_hybrid_cp_sample(
+            {**long, "local_cp_size": 1}, tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS, device="cpu"
+        )
 
 
 def test_a_sample_without_local_cp_size_names_what_is_missing():
@@ -400,28 +453,34 @@ def test_pack_keeps_the_samples_device_when_none_is_given():
 # -- plan.thd.partitioned_indices ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cu_padded, cp, rank, expected", [
-    ((0, 8), 2, 0, [0, 1, 6, 7]),
-    ((0, 8), 2, 1, [2, 3, 4, 5]),
-    ((0, 4, 6), 1, 0, [0, 1, 2, 3, 4, 5]),
-    ((0, 16), 4, 1, [2, 3, 12, 13]),
-    ((0, 4, 12), 2, 1, [1, 2, 6, 7, 8, 9]),
-    ((0, 8, 8, 8), 2, 0, [0, 1, 6, 7]),  # zero-length trailing sequences contribute nothing
-    ((0,), 2, 1, []),
-    ((), 1, 0, []),
-])
+@pytest.mark.parametrize(
+    "cu_padded, cp, rank, expected",
+    [
+        ((0, 8), 2, 0, [0, 1, 6, 7]),
+        ((0, 8), 2, 1, [2, 3, 4, 5]),
+        ((0, 4, 6), 1, 0, [0, 1, 2, 3, 4, 5]),
+        ((0, 16), 4, 1, [2, 3, 12, 13]),
+        ((0, 4, 12), 2, 1, [1, 2, 6, 7, 8, 9]),
+        ((0, 8, 8, 8), 2, 0, [0, 1, 6, 7]),  # zero-length trailing sequences contribute nothing
+        ((0,), 2, 1, []),
+        ((), 1, 0, []),
+    ],
+)
 def test_partitioned_indices_examples(cu_padded, cp, rank, expected):
     assert partitioned_indices(cu_padded, cp, rank) == expected
 
 
-@pytest.mark.parametrize("cu_padded, cp, rank, match", [
-    ((0, 8), 3, 0, "power of two"),
-    ((0, 8), 0, 0, "power of two"),
-    ((0, 8), 2, 2, "0 <= rank < size"),
-    ((0, 8), 2, -1, "0 <= rank < size"),
-    ((0, 6), 2, 0, "multiple of 4"),
-    ((0, 4, 7), 1, 0, "multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "cu_padded, cp, rank, match",
+    [
+        ((0, 8), 3, 0, "power of two"),
+        ((0, 8), 0, 0, "power of two"),
+        ((0, 8), 2, 2, "0 <= rank < size"),
+        ((0, 8), 2, -1, "0 <= rank < size"),
+        ((0, 6), 2, 0, "multiple of 4"),
+        ((0, 4, 7), 1, 0, "multiple of 2"),
+    ],
+)
 def test_partitioned_indices_bad_inputs(cu_padded, cp, rank, match):
     with pytest.raises(ValueError, match=match):
         partitioned_indices(cu_padded, cp, rank)
@@ -464,7 +523,7 @@ def test_partitioned_indices_properties(case):
         cursor = 0
         for start, length in zip(offsets, lengths):
             chunk = length // (2 * cp)
-            mine = share[cursor:cursor + 2 * chunk]
+            mine = share[cursor : cursor + 2 * chunk]
             cursor += 2 * chunk
             first = list(range(start + rank * chunk, start + (rank + 1) * chunk))
             second = list(range(start + (2 * cp - 1 - rank) * chunk, start + (2 * cp - rank) * chunk))
@@ -476,11 +535,21 @@ def test_partitioned_indices_properties(case):
 def test_a_scripts_own_data_path_is_not_held_to_indexed_files(tmp_path):
     # megatron-cg run / install(): a script's loader may read --data-path as jsonl (--sft) or anything
     # else; only its tokenizer files are checked. The launcher's GPTDataset needs .bin and .idx.
-    args = parsed(*GPT, "--sft", "--data-path", str(tmp_path / "train.jsonl"),
-                  "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "no.model"))
+    args = parsed(
+        *GPT,
+        "--sft",
+        "--data-path",
+        str(tmp_path / "train.jsonl"),
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "no.model"),
+    )
     assert sources.missing_files(args, indexed_data=False) == [str(tmp_path / "no.model")]
-    assert sources.missing_files(args, indexed_data=True)[:2] == [f"{tmp_path / 'train.jsonl'}.bin",
-                                                                  f"{tmp_path / 'train.jsonl'}.idx"]
+    assert sources.missing_files(args, indexed_data=True)[:2] == [
+        f"{tmp_path / 'train.jsonl'}.bin",
+        f"{tmp_path / 'train.jsonl'}.idx",
+    ]
 
 
 def test_malformed_data_arguments_are_named_not_raised(tmp_path):
@@ -498,7 +567,9 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     from megatron_cg_plugin.data import synthetic
     from megatron_cg_plugin.farm import runner as farm
 
-    dataset, tokenizer = synthetic.write_sft_dataset(tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6)
+    dataset, tokenizer = synthetic.write_sft_dataset(
+        tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6
+    )
     again, _ = synthetic.write_sft_dataset(tmp_path / "b", samples=5, seed=3, min_conversations=4, max_conversations=6)
     assert dataset.read_bytes() == again.read_bytes()
     lines = [json.loads(line) for line in dataset.read_text().splitlines()]

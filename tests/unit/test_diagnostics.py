@@ -21,8 +21,17 @@ MiB = 2**20
 
 def segment(size: int, pool=None, **extra) -> dict:
     """One entry shaped like ``torch.cuda.memory_snapshot()``'s segments."""
-    seg = {"device": 0, "address": 0x7F0000000000, "total_size": size, "allocated_size": 0,
-           "active_size": 0, "stream": 0, "segment_type": "large", "blocks": [], **extra}
+    seg = {
+        "device": 0,
+        "address": 0x7F0000000000,
+        "total_size": size,
+        "allocated_size": 0,
+        "active_size": 0,
+        "stream": 0,
+        "segment_type": "large",
+        "blocks": [],
+        **extra,
+    }
     if pool is not None:
         seg["segment_pool_id"] = pool
     return seg
@@ -41,8 +50,13 @@ def test_pool_bytes_without_pool_id_counts_as_ordinary():
 
 
 def test_pool_bytes_sums_segments_of_one_pool():
-    segments = [segment(2 * MiB, (3, 1)), segment(20 * MiB, (0, 0)), segment(6 * MiB, (3, 1)),
-                segment(1 * MiB, (4, 0)), segment(5, (3, 1))]
+    segments = [
+        segment(2 * MiB, (3, 1)),
+        segment(20 * MiB, (0, 0)),
+        segment(6 * MiB, (3, 1)),
+        segment(1 * MiB, (4, 0)),
+        segment(5, (3, 1)),
+    ]
     assert pool_bytes_by_id(segments) == {(3, 1): 8 * MiB + 5, (4, 0): MiB}
 
 
@@ -70,8 +84,15 @@ def test_new_pool_bytes_from_nothing_and_to_nothing():
 
 def test_before_and_after_snapshots_end_to_end():
     before = pool_bytes_by_id([segment(512, (0, 0)), segment(MiB, (1, 0))])
-    after = pool_bytes_by_id([segment(512, (0, 0)), segment(2 * MiB, (1, 0)),
-                              segment(3 * MiB, (9, 0)), segment(MiB, (9, 0)), segment(MiB, (10, 2))])
+    after = pool_bytes_by_id(
+        [
+            segment(512, (0, 0)),
+            segment(2 * MiB, (1, 0)),
+            segment(3 * MiB, (9, 0)),
+            segment(MiB, (9, 0)),
+            segment(MiB, (10, 2)),
+        ]
+    )
     assert new_pool_bytes(before, after) == 5 * MiB
 
 
@@ -244,16 +265,19 @@ def test_counting_graph_can_be_copied(copier):
 # ---------------------------------------------------------------- steady_median
 
 
-@pytest.mark.parametrize("seconds, skip_first, expected", [
-    ([], 1, None),
-    ([9.0], 1, None),
-    ([9.0, 1.0], 1, 1.0),
-    ([9.0, 1.0, 3.0, 2.0], 1, 2.0),
-    ([9.0, 1.0, 3.0, 2.0, 4.0], 1, 2.5),
-    ([9.0, 1.0, 3.0], 0, 3.0),
-    ([9.0, 8.0, 1.0, 3.0], 2, 2.0),
-    ([9.0, 8.0], 2, None),
-])
+@pytest.mark.parametrize(
+    "seconds, skip_first, expected",
+    [
+        ([], 1, None),
+        ([9.0], 1, None),
+        ([9.0, 1.0], 1, 1.0),
+        ([9.0, 1.0, 3.0, 2.0], 1, 2.0),
+        ([9.0, 1.0, 3.0, 2.0, 4.0], 1, 2.5),
+        ([9.0, 1.0, 3.0], 0, 3.0),
+        ([9.0, 8.0, 1.0, 3.0], 2, 2.0),
+        ([9.0, 8.0], 2, None),
+    ],
+)
 def test_steady_median(seconds, skip_first, expected):
     assert steady_median(seconds, skip_first=skip_first) == expected
 
@@ -267,15 +291,29 @@ def test_steady_median_default_drops_only_the_first():
 
 
 def scope(name="attn+moe_router", **overrides) -> ScopeReport:
-    fields = dict(scope=name, layers=4, graphs_captured=8, replays=120, capture_seconds=1.234,
-                  pool_bytes=64 * MiB, replays_per_layer=(30, 30, 30, 30))
+    fields = dict(
+        scope=name,
+        layers=4,
+        graphs_captured=8,
+        replays=120,
+        capture_seconds=1.234,
+        pool_bytes=64 * MiB,
+        replays_per_layer=(30, 30, 30, 30),
+    )
     fields.update(overrides)
     return ScopeReport(**fields)
 
 
 def run_report(**overrides) -> RunReport:
-    fields = dict(preset="tiny-moe", iterations=20, scopes=(scope(),), eager_steps=5, graphed_steps=15,
-                  eager_step_ms=10.0, graphed_step_ms=7.5)
+    fields = dict(
+        preset="tiny-moe",
+        iterations=20,
+        scopes=(scope(),),
+        eager_steps=5,
+        graphed_steps=15,
+        eager_step_ms=10.0,
+        graphed_step_ms=7.5,
+    )
     fields.update(overrides)
     return RunReport(**fields)
 
@@ -285,11 +323,12 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def test_format_table_has_a_row_per_scope():
-    report = run_report(scopes=(
-        scope("attn", layers=2, graphs_captured=4, replays=36, capture_seconds=0.5, pool_bytes=3 * MiB),
-        scope("layer", layers=12, graphs_captured=24, replays=1000, capture_seconds=12.345,
-              pool_bytes=MiB // 2),
-    ))
+    report = run_report(
+        scopes=(
+            scope("attn", layers=2, graphs_captured=4, replays=36, capture_seconds=0.5, pool_bytes=3 * MiB),
+            scope("layer", layers=12, graphs_captured=24, replays=1000, capture_seconds=12.345, pool_bytes=MiB // 2),
+        )
+    )
     text = report.format_table()
     assert text.splitlines()[0] == "megatron-cg-plugin run report"
     rows = table_rows(text)
@@ -309,9 +348,11 @@ def test_format_table_shows_rejected_replays():
 
 def test_format_table_reports_a_rolled_back_capture():
     failure = "layer 3: RuntimeError: CUDA error: operation not permitted when stream is capturing"
-    text = run_report(scopes=(scope("attn", graphs_captured=0, replays=0, pool_bytes=0, failure=failure),
-                              scope("layer")),
-                      graphed_steps=0, graphed_step_ms=None).format_table()
+    text = run_report(
+        scopes=(scope("attn", graphs_captured=0, replays=0, pool_bytes=0, failure=failure), scope("layer")),
+        graphed_steps=0,
+        graphed_step_ms=None,
+    ).format_table()
     lines = text.splitlines()
     assert f"  attn: capture failed and was rolled back: {failure}" in lines
     assert sum("capture failed" in line for line in lines) == 1  # only the failed scope
@@ -320,33 +361,44 @@ def test_format_table_reports_a_rolled_back_capture():
 
 
 def test_format_table_reports_teardown():
-    text = run_report(scopes=(scope("attn", teardown_allocated_delta_bytes=3 * MiB // 2,
-                                    teardown_pool_bytes_left=MiB // 4),
-                              scope("moe", teardown_allocated_delta_bytes=-MiB, teardown_pool_bytes_left=0),
-                              scope("layer"))).format_table()
+    text = run_report(
+        scopes=(
+            scope("attn", teardown_allocated_delta_bytes=3 * MiB // 2, teardown_pool_bytes_left=MiB // 4),
+            scope("moe", teardown_allocated_delta_bytes=-MiB, teardown_pool_bytes_left=0),
+            scope("layer"),
+        )
+    ).format_table()
     lines = text.splitlines()
-    assert ("  attn: after teardown, allocated +1.50 MiB vs before capture, 0.25 MiB left in graph pools"
-            in lines)
+    assert "  attn: after teardown, allocated +1.50 MiB vs before capture, 0.25 MiB left in graph pools" in lines
     assert "  moe: after teardown, allocated -1.00 MiB vs before capture, 0.00 MiB left in graph pools" in lines
     assert not any(line.startswith("  layer: after teardown") for line in lines)  # never torn down
 
 
 def test_to_json_has_the_new_scope_fields():
-    data = run_report(scopes=(scope(rejected=2, failure="layer 1: X", teardown_allocated_delta_bytes=0,
-                                    teardown_pool_bytes_left=5),)).to_json()
+    data = run_report(
+        scopes=(scope(rejected=2, failure="layer 1: X", teardown_allocated_delta_bytes=0, teardown_pool_bytes_left=5),)
+    ).to_json()
     fields = data["scopes"][0]
-    assert (fields["rejected"], fields["failure"], fields["teardown_allocated_delta_bytes"],
-            fields["teardown_pool_bytes_left"]) == (2, "layer 1: X", 0, 5)
+    assert (
+        fields["rejected"],
+        fields["failure"],
+        fields["teardown_allocated_delta_bytes"],
+        fields["teardown_pool_bytes_left"],
+    ) == (2, "layer 1: X", 0, 5)
     defaults = run_report().to_json()["scopes"][0]
-    assert (defaults["rejected"], defaults["failure"], defaults["teardown_allocated_delta_bytes"],
-            defaults["teardown_pool_bytes_left"]) == (0, None, None, None)
+    assert (
+        defaults["rejected"],
+        defaults["failure"],
+        defaults["teardown_allocated_delta_bytes"],
+        defaults["teardown_pool_bytes_left"],
+    ) == (0, None, None, None)
 
 
 def test_format_table_columns_line_up():
     text = run_report(scopes=(scope("a"), scope("attn+moe_router+moe_preprocess"))).format_table()
     header, first, second = text.splitlines()[1:4]
     column = header.index("layers")
-    assert first[column - 2:column] == "  " and second[column - 2:column] == "  "
+    assert first[column - 2 : column] == "  " and second[column - 2 : column] == "  "
     assert first[column] != " " and second[column] != " "
 
 
@@ -376,14 +428,17 @@ def test_format_table_without_eager_steps():
     assert "% less" not in text
 
 
-@pytest.mark.parametrize("eager, graphed, expected", [
-    (10.0, 7.5, 0.25),
-    (8.0, 8.0, 0.0),
-    (4.0, 5.0, -0.25),
-    (None, 5.0, None),
-    (0.0, 5.0, None),
-    (10.0, None, None),
-])
+@pytest.mark.parametrize(
+    "eager, graphed, expected",
+    [
+        (10.0, 7.5, 0.25),
+        (8.0, 8.0, 0.0),
+        (4.0, 5.0, -0.25),
+        (None, 5.0, None),
+        (0.0, 5.0, None),
+        (10.0, None, None),
+    ],
+)
 def test_step_time_reduction(eager, graphed, expected):
     assert run_report(eager_step_ms=eager, graphed_step_ms=graphed).step_time_reduction == expected
 
@@ -422,15 +477,18 @@ def test_save_accepts_a_string_path(tmp_path):
 
 def test_the_report_sets_the_planners_prediction_beside_the_measured_pool():
     text = run_report(predicted_pool_bytes=48 * MiB, prediction_leaves_out=("FP8 (quantized saves)",)).format_table()
-    assert "graph pool: predicted 48 MiB, measured 64 MiB (0.75x); the prediction leaves out FP8 (quantized saves)" in text
+    assert (
+        "graph pool: predicted 48 MiB, measured 64 MiB (0.75x); the prediction leaves out FP8 (quantized saves)" in text
+    )
     assert "graph pool: predicted" not in run_report().format_table()  # nothing predicted, nothing said
     data = run_report(predicted_pool_bytes=48 * MiB).to_json()
     assert data["predicted_pool_bytes"] == 48 * MiB
 
 
 def test_capture_phases_are_printed_per_scope():
-    text = run_report(scopes=(scope(capture_phases={"stale-graph check": 0.25, "Megatron and TE capture": 1.5}),)
-                      ).format_table()
+    text = run_report(
+        scopes=(scope(capture_phases={"stale-graph check": 0.25, "Megatron and TE capture": 1.5}),)
+    ).format_table()
     assert "attn+moe_router: capture phases: stale-graph check 0.25 s, Megatron and TE capture 1.50 s" in text
 
 
@@ -438,15 +496,21 @@ def test_the_report_sets_the_predicted_host_arenas_beside_the_measured_ones():
     slotted = scope(arena_bytes=6 * MiB, host_arena_bytes=3 * MiB // 2, offloaded_bytes=300 * MiB)
     text = run_report(scopes=(slotted,), predicted_host_arena_bytes=3 * MiB // 2).format_table()
     assert "pinned host arenas: predicted 1.5 MiB, measured 1.5 MiB" in text
-    assert "GPU arenas 6.0 MiB, pinned host arenas 1.5 MiB, offloaded 300.0 MiB in all, 20.0 MiB per graphed step" in text
+    assert (
+        "GPU arenas 6.0 MiB, pinned host arenas 1.5 MiB, offloaded 300.0 MiB in all, 20.0 MiB per graphed step" in text
+    )
     assert "pinned host arenas: predicted" not in run_report(predicted_host_arena_bytes=MiB).format_table()
 
 
 def test_the_report_sets_the_predicted_arenas_and_boundary_buffers_beside_the_measured_ones():
     slotted = scope(arena_bytes=6 * MiB, host_arena_bytes=0, boundary_bytes=7 * MiB // 2)
-    text = run_report(scopes=(slotted, slotted), predicted_arena_bytes=13 * MiB,
-                      predicted_boundary_bytes=7 * MiB).format_table()
+    text = run_report(
+        scopes=(slotted, slotted), predicted_arena_bytes=13 * MiB, predicted_boundary_bytes=7 * MiB
+    ).format_table()
     assert "GPU arenas: predicted 13.0 MiB, measured 12.0 MiB" in text  # every scope's, summed
     assert "boundary buffers: predicted 7.0 MiB, measured 7.0 MiB" in text
     assert "GPU arenas: predicted" not in run_report(predicted_arena_bytes=MiB).format_table()  # nothing measured
-    assert run_report(scopes=(slotted,), predicted_boundary_bytes=MiB).to_json()["scopes"][0]["boundary_bytes"] == 7 * MiB // 2
+    assert (
+        run_report(scopes=(slotted,), predicted_boundary_bytes=MiB).to_json()["scopes"][0]["boundary_bytes"]
+        == 7 * MiB // 2
+    )

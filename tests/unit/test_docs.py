@@ -19,7 +19,8 @@ def test_every_rule_is_in_troubleshooting():
 def test_the_rules_table_says_what_the_rules_say():
     assert markdown_rows() in TROUBLESHOOTING, (
         "docs/troubleshooting.md's rules table differs from rules.py: paste the output of "
-        "python -c 'from megatron_cg_plugin.rules import markdown_rows; print(markdown_rows())'")
+        "python -c 'from megatron_cg_plugin.rules import markdown_rows; print(markdown_rows())'"
+    )
 
 
 def test_the_flag_pages_table_is_the_one_the_help_prints():
@@ -28,7 +29,8 @@ def test_the_flag_pages_table_is_the_one_the_help_prints():
     assert table in (ROOT / "docs" / "flags.md").read_text(), (
         "docs/flags.md's plugin flag table differs from config.PLUGIN_FLAGS: paste the output of "
         "python -c 'from megatron_cg_plugin.helptext import flags_markdown_table; "
-        "print(flags_markdown_table().replace(\"](docs/\", \"](\"))'")
+        'print(flags_markdown_table().replace("](docs/", "]("))\''
+    )
 
 
 def test_every_error_class_is_in_troubleshooting():
@@ -49,4 +51,5 @@ def test_the_patches_page_is_the_one_the_ledger_renders():
     assert (ROOT / "docs" / "patches.md").read_text() == markdown(), (
         "docs/patches.md differs from patching/ledger.py: regenerate it with "
         "python -c 'from megatron_cg_plugin.patching.ledger import markdown; print(markdown(), end=\"\")' "
-        "> docs/patches.md")
+        "> docs/patches.md"
+    )

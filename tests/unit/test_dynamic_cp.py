@@ -74,7 +74,9 @@ def test_an_attention_whose_forward_lost_the_packed_parameters_is_refused():
         def forward(self, hidden, packed_params=None, rotary_pos_emb=None):
             return hidden
 
-    with pytest.raises(SignatureMismatchError, match=r"Renamed.forward no longer takes parameter\(s\) packed_seq_params"):
+    with pytest.raises(
+        SignatureMismatchError, match=r"Renamed.forward no longer takes parameter\(s\) packed_seq_params"
+    ):
         dynamic_cp_attention_class(Renamed)
 
 
@@ -82,6 +84,7 @@ def local_layer_spec():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Apex missing: torch norms
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
         return get_gpt_layer_local_spec()
 
 

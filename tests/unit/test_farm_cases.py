@@ -8,7 +8,6 @@ import pytest
 from megatron_cg_plugin.farm import runner as farm
 from megatron_cg_plugin.farm.cases import CaseError, load_case
 
-
 # Cases written before their first GPU run: their golden files come from that run (MEGATRON_CG_UPDATE_GOLDEN=1); a
 # case leaves this set with the file it gets.
 AWAITING_FIRST_RUN = {"gpt_4x2048_docmask_cp2_layer_megatron_lm"}  # 2 GPUs: none lent yet
@@ -20,8 +19,9 @@ def test_every_case_folder_is_a_farm_case_with_its_golden_file():
     for case in farm.CASES:
         assert case.nproc >= 1 and case.steps >= 20
         if case.name in AWAITING_FIRST_RUN:
-            assert case.check_golden and not case.golden_path.exists(), f"{case.name} has its golden file: drop it " \
-                "from AWAITING_FIRST_RUN"
+            assert case.check_golden and not case.golden_path.exists(), (
+                f"{case.name} has its golden file: drop it from AWAITING_FIRST_RUN"
+            )
             continue
         assert case.golden_path.exists() == case.check_golden, case.name  # eager-only cases keep no file
 
@@ -29,12 +29,27 @@ def test_every_case_folder_is_a_farm_case_with_its_golden_file():
 def test_a_case_renders_the_launcher_command_line(tmp_path):
     (case,) = [c for c in farm.CASES if c.name == "tiny_moe_droppad"]
     assert case.argv(graphed=True, out_dir=tmp_path) == [
-        "-m", "megatron_cg_plugin.pretrain_gpt", "--cg-preset", "tiny-moe", "--cuda-graph-modules", "attn", "moe",
-        "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+        "-m",
+        "megatron_cg_plugin.pretrain_gpt",
+        "--cg-preset",
+        "tiny-moe",
+        "--cuda-graph-modules",
+        "attn",
+        "moe",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--moe-pad-expert-input-to-capacity",
         "--cg-moe-drop-stats",  # a MoE case: the routers' drops beside the capacity plan
-        "--cuda-graph-impl", "transformer_engine", "--deterministic-mode", "--train-iters", "24",
-        "--cg-metrics-out", str(tmp_path / "tiny_moe_droppad.graphed.metrics.json"),
-        "--cg-report-out", str(tmp_path / "tiny_moe_droppad.graphed.report.json")]
+        "--cuda-graph-impl",
+        "transformer_engine",
+        "--deterministic-mode",
+        "--train-iters",
+        "24",
+        "--cg-metrics-out",
+        str(tmp_path / "tiny_moe_droppad.graphed.metrics.json"),
+        "--cg-report-out",
+        str(tmp_path / "tiny_moe_droppad.graphed.report.json"),
+    ]
     eager = case.argv(graphed=False, out_dir=tmp_path)
     assert eager[eager.index("--cuda-graph-impl") + 1] == "none"
     # What megatron-cg plan takes: the same flags without the farm's steps and output files.
@@ -49,12 +64,18 @@ def test_farm_settings_reach_the_case(tmp_path):
     offload = by_name["tiny_moe_hybrid_cp_banks_attn_offload"]
     assert (offload.nproc, offload.steps, dict(offload.env)) == (2, 30, {"NVTE_CPU_OFFLOAD_V1": "1"})
     assert by_name["gpt_12x1024_attn_user_script"].argv(graphed=True, out_dir=tmp_path)[:3] == [
-        "-m", "megatron_cg_plugin.cli", "run"]
-    assert by_name["tiny_moe_real_data_spm"].data == "sentencepiece" and not by_name["tiny_moe_real_data_spm"].check_golden
+        "-m",
+        "megatron_cg_plugin.cli",
+        "run",
+    ]
+    assert (
+        by_name["tiny_moe_real_data_spm"].data == "sentencepiece" and not by_name["tiny_moe_real_data_spm"].check_golden
+    )
     # FP8 attention runs on this host only with non-deterministic algorithms, which --deterministic-mode refuses.
     fp8_attention = by_name["tiny_gpt_slot_fp8_attention_user_script"]
     assert not fp8_attention.deterministic_mode and "--deterministic-mode" not in fp8_attention.argv(
-        graphed=True, out_dir=tmp_path)
+        graphed=True, out_dir=tmp_path
+    )
     assert "--deterministic-mode" in failure.argv(graphed=True, out_dir=tmp_path)
     # A case whose eager reference trains without Megatron's offload keeps it in the graphed run only.
     staged = by_name["gpt_6p7b_slot_offload_staged_user_script"]
@@ -62,8 +83,14 @@ def test_farm_settings_reach_the_case(tmp_path):
     assert "--fine-grained-activation-offloading" in graphed and "--offload-modules" in graphed
     assert not {"--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "mlp_norm"} & set(eager)
     assert [f for f in farm.without_graph_only_flags(graphed) if f not in eager][:7] == [
-        "--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear", "core_attn",
-        "attn_proj", "mlp_norm"]
+        "--fine-grained-activation-offloading",
+        "--offload-modules",
+        "attn_norm",
+        "qkv_linear",
+        "core_attn",
+        "attn_proj",
+        "mlp_norm",
+    ]
     assert "--cg-offload-copies" in graphed and "--cg-offload-copies" not in eager  # graphs only: not eager
 
 
@@ -71,21 +98,38 @@ def test_dropping_the_offload_flags_takes_each_option_with_its_values():
     from megatron_cg_plugin.farm.runner import without_offload_flags
 
     assert without_offload_flags(
-        ["--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
-         "--activation-offload-fraction", "0.5", "--delay-offload-until-cuda-graph", "--min-offloaded-tensor-size",
-         "16", "--bf16", "--cg-slot-capture"]) == ("--num-layers", "2", "--bf16", "--cg-slot-capture")
-    assert without_offload_flags(["--offload-modules=core_attn", "--bf16", "--fine-grained-offloading-max-inflight-offloads",
-                                  "2", "--seed", "1"]) == ("--bf16", "--seed", "1")
+        [
+            "--num-layers",
+            "2",
+            "--fine-grained-activation-offloading",
+            "--offload-modules",
+            "core_attn",
+            "attn_proj",
+            "--activation-offload-fraction",
+            "0.5",
+            "--delay-offload-until-cuda-graph",
+            "--min-offloaded-tensor-size",
+            "16",
+            "--bf16",
+            "--cg-slot-capture",
+        ]
+    ) == ("--num-layers", "2", "--bf16", "--cg-slot-capture")
+    assert without_offload_flags(
+        ["--offload-modules=core_attn", "--bf16", "--fine-grained-offloading-max-inflight-offloads", "2", "--seed", "1"]
+    ) == ("--bf16", "--seed", "1")
 
 
-@pytest.mark.parametrize("block, message", [
-    ("steps: 0", "CG_FARM steps 0 must be an integer >= 1"),
-    ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
-    ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
-    ("deterministic_mode: 'no'", "deterministic_mode must be true or false"),
-    ("eager_offload: 0", "eager_offload must be true or false"),
-    ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
-])
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ("steps: 0", "CG_FARM steps 0 must be an integer >= 1"),
+        ("data: imagenet", "CG_FARM data 'imagenet' is unknown; use one of synthetic, sentencepiece"),
+        ("expect_capture_failure: maybe", "expect_capture_failure must be true or false"),
+        ("deterministic_mode: 'no'", "deterministic_mode must be true or false"),
+        ("eager_offload: 0", "eager_offload must be true or false"),
+        ("ranks: 2", r"CG_FARM has unknown key\(s\) \['ranks'\]"),
+    ],
+)
 def test_bad_farm_blocks_are_refused_naming_the_key(tmp_path, block, message):
     (tmp_path / "model_config.yaml").write_text(f"MODEL_ARGS:\n  --num-layers: 2\nCG_FARM:\n  {block}\n")
     with pytest.raises(CaseError, match=message):
@@ -112,5 +156,7 @@ def test_the_tiny_moe_cases_keep_their_own_graph_scope_over_the_presets():
     for case in moe:
         expanded = expand_preset(list(case.flags))
         assert expanded.count("--cuda-graph-modules") == 1, case.name
-        assert expanded[expanded.index("--cuda-graph-modules"):][:4] != list(DROPLESS_MOE_SCOPE) or \
-            case.name == "tiny_moe_router", case.name
+        assert (
+            expanded[expanded.index("--cuda-graph-modules") :][:4] != list(DROPLESS_MOE_SCOPE)
+            or case.name == "tiny_moe_router"
+        ), case.name

@@ -59,12 +59,29 @@ def write_case(root: Path, text: str, name: str = "gpt3_style_case") -> Path:
 
 def test_infrastructure_flags_are_dropped_and_mock_data_takes_the_datasets_place(tmp_path):
     args, placeholders, changes = adapt_case_args(
-        {"--save": "${CHECKPOINT_SAVE_PATH}", "--tensorboard-dir": "x", "--log-timers-to-tensorboard": True,
-         "--wandb-project": "p", "--data-path": "${DATA_PATH}/d", "--vocab-file": "v", "--train-iters": 9,
-         "--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False}, data_path=None, out_dir=tmp_path,
-        apex_wgrad=True)
-    assert args == {"--num-layers": 2, "--vocab-size": 1024, "--no-load-optim": False, "--mock-data": True,
-                    "--tokenizer-type": "NullTokenizer"}
+        {
+            "--save": "${CHECKPOINT_SAVE_PATH}",
+            "--tensorboard-dir": "x",
+            "--log-timers-to-tensorboard": True,
+            "--wandb-project": "p",
+            "--data-path": "${DATA_PATH}/d",
+            "--vocab-file": "v",
+            "--train-iters": 9,
+            "--num-layers": 2,
+            "--vocab-size": 1024,
+            "--no-load-optim": False,
+        },
+        data_path=None,
+        out_dir=tmp_path,
+        apex_wgrad=True,
+    )
+    assert args == {
+        "--num-layers": 2,
+        "--vocab-size": 1024,
+        "--no-load-optim": False,
+        "--mock-data": True,
+        "--tokenizer-type": "NullTokenizer",
+    }
     assert placeholders == {"DATA_CACHE_PATH": str(tmp_path / "data_cache")}
     assert "--save dropped: the farm keeps no checkpoint" in changes
     assert "--log-timers-to-tensorboard dropped: metrics come from --cg-metrics-out, not TensorBoard or W&B" in changes
@@ -72,8 +89,12 @@ def test_infrastructure_flags_are_dropped_and_mock_data_takes_the_datasets_place
 
 
 def test_a_data_path_stands_for_the_cases_data_root(tmp_path):
-    args, placeholders, changes = adapt_case_args({"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"},
-                                                  data_path="/datasets", out_dir=tmp_path, apex_wgrad=True)
+    args, placeholders, changes = adapt_case_args(
+        {"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"},
+        data_path="/datasets",
+        out_dir=tmp_path,
+        apex_wgrad=True,
+    )
     assert args == {"--data-path": "${DATA_PATH}/d", "--tokenizer-type": "GPT2BPETokenizer"}
     assert placeholders["DATA_PATH"] == "/datasets" and changes == []
 
@@ -83,7 +104,9 @@ def test_without_apex_gradient_accumulation_fusion_is_turned_off_and_said_so(tmp
     model_args = {"--num-layers": 2} | ({} if case_flag is None else {"--no-gradient-accumulation-fusion": case_flag})
     args, _, changes = adapt_case_args(model_args, data_path="/d", out_dir=tmp_path, apex_wgrad=False)
     assert args["--no-gradient-accumulation-fusion"] is True
-    assert any(c.startswith("--no-gradient-accumulation-fusion added: APEX") for c in changes) == (case_flag is not True)
+    assert any(c.startswith("--no-gradient-accumulation-fusion added: APEX") for c in changes) == (
+        case_flag is not True
+    )
     args, _, changes = adapt_case_args(model_args, data_path="/d", out_dir=tmp_path, apex_wgrad=True)
     assert args == model_args and changes == []
 
@@ -127,12 +150,26 @@ def test_the_farms_own_case_keeps_its_golden_file(tmp_path):
 
 
 @pytest.mark.skipif(not MEGATRON_LM.is_dir(), reason="needs the Megatron-LM mirror (fetched for reading, not vendored)")
-@pytest.mark.parametrize("name", ["gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
-                                  "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",
+        "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph",
+    ],
+)
 def test_megatron_lms_graph_cases_fit_one_gpu_on_mock_data(tmp_path, name):
-    text = subprocess.run(["git", "-C", str(MEGATRON_LM), "show",
-                           f"core_r0.19.0:tests/functional_tests/test_cases/moe/{name}/model_config.yaml"],
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(MEGATRON_LM),
+            "show",
+            f"core_r0.19.0:tests/functional_tests/test_cases/moe/{name}/model_config.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     case, notes = prepare_case(write_case(tmp_path, text, name), out_dir=tmp_path / "out", gpus=1)
     flags = " ".join(case.flags)
     assert "${" not in flags and "--mock-data" in flags and "--load" not in case.flags
@@ -143,12 +180,17 @@ def test_megatron_lms_graph_cases_fit_one_gpu_on_mock_data(tmp_path, name):
 def test_what_deterministic_mode_refuses_goes_with_a_note(tmp_path):
     from megatron_cg_plugin.farm.case_adapt import adapt_case_env
 
-    args, _, changes = adapt_case_args({"--cross-entropy-loss-fusion": True, "--tp-comm-overlap": True,
-                                        "--train-samples": 1000, "--num-layers": 2}, data_path="/d", out_dir=tmp_path,
-                                       apex_wgrad=True)
+    args, _, changes = adapt_case_args(
+        {"--cross-entropy-loss-fusion": True, "--tp-comm-overlap": True, "--train-samples": 1000, "--num-layers": 2},
+        data_path="/d",
+        out_dir=tmp_path,
+        apex_wgrad=True,
+    )
     assert args == {"--num-layers": 2}
-    assert "--cross-entropy-loss-fusion dropped: --deterministic-mode refuses it (eager == graphed is compared bit " \
-           "for bit)" in changes
+    assert (
+        "--cross-entropy-loss-fusion dropped: --deterministic-mode refuses it (eager == graphed is compared bit "
+        "for bit)" in changes
+    )
     env, notes = adapt_case_env({"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "X": "y"})
     assert env == {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "X": "y"}
     assert notes == ["NVTE_ALLOW_NONDETERMINISTIC_ALGO=1 -> 0: --deterministic-mode refuses it"]
@@ -161,15 +203,22 @@ def test_the_determinism_tables_are_megatrons():
 
     assert set(case_adapt.NONDETERMINISTIC_FLAGS.values()) == set(determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM)
     assert all(value is False for value in determinism.ARG_VALUES_REQUIRED_FOR_DETERMINISM.values())
-    assert {k: set(v) for k, v in case_adapt.DETERMINISTIC_ENV.items()} == \
-        {k: set(v) for k, v in determinism.ACCEPTED_ENV_VAR_VALUES.items()}
+    assert {k: set(v) for k, v in case_adapt.DETERMINISTIC_ENV.items()} == {
+        k: set(v) for k, v in determinism.ACCEPTED_ENV_VAR_VALUES.items()
+    }
 
 
 def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
     from megatron_cg_plugin.farm.cases import fit_gpus
 
-    args, changes = fit_gpus({"--pipeline-model-parallel-size": 4, "--pipeline-model-parallel-layout": "Et|(tt|)*3L",
-                              "--num-virtual-stages-per-pipeline-rank": 2}, 2)
+    args, changes = fit_gpus(
+        {
+            "--pipeline-model-parallel-size": 4,
+            "--pipeline-model-parallel-layout": "Et|(tt|)*3L",
+            "--num-virtual-stages-per-pipeline-rank": 2,
+        },
+        2,
+    )
     assert args["--pipeline-model-parallel-size"] == 2
     assert "--pipeline-model-parallel-layout" not in args and "--num-virtual-stages-per-pipeline-rank" not in args
     assert "--pipeline-model-parallel-layout 'Et|(tt|)*3L' dropped (PP 4 -> 2)" in changes
@@ -178,8 +227,8 @@ def test_a_pipeline_layout_goes_whenever_the_stage_count_changes():
 
 
 def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed(tmp_path):
-    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
     from megatron_cg_plugin.farm.runner import CaseResult, problems_of
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
     text = MEGATRON_STYLE.replace('  - "lm loss"\n', '  - "lm loss"\n  - "mtp_1 loss"\n  - "iteration-time"\n')
     case, _ = prepare_case(write_case(tmp_path, text), out_dir=tmp_path / "out", gpus=1)
@@ -187,29 +236,35 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
 
     def run(mtp):
         steps = range(1, 25)
-        return GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in steps}), "mtp_1 loss": MetricSeries(mtp)})
+        return GoldenValues({"lm loss": MetricSeries(dict.fromkeys(steps, 1.0)), "mtp_1 loss": MetricSeries(mtp)})
 
     report = {"scopes": [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0}]}
-    same = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({s: 2.0 for s in range(1, 25)}), report, "")
+    same = CaseResult(case, run(dict.fromkeys(range(1, 25), 2.0)), run(dict.fromkeys(range(1, 25), 2.0)), report, "")
     assert problems_of(case, same) == []
-    off = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({**{s: 2.0 for s in range(1, 25)}, 9: 2.5}),
-                     report, "")
+    off = CaseResult(
+        case, run(dict.fromkeys(range(1, 25), 2.0)), run({**dict.fromkeys(range(1, 25), 2.0), 9: 2.5}), report, ""
+    )
     assert problems_of(case, off) == ["mtp_1 loss differs eager vs graphed (step: eager, graphed): {9: (2.0, 2.5)}"]
     # A difference by the last eager warmup step began before any graph ran, and the message says so.
-    early = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({**{s: 2.0 for s in range(1, 25)}, 3: 2.5}),
-                       report, "")
+    early = CaseResult(
+        case, run(dict.fromkeys(range(1, 25), 2.0)), run({**dict.fromkeys(range(1, 25), 2.0), 3: 2.5}), report, ""
+    )
     assert problems_of(case, early) == [
         "mtp_1 loss differs eager vs graphed (step: eager, graphed): {3: (2.0, 2.5)}; it differs from step 3, and "
         "steps 1-3 train eagerly in both runs (Megatron captures after --cuda-graph-warmup-steps 3): the difference "
-        "began outside the graphs."]
-    offloaded = dataclasses.replace(case, flags=(*case.flags, "--fine-grained-activation-offloading",
-                                                 "--cuda-graph-warmup-steps", "4"))
-    late = CaseResult(case, run({s: 2.0 for s in range(1, 25)}), run({**{s: 2.0 for s in range(1, 25)}, 4: 2.5}),
-                      report, "")
+        "began outside the graphs."
+    ]
+    offloaded = dataclasses.replace(
+        case, flags=(*case.flags, "--fine-grained-activation-offloading", "--cuda-graph-warmup-steps", "4")
+    )
+    late = CaseResult(
+        case, run(dict.fromkeys(range(1, 25), 2.0)), run({**dict.fromkeys(range(1, 25), 2.0), 4: 2.5}), report, ""
+    )
     assert problems_of(offloaded, late)[0].endswith(
         "steps 1-4 train eagerly in both runs (Megatron captures after --cuda-graph-warmup-steps 4): the difference "
         "began outside the graphs. Megatron's eager fine-grained offload ran in those steps of the graphed run, and "
-        "it is not reproducible on every model (docs/farm.md).")
+        "it is not reproducible on every model (docs/farm.md)."
+    )
     assert problems_of(offloaded, off) == problems_of(case, off)  # step 9: graphed, no note
     assert dataclasses.replace(case, flags=(*case.flags, "--cuda-graph-warmup-steps=5")).eager_steps == 5
     short, _ = prepare_case(write_case(tmp_path / "short", text), out_dir=tmp_path / "out", gpus=1, steps=12)
@@ -223,8 +278,22 @@ def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_
     dense, _ = prepare_case(CASES_DIR / "gpt" / "tiny_gpt_layer", out_dir=tmp_path)
     assert "--cg-moe-drop-stats" in moe.argv(graphed=False, out_dir=tmp_path)  # the preset names the experts
     assert "--cg-moe-drop-stats" not in dense.argv(graphed=True, out_dir=tmp_path)
-    row = dict(case="c", nproc=1, steps=24, losses_equal=True, eager_ms=1.0, graphed_ms=0.5, reduction=0.5, graphs=2,
-               replays=8, pool_mib=28.0, capture_s=1.0, moe_dropped=0.0312, moe_capacity=384, moe_uniform_dropped=0.0)
+    row = dict(
+        case="c",
+        nproc=1,
+        steps=24,
+        losses_equal=True,
+        eager_ms=1.0,
+        graphed_ms=0.5,
+        reduction=0.5,
+        graphs=2,
+        replays=8,
+        pool_mib=28.0,
+        capture_s=1.0,
+        moe_dropped=0.0312,
+        moe_capacity=384,
+        moe_uniform_dropped=0.0,
+    )
     assert "| 3.12% (plan: 384 slots, 0.0%) |" in format_summary([row])
     assert format_summary([row | {"moe_dropped": None}]).endswith("| - |")
 
@@ -232,16 +301,30 @@ def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_
 def test_a_slot_offload_case_whose_graphs_moved_nothing_to_the_host_fails():
     import dataclasses
 
-    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
     from megatron_cg_plugin.farm.runner import CASES, CaseResult, problems_of
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
     case = dataclasses.replace(next(c for c in CASES if c.name == "tiny_gpt_slot_offload"), check_golden=False)
-    run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)}),
-                        "num-zeros": MetricSeries({s: 0.0 for s in range(1, case.steps + 1)})})
+    run = GoldenValues(
+        {
+            "lm loss": MetricSeries(dict.fromkeys(range(1, case.steps + 1), 1.0)),
+            "num-zeros": MetricSeries(dict.fromkeys(range(1, case.steps + 1), 0.0)),
+        }
+    )
 
     def report(offloaded):
-        return {"scopes": [{"scope": "layer (slot-shared)", "graphs_captured": 2, "replays": 40, "pool_bytes": 0,
-                            "capture_seconds": 1.0, "offloaded_bytes": offloaded}]}
+        return {
+            "scopes": [
+                {
+                    "scope": "layer (slot-shared)",
+                    "graphs_captured": 2,
+                    "replays": 40,
+                    "pool_bytes": 0,
+                    "capture_seconds": 1.0,
+                    "offloaded_bytes": offloaded,
+                }
+            ]
+        }
 
     assert problems_of(case, CaseResult(case, run, run, report(1 << 20), "")) == []
     assert "offloaded nothing inside the graphs" in problems_of(case, CaseResult(case, run, run, report(0), ""))[0]
@@ -269,8 +352,9 @@ def test_the_eager_reference_leaves_out_the_flags_only_graphs_use(tmp_path):
     from megatron_cg_plugin.farm.runner import load_cases, without_graph_only_flags
 
     graph_only = {flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only}
-    assert without_graph_only_flags(["--cg-slot-capture", "--cg-offload-window", "2", "--cg-contract-check=off",
-                                     "--cg-thd-max-seqs", "4", "--bf16"]) == ("--cg-thd-max-seqs", "4", "--bf16")
+    assert without_graph_only_flags(
+        ["--cg-slot-capture", "--cg-offload-window", "2", "--cg-contract-check=off", "--cg-thd-max-seqs", "4", "--bf16"]
+    ) == ("--cg-thd-max-seqs", "4", "--bf16")
     for case in load_cases(megatron_lm_dir=str(tmp_path)):  # the Megatron-LM cases' script path resolves there
         eager = case.argv(graphed=False, out_dir=tmp_path)
         assert not graph_only & {flag.split("=")[0] for flag in eager}, case.name
@@ -310,17 +394,25 @@ def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_
     from megatron_cg_plugin.farm.runner import refusal_of
 
     case, notes = prepare_case(OFFLOADING, out_dir=tmp_path, gpus=1)
-    assert "--overlap-moe-expert-parallel-comm dropped (EP 4 -> 1: Megatron overlaps expert-parallel communication " \
-           "only with EP > 1)" in notes
+    assert (
+        "--overlap-moe-expert-parallel-comm dropped (EP 4 -> 1: Megatron overlaps expert-parallel communication "
+        "only with EP > 1)" in notes
+    )
     assert "--overlap-moe-expert-parallel-comm" not in case.flags
-    assert "NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts " \
-           "memory under CUDA graphs otherwise (rule expandable-segments)" in notes
+    assert (
+        "NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts "
+        "memory under CUDA graphs otherwise (rule expandable-segments)" in notes
+    )
     # As written it graphs whole layers of a dropless MoE, which a plugin rule refuses; Megatron takes the flags.
     refusal = refusal_of(case, tmp_path)
     assert refusal is not None and {name for name, _ in refusal.violations} == {
-        "whole-layer-moe-needs-drop-and-pad", "whole-layer-offload-unjoined", "offload-recompute-in-graphs"}  # no "megatron"
-    scoped, _ = prepare_case(with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"}),
-                             out_dir=tmp_path, gpus=1)
+        "whole-layer-moe-needs-drop-and-pad",
+        "whole-layer-offload-unjoined",
+        "offload-recompute-in-graphs",
+    }  # no "megatron"
+    scoped, _ = prepare_case(
+        with_model_args(tmp_path, OFFLOADING, **{"--cuda-graph-modules": "[attn]"}), out_dir=tmp_path, gpus=1
+    )
     # Attention graphed: trained differently with its offload and recompute together on one GPU, so refused.
     refusal = refusal_of(scoped, tmp_path)
     assert refusal is not None and {name for name, _ in refusal.violations} == {"offload-recompute-in-graphs"}
@@ -329,8 +421,10 @@ def test_fitting_megatrons_ep4_offloading_case_to_one_gpu_leaves_flags_megatron_
 
 
 def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
-    assert cli.main(["farm", str(OFFLOADING), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path)]) == \
-        cli.EXIT_BAD_INPUT  # its one case is refused
+    assert (
+        cli.main(["farm", str(OFFLOADING), "--fit-gpus", "1", "--dry-run", "--out", str(tmp_path)])
+        == cli.EXIT_BAD_INPUT
+    )  # its one case is refused
     out = capsys.readouterr().out
     assert "   REFUSED [whole-layer-moe-needs-drop-and-pad] whole-layer capture" in out
     assert "REFUSED [megatron]" not in out and out.rstrip().splitlines()[-1].startswith("farm: 1 refused (refused:")
@@ -341,39 +435,75 @@ def test_the_dry_run_prints_each_fitted_cases_verdict(tmp_path, capsys):
     assert out.rstrip().endswith("farm: 1 checked")
 
 
-@pytest.mark.parametrize("model_args, gpus, dropped, kept", [
-    ({"--expert-model-parallel-size": 4, "--overlap-moe-expert-parallel-comm": True, "--delay-wgrad-compute": True,
-      "--ep-overlap-early-attn-memory-release": True}, 1,
-     ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--ep-overlap-early-attn-memory-release"], []),
-    ({"--expert-model-parallel-size": 4, "--overlap-moe-expert-parallel-comm": True}, 2, [],
-     ["--overlap-moe-expert-parallel-comm"]),  # EP 2 still overlaps
-    ({"--context-parallel-size": 4, "--hierarchical-context-parallel-sizes": "[2 2]", "--cp-comm-type": "a2a+p2p"}, 2,
-     ["--hierarchical-context-parallel-sizes", "--cp-comm-type"], []),
-    ({"--pipeline-model-parallel-size": 4, "--num-layers-in-first-pipeline-stage": 3,
-      "--microbatch-group-size-per-virtual-pipeline-stage": 2}, 1,
-     ["--num-layers-in-first-pipeline-stage", "--microbatch-group-size-per-virtual-pipeline-stage"], []),
-    ({"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, 2, [], ["--sequence-parallel"]),
-])
+@pytest.mark.parametrize(
+    "model_args, gpus, dropped, kept",
+    [
+        (
+            {
+                "--expert-model-parallel-size": 4,
+                "--overlap-moe-expert-parallel-comm": True,
+                "--delay-wgrad-compute": True,
+                "--ep-overlap-early-attn-memory-release": True,
+            },
+            1,
+            ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute", "--ep-overlap-early-attn-memory-release"],
+            [],
+        ),
+        (
+            {"--expert-model-parallel-size": 4, "--overlap-moe-expert-parallel-comm": True},
+            2,
+            [],
+            ["--overlap-moe-expert-parallel-comm"],
+        ),  # EP 2 still overlaps
+        (
+            {
+                "--context-parallel-size": 4,
+                "--hierarchical-context-parallel-sizes": "[2 2]",
+                "--cp-comm-type": "a2a+p2p",
+            },
+            2,
+            ["--hierarchical-context-parallel-sizes", "--cp-comm-type"],
+            [],
+        ),
+        (
+            {
+                "--pipeline-model-parallel-size": 4,
+                "--num-layers-in-first-pipeline-stage": 3,
+                "--microbatch-group-size-per-virtual-pipeline-stage": 2,
+            },
+            1,
+            ["--num-layers-in-first-pipeline-stage", "--microbatch-group-size-per-virtual-pipeline-stage"],
+            [],
+        ),
+        ({"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, 2, [], ["--sequence-parallel"]),
+    ],
+)
 def test_fit_gpus_drops_each_flag_the_smaller_run_cannot_take_and_says_why(model_args, gpus, dropped, kept):
     from megatron_cg_plugin.farm.cases import fit_gpus
 
     args, changes = fit_gpus(model_args, gpus)
     for flag in dropped:
-        assert flag not in args and any(change.startswith(f"{flag}") and " dropped (" in change
-                                        for change in changes), (flag, changes)
+        assert flag not in args and any(
+            change.startswith(f"{flag}") and " dropped (" in change for change in changes
+        ), (flag, changes)
     assert all(flag in args for flag in kept), changes
 
 
 def test_fit_gpus_turns_the_flex_dispatcher_into_alltoall_without_tp_or_ep():
     from megatron_cg_plugin.farm.cases import fit_gpus
 
-    flex = {"--expert-model-parallel-size": 8, "--moe-token-dispatcher-type": "flex",
-            "--moe-flex-dispatcher-backend": "deepep"}
+    flex = {
+        "--expert-model-parallel-size": 8,
+        "--moe-token-dispatcher-type": "flex",
+        "--moe-flex-dispatcher-backend": "deepep",
+    }
     args, changes = fit_gpus(flex, 1)
     assert args["--moe-token-dispatcher-type"] == "alltoall" and "--moe-flex-dispatcher-backend" not in args
-    assert changes[-2:] == ["--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP "
-                            "dispatchers need TP x EP > 1)",
-                            "--moe-flex-dispatcher-backend 'deepep' dropped (the flex dispatcher's)"]
+    assert changes[-2:] == [
+        "--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP "
+        "dispatchers need TP x EP > 1)",
+        "--moe-flex-dispatcher-backend 'deepep' dropped (the flex dispatcher's)",
+    ]
     assert fit_gpus(flex, 2)[0]["--moe-token-dispatcher-type"] == "flex"  # EP 2
 
 
@@ -387,19 +517,23 @@ def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, c
     assert cli.main(["farm", str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert "   REFUSED [full-recompute] --recompute-granularity full is only supported with --cuda-graph-impl " \
-           "full_iteration: use --recompute-granularity selective or turn graphs off." in lines
+    assert (
+        "   REFUSED [full-recompute] --recompute-granularity full is only supported with --cuda-graph-impl "
+        "full_iteration: use --recompute-granularity selective or turn graphs off." in lines
+    )
     assert "FAIL" not in out and "python -m" not in out  # not a crash, no command line
-    assert lines[-1].startswith("farm: 1 refused (refused: Megatron or a plugin rule refuses the case's flags") and \
-        "no failure of the plugin" in lines[-1]
+    assert (
+        lines[-1].startswith("farm: 1 refused (refused: Megatron or a plugin rule refuses the case's flags")
+        and "no failure of the plugin" in lines[-1]
+    )
 
 
 def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsys, monkeypatch):
-    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
     from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
     def passing_run(case, out_dir):
-        run = GoldenValues({"lm loss": MetricSeries({s: 1.0 for s in range(1, case.steps + 1)})})
+        run = GoldenValues({"lm loss": MetricSeries(dict.fromkeys(range(1, case.steps + 1), 1.0))})
         report = {"scopes": [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0}]}
         return farm.CaseResult(case, run, run, report, "")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 from megatron_cg_plugin.farm import runner as farm
+from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 
 INDEXED = ("synthetic", "sentencepiece")  # the data kinds written as Megatron indexed datasets
 CASES = [case for case in farm.CASES if case.data in INDEXED]
@@ -26,19 +26,29 @@ def _megatron_datasets(flags: list[str], num_samples: list[int], cache):
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     config = GPTDatasetConfig(
-        random_seed=int(flag_value(flags, "--seed")), sequence_length=int(flag_value(flags, "--seq-length")),
-        blend=([flag_value(flags, "--data-path")], None), split=flag_value(flags, "--split"),
+        random_seed=int(flag_value(flags, "--seed")),
+        sequence_length=int(flag_value(flags, "--seq-length")),
+        blend=([flag_value(flags, "--data-path")], None),
+        split=flag_value(flags, "--split"),
         # Sample counts come from the index alone; the tokenizer only names EOD and pad.
-        tokenizer=NullTokenizer(1024), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, path_to_cache=str(cache),
-        inter_document_masking="--dataloader-inter-document-masking" in flags)
+        tokenizer=NullTokenizer(1024),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=str(cache),
+        inter_document_masking="--dataloader-inter-document-masking" in flags,
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config).build()
 
 
 def test_the_packed_cases_are_among_those_checked():
     names = {case.name for case in CASES}
-    assert {"gpt_4x2048_docmask_layer_megatron_lm", "gpt_4x2048_docmask_attn_megatron_lm",
-            "gpt_4x2048_docmask_cp2_layer_megatron_lm"} <= names
+    assert {
+        "gpt_4x2048_docmask_layer_megatron_lm",
+        "gpt_4x2048_docmask_attn_megatron_lm",
+        "gpt_4x2048_docmask_cp2_layer_megatron_lm",
+    } <= names
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
@@ -55,4 +65,5 @@ def test_megatron_builds_enough_samples_for_the_farm_run(case, out_dir):
         # A split Megatron builds gets a loader, whose sampler asserts it has a sample (even with --eval-iters 0).
         assert dataset is None or len(dataset) >= max(samples, 1), (
             f"{case.name}: Megatron's {name} split has {len(dataset)} samples of {flag_value(flags, '--seq-length')} "
-            f"tokens, the run needs {max(samples, 1)} (split {flag_value(flags, '--split')})")
+            f"tokens, the run needs {max(samples, 1)} (split {flag_value(flags, '--split')})"
+        )

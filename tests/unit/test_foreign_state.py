@@ -52,8 +52,11 @@ def test_stored_is_what_the_owner_holds_itself():
 
 def test_an_absent_attribute_is_restored_by_deleting_it():
     module, child, instance = types.ModuleType("fake"), Child, Child()
-    with setting(module, "F", 1, change="test"), setting(child, "method", lambda self: "lent", change="test"), \
-            setting(instance, "inherited", "shadow", change="test"):
+    with (
+        setting(module, "F", 1, change="test"),
+        setting(child, "method", lambda self: "lent", change="test"),
+        setting(instance, "inherited", "shadow", change="test"),
+    ):
         assert module.F == 1 and Child().method() == "lent" and instance.inherited == "shadow"
     assert not hasattr(module, "F")
     assert "method" not in vars(Child) and Child().method() == "base"  # the base's again, no copy of it
@@ -67,9 +70,8 @@ def test_an_absent_attribute_is_restored_by_deleting_it():
 def test_a_held_value_is_restored_by_identity_whatever_happens():
     value, module = object(), types.ModuleType("fake")
     module.F = value
-    with pytest.raises(KeyError):
-        with setting(module, "F", object(), change="test"):
-            raise KeyError("restored on an error too")
+    with pytest.raises(KeyError), setting(module, "F", object(), change="test"):
+        raise KeyError("restored on an error too")
     assert module.F is value
     with held(module, "F", change="test"):
         module.F = "set by a foreign function"

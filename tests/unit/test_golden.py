@@ -41,8 +41,13 @@ MEGATRON_FILE = """{
 
 def gv(**series: dict) -> GoldenValues:
     """GoldenValues from keyword args; underscores in names become dashes/spaces as Megatron spells them."""
-    names = {"lm_loss": "lm loss", "num_zeros": "num-zeros", "iteration_time": "iteration-time",
-             "mem": "mem-allocated-bytes", "mem_max": "mem-max-allocated-bytes"}
+    names = {
+        "lm_loss": "lm loss",
+        "num_zeros": "num-zeros",
+        "iteration_time": "iteration-time",
+        "mem": "mem-allocated-bytes",
+        "mem_max": "mem-max-allocated-bytes",
+    }
     return GoldenValues({names.get(k, k): MetricSeries(v) for k, v in series.items()})
 
 
@@ -59,8 +64,13 @@ def test_megatron_file_parses(tmp_path):
     p = tmp_path / "golden_values_dev.json"
     p.write_text(MEGATRON_FILE)
     g = GoldenValues.load(p)
-    assert list(g.metrics) == ["lm loss", "num-zeros", "mem-allocated-bytes",
-                               "mem-max-allocated-bytes", "iteration-time"]
+    assert list(g.metrics) == [
+        "lm loss",
+        "num-zeros",
+        "mem-allocated-bytes",
+        "mem-max-allocated-bytes",
+        "iteration-time",
+    ]
     loss = g.metrics["lm loss"]
     assert (loss.start_step, loss.end_step, loss.step_interval) == (1, 5, 1)
     assert loss.values[1] == 10.95659 and loss.values[5] == 10.94401
@@ -77,8 +87,7 @@ def test_megatron_file_parses(tmp_path):
 def test_to_json_schema_sorted_and_nan_as_string():
     s = MetricSeries({10: 3.0, 2: 1.0, 6: math.nan}, step_interval=4)
     d = s.to_json()
-    assert d == {"start_step": 2, "end_step": 10, "step_interval": 4,
-                 "values": {"2": 1.0, "6": "nan", "10": 3.0}}
+    assert d == {"start_step": 2, "end_step": 10, "step_interval": 4, "values": {"2": 1.0, "6": "nan", "10": 3.0}}
     assert list(d["values"]) == ["2", "6", "10"]
     json.dumps(d, allow_nan=False)  # strict JSON: no bare NaN literal
 
@@ -95,8 +104,7 @@ def test_save_pretty_trailing_newline_creates_dirs(tmp_path):
     gv(lm_loss={1: 1.5}).save(p)
     text = p.read_text()
     assert text.endswith("}\n") and "\n  " in text
-    assert json.loads(text) == {"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1,
-                                            "values": {"1": 1.5}}}
+    assert json.loads(text) == {"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": 1.5}}}
     assert [f.name for f in p.parent.iterdir()] == ["golden.json"]  # no temp file left behind
 
 
@@ -151,15 +159,16 @@ def test_property_save_load_exact(tmp_path_factory, g):
 @given(steps=st.lists(st.integers(0, 10**6), min_size=1, max_size=10, unique=True))
 def test_property_nan_round_trip(tmp_path_factory, steps):
     p = tmp_path_factory.mktemp("nan") / "g.json"
-    gv(lm_loss={s: math.nan for s in steps}).save(p)
+    gv(lm_loss=dict.fromkeys(steps, math.nan)).save(p)
     back = GoldenValues.load(p).metrics["lm loss"]
     assert sorted(back.values) == sorted(steps)
     assert all(math.isnan(v) for v in back.values.values())
 
 
 def test_bare_nan_literal_also_accepted():
-    g = GoldenValues.from_json(json.loads('{"lm loss": {"start_step": 1, "end_step": 1, '
-                                          '"step_interval": 1, "values": {"1": NaN}}}'))
+    g = GoldenValues.from_json(
+        json.loads('{"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1, "values": {"1": NaN}}}')
+    )
     assert math.isnan(g.metrics["lm loss"].values[1])
 
 
@@ -202,8 +211,9 @@ def test_format_error_top_level_and_bad_json(tmp_path):
 
 def test_end_step_beyond_last_key_is_accepted():
     # sampled every 5 steps: Megatron's end_step can be past the last sampled key
-    s = MetricSeries.from_json({"start_step": 1, "end_step": 50, "step_interval": 5,
-                                "values": {"1": 1.0, "6": 2.0, "46": 3.0}}, "lm loss")
+    s = MetricSeries.from_json(
+        {"start_step": 1, "end_step": 50, "step_interval": 5, "values": {"1": 1.0, "6": 2.0, "46": 3.0}}, "lm loss"
+    )
     assert (s.start_step, s.end_step, s.step_interval) == (1, 46, 5)
 
 
@@ -337,7 +347,7 @@ def test_zero_expected_requires_zero():
 
 
 def _timing(**overrides):
-    vals = {s: 0.40 for s in range(1, 31)}
+    vals = dict.fromkeys(range(1, 31), 0.4)
     vals[1] = 15.0  # warm-up step, far from steady state
     vals.update(overrides)
     return vals
@@ -354,22 +364,22 @@ def test_iteration_time_median_ignores_warmup_outlier():
 
 def test_iteration_time_shifted_median_caught():
     e = gv(iteration_time=_timing())
-    slow = {s: 0.43 for s in range(5, 21)}  # +7.5% over the whole window
+    slow = dict.fromkeys(range(5, 21), 0.43)  # +7.5% over the whole window
     mm = compare(e, gv(iteration_time={**_timing(), **slow}), deterministic=False)
     assert len(mm) == 1
     m = mm[0]
     assert (m.metric, m.step, m.expected, m.actual) == ("iteration-time", None, 0.40, 0.43)
     assert m.rule == "median steps 5-20, rtol 0.05"
-    ok = {s: 0.419 for s in range(5, 21)}  # +4.75%: within 5%
+    ok = dict.fromkeys(range(5, 21), 0.419)  # +4.75%: within 5%
     assert compare(e, gv(iteration_time={**_timing(), **ok}), deterministic=False) == []
 
 
 def test_iteration_time_window_clipped_to_common_steps():
-    e = gv(iteration_time={s: 1.0 for s in range(1, 11)})  # expected ends at 10
-    a = gv(iteration_time={**{s: 1.0 for s in range(1, 9)}, **{s: 9.0 for s in range(9, 31)}})
+    e = gv(iteration_time=dict.fromkeys(range(1, 11), 1.0))  # expected ends at 10
+    a = gv(iteration_time={**dict.fromkeys(range(1, 9), 1.0), **dict.fromkeys(range(9, 31), 9.0)})
     # window 5..20 -> steps 5..10 in both; actual there is [1, 1, 1, 1, 9, 9], median 1.0
     assert compare(e, a, deterministic=False) == []
-    a2 = gv(iteration_time={s: 2.0 for s in range(7, 31)})  # actual lacks steps 5, 6
+    a2 = gv(iteration_time=dict.fromkeys(range(7, 31), 2.0))  # actual lacks steps 5, 6
     mm = compare(e, a2, deterministic=False)
     assert [m.rule for m in mm] == ["median steps 7-10, rtol 0.05"]
 
@@ -387,11 +397,10 @@ def test_iteration_time_nan_in_window_fails():
 
 
 def test_memory_per_step():
-    e = gv(mem={s: 4_000_000_000 for s in range(1, 6)},
-           mem_max={s: 8_000_000_000 for s in range(1, 6)})
-    a_mem = {s: 4_000_000_000 for s in range(1, 6)}
+    e = gv(mem=dict.fromkeys(range(1, 6), 4000000000), mem_max=dict.fromkeys(range(1, 6), 8000000000))
+    a_mem = dict.fromkeys(range(1, 6), 4000000000)
     a_mem[3] = 4_200_000_001  # one step just over 5%: a median would hide it
-    a_max = {s: 8_000_000_000 for s in range(1, 6)}
+    a_max = dict.fromkeys(range(1, 6), 8000000000)
     a_max[5] = 7_600_000_000  # exactly 5% below: allowed
     mm = compare(e, gv(mem=a_mem, mem_max=a_max), deterministic=True)
     assert [(m.metric, m.step) for m in mm] == [("mem-allocated-bytes", 3)]
@@ -439,8 +448,12 @@ def test_tolerances_override_defaults():
     assert compare(e, a, deterministic=True) != []
     assert compare(e, a, deterministic=True, tolerances={"lm loss": Tolerance(rtol=0.05)}) == []
     # other defaults still apply
-    mm = compare(gv(lm_loss={1: 1.0}, num_zeros={1: 10}), gv(lm_loss={1: 1.0}, num_zeros={1: 20}),
-                 deterministic=True, tolerances={"lm loss": Tolerance(rtol=0.5)})
+    mm = compare(
+        gv(lm_loss={1: 1.0}, num_zeros={1: 10}),
+        gv(lm_loss={1: 1.0}, num_zeros={1: 20}),
+        deterministic=True,
+        tolerances={"lm loss": Tolerance(rtol=0.5)},
+    )
     assert [m.metric for m in mm] == ["num-zeros"]
 
 
@@ -476,14 +489,18 @@ def test_infinities():
 
 
 def test_mismatch_str():
-    assert str(Mismatch("lm loss", 7, 10.95659, 10.95701, "exact")) == \
-        "lm loss step 7: expected 10.95659, actual 10.95701 (exact)"
-    assert str(Mismatch("iteration-time", None, 0.4, 0.43, "median steps 5-20, rtol 0.05")) == \
-        "iteration-time: expected 0.4, actual 0.43 (median steps 5-20, rtol 0.05)"
-    assert str(Mismatch("lm loss", 3, 2.5, None, "missing in actual")) == \
-        "lm loss step 3: expected 2.5, missing in actual"
-    assert str(Mismatch("num-zeros", None, None, None, "missing in actual")) == \
-        "num-zeros: missing in actual"
+    assert (
+        str(Mismatch("lm loss", 7, 10.95659, 10.95701, "exact"))
+        == "lm loss step 7: expected 10.95659, actual 10.95701 (exact)"
+    )
+    assert (
+        str(Mismatch("iteration-time", None, 0.4, 0.43, "median steps 5-20, rtol 0.05"))
+        == "iteration-time: expected 0.4, actual 0.43 (median steps 5-20, rtol 0.05)"
+    )
+    assert (
+        str(Mismatch("lm loss", 3, 2.5, None, "missing in actual")) == "lm loss step 3: expected 2.5, missing in actual"
+    )
+    assert str(Mismatch("num-zeros", None, None, None, "missing in actual")) == "num-zeros: missing in actual"
     # full precision, so a 1-ulp exact mismatch is visible in the log
     x = math.nextafter(1.0, 2.0)
     assert "actual 1.0000000000000002" in str(Mismatch("lm loss", 1, 1.0, x, "exact"))

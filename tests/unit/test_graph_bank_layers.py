@@ -9,10 +9,18 @@ import types
 import pytest
 import torch
 
+from megatron_cg_plugin.banks.capture import (
+    BankedLayers,
+    BankGraph,
+    BankReplayError,
+    LayerBanks,
+    ThdCapacity,
+    banked_layer_class,
+    capture_banks,
+)
 from megatron_cg_plugin.banks.router import BankRouter, BankSelectionError, GraphBank
-from megatron_cg_plugin.banks.capture import BankedLayers, BankGraph, BankReplayError, LayerBanks, ThdCapacity, banked_layer_class, capture_banks
-from megatron_cg_plugin.scopes import attention_in_graph
 from megatron_cg_plugin.packed.layout import ThdCapacityError
+from megatron_cg_plugin.scopes import attention_in_graph
 
 CAPACITY = ThdCapacity(tokens_per_rank=8, max_seqs=2)
 
@@ -44,16 +52,26 @@ class FakeLayer(torch.nn.Module):
 
 def packed(cp_size=1, group=None, cu_length=4, max_seqlen=8):
     cu = torch.zeros(cu_length, dtype=torch.int32)
-    return types.SimpleNamespace(local_cp_size=cp_size, cp_group=group, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=max_seqlen)
+    return types.SimpleNamespace(
+        local_cp_size=cp_size,
+        cp_group=group,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_seqlen,
+    )
 
 
 def bank_layer(*, attention=True, rope_tables=None, group=None, base=FakeLayer):
     calls = []
 
     def graph(size):
-        return BankGraph(lambda *inputs: calls.append((size, *inputs)) or f"graph cp{size}", takes_layout=attention,
-                         rope_table=None if rope_tables is None else rope_tables[size])
+        return BankGraph(
+            lambda *inputs: calls.append((size, *inputs)) or f"graph cp{size}",
+            takes_layout=attention,
+            rope_table=None if rope_tables is None else rope_tables[size],
+        )
 
     layer = banked_layer_class(base)()
     router = BankRouter({1: GraphBank(1, None, graph(1)), 2: GraphBank(2, group, graph(2))})
@@ -78,8 +96,10 @@ def test_the_bank_of_the_microbatch_cp_size_replays_through_megatrons_replay_pat
     # Attention is graphed: the layout is a graph input, so Megatron's replay gets no keyword arguments.
     assert layer.replay_kwargs == [{}, {}]
     assert layer.cuda_graphs == []  # the bank's graph is lent for the call only
-    assert vars(layer)["_graph_banks"].router.report() == [{"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
-                                                           {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0}]
+    assert vars(layer)["_graph_banks"].router.report() == [
+        {"cp_size": 1, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+        {"cp_size": 2, "replays": 1, "rejected": 0, "offload_groups_flushed": 0},
+    ]
 
 
 def test_scopes_without_attention_replay_the_shared_graph_after_eager_attention():
@@ -155,8 +175,9 @@ def test_a_replay_that_leaves_delayed_groups_queued_is_refused(offload_manager):
     layer, _ = bank_layer(base=NoFlush)
     layer.config.delay_offload_until_cuda_graph = True
     offload_manager._delayed_offload_groups = [_delayed_group("layer 2 attn", [])]
-    with pytest.raises(BankReplayError, match="1 of the 1 offload groups delayed until this graph replay are still "
-                                              "queued"):
+    with pytest.raises(
+        BankReplayError, match="1 of the 1 offload groups delayed until this graph replay are still queued"
+    ):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed())
     offload_manager._delayed_offload_groups = []  # only groups delayed after the flush: fine
     layer(hidden_states=torch.ones(1), packed_seq_params=packed())
@@ -202,7 +223,8 @@ def test_a_failing_replay_gives_the_layer_its_graphs_back():
     mine = ["megatron's own"]
     layer.cuda_graphs = mine
     vars(layer)["_graph_banks"].router.banks[1].payload = BankGraph(
-        lambda *inputs: (_ for _ in ()).throw(RuntimeError("replay failed")), takes_layout=True, rope_table=None)
+        lambda *inputs: (_ for _ in ()).throw(RuntimeError("replay failed")), takes_layout=True, rope_table=None
+    )
     with pytest.raises(RuntimeError, match="replay failed"):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed())
     assert layer.cuda_graphs is mine
@@ -218,7 +240,10 @@ def test_report_sums_layers_and_reset_unbanks(banked):
     routers = {1: vars(layer)["_graph_banks"].router, 2: vars(other)["_graph_banks"].router}
     layers = BankedLayers(routers, {}, [layer, other])
     report = layers.report()
-    assert report["banks"] == [{"cp_size": 1, "replays": 2, "rejected": 0, "offload_groups_flushed": 0}, {"cp_size": 2, "replays": 0, "rejected": 1, "offload_groups_flushed": 0}]
+    assert report["banks"] == [
+        {"cp_size": 1, "replays": 2, "rejected": 0, "offload_groups_flushed": 0},
+        {"cp_size": 2, "replays": 0, "rejected": 1, "offload_groups_flushed": 0},
+    ]
     assert layers.graph_count == 0
     layers.reset()
     assert "_graph_banks" not in vars(layer) and "_graph_banks" not in vars(other)
@@ -246,10 +271,14 @@ def test_layers_whose_attention_call_changed_are_refused_before_any_capture():
 
 # -- Dropless MoE: graphs that end inside the MoE block (moe_router moe_preprocess) --------------------
 
+
 def partial_moe_layer(modules=("attn", "moe_router", "moe_preprocess")):
     dispatcher = types.SimpleNamespace(hidden_shape=None, hidden_shape_before_permute=None)
-    return types.SimpleNamespace(is_moe_layer=True, config=types.SimpleNamespace(cuda_graph_modules=list(modules)),
-                                 mlp=types.SimpleNamespace(token_dispatcher=dispatcher))
+    return types.SimpleNamespace(
+        is_moe_layer=True,
+        config=types.SimpleNamespace(cuda_graph_modules=list(modules)),
+        mlp=types.SimpleNamespace(token_dispatcher=dispatcher),
+    )
 
 
 class FakeMoeLayer(FakeLayer):
@@ -258,8 +287,9 @@ class FakeMoeLayer(FakeLayer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.mlp = types.SimpleNamespace(token_dispatcher=types.SimpleNamespace(hidden_shape=None,
-                                                                                hidden_shape_before_permute=None))
+        self.mlp = types.SimpleNamespace(
+            token_dispatcher=types.SimpleNamespace(hidden_shape=None, hidden_shape_before_permute=None)
+        )
         self.read_shapes: list = []
 
     def _te_cuda_graph_replay(self, hidden_states, **kwargs):
@@ -274,10 +304,24 @@ def test_each_bank_hands_the_eager_rest_the_dispatcher_state_of_its_own_capture(
     group = object()
     # Distinct per bank so the test tells them apart; in a run they are equal (every bank sees tokens_per_rank tokens),
     # and what the restore guards against is an eager forward of another shape in between.
-    state = {size: {"hidden_shape": ("hidden", size), "hidden_shape_before_permute": ("permute", size)} for size in (1, 2)}
-    router = BankRouter({size: GraphBank(size, group if size > 1 else None,
-                                         BankGraph(lambda *inputs, s=size: f"graph cp{s}", takes_layout=True,
-                                                   rope_table=None, dispatcher_state=state[size])) for size in (1, 2)})
+    state = {
+        size: {"hidden_shape": ("hidden", size), "hidden_shape_before_permute": ("permute", size)} for size in (1, 2)
+    }
+    router = BankRouter(
+        {
+            size: GraphBank(
+                size,
+                group if size > 1 else None,
+                BankGraph(
+                    lambda *inputs, s=size: f"graph cp{s}",
+                    takes_layout=True,
+                    rope_table=None,
+                    dispatcher_state=state[size],
+                ),
+            )
+            for size in (1, 2)
+        }
+    )
     vars(layer)["_graph_banks"] = LayerBanks(router, CAPACITY, True)
     layer.mlp.token_dispatcher.hidden_shape = ("an eager forward", 0)  # e.g. an evaluation step in between
     layer(hidden_states=torch.ones(1), packed_seq_params=packed(2, group, max_seqlen=16))
@@ -286,9 +330,18 @@ def test_each_bank_hands_the_eager_rest_the_dispatcher_state_of_its_own_capture(
 
 
 # megatron-core 0.19.2's alltoall dispatcher: its per-forward state, hidden_shape among it (token_dispatcher.py l.473).
-ALLTOALL_CUDAGRAPH_ATTRS = ["tokens_per_expert", "input_splits", "output_splits", "output_splits_tp", "num_out_tokens",
-                            "num_global_tokens_per_local_expert", "reversed_local_input_permutation_mapping",
-                            "routing_map", "hidden_shape", "probs"]
+ALLTOALL_CUDAGRAPH_ATTRS = [
+    "tokens_per_expert",
+    "input_splits",
+    "output_splits",
+    "output_splits_tp",
+    "num_out_tokens",
+    "num_global_tokens_per_local_expert",
+    "reversed_local_input_permutation_mapping",
+    "routing_map",
+    "hidden_shape",
+    "probs",
+]
 
 
 def test_a_banks_capture_records_the_preprocess_shapes_before_its_scratch_is_cleared():
@@ -315,8 +368,9 @@ def test_a_banks_capture_records_the_preprocess_shapes_before_its_scratch_is_cle
     router_only = partial_moe_layer(("attn", "moe_router"))
     router_only._te_cuda_graph_capture = capture
     assert bank_capture_call(router_only, (), {}) is capture
-    dense = types.SimpleNamespace(is_moe_layer=False, config=types.SimpleNamespace(cuda_graph_modules=["attn"]),
-                                  _te_cuda_graph_capture=capture)
+    dense = types.SimpleNamespace(
+        is_moe_layer=False, config=types.SimpleNamespace(cuda_graph_modules=["attn"]), _te_cuda_graph_capture=capture
+    )
     assert bank_capture_call(dense, (), {}) is capture
 
 
@@ -343,10 +397,9 @@ def test_megatrons_capture_flag_is_set_only_around_banks_that_end_inside_the_moe
     whole = partial_moe_layer(("attn", "moe"))
     with megatron_capturing([whole]):
         assert not cuda_graphs.is_graph_capturing()  # the MoE block inside the graph: Megatron's flag stays off
-    with pytest.raises(RuntimeError, match="capture failed"):
-        with megatron_capturing([whole, partial_moe_layer()]):
-            assert cuda_graphs.is_graph_capturing()  # the MoE forward returns after the preprocess under it
-            raise RuntimeError("capture failed")
+    with pytest.raises(RuntimeError, match="capture failed"), megatron_capturing([whole, partial_moe_layer()]):
+        assert cuda_graphs.is_graph_capturing()  # the MoE forward returns after the preprocess under it
+        raise RuntimeError("capture failed")
     assert not cuda_graphs.is_graph_capturing()  # put back, also after a failure
 
 

@@ -14,18 +14,33 @@ from hypothesis import strategies as st
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner import allocator
 from megatron_cg_plugin.planner.allocator import PoolModel, round_request, segment_size
-from megatron_cg_plugin.planner.graph_memory import LayerShape, MoeShape, attention_workspace, plan_for_run, plan_graph_memory, scope_parts
+from megatron_cg_plugin.planner.graph_memory import (
+    LayerShape,
+    MoeShape,
+    attention_workspace,
+    plan_for_run,
+    plan_graph_memory,
+    scope_parts,
+)
 from megatron_cg_plugin.settings import RunSettings, read_settings
 
 MiB = 2**20
 DEFAULTS = PluginConfig()  # the prediction reads the offload copies and window from the config in force
 
 
-@pytest.mark.parametrize("size, rounded, segment", [
-    (1, 512, 2 * MiB), (512, 512, 2 * MiB), (513, 1024, 2 * MiB), (MiB, MiB, 2 * MiB),
-    (MiB + 1, MiB + 512, 20 * MiB), (10 * MiB - 512, 10 * MiB - 512, 20 * MiB),
-    (10 * MiB, 10 * MiB, 10 * MiB), (134349056, 134349312, 130 * MiB),  # cuDNN's s=2048 workspace: the 130 MiB segment seen
-])
+@pytest.mark.parametrize(
+    "size, rounded, segment",
+    [
+        (1, 512, 2 * MiB),
+        (512, 512, 2 * MiB),
+        (513, 1024, 2 * MiB),
+        (MiB, MiB, 2 * MiB),
+        (MiB + 1, MiB + 512, 20 * MiB),
+        (10 * MiB - 512, 10 * MiB - 512, 20 * MiB),
+        (10 * MiB, 10 * MiB, 10 * MiB),
+        (134349056, 134349312, 130 * MiB),  # cuDNN's s=2048 workspace: the 130 MiB segment seen
+    ],
+)
 def test_requests_round_and_take_the_segments_the_caching_allocator_makes(size, rounded, segment):
     assert round_request(size) == rounded
     assert segment_size(rounded) == segment
@@ -124,8 +139,9 @@ def test_moe_scopes_count_the_experts_only_when_the_graph_holds_them():
     whole = plan_graph_memory([shape] * 2, ["attn", "moe"])
     router = plan_graph_memory([shape] * 2, ["attn", "moe_router", "moe_preprocess"])
     assert whole.peak_live_bytes > router.peak_live_bytes
-    more_rows = plan_graph_memory([dataclasses.replace(shape, moe=dataclasses.replace(moe, rows=8 * 384))] * 2,
-                                  ["attn", "moe"])
+    more_rows = plan_graph_memory(
+        [dataclasses.replace(shape, moe=dataclasses.replace(moe, rows=8 * 384))] * 2, ["attn", "moe"]
+    )
     assert more_rows.peak_live_bytes > whole.peak_live_bytes
 
 
@@ -139,15 +155,37 @@ def test_unknown_scopes_and_bad_shapes_are_refused_by_name():
 
 
 def megatron_args(**changes):
-    base = dict(num_attention_heads=4, group_query_attention=False, num_query_groups=None, kv_channels=None,
-                hidden_size=256, seq_length=256, micro_batch_size=2, ffn_hidden_size=1024, swiglu=False,
-                add_bias_linear=True, normalization="LayerNorm", position_embedding_type="rope", hidden_dropout=0.0,
-                moe_router_topk=2, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=None,
-                moe_router_dtype=None, expert_model_parallel_size=1, multi_latent_attention=False,
-                mtp_num_layers=None, attention_backend=types.SimpleNamespace(name="auto"), num_experts=None,
-                moe_expert_capacity_factor=None, context_parallel_size=1, tensor_model_parallel_size=1,
-                sequence_parallel=False, expert_tensor_parallel_size=1)
+    base = dict(
+        num_attention_heads=4,
+        group_query_attention=False,
+        num_query_groups=None,
+        kv_channels=None,
+        hidden_size=256,
+        seq_length=256,
+        micro_batch_size=2,
+        ffn_hidden_size=1024,
+        swiglu=False,
+        add_bias_linear=True,
+        normalization="LayerNorm",
+        position_embedding_type="rope",
+        hidden_dropout=0.0,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=512,
+        moe_shared_expert_intermediate_size=None,
+        moe_router_dtype=None,
+        expert_model_parallel_size=1,
+        multi_latent_attention=False,
+        mtp_num_layers=None,
+        attention_backend=types.SimpleNamespace(name="auto"),
+        num_experts=None,
+        moe_expert_capacity_factor=None,
+        context_parallel_size=1,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        expert_tensor_parallel_size=1,
+    )
     return types.SimpleNamespace(**(base | changes))
+
 
 _DEFAULT_SETTINGS = RunSettings()
 
@@ -157,8 +195,11 @@ def run_settings(args, facts: RunSettings, *, deterministic: bool = True) -> Run
     the defaults (the rules' side of a test run), deterministic as NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 makes it."""
     flags = types.SimpleNamespace(**({"num_layers": facts.num_layers} | vars(args)))
     read, _config = read_settings(flags)
-    given = {field.name: getattr(facts, field.name) for field in dataclasses.fields(RunSettings)
-             if getattr(facts, field.name) != getattr(_DEFAULT_SETTINGS, field.name)}
+    given = {
+        field.name: getattr(facts, field.name)
+        for field in dataclasses.fields(RunSettings)
+        if getattr(facts, field.name) != getattr(_DEFAULT_SETTINGS, field.name)
+    }
     return dataclasses.replace(read, **given, deterministic=deterministic)
 
 
@@ -166,64 +207,119 @@ def plan_of(args, facts: RunSettings, *, config: PluginConfig, deterministic: bo
     return plan_for_run(run_settings(args, facts, deterministic=deterministic), config=config)
 
 
-
 def test_flags_become_shapes_and_what_the_model_leaves_out_is_named():
     facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",))
     plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.pool_bytes == plan_graph_memory([tiny()] * 2, ["attn"]).pool_bytes and plan.unpredicted == ()
-    left_out = plan_of(megatron_args(multi_latent_attention=True, mtp_num_layers=1, fp8="hybrid", fp8_recipe="blockwise",
-                                     attention_backend=types.SimpleNamespace(name="unfused")),
-                       dataclasses.replace(facts, fp8=True), config=DEFAULTS, deterministic=True).unpredicted
+    left_out = plan_of(
+        megatron_args(
+            multi_latent_attention=True,
+            mtp_num_layers=1,
+            fp8="hybrid",
+            fp8_recipe="blockwise",
+            attention_backend=types.SimpleNamespace(name="unfused"),
+        ),
+        dataclasses.replace(facts, fp8=True),
+        config=DEFAULTS,
+        deterministic=True,
+    ).unpredicted
     assert len(left_out) == 4 and any("FP8" in what for what in left_out) and any("unfused" in w for w in left_out)
-    offloaded = plan_of(megatron_args(), dataclasses.replace(facts, activation_offloading=True),
-                        config=DEFAULTS, deterministic=True).unpredicted
+    offloaded = plan_of(
+        megatron_args(), dataclasses.replace(facts, activation_offloading=True), config=DEFAULTS, deterministic=True
+    ).unpredicted
     assert offloaded == ("Megatron's activation offloading (its offloaded saves leave the pool)",)
-    in_graphs = plan_of(megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
-                                      min_offloaded_tensor_size=65536, activation_offload_fraction=1.0),
-                        dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
-                        config=DEFAULTS, deterministic=True)
+    in_graphs = plan_of(
+        megatron_args(
+            fine_grained_activation_offloading=True,
+            offload_modules=["core_attn"],
+            min_offloaded_tensor_size=65536,
+            activation_offload_fraction=1.0,
+        ),
+        dataclasses.replace(facts, activation_offloading=True, slot_capture=True),
+        config=DEFAULTS,
+        deterministic=True,
+    )
     # The slot planner counts what it offloads; the copies' transient buffers in the pool it names as left out.
     assert in_graphs.host_arena_bytes > 0 and in_graphs.unpredicted == (
-        "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",)
-    assert "not predicted: " in plan_of(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
+        "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
+    )
+    assert (
+        "not predicted: "
+        in plan_of(megatron_args(mtp_num_layers=1), facts, config=DEFAULTS, deterministic=True).describe()
+    )
 
 
 def test_packed_graphs_print_their_layouts_bound():
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), micro_batch_size=2,
-                       inter_document_masking=True, thd_max_seqs=8, seq_length=256)
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        num_layers=2,
+        modules=("attn",),
+        micro_batch_size=2,
+        inter_document_masking=True,
+        thd_max_seqs=8,
+        seq_length=256,
+    )
     plan = plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True)
     assert plan.thd_buffer_bytes == 2 * 9 * 4 and "9 cu_seqlens entries, max_seqlen 256" in plan.describe()
-    bounded = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS,
-                      deterministic=True)
+    bounded = plan_of(
+        megatron_args(), dataclasses.replace(facts, thd_max_seqlen=64), config=DEFAULTS, deterministic=True
+    )
     assert "9 cu_seqlens entries, max_seqlen 64" in bounded.describe()
-    unpacked = plan_of(megatron_args(), dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
-                       config=DEFAULTS, deterministic=True)
+    unpacked = plan_of(
+        megatron_args(),
+        dataclasses.replace(facts, thd_max_seqs=None, inter_document_masking=False),
+        config=DEFAULTS,
+        deterministic=True,
+    )
     assert unpacked.thd_layout is None and "cu_seqlens" not in unpacked.describe()
 
 
 def test_moe_flags_size_the_experts_by_the_capacity_megatron_fixes():
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
-                       capacity_factor=1.5, pad_to_capacity=True)
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        num_layers=2,
+        modules=("attn", "moe"),
+        num_experts=4,
+        capacity_factor=1.5,
+        pad_to_capacity=True,
+    )
     args = megatron_args(swiglu=True, add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5)
     plan = plan_of(args, facts, config=DEFAULTS, deterministic=True)
-    expected = plan_graph_memory([tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2,
-                                 ["attn", "moe"])
+    expected = plan_graph_memory(
+        [tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384))] * 2, ["attn", "moe"]
+    )
     assert plan.pool_bytes == expected.pool_bytes == 30 * MiB  # the farm's tiny_moe_droppad: 30 MiB measured
 
 
 def test_no_graphed_layer_predicts_an_empty_pool():
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4,
-                       capacity_factor=None)
-    assert plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True).pool_bytes == 0  # mlp scope, every layer MoE
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine", num_layers=2, modules=("mlp",), num_experts=4, capacity_factor=None
+    )
+    assert (
+        plan_of(megatron_args(), facts, config=DEFAULTS, deterministic=True).pool_bytes == 0
+    )  # mlp scope, every layer MoE
 
 
 def test_segment_constants_are_the_allocators():
-    assert (allocator.SMALL_REQUEST, allocator.SMALL_SEGMENT, allocator.LARGE_SEGMENT) == (MiB, 2 * MiB, 20 * MiB)
+    assert (MiB, 2 * MiB, 20 * MiB) == (allocator.SMALL_REQUEST, allocator.SMALL_SEGMENT, allocator.LARGE_SEGMENT)
 
 
 def big(**changes):
-    return LayerShape(**({"seq": 2048, "micro_batch": 1, "hidden": 1024, "ffn": 4096, "heads": 16, "query_groups": 16,
-                          "head_dim": 64, "rope": True} | changes))
+    return LayerShape(
+        **(
+            {
+                "seq": 2048,
+                "micro_batch": 1,
+                "hidden": 1024,
+                "ffn": 4096,
+                "heads": 16,
+                "query_groups": 16,
+                "head_dim": 64,
+                "rope": True,
+            }
+            | changes
+        )
+    )
 
 
 def offloaded_host_bytes(layers, modules, policy):
@@ -252,7 +348,9 @@ def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_gr
     assert first_layer_host_bytes(big(rope=False), ["attn"], core) == 3 * act
     assert first_layer_host_bytes(big(query_groups=4), ["attn"], core) == act  # k, v: 512K elements, under 1M
     any_size = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0)
-    assert first_layer_host_bytes(big(query_groups=4), ["attn"], any_size) == act + 2 * act // 4 + 128 * 1024 + 256  # with the stats and the RNG state (aligned)
+    assert (
+        first_layer_host_bytes(big(query_groups=4), ["attn"], any_size) == act + 2 * act // 4 + 128 * 1024 + 256
+    )  # with the stats and the RNG state (aligned)
     # The minimum size, an MLP-only graph and a policy without attention groups offload nothing.
     tiny_shape = tiny(rope=True)
     small = OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=10**9)
@@ -262,14 +360,29 @@ def test_host_arenas_are_the_attention_storages_every_save_of_which_megatrons_gr
 
 
 def test_slot_capture_runs_get_the_host_arena_prediction_and_others_none():
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn",), slot_capture=True,
-                       activation_offloading=True, offload_modules=("core_attn",))
-    args = megatron_args(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
-                         min_offloaded_tensor_size=65536, activation_offload_fraction=1.0)
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        num_layers=2,
+        modules=("attn",),
+        slot_capture=True,
+        activation_offloading=True,
+        offload_modules=("core_attn",),
+    )
+    args = megatron_args(
+        fine_grained_activation_offloading=True,
+        offload_modules=["core_attn"],
+        min_offloaded_tensor_size=65536,
+        activation_offload_fraction=1.0,
+    )
     plan = plan_of(args, facts, config=DEFAULTS, deterministic=True)
     assert plan.host_arena_bytes == 3 * 256 * 2 * 256 * 2  # q, k, v of the first layer (the last keeps its own)
     assert "pinned host arenas (predicted, --cg-slot-capture offload): 0.8 MiB" in plan.describe()
-    assert plan_of(args, dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True).host_arena_bytes is None
+    assert (
+        plan_of(
+            args, dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True
+        ).host_arena_bytes
+        is None
+    )
 
 
 # -- --cg-slot-capture: arenas, boundary buffers, the pool of temporaries ----------------------------------
@@ -287,35 +400,98 @@ MEASURED_SLOT_RUNS = {
     "12x1024 slot": (big(), 12, ("attn", "mlp"), None, 813570048, None, 252),
     # Measured after offload followed Megatron's choice across the layers (the last layer keeps its groups): the slot-offload farm cases (gpt_12x1024_slot_offload_user_script; tiny_gpt_slot_offload;
     # tiny_moe_slot_offload, attention only; gpt_1b_slot_offload_user_script, whole layer; tiny_gpt_slot_fp8_offload).
-    "12x1024 slot-offload": (big(), 12, ("attn", "mlp"), (EVERY_ATTENTION_GROUP, 1024 * 1024), 536745984, 276824064, 272),
+    "12x1024 slot-offload": (
+        big(),
+        12,
+        ("attn", "mlp"),
+        (EVERY_ATTENTION_GROUP, 1024 * 1024),
+        536745984,
+        276824064,
+        272,
+    ),
     "tiny_gpt_slot_offload": (tiny(), 2, (), (("attn_norm", "core_attn", "mlp_norm"), 65536), 7767040, 786432, 26),
-    "tiny_moe_slot_offload": (tiny(gated=True, bias=False), 2, ("attn",),
-                              (("attn_norm", "core_attn", "expert_fc1", "moe_act"), 65536), 2515968, 786432, 24),
+    "tiny_moe_slot_offload": (
+        tiny(gated=True, bias=False),
+        2,
+        ("attn",),
+        (("attn_norm", "core_attn", "expert_fc1", "moe_act"), 65536),
+        2515968,
+        786432,
+        24,
+    ),
     "1b slot-offload": (dense_1b(), 16, (), (EVERY_ATTENTION_GROUP, 1024 * 1024), 1411915776, 754974720, 480),
     # The FP8 slot farm cases (quantized saves), whole layers;
     # tensorwise keeps its first and last layers in bf16.
     "tiny_gpt_slot_fp8_delayed": ([tiny(fp8_recipe="delayed")] * 3, 3, (), None, 10867200, None, 26),
-    "tiny_gpt_slot_fp8_tensorwise": ([tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()],
-                                     4, (), None, 15535616, None, 26),
+    "tiny_gpt_slot_fp8_tensorwise": (
+        [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()],
+        4,
+        (),
+        None,
+        15535616,
+        None,
+        26,
+    ),
     "tiny_gpt_slot_fp8_offload": (  # qkv_linear offloaded too: its FP8 input goes to the host
-        [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], 4, (),
-        (("attn_norm", "qkv_linear", "core_attn", "mlp_norm"), 65536), 11865600, 3670016, 26),
+        [tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()],
+        4,
+        (),
+        (("attn_norm", "qkv_linear", "core_attn", "mlp_norm"), 65536),
+        11865600,
+        3670016,
+        26,
+    ),
     # A user-sized FP8 GPT (5 x 2048, ffn 8192, seq 2048, FP8 hybrid,
     # RoPE, no dropout) through Megatron-LM's pretrain_gpt.py; mbs 2 took 788 MiB of pool predicted (1.21x) while
     # the bias-GELU column sum was tokens x ffn x 8.
-    "5x2048 tensorwise mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="tensorwise"),
-                                  5, (), None, 1097406720, None, 652),
-    "5x2048 delayed mbs 2": (big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="delayed"),
-                               5, (), None, 1139351040, None, 652),
-    "5x2048 tensorwise mbs 1": (big(hidden=2048, ffn=8192, head_dim=128, fp8_recipe="tensorwise"),
-                                  5, (), None, 551328000, None, 420),
-    "5x2048 tensorwise h1024 mbs 2": (big(heads=8, query_groups=8, head_dim=128, micro_batch=2,
-                                            fp8_recipe="tensorwise"), 5, (), None, 551491840, None, 388),
+    "5x2048 tensorwise mbs 2": (
+        big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="tensorwise"),
+        5,
+        (),
+        None,
+        1097406720,
+        None,
+        652,
+    ),
+    "5x2048 delayed mbs 2": (
+        big(hidden=2048, ffn=8192, head_dim=128, micro_batch=2, fp8_recipe="delayed"),
+        5,
+        (),
+        None,
+        1139351040,
+        None,
+        652,
+    ),
+    "5x2048 tensorwise mbs 1": (
+        big(hidden=2048, ffn=8192, head_dim=128, fp8_recipe="tensorwise"),
+        5,
+        (),
+        None,
+        551328000,
+        None,
+        420,
+    ),
+    "5x2048 tensorwise h1024 mbs 2": (
+        big(heads=8, query_groups=8, head_dim=128, micro_batch=2, fp8_recipe="tensorwise"),
+        5,
+        (),
+        None,
+        551491840,
+        None,
+        388,
+    ),
     # tiny_gpt_slot_fp8_attention_user_script, FP8 dot-product attention
     # (delayed scaling, head size 128, non-deterministic cuDNN), whole layers; modelled after the run, not held out.
     "tiny_gpt_slot_fp8_attention_user_script": (
-        [tiny(heads=2, query_groups=2, head_dim=128, deterministic=False, fp8_recipe="delayed", fp8_attention=True)] * 3,
-        3, (), None, 9480960, None, 6),
+        [tiny(heads=2, query_groups=2, head_dim=128, deterministic=False, fp8_recipe="delayed", fp8_attention=True)]
+        * 3,
+        3,
+        (),
+        None,
+        9480960,
+        None,
+        6,
+    ),
 }
 
 
@@ -370,8 +546,10 @@ def test_slot_boundaries_are_each_graphs_output_and_gradients_and_one_layers_par
     # An MoE layer's graphed block brings its router and experts' gradients; an attn graph does not.
     moe = tiny(gated=True, bias=False, moe=MoeShape(experts=4, topk=2, ffn=512, rows=1024))
     experts = 256 * 4 + 4 * (256 * 1024 + 512 * 256) + 2 * 256
-    assert plan_slot_memory([moe], ("attn", "moe")).boundary_bytes - plan_slot_memory([moe], ("attn",)).boundary_bytes \
+    assert (
+        plan_slot_memory([moe], ("attn", "moe")).boundary_bytes - plan_slot_memory([moe], ("attn",)).boundary_bytes
         == 2 * experts
+    )
 
 
 def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():
@@ -387,8 +565,15 @@ def test_the_slot_pool_holds_one_graphs_temporaries_not_every_layers_saves():
 # (rows, columns, bytes). Dense traces at 2048 and 1024 hidden (bias-GELU, 2048 tokens), an FP8 trace
 # (the QKV bias under current scaling, 4 x 1024), the farm case
 # gpt_5x2048_slot_fp8_tensorwise_megatron_lm (4096 tokens: bias-GELU and the QKV bias), tiny models (512 tokens).
-TRACED_COLUMN_SUMS = [(2048, 8192, 128 * MiB), (2048, 4096, 64 * MiB), (2048, 3072, 48 * MiB),
-                      (4096, 8192, 132 * MiB), (4096, 6144, 132 * MiB), (512, 1024, 0), (512, 4096, 0)]
+TRACED_COLUMN_SUMS = [
+    (2048, 8192, 128 * MiB),
+    (2048, 4096, 64 * MiB),
+    (2048, 3072, 48 * MiB),
+    (4096, 8192, 132 * MiB),
+    (4096, 6144, 132 * MiB),
+    (512, 1024, 0),
+    (512, 4096, 0),
+]
 
 
 @pytest.mark.parametrize("rows, cols, traced", TRACED_COLUMN_SUMS)
@@ -421,16 +606,19 @@ def test_the_backward_sums_the_bias_gelu_bias_and_under_current_scaling_the_qkv_
     assert _temps(big(), ["attn"]) == _temps(big(fp8_recipe="delayed"), ["attn"]) == {}  # TE fuses the bias gradient
     assert _temps(big(fp8_recipe="tensorwise"), ["attn"]) == {"dqkv.column_sum": 48 * MiB}
     # Each graph frees it at once; the pool keeps its segment, which a graph without it does not take.
-    assert plan_graph_memory([big()] * 2, []).pool_bytes >= plan_graph_memory([big(bias=False)] * 2, []).pool_bytes + 56 * MiB
+    assert (
+        plan_graph_memory([big()] * 2, []).pool_bytes
+        >= plan_graph_memory([big(bias=False)] * 2, []).pool_bytes + 56 * MiB
+    )
 
 
 def test_the_5x2048_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(tmp_path):
     """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (620 MiB measured, and its allocator
     trace): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
-    from megatron_cg_plugin.planner.prediction import predict_graph_memory
-    from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.launch import dry_run
+    from megatron_cg_plugin.planner.prediction import predict_graph_memory
 
     case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
@@ -469,7 +657,9 @@ def test_parameter_gradient_buffers_keep_every_layout_the_layers_need():
     experts = 2 * h + 8 * h + 2 * (2 * 512 * h + 512 * h)  # norm, a router over all 8 experts (EP 4), 2 local experts
 
     def boundary(layers):
-        return plan_slot_memory(layers, ()).boundary_bytes - sum(3 * shape.act(h) for shape in layers)  # less activations
+        return plan_slot_memory(layers, ()).boundary_bytes - sum(
+            3 * shape.act(h) for shape in layers
+        )  # less activations
 
     assert boundary([dense, dense]) == 2 * (attention + dense_mlp)  # one layer's worth, shared
     # A dense and an MoE layer: the MoE block's buffers come on top of the dense MLP's, not instead.
@@ -485,58 +675,114 @@ def test_ropes_table_follows_the_rotary_percent():
 
 
 def test_what_the_slot_plan_leaves_out_is_named():
-    base = dict(fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536,
-                activation_offload_fraction=1.0)
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True,
-                       activation_offloading=True)
-    args, attention = megatron_args(**base, offload_modules=["core_attn"]), dataclasses.replace(
-        facts, offload_modules=("core_attn",))
+    base = dict(
+        fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536, activation_offload_fraction=1.0
+    )
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine", num_layers=2, slot_capture=True, activation_offloading=True
+    )
+    args, attention = (
+        megatron_args(**base, offload_modules=["core_attn"]),
+        dataclasses.replace(facts, offload_modules=("core_attn",)),
+    )
     in_graph = plan_of(args, attention, config=DEFAULTS, deterministic=True)
-    staged = plan_of(args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"),
-                     deterministic=True)
+    staged = plan_of(
+        args, attention, config=PluginConfig(slot_capture=True, offload_copies="between-replays"), deterministic=True
+    )
     per_layer = in_graph.host_arena_bytes // 2
     assert staged.arena_bytes == in_graph.arena_bytes + 2 * per_layer  # the staging ring's two buffers
     assert not any("between-replays" in what for what in staged.unpredicted)
-    moe_facts = dataclasses.replace(facts, num_experts=4, capacity_factor=1.5, pad_to_capacity=True,
-                                    offload_modules=("core_attn", "expert_fc1"))
-    moe = plan_of(megatron_args(**base, offload_modules=["core_attn", "expert_fc1"], swiglu=True,
-                                add_bias_linear=False, num_experts=4, moe_expert_capacity_factor=1.5),
-                  moe_facts, config=DEFAULTS, deterministic=True)
+    moe_facts = dataclasses.replace(
+        facts, num_experts=4, capacity_factor=1.5, pad_to_capacity=True, offload_modules=("core_attn", "expert_fc1")
+    )
+    moe = plan_of(
+        megatron_args(
+            **base,
+            offload_modules=["core_attn", "expert_fc1"],
+            swiglu=True,
+            add_bias_linear=False,
+            num_experts=4,
+            moe_expert_capacity_factor=1.5,
+        ),
+        moe_facts,
+        config=DEFAULTS,
+        deterministic=True,
+    )
     assert any("MoE block's saves" in what for what in moe.unpredicted)
-    cp = plan_of(megatron_args(context_parallel_size=2), RunSettings(
-        cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2), config=DEFAULTS, deterministic=True)
+    cp = plan_of(
+        megatron_args(context_parallel_size=2),
+        RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, context_parallel=2, world_size=2),
+        config=DEFAULTS,
+        deterministic=True,
+    )
     assert any("context parallelism" in what for what in cp.unpredicted)
 
 
 def test_the_offload_copies_and_window_come_from_the_config_in_force_not_the_flags():
     """An ``install(config)`` run's flags keep their defaults (in-graph, window 1): the prediction
     must follow the config, the staging ring of window + 1 buffers and no note on in-graph copies."""
-    base = dict(fine_grained_activation_offloading=True, min_offloaded_tensor_size=65536,
-                activation_offload_fraction=1.0, offload_modules=["core_attn"], num_layers=4)
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True,
-                       activation_offloading=True, offload_modules=("core_attn",))
+    base = dict(
+        fine_grained_activation_offloading=True,
+        min_offloaded_tensor_size=65536,
+        activation_offload_fraction=1.0,
+        offload_modules=["core_attn"],
+        num_layers=4,
+    )
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        num_layers=4,
+        slot_capture=True,
+        activation_offloading=True,
+        offload_modules=("core_attn",),
+    )
     in_graph = plan_of(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
     per_layer = in_graph.host_arena_bytes // 3  # Megatron keeps the last layer's saves on the GPU
     flags = megatron_args(**base, cg_offload_copies="in-graph", cg_offload_window=1)
     for window in (1, 2):
-        staged = plan_of(flags, facts, config=PluginConfig(
-            slot_capture=True, offload_copies="between-replays", offload_window=window), deterministic=True)
+        staged = plan_of(
+            flags,
+            facts,
+            config=PluginConfig(slot_capture=True, offload_copies="between-replays", offload_window=window),
+            deterministic=True,
+        )
         assert staged.arena_bytes == in_graph.arena_bytes + (window + 1) * per_layer  # the staging ring
         assert staged.unpredicted == ()
-    assert plan_of(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS,
-                   deterministic=True) == in_graph
+    assert (
+        plan_of(megatron_args(**base, cg_offload_copies="between-replays"), facts, config=DEFAULTS, deterministic=True)
+        == in_graph
+    )
 
 
 DENSE_SHAPES = st.builds(
     lambda seq, mb, heads, groups, head_dim, ffn_mult, gated, bias, rmsnorm, rope: LayerShape(
-        seq=seq, micro_batch=mb, hidden=heads * head_dim, ffn=heads * head_dim * ffn_mult, heads=heads,
-        query_groups=groups if heads % groups == 0 else heads, head_dim=head_dim, gated=gated, bias=bias,
-        rmsnorm=rmsnorm, rope=rope),
-    st.sampled_from([128, 256, 512, 2048]), st.integers(1, 2), st.sampled_from([2, 4, 8]), st.sampled_from([1, 2, 4]),
-    st.sampled_from([32, 64]), st.integers(2, 4), st.booleans(), st.booleans(), st.booleans(), st.booleans())
-POLICIES = st.builds(lambda modules, minimum: (tuple(sorted(modules)), minimum),
-                     st.sets(st.sampled_from(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
-                             min_size=1), st.sampled_from([0, 65536, 1024 * 1024]))
+        seq=seq,
+        micro_batch=mb,
+        hidden=heads * head_dim,
+        ffn=heads * head_dim * ffn_mult,
+        heads=heads,
+        query_groups=groups if heads % groups == 0 else heads,
+        head_dim=head_dim,
+        gated=gated,
+        bias=bias,
+        rmsnorm=rmsnorm,
+        rope=rope,
+    ),
+    st.sampled_from([128, 256, 512, 2048]),
+    st.integers(1, 2),
+    st.sampled_from([2, 4, 8]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([32, 64]),
+    st.integers(2, 4),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+POLICIES = st.builds(
+    lambda modules, minimum: (tuple(sorted(modules)), minimum),
+    st.sets(st.sampled_from(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]), min_size=1),
+    st.sampled_from([0, 65536, 1024 * 1024]),
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -546,8 +792,9 @@ def test_slot_offload_moves_arena_bytes_to_the_host_and_leaves_the_rest_alone(sh
     from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
     kept = plan_slot_memory([shape] * layers, modules)
-    offloaded = plan_slot_memory([shape] * layers, modules, OffloadPolicy.from_flags(policy[0],
-                                                                                     min_tensor_elements=policy[1]))
+    offloaded = plan_slot_memory(
+        [shape] * layers, modules, OffloadPolicy.from_flags(policy[0], min_tensor_elements=policy[1])
+    )
     assert offloaded.arena_bytes + offloaded.host_arena_bytes == kept.arena_bytes  # every byte goes one way
     assert 0 <= offloaded.host_arena_bytes <= kept.arena_bytes
     assert (offloaded.pool_bytes, offloaded.boundary_bytes) == (kept.pool_bytes, kept.boundary_bytes)
@@ -575,23 +822,44 @@ def test_fp8_layers_save_their_gemm_inputs_quantized_and_delayed_scaling_also_th
 
 def test_fp8_flags_pick_the_layers_megatron_runs_in_fp8():
     base = dict(fp8="hybrid", fp8_recipe="tensorwise", num_layers=4)
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True,
-                       fp8_recipe="tensorwise")
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine", num_layers=4, slot_capture=True, fp8=True, fp8_recipe="tensorwise"
+    )
     every = plan_of(megatron_args(**base), facts, config=DEFAULTS, deterministic=True)
-    ends = plan_of(megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                                 num_layers_at_end_in_bf16=1), facts, config=DEFAULTS, deterministic=True)
-    plain = plan_of(megatron_args(fp8=None, num_layers=4), dataclasses.replace(facts, fp8=False),
-                    config=DEFAULTS, deterministic=True)
+    ends = plan_of(
+        megatron_args(**base, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1),
+        facts,
+        config=DEFAULTS,
+        deterministic=True,
+    )
+    plain = plan_of(
+        megatron_args(fp8=None, num_layers=4),
+        dataclasses.replace(facts, fp8=False),
+        config=DEFAULTS,
+        deterministic=True,
+    )
     per_layer = (plain.arena_bytes - every.arena_bytes) // 4
     assert per_layer > 0 and ends.arena_bytes == plain.arena_bytes - 2 * per_layer  # layers 2 and 3 in FP8
     assert not any("FP8" in what for what in ends.unpredicted)
-    te_path = plan_of(megatron_args(**base), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True)
+    te_path = plan_of(
+        megatron_args(**base), dataclasses.replace(facts, slot_capture=False), config=DEFAULTS, deterministic=True
+    )
     assert not any("FP8" in what for what in te_path.unpredicted)  # tensorwise is modelled on TE's path too
-    assert te_path.pool_bytes != plan_of(megatron_args(fp8=None, num_layers=4), dataclasses.replace(
-        facts, fp8=False, slot_capture=False), config=DEFAULTS, deterministic=True).pool_bytes
-    mxfp8 = plan_of(megatron_args(**base | {"fp8_recipe": "mxfp8"}),
-                    dataclasses.replace(facts, slot_capture=False, fp8_recipe="mxfp8"),
-                    config=DEFAULTS, deterministic=True)
+    assert (
+        te_path.pool_bytes
+        != plan_of(
+            megatron_args(fp8=None, num_layers=4),
+            dataclasses.replace(facts, fp8=False, slot_capture=False),
+            config=DEFAULTS,
+            deterministic=True,
+        ).pool_bytes
+    )
+    mxfp8 = plan_of(
+        megatron_args(**base | {"fp8_recipe": "mxfp8"}),
+        dataclasses.replace(facts, slot_capture=False, fp8_recipe="mxfp8"),
+        config=DEFAULTS,
+        deterministic=True,
+    )
     assert mxfp8.unpredicted == ("FP8 recipe 'mxfp8' (modelled as tensorwise)",)
 
 
@@ -612,7 +880,10 @@ MEASURED_TE_FP8_POOLS = {
     "4x1024 fp8 delayed attn": (_four_by_1024(fp8_recipe="delayed"), ("attn",), 200),
     "4x1024 fp8 tensorwise attn": (_four_by_1024(fp8_recipe="tensorwise"), ("attn",), 180),
     "4x1024 fp8 attention (non-deterministic)": (
-        _four_by_1024(fp8_recipe="delayed", fp8_attention=True, deterministic=False), (), 318),
+        _four_by_1024(fp8_recipe="delayed", fp8_attention=True, deterministic=False),
+        (),
+        318,
+    ),
     "tiny_gpt_fp8_delayed": ([tiny(fp8_recipe="delayed")] * 3, (), 34),
     "tiny_gpt_fp8_tensorwise": ([tiny(), tiny(fp8_recipe="tensorwise"), tiny(fp8_recipe="tensorwise"), tiny()], (), 38),
     "tiny_gpt_fp8_attention_user_script": (_tiny_attention(fp8_recipe="delayed", fp8_attention=True), (), 12),
@@ -631,8 +902,12 @@ def test_the_te_programs_keep_what_the_slot_arenas_count_as_fp8_saves():
     for TE's pool): a GEMM input kept for backward, 1 byte an element."""
     from megatron_cg_plugin.planner.graph_memory import _graph, fp8_quantized_saves
 
-    in_programs = {"ln1.out": "ln1.out.col", "proj.input": "o.in.col", "ln2.out": "ln2.out.col",
-                   "mlp.act": "mlp.act.in.col"}
+    in_programs = {
+        "ln1.out": "ln1.out.col",
+        "proj.input": "o.in.col",
+        "ln2.out": "ln2.out.col",
+        "mlp.act": "mlp.act.in.col",
+    }
     for recipe in ("delayed", "tensorwise"):
         shape = tiny(fp8_recipe=recipe)
         parts = scope_parts(())
@@ -644,17 +919,35 @@ def test_the_te_programs_keep_what_the_slot_arenas_count_as_fp8_saves():
             else:
                 kept.pop(name, None)
         columnwise = {name: nbytes for name, nbytes in kept.items() if name.endswith(".col")}
-        assert columnwise == {in_programs[name]: shape.tokens * width
-                              for name, width in fp8_quantized_saves(shape, parts).items()}
+        assert columnwise == {
+            in_programs[name]: shape.tokens * width for name, width in fp8_quantized_saves(shape, parts).items()
+        }
 
 
 def test_moe_layers_with_fp8_attention_are_planned_with_bf16_experts():
-    moe = tiny(gated=True, bias=False, fp8_recipe="delayed", fp8_attention=True, heads=2, query_groups=2, head_dim=128,
-               moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384, shared_ffn=256))
+    moe = tiny(
+        gated=True,
+        bias=False,
+        fp8_recipe="delayed",
+        fp8_attention=True,
+        heads=2,
+        query_groups=2,
+        head_dim=128,
+        moe=MoeShape(experts=4, topk=2, ffn=512, rows=4 * 384, shared_ffn=256),
+    )
     assert plan_graph_memory([moe] * 2, ["attn", "moe"]).pool_bytes > 0
-    facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=("attn", "moe"), num_experts=4,
-                       capacity_factor=None, fp8=True, fp8_recipe="delayed")
-    left_out = plan_of(megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, config=DEFAULTS, deterministic=True).unpredicted
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        num_layers=2,
+        modules=("attn", "moe"),
+        num_experts=4,
+        capacity_factor=None,
+        fp8=True,
+        fp8_recipe="delayed",
+    )
+    left_out = plan_of(
+        megatron_args(fp8="hybrid", fp8_recipe="delayed"), facts, config=DEFAULTS, deterministic=True
+    ).unpredicted
     assert "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)" in left_out
 
 
@@ -713,8 +1006,9 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
     facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
     bf16_attention = plan_of(args, facts, config=DEFAULTS, deterministic=True).arena_bytes
-    flagged = plan_of(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts,
-                      config=DEFAULTS, deterministic=True).arena_bytes
+    flagged = plan_of(
+        megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts, config=DEFAULTS, deterministic=True
+    ).arena_bytes
     assert flagged < bf16_attention
     settings = run_settings(args, facts)
     config = types.SimpleNamespace(fp8_dot_product_attention=True)
@@ -723,13 +1017,18 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
     # Nothing beyond the flags (the field at its default, or as the flags said it): nothing to redo.
     assert model_config_adds(settings, config)
     assert not model_config_adds(settings, types.SimpleNamespace(fp8_dot_product_attention=False))
-    assert not model_config_adds(run_settings(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts),
-                                 config)
+    assert not model_config_adds(
+        run_settings(megatron_args(**{**vars(args), "fp8_dot_product_attention": True}), facts), config
+    )
     assert not model_config_adds(settings, object())
     # Under current scaling the planner does not model FP8 attention (--cg-slot-capture refuses it).
     tensorwise = megatron_args(**{**vars(args), "fp8_recipe": "tensorwise", "fp8_dot_product_attention": True})
-    assert plan_of(tensorwise, facts, config=DEFAULTS, deterministic=True).arena_bytes == plan_of(
-        megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, config=DEFAULTS, deterministic=True).arena_bytes
+    assert (
+        plan_of(tensorwise, facts, config=DEFAULTS, deterministic=True).arena_bytes
+        == plan_of(
+            megatron_args(**{**vars(args), "fp8_recipe": "tensorwise"}), facts, config=DEFAULTS, deterministic=True
+        ).arena_bytes
+    )
 
 
 def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_capture(monkeypatch):
@@ -751,16 +1050,28 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
 # The realistic MoE (allocator traces and farm cases): 8 layers x 2048, GQA 16/4, 16 experts top-2, expert ffn
 # 1408, SwiGLU, no biases, RoPE, seq 2048, micro-batch 1, alltoall; TE's pool measured 1468 MiB drop-and-pad
 # (attn moe) and 720 MiB dropless (attn moe_router moe_preprocess); slot capture's arenas 947 MiB (attn moe).
-REALISTIC = LayerShape(seq=2048, micro_batch=1, hidden=2048, ffn=8192, heads=16, query_groups=4, head_dim=128,
-                       gated=True, bias=False, rope=True)
+REALISTIC = LayerShape(
+    seq=2048,
+    micro_batch=1,
+    hidden=2048,
+    ffn=8192,
+    heads=16,
+    query_groups=4,
+    head_dim=128,
+    gated=True,
+    bias=False,
+    rope=True,
+)
 
 
 def realistic_moe(rows: int) -> LayerShape:
     return dataclasses.replace(REALISTIC, moe=MoeShape(experts=16, topk=2, ffn=1408, rows=rows, router_experts=16))
 
 
-@pytest.mark.parametrize("modules, rows, measured", [(["attn", "moe"], 16 * 256, 1539309568),
-                                                     (["attn", "moe_router", "moe_preprocess"], 2048 * 2, 754974720)])
+@pytest.mark.parametrize(
+    "modules, rows, measured",
+    [(["attn", "moe"], 16 * 256, 1539309568), (["attn", "moe_router", "moe_preprocess"], 2048 * 2, 754974720)],
+)
 def test_the_realistic_moe_pool_is_predicted_within_two_percent(modules, rows, measured):
     """Every expert's weight gradients (one grouped GEMM writes them), the second expert GEMM's output kept for
     backward and the preprocess graph's permuted tokens: without them 0.76x and 0.82x."""
@@ -776,21 +1087,28 @@ def test_the_realistic_moe_slot_arenas_hold_the_second_expert_gemms_output():
     assert abs(plan.arena_bytes / 992808960 - 1) <= 0.001
 
 
-@pytest.mark.parametrize("name,measured_mib", [
-    ("gpt_4x2048_docmask_layer_megatron_lm", 17564), ("gpt_4x2048_docmask_attn_megatron_lm", 16792),
-    ("gpt_4x2048_sft_layer_megatron_lm", 33948), ("gpt_4x2048_sft_attn_megatron_lm", 33176)])
+@pytest.mark.parametrize(
+    "name,measured_mib",
+    [
+        ("gpt_4x2048_docmask_layer_megatron_lm", 17564),
+        ("gpt_4x2048_docmask_attn_megatron_lm", 16792),
+        ("gpt_4x2048_sft_layer_megatron_lm", 33948),
+        ("gpt_4x2048_sft_attn_megatron_lm", 33176),
+    ],
+)
 def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(tmp_path, name, measured_mib):
     """Deterministic packed graphs' pools (the four packed farm cases on the GPU) are mostly cuDNN's THD
     backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
     predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
-    from megatron_cg_plugin.planner.prediction import predict_graph_memory
-    from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.launch import dry_run
+    from megatron_cg_plugin.planner.prediction import predict_graph_memory
 
     case, _ = farm.prepare_case(farm.case_folder(name), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
-    args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env,
-                                                 launcher=False)  # Megatron-LM's pretrain_gpt.py, as the farm runs it
+    args, facts, config = dry_run.validated_args(
+        case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env, launcher=False
+    )  # Megatron-LM's pretrain_gpt.py, as the farm runs it
     plan = predict_graph_memory(facts, config)
     assert facts.packed_graphs and not plan.unpredicted
     assert abs(plan.pool_bytes / (measured_mib * MiB) - 1) <= 0.02, plan.pool_bytes / MiB
@@ -798,8 +1116,10 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
 
 def test_a_packed_layers_deterministic_workspace_rounds_its_sequences_up_to_a_power_of_two():
     packed = dataclasses.replace(big(), thd_sequences=21)
-    assert attention_workspace(packed) - attention_workspace(dataclasses.replace(packed, deterministic=False)) == \
-        32 * packed.heads * packed.tokens ** 2 * 2
+    assert (
+        attention_workspace(packed) - attention_workspace(dataclasses.replace(packed, deterministic=False))
+        == 32 * packed.heads * packed.tokens**2 * 2
+    )
     assert attention_workspace(dataclasses.replace(packed, thd_sequences=32)) == attention_workspace(packed)
     assert attention_workspace(dataclasses.replace(packed, thd_sequences=33)) > attention_workspace(packed)
     with pytest.raises(ValueError, match="thd_sequences"):

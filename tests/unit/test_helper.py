@@ -15,16 +15,21 @@ import pytest
 import torch
 from megatron.core.transformer import cuda_graphs as mcg
 
-from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin import capture_lifecycle as helper_module
-from megatron_cg_plugin.capture import stale_graphs
-from megatron_cg_plugin.capture.contracts import ContractViolation
+from megatron_cg_plugin.capture import accounting, stale_graphs
+from megatron_cg_plugin.capture.accounting import MemoryState, TeardownStats
+from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation
 from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError
 from megatron_cg_plugin.capture.transaction import attribute, gc_state
+from megatron_cg_plugin.capture_lifecycle import (
+    CaptureFailedError,
+    InjectedCaptureFailure,
+    PluginHelperMixin,
+    _CaptureTracker,
+    bind_helper_class,
+    scope_label,
+)
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.capture.accounting import MemoryState, TeardownStats
-from megatron_cg_plugin.capture.contracts import CheckedGraph
-from megatron_cg_plugin.capture_lifecycle import CaptureFailedError, InjectedCaptureFailure, PluginHelperMixin, _CaptureTracker, bind_helper_class, scope_label
 from megatron_cg_plugin.session import RunPrediction, RunSession
 
 MiB = 2**20
@@ -102,9 +107,12 @@ def _eager_graph_reaches(params) -> bool:
     """What CUDA sees: a live autograd graph holding a parameter's AccumulateGrad node. Not
     ``find_stale_graphs``, whose holder search refreshes frames' ``f_locals`` snapshots."""
     ids = {id(p) for p in params}
-    return any(issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None
-               and any(id(v) in ids for v in stale_graphs._accumulated_variables(obj.grad_fn))
-               for obj in gc.get_objects())
+    return any(
+        issubclass(type(obj), torch.Tensor)
+        and obj.grad_fn is not None
+        and any(id(v) in ids for v in stale_graphs._accumulated_variables(obj.grad_fn))
+        for obj in gc.get_objects()
+    )
 
 
 class FakeTEBackend:
@@ -120,9 +128,17 @@ class FakeTEBackend:
     reaching a captured layer's parameters is alive.
     """
 
-    def __init__(self, *, memory: FakeMemory | None = None, fail_at: int | None = None,
-                 graph_first: bool = True, drop_last: bool = False, leak_at: int | None = None,
-                 warmup: bool = True, fail_while_stale: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        memory: FakeMemory | None = None,
+        fail_at: int | None = None,
+        graph_first: bool = True,
+        drop_last: bool = False,
+        leak_at: int | None = None,
+        warmup: bool = True,
+        fail_while_stale: bool = False,
+    ) -> None:
         self.te = types.ModuleType("fake_transformer_engine_graph")
         self.te._IS_GRAPH_CAPTURING = False
         self.memory = memory
@@ -197,8 +213,9 @@ class FakeTEBackend:
                 self.capturing_seen.append(self.is_capturing())
                 layer._te_cuda_graph_capture(*sample_args[i], **sample_kwargs[i])
                 if self.fail_while_stale and _eager_graph_reaches(layer.parameters()):
-                    raise RuntimeError("CUDA error: operation would make the legacy stream depend on a "
-                                       "capturing blocking stream")
+                    raise RuntimeError(
+                        "CUDA error: operation would make the legacy stream depend on a capturing blocking stream"
+                    )
                 if self.fail_at == number:
                     raise RuntimeError(f"fake CUDA error: capture of graph {number} failed")
             finally:
@@ -230,7 +247,7 @@ class FakeTEBackend:
         order, before = [], 0
         for count in layers_per_chunk:
             for _ in range(microbatches):
-                order += callables[before:before + count]
+                order += callables[before : before + count]
             before += count
         assert len(order) == n
         return order
@@ -320,16 +337,31 @@ class FakeMegatronHelper:
         if self.fail_input_data:
             raise ValueError("fake schedule error")
         n = len(self.flattened_callables) * self.num_microbatches
-        sample_args = [(torch.zeros(self.seq_length, self.micro_batch_size, HIDDEN, requires_grad=True),)
-                       for _ in range(n)]
-        sample_kwargs = [{"attention_mask": torch.ones(self.micro_batch_size, 1, self.seq_length,
-                                                       self.seq_length, dtype=torch.bool),
-                          "rotary_pos_emb": None} for _ in range(n)]
+        sample_args = [
+            (torch.zeros(self.seq_length, self.micro_batch_size, HIDDEN, requires_grad=True),) for _ in range(n)
+        ]
+        sample_kwargs = [
+            {
+                "attention_mask": torch.ones(
+                    self.micro_batch_size, 1, self.seq_length, self.seq_length, dtype=torch.bool
+                ),
+                "rotary_pos_emb": None,
+            }
+            for _ in range(n)
+        ]
         self.sample_args = sample_args  # the static inputs, as TE keeps them
-        per_chunk = ([1] * len(self.flattened_callables) if self.config.overlap_moe_expert_parallel_comm
-                     else list(self.num_layers_per_chunk))
-        kwargs = {"sample_kwargs": sample_kwargs, "_num_layers_per_chunk": per_chunk,
-                  "allow_unused_input": True, "num_warmup_iters": 1, "fp8_enabled": False}
+        per_chunk = (
+            [1] * len(self.flattened_callables)
+            if self.config.overlap_moe_expert_parallel_comm
+            else list(self.num_layers_per_chunk)
+        )
+        kwargs = {
+            "sample_kwargs": sample_kwargs,
+            "_num_layers_per_chunk": per_chunk,
+            "allow_unused_input": True,
+            "num_warmup_iters": 1,
+            "fp8_enabled": False,
+        }
         self.events.append("input data")
         return sample_args, kwargs
 
@@ -356,9 +388,19 @@ class FakeMegatronHelper:
             before = 0
             for layers in self.callables_per_chunk:
                 for position, layer in enumerate(layers):
-                    layer.cuda_graphs = [graphs[expected_index(before, len(layers), position, mb, self.num_microbatches,
-                                                               self.config.overlap_moe_expert_parallel_comm)]
-                                         for mb in self.hand_out(range(self.num_microbatches))]
+                    layer.cuda_graphs = [
+                        graphs[
+                            expected_index(
+                                before,
+                                len(layers),
+                                position,
+                                mb,
+                                self.num_microbatches,
+                                self.config.overlap_moe_expert_parallel_comm,
+                            )
+                        ]
+                        for mb in self.hand_out(range(self.num_microbatches))
+                    ]
                 before += len(layers)
             self._graphs_created = True
         self._finish_capturing(start_time)
@@ -401,8 +443,12 @@ def make_model(layout: list[int], classes=(FakeLayer,)) -> list[FakeChunk]:
 
 
 def fake_config(modules=(), num_microbatches=1, overlap=False):
-    return types.SimpleNamespace(cuda_graph_modules=list(modules), sequence_parallel=False,
-                                 overlap_moe_expert_parallel_comm=overlap, num_microbatches=num_microbatches)
+    return types.SimpleNamespace(
+        cuda_graph_modules=list(modules),
+        sequence_parallel=False,
+        overlap_moe_expert_parallel_comm=overlap,
+        num_microbatches=num_microbatches,
+    )
 
 
 def expected_index(chunk_layers_before: int, layers_in_chunk: int, layer: int, mb: int, m: int, overlap: bool) -> int:
@@ -469,8 +515,18 @@ def cuda_sync(monkeypatch):
     return calls
 
 
-def build(probe, *, layout=(2,), microbatches=1, modules=(), overlap=False, classes=(FakeLayer,),
-          backend=None, memory=None, **config):
+def build(
+    probe,
+    *,
+    layout=(2,),
+    microbatches=1,
+    modules=(),
+    overlap=False,
+    classes=(FakeLayer,),
+    backend=None,
+    memory=None,
+    **config,
+):
     """The stale-graph scan walks every Python object (~0.3 s); tests not about it turn it off."""
     config.setdefault("stale_graph_check", "off")
     session = RunSession(PluginConfig(**config), probe=probe)
@@ -492,16 +548,19 @@ def mask(seq=SEQ):
 # ====================================================================== scope_label / binding
 
 
-@pytest.mark.parametrize("modules, expected", [
-    ([], "layer"),
-    ((), "layer"),
-    (None, "layer"),
-    ([Scope.attn], "attn"),
-    ([Scope.attn, Scope.moe_router], "attn+moe_router"),
-    ([Scope.moe_router, Scope.attn], "moe_router+attn"),  # Megatron's order is kept
-    (["attn", "mlp"], "attn+mlp"),
-    ([types.SimpleNamespace(name="moe_preprocess"), "mlp"], "moe_preprocess+mlp"),
-])
+@pytest.mark.parametrize(
+    "modules, expected",
+    [
+        ([], "layer"),
+        ((), "layer"),
+        (None, "layer"),
+        ([Scope.attn], "attn"),
+        ([Scope.attn, Scope.moe_router], "attn+moe_router"),
+        ([Scope.moe_router, Scope.attn], "moe_router+attn"),  # Megatron's order is kept
+        (["attn", "mlp"], "attn+mlp"),
+        ([types.SimpleNamespace(name="moe_preprocess"), "mlp"], "moe_preprocess+mlp"),
+    ],
+)
 def test_scope_label(modules, expected):
     assert scope_label(modules) == expected
 
@@ -589,14 +648,23 @@ def _prepare_grads(model):
 
 @pytest.mark.parametrize("graph_first", [True, False], ids=["graph-before-capture", "graph-after-capture"])
 @pytest.mark.parametrize("mode", ["raise", "eager"])
-@pytest.mark.parametrize("layout, microbatches, k", FAILURE_CASES,
-                         ids=[f"{'x'.join(map(str, l))}-mb{m}-graph{k}" for l, m, k in FAILURE_CASES])
-def test_failure_at_every_graph_rolls_everything_back(probe, memory, collections, layout, microbatches, k, mode,
-                                                      graph_first):
+@pytest.mark.parametrize(
+    "layout, microbatches, k",
+    FAILURE_CASES,
+    ids=[f"{'x'.join(map(str, l))}-mb{m}-graph{k}" for l, m, k in FAILURE_CASES],
+)
+def test_failure_at_every_graph_rolls_everything_back(
+    probe, memory, collections, layout, microbatches, k, mode, graph_first
+):
     backend = FakeTEBackend(memory=memory, fail_at=k, graph_first=graph_first)
-    session, backend, model, helper = build(probe, layout=layout, microbatches=microbatches,
-                                            classes=(FakeLayer, FakeLayerWithCall), backend=backend,
-                                            on_capture_error=mode)
+    session, backend, model, helper = build(
+        probe,
+        layout=layout,
+        microbatches=microbatches,
+        classes=(FakeLayer, FakeLayerWithCall),
+        backend=backend,
+        on_capture_error=mode,
+    )
     failing_layer = _graph_layer_numbers(layout, microbatches)[k - 1]
     _prepare_grads(model)
     before = Snapshot(model, backend, helper)
@@ -636,8 +704,10 @@ def test_failure_at_every_graph_rolls_everything_back(probe, memory, collections
 
     stats = helper.capture_stats
     assert stats.graphs == 0 and stats.pool_bytes == 0 and stats.layers == sum(layout)
-    assert re.match(rf"layer {failing_layer} \(forward\): RuntimeError: fake CUDA error: capture of graph {k} failed$",
-                    stats.failure)
+    assert re.match(
+        rf"layer {failing_layer} \(forward\): RuntimeError: fake CUDA error: capture of graph {k} failed$",
+        stats.failure,
+    )
     (scope,) = session.report().scopes
     assert scope.failure == stats.failure
     assert scope.graphs_captured == 0 and scope.replays == 0
@@ -666,10 +736,13 @@ def test_failure_in_warmup_names_the_layer_and_rolls_back(probe, memory):
     before.assert_restored(model, backend, helper)
 
 
-@pytest.mark.parametrize("megatron_flaw, message", [
-    ("fail_input_data", "before any layer ran: ValueError: fake schedule error"),
-    ("skip_capture", "returned without calling make_graphed_callables"),  # a release that captures otherwise
-])
+@pytest.mark.parametrize(
+    "megatron_flaw, message",
+    [
+        ("fail_input_data", "before any layer ran: ValueError: fake schedule error"),
+        ("skip_capture", "returned without calling make_graphed_callables"),  # a release that captures otherwise
+    ],
+)
 def test_failure_before_any_layer_ran(probe, memory, megatron_flaw, message):
     session, backend, model, helper = build(probe, layout=(2,))
     setattr(helper, megatron_flaw, True)
@@ -684,8 +757,9 @@ def test_failure_before_any_layer_ran(probe, memory, megatron_flaw, message):
 @pytest.mark.parametrize("where", ["install", "finish"])
 def test_failure_after_capture_resets_every_graph(probe, memory, where):
     backend = FakeTEBackend(memory=memory, drop_last=where == "install")
-    session, backend, model, helper = build(probe, layout=(2, 1), microbatches=2, backend=backend,
-                                            on_capture_error="eager")
+    session, backend, model, helper = build(
+        probe, layout=(2, 1), microbatches=2, backend=backend, on_capture_error="eager"
+    )
     helper.fail_reset_after_capture = where == "finish"
     _prepare_grads(model)
     before = Snapshot(model, backend, helper)
@@ -711,8 +785,9 @@ def test_failure_after_capture_is_not_blamed_on_the_last_layer(probe, memory):
 # ====================================================================== 2. success path
 
 
-@pytest.mark.parametrize("layout, microbatches, overlap", [
-    ((2, 1), 3, False), ((3,), 2, False), ((1, 2), 2, True), ((2,), 1, False)])
+@pytest.mark.parametrize(
+    "layout, microbatches, overlap", [((2, 1), 3, False), ((3,), 2, False), ((1, 2), 2, True), ((2,), 1, False)]
+)
 def test_every_layer_gets_its_graphs_in_megatrons_order(probe, memory, layout, microbatches, overlap):
     session, backend, model, helper = build(probe, layout=layout, microbatches=microbatches, overlap=overlap)
     helper.create_cudagraphs()
@@ -748,8 +823,9 @@ def test_contracts_follow_the_graphs_megatron_hands_out_by_identity(probe, memor
 
 
 def test_capture_stats_and_cleanup_after_success(probe, memory, capture_clock):
-    session, backend, model, helper = build(probe, layout=(2, 1), microbatches=2, memory=memory,
-                                            modules=[Scope.attn, Scope.moe_router])
+    session, backend, model, helper = build(
+        probe, layout=(2, 1), microbatches=2, memory=memory, modules=[Scope.attn, Scope.moe_router]
+    )
     helper.create_cudagraphs()
 
     stats = helper.capture_stats
@@ -771,8 +847,14 @@ def test_capture_stats_and_cleanup_after_success(probe, memory, capture_clock):
     assert gc.isenabled()
 
     (scope,) = session.report().scopes
-    assert (scope.scope, scope.layers, scope.graphs_captured, scope.pool_bytes, scope.failure,
-            scope.rejected) == ("attn+moe_router", 3, 6, 12 * MiB, None, 0)
+    assert (scope.scope, scope.layers, scope.graphs_captured, scope.pool_bytes, scope.failure, scope.rejected) == (
+        "attn+moe_router",
+        3,
+        6,
+        12 * MiB,
+        None,
+        0,
+    )
 
 
 def test_replay_calls_the_right_graph_and_counts_per_layer(probe, memory):
@@ -817,7 +899,6 @@ def test_session_sees_graphed_steps_after_capture(probe, memory, cuda_sync):
     assert [r.graphed for r in session.iterations] == [False, True, False]
 
 
-
 def test_a_capture_ends_the_eager_iteration_before_it(probe, memory, cuda_sync):
     # Megatron captures between the last eager iteration's training_log and the next train_step:
     # the capture's seconds are in no step (the report gives them as capture seconds).
@@ -831,13 +912,13 @@ def test_a_capture_ends_the_eager_iteration_before_it(probe, memory, cuda_sync):
     session.on_training_log(iteration=2, loss_dict={})
     assert [(r.seconds, r.graphed) for r in session.iterations] == [(2.0, False), (1.0, True)]
 
+
 # ====================================================================== 3. injected failure
 
 
 @pytest.mark.parametrize("layout, microbatches, j", [((3,), 2, 1), ((3,), 2, 3), ((2, 2), 1, 3), ((2, 2), 2, 2)])
 def test_injected_failure_inside_the_capture_of_callable_j(probe, memory, layout, microbatches, j):
-    session, backend, model, helper = build(probe, layout=layout, microbatches=microbatches,
-                                            inject_capture_failure=j)
+    session, backend, model, helper = build(probe, layout=layout, microbatches=microbatches, inject_capture_failure=j)
     before = Snapshot(model, backend, helper)
     with pytest.raises(CaptureFailedError) as info:
         helper.create_cudagraphs()
@@ -879,7 +960,6 @@ def test_injection_beyond_the_last_callable_never_fires(probe, memory):
     session, backend, model, helper = build(probe, layout=(2,), inject_capture_failure=3)
     helper.create_cudagraphs()
     assert helper.graphs_created() and helper.capture_stats.failure is None
-
 
 
 # ====================================================================== 3b. which layer's backward failed
@@ -930,8 +1010,9 @@ def _hooks_left(outputs) -> list:
 @pytest.mark.parametrize("mode", ["raise", "eager"])
 def test_a_failure_in_a_backward_capture_names_that_layer_and_leaves_no_hook(probe, memory, mode):
     backend = ForwardsThenBackwardsBackend(memory=memory)
-    session, backend, model, helper = build(probe, layout=(4,), classes=(GradFakeLayer,), backend=backend,
-                                            on_capture_error=mode)
+    session, backend, model, helper = build(
+        probe, layout=(4,), classes=(GradFakeLayer,), backend=backend, on_capture_error=mode
+    )
     handle = all_layers(model)[2].weight.register_hook(_failing_grad_hook)  # in layer 3's backward
     try:
         with pytest.raises(CaptureFailedError) if mode == "raise" else contextlib.nullcontext() as info:
@@ -1088,8 +1169,7 @@ def test_teardown_resets_every_graph_and_measures(probe, memory, cuda_sync):
     assert all(layer.cuda_graphs == [] for layer in all_layers(model))
     assert all(now is not old for now, old in zip((l.cuda_graphs for l in all_layers(model)), old_lists))
     assert not helper.graphs_created() and not helper.capture_finished()
-    assert helper.teardown_stats == TeardownStats(allocated_delta_bytes=0, pool_bytes_left=0,
-                                                  pinned_host_delta_bytes=0)
+    assert helper.teardown_stats == TeardownStats(allocated_delta_bytes=0, pool_bytes_left=0, pinned_host_delta_bytes=0)
     assert cuda_sync  # synchronized before measuring
     (scope,) = session.report().scopes
     assert (scope.teardown_allocated_delta_bytes, scope.teardown_pool_bytes_left) == (0, 0)
@@ -1106,8 +1186,9 @@ def test_teardown_reports_leaked_pools(probe, memory, cuda_sync):
     helper.create_cudagraphs()
     memory.pinned += 512
     helper.delete_cuda_graphs()
-    assert helper.teardown_stats == TeardownStats(allocated_delta_bytes=MiB, pool_bytes_left=2 * MiB,
-                                                  pinned_host_delta_bytes=512)
+    assert helper.teardown_stats == TeardownStats(
+        allocated_delta_bytes=MiB, pool_bytes_left=2 * MiB, pinned_host_delta_bytes=512
+    )
     text = session.report().format_table()
     assert "after teardown, allocated +1.00 MiB vs before capture, 2.00 MiB left in graph pools" in text
 
@@ -1119,8 +1200,11 @@ def test_teardown_names_what_holds_the_pool_blocks_left(probe, memory, cuda_sync
     kept_after_teardown = torch.zeros(3, 5)  # a capture output some object still holds
     leaked_pool = backend.graphs[1].pool
     block = {"address": kept_after_teardown.untyped_storage().data_ptr(), "size": 60, "state": "active_allocated"}
-    monkeypatch.setattr(accounting, "allocator_segments",
-                        lambda: [{"segment_pool_id": leaked_pool, "total_size": 2 * MiB, "blocks": [block]}])
+    monkeypatch.setattr(
+        accounting,
+        "allocator_segments",
+        lambda: [{"segment_pool_id": leaked_pool, "total_size": 2 * MiB, "blocks": [block]}],
+    )
     helper.delete_cuda_graphs()
     (holder,) = helper.teardown_stats.pool_holders
     assert holder.startswith("(3, 5) torch.float32 held by") and "kept_after_teardown" in holder
@@ -1130,8 +1214,9 @@ def test_teardown_names_what_holds_the_pool_blocks_left(probe, memory, cuda_sync
 def test_capture_and_teardown_drop_the_moe_dispatchers_per_forward_state(probe, memory, cuda_sync):
     session, backend, model, helper = build(probe, layout=(2,))
     moe_layer = all_layers(model)[1]
-    dispatcher = types.SimpleNamespace(cudagraph_attrs=["routing_map", "probs"], routing_map=torch.ones(2),
-                                       probs=torch.ones(2))
+    dispatcher = types.SimpleNamespace(
+        cudagraph_attrs=["routing_map", "probs"], routing_map=torch.ones(2), probs=torch.ones(2)
+    )
     moe_layer.is_moe_layer, moe_layer.mlp = True, types.SimpleNamespace(token_dispatcher=dispatcher)
     helper.create_cudagraphs()
     assert dispatcher.routing_map is None  # the last eager step's, holding its autograd graph
@@ -1156,7 +1241,7 @@ def test_capture_again_after_teardown(probe, memory, cuda_sync):
     helper.create_cudagraphs()
 
     assert helper.graphs_created() and helper.capture_finished()
-    second = backend.graphs[len(first):]
+    second = backend.graphs[len(first) :]
     assert len(second) == 4 and [g.resets for g in second] == [0] * 4
     for layer in all_layers(model):
         assert [w.graph.cuda_graph for w in layer.cuda_graphs] != []
@@ -1231,8 +1316,9 @@ def test_capture_succeeds_once_the_loss_is_gone(probe, memory):
     assert helper.graphs_created()
 
 
-@pytest.mark.parametrize("when, words", [("refuse", "refused after a failed capture"),
-                                         ("before", "refused before capture")])
+@pytest.mark.parametrize(
+    "when, words", [("refuse", "refused after a failed capture"), ("before", "refused before capture")]
+)
 def test_stale_graph_in_eager_mode_names_the_holder(probe, when, words):
     session, backend, model, helper = stale_build(probe, when, on_capture_error="eager")
     kept = [(all_layers(model)[1].weight * 3).mean()]
@@ -1270,8 +1356,9 @@ def test_the_default_check_lists_the_heap_only_after_a_failure(probe, monkeypatc
 
 
 def test_a_failure_with_another_cause_is_reported_as_itself_even_with_a_live_graph(probe, memory):
-    session, backend, model, helper = build(probe, layout=(2,), backend=FakeTEBackend(memory=memory, fail_at=2),
-                                            stale_graph_check="refuse")
+    session, backend, model, helper = build(
+        probe, layout=(2,), backend=FakeTEBackend(memory=memory, fail_at=2), stale_graph_check="refuse"
+    )
     loss = (all_layers(model)[0].weight * 2).sum()
     with pytest.raises(CaptureFailedError, match="capture of graph 2 failed") as info:
         helper.create_cudagraphs()
@@ -1285,8 +1372,9 @@ def test_eager_mode_refusal_after_a_failure_keeps_the_layer_and_cudas_error(prob
     loss = (all_layers(model)[0].weight * 2).sum()
     helper.create_cudagraphs()
     failure = helper.capture_stats.failure
-    assert failure.startswith("refused after a failed capture (layer 1 (forward): RuntimeError: CUDA error: "
-                              "operation would")
+    assert failure.startswith(
+        "refused after a failed capture (layer 1 (forward): RuntimeError: CUDA error: operation would"
+    )
     assert "'loss'" in failure
     del loss
 
@@ -1308,8 +1396,9 @@ class RefusingBackend(FakeTEBackend):
 
     def make_graphed_callables(self, callables, sample_args, **kwargs):
         self.calls.append(dict(kwargs, n=len(sample_args)))
-        raise StaleAutogradGraphError([stale_graphs.StaleGraph(root="SumBackward0 output", parameters=1,
-                                                          holders=("local variable 'x'",))])
+        raise StaleAutogradGraphError(
+            [stale_graphs.StaleGraph(root="SumBackward0 output", parameters=1, holders=("local variable 'x'",))]
+        )
 
 
 def test_a_refusal_raised_inside_the_capture_is_that_refusal_without_another_scan(probe, monkeypatch):
@@ -1352,8 +1441,10 @@ def test_failed_capture_shows_in_the_report_table(probe, memory):
     session, backend, model, helper = build(probe, layout=(2,), backend=backend, on_capture_error="eager")
     helper.create_cudagraphs()
     text = session.report().format_table()
-    assert ("  layer: capture failed and was rolled back: layer 2 (forward): RuntimeError: fake CUDA error: "
-            "capture of graph 2 failed") in text.splitlines()
+    assert (
+        "  layer: capture failed and was rolled back: layer 2 (forward): RuntimeError: fake CUDA error: "
+        "capture of graph 2 failed"
+    ) in text.splitlines()
     assert "after teardown" not in text
 
 
@@ -1391,11 +1482,15 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
         raise RuntimeError("NCCL went away")
 
     monkeypatch.setattr(banked, "capture_banks", failing_capture)
-    _, _, _, helper = build(probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3,
-                            on_capture_error=on_error)
+    _, _, _, helper = build(
+        probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3, on_capture_error=on_error
+    )
     helper.config.max_seqlen_per_dp_cp_rank = 256
     if on_error == "raise":
-        with pytest.raises(CaptureFailedError, match="graph bank capture failed in the capture's setup, before any layer ran: RuntimeError: NCCL went away"):
+        with pytest.raises(
+            CaptureFailedError,
+            match="graph bank capture failed in the capture's setup, before any layer ran: RuntimeError: NCCL went away",
+        ):
             helper.create_cudagraphs()
     else:
         helper.create_cudagraphs()
@@ -1420,8 +1515,9 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(banked, "capture_banks", capture_banks)
-    _, backend, model, helper = build(probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3,
-                                      on_capture_error=on_error)
+    _, backend, model, helper = build(
+        probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3, on_capture_error=on_error
+    )
     helper.config.max_seqlen_per_dp_cp_rank = 256
     _prepare_grads(model)
     before = Snapshot(model, backend, helper)
@@ -1455,8 +1551,11 @@ def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, m
     helper.config.max_seqlen_per_dp_cp_rank = 256
     handle = all_layers(model)[1].weight.register_hook(_failing_grad_hook)
     try:
-        with pytest.raises(CaptureFailedError, match=r"graph bank capture failed in layer 2 \(backward\): "
-                                                     "RuntimeError: a user's gradient hook raised"):
+        with pytest.raises(
+            CaptureFailedError,
+            match=r"graph bank capture failed in layer 2 \(backward\): "
+            "RuntimeError: a user's gradient hook raised",
+        ):
             helper.create_cudagraphs()
     finally:
         handle.remove()
@@ -1484,8 +1583,9 @@ def test_only_megatrons_ddp_counts_as_keeping_parameters_in_place_within_a_step(
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 
-    ddp, megatron_fsdp, torch_fsdp2 = (cls.__new__(cls) for cls in (
-        DistributedDataParallel, FullyShardedDataParallel, TorchFullyShardedDataParallel))
+    ddp, megatron_fsdp, torch_fsdp2 = (
+        cls.__new__(cls) for cls in (DistributedDataParallel, FullyShardedDataParallel, TorchFullyShardedDataParallel)
+    )
     assert helper_module.parameters_stay_within_a_step([ddp, ddp])
     assert not helper_module.parameters_stay_within_a_step([ddp, megatron_fsdp])
     assert not helper_module.parameters_stay_within_a_step([torch_fsdp2])
@@ -1507,8 +1607,12 @@ def test_a_model_that_keeps_its_parameters_has_them_read_once_a_step(probe, memo
         if stays:  # the same step: read at its first microbatch
             assert replay(False) == ("replayed", 0)
         else:
-            assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
+            assert (
+                _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field
                 == "parameter storage"
+            )
     # after the step, a forward of one's own (marked as a later microbatch) reads them
-    assert _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field \
+    assert (
+        _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field
         == "parameter storage"
+    )

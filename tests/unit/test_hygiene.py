@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from megatron_cg_plugin.capture import stale_graphs as hygiene
-from megatron_cg_plugin.capture.stale_graphs import StaleAutogradGraphError, StaleGraph, diagnose_failed_capture, ensure_no_stale_graphs, find_stale_graphs
+from megatron_cg_plugin.capture.stale_graphs import (
+    StaleAutogradGraphError,
+    StaleGraph,
+    diagnose_failed_capture,
+    ensure_no_stale_graphs,
+    find_stale_graphs,
+)
 
 
 class Holder:
@@ -40,8 +46,10 @@ def test_live_loss_reaching_the_params_is_found(weights):
     (stale,) = find_stale_graphs([w])
     assert stale.root == "SumBackward0 output, shape (), torch.float32"
     assert stale.parameters == 1
-    assert any(h.startswith("local variable 'loss' in test_live_loss_reaching_the_params_is_found() (")
-               and __file__ in h for h in stale.holders)
+    assert any(
+        h.startswith("local variable 'loss' in test_live_loss_reaching_the_params_is_found() (") and __file__ in h
+        for h in stale.holders
+    )
     del loss
 
 
@@ -152,8 +160,9 @@ def test_live_graph_is_refused_after_one_collection(weights):
 
 
 def test_error_without_holders_says_so():
-    error = StaleAutogradGraphError([StaleGraph(root="MulBackward0 output, shape (3,), torch.float32",
-                                                parameters=2, holders=())])
+    error = StaleAutogradGraphError(
+        [StaleGraph(root="MulBackward0 output, shape (3,), torch.float32", parameters=2, holders=())]
+    )
     assert "no Python referrer found" in str(error)
     assert "reaching 2 graphed parameter(s)" in str(error)
 
@@ -171,13 +180,16 @@ def test_two_stale_graphs_are_both_listed(weights):
 
 # -- after a failed capture (the default: the heap is listed only then) -----------------------------
 
+
 def _failed_capture(weights) -> RuntimeError:
     """A capture that fails after making outputs whose graphs reach the params, as TE's does;
     the error's traceback keeps the frame, and with it ``output``."""
+
     def capture():
         output = (weights[0] * 3).sum()  # held by this frame, as a failed capture's outputs are
         assert output.requires_grad
         raise RuntimeError("operation would make the legacy stream depend on a capturing blocking stream")
+
     try:
         capture()
     except RuntimeError as error:
@@ -253,9 +265,11 @@ def test_the_plugins_own_refusal_is_no_cuda_symptom(weights):
 def test_on_the_invalidated_capture_alone_only_graphs_with_a_python_holder_are_named(weights):
     """Any error inside a capture invalidates it, and the failed capture's leftovers have no Python
     holder; CUDA's own stale-graph error names them all."""
+
     def closure():
         kept = (weights[1] * 2).sum()
         return lambda: kept  # held by a closure cell: no holder to name
+
     keep = closure()
     invalidated = RuntimeError("CUDA error: operation failed due to a previous error during capture")
     assert diagnose_failed_capture(weights, invalidated, collect=CountingCollect(real=False)) is None
@@ -275,6 +289,7 @@ def test_tolerated_holders_do_not_explain_a_failure():
 
 
 # -- graphs Megatron itself keeps (seen harmless on H200) are tolerated, not refused ------------------
+
 
 class MoEAlltoAllTokenDispatcher:  # the name is what matters: Megatron's dispatchers end in TokenDispatcher
     pass
@@ -372,4 +387,7 @@ def test_holders_are_named_through_slots_and_one_level_up():
     ctx.backward_objects = BackwardArgs(Quantizer())
     scale = ctx.backward_objects.S_quantizer.scale
     # Through a slots dataclass (no __dict__), and naming the field the quantizer sits in.
-    assert "attribute 'scale' of Quantizer, which is attribute 'S_quantizer' of BackwardArgs" in hygiene.describe_holders(scale)
+    assert (
+        "attribute 'scale' of Quantizer, which is attribute 'S_quantizer' of BackwardArgs"
+        in hygiene.describe_holders(scale)
+    )

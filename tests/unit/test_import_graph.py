@@ -47,7 +47,7 @@ def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool,
         base = node.module or ""
         if node.level:  # relative: from the importer's package, one level up per extra dot
             package = importer.split(".") if is_package else importer.split(".")[:-1]
-            package = package[:len(package) - (node.level - 1)]
+            package = package[: len(package) - (node.level - 1)]
             base = ".".join(package + ([base] if base else []))
         names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
     found = []
@@ -78,7 +78,7 @@ def imports(root: Path = ROOT) -> list[Import]:
                         walk(branch, local)
                     continue
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    text = "\n".join(lines[child.lineno - 1:child.end_lineno])
+                    text = "\n".join(lines[child.lineno - 1 : child.end_lineno])
                     for target in _targets(child, importer, path.name == "__init__.py", set(known)):
                         if target != importer:
                             found.append(Import(importer, target, child.lineno, local, bool(DEFERRED.search(text))))
@@ -153,8 +153,10 @@ def _cycle_in(component: set[str], edges: dict[str, set[str]]) -> list[str]:
 def cycle_problems(root: Path = ROOT) -> list[str]:
     """One line per import cycle of the package at ``root``, naming every module on cycles with it."""
     edges = graph(imports(root))
-    return [f"{' -> '.join(cycle)}  (and every cycle among {', '.join(sorted(_component(cycle[0], edges)))})"
-            for cycle in cycles(edges)]
+    return [
+        f"{' -> '.join(cycle)}  (and every cycle among {', '.join(sorted(_component(cycle[0], edges)))})"
+        for cycle in cycles(edges)
+    ]
 
 
 def test_the_package_has_no_import_cycle():
@@ -164,6 +166,7 @@ def test_the_package_has_no_import_cycle():
 
 def _component(start: str, edges: dict[str, set[str]]) -> set[str]:
     """The modules on some cycle through ``start``: reached from it and reaching it."""
+
     def reached(frm: str, step) -> set[str]:
         seen, todo = {frm}, [frm]
         while todo:
@@ -183,9 +186,11 @@ def _component(start: str, edges: dict[str, set[str]]) -> set[str]:
 def test_function_local_imports_of_the_plugin_say_why_they_wait():
     local = [item for item in imports() if item.local]
     unmarked = [f"{item.importer} (line {item.line}) imports {item.imported}" for item in local if not item.marked]
-    assert not unmarked, (f"{len(unmarked)} of the {len(local)} function-local imports of the plugin's own modules give "
-                          "no reason: import at the top, or add '# deferred: <why>' (a heavy dependency the importing "
-                          "module stays free of):\n" + "\n".join(unmarked))
+    assert not unmarked, (
+        f"{len(unmarked)} of the {len(local)} function-local imports of the plugin's own modules give "
+        "no reason: import at the top, or add '# deferred: <why>' (a heavy dependency the importing "
+        "module stays free of):\n" + "\n".join(unmarked)
+    )
 
 
 def test_the_graph_sees_the_package_as_it_is():
@@ -205,22 +210,28 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_cycle_through_a_local_import_is_found_and_named(tmp_path):
-    root = _package(tmp_path, {
-        "a.py": "from pkg import b\n",
-        "b.py": "import pkg.sub.c\n",
-        "sub/__init__.py": "",
-        "sub/c.py": "def f():\n    from .. import a  # deferred: a reason does not make a cycle right\n",
-        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "a.py": "from pkg import b\n",
+            "b.py": "import pkg.sub.c\n",
+            "sub/__init__.py": "",
+            "sub/c.py": "def f():\n    from .. import a  # deferred: a reason does not make a cycle right\n",
+            "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n",
+        },
+    )
     assert cycles(graph(imports(root))) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
 
 
 def test_unmarked_local_imports_are_told_apart_from_marked_ones(tmp_path):
-    root = _package(tmp_path, {
-        "a.py": "import os\n\ndef f():\n    import json\n    from pkg.b import thing\n\n"
-                "def g():\n    from pkg import b  # deferred: b imports torch\n",
-        "b.py": "thing = 1\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "a.py": "import os\n\ndef f():\n    import json\n    from pkg.b import thing\n\n"
+            "def g():\n    from pkg import b  # deferred: b imports torch\n",
+            "b.py": "thing = 1\n",
+        },
+    )
     found = [(item.line, item.imported, item.local, item.marked) for item in imports(root)]
     assert found == [(5, "pkg.b", True, False), (8, "pkg.b", True, True)]
 
@@ -251,27 +262,36 @@ def folder_graph(found: list[Import]) -> dict[str, set[str]]:
     return edges
 
 
-
-
 def folder_cycle_problems(root: Path = ROOT, known: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
     """One line per loop between the folders of the package at ``root`` (``known`` imports left out)."""
     edges = folder_graph([item for item in imports(root) if (item.importer, item.imported) not in known])
-    return [f"{' -> '.join(cycle)}  (and every loop among {', '.join(sorted(_component(cycle[0], edges)))})"
-            for cycle in cycles(edges)]
+    return [
+        f"{' -> '.join(cycle)}  (and every loop among {', '.join(sorted(_component(cycle[0], edges)))})"
+        for cycle in cycles(edges)
+    ]
 
 
 def test_the_folders_import_each_other_without_a_loop():
     problems = folder_cycle_problems()
-    assert not problems, ("folders that import each other (a feature folder imports only folders below it; move "
-                          "the module that sits above its folder):\n" + "\n".join(problems))
+    assert not problems, (
+        "folders that import each other (a feature folder imports only folders below it; move "
+        "the module that sits above its folder):\n" + "\n".join(problems)
+    )
 
 
 def test_a_loop_between_folders_is_found_and_top_level_modules_are_folders_of_their_own(tmp_path):
-    root = _package(tmp_path, {
-        "a/__init__.py": "", "a/low.py": "", "a/high.py": "from pkg.b import user\n",
-        "b/__init__.py": "", "b/user.py": "from pkg.a import low\nfrom pkg import c\n",
-        "c.py": "", "d.py": "import pkg.a.high\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "a/__init__.py": "",
+            "a/low.py": "",
+            "a/high.py": "from pkg.b import user\n",
+            "b/__init__.py": "",
+            "b/user.py": "from pkg.a import low\nfrom pkg import c\n",
+            "c.py": "",
+            "d.py": "import pkg.a.high\n",
+        },
+    )
     # No module imports itself back, yet a and b import each other; c and d are folders of their own.
     assert cycle_problems(root) == []
     assert folder_graph(imports(root)) == {"a": {"b"}, "b": {"a", "c"}, "d": {"a"}}
@@ -308,24 +328,33 @@ def layer_problems(root: Path = ROOT, text: str | None = None) -> list[str]:
     height = {}  # module -> its layer's height (the bottom layer is 0)
     problems = []
     for module in module_names(root):
-        places = [(len(layers) - 1 - index, name) for index, (name, patterns) in enumerate(layers)
-                  if any(_matches(module, pattern) for pattern in patterns)]
+        places = [
+            (len(layers) - 1 - index, name)
+            for index, (name, patterns) in enumerate(layers)
+            if any(_matches(module, pattern) for pattern in patterns)
+        ]
         if len(places) != 1:
-            problems.append(f"{module} is in {len(places)} layers ({', '.join(n for _, n in places) or 'none'}): "
-                            "place it in exactly one in docs/architecture.md's ```layers block")
+            problems.append(
+                f"{module} is in {len(places)} layers ({', '.join(n for _, n in places) or 'none'}): "
+                "place it in exactly one in docs/architecture.md's ```layers block"
+            )
         elif places:
             height[module] = places[0]
     for item in imports(root):
         if item.importer in height and item.imported in height and height[item.importer][0] < height[item.imported][0]:
-            problems.append(f"{item.importer} (layer {height[item.importer][1]}, line {item.line}) imports "
-                            f"{item.imported} (layer {height[item.imported][1]}, above it)")
+            problems.append(
+                f"{item.importer} (layer {height[item.importer][1]}, line {item.line}) imports "
+                f"{item.imported} (layer {height[item.imported][1]}, above it)"
+            )
     return problems
 
 
 def test_every_import_points_down_the_documented_layers():
     problems = layer_problems()
-    assert not problems, ("docs/architecture.md's layers and the imports disagree (move the code, or the module to "
-                          "another layer where that is what it is):\n" + "\n".join(problems))
+    assert not problems, (
+        "docs/architecture.md's layers and the imports disagree (move the code, or the module to "
+        "another layer where that is what it is):\n" + "\n".join(problems)
+    )
 
 
 def test_the_layers_block_names_only_modules_that_exist():
@@ -341,8 +370,12 @@ def test_the_foreign_state_primitive_imports_nothing_of_the_plugin():
     imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.foreign_state"}
     assert imported == set()
     users = {item.importer for item in imports() if item.imported == "megatron_cg_plugin.foreign_state"}
-    assert {"megatron_cg_plugin.patching.ledger", "megatron_cg_plugin.capture.transaction",
-            "megatron_cg_plugin.bench.command", "megatron_cg_plugin.installation"} <= users
+    assert {
+        "megatron_cg_plugin.patching.ledger",
+        "megatron_cg_plugin.capture.transaction",
+        "megatron_cg_plugin.bench.command",
+        "megatron_cg_plugin.installation",
+    } <= users
 
 
 LAYERED = """
@@ -354,13 +387,16 @@ bottom  b
 
 
 def test_an_import_that_points_up_is_found_even_deferred(tmp_path):
-    root = _package(tmp_path, {
-        "a.py": "from pkg import b\n",
-        "b.py": "def f():\n    from pkg.sub import c  # deferred: a reason does not make it point down\n",
-        "sub/__init__.py": "",
-        "sub/c.py": "",
-        "d.py": "",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "a.py": "from pkg import b\n",
+            "b.py": "def f():\n    from pkg.sub import c  # deferred: a reason does not make it point down\n",
+            "sub/__init__.py": "",
+            "sub/c.py": "",
+            "d.py": "",
+        },
+    )
     problems = layer_problems(root, LAYERED)
     assert problems == [
         "pkg is in 0 layers (none): place it in exactly one in docs/architecture.md's ```layers block",

@@ -20,14 +20,13 @@ import pytest
 import torch
 
 import megatron_cg_plugin
-from megatron_cg_plugin import compat
+from megatron_cg_plugin import compat, foreign_state
 from megatron_cg_plugin import installation as integration
-from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin import foreign_state
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig, add_plugin_args
-from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
+from megatron_cg_plugin.patching import builders as patch_builders
+from megatron_cg_plugin.patching import ledger as patches
 from megatron_cg_plugin.patching.ledger import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 
@@ -171,24 +170,21 @@ def test_install_again_after_uninstall():
 
 
 def test_install_refuses_unsupported_megatron_core_and_patches_nothing(monkeypatch):
-    monkeypatch.setattr(compat, "installed_versions",
-                        lambda: Versions(torch.__version__, "0.18.0", None))
+    monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.18.0", None))
     with pytest.raises(UnsupportedVersionError, match=r">=0\.19\.2,<0\.20\.0"):
         integration.install()
     assert_pristine()
 
 
 def test_install_refuses_unsupported_transformer_engine(monkeypatch):
-    monkeypatch.setattr(compat, "installed_versions",
-                        lambda: Versions(torch.__version__, "0.19.2", "2.19.0"))
+    monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.19.2", "2.19.0"))
     with pytest.raises(UnsupportedVersionError, match="transformer-engine"):
         integration.install()
     assert_pristine()
 
 
 def test_install_without_transformer_engine_is_allowed(monkeypatch):
-    monkeypatch.setattr(compat, "installed_versions",
-                        lambda: Versions(torch.__version__, "0.19.2", None))
+    monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.19.2", None))
     assert integration.install() is integration.active_session()
 
 
@@ -207,8 +203,14 @@ def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
 
 def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_module):
     target = fake_module(g=lambda a: a)
-    failing = Patch(name="failing", module=target.__name__, attribute="g", reason="test",
-                    expected_params=("does_not_exist",), build=lambda original, session: original)
+    failing = Patch(
+        name="failing",
+        module=target.__name__,
+        attribute="g",
+        reason="test",
+        expected_params=("does_not_exist",),
+        build=lambda original, session: original,
+    )
     monkeypatch.setattr(integration, "PatchSet", lambda patches: PatchSet((*patches, failing)))
     with pytest.raises(SignatureMismatchError, match="does_not_exist"):
         integration.install()
@@ -218,10 +220,21 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
 
 
 def test_real_patches_match_installed_megatron():
-    assert [patch.name for patch in PATCHES] == ["plugin-args", "validate-args-rules", "train-step-timer",
-                                                  "train-end-report", "helper-swap", "training-log-tap",
-                                                  "mtp-loss-tap", "prebuilt-dataset-helpers", "strided-weak-ref",
-                                                  "offload-reload-waits-for-its-copy", "packed-thd-layout", "packed-graph-capture", "packed-graph-replay"]
+    assert [patch.name for patch in PATCHES] == [
+        "plugin-args",
+        "validate-args-rules",
+        "train-step-timer",
+        "train-end-report",
+        "helper-swap",
+        "training-log-tap",
+        "mtp-loss-tap",
+        "prebuilt-dataset-helpers",
+        "strided-weak-ref",
+        "offload-reload-waits-for-its-copy",
+        "packed-thd-layout",
+        "packed-graph-capture",
+        "packed-graph-replay",
+    ]
     assert len({patch.where for patch in PATCHES}) == len(PATCHES)
     for patch in PATCHES:
         assert patch.reason.strip()
@@ -271,19 +284,33 @@ def test_install_without_config_or_parsed_args_gives_default_config():
 def test_install_without_config_reads_cg_flags_when_training_starts(monkeypatch, tmp_path):
     session = integration.install()  # before Megatron parsed anything
     parser = add_plugin_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"),
-                              "--cg-no-report"])
+    args = parser.parse_args(
+        ["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"), "--cg-no-report"]
+    )
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
-    assert session.config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json",
-                                          print_report=False)
+    assert session.config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json", print_report=False)
 
 
 def megatron_namespace(monkeypatch, *flags: str) -> argparse.Namespace:
     """What a script that parsed Megatron's flags without the plugin's holds."""
     from megatron.training.arguments import parse_args
 
-    monkeypatch.setattr(sys, "argv", ["script", "--num-layers", "2", "--hidden-size", "64",
-                                      "--num-attention-heads", "4", "--micro-batch-size", "1", *flags])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "script",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--micro-batch-size",
+            "1",
+            *flags,
+        ],
+    )
     return parse_args()
 
 
@@ -406,13 +433,16 @@ def _raising_build(original, session):
     raise RuntimeError("build failed")
 
 
-@pytest.mark.parametrize("second, error", [
-    (dict(attribute="g", expected_params=("no_such_param",)), SignatureMismatchError),
-    (dict(attribute="g", builder=_raising_build), RuntimeError),
-    (dict(attribute="missing_attribute"), AttributeError),
-    (dict(attribute="g", module="no_such_module_for_cg_tests"), ModuleNotFoundError),
-    (dict(attribute="g", expected_methods=("reset",)), SignatureMismatchError),
-])
+@pytest.mark.parametrize(
+    "second, error",
+    [
+        (dict(attribute="g", expected_params=("no_such_param",)), SignatureMismatchError),
+        (dict(attribute="g", builder=_raising_build), RuntimeError),
+        (dict(attribute="missing_attribute"), AttributeError),
+        (dict(attribute="g", module="no_such_module_for_cg_tests"), ModuleNotFoundError),
+        (dict(attribute="g", expected_methods=("reset",)), SignatureMismatchError),
+    ],
+)
 def test_apply_all_is_all_or_nothing(fake_module, second, error):
     target = fake_module(f=_f, g=_g)
     good = _patch("good", target.__name__, "f", "test", expected_params=("x", "y"))
@@ -477,10 +507,23 @@ def test_class_patch_checks_init_and_methods(fake_module):
 
 
 def _fake_training_log_factory(calls):
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                     report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad,
-                     max_attention_logit, pg_collection=None, is_first_iteration=False,
-                     seqlen_squared_sum_in_batch=None, total_real_tokens_in_batch=None):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        max_attention_logit,
+        pg_collection=None,
+        is_first_iteration=False,
+        seqlen_squared_sum_in_batch=None,
+        total_real_tokens_in_batch=None,
+    ):
         calls.append(dict(locals()))
         return "report_memory_flag_out"
 
@@ -534,7 +577,7 @@ def test_training_log_tap_positional_call(tapped):
 
 
 def test_training_log_tap_keyword_call(tapped):
-    names = list(inspect.signature(tapped.original).parameters)[:len(POSITIONAL)]
+    names = list(inspect.signature(tapped.original).parameters)[: len(POSITIONAL)]
     kwargs = dict(zip(names, POSITIONAL))
     kwargs["iteration"], kwargs["num_zeros_in_grad"] = 9, None
     result = tapped.target.training_log(**kwargs)
@@ -546,9 +589,17 @@ def test_training_log_tap_keyword_call(tapped):
 
 def test_training_log_tap_mixed_call_like_megatrons_train_loop(tapped):
     # train() passes the first eleven positionally and the rest by keyword (training.py l.3985).
-    tapped.target.training_log(*POSITIONAL[:3], iteration=3, loss_scale=1.0, report_memory_flag=False,
-                               skipped_iter=0, grad_norm=None, params_norm=None,
-                               num_zeros_in_grad=torch.tensor(5.0), max_attention_logit=None)
+    tapped.target.training_log(
+        *POSITIONAL[:3],
+        iteration=3,
+        loss_scale=1.0,
+        report_memory_flag=False,
+        skipped_iter=0,
+        grad_norm=None,
+        params_norm=None,
+        num_zeros_in_grad=torch.tensor(5.0),
+        max_attention_logit=None,
+    )
     (logged,) = tapped.session.logged
     assert logged["iteration"] == 3 and float(logged["num_zeros_in_grad"]) == 5.0
 
@@ -567,6 +618,7 @@ def test_training_log_tap_feeds_a_real_session(fake_module, probe, clock):
 def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_module, probe, clock):
     """No --cg-metrics-out, no --cg-report-out, --cg-no-report: Megatron's training_log and MTP
     logging run as they would without the plugin, and the session sees no call."""
+
     class Untimed(RecordingSession):
         times_steps = keeps_values = False
 
@@ -588,16 +640,30 @@ def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_mod
             return "Megatron's result"
 
     real = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
-    assert patch_builders.build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})) == \
-        "Megatron's result"
+    assert (
+        patch_builders.build_mtp_loss_tap(Helper, real).track_mtp_metrics(
+            1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})
+        )
+        == "Megatron's result"
+    )
     assert real._pending_mtp == {}
 
 
 # What waits for the device or reads a device value to the host: none may run on the step path.
-DEVICE_READS = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
-                (torch.cuda.Event, "elapsed_time"), (torch.Tensor, "item"), (torch.Tensor, "cpu"),
-                (torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.Tensor, "to"), (torch.Tensor, "__float__"),
-                (torch.Tensor, "__int__"), (torch.Tensor, "__bool__")]
+DEVICE_READS = [
+    (torch.cuda, "synchronize"),
+    (torch.cuda.Stream, "synchronize"),
+    (torch.cuda.Event, "synchronize"),
+    (torch.cuda.Event, "elapsed_time"),
+    (torch.Tensor, "item"),
+    (torch.Tensor, "cpu"),
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "numpy"),
+    (torch.Tensor, "to"),
+    (torch.Tensor, "__float__"),
+    (torch.Tensor, "__int__"),
+    (torch.Tensor, "__bool__"),
+]
 
 
 @contextlib.contextmanager
@@ -609,6 +675,7 @@ def device_reads_forbidden():
         def call(*args, **kwargs):
             seen.append(name)
             raise AssertionError(f"{name} ran on the recording's step path")
+
         return call
 
     with contextlib.ExitStack() as stack:
@@ -621,8 +688,9 @@ def test_the_recording_path_never_waits_for_the_device_per_step(tmp_path):
     """A run with --cg-metrics-out and --cg-report-out, through the patches' own code (the
     train_step timer, the training_log and MTP taps) and the real device probe: 40 iterations
     with device reads made to fail; the values are read once, when the run ends."""
-    config = PluginConfig(metrics_out=tmp_path / "metrics.json", report_out=tmp_path / "report.json",
-                          print_report=False)
+    config = PluginConfig(
+        metrics_out=tmp_path / "metrics.json", report_out=tmp_path / "report.json", print_report=False
+    )
     session = RunSession(config)  # CudaProbe: the allocator's host counters
     weight = torch.ones(3, requires_grad=True)
 
@@ -654,8 +722,14 @@ def test_the_forbidden_device_reads_are_caught():
     """The guard itself: each way the recording could wait for the device fails inside it."""
     value = torch.ones(1)
     with device_reads_forbidden() as seen:
-        for read in (value.item, value.cpu, value.tolist, lambda: float(value), lambda: bool(value),
-                     torch.cuda.synchronize):
+        for read in (
+            value.item,
+            value.cpu,
+            value.tolist,
+            lambda: float(value),
+            lambda: bool(value),
+            torch.cuda.synchronize,
+        ):
             with pytest.raises(AssertionError, match="ran on the recording's step path"):
                 read()
     assert len(seen) == 6
@@ -830,8 +904,16 @@ def test_train_step_timer_marks_each_iteration(probe, clock):
     assert session.iterations[0].seconds == 0.5
 
 
-def _train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                forward_backward_func, iteration=None):
+def _train_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    config,
+    forward_backward_func,
+    iteration=None,
+):
     """Megatron 0.19's train_step signature: around the schedule, work of its own (optimizer step ...)."""
     before = model.step_now()
     during = forward_backward_func()
@@ -855,13 +937,13 @@ def test_a_forward_of_a_wrapped_train_step_after_its_schedule_reads_the_held_sta
     # A train_step of one's own (installed before the plugin) that moves a parameter and runs a forward after
     # Megatron's schedule: Megatron marks that forward as a later microbatch; it is outside the step's marks.
     import torch
+
     from megatron_cg_plugin.capture.contracts import ContractViolation, ReplayContract
     from megatron_cg_plugin.config import ContractCheck
 
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     weight = torch.nn.Parameter(torch.ones(3))
-    contract = ReplayContract.record("g", (torch.zeros(2),), {}, params=[("w", weight)],
-                                     step_marks=session.step_marks)
+    contract = ReplayContract.record("g", (torch.zeros(2),), {}, params=[("w", weight)], step_marks=session.step_marks)
 
     def replay(first):
         contract.check((torch.zeros(2),), {"is_first_microbatch": first}, mode=ContractCheck.FULL)
@@ -870,8 +952,16 @@ def test_a_forward_of_a_wrapped_train_step_after_its_schedule_reads_the_held_sta
         for first in (True, False):  # the first replay reads the held state, the second skips it
             replay(first)
 
-    def users_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                         forward_backward_func, iteration=None):
+    def users_train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):
         forward_backward_func()
         weight.data = torch.ones(3)
         replay(False)
@@ -954,10 +1044,19 @@ def test_every_change_the_package_makes_names_a_listed_entry():
     for path in Path(megatron_cg_plugin.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
-                named += [(path.name, keyword.value.value) for keyword in node.keywords if keyword.arg == "change"
-                          and isinstance(keyword.value, ast.Constant)]
-    assert {name for _, name in named} >= {"megatron-capture-call", "layer-capture-tracker", "tracked-cuda-graphs",
-                                           "offload-group-names", "bench-train-step", "te-capture-flag"}
+                named += [
+                    (path.name, keyword.value.value)
+                    for keyword in node.keywords
+                    if keyword.arg == "change" and isinstance(keyword.value, ast.Constant)
+                ]
+    assert {name for _, name in named} >= {
+        "megatron-capture-call",
+        "layer-capture-tracker",
+        "tracked-cuda-graphs",
+        "offload-group-names",
+        "bench-train-step",
+        "te-capture-flag",
+    }
     unlisted = [(file, name) for file, name in named if name not in listed]
     assert not unlisted, f"list these changes in patching/ledger.py: {unlisted}"
 
@@ -984,20 +1083,31 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.moe import moe_utils
 
-    before = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
-              rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-              moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
-    with pytest.raises(KeyError):
-        with integration.gpu_host_stand_ins():
-            assert torch.cuda.get_device_capability() == (9, 0)
-            assert rope_utils.fused_apply_rotary_pos_emb is not None
-            assert moe_utils.fused_permute is not None
-            # Megatron's TE-gated config checks see a supported TE, not 0.0.0.
-            assert megatron_utils.is_te_min_version("2.6.0dev0")
-            raise KeyError("restored on an error too")
-    after = (torch.cuda.get_device_capability, torch.cuda.get_device_properties,
-             rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd,
-             moe_utils.fused_permute, moe_utils.fused_unpermute, megatron_utils._te_version)
+    before = (
+        torch.cuda.get_device_capability,
+        torch.cuda.get_device_properties,
+        rope_utils.fused_apply_rotary_pos_emb,
+        rope_utils.fused_apply_rotary_pos_emb_thd,
+        moe_utils.fused_permute,
+        moe_utils.fused_unpermute,
+        megatron_utils._te_version,
+    )
+    with pytest.raises(KeyError), integration.gpu_host_stand_ins():
+        assert torch.cuda.get_device_capability() == (9, 0)
+        assert rope_utils.fused_apply_rotary_pos_emb is not None
+        assert moe_utils.fused_permute is not None
+        # Megatron's TE-gated config checks see a supported TE, not 0.0.0.
+        assert megatron_utils.is_te_min_version("2.6.0dev0")
+        raise KeyError("restored on an error too")
+    after = (
+        torch.cuda.get_device_capability,
+        torch.cuda.get_device_properties,
+        rope_utils.fused_apply_rotary_pos_emb,
+        rope_utils.fused_apply_rotary_pos_emb_thd,
+        moe_utils.fused_permute,
+        moe_utils.fused_unpermute,
+        megatron_utils._te_version,
+    )
     assert all(a is b for a, b in zip(before, after, strict=True))
 
 
@@ -1007,8 +1117,10 @@ def test_scoped_leaves_an_attribute_absent_where_the_owner_had_none_of_its_own(f
             return "the class's"
 
     layer, module = Layer(), fake_module()
-    with foreign_state.setting(layer, "capture", lambda: "lent", change="megatron-capture-call"), \
-            foreign_state.setting(module, "make_graphed_callables", len, change="megatron-capture-call"):
+    with (
+        foreign_state.setting(layer, "capture", lambda: "lent", change="megatron-capture-call"),
+        foreign_state.setting(module, "make_graphed_callables", len, change="megatron-capture-call"),
+    ):
         assert layer.capture() == "lent" and module.make_graphed_callables is len
     assert "capture" not in vars(layer) and layer.capture() == "the class's"  # the method again, no copy of it
     assert not hasattr(module, "make_graphed_callables")
@@ -1042,10 +1154,9 @@ def test_scoped_te_capture_flag_is_restored(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.graph", graph)
     sys.modules["transformer_engine.pytorch"].graph = graph
-    with pytest.raises(ValueError):
-        with backend.te_capture_flag():
-            assert graph._IS_GRAPH_CAPTURING is True
-            raise ValueError("capture failed")
+    with pytest.raises(ValueError), backend.te_capture_flag():
+        assert graph._IS_GRAPH_CAPTURING is True
+        raise ValueError("capture failed")
     assert graph._IS_GRAPH_CAPTURING is False
 
 
@@ -1069,16 +1180,20 @@ def test_install_refuses_a_private_method_whose_parameters_changed(monkeypatch):
 
 def _users_patch(method):
     """A user's own patch of a Megatron method, made without functools.wraps."""
+
     def patched(self, *args, **kwargs):
         return method(self, *args, **kwargs)
 
     return patched
 
 
-@pytest.mark.parametrize("module, owner, name", [
-    ("megatron.core.transformer.transformer_layer", "TransformerLayer", "_forward_attention"),  # its parameters
-    ("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", "create_cudagraphs"),  # the calls it makes
-])
+@pytest.mark.parametrize(
+    "module, owner, name",
+    [
+        ("megatron.core.transformer.transformer_layer", "TransformerLayer", "_forward_attention"),  # its parameters
+        ("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", "create_cudagraphs"),  # the calls it makes
+    ],
+)
 def test_install_takes_a_private_method_wrapped_with_functools_wraps(monkeypatch, module, owner, name):
     cls = getattr(importlib.import_module(module), owner)
     method = getattr(cls, name)
@@ -1104,8 +1219,11 @@ def test_install_names_a_wrapped_create_cudagraphs_whose_calls_it_cannot_see(mon
 
     method = cuda_graphs.TECudaGraphHelper.create_cudagraphs
     monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "create_cudagraphs", _users_patch(method))
-    with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables.* Found "
-                       f"{__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped"):
+    with pytest.raises(
+        SignatureMismatchError,
+        match="no longer calls make_graphed_callables.* Found "
+        f"{__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped",
+    ):
         integration.install()
     assert_pristine()
 
@@ -1156,8 +1274,10 @@ def test_scoped_puts_back_an_attribute_a_property_of_its_class_holds():
         helper = staticmethod(len)
 
     layer = Layer()
-    with foreign_state.setting(layer, "flag", False, change="offload-in-graph-flag"), \
-            foreign_state.setting(Holder, "helper", abs, change="megatron-capture-call"):
+    with (
+        foreign_state.setting(layer, "flag", False, change="offload-in-graph-flag"),
+        foreign_state.setting(Holder, "helper", abs, change="megatron-capture-call"),
+    ):
         assert layer.flag is False and Holder.helper is abs
     assert layer.flag is True and "flag" not in vars(layer)
     assert isinstance(vars(Holder)["helper"], staticmethod) and Holder.helper is len  # stored as it was
@@ -1177,11 +1297,16 @@ def test_a_class_method_patch_goes_back_to_the_class_as_it_was(fake_module):
 
     own = vars(Child)["own"]
     target = fake_module(Child=Child)
+
     def build(original, session):
         return lambda self: ("wrapped", original(self))
 
-    patch_set = PatchSet((Patch("own", target.__name__, "Child.own", "test", build=build),
-                          Patch("inherited", target.__name__, "Child.inherited", "test", build=build)))
+    patch_set = PatchSet(
+        (
+            Patch("own", target.__name__, "Child.own", "test", build=build),
+            Patch("inherited", target.__name__, "Child.inherited", "test", build=build),
+        )
+    )
     patch_set.apply_all(None)
     assert (Child().own(), Child().inherited()) == (("wrapped", "own"), ("wrapped", "base"))
     assert patch_set.original("own") is own
@@ -1200,7 +1325,11 @@ def test_the_packed_graph_patches_reach_megatrons_classes():
         assert all(now is not before and now.__wrapped__ is before for now, before in zip(patched, originals))
     finally:
         integration.uninstall()
-    assert (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay) == originals
+    assert (
+        GPTModel.forward,
+        TransformerLayer._te_cuda_graph_capture,
+        TransformerLayer._te_cuda_graph_replay,
+    ) == originals
 
 
 def test_an_offloaded_tensor_is_reloaded_only_after_its_copy_to_the_host(monkeypatch):

@@ -46,8 +46,13 @@ def _check_allreduce(res: LaunchResult, nproc: int, tag: str) -> None:
 def test_two_ranks_allreduce_and_env(tmp_path):
     tag = uuid.uuid4().hex
     # The caller cannot turn NVLink multicast back on.
-    res = launch([str(SCRIPTS / "allreduce_rank.py")], nproc=2, log_dir=tmp_path, timeout_s=120,
-                 env={"MCG_TEST_VAR": tag, "NCCL_NVLS_ENABLE": "1"})
+    res = launch(
+        [str(SCRIPTS / "allreduce_rank.py")],
+        nproc=2,
+        log_dir=tmp_path,
+        timeout_s=120,
+        env={"MCG_TEST_VAR": tag, "NCCL_NVLS_ENABLE": "1"},
+    )
     _check_allreduce(res, 2, tag)
     logs = sorted(p.relative_to(tmp_path).parts[-2:] for p in tmp_path.rglob("std*.log"))
     assert logs == [("0", "stderr.log"), ("0", "stdout.log"), ("1", "stderr.log"), ("1", "stdout.log")]
@@ -57,8 +62,7 @@ def test_two_ranks_allreduce_and_env(tmp_path):
 def test_module_form():
     tag = uuid.uuid4().hex
     pythonpath = os.pathsep.join(p for p in (str(SCRIPTS), os.environ.get("PYTHONPATH")) if p)
-    res = launch(["-m", "allreduce_rank"], nproc=2, timeout_s=120,
-                 env={"MCG_TEST_VAR": tag, "PYTHONPATH": pythonpath})
+    res = launch(["-m", "allreduce_rank"], nproc=2, timeout_s=120, env={"MCG_TEST_VAR": tag, "PYTHONPATH": pythonpath})
     _check_allreduce(res, 2, tag)
 
 
@@ -122,8 +126,13 @@ def test_gpu_stack_missing_names_what_is_missing(monkeypatch):
 
 def test_the_launchers_help_prints_the_plugins_flags_and_megatrons_without_a_traceback():
     """megatron-core 0.19.2's own --help raises (a bare '%' in one help string); the launcher's does not."""
-    result = subprocess.run([sys.executable, "-m", "megatron_cg_plugin.pretrain_gpt", "--help"],
-                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_cg_plugin.pretrain_gpt", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert result.stdout.startswith("usage: python -m megatron_cg_plugin.pretrain_gpt")

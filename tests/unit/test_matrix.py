@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.matrix.covering import uncovered_pairs
-from megatron_cg_plugin.matrix import runner as matrix
 from megatron_cg_plugin.farm.distributed import MultiRankError
+from megatron_cg_plugin.matrix import runner as matrix
+from megatron_cg_plugin.matrix.covering import uncovered_pairs
 
 REPO = Path(__file__).resolve().parents[2]
 # The support matrix is a published result: its design and runs live beside the script that reruns them.
@@ -31,19 +31,24 @@ def test_the_design_meets_every_pair_and_names_each_cell_once():
 
 
 def test_refused_cells_cover_only_pairs_no_running_cell_can():
-    refuse = lambda cell: (("slot-capture-fp8",), "x") if cell["capture"] != "te" and cell["precision"] == "fp8-blockwise" else ((), "")  # noqa: E731
+    refuse = lambda cell: (
+        (("slot-capture-fp8",), "x") if cell["capture"] != "te" and cell["precision"] == "fp8-blockwise" else ((), "")
+    )
     cells = matrix.design(refuse)
     running = [c.factors for c in cells if not c.refused_by]
     assert not uncovered_pairs(running, matrix.FACTORS, allowed=lambda c: matrix.allowed(c) and not refuse(c)[0])
-    assert all(c.factors["precision"] == "fp8-blockwise" and c.factors["capture"] != "te" for c in cells if c.refused_by)
+    assert all(
+        c.factors["precision"] == "fp8-blockwise" and c.factors["capture"] != "te" for c in cells if c.refused_by
+    )
 
 
-@pytest.mark.parametrize("model, modules", [("moe-droppad", ["attn", "moe"]),
-                                            ("moe-dropless", ["attn", "moe_router", "moe_preprocess"])])
+@pytest.mark.parametrize(
+    "model, modules", [("moe-droppad", ["attn", "moe"]), ("moe-dropless", ["attn", "moe_router", "moe_preprocess"])]
+)
 def test_the_moe_scope_graphs_the_block_whole_or_its_router(model, modules):
     flags = matrix.cell_flags({"model": model, "scope": "moe", "precision": "bf16", "capture": "te", "mbs": "2"})
     start = flags.index("--cuda-graph-modules") + 1
-    assert flags[start:start + len(modules)] == modules
+    assert flags[start : start + len(modules)] == modules
     assert flags[flags.index("--global-batch-size") + 1] == "8"  # four micro-batches of 2
 
 
@@ -64,8 +69,11 @@ def test_the_committed_design_is_what_plan_writes_today(tmp_path):
 
 def test_a_refused_cell_is_recorded_without_running(monkeypatch, tmp_path):
     monkeypatch.setattr(matrix, "run_case", lambda *a, **k: pytest.fail("a refused cell ran"))
-    cell = matrix.Cell({"model": "gpt", "scope": "layer", "precision": "fp8-blockwise", "capture": "slot", "mbs": "1"},
-                       ("slot-capture-fp8",), "refused")
+    cell = matrix.Cell(
+        {"model": "gpt", "scope": "layer", "precision": "fp8-blockwise", "capture": "slot", "mbs": "1"},
+        ("slot-capture-fp8",),
+        "refused",
+    )
     row = matrix.run_cell(cell, tmp_path, megatron_lm_dir=None, steps=10, timeout_s=1)
     assert row["result"] == "refused" and row["refused_by"] == ["slot-capture-fp8"]
 
@@ -82,13 +90,31 @@ def test_a_cell_whose_run_dies_is_a_failure_and_the_others_go_on(monkeypatch, tm
 
 
 def test_the_table_names_each_result_its_rules_and_the_pools():
-    rows = [{"name": "a", "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "bf16", "te", "1"))), "result": "exact",
-             "refused_by": [], "pool_bytes": 100 * 2**20, "predicted_pool_bytes": 110 * 2**20,
-             "teardown_pool_bytes_left": 0, "teardown_allocated_delta_bytes": 0},
-            {"name": "b", "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "fp8-blockwise", "slot", "1"))),
-             "result": "refused", "refused_by": ["slot-capture-fp8"]},
-            {"name": "c", "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2"))),
-             "result": "differs", "first_differing_step": 4, "refused_by": []}]
+    rows = [
+        {
+            "name": "a",
+            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "bf16", "te", "1"))),
+            "result": "exact",
+            "refused_by": [],
+            "pool_bytes": 100 * 2**20,
+            "predicted_pool_bytes": 110 * 2**20,
+            "teardown_pool_bytes_left": 0,
+            "teardown_allocated_delta_bytes": 0,
+        },
+        {
+            "name": "b",
+            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "fp8-blockwise", "slot", "1"))),
+            "result": "refused",
+            "refused_by": ["slot-capture-fp8"],
+        },
+        {
+            "name": "c",
+            "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2"))),
+            "result": "differs",
+            "first_differing_step": 4,
+            "refused_by": [],
+        },
+    ]
     text = matrix.render({"factors": matrix.FACTORS, "steps": 10, "rows": rows})
     assert "| a | gpt | layer | bf16 | te | 1 | exact | - | 110 / 100 (1.10) |" in text  # not benched
     assert "refused `slot-capture-fp8`" in text and "**differs** from step 4" in text
@@ -96,8 +122,13 @@ def test_the_table_names_each_result_its_rules_and_the_pools():
 
 
 def test_a_matrix_split_over_runs_takes_each_cells_last_row_and_names_what_did_not_run():
-    cells = matrix.design(lambda cell: (("slot-capture-fp8",), "x") if cell["precision"] == "fp8-blockwise"
-                          and cell["capture"] != "te" else ((), ""))
+    cells = matrix.design(
+        lambda cell: (
+            (("slot-capture-fp8",), "x")
+            if cell["precision"] == "fp8-blockwise" and cell["capture"] != "te"
+            else ((), "")
+        )
+    )
     running = [c for c in cells if not c.refused_by]
     first = {"steps": 10, "rows": [{"name": c.name, "factors": c.factors, "result": "failed"} for c in running[:3]]}
     again = {"steps": 10, "rows": [{"name": running[0].name, "factors": running[0].factors, "result": "exact"}]}

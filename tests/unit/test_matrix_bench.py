@@ -15,11 +15,11 @@ import pytest
 
 from megatron_cg_plugin import cli
 from megatron_cg_plugin.bench import output as bench_output
-from megatron_cg_plugin.bench.output import BenchResult, BlockRecord
 from megatron_cg_plugin.bench.command import parse_bench_argv, user_script
-from megatron_cg_plugin.matrix import runner as matrix
-from megatron_cg_plugin.matrix import bench as matrix_bench
+from megatron_cg_plugin.bench.output import BenchResult, BlockRecord
 from megatron_cg_plugin.farm.ports import ephemeral_start
+from megatron_cg_plugin.matrix import bench as matrix_bench
+from megatron_cg_plugin.matrix import runner as matrix
 
 GPT_TE = {"model": "gpt", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1"}
 LLAMA_SLOT = {"model": "llama", "scope": "attn", "precision": "bf16", "capture": "slot", "mbs": "2"}
@@ -71,8 +71,9 @@ class FakeLauncher:
         if options.out.name in self.fails:
             return 1
         options.out.mkdir(parents=True, exist_ok=True)
-        (options.out / "bench.json").write_text(json.dumps(bench_json(options.arms, rounds=options.rounds,
-                                                                      steps=options.steps)))
+        (options.out / "bench.json").write_text(
+            json.dumps(bench_json(options.arms, rounds=options.rounds, steps=options.steps))
+        )
         return 0
 
 
@@ -80,19 +81,26 @@ def no_stock_refusal(*_args, **_kwargs):
     return (), ""
 
 
-@pytest.mark.parametrize("factors, arms", [(GPT_TE, ("plugin", "stock")), (LLAMA_SLOT, ("slot", "stock")),
-                                           (MOE_OFFLOAD, ("slot-offload", "stock"))])
-def test_a_cells_bench_is_megatron_cg_bench_of_its_capture_and_stock_on_its_flags(tmp_path, megatron_lm, factors,
-                                                                                    arms):
+@pytest.mark.parametrize(
+    "factors, arms",
+    [(GPT_TE, ("plugin", "stock")), (LLAMA_SLOT, ("slot", "stock")), (MOE_OFFLOAD, ("slot-offload", "stock"))],
+)
+def test_a_cells_bench_is_megatron_cg_bench_of_its_capture_and_stock_on_its_flags(tmp_path, megatron_lm, factors, arms):
     cell = matrix.Cell(factors)
     script = megatron_lm / "pretrain_gpt.py"
-    launch = matrix_bench.bench_launch(cell, tmp_path, script=script, bench_flags=["--bench-rounds", "4"],
-                                       port=21234, environ={"PATH": "/bin", "PYTHONPATH": "/site"})
+    launch = matrix_bench.bench_launch(
+        cell,
+        tmp_path,
+        script=script,
+        bench_flags=["--bench-rounds", "4"],
+        port=21234,
+        environ={"PATH": "/bin", "PYTHONPATH": "/site"},
+    )
     assert launch.argv[:3] == ("-m", "megatron_cg_plugin.cli", "bench")
     options, flags = parse_bench_argv(list(launch.argv[3:]))  # as megatron-cg bench reads it
     assert options.arms == arms and options.out == tmp_path / cell.name and not options.plot and options.rounds == 4
     assert user_script(flags) == script  # the bench's options all come before the script
-    assert flags[1:1 + len(matrix.cell_flags(factors))] == matrix.cell_flags(factors)
+    assert flags[1 : 1 + len(matrix.cell_flags(factors))] == matrix.cell_flags(factors)
     assert flags[flags.index("--cuda-graph-impl") + 1] == "transformer_engine" and "--deterministic-mode" not in flags
     data = Path(flags[flags.index("--data-path") + 1])
     assert data.parent.parent == tmp_path / cell.name and data.with_suffix(".idx").exists()  # its own dataset
@@ -106,8 +114,9 @@ def test_benches_side_by_side_each_get_a_port_of_their_own(monkeypatch, tmp_path
     monkeypatch.setattr(matrix_bench, "refusal_of", no_stock_refusal)
     cells = [c for c in matrix.design(lambda _cell: ((), "")) if c.factors["capture"] != "slot-offload"][:6]
     launcher = FakeLauncher(hold_s=0.2)
-    rows = matrix_bench.run_benches(cells, tmp_path, megatron_lm_dir=str(megatron_lm), parallel=3,
-                                    launcher=launcher, progress=lambda _line: None)
+    rows = matrix_bench.run_benches(
+        cells, tmp_path, megatron_lm_dir=str(megatron_lm), parallel=3, launcher=launcher, progress=lambda _line: None
+    )
     ports = [int(env["MASTER_PORT"]) for _argv, env in launcher.launches]
     assert len(ports) == 6 and len(set(ports)) == 6
     assert all(port < ephemeral_start() for port in ports)  # no neighbour's bind(0) or connection can take one
@@ -119,8 +128,9 @@ def test_a_refused_cell_and_a_cell_whose_stock_arm_is_refused_are_not_launched(t
     """The stock arm's flags (the cell's less --cg-slot-capture) go through the rules as check would."""
     cells = [REFUSED, matrix.Cell(LLAMA_LAYER_OFFLOAD), matrix.Cell(GPT_TE)]
     launcher = FakeLauncher()
-    rows = matrix_bench.run_benches(cells, tmp_path, megatron_lm_dir=str(megatron_lm), launcher=launcher,
-                                    progress=lambda _line: None)
+    rows = matrix_bench.run_benches(
+        cells, tmp_path, megatron_lm_dir=str(megatron_lm), launcher=launcher, progress=lambda _line: None
+    )
     assert [row["result"] for row in rows] == ["refused", "stock-refused", "benched"]
     assert rows[0]["refused_by"] == ["slot-capture-fp8"]
     assert rows[1]["stock_refused_by"] == ["whole-layer-offload-unjoined"]
@@ -131,9 +141,14 @@ def test_a_refused_cell_and_a_cell_whose_stock_arm_is_refused_are_not_launched(t
 
 def test_the_row_is_the_benchs_own_ratio_of_the_cells_capture_over_stock(monkeypatch, tmp_path, megatron_lm):
     monkeypatch.setattr(matrix_bench, "refusal_of", no_stock_refusal)
-    rows = matrix_bench.run_benches([matrix.Cell(LLAMA_SLOT)], tmp_path, megatron_lm_dir=str(megatron_lm),
-                                    bench_flags=["--bench-rounds", "6", "--bench-steps", "5"], launcher=FakeLauncher(),
-                                    progress=lambda _line: None)
+    rows = matrix_bench.run_benches(
+        [matrix.Cell(LLAMA_SLOT)],
+        tmp_path,
+        megatron_lm_dir=str(megatron_lm),
+        bench_flags=["--bench-rounds", "6", "--bench-steps", "5"],
+        launcher=FakeLauncher(),
+        progress=lambda _line: None,
+    )
     [row] = rows
     written = json.loads((tmp_path / matrix.cell_name(LLAMA_SLOT) / "bench.json").read_text())
     assert row["arms"] == ["slot", "stock"] and row["ratio"] == written["ratios"]["slot/stock"]
@@ -142,10 +157,13 @@ def test_the_row_is_the_benchs_own_ratio_of_the_cells_capture_over_stock(monkeyp
     assert (row["rounds"], row["steps_per_block"], row["skip_steps"]) == (6, 5, 2)
 
 
-@pytest.mark.parametrize("returncode, writes, problem", [(1, False, "exited with code 1"), (124, False, "timed out"),
-                                                         (0, False, "wrote no bench.json")])
-def test_a_bench_that_fails_is_a_failed_row_with_its_log_and_the_others_go_on(monkeypatch, tmp_path, megatron_lm,
-                                                                             returncode, writes, problem):
+@pytest.mark.parametrize(
+    "returncode, writes, problem",
+    [(1, False, "exited with code 1"), (124, False, "timed out"), (0, False, "wrote no bench.json")],
+)
+def test_a_bench_that_fails_is_a_failed_row_with_its_log_and_the_others_go_on(
+    monkeypatch, tmp_path, megatron_lm, returncode, writes, problem
+):
     cells = [matrix.Cell(GPT_TE), matrix.Cell({**GPT_TE, "mbs": "2"})]
 
     def launcher(argv, env, log, timeout_s):
@@ -154,8 +172,9 @@ def test_a_bench_that_fails_is_a_failed_row_with_its_log_and_the_others_go_on(mo
             return returncode
         return FakeLauncher()(argv, env, log, timeout_s)
 
-    rows = matrix_bench.run_benches(cells, tmp_path, megatron_lm_dir=str(megatron_lm), launcher=launcher,
-                                    progress=lambda _line: None)
+    rows = matrix_bench.run_benches(
+        cells, tmp_path, megatron_lm_dir=str(megatron_lm), launcher=launcher, progress=lambda _line: None
+    )
     assert [row["result"] for row in rows] == ["failed", "benched"]
     assert problem in rows[0]["problem"] and "CUDA out of memory" in rows[0]["log_tail"]
 
@@ -164,27 +183,41 @@ def test_a_former_runs_bench_json_is_not_taken_for_this_one(tmp_path, megatron_l
     cell = matrix.Cell(GPT_TE)
     (tmp_path / cell.name).mkdir()
     (tmp_path / cell.name / "bench.json").write_text(json.dumps(bench_json(("plugin", "stock"))))
-    [row] = matrix_bench.run_benches([cell], tmp_path, megatron_lm_dir=str(megatron_lm),
-                                     launcher=lambda argv, env, log, timeout_s: 0, progress=lambda _line: None)
+    [row] = matrix_bench.run_benches(
+        [cell],
+        tmp_path,
+        megatron_lm_dir=str(megatron_lm),
+        launcher=lambda argv, env, log, timeout_s: 0,
+        progress=lambda _line: None,
+    )
     assert row["result"] == "failed" and "wrote no bench.json" in row["problem"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--bench-arms", "eager"], "--bench-arms: matrix bench sets it per cell"),
-    (["--bench-out=x"], "--bench-out=x: matrix bench sets it per cell"),
-    (["--deterministic-mode"], "after -- come megatron-cg bench's own --bench-* options"),
-    (["steps", "--bench-rounds", "4"], "after -- come megatron-cg bench's own --bench-* options"),
-    # its rows read the block schedule's rounds and ratio spread (review: a step run was reported as 1 round)
-    (["--bench-interleave", "steps"], "--bench-interleave: matrix bench reads the block schedule's"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--bench-arms", "eager"], "--bench-arms: matrix bench sets it per cell"),
+        (["--bench-out=x"], "--bench-out=x: matrix bench sets it per cell"),
+        (["--deterministic-mode"], "after -- come megatron-cg bench's own --bench-* options"),
+        (["steps", "--bench-rounds", "4"], "after -- come megatron-cg bench's own --bench-* options"),
+        # its rows read the block schedule's rounds and ratio spread (review: a step run was reported as 1 round)
+        (["--bench-interleave", "steps"], "--bench-interleave: matrix bench reads the block schedule's"),
+    ],
+)
 def test_flags_after_the_separator_are_the_benchs_own_options(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         matrix_bench.check_bench_flags(flags)
 
 
 def test_bench_options_the_bench_learns_later_pass_through(tmp_path, megatron_lm):
-    launch = matrix_bench.bench_launch(matrix.Cell(GPT_TE), tmp_path, script=megatron_lm / "pretrain_gpt.py",
-                                       bench_flags=["--bench-cached-batches", "2"], port=21000, environ={})
+    launch = matrix_bench.bench_launch(
+        matrix.Cell(GPT_TE),
+        tmp_path,
+        script=megatron_lm / "pretrain_gpt.py",
+        bench_flags=["--bench-cached-batches", "2"],
+        port=21000,
+        environ={},
+    )
     matrix_bench.check_bench_flags(["--bench-cached-batches", "2"])
     assert launch.argv[launch.argv.index("--bench-cached-batches") + 1] == "2"
 
@@ -204,8 +237,9 @@ def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys):
 def test_without_a_megatron_lm_checkout_nothing_launches(monkeypatch, tmp_path):
     launcher = FakeLauncher()
     with pytest.raises(ValueError, match="MEGATRON_LM_DIR"):
-        matrix_bench.run_benches([matrix.Cell(GPT_TE)], tmp_path, megatron_lm_dir=None, launcher=launcher,
-                                 progress=lambda _line: None)
+        matrix_bench.run_benches(
+            [matrix.Cell(GPT_TE)], tmp_path, megatron_lm_dir=None, launcher=launcher, progress=lambda _line: None
+        )
     assert not launcher.launches
 
 
@@ -250,23 +284,42 @@ def test_a_driver_stopped_between_benches_starts_none_of_the_rest(tmp_path, mega
 
 
 def merged_with_benches(benches: list[dict]) -> dict:
-    cells = [REFUSED, matrix.Cell(GPT_TE), matrix.Cell(LLAMA_SLOT), matrix.Cell(LLAMA_LAYER_OFFLOAD),
-             matrix.Cell(MOE_OFFLOAD)]
+    cells = [
+        REFUSED,
+        matrix.Cell(GPT_TE),
+        matrix.Cell(LLAMA_SLOT),
+        matrix.Cell(LLAMA_LAYER_OFFLOAD),
+        matrix.Cell(MOE_OFFLOAD),
+    ]
     run = {"steps": 10, "rows": [{**c.to_json(), "result": "exact"} for c in cells[1:]]}
     return matrix.merge_results(cells, [run, *benches])
 
 
 def test_render_sets_each_cells_ratio_beside_its_run_and_says_how_the_bench_ran():
-    bench_row = {"result": "benched", "arms": ["plugin", "stock"], "parallel": 4, "rounds": 4, "steps_per_block": 8,
-                 "skip_steps": 2, "ratio": {"median": 0.934, "low": 0.91, "high": 0.952, "n": 2},
-                 "ratio_half_width": 0.0213}
-    first = {"bench": {"parallel": 4}, "rows": [
-        {"name": REFUSED.name, "result": "refused"},
-        {**bench_row, "name": matrix.cell_name(GPT_TE), "ratio": {**bench_row["ratio"], "median": 1.5}},
-        # as run_benches records it: never launched, so no "parallel" (a render once stopped on that)
-        {"name": matrix.cell_name(LLAMA_LAYER_OFFLOAD), "result": "stock-refused",
-         "stock_refused_by": ["whole-layer-offload-unjoined"]},
-        {"name": matrix.cell_name(MOE_OFFLOAD), "result": "failed", "parallel": 4, "problem": "exited with code 1"}]}
+    bench_row = {
+        "result": "benched",
+        "arms": ["plugin", "stock"],
+        "parallel": 4,
+        "rounds": 4,
+        "steps_per_block": 8,
+        "skip_steps": 2,
+        "ratio": {"median": 0.934, "low": 0.91, "high": 0.952, "n": 2},
+        "ratio_half_width": 0.0213,
+    }
+    first = {
+        "bench": {"parallel": 4},
+        "rows": [
+            {"name": REFUSED.name, "result": "refused"},
+            {**bench_row, "name": matrix.cell_name(GPT_TE), "ratio": {**bench_row["ratio"], "median": 1.5}},
+            # as run_benches records it: never launched, so no "parallel" (a render once stopped on that)
+            {
+                "name": matrix.cell_name(LLAMA_LAYER_OFFLOAD),
+                "result": "stock-refused",
+                "stock_refused_by": ["whole-layer-offload-unjoined"],
+            },
+            {"name": matrix.cell_name(MOE_OFFLOAD), "result": "failed", "parallel": 4, "problem": "exited with code 1"},
+        ],
+    }
     again = {"bench": {"parallel": 4}, "rows": [{**bench_row, "name": matrix.cell_name(GPT_TE)}]}  # later wins
     text = matrix.render(merged_with_benches([first, again]))
     lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
@@ -293,9 +346,15 @@ def test_a_bench_alone_is_no_matrix():
 def test_render_takes_what_matrix_bench_wrote(monkeypatch, tmp_path, megatron_lm):
     monkeypatch.setattr(matrix_bench, "refusal_of", no_stock_refusal)
     cells = [matrix.Cell(GPT_TE), matrix.Cell(LLAMA_SLOT)]
-    matrix_bench.run_benches(cells, tmp_path, megatron_lm_dir=str(megatron_lm), parallel=2,
-                             bench_flags=["--bench-rounds", "4", "--bench-steps", "6"], launcher=FakeLauncher(),
-                             progress=lambda _line: None)
+    matrix_bench.run_benches(
+        cells,
+        tmp_path,
+        megatron_lm_dir=str(megatron_lm),
+        parallel=2,
+        bench_flags=["--bench-rounds", "4", "--bench-steps", "6"],
+        launcher=FakeLauncher(),
+        progress=lambda _line: None,
+    )
     written = json.loads((tmp_path / matrix_bench.RESULTS_FILE).read_text())
     run = {"steps": 10, "rows": [{**c.to_json(), "result": "exact"} for c in cells]}
     text = matrix.render(matrix.merge_results(cells, [run, written]))

@@ -31,7 +31,9 @@ def test_the_tap_counts_what_the_routers_kept_of_what_they_were_asked(monkeypatc
     monkeypatch.setattr(router, "TopKRouter", FakeRouter)
     # 4 tokens x top-2 = 8 asked; 6 kept (two tokens lost one expert each).
     kept = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1], [0, 1, 0]], dtype=torch.bool)
-    chunk = torch.nn.Sequential(FakeRouter(kept), torch.nn.Linear(1, 1), FakeRouter(torch.ones(4, 3, dtype=torch.bool)[:, :2]))
+    chunk = torch.nn.Sequential(
+        FakeRouter(kept), torch.nn.Linear(1, 1), FakeRouter(torch.ones(4, 3, dtype=torch.bool)[:, :2])
+    )
     tap = RouterDropTap()
     assert tap.dropped_fraction() is None
     assert tap.attach([chunk]) == 2
@@ -63,14 +65,17 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
     import pytest
     from megatron.core.transformer.moe import router
 
-    from megatron_cg_plugin.patching import builders as patch_builders
     from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.patching import builders as patch_builders
     from megatron_cg_plugin.session import RunSession
 
     class Probe:
         def synchronize(self): ...
-        def allocated_bytes(self): return 0, 0
-        def is_rank0(self): return True
+        def allocated_bytes(self):
+            return 0, 0
+
+        def is_rank0(self):
+            return True
 
     monkeypatch.setattr(router, "TopKRouter", FakeRouter)
     model = [torch.nn.Sequential(FakeRouter(torch.tensor([[1, 0], [0, 0]], dtype=torch.bool)))]  # 1 of 4 kept
@@ -101,8 +106,19 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
 def test_the_report_sets_the_measured_drops_beside_the_capacity_plan():
     from megatron_cg_plugin.report import RunReport
 
-    report = RunReport(preset=None, iterations=4, scopes=(), eager_steps=4, graphed_steps=0, eager_step_ms=1.0,
-                       graphed_step_ms=None, moe_dropped_fraction=0.05, moe_planned_capacity=384,
-                       moe_uniform_dropped_fraction=0.0)
-    assert ("MoE routers dropped 5.00% of token-to-expert assignments at their capacity; the plan: 384 slots per "
-            "expert per source rank, 0.00% dropped by a uniform router") in report.format_table()
+    report = RunReport(
+        preset=None,
+        iterations=4,
+        scopes=(),
+        eager_steps=4,
+        graphed_steps=0,
+        eager_step_ms=1.0,
+        graphed_step_ms=None,
+        moe_dropped_fraction=0.05,
+        moe_planned_capacity=384,
+        moe_uniform_dropped_fraction=0.0,
+    )
+    assert (
+        "MoE routers dropped 5.00% of token-to-expert assignments at their capacity; the plan: 384 slots per "
+        "expert per source rank, 0.00% dropped by a uniform router"
+    ) in report.format_table()

@@ -18,9 +18,12 @@ PATTERNS = {
     "work session": re.compile(r"session-20\d\d"),
     "dated folder": re.compile(r"[A-Za-z0-9]-20\d\d-\d\d-\d\d\b"),
     "results folder": re.compile(r"docs/results"),
-    "machines lent": re.compile(r"\b(?:machines?|devices?|GPUs?|H100s?|H200s?) (?:were |was )?lent\b|\blent (?:H\d00|GPU|"
-                                r"machine|device)|\bno (?:device|GPU|machine) was\b|calls? were refused|"
-                                r"device refused|1-GPU machines", re.I),
+    "machines lent": re.compile(
+        r"\b(?:machines?|devices?|GPUs?|H100s?|H200s?) (?:were |was )?lent\b|\blent (?:H\d00|GPU|"
+        r"machine|device)|\bno (?:device|GPU|machine) was\b|calls? were refused|"
+        r"device refused|1-GPU machines",
+        re.I,
+    ),
 }
 
 
@@ -31,7 +34,7 @@ UPSTREAM_BEFORE = re.compile(rf"\b{UPSTREAM}(?: [Ii]ssues?)? $")
 
 
 def _our_issue(line: str) -> bool:
-    return any(not UPSTREAM_BEFORE.search(line[:match.start()]) for match in ISSUE.finditer(line))
+    return any(not UPSTREAM_BEFORE.search(line[: match.start()]) for match in ISSUE.finditer(line))
 
 
 def _files(area: str) -> list[Path]:
@@ -61,28 +64,59 @@ def lab_notes(text: str) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize("area", ["README", "docs", "benchmarks", "tests", "megatron_cg_plugin"])
 def test_no_lab_notes(area):
     this = Path(__file__).resolve()
-    hits = [f"{path.relative_to(ROOT)}:{number}: {kind}: {line[:120]}"
-            for path in _files(area) if path.resolve() != this
-            for number, kind, line in lab_notes(path.read_text(errors="replace"))]
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {kind}: {line[:120]}"
+        for path in _files(area)
+        if path.resolve() != this
+        for number, kind, line in lab_notes(path.read_text(errors="replace"))
+    ]
     assert not hits, "lab notes in the product (figures go to benchmarks/*/result.json):\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("line", [
-    "measured in s81 on the 12x1024 bench", "runs s66-s69", "s102 (1x H200): Llama-like", "s100a and s100c", "see issue 31",
-    "issue-30's shape", "fixed in #31", "docs/results/offload-2026-12-01/README.md", "session-2026-12-05c",
-    "results/planner-fp8-2026-12-01", "only 1-GPU machines were lent", "no device was lent",
-    "the device refused every later call; calls were refused",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "measured in s81 on the 12x1024 bench",
+        "runs s66-s69",
+        "s102 (1x H200): Llama-like",
+        "s100a and s100c",
+        "see issue 31",
+        "issue-30's shape",
+        "fixed in #31",
+        "docs/results/offload-2026-12-01/README.md",
+        "session-2026-12-05c",
+        "results/planner-fp8-2026-12-01",
+        "only 1-GPU machines were lent",
+        "no device was lent",
+        "the device refused every later call; calls were refused",
+    ],
+)
 def test_the_patterns_catch_lab_notes(line):
     assert lab_notes(line)
 
 
-@pytest.mark.parametrize("line", [
-    "Megatron-LM #5619", "TE #3353", "TransformerEngine #2543", "Megatron-Bridge #3500", "Megatron-LM issue 5619",
-    "attributes lent until uninstall() (LENT, through patches.lend)", "sm90 and s1, s2 shares", "0x5s81ab",
-    "--router-load s1,s2,...", "a 4096-token pass", "torch >= 2.9", "sha256 e3b0c442", "`cu_seqlens` of 128 entries",
-    "the cells were refused by rule slot-capture-fp8", "owned by variant 'cp1' (forward #1)", "no device read",
-    "the profiled device time per step", "uninstall() then restores what was lent",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Megatron-LM #5619",
+        "TE #3353",
+        "TransformerEngine #2543",
+        "Megatron-Bridge #3500",
+        "Megatron-LM issue 5619",
+        "attributes lent until uninstall() (LENT, through patches.lend)",
+        "sm90 and s1, s2 shares",
+        "0x5s81ab",
+        "--router-load s1,s2,...",
+        "a 4096-token pass",
+        "torch >= 2.9",
+        "sha256 e3b0c442",
+        "`cu_seqlens` of 128 entries",
+        "the cells were refused by rule slot-capture-fp8",
+        "owned by variant 'cp1' (forward #1)",
+        "no device read",
+        "the profiled device time per step",
+        "uninstall() then restores what was lent",
+    ],
+)
 def test_the_patterns_leave_product_text_alone(line):
     assert not lab_notes(line)

@@ -9,14 +9,13 @@ import contextlib
 
 import pytest
 import torch
+from _doubles.copies import InlineCopies
 
 from megatron_cg_plugin.slot_sharing import offload_arenas as offload
 from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena, HostArenaError, OffloadingArenaHooks
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
 from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
-
-from _doubles.copies import InlineCopies
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
 
 GROUP = [None]
 
@@ -72,11 +71,14 @@ def test_offloaded_saves_leave_the_gpu_arena_and_backward_equals_eager():
     assert host.used == plan.host_bytes and hooks.offloaded_bytes > 0
     # Forward: each group's storages staged on the compute stream and copied to the host; before a
     # group stages, the copies of all but the last ``window`` (1) groups are joined; all at the end.
-    forward = transfers.log[:last_index([kind for kind, _ in transfers.log], "join forward") + 1]
+    forward = transfers.log[: last_index([kind for kind, _ in transfers.log], "join forward") + 1]
     expected = [("reset", 0)]
     for _, storages in plan.groups:
-        expected += [("join forward", 1)] + [step for storage in storages for step in
-                                            (("stage", plan.storage_bytes[storage]), ("d2h", plan.storage_bytes[storage]))]
+        expected += [("join forward", 1)] + [
+            step
+            for storage in storages
+            for step in (("stage", plan.storage_bytes[storage]), ("d2h", plan.storage_bytes[storage]))
+        ]
     assert forward == expected + [("join forward", 0)]
 
 
@@ -85,7 +87,7 @@ def test_backward_reloads_the_group_it_needs_first_and_prefetches_the_next():
     hooks, _, _, transfers = frame(plan, sizer)
     grads(hooks, after_forward=hooks.join_forward)
     kinds = [kind for kind, _ in transfers.log]
-    backward = kinds[last_index(kinds, "join forward") + 1:]
+    backward = kinds[last_index(kinds, "join forward") + 1 :]
     # mlp_norm is needed first: its reload, its wait, then core_attn's reload starts before core_attn is unpacked.
     first_wait = backward.index("wait")
     assert backward[:first_wait] == ["h2d"]  # mlp_norm: one storage
@@ -236,11 +238,14 @@ def test_a_reloaded_buffer_is_let_go_after_its_last_save_is_unpacked():
     assert hooks._reloaded == {}  # the unpacked tensors alone keep the buffer now
 
 
-@pytest.mark.parametrize("window, at_start", [
-    (0, ["mlp_norm"]),
-    (1, ["mlp_norm", "core_attn"]),
-    (2, ["mlp_norm", "core_attn", "attn_norm"]),
-])
+@pytest.mark.parametrize(
+    "window, at_start",
+    [
+        (0, ["mlp_norm"]),
+        (1, ["mlp_norm", "core_attn"]),
+        (2, ["mlp_norm", "core_attn", "attn_norm"]),
+    ],
+)
 def test_the_backward_starts_the_first_window_of_reloads_before_its_first_unpack(window, at_start):
     eager = grads()
     sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
@@ -256,11 +261,11 @@ def test_the_backward_starts_the_first_window_of_reloads_before_its_first_unpack
     hooks._request = recorded_request
     got = grads(hooks, after_forward=lambda: (hooks.join_forward(), hooks.start_backward(), reloads.append("|")))
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
-    assert reloads[:reloads.index("|")] == at_start
+    assert reloads[: reloads.index("|")] == at_start
     # Every group is reloaded once, in the order the backward needs them, each before its first unpack.
     assert [group for group in reloads if group != "|"] == list(plan.reload_order())
     kinds = [kind for kind, _ in transfers.log]
-    backward = kinds[last_index(kinds, "join forward") + 1:]
+    backward = kinds[last_index(kinds, "join forward") + 1 :]
     assert backward.count("h2d") == len(plan.offloaded)
 
 
@@ -325,13 +330,17 @@ class RecordingCuda:
         return followed
 
 
-@pytest.mark.parametrize("window, followed_at_each_group", [
-    (0, [set(), {"event 1"}, {"event 1", "event 2"}]),  # each group's copies done before the next stages
-    (1, [set(), set(), {"event 1"}]),  # one group's copies may still run while the next stages
-    (4, [set(), set(), set()]),  # every copy runs on until the forward's end
-])
-def test_in_graph_d2h_copies_run_window_groups_behind_and_are_all_joined_at_the_end(monkeypatch, window,
-                                                                                  followed_at_each_group):
+@pytest.mark.parametrize(
+    "window, followed_at_each_group",
+    [
+        (0, [set(), {"event 1"}, {"event 1", "event 2"}]),  # each group's copies done before the next stages
+        (1, [set(), set(), {"event 1"}]),  # one group's copies may still run while the next stages
+        (4, [set(), set(), set()]),  # every copy runs on until the forward's end
+    ],
+)
+def test_in_graph_d2h_copies_run_window_groups_behind_and_are_all_joined_at_the_end(
+    monkeypatch, window, followed_at_each_group
+):
     cuda = RecordingCuda(monkeypatch)
     sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
     transfers = offload.CudaTransfers()
@@ -374,7 +383,7 @@ def test_each_first_unpack_keeps_window_groups_reloading_ahead(window):
     grads(hooks, after_forward=lambda: (hooks.join_forward(), hooks.start_backward()))
     assert list(seen) == list(order)  # first unpacks in the order the backward needs the groups
     for position, group in enumerate(order):  # by then it and the next `window` groups are reloading
-        assert seen[group] == set(order[:position + window + 1]), (group, seen[group])
+        assert seen[group] == set(order[: position + window + 1]), (group, seen[group])
 
 
 def test_a_capture_that_raises_still_joins_its_copy_streams():
@@ -383,7 +392,6 @@ def test_a_capture_that_raises_still_joins_its_copy_streams():
     sizer, plan = warmup_plan(["core_attn", "mlp_norm"])
     for graph, join in (("forward", "join forward"), ("backward", "join backward")):
         hooks, _, _, transfers = frame(plan, sizer)
-        with pytest.raises(RuntimeError, match="inside the graph"):
-            with _copies_joined(hooks, graph):
-                raise RuntimeError("inside the graph")
+        with pytest.raises(RuntimeError, match="inside the graph"), _copies_joined(hooks, graph):
+            raise RuntimeError("inside the graph")
         assert transfers.log[-1][0] == join  # the streams joined before the capture ends, the error kept

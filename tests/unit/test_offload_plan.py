@@ -9,7 +9,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.slot_sharing.offload_plan import MEGATRON_OFFLOAD_MODULES, OffloadPolicy, OffloadStack, OffloadStackError, Save, StackPosition, groups_kept, host_arena_bytes, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_plan import (
+    MEGATRON_OFFLOAD_MODULES,
+    OffloadPolicy,
+    OffloadStack,
+    OffloadStackError,
+    Save,
+    StackPosition,
+    groups_kept,
+    host_arena_bytes,
+    plan_offload,
+)
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned, plan_slots
 
 BIG = 1 << 20  # elements: Megatron's default --min-offloaded-tensor-size
@@ -31,9 +41,16 @@ def test_a_save_qualifies_as_megatrons_would():
 
 
 def test_a_storage_any_view_of_which_stays_keeps_every_view_on_the_gpu():
-    plan = plan_offload([save("qkv", "core_attn"), save("qkv", "attn_norm"),  # one view outside the policy
-                         save("out", "core_attn"), save("out", "core_attn", numel=BIG // 2, nbytes=2 * BIG),
-                         save("fc1", "expert_fc1")], POLICY)
+    plan = plan_offload(
+        [
+            save("qkv", "core_attn"),
+            save("qkv", "attn_norm"),  # one view outside the policy
+            save("out", "core_attn"),
+            save("out", "core_attn", numel=BIG // 2, nbytes=2 * BIG),
+            save("fc1", "expert_fc1"),
+        ],
+        POLICY,
+    )
     assert plan.kept == ("qkv", "out")  # the small view of "out" keeps its whole storage on the GPU
     assert plan.offloaded == {"fc1"}
     assert plan.host_bytes == arena_aligned(2 * BIG) and plan.device_bytes == 2 * arena_aligned(2 * BIG)
@@ -92,10 +109,16 @@ def layer_saves(layer, groups=("core_attn", "expert_fc1")):
 def test_the_last_layer_keeps_its_groups_and_the_fraction_the_latest_layers():
     stack = OffloadStack(POLICY, 3)
     assert [stack.plan(layer_saves(i), i).offloaded for i in range(3)] == [
-        {"L0.core_attn", "L0.expert_fc1"}, {"L1.core_attn", "L1.expert_fc1"}, set()]
+        {"L0.core_attn", "L0.expert_fc1"},
+        {"L1.core_attn", "L1.expert_fc1"},
+        set(),
+    ]
     half = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 3)  # 6 groups: the last 3 stay
     assert [half.plan(layer_saves(i), i).offloaded for i in range(3)] == [
-        {"L0.core_attn", "L0.expert_fc1"}, {"L1.core_attn"}, set()]
+        {"L0.core_attn", "L0.expert_fc1"},
+        {"L1.core_attn"},
+        set(),
+    ]
     assert plan_offload(layer_saves(2), POLICY).offloaded == {"L2.core_attn", "L2.expert_fc1"}  # a frame alone
 
 
@@ -105,8 +128,11 @@ def test_a_fraction_below_one_needs_layers_that_offload_the_same_groups():
     assert [len(whole.plan(saves, i).groups) for i, saves in enumerate(mixed)] == [2, 1, 0]
     half = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 3)
     half.plan(mixed[0], 0)
-    with pytest.raises(OffloadStackError, match=r"layer 2 offloads the groups \['core_attn'\] and layer 1 "
-                                                r"\['core_attn', 'expert_fc1'\].*--activation-offload-fraction 1.0"):
+    with pytest.raises(
+        OffloadStackError,
+        match=r"layer 2 offloads the groups \['core_attn'\] and layer 1 "
+        r"\['core_attn', 'expert_fc1'\].*--activation-offload-fraction 1.0",
+    ):
         half.plan(mixed[1], 1)
     # Banks plan a frame per CP size at each layer: a variant is held to its own first frame, not another variant's.
     banks = OffloadStack(dataclasses.replace(POLICY, fraction=0.5), 2)
@@ -119,25 +145,37 @@ def test_a_fraction_below_one_needs_layers_that_offload_the_same_groups():
 
 def test_host_arenas_are_keyed_by_slot_and_sized_by_its_largest_variant():
     slot_plan = plan_slots([1, 1, -1, 1, -1, -1], ["big", "small", "small2"])  # big, small2 share slot 0
-    plans = {"big": plan_offload([save("x", "core_attn", nbytes=10_000)], POLICY),
-             "small": plan_offload([save("y", "core_attn", nbytes=300)], POLICY),
-             "small2": plan_offload([save("z", "attn_norm", nbytes=99_999)], POLICY)}  # nothing offloaded
+    plans = {
+        "big": plan_offload([save("x", "core_attn", nbytes=10_000)], POLICY),
+        "small": plan_offload([save("y", "core_attn", nbytes=300)], POLICY),
+        "small2": plan_offload([save("z", "attn_norm", nbytes=99_999)], POLICY),
+    }  # nothing offloaded
     slots_of = {v: tuple(sorted({f.slot for f in slot_plan.frames if f.variant == v})) for v in plans}
     assert host_arena_bytes(slot_plan.ring_size, slots_of, plans) == [arena_aligned(10_000), arena_aligned(300)]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(offload_modules=["core_attn", "mlp"]), "--offload-modules mlp: Megatron offloads only"),
-    (dict(offload_modules=["core_attn"], fraction=1.5), r"--activation-offload-fraction in \[0, 1\]"),
-    (dict(offload_modules=["core_attn"], min_tensor_elements=-1), "--min-offloaded-tensor-size must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(offload_modules=["core_attn", "mlp"]), "--offload-modules mlp: Megatron offloads only"),
+        (dict(offload_modules=["core_attn"], fraction=1.5), r"--activation-offload-fraction in \[0, 1\]"),
+        (dict(offload_modules=["core_attn"], min_tensor_elements=-1), "--min-offloaded-tensor-size must be >= 0"),
+    ],
+)
 def test_bad_offload_flags_are_refused_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OffloadPolicy.from_flags(kwargs.pop("offload_modules"), **kwargs)
 
 
-saves = st.lists(st.builds(save, st.sampled_from("abcdef"), st.sampled_from(sorted(MEGATRON_OFFLOAD_MODULES) + [None]),
-                           numel=st.sampled_from([BIG // 2, BIG, 2 * BIG])), max_size=30)
+saves = st.lists(
+    st.builds(
+        save,
+        st.sampled_from("abcdef"),
+        st.sampled_from(sorted(MEGATRON_OFFLOAD_MODULES) + [None]),
+        numel=st.sampled_from([BIG // 2, BIG, 2 * BIG]),
+    ),
+    max_size=30,
+)
 modules = st.sets(st.sampled_from(sorted(MEGATRON_OFFLOAD_MODULES)))
 
 
@@ -157,14 +195,28 @@ def test_every_storage_is_either_offloaded_whole_or_kept_whole(records, chosen):
 def test_the_policy_comes_from_megatrons_own_flags():
     import types
 
-    args = types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj"],
-                                 min_offloaded_tensor_size=4096, activation_offload_fraction=0.5)
+    args = types.SimpleNamespace(
+        fine_grained_activation_offloading=True,
+        offload_modules=["core_attn", "attn_proj"],
+        min_offloaded_tensor_size=4096,
+        activation_offload_fraction=0.5,
+    )
     policy = OffloadPolicy.from_args(args)
-    assert (policy.modules, policy.min_tensor_elements, policy.fraction) == (frozenset({"core_attn", "attn_proj"}), 4096, 0.5)
-    assert OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=False,
-                                                         offload_modules=["core_attn"])) is None
-    assert OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True,
-                                                         offload_modules=[])) is None
+    assert (policy.modules, policy.min_tensor_elements, policy.fraction) == (
+        frozenset({"core_attn", "attn_proj"}),
+        4096,
+        0.5,
+    )
+    assert (
+        OffloadPolicy.from_args(
+            types.SimpleNamespace(fine_grained_activation_offloading=False, offload_modules=["core_attn"])
+        )
+        is None
+    )
+    assert (
+        OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=[]))
+        is None
+    )
     with pytest.raises(ValueError, match="--offload-modules mlp: Megatron offloads only"):
         OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["mlp"]))
 

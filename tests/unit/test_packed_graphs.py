@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.packed.graphs import THD_KWARG, PackedFormError
-from megatron_cg_plugin.planner.graph_memory import thd_buffer_bytes
 from megatron_cg_plugin.packed.layout import PackedLayout, ThdCapacityError, padded_offsets
-from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.planner.graph_memory import thd_buffer_bytes
 from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.settings import RunSettings
 
 LAYOUT = PackedLayout(max_seqs=6, max_seqlen=16)
 
@@ -27,11 +27,20 @@ LAYOUT = PackedLayout(max_seqs=6, max_seqlen=16)
 def params_of(offsets, *, longest=None, padded=None, **more) -> PackedSeqParams:
     """As Megatron-LM's pretrain_gpt.py builds them: one tensor for q and kv."""
     cu = torch.tensor(offsets, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest, **more)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        **more,
+    )
 
 
 # -- the fill ---------------------------------------------------------------------------------------
+
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(0, 4))
@@ -43,7 +52,7 @@ def test_the_device_fill_is_the_host_rule(lengths, spare):
     fixed = packed_graphs.fixed_offsets(torch.tensor(offsets, dtype=torch.int64), entries)
     assert fixed.dtype == torch.int32 and fixed.device == torch.device("cpu") and fixed.shape == (entries,)
     assert tuple(fixed.tolist()) == padded_offsets(offsets, entries)
-    assert fixed.tolist()[len(offsets):] == [offsets[-1]] * spare  # zero-length sequences
+    assert fixed.tolist()[len(offsets) :] == [offsets[-1]] * spare  # zero-length sequences
 
 
 def test_padding_entries_repeat_the_last_offset():
@@ -60,14 +69,16 @@ def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag():
         PackedLayout(max_seqs=1, max_seqlen=8).sample_offsets(2)  # two samples hold two documents at least
 
 
-@pytest.mark.parametrize("offsets", [torch.tensor([0.0, 4.0]), torch.zeros(0, dtype=torch.int32),
-                                     torch.zeros(2, 2, dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "offsets", [torch.tensor([0.0, 4.0]), torch.zeros(0, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)]
+)
 def test_offsets_that_are_no_offsets_are_refused(offsets):
     with pytest.raises(PackedFormError, match="non-empty 1-D integer tensor"):
         packed_graphs.fixed_offsets(offsets, 4)
 
 
 # -- the layout at the model's entry ----------------------------------------------------------------
+
 
 def test_fixed_params_hold_the_capacity_and_the_bound():
     raw = params_of([0, 5, 9, 16], longest=7, tokens_per_sample=16)
@@ -77,25 +88,33 @@ def test_fixed_params_hold_the_capacity_and_the_bound():
     assert fixed.cu_seqlens_kv is fixed.cu_seqlens_q and fixed.cu_seqlens_q_padded is None
     assert (fixed.max_seqlen_q, fixed.max_seqlen_kv, fixed.tokens_per_sample) == (16, 16, 16)
     again = packed_graphs.fixed_params(raw, LAYOUT)
-    assert again.cu_seqlens_q is not fixed.cu_seqlens_q  # a new tensor per microbatch (a pending backward reads the old)
+    assert (
+        again.cu_seqlens_q is not fixed.cu_seqlens_q
+    )  # a new tensor per microbatch (a pending backward reads the old)
     same = params_of([0, 5, 16], longest=11)
     same = dataclasses.replace(same, cu_seqlens_q_padded=same.cu_seqlens_q, cu_seqlens_kv_padded=same.cu_seqlens_q)
     assert packed_graphs.fixed_params(same, LAYOUT).cu_seqlens_q_padded is None  # padded is the offsets: one form
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(cu_seqlens_q_padded=torch.tensor([0, 6, 16], dtype=torch.int32)), "padding between sequences"),
-    (dict(cu_seqlens_kv=torch.tensor([0, 5, 16], dtype=torch.int32)), "self-attention"),
-    (dict(pad_between_seqs=True), "pad_between_seqs"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(cu_seqlens_q_padded=torch.tensor([0, 6, 16], dtype=torch.int32)), "padding between sequences"),
+        (dict(cu_seqlens_kv=torch.tensor([0, 5, 16], dtype=torch.int32)), "self-attention"),
+        (dict(pad_between_seqs=True), "pad_between_seqs"),
+    ],
+)
 def test_forms_the_layout_does_not_carry_are_refused(change, match):
     with pytest.raises(PackedFormError, match=match):
         packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), **change), LAYOUT)
 
 
 def test_a_document_longer_than_the_bound_is_refused_naming_the_flag():
-    with pytest.raises(ThdCapacityError, match="longest sequence holds 17 tokens but graphs were captured for at most "
-                                               "16; raise --cg-thd-max-seqlen to at least 17, or drop it"):
+    with pytest.raises(
+        ThdCapacityError,
+        match="longest sequence holds 17 tokens but graphs were captured for at most "
+        "16; raise --cg-thd-max-seqlen to at least 17, or drop it",
+    ):
         packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), max_seqlen_kv=17), LAYOUT)
     short = PackedLayout(max_seqs=6, max_seqlen=11, seq_length=16)
     assert packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), short).max_seqlen_q == 11  # exact fit
@@ -136,11 +155,15 @@ def test_the_sample_layout_covers_every_token_in_documents_of_the_bound():
 
 # -- capture and replay -----------------------------------------------------------------------------
 
+
 def test_a_replay_takes_only_the_fixed_layout():
     fixed = packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), LAYOUT)
     assert packed_graphs.graph_input(fixed, LAYOUT, "layer 1") is fixed.cu_seqlens_q
-    with pytest.raises(PackedFormError, match=r"layer 2: .*cu_seqlens_q shape \(3,\) \(captured: \(7,\)\); "
-                                              r"max_seqlen_q 11 \(captured: 16\)"):
+    with pytest.raises(
+        PackedFormError,
+        match=r"layer 2: .*cu_seqlens_q shape \(3,\) \(captured: \(7,\)\); "
+        r"max_seqlen_q 11 \(captured: 16\)",
+    ):
         packed_graphs.graph_input(params_of([0, 5, 16], longest=11), LAYOUT, "layer 2")
 
 
@@ -162,9 +185,13 @@ def _sample(rows=8, mbs=1, attention=True, rope=None):
 def test_sample_inputs_are_a_packed_microbatch():
     rope = torch.arange(16.0).view(16, 1, 1, 1)
     layer1, layer2, mlp_only = _sample(rope=rope), _sample(rope=rope), _sample(attention=False)
-    args, kwargs = packed_graphs.sample_inputs([layer1[0], layer2[0], layer1[0], mlp_only[0]],
-                                               [layer1[1], layer2[1], layer1[1], mlp_only[1]], LAYOUT,
-                                               micro_batch_size=1, rope=rope)
+    args, kwargs = packed_graphs.sample_inputs(
+        [layer1[0], layer2[0], layer1[0], mlp_only[0]],
+        [layer1[1], layer2[1], layer1[1], mlp_only[1]],
+        LAYOUT,
+        micro_batch_size=1,
+        rope=rope,
+    )
     assert args[0][0] is layer1[0][0]  # micro-batch size 1: Megatron's hidden states are already the stream's shape
     assert set(kwargs[0]) == {"rotary_pos_emb", THD_KWARG}  # no attention mask for a THD batch
     assert kwargs[0]["rotary_pos_emb"] is rope
@@ -175,15 +202,17 @@ def test_sample_inputs_are_a_packed_microbatch():
 
 
 def test_sample_hidden_states_of_several_samples_are_the_flattened_stream():
-    (args,), _ = packed_graphs.sample_inputs([_sample(rows=8, mbs=2, attention=False)[0]], [{}],
-                                             LAYOUT, micro_batch_size=2, rope=None)
+    (args,), _ = packed_graphs.sample_inputs(
+        [_sample(rows=8, mbs=2, attention=False)[0]], [{}], LAYOUT, micro_batch_size=2, rope=None
+    )
     (hidden,) = args
     assert hidden.shape == (16, 1, 4) and hidden.dtype == torch.bfloat16 and hidden.requires_grad
 
 
 def test_the_helper_samples_only_for_a_packed_run():
-    helper = types.SimpleNamespace(session=RunSession(PluginConfig()), seq_length=16, micro_batch_size=1,
-                                   chunks_with_decoder=[None])
+    helper = types.SimpleNamespace(
+        session=RunSession(PluginConfig()), seq_length=16, micro_batch_size=1, chunks_with_decoder=[None]
+    )
     sample = [_sample()[0]], [_sample()[1]]
     assert packed_graphs.helper_sample_inputs(helper, *sample) == sample
     helper.session = RunSession(PluginConfig(thd_max_seqs=6))
@@ -192,6 +221,7 @@ def test_the_helper_samples_only_for_a_packed_run():
 
 
 # -- the patches' wrappers --------------------------------------------------------------------------
+
 
 @pytest.fixture
 def packed_session(monkeypatch):
@@ -206,8 +236,17 @@ class FakeGPT:
         self.training = training
         self.seen = None
 
-    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
-                inference_context=None, packed_seq_params=None, extra_block_kwargs=None):
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        decoder_input=None,
+        labels=None,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs=None,
+    ):
         self.seen = packed_seq_params
         return "out"
 
@@ -259,13 +298,20 @@ class FakeLayer:
 def test_a_replay_hands_the_offsets_to_the_graph(packed_session, modules):
     replay = packed_graphs.build_replay(FakeLayer.replay, packed_session)
     layer = FakeLayer(modules)
-    fixed = packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), packed_graphs.layout_of(packed_session.config))
-    assert replay(layer, hidden_states="h", attention_mask=None, packed_seq_params=fixed, rotary_pos_emb="table") == "replayed"
-    (_, kwargs), = layer.calls
+    fixed = packed_graphs.fixed_params(
+        params_of([0, 5, 16], longest=11), packed_graphs.layout_of(packed_session.config)
+    )
+    assert (
+        replay(layer, hidden_states="h", attention_mask=None, packed_seq_params=fixed, rotary_pos_emb="table")
+        == "replayed"
+    )
+    ((_, kwargs),) = layer.calls
     assert kwargs == {"hidden_states": "h", "rotary_pos_emb": "table", THD_KWARG: fixed.cu_seqlens_q}
     with pytest.raises(PackedFormError, match="layer 3: .*attention mask"):
         replay(layer, hidden_states="h", attention_mask=torch.ones(1), packed_seq_params=fixed)
-    with pytest.raises(PackedFormError, match="layer 3: a packed microbatch reached the graph outside the fixed layout"):
+    with pytest.raises(
+        PackedFormError, match="layer 3: a packed microbatch reached the graph outside the fixed layout"
+    ):
         replay(layer, hidden_states="h", packed_seq_params=params_of([0, 5, 16], longest=11))
 
 
@@ -298,6 +344,7 @@ def test_the_capture_turns_the_graph_input_into_params(packed_session):
 
 # -- the planner ------------------------------------------------------------------------------------
 
+
 def test_the_planner_counts_the_static_offsets():
     packed = RunSettings(cuda_graph_impl="transformer_engine", inter_document_masking=True, thd_max_seqs=31)
     assert thd_buffer_bytes(packed, 4) == 4 * 32 * 4  # per graph: --cg-thd-max-seqs + 1 int32 entries
@@ -308,11 +355,17 @@ def test_the_planner_counts_the_static_offsets():
 
 # -- the launcher's packed batches --------------------------------------------------------------------
 
+
 def test_the_launchers_params_are_megatrons_script_s():
     from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 
-    batch = with_packed_keys({"tokens": torch.zeros(1, 16), "cu_seqlens": torch.tensor([[0, 5, 12, 16]], dtype=torch.int32),
-                              "max_seqlen": torch.tensor([7])})
+    batch = with_packed_keys(
+        {
+            "tokens": torch.zeros(1, 16),
+            "cu_seqlens": torch.tensor([[0, 5, 12, 16]], dtype=torch.int32),
+            "max_seqlen": torch.tensor([7]),
+        }
+    )
     assert batch["cu_seqlens_padded"] is None  # Megatron's broadcast reads the key under CP
     params = packed_batch_params(batch, tokens_per_sample=16)
     assert params.cu_seqlens_q.tolist() == [0, 5, 12, 16] and params.cu_seqlens_kv is params.cu_seqlens_q

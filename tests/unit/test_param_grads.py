@@ -29,8 +29,13 @@ def test_a_second_capture_of_the_same_layout_reuses_every_buffer():
 def test_other_layouts_get_buffers_of_their_own():
     shared = ParamGradBuffers()
     dense, _ = shared.take(layer_params())
-    other = [torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 8).t(), torch.zeros(8, 8),
-             torch.zeros(8, 8)]
+    other = [
+        torch.zeros(8, 8),
+        torch.zeros(8, 8, dtype=torch.bfloat16),
+        torch.zeros(8, 8).t(),
+        torch.zeros(8, 8),
+        torch.zeros(8, 8),
+    ]
     moe, new_bytes = shared.take(other)
     assert moe[0].data_ptr() == dense[0].data_ptr() and moe[3].data_ptr() == dense[1].data_ptr()
     assert moe[1].dtype == torch.bfloat16 and moe[2].stride() == (1, 8)  # the transposed layout is kept

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 import megatron_cg_plugin
-from megatron_cg_plugin import parse_errors
-from megatron_cg_plugin import installation
+from megatron_cg_plugin import installation, parse_errors
 from megatron_cg_plugin.parse_errors import short_message, shorten
 
 arguments = importlib.import_module("megatron.training.arguments")
@@ -21,8 +20,7 @@ ORIGINAL_ADD_MEGATRON_ARGUMENTS = arguments.add_megatron_arguments
 MODULE_NAMES = [member.name for member in CudaGraphModule]
 
 # The smallest flag set Megatron's parse_args accepts (it does not validate).
-MEGATRON_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                  "--micro-batch-size", "1"]
+MEGATRON_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1"]
 
 
 def toy_parser() -> argparse.ArgumentParser:
@@ -62,11 +60,13 @@ def test_short_message_several_unknown_flags_each_with_its_suggestion():
     message = short_message(toy_parser(), "unrecognized arguments: --cuda-graph-modul attn --hiden-size 5 --zzzz")
     assert "\n" not in message
     assert message.startswith("toy: error: unknown flags ")
-    body = message[len("toy: error: unknown flags "):]
+    body = message[len("toy: error: unknown flags ") :]
     parts = body.split(", ")
-    assert parts == ["--cuda-graph-modul (did you mean --cuda-graph-modules?)",
-                     "--hiden-size (did you mean --hidden-size?)",
-                     "--zzzz"]
+    assert parts == [
+        "--cuda-graph-modul (did you mean --cuda-graph-modules?)",
+        "--hiden-size (did you mean --hidden-size?)",
+        "--zzzz",
+    ]
 
 
 def test_short_message_token_with_value_is_matched_by_its_name():
@@ -90,15 +90,19 @@ def test_short_message_negative_value_is_not_a_flag(capsys):
 
 
 def test_short_message_only_positional_leftovers_are_listed():
-    assert short_message(toy_parser(), "unrecognized arguments: extra words") == \
-        "toy: error: unknown flags extra, words"
+    assert (
+        short_message(toy_parser(), "unrecognized arguments: extra words") == "toy: error: unknown flags extra, words"
+    )
 
 
-@pytest.mark.parametrize("message", [
-    "argument --hidden-size: invalid int value: 'x'",
-    "the following arguments are required: --num-layers",
-    "unrecognized argument --cuda-graph-modul",  # not argparse's prefix
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "argument --hidden-size: invalid int value: 'x'",
+        "the following arguments are required: --num-layers",
+        "unrecognized argument --cuda-graph-modul",  # not argparse's prefix
+    ],
+)
 def test_short_message_other_errors_pass_through_with_prog(message):
     assert short_message(toy_parser(), message) == f"toy: error: {message}"
 
@@ -145,8 +149,10 @@ def _module_actions(parser):
 
 def test_megatron_parser_has_the_flags_shorten_wraps():
     actions = _module_actions(megatron_parser())
-    assert sorted(flag for action in actions for flag in action.option_strings) == \
-        ["--cuda-graph-modules", "--cuda-graph-scope"]
+    assert sorted(flag for action in actions for flag in action.option_strings) == [
+        "--cuda-graph-modules",
+        "--cuda-graph-scope",
+    ]
     assert all(action.type is ORIGINAL_MODULES_TYPE for action in actions)
 
 

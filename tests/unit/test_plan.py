@@ -72,8 +72,7 @@ def test_moe_scopes_graph_exactly_the_moe_layers(num_layers, freq, modules):
 
 @pytest.mark.parametrize("num_layers, freq", GRID)
 def test_mlp_plus_moe_router_graphs_every_layer(num_layers, freq):
-    plan = plan_capture(te(modules=("mlp", "moe_router"), num_layers=num_layers, num_experts=4,
-                           moe_layer_freq=freq))
+    plan = plan_capture(te(modules=("mlp", "moe_router"), num_layers=num_layers, num_experts=4, moe_layer_freq=freq))
     assert plan.graphed_layers == tuple(range(1, num_layers + 1))
 
 
@@ -109,8 +108,15 @@ PARALLEL_GRID = [
 @pytest.mark.parametrize("world, tp, pp, cp, mbs, gbs", PARALLEL_GRID)
 def test_microbatches(world, tp, pp, cp, mbs, gbs):
     dp = world // (tp * pp * cp)
-    facts = te(num_layers=8, world_size=world, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
-               micro_batch_size=mbs, global_batch_size=gbs)
+    facts = te(
+        num_layers=8,
+        world_size=world,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+    )
     plan = plan_capture(facts)
     expected = gbs // (mbs * dp)
     assert plan.microbatches_per_step == expected
@@ -120,12 +126,14 @@ def test_microbatches(world, tp, pp, cp, mbs, gbs):
 
 def test_microbatches_worked_example():
     # 8 ranks, TP2 x PP2 -> DP 2; 64 / (4 x 2) = 8 microbatches, all captured under PP
-    plan = plan_capture(te(num_layers=4, world_size=8, tensor_parallel=2, pipeline_parallel=2,
-                           micro_batch_size=4, global_batch_size=64))
+    plan = plan_capture(
+        te(num_layers=4, world_size=8, tensor_parallel=2, pipeline_parallel=2, micro_batch_size=4, global_batch_size=64)
+    )
     assert (plan.microbatches_per_step, plan.microbatches_captured) == (8, 8)
     assert plan.graphs_on_first_stage == 2 * 8
-    plan = plan_capture(te(num_layers=4, world_size=8, tensor_parallel=2, pipeline_parallel=1,
-                           micro_batch_size=4, global_batch_size=64))
+    plan = plan_capture(
+        te(num_layers=4, world_size=8, tensor_parallel=2, pipeline_parallel=1, micro_batch_size=4, global_batch_size=64)
+    )
     assert (plan.microbatches_per_step, plan.microbatches_captured) == (4, 1)
     assert plan.graphs_on_first_stage == 4
 
@@ -136,6 +144,7 @@ def test_global_batch_defaults_to_one_microbatch():
 
 
 # -- impl none / describe ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("impl", ["none", "local", "full_iteration"])
 @pytest.mark.parametrize("modules", [(), ("attn",), ("mlp",)])
@@ -149,8 +158,18 @@ def test_non_te_impl_graphs_nothing(impl, modules):
 
 
 def test_describe_te_plan():
-    plan = plan_capture(te(modules=("attn", "moe_router"), num_layers=4, num_experts=4, world_size=4,
-                           pipeline_parallel=2, micro_batch_size=1, global_batch_size=8, warmup_steps=2))
+    plan = plan_capture(
+        te(
+            modules=("attn", "moe_router"),
+            num_layers=4,
+            num_experts=4,
+            world_size=4,
+            pipeline_parallel=2,
+            micro_batch_size=1,
+            global_batch_size=8,
+            warmup_steps=2,
+        )
+    )
     text = plan.describe()
     assert "eager run" not in text
     assert "scope: attn+moe_router" in text
@@ -169,12 +188,21 @@ def test_describe_says_none_when_nothing_graphed():
 
 # -- graphs on the first stage ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("pp", [1, 2, 4])
 @pytest.mark.parametrize("freq", [1, 2, (1, 1, 1, 1, 0, 0, 0, 0), (0, 0, 0, 0, 1, 1, 1, 1), (0, 1, 0, 0, 1, 1, 0, 1)])
 @pytest.mark.parametrize("modules", [(), ("mlp",), ("moe",), ("attn",)])
 def test_graphs_on_first_stage_counts_first_stage_layers_only(pp, freq, modules):
-    facts = te(modules=modules, num_layers=8, num_experts=4, moe_layer_freq=freq, world_size=pp,
-               pipeline_parallel=pp, micro_batch_size=1, global_batch_size=4)
+    facts = te(
+        modules=modules,
+        num_layers=8,
+        num_experts=4,
+        moe_layer_freq=freq,
+        world_size=pp,
+        pipeline_parallel=pp,
+        micro_batch_size=1,
+        global_batch_size=4,
+    )
     plan = plan_capture(facts)
     first_stage = range(1, 8 // pp + 1)
     expected_layers = [n for n in first_stage if n in plan.graphed_layers]
@@ -183,19 +211,47 @@ def test_graphs_on_first_stage_counts_first_stage_layers_only(pp, freq, modules)
 
 def test_graphs_on_first_stage_excludes_later_stages():
     # MoE layers only on stage 2 of 2: a first-stage rank captures nothing for --cuda-graph-modules moe
-    plan = plan_capture(te(modules=("moe",), num_layers=4, num_experts=4, moe_layer_freq=(0, 0, 1, 1),
-                           world_size=2, pipeline_parallel=2, global_batch_size=4))
+    plan = plan_capture(
+        te(
+            modules=("moe",),
+            num_layers=4,
+            num_experts=4,
+            moe_layer_freq=(0, 0, 1, 1),
+            world_size=2,
+            pipeline_parallel=2,
+            global_batch_size=4,
+        )
+    )
     assert plan.graphed_layers == (3, 4)
     assert plan.graphs_on_first_stage == 0
-    plan = plan_capture(te(modules=("mlp",), num_layers=4, num_experts=4, moe_layer_freq=(0, 0, 1, 1),
-                           world_size=2, pipeline_parallel=2, global_batch_size=4))
+    plan = plan_capture(
+        te(
+            modules=("mlp",),
+            num_layers=4,
+            num_experts=4,
+            moe_layer_freq=(0, 0, 1, 1),
+            world_size=2,
+            pipeline_parallel=2,
+            global_batch_size=4,
+        )
+    )
     assert plan.graphs_on_first_stage == 2 * 4
 
 
 def test_graphs_on_first_stage_with_virtual_pipeline():
-    plan = plan_capture(te(modules=("mlp",), num_layers=8, num_experts=4, moe_layer_freq=(1, 1, 1, 1, 0, 0, 0, 0),
-                           world_size=2, pipeline_parallel=2, virtual_pipeline=2, micro_batch_size=1,
-                           global_batch_size=4))
+    plan = plan_capture(
+        te(
+            modules=("mlp",),
+            num_layers=8,
+            num_experts=4,
+            moe_layer_freq=(1, 1, 1, 1, 0, 0, 0, 0),
+            world_size=2,
+            pipeline_parallel=2,
+            virtual_pipeline=2,
+            micro_batch_size=1,
+            global_batch_size=4,
+        )
+    )
     assert plan.model_chunks == 2
     assert plan.graphed_layers == (5, 6, 7, 8)
     assert plan.graphs_on_first_stage == 2 * 4  # layers 5 and 6, four microbatches each
@@ -210,15 +266,21 @@ def test_plan_is_frozen():
 
 # -- property ---------------------------------------------------------------------------------------
 
+
 @st.composite
 def te_facts(draw):
     num_layers = draw(st.integers(1, 12))
-    freq = draw(st.one_of(st.integers(1, 4),
-                          st.lists(st.sampled_from([0, 1]), min_size=num_layers, max_size=num_layers).map(tuple)))
-    modules = tuple(draw(st.lists(st.sampled_from(["attn", "mlp", "moe", "moe_router", "moe_preprocess"]),
-                                  unique=True, max_size=3)))
-    return te(num_layers=num_layers, modules=modules, moe_layer_freq=freq,
-              num_experts=draw(st.sampled_from([None, 2, 8])))
+    freq = draw(
+        st.one_of(
+            st.integers(1, 4), st.lists(st.sampled_from([0, 1]), min_size=num_layers, max_size=num_layers).map(tuple)
+        )
+    )
+    modules = tuple(
+        draw(st.lists(st.sampled_from(["attn", "mlp", "moe", "moe_router", "moe_preprocess"]), unique=True, max_size=3))
+    )
+    return te(
+        num_layers=num_layers, modules=modules, moe_layer_freq=freq, num_experts=draw(st.sampled_from([None, 2, 8]))
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -234,14 +296,23 @@ def test_graphed_layers_are_a_sorted_subset(facts):
     for n in set(range(1, facts.num_layers + 1)) - set(layers):
         moe_layer = facts.is_moe_layer(n - 1)
         assert "attn" not in facts.modules
-        assert ("mlp" not in facts.modules) if not moe_layer else not (
-            {"moe", "moe_router", "moe_preprocess"} & set(facts.modules))
+        assert (
+            ("mlp" not in facts.modules)
+            if not moe_layer
+            else not ({"moe", "moe_router", "moe_preprocess"} & set(facts.modules))
+        )
 
 
 @pytest.mark.parametrize("world, min_cp, banks", [(2, 1, (1, 2)), (4, 1, (1, 2, 4)), (4, 2, (2, 4)), (8, 8, (8,))])
 def test_graph_banks_in_the_plan(world, min_cp, banks):
-    facts = RunSettings(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
-                       world_size=world, bank_min_cp=min_cp, num_layers=3)
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        hybrid_context_parallel=True,
+        graph_banks=True,
+        world_size=world,
+        bank_min_cp=min_cp,
+        num_layers=3,
+    )
     plan = plan_capture(facts)
     assert plan.banks == banks
     assert plan.graphs_on_first_stage == 3 * len(banks)
@@ -252,8 +323,14 @@ def test_graph_banks_in_the_plan(world, min_cp, banks):
 
 @pytest.mark.parametrize("modules, per_layer", [((), 2), (("attn",), 2), (("mlp",), 1), (("attn", "mlp"), 2)])
 def test_banks_without_attention_in_the_scope_share_one_graph_per_layer(modules, per_layer):
-    facts = RunSettings(cuda_graph_impl="transformer_engine", hybrid_context_parallel=True, graph_banks=True,
-                       world_size=2, num_layers=3, modules=modules)
+    facts = RunSettings(
+        cuda_graph_impl="transformer_engine",
+        hybrid_context_parallel=True,
+        graph_banks=True,
+        world_size=2,
+        num_layers=3,
+        modules=modules,
+    )
     plan = plan_capture(facts)
     assert plan.banks == (1, 2) and plan.graphs_on_first_stage == 3 * per_layer
     assert ("one graph per layer serves every bank" in plan.describe()) == (per_layer == 1)

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, megatron_capacity, parse_load, tokens_per_rank, uniform_load, zipf_load
+from megatron_cg_plugin.moe.capacity import (
+    MoeCapacityPlan,
+    megatron_capacity,
+    parse_load,
+    tokens_per_rank,
+    uniform_load,
+    zipf_load,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -19,9 +26,14 @@ def test_capacity_is_megatrons(num_tokens, num_experts, factor):
 
 def tiny_moe(**overrides) -> MoeCapacityPlan:
     # The tiny-moe preset with drop-and-pad: seq 256 x micro-batch 2, 4 experts, top 2, factor 1.5.
-    values = dict(tokens_per_rank=tokens_per_rank(seq_length=256, micro_batch_size=2, context_parallel=1,
-                                                  tensor_parallel=1, sequence_parallel=False),
-                  topk=2, num_experts=4, capacity_factor=1.5)
+    values = dict(
+        tokens_per_rank=tokens_per_rank(
+            seq_length=256, micro_batch_size=2, context_parallel=1, tensor_parallel=1, sequence_parallel=False
+        ),
+        topk=2,
+        num_experts=4,
+        capacity_factor=1.5,
+    )
     return MoeCapacityPlan(**{**values, **overrides})
 
 
@@ -43,16 +55,26 @@ def test_expert_and_tensor_parallel_sizes():
 
 
 def test_tokens_per_rank_split_by_cp_and_tp():
-    assert tokens_per_rank(seq_length=4096, micro_batch_size=1, context_parallel=2, tensor_parallel=4,
-                           sequence_parallel=True) == 512
-    assert tokens_per_rank(seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=1,
-                           sequence_parallel=False) == 4096
+    assert (
+        tokens_per_rank(
+            seq_length=4096, micro_batch_size=1, context_parallel=2, tensor_parallel=4, sequence_parallel=True
+        )
+        == 512
+    )
+    assert (
+        tokens_per_rank(
+            seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=1, sequence_parallel=False
+        )
+        == 4096
+    )
     with pytest.raises(ValueError, match="--sequence-parallel"):  # Megatron's MoE layer refuses it
-        tokens_per_rank(seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=4,
-                        sequence_parallel=False)
+        tokens_per_rank(
+            seq_length=4096, micro_batch_size=2, context_parallel=2, tensor_parallel=4, sequence_parallel=False
+        )
     with pytest.raises(ValueError, match="multiple of CP"):
-        tokens_per_rank(seq_length=100, micro_batch_size=1, context_parallel=3, tensor_parallel=1,
-                        sequence_parallel=False)
+        tokens_per_rank(
+            seq_length=100, micro_batch_size=1, context_parallel=3, tensor_parallel=1, sequence_parallel=False
+        )
 
 
 def test_a_token_picks_k_different_experts():
@@ -85,9 +107,13 @@ def test_a_uniform_router_under_capacity_factor_one_drops_only_the_shortfall():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=8, max_size=8).filter(
-    lambda l: sum(1 for share in l if share > 0) >= 2),
-       st.floats(0.1, 4.0), st.floats(0.1, 4.0))
+@given(
+    st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=8, max_size=8).filter(
+        lambda l: sum(1 for share in l if share > 0) >= 2
+    ),
+    st.floats(0.1, 4.0),
+    st.floats(0.1, 4.0),
+)
 def test_dropped_fraction_is_a_fraction_and_falls_as_capacity_grows(load, factor_a, factor_b):
     low, high = sorted((factor_a, factor_b))
     small, large = tiny_moe(num_experts=8, capacity_factor=low), tiny_moe(num_experts=8, capacity_factor=high)
@@ -108,25 +134,41 @@ def test_zipf_load_skews_towards_the_first_expert():
     assert tiny_moe(capacity_factor=1.0).dropped_fraction(load) > 0
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("uniform", [1.0] * 4), ("zipf:2", [1.0, 0.25, 1 / 9, 1 / 16]), ("1,2,3,4", [1.0, 2.0, 3.0, 4.0]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("uniform", [1.0] * 4),
+        ("zipf:2", [1.0, 0.25, 1 / 9, 1 / 16]),
+        ("1,2,3,4", [1.0, 2.0, 3.0, 4.0]),
+    ],
+)
 def test_parse_load(text, expected):
     assert parse_load(text, 4) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("zipf:x", "zipf:S"), ("zipf:-1", ">= 0"), ("1,2", "2 shares for 4 experts"), ("lots", "not understood"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("zipf:x", "zipf:S"),
+        ("zipf:-1", ">= 0"),
+        ("1,2", "2 shares for 4 experts"),
+        ("lots", "not understood"),
+    ],
+)
 def test_parse_load_refuses_naming_the_form(text, message):
     with pytest.raises(ValueError, match=message):
         parse_load(text, 4)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(topk=5), "exceeds --num-experts"), (dict(capacity_factor=0.0), "must be > 0"),
-    (dict(expert_parallel=3), "multiple of --expert-model-parallel-size"), (dict(tokens_per_rank=0), ">= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(topk=5), "exceeds --num-experts"),
+        (dict(capacity_factor=0.0), "must be > 0"),
+        (dict(expert_parallel=3), "multiple of --expert-model-parallel-size"),
+        (dict(tokens_per_rank=0), ">= 1"),
+    ],
+)
 def test_bad_plans_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_moe(**overrides)

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from megatron_cg_plugin.matrix import runner as matrix
 from megatron_cg_plugin.farm.ports import PortAllocator, ephemeral_start, port_is_free
+from megatron_cg_plugin.matrix import runner as matrix
 
 
 def test_ports_handed_out_from_many_threads_are_distinct_and_below_the_ephemeral_range():

@@ -33,13 +33,19 @@ def test_each_result_says_how_to_reproduce_it(name):
 
 
 def test_a_result_without_its_fields_is_refused():
-    assert render.missing_fields({"name": "x", "command": "", "figures": {}}) == ["command", "commit", "device",
-                                                                                  "figures"]
+    assert render.missing_fields({"name": "x", "command": "", "figures": {}}) == [
+        "command",
+        "commit",
+        "device",
+        "figures",
+    ]
 
 
 def test_every_table_is_quoted_and_renders():
     quoted = {table for path in DOCS for table, _ in render.blocks(path.read_text())}
-    assert quoted == set(render.TABLES), f"tables rendered but quoted nowhere, or unknown: {quoted ^ set(render.TABLES)}"
+    assert quoted == set(render.TABLES), (
+        f"tables rendered but quoted nowhere, or unknown: {quoted ^ set(render.TABLES)}"
+    )
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -47,16 +53,18 @@ def test_the_generated_tables_are_what_the_json_renders(path):
     for table, body in render.blocks(path.read_text()):
         assert body == render.render(table, RESULTS) + "\n", (
             f"{path.relative_to(ROOT)}'s table {table!r} differs from benchmarks/*/result.json: "
-            "run python benchmarks/render.py")
+            "run python benchmarks/render.py"
+        )
 
 
 def test_a_changed_figure_fails():
     text = next(path.read_text() for path in DOCS if render.blocks(path.read_text()))
     table, body = render.blocks(text)[0]
     changed = {name: {**result} for name, result in RESULTS.items()}
-    changed["llama_like"] = {**RESULTS["llama_like"], "figures": {**RESULTS["llama_like"]["figures"],
-                                                                  "plugin_over_stock": {"median": 9.0, "low": 8.0,
-                                                                                        "high": 10.0}}}
+    changed["llama_like"] = {
+        **RESULTS["llama_like"],
+        "figures": {**RESULTS["llama_like"]["figures"], "plugin_over_stock": {"median": 9.0, "low": 8.0, "high": 10.0}},
+    }
     assert render.render("speed", changed) != render.render("speed", RESULTS)
     assert render.rewrite(text, RESULTS) == text
 
@@ -64,9 +72,13 @@ def test_a_changed_figure_fails():
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-@pytest.mark.parametrize("path", DOCS + [ROOT / "docs" / "design" / "fp8-slot-capture.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", DOCS + [ROOT / "docs" / "design" / "fp8-slot-capture.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_relative_links_point_at_files(path):
-    missing = [target for target in LINK.findall(path.read_text())
-               if "://" not in target and not (path.parent / target).exists()]
+    missing = [
+        target
+        for target in LINK.findall(path.read_text())
+        if "://" not in target and not (path.parent / target).exists()
+    ]
     assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"

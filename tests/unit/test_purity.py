@@ -10,17 +10,32 @@ from pathlib import Path
 
 import megatron_cg_plugin
 
-PURE = ("megatron_cg_plugin", "megatron_cg_plugin.config", "megatron_cg_plugin.rules",
-        "megatron_cg_plugin.scopes", "megatron_cg_plugin.banks.router",
-        "megatron_cg_plugin.banks.sizes", "megatron_cg_plugin.planner.capture_plan", "megatron_cg_plugin.slot_sharing.plan",
-        "megatron_cg_plugin.packed.layout", "megatron_cg_plugin.moe.capacity", "megatron_cg_plugin.bench.schedule", "megatron_cg_plugin.slot_sharing.offload_plan",
-        "megatron_cg_plugin.planner.allocator", "megatron_cg_plugin.planner.graph_memory",
-        "megatron_cg_plugin.data", "megatron_cg_plugin.parse_errors")
+PURE = (
+    "megatron_cg_plugin",
+    "megatron_cg_plugin.config",
+    "megatron_cg_plugin.rules",
+    "megatron_cg_plugin.scopes",
+    "megatron_cg_plugin.banks.router",
+    "megatron_cg_plugin.banks.sizes",
+    "megatron_cg_plugin.planner.capture_plan",
+    "megatron_cg_plugin.slot_sharing.plan",
+    "megatron_cg_plugin.packed.layout",
+    "megatron_cg_plugin.moe.capacity",
+    "megatron_cg_plugin.bench.schedule",
+    "megatron_cg_plugin.slot_sharing.offload_plan",
+    "megatron_cg_plugin.planner.allocator",
+    "megatron_cg_plugin.planner.graph_memory",
+    "megatron_cg_plugin.data",
+    "megatron_cg_plugin.parse_errors",
+)
 
 
 def test_pure_modules_import_no_torch():
-    code = "import sys\n" + "".join(f"import {name}\n" for name in PURE) + \
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    code = (
+        "import sys\n"
+        + "".join(f"import {name}\n" for name in PURE)
+        + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
@@ -31,7 +46,9 @@ PACKAGE = Path(megatron_cg_plugin.__file__).parent
 
 def _named_args(node: ast.AST) -> bool:
     """``args`` or ``<something>.args``: Megatron's parsed flags however a module holds them."""
-    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute) and node.attr == "args")
+    return (isinstance(node, ast.Name) and node.id == "args") or (
+        isinstance(node, ast.Attribute) and node.attr == "args"
+    )
 
 
 def cg_flag_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -41,26 +58,36 @@ def cg_flag_reads(tree: ast.AST) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("cg_") and _named_args(node.value):
             found.append((node.lineno, f"args.{node.attr}"))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
-              and _named_args(node.args[0]) and isinstance(node.args[1], ast.Constant)
-              and str(node.args[1].value).startswith("cg_")):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and _named_args(node.args[0])
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("cg_")
+        ):
             found.append((node.lineno, f"{node.func.id}(args, {node.args[1].value!r})"))
     return found
 
 
 def test_the_scan_finds_each_way_of_reading_a_cg_flag():
-    code = ("args.cg_slot_capture\nself.args.cg_offload_window\ngetattr(args, 'cg_offload_copies', None)\n"
-            "hasattr(args, 'cg_preset')\nargs.num_layers\nconfig.cg_like\ngetattr(args, 'seq_length')\n")
+    code = (
+        "args.cg_slot_capture\nself.args.cg_offload_window\ngetattr(args, 'cg_offload_copies', None)\n"
+        "hasattr(args, 'cg_preset')\nargs.num_layers\nconfig.cg_like\ngetattr(args, 'seq_length')\n"
+    )
     assert [line for line, _ in cg_flag_reads(ast.parse(code))] == [1, 2, 3, 4]
 
 
 def test_only_config_reads_the_cg_flags_from_args():
     """``config.config_from_args`` turns the ``--cg-*`` flags into the ``PluginConfig`` every other
     module is handed: a second reader would miss an ``install(config)`` that overrides the flags."""
-    readers = {str(path.relative_to(PACKAGE)): reads for path in sorted(PACKAGE.rglob("*.py"))
-               if path.name != "config.py" or path.parent != PACKAGE
-               if (reads := cg_flag_reads(ast.parse(path.read_text(), filename=str(path))))}
+    readers = {
+        str(path.relative_to(PACKAGE)): reads
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "config.py" or path.parent != PACKAGE
+        if (reads := cg_flag_reads(ast.parse(path.read_text(), filename=str(path))))
+    }
     assert readers == {}
 
 
@@ -80,12 +107,17 @@ def test_capture_code_needs_nothing_of_the_rules():
     """Capture code (capture/, slot_sharing/, banks/, offload/, packed/) reads scope names from
     ``scopes``; the rules are the run's check, a layer above it (``planner.capture_plan`` and
     ``refusal`` use them)."""
-    capture = sorted(path for folder in ("capture", "slot_sharing", "banks", "offload", "packed")
-                     for path in (PACKAGE / folder).glob("*.py"))
-    importers = [str(path.relative_to(PACKAGE)) for path in capture
-                 if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))]
+    capture = sorted(
+        path
+        for folder in ("capture", "slot_sharing", "banks", "offload", "packed")
+        for path in (PACKAGE / folder).glob("*.py")
+    )
+    importers = [
+        str(path.relative_to(PACKAGE))
+        for path in capture
+        if "megatron_cg_plugin.rules" in imported_modules(ast.parse(path.read_text()))
+    ]
     assert importers == []
-
 
 
 def module_level_imports(tree: ast.Module) -> ast.Module:
@@ -104,7 +136,10 @@ def module_level_imports(tree: ast.Module) -> ast.Module:
 def test_the_package_imports_no_test_extra_at_module_level():
     """hypothesis and pytest are test extras: the tests' doubles and strategies live under
     tests/unit/_doubles (farm/distributed.py's pytest helpers import pytest inside the call)."""
-    importers = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
-                 if {"hypothesis", "pytest"} & {name.split(".")[0] for name in
-                                                imported_modules(module_level_imports(ast.parse(path.read_text())))}]
+    importers = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if {"hypothesis", "pytest"}
+        & {name.split(".")[0] for name in imported_modules(module_level_imports(ast.parse(path.read_text())))}
+    ]
     assert importers == []

@@ -13,13 +13,11 @@ import os
 import pytest
 import torch
 
-from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import compat, installation, rules
 from megatron_cg_plugin import refusal as enforce
-from megatron_cg_plugin import installation
-from megatron_cg_plugin.launch import dry_run
-from megatron_cg_plugin.launch import pretrain_gpt
-from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
+from megatron_cg_plugin.launch import dry_run, pretrain_gpt
+from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
 
 global_vars = importlib.import_module("megatron.training.global_vars")
 microbatches = importlib.import_module("megatron.core.num_microbatches_calculator")
@@ -31,17 +29,35 @@ MOE_LAYERS = GPT + MOE_FLAGS  # tiny-moe's experts without its graph scope: whol
 BANKS = ("--cg-graph-banks",)
 DOCUMENTS = ("--dataloader-inter-document-masking",)  # packed (THD) microbatches without hybrid CP
 # The farm's packed shape: 32 documents x 16 heads x 4096^2 = 2^33, past TE's deterministic THD limit (2^30).
-LONG_PACKED = GPT + DOCUMENTS + ("--seq-length", "4096", "--max-position-embeddings", "4096", "--num-attention-heads",
-                                 "16", "--cg-thd-max-seqs", "32")
+LONG_PACKED = (
+    GPT
+    + DOCUMENTS
+    + (
+        "--seq-length",
+        "4096",
+        "--max-position-embeddings",
+        "4096",
+        "--num-attention-heads",
+        "16",
+        "--cg-thd-max-seqs",
+        "32",
+    )
+)
 DETERMINISTIC = ("--deterministic-mode",)
-ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_GRAPH_REGISTER",
-            "CUDA_DEVICE_MAX_CONNECTIONS")
+ENV_KEYS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "NCCL_GRAPH_REGISTER",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+)
 MEGATRON = "megatron"  # Megatron's own validate_args (or TransformerConfig) rejects the flags
 
 
 def without(flags: tuple[str, ...], flag: str, values: int = 1) -> tuple[str, ...]:
     index = flags.index(flag)
-    return flags[:index] + flags[index + 1 + values:]
+    return flags[:index] + flags[index + 1 + values :]
 
 
 HYBRID_CP = PRESET_FLAGS["tiny-gpt-hybrid-cp"]
@@ -62,41 +78,94 @@ ROWS = (
     Row("tiny-gpt-eager", GPT, frozenset()),
     Row("tiny-moe-graphed", MOE + TE, frozenset()),  # the preset as given
     Row("tiny-moe-whole-layer-dropless", MOE_LAYERS + TE, frozenset({"whole-layer-moe-needs-drop-and-pad"})),
-    Row("tiny-moe-whole-layer-drop-and-pad",
-        MOE_LAYERS + TE + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"), frozenset()),
-    Row("hybrid-cp-without-rerun-mode-disabled", without(HYBRID_CP, "--rerun-mode"),
-        frozenset({"hybrid-cp-rerun-mode"}), nproc=2),
+    Row(
+        "tiny-moe-whole-layer-drop-and-pad",
+        MOE_LAYERS + TE + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"),
+        frozenset(),
+    ),
+    Row(
+        "hybrid-cp-without-rerun-mode-disabled",
+        without(HYBRID_CP, "--rerun-mode"),
+        frozenset({"hybrid-cp-rerun-mode"}),
+        nproc=2,
+    ),
     Row("hybrid-cp-banks", HYBRID_CP + TE + BANKS, frozenset(), nproc=2),
     Row("hybrid-cp-graphed-without-banks", HYBRID_CP + TE, frozenset({"hybrid-cp"}), nproc=2),
     Row("hybrid-cp-banks-fp8", HYBRID_CP + TE + BANKS + ("--fp8-format", "hybrid"), frozenset({"banks-fp8"}), nproc=2),
     # Slot capture refused FP8 MoE layers only at capture (their TE norm is a te.ops module); check says it first now.
-    Row("tiny-moe-slot-fp8", MOE + TE + ("--cuda-graph-modules", "attn", "--cg-slot-capture", "--fp8-format", "hybrid"),
-        frozenset({"slot-capture-fp8-op-fuser"})),
-    Row("hybrid-cp-launcher-tp", HYBRID_CP + ("--tensor-model-parallel-size", "2"),
-        frozenset({"hybrid-cp-launcher-tp"}), nproc=4, environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
+    Row(
+        "tiny-moe-slot-fp8",
+        MOE + TE + ("--cuda-graph-modules", "attn", "--cg-slot-capture", "--fp8-format", "hybrid"),
+        frozenset({"slot-capture-fp8-op-fuser"}),
+    ),
+    Row(
+        "hybrid-cp-launcher-tp",
+        HYBRID_CP + ("--tensor-model-parallel-size", "2"),
+        frozenset({"hybrid-cp-launcher-tp"}),
+        nproc=4,
+        environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    ),
     Row("thd-max-seqs-0", GPT + ("--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
     Row("packed-graphed-without-capacity", GPT + TE + DOCUMENTS, frozenset({"packed-sequences-te-graphs"})),
     Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset()),
-    Row("packed-graphed-attn-rope-unfused", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cuda-graph-modules",
-        "attn", "--position-embedding-type", "rope", "--no-rope-fusion"), frozenset({"packed-graphs-rope"})),
-    Row("packed-graphed-slot-capture", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-slot-capture"),
-        frozenset({"packed-graphs-slot-capture"})),
-    Row("packed-graphed-deterministic-long", LONG_PACKED + TE + DETERMINISTIC,
-        frozenset({"packed-graphs-deterministic-attention"})),
-    Row("packed-eager-deterministic-long", LONG_PACKED + DETERMINISTIC,  # the layout is the plugin's in eager steps too
-        frozenset({"packed-graphs-deterministic-attention"})),
-    Row("packed-graphed-deterministic-bounded", LONG_PACKED + TE + DETERMINISTIC + ("--cg-thd-max-seqlen", "1448"),
-        frozenset()),
+    Row(
+        "packed-graphed-attn-rope-unfused",
+        GPT
+        + TE
+        + DOCUMENTS
+        + (
+            "--cg-thd-max-seqs",
+            "16",
+            "--cuda-graph-modules",
+            "attn",
+            "--position-embedding-type",
+            "rope",
+            "--no-rope-fusion",
+        ),
+        frozenset({"packed-graphs-rope"}),
+    ),
+    Row(
+        "packed-graphed-slot-capture",
+        GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-slot-capture"),
+        frozenset({"packed-graphs-slot-capture"}),
+    ),
+    Row(
+        "packed-graphed-deterministic-long",
+        LONG_PACKED + TE + DETERMINISTIC,
+        frozenset({"packed-graphs-deterministic-attention"}),
+    ),
+    Row(
+        "packed-eager-deterministic-long",
+        LONG_PACKED + DETERMINISTIC,  # the layout is the plugin's in eager steps too
+        frozenset({"packed-graphs-deterministic-attention"}),
+    ),
+    Row(
+        "packed-graphed-deterministic-bounded",
+        LONG_PACKED + TE + DETERMINISTIC + ("--cg-thd-max-seqlen", "1448"),
+        frozenset(),
+    ),
     Row("packed-graphed-nondeterministic-long", LONG_PACKED + TE, frozenset()),
-    Row("packed-graphed-max-seqlen-above-seq-length", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16",
-        "--cg-thd-max-seqlen", "512"), frozenset({"thd-max-seqlen-bound"})),
-    Row("thd-max-seqlen-without-max-seqs", GPT + DOCUMENTS + ("--cg-thd-max-seqlen", "128"),
-        frozenset({"thd-max-seqlen-without-packed-graphs"})),
-    Row("thd-max-seqlen-0", GPT + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "0"),
-        frozenset({"cg-flags"})),
+    Row(
+        "packed-graphed-max-seqlen-above-seq-length",
+        GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "512"),
+        frozenset({"thd-max-seqlen-bound"}),
+    ),
+    Row(
+        "thd-max-seqlen-without-max-seqs",
+        GPT + DOCUMENTS + ("--cg-thd-max-seqlen", "128"),
+        frozenset({"thd-max-seqlen-without-packed-graphs"}),
+    ),
+    Row(
+        "thd-max-seqlen-0",
+        GPT + DOCUMENTS + ("--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "0"),
+        frozenset({"cg-flags"}),
+    ),
     Row("packed-eager", GPT + DOCUMENTS, frozenset()),
-    Row("thd-max-seqs-unpacked-graphed", GPT + TE + ("--cg-thd-max-seqs", "4"),
-        frozenset({"thd-max-seqs-without-packed-data"})),
+    Row(
+        "thd-max-seqs-unpacked-graphed",
+        GPT + TE + ("--cg-thd-max-seqs", "4"),
+        frozenset({"thd-max-seqs-without-packed-data"}),
+    ),
     Row("sft-through-the-launcher", GPT + ("--sft",), frozenset({"packed-launcher-sft"})),
     Row("report-out-directory", GPT + ("--cg-report-out", "{tmp}"), frozenset({"cg-flags"})),
     Row("bank-min-cp-3", GPT + ("--cg-bank-min-cp", "3"), frozenset({"cg-flags"})),
@@ -104,17 +173,22 @@ ROWS = (
     Row("missing-data-prefix", GPT + ("--data-path", "{tmp}/no_such_prefix"), frozenset({"data-files"})),
     Row("real-data-prefix", GPT + TE + ("--data-path", "{data}"), frozenset()),
     Row("fp8-without-banks", GPT + TE + ("--fp8-format", "hybrid"), frozenset()),
-    Row("several-rules-at-once",
+    Row(
+        "several-rules-at-once",
         MOE_LAYERS + TE + BANKS + ("--recompute-granularity", "full", "--recompute-method", "uniform"),
-        frozenset({"whole-layer-moe-needs-drop-and-pad", "full-recompute", "banks-need-hybrid-cp"})),
+        frozenset({"whole-layer-moe-needs-drop-and-pad", "full-recompute", "banks-need-hybrid-cp"}),
+    ),
     Row("slot-capture-without-te-graphs", GPT + ("--cg-slot-capture",), frozenset({"cg-flags-need-te-graphs"})),
     Row("hybrid-cp-on-one-rank", HYBRID_CP, frozenset({"hybrid-cp-ranks"})),
     Row("num-layers-below-one", GPT + ("--num-layers", "-2"), frozenset({"num-layers"})),
     Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
     Row("megatron-assertion-with-message", GPT + ("--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
     # Megatron stops first (world size 1 < PP 2), and the plugin's rule is named beside it in both.
-    Row("slot-capture-pp2-on-one-rank", GPT + TE + ("--cg-slot-capture", "--pipeline-model-parallel-size", "2"),
-        frozenset({"slot-capture-pipeline", MEGATRON})),
+    Row(
+        "slot-capture-pp2-on-one-rank",
+        GPT + TE + ("--cg-slot-capture", "--pipeline-model-parallel-size", "2"),
+        frozenset({"slot-capture-pipeline", MEGATRON}),
+    ),
 )
 
 # Rows that once disagreed: Megatron's ValueError in validate_args, and TransformerConfig's own

@@ -22,139 +22,335 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 VIOLATING: dict[str, tuple[RunSettings, str]] = {
     "num-layers": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
     "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
-    "cg-flags-need-te-graphs": (RunSettings(graph_only_flags=("--cg-slot-capture",)),
-                                "--cuda-graph-impl transformer_engine"),
+    "cg-flags-need-te-graphs": (
+        RunSettings(graph_only_flags=("--cg-slot-capture",)),
+        "--cuda-graph-impl transformer_engine",
+    ),
     "te-installed": (RunSettings(cuda_graph_impl=TE, te_available=False), "--cuda-graph-impl none"),
-    "te-layers": (RunSettings(cuda_graph_impl=TE, transformer_impl="local"),
-                  "--transformer-impl transformer_engine"),
-    "moe-xor-router": (RunSettings(cuda_graph_impl=TE, modules=("moe", "moe_router"), **MOE_DROP_PAD),
-                       "--cuda-graph-modules"),
-    "preprocess-needs-router": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_preprocess"), num_experts=4),
-                                "moe_router"),
+    "te-layers": (RunSettings(cuda_graph_impl=TE, transformer_impl="local"), "--transformer-impl transformer_engine"),
+    "moe-xor-router": (
+        RunSettings(cuda_graph_impl=TE, modules=("moe", "moe_router"), **MOE_DROP_PAD),
+        "--cuda-graph-modules",
+    ),
+    "preprocess-needs-router": (
+        RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_preprocess"), num_experts=4),
+        "moe_router",
+    ),
     "moe-scope-needs-moe": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router")), "--num-experts"),
-    "mlp-scope-needs-dense": (RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=4),
-                              "--moe-layer-freq"),
-    "moe-scope-needs-drop-and-pad": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
-                                                capacity_factor=1.5),
-                                     "--moe-pad-expert-input-to-capacity"),
-    "preprocess-no-host-sync": (RunSettings(cuda_graph_impl=TE, modules=("moe_router", "moe_preprocess"),
-                                           num_experts=4, dispatcher="alltoall", capacity_factor=1.5),
-                                "--moe-pad-expert-input-to-capacity"),
-    "whole-layer-moe-needs-drop-and-pad": (RunSettings(cuda_graph_impl=TE, num_experts=4, dispatcher="alltoall"),
-                                           "--moe-expert-capacity-factor"),
-    "full-recompute": (RunSettings(cuda_graph_impl=TE, recompute_granularity="full"),
-                       "--recompute-granularity selective"),
-    "moe-recompute-vs-router": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
-                                           recompute_granularity="selective", recompute_modules=("moe",)),
-                                "--recompute-modules moe"),
+    "mlp-scope-needs-dense": (
+        RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=4),
+        "--moe-layer-freq",
+    ),
+    "moe-scope-needs-drop-and-pad": (
+        RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4, capacity_factor=1.5),
+        "--moe-pad-expert-input-to-capacity",
+    ),
+    "preprocess-no-host-sync": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("moe_router", "moe_preprocess"),
+            num_experts=4,
+            dispatcher="alltoall",
+            capacity_factor=1.5,
+        ),
+        "--moe-pad-expert-input-to-capacity",
+    ),
+    "whole-layer-moe-needs-drop-and-pad": (
+        RunSettings(cuda_graph_impl=TE, num_experts=4, dispatcher="alltoall"),
+        "--moe-expert-capacity-factor",
+    ),
+    "full-recompute": (
+        RunSettings(cuda_graph_impl=TE, recompute_granularity="full"),
+        "--recompute-granularity selective",
+    ),
+    "moe-recompute-vs-router": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn", "moe_router"),
+            num_experts=4,
+            recompute_granularity="selective",
+            recompute_modules=("moe",),
+        ),
+        "--recompute-modules moe",
+    ),
     "cpu-offloading": (RunSettings(cuda_graph_impl=TE, cpu_offloading=True), "--cpu-offloading"),
     "hybrid-cp": (RunSettings(cuda_graph_impl=TE, **HYBRID, world_size=2), "--hybrid-context-parallel"),
-    "gradient-accumulation-fusion": (RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
-                                     "--no-gradient-accumulation-fusion"),
+    "gradient-accumulation-fusion": (
+        RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True),
+        "--no-gradient-accumulation-fusion",
+    ),
     "expandable-segments": (RunSettings(cuda_graph_impl=TE, expandable_segments=True), "NCCL_GRAPH_REGISTER=0"),
     "warmup-steps": (RunSettings(cuda_graph_impl=TE, warmup_steps=-1), "--cuda-graph-warmup-steps"),
-    "hybrid-cp-pipeline": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=4,
-                                      pipeline_parallel=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-power-of-two": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
-                               "power of two"),
-    "hybrid-cp-delayed-wgrad": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                           delay_wgrad_compute=True, world_size=2), "--delay-wgrad-compute"),
-    "hybrid-cp-ep-overlap": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                        overlap_moe_expert_parallel_comm=True, world_size=2), "--overlap-moe-expert-parallel-comm"),
-    "hybrid-cp-mamba-scope": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                         world_size=2, modules=("attn", "mamba")), "drop mamba"),
+    "hybrid-cp-pipeline": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=4, pipeline_parallel=2),
+        "--pipeline-model-parallel-size 1",
+    ),
+    "hybrid-cp-power-of-two": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=6),
+        "power of two",
+    ),
+    "hybrid-cp-delayed-wgrad": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, delay_wgrad_compute=True, world_size=2),
+        "--delay-wgrad-compute",
+    ),
+    "hybrid-cp-ep-overlap": (
+        RunSettings(
+            cuda_graph_impl=TE, **HYBRID, graph_banks=True, overlap_moe_expert_parallel_comm=True, world_size=2
+        ),
+        "--overlap-moe-expert-parallel-comm",
+    ),
+    "hybrid-cp-mamba-scope": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, modules=("attn", "mamba")),
+        "drop mamba",
+    ),
     "banks-need-hybrid-cp": (RunSettings(cuda_graph_impl=TE, graph_banks=True), "add --hybrid-context-parallel"),
-    "banks-rope-type": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                   position_embedding_type="yarn", world_size=2), "--position-embedding-type rope"),
-    "banks-rope-fusion": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                     position_embedding_type="rope", apply_rope_fusion=False, world_size=2), "--no-rope-fusion"),
-    "hybrid-cp-rope-static-cp": (RunSettings(**HYBRID, position_embedding_type="rope",
-                                            context_parallel=2, world_size=2), "--context-parallel-size 1"),
-    "banks-scope": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                               modules=("attn", "moe_router"), **MOE_DROP_PAD, world_size=2), "--cuda-graph-modules attn moe"),
-    "offload-in-graph-warmup": (RunSettings(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
-                                           position_embedding_type="rope",
-                                           offload_modules=("core_attn",), warmup_steps=0),
-                                "--cuda-graph-warmup-steps 1"),
-    "whole-layer-offload-unjoined": (RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope",
-                                                offload_modules=("core_attn",)), "--cuda-graph-modules attn mlp"),
-    "offload-recompute-in-graphs": (RunSettings(cuda_graph_impl=TE, modules=("attn",), activation_offloading=True,
-                                               offload_modules=("core_attn",), recompute_granularity="selective",
-                                               recompute_modules=("layernorm",), position_embedding_type="rope"),
-                                    "(--offload-modules core_attn inside the graphs, --recompute-modules layernorm)"),
-    "offload-learned-positions": (RunSettings(activation_offloading=True, offload_modules=("core_attn",),
-                                             position_embedding_type="learned_absolute"),
-                                  "--position-embedding-type rope"),
-    "slot-capture-pipeline": (RunSettings(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
-                              "--pipeline-model-parallel-size 1"),
-    "slot-capture-fp8": (RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
-                         "--fp8-recipe delayed or tensorwise"),
-    "slot-capture-fp8-op-fuser": (RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_fuser=True),
-                                  "drop --use-transformer-engine-op-fuser"),
-    "slot-capture-scope": (RunSettings(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"),
-                                      **MOE_DROP_PAD), "--cuda-graph-modules attn moe"),
-    "slot-capture-delayed-wgrad": (RunSettings(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
-                                   "--delay-wgrad-compute"),
-    "banks-param-gather-overlap": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True,
-                                              overlap_param_gather=True, world_size=2), "--overlap-param-gather"),
-    "moe-layer-freq": (RunSettings(cuda_graph_impl=TE, modules=("attn",), num_experts=4, num_layers=4,
-                                  moe_layer_freq=(1, 1), capacity_factor=1.5, pad_to_capacity=True),
-                       "--moe-layer-freq"),
-    "parallel-sizes": (RunSettings(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
-                       "--tensor-model-parallel-size"),
-    "hybrid-cp-rerun-mode": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results",
-                                         world_size=2),
-                             "--rerun-mode disabled"),
-    "hybrid-cp-document-masking": (RunSettings(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False),
-                                              graph_banks=True, world_size=2), "--dataloader-inter-document-masking"),
-    "packed-sequences-te-graphs": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True),
-                                   "add --cg-thd-max-seqs N"),
+    "banks-rope-type": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, position_embedding_type="yarn", world_size=2),
+        "--position-embedding-type rope",
+    ),
+    "banks-rope-fusion": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            **HYBRID,
+            graph_banks=True,
+            position_embedding_type="rope",
+            apply_rope_fusion=False,
+            world_size=2,
+        ),
+        "--no-rope-fusion",
+    ),
+    "hybrid-cp-rope-static-cp": (
+        RunSettings(**HYBRID, position_embedding_type="rope", context_parallel=2, world_size=2),
+        "--context-parallel-size 1",
+    ),
+    "banks-scope": (
+        RunSettings(
+            cuda_graph_impl=TE, **HYBRID, graph_banks=True, modules=("attn", "moe_router"), **MOE_DROP_PAD, world_size=2
+        ),
+        "--cuda-graph-modules attn moe",
+    ),
+    "offload-in-graph-warmup": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn",),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("core_attn",),
+            warmup_steps=0,
+        ),
+        "--cuda-graph-warmup-steps 1",
+    ),
+    "whole-layer-offload-unjoined": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("core_attn",),
+        ),
+        "--cuda-graph-modules attn mlp",
+    ),
+    "offload-recompute-in-graphs": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn",),
+            activation_offloading=True,
+            offload_modules=("core_attn",),
+            recompute_granularity="selective",
+            recompute_modules=("layernorm",),
+            position_embedding_type="rope",
+        ),
+        "(--offload-modules core_attn inside the graphs, --recompute-modules layernorm)",
+    ),
+    "offload-learned-positions": (
+        RunSettings(
+            activation_offloading=True, offload_modules=("core_attn",), position_embedding_type="learned_absolute"
+        ),
+        "--position-embedding-type rope",
+    ),
+    "slot-capture-pipeline": (
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, pipeline_parallel=2, world_size=2),
+        "--pipeline-model-parallel-size 1",
+    ),
+    "slot-capture-fp8": (
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="mxfp8"),
+        "--fp8-recipe delayed or tensorwise",
+    ),
+    "slot-capture-fp8-op-fuser": (
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, te_op_fuser=True),
+        "drop --use-transformer-engine-op-fuser",
+    ),
+    "slot-capture-scope": (
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe_router"), **MOE_DROP_PAD),
+        "--cuda-graph-modules attn moe",
+    ),
+    "slot-capture-delayed-wgrad": (
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, delay_wgrad_compute=True),
+        "--delay-wgrad-compute",
+    ),
+    "banks-param-gather-overlap": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, overlap_param_gather=True, world_size=2),
+        "--overlap-param-gather",
+    ),
+    "moe-layer-freq": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn",),
+            num_experts=4,
+            num_layers=4,
+            moe_layer_freq=(1, 1),
+            capacity_factor=1.5,
+            pad_to_capacity=True,
+        ),
+        "--moe-layer-freq",
+    ),
+    "parallel-sizes": (
+        RunSettings(cuda_graph_impl=TE, world_size=6, tensor_parallel=4),
+        "--tensor-model-parallel-size",
+    ),
+    "hybrid-cp-rerun-mode": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, rerun_mode="validate_results", world_size=2),
+        "--rerun-mode disabled",
+    ),
+    "hybrid-cp-document-masking": (
+        RunSettings(cuda_graph_impl=TE, **dict(HYBRID, inter_document_masking=False), graph_banks=True, world_size=2),
+        "--dataloader-inter-document-masking",
+    ),
+    "packed-sequences-te-graphs": (
+        RunSettings(cuda_graph_impl=TE, inter_document_masking=True),
+        "add --cg-thd-max-seqs N",
+    ),
     "thd-max-seqs-without-packed-data": (RunSettings(cuda_graph_impl=TE, thd_max_seqs=8), "drop --cg-thd-max-seqs"),
-    "thd-max-seqlen-without-packed-graphs": (RunSettings(cuda_graph_impl=TE, thd_max_seqlen=1024),
-                                             "add --cg-thd-max-seqs N"),
-    "thd-max-seqlen-bound": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, seq_length=256,
-                                        thd_max_seqlen=512), "(--cg-thd-max-seqlen 512, --seq-length 256)"),
-    "packed-graphs-deterministic-attention": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=32,
-                                                         seq_length=4096, num_attention_heads=16, deterministic=True),
-                                              "set --cg-thd-max-seqlen to the longest document"),
-    "packed-graphs-capacity": (RunSettings(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4,
-                                          global_batch_size=4), "raise --cg-thd-max-seqs"),
-    "packed-graphs-moe": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, num_experts=4,
-                                     capacity_factor=1.0, pad_to_capacity=True), "dense layers"),
-    "packed-graphs-slot-capture": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
-                                              slot_capture=True), "drop --cg-slot-capture"),
-    "packed-graphs-offload": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
-                                         modules=("attn",), activation_offloading=True, offload_modules=("core_attn",),
-                                         position_embedding_type="rope", warmup_steps=3), "outside --cuda-graph-modules"),
-    "packed-graphs-rope": (RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8,
-                                      position_embedding_type="rope", apply_rope_fusion=False), "drop --no-rope-fusion"),
+    "thd-max-seqlen-without-packed-graphs": (
+        RunSettings(cuda_graph_impl=TE, thd_max_seqlen=1024),
+        "add --cg-thd-max-seqs N",
+    ),
+    "thd-max-seqlen-bound": (
+        RunSettings(
+            cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, seq_length=256, thd_max_seqlen=512
+        ),
+        "(--cg-thd-max-seqlen 512, --seq-length 256)",
+    ),
+    "packed-graphs-deterministic-attention": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            inter_document_masking=True,
+            thd_max_seqs=32,
+            seq_length=4096,
+            num_attention_heads=16,
+            deterministic=True,
+        ),
+        "set --cg-thd-max-seqlen to the longest document",
+    ),
+    "packed-graphs-capacity": (
+        RunSettings(cuda_graph_impl=TE, sft=True, thd_max_seqs=2, micro_batch_size=4, global_batch_size=4),
+        "raise --cg-thd-max-seqs",
+    ),
+    "packed-graphs-moe": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            inter_document_masking=True,
+            thd_max_seqs=8,
+            num_experts=4,
+            capacity_factor=1.0,
+            pad_to_capacity=True,
+        ),
+        "dense layers",
+    ),
+    "packed-graphs-slot-capture": (
+        RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=8, slot_capture=True),
+        "drop --cg-slot-capture",
+    ),
+    "packed-graphs-offload": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            inter_document_masking=True,
+            thd_max_seqs=8,
+            modules=("attn",),
+            activation_offloading=True,
+            offload_modules=("core_attn",),
+            position_embedding_type="rope",
+            warmup_steps=3,
+        ),
+        "outside --cuda-graph-modules",
+    ),
+    "packed-graphs-rope": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            inter_document_masking=True,
+            thd_max_seqs=8,
+            position_embedding_type="rope",
+            apply_rope_fusion=False,
+        ),
+        "drop --no-rope-fusion",
+    ),
     "packed-launcher-sft": (RunSettings(launcher=True, sft=True), "megatron-cg run PATH/pretrain_gpt.py"),
-    "packed-launcher-pipeline": (RunSettings(launcher=True, inter_document_masking=True, pipeline_parallel=2,
-                                            world_size=2), "--pipeline-model-parallel-size 1"),
-    "hybrid-cp-seqlen-per-rank": (RunSettings(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None),
-                                             graph_banks=True, world_size=2), "--max-seqlen-per-dp-cp-rank"),
-    "hybrid-cp-launcher-tp": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4,
-                                         tensor_parallel=2), "--tensor-model-parallel-size 1"),
+    "packed-launcher-pipeline": (
+        RunSettings(launcher=True, inter_document_masking=True, pipeline_parallel=2, world_size=2),
+        "--pipeline-model-parallel-size 1",
+    ),
+    "hybrid-cp-seqlen-per-rank": (
+        RunSettings(cuda_graph_impl=TE, **dict(HYBRID, max_seqlen_per_dp_cp_rank=None), graph_banks=True, world_size=2),
+        "--max-seqlen-per-dp-cp-rank",
+    ),
+    "hybrid-cp-launcher-tp": (
+        RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, launcher=True, world_size=4, tensor_parallel=2),
+        "--tensor-model-parallel-size 1",
+    ),
     "banks-fp8": (RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, fp8=True, world_size=2), "--fp8-format"),
-    "fp8-recipe-device": (RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0),
-                                     cuda_version=(13, 0)), "(--fp8-recipe mxfp8, compute capability 9.0, CUDA 13.0)"),
+    "fp8-recipe-device": (
+        RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(9, 0), cuda_version=(13, 0)),
+        "(--fp8-recipe mxfp8, compute capability 9.0, CUDA 13.0)",
+    ),
     "fp4-device": (RunSettings(cuda_graph_impl=TE, fp4=True, device_capability=(9, 0)), "(compute capability 9.0)"),
-    "cg-flags": (RunSettings(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
-                 "--cg-thd-max-seqs 0 must be >= 1."),
-    "data-files": (RunSettings(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")), "/data/a.bin, /data/a.idx"),
-    "moe-capacity-over-tokens": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), num_experts=4,
-                                            capacity_factor=3.0, pad_to_capacity=True, dispatcher="alltoall",
-                                            moe_topk=2), "num-experts / topk"),
-    "moe-tp-needs-sequence-parallel": (RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4,
-                                                  tensor_parallel=2, world_size=2), "--sequence-parallel"),
+    "cg-flags": (
+        RunSettings(cuda_graph_impl=TE, config_problems=("--cg-thd-max-seqs 0 must be >= 1.",)),
+        "--cg-thd-max-seqs 0 must be >= 1.",
+    ),
+    "data-files": (
+        RunSettings(cuda_graph_impl=TE, missing_files=("/data/a.bin", "/data/a.idx")),
+        "/data/a.bin, /data/a.idx",
+    ),
+    "moe-capacity-over-tokens": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn", "moe"),
+            num_experts=4,
+            capacity_factor=3.0,
+            pad_to_capacity=True,
+            dispatcher="alltoall",
+            moe_topk=2,
+        ),
+        "num-experts / topk",
+    ),
+    "moe-tp-needs-sequence-parallel": (
+        RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=4, tensor_parallel=2, world_size=2),
+        "--sequence-parallel",
+    ),
 }
 # Rules that hold whatever --cuda-graph-impl is (everything else only matters with TE graphs on).
-ALWAYS_ON = {"gradient-accumulation-fusion", "parallel-sizes", "moe-layer-freq", "hybrid-cp-rope-static-cp",
-             "hybrid-cp-rerun-mode", "hybrid-cp-document-masking", "hybrid-cp-seqlen-per-rank", "hybrid-cp-launcher-tp",
-             "cg-flags", "data-files", "moe-capacity-over-tokens", "moe-tp-needs-sequence-parallel", "num-layers",
-             "cg-flags-need-te-graphs", "hybrid-cp-ranks", "offload-learned-positions", "packed-launcher-sft",
-             "packed-launcher-pipeline", "thd-max-seqlen-without-packed-graphs", "thd-max-seqlen-bound",
-             "packed-graphs-deterministic-attention"}
+ALWAYS_ON = {
+    "gradient-accumulation-fusion",
+    "parallel-sizes",
+    "moe-layer-freq",
+    "hybrid-cp-rope-static-cp",
+    "hybrid-cp-rerun-mode",
+    "hybrid-cp-document-masking",
+    "hybrid-cp-seqlen-per-rank",
+    "hybrid-cp-launcher-tp",
+    "cg-flags",
+    "data-files",
+    "moe-capacity-over-tokens",
+    "moe-tp-needs-sequence-parallel",
+    "num-layers",
+    "cg-flags-need-te-graphs",
+    "hybrid-cp-ranks",
+    "offload-learned-positions",
+    "packed-launcher-sft",
+    "packed-launcher-pipeline",
+    "thd-max-seqlen-without-packed-graphs",
+    "thd-max-seqlen-bound",
+    "packed-graphs-deterministic-attention",
+}
 
 
 def names(facts: RunSettings) -> list[str]:
@@ -190,43 +386,97 @@ def test_baseline_passes():
     validate(BASELINE)  # does not raise
 
 
-@pytest.mark.parametrize("valid", [
-    RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router", "moe_preprocess"), num_experts=8,
-               dispatcher="alltoall"),
-    RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), **MOE_DROP_PAD),
-    RunSettings(cuda_graph_impl=TE, **MOE_DROP_PAD),  # whole layer with drop-and-pad
-    RunSettings(cuda_graph_impl=TE, modules=("mlp", "moe_router"), num_experts=4, num_layers=4, moe_layer_freq=2),
-    RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp")),
-    RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True, apex_fused_wgrad=True),
-    RunSettings(cuda_graph_impl=TE, expandable_segments=True, nccl_graph_register_off=True),
-    RunSettings(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
-    RunSettings(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
-    RunSettings(cuda_graph_impl=TE, warmup_steps=0),
-    # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU is unknown.
-    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)),
-    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(10, 0), cuda_version=(13, 0)),
-    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="tensorwise", device_capability=(9, 0)),
-    RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8"),
-    RunSettings(cuda_graph_impl=TE, fp4=True, device_capability=(10, 0)),
-    # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
-    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               position_embedding_type="rope", modules=("attn",)),
-    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("mlp",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
-    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("expert_fc1", "moe_act"),
-               **MOE_DROP_PAD),
-    # Offload inside the graphed scope: banks and --cg-slot-capture protect it.
-    RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-               modules=("attn",), activation_offloading=True, position_embedding_type="rope", offload_modules=("core_attn", "attn_proj")),
-    RunSettings(cuda_graph_impl=TE, slot_capture=True, activation_offloading=True, position_embedding_type="rope",
-               offload_modules=("attn_norm", "core_attn", "mlp_norm")),
-    # Megatron joins its offload stream into graphs that name attn / mlp: the same whole dense layer.
-    RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp"), activation_offloading=True, position_embedding_type="rope",
-               offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm")),
-    RunSettings(cuda_graph_impl=TE, slot_capture=True, modules=("attn", "moe"), activation_offloading=True, position_embedding_type="rope",
-               offload_modules=("core_attn", "expert_fc1"), **MOE_DROP_PAD),
-], ids=lambda f: f"{'+'.join(f.modules) or 'layer'}")
+@pytest.mark.parametrize(
+    "valid",
+    [
+        RunSettings(
+            cuda_graph_impl=TE, modules=("attn", "moe_router", "moe_preprocess"), num_experts=8, dispatcher="alltoall"
+        ),
+        RunSettings(cuda_graph_impl=TE, modules=("attn", "moe"), **MOE_DROP_PAD),
+        RunSettings(cuda_graph_impl=TE, **MOE_DROP_PAD),  # whole layer with drop-and-pad
+        RunSettings(cuda_graph_impl=TE, modules=("mlp", "moe_router"), num_experts=4, num_layers=4, moe_layer_freq=2),
+        RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp")),
+        RunSettings(cuda_graph_impl=TE, gradient_accumulation_fusion=True, apex_fused_wgrad=True),
+        RunSettings(cuda_graph_impl=TE, expandable_segments=True, nccl_graph_register_off=True),
+        RunSettings(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
+        RunSettings(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
+        RunSettings(cuda_graph_impl=TE, warmup_steps=0),
+        # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU is unknown.
+        RunSettings(
+            cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)
+        ),
+        RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8", device_capability=(10, 0), cuda_version=(13, 0)),
+        RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="tensorwise", device_capability=(9, 0)),
+        RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="mxfp8"),
+        RunSettings(cuda_graph_impl=TE, fp4=True, device_capability=(10, 0)),
+        # Graph banks: RoPE (fused), the attn / mlp / moe scopes, offloading outside the graphed scope.
+        RunSettings(
+            cuda_graph_impl=TE,
+            **HYBRID,
+            graph_banks=True,
+            world_size=2,
+            position_embedding_type="rope",
+            modules=("attn",),
+        ),
+        RunSettings(
+            cuda_graph_impl=TE,
+            **HYBRID,
+            graph_banks=True,
+            world_size=2,
+            modules=("mlp",),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("core_attn", "attn_proj"),
+        ),
+        RunSettings(
+            cuda_graph_impl=TE,
+            **HYBRID,
+            graph_banks=True,
+            world_size=2,
+            modules=("attn",),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("expert_fc1", "moe_act"),
+            **MOE_DROP_PAD,
+        ),
+        # Offload inside the graphed scope: banks and --cg-slot-capture protect it.
+        RunSettings(
+            cuda_graph_impl=TE,
+            **HYBRID,
+            graph_banks=True,
+            world_size=2,
+            modules=("attn",),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("core_attn", "attn_proj"),
+        ),
+        RunSettings(
+            cuda_graph_impl=TE,
+            slot_capture=True,
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("attn_norm", "core_attn", "mlp_norm"),
+        ),
+        # Megatron joins its offload stream into graphs that name attn / mlp: the same whole dense layer.
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn", "mlp"),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm"),
+        ),
+        RunSettings(
+            cuda_graph_impl=TE,
+            slot_capture=True,
+            modules=("attn", "moe"),
+            activation_offloading=True,
+            position_embedding_type="rope",
+            offload_modules=("core_attn", "expert_fc1"),
+            **MOE_DROP_PAD,
+        ),
+    ],
+    ids=lambda f: f"{'+'.join(f.modules) or 'layer'}",
+)
 def test_valid_combinations_pass(valid):
     assert violations(valid) == []
 
@@ -255,15 +505,28 @@ def test_graph_only_rules_are_silent_without_graphs(name):
 
 
 def test_all_broken_rules_reported_at_once():
-    facts = RunSettings(cuda_graph_impl=TE, modules=("moe", "moe_router"), num_experts=4,
-                       recompute_granularity="full", cpu_offloading=True,
-                       gradient_accumulation_fusion=True, world_size=3, tensor_parallel=2)
+    facts = RunSettings(
+        cuda_graph_impl=TE,
+        modules=("moe", "moe_router"),
+        num_experts=4,
+        recompute_granularity="full",
+        cpu_offloading=True,
+        gradient_accumulation_fusion=True,
+        world_size=3,
+        tensor_parallel=2,
+    )
     with pytest.raises(RuleViolation) as info:
         validate(facts)
     reported = [n for n, _ in info.value.violations]
-    assert set(reported) == {"moe-xor-router", "moe-scope-needs-drop-and-pad", "full-recompute",
-                             "cpu-offloading", "gradient-accumulation-fusion", "parallel-sizes",
-                             "moe-tp-needs-sequence-parallel"}
+    assert set(reported) == {
+        "moe-xor-router",
+        "moe-scope-needs-drop-and-pad",
+        "full-recompute",
+        "cpu-offloading",
+        "gradient-accumulation-fusion",
+        "parallel-sizes",
+        "moe-tp-needs-sequence-parallel",
+    }
     # reported in RULES order, one line each
     order = [r.name for r in RULES]
     assert reported == sorted(reported, key=order.index)
@@ -279,7 +542,7 @@ def test_validate_accepts_a_custom_rule_set():
 
 def test_a_rule_with_detail_names_what_the_facts_hold():
     facts, _ = VIOLATING["data-files"]
-    (name, message), = violations(facts)
+    ((name, message),) = violations(facts)
     rule = next(r for r in RULES if r.name == name)
     assert message == f"{rule.fix} /data/a.bin, /data/a.idx"
     assert "/data/a.bin" not in rule.fix  # the docs table shows the fix, the run the files
@@ -306,13 +569,17 @@ def test_drop_and_pad_needs_both_flags():
 
 # -- is_moe_layer -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("freq, expected", [
-    (1, [True] * 6),
-    (2, [True, False, True, False, True, False]),
-    (3, [True, False, False, True, False, False]),
-    ((0, 1, 1, 0, 1, 0), [False, True, True, False, True, False]),
-    ((1, 1, 1, 1, 1, 1), [True] * 6),
-])
+
+@pytest.mark.parametrize(
+    "freq, expected",
+    [
+        (1, [True] * 6),
+        (2, [True, False, True, False, True, False]),
+        (3, [True, False, False, True, False, False]),
+        ((0, 1, 1, 0, 1, 0), [False, True, True, False, True, False]),
+        ((1, 1, 1, 1, 1, 1), [True] * 6),
+    ],
+)
 def test_is_moe_layer(freq, expected):
     facts = RunSettings(num_layers=6, num_experts=4, moe_layer_freq=freq)
     assert [facts.is_moe_layer(i) for i in range(6)] == expected
@@ -328,16 +595,14 @@ def test_dense_model_has_no_moe_layers(freq):
 
 
 def test_mlp_scope_allowed_when_some_layer_is_dense():
-    all_moe = RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=2,
-                         moe_layer_freq=(1, 1))
+    all_moe = RunSettings(cuda_graph_impl=TE, modules=("mlp",), num_experts=4, num_layers=2, moe_layer_freq=(1, 1))
     assert names(all_moe) == ["mlp-scope-needs-dense"]
     assert names(dataclasses.replace(all_moe, moe_layer_freq=(1, 0))) == []
     assert names(dataclasses.replace(all_moe, moe_layer_freq=2)) == []
 
 
 def test_short_moe_layer_freq_list_is_a_rule_violation():
-    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp"), num_experts=4, num_layers=4,
-                       moe_layer_freq=(1, 1))
+    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "mlp"), num_experts=4, num_layers=4, moe_layer_freq=(1, 1))
     with pytest.raises(ValueError, match="--moe-layer-freq"):
         validate(facts)
 
@@ -375,9 +640,22 @@ def test_facts_from_parsed_moe_namespace(parse):
 
 
 def test_facts_from_parsed_drop_and_pad_namespace(parse):
-    args = parse("--cg-preset", "tiny-moe", "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "moe",
-                 "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
-                 "--moe-layer-freq", "[1,0]", "--cuda-graph-warmup-steps", "5")
+    args = parse(
+        "--cg-preset",
+        "tiny-moe",
+        "--cuda-graph-impl",
+        TE,
+        "--cuda-graph-modules",
+        "attn",
+        "moe",
+        "--moe-expert-capacity-factor",
+        "1.5",
+        "--moe-pad-expert-input-to-capacity",
+        "--moe-layer-freq",
+        "[1,0]",
+        "--cuda-graph-warmup-steps",
+        "5",
+    )
     facts = settings_of(args, te_available=False, apex_fused_wgrad=False)
     assert facts.modules == ("attn", "moe")
     assert facts.capacity_factor == 1.5 and facts.pad_to_capacity and facts.drop_and_pad
@@ -389,8 +667,20 @@ def test_facts_from_parsed_drop_and_pad_namespace(parse):
 
 def test_facts_from_parsed_dense_namespace(parse):
     # no preset: Megatron's own default keeps gradient-accumulation fusion on
-    args = parse("--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-                 "--micro-batch-size", "1", "--recompute-granularity", "full", "--recompute-method", "uniform")
+    args = parse(
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+    )
     facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env={})
     assert facts.cuda_graph_impl == "none" and not facts.te_graphs
     assert facts.modules == ()
@@ -398,24 +688,41 @@ def test_facts_from_parsed_dense_namespace(parse):
     assert facts.recompute_granularity == "full"
     assert facts.gradient_accumulation_fusion is True
     assert facts.input_norm_fused  # standard attention: the input norm is in TE's QKV linear
-    mla = settings_of(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True})), te_available=True,
-                          apex_fused_wgrad=False, env={})
+    mla = settings_of(
+        types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True})),
+        te_available=True,
+        apex_fused_wgrad=False,
+        env={},
+    )
     assert not mla.input_norm_fused
-    assert settings_of(types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True,
-                                                                   "mla_down_proj_fusion": True})),
-                           te_available=True, apex_fused_wgrad=False, env={}).input_norm_fused
+    assert settings_of(
+        types.SimpleNamespace(**(vars(args) | {"multi_latent_attention": True, "mla_down_proj_fusion": True})),
+        te_available=True,
+        apex_fused_wgrad=False,
+        env={},
+    ).input_norm_fused
     # full recompute is graph-only; the missing APEX kernel is not
     assert names(facts) == ["gradient-accumulation-fusion"]
 
 
-@pytest.mark.parametrize("env, expandable, register_off, broken", [
-    ({}, False, False, []),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True, False, ["expandable-segments"]),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
-      "NCCL_GRAPH_REGISTER": "0"}, True, True, []),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False, False, []),
-    ({"NCCL_GRAPH_REGISTER": "1"}, False, False, []),
-])
+@pytest.mark.parametrize(
+    "env, expandable, register_off, broken",
+    [
+        ({}, False, False, []),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True, False, ["expandable-segments"]),
+        (
+            {
+                "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
+                "NCCL_GRAPH_REGISTER": "0",
+            },
+            True,
+            True,
+            [],
+        ),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False, False, []),
+        ({"NCCL_GRAPH_REGISTER": "1"}, False, False, []),
+    ],
+)
 def test_facts_read_the_environment(parse, env, expandable, register_off, broken):
     args = parse("--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE)
     facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env=env)
@@ -435,8 +742,11 @@ def test_facts_world_size_from_env(parse, monkeypatch):
 def test_facts_from_minimal_namespace_use_defaults():
     import argparse
 
-    facts = settings_of(argparse.Namespace(num_layers=3, micro_batch_size=1, cuda_graph_modules="attn mlp"),
-                            te_available=True, apex_fused_wgrad=True)
+    facts = settings_of(
+        argparse.Namespace(num_layers=3, micro_batch_size=1, cuda_graph_modules="attn mlp"),
+        te_available=True,
+        apex_fused_wgrad=True,
+    )
     assert facts.cuda_graph_impl == "none"
     assert facts.modules == ("attn", "mlp")
     assert facts.num_layers == 3 and facts.world_size == 1 and facts.recompute_modules == ()
@@ -476,45 +786,78 @@ def test_validate_raises_iff_violations(facts):
         assert {name for name, _ in broken} <= {"moe-capacity-over-tokens"}, broken
 
 
-@pytest.mark.parametrize("modules, refused", [
-    ((), False), (("attn", "moe"), False), (("moe",), False), (("attn",), False),  # MoE block whole or eager
-    (("attn", "moe_router"), True), (("attn", "moe_router", "moe_preprocess"), True), (("moe_router",), True),
-])
+@pytest.mark.parametrize(
+    "modules, refused",
+    [
+        ((), False),
+        (("attn", "moe"), False),
+        (("moe",), False),
+        (("attn",), False),  # MoE block whole or eager
+        (("attn", "moe_router"), True),
+        (("attn", "moe_router", "moe_preprocess"), True),
+        (("moe_router",), True),
+    ],
+)
 def test_banks_graph_the_moe_block_whole_or_not_at_all(modules, refused):
-    facts = RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2,
-                       modules=modules, **MOE_DROP_PAD)
+    facts = RunSettings(cuda_graph_impl=TE, **HYBRID, graph_banks=True, world_size=2, modules=modules, **MOE_DROP_PAD)
     assert ("banks-scope" in names(facts)) == refused
     assert "banks-scope" not in names(dataclasses.replace(facts, num_experts=None, modules=("attn",)))
 
 
-@pytest.mark.parametrize("offloaded, moe, fires", [
-    (("core_attn",), False, True),  # seen failing on an H200
-    (("attn_norm", "mlp_norm"), False, False),  # a dense TE layer's norms are fused: nothing is offloaded
-    (("mlp_norm",), True, True),  # an MoE layer's pre-MLP norm is a module of its own
-    (("expert_fc1", "moe_act"), True, True),
-])
+@pytest.mark.parametrize(
+    "offloaded, moe, fires",
+    [
+        (("core_attn",), False, True),  # seen failing on an H200
+        (("attn_norm", "mlp_norm"), False, False),  # a dense TE layer's norms are fused: nothing is offloaded
+        (("mlp_norm",), True, True),  # an MoE layer's pre-MLP norm is a module of its own
+        (("expert_fc1", "moe_act"), True, True),
+    ],
+)
 def test_whole_layer_offload_rule_fires_for_what_megatron_offloads_inside_the_graph(offloaded, moe, fires):
-    facts = RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded,
-                       **(MOE_DROP_PAD if moe else {}))
+    facts = RunSettings(
+        cuda_graph_impl=TE,
+        activation_offloading=True,
+        position_embedding_type="rope",
+        offload_modules=offloaded,
+        **(MOE_DROP_PAD if moe else {}),
+    )
     assert ("whole-layer-offload-unjoined" in names(facts)) == fires
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, modules=("attn", "mlp")))
     assert "whole-layer-offload-unjoined" not in names(dataclasses.replace(facts, slot_capture=True))
 
     # Multi-latent attention without the fused down-projection keeps a real input norm: attn_norm offloads it.
-    unfused = RunSettings(cuda_graph_impl=TE, activation_offloading=True, position_embedding_type="rope", offload_modules=("attn_norm",),
-                         input_norm_fused=False)
+    unfused = RunSettings(
+        cuda_graph_impl=TE,
+        activation_offloading=True,
+        position_embedding_type="rope",
+        offload_modules=("attn_norm",),
+        input_norm_fused=False,
+    )
     assert "whole-layer-offload-unjoined" in names(unfused)
 
 
-@pytest.mark.parametrize("modules, offloaded, inside", [
-    ((), ("core_attn", "expert_fc1"), {"core_attn", "expert_fc1"}),  # whole layer: everything is inside
-    (("attn",), ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"), {"attn_norm", "core_attn", "attn_proj"}),
-    (("mlp",), ("core_attn", "mlp_norm"), {"mlp_norm"}),
-    (("moe",), ("qkv_linear", "expert_fc1", "moe_act", "mlp_norm"), {"expert_fc1", "moe_act", "mlp_norm"}),
-    (("attn", "moe"), ("qkv_linear", "moe_act"), {"qkv_linear", "moe_act"}),
-])
+@pytest.mark.parametrize(
+    "modules, offloaded, inside",
+    [
+        ((), ("core_attn", "expert_fc1"), {"core_attn", "expert_fc1"}),  # whole layer: everything is inside
+        (
+            ("attn",),
+            ("attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1"),
+            {"attn_norm", "core_attn", "attn_proj"},
+        ),
+        (("mlp",), ("core_attn", "mlp_norm"), {"mlp_norm"}),
+        (("moe",), ("qkv_linear", "expert_fc1", "moe_act", "mlp_norm"), {"expert_fc1", "moe_act", "mlp_norm"}),
+        (("attn", "moe"), ("qkv_linear", "moe_act"), {"qkv_linear", "moe_act"}),
+    ],
+)
 def test_offloaded_modules_inside_the_graphed_scope(modules, offloaded, inside):
-    facts = RunSettings(cuda_graph_impl=TE, modules=modules, activation_offloading=True, position_embedding_type="rope", offload_modules=offloaded)
+    facts = RunSettings(
+        cuda_graph_impl=TE,
+        modules=modules,
+        activation_offloading=True,
+        position_embedding_type="rope",
+        offload_modules=offloaded,
+    )
     assert facts.offloaded_in_graphs == inside
     assert dataclasses.replace(facts, activation_offloading=False).offloaded_in_graphs == frozenset()
 
@@ -526,23 +869,28 @@ def test_sft_data_carries_document_boundaries_for_hybrid_cp():
 
 
 def test_blockwise_fp8_needs_a_cuda_12_9_build_on_sm_90():
-    facts = RunSettings(cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0),
-                       cuda_version=(12, 8))
+    facts = RunSettings(
+        cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 8)
+    )
     assert names(facts) == ["fp8-recipe-device"]
     assert names(dataclasses.replace(facts, cuda_graph_impl="none")) == []  # eager runs are TE's to refuse
 
 
-@pytest.mark.parametrize("change, detail", [
-    (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
-    (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
-    (dict(fp8_attention=True), "(FP8 attention with --fp8-recipe tensorwise)"),
-    (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
-    (dict(fp8_recipe="delayed", fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
-    (dict(fp8=False, fp4=True), "(--fp4-format)"),
-])
+@pytest.mark.parametrize(
+    "change, detail",
+    [
+        (dict(fp8_recipe="mxfp8"), "(--fp8-recipe mxfp8)"),
+        (dict(fp8_recipe="blockwise"), "(--fp8-recipe blockwise)"),
+        (dict(fp8_attention=True), "(FP8 attention with --fp8-recipe tensorwise)"),
+        (dict(fp8_recipe="delayed", fp8_attention=True, fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
+        (dict(fp8_recipe="delayed", fp8_multi_head_attention=True), "(fp8_multi_head_attention)"),
+        (dict(fp8=False, fp4=True), "(--fp4-format)"),
+    ],
+)
 def test_slot_capture_refuses_the_fp8_it_cannot_serve_naming_it(change, detail):
-    facts = dataclasses.replace(RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"),
-                                **change)
+    facts = dataclasses.replace(
+        RunSettings(cuda_graph_impl=TE, slot_capture=True, fp8=True, fp8_recipe="tensorwise"), **change
+    )
     (message,) = [message for name, message in violations(facts) if name == "slot-capture-fp8"]
     assert detail in message and "drop --cg-slot-capture" in message
 
@@ -564,8 +912,10 @@ def test_packed_data_graphs_with_a_capacity():
     for modules in ((), ("attn",)):
         assert names(dataclasses.replace(packed, modules=modules)) == ["packed-sequences-te-graphs"]
         assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32)) == []
-        assert names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32, sft=True,
-                                         inter_document_masking=False)) == []
+        assert (
+            names(dataclasses.replace(packed, modules=modules, thd_max_seqs=32, sft=True, inter_document_masking=False))
+            == []
+        )
     assert names(dataclasses.replace(packed, modules=("mlp",))) == []  # attention eager with the params
     several = dataclasses.replace(packed, modules=("mlp",), micro_batch_size=2, global_batch_size=2)
     assert names(several) == ["packed-sequences-te-graphs"]  # the flattened stream misses the sampled shape
@@ -577,23 +927,38 @@ def test_packed_data_graphs_with_a_capacity():
 
 # -- the packed layout's max_seqlen -----------------------------------------------------------------
 
-DETERMINISTIC_PACKED = RunSettings(cuda_graph_impl=TE, inter_document_masking=True, seq_length=4096,
-                                  num_attention_heads=16, deterministic=True, position_embedding_type="rope")
+DETERMINISTIC_PACKED = RunSettings(
+    cuda_graph_impl=TE,
+    inter_document_masking=True,
+    seq_length=4096,
+    num_attention_heads=16,
+    deterministic=True,
+    position_embedding_type="rope",
+)
 
 
-@pytest.mark.parametrize("max_seqs, heads, tp, max_seqlen, fires", [
-    (32, 16, 1, 1448, False),  # 32 x 16 x 1448^2 = 1073512448: the largest L under 2^30
-    (32, 16, 1, 1449, True),  # 1074995712
-    (16, 16, 1, 2048, True),  # exactly 2^30: TE disables at >=
-    (16, 16, 1, 2047, False),
-    (16, 32, 2, 2048, True),  # heads per tensor-parallel rank
-    (16, 32, 4, 2048, False),
-    (32, 15, 2, 2048, True),  # 8 heads per rank (ceil 7.5): exactly 2^30
-    (32, 14, 2, 2048, False),  # 7 per rank
-])
+@pytest.mark.parametrize(
+    "max_seqs, heads, tp, max_seqlen, fires",
+    [
+        (32, 16, 1, 1448, False),  # 32 x 16 x 1448^2 = 1073512448: the largest L under 2^30
+        (32, 16, 1, 1449, True),  # 1074995712
+        (16, 16, 1, 2048, True),  # exactly 2^30: TE disables at >=
+        (16, 16, 1, 2047, False),
+        (16, 32, 2, 2048, True),  # heads per tensor-parallel rank
+        (16, 32, 4, 2048, False),
+        (32, 15, 2, 2048, True),  # 8 heads per rank (ceil 7.5): exactly 2^30
+        (32, 14, 2, 2048, False),  # 7 per rank
+    ],
+)
 def test_deterministic_packed_attention_is_refused_from_2_to_the_30(max_seqs, heads, tp, max_seqlen, fires):
-    facts = dataclasses.replace(DETERMINISTIC_PACKED, thd_max_seqs=max_seqs, num_attention_heads=heads,
-                                tensor_parallel=tp, world_size=tp, thd_max_seqlen=max_seqlen)
+    facts = dataclasses.replace(
+        DETERMINISTIC_PACKED,
+        thd_max_seqs=max_seqs,
+        num_attention_heads=heads,
+        tensor_parallel=tp,
+        world_size=tp,
+        thd_max_seqlen=max_seqlen,
+    )
     assert ("packed-graphs-deterministic-attention" in names(facts)) == fires
     # --seq-length is the bound without the flag
     default = dataclasses.replace(facts, thd_max_seqlen=None, seq_length=max_seqlen)
@@ -603,14 +968,20 @@ def test_deterministic_packed_attention_is_refused_from_2_to_the_30(max_seqs, he
 def test_the_deterministic_attention_rule_names_the_product_and_the_longest_bound_that_fits():
     facts = dataclasses.replace(DETERMINISTIC_PACKED, thd_max_seqs=32)
     (message,) = [m for n, m in violations(facts) if n == "packed-graphs-deterministic-attention"]
-    assert "(--cg-thd-max-seqs 32 x 16 heads per rank x 4096^2 = 8589934592 >= 2^30; the largest " \
-           "--cg-thd-max-seqlen that fits: 1448, and the capacity needs at least 128)" in message
+    assert (
+        "(--cg-thd-max-seqs 32 x 16 heads per rank x 4096^2 = 8589934592 >= 2^30; the largest "
+        "--cg-thd-max-seqlen that fits: 1448, and the capacity needs at least 128)" in message
+    )
     assert "train without --deterministic-mode" in message and "unfused attention" in message
     assert "drop --cg-thd-max-seqs" in message and "--sft" in message
     # the bound TE allows can be below what the capacity needs (rule packed-graphs-capacity): no L fits then
-    (crowded,) = [m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=4, num_attention_heads=64,
-                                                               seq_length=16384, thd_max_seqlen=None))
-                  if n == "packed-graphs-deterministic-attention"]
+    (crowded,) = [
+        m
+        for n, m in violations(
+            dataclasses.replace(facts, thd_max_seqs=4, num_attention_heads=64, seq_length=16384, thd_max_seqlen=None)
+        )
+        if n == "packed-graphs-deterministic-attention"
+    ]
     assert "no --cg-thd-max-seqlen fits at this --cg-thd-max-seqs: at most 2047 for TE, at least 4096" in crowded
     assert "raise --cg-thd-max-seqs" in crowded  # 17 documents: at most 993 for TE, at least 964 for the capacity
     roomy = dataclasses.replace(facts, thd_max_seqs=17, num_attention_heads=64, seq_length=16384, thd_max_seqlen=964)
@@ -627,8 +998,9 @@ def test_the_deterministic_attention_rule_names_the_product_and_the_longest_boun
 
 @pytest.mark.parametrize("max_seqlen, refused", [(4096, False), (4097, True), (1, False)])
 def test_the_packed_max_seqlen_is_at_most_the_sequence_length(max_seqlen, refused):
-    facts = RunSettings(cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=4096, seq_length=4096,
-                       thd_max_seqlen=max_seqlen)
+    facts = RunSettings(
+        cuda_graph_impl=TE, inter_document_masking=True, thd_max_seqs=4096, seq_length=4096, thd_max_seqlen=max_seqlen
+    )
     assert names(facts) == (["thd-max-seqlen-bound"] if refused else [])
 
 
@@ -641,21 +1013,40 @@ def test_the_packed_max_seqlen_needs_the_packed_layout():
 
 @pytest.mark.parametrize("mbs, max_seqlen, least", [(2, None, 2), (2, 4096, 2), (1, 1000, 5), (2, 1024, 8)])
 def test_packed_graphs_hold_at_least_the_documents_that_cover_every_token(mbs, max_seqlen, least):
-    facts = RunSettings(cuda_graph_impl=TE, sft=True, seq_length=4096, thd_max_seqlen=max_seqlen,
-                       micro_batch_size=mbs, global_batch_size=mbs, thd_max_seqs=least)
+    facts = RunSettings(
+        cuda_graph_impl=TE,
+        sft=True,
+        seq_length=4096,
+        thd_max_seqlen=max_seqlen,
+        micro_batch_size=mbs,
+        global_batch_size=mbs,
+        thd_max_seqs=least,
+    )
     assert facts.packed_min_seqs == least and names(facts) == []
-    (message,) = [m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=least - 1))
-                  if n == "packed-graphs-capacity"]
+    (message,) = [
+        m for n, m in violations(dataclasses.replace(facts, thd_max_seqs=least - 1)) if n == "packed-graphs-capacity"
+    ]
     assert f"at least {least})" in message and "raise --cg-thd-max-seqs" in message
 
 
 def test_facts_read_the_packed_bound_and_deterministic_mode(parse):
-    args = parse("--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE, "--dataloader-inter-document-masking",
-                 "--cg-thd-max-seqs", "16", "--cg-thd-max-seqlen", "128", "--deterministic-mode")
+    args = parse(
+        "--cg-preset",
+        "tiny-gpt",
+        "--cuda-graph-impl",
+        TE,
+        "--dataloader-inter-document-masking",
+        "--cg-thd-max-seqs",
+        "16",
+        "--cg-thd-max-seqlen",
+        "128",
+        "--deterministic-mode",
+    )
     facts = settings_of(args, te_available=True, apex_fused_wgrad=False, env={})
     assert (facts.thd_max_seqs, facts.thd_max_seqlen, facts.seq_length, facts.num_attention_heads) == (16, 128, 256, 4)
     assert facts.deterministic and facts.packed_max_seqlen == 128
     plain = parse("--cg-preset", "tiny-gpt")
     assert not settings_of(plain, te_available=True, apex_fused_wgrad=False, env={}).deterministic
-    assert settings_of(plain, te_available=True, apex_fused_wgrad=False,
-                           env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}).deterministic  # what TE reads
+    assert settings_of(
+        plain, te_available=True, apex_fused_wgrad=False, env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    ).deterministic  # what TE reads

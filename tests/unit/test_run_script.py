@@ -166,8 +166,22 @@ def test_megatron_script_accepts_cg_flags_under_run(tmp_path):
     out = tmp_path / "args.json"
     script = tmp_path / "pretrain_like.py"
     script.write_text(MEGATRON_SCRIPT.format(out=str(out)))
-    code = run_script.main([str(script), "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                            "--micro-batch-size", "1", "--cg-no-report", "--cg-contract-check", "off"])
+    code = run_script.main(
+        [
+            str(script),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--micro-batch-size",
+            "1",
+            "--cg-no-report",
+            "--cg-contract-check",
+            "off",
+        ]
+    )
     assert code == 0
     assert json.loads(out.read_text()) == {"cg_no_report": True, "contract": "off", "num_layers": 2}
 
@@ -178,8 +192,18 @@ def test_megatron_script_without_run_rejects_cg_flags(tmp_path, capsys):
     script = tmp_path / "pretrain_like.py"
     script.write_text(MEGATRON_SCRIPT.format(out=str(out)))
     saved = sys.argv
-    sys.argv = [str(script), "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                "--micro-batch-size", "1", "--cg-no-report"]
+    sys.argv = [
+        str(script),
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--cg-no-report",
+    ]
     try:
         import runpy
 
@@ -232,9 +256,23 @@ def test_two_ranks_through_the_cli(recorder, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env["TMPDIR"] = str(tmp_path)  # torch.distributed.run's torchelastic_* log folder lands here, not in /tmp
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_cg_plugin.cli", "run", "--nproc-per-node", "2", str(recorder),
-         "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "megatron_cg_plugin.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            str(recorder),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     records = [load(out, rank) for rank in (0, 1)]
     for rank, record in enumerate(records):
@@ -260,7 +298,12 @@ def test_a_failing_rank_fails_the_run(tmp_path):
     env["TMPDIR"] = str(tmp_path)  # as above
     result = subprocess.run(
         [sys.executable, "-m", "megatron_cg_plugin.cli", "run", "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 1
     assert "rank 1 (exit code 7)" in result.stderr
 

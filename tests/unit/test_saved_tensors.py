@@ -12,8 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaHooks, ArenaOverflowError, ArenaSizer, storage_keys
 from megatron_cg_plugin.slot_sharing.plan import ARENA_ALIGNMENT as ALIGNMENT
+from megatron_cg_plugin.slot_sharing.saved_tensors import (
+    Arena,
+    ArenaHooks,
+    ArenaOverflowError,
+    ArenaSizer,
+    storage_keys,
+)
 
 
 class SaveAndSeen(torch.autograd.Function):
@@ -57,6 +63,7 @@ def arena_for(saved):
 
 # Writing through ``.data`` bumps no version counter: a silent overwrite, as when another graph's
 # replay writes into reused pool memory.
+
 
 def test_backward_reads_the_copies_after_the_originals_are_overwritten():
     base = torch.arange(12.0).reshape(3, 4)
@@ -147,7 +154,9 @@ def test_shared_storages_are_saved_as_they_are_and_not_counted_also_as_parts():
     packed, kept = hooks.pack(Decomposable(workspace, scale)), hooks.pack(activation)
     workspace.fill_(2)  # a first microbatch's refresh: the backward reads the workspace itself
     activation.fill_(0)
-    assert torch.equal(hooks.unpack(packed).value(), torch.full((4,), 6.0)) and torch.equal(hooks.unpack(kept), torch.ones(8))
+    assert torch.equal(hooks.unpack(packed).value(), torch.full((4,), 6.0)) and torch.equal(
+        hooks.unpack(kept), torch.ones(8)
+    )
     assert hooks.arena.used == ALIGNMENT
 
 
@@ -175,8 +184,15 @@ def saved_views(draw):
         kind = draw(st.sampled_from(["whole", "t", "rows", "col", "other"]))
         r = draw(st.integers(0, rows - 1))
         c = draw(st.integers(0, cols - 1))
-        views.append({"whole": base, "t": base.t(), "rows": base[r:], "col": base[:, c],
-                      "other": torch.randn(draw(st.integers(1, 5)))}[kind])
+        views.append(
+            {
+                "whole": base,
+                "t": base.t(),
+                "rows": base[r:],
+                "col": base[:, c],
+                "other": torch.randn(draw(st.integers(1, 5))),
+            }[kind]
+        )
     return base, tuple(views)
 
 

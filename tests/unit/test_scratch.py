@@ -25,7 +25,9 @@ class Dispatcher:
 
 
 def moe_layer(dispatcher=None):
-    return types.SimpleNamespace(is_moe_layer=True, mlp=types.SimpleNamespace(token_dispatcher=dispatcher or Dispatcher()))
+    return types.SimpleNamespace(
+        is_moe_layer=True, mlp=types.SimpleNamespace(token_dispatcher=dispatcher or Dispatcher())
+    )
 
 
 def test_a_call_leaves_the_declared_attributes_empty():
@@ -93,12 +95,19 @@ def test_megatrons_alltoall_dispatcher_declares_what_its_forward_sets():
     from megatron.core.transformer.enums import CudaGraphModule
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    config = types.SimpleNamespace(num_moe_experts=4, moe_permute_fusion=False, moe_pad_expert_input_to_capacity=True,
-                                   moe_expert_capacity_factor=1.5, cuda_graph_impl="transformer_engine",
-                                   cuda_graph_modules=[CudaGraphModule.attn, CudaGraphModule.moe])
+    config = types.SimpleNamespace(
+        num_moe_experts=4,
+        moe_permute_fusion=False,
+        moe_pad_expert_input_to_capacity=True,
+        moe_expert_capacity_factor=1.5,
+        cuda_graph_impl="transformer_engine",
+        cuda_graph_modules=[CudaGraphModule.attn, CudaGraphModule.moe],
+    )
     groups = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
     with mock.patch.object(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object()):  # no CUDA stream on CPU
         dispatcher = MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config, groups)
     names = {str(attribute) for attribute in moe_dispatcher_scratch(moe_layer(dispatcher))}
-    assert {f"MoEAlltoAllTokenDispatcher.{name}" for name in
-            ("probs", "routing_map", "reversed_local_input_permutation_mapping")} <= names
+    assert {
+        f"MoEAlltoAllTokenDispatcher.{name}"
+        for name in ("probs", "routing_map", "reversed_local_input_permutation_mapping")
+    } <= names

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.capture.accounting import ReplayCounter
+from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.golden import GoldenValues
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
 from megatron_cg_plugin.session import CaptureStats, CudaProbe, IterationRecord, RunPrediction, RunSession
@@ -44,8 +44,7 @@ def step(session, clock, iteration, seconds, loss=None, **kwargs):
     """One training iteration: forward step(s) mark the start, the training_log tap ends it."""
     session.mark_iteration_start()
     clock.advance(seconds)
-    session.on_training_log(iteration=iteration,
-                            loss_dict={} if loss is None else {"lm loss": loss}, **kwargs)
+    session.on_training_log(iteration=iteration, loss_dict={} if loss is None else {"lm loss": loss}, **kwargs)
 
 
 def metric(session, name) -> dict[int, float]:
@@ -158,10 +157,10 @@ class DeviceScalar:
     ``cpu``) is a device synchronization, so it counts the reads and fails while ``reads.open``
     is False."""
 
-    def __init__(self, value: float, reads: "Reads") -> None:
+    def __init__(self, value: float, reads: Reads) -> None:
         self.value, self.reads = value, reads
 
-    def detach(self) -> "DeviceScalar":
+    def detach(self) -> DeviceScalar:
         return self  # a view of the same value: reads nothing
 
     def item(self) -> float:
@@ -206,8 +205,14 @@ def test_no_step_reads_a_device_value(probe, clock, tmp_path):
     session = make_session(probe, clock, PluginConfig(metrics_out=tmp_path / "metrics.json", print_report=False))
     reads = Reads()
     for iteration in range(1, 6):
-        step(session, clock, iteration, 0.5, loss=DeviceScalar(10.0 - iteration, reads),
-             num_zeros_in_grad=DeviceScalar(100.0 * iteration, reads))
+        step(
+            session,
+            clock,
+            iteration,
+            0.5,
+            loss=DeviceScalar(10.0 - iteration, reads),
+            num_zeros_in_grad=DeviceScalar(100.0 * iteration, reads),
+        )
     assert reads.total == 0  # the session before called .item() on the loss every step
     reads.open = True
     session.finish(print_fn=lambda _: None)
@@ -220,8 +225,14 @@ def test_kept_device_values_become_the_metrics_when_the_run_ends(probe, clock, t
     reads = Reads()
     for iteration, loss in enumerate([10.5, 10.25, 10.125], start=1):
         session.on_mtp_losses({"mtp_1 loss": DeviceScalar(loss + 1.0, reads)})
-        step(session, clock, iteration, 0.25, loss=DeviceScalar(loss, reads),
-             num_zeros_in_grad=DeviceScalar(float(iteration), reads))
+        step(
+            session,
+            clock,
+            iteration,
+            0.25,
+            loss=DeviceScalar(loss, reads),
+            num_zeros_in_grad=DeviceScalar(float(iteration), reads),
+        )
     reads.open = True
     session.finish()
     golden = GoldenValues.load(config.metrics_out)
@@ -276,14 +287,17 @@ def test_iteration_without_marked_start_has_no_time(probe, clock):
     assert [r.seconds for r in session.iterations] == [None, 0.5, None]
 
 
-@pytest.mark.parametrize("loss, expected", [
-    (torch.tensor(2.5), 2.5),
-    (torch.tensor([1.25]), 1.25),
-    (torch.tensor(10.95659, dtype=torch.float32), float(np.float32(10.95659))),
-    (3.25, 3.25),
-    (7, 7.0),
-    (np.float64(0.125), 0.125),
-])
+@pytest.mark.parametrize(
+    "loss, expected",
+    [
+        (torch.tensor(2.5), 2.5),
+        (torch.tensor([1.25]), 1.25),
+        (torch.tensor(10.95659, dtype=torch.float32), float(np.float32(10.95659))),
+        (3.25, 3.25),
+        (7, 7.0),
+        (np.float64(0.125), 0.125),
+    ],
+)
 def test_lm_loss_from_tensor_or_number(probe, clock, loss, expected):
     session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=4, loss_dict={"lm loss": loss, "other loss": 99.0})
@@ -299,12 +313,15 @@ def test_no_lm_loss_key_records_no_loss(probe, clock):
     assert "lm loss" not in session.metrics().metrics
 
 
-@pytest.mark.parametrize("zeros, expected", [
-    (torch.tensor(56862.0), 56862.0),
-    (56922, 56922.0),
-    (0, 0.0),  # zero zeros is a value, not "absent"
-    (0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "zeros, expected",
+    [
+        (torch.tensor(56862.0), 56862.0),
+        (56922, 56922.0),
+        (0, 0.0),  # zero zeros is a value, not "absent"
+        (0.0, 0.0),
+    ],
+)
 def test_num_zeros_when_given(probe, clock, zeros, expected):
     session = make_session(probe, clock, KEEPS)
     session.on_training_log(iteration=2, loss_dict={}, num_zeros_in_grad=zeros)
@@ -399,8 +416,14 @@ def test_report_scopes_from_helpers_capture_stats(probe, clock):
     scopes = session.report().scopes
     assert [s.scope for s in scopes] == ["attn+moe_router", "layer"]
     attn, layer = scopes
-    assert (attn.layers, attn.graphs_captured, attn.replays, attn.capture_seconds, attn.pool_bytes,
-            attn.replays_per_layer) == (2, 4, 10, 1.5, 2048, (4, 6))
+    assert (
+        attn.layers,
+        attn.graphs_captured,
+        attn.replays,
+        attn.capture_seconds,
+        attn.pool_bytes,
+        attn.replays_per_layer,
+    ) == (2, 4, 10, 1.5, 2048, (4, 6))
     assert (layer.replays, layer.replays_per_layer) == (6, (1, 2, 3))
 
     layer_counter.counts[0] += 10  # the report reads the live counter when built
@@ -413,24 +436,39 @@ def test_report_sums_the_slot_layers_memory_and_sets_the_plan_beside_it(probe, c
     session = make_session(probe, clock)
     counter = ReplayCounter(2)
     counter.counts[:] = [3, 5]
-    layers = (LayerSlotStats(arena_bytes=10, host_arena_bytes=4, offloaded_bytes=2, boundary_bytes=7),
-              LayerSlotStats(arena_bytes=20, host_arena_bytes=0, offloaded_bytes=1, boundary_bytes=3))
-    session.attach_helper(FakeHelper(True, CaptureStats("layer (slot-shared)", 2, 4, 1.0, 0, counter,
-                                                        slot_layers=lambda: layers)))
-    session.predict(RunPrediction(GraphMemoryPlan(graphs=2, pool_bytes=0, peak_live_bytes=0, host_arena_bytes=4,
-                                                  arena_bytes=31, boundary_bytes=9)))
+    layers = (
+        LayerSlotStats(arena_bytes=10, host_arena_bytes=4, offloaded_bytes=2, boundary_bytes=7),
+        LayerSlotStats(arena_bytes=20, host_arena_bytes=0, offloaded_bytes=1, boundary_bytes=3),
+    )
+    session.attach_helper(
+        FakeHelper(True, CaptureStats("layer (slot-shared)", 2, 4, 1.0, 0, counter, slot_layers=lambda: layers))
+    )
+    session.predict(
+        RunPrediction(
+            GraphMemoryPlan(
+                graphs=2, pool_bytes=0, peak_live_bytes=0, host_arena_bytes=4, arena_bytes=31, boundary_bytes=9
+            )
+        )
+    )
     report = session.report()
     scope = report.scopes[0]
     assert (scope.arena_bytes, scope.host_arena_bytes, scope.boundary_bytes, scope.offloaded_bytes) == (30, 4, 10, 11)
-    assert (report.predicted_arena_bytes, report.predicted_boundary_bytes, report.predicted_host_arena_bytes) == (31, 9, 4)
+    assert (report.predicted_arena_bytes, report.predicted_boundary_bytes, report.predicted_host_arena_bytes) == (
+        31,
+        9,
+        4,
+    )
 
 
 def test_report_lists_graph_banks_live(probe, clock):
     session = make_session(probe, clock)
     banks = [{"cp_size": 1, "replays": 3, "rejected": 0}, {"cp_size": 2, "replays": 5, "rejected": 1}]
     counter = ReplayCounter(2)
-    session.attach_helper(FakeHelper(True, CaptureStats("layer (banks CP 1/2)", 2, 8, 1.0, 0, counter,
-                                                        banks=lambda: [dict(b) for b in banks])))
+    session.attach_helper(
+        FakeHelper(
+            True, CaptureStats("layer (banks CP 1/2)", 2, 8, 1.0, 0, counter, banks=lambda: [dict(b) for b in banks])
+        )
+    )
     report = session.report()
     assert report.scopes[0].banks == tuple(banks)
     table = report.format_table()
@@ -472,8 +510,9 @@ def run_three_steps(session, clock):
 
 
 def test_finish_on_rank0_writes_metrics_and_report(probe, clock, tmp_path):
-    config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "out" / "metrics.json",
-                          report_out=tmp_path / "out" / "report.json")
+    config = PluginConfig(
+        preset="tiny-gpt", metrics_out=tmp_path / "out" / "metrics.json", report_out=tmp_path / "out" / "report.json"
+    )
     session = make_session(probe, clock, config)
     run_three_steps(session, clock)
     printed = []
@@ -481,13 +520,18 @@ def test_finish_on_rank0_writes_metrics_and_report(probe, clock, tmp_path):
     report = session.finish(print_fn=printed.append)
 
     golden = GoldenValues.load(config.metrics_out)
-    assert set(golden.metrics) == {"lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes",
-                                   "mem-max-allocated-bytes"}
+    assert set(golden.metrics) == {
+        "lm loss",
+        "num-zeros",
+        "iteration-time",
+        "mem-allocated-bytes",
+        "mem-max-allocated-bytes",
+    }
     assert dict(golden.metrics["lm loss"].values) == {1: 10.5, 2: 10.25, 3: 10.125}
     assert dict(golden.metrics["num-zeros"].values) == {1: 56862.0, 2: 56922.0, 3: 0.0}
     assert dict(golden.metrics["iteration-time"].values) == {1: 2.0, 2: 0.5, 3: 0.25}
     assert dict(golden.metrics["mem-allocated-bytes"].values) == {1: ALLOC, 2: ALLOC, 3: ALLOC}
-    assert dict(golden.metrics["mem-max-allocated-bytes"].values) == {s: MAX_ALLOC for s in (1, 2, 3)}
+    assert dict(golden.metrics["mem-max-allocated-bytes"].values) == dict.fromkeys((1, 2, 3), MAX_ALLOC)
     for series in golden.metrics.values():
         assert (series.start_step, series.end_step, series.step_interval) == (1, 3, 1)
 
@@ -556,7 +600,9 @@ def test_the_model_config_a_script_changed_redoes_the_prediction_the_report_prin
     session.model_config_seen(object())  # no check ran (no repredictor): the prediction stays
     assert session.prediction.graph_memory is flags_plan
     config = object()
-    session.predict(RunPrediction(graph_memory=flags_plan, repredict=lambda seen: config_plan if seen is config else None))
+    session.predict(
+        RunPrediction(graph_memory=flags_plan, repredict=lambda seen: config_plan if seen is config else None)
+    )
     session.model_config_seen(config)
     assert session.prediction.graph_memory is config_plan
     session.model_config_seen(object())  # None: the prediction could not be redone, so the report shows none
@@ -574,7 +620,10 @@ def test_the_report_reads_the_prediction_the_session_was_given(probe, clock):
     session.record_moe_drops(0.25)
     report = session.report()
     assert (report.predicted_pool_bytes, report.prediction_leaves_out, report.predicted_arena_bytes) == (
-        3 * 2**20, ("pipeline",), None)
+        3 * 2**20,
+        ("pipeline",),
+        None,
+    )
     assert report.moe_planned_capacity == plan.capacity
     assert report.moe_uniform_dropped_fraction == plan.dropped_fraction(uniform_load(8))
     assert report.moe_dropped_fraction == 0.25

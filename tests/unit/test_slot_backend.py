@@ -11,14 +11,21 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import fine_grained_activation_offload as megatron_offload
 
-from megatron_cg_plugin.slot_sharing import megatron_backend as slot_backend
 from megatron_cg_plugin.capture.te_backend import TEBackend
-from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies
-from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotCaptureError, SlotLayerGraph, SlotReplayError, _layer_variant, check_slot_capture_call
-from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
-from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
+from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.slot_sharing import megatron_backend as slot_backend
+from megatron_cg_plugin.slot_sharing.megatron_backend import (
+    SlotBackend,
+    SlotCaptureError,
+    SlotLayerGraph,
+    SlotReplayError,
+    _layer_variant,
+    check_slot_capture_call,
+)
+from megatron_cg_plugin.slot_sharing.offload_groups import MegatronOffload, OffloadCopies
+from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
 
 
 def layer(modules=(), moe=False):
@@ -38,11 +45,15 @@ class FakeRecipe:
 
 
 @pytest.mark.parametrize("enabled, layers", [((True,), 1), (True, 1), ((False, True), 2)])
-@pytest.mark.parametrize("recipe, words", [(FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
-                                           (FakeRecipe("current", fp8_dpa=True), "delayed scaling only"),
-                                           (FakeRecipe("delayed", fp8_dpa=True, fp8_mha=True),
-                                            "fp8_multi_head_attention"),
-                                           (None, "needs the recipe")])
+@pytest.mark.parametrize(
+    "recipe, words",
+    [
+        (FakeRecipe("mxfp8"), "FakeRecipe is not verified"),
+        (FakeRecipe("current", fp8_dpa=True), "delayed scaling only"),
+        (FakeRecipe("delayed", fp8_dpa=True, fp8_mha=True), "fp8_multi_head_attention"),
+        (None, "needs the recipe"),
+    ],
+)
 def test_fp8_recipes_slot_capture_cannot_serve_are_refused_naming_the_fix(enabled, layers, recipe, words):
     callables = [layer() for _ in range(layers)]
     with pytest.raises(SlotCaptureError, match=words) as refused:
@@ -67,8 +78,9 @@ def test_one_graph_per_microbatch_in_flight_is_refused_naming_pipeline_paralleli
 def test_partial_moe_scope_is_refused_and_whole_blocks_pass():
     with pytest.raises(SlotCaptureError, match="attn moe"):
         check_slot_capture_call([layer(("attn", "moe_router"), moe=True)], [()], {})
-    check_slot_capture_call([layer(("attn", "moe"), moe=True), layer(("attn", "moe_router"))], [(), ()],
-                            {"fp8_enabled": False})
+    check_slot_capture_call(
+        [layer(("attn", "moe"), moe=True), layer(("attn", "moe_router"))], [(), ()], {"fp8_enabled": False}
+    )
 
 
 class FakeSlotted:
@@ -76,8 +88,9 @@ class FakeSlotted:
         self.calls = []
         self.updates = []
         self.was_reset = False
-        self.stats = types.SimpleNamespace(arena_bytes=8, staging_bytes=2, host_arena_bytes=(4, 0),
-                                           offloaded_bytes={"layer": 4}, boundary_bytes=3)
+        self.stats = types.SimpleNamespace(
+            arena_bytes=8, staging_bytes=2, host_arena_bytes=(4, 0), offloaded_bytes={"layer": 4}, boundary_bytes=3
+        )
 
     def callable(self, variant, slot):
         assert (variant, slot) == ("layer", 0)
@@ -100,16 +113,20 @@ def test_replay_maps_keyword_tensors_in_capture_order_and_ignores_what_is_no_inp
     out = graph(hidden, rotary_pos_emb=rope, attention_mask=mask, is_first_microbatch=True, cuda_graph_stream=object())
     assert isinstance(out, tuple) and torch.equal(out[0], hidden * 2)  # Megatron takes list(...) of it
     assert slotted.calls[0][1] is mask and slotted.calls[0][2] is rope
-    assert graph.stats == slot_backend.LayerSlotStats(arena_bytes=10, host_arena_bytes=4, offloaded_bytes=4,
-                                                      boundary_bytes=3)
+    assert graph.stats == slot_backend.LayerSlotStats(
+        arena_bytes=10, host_arena_bytes=4, offloaded_bytes=4, boundary_bytes=3
+    )
     graph.reset()
     assert slotted.was_reset
 
 
-@pytest.mark.parametrize("caching, firsts, updates", [
-    (True, (True, False, False, None), [True, False, False, True]),  # Megatron: refresh on microbatch 0 only
-    (False, (True, False), [True, True]),  # no weight caching: every replay quantizes anew
-])
+@pytest.mark.parametrize(
+    "caching, firsts, updates",
+    [
+        (True, (True, False, False, None), [True, False, False, True]),  # Megatron: refresh on microbatch 0 only
+        (False, (True, False), [True, True]),  # no weight caching: every replay quantizes anew
+    ],
+)
 def test_fp8_weights_are_refreshed_on_the_first_microbatch_only_when_cached(caching, firsts, updates):
     slotted = FakeSlotted()
     graph = SlotLayerGraph(slotted, "layer 1", 1, (), fp8_weight_caching=caching)
@@ -118,11 +135,14 @@ def test_fp8_weights_are_refreshed_on_the_first_microbatch_only_when_cached(cach
     assert slotted.updates == updates
 
 
-@pytest.mark.parametrize("call, problem", [
-    (lambda g, t: g(t, t), "2 positional"),
-    (lambda g, t: g(t), "['attention_mask'] missing"),
-    (lambda g, t: g(t, attention_mask=t, context=t), "['context'] unknown"),
-])
+@pytest.mark.parametrize(
+    "call, problem",
+    [
+        (lambda g, t: g(t, t), "2 positional"),
+        (lambda g, t: g(t), "['attention_mask'] missing"),
+        (lambda g, t: g(t, attention_mask=t, context=t), "['context'] unknown"),
+    ],
+)
 def test_a_replay_call_unlike_the_capture_is_refused(call, problem):
     graph = SlotLayerGraph(FakeSlotted(), "layer 1", 1, ("attention_mask",))
     with pytest.raises(SlotReplayError, match=problem.replace("[", r"\[").replace("]", r"\]")):
@@ -164,8 +184,12 @@ def test_in_graph_offload_names_groups_and_turns_the_layers_flag_off_only_while_
 
 
 def test_in_graph_offload_follows_megatrons_config_fields():
-    config = types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_norm"],
-                                   min_offloaded_tensor_size=16, activation_offload_fraction=0.5)
+    config = types.SimpleNamespace(
+        fine_grained_activation_offloading=True,
+        offload_modules=["core_attn", "mlp_norm"],
+        min_offloaded_tensor_size=16,
+        activation_offload_fraction=0.5,
+    )
     offload = MegatronOffload.from_config(config, [])
     assert offload.policy == OffloadPolicy(frozenset({"core_attn", "mlp_norm"}), 16, 0.5)
     assert MegatronOffload.from_config(types.SimpleNamespace(fine_grained_activation_offloading=False), []) is None
@@ -174,7 +198,8 @@ def test_in_graph_offload_follows_megatrons_config_fields():
     assert kept_out.policy is None and kept_out.slot_offload(None) is None
     # The bench's frontier arms stand in for the fraction, and keep the rest of Megatron's policy.
     assert MegatronOffload.from_config(config, [], fraction=0.25).policy == OffloadPolicy(
-        frozenset({"core_attn", "mlp_norm"}), 16, 0.25)
+        frozenset({"core_attn", "mlp_norm"}), 16, 0.25
+    )
     assert MegatronOffload.from_config(config, [], offload=False, fraction=0.25).policy is None
 
 
@@ -211,7 +236,9 @@ def test_the_delayed_offload_flush_is_observed_at_the_next_graph_call_and_counte
     offload_manager._delayed_offload_groups = kept = [("group", "layer 1 experts", [])]
     first(torch.ones(1))
     offload_manager._delayed_offload_groups = list(kept)  # not flushed after the replay
-    with pytest.raises(SlotReplayError, match="1 of the 1 offload groups delayed until the replay of layer 1 are still"):
+    with pytest.raises(
+        SlotReplayError, match="1 of the 1 offload groups delayed until the replay of layer 1 are still"
+    ):
         second(torch.ones(1))
 
 
@@ -238,8 +265,11 @@ def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused()
 def capture_calls(monkeypatch):
     """The options of each capture_slotted call SlotBackend makes (the capture itself faked)."""
     calls = []
-    monkeypatch.setattr(slot_backend, "capture_slotted",
-                        lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted())
+    monkeypatch.setattr(
+        slot_backend,
+        "capture_slotted",
+        lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted(),
+    )
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
     return calls
@@ -274,8 +304,13 @@ def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(ca
     calls, layers = capture_calls, megatron_layers(3)
     recipe, group = FakeRecipe("delayed"), object()
     SlotBackend(offload=False).make_graphed_callables(
-        layers, [(torch.ones(2),)] * 3, fp8_enabled=(False, True, False), fp8_recipe=recipe, fp8_group=group,
-        fp8_weight_caching=True)
+        layers,
+        [(torch.ones(2),)] * 3,
+        fp8_enabled=(False, True, False),
+        fp8_recipe=recipe,
+        fp8_group=group,
+        fp8_weight_caching=True,
+    )
     assert [call["fp8"].enabled for call in calls] == [False, True, False]
     assert all(call["fp8"].recipe is recipe and call["fp8"].group is group for call in calls)
     assert [call["fp8"].modules for call in calls] == [(layer,) for layer in layers]
@@ -284,8 +319,9 @@ def test_each_layer_captures_with_its_own_fp8_enable_recipe_group_and_modules(ca
 def test_the_offload_window_reaches_every_layers_capture(capture_calls):
     layers = megatron_layers(2)
     for layer in layers:
-        layer.config = types.SimpleNamespace(cuda_graph_modules=[], fine_grained_activation_offloading=True,
-                                             offload_modules=["core_attn"])
+        layer.config = types.SimpleNamespace(
+            cuda_graph_modules=[], fine_grained_activation_offloading=True, offload_modules=["core_attn"]
+        )
     copies = OffloadCopies.of(PluginConfig(slot_capture=True, offload_window=3))
     SlotBackend(copies=copies).make_graphed_callables(layers, [(torch.ones(2),)] * 2)
     assert [call["offload"].window for call in capture_calls] == [3, 3]
@@ -296,8 +332,9 @@ def test_copies_between_replays_get_a_ring_of_window_plus_one_buffers(capture_ca
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     layers = megatron_layers(2)
     for layer in layers:
-        layer.config = types.SimpleNamespace(cuda_graph_modules=[], fine_grained_activation_offloading=True,
-                                             offload_modules=["core_attn"])
+        layer.config = types.SimpleNamespace(
+            cuda_graph_modules=[], fine_grained_activation_offloading=True, offload_modules=["core_attn"]
+        )
     SlotBackend(copies=OffloadCopies("between-replays", 3)).make_graphed_callables(layers, [(torch.ones(2),)] * 2)
     rings = {id(call["offload"].staging): call["offload"].staging for call in capture_calls}
     assert len(rings) == 1 and next(iter(rings.values())).depth == 4  # one ring shared by the layers

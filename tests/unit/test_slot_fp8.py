@@ -33,21 +33,30 @@ MODULES = (object(),)
 REPLAY_RECIPE = FakeRecipe("delayed")  # the caller's autocast at replay
 
 
-@pytest.mark.parametrize("recipe, modules, words", [
-    (None, MODULES, "needs the recipe"),
-    (FakeRecipe("delayed"), (), "needs the TE modules"),
-    (FakeRecipe("mxfp8"), MODULES, "FakeRecipe is not verified"),
-    (FakeRecipe("current", fp8_dpa=True), MODULES, "with delayed scaling only"),
-    (FakeRecipe("current", fp8_mha=True), MODULES, "with delayed scaling only"),
-])
+@pytest.mark.parametrize(
+    "recipe, modules, words",
+    [
+        (None, MODULES, "needs the recipe"),
+        (FakeRecipe("delayed"), (), "needs the TE modules"),
+        (FakeRecipe("mxfp8"), MODULES, "FakeRecipe is not verified"),
+        (FakeRecipe("current", fp8_dpa=True), MODULES, "with delayed scaling only"),
+        (FakeRecipe("current", fp8_mha=True), MODULES, "with delayed scaling only"),
+    ],
+)
 def test_recipes_slot_capture_cannot_serve_are_refused_with_the_reason(recipe, modules, words):
     refusal = fp8_state.slot_fp8_refusal(recipe, modules)
     assert refusal is not None and words in refusal
 
 
-@pytest.mark.parametrize("recipe, modules", [(FakeRecipe("current"), ()), (FakeRecipe("current"), MODULES),
-                                             (FakeRecipe("delayed"), MODULES),
-                                             (FakeRecipe("delayed", fp8_dpa=True), MODULES)])
+@pytest.mark.parametrize(
+    "recipe, modules",
+    [
+        (FakeRecipe("current"), ()),
+        (FakeRecipe("current"), MODULES),
+        (FakeRecipe("delayed"), MODULES),
+        (FakeRecipe("delayed", fp8_dpa=True), MODULES),
+    ],
+)
 def test_current_and_delayed_scaling_are_taken_and_fp8_attention_with_delayed(recipe, modules):
     assert fp8_state.slot_fp8_refusal(recipe, modules) is None
 
@@ -68,8 +77,11 @@ class FakeTEModule(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fp8_meta = {"recipe": None, "fp8_group": None}
-        self._fp8_workspaces = {"weight": types.SimpleNamespace(_data=torch.ones(4), _transpose=torch.ones(4),
-                                                                _scale_inv=torch.ones(1), _fp8_dtype="e4m3")}
+        self._fp8_workspaces = {
+            "weight": types.SimpleNamespace(
+                _data=torch.ones(4), _transpose=torch.ones(4), _scale_inv=torch.ones(1), _fp8_dtype="e4m3"
+            )
+        }
 
     def forward(self, x):
         return x
@@ -125,10 +137,13 @@ def fake_te(monkeypatch):
         log.append(("restore", tuple(saved)))
 
     tree = {
-        "transformer_engine": {}, "transformer_engine.pytorch": {},
+        "transformer_engine": {},
+        "transformer_engine.pytorch": {},
         "transformer_engine.pytorch.quantization": {"FP8GlobalStateManager": Manager},
-        "transformer_engine.pytorch.graph": {"save_fp8_tensors": save_fp8_tensors,
-                                             "restore_fp8_tensors": restore_fp8_tensors},
+        "transformer_engine.pytorch.graph": {
+            "save_fp8_tensors": save_fp8_tensors,
+            "restore_fp8_tensors": restore_fp8_tensors,
+        },
         "transformer_engine.pytorch.module": {},
         "transformer_engine.pytorch.module.base": {"TransformerEngineBaseModule": FakeTEModule},
         "transformer_engine.pytorch.ops": {},

@@ -4,18 +4,17 @@ random interleavings of variants."""
 from __future__ import annotations
 
 import pytest
+from _doubles.schedules import megatron_order, megatron_orders, planned, schedules, warmup_of
 from hypothesis import given, settings
 
 from megatron_cg_plugin.slot_sharing.plan import OrderError, SlotPlan, plan_slots
-
-from _doubles.schedules import megatron_order, megatron_orders, planned, schedules, warmup_of
 
 
 def check_invariants(plan: SlotPlan, sizes) -> None:
     frames = plan.frames
     for i, a in enumerate(frames):
         assert a.forward_at < a.backward_at
-        for b in frames[i + 1:]:
+        for b in frames[i + 1 :]:
             if a.overlaps(b):
                 assert a.slot != b.slot, f"live together but share slot {a.slot}: {a} {b}"
     assert plan.ring_size == plan.max_live  # optimal: never more slots than frames alive at once
@@ -93,12 +92,15 @@ def test_interleaved_replays_never_share():
     assert plan.ring_size == 2 and plan.frames[0].slot != plan.frames[1].slot
 
 
-@pytest.mark.parametrize("order, message", [
-    ([1, -1.5, -1], "delay-wgrad"),
-    ([1, 0, -1], "entries are \\+chunk"),
-    ([-1, 1], "no pending forward"),
-    ([1, 1, -1], "forwards without a backward: chunk 1 microbatch 1"),
-])
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ([1, -1.5, -1], "delay-wgrad"),
+        ([1, 0, -1], "entries are \\+chunk"),
+        ([-1, 1], "no pending forward"),
+        ([1, 1, -1], "forwards without a backward: chunk 1 microbatch 1"),
+    ],
+)
 def test_bad_orders_are_rejected_with_the_reason(order, message):
     with pytest.raises(OrderError, match=message):
         plan_slots(order)

@@ -7,10 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError
 from megatron_cg_plugin.capture.contracts import ContractViolation
-from megatron_cg_plugin.slot_sharing.capture import Surface, Variant, _as_tuple, _Measure, _validate, capture_slotted, io_branches, planned_slots, slot_arena_bytes
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError
+from megatron_cg_plugin.slot_sharing.capture import (
+    Surface,
+    Variant,
+    _as_tuple,
+    _Measure,
+    _validate,
+    capture_slotted,
+    io_branches,
+    planned_slots,
+    slot_arena_bytes,
+)
 from megatron_cg_plugin.slot_sharing.layout import span_elements, span_of
 from megatron_cg_plugin.slot_sharing.plan import exclusive_plan, plan_slots
 
@@ -29,9 +39,16 @@ LAYOUTS = {
 def test_span_covers_exactly_the_addressed_elements(name):
     tensor = LAYOUTS[name]
     span = span_of(tensor)
-    addressed = {tensor.storage_offset() + sum(i * s for i, s in zip(index, tensor.stride()))
-                 for index in torch.cartesian_prod(*[torch.arange(n) for n in tensor.shape]).reshape(-1, tensor.dim()).tolist()} \
-        if tensor.dim() else {tensor.storage_offset()}
+    addressed = (
+        {
+            tensor.storage_offset() + sum(i * s for i, s in zip(index, tensor.stride()))
+            for index in torch.cartesian_prod(*[torch.arange(n) for n in tensor.shape])
+            .reshape(-1, tensor.dim())
+            .tolist()
+        }
+        if tensor.dim()
+        else {tensor.storage_offset()}
+    )
     assert span_elements(tensor) == max(addressed) - min(addressed) + 1
     assert span.data_ptr() == tensor.data_ptr() and span.is_contiguous()
 
@@ -63,8 +80,9 @@ def test_outputs_must_be_tensors():
 
 
 def _measure(*outputs, input_grads=(), saved_bytes=0):
-    return _Measure(saved_bytes=saved_bytes, ctx_tensors=0, outputs=tuple(outputs), input_grads=tuple(input_grads),
-                    params_used=())
+    return _Measure(
+        saved_bytes=saved_bytes, ctx_tensors=0, outputs=tuple(outputs), input_grads=tuple(input_grads), params_used=()
+    )
 
 
 def test_variants_naming_one_io_branch_must_match_layouts():
@@ -87,19 +105,26 @@ def test_unnamed_variants_share_storage_exactly_when_layouts_match():
     assert branches["a"] == branches["b"] != branches["c"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(plan=2), "pass the SlotPlan of plan_slots"),
-    (dict(warmup_iterations=0), "warmup_iterations must be >= 1"),
-    (dict(variants=[]), "no variants given"),
-    (dict(variants=[Variant("a", abs, ()), Variant("a", abs, ())]), "variant names repeat"),
-    (dict(plan=exclusive_plan(["cpu", "other"])), r"frames of variants not given \['other'\]"),
-    (dict(variants=[Variant("cpu", abs, (torch.zeros(2),)), Variant("b", abs, ())]),
-     r"variants in no frame of the plan \['b'\]"),
-    (dict(variants=[Variant("cpu", abs, (torch.zeros(2),))]), "sample_args must be CUDA tensors"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(plan=2), "pass the SlotPlan of plan_slots"),
+        (dict(warmup_iterations=0), "warmup_iterations must be >= 1"),
+        (dict(variants=[]), "no variants given"),
+        (dict(variants=[Variant("a", abs, ()), Variant("a", abs, ())]), "variant names repeat"),
+        (dict(plan=exclusive_plan(["cpu", "other"])), r"frames of variants not given \['other'\]"),
+        (
+            dict(variants=[Variant("cpu", abs, (torch.zeros(2),)), Variant("b", abs, ())]),
+            r"variants in no frame of the plan \['b'\]",
+        ),
+        (dict(variants=[Variant("cpu", abs, (torch.zeros(2),))]), "sample_args must be CUDA tensors"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_is_allocated(kwargs, message):
-    args = dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], plan=exclusive_plan(["cpu"]),
-                warmup_iterations=1) | kwargs
+    args = (
+        dict(variants=[Variant("cpu", abs, (torch.zeros(2),))], plan=exclusive_plan(["cpu"]), warmup_iterations=1)
+        | kwargs
+    )
     error = TypeError if isinstance(args["plan"], int) else ValueError
     with pytest.raises(error, match=message):
         _validate(args["variants"], args["plan"], args["warmup_iterations"])
@@ -114,8 +139,11 @@ def test_the_plan_places_variants_and_sizes_each_slot_by_its_own_variants():
     names = ["big", "small", "small2"]
     slots_of = planned_slots(plan, names)
     assert slots_of == {"big": (0,), "small": (1,), "small2": (0,)}
-    measures = {"big": _measure(saved_bytes=1000), "small": _measure(saved_bytes=10),
-                "small2": _measure(saved_bytes=30)}
+    measures = {
+        "big": _measure(saved_bytes=1000),
+        "small": _measure(saved_bytes=10),
+        "small2": _measure(saved_bytes=30),
+    }
     # A slot only small variants use gets a small arena (a ring of the largest would be 2000 bytes).
     assert slot_arena_bytes(plan.ring_size, slots_of, measures) == [1000, 10]
     assert slot_arena_bytes(1, planned_slots(exclusive_plan(names), names), measures) == [1000]
@@ -144,9 +172,20 @@ def _slotted_graphs(contract_check=ContractCheck.FULL):
     entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check)
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     entry.output_requires_grad = (False,)
-    stats = SlottedStats(ring_size=1, variants=1, graphs=2, capture_seconds=0.0, pool_bytes=0, arena_bytes=0,
-                         slot_arena_bytes=(), boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={}, retained_bytes=0,
-                         uncovered_bytes=0)
+    stats = SlottedStats(
+        ring_size=1,
+        variants=1,
+        graphs=2,
+        capture_seconds=0.0,
+        pool_bytes=0,
+        arena_bytes=0,
+        slot_arena_bytes=(),
+        boundary_bytes=boundary.nbytes,
+        saved_bytes={},
+        ctx_tensors={},
+        retained_bytes=0,
+        uncovered_bytes=0,
+    )
     return SlottedGraphs({("v", 0): entry}, stats, [boundary]), entry, param
 
 
@@ -156,8 +195,11 @@ def test_slot_replays_are_held_to_the_replay_contract():
     fresh = torch.full((4, 6), 3.0)
     replay(fresh)
     assert torch.equal(entry.boundary.inputs[0], fresh) and entry.forward_graph.replays == 1  # copied in
-    with pytest.raises(ContractViolation, match=r"variant 'v' in slot 0: shape \(arg0\) was \(4, 6\) at capture, "
-                                                r"is \(2, 6\) now\. graphs replay fixed shapes"):
+    with pytest.raises(
+        ContractViolation,
+        match=r"variant 'v' in slot 0: shape \(arg0\) was \(4, 6\) at capture, "
+        r"is \(2, 6\) now\. graphs replay fixed shapes",
+    ):
         replay(torch.zeros(2, 6))
     with pytest.raises(ContractViolation, match=r"dtype \(arg0\) was torch.float32"):
         replay(torch.zeros(4, 6, dtype=torch.float64))
@@ -207,9 +249,9 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     import types
     import weakref
 
-    from megatron_cg_plugin.slot_sharing.megatron_backend import SlotLayerGraph
-    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
     from megatron_cg_plugin.capture_lifecycle import _slot_layer_stats
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
+    from megatron_cg_plugin.slot_sharing.megatron_backend import SlotLayerGraph
 
     hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
     variant = Variant("layer", lambda x, m: x * m, (hidden, mask))
@@ -218,9 +260,20 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     flag = torch.zeros(1, dtype=torch.bool)
     entry.fp8 = types.SimpleNamespace(flag=flag)
-    stats = SlottedStats(ring_size=1, variants=1, graphs=2, capture_seconds=0.0, pool_bytes=0, arena_bytes=0,
-                         slot_arena_bytes=(), boundary_bytes=boundary.nbytes, saved_bytes={}, ctx_tensors={},
-                         retained_bytes=0, uncovered_bytes=0)
+    stats = SlottedStats(
+        ring_size=1,
+        variants=1,
+        graphs=2,
+        capture_seconds=0.0,
+        pool_bytes=0,
+        arena_bytes=0,
+        slot_arena_bytes=(),
+        boundary_bytes=boundary.nbytes,
+        saved_bytes={},
+        ctx_tensors={},
+        retained_bytes=0,
+        uncovered_bytes=0,
+    )
     layer_graph = SlotLayerGraph(SlottedGraphs({("layer", 0): entry}, stats, [boundary]), "layer 1", 1, ("mask",))
     read_stats = _slot_layer_stats([layer_graph])  # what the report keeps
     gone = [weakref.ref(t) for t in (hidden, mask, flag, boundary.outputs[0].buffer)]

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _doubles.copies import InlineCopies
 
 from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena, StagedArenaHooks
-from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
-from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
 from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
+from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
-
-from _doubles.copies import InlineCopies
+from megatron_cg_plugin.slot_sharing.saved_tensors import Arena, ArenaSizer
 
 GROUP = [None]
 
@@ -63,13 +62,13 @@ def staged_frames(ring, sizes):
 
 def forward(frame, value):
     frame.before_forward()
-    frame.buffer.arena.buffer[:frame.nbytes].fill_(value)  # what the forward graph writes
+    frame.buffer.arena.buffer[: frame.nbytes].fill_(value)  # what the forward graph writes
     frame.after_forward()
 
 
 def backward(frame, value):
     frame.before_backward()
-    assert torch.all(frame.buffer.arena.buffer[:frame.nbytes] == value), f"{frame.name} reads another frame's saves"
+    assert torch.all(frame.buffer.arena.buffer[: frame.nbytes] == value), f"{frame.name} reads another frame's saves"
     frame.after_backward()
 
 

@@ -33,9 +33,9 @@ def test_layout_properties_or_a_named_refusal(case):
     assert cu[0] == cu_padded[0] == 0 and cu_padded[-1] == layout.tokens == cp * tokens_per_rank
     actual = [b - a for a, b in zip(cu, cu[1:])]
     padded = [b - a for a, b in zip(cu_padded, cu_padded[1:])]
-    assert actual[:len(lengths)] == list(lengths)
+    assert actual[: len(lengths)] == list(lengths)
     assert all(p % (2 * cp) == 0 and p >= a >= 0 for a, p in zip(actual, padded))
-    assert actual[len(lengths):] == [0] * (max_seqs + 1 - len(lengths))  # the dummy and the unused entries
+    assert actual[len(lengths) :] == [0] * (max_seqs + 1 - len(lengths))  # the dummy and the unused entries
     assert layout.sequences == len(lengths) and layout.max_seqlen == layout.tokens
 
 

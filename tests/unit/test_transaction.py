@@ -261,15 +261,22 @@ def logged(name: str, log: list, *, fail_restore: bool = False, value=None) -> R
 def test_rollback_on_error_resets_graphs_newest_first_then_restores_in_reverse():
     log: list[str] = []
     transaction = CaptureTransaction([logged("a", log), logged("b", log)])
-    with pytest.raises(Boom):
-        with transaction:
-            transaction.add([logged("c", log)])
-            for name in ("g1", "g2", "g3"):
-                transaction.track(Graph(name, log))
-            raise Boom("capture failed")
-    assert log == ["save a", "save b", "save c",
-                   "reset g3", "reset g2", "reset g1",
-                   "restore c=c", "restore b=b", "restore a=a"]
+    with pytest.raises(Boom), transaction:
+        transaction.add([logged("c", log)])
+        for name in ("g1", "g2", "g3"):
+            transaction.track(Graph(name, log))
+        raise Boom("capture failed")
+    assert log == [
+        "save a",
+        "save b",
+        "save c",
+        "reset g3",
+        "reset g2",
+        "reset g1",
+        "restore c=c",
+        "restore b=b",
+        "restore a=a",
+    ]
     assert transaction.rolled_back
     assert transaction.graphs == []
     assert transaction.rollback_errors == []
@@ -279,12 +286,11 @@ def test_rollback_continues_past_failures_and_records_them():
     log: list[str] = []
     transaction = CaptureTransaction([logged("a", log), logged("b", log, fail_restore=True), logged("c", log)])
     original = Boom("the real cause")
-    with pytest.raises(Boom) as info:
-        with transaction:
-            transaction.track(Graph("g1", log))
-            transaction.track(Graph("g2", log, fail=True))
-            transaction.track(Graph("g3", log))
-            raise original
+    with pytest.raises(Boom) as info, transaction:
+        transaction.track(Graph("g1", log))
+        transaction.track(Graph("g2", log, fail=True))
+        transaction.track(Graph("g3", log))
+        raise original
     assert info.value is original  # the original error, not a rollback error
     assert log[3:] == ["reset g3", "reset g2", "reset g1", "restore c=c", "restore b=b", "restore a=a"]
     assert transaction.rollback_errors == ["reset of Graph(g2): cannot reset g2", "restore of b: cannot restore b"]
@@ -292,9 +298,8 @@ def test_rollback_continues_past_failures_and_records_them():
 
 def test_rollback_also_on_base_exceptions():
     transaction = CaptureTransaction([])
-    with pytest.raises(KeyboardInterrupt):
-        with transaction:
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), transaction:
+        raise KeyboardInterrupt
     assert transaction.rolled_back
 
 
@@ -316,10 +321,9 @@ def test_snapshots_are_taken_at_enter_not_at_construction():
     obj.x = "at construction"
     transaction = CaptureTransaction([attribute(obj, "x")])
     obj.x = "at enter"
-    with pytest.raises(Boom):
-        with transaction:
-            obj.x = "during"
-            raise Boom
+    with pytest.raises(Boom), transaction:
+        obj.x = "during"
+        raise Boom
     assert obj.x == "at enter"
 
 
@@ -327,13 +331,12 @@ def test_add_snapshots_at_add_time():
     obj = Plain()
     obj.late = "before capture"
     transaction = CaptureTransaction([])
-    with pytest.raises(Boom):
-        with transaction:
-            obj.late = "changed before add"
-            value = obj.late
-            transaction.add([attribute(obj, "late")])
-            obj.late = "changed after add"
-            raise Boom
+    with pytest.raises(Boom), transaction:
+        obj.late = "changed before add"
+        value = obj.late
+        transaction.add([attribute(obj, "late")])
+        obj.late = "changed after add"
+        raise Boom
     assert obj.late is value
 
 
@@ -348,13 +351,12 @@ def test_real_state_is_rolled_back_end_to_end():
     grad = p.grad = torch.zeros(2)
     items = [attribute(module, "CAPTURING"), attribute(Layer, "__call__"), gc_state(), tensor_grads([p])]
     try:
-        with pytest.raises(Boom):
-            with CaptureTransaction(items):
-                module.CAPTURING = True
-                Layer.__call__ = lambda self: None
-                gc.disable()
-                p.grad = torch.ones(2)
-                raise Boom
+        with pytest.raises(Boom), CaptureTransaction(items):
+            module.CAPTURING = True
+            Layer.__call__ = lambda self: None
+            gc.disable()
+            p.grad = torch.ones(2)
+            raise Boom
         assert module.CAPTURING is False
         assert "__call__" not in vars(Layer)
         assert gc.isenabled()
@@ -369,15 +371,21 @@ def test_real_state_is_rolled_back_end_to_end():
 NAMES = ("a", "b", "c", "inherited")
 POOL = [object() for _ in range(4)]
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("set"), st.sampled_from(NAMES), st.integers(0, len(POOL) - 1)),
-    st.tuples(st.just("del"), st.sampled_from(NAMES), st.just(0)),
-), max_size=20)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.sampled_from(NAMES), st.integers(0, len(POOL) - 1)),
+        st.tuples(st.just("del"), st.sampled_from(NAMES), st.just(0)),
+    ),
+    max_size=20,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(initial=st.dictionaries(st.sampled_from(NAMES), st.integers(0, len(POOL) - 1)),
-       ops=operations, late=st.integers(0, 20))
+@given(
+    initial=st.dictionaries(st.sampled_from(NAMES), st.integers(0, len(POOL) - 1)),
+    ops=operations,
+    late=st.integers(0, 20),
+)
 def test_failed_transaction_restores_every_attribute(initial, ops, late):
     obj = Child()
     for name, index in initial.items():
@@ -385,16 +393,15 @@ def test_failed_transaction_restores_every_attribute(initial, ops, late):
     before = dict(vars(obj))
 
     transaction = CaptureTransaction([attribute(obj, name) for name in NAMES])
-    with pytest.raises(Boom):
-        with transaction:
-            for position, (op, name, index) in enumerate(ops):
-                if position == late:  # a late add() snapshots state that is already changed
-                    transaction.add([attribute(obj, name) for name in NAMES])
-                if op == "set":
-                    setattr(obj, name, POOL[index])
-                elif name in vars(obj):
-                    delattr(obj, name)
-            raise Boom
+    with pytest.raises(Boom), transaction:
+        for position, (op, name, index) in enumerate(ops):
+            if position == late:  # a late add() snapshots state that is already changed
+                transaction.add([attribute(obj, name) for name in NAMES])
+            if op == "set":
+                setattr(obj, name, POOL[index])
+            elif name in vars(obj):
+                delattr(obj, name)
+        raise Boom
 
     after = vars(obj)
     assert after.keys() == before.keys()
@@ -406,9 +413,8 @@ def test_te_backend_tracking_reports_graphs_only_inside_and_puts_the_class_back(
     from megatron_cg_plugin.capture.te_backend import TEBackend
 
     original = torch.cuda.CUDAGraph
-    with pytest.raises(Boom):
-        with TEBackend().tracking(lambda graph: None):
-            tracked = torch.cuda.CUDAGraph
-            assert tracked is not original and issubclass(tracked, original)  # what TE constructs now
-            raise Boom()
+    with pytest.raises(Boom), TEBackend().tracking(lambda graph: None):
+        tracked = torch.cuda.CUDAGraph
+        assert tracked is not original and issubclass(tracked, original)  # what TE constructs now
+        raise Boom()
     assert torch.cuda.CUDAGraph is original

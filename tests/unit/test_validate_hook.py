@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import compat, installation, rules
 from megatron_cg_plugin import refusal as enforce
-from megatron_cg_plugin import installation
 from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 
@@ -89,8 +88,7 @@ def test_rule_violation_stops_validation_with_one_line_per_rule(plugin, monkeypa
 
 
 def test_several_broken_rules_each_get_a_line(monkeypatch, capsys):
-    flags = [*WITH_FUSION, *TE, "--recompute-granularity", "full", "--recompute-method", "uniform",
-             "--cg-graph-banks"]
+    flags = [*WITH_FUSION, *TE, "--recompute-granularity", "full", "--recompute-method", "uniform", "--cg-graph-banks"]
     refusal, err = refused(monkeypatch, capsys, flags)
     names = [name for name, _ in refusal.violations]
     assert sorted(names) == ["banks-need-hybrid-cp", "full-recompute", "gradient-accumulation-fusion"]
@@ -105,10 +103,13 @@ def test_without_te_the_te_rule_fires_too(monkeypatch, capsys):
     assert [name for name, _ in refusal.violations] == ["te-installed"]
 
 
-@pytest.mark.parametrize("local_rank, printed", [
-    ("1", False),  # other ranks of a node stay silent, but stop too
-    ("0", True),  # each node's first rank says why (files and environment differ between hosts)
-])
+@pytest.mark.parametrize(
+    "local_rank, printed",
+    [
+        ("1", False),  # other ranks of a node stay silent, but stop too
+        ("0", True),  # each node's first rank says why (files and environment differ between hosts)
+    ],
+)
 def test_ranks_other_than_zero(monkeypatch, capsys, local_rank, printed):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -140,8 +141,9 @@ def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
 
 def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkeypatch, capsys):
     """One rank with PP 2: Megatron's world-size assertion stops validate_args before the rules run."""
-    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *TE, "--cg-slot-capture",
-                                                 "--pipeline-model-parallel-size", "2"])
+    refusal, err = refused(
+        monkeypatch, capsys, [*TINY_GPT, *TE, "--cg-slot-capture", "--pipeline-model-parallel-size", "2"]
+    )
     assert [name for name, _ in refusal.violations] == ["slot-capture-pipeline", "megatron"]
     block = plugin_block(err, PLUGIN_HEADING)
     assert len(block) == 4 and block[1].startswith("  [slot-capture-pipeline] ")
@@ -157,10 +159,13 @@ def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsy
     assert "num_attention_heads" in message
 
 
-@pytest.mark.parametrize("flags", [
-    ["--fp4-param-gather"],  # ValueError: must be used together with --fp4-format
-    ["--no-position-embedding", "--position-embedding-type", "learned_absolute"],  # RuntimeError
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fp4-param-gather"],  # ValueError: must be used together with --fp4-format
+        ["--no-position-embedding", "--position-embedding-type", "learned_absolute"],  # RuntimeError
+    ],
+)
 def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
     refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *flags])
     assert [name for name, _ in refusal.violations] == ["megatron"]
@@ -169,8 +174,9 @@ def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
 
 def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypatch, capsys, tmp_path):
     report = tmp_path / "report.json"
-    args = parse_and_validate(monkeypatch, [*TINY_GPT, *TE, "--cg-contract-check", "shapes", "--cg-no-report",
-                                            "--cg-report-out", str(report)])
+    args = parse_and_validate(
+        monkeypatch, [*TINY_GPT, *TE, "--cg-contract-check", "shapes", "--cg-no-report", "--cg-report-out", str(report)]
+    )
     assert "megatron-cg-plugin" not in capsys.readouterr().err
     assert global_vars.get_args() is args  # parse_and_validate_args went on to set Megatron's globals
     assert plugin.config_resolved
@@ -219,13 +225,19 @@ def test_an_explicit_graph_only_config_without_te_graphs_is_refused_too(monkeypa
 def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
     flags = [flag for flag in TINY_GPT]
     index = flags.index("--micro-batch-size")
-    del flags[index:index + 2]
+    del flags[index : index + 2]
     refusal, err = refused(monkeypatch, capsys, flags)
     assert refusal.heading == enforce.MEGATRON_HEADING
     assert "--micro-batch-size is not given, and Megatron needs it" in err
 
 
-OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--min-offloaded-tensor-size", "1024"]
+OFFLOAD = [
+    "--fine-grained-activation-offloading",
+    "--offload-modules",
+    "core_attn",
+    "--min-offloaded-tensor-size",
+    "1024",
+]
 STAGED = dict(slot_capture=True, offload_copies="between-replays", offload_window=2)
 
 

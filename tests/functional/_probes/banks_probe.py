@@ -53,24 +53,45 @@ def layer_config(num_layers, **extra):
     through Megatron's TE graph path)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    options = dict(num_layers=num_layers, hidden_size=H, num_attention_heads=HEADS, bf16=True,
-                   params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                   use_te_rng_tracker=True, deterministic_mode=True, hybrid_context_parallel=dist.get_world_size() > 1,
-                   max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK, calculate_per_token_loss=True,
-                   cuda_graph_impl="transformer_engine")
+    options = dict(
+        num_layers=num_layers,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_te_rng_tracker=True,
+        deterministic_mode=True,
+        hybrid_context_parallel=dist.get_world_size() > 1,
+        max_seqlen_per_dp_cp_rank=TOKENS_PER_RANK,
+        calculate_per_token_loss=True,
+        cuda_graph_impl="transformer_engine",
+    )
     return TransformerConfig(**(options | extra))
 
 
 # The tiny MoE of the farm (presets.MOE_FLAGS) with drop-and-pad, its MoE block graphed with attention.
 MOE_SPEC = dict(num_experts=4, moe_grouped_gemm=True)
-MOE_CONFIG = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
-                  moe_ffn_hidden_size=512, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                  add_bias_linear=False, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
-                  cuda_graph_modules=["attn", "moe"])
+MOE_CONFIG = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_token_dispatcher_type="alltoall",
+    moe_grouped_gemm=True,
+    moe_ffn_hidden_size=512,
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+    add_bias_linear=False,
+    moe_expert_capacity_factor=1.5,
+    moe_pad_expert_input_to_capacity=True,
+    cuda_graph_modules=["attn", "moe"],
+)
 # Dropless, the scope Megatron-Bridge recommends for it: the graph ends after the dispatcher's preprocess.
-DROPLESS_MOE_CONFIG = {name: value for name, value in MOE_CONFIG.items()
-                       if name not in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")} | dict(
-    cuda_graph_modules=["attn", "moe_router", "moe_preprocess"])
+DROPLESS_MOE_CONFIG = {
+    name: value
+    for name, value in MOE_CONFIG.items()
+    if name not in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
+} | dict(cuda_graph_modules=["attn", "moe_router", "moe_preprocess"])
 
 
 def build(spec_options=None, **config_extra):
@@ -109,9 +130,13 @@ def packs(groups):
         gen = torch.Generator(device="cuda").manual_seed(index * 10 + rank)
         hidden = torch.randn(TOKENS_PER_RANK, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         grad = torch.randn(TOKENS_PER_RANK, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        params = packed_seq_params(torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda"),
-                                   torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda"),
-                                   size, groups[size], layout.max_seqlen)
+        params = packed_seq_params(
+            torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda"),
+            torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda"),
+            size,
+            groups[size],
+            layout.max_seqlen,
+        )
         result.append((size, params, hidden, grad, layout.cu_seqlens))
     return result
 
@@ -140,8 +165,10 @@ def timed(fn, repeats=10):
 
 def step_ms(layers, params_list, data):
     """Median milliseconds of one microbatch per CP size (its first pack of that size)."""
-    return {size: timed(lambda pack=next(p for p in data if p[0] == size): step(layers, params_list, pack))
-            for size in (1, 2)}
+    return {
+        size: timed(lambda pack=next(p for p in data if p[0] == size): step(layers, params_list, pack))
+        for size in (1, 2)
+    }
 
 
 def reserved():
@@ -177,8 +204,16 @@ def moe(result, groups, config=MOE_CONFIG):
     graphed_ms = step_ms(layers, params_list, data)
     report = banked.report()
     banked.reset()
-    result.update(rank=dist.get_rank(), schedule=SCHEDULE, exact=exact, all_exact=all(exact), max_abs_diff=worst,
-                  eager_ms=eager_ms, graphed_ms=graphed_ms, report=report)
+    result.update(
+        rank=dist.get_rank(),
+        schedule=SCHEDULE,
+        exact=exact,
+        all_exact=all(exact),
+        max_abs_diff=worst,
+        eager_ms=eager_ms,
+        graphed_ms=graphed_ms,
+        report=report,
+    )
 
 
 def dropless_moe(result, groups):
@@ -186,9 +221,9 @@ def dropless_moe(result, groups):
 
 
 def run(result, groups):
-    from megatron_cg_plugin.banks.router import BankSelectionError
     from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
     from megatron_cg_plugin.banks.cp_packs import packed_seq_params
+    from megatron_cg_plugin.banks.router import BankSelectionError
     from megatron_cg_plugin.packed.layout import ThdCapacityError
 
     layers = build()
@@ -220,13 +255,19 @@ def run(result, groups):
     size2 = next(p for p in data if p[0] == 2)
     lookalike = dist.new_group(ranks=[0, 1])
     cases = {
-        "lookalike_group": packed_seq_params(size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 2, lookalike,
-                                             size2[1].max_seqlen_q),
-        "unknown_cp_size": packed_seq_params(size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 4, lookalike,
-                                             size2[1].max_seqlen_q),
-        "cu_beyond_capacity": packed_seq_params(torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"),
-                                                torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"), 1, None,
-                                                TOKENS_PER_RANK),
+        "lookalike_group": packed_seq_params(
+            size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 2, lookalike, size2[1].max_seqlen_q
+        ),
+        "unknown_cp_size": packed_seq_params(
+            size2[1].cu_seqlens_q, size2[1].cu_seqlens_q_padded, 4, lookalike, size2[1].max_seqlen_q
+        ),
+        "cu_beyond_capacity": packed_seq_params(
+            torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"),
+            torch.zeros(MAX_SEQS + 3, dtype=torch.int32, device="cuda"),
+            1,
+            None,
+            TOKENS_PER_RANK,
+        ),
     }
     for name, params in cases.items():
         try:
@@ -237,10 +278,21 @@ def run(result, groups):
     report = banked.report()
     banked.reset()
     result.update(
-        rank=dist.get_rank(), schedule=SCHEDULE, exact=exact, all_exact=all(exact), max_abs_diff=worst,
-        layouts=[list(p[4]) for p in data], eager_ms=eager_ms, graphed_ms=graphed_ms,
-        one_bank_reserved_bytes=one_bank_bytes, two_bank_reserved_bytes=two_bank_bytes,
-        one_bank_report=one_report, training_report=training_report, report=report, refusals=refusals)
+        rank=dist.get_rank(),
+        schedule=SCHEDULE,
+        exact=exact,
+        all_exact=all(exact),
+        max_abs_diff=worst,
+        layouts=[list(p[4]) for p in data],
+        eager_ms=eager_ms,
+        graphed_ms=graphed_ms,
+        one_bank_reserved_bytes=one_bank_bytes,
+        two_bank_reserved_bytes=two_bank_bytes,
+        one_bank_report=one_report,
+        training_report=training_report,
+        report=report,
+        refusals=refusals,
+    )
 
 
 VOCAB, STEPS, STEP_SCHEDULE = 512, 30, [1, 2, 2, 1]  # CP size of each microbatch of a step
@@ -262,8 +314,13 @@ def build_gpt():
     config = layer_config(2, attention_backend=AttnBackend.fused)  # matches NVTE_FLASH_ATTN=0 above
     spec = get_gpt_layer_with_transformer_engine_spec()
     spec.module = banked_layer_class(spec.module)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=2 * TOKENS_PER_RANK,
-                     position_embedding_type="learned_absolute").cuda()
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=2 * TOKENS_PER_RANK,
+        position_embedding_type="learned_absolute",
+    ).cuda()
     return Float16Module(config, model)
 
 
@@ -295,16 +352,17 @@ def training_batches(groups):
             for seq, length in enumerate(lengths):
                 start = layout.cu_seqlens_padded[seq]
                 text = torch.tensor([rng.randrange(VOCAB) for _ in range(length + 1)])
-                tokens[start:start + length] = text[:-1]
-                labels[start:start + length] = text[1:]
-                loss_mask[start:start + length] = 1.0
-                positions[start:start + length] = torch.arange(length)
+                tokens[start : start + length] = text[:-1]
+                labels[start : start + length] = text[1:]
+                loss_mask[start : start + length] = 1.0
+                positions[start : start + length] = torch.arange(length)
             cu = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device="cuda")
             cu_padded = torch.tensor(layout.cu_seqlens_padded, dtype=torch.int32, device="cuda")
             local = [t.cuda() for t in (tokens, labels, loss_mask, positions)]
             if size > 1:
-                index_on_rank = tex.thd_get_partitioned_indices(cu_padded, layout.tokens, size,
-                                                                dist.get_rank(groups[size]))
+                index_on_rank = tex.thd_get_partitioned_indices(
+                    cu_padded, layout.tokens, size, dist.get_rank(groups[size])
+                )
                 local = [t.index_select(0, index_on_rank) for t in local]
             params = packed_seq_params(cu, cu_padded, size, groups[size], layout.max_seqlen)
             microbatches.append((size, params, *[t.unsqueeze(0) for t in local]))
@@ -357,10 +415,16 @@ def training(result, groups):
     report = banks.report()
     banks.reset()
     result.update(
-        rank=dist.get_rank(), steps=STEPS, microbatch_cp_sizes=STEP_SCHEDULE,
-        eager_losses=eager_losses, graphed_losses=graphed_losses, losses_equal=eager_losses == graphed_losses,
-        eager_step_ms=1e3 * statistics.median(eager_times[3:]), graphed_step_ms=1e3 * statistics.median(graphed_times[3:]),
-        report=report)
+        rank=dist.get_rank(),
+        steps=STEPS,
+        microbatch_cp_sizes=STEP_SCHEDULE,
+        eager_losses=eager_losses,
+        graphed_losses=graphed_losses,
+        losses_equal=eager_losses == graphed_losses,
+        eager_step_ms=1e3 * statistics.median(eager_times[3:]),
+        graphed_step_ms=1e3 * statistics.median(graphed_times[3:]),
+        report=report,
+    )
 
 
 ROPE_LENGTH = 200  # one sequence, shorter than a rank's share so CP 1 and CP 2 can both hold it
@@ -437,8 +501,9 @@ def rope_forward(layer, size, groups, sequence, rotary, grad_seed=5):
         out, _ = layer(hidden_states=x, attention_mask=None, packed_seq_params=params, rotary_pos_emb=table)
     finally:
         hook.remove()
-    grad = torch.randn(out.shape, device="cuda", dtype=out.dtype,
-                       generator=torch.Generator(device="cuda").manual_seed(grad_seed))
+    grad = torch.randn(
+        out.shape, device="cuda", dtype=out.dtype, generator=torch.Generator(device="cuda").manual_seed(grad_seed)
+    )
     weights = [p for p in layer.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out, [x] + weights, grad)
     outputs = [in_sequence_order(out.detach(), index, size, groups)] + [g.clone() for g in grads]
@@ -453,8 +518,9 @@ def rope(result, groups):
 
     from megatron_cg_plugin.banks.capture import ThdCapacity, capture_banks
 
-    sequence = torch.randn(ROPE_LENGTH, 1, H, device="cuda", dtype=torch.bfloat16,
-                           generator=torch.Generator(device="cuda").manual_seed(7))  # the same on both ranks
+    sequence = torch.randn(
+        ROPE_LENGTH, 1, H, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(7)
+    )  # the same on both ranks
     rotary = RotaryEmbedding(kv_channels=H // HEADS, rotary_percent=1.0)
 
     def cp2_vs_cp1(layer):
@@ -463,8 +529,10 @@ def rope(result, groups):
         are not rotated (the control)."""
         cp1 = rope_forward(layer, 1, groups, sequence, rotary)[1]
         cp2 = rope_forward(layer, 2, groups, sequence, rotary)[1]
-        return {name: ((cp2[name].float() - cp1[name].float()).abs().max() / cp1[name].float().abs().max()).item()
-                for name in ("query", "key", "value")}
+        return {
+            name: ((cp2[name].float() - cp1[name].float()).abs().max() / cp1[name].float().abs().max()).item()
+            for name in ("query", "key", "value")
+        }
 
     layer = rope_layer()
     dynamic = cp2_vs_cp1(layer)
@@ -485,18 +553,32 @@ def rope(result, groups):
 def largest_pool_allocations(snapshot, pool, count=8):
     """The largest allocations the capture made in ``pool`` (from the allocator's trace), each
     with the first frames outside torch: what the pool's reserved bytes are for."""
-    segments = {seg["address"]: seg for seg in snapshot["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool}
+    segments = {
+        seg["address"]: seg for seg in snapshot["segments"] if tuple(seg.get("segment_pool_id", (0, 0))) == pool
+    }
 
     def in_pool(address):
         return any(start <= address < start + seg["total_size"] for start, seg in segments.items())
 
-    events = [e for trace in snapshot.get("device_traces", []) for e in trace
-              if e["action"] in ("alloc", "segment_alloc") and in_pool(e["addr"])]
+    events = [
+        e
+        for trace in snapshot.get("device_traces", [])
+        for e in trace
+        if e["action"] in ("alloc", "segment_alloc") and in_pool(e["addr"])
+    ]
     events.sort(key=lambda e: -e["size"])
-    return [{"action": e["action"], "mib": e["size"] / 2**20,
-             "frames": [f"{f['filename'].split('site-packages/')[-1].split('/tmp/site/')[-1]}:{f['line']} {f['name']}"
-                        for f in e.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]][:6]}
-            for e in events[:count]]
+    return [
+        {
+            "action": e["action"],
+            "mib": e["size"] / 2**20,
+            "frames": [
+                f"{f['filename'].split('site-packages/')[-1].split('/tmp/site/')[-1]}:{f['line']} {f['name']}"
+                for f in e.get("frames", [])
+                if f["filename"].endswith(".py") and "/torch/" not in f["filename"]
+            ][:6],
+        }
+        for e in events[:count]
+    ]
 
 
 def bank_memory(result, groups):
@@ -512,15 +594,28 @@ def bank_memory(result, groups):
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         report = banked.report()
-        pools = {tuple(seg["segment_pool_id"]) for seg in snapshot["segments"]
-                 if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)}
+        pools = {
+            tuple(seg["segment_pool_id"])
+            for seg in snapshot["segments"]
+            if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        }
         result[name] = {
-            "reserved_delta_mib": (reserved() - base) / 2**20, "pool_mib": report["pool_bytes"] / 2**20,
-            "arena_mib": report["arena_bytes"] / 2**20, "boundary_mib": report["boundary_bytes"] / 2**20,
-            "pools": {str(pool): {"segments_mib": [seg["total_size"] / 2**20 for seg in snapshot["segments"]
-                                                   if tuple(seg.get("segment_pool_id", (0, 0))) == pool],
-                                  "largest_allocations": largest_pool_allocations(snapshot, pool)}
-                      for pool in pools}}
+            "reserved_delta_mib": (reserved() - base) / 2**20,
+            "pool_mib": report["pool_bytes"] / 2**20,
+            "arena_mib": report["arena_bytes"] / 2**20,
+            "boundary_mib": report["boundary_bytes"] / 2**20,
+            "pools": {
+                str(pool): {
+                    "segments_mib": [
+                        seg["total_size"] / 2**20
+                        for seg in snapshot["segments"]
+                        if tuple(seg.get("segment_pool_id", (0, 0))) == pool
+                    ],
+                    "largest_allocations": largest_pool_allocations(snapshot, pool),
+                }
+                for pool in pools
+            },
+        }
         banked.reset()
         del banked, layers
     result["rank"] = dist.get_rank()
@@ -528,15 +623,22 @@ def bank_memory(result, groups):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["layers", "training", "rope", "moe", "dropless-moe", "bank-memory"],
-                        default="layers")
+    parser.add_argument(
+        "--scenario", choices=["layers", "training", "rope", "moe", "dropless-moe", "bank-memory"], default="layers"
+    )
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     result = {}
     try:
         groups = setup()
-        {"layers": run, "training": training, "rope": rope, "moe": moe, "dropless-moe": dropless_moe,
-         "bank-memory": bank_memory}[options.scenario](result, groups)
+        {
+            "layers": run,
+            "training": training,
+            "rope": rope,
+            "moe": moe,
+            "dropless-moe": dropless_moe,
+            "bank-memory": bank_memory,
+        }[options.scenario](result, groups)
     except Exception:  # noqa: BLE001 - written out for the test to show
         result["probe_error"] = traceback.format_exc()
     out = options.out.replace(".json", f".rank{dist.get_rank() if dist.is_initialized() else 0}.json")

@@ -43,9 +43,18 @@ def build(graphs: bool, fp8: str | None = None):
     extra = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=[]) if graphs else {}
     if fp8 is not None:  # hybrid format; "delayed" or "tensorwise" (current) scaling
         extra.update(fp8="hybrid", fp8_recipe=fp8, fp8_amax_history_len=16, fp8_amax_compute_algo="max")
-    config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=4, bf16=True,
-                               params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_te_rng_tracker=True, deterministic_mode=True, **extra)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_te_rng_tracker=True,
+        deterministic_mode=True,
+        **extra,
+    )
     model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=V, max_sequence_length=S).cuda()
     wrapped = Float16Module(config, model)
     wrapped.zero_grad_buffer = lambda: None  # no DDP in this probe; Megatron's helper calls it
@@ -89,8 +98,13 @@ def helper_for(config, model, plugin_config):
 def static_inputs_alive(helper) -> bool:
     from megatron_cg_plugin.capture.contracts import StaticInput
 
-    statics = [value for layer in helper.flattened_callables for wrapper in layer.cuda_graphs
-               for _, value in wrapper.contract.inputs if isinstance(value, StaticInput)]
+    statics = [
+        value
+        for layer in helper.flattened_callables
+        for wrapper in layer.cuda_graphs
+        for _, value in wrapper.contract.inputs
+        if isinstance(value, StaticInput)
+    ]
     return bool(statics) and all(static.alive for static in statics)
 
 
@@ -103,7 +117,8 @@ def lifecycle(result):
     trainer = Trainer(eager_model)
     eager = [trainer.step(*batch)[0] for batch in batches(steps)]
     del trainer, eager_model
-    gc.collect(); torch.cuda.empty_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
 
     config, model = build(graphs=True)
     trainer = Trainer(model)
@@ -170,9 +185,11 @@ def lifecycle(result):
     wrapper.contract = Spy()
     step_times = []
     for batch in batches(30):
-        torch.cuda.synchronize(); start = time.perf_counter()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         trainer.step(*batch)
-        torch.cuda.synchronize(); step_times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
     wrapper.contract = original_contract
     args, kwargs = seen["call"]
     from megatron_cg_plugin.capture.contracts import ReplayContract
@@ -235,6 +252,7 @@ def stale(result, check: str, held_by: str = "local"):
     stats = helper.capture_stats
     result["capture_phases"] = None if stats is None else stats.phases
     from megatron.core.transformer import cuda_graphs
+
     result["megatron_capture_flag_after"] = cuda_graphs.is_graph_capturing()
     if held_by == "local":
         del loss
@@ -267,12 +285,17 @@ def fp8_state(model) -> dict:
 
 def same_state(before: dict, after: dict) -> list[str]:
     """Names whose tensors differ (or exist on one side only)."""
+
     def equal(a, b):
         if isinstance(a, list):
             return isinstance(b, list) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return sorted(name for name in before.keys() | after.keys()
-                  if name not in before or name not in after or not equal(before[name], after[name]))
+
+    return sorted(
+        name
+        for name in before.keys() | after.keys()
+        if name not in before or name not in after or not equal(before[name], after[name])
+    )
 
 
 def fp8_failure(result, recipe: str, restore_fp8_meta: bool = True):
@@ -318,8 +341,17 @@ SCENARIOS = {  # name -> (--cg-stale-graph-check, what holds the eager graph)
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["lifecycle", "fp8-failure-delayed", "fp8-failure-tensorwise",
-                                                            "fp8-failure-delayed-unrestored", *SCENARIOS])
+    parser.add_argument(
+        "--scenario",
+        required=True,
+        choices=[
+            "lifecycle",
+            "fp8-failure-delayed",
+            "fp8-failure-tensorwise",
+            "fp8-failure-delayed-unrestored",
+            *SCENARIOS,
+        ],
+    )
     parser.add_argument("--out", required=True)
     options = parser.parse_args()
     setup()

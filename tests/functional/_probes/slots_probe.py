@@ -27,8 +27,18 @@ def build(heads=HEADS, dropout=0.0):
 
     torch.manual_seed(1234)
     layers = torch.nn.ModuleList(
-        te.TransformerLayer(H, 4 * H, heads, hidden_dropout=dropout, attention_dropout=dropout, params_dtype=torch.bfloat16,
-                            layer_number=i + 1, self_attn_mask_type="causal") for i in range(2)).cuda()
+        te.TransformerLayer(
+            H,
+            4 * H,
+            heads,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+            params_dtype=torch.bfloat16,
+            layer_number=i + 1,
+            self_attn_mask_type="causal",
+        )
+        for i in range(2)
+    ).cuda()
 
     def stack(x):
         for layer in layers:
@@ -103,8 +113,10 @@ def run_order(stack, params, graphs, order, plan, seq_of, between=None):
             grads = torch.autograd.grad(out, [x] + params, grads_in[frame.index])
             results[frame.index] = [out_copy] + [g.clone() for g in grads]
     exact = [all(torch.equal(a, b) for a, b in zip(got, want)) for got, want in zip(results, reference)]
-    worst = max(max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
-                for got, want in zip(results, reference))
+    worst = max(
+        max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+        for got, want in zip(results, reference)
+    )
     return exact, worst
 
 
@@ -132,18 +144,27 @@ def exactness(result):
                 def describe(graphs):
                     exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
                     saved = graphs.stats.saved_bytes
-                    return {"ring": plan.ring_size, "frames": len(plan.frames), "exact": all(exact),
-                            "slot_variants": [sorted(map(str, plan.branches(s))) for s in range(plan.ring_size)],
-                            "slot_arena_bytes": graphs.stats.slot_arena_bytes,
-                            "ring_of_largest_bytes": plan.ring_size * max(saved.values()),
-                            "exact_frames": sum(exact), "max_abs_diff": worst,
-                            "uncovered_bytes": graphs.stats.uncovered_bytes,
-                            "retained_bytes": graphs.stats.retained_bytes,
-                            "ctx_tensors": graphs.stats.ctx_tensors,
-                            "saved_bytes": graphs.stats.saved_bytes}
+                    return {
+                        "ring": plan.ring_size,
+                        "frames": len(plan.frames),
+                        "exact": all(exact),
+                        "slot_variants": [sorted(map(str, plan.branches(s))) for s in range(plan.ring_size)],
+                        "slot_arena_bytes": graphs.stats.slot_arena_bytes,
+                        "ring_of_largest_bytes": plan.ring_size * max(saved.values()),
+                        "exact_frames": sum(exact),
+                        "max_abs_diff": worst,
+                        "uncovered_bytes": graphs.stats.uncovered_bytes,
+                        "retained_bytes": graphs.stats.retained_bytes,
+                        "ctx_tensors": graphs.stats.ctx_tensors,
+                        "saved_bytes": graphs.stats.saved_bytes,
+                    }
 
-                record_case(result, f"n{n}/{label}/{mode}",
-                            lambda: capture_slotted(used, plan, params, protect=mode == "slots", debug=True), describe)
+                record_case(
+                    result,
+                    f"n{n}/{label}/{mode}",
+                    lambda: capture_slotted(used, plan, params, protect=mode == "slots", debug=True),
+                    describe,
+                )
 
 
 def dropout(result):
@@ -157,8 +178,13 @@ def dropout(result):
     layers, stack = build(dropout=0.1)
     params = list(layers.parameters())
     gen = torch.Generator(device="cuda").manual_seed(11)
-    frames = [(torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen),
-               torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(3)]
+    frames = [
+        (
+            torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, generator=gen),
+        )
+        for _ in range(3)
+    ]
     cuda = torch.cuda.default_generators[torch.cuda.current_device()]
     start = cuda.get_state()
     reference = [run_eager(stack, params, x, g) for x, g in frames]
@@ -181,8 +207,9 @@ def dropout(result):
                 exact = [all(torch.equal(a, b) for a, b in zip(mine, want)) for mine, want in zip(got, reference)]
                 return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact)}
 
-            record_case(result, f"dropout/{mode}",
-                        lambda: capture_slotted([variant], exclusive_plan(["cp1"]), params), describe)
+            record_case(
+                result, f"dropout/{mode}", lambda: capture_slotted([variant], exclusive_plan(["cp1"]), params), describe
+            )
         finally:
             backend.generators_preserved = preserved
 
@@ -218,23 +245,35 @@ def memory(result):
             variants = variants_for(n, stack, equal_sizes)
             base = reserved()
             names = [v.name for v in variants]  # every variant in both slots: pairs of overlapping frames
-            graphs = capture_slotted(variants, plan_slots(([1] * ring + [-1] * ring) * n,
-                                                          [name for name in names for _ in range(ring)]), params)
+            graphs = capture_slotted(
+                variants,
+                plan_slots(([1] * ring + [-1] * ring) * n, [name for name in names for _ in range(ring)]),
+                params,
+            )
             slots = reserved() - base
             stats = graphs.stats
             graphs.reset()
             del graphs
             base = reserved()
-            separate = [capture_slotted([v], exclusive_plan([v.name]), params, protect=False)
-                        for v in variants for _ in range(ring)]
+            separate = [
+                capture_slotted([v], exclusive_plan([v.name]), params, protect=False)
+                for v in variants
+                for _ in range(ring)
+            ]
             separate_bytes = reserved() - base
             for graphs in separate:
                 graphs.reset()
             del separate
-            table[n] = {"variants": [v.name for v in variants], "slots_mib": slots / 2**20,
-                        "separate_pools_mib": separate_bytes / 2**20, "pool_mib": stats.pool_bytes / 2**20,
-                        "arena_mib": stats.arena_bytes / 2**20, "boundary_mib": stats.boundary_bytes / 2**20,
-                        "retained_mib": stats.retained_bytes / 2**20, "capture_s": stats.capture_seconds}
+            table[n] = {
+                "variants": [v.name for v in variants],
+                "slots_mib": slots / 2**20,
+                "separate_pools_mib": separate_bytes / 2**20,
+                "pool_mib": stats.pool_bytes / 2**20,
+                "arena_mib": stats.arena_bytes / 2**20,
+                "boundary_mib": stats.boundary_bytes / 2**20,
+                "retained_mib": stats.retained_bytes / 2**20,
+                "capture_s": stats.capture_seconds,
+            }
         for n in table:
             table[n]["slots_vs_one_variant"] = table[n]["slots_mib"] / table[1]["slots_mib"]
             table[n]["separate_vs_one_variant"] = table[n]["separate_pools_mib"] / table[1]["slots_mib"]
@@ -244,12 +283,13 @@ def memory(result):
 
 def checks(result):
     """The debug guard on a wrong order, a replay contract, and the strided make_weak_ref patch."""
+    import transformer_engine.pytorch.graph as te_graph
+
     from megatron_cg_plugin.capture.contracts import ContractViolation
+    from megatron_cg_plugin.patching.ledger import PATCHES
     from megatron_cg_plugin.slot_sharing.capture import capture_slotted
     from megatron_cg_plugin.slot_sharing.guard import SlotReuseError
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
-    from megatron_cg_plugin.patching.ledger import PATCHES
-    import transformer_engine.pytorch.graph as te_graph
 
     layers, stack = build()
     params = list(layers.parameters())
@@ -278,10 +318,12 @@ def checks(result):
     weak = {}
     for name, view in (("transposed", base.t()), ("expanded", base[:, :1].expand(4, 6)), ("sliced", base[1:, ::2])):
         te_ref, our_ref = original(view), patched(view)
-        weak[name] = {"te_keeps_strides": te_ref.stride() == view.stride(),
-                      "patched_keeps_strides": our_ref.stride() == view.stride(),
-                      "patched_same_memory": our_ref.data_ptr() == view.data_ptr(),
-                      "patched_equal": bool(torch.equal(our_ref, view))}
+        weak[name] = {
+            "te_keeps_strides": te_ref.stride() == view.stride(),
+            "patched_keeps_strides": our_ref.stride() == view.stride(),
+            "patched_same_memory": our_ref.data_ptr() == view.data_ptr(),
+            "patched_equal": bool(torch.equal(our_ref, view)),
+        }
     result["weak_ref"] = weak
     print(json.dumps({k: result[k] for k in ("guard", "contract", "weak_ref")}, default=str)[:2000], flush=True)
 
@@ -311,8 +353,8 @@ def offload(result):
     arena bytes, and the replay time of a forward + backward with and without."""
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, capture_slotted
     from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers, SerialTransfers
-    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
     from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
+    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
     from megatron_cg_plugin.slot_sharing.plan import plan_slots
 
     layers, _ = build()
@@ -324,17 +366,27 @@ def offload(result):
     plan = plan_slots(order, chosen)
     cp1_slot = next(frame.slot for frame in plan.frames if frame.variant == "cp1")
     both = {"core_attn", "mlp_norm"}
-    for mode, modules, transfers, window in (("none", None, None, 1), ("layer0", {"core_attn"}, CudaTransfers, 1),
-                                             ("both", both, CudaTransfers, 1),
-                                             ("both-window0", both, CudaTransfers, 0),
-                                             ("both-window4", both, CudaTransfers, 4),
-                                             ("both-serial", both, SerialTransfers, 1),
-                                             ("both-staged", both, None, 1)):
+    for mode, modules, transfers, window in (
+        ("none", None, None, 1),
+        ("layer0", {"core_attn"}, CudaTransfers, 1),
+        ("both", both, CudaTransfers, 1),
+        ("both-window0", both, CudaTransfers, 0),
+        ("both-window4", both, CudaTransfers, 4),
+        ("both-serial", both, SerialTransfers, 1),
+        ("both-staged", both, None, 1),
+    ):
         # both-staged: the copies between replays, through a staging ring (one buffer per slot).
         # window: groups whose in-graph copies run beside the one being staged or unpacked.
-        option = None if modules is None else SlotOffload(
-            OffloadPolicy(frozenset(modules), min_tensor_elements=0), group=lambda: GROUP[0], window=window,
-            **({"transfers": transfers} if transfers else {"staging": StagingRing("cuda")}))
+        option = (
+            None
+            if modules is None
+            else SlotOffload(
+                OffloadPolicy(frozenset(modules), min_tensor_elements=0),
+                group=lambda: GROUP[0],
+                window=window,
+                **({"transfers": transfers} if transfers else {"staging": StagingRing("cuda")}),
+            )
+        )
 
         def describe(graphs):
             exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
@@ -350,15 +402,28 @@ def offload(result):
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end))
             stats = graphs.stats
-            return {"exact": all(exact), "exact_frames": sum(exact), "max_abs_diff": worst,
-                    "arena_bytes": stats.arena_bytes, "slot_arena_bytes": stats.slot_arena_bytes,
-                    "host_arena_bytes": stats.host_arena_bytes, "offloaded_bytes": stats.offloaded_bytes,
-                    "saved_bytes": stats.saved_bytes, "pool_bytes": stats.pool_bytes,
-                    "uncovered_bytes": stats.uncovered_bytes, "staging_bytes": stats.staging_bytes,
-                    "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2]}
+            return {
+                "exact": all(exact),
+                "exact_frames": sum(exact),
+                "max_abs_diff": worst,
+                "arena_bytes": stats.arena_bytes,
+                "slot_arena_bytes": stats.slot_arena_bytes,
+                "host_arena_bytes": stats.host_arena_bytes,
+                "offloaded_bytes": stats.offloaded_bytes,
+                "saved_bytes": stats.saved_bytes,
+                "pool_bytes": stats.pool_bytes,
+                "uncovered_bytes": stats.uncovered_bytes,
+                "staging_bytes": stats.staging_bytes,
+                "replay_ms_median": sorted(times[2:])[len(times[2:]) // 2],
+            }
 
-        record_case(result, f"offload/{label}/{mode}",
-                    lambda: capture_slotted(variants, plan, params, offload=option, debug=True), describe, width=600)
+        record_case(
+            result,
+            f"offload/{label}/{mode}",
+            lambda: capture_slotted(variants, plan, params, offload=option, debug=True),
+            describe,
+            width=600,
+        )
 
 
 def sleepy_transfers(snapshot):
@@ -390,10 +455,10 @@ def offload_edges(result):
       the GPU whole; a storage saved as two views inside the group comes back as two views of one
       reloaded buffer."""
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, Variant, capture_slotted
-    from megatron_cg_plugin.slot_sharing.saved_tensors import ArenaSizer
-    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
     from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
+    from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
+    from megatron_cg_plugin.slot_sharing.saved_tensors import ArenaSizer
 
     n = 512
     weight = None  # each case its own parameter: no eager graph of one case reaches the next case's capture
@@ -426,14 +491,19 @@ def offload_edges(result):
         return [out.detach().clone()] + [g.clone() for g in grads]
 
     policy = OffloadPolicy(frozenset({"core_attn"}), min_tensor_elements=0)
-    cases = (("mutated", mutated, sleepy_transfers(True)), ("mutated-no-snapshot", mutated, sleepy_transfers(False)),
-             ("mutated-staged", mutated, "staged"), ("mixed-views", mixed, None))
+    cases = (
+        ("mutated", mutated, sleepy_transfers(True)),
+        ("mutated-no-snapshot", mutated, sleepy_transfers(False)),
+        ("mutated-staged", mutated, "staged"),
+        ("mixed-views", mixed, None),
+    )
     for name, fn, transfers in cases:
         torch.manual_seed(99)
-        weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
+        weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n**0.5)
         sample = torch.randn(n, n, device="cuda", requires_grad=True)
-        copies = {"staging": StagingRing("cuda")} if transfers == "staged" else \
-            {"transfers": transfers} if transfers else {}
+        copies = (
+            {"staging": StagingRing("cuda")} if transfers == "staged" else {"transfers": transfers} if transfers else {}
+        )
         option = SlotOffload(policy, group=lambda: GROUP[0], **copies)
 
         def describe(graphs, fn=fn):
@@ -453,14 +523,24 @@ def offload_edges(result):
             with sizer.hooks():
                 fn(sample.detach().requires_grad_(True))
             warm_plan = plan_offload(sizer.saves, policy)
-            return {"exact": all(exact), "exact_frames": sum(exact), "offloaded_bytes": graphs.stats.offloaded_bytes,
-                    "kept_storages": len(warm_plan.kept), "offloaded_storages": len(warm_plan.offloaded),
-                    "uncovered_bytes": graphs.stats.uncovered_bytes}
+            return {
+                "exact": all(exact),
+                "exact_frames": sum(exact),
+                "offloaded_bytes": graphs.stats.offloaded_bytes,
+                "kept_storages": len(warm_plan.kept),
+                "offloaded_storages": len(warm_plan.offloaded),
+                "uncovered_bytes": graphs.stats.uncovered_bytes,
+            }
 
-        record_case(result, f"offload-edges/{name}",
-                    lambda fn=fn, option=option, weight=weight: capture_slotted(
-                        [Variant(name, fn, (sample,))], exclusive_plan([name]), [weight], offload=option, debug=True),
-                    describe, width=600)
+        record_case(
+            result,
+            f"offload-edges/{name}",
+            lambda fn=fn, option=option, weight=weight: capture_slotted(
+                [Variant(name, fn, (sample,))], exclusive_plan([name]), [weight], offload=option, debug=True
+            ),
+            describe,
+            width=600,
+        )
     failed_capture(result, n, policy)
 
 
@@ -471,7 +551,7 @@ def failed_capture(result, n, policy):
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, Variant, capture_slotted
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
-    weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n ** 0.5)
+    weight = torch.nn.Parameter(torch.randn(n, n, device="cuda") / n**0.5)
     sample = torch.randn(n, n, device="cuda", requires_grad=True)
 
     def failing(x):
@@ -491,8 +571,12 @@ def failed_capture(result, n, policy):
         case["raised"] = f"{type(error).__name__}: {error}"[:400]
     try:
         torch.randn(4, device="cuda")
-        graphs = capture_slotted([Variant("again", lambda x: torch.sigmoid(x @ weight) * 3.0, (sample,))],
-                                 exclusive_plan(["again"]), [weight], offload=option)
+        graphs = capture_slotted(
+            [Variant("again", lambda x: torch.sigmoid(x @ weight) * 3.0, (sample,))],
+            exclusive_plan(["again"]),
+            [weight],
+            offload=option,
+        )
         graphs.reset()
         case["recovered"] = True
     except Exception as error:  # noqa: BLE001
@@ -520,10 +604,19 @@ class _UnderAutocast:
 
 def fp8_state(layers):
     """Every FP8 meta tensor (delayed scaling: scales, amax histories), cloned."""
-    states = [m.fp8_meta[key] for m in layers.modules() if getattr(m, "fp8_meta", None)
-              for key in ("scaling_fwd", "scaling_bwd") if key in m.fp8_meta]
-    return [getattr(state, name).clone() for state in states for name in ("scale", "amax_history")
-            if isinstance(getattr(state, name, None), torch.Tensor)]  # current scaling keeps neither
+    states = [
+        m.fp8_meta[key]
+        for m in layers.modules()
+        if getattr(m, "fp8_meta", None)
+        for key in ("scaling_fwd", "scaling_bwd")
+        if key in m.fp8_meta
+    ]
+    return [
+        getattr(state, name).clone()
+        for state in states
+        for name in ("scale", "amax_history")
+        if isinstance(getattr(state, name, None), torch.Tensor)
+    ]  # current scaling keeps neither
 
 
 def fp8(result, attention=False):
@@ -543,11 +636,18 @@ def fp8(result, attention=False):
 
     seq_of = {f"cp{cp}": S // cp for cp in CP_SIZES}
     both = ("slots", "shared-pool")
-    recipes = (("current", Float8CurrentScaling(fp8_format=Format.HYBRID), both),
-               ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), both))
+    recipes = (
+        ("current", Float8CurrentScaling(fp8_format=Format.HYBRID), both),
+        ("delayed", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4), both),
+    )
     if attention:  # FP8 attention (SBHD): FusedAttnFunc's S-scale snapshot on ctx, with and without its protection
-        recipes = (("delayed-dpa", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, fp8_dpa=True),
-                    both + ("no-scale-snapshot",)),)
+        recipes = (
+            (
+                "delayed-dpa",
+                DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, fp8_dpa=True),
+                both + ("no-scale-snapshot",),
+            ),
+        )
     for name, recipe, modes in recipes:
         layers, stack = build(H // 128 if attention else HEADS)  # TE's FP8 attention on sm_90: head size 128
         params = list(layers.parameters())
@@ -570,6 +670,7 @@ def fp8(result, attention=False):
             plan = plan_slots(order, chosen)
             used = [v for v in variants if v.name in set(chosen)]
             for mode in modes:
+
                 def describe(graphs, layers=layers, reference=reference, recipe=recipe, params=params):
                     start = te_graph.save_fp8_tensors([layers], recipe)
                     after_eager = {}
@@ -579,23 +680,42 @@ def fp8(result, attention=False):
                         if start is not None:
                             te_graph.restore_fp8_tensors([layers], list(start))
 
-                    exact, worst = run_order(reference, params, _UnderAutocast(graphs, recipe), order, plan, seq_of,
-                                             between)
+                    exact, worst = run_order(
+                        reference, params, _UnderAutocast(graphs, recipe), order, plan, seq_of, between
+                    )
                     after_graphs = fp8_state(layers)
                     state_equal = len(after_graphs) == len(after_eager["state"]) and all(
-                        torch.equal(a, b) for a, b in zip(after_eager["state"], after_graphs))
-                    return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact),
-                            "max_abs_diff": worst, "fp8_state_equal": state_equal,
-                            "fp8_state_tensors": len(after_eager["state"]),
-                            "saved_bytes": graphs.stats.saved_bytes, "ctx_tensors": graphs.stats.ctx_tensors,
-                            "uncovered_bytes": graphs.stats.uncovered_bytes}
+                        torch.equal(a, b) for a, b in zip(after_eager["state"], after_graphs)
+                    )
+                    return {
+                        "exact": all(exact),
+                        "exact_frames": sum(exact),
+                        "frames": len(exact),
+                        "max_abs_diff": worst,
+                        "fp8_state_equal": state_equal,
+                        "fp8_state_tensors": len(after_eager["state"]),
+                        "saved_bytes": graphs.stats.saved_bytes,
+                        "ctx_tensors": graphs.stats.ctx_tensors,
+                        "uncovered_bytes": graphs.stats.uncovered_bytes,
+                    }
 
-                record_case(result, f"fp8/{name}/n{n}/{label}/{mode}",
-                            lambda used=used, plan=plan, params=params, mode=mode, recipe=recipe, layers=layers:
-                            capture_slotted(used, plan, params, protect=mode != "shared-pool", strict=mode == "slots",
-                                            fp8=SlotFp8(recipe, modules=(layers,),
-                                                        snapshot_attention_scales=mode != "no-scale-snapshot")),
-                            describe)
+                record_case(
+                    result,
+                    f"fp8/{name}/n{n}/{label}/{mode}",
+                    lambda used=used, plan=plan, params=params, mode=mode, recipe=recipe, layers=layers: (
+                        capture_slotted(
+                            used,
+                            plan,
+                            params,
+                            protect=mode != "shared-pool",
+                            strict=mode == "slots",
+                            fp8=SlotFp8(
+                                recipe, modules=(layers,), snapshot_attention_scales=mode != "no-scale-snapshot"
+                            ),
+                        )
+                    ),
+                    describe,
+                )
         if not attention:
             fp8_weight_cache(result, name, recipe, layers, params)
 
@@ -648,20 +768,34 @@ def fp8_weight_cache(result, name, recipe, layers, params):
         fresh = frames(lambda x, first: replay(x))
         same = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(cached, eager)]
         fresh_same = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(fresh, eager)]
-        return {"exact": all(same), "exact_frames": sum(same), "frames": len(same),
-                "always_refreshed_exact_frames": sum(fresh_same)}
+        return {
+            "exact": all(same),
+            "exact_frames": sum(same),
+            "frames": len(same),
+            "always_refreshed_exact_frames": sum(fresh_same),
+        }
 
-    record_case(result, f"fp8/{name}/weight-cache",
-                lambda: capture_slotted([Variant("cached", stack, (sample,))], exclusive_plan(["cached"]), params,
-                                        fp8=SlotFp8(recipe, modules=(layers,))), describe)
+    record_case(
+        result,
+        f"fp8/{name}/weight-cache",
+        lambda: capture_slotted(
+            [Variant("cached", stack, (sample,))],
+            exclusive_plan(["cached"]),
+            params,
+            fp8=SlotFp8(recipe, modules=(layers,)),
+        ),
+        describe,
+    )
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--part", choices=["all", "exactness", "memory", "checks", "offload", "fp8", "fp8-attention",
-                                                   "dropout"],
-                        default="all")
+    parser.add_argument(
+        "--part",
+        choices=["all", "exactness", "memory", "checks", "offload", "fp8", "fp8-attention", "dropout"],
+        default="all",
+    )
     options = parser.parse_args()
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -37,8 +37,11 @@ def main() -> None:
             dist.all_reduce(value, group=bank.group)
         result["group_sums"][size] = value.item()
     other = dist.new_group(ranks[:2]) if world > 2 else None  # same ranks as size 2 on rank 0/1, new object
-    for name, size, group in (("wrong_size_group", 2, dist.group.WORLD), ("unknown_size", 2 * world, None),
-                              ("look_alike_group", 2, other)):
+    for name, size, group in (
+        ("wrong_size_group", 2, dist.group.WORLD),
+        ("unknown_size", 2 * world, None),
+        ("look_alike_group", 2, other),
+    ):
         try:
             router.select(size, group)
             result["errors"][name] = None
