@@ -58,7 +58,7 @@ def test_bank_and_group_selection_on_four_gloo_ranks(tmp_path):
     result = launch([str(SCRIPTS / "bank_rank.py")], nproc=4, timeout_s=120, log_dir=tmp_path)
     ranks = {}
     for rank, out in result.stdout.items():
-        line = next(l for l in out.splitlines() if l.startswith("BANKS "))
+        line = next(text for text in out.splitlines() if text.startswith("BANKS "))
         ranks[rank] = json.loads(line[len("BANKS ") :])
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, data in ranks.items():

@@ -9,6 +9,7 @@ import inspect
 import json
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -254,7 +255,8 @@ def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, messa
 
 @pytest.mark.parametrize("packed", [dict(dataloader_inter_document_masking=True), dict(sft=True)])
 def test_the_stock_arm_is_refused_on_packed_data(packed):
-    """Megatron's own graphs assert on packed batches at their first replay (Megatron-LM #5619): eager and plugin arms only."""
+    """Megatron's own graphs assert on packed batches at their first replay (Megatron-LM #5619): eager and
+    plugin arms only."""
     import types
 
     args = types.SimpleNamespace(**ARGS, **packed)
@@ -389,12 +391,12 @@ def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
     )
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
     with pytest.raises(
-        BenchError, match="slot-offload arm\\(s\\) capture with --cg-slot-capture.*--pipeline-model-parallel-size 1"
+        BenchError, match=r"slot-offload arm\(s\) capture with --cg-slot-capture.*--pipeline-model-parallel-size 1"
     ):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("stock", "slot-offload")))
     plain = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1)
     bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("stock", "slot")))
-    with pytest.raises(BenchError, match="slot-offload-staged arm\\(s\\) offload .* add --fine-grained"):
+    with pytest.raises(BenchError, match=r"slot-offload-staged arm\(s\) offload .* add --fine-grained"):
         bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("slot", "slot-offload-staged")))
 
 
@@ -787,7 +789,7 @@ def test_the_recording_cost_times_the_patches_wrappers_on_a_session_of_its_own(m
 class _FakeMegatronHelper:
     """Megatron's TECudaGraphHelper as the bench's trainer drives it, without a model."""
 
-    flattened_callables: list = []
+    flattened_callables: ClassVar[list] = []
 
     def __init__(self, **kwargs) -> None:
         self._created = False
@@ -867,7 +869,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
 
 def test_the_recording_arm_takes_the_loss_dict_and_num_zeros_from_train_steps_result():
     assert bench.logged_values(({"lm loss": 2.0}, 0, False, False, 0, 1.5, 42.0, 0.0)) == ({"lm loss": 2.0}, 42.0)
-    with pytest.raises(BenchError, match="another shape than 0.19.2's eight values: install the supported"):
+    with pytest.raises(BenchError, match=r"another shape than 0\.19\.2's eight values: install the supported"):
         bench.logged_values(({"lm loss": 2.0}, 0, False, False, 0, 1.5, 42.0))
 
 
@@ -893,7 +895,7 @@ def test_a_script_as_first_flag_is_benched_through_the_script_and_a_missing_one_
     script.write_text("")
     assert bench.user_script([str(script), "--num-layers", "2"]) == script
     assert bench.user_script(["--cg-preset", "tiny-gpt"]) is None  # the launcher's flags
-    with pytest.raises(BenchError, match="no such script .*missing.py: give the path of a Megatron training script"):
+    with pytest.raises(BenchError, match=r"no such script .*missing\.py: give the path of a Megatron training script"):
         bench.user_script([str(tmp_path / "missing.py")])
 
 

@@ -134,7 +134,7 @@ def test_median_precision_of_a_known_dispersion():
 
 def test_one_disturbed_pair_does_not_make_the_median_look_unknown():
     steady = [1.02, 1.021, 1.019, 1.02, 1.022, 1.018]
-    assert median_precision(steady + [1.6]).pairs_needed <= 2 * median_precision(steady).pairs_needed
+    assert median_precision([*steady, 1.6]).pairs_needed <= 2 * median_precision(steady).pairs_needed
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import gc
 import json
 import random
 import types
+from typing import ClassVar
 
 import pytest
 import torch
@@ -32,9 +33,9 @@ class Clock:
 
 
 class ShiftingHost:
-    """The host's speed as a realistic MoE's blocks showed it on a shared H200 host: steps of one arm at ~0.123 s or ~0.139 s, the
-    regime switching every few steps (here with probability 0.2 a step: five on average), a slow
-    drift of +1% per 100 steps, and 1% jitter per step. Seeded: every run of a test is the same."""
+    """The host's speed as a realistic MoE's blocks showed it on a shared H200 host: steps of one arm at
+    ~0.123 s or ~0.139 s, the regime switching every few steps (here with probability 0.2 a step: five on
+    average), a slow drift of +1% per 100 steps, and 1% jitter per step. Seeded: every run of a test is the same."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -326,7 +327,7 @@ def test_the_step_schedules_options_and_what_they_refuse():
 class SlowerCapture(NoisyTrainer):
     """The plugin's capture takes 1.08 times stock's, on a host whose speed drifts and shifts."""
 
-    CAPTURE_SECONDS = {"stock": 1.0, "plugin": 1.08}
+    CAPTURE_SECONDS: ClassVar[dict[str, float]] = {"stock": 1.0, "plugin": 1.08}
 
     def capture(self, arm: str) -> str:
         helper = super().capture(arm)
@@ -466,8 +467,8 @@ class FakeMegatronHelper:
     """Megatron's TECudaGraphHelper's lifecycle on CPU: hands each graphable layer its graphs and
     hooks, and takes them back as Megatron's delete_cuda_graphs does (reset, then empty lists)."""
 
-    flattened_callables: list = []  # the plugin's mixin then runs this class's capture as it is
-    handed: list = []
+    flattened_callables: ClassVar[list] = []  # the plugin's mixin then runs this class's capture as it is
+    handed: ClassVar[list] = []
 
     def __init__(self, *, model, **kwargs) -> None:
         self.layers = [m for chunk in model for m in chunk.modules() if hasattr(m, "cuda_graphs")]
@@ -640,9 +641,11 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     progress: list[str] = []
     gc.unfreeze()  # nothing frozen before the capture (gc_freeze undoes a freeze only then)
     frozen_by_capture: list[int] = []
-    with pytest.raises(RuntimeError, match="stock capture failed at layer 2"):
-        with bench._captured_arms(("plugin", "stock"), trainer, Clock(), progress.append):
-            pass
+    with (
+        pytest.raises(RuntimeError, match="stock capture failed at layer 2"),
+        bench._captured_arms(("plugin", "stock"), trainer, Clock(), progress.append),
+    ):
+        pass
     # the plugin arm's two graphs torn down, and the failed capture's one graph reset
     assert [g.resets for g in FakeMegatronHelper.handed] == [1, 1, 1]
     assert all(layer.cuda_graphs == [] and layer.cuda_graph_manual_hooks == [] for layer in layers)

@@ -110,7 +110,7 @@ def test_bad_case_files_are_refused_naming_the_fix(tmp_path, text, message):
 
 
 def test_a_folder_without_a_case_file(tmp_path):
-    with pytest.raises(CaseError, match="holds no model_config.yaml"):
+    with pytest.raises(CaseError, match=r"holds no model_config\.yaml"):
         load_case(tmp_path)
 
 

@@ -126,9 +126,9 @@ def test_old_torch_raises(torch_version):
 
 def test_first_offending_package_is_named():
     bad_everything = Versions("2.8.0", "0.18.0", "2.19.0")
-    with pytest.raises(UnsupportedVersionError, match="torch 2.8.0"):
+    with pytest.raises(UnsupportedVersionError, match=r"torch 2\.8\.0"):
         check_versions(bad_everything, require_te=True)
-    with pytest.raises(UnsupportedVersionError, match="megatron-core 0.18.0"):
+    with pytest.raises(UnsupportedVersionError, match=r"megatron-core 0\.18\.0"):
         check_versions(versions(megatron_core="0.18.0", transformer_engine="2.19.0"), require_te=True)
 
 
@@ -180,7 +180,7 @@ def test_installed_versions_reports_missing_distribution_as_none(monkeypatch):
     assert compat.installed_versions().transformer_engine is None
 
 
-def _target(model, config, seq_length, micro_batch_size, optimizers=[], *, pg_collection=None):
+def _target(model, config, seq_length, micro_batch_size, optimizers=(), *, pg_collection=None):
     pass
 
 

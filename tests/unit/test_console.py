@@ -166,7 +166,9 @@ def test_a_failing_block_prints_its_stderr_and_names_the_log(capsys, monkeypatch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(SystemExit), console.megatron_printout_held():
         print("------------------------ arguments ------------------------")
-        warnings.warn("te_rng_tracker is not enabled", RuntimeWarning)  # UserWarning: ignored by pytest here
+        warnings.warn(
+            "te_rng_tracker is not enabled", RuntimeWarning, stacklevel=1
+        )  # UserWarning: ignored by pytest here
         print("megatron-cg-plugin: refused", file=sys.stderr)
         raise SystemExit(2)
     out, err = capsys.readouterr()

@@ -7,8 +7,10 @@ does and packed per CP rank (``data.hybrid_cp``), and the host-side THD split
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
+from pathlib import Path
 
 import numpy
 import pytest
@@ -123,7 +125,7 @@ def test_blend_with_weights_names_only_the_missing_prefix(prefix, tmp_path):
 
 def test_half_written_dataset_names_the_missing_half(prefix, tmp_path):
     half = tmp_path / "half"
-    (tmp_path / "half.bin").write_bytes(open(f"{prefix}.bin", "rb").read())
+    (tmp_path / "half.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
     assert sources.missing_files(parsed(*GPT, "--data-path", str(half)), indexed_data=True) == [f"{half}.idx"]
 
 
@@ -307,8 +309,8 @@ def test_inter_document_masking_marks_eod_boundaries(gpt_dataset):
         assert ends[0] == 0 and ends[-1] == SEQ
         eods = (sample["tokens"] == EOD).nonzero().flatten().tolist()
         assert eods, "every 512-token sample of <= 421-token documents holds an EOD"
-        assert set(eod + 1 for eod in eods) <= set(ends)  # a document ends right after each EOD
-        for start, end in zip(ends[:-1], ends[1:]):
+        assert {eod + 1 for eod in eods} <= set(ends)  # a document ends right after each EOD
+        for start, end in itertools.pairwise(ends):
             assert sample["position_ids"][start:end].tolist() == list(range(end - start))
 
 
@@ -337,7 +339,7 @@ def te_share(pack: torch.Tensor, cu_padded: list[int], cp: int, rank: int) -> to
     """TE's THD split of ``pack`` (written independently of plan.thd): each sequence in 2 x cp
     equal chunks, this rank keeps chunks ``rank`` and ``2 cp - 1 - rank``."""
     pieces = []
-    for start, end in zip(cu_padded[:-1], cu_padded[1:]):
+    for start, end in itertools.pairwise(cu_padded):
         if end > start:
             chunks = pack[start:end].chunk(2 * cp)
             assert len(chunks) == 2 * cp

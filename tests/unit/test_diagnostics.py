@@ -190,7 +190,7 @@ def test_counting_graph_forwards_attributes_without_counting():
 def test_counting_graph_missing_attribute_raises_attribute_error():
     wrapped = wrap(ReplayCounter(1), lambda: None, 0)
     with pytest.raises(AttributeError):
-        wrapped.no_such_attribute
+        _ = wrapped.no_such_attribute
     assert not hasattr(wrapped, "reset")  # Megatron probes hasattr(graph, ...) on old TE graphs
 
 

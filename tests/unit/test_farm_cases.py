@@ -143,7 +143,7 @@ def test_a_golden_case_must_name_exactly_one_case(tmp_path):
         (folder / "model_config.yaml").write_text("MODEL_ARGS:\n  --num-layers: 2\nCG_FARM:\n  golden_case: missing\n")
     (case, _) = farm.load_cases(tmp_path)
     with pytest.raises(CaseError, match="golden_case 'missing' names 0 case folders"):
-        case.golden_path
+        _ = case.golden_path
 
 
 def test_the_tiny_moe_cases_keep_their_own_graph_scope_over_the_presets():

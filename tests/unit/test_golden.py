@@ -205,7 +205,7 @@ def test_format_error_top_level_and_bad_json(tmp_path):
         GoldenValues.from_json([1, 2])
     p = tmp_path / "broken.json"
     p.write_text('{"lm loss": ')
-    with pytest.raises(GoldenFormatError, match="broken.json"):
+    with pytest.raises(GoldenFormatError, match=r"broken\.json"):
         GoldenValues.load(p)
 
 
@@ -263,7 +263,7 @@ def test_recorder_irregular_steps_interval_is_gcd():
 def test_recorder_rejects_non_increasing(second):
     r = MetricsRecorder()
     r.record(3, {"lm loss": 1.0})
-    with pytest.raises(ValueError, match="lm loss.*strictly increasing"):
+    with pytest.raises(ValueError, match=r"lm loss.*strictly increasing"):
         r.record(second, {"lm loss": 2.0})
 
 
@@ -436,7 +436,7 @@ def test_metrics_subset():
 
 def test_unknown_metric_needs_tolerance():
     e = GoldenValues({"grad-norm": MetricSeries({1: 1.0})})
-    with pytest.raises(ValueError, match="unknown metric 'grad-norm'.*thresholds for 'lm loss'"):
+    with pytest.raises(ValueError, match=r"unknown metric 'grad-norm'.*thresholds for 'lm loss'"):
         compare(e, e, deterministic=True)
     assert compare(e, e, deterministic=True, tolerances={"grad-norm": Tolerance(rtol=0.1)}) == []
     with pytest.raises(ValueError, match="grad-norm"):

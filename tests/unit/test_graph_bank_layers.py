@@ -203,7 +203,7 @@ def test_refusals(banked):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(4, group))
     with pytest.raises(BankSelectionError, match="only that very group"):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(2, object()))
-    with pytest.raises(ThdCapacityError, match="captured for \\(4,\\): 2 sequences .* raise --cg-thd-max-seqs"):
+    with pytest.raises(ThdCapacityError, match=r"captured for \(4,\): 2 sequences .* raise --cg-thd-max-seqs"):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(cu_length=5))
     with pytest.raises(ThdCapacityError, match="max_seqlen 9 exceeds the captured bound 8"):
         layer(hidden_states=torch.ones(1), packed_seq_params=packed(max_seqlen=9))

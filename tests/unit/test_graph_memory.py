@@ -56,7 +56,7 @@ def test_small_requests_share_a_2mib_segment_and_large_ones_split_only_above_1mi
     assert pool.reserved == 24 * MiB
     pool.malloc(15 * MiB)  # >= 10 MiB: fits the 17 MiB remainder (best fit), no new segment
     assert pool.reserved == 24 * MiB
-    for handle in handles + [big]:
+    for handle in [*handles, big]:
         pool.free(handle)
     assert pool.allocated == round_request(1) + 15 * MiB
 
@@ -398,7 +398,8 @@ def dense_1b(**changes):
 MEASURED_SLOT_RUNS = {
     # Measured on the 12x1024 bench, slot arm.
     "12x1024 slot": (big(), 12, ("attn", "mlp"), None, 813570048, None, 252),
-    # Measured after offload followed Megatron's choice across the layers (the last layer keeps its groups): the slot-offload farm cases (gpt_12x1024_slot_offload_user_script; tiny_gpt_slot_offload;
+    # Measured after offload followed Megatron's choice across the layers (the last layer keeps its groups):
+    # the slot-offload farm cases (gpt_12x1024_slot_offload_user_script; tiny_gpt_slot_offload;
     # tiny_moe_slot_offload, attention only; gpt_1b_slot_offload_user_script, whole layer; tiny_gpt_slot_fp8_offload).
     "12x1024 slot-offload": (
         big(),

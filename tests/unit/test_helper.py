@@ -176,7 +176,7 @@ class FakeTEBackend:
     def restorables(self, callables, capture_kwargs):
         items = [attribute(self.te, "_IS_GRAPH_CAPTURING"), attribute(self.te, "_capture_state")]
         items += [attribute(cls, "__call__") for cls in {type(c): None for c in callables}]
-        return items + [gc_state()]
+        return [*items, gc_state()]
 
     def make_graphed_callables(self, callables, sample_args, **kwargs):
         self.calls.append(dict(kwargs, n=len(sample_args)))
@@ -299,7 +299,7 @@ class FakeChunk(torch.nn.Module):
 class FakeMegatronHelper:
     """A CPU fake of megatron.core.transformer.cuda_graphs.TECudaGraphHelper (same lifecycle)."""
 
-    def __init__(self, model, config, seq_length, micro_batch_size, optimizers=[]):
+    def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
         self.model = model
         self.config = config
         self.seq_length = seq_length
@@ -622,7 +622,7 @@ class Snapshot:
 
     def assert_restored(self, model, backend, helper) -> None:
         assert [layer.cuda_graphs for layer in self.layers] == self.lists
-        assert all(now is before for now, before in zip((l.cuda_graphs for l in self.layers), self.lists))
+        assert all(now is before for now, before in zip((layer.cuda_graphs for layer in self.layers), self.lists))
         for p, (grad, main_grad) in zip(params_of(model), self.grads):
             assert p.grad is grad and getattr(p, "main_grad", MISSING) is main_grad
         assert backend.te._IS_GRAPH_CAPTURING is self.te_flag is False
@@ -651,7 +651,7 @@ def _prepare_grads(model):
 @pytest.mark.parametrize(
     "layout, microbatches, k",
     FAILURE_CASES,
-    ids=[f"{'x'.join(map(str, l))}-mb{m}-graph{k}" for l, m, k in FAILURE_CASES],
+    ids=[f"{'x'.join(map(str, layout))}-mb{m}-graph{k}" for layout, m, k in FAILURE_CASES],
 )
 def test_failure_at_every_graph_rolls_everything_back(
     probe, memory, collections, layout, microbatches, k, mode, graph_first
@@ -931,7 +931,7 @@ def test_injected_failure_inside_the_capture_of_callable_j(probe, memory, layout
     assert len(backend.warmup_layers) == n
     # It failed in the first capture of callable j, and only while capturing.
     assert backend.captured_layers[-1].layer_number == j
-    assert [l.layer_number for l in backend.captured_layers].count(j) == 1
+    assert [layer.layer_number for layer in backend.captured_layers].count(j) == 1
     assert all(backend.capturing_seen)
     assert [g.resets for g in backend.graphs] == [1] * len(backend.captured_layers)
     before.assert_restored(model, backend, helper)
@@ -1167,7 +1167,7 @@ def test_teardown_resets_every_graph_and_measures(probe, memory, cuda_sync):
 
     assert [g.resets for g in backend.graphs] == [1] * 6
     assert all(layer.cuda_graphs == [] for layer in all_layers(model))
-    assert all(now is not old for now, old in zip((l.cuda_graphs for l in all_layers(model)), old_lists))
+    assert all(now is not old for now, old in zip((layer.cuda_graphs for layer in all_layers(model)), old_lists))
     assert not helper.graphs_created() and not helper.capture_finished()
     assert helper.teardown_stats == TeardownStats(allocated_delta_bytes=0, pool_bytes_left=0, pinned_host_delta_bytes=0)
     assert cuda_sync  # synchronized before measuring
@@ -1489,7 +1489,8 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
     if on_error == "raise":
         with pytest.raises(
             CaptureFailedError,
-            match="graph bank capture failed in the capture's setup, before any layer ran: RuntimeError: NCCL went away",
+            match="graph bank capture failed in the capture's setup, before any layer ran: "
+            "RuntimeError: NCCL went away",
         ):
             helper.create_cudagraphs()
     else:

@@ -15,6 +15,7 @@ import sys
 import types
 import unittest.mock
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -247,7 +248,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     class Helper:  # shaped like Megatron's: adds each layer's reduced loss of the iteration
-        tracker = {}
+        tracker: ClassVar[dict] = {}
 
         @staticmethod
         def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
@@ -479,7 +480,7 @@ def test_revert_restores_the_first_original_when_patches_stack(fake_module):
 
 def test_class_patch_checks_init_and_methods(fake_module):
     class Helper:
-        def __init__(self, model, config, seq_length, micro_batch_size, optimizers=[]):
+        def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
             pass
 
     class OldHelper(Helper):
@@ -1133,10 +1134,12 @@ def test_scoped_megatron_capture_call_is_restored_by_identity(monkeypatch):
         return "TE's"
 
     monkeypatch.setattr(cuda_graphs, "make_graphed_callables", te_make_graphed_callables, raising=False)
-    with pytest.raises(KeyError):
-        with foreign_state.setting(cuda_graphs, "make_graphed_callables", len, change="megatron-capture-call"):
-            assert cuda_graphs.make_graphed_callables is len
-            raise KeyError("restored on an error too")
+    with (
+        pytest.raises(KeyError),
+        foreign_state.setting(cuda_graphs, "make_graphed_callables", len, change="megatron-capture-call"),
+    ):
+        assert cuda_graphs.make_graphed_callables is len
+        raise KeyError("restored on an error too")
     assert cuda_graphs.make_graphed_callables is te_make_graphed_callables
 
 

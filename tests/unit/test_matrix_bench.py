@@ -42,7 +42,7 @@ def bench_json(arms: tuple[str, str], *, rounds: int = 4, steps: int = 6, ratio:
     of the second's time, with a drift over the schedule."""
     blocks = []
     for round_ in range(rounds):
-        for index, arm in enumerate(arms if round_ % 2 == 0 else arms[::-1]):
+        for arm in arms if round_ % 2 == 0 else arms[::-1]:
             seconds = 0.1 * (ratio if arm == arms[0] else 1.0) * (1 + 0.01 * len(blocks))
             blocks.append(BlockRecord(round_, arm, (seconds * 2,) + (seconds,) * (steps - 1), 1 << 30, 1.0, 64 << 20))
     return bench_output.to_json(BenchResult("fake", steps, 2, tuple(blocks), {}, {}, None, ()))
@@ -339,7 +339,7 @@ def test_render_without_benches_says_the_column_is_not_benched():
 
 
 def test_a_bench_alone_is_no_matrix():
-    with pytest.raises(ValueError, match="matrix.json"):
+    with pytest.raises(ValueError, match=r"matrix\.json"):
         matrix.merge_results([matrix.Cell(GPT_TE)], [{"bench": {}, "rows": []}])
 
 

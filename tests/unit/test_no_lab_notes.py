@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM = r"(?:Megatron-LM|Megatron-Bridge|Megatron|megatron-core|TransformerEngine|Transformer Engine|TE|PyTorch|torch|cuDNN|NCCL)"
+UPSTREAM = (
+    r"(?:Megatron-LM|Megatron-Bridge|Megatron|megatron-core|TransformerEngine|Transformer Engine|TE"
+    r"|PyTorch|torch|cuDNN|NCCL)"
+)
 PATTERNS = {
     # s81, s102, s100a, s66-s69: a run id as a word of its own (not s1, not inside hex such as 5s81ab or a path)
     "run id": re.compile(r"(?<![\w./])s\d{2,3}[a-d]?(?!\w)"),

@@ -79,7 +79,7 @@ def test_offloaded_saves_leave_the_gpu_arena_and_backward_equals_eager():
             for storage in storages
             for step in (("stage", plan.storage_bytes[storage]), ("d2h", plan.storage_bytes[storage]))
         ]
-    assert forward == expected + [("join forward", 0)]
+    assert forward == [*expected, ("join forward", 0)]
 
 
 def test_backward_reloads_the_group_it_needs_first_and_prefetches_the_next():

@@ -171,7 +171,7 @@ saves = st.lists(
     st.builds(
         save,
         st.sampled_from("abcdef"),
-        st.sampled_from(sorted(MEGATRON_OFFLOAD_MODULES) + [None]),
+        st.sampled_from([*sorted(MEGATRON_OFFLOAD_MODULES), None]),
         numel=st.sampled_from([BIG // 2, BIG, 2 * BIG]),
     ),
     max_size=30,

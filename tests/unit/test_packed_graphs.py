@@ -62,7 +62,9 @@ def test_padding_entries_repeat_the_last_offset():
 
 
 def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag():
-    with pytest.raises(ThdCapacityError, match="holds 3 sequences .* at most 2; raise --cg-thd-max-seqs to at least 3"):
+    with pytest.raises(
+        ThdCapacityError, match=r"holds 3 sequences .* at most 2; raise --cg-thd-max-seqs to at least 3"
+    ):
         packed_graphs.fixed_offsets(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3)
     assert packed_graphs.fixed_offsets(torch.tensor([0, 1, 2], dtype=torch.int32), 3).tolist() == [0, 1, 2]  # exact fit
     with pytest.raises(ThdCapacityError, match="--cg-thd-max-seqs"):
@@ -125,7 +127,7 @@ def test_a_document_longer_than_the_bound_is_refused_naming_the_flag():
 def test_without_megatrons_bound_the_longest_document_is_read_from_the_offsets():
     """A document longer than the captured max_seqlen would be computed wrongly: no bound is no pass."""
     short = PackedLayout(max_seqs=6, max_seqlen=8, seq_length=16)
-    with pytest.raises(ThdCapacityError, match="longest sequence holds 9 tokens .* --cg-thd-max-seqlen to at least 9"):
+    with pytest.raises(ThdCapacityError, match=r"longest sequence holds 9 tokens .* --cg-thd-max-seqlen to at least 9"):
         packed_graphs.fixed_params(params_of([0, 7, 16]), short)
     fixed = packed_graphs.fixed_params(params_of([0, 8, 16]), short)
     assert (fixed.max_seqlen_q, fixed.max_seqlen_kv) == (8, 8)
@@ -259,7 +261,7 @@ def test_the_model_entry_lays_training_microbatches_out(packed_session):
     forward(model, 1, 2, None, None, None, None, raw)  # passed by position too
     assert model.seen.cu_seqlens_q.shape == (7,)
     with pytest.raises(ThdCapacityError, match="--cg-thd-max-seqs"):
-        forward(model, 1, 2, None, packed_seq_params=params_of(list(range(0, 16, 2)) + [16], longest=2))
+        forward(model, 1, 2, None, packed_seq_params=params_of([*range(0, 16, 2), 16], longest=2))
     for untouched in (dataclasses.replace(raw, local_cp_size=2), None):  # hybrid CP's own packs; unpacked batches
         forward(model, 1, 2, None, packed_seq_params=untouched)
         assert model.seen is untouched
@@ -307,7 +309,7 @@ def test_a_replay_hands_the_offsets_to_the_graph(packed_session, modules):
     )
     ((_, kwargs),) = layer.calls
     assert kwargs == {"hidden_states": "h", "rotary_pos_emb": "table", THD_KWARG: fixed.cu_seqlens_q}
-    with pytest.raises(PackedFormError, match="layer 3: .*attention mask"):
+    with pytest.raises(PackedFormError, match=r"layer 3: .*attention mask"):
         replay(layer, hidden_states="h", attention_mask=torch.ones(1), packed_seq_params=fixed)
     with pytest.raises(
         PackedFormError, match="layer 3: a packed microbatch reached the graph outside the fixed layout"

@@ -45,7 +45,7 @@ def test_other_layouts_get_buffers_of_their_own():
 
 def test_parameters_the_graphs_never_reach_get_no_buffer():
     shared = ParamGradBuffers()
-    params = layer_params() + [torch.zeros(64, 8)]  # an expert weight an attention graph never touches
+    params = [*layer_params(), torch.zeros(64, 8)]  # an expert weight an attention graph never touches
     buffers, new_bytes = shared.take(params, reached=[True, True, True, False])
     assert buffers[3] is None and new_bytes == (64 + 64 + 8) * 4 == shared.nbytes
     later, _ = shared.take(params)  # a graph that reaches it gets one

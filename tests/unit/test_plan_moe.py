@@ -109,7 +109,7 @@ def test_a_uniform_router_under_capacity_factor_one_drops_only_the_shortfall():
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=8, max_size=8).filter(
-        lambda l: sum(1 for share in l if share > 0) >= 2
+        lambda shares: sum(1 for share in shares if share > 0) >= 2
     ),
     st.floats(0.1, 4.0),
     st.floats(0.1, 4.0),

@@ -46,9 +46,13 @@ def uses_across_modules() -> list[tuple[str, str, str]]:
                     elif node.module != user:
                         found.append((user, node.module, alias.name))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-                if aliases[node.value.id] != user:
-                    found.append((user, aliases[node.value.id], node.attr))
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != user
+            ):
+                found.append((user, aliases[node.value.id], node.attr))
     return found
 
 

@@ -73,7 +73,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
 @pytest.mark.parametrize(
-    "path", DOCS + [ROOT / "docs" / "design" / "fp8-slot-capture.md"], ids=lambda p: str(p.relative_to(ROOT))
+    "path", [*DOCS, ROOT / "docs" / "design" / "fp8-slot-capture.md"], ids=lambda p: str(p.relative_to(ROOT))
 )
 def test_relative_links_point_at_files(path):
     missing = [

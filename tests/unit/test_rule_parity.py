@@ -100,12 +100,12 @@ ROWS = (
     ),
     Row(
         "hybrid-cp-launcher-tp",
-        HYBRID_CP + ("--tensor-model-parallel-size", "2"),
+        (*HYBRID_CP, "--tensor-model-parallel-size", "2"),
         frozenset({"hybrid-cp-launcher-tp"}),
         nproc=4,
         environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     ),
-    Row("thd-max-seqs-0", GPT + ("--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
+    Row("thd-max-seqs-0", (*GPT, "--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
     Row("packed-graphed-without-capacity", GPT + TE + DOCUMENTS, frozenset({"packed-sequences-te-graphs"})),
     Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset()),
     Row(
@@ -166,11 +166,11 @@ ROWS = (
         GPT + TE + ("--cg-thd-max-seqs", "4"),
         frozenset({"thd-max-seqs-without-packed-data"}),
     ),
-    Row("sft-through-the-launcher", GPT + ("--sft",), frozenset({"packed-launcher-sft"})),
-    Row("report-out-directory", GPT + ("--cg-report-out", "{tmp}"), frozenset({"cg-flags"})),
-    Row("bank-min-cp-3", GPT + ("--cg-bank-min-cp", "3"), frozenset({"cg-flags"})),
+    Row("sft-through-the-launcher", (*GPT, "--sft"), frozenset({"packed-launcher-sft"})),
+    Row("report-out-directory", (*GPT, "--cg-report-out", "{tmp}"), frozenset({"cg-flags"})),
+    Row("bank-min-cp-3", (*GPT, "--cg-bank-min-cp", "3"), frozenset({"cg-flags"})),
     Row("banks-without-hybrid-cp", GPT + TE + BANKS, frozenset({"banks-need-hybrid-cp"})),
-    Row("missing-data-prefix", GPT + ("--data-path", "{tmp}/no_such_prefix"), frozenset({"data-files"})),
+    Row("missing-data-prefix", (*GPT, "--data-path", "{tmp}/no_such_prefix"), frozenset({"data-files"})),
     Row("real-data-prefix", GPT + TE + ("--data-path", "{data}"), frozenset()),
     Row("fp8-without-banks", GPT + TE + ("--fp8-format", "hybrid"), frozenset()),
     Row(
@@ -178,11 +178,11 @@ ROWS = (
         MOE_LAYERS + TE + BANKS + ("--recompute-granularity", "full", "--recompute-method", "uniform"),
         frozenset({"whole-layer-moe-needs-drop-and-pad", "full-recompute", "banks-need-hybrid-cp"}),
     ),
-    Row("slot-capture-without-te-graphs", GPT + ("--cg-slot-capture",), frozenset({"cg-flags-need-te-graphs"})),
+    Row("slot-capture-without-te-graphs", (*GPT, "--cg-slot-capture"), frozenset({"cg-flags-need-te-graphs"})),
     Row("hybrid-cp-on-one-rank", HYBRID_CP, frozenset({"hybrid-cp-ranks"})),
-    Row("num-layers-below-one", GPT + ("--num-layers", "-2"), frozenset({"num-layers"})),
+    Row("num-layers-below-one", (*GPT, "--num-layers", "-2"), frozenset({"num-layers"})),
     Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
-    Row("megatron-assertion-with-message", GPT + ("--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
+    Row("megatron-assertion-with-message", (*GPT, "--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
     # Megatron stops first (world size 1 < PP 2), and the plugin's rule is named beside it in both.
     Row(
         "slot-capture-pp2-on-one-rank",
@@ -194,8 +194,8 @@ ROWS = (
 # Rows that once disagreed: Megatron's ValueError in validate_args, and TransformerConfig's own
 # checks (which the launcher's validation now runs as check does).
 FORMER_MISMATCHES = (
-    Row("megatron-value-error", GPT + ("--fp4-param-gather",), frozenset({MEGATRON})),
-    Row("transformer-config-only", GPT + ("--fp8-param-gather", "--use-distributed-optimizer"), frozenset({MEGATRON})),
+    Row("megatron-value-error", (*GPT, "--fp4-param-gather"), frozenset({MEGATRON})),
+    Row("transformer-config-only", (*GPT, "--fp8-param-gather", "--use-distributed-optimizer"), frozenset({MEGATRON})),
 )
 
 

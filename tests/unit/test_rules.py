@@ -401,7 +401,8 @@ def test_baseline_passes():
         RunSettings(cuda_graph_impl=TE, recompute_granularity="selective", recompute_modules=("core_attn",)),
         RunSettings(cuda_graph_impl=TE, world_size=8, tensor_parallel=2, pipeline_parallel=2, context_parallel=2),
         RunSettings(cuda_graph_impl=TE, warmup_steps=0),
-        # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU is unknown.
+        # FP8 recipes the GPU has: blockwise on sm_90 with CUDA 12.9+, MXFP8 on sm_100, any recipe where the GPU
+        # is unknown.
         RunSettings(
             cuda_graph_impl=TE, fp8=True, fp8_recipe="blockwise", device_capability=(9, 0), cuda_version=(12, 9)
         ),

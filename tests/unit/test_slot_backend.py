@@ -251,9 +251,9 @@ def test_unknown_copy_modes_and_copy_settings_without_slot_capture_are_refused()
 
     with pytest.raises(ValueError, match="offload window -1: use 0 or more"):  # capture_slotted's own API
         SlotOffload(OffloadPolicy.from_flags(["core_attn"]), group=lambda: None, window=-1)
-    with pytest.raises(ConfigError, match="--cg-offload-copies between-replays only chooses .* add --cg-slot-capture"):
+    with pytest.raises(ConfigError, match=r"--cg-offload-copies between-replays only chooses .* add --cg-slot-capture"):
         PluginConfig(offload_copies="between-replays")
-    with pytest.raises(ConfigError, match="--cg-offload-window 3 only chooses .* add --cg-slot-capture"):
+    with pytest.raises(ConfigError, match=r"--cg-offload-window 3 only chooses .* add --cg-slot-capture"):
         PluginConfig(offload_window=3)
     with pytest.raises(ConfigError, match="--cg-offload-window -1 must be >= 0"):
         PluginConfig(offload_window=-1, slot_capture=True)

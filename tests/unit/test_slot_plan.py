@@ -18,7 +18,7 @@ def check_invariants(plan: SlotPlan, sizes) -> None:
             if a.overlaps(b):
                 assert a.slot != b.slot, f"live together but share slot {a.slot}: {a} {b}"
     assert plan.ring_size == plan.max_live  # optimal: never more slots than frames alive at once
-    assert set(f.slot for f in frames) == set(range(plan.ring_size))
+    assert {f.slot for f in frames} == set(range(plan.ring_size))
     for slot in range(plan.ring_size):
         assert plan.slot_sizes[slot] == max(sizes.get((f.chunk, f.variant), 0) for f in frames if f.slot == slot)
     largest = max(plan.slot_sizes, default=0)

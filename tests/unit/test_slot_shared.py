@@ -92,7 +92,7 @@ def test_variants_naming_one_io_branch_must_match_layouts():
     branches = io_branches([a, b], {"a": _measure(BASE), "b": _measure(BASE.clone())}, both_slots)
     assert branches["a"] == branches["b"]
     transposed = {"a": _measure(BASE), "b": _measure(BASE.t().contiguous().t())}
-    with pytest.raises(BranchMismatchError, match="slot 1: .*outputs\\[0\\].stride"):
+    with pytest.raises(BranchMismatchError, match=r"slot 1: .*outputs\[0\]\.stride"):
         io_branches([a, b], transposed, {"a": (0, 1), "b": (1,)})
     io_branches([a, b], transposed, {"a": (0,), "b": (1,)})  # never in one slot: nothing is shared
 
@@ -101,7 +101,7 @@ def test_unnamed_variants_share_storage_exactly_when_layouts_match():
     same = [Variant(name, lambda x: x, (torch.zeros(4, 6),)) for name in ("a", "b")]
     other = Variant("c", lambda x: x, (torch.zeros(2, 6),))
     measures = {"a": _measure(BASE), "b": _measure(BASE.clone()), "c": _measure(BASE[:2])}
-    branches = io_branches(same + [other], measures, {"a": (0,), "b": (0,), "c": (0,)})
+    branches = io_branches([*same, other], measures, {"a": (0,), "b": (0,), "c": (0,)})
     assert branches["a"] == branches["b"] != branches["c"]
 
 
@@ -203,7 +203,7 @@ def test_slot_replays_are_held_to_the_replay_contract():
         replay(torch.zeros(2, 6))
     with pytest.raises(ContractViolation, match=r"dtype \(arg0\) was torch.float32"):
         replay(torch.zeros(4, 6, dtype=torch.float64))
-    with pytest.raises(ContractViolation, match="alias .*overwrite before it is read"):
+    with pytest.raises(ContractViolation, match=r"alias .*overwrite before it is read"):
         replay(entry.boundary.inputs[0].detach().as_strided((4, 6), (0, 1), 1))  # inside the static buffer
     with pytest.raises(ContractViolation, match=r"stride \(arg0\) was \(6, 1\) at capture, is \(1, 4\)"):
         replay(entry.boundary.inputs[0].detach().as_strided((4, 6), (1, 4)))  # read in place, other layout
@@ -234,7 +234,7 @@ def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
     graphs.reset()
     assert [g.resets for g in graphs_before] == [1, 1]
     assert entry.boundary is None and entry.param_grads == () and entry.forward_graph is None
-    with pytest.raises(RuntimeError, match="were reset .* capture again"):
+    with pytest.raises(RuntimeError, match=r"were reset .* capture again"):
         replay(torch.zeros(4, 6))
     with pytest.raises(KeyError, match="no graph for variant 'v' in slot 0"):
         graphs.callable("v", 0)

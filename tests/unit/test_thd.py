@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,15 +26,15 @@ def test_layout_properties_or_a_named_refusal(case):
     lengths, cp, tokens_per_rank, max_seqs = case
     fits = len(lengths) <= max_seqs and sum(padded_length(n, cp) for n in lengths) <= cp * tokens_per_rank
     if not fits:
-        with pytest.raises(ThdCapacityError, match="--cg-thd-max-seqs|--max-seqlen-per-dp-cp-rank"):
+        with pytest.raises(ThdCapacityError, match=r"--cg-thd-max-seqs|--max-seqlen-per-dp-cp-rank"):
             fixed_capacity_layout(lengths, cp, tokens_per_rank, max_seqs)
         return
     layout = fixed_capacity_layout(lengths, cp, tokens_per_rank, max_seqs)
     cu, cu_padded = layout.cu_seqlens, layout.cu_seqlens_padded
     assert len(cu) == len(cu_padded) == max_seqs + 2  # the same buffer shape for every pack
     assert cu[0] == cu_padded[0] == 0 and cu_padded[-1] == layout.tokens == cp * tokens_per_rank
-    actual = [b - a for a, b in zip(cu, cu[1:])]
-    padded = [b - a for a, b in zip(cu_padded, cu_padded[1:])]
+    actual = [b - a for a, b in itertools.pairwise(cu)]
+    padded = [b - a for a, b in itertools.pairwise(cu_padded)]
     assert actual[: len(lengths)] == list(lengths)
     assert all(p % (2 * cp) == 0 and p >= a >= 0 for a, p in zip(actual, padded))
     assert actual[len(lengths) :] == [0] * (max_seqs + 1 - len(lengths))  # the dummy and the unused entries
@@ -42,7 +44,7 @@ def test_layout_properties_or_a_named_refusal(case):
 def test_refusals_name_the_flag_to_raise():
     with pytest.raises(ThdCapacityError, match="raise --cg-thd-max-seqs to at least 3"):
         fixed_capacity_layout([4, 4, 4], 1, 64, 2)
-    with pytest.raises(ThdCapacityError, match="needs 132 tokens .* holds 128 .* raise --max-seqlen-per-dp-cp-rank"):
+    with pytest.raises(ThdCapacityError, match=r"needs 132 tokens .* holds 128 .* raise --max-seqlen-per-dp-cp-rank"):
         fixed_capacity_layout([130], 2, 64, 2)  # 130 padded to a multiple of 4 is 132 > 2 x 64
     with pytest.raises(ValueError, match="power of two"):
         fixed_capacity_layout([4], 3, 64, 2)

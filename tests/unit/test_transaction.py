@@ -406,7 +406,7 @@ def test_failed_transaction_restores_every_attribute(initial, ops, late):
     after = vars(obj)
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
-    assert obj.inherited == (before["inherited"] if "inherited" in before else "class value")
+    assert obj.inherited == before.get("inherited", "class value")
 
 
 def test_te_backend_tracking_reports_graphs_only_inside_and_puts_the_class_back():

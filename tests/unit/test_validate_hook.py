@@ -223,7 +223,7 @@ def test_an_explicit_graph_only_config_without_te_graphs_is_refused_too(monkeypa
 
 
 def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
-    flags = [flag for flag in TINY_GPT]
+    flags = list(TINY_GPT)
     index = flags.index("--micro-batch-size")
     del flags[index : index + 2]
     refusal, err = refused(monkeypatch, capsys, flags)

@@ -17,6 +17,7 @@ allocator's trace.
 """
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -148,7 +149,7 @@ def step(layers, params_list, pack):
     out = x
     for layer in layers:
         out, _ = layer(hidden_states=out, attention_mask=None, packed_seq_params=params)
-    grads = torch.autograd.grad(out, [x] + params_list, grad)
+    grads = torch.autograd.grad(out, [x, *params_list], grad)
     return [out.detach().clone()] + [g.clone() for g in grads]
 
 
@@ -166,7 +167,7 @@ def timed(fn, repeats=10):
 def step_ms(layers, params_list, data):
     """Median milliseconds of one microbatch per CP size (its first pack of that size)."""
     return {
-        size: timed(lambda pack=next(p for p in data if p[0] == size): step(layers, params_list, pack))
+        size: timed(functools.partial(step, layers, params_list, next(p for p in data if p[0] == size)))
         for size in (1, 2)
     }
 
@@ -384,7 +385,7 @@ def train(model, steps, on_step=None):
         optimizer.zero_grad(set_to_none=False)
         loss_sum = torch.zeros((), device="cuda")
         tokens = torch.zeros((), device="cuda")
-        for size, packed, input_ids, labels, loss_mask, positions in microbatches:
+        for _size, packed, input_ids, labels, loss_mask, positions in microbatches:
             per_token = model(input_ids, positions, None, labels=labels, packed_seq_params=packed)
             loss = (per_token.float() * loss_mask).sum()
             loss.backward()
@@ -505,7 +506,7 @@ def rope_forward(layer, size, groups, sequence, rotary, grad_seed=5):
         out.shape, device="cuda", dtype=out.dtype, generator=torch.Generator(device="cuda").manual_seed(grad_seed)
     )
     weights = [p for p in layer.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(out, [x] + weights, grad)
+    grads = torch.autograd.grad(out, [x, *weights], grad)
     outputs = [in_sequence_order(out.detach(), index, size, groups)] + [g.clone() for g in grads]
     return outputs, {name: in_sequence_order(t, index, size, groups) for name, t in rotated.items()}
 

@@ -1,7 +1,8 @@
 """GPU probe for the capture lifecycle (one rank): rollback, contracts, teardown, stale graphs.
 
 Run by tests/functional/test_capture_lifecycle.py through the multi-rank launcher:
-    python lifecycle_probe.py --scenario lifecycle|stale-unchecked|stale-checked|stale-before|stale-garbage --out result.json
+    python lifecycle_probe.py --scenario SCENARIO --out result.json
+with SCENARIO one of lifecycle, stale-unchecked, stale-checked, stale-before, stale-garbage.
 A tiny megatron-core GPT with TE layers, captured with the plugin's helper (Megatron's own
 TECudaGraphHelper underneath), compared with an eager run of the same steps.
 """

@@ -80,7 +80,7 @@ def orders(n):
 def run_eager(stack, params, x, grad):
     x = x.detach().requires_grad_(True)
     out = stack(x)
-    grads = torch.autograd.grad(out, [x] + params, grad)
+    grads = torch.autograd.grad(out, [x, *params], grad)
     return [out.detach().clone()] + [g.clone() for g in grads]
 
 
@@ -110,7 +110,7 @@ def run_order(stack, params, graphs, order, plan, seq_of, between=None):
         else:
             frame = backward_to_frame[position]
             x, out, out_copy = live.pop(frame.index)
-            grads = torch.autograd.grad(out, [x] + params, grads_in[frame.index])
+            grads = torch.autograd.grad(out, [x, *params], grads_in[frame.index])
             results[frame.index] = [out_copy] + [g.clone() for g in grads]
     exact = [all(torch.equal(a, b) for a, b in zip(got, want)) for got, want in zip(results, reference)]
     worst = max(
@@ -141,7 +141,7 @@ def exactness(result):
             for mode in ("slots", "shared-pool"):
                 used = [v for v in variants if v.name in set(chosen)]
 
-                def describe(graphs):
+                def describe(graphs, order=order, plan=plan):
                     exact, worst = run_order(stack, params, graphs, order, plan, seq_of)
                     saved = graphs.stats.saved_bytes
                     return {
@@ -162,7 +162,9 @@ def exactness(result):
                 record_case(
                     result,
                     f"n{n}/{label}/{mode}",
-                    lambda: capture_slotted(used, plan, params, protect=mode == "slots", debug=True),
+                    lambda used=used, plan=plan, mode=mode: capture_slotted(
+                        used, plan, params, protect=mode == "slots", debug=True
+                    ),
                     describe,
                 )
 
@@ -203,12 +205,15 @@ def dropout(result):
                 for x, g in frames:
                     x = x.detach().requires_grad_(True)
                     out = replay(x)
-                    got.append([out.detach().clone()] + [d.clone() for d in torch.autograd.grad(out, [x] + params, g)])
+                    got.append([out.detach().clone()] + [d.clone() for d in torch.autograd.grad(out, [x, *params], g)])
                 exact = [all(torch.equal(a, b) for a, b in zip(mine, want)) for mine, want in zip(got, reference)]
                 return {"exact": all(exact), "exact_frames": sum(exact), "frames": len(exact)}
 
             record_case(
-                result, f"dropout/{mode}", lambda: capture_slotted([variant], exclusive_plan(["cp1"]), params), describe
+                result,
+                f"dropout/{mode}",
+                lambda variant=variant: capture_slotted([variant], exclusive_plan(["cp1"]), params),
+                describe,
             )
         finally:
             backend.generators_preserved = preserved
@@ -420,7 +425,7 @@ def offload(result):
         record_case(
             result,
             f"offload/{label}/{mode}",
-            lambda: capture_slotted(variants, plan, params, offload=option, debug=True),
+            lambda option=option: capture_slotted(variants, plan, params, offload=option, debug=True),
             describe,
             width=600,
         )
@@ -506,7 +511,7 @@ def offload_edges(result):
         )
         option = SlotOffload(policy, group=lambda: GROUP[0], **copies)
 
-        def describe(graphs, fn=fn):
+        def describe(graphs, fn=fn, name=name, weight=weight, sample=sample):
             exact = []
             for frame in range(3):
                 gen = torch.Generator(device="cuda").manual_seed(frame)
@@ -535,7 +540,7 @@ def offload_edges(result):
         record_case(
             result,
             f"offload-edges/{name}",
-            lambda fn=fn, option=option, weight=weight: capture_slotted(
+            lambda fn=fn, option=option, weight=weight, name=name, sample=sample: capture_slotted(
                 [Variant(name, fn, (sample,))], exclusive_plan([name]), [weight], offload=option, debug=True
             ),
             describe,
@@ -645,7 +650,7 @@ def fp8(result, attention=False):
             (
                 "delayed-dpa",
                 DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, fp8_dpa=True),
-                both + ("no-scale-snapshot",),
+                (*both, "no-scale-snapshot"),
             ),
         )
     for name, recipe, modes in recipes:
@@ -671,7 +676,9 @@ def fp8(result, attention=False):
             used = [v for v in variants if v.name in set(chosen)]
             for mode in modes:
 
-                def describe(graphs, layers=layers, reference=reference, recipe=recipe, params=params):
+                def describe(
+                    graphs, layers=layers, reference=reference, recipe=recipe, params=params, order=order, plan=plan
+                ):
                     start = te_graph.save_fp8_tensors([layers], recipe)
                     after_eager = {}
 
@@ -745,7 +752,7 @@ def fp8_weight_cache(result, name, recipe, layers, params):
         before = [p.detach().clone() for p in params]
         meta = te_graph.save_fp8_tensors([layers], recipe)
         got = []
-        for frame, first in enumerate(firsts):
+        for first in firsts:
             with torch.no_grad():
                 for p in params:
                     p.add_(torch.randn_like(p), alpha=1e-2)
@@ -753,7 +760,7 @@ def fp8_weight_cache(result, name, recipe, layers, params):
             grad = torch.randn(S // 2, B, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             with te.autocast(enabled=True, recipe=recipe):
                 out = run(x, first)
-            got.append([out.detach().clone()] + [g.clone() for g in torch.autograd.grad(out, [x] + params, grad)])
+            got.append([out.detach().clone()] + [g.clone() for g in torch.autograd.grad(out, [x, *params], grad)])
         with torch.no_grad():
             for p, b in zip(params, before):
                 p.copy_(b)
