@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -201,7 +201,31 @@ class _Attempt:
     megatron_lifecycle: bool
 
 
-class PluginHelperMixin:
+if TYPE_CHECKING:
+
+    class _MegatronHelper:
+        """For the type checker only: what ``PluginHelperMixin`` uses of Megatron's ``TECudaGraphHelper``
+        (the class it is mixed in front of), attributes and the methods it extends through ``super()``."""
+
+        model: list[Any]  # the model chunks
+        config: Any  # Megatron's TransformerConfig
+        flattened_callables: list[Any]  # every graphed layer, chunk by chunk
+        num_microbatches: int | None
+        _graphs_created: bool
+        _capture_finished: bool
+
+        def graphs_created(self) -> bool: ...
+        def _get_sample_arguments(self, order: Any, chunk_id_list: Any = None) -> tuple: ...
+        def _reset_after_capture(self) -> None: ...
+        def create_cudagraphs(self) -> None: ...
+        def cuda_graph_set_manual_hooks(self) -> None: ...
+        def delete_cuda_graphs(self) -> None: ...
+
+else:
+    _MegatronHelper = object  # at run time the mixin comes first in the MRO, before Megatron's helper
+
+
+class PluginHelperMixin(_MegatronHelper):
     """Mixed in front of Megatron's ``TECudaGraphHelper`` by ``bind_helper_class``."""
 
     session: ClassVar[RunSession]
@@ -331,7 +355,8 @@ class PluginHelperMixin:
             raise CaptureFailedError(
                 f"--cg-graph-banks needs the banked layer class in the model's layer spec, but {unbanked} were "
                 "built; use the plugin's launcher (python -m megatron_cg_plugin.pretrain_gpt), or set "
-                "megatron_cg_plugin.banks.dynamic_cp.adapt_layer_spec(spec, rope=..., banks=True) on the model's layer spec."
+                "megatron_cg_plugin.banks.dynamic_cp.adapt_layer_spec(spec, rope=..., banks=True) on the model's "
+                "layer spec."
             )
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         sizes = bank_sizes(dp_cp, config.bank_min_cp)
@@ -505,7 +530,8 @@ class PluginHelperMixin:
                 if index is None:
                     raise CaptureFailedError(
                         f"{layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
-                        "megatron-core release hands graphs out differently; install the supported one (docs/versions.md)."
+                        "megatron-core release hands graphs out differently; install the supported one "
+                        "(docs/versions.md)."
                     )
                 contract = (
                     None

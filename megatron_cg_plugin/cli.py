@@ -12,7 +12,7 @@ import os
 import shlex
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_cg_plugin import console, golden, helptext
@@ -44,6 +44,8 @@ def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
         return "MoE: none (a dense model)."
     router_load = router_load or "uniform"
     load = parse_load(router_load, settings.num_experts)
+    if settings.num_layers is None:  # read_settings reads --num-layers, which Megatron requires
+        raise TypeError("the MoE plan needs the run's --num-layers")
     layers = [index + 1 for index in range(settings.num_layers) if settings.is_moe_layer(index)]
     if settings.capacity_factor is None:
         return (
@@ -53,6 +55,9 @@ def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
         )
     plan = capacity_plan(settings)
     ffn = settings.moe_ffn_hidden_size or settings.ffn_hidden_size
+    # Experts and a capacity factor were checked above; Megatron requires --hidden-size and derives the ffn sizes.
+    if plan is None or settings.hidden_size is None or ffn is None:
+        raise TypeError("the MoE plan needs the run's capacity plan, hidden size and expert ffn size")
     shapes = plan.gemm_shapes(settings.hidden_size, ffn, gated=settings.swiglu or settings.quick_geglu)
     dropped = plan.dropped_fraction(load)
     padded = (
@@ -66,9 +71,9 @@ def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
             f"{plan.tokens_per_local_expert} rows (x TP {plan.tensor_parallel} x EP {plan.expert_parallel})",
             *(
                 [
-                    f"  the capacity exceeds the {plan.tokens_per_rank} tokens per rank (factor x top-k > experts): Megatron "
-                    "pads each expert to the tokens alone, and its alltoall dispatcher fails; use a factor of at most "
-                    f"{plan.num_experts / plan.topk:g}"
+                    f"  the capacity exceeds the {plan.tokens_per_rank} tokens per rank (factor x top-k > experts): "
+                    "Megatron pads each expert to the tokens alone, and its alltoall dispatcher fails; use a factor of "
+                    f"at most {plan.num_experts / plan.topk:g}"
                 ]
                 if plan.exceeds_tokens
                 else []
@@ -120,7 +125,7 @@ def _dry_run_command(
     prog: str,
     usage: str,
     produce: Callable[[argparse.Namespace, list[str]], str],
-    extra_options: Sequence[tuple[str, str]] = (),
+    extra_options: Sequence[tuple[str, str | None]] = (),
 ) -> int:
     """``check`` and ``plan``: their own options (``--nproc``, ``extra_options`` as (flag, default)),
     the launcher flags after them, ``produce``'s text on success, one line and exit 2 on bad input."""
@@ -350,7 +355,7 @@ def _matrix(argv: Sequence[str]) -> int:
     """plan [--out FILE] | run CELLS.json [--out DIR --jobs N --steps N --only CELL...] | bench ... | render CELLS.json RUN.json...
     the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size), each cell checked by
     the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown;
-    bench CELLS.json --out DIR [--parallel N --only CELL...] [-- BENCH FLAGS]: each cell's plugin / stock step time"""
+    bench CELLS.json --out DIR [--parallel N --only CELL...] [-- BENCH FLAGS]: each cell's plugin / stock step time"""  # noqa: E501 - its first line is the synopsis `megatron-cg --help` prints whole
     import json
     import tempfile
     from pathlib import Path
@@ -422,7 +427,7 @@ def _run(argv: Sequence[str]) -> int:
     return run_script.main(argv)
 
 
-def unknown_command(name: str, commands: Sequence[str]) -> str:
+def unknown_command(name: str, commands: Collection[str]) -> str:
     close = difflib.get_close_matches(name, list(commands), n=1)
     hint = f", did you mean {close[0]!r}?" if close else ""
     return (

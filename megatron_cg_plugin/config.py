@@ -185,13 +185,13 @@ def config_problems(config: PluginConfig) -> list[str]:
             problems.append(f"{flag} {path} is a directory; give a file path such as {Path(path) / 'out.json'}.")
     if config.offload_window < 0:
         problems.append(f"--cg-offload-window {config.offload_window} must be >= 0 (offload groups copied ahead).")
-    for flag, value, default in (
+    for flag, given, default in (
         ("--cg-offload-copies", config.offload_copies, PluginConfig.offload_copies),
         ("--cg-offload-window", config.offload_window, PluginConfig.offload_window),
     ):
-        if value != default and not (config.slot_capture or config.graph_banks):
+        if given != default and not (config.slot_capture or config.graph_banks):
             problems.append(
-                f"{flag} {value} only chooses how slot-shared capture copies offloaded saves: add "
+                f"{flag} {given} only chooses how slot-shared capture copies offloaded saves: add "
                 "--cg-slot-capture (or --cg-graph-banks), or drop it."
             )
     if config.slot_capture and config.graph_banks:
@@ -199,9 +199,12 @@ def config_problems(config: PluginConfig) -> list[str]:
             "--cg-slot-capture and --cg-graph-banks both ask for slot-shared capture; graph banks already "
             "capture that way: drop --cg-slot-capture."
         )
-    if config.metrics_out is not None and config.report_out is not None:
-        if Path(config.metrics_out).resolve() == Path(config.report_out).resolve():
-            problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
+    if (
+        config.metrics_out is not None
+        and config.report_out is not None
+        and Path(config.metrics_out).resolve() == Path(config.report_out).resolve()
+    ):
+        problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
     return problems
 
 

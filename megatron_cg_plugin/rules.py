@@ -73,6 +73,8 @@ def _fitting_seqlen(f: RunSettings) -> str:
     """What --cg-thd-max-seqlen can be at the run's --cg-thd-max-seqs: under TE's deterministic limit, and
     long enough that a sample's documents fit the capacity (rule packed-graphs-capacity)."""
     largest = f.deterministic_thd_max_seqlen
+    if f.thd_max_seqs is None:  # deterministic_thd_max_seqlen raised already: asked of packed layouts only
+        raise TypeError("the fitting --cg-thd-max-seqlen needs --cg-thd-max-seqs")
     per_sample = f.thd_max_seqs // max(1, f.micro_batch_size)  # documents a sample may hold
     smallest = -(-f.seq_length // per_sample) if f.seq_length and per_sample else None
     if smallest is None or largest >= smallest:
@@ -179,7 +181,9 @@ RULES: tuple[Rule, ...] = (
             f.has_moe_layers
             and f.drop_and_pad
             and f.dispatcher == "alltoall"
-            and f.num_experts
+            and f.num_experts is not None
+            and f.num_experts != 0
+            and f.capacity_factor is not None  # drop_and_pad implies it
             and f.capacity_factor * f.moe_topk > f.num_experts
         ),
         "--moe-expert-capacity-factor x --moe-router-topk exceeds --num-experts, so each expert's capacity is larger "
@@ -506,7 +510,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "packed-graphs-capacity",
         "plugin",
-        lambda f: f.packed_graphs and f.thd_max_seqs < f.packed_min_seqs,
+        lambda f: f.packed_graphs and f.thd_max_seqs is not None and f.thd_max_seqs < f.packed_min_seqs,
         "Megatron's offsets cover every token of a microbatch's samples, in documents of at most --cg-thd-max-seqlen "
         "tokens (default --seq-length), so each sample holds at least --seq-length / --cg-thd-max-seqlen (rounded up) "
         "documents and packed graphs need --cg-thd-max-seqs of at least --micro-batch-size times that: raise "
@@ -747,8 +751,8 @@ def check_run(
     """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
     ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
     the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
-    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides the probe (the CPU dry run checks
-    flags for a GPU host it is not running on)."""
+    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides
+    the probe (the CPU dry run checks flags for a GPU host it is not running on)."""
     settings, config = read_settings(
         args,
         env=env,

@@ -214,7 +214,7 @@ class RunSession:
 
     # -- hooks -------------------------------------------------------------------------------
     def attach_helper(self, helper: Any) -> None:
-        self.config  # resolve a deferred config now, so bad --cg-* values fail before training
+        _ = self.config  # resolve a deferred config now, so bad --cg-* values fail before training
         self.helpers.append(helper)
 
     def model_config_seen(self, model_config: Any) -> None:

@@ -187,6 +187,8 @@ class RunSettings:
     @property
     def deterministic_thd_max_seqlen(self) -> int:
         """The largest ``--cg-thd-max-seqlen`` that keeps ``deterministic_thd_product`` under the limit."""
+        if self.thd_max_seqs is None:  # asked only of packed layouts, which have --cg-thd-max-seqs
+            raise TypeError("deterministic_thd_max_seqlen needs --cg-thd-max-seqs")
         return math.isqrt((DETERMINISTIC_THD_LIMIT - 1) // (self.thd_max_seqs * self.heads_per_rank))
 
     @property
@@ -253,6 +255,8 @@ class RunSettings:
 
     @property
     def all_layers_moe(self) -> bool:
+        if self.num_layers is None:  # read_settings reads --num-layers, which Megatron requires
+            raise TypeError("all_layers_moe needs --num-layers")
         return all(self.is_moe_layer(i) for i in range(self.num_layers))
 
 

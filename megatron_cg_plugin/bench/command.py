@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ContextManager, Protocol
+from typing import Any, ClassVar, Protocol
 
 from megatron_cg_plugin import foreign_state, installation, rules
 from megatron_cg_plugin.bench import output as bench_output
@@ -133,7 +133,8 @@ class BenchOptions:
     capture_rounds: int = 0
     # steps: the cycles stop at the first even count of kept cycles (6 at least, the interval's fewest) past this
     # many seconds of cycles (0: all ``cycles``), so a bench on a host slower than planned still ends with its
-    # summary (a bench that runs into its job's limit otherwise writes none). Start-up, capture and profiling come on top.
+    # summary (a bench that runs into its job's limit otherwise writes none). Start-up, capture and profiling come
+    # on top.
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -461,6 +462,8 @@ def _capture_rounds(
     records = []
     for block in interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ():
         helper, seconds, _ = _capture(trainer, block.arm, clock)  # a failed capture leaves nothing captured
+        if seconds is None:  # only the eager arm is not captured, and it has no capture rounds
+            raise TypeError(f"arm {block.arm} was not captured")
         try:  # the arm is in place until released, whatever stops the bench here
             records.append(CaptureRecord(block.round, block.arm, seconds))
             progress(f"capture round {block.round + 1}/{options.capture_rounds}: {block.arm} {seconds:.2f} s")
@@ -545,7 +548,7 @@ def _profiled(
     result: BenchResult,
     *,
     trainer: Trainer,
-    with_arm: Callable[[str], ContextManager[Any]],
+    with_arm: Callable[[str], contextlib.AbstractContextManager[Any]],
     profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
     contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
     recording_cost: Callable[[], float] | None,
@@ -705,7 +708,7 @@ class MegatronTrainer:
     def step(self) -> None:
         self.args.curr_iteration = self.iteration
         state = self._active
-        if state is None or state.recording is None:
+        if state is None or state.recording is None or state.recorded_step is None:  # both set, or neither
             self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
         else:  # what a run's train-step-timer and training-log-tap patches call, and nothing more
             self.last = state.recorded_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
@@ -795,7 +798,7 @@ class MegatronTrainer:
 
     # A run with --cg-metrics-out and --cg-report-out records every value: the recording arm's session
     # is made with both (it is never finished, so nothing is written there).
-    RECORDED_OUTPUTS = {
+    RECORDED_OUTPUTS: ClassVar[dict[str, Path]] = {
         "metrics_out": Path("plugin-recording.metrics.json"),
         "report_out": Path("plugin-recording.report.json"),
     }
@@ -933,14 +936,14 @@ def python_calls_per_step(
     path: Path,
     *,
     synchronize: Callable[[], None],
-    one_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    one_thread: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
     """``steps`` more steps under cProfile, each Python function's calls and own time per step to
     ``path`` (the host operators' format): torch's profiler sees operators, whose calls per step
     matched across arms but for event polls, not the Python that runs between them,
-    where a plugin's extra work per step would show first as extra calls. cProfile sees the calling thread only, so the steps
-    run inside ``one_thread`` (on the GPU: autograd's backward on this thread, not its device
-    threads)."""
+    where a plugin's extra work per step would show first as extra calls. cProfile sees the calling
+    thread only, so the steps run inside ``one_thread`` (on the GPU: autograd's backward on this
+    thread, not its device threads)."""
     import cProfile
     import pstats
 
@@ -1058,9 +1061,15 @@ def bench_train_step(
         )
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
         profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
-        recorded = None
-        if RECORDING_ARM in options.arms:  # timed while that arm is in place (its session, the last step's values)
-            recorded = lambda: recording_cost(trainer.recording, trainer.last, trainer.training.training_log)  # noqa: E731
+
+        def recording_arm_cost() -> float:
+            session = trainer.recording
+            if session is None:  # run_bench times it only while the plugin-recording arm is in place
+                raise TypeError("the recording cost is timed while the plugin-recording arm is in place")
+            return recording_cost(session, trainer.last, trainer.training.training_log)
+
+        # timed while that arm is in place (its session, the last step's values)
+        recorded = recording_arm_cost if RECORDING_ARM in options.arms else None
         sink.append(
             run_bench(
                 options,

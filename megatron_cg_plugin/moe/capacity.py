@@ -170,7 +170,12 @@ def parse_load(text: str, num_experts: int) -> list[float]:
 
 
 def tokens_per_rank(
-    *, seq_length: int, micro_batch_size: int, context_parallel: int, tensor_parallel: int, sequence_parallel: bool
+    *,
+    seq_length: int | None,
+    micro_batch_size: int,
+    context_parallel: int,
+    tensor_parallel: int,
+    sequence_parallel: bool,
 ) -> int:
     """Tokens entering one rank's MoE router per microbatch: the rank's sequence share (CP, and TP,
     which Megatron's MoE layers train with only under sequence parallelism) times the micro-batch size."""
@@ -179,6 +184,8 @@ def tokens_per_rank(
             "Megatron trains MoE layers under tensor parallelism only with sequence parallelism "
             "(moe_layer.py refuses it): add --sequence-parallel."
         )
+    if seq_length is None:  # unknown --seq-length: no share to compute
+        raise TypeError("the tokens per rank need --seq-length")
     shards = context_parallel * tensor_parallel
     if seq_length % shards:
         raise ValueError(

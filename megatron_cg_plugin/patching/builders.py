@@ -60,7 +60,7 @@ def build_training_log_tap(original: Callable, session: Any) -> Callable:
     return training_log
 
 
-def build_mtp_loss_tap(original: type, session: Any) -> type:
+def build_mtp_loss_tap(original: type[Any], session: Any) -> type:
     """Megatron's MTP logging helper with ``track_mtp_metrics`` tapped: it adds each MTP layer's
     reduced loss of the iteration into ``total_loss_dict`` (``mtp_N loss``); the tap hands the
     iteration's additions to the session, which records them with the iteration's other metrics."""

@@ -213,13 +213,13 @@ PATCHES: tuple[Patch, ...] = (
         build=packed_graphs.build_thd_layout,
         module="megatron.core.models.gpt.gpt_model",
         attribute="GPTModel.forward",
-        reason="with --cg-thd-max-seqs, a training microbatch of packed sequences (--dataloader-inter-document-masking, "
-        "--sft) enters the model with cu_seqlens of its own length and max_seqlen of its longest document "
-        "(Megatron-LM's pretrain_gpt.py forward_step); the wrapper lays it out at the fixed capacity graphs are "
-        "captured for (offsets padded with zero-length sequences, max_seqlen = --cg-thd-max-seqlen, default "
-        "--seq-length, a batch beyond the capacity or with a longer document refused naming the flag) before "
-        "GPTModel computes its RoPE table from it, so eager and graphed steps compute on one layout "
-        "(packed.graphs.fixed_params). Other calls pass through.",
+        reason="with --cg-thd-max-seqs, a training microbatch of packed sequences "
+        "(--dataloader-inter-document-masking, --sft) enters the model with cu_seqlens of its own length and "
+        "max_seqlen of its longest document (Megatron-LM's pretrain_gpt.py forward_step); the wrapper lays it out at "
+        "the fixed capacity graphs are captured for (offsets padded with zero-length sequences, max_seqlen = "
+        "--cg-thd-max-seqlen, default --seq-length, a batch beyond the capacity or with a longer document refused "
+        "naming the flag) before GPTModel computes its RoPE table from it, so eager and graphed steps compute on one "
+        "layout (packed.graphs.fixed_params). Other calls pass through.",
         expected_params=("packed_seq_params",),
     ),
     Patch(
@@ -319,7 +319,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
         "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
-        "capture.lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's create_cudagraphs)",
+        "capture.lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's "
+        "create_cudagraphs)",
         needs_te=True,
     ),  # Megatron imports it from TE
     ForeignState(
@@ -330,8 +331,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
         "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
         "and no hook stays on TE's static outputs.",
-        "capture.lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the capture "
-        "transaction, and around the graph banks' capture)",
+        "capture.lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the "
+        "capture transaction, and around the graph banks' capture)",
     ),
     ForeignState(
         "tracked-cuda-graphs",
@@ -339,7 +340,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "TE creates its graph objects inside make_graphed_callables and drops them on failure; the transaction must "
         "reset every graph created so far, so while TE captures, the class TE looks up on torch.cuda at call time is "
         "a subclass that reports each instance.",
-        "capture.te_backend.TEBackend.tracking (foreign_state.setting around TE's make_graphed_callables in the capture call)",
+        "capture.te_backend.TEBackend.tracking (foreign_state.setting around TE's make_graphed_callables in the "
+        "capture call)",
     ),
     ForeignState(
         "offload-group-names",
@@ -352,10 +354,10 @@ SCOPED: tuple[ForeignState, ...] = (
     ForeignState(
         "offload-in-graph-flag",
         "megatron.core.transformer.transformer_layer:TransformerLayer",
-        "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, Megatron's "
-        "capture callable records an event on its offload manager's stream and waits on its D2H stream inside the "
-        "graph (forward_record / backward_record), streams the capture never forked; the arenas bring their own "
-        "copy streams, so it is False during warmup and capture.",
+        "Instance attribute offload_module_in_cuda_graph of each layer slot-shared capture offloads in: set, "
+        "Megatron's capture callable records an event on its offload manager's stream and waits on its D2H stream "
+        "inside the graph (forward_record / backward_record), streams the capture never forked; the arenas bring their "
+        "own copy streams, so it is False during warmup and capture.",
         "offload.groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)",
     ),
     ForeignState(
@@ -575,11 +577,11 @@ def markdown() -> str:
         ("State set inside a `with` block (`SCOPED`)", "Back on exit, whatever happens.", "block"),
         (
             "Private functions relied on, checked at `install()` (`PRIVATE_API`)",
-            "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the parameters "
-            "listed, or no longer calls the function the plugin stands in for. A wrapper found there (`__wrapped__`, as "
-            "`functools.wraps` sets it) is checked through to the function it wraps; the error names the object found "
-            "and says whether it is the library's own (the build differs) or defined elsewhere (a wrapper: "
-            "[troubleshooting.md](troubleshooting.md#signaturemismatcherror)).",
+            "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the "
+            "parameters listed, or no longer calls the function the plugin stands in for. A wrapper found there "
+            "(`__wrapped__`, as `functools.wraps` sets it) is checked through to the function it wraps; the error "
+            "names the object found and says whether it is the library's own (the build differs) or defined elsewhere "
+            "(a wrapper: [troubleshooting.md](troubleshooting.md#signaturemismatcherror)).",
             "used by",
         ),
     )
@@ -594,7 +596,10 @@ def markdown() -> str:
 
 # Changes no entry above lists: objects that live for one call, hooks for one capture, and the rest.
 OTHER_STATE = """\
-| A tensor hook (`Tensor.register_hook`) on each output of a graphed layer's capture call that takes a gradient | names that layer's backward when autograd reaches it (TE captures every forward first, then the backwards in reverse order, so the last forward is not where a backward failed); does nothing else, and is removed with the `layer-capture-tracker` wrappers, after success and failure alike, so none stays on TE's static outputs. |
+| A tensor hook (`Tensor.register_hook`) on each output of a graphed layer's capture call that takes a gradient | \
+names that layer's backward when autograd reaches it (TE captures every forward first, then the backwards in reverse \
+order, so the last forward is not where a backward failed); does nothing else, and is removed with the \
+`layer-capture-tracker` wrappers, after success and failure alike, so none stays on TE's static outputs. |
 
 ## Instance attributes lent for one call (hybrid CP)
 
@@ -603,8 +608,12 @@ Set on the plugin's own subclasses' instances (injected through the layer spec),
 
 | what | why |
 | --- | --- |
-| `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's `TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own scope post-processing and its delayed offload flush after the bank replay. |
-| `pg_collection` of a dynamic-CP attention (`dynamic_cp.py`), for one forward | Megatron's attention applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, so the shared collection is never edited. |
+| `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's \
+`TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own \
+scope post-processing and its delayed offload flush after the bank replay. |
+| `pg_collection` of a dynamic-CP attention (`dynamic_cp.py`), for one forward | Megatron's attention applies THD \
+RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, \
+so the shared collection is never edited. |
 
 One more Megatron instance state is written, not lent: graph banks that graph an MoE block set the
 token dispatcher's per-forward attributes to None before capture and as each captured forward
