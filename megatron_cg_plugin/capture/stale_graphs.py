@@ -90,7 +90,8 @@ def _frame_holders(target: Any) -> list[str]:
     """Local variables of running functions (every thread's stack) that hold ``target``; running
     frames are not reliably visible to ``gc.get_referrers``."""
     found = []
-    for frame in sys._current_frames().values():
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
         while frame is not None:
             if frame.f_code.co_filename == __file__:  # this scan's own variables
                 frame = frame.f_back
