@@ -90,8 +90,10 @@ def _frame_holders(target: Any) -> list[str]:
     """Local variables of running functions (every thread's stack) that hold ``target``; running
     frames are not reliably visible to ``gc.get_referrers``."""
     found = []
-    for top in sys._current_frames().values():
-        frame: types.FrameType | None = top
+    # One variable walks each stack down to None: a name left holding this function's own frame
+    # would make a cycle that keeps ``target`` alive after the return.
+    frame: types.FrameType | None
+    for frame in sys._current_frames().values():
         while frame is not None:
             if frame.f_code.co_filename == __file__:  # this scan's own variables
                 frame = frame.f_back
