@@ -161,13 +161,15 @@ class BankGraph:
             )
         if rope is None or rope is self.rope_table:  # the model's cached table: nothing to copy
             return
-        if rope.shape != self.rope_table.shape or rope.dtype != self.rope_table.dtype:
+        table = self.rope_table
+        assert table is not None  # checked above: a call with a table goes to a bank captured with one
+        if rope.shape != table.shape or rope.dtype != table.dtype:
             raise ThdCapacityError(
                 f"rotary table {tuple(rope.shape)} {rope.dtype} but the bank was captured with "
-                f"{tuple(self.rope_table.shape)} {self.rope_table.dtype}: the pack's max_seqlen must be its bound, "
+                f"{tuple(table.shape)} {table.dtype}: the pack's max_seqlen must be its bound, "
                 "CP size x --max-seqlen-per-dp-cp-rank (plan.thd.fixed_capacity_layout), in eager and graphed runs."
             )
-        self.rope_table.copy_(rope)
+        table.copy_(rope)
 
 
 @dataclasses.dataclass
@@ -178,7 +180,7 @@ class LayerBanks:
     capacity: ThdCapacity
     attention: bool
 
-    def replay(self, layer: Any, base: type, args: tuple, kwargs: dict) -> Any:
+    def replay(self, layer: Any, base: type[Any], args: tuple, kwargs: dict) -> Any:
         unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
         if unsupported or len(args) > 1:
             raise BankReplayError(

@@ -11,7 +11,7 @@ import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "MemoryState",
@@ -69,8 +69,13 @@ def allocator_segments() -> list[dict[str, Any]]:
 class ReplayTotals:
     """The read side of replay counting: ``counts`` and ``rejected`` per graphed layer, and totals."""
 
-    counts: Sequence[int]
-    rejected: Sequence[int]
+    if TYPE_CHECKING:  # read-only here: ReplayCounter keeps lists it counts into, BankReplayCounts reads live
+
+        @property
+        def counts(self) -> Sequence[int]: ...
+
+        @property
+        def rejected(self) -> Sequence[int]: ...
 
     @property
     def total(self) -> int:

@@ -314,7 +314,7 @@ class ReplayContract:
         by_storage: dict[int, tuple[StaticInput, ...]] = {}
         for _, value in inputs:
             if isinstance(value, StaticInput):
-                by_storage[value.storage_ptr] = by_storage.get(value.storage_ptr, ()) + (value,)
+                by_storage[value.storage_ptr] = (*by_storage.get(value.storage_ptr, ()), value)
         self.static_by_storage: Mapping[int, tuple[StaticInput, ...]] = by_storage
         # (positional count, keywords) where every argument is one leaf: such a call is read without flattening
         self.flat_call = _flat_call(inputs)

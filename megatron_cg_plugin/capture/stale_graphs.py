@@ -90,6 +90,9 @@ def _frame_holders(target: Any) -> list[str]:
     """Local variables of running functions (every thread's stack) that hold ``target``; running
     frames are not reliably visible to ``gc.get_referrers``."""
     found = []
+    # One variable walks each stack down to None: a name left holding this function's own frame
+    # would make a cycle that keeps ``target`` alive after the return.
+    frame: types.FrameType | None
     for frame in sys._current_frames().values():
         while frame is not None:
             if frame.f_code.co_filename == __file__:  # this scan's own variables

@@ -55,7 +55,7 @@ class TEBackend:
         (``ledger.SCOPED``, ``tracked-cuda-graphs``)."""
         import torch
 
-        class TrackedCUDAGraph(torch.cuda.CUDAGraph):  # type: ignore[misc, valid-type]
+        class TrackedCUDAGraph(torch.cuda.CUDAGraph):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 on_graph(self)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from megatron_cg_plugin import foreign_state
 
@@ -110,7 +110,7 @@ class CaptureTransaction:
         """Snapshots more state now (state that can only be named once capture has started)."""
         self._snapshots += [(item, item.save()) for item in restorables]
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is not None:
             self.rollback()
         return False  # never swallow the error: the caller decides (raise or continue eagerly)

@@ -12,7 +12,7 @@ from megatron_cg_plugin.banks.sizes import bank_sizes
 from megatron_cg_plugin.scopes import MOE_SCOPES
 from megatron_cg_plugin.settings import RunSettings
 
-__all__ = ["CapturePlan", "layer_is_graphed", "plan_capture"]
+__all__ = ["CapturePlan", "layer_is_graphed", "plan_capture", "required_setting"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,14 @@ class CapturePlan:
         )
 
 
+def required_setting(value: int | None, flag: str) -> int:
+    """``value`` of a setting the planners cannot do without; a run whose settings lack it gets a
+    TypeError naming ``flag`` (the error the planners' arithmetic on None raised before)."""
+    if value is None:
+        raise TypeError(f"{flag} is not set: the planners need it.")
+    return value
+
+
 def layer_is_graphed(facts: RunSettings, index: int) -> bool:
     """``index`` is 0-based; dense/MoE layer kinds follow ``--moe-layer-freq``."""
     if not facts.modules:
@@ -90,12 +98,13 @@ def plan_capture(facts: RunSettings) -> CapturePlan:
     data_parallel = facts.data_parallel
     global_batch = facts.global_batch_size or facts.micro_batch_size * data_parallel
     microbatches = max(1, global_batch // (facts.micro_batch_size * data_parallel))
-    graphed = tuple(i + 1 for i in range(facts.num_layers) if layer_is_graphed(facts, i))
+    num_layers = required_setting(facts.num_layers, "--num-layers")
+    graphed = tuple(i + 1 for i in range(num_layers) if layer_is_graphed(facts, i))
     return CapturePlan(
         impl=facts.cuda_graph_impl,
         scope="+".join(facts.modules) if facts.modules else "layer",
         graphed_layers=graphed if facts.te_graphs else (),
-        layers_per_stage=facts.num_layers // facts.pipeline_parallel,
+        layers_per_stage=num_layers // facts.pipeline_parallel,
         pipeline_stages=facts.pipeline_parallel,
         model_chunks=facts.virtual_pipeline or 1,
         microbatches_per_step=microbatches,

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.moe.capacity import capacity_plan
 from megatron_cg_plugin.planner.allocator import PoolModel
-from megatron_cg_plugin.planner.capture_plan import plan_capture
+from megatron_cg_plugin.planner.capture_plan import plan_capture, required_setting
 from megatron_cg_plugin.planner.reduction import column_sum_workspace
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.slot_sharing.offload_plan import (
@@ -444,7 +444,8 @@ class GraphMemoryPlan:
     arena_bytes: int | None = None  # --cg-slot-capture: the layers' GPU saved-tensor arenas (outside the pool)
     # --cg-slot-capture: the graphs' outputs and gradients and the parameter-gradient buffers (outside the pool)
     boundary_bytes: int | None = None
-    # packed graphs (--cg-thd-max-seqs without hybrid CP): the graphs' fixed-capacity offsets, static inputs outside the pool
+    # packed graphs (--cg-thd-max-seqs without hybrid CP): the graphs' fixed-capacity offsets, static inputs outside
+    # the pool
     thd_buffer_bytes: int | None = None
     thd_layout: tuple[int, int | None] | None = None  # packed graphs: (--cg-thd-max-seqs, the layout's max_seqlen)
 
@@ -454,6 +455,7 @@ class GraphMemoryPlan:
             f"peak live {self.peak_live_bytes / 2**20:.0f} MiB during capture"
         ]
         if self.arena_bytes is not None:
+            assert self.boundary_bytes is not None  # plan_slot_memory sets the arena and boundary figures together
             lines.append(
                 f"GPU arenas (predicted, --cg-slot-capture): {self.arena_bytes / 2**20:.1f} MiB; outputs, "
                 f"gradients and parameter-gradient buffers: {self.boundary_bytes / 2**20:.1f} MiB"
@@ -467,7 +469,8 @@ class GraphMemoryPlan:
                 ""
                 if self.thd_layout is None
                 else (
-                    f"; layout: {self.thd_layout[0] + 1} cu_seqlens entries, max_seqlen {self.thd_layout[1] or '--seq-length'}"
+                    f"; layout: {self.thd_layout[0] + 1} cu_seqlens entries, "
+                    f"max_seqlen {self.thd_layout[1] or '--seq-length'}"
                 )
             )
             lines.append(
@@ -502,7 +505,7 @@ def plan_graph_memory(layers: Sequence[LayerShape], modules: Sequence[str]) -> G
         for fwd, _ in programs:
             yield from fwd.ops
         held: list[str] = []
-        for fwd, bwd in reversed(programs):
+        for _fwd, bwd in reversed(programs):
             yield from (("free", name, 0) for name in held)
             yield from bwd.ops
             held = [
@@ -719,7 +722,8 @@ def attention_saves(s: LayerShape) -> list[Save]:
         if s.fp8_attention
         else [save("o", q, "core_attn")]
     )
-    return saves + [
+    return [
+        *saves,
         *output,
         Save("softmax_stats", stats * FP32, stats, "core_attn"),
         Save("rng", 16, 2, "core_attn"),
@@ -793,7 +797,9 @@ def _fp8_layer(settings: RunSettings, number: int) -> bool:
         return False
     if not settings.first_last_layers_bf16:
         return True
-    return settings.num_layers_at_start_in_bf16 < number <= settings.num_layers - settings.num_layers_at_end_in_bf16
+    return settings.num_layers_at_start_in_bf16 < number and number <= (
+        required_setting(settings.num_layers, "--num-layers") - settings.num_layers_at_end_in_bf16
+    )
 
 
 def offload_policy(settings: RunSettings) -> OffloadPolicy | None:
@@ -848,12 +854,13 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
                 s.context_parallel > 1,
             ),
             (
-                "in-graph offload's staging and reload buffers in the pool (up to --cg-offload-window + 1 groups' bytes)",
+                "in-graph offload's staging and reload buffers in the pool "
+                "(up to --cg-offload-window + 1 groups' bytes)",
                 s.slot_capture and policy is not None and config.offload_copies == "in-graph",
             ),
             (
-                "FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; the arenas "
-                "count the FP8 saves)",
+                "FP8 attention's quantized copies in the slot pool (the pool is modelled with bf16 attention; "
+                "the arenas count the FP8 saves)",
                 s.slot_capture and s.fp8 and s.fp8_dot_product_attention,
             ),
             (
@@ -867,14 +874,16 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
         if present
     ]
     tp, cp = s.tensor_parallel, s.context_parallel
-    heads = s.num_attention_heads
+    heads = required_setting(s.num_attention_heads, "--num-attention-heads")
+    hidden = required_setting(s.hidden_size, "--hidden-size")
+    ffn_hidden = required_setting(s.ffn_hidden_size, "--ffn-hidden-size")
     groups = s.num_query_groups if s.group_query_attention and s.num_query_groups else heads
-    head_dim = s.kv_channels or s.hidden_size // heads
+    head_dim = s.kv_channels or hidden // heads
     dense = LayerShape(
-        seq=s.seq_length // cp,
+        seq=required_setting(s.seq_length, "--seq-length") // cp,
         micro_batch=s.micro_batch_size,
-        hidden=s.hidden_size,
-        ffn=s.ffn_hidden_size // tp,
+        hidden=hidden,
+        ffn=ffn_hidden // tp,
         heads=max(1, heads // tp),
         query_groups=max(1, groups // tp),
         head_dim=head_dim,
@@ -896,7 +905,7 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
         moe_shape = MoeShape(
             experts=local,
             topk=s.moe_topk,
-            ffn=s.moe_ffn_hidden_size or s.ffn_hidden_size,
+            ffn=s.moe_ffn_hidden_size or ffn_hidden,
             rows=rows,
             shared_ffn=s.moe_shared_expert_intermediate_size or 0,
             router_fp32=s.moe_router_dtype == "fp32",
@@ -924,13 +933,14 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
         plan,
         unpredicted=tuple(unpredicted),
         thd_buffer_bytes=thd_buffer_bytes(s, len(layers)),
-        thd_layout=(s.thd_max_seqs, s.packed_max_seqlen) if s.packed_graphs else None,
+        # packed_graphs implies --cg-thd-max-seqs
+        thd_layout=(s.thd_max_seqs, s.packed_max_seqlen) if s.packed_graphs and s.thd_max_seqs is not None else None,
     )
 
 
 def thd_buffer_bytes(facts: RunSettings, graphs: int) -> int | None:
     """Packed graphs' static offsets: ``--cg-thd-max-seqs + 1`` int32 entries per graph that holds
     attention (None where the run has no packed graphs)."""
-    if not facts.packed_graphs:
+    if not facts.packed_graphs or facts.thd_max_seqs is None:  # packed_graphs implies --cg-thd-max-seqs
         return None
     return graphs * (facts.thd_max_seqs + 1) * INT32 if facts.attention_graphed else 0

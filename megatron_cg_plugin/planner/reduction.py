@@ -8,8 +8,9 @@ the caching allocator: inside a capture, in the graph pool. ``setReduceConfig`` 
 ``ReduceConfig::global_memory_size`` in ``aten/src/ATen/native/cuda/Reduce.cuh`` size it; this module
 does their arithmetic for a reduction over the slower dimension of a contiguous tensor. Checked
 against the H200 allocator traces: 128 MiB at 2048 x 8192, 64 MiB at 2048 x 4096,
-132 MiB at 4096 x 8192 and at 4096 x 6144, none at 512 rows. The buffer stops growing with the rows once the blocks fill the GPU, so
-it is not proportional to the tokens: at 4096 tokens it is 132 MiB, not twice the 128 MiB of 2048.
+132 MiB at 4096 x 8192 and at 4096 x 6144, none at 512 rows. The buffer stops growing with the rows
+once the blocks fill the GPU, so it is not proportional to the tokens: at 4096 tokens it is 132 MiB,
+not twice the 128 MiB of 2048.
 """
 
 from __future__ import annotations

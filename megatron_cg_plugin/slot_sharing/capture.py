@@ -15,10 +15,10 @@ handed to another capture.
 
 Sizes: one arena per slot, sized by the largest variant measured at warmup; boundary storage per
 (slot, I/O branch): variants with identical boundary layouts share it (as do variants naming the
-same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter gradients go through one buffer shared by every graph and
-are cloned after each backward replay (autograd may keep a returned gradient as ``.grad``), and
-captures that replay one at a time may share those buffers too (``memory.param_grads``); parameters no
-warmup gave a gradient get none.
+same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter
+gradients go through one buffer shared by every graph and are cloned after each backward replay
+(autograd may keep a returned gradient as ``.grad``), and captures that replay one at a time may
+share those buffers too (``memory.param_grads``); parameters no warmup gave a gradient get none.
 """
 
 from __future__ import annotations
@@ -284,10 +284,12 @@ def _adoptable(samples: Sequence[torch.Tensor]) -> list[bool]:
     static input would then serve two arguments)."""
     storages = [s.untyped_storage().data_ptr() for s in samples]
     return [
-        not isinstance(s, torch.nn.Parameter)
-        and s.storage_offset() == 0
-        and storages.count(storages[i]) == 1
-        and s.untyped_storage().nbytes() == span_elements(s) * s.element_size()
+        bool(  # storage_offset() is typed int | SymInt: its comparison a SymBool
+            not isinstance(s, torch.nn.Parameter)
+            and s.storage_offset() == 0
+            and storages.count(storages[i]) == 1
+            and s.untyped_storage().nbytes() == span_elements(s) * s.element_size()
+        )
         for i, s in enumerate(samples)
     ]
 
@@ -342,7 +344,8 @@ class _Entry:
         guard: SlotGuard | None,
         contract_check: ContractCheck = ContractCheck.FULL,
     ) -> None:
-        self.variant, self.slot, self.boundary = variant, slot, boundary
+        self.variant, self.slot = variant, slot
+        self.boundary: _Boundary | None = boundary  # None once released
         self.params, self.param_grads = tuple(params), tuple(param_grads)
         self.guard = guard
         self.forward_graph: Any = None
@@ -382,12 +385,15 @@ class _Entry:
         self.staged = None
         self.fp8 = None  # TE's weight-update flag
 
-    def _check_live(self) -> None:
+    def _check_live(self) -> _Boundary:
+        """The boundary of graphs that are still there (a RuntimeError once they were reset)."""
         if self.forward_graph is None:
             raise RuntimeError(
                 f"the graphs of {self.name} were reset (delete_cuda_graphs or SlottedGraphs.reset); "
                 "capture again before replaying."
             )
+        assert self.boundary is not None  # release drops the boundary with the graphs
+        return self.boundary
 
     def checked_forward(self) -> CheckedGraph:
         """``replay_forward`` held to this entry's contract (in its mode), as TE's graphs are."""
@@ -395,7 +401,7 @@ class _Entry:
         return CheckedGraph(self.replay_forward, contract, self.contract_check)
 
     def replay_forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self._check_live()
+        boundary = self._check_live()
         if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
             raise ContractViolation(
                 self.name,
@@ -403,7 +409,7 @@ class _Entry:
                 [name for name, _ in self.contract.inputs],
                 [f"arg{index}" for index in range(len(args))],
             )
-        for arg, static in zip(args, self.boundary.inputs, strict=True):
+        for arg, static in zip(args, boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)
         self.frames += 1
@@ -415,11 +421,11 @@ class _Entry:
         self.forward_graph.replay()
         if self.staged is not None:
             self.staged.after_forward()
-        return tuple(surface.view.detach() for surface in self.boundary.outputs)
+        return tuple(surface.view.detach() for surface in boundary.outputs)
 
     def replay_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
-        self._check_live()  # a forward replayed before a reset, its backward after
-        for grad, static in zip(grads, self.boundary.grad_outputs):
+        boundary = self._check_live()  # a forward replayed before a reset, its backward after
+        for grad, static in zip(grads, boundary.grad_outputs):
             if static is None:
                 continue
             if grad is None:
@@ -433,11 +439,13 @@ class _Entry:
             self.staged.after_backward()
         if self.guard is not None:
             self.guard.release(self.slot, self.frame or self.name)
-        input_grads = tuple(None if surface is None else surface.view.detach() for surface in self.boundary.input_grads)
+        input_grads = tuple(None if surface is None else surface.view.detach() for surface in boundary.input_grads)
         # Real parameter gradients are cloned: the buffer is shared by every graph, and autograd may
         # keep a returned gradient as ``.grad``. Unused parameters get no gradient at all.
+        # A used parameter has a buffer: _capture_entry refuses a captured gradient without one.
         param_grads = tuple(
-            buffer.clone() if used else None for buffer, used in zip(self.param_grads, self.params_used)
+            buffer.clone() if used and buffer is not None else None
+            for buffer, used in zip(self.param_grads, self.params_used)
         )
         return input_grads + param_grads
 
@@ -572,7 +580,7 @@ def capture_slotted(
         entries, arenas, boundaries, (param_grads, param_grad_bytes), measures, retained, offloading = _capture_all(
             variants, plan.ring_size, slots_of, params, pool, torch.cuda.Stream() if stream is None else stream, options
         )
-    if fp8_capture is not None:
+    if fp8 is not None and fp8_capture is not None:  # the one is set where the other is
         replay = fp8_capture.replay(fp8.enabled)
         for entry in entries.values():
             entry.fp8 = replay
@@ -712,9 +720,9 @@ def _capture_all(
     boundaries: dict[tuple[int, Hashable], _Boundary] = {}
     adopted: set[Hashable] = set()  # each variant's samples are one boundary's inputs at most
     for v, slot in placed:
-        key = (slot, branch_of[v.name])
-        if key not in boundaries:
-            boundaries[key] = _Boundary(v, measures[v.name], adopt_inputs=v.name not in adopted)
+        branch_key = (slot, branch_of[v.name])
+        if branch_key not in boundaries:
+            boundaries[branch_key] = _Boundary(v, measures[v.name], adopt_inputs=v.name not in adopted)
             adopted.add(v.name)
     # A buffer only for what some variant's warmup gave a gradient (an attn graph of an MoE layer reaches no expert).
     reached = [any(measure.params_used[index] for measure in measures.values()) for index in range(len(params))]
@@ -863,6 +871,7 @@ def _capture_entry(
     without arenas) take the forward's saves; in-graph offload hooks (``OffloadingArenaHooks``)
     send the planned ones to the host, and both graphs join their copy streams before they end."""
     boundary, variant = entry.boundary, entry.variant
+    assert boundary is not None  # captured before any release
     for static, sample in zip(boundary.inputs, variant.sample_args):
         static.detach().copy_(sample)
     before = _live(pool)
@@ -889,22 +898,24 @@ def _capture_entry(
     transaction.track(backward)
     te_seam.register_graph_safe_generators(backward)
     with torch.cuda.graph(backward, pool=pool, stream=stream), _copies_joined(hooks, "backward"):
-        grads = (
-            torch.autograd.grad(
-                [o for o, _ in differentiable],
-                inputs_with_grad + list(entry.params),
-                [g for _, g in differentiable],
-                allow_unused=True,
+        grads: list[torch.Tensor | None] = (
+            list(
+                torch.autograd.grad(
+                    [o for o, _ in differentiable],
+                    inputs_with_grad + list(entry.params),
+                    [g for _, g in differentiable],
+                    allow_unused=True,
+                )
             )
             if differentiable
-            else ()
+            else []
         )
-        grads = list(grads) or [None] * (len(inputs_with_grad) + len(entry.params))
+        grads = grads or [None] * (len(inputs_with_grad) + len(entry.params))
         input_grads = iter(grads[: len(inputs_with_grad)])
-        for static, surface in zip(boundary.inputs, boundary.input_grads):
+        for static, grad_surface in zip(boundary.inputs, boundary.input_grads):
             grad = next(input_grads) if static.requires_grad else None
-            if surface is not None and grad is not None:
-                surface.load(grad)
+            if grad_surface is not None and grad is not None:
+                grad_surface.load(grad)
         for index, (buffer, grad) in enumerate(zip(entry.param_grads, grads[len(inputs_with_grad) :])):
             if grad is not None:
                 if buffer is None:

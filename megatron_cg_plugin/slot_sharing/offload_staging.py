@@ -89,7 +89,7 @@ class StagingBuffer:
 class StagingRing:
     """The staging buffers and copy engine shared by every frame of a capture (all layers)."""
 
-    def __init__(self, device: torch.device | str, *, depth: int = 2, copies: CopyEngine | None = None) -> None:
+    def __init__(self, device: torch.device | str | int, *, depth: int = 2, copies: CopyEngine | None = None) -> None:
         if depth < 1:
             raise ValueError(f"staging ring depth {depth}: use 1 or more buffers.")
         self.device, self.depth = torch.device(device), depth
