@@ -48,7 +48,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _source(result: dict) -> str:
-    return f"`benchmarks/{result['name']}/` at {result['commit']}"
+    device = result["device"].split(",")[0]  # "1x NVIDIA H200 (141 GB), one process, ..." -> the GPU
+    return f"`benchmarks/{result['name']}/` at {result['commit']}, {device}"
 
 
 def speed(results: dict[str, dict]) -> str:

@@ -1,7 +1,7 @@
 """Install and uninstall the plugin, and stand in for the GPU host in a CPU dry run: the module
 that sets Megatron's globals for a run or a check (every change listed in ``patching.ledger``; a
 ``with`` block elsewhere changes only what ``ledger.SCOPED`` lists, through
-``patching.foreign_state``).
+``foreign_state``).
 
 ``install()`` checks versions and the private functions the plugin relies on
 (``ledger.PRIVATE_API``), applies every patch in ``ledger.PATCHES`` (all or nothing), saves the

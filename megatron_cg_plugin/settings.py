@@ -134,7 +134,7 @@ class RunSettings:
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_router_dtype: str | None = None
-    min_offloaded_tensor_size: int | None = None  # None: Megatron's default (offload.plan)
+    min_offloaded_tensor_size: int | None = None  # None: Megatron's default (slot_sharing.offload_plan)
     activation_offload_fraction: float = 1.0
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)

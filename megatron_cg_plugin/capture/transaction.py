@@ -39,7 +39,7 @@ class Restorable:
 
 
 def attribute(owner: Any, name: str, *, label: str | None = None) -> Restorable:
-    """``owner.name`` as ``owner`` itself holds it, saved and put back by ``patching.foreign_state``
+    """``owner.name`` as ``owner`` itself holds it, saved and put back by ``foreign_state``
     (absent stays absent: inherited attributes such as a class's ``__call__`` from ``nn.Module``
     are deleted again, not frozen as a copy)."""
 

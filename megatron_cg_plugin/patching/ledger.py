@@ -13,7 +13,7 @@ each exists; ``docs/patches.md`` is rendered from them (``markdown()``).
 - ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
   ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
 
-Every change is made and undone through ``patching.foreign_state``, which sits below everything;
+Every change is made and undone through ``foreign_state``, which sits below everything;
 this ledger owns the builders (``patching.builders``), so it sits at the install layer.
 """
 
@@ -319,7 +319,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "
         "index arithmetic stays Megatron's); the plugin's capture call stands in for TE's there, so the capture "
         "goes through the plugin's transaction and the graphs it returns can be held to their contracts.",
-        "capture.lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's "
+        "capture_lifecycle.PluginHelperMixin.create_cudagraphs (foreign_state.setting around Megatron's "
         "create_cudagraphs)",
         needs_te=True,
     ),  # Megatron imports it from TE
@@ -331,7 +331,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "outputs: TE captures every forward first, then the backwards in reverse order) and raises the test-only "
         "injected failure (--cg-inject-capture-failure). After the block the instance has its class's method again "
         "and no hook stays on TE's static outputs.",
-        "capture.lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the "
+        "capture_lifecycle._CaptureTracker.installed (foreign_state.setting around Megatron's create_cudagraphs in the "
         "capture transaction, and around the graph banks' capture)",
     ),
     ForeignState(
@@ -349,7 +349,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
         "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
         "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
-        "offload.groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)",
+        "slot_sharing.offload_groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)",
     ),
     ForeignState(
         "offload-in-graph-flag",
@@ -358,7 +358,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's capture callable records an event on its offload manager's stream and waits on its D2H stream "
         "inside the graph (forward_record / backward_record), streams the capture never forked; the arenas bring their "
         "own copy streams, so it is False during warmup and capture.",
-        "offload.groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)",
+        "slot_sharing.offload_groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)",
     ),
     ForeignState(
         "moe-router-drop-tap",
@@ -611,7 +611,7 @@ Set on the plugin's own subclasses' instances (injected through the layer spec),
 | `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's \
 `TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own \
 scope post-processing and its delayed offload flush after the bank replay. |
-| `pg_collection` of a dynamic-CP attention (`dynamic_cp.py`), for one forward | Megatron's attention applies THD \
+| `pg_collection` of a dynamic-CP attention (`banks/dynamic_cp.py`), for one forward | Megatron's attention applies THD \
 RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, \
 so the shared collection is never edited. |
 

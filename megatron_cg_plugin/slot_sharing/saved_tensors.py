@@ -202,7 +202,7 @@ class ArenaSizer(_Packer):
     With ``group`` (a callable naming the offload group running now, Megatron's ``attn_norm``,
     ``core_attn`` ...), every save is also recorded as a ``plan.offload.Save``: its storage by the
     order the frame first saved it in (the same at capture, where addresses differ), its size and
-    group, and whether it is marked not to be offloaded. ``plan.offload.plan_offload`` makes the
+    group, and whether it is marked not to be offloaded. ``slot_sharing.offload_plan.plan_offload`` makes the
     frame's offload plan from ``saves``."""
 
     def __init__(self, device: torch.device | str | None = None, group: Callable[[], str | None] | None = None) -> None:
