@@ -2,10 +2,7 @@
 # In-graph offload on GPT-3 6.7B's shape (32 x 4096): slot without offload, copies between replays with
 # window 1, and Megatron's own offload with TE's graphs, in one process.
 # Usage: bash benchmarks/offload_6p7b/run.sh OUT_DIR   (one GPU; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/offload_6p7b/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+source "$(dirname "$0")/../common.sh"
 export NVTE_CPU_OFFLOAD_V1=1
 MODEL="--cg-preset tiny-gpt --num-layers 32 --hidden-size 4096 --ffn-hidden-size 16384 --num-attention-heads 32
   --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 4 --vocab-size 32768

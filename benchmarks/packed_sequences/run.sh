@@ -2,10 +2,8 @@
 # Packed sequences (document masking, THD) through Megatron-LM's pretrain_gpt.py: eager against the plugin's
 # graphs (stock Megatron cannot graph these microbatches). Production mode: not deterministic.
 # Usage: bash benchmarks/packed_sequences/run.sh OUT_DIR   (one GPU, MEGATRON_LM_DIR set to a Megatron-LM checkout; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/packed_sequences/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export NVTE_ALLOW_NONDETERMINISTIC_ALGO=1
+source "$(dirname "$0")/../common.sh"
 python -m megatron_cg_plugin.data.synthetic "$OUT/data" --documents 16000 --max-document-length 200 > "$OUT/data.txt"
 MODEL="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --group-query-attention
   --num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights

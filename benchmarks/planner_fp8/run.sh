@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # The planner's graph-pool prediction under FP8 against the measured pool (TE's graphs), over the FP8 farm cases.
 # Usage: bash benchmarks/planner_fp8/run.sh OUT_DIR   (one GPU, run from the repository root; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/planner_fp8/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+source "$(dirname "$0")/../common.sh"
 C=tests/functional/test_cases
 megatron-cg farm $C/gpt/tiny_gpt_fp8_delayed $C/gpt/tiny_gpt_fp8_tensorwise \
   $C/gpt/tiny_gpt_fp8_attention_user_script --fit-gpus 1 --out "$OUT/farm"

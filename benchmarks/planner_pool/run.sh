@@ -2,10 +2,7 @@
 # The planner's graph-pool prediction against the measured pool, over the single-GPU farm cases (bf16, TE's graphs).
 # Each farm run's report holds both; `megatron-cg plan <the case's flags>` prints the prediction on CPU.
 # Usage: bash benchmarks/planner_pool/run.sh OUT_DIR   (one GPU, run from the repository root, MEGATRON_LM_DIR set for the *_megatron_lm cases; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/planner_pool/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+source "$(dirname "$0")/../common.sh"
 C=tests/functional/test_cases
 megatron-cg farm $C/gpt/tiny_gpt_attn $C/gpt/tiny_gpt_layer $C/gpt/tiny_gpt_real_data $C/moe/tiny_moe_router \
   $C/moe/tiny_moe_droppad $C/moe/tiny_moe_real_data_spm $C/gpt/gpt_12x1024_attn $C/gpt/gpt_12x1024_layer \

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Slot-shared capture's pool, GPU arenas and pinned host arenas, predicted against measured, over the slot farm cases.
 # Usage: bash benchmarks/planner_slot/run.sh OUT_DIR   (one GPU, run from the repository root; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/planner_slot/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+source "$(dirname "$0")/../common.sh"
 export NVTE_CPU_OFFLOAD_V1=1
 C=tests/functional/test_cases
 megatron-cg farm $C/gpt/tiny_gpt_slot_offload $C/moe/tiny_moe_slot_offload $C/moe/tiny_moe_slot_offload_delayed \

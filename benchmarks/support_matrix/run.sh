@@ -2,10 +2,7 @@
 # The support matrix: the all-pairs design, every cell trained eager and graphed (bit-for-bit lm loss), the
 # plugin / stock bench per cell, and the table docs/support-matrix.md is.
 # Usage: bash benchmarks/support_matrix/run.sh OUT_DIR   (one GPU, MEGATRON_LM_DIR set to a Megatron-LM checkout; nothing is written inside the repository)
-set -euo pipefail
-OUT=${1:?usage: bash benchmarks/support_matrix/run.sh OUT_DIR}
-mkdir -p "$OUT"
-export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUDA_DEVICE_MAX_CONNECTIONS=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+source "$(dirname "$0")/../common.sh"
 megatron-cg matrix plan --out "$OUT/cells.json"
 megatron-cg matrix run "$OUT/cells.json" --out "$OUT/run"
 megatron-cg matrix bench "$OUT/cells.json" --out "$OUT/bench" --parallel 3 -- --bench-rounds 4 --bench-steps 6
