@@ -349,7 +349,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "In-graph offload in slot-shared capture: Megatron's offload interface would install its own saved-tensor "
         "hooks, which take the saves away from the slot arenas' hook; inside the capture its __enter__ and __exit__ "
         "only name the group running now and group_offload returns its tensor (the plugin copies the saves itself).",
-        "slot_sharing.offload_groups.OffloadGroupTracker.scoped (foreign_state.setting around slot-shared warmup and capture)",
+        "slot_sharing.offload_groups.OffloadGroupTracker.scoped "
+        "(foreign_state.setting around slot-shared warmup and capture)",
     ),
     ForeignState(
         "offload-in-graph-flag",
@@ -358,7 +359,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's capture callable records an event on its offload manager's stream and waits on its D2H stream "
         "inside the graph (forward_record / backward_record), streams the capture never forked; the arenas bring their "
         "own copy streams, so it is False during warmup and capture.",
-        "slot_sharing.offload_groups.MegatronOffload.capturing (foreign_state.setting around slot-shared warmup and capture)",
+        "slot_sharing.offload_groups.MegatronOffload.capturing "
+        "(foreign_state.setting around slot-shared warmup and capture)",
     ),
     ForeignState(
         "moe-router-drop-tap",
@@ -611,8 +613,8 @@ Set on the plugin's own subclasses' instances (injected through the layer spec),
 | `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's \
 `TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own \
 scope post-processing and its delayed offload flush after the bank replay. |
-| `pg_collection` of a dynamic-CP attention (`banks/dynamic_cp.py`), for one forward | Megatron's attention applies THD \
-RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, \
+| `pg_collection` of a dynamic-CP attention (`banks/dynamic_cp.py`), for one forward | Megatron's attention \
+applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, \
 so the shared collection is never edited. |
 
 One more Megatron instance state is written, not lent: graph banks that graph an MoE block set the
