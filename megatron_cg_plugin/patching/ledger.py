@@ -614,8 +614,8 @@ Set on the plugin's own subclasses' instances (injected through the layer spec),
 `TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own \
 scope post-processing and its delayed offload flush after the bank replay. |
 | `pg_collection` of a dynamic-CP attention (`banks/dynamic_cp.py`), for one forward | Megatron's attention \
-applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's CP group instead, \
-so the shared collection is never edited. |
+applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's \
+CP group instead, so the shared collection is never edited. |
 
 One more Megatron instance state is written, not lent: graph banks that graph an MoE block set the
 token dispatcher's per-forward attributes to None before capture and as each captured forward
