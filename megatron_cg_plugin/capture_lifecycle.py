@@ -70,7 +70,7 @@ def scope_label(modules: Iterable[Any]) -> str:
     return "+".join(module_names(modules)) or "layer"
 
 
-def layer_label(layer: Any, index: int) -> str:
+def _layer_label(layer: Any, index: int) -> str:
     number = getattr(layer, "layer_number", None)
     return f"layer {number}" if number is not None else f"graphed callable #{index + 1}"
 
@@ -121,7 +121,7 @@ class _CaptureTracker:
         self._hooks.clear()
 
     def _wrap(self, run: Callable, index: int, layer: Any) -> Callable:
-        label = layer_label(layer, index)
+        label = _layer_label(layer, index)
         forward, backward = f"{label} (forward)", f"{label} (backward)"
 
         def capture_entry(*args: Any, **kwargs: Any) -> Any:
@@ -529,7 +529,7 @@ class PluginHelperMixin(_MegatronHelper):
                 index = index_of.get(id(graph))
                 if index is None:
                     raise CaptureFailedError(
-                        f"{layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
+                        f"{_layer_label(layer, slot)} was handed a graph make_graphed_callables did not return: this "
                         "megatron-core release hands graphs out differently; install the supported one "
                         "(docs/versions.md)."
                     )
@@ -537,7 +537,7 @@ class PluginHelperMixin(_MegatronHelper):
                     None
                     if mode is ContractCheck.OFF
                     else ReplayContract.record(
-                        f"{layer_label(layer, slot)} microbatch {microbatch}",
+                        f"{_layer_label(layer, slot)} microbatch {microbatch}",
                         capture.sample_args[index],
                         capture.sample_kwargs[index] or {},
                         module=layer,

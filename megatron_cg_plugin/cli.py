@@ -31,7 +31,7 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_MISMATCH", "EXIT_OK", "main"]
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH, console.EXIT_BAD_INPUT
 
 
-def moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
+def _moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
     and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
     load is checked whatever the model; a dense model, which has no router, refuses one."""
@@ -184,7 +184,7 @@ def _plan(argv: Sequence[str]) -> int:
         return (
             plan_capture(settings).describe()
             + "\n"
-            + moe_plan_text(settings, options.router_load)
+            + _moe_plan_text(settings, options.router_load)
             + "\n"
             + (
                 "graph pool: nothing graphed, or layers the planner does not model"
@@ -427,7 +427,7 @@ def _run(argv: Sequence[str]) -> int:
     return run_script.main(argv)
 
 
-def unknown_command(name: str, commands: Collection[str]) -> str:
+def _unknown_command(name: str, commands: Collection[str]) -> str:
     close = difflib.get_close_matches(name, list(commands), n=1)
     hint = f", did you mean {close[0]!r}?" if close else ""
     return (
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(helptext.versions_text())
         return EXIT_OK
     if argv[0] not in commands:
-        print(unknown_command(argv[0], commands), file=sys.stderr)
+        print(_unknown_command(argv[0], commands), file=sys.stderr)
         return EXIT_BAD_INPUT
     # Megatron's notes on optional packages it lacks are no cause of anything a command reports.
     console.hide_optional_package_warnings()

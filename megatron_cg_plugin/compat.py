@@ -33,9 +33,9 @@ __all__ = [
     "unwrapped",
 ]
 
-SUPPORTED_MEGATRON_CORE = ((0, 19, 2), (0, 20, 0))  # [min, max)
+_SUPPORTED_MEGATRON_CORE = ((0, 19, 2), (0, 20, 0))  # [min, max)
 SUPPORTED_TRANSFORMER_ENGINE = ((2, 20, 0), (2, 21, 0))
-MIN_TORCH = (2, 9, 0)
+_MIN_TORCH = (2, 9, 0)
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -67,11 +67,11 @@ class Versions:
 
 def check_versions(versions: Versions, *, require_te: bool) -> None:
     """Raises ``UnsupportedVersionError`` naming the supported range of the first offending package."""
-    if parse_version(versions.torch) < MIN_TORCH:
+    if parse_version(versions.torch) < _MIN_TORCH:
         raise UnsupportedVersionError(
-            f"torch {versions.torch} is too old: megatron-cg-plugin needs torch >= {_fmt(MIN_TORCH)}."
+            f"torch {versions.torch} is too old: megatron-cg-plugin needs torch >= {_fmt(_MIN_TORCH)}."
         )
-    low, high = SUPPORTED_MEGATRON_CORE
+    low, high = _SUPPORTED_MEGATRON_CORE
     if versions.megatron_core is None:
         raise UnsupportedVersionError(
             f"megatron-core is not installed: install megatron-core>={_fmt(low)},<{_fmt(high)}."

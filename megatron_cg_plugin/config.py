@@ -34,11 +34,11 @@ __all__ = [
 ]
 
 PRESETS = ("tiny-gpt", "tiny-moe", "tiny-gpt-hybrid-cp")
-ON_CAPTURE_ERROR = ("raise", "eager")
-STALE_GRAPH_CHECKS = ("refuse", "before", "off")
+_ON_CAPTURE_ERROR = ("raise", "eager")
+_STALE_GRAPH_CHECKS = ("refuse", "before", "off")
 OFFLOAD_COPIES = ("in-graph", "between-replays")
 SLOT_DEBUG_ENV = "MEGATRON_CG_SLOT_DEBUG"
-DEFAULT_THD_MAX_SEQS = 8  # graph banks' packs when --cg-thd-max-seqs is not given
+_DEFAULT_THD_MAX_SEQS = 8  # graph banks' packs when --cg-thd-max-seqs is not given
 
 
 class ContractCheck(enum.StrEnum):
@@ -50,7 +50,7 @@ class ContractCheck(enum.StrEnum):
     OFF = "off"
 
 
-CONTRACT_CHECKS = tuple(mode.value for mode in ContractCheck)  # the flag's choices
+_CONTRACT_CHECKS = tuple(mode.value for mode in ContractCheck)  # the flag's choices
 
 
 def is_power_of_two(value: int) -> bool:
@@ -87,7 +87,7 @@ class PluginConfig:
             bank of each packed microbatch's CP size.
         thd_max_seqs: the most packed sequences a THD microbatch may hold: graphs fix their
             ``cu_seqlens`` buffers at capture. Hybrid CP's packs (graph banks) take
-            ``DEFAULT_THD_MAX_SEQS`` when it is not given (``thd_capacity``); packed data without
+            ``_DEFAULT_THD_MAX_SEQS`` when it is not given (``thd_capacity``); packed data without
             hybrid CP (``--dataloader-inter-document-masking``, ``--sft``) is laid out at this capacity,
             eager and graphed alike, only when it is given (``packed_graphs``).
         thd_max_seqlen: the longest packed sequence (document) such a microbatch may hold: the
@@ -135,14 +135,14 @@ class PluginConfig:
     slot_debug: bool = False
 
     def __post_init__(self) -> None:
-        validate_config(self)
+        _validate_config(self)
         # Checked above, in the one list of problems; held as the enum from here on (the flag gives a str).
         object.__setattr__(self, "contract_check", ContractCheck(self.contract_check))
 
     @property
     def thd_capacity(self) -> int:
         """The sequences per packed microbatch of hybrid CP's fixed-capacity packs."""
-        return DEFAULT_THD_MAX_SEQS if self.thd_max_seqs is None else self.thd_max_seqs
+        return _DEFAULT_THD_MAX_SEQS if self.thd_max_seqs is None else self.thd_max_seqs
 
 
 class ConfigError(ValueError):
@@ -156,15 +156,15 @@ class ConfigError(ValueError):
         super().__init__(" ".join(problems))
 
 
-def config_problems(config: PluginConfig) -> list[str]:
+def _config_problems(config: PluginConfig) -> list[str]:
     """What is wrong with ``config``, one message per problem (empty when it is valid)."""
     problems = []
     if config.preset is not None and config.preset not in PRESETS:
         problems.append(f"--cg-preset {config.preset!r} is unknown; use one of {', '.join(PRESETS)}.")
     for flag, value, allowed in (
-        ("--cg-on-capture-error", config.on_capture_error, ON_CAPTURE_ERROR),
-        ("--cg-contract-check", config.contract_check, CONTRACT_CHECKS),
-        ("--cg-stale-graph-check", config.stale_graph_check, STALE_GRAPH_CHECKS),
+        ("--cg-on-capture-error", config.on_capture_error, _ON_CAPTURE_ERROR),
+        ("--cg-contract-check", config.contract_check, _CONTRACT_CHECKS),
+        ("--cg-stale-graph-check", config.stale_graph_check, _STALE_GRAPH_CHECKS),
         ("--cg-offload-copies", config.offload_copies, OFFLOAD_COPIES),
     ):
         if value not in allowed:
@@ -208,16 +208,16 @@ def config_problems(config: PluginConfig) -> list[str]:
     return problems
 
 
-def validate_config(config: PluginConfig) -> None:
+def _validate_config(config: PluginConfig) -> None:
     """The single place where a ``PluginConfig`` is checked; raises ``ConfigError`` (a ``ValueError``)
     listing every problem, each saying what to change."""
-    problems = config_problems(config)
+    problems = _config_problems(config)
     if problems:
         raise ConfigError(problems)
 
 
 @dataclasses.dataclass(frozen=True)
-class PluginFlag:
+class _PluginFlag:
     """One ``--cg-*`` flag: what argparse needs, its group in the help, and its one help text, which
     ``--help`` and the README's table both print (``megatron_cg_plugin.helptext``)."""
 
@@ -271,8 +271,8 @@ FLAG_GROUPS = (
     "testing hooks",
 )
 
-PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
-    PluginFlag(
+PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
+    _PluginFlag(
         "--cg-preset",
         "first run",
         "Megatron flags for a first run, placed before yours (yours win): tiny-gpt (a 2-layer GPT on mock "
@@ -280,33 +280,33 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         "tiny-gpt-hybrid-cp (hybrid context parallelism, on 2 or more ranks); presets never turn graphs on.",
         {"choices": PRESETS, "default": None},
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-on-capture-error",
         "capture",
         "After a failed capture (always rolled back): stop, naming the layer and the cause (raise), or train "
         "on without graphs (eager).",
-        {"choices": ON_CAPTURE_ERROR, "default": "raise"},
+        {"choices": _ON_CAPTURE_ERROR, "default": "raise"},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-contract-check",
         "capture",
         "What each graph replay checks against its capture before it runs: tensor metadata, aliasing, control "
         "values, parameter storage and process groups (full), tensor shapes and dtypes (shapes), or nothing "
         "(off).",
-        {"choices": CONTRACT_CHECKS, "default": ContractCheck.FULL.value},
+        {"choices": _CONTRACT_CHECKS, "default": ContractCheck.FULL.value},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-stale-graph-check",
         "capture",
         "Refuse capture while eager autograd graphs reaching graphed parameters are alive, naming their "
         "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
         "capture (before, about 0.2 s).",
-        {"choices": STALE_GRAPH_CHECKS, "default": "refuse"},
+        {"choices": _STALE_GRAPH_CHECKS, "default": "refuse"},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-slot-capture",
         "slot-shared capture and offload",
         "PP = 1: capture every graphed layer through slot-shared capture inside Megatron's own "
@@ -317,7 +317,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         doc="docs/variants.md",
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-offload-copies",
         "slot-shared capture and offload",
         "Where slot-shared offload copies: in each layer's graphs on side streams (in-graph), or between "
@@ -325,7 +325,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         {"choices": OFFLOAD_COPIES, "default": "in-graph"},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-offload-window",
         "slot-shared capture and offload",
         "How far those copies run beside the compute: N offload groups ahead inside the graphs, or a ring of "
@@ -333,7 +333,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         {"type": int, "default": 1, "metavar": "N"},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-graph-banks",
         "graph banks (hybrid context parallelism)",
         "With --hybrid-context-parallel: one graph bank per power-of-two CP size for every layer (whole layer, "
@@ -343,14 +343,14 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         doc="docs/variants.md",
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-bank-min-cp",
         "graph banks (hybrid context parallelism)",
         "The smallest CP size that gets a bank (powers of two from K to DP x CP).",
         {"type": int, "default": 1, "metavar": "K"},
         graphs_only=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-thd-max-seqs",
         "graph banks (hybrid context parallelism)",
         "The most packed sequences (documents) per microbatch: graphs fix their cu_seqlens buffers at capture. "
@@ -360,7 +360,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         {"type": int, "default": None, "metavar": "N"},
         doc="docs/variants.md",
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-thd-max-seqlen",
         "graph banks (hybrid context parallelism)",
         "The longest packed sequence (document) per microbatch, at most --seq-length (the default): the "
@@ -371,20 +371,20 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         {"type": int, "default": None, "metavar": "L"},
         doc="docs/variants.md",
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-metrics-out",
         "outputs and report",
         "Write the per-step lm loss, num-zeros, iteration time and memory in Megatron's golden-values JSON to FILE.",
         {"type": Path, "default": None, "metavar": "FILE"},
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-report-out",
         "outputs and report",
         "Write the run report (graphs captured and replayed, capture time, pool bytes, step times) as JSON to FILE.",
         {"type": Path, "default": None, "metavar": "FILE"},
         doc="docs/report.md",
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-no-report",
         "outputs and report",
         "Do not print the run report table when training ends.",
@@ -392,7 +392,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         field="print_report",
         invert=True,
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-moe-drop-stats",
         "outputs and report",
         "Count the token-to-expert assignments the MoE routers drop at a fixed capacity (forward hooks on the "
@@ -400,7 +400,7 @@ PLUGIN_FLAGS: tuple[PluginFlag, ...] = (
         "plan, and the farm turns it on for its MoE cases.",
         {"action": "store_true"},
     ),
-    PluginFlag(
+    _PluginFlag(
         "--cg-inject-capture-failure",
         "testing hooks",
         "Testing only: fail inside the capture of the N-th graphed layer (from 1), to exercise the rollback.",

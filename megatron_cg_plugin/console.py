@@ -33,9 +33,9 @@ __all__ = [
 
 # Megatron's import-time notes about optional packages (megatron-core 0.19.2's wording); on a
 # CPU host TE's version reads 0.0.0, which only says TE is missing.
-OPTIONAL_PACKAGE_WARNING = r".*(is not installed|are not installed|Falling back to|your version is 0\.0\.0)"
-NO_CUDA_RUNTIME = "No CUDA runtime is found"  # torch.utils.cpp_extension on a host without a GPU
-PLUGIN_PREFIX = "megatron-cg-plugin:"
+_OPTIONAL_PACKAGE_WARNING = r".*(is not installed|are not installed|Falling back to|your version is 0\.0\.0)"
+_NO_CUDA_RUNTIME = "No CUDA runtime is found"  # torch.utils.cpp_extension on a host without a GPU
+_PLUGIN_PREFIX = "megatron-cg-plugin:"
 # The entry points' exit codes: done, a mismatch or failure found, input refused (the flag named).
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -47,18 +47,18 @@ def group_label(group: object) -> str:
 
 
 # The last line of a Python traceback: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``.
-EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt|Failure|Violation)\b(: .*)?$")
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit|Interrupt|Failure|Violation)\b(: .*)?$")
 
 
 class _HideNoCudaRuntime(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(NO_CUDA_RUNTIME)
+        return not record.getMessage().startswith(_NO_CUDA_RUNTIME)
 
 
 def hide_optional_package_warnings() -> None:
     """Hides Megatron's warnings about optional packages it lacks, and torch's note that this host
     has no CUDA runtime, for the rest of the process (idempotent)."""
-    warnings.filterwarnings("ignore", message=OPTIONAL_PACKAGE_WARNING, category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", message=_OPTIONAL_PACKAGE_WARNING, category=UserWarning, module=r"megatron\.")
     logger = logging.getLogger("torch.utils.cpp_extension")
     if not any(isinstance(f, _HideNoCudaRuntime) for f in logger.filters):
         logger.addFilter(_HideNoCudaRuntime())
@@ -110,7 +110,9 @@ def _report_failure(out: str, err: str, caught: list[warnings.WarningMessage]) -
     sys.stderr.write(err)
     if log is not None:
         print(
-            f"{PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}", file=sys.stderr, flush=True
+            f"{_PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}",
+            file=sys.stderr,
+            flush=True,
         )
 
 
@@ -118,11 +120,11 @@ def failure_cause(text: str) -> str | None:
     """The line worth reading in a failed process's output: the plugin's refusal (with its rule
     lines), else the last exception line of a traceback; None when neither is there."""
     lines = [line.rstrip() for line in text.splitlines()]
-    refusals = [i for i, line in enumerate(lines) if line.startswith(PLUGIN_PREFIX)]
+    refusals = [i for i, line in enumerate(lines) if line.startswith(_PLUGIN_PREFIX)]
     if refusals:
         start = refusals[0]
         return "\n".join([lines[start], *_indented_after(lines, start)])
-    exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
+    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
     return exceptions[-1] if exceptions else None
 
 

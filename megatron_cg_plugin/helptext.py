@@ -13,17 +13,17 @@ from megatron_cg_plugin.config import FLAG_GROUPS, PLUGIN_FLAGS, SLOT_DEBUG_ENV,
 
 __all__ = ["flags_markdown_table", "plugin_flags_help", "usage", "versions_text"]
 
-ENVIRONMENT = (
+_ENVIRONMENT = (
     f"{SLOT_DEBUG_ENV}=1: slot-shared graphs check, at every replay, that no live frame owns the slot "
     "about to be reused."
 )
-DOCS = "README.md, docs/troubleshooting.md (every error and rule), docs/farm.md, docs/variants.md"
+_DOCS = "README.md, docs/troubleshooting.md (every error and rule), docs/farm.md, docs/variants.md"
 # Where Megatron's own flags are described, since megatron-core 0.19.2's --help cannot print them.
-MEGATRON_FLAGS_DOC = (
+_MEGATRON_FLAGS_DOC = (
     "megatron/training/arguments.py in megatron-core (python -c 'import megatron.training.arguments "
     "as a; print(a.__file__)'), or Megatron-LM's docs"
 )
-STACK = (
+_STACK = (
     ("torch", ("torch",)),
     ("megatron-core", ("megatron-core", "megatron_core")),
     ("transformer-engine", ("transformer-engine", "transformer_engine")),
@@ -37,7 +37,7 @@ def plugin_flags_help(width: int = 100) -> str:
         prog="megatron-cg", add_help=False, usage=argparse.SUPPRESS, formatter_class=formatter
     )
     add_plugin_args(parser)
-    environment = textwrap.fill(ENVIRONMENT, width, initial_indent="  ", subsequent_indent="    ")
+    environment = textwrap.fill(_ENVIRONMENT, width, initial_indent="  ", subsequent_indent="    ")
     return f"{parser.format_help().strip()}\n\nenvironment:\n{environment}"
 
 
@@ -53,7 +53,7 @@ def flags_markdown_table() -> str:
     return "\n".join(rows)
 
 
-def command_lines(commands: Mapping[str, Callable]) -> str:
+def _command_lines(commands: Mapping[str, Callable]) -> str:
     """One entry per subcommand: its docstring (synopsis, then what it does), else its name."""
     entries = []
     for name, function in commands.items():
@@ -79,13 +79,13 @@ def usage(commands: Mapping[str, Callable]) -> str:
             ),
             "",
             "commands:",
-            command_lines(commands),
+            _command_lines(commands),
             "",
             "plugin flags (check, plan, bench, run, the launcher and install() take them beside Megatron's):",
             "",
             plugin_flags_help(),
             "",
-            f"docs: {DOCS}",
+            f"docs: {_DOCS}",
         ]
     )
 
@@ -93,5 +93,5 @@ def usage(commands: Mapping[str, Callable]) -> str:
 def versions_text() -> str:
     """``megatron-cg --version``: from package metadata only (importing TE is slow and needs CUDA)."""
     lines = [f"megatron-cg-plugin {__version__}"]
-    lines += [f"{label} {compat.distribution_version(*names) or 'not installed'}" for label, names in STACK]
+    lines += [f"{label} {compat.distribution_version(*names) or 'not installed'}" for label, names in _STACK]
     return "\n".join(lines)

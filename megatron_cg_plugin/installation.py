@@ -29,7 +29,7 @@ from megatron_cg_plugin.refusal import enforce_for_session
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import plugin_config
 
-__all__ = ["active_session", "finish", "gpu_host_stand_ins", "install", "uninstall"]
+__all__ = ["TE_KERNELS", "active_session", "finish", "gpu_host_stand_ins", "install", "uninstall"]
 
 
 @dataclasses.dataclass

@@ -55,7 +55,7 @@ def _error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2)
 
 
-def graph_module_type(parse: Callable[[str], Any], valid: list[str]) -> Callable[[str], Any]:
+def _graph_module_type(parse: Callable[[str], Any], valid: list[str]) -> Callable[[str], Any]:
     """Megatron's ``--cuda-graph-modules`` type with a bad value reported as argparse errors are."""
 
     @functools.wraps(parse)
@@ -104,5 +104,5 @@ def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for action in parser._actions:
         if GRAPH_MODULE_FLAGS & set(action.option_strings) and action.type is not None:
             # Megatron's --cuda-graph-modules type is a parsing function (argparse also allows a FileType or a name)
-            action.type = graph_module_type(cast(Callable[[str], Any], action.type), _graph_module_names())
+            action.type = _graph_module_type(cast(Callable[[str], Any], action.type), _graph_module_names())
     return parser

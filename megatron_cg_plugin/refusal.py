@@ -29,13 +29,13 @@ __all__ = [
     "transformer_config_backstop",
 ]
 
-EXIT_REFUSED = 2
+_EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
 # from validate_args and TransformerConfig.__post_init__.
 MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError)
 MEGATRON_HEADING = "Megatron rejects these flags:"
 # Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
-REQUIRED_FLAGS = (
+_REQUIRED_FLAGS = (
     "--micro-batch-size",
     "--num-layers",
     "--hidden-size",
@@ -51,7 +51,7 @@ class RunRefused(SystemExit):
     standing for Megatron's own checks, listed after the plugin's rules under a heading of their own."""
 
     def __init__(self, violations: list[tuple[str, str]], heading: str) -> None:
-        super().__init__(EXIT_REFUSED)
+        super().__init__(_EXIT_REFUSED)
         self.violations = violations
         self.heading = heading
 
@@ -79,8 +79,8 @@ def megatron_rejection(error: BaseException) -> str:
 
 
 def missing_required_flags(args: Any) -> list[str]:
-    """The ``REQUIRED_FLAGS`` that parsed ``args`` lack (all of them at once, where Megatron names one)."""
-    return [flag for flag in REQUIRED_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is None]
+    """The ``_REQUIRED_FLAGS`` that parsed ``args`` lack (all of them at once, where Megatron names one)."""
+    return [flag for flag in _REQUIRED_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is None]
 
 
 def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[str, str]) -> RunRefused:

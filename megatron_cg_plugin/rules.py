@@ -36,7 +36,7 @@ __all__ = [
     "violations",
 ]
 
-SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
+_SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
 
 
 class RuleViolation(ValueError):
@@ -51,7 +51,7 @@ class RuleViolation(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:
+class _Rule:
     """``violated(facts)`` is True when the flags break the rule; ``fix`` says what to change."""
 
     name: str
@@ -88,8 +88,8 @@ def _fitting_seqlen(f: RunSettings) -> str:
     )
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(
+RULES: tuple[_Rule, ...] = (
+    _Rule(
         "num-layers",
         "megatron",
         lambda f: f.num_layers is not None and f.num_layers < 1,
@@ -97,7 +97,7 @@ RULES: tuple[Rule, ...] = (
         "error' otherwise): give the number of transformer layers.",
         detail=lambda f: f"(--num-layers {f.num_layers})",
     ),
-    Rule(
+    _Rule(
         "cg-flags-need-te-graphs",
         "plugin",
         lambda f: not f.te_graphs and bool(f.graph_only_flags),
@@ -105,61 +105,61 @@ RULES: tuple[Rule, ...] = (
         "is captured, so they would do nothing: add --cuda-graph-impl transformer_engine, or drop them:",
         detail=lambda f: f"{' '.join(f.graph_only_flags)} (--cuda-graph-impl {f.cuda_graph_impl})",
     ),
-    Rule(
+    _Rule(
         "te-installed",
         "plugin",
         _graphs(lambda f: not f.te_available),
         "--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
         "'megatron-cg-plugin[te]', or use --cuda-graph-impl none.",
     ),
-    Rule(
+    _Rule(
         "te-layers",
         "megatron",
         _graphs(lambda f: f.transformer_impl != "transformer_engine"),
         "TE CUDA graphs capture TE layers: use --transformer-impl transformer_engine.",
     ),
-    Rule(
+    _Rule(
         "moe-xor-router",
         "megatron",
         _graphs(lambda f: {"moe", "moe_router"} <= set(f.modules)),
         "--cuda-graph-modules lists both moe and moe_router: keep moe (whole MoE block, needs "
         "drop-and-pad) or moe_router [moe_preprocess], not both.",
     ),
-    Rule(
+    _Rule(
         "preprocess-needs-router",
         "megatron",
         _graphs(lambda f: "moe_preprocess" in f.modules and "moe_router" not in f.modules),
         "--cuda-graph-modules moe_preprocess needs moe_router too: add moe_router.",
     ),
-    Rule(
+    _Rule(
         "moe-scope-needs-moe",
         "megatron",
         _graphs(lambda f: bool(MOE_SCOPES & set(f.modules)) and not f.moe),
         "--cuda-graph-modules moe/moe_router/moe_preprocess need an MoE model: set --num-experts > 1 "
         "or drop those modules.",
     ),
-    Rule(
+    _Rule(
         "moe-layer-freq",
         "megatron",
         lambda f: f.has_moe_layers and not f.moe_layer_freq_fits,
         "--moe-layer-freq lists a pattern whose length differs from --num-layers: give one 0/1 entry "
         "per layer, or an integer frequency.",
     ),
-    Rule(
+    _Rule(
         "mlp-scope-needs-dense",
         "megatron",
         _graphs(lambda f: "mlp" in f.modules and f.moe and f.all_layers_moe),
         "--cuda-graph-modules mlp graphs dense MLPs, but every layer is MoE: use moe or moe_router "
         "instead of mlp, or make some layers dense with --moe-layer-freq.",
     ),
-    Rule(
+    _Rule(
         "moe-scope-needs-drop-and-pad",
         "megatron",
         _graphs(lambda f: "moe" in f.modules and not f.drop_and_pad),
         "--cuda-graph-modules moe needs static expert shapes: add --moe-expert-capacity-factor "
         "(e.g. 1.5) and --moe-pad-expert-input-to-capacity, or graph moe_router instead.",
     ),
-    Rule(
+    _Rule(
         "preprocess-no-host-sync",
         "megatron",
         _graphs(
@@ -174,7 +174,7 @@ RULES: tuple[Rule, ...] = (
         "(--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity, or "
         "--moe-router-padding-for-fp8): remove moe_preprocess or pad to capacity.",
     ),
-    Rule(
+    _Rule(
         "moe-capacity-over-tokens",
         "megatron",
         lambda f: (
@@ -190,14 +190,14 @@ RULES: tuple[Rule, ...] = (
         "than the rank's tokens, which Megatron's alltoall dispatcher cannot lay out (a view error in permute): use "
         "a capacity factor of at most num-experts / topk.",
     ),
-    Rule(
+    _Rule(
         "moe-tp-needs-sequence-parallel",
         "megatron",
         lambda f: f.has_moe_layers and f.tensor_parallel > 1 and not f.sequence_parallel,
         "Megatron trains MoE layers under tensor parallelism only with sequence parallelism (moe_layer.py raises "
         "otherwise): add --sequence-parallel.",
     ),
-    Rule(
+    _Rule(
         "whole-layer-moe-needs-drop-and-pad",
         "plugin",
         _graphs(lambda f: not f.modules and f.has_moe_layers and not f.drop_and_pad),
@@ -205,14 +205,14 @@ RULES: tuple[Rule, ...] = (
         "dispatcher, whose shapes change per step: add --moe-expert-capacity-factor and "
         "--moe-pad-expert-input-to-capacity, or list modules such as attn moe_router.",
     ),
-    Rule(
+    _Rule(
         "full-recompute",
         "megatron",
         _graphs(lambda f: f.recompute_granularity == "full"),
         "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration: use "
         "--recompute-granularity selective or turn graphs off.",
     ),
-    Rule(
+    _Rule(
         "moe-recompute-vs-router",
         "megatron",
         _graphs(
@@ -222,49 +222,49 @@ RULES: tuple[Rule, ...] = (
         ),
         "--recompute-modules moe cannot be combined with --cuda-graph-modules moe_router: drop one.",
     ),
-    Rule(
+    _Rule(
         "cpu-offloading",
         "megatron",
         _graphs(lambda f: f.cpu_offloading),
         "--cpu-offloading is not supported with CUDA graphs: use --fine-grained-activation-offloading "
         "or turn graphs off.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp",
         "plugin",
         _graphs(lambda f: f.hybrid_context_parallel and not f.graph_banks),
         "--hybrid-context-parallel with TE CUDA graphs needs one graph bank per CP size (Megatron's "
         "own replay refuses packed sequences): add --cg-graph-banks, or use --cuda-graph-impl none.",
     ),
-    Rule(
+    _Rule(
         "banks-need-hybrid-cp",
         "plugin",
         _graphs(lambda f: f.graph_banks and not f.hybrid_context_parallel),
         "--cg-graph-banks captures one bank per CP size of --hybrid-context-parallel: add "
         "--hybrid-context-parallel, or drop --cg-graph-banks.",
     ),
-    Rule(
+    _Rule(
         "banks-rope-type",
         "plugin",
         _graphs(lambda f: f.graph_banks and f.position_embedding_type in ("yarn", "mrope")),
         "graph banks bind one RoPE table per CP size for --position-embedding-type rope; yarn and mrope "
         "tables are not supported: use --position-embedding-type rope or learned_absolute.",
     ),
-    Rule(
+    _Rule(
         "banks-rope-fusion",
         "plugin",
         _graphs(lambda f: f.graph_banks and f.position_embedding_type == "rope" and not f.apply_rope_fusion),
         "Megatron's unfused THD RoPE reads sequence lengths on the host (.tolist()), which a graph cannot "
         "capture: drop --no-rope-fusion with --cg-graph-banks.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-rope-static-cp",
         "plugin",
         lambda f: f.hybrid_context_parallel and f.position_embedding_type == "rope" and f.context_parallel > 1,
         "under --hybrid-context-parallel each microbatch applies RoPE with its own CP group, and CP-1 "
         "microbatches with the static one, which must then have one rank: use --context-parallel-size 1.",
     ),
-    Rule(
+    _Rule(
         "banks-scope",
         "plugin",
         _graphs(lambda f: f.graph_banks and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
@@ -273,7 +273,7 @@ RULES: tuple[Rule, ...] = (
         "to its eager rest, which is not verified with banks: use --cuda-graph-modules attn moe "
         "(--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity) or attn with --cg-graph-banks.",
     ),
-    Rule(
+    _Rule(
         "offload-in-graph-warmup",
         "megatron",
         _graphs(lambda f: bool(f.offloaded_in_graphs) and f.warmup_steps < 1),
@@ -281,7 +281,7 @@ RULES: tuple[Rule, ...] = (
         "cuda_graph_warmup_steps > 0; the plugin's in-graph offload records its plan there): set "
         "--cuda-graph-warmup-steps 1 or more.",
     ),
-    Rule(
+    _Rule(
         "whole-layer-offload-unjoined",
         "megatron",
         _graphs(
@@ -298,7 +298,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
     # first step after a graphed backward; without the offload, or without the recompute, it was exact.
-    Rule(
+    _Rule(
         "offload-recompute-in-graphs",
         "plugin",
         _graphs(
@@ -316,7 +316,7 @@ RULES: tuple[Rule, ...] = (
             f"--recompute-modules {' '.join(f.recompute_modules)})"
         ),
     ),
-    Rule(
+    _Rule(
         "offload-learned-positions",
         "megatron",
         lambda f: f.activation_offloading and f.position_embedding_type == "learned_absolute",
@@ -326,7 +326,7 @@ RULES: tuple[Rule, ...] = (
         "the plugin; every offloading run with RoPE trained. Use --position-embedding-type rope, or "
         "drop --fine-grained-activation-offloading.",
     ),
-    Rule(
+    _Rule(
         "slot-capture-pipeline",
         "plugin",
         _graphs(
@@ -339,7 +339,7 @@ RULES: tuple[Rule, ...] = (
         "forward: use --pipeline-model-parallel-size 1 without virtual stages or "
         "--overlap-moe-expert-parallel-comm, or drop --cg-slot-capture.",
     ),
-    Rule(
+    _Rule(
         "slot-capture-fp8",
         "plugin",
         _graphs(
@@ -350,7 +350,7 @@ RULES: tuple[Rule, ...] = (
                     or (
                         f.fp8
                         and (
-                            f.fp8_recipe not in SLOT_FP8_RECIPES
+                            f.fp8_recipe not in _SLOT_FP8_RECIPES
                             or f.fp8_multi_head_attention
                             or (f.fp8_attention and f.fp8_recipe != "delayed")
                         )
@@ -368,13 +368,13 @@ RULES: tuple[Rule, ...] = (
             "(--fp4-format)"
             if f.fp4
             else f"(--fp8-recipe {f.fp8_recipe})"
-            if f.fp8_recipe not in SLOT_FP8_RECIPES
+            if f.fp8_recipe not in _SLOT_FP8_RECIPES
             else "(fp8_multi_head_attention)"
             if f.fp8_multi_head_attention
             else f"(FP8 attention with --fp8-recipe {f.fp8_recipe})"
         ),
     ),
-    Rule(
+    _Rule(
         "slot-capture-fp8-op-fuser",
         "plugin",
         _graphs(lambda f: f.slot_capture and f.fp8 and (f.te_op_fuser or f.te_op_norms)),
@@ -386,7 +386,7 @@ RULES: tuple[Rule, ...] = (
         "those norms, train in bf16, or drop --cg-slot-capture (TE's graphs take them).",
         detail=lambda f: "(--use-transformer-engine-op-fuser)" if f.te_op_fuser else "(TE norm modules in the layers)",
     ),
-    Rule(
+    _Rule(
         "slot-capture-scope",
         "plugin",
         _graphs(lambda f: f.slot_capture and f.has_moe_layers and bool(PARTIAL_MOE_SCOPES & set(f.modules))),
@@ -394,55 +394,55 @@ RULES: tuple[Rule, ...] = (
         "eager (attn); moe_router/moe_preprocess hand routing state to the eager rest, which slot capture does not "
         "verify: use --cuda-graph-modules attn moe or attn.",
     ),
-    Rule(
+    _Rule(
         "slot-capture-delayed-wgrad",
         "plugin",
         _graphs(lambda f: f.slot_capture and f.delay_wgrad_compute),
         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
         "memory cannot protect: drop --delay-wgrad-compute with --cg-slot-capture.",
     ),
-    Rule(
+    _Rule(
         "banks-param-gather-overlap",
         "plugin",
         _graphs(lambda f: f.graph_banks and f.overlap_param_gather),
         "a bank replay bypasses the layer's forward pre-hooks that --overlap-param-gather relies on: drop "
         "--overlap-param-gather with --cg-graph-banks.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-mamba-scope",
         "plugin",
         _graphs(lambda f: f.hybrid_context_parallel and "mamba" in f.modules),
         "graph banks under --hybrid-context-parallel capture TransformerLayers (attention, MLP); Mamba layers "
         "have no per-CP-size bank: drop mamba from --cuda-graph-modules.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-pipeline",
         "megatron",
         _graphs(lambda f: f.hybrid_context_parallel and f.pipeline_parallel > 1),
         "--hybrid-context-parallel needs --pipeline-model-parallel-size 1.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-power-of-two",
         "plugin",
         _graphs(lambda f: f.hybrid_context_parallel and not is_power_of_two(f.data_context_parallel)),
         "graph banks under --hybrid-context-parallel exist per power-of-two CP size, so DP x CP (ranks / "
         "(TP x PP)) must be a power of two: change the number of ranks or the TP/PP sizes.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-delayed-wgrad",
         "plugin",
         _graphs(lambda f: f.hybrid_context_parallel and f.delay_wgrad_compute),
         "--delay-wgrad-compute keeps backward state until a deferred weight-gradient pass that slot-shared "
         "graph memory cannot protect: drop --delay-wgrad-compute with graph banks.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-ep-overlap",
         "plugin",
         _graphs(lambda f: f.hybrid_context_parallel and f.overlap_moe_expert_parallel_comm),
         "--overlap-moe-expert-parallel-comm reorders graphs per layer, which graph banks do not support: "
         "drop it with --hybrid-context-parallel.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-ranks",
         "plugin",
         lambda f: f.hybrid_context_parallel and f.data_context_parallel < 2,
@@ -454,14 +454,14 @@ RULES: tuple[Rule, ...] = (
             f"PP {f.pipeline_parallel})"
         ),
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-rerun-mode",
         "megatron",
         lambda f: f.hybrid_context_parallel and f.rerun_mode != "disabled",
         "--hybrid-context-parallel needs --rerun-mode disabled (Megatron's hybrid-CP loader is not a "
         "RerunDataIterator).",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-document-masking",
         "megatron",
         lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),
@@ -470,7 +470,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # Stock Megatron and the plugin alike crash at the first graphed step (Megatron-LM #5619), whole layer and
     # attn; with --micro-batch-size > 1 the flattened stream also misses the graphs' static hidden states' shape.
-    Rule(
+    _Rule(
         "packed-sequences-te-graphs",
         "megatron",
         _graphs(lambda f: f.packed and f.thd_max_seqs is None and (f.attention_graphed or f.micro_batch_size > 1)),
@@ -480,7 +480,7 @@ RULES: tuple[Rule, ...] = (
         "--cg-thd-max-seqs N, the most documents one microbatch holds (the plugin then lays packed batches out at "
         "that capacity, eager and graphed alike, and refuses a batch with more), or use --cuda-graph-impl none.",
     ),
-    Rule(
+    _Rule(
         "thd-max-seqs-without-packed-data",
         "plugin",
         _graphs(lambda f: f.thd_max_seqs is not None and not f.packed and not f.hybrid_context_parallel),
@@ -488,7 +488,7 @@ RULES: tuple[Rule, ...] = (
         "so no batch would bring the offsets the graphs take: drop --cg-thd-max-seqs, or train packed data "
         "(--dataloader-inter-document-masking, or --sft).",
     ),
-    Rule(
+    _Rule(
         "thd-max-seqlen-without-packed-graphs",
         "plugin",
         lambda f: f.thd_max_seqlen is not None and (f.thd_max_seqs is None or f.hybrid_context_parallel),
@@ -498,7 +498,7 @@ RULES: tuple[Rule, ...] = (
         "are bounded by --max-seqlen-per-dp-cp-rank).",
         detail=lambda f: "(--hybrid-context-parallel)" if f.hybrid_context_parallel else "(no --cg-thd-max-seqs)",
     ),
-    Rule(
+    _Rule(
         "thd-max-seqlen-bound",
         "plugin",
         lambda f: f.thd_max_seqlen is not None and f.seq_length is not None and f.thd_max_seqlen > f.seq_length,
@@ -507,7 +507,7 @@ RULES: tuple[Rule, ...] = (
         "is its default).",
         detail=lambda f: f"(--cg-thd-max-seqlen {f.thd_max_seqlen}, --seq-length {f.seq_length})",
     ),
-    Rule(
+    _Rule(
         "packed-graphs-capacity",
         "plugin",
         lambda f: f.packed_graphs and f.thd_max_seqs is not None and f.thd_max_seqs < f.packed_min_seqs,
@@ -526,7 +526,7 @@ RULES: tuple[Rule, ...] = (
     # unfused attention (16 GiB of scores per layer: the farm's packed cases OOMed) and gave other bits than
     # Megatron's own layout; with max_seqlen the batch's longest document the bits were Megatron's, and without
     # deterministic mode every max_seqlen (4096 too) gave Megatron's bits.
-    Rule(
+    _Rule(
         "packed-graphs-deterministic-attention",
         "plugin",
         lambda f: (
@@ -549,7 +549,7 @@ RULES: tuple[Rule, ...] = (
             f"{f.packed_max_seqlen}^2 = {f.deterministic_thd_product} >= 2^30; {_fitting_seqlen(f)})"
         ),
     ),
-    Rule(
+    _Rule(
         "packed-graphs-moe",
         "plugin",
         lambda f: f.packed_graphs and f.has_moe_layers,
@@ -557,14 +557,14 @@ RULES: tuple[Rule, ...] = (
         "packed microbatch for the MoE router from params its scoped replay does not pass on; train the MoE model "
         "with --cuda-graph-impl none on packed data.",
     ),
-    Rule(
+    _Rule(
         "packed-graphs-slot-capture",
         "plugin",
         lambda f: f.packed_graphs and f.slot_capture,
         "--cg-slot-capture does not carry packed microbatches' offsets (not built): drop --cg-slot-capture with "
         "--cg-thd-max-seqs (TE's capture takes them).",
     ),
-    Rule(
+    _Rule(
         "packed-graphs-offload",
         "plugin",
         lambda f: f.packed_graphs and bool(f.offloaded_in_graphs),
@@ -572,7 +572,7 @@ RULES: tuple[Rule, ...] = (
         "modules outside --cuda-graph-modules, or drop --fine-grained-activation-offloading.",
         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.offloaded_in_graphs))} inside the graphs)",
     ),
-    Rule(
+    _Rule(
         "packed-graphs-rope",
         "plugin",
         lambda f: (
@@ -595,14 +595,14 @@ RULES: tuple[Rule, ...] = (
             f"{', --no-rope-fusion' if not f.apply_rope_fusion else ''})"
         ),
     ),
-    Rule(
+    _Rule(
         "packed-launcher-sft",
         "plugin",
         lambda f: f.launcher and f.sft,
         "the plugin's launcher builds GPT datasets (indexed or mock), not Megatron's SFT dataset: train --sft through "
         "Megatron-LM's pretrain_gpt.py (megatron-cg run PATH/pretrain_gpt.py ...).",
     ),
-    Rule(
+    _Rule(
         "packed-launcher-pipeline",
         "plugin",
         lambda f: f.launcher and f.inter_document_masking and not f.hybrid_context_parallel and f.pipeline_parallel > 1,
@@ -610,27 +610,27 @@ RULES: tuple[Rule, ...] = (
         "--pipeline-model-parallel-size 1 with --dataloader-inter-document-masking, or Megatron-LM's pretrain_gpt.py "
         "through megatron-cg run.",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-seqlen-per-rank",
         "megatron",
         lambda f: f.hybrid_context_parallel and not f.max_seqlen_per_dp_cp_rank,
         "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (tokens per rank of a packed microbatch).",
     ),
-    Rule(
+    _Rule(
         "hybrid-cp-launcher-tp",
         "plugin",
         lambda f: f.launcher and f.hybrid_context_parallel and f.tensor_parallel != 1,
         "the launcher's hybrid-CP data path does not broadcast over tensor parallelism: use "
         "--tensor-model-parallel-size 1 with --hybrid-context-parallel.",
     ),
-    Rule(
+    _Rule(
         "banks-fp8",
         "plugin",
         _graphs(lambda f: f.graph_banks and f.fp8),
         "graph banks capture through slot-shared memory, which does not protect FP8 quantizer state yet: drop "
         "--fp8-format with --cg-graph-banks.",
     ),
-    Rule(
+    _Rule(
         "fp8-recipe-device",
         "plugin",
         _graphs(
@@ -655,7 +655,7 @@ RULES: tuple[Rule, ...] = (
             f"{'.'.join(map(str, f.cuda_version or ())) or 'unknown'})"
         ),
     ),
-    Rule(
+    _Rule(
         "fp4-device",
         "plugin",
         _graphs(lambda f: f.fp4 and f.device_capability is not None and f.device_capability < (10, 0)),
@@ -663,14 +663,14 @@ RULES: tuple[Rule, ...] = (
         "--fp8-recipe tensorwise or delayed.",
         detail=lambda f: f"(compute capability {'.'.join(map(str, f.device_capability or ()))})",
     ),
-    Rule(
+    _Rule(
         "cg-flags",
         "plugin",
         lambda f: bool(f.config_problems),
         "a --cg-* flag has a value the plugin cannot use:",
         detail=lambda f: " ".join(f.config_problems),
     ),
-    Rule(
+    _Rule(
         "data-files",
         "plugin",
         lambda f: bool(f.missing_files),
@@ -678,22 +678,22 @@ RULES: tuple[Rule, ...] = (
         "PREFIX.idx); fix the path:",
         detail=lambda f: ", ".join(f.missing_files),
     ),
-    Rule(
+    _Rule(
         "gradient-accumulation-fusion",
         "megatron",
         lambda f: f.gradient_accumulation_fusion and not f.apex_fused_wgrad,
         "--gradient-accumulation-fusion (Megatron's default) needs APEX's fused_weight_gradient_mlp_cuda, "
         "which is not installed: add --no-gradient-accumulation-fusion.",
     ),
-    Rule(
+    _Rule(
         "expandable-segments",
         "megatron",
         _graphs(lambda f: f.expandable_segments and not f.nccl_graph_register_off),
         "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts memory under CUDA "
         "graphs unless NCCL_GRAPH_REGISTER=0: export NCCL_GRAPH_REGISTER=0.",
     ),
-    Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0), "--cuda-graph-warmup-steps must be >= 0."),
-    Rule(
+    _Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0), "--cuda-graph-warmup-steps must be >= 0."),
+    _Rule(
         "parallel-sizes",
         "megatron",
         lambda f: f.world_size % (f.tensor_parallel * f.pipeline_parallel * f.context_parallel) != 0,
@@ -703,23 +703,23 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def markdown_rows(rules: tuple[Rule, ...] = RULES) -> str:
+def markdown_rows(rules: tuple[_Rule, ...] = RULES) -> str:
     """The rules table of docs/troubleshooting.md, one row per rule."""
     return "\n".join(f"| `{rule.name}` | {rule.source} | {rule.fix} |" for rule in rules)
 
 
-def violations(facts: RunSettings, rules: tuple[Rule, ...] = RULES) -> list[tuple[str, str]]:
+def violations(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> list[tuple[str, str]]:
     return [(rule.name, rule.message(facts)) for rule in rules if rule.violated(facts)]
 
 
-def validate(facts: RunSettings, rules: tuple[Rule, ...] = RULES) -> None:
+def validate(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> None:
     """Raises ``RuleViolation`` listing every broken rule (not just the first)."""
     broken = violations(facts, rules)
     if broken:
         raise RuleViolation(broken)
 
 
-PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
+_PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 
 
 def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -735,7 +735,7 @@ def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[
         return []
     try:
         settings, _config = read_settings(args, env=env, te_available=True, apex_fused_wgrad=True)
-        return violations(settings, PLUGIN_RULES)
+        return violations(settings, _PLUGIN_RULES)
     except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
         return []
 

@@ -3,7 +3,7 @@ the report and files written when the run ends.
 
 The session is fed by the hooks (the ``train_step`` timer marks an iteration's start, the
 ``training_log`` tap hands over its values) and never reaches into Megatron itself; device access
-goes through a small ``DeviceProbe`` so the bookkeeping is tested on CPU.
+goes through a small ``_DeviceProbe`` so the bookkeeping is tested on CPU.
 
 Recording costs the step nothing on the device: no hook synchronizes, and values Megatron hands
 over as device tensors (the loss) are kept as they are and read to the host in one go every
@@ -32,7 +32,7 @@ from megatron_cg_plugin.settings import RunSettings
 __all__ = ["CaptureStats", "CudaProbe", "IterationRecord", "RunPrediction", "RunSession"]
 
 
-class DeviceProbe(Protocol):
+class _DeviceProbe(Protocol):
     def allocated_bytes(self) -> tuple[int, int]: ...  # (now, peak)
     def is_rank0(self) -> bool: ...
 
@@ -130,7 +130,7 @@ class RunSession:
         self,
         config: PluginConfig | Callable[[], PluginConfig] | None = None,
         *,
-        probe: DeviceProbe | None = None,
+        probe: _DeviceProbe | None = None,
         clock: Callable[[], float] = time.perf_counter,
         launcher: bool = False,
         read_every: int = 1000,
@@ -141,7 +141,7 @@ class RunSession:
         self._config: PluginConfig | None = self._explicit
         self._config_source: Callable[[], PluginConfig] = config if callable(config) else PluginConfig
         self.launcher = launcher  # the plugin's launcher feeds the data: its own rules apply
-        self.probe: DeviceProbe = probe or CudaProbe()
+        self.probe: _DeviceProbe = probe or CudaProbe()
         self.clock = clock
         if read_every < 1:
             raise ValueError(f"read_every={read_every}: read the kept device values every 1 or more iterations.")

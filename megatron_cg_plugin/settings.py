@@ -23,7 +23,7 @@ from megatron_cg_plugin.scopes import module_names
 __all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "plugin_config", "read_settings"]
 
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
-OFFLOAD_INSIDE_SCOPE = {
+_OFFLOAD_INSIDE_SCOPE = {
     "attn": frozenset({"attn_norm", "qkv_linear", "core_attn", "attn_proj"}),
     "mlp": frozenset({"mlp_norm"}),
     "moe": frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"}),
@@ -34,8 +34,8 @@ OFFLOAD_INSIDE_SCOPE = {
 # sm90 once batch (cu_seqlens entries - 1) x heads per rank x max_seqlen_q x max_seqlen_kv reaches this.
 DETERMINISTIC_THD_LIMIT = 1 << 30
 
-WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
-MOE_BLOCK_OFFLOADS = OFFLOAD_INSIDE_SCOPE["moe"]
+_WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
+_MOE_BLOCK_OFFLOADS = _OFFLOAD_INSIDE_SCOPE["moe"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,8 +227,8 @@ class RunSettings:
         """The offloaded modules that would run inside the graphed scope (every one for whole layers)."""
         if not self.activation_offloading:
             return frozenset()
-        scopes = self.modules or tuple(OFFLOAD_INSIDE_SCOPE)
-        inside = frozenset().union(*(OFFLOAD_INSIDE_SCOPE.get(scope, frozenset()) for scope in scopes))
+        scopes = self.modules or tuple(_OFFLOAD_INSIDE_SCOPE)
+        inside = frozenset().union(*(_OFFLOAD_INSIDE_SCOPE.get(scope, frozenset()) for scope in scopes))
         return inside & frozenset(self.offload_modules)
 
     @property
@@ -238,8 +238,8 @@ class RunSettings:
         the input norm's only where it is not fused (a dense TE layer fuses its norms into the linears,
         so attn_norm and mlp_norm offload nothing there)."""
         inside = (
-            WHOLE_LAYER_OFFLOADS
-            | (MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset())
+            _WHOLE_LAYER_OFFLOADS
+            | (_MOE_BLOCK_OFFLOADS if self.has_moe_layers else frozenset())
             | (frozenset() if self.input_norm_fused else frozenset({"attn_norm"}))
         )
         return self.offloaded_in_graphs & inside

@@ -22,7 +22,7 @@ and boundary storage sized by the largest instead of adding up.
   its capture flag is set, which the banks' capture sets as Megatron's own capture does
   (``megatron_capturing``). The routing tensors are graph outputs, which Megatron's replay path sets
   back on the dispatcher, so they are the replayed bank's. The shapes the preprocess keeps in Python
-  (``PREPROCESS_SHAPES``) are no graph outputs: Megatron's own path leaves them on the dispatcher
+  (``_PREPROCESS_SHAPES``) are no graph outputs: Megatron's own path leaves them on the dispatcher
   from its capture on, but the banks' capture clears ``hidden_shape`` with the rest of the
   dispatcher's ``cudagraph_attrs`` (``capture.scratch``), and an eager forward of another shape (an
   evaluation step) would leave its own. So each bank records them at its capture, before the
@@ -83,7 +83,7 @@ __all__ = [
 # What an MoE token dispatcher keeps in Python, not in tensors, from its preprocess (megatron-core 0.19.2,
 # alltoall: token_dispatcher.py l.635, l.658; allgather: l.272, l.306), which a moe_preprocess graph's
 # replay therefore does not set; the eager rest after the replay reads it (alltoall: l.887, l.894).
-PREPROCESS_SHAPES = ("hidden_shape", "hidden_shape_before_permute")
+_PREPROCESS_SHAPES = ("hidden_shape", "hidden_shape_before_permute")
 
 # Layer call arguments a bank replay cannot honour (they are not graph inputs): refused if given.
 _UNSUPPORTED = (
@@ -306,8 +306,8 @@ class BankedLayers:
     def graph_count(self) -> int:
         return sum(g.stats.graphs for g in self.graphs.values())
 
-    def replay_counts(self) -> BankReplayCounts:
-        return BankReplayCounts(self)
+    def replay_counts(self) -> _BankReplayCounts:
+        return _BankReplayCounts(self)
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -317,7 +317,7 @@ class BankedLayers:
         self.graphs.clear()
 
 
-class BankReplayCounts(ReplayTotals):
+class _BankReplayCounts(ReplayTotals):
     """Replay counts per layer, read live from the banks' routers (for the run report)."""
 
     def __init__(self, banked: BankedLayers) -> None:
@@ -470,7 +470,7 @@ def megatron_capturing(layers: list[Any]) -> Any:
 
 
 def _recording_dispatcher(fn: Callable[..., Any], layer: Any, state: dict[str, Any]) -> Callable[..., Any]:
-    """``fn`` that leaves in ``state`` the dispatcher's ``PREPROCESS_SHAPES`` after each call (the
+    """``fn`` that leaves in ``state`` the dispatcher's ``_PREPROCESS_SHAPES`` after each call (the
     capture's is the last); ``fn`` itself where the graph does not hold the preprocess."""
     if not (ends_inside_moe_block(layer) and "moe_preprocess" in module_names(layer.config.cuda_graph_modules)):
         return fn
@@ -478,7 +478,7 @@ def _recording_dispatcher(fn: Callable[..., Any], layer: Any, state: dict[str, A
 
     def call(*args: Any, **kwargs: Any) -> Any:
         outputs = fn(*args, **kwargs)
-        state.update({name: getattr(dispatcher, name) for name in PREPROCESS_SHAPES if hasattr(dispatcher, name)})
+        state.update({name: getattr(dispatcher, name) for name in _PREPROCESS_SHAPES if hasattr(dispatcher, name)})
         return outputs
 
     return call

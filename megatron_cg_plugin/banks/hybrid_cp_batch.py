@@ -37,7 +37,7 @@ __all__ = ["SAMPLE_KEYS", "get_hybrid_cp_batch", "pack_hybrid_cp_sample"]
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def cp_size_of(sample: Mapping[str, Any]) -> int:
+def _cp_size_of(sample: Mapping[str, Any]) -> int:
     """The CP size the hybrid-CP scheduler picked for ``sample`` (checking it is such a sample)."""
     missing = [key for key in (*SAMPLE_KEYS, "local_cp_size") if key not in sample]
     if missing:
@@ -63,7 +63,7 @@ def pack_hybrid_cp_sample(
     ``sample["local_cp_size"] > 1``. Returns the batch (``[1, tokens / cp]`` tensors, no attention
     mask) and its ``PackedSeqParams``. Raises ``plan.thd.ThdCapacityError`` naming the flag to
     raise when the document does not fit."""
-    size = cp_size_of(sample)
+    size = _cp_size_of(sample)
     length = int(sample["tokens"].numel())
     layout = fixed_capacity_layout([length], size, tokens_per_rank, max_seqs)
     device = sample["tokens"].device if device is None else torch.device(device)
@@ -95,7 +95,7 @@ def get_hybrid_cp_batch(
 
     ensure_dynamic_cp_stream()  # eager hybrid CP at static CP 1 needs it as much as graphs
     sample = next(data_iterator)
-    size = cp_size_of(sample)
+    size = _cp_size_of(sample)
     group = parallel_state.get_hybrid_data_context_parallel_groups(group_size=size) if size > 1 else None
     rank = dist.get_rank(group) if group is not None else 0
     return pack_hybrid_cp_sample(

@@ -277,7 +277,7 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     return options, flags
 
 
-class Trainer(Protocol):
+class _Trainer(Protocol):
     """What the bench needs of training: a step, a capture per graphed arm (the arm is active after
     it), its teardown (of the active arm), and for the step schedule the switch between captured arms."""
 
@@ -300,7 +300,7 @@ class Trainer(Protocol):
 
 def run_bench(
     options: BenchOptions,
-    trainer: Trainer,
+    trainer: _Trainer,
     *,
     flags: Sequence[str] = (),
     clock: Callable[[], float] = time.perf_counter,
@@ -335,7 +335,7 @@ def run_bench(
 
 def _bench_steps(
     options: BenchOptions,
-    trainer: Trainer,
+    trainer: _Trainer,
     flags: tuple[str, ...],
     clock: Callable[[], float],
     progress: Callable[[str], None],
@@ -374,7 +374,7 @@ def _bench_steps(
 
 def _bench_blocks(
     options: BenchOptions,
-    trainer: Trainer,
+    trainer: _Trainer,
     flags: tuple[str, ...],
     clock: Callable[[], float],
     progress: Callable[[str], None],
@@ -444,7 +444,7 @@ def _method(options: BenchOptions, cycles_run: int | None = None) -> str:
     return method
 
 
-def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
+def _timed_step(trainer: _Trainer, clock: Callable[[], float]) -> float:
     """One step's seconds, the device idle at both ends."""
     trainer.synchronize()
     start = clock()
@@ -454,7 +454,7 @@ def _timed_step(trainer: Trainer, clock: Callable[[], float]) -> float:
 
 
 def _capture_rounds(
-    options: BenchOptions, trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+    options: BenchOptions, trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
 ) -> tuple[CaptureRecord, ...]:
     """``--bench-capture-rounds``: each graphed arm captured from eager layers and released at once,
     round by round in mirrored order (``BenchResult.capture_summary`` pairs the rounds)."""
@@ -474,7 +474,7 @@ def _capture_rounds(
 
 @contextlib.contextmanager
 def _captured_arms(
-    arms: Sequence[str], trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+    arms: Sequence[str], trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
 ) -> Iterator[dict[str, tuple[Any, float | None, int | None]]]:
     """Every arm captured once, in order, each from eager layers (a capture that found another arm's
     graphs on a layer would replay them instead of capturing); all stay alive until the block
@@ -505,7 +505,7 @@ def _captured_arms(
 
 
 def _run_step_schedule(
-    options: BenchOptions, trainer: Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+    options: BenchOptions, trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
 ) -> tuple[list[StepRecord], dict[str, int]]:
     """The step schedule over the captured arms: each step timed alone, the arm switched before its
     sync; per arm the peak allocated over its steps. With ``--bench-seconds``, fewer cycles."""
@@ -547,7 +547,7 @@ def _profiled(
     options: BenchOptions,
     result: BenchResult,
     *,
-    trainer: Trainer,
+    trainer: _Trainer,
     with_arm: Callable[[str], contextlib.AbstractContextManager[Any]],
     profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
     contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
@@ -593,7 +593,7 @@ def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
     return sum(layer.arena_bytes for layer in layers), sum(layer.host_arena_bytes for layer in layers)
 
 
-def _capture(trainer: Trainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
+def _capture(trainer: _Trainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
     if arm == "eager":
         return None, None, None
     before = trainer.pool_bytes()
@@ -871,7 +871,7 @@ def cycled_microbatches(data_iterator: Any, count: int) -> Any:
     return RerunDataIterator(itertools.cycle(cached))
 
 
-def device_time_per_step(
+def _device_time_per_step(
     step: Callable[[], None], steps: int, arm: str, *, table_dir: Path | None = None
 ) -> DeviceTime | None:
     """Device time of one step under torch's profiler, over ``steps`` steps: GPU-busy seconds (the
@@ -1060,7 +1060,7 @@ def bench_train_step(
             train_step, args, kwargs, cached_microbatches=options.cached_batches * get_num_microbatches()
         )
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
-        profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
+        profile = functools.partial(_device_time_per_step, table_dir=options.profile_dir)
 
         def recording_arm_cost() -> float:
             session = trainer.recording

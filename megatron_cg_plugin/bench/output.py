@@ -59,24 +59,24 @@ ARMS = ("eager", "stock", "plugin")  # no graphs; Megatron's own TECudaGraphHelp
 # slot-offload-w<N>, slot-offload-staged-w<N>: the same with --cg-offload-window N (without: the run's
 # window), so windows can be compared in one process; -f<P> after either: the first P% of the
 # groups Megatron's flags name offloaded (--activation-offload-fraction P/100; without: the run's).
-SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
+_SLOT_ARMS = ("slot", "slot-offload", "slot-offload-staged")
 OFFLOAD_ARM = re.compile(r"(slot-offload(?:-staged)?)(?:-w([0-9]+))?(?:-f([0-9]+))?")
 # The plugin's helper with --cg-contract-check off: beside plugin, what the replay checks cost.
 UNCHECKED_ARM = "plugin-no-check"
 # The plugin's helper with the session's per-step recording as a run does it (train_step timer,
 # training_log values): beside plugin, what recording the metrics and report costs.
 RECORDING_ARM = "plugin-recording"
-ALL_ARMS = (*ARMS, UNCHECKED_ARM, RECORDING_ARM, *SLOT_ARMS)
+ALL_ARMS = (*ARMS, UNCHECKED_ARM, RECORDING_ARM, *_SLOT_ARMS)
 # The width each ratio's median is to be known to: +-1% tells 1.02 from 1.00.
 RATIO_WIDTH = 0.02
 # The step schedule's ratio table: the pairs (cycles) its interval would need for these half-widths.
-HALF_WIDTHS = (0.01, 0.02)
+_HALF_WIDTHS = (0.01, 0.02)
 SCHEDULES = ("blocks", "steps")  # --bench-interleave
 
 
 def is_slot_arm(arm: str) -> bool:
     found = OFFLOAD_ARM.fullmatch(arm)
-    return arm in SLOT_ARMS or (found is not None and (found.group(3) is None or int(found.group(3)) <= 100))
+    return arm in _SLOT_ARMS or (found is not None and (found.group(3) is None or int(found.group(3)) <= 100))
 
 
 def is_known_arm(arm: str) -> bool:
@@ -229,7 +229,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             f"{a}/{b}": {
                 **dataclasses.asdict(found),
                 "half_width": found.half_width,
-                "pairs_for_half_width": {f"{h:g}": found.pairs_for(h) for h in HALF_WIDTHS},
+                "pairs_for_half_width": {f"{h:g}": found.pairs_for(h) for h in _HALF_WIDTHS},
             }
             for (a, b), found in result.ratio_intervals().items()
         },
@@ -327,23 +327,23 @@ def _interval_table(
 ) -> list[str]:
     """The step schedule's ratios: per-cycle ratios' median and spread, the median's distribution-free
     95% interval, its half-width, and the cycles that would bring the half-width under each of
-    ``HALF_WIDTHS`` at the dispersion seen (``-`` below 6 cycles)."""
+    ``_HALF_WIDTHS`` at the dispersion seen (``-`` below 6 cycles)."""
     lines = [
         "",
         "| ratio | median [spread] over mirrored cycles | median [95% interval] | +- | "
-        + " | ".join(f"cycles for +-{h:.0%}" for h in HALF_WIDTHS)
+        + " | ".join(f"cycles for +-{h:.0%}" for h in _HALF_WIDTHS)
         + " |",
-        "| --- | --- | --- | --- | " + " | ".join("---" for _ in HALF_WIDTHS) + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in _HALF_WIDTHS) + " |",
     ]
     for pair in pairs:
         if pair not in summary.ratios:
             continue
         found = intervals.get(pair)
         cells = (
-            ["- (under 6 cycles)", "-"] + ["-" for _ in HALF_WIDTHS]
+            ["- (under 6 cycles)", "-"] + ["-" for _ in _HALF_WIDTHS]
             if found is None
             else [f"{found.median:.4f} [{found.low:.4f}, {found.high:.4f}]", f"{found.half_width:.2%}"]
-            + [f"{found.pairs_for(h)}" for h in HALF_WIDTHS]
+            + [f"{found.pairs_for(h)}" for h in _HALF_WIDTHS]
         )
         lines.append(f"| {pair[0]} / {pair[1]} | {summary.ratios[pair].format()} | " + " | ".join(cells) + " |")
     return lines
@@ -390,7 +390,7 @@ def plot_available() -> None:
         )
 
 
-def plot(result: BenchResult, path: Path) -> None:
+def _plot(result: BenchResult, path: Path) -> None:
     """Step time of every block, per arm, in schedule order (drift shows as a slope all arms share)."""
     plot_available()
     import matplotlib
@@ -430,7 +430,7 @@ def write(result: BenchResult, out: Path, *, with_plot: bool) -> list[Path]:
     written[1].write_text(markdown(result) + "\n")
     if with_plot:
         written.append(out / "bench.png")
-        plot(result, written[-1])
+        _plot(result, written[-1])
     return written
 
 
@@ -517,7 +517,7 @@ def host_ops_diff(first: Path, second: Path, *, rows: int = 25, calls_first: boo
     return "\n".join(lines)
 
 
-USAGE = (
+_USAGE = (
     "usage: python -m megatron_cg_plugin.bench.output BENCH_JSON  (draws bench.png beside it)\n"
     "       python -m megatron_cg_plugin.bench.output --host-diff DIR ARM OTHER_ARM  "
     "(the --bench-profile-dir operators where two arms differ)\n"
@@ -526,7 +526,7 @@ USAGE = (
 )
 
 
-def timeline_table(paths: Sequence[Path]) -> str:
+def _timeline_table(paths: Sequence[Path]) -> str:
     """One row per device timeline: where its host copies left the compute waiting."""
     lines = [
         "| timeline | span ms | kernels ms | D2H ms (exposed) | H2D ms (exposed) |",
@@ -555,7 +555,7 @@ def main(argv: Sequence[str]) -> int:
                 "DIR/<arm>.device_timeline.json.gz."
             )
             return 2
-        print(timeline_table([Path(path) for path in argv[1:]]))
+        print(_timeline_table([Path(path) for path in argv[1:]]))
         return 0
     if len(argv) == 4 and argv[0] == "--host-diff":
         paths = [Path(argv[1]) / f"{arm}.host_ops.json" for arm in argv[2:]]
@@ -572,10 +572,10 @@ def main(argv: Sequence[str]) -> int:
             print("\n" + host_ops_diff(*python, rows=40, calls_first=True))
         return 0
     if len(argv) != 1:
-        print(USAGE)
+        print(_USAGE)
         return 2
     source = Path(argv[0])
-    plot(from_json(json.loads(source.read_text())), source.with_suffix(".png"))
+    _plot(from_json(json.loads(source.read_text())), source.with_suffix(".png"))
     print(f"wrote {source.with_suffix('.png')}")
     return 0
 

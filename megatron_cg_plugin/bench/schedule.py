@@ -119,13 +119,13 @@ def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int =
     return BenchSummary(per_arm, ratios)
 
 
-Z95 = 1.959964  # the normal distribution's two-sided 95% quantile
-MEDIAN_SE = math.sqrt(math.pi / 2)  # the median's standard error over the mean's, for normal values
-MAD_TO_SIGMA = 1.4826  # a normal sample's deviation over its median absolute deviation
+_Z95 = 1.959964  # the normal distribution's two-sided 95% quantile
+_MEDIAN_SE = math.sqrt(math.pi / 2)  # the median's standard error over the mean's, for normal values
+_MAD_TO_SIGMA = 1.4826  # a normal sample's deviation over its median absolute deviation
 
 
 @dataclasses.dataclass(frozen=True)
-class MedianPrecision:
+class _MedianPrecision:
     """How closely the median of a ratio's per-pair values is known: the half-width of its ~95%
     interval (relative: in log ratio), and the pairs of rounds after which it would be at most half
     of ``width``, at the dispersion seen so far."""
@@ -145,10 +145,10 @@ class MedianPrecision:
         return 2 * max(self.pairs, self.pairs_needed)
 
 
-TIE_TOLERANCE = 1e-12  # in log ratio: far below any dispersion a bench can see (1e-12 is 1e-10 %)
+_TIE_TOLERANCE = 1e-12  # in log ratio: far below any dispersion a bench can see (1e-12 is 1e-10 %)
 
 
-def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrecision | None:
+def median_precision(ratios: Sequence[float], width: float = 0.02) -> _MedianPrecision | None:
     """From a ratio's per-pair values: the standard error of their median as a normal sample's,
     sqrt(pi/2) * s / sqrt(n), with s the log ratios' median absolute deviation scaled to a normal
     deviation (robust, as the median is: one disturbed pair moves neither much; where ties make it
@@ -167,8 +167,8 @@ def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrec
     mad = statistics.median([abs(value - center) for value in logs])
     # Ties at the median: a deviation of rounding size (1e-16 or so) is a tie too, or a constant factor
     # on every ratio, which moves no dispersion, would switch between the two estimates.
-    sigma = MAD_TO_SIGMA * mad if mad > TIE_TOLERANCE else statistics.stdev(logs)
-    scale = Z95 * MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
+    sigma = _MAD_TO_SIGMA * mad if mad > _TIE_TOLERANCE else statistics.stdev(logs)
+    scale = _Z95 * _MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
     half_target = width / 2
     needed = max(2, math.ceil((scale / half_target) ** 2))
     # The closed form can be one off in floating point: settle it on the half-width as reported.
@@ -176,7 +176,7 @@ def median_precision(ratios: Sequence[float], width: float = 0.02) -> MedianPrec
         needed -= 1
     while scale / math.sqrt(needed) > half_target:
         needed += 1
-    return MedianPrecision(len(ratios), scale / math.sqrt(len(ratios)), width, needed)
+    return _MedianPrecision(len(ratios), scale / math.sqrt(len(ratios)), width, needed)
 
 
 @dataclasses.dataclass(frozen=True)

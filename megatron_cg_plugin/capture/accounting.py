@@ -28,15 +28,15 @@ __all__ = [
     "teardown_stats",
 ]
 
-DEFAULT_POOL = (0, 0)  # the caching allocator's id for ordinary (non-graph) segments
+_DEFAULT_POOL = (0, 0)  # the caching allocator's id for ordinary (non-graph) segments
 
 
 def pool_bytes_by_id(segments: Iterable[Mapping[str, Any]]) -> dict[tuple[int, int], int]:
     """Reserved bytes per private memory pool id; ordinary allocator segments are left out."""
     totals: dict[tuple[int, int], int] = defaultdict(int)
     for segment in segments:
-        pool = tuple(segment.get("segment_pool_id", DEFAULT_POOL))
-        if pool != DEFAULT_POOL:
+        pool = tuple(segment.get("segment_pool_id", _DEFAULT_POOL))
+        if pool != _DEFAULT_POOL:
             totals[pool] += int(segment["total_size"])
     return dict(totals)
 
@@ -51,7 +51,7 @@ def live_blocks(segments: Iterable[Mapping[str, Any]], pool: tuple[int, int]) ->
     return {
         int(block["address"]): int(block["size"])
         for segment in segments
-        if tuple(segment.get("segment_pool_id", DEFAULT_POOL)) == tuple(pool)
+        if tuple(segment.get("segment_pool_id", _DEFAULT_POOL)) == tuple(pool)
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
     }

@@ -188,7 +188,7 @@ def _same_value(expected: Any, actual: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Held:
+class _Held:
     """State a graph reads in place besides its inputs, found again by ``lookup`` at each check: a
     parameter (``captured``: its storage address; ``lookup``: the parameter now) or a process group
     (``captured``: the object; ``lookup``: the layer's groups by name now, one function shared by
@@ -199,11 +199,11 @@ class Held:
     lookup: Callable[[], Any] = dataclasses.field(compare=False, repr=False)
 
 
-def _parameters_of(module: Any) -> tuple[Held, ...]:
+def _parameters_of(module: Any) -> tuple[_Held, ...]:
     """Every parameter of ``module``, looked up again where it lives (its owner's ``_parameters``):
     a parameter replaced by a new one is seen, and the walk over submodules is made only once."""
     return tuple(
-        Held(
+        _Held(
             f"{prefix}.{attribute}" if prefix else attribute,
             _data_ptr(param),
             functools.partial(dict.get, owner._parameters, attribute),
@@ -223,7 +223,7 @@ def _itself(value: Any) -> Any:
     return value
 
 
-def _groups_of(module: Any) -> tuple[Held, ...]:
+def _groups_of(module: Any) -> tuple[_Held, ...]:
     # By weak reference where the module takes one: the layer holds its graphs, which hold this
     # contract, so a strong one is a cycle that keeps a dropped layer alive under --manual-gc. A layer
     # gone reads as no groups: refused, as a group swapped would be.
@@ -236,7 +236,7 @@ def _groups_of(module: Any) -> tuple[Held, ...]:
     def groups_now() -> Mapping[str, Any]:  # where process_groups_of found them
         return getattr(getattr(layer(), "pg_collection", None), "__dict__", {})
 
-    return tuple(Held(name, group, groups_now) for name, group in process_groups_of(module))
+    return tuple(_Held(name, group, groups_now) for name, group in process_groups_of(module))
 
 
 _CONTAINERS = (list, tuple, dict)  # arguments whose leaves flatten_call names by place
@@ -303,8 +303,8 @@ class ReplayContract:
         self,
         graph: str,
         inputs: tuple[tuple[str, Any], ...],
-        parameters: tuple[Held, ...] = (),
-        process_groups: tuple[Held, ...] = (),
+        parameters: tuple[_Held, ...] = (),
+        process_groups: tuple[_Held, ...] = (),
         *,
         step_marks: StepMarks | None = None,
     ) -> None:
@@ -340,7 +340,7 @@ class ReplayContract:
         inputs = tuple(
             (name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v) for name, v in flatten_call(args, kwargs)
         )
-        held = tuple(Held(name, _data_ptr(p), _returning(p)) for name, p in params)
+        held = tuple(_Held(name, _data_ptr(p), _returning(p)) for name, p in params)
         return cls(
             graph,
             inputs,

@@ -51,7 +51,7 @@ class StaleGraph:
 # Graphs held only by these are reported, not refused, for TE's capture; slot-shared capture takes
 # the gradient of every parameter directly and failed on such a graph (H200, a graphed MoE block:
 # "operation would make the legacy stream depend on a capturing blocking stream"), so it refuses them.
-TOLERATED_HOLDERS = (("TokenDispatcher", "probs"),)
+_TOLERATED_HOLDERS = (("TokenDispatcher", "probs"),)
 
 
 class StaleAutogradGraphError(RuntimeError):
@@ -229,7 +229,7 @@ def _tolerated(owner: Any, target: Any) -> bool:
     return bool(attributes) and all(
         type(owner).__name__.endswith(suffix) and name == attribute
         for attribute in attributes
-        for suffix, name in TOLERATED_HOLDERS
+        for suffix, name in _TOLERATED_HOLDERS
     )
 
 
@@ -248,8 +248,8 @@ def _release_frames(error: BaseException) -> None:
 # What CUDA reports when a capture meets an eager graph's AccumulateGrad nodes (torch >= 2.9): the
 # error itself, or the invalidated capture it leaves behind where torch catches the first one. The
 # second follows any error inside a capture, so on it alone only graphs with a Python holder count.
-STALE_GRAPH_ERROR = "legacy stream depend on a capturing blocking stream"
-INVALIDATED_CAPTURE = "operation failed due to a previous error during capture"
+_STALE_GRAPH_ERROR = "legacy stream depend on a capturing blocking stream"
+_INVALIDATED_CAPTURE = "operation failed due to a previous error during capture"
 
 
 def chain(error: BaseException | None) -> Iterator[BaseException]:
@@ -267,7 +267,7 @@ def _cuda_says(error: BaseException, symptom: str) -> bool:
 
 
 def shows_stale_graph_symptoms(error: BaseException) -> bool:
-    return _cuda_says(error, STALE_GRAPH_ERROR) or _cuda_says(error, INVALIDATED_CAPTURE)
+    return _cuda_says(error, _STALE_GRAPH_ERROR) or _cuda_says(error, _INVALIDATED_CAPTURE)
 
 
 def diagnose_failed_capture(
@@ -286,7 +286,7 @@ def diagnose_failed_capture(
     capture leaves, only graphs with a Python holder are named."""
     if not shows_stale_graph_symptoms(error):
         return
-    named_only = not _cuda_says(error, STALE_GRAPH_ERROR)
+    named_only = not _cuda_says(error, _STALE_GRAPH_ERROR)
     _release_frames(error)
     params = list(params)
     if not _untolerated(find_stale_graphs(params), tolerate):

@@ -37,7 +37,7 @@ __all__ = [
     "write_sft_dataset",
 ]
 
-WORDS = (
+_WORDS = (
     "graph",
     "replay",
     "capture",
@@ -105,7 +105,7 @@ def synthetic_documents(
 def synthetic_corpus(count: int, *, seed: int, min_words: int = 8, max_words: int = 300) -> list[str]:
     """Seeded text documents of English-looking words."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "." for _ in range(count)]
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words))) + "." for _ in range(count)]
 
 
 def train_sentencepiece(corpus: Sequence[str], model_prefix: str | Path, *, vocab_size: int = 256) -> Path:
@@ -139,18 +139,18 @@ def tokenize_corpus(corpus: Iterable[str], model: str | Path) -> tuple[list[list
 
 # What Megatron's nemotron-h-aligned chat template writes around the messages, and its pad token.
 SFT_SPECIAL = ("<unk>", "<eos>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_233>")
-SFT_ROLE_WORDS = ("System", "User", "Assistant")
+_SFT_ROLE_WORDS = ("System", "User", "Assistant")
 SFT_PROMPT_FORMAT = "nemotron-h-aligned"
 
 
-def sft_conversations(
+def _sft_conversations(
     count: int, *, seed: int, min_turns: int = 1, max_turns: int = 3, max_words: int = 40
 ) -> list[list[dict[str, str]]]:
-    """Seeded conversations (a system message, then user/assistant turns) of ``WORDS``."""
+    """Seeded conversations (a system message, then user/assistant turns) of ``_WORDS``."""
     rng = random.Random(seed)
 
     def text() -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words)))
+        return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, max_words)))
 
     conversations = []
     for _ in range(count):
@@ -161,13 +161,13 @@ def sft_conversations(
     return conversations
 
 
-def write_sft_tokenizer(folder: str | Path) -> Path:
+def _write_sft_tokenizer(folder: str | Path) -> Path:
     """A HuggingFace tokenizer folder for ``--tokenizer-type SFTTokenizer``: a word-level model over
-    ``WORDS``, the role words and ``SFT_SPECIAL`` (special tokens, split out before the words), end of
+    ``_WORDS``, the role words and ``SFT_SPECIAL`` (special tokens, split out before the words), end of
     document ``<eos>``. Written as JSON: nothing is trained or downloaded."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = {token: index for index, token in enumerate((*SFT_SPECIAL, *SFT_ROLE_WORDS, *WORDS))}
+    vocab = {token: index for index, token in enumerate((*SFT_SPECIAL, *_SFT_ROLE_WORDS, *_WORDS))}
     special = [
         {
             "id": vocab[token],
@@ -220,12 +220,12 @@ def write_sft_dataset(
     path = folder / "sft.jsonl"
     with path.open("w") as out:
         for index in range(samples):
-            conversations = sft_conversations(
+            conversations = _sft_conversations(
                 rng.randint(min_conversations, max_conversations), seed=seed * 7919 + index
             )
             out.write(json.dumps({"messages": [message for conversation in conversations for message in conversation]}))
             out.write("\n")
-    return path, write_sft_tokenizer(folder / "sft_tokenizer")
+    return path, _write_sft_tokenizer(folder / "sft_tokenizer")
 
 
 def sft_flags(dataset: Path, tokenizer: Path) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = ["DETERMINISTIC_ENV", "NONDETERMINISTIC_FLAGS", "adapt_case_args", "adapt_case_env"]
 
-CHECKPOINT_FLAGS = (
+_CHECKPOINT_FLAGS = (
     "--save",
     "--load",
     "--save-interval",
@@ -50,7 +50,7 @@ CHECKPOINT_FLAGS = (
     "--ckpt-convert-format",
     "--non-persistent-save-interval",
 )
-LOGGER_FLAGS = (
+_LOGGER_FLAGS = (
     "--tensorboard-dir",
     "--tensorboard-log-interval",
     "--tensorboard-queue-size",
@@ -59,7 +59,7 @@ LOGGER_FLAGS = (
     "--wandb-save-dir",
     "--wandb-entity",
 )
-DATA_FLAGS = (
+_DATA_FLAGS = (
     "--data-path",
     "--data-cache-path",
     "--vocab-file",
@@ -74,7 +74,7 @@ DATA_FLAGS = (
     "--mock-data",
     "--object-storage-cache-path",
 )
-FARM_OWNED_FLAGS = (
+_FARM_OWNED_FLAGS = (
     "--train-iters",
     "--exit-interval",
     "--exit-duration-in-mins",
@@ -91,11 +91,11 @@ NONDETERMINISTIC_FLAGS = {
     "--tp-comm-overlap": "tp_comm_overlap",
 }
 DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
-MOCK_VOCAB_SIZE = 32768  # NullTokenizer's vocabulary when the case names none (GPT-2 BPE rounds to 50304)
+_MOCK_VOCAB_SIZE = 32768  # NullTokenizer's vocabulary when the case names none (GPT-2 BPE rounds to 50304)
 
 
 def _is_logger_flag(flag: str) -> bool:
-    return flag in LOGGER_FLAGS or flag.endswith("-to-tensorboard") or flag.startswith("--wandb-")
+    return flag in _LOGGER_FLAGS or flag.endswith("-to-tensorboard") or flag.startswith("--wandb-")
 
 
 def adapt_case_args(
@@ -107,14 +107,14 @@ def adapt_case_args(
     args: dict[str, Any] = {}
     changes: list[str] = []
     reasons = [
-        (lambda flag: flag in CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
+        (lambda flag: flag in _CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
         (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
-        (lambda flag: flag in FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
+        (lambda flag: flag in _FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
         (
             lambda flag: flag in NONDETERMINISTIC_FLAGS,
             "--deterministic-mode refuses it (eager == graphed is compared bit for bit)",
         ),
-        (lambda flag: data_path is None and flag in DATA_FLAGS, "mock data (no --data-path given)"),
+        (lambda flag: data_path is None and flag in _DATA_FLAGS, "mock data (no --data-path given)"),
     ]
     for flag, value in model_args.items():
         reason = next((why for matches, why in reasons if matches(flag)), None)
@@ -130,7 +130,7 @@ def adapt_case_args(
         )
     placeholders = {"DATA_CACHE_PATH": str(out_dir / "data_cache")}
     if data_path is None:
-        vocab = args.get("--vocab-size", MOCK_VOCAB_SIZE)
+        vocab = args.get("--vocab-size", _MOCK_VOCAB_SIZE)
         args.update({"--mock-data": True, "--tokenizer-type": "NullTokenizer", "--vocab-size": vocab})
         changes.append(
             f"--mock-data --tokenizer-type NullTokenizer --vocab-size {vocab} added (pass --data-path "

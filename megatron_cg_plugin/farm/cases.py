@@ -16,11 +16,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CASE_FILE", "CaseError", "FarmSettings", "MEGATRON_CI_GPUS", "fit_gpus", "load_case", "render_flags"]
+__all__ = [
+    "CASE_FILE",
+    "CaseError",
+    "FarmSettings",
+    "MEGATRON_CI_GPUS",
+    "SIZE_NEEDS",
+    "fit_gpus",
+    "load_case",
+    "render_flags",
+]
 
 CASE_FILE = "model_config.yaml"
 # Megatron's model_config.yaml keys (core_r0.19.0's test cases), and what the farm does with each.
-KNOWN_KEYS = frozenset(
+_KNOWN_KEYS = frozenset(
     {
         "ENV_VARS",
         "MODEL_ARGS",
@@ -36,18 +45,18 @@ KNOWN_KEYS = frozenset(
         "CG_FARM",
     }
 )
-NEVER_RUN = {
+_NEVER_RUN = {
     "BEFORE_SCRIPT": "the farm runs no script from a case file",
     "AFTER_SCRIPT": "the farm runs no script from a case file",
 }
-SUPPORTED_MODES = ("pretraining",)
-SUPPORTED_TEST_TYPES = ("regular", "release")
+_SUPPORTED_MODES = ("pretraining",)
+_SUPPORTED_TEST_TYPES = ("regular", "release")
 # Test types whose first half is a regular run: the farm runs that half and says so.
-FIRST_HALF_TEST_TYPES = {
+_FIRST_HALF_TEST_TYPES = {
     "ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
     "the first half saves, which the farm does not keep"
 }
-FARM_KEYS = frozenset(
+_FARM_KEYS = frozenset(
     {
         "nproc",
         "compare",
@@ -63,9 +72,9 @@ FARM_KEYS = frozenset(
         "pool_prediction_tolerance",
     }
 )
-FARM_DATA = ("synthetic", "sentencepiece", "sft")
-COMPARISONS = ("golden", "eager-only")
-PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_FARM_DATA = ("synthetic", "sentencepiece", "sft")
+_COMPARISONS = ("golden", "eager-only")
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 class CaseError(ValueError):
@@ -101,7 +110,7 @@ class FarmSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class _Case:
     name: str
     folder: Path
     env: dict[str, str]
@@ -120,7 +129,7 @@ def _refuse(path: Path, message: str) -> CaseError:
     return CaseError(f"{path}: {message}")
 
 
-def load_case(folder: str | Path) -> Case:
+def load_case(folder: str | Path) -> _Case:
     """Reads and validates ``folder/model_config.yaml``; raises ``CaseError`` naming what to fix."""
     import yaml
 
@@ -134,27 +143,29 @@ def load_case(folder: str | Path) -> Case:
         raise _refuse(path, f"is not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise _refuse(path, "must be a mapping with ENV_VARS and MODEL_ARGS.")
-    unknown = sorted(set(data) - KNOWN_KEYS)
+    unknown = sorted(set(data) - _KNOWN_KEYS)
     if unknown:
         raise _refuse(
             path,
-            f"unknown key(s) {unknown}; Megatron's case files use {sorted(KNOWN_KEYS - {'CG_FARM'})}, "
+            f"unknown key(s) {unknown}; Megatron's case files use {sorted(_KNOWN_KEYS - {'CG_FARM'})}, "
             "and the plugin adds CG_FARM.",
         )
-    for key, reason in NEVER_RUN.items():
+    for key, reason in _NEVER_RUN.items():
         if key in data:
             raise _refuse(path, f"{key} is refused: {reason}; move what it prepares into the environment.")
     mode = data.get("MODE", "pretraining")
-    if mode not in SUPPORTED_MODES:
-        raise _refuse(path, f"MODE {mode!r} is not run by the farm (it runs {', '.join(SUPPORTED_MODES)}).")
+    if mode not in _SUPPORTED_MODES:
+        raise _refuse(path, f"MODE {mode!r} is not run by the farm (it runs {', '.join(_SUPPORTED_MODES)}).")
     test_type = str(data.get("TEST_TYPE", "regular")).strip()
-    if test_type not in SUPPORTED_TEST_TYPES and test_type not in FIRST_HALF_TEST_TYPES:
+    if test_type not in _SUPPORTED_TEST_TYPES and test_type not in _FIRST_HALF_TEST_TYPES:
         raise _refuse(
             path,
             f"TEST_TYPE {test_type!r} needs a checkpoint from an earlier run, which the farm does "
-            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(SUPPORTED_TEST_TYPES)}).",
+            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(_SUPPORTED_TEST_TYPES)}).",
         )
-    notes = (f"TEST_TYPE {test_type} {FIRST_HALF_TEST_TYPES[test_type]}",) if test_type in FIRST_HALF_TEST_TYPES else ()
+    notes = (
+        (f"TEST_TYPE {test_type} {_FIRST_HALF_TEST_TYPES[test_type]}",) if test_type in _FIRST_HALF_TEST_TYPES else ()
+    )
     model_args = data.get("MODEL_ARGS")
     if not isinstance(model_args, dict) or not model_args:
         raise _refuse(path, "MODEL_ARGS must map Megatron flags (--num-layers: 2, ...) to their values.")
@@ -167,7 +178,7 @@ def load_case(folder: str | Path) -> Case:
     metrics = data.get("METRICS")
     if metrics is not None and (not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics)):
         raise _refuse(path, 'METRICS must be a list of metric names ("lm loss", "num-zeros", ...).')
-    return Case(
+    return _Case(
         name=folder.name,
         folder=folder,
         env={str(k): _env_value(v) for k, v in env.items()},
@@ -188,21 +199,21 @@ def _env_value(value: Any) -> str:
 def _farm_settings(path: Path, block: Any) -> FarmSettings:
     if not isinstance(block, dict):
         raise _refuse(path, "CG_FARM must be a mapping (nproc, compare, expect_refusal, ...).")
-    unknown = sorted(set(block) - FARM_KEYS)
+    unknown = sorted(set(block) - _FARM_KEYS)
     if unknown:
-        raise _refuse(path, f"CG_FARM has unknown key(s) {unknown}; use {sorted(FARM_KEYS)}.")
+        raise _refuse(path, f"CG_FARM has unknown key(s) {unknown}; use {sorted(_FARM_KEYS)}.")
     for key in ("nproc", "steps"):
         value = block.get(key, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise _refuse(path, f"CG_FARM {key} {value!r} must be an integer >= 1.")
     compare = block.get("compare", "golden")
-    if compare not in COMPARISONS:
-        raise _refuse(path, f"CG_FARM compare {compare!r} is unknown; use one of {', '.join(COMPARISONS)}.")
+    if compare not in _COMPARISONS:
+        raise _refuse(path, f"CG_FARM compare {compare!r} is unknown; use one of {', '.join(_COMPARISONS)}.")
     data = block.get("data")
-    if data is not None and data not in FARM_DATA:
+    if data is not None and data not in _FARM_DATA:
         raise _refuse(
             path,
-            f"CG_FARM data {data!r} is unknown; use one of {', '.join(FARM_DATA)} (or --data-path "
+            f"CG_FARM data {data!r} is unknown; use one of {', '.join(_FARM_DATA)} (or --data-path "
             "in MODEL_ARGS for a dataset of your own).",
         )
     for key in ("expect_capture_failure", "deterministic_mode", "eager_offload"):
@@ -259,9 +270,9 @@ def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str],
     unresolved: set[str] = set()
     for flag, value in model_args.items():
         for token in _values(flag, value):
-            names = PLACEHOLDER.findall(token)
+            names = _PLACEHOLDER.findall(token)
             unresolved.update(name for name in names if name not in placeholders)
-            flags.append(PLACEHOLDER.sub(lambda m: placeholders.get(m.group(1), m.group(0)), token))
+            flags.append(_PLACEHOLDER.sub(lambda m: placeholders.get(m.group(1), m.group(0)), token))
     if unresolved:
         raise CaseError(
             f"{where}: placeholder(s) {', '.join('${' + n + '}' for n in sorted(unresolved))} are not "
@@ -271,7 +282,7 @@ def render_flags(model_args: Mapping[str, Any], placeholders: Mapping[str, str],
 
 
 # ---------------------------------------------------------------------------------------------- --fit-gpus
-PARALLEL_FLAGS = {
+_PARALLEL_FLAGS = {
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
     "cp": "--context-parallel-size",
@@ -280,7 +291,7 @@ PARALLEL_FLAGS = {
 }
 # Flags that describe the case's pipeline stage by stage; they go when PP changes (a layout of 4 stages
 # is wrong for 2, and none of them means anything at PP 1).
-PIPELINE_ONLY_FLAGS = (
+_PIPELINE_ONLY_FLAGS = (
     "--virtual-pipeline-model-parallel-size",
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
@@ -296,7 +307,7 @@ PIPELINE_ONLY_FLAGS = (
 )
 # Megatron's flex token dispatcher (DeepEP, NCCL EP) needs TP x EP > 1 (token_dispatcher.py); its
 # backend's own flags go with it.
-FLEX_DISPATCHER_FLAGS = (
+_FLEX_DISPATCHER_FLAGS = (
     "--moe-flex-dispatcher-backend",
     "--moe-enable-deepep",
     "--moe-deepep-num-sms",
@@ -307,7 +318,7 @@ FLEX_DISPATCHER_FLAGS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class SizeNeed:
+class _SizeNeed:
     """A flag that needs parallel sizes the fitted run may not have: ``keeps(new, old)`` says whether
     it still fits; ``why(new, old)`` says why it goes."""
 
@@ -320,15 +331,15 @@ def _ep_overlap_why(new: Mapping[str, int], old: Mapping[str, int]) -> str:
     return f"EP {old['ep']} -> {new['ep']}: Megatron overlaps expert-parallel communication only with EP > 1"
 
 
-SIZE_NEEDS: tuple[SizeNeed, ...] = (
+SIZE_NEEDS: tuple[_SizeNeed, ...] = (
     *(
-        SizeNeed(flag, lambda new, old: new["pp"] == old["pp"], lambda new, old: f"PP {old['pp']} -> {new['pp']}")
-        for flag in PIPELINE_ONLY_FLAGS
+        _SizeNeed(flag, lambda new, old: new["pp"] == old["pp"], lambda new, old: f"PP {old['pp']} -> {new['pp']}")
+        for flag in _PIPELINE_ONLY_FLAGS
     ),
-    SizeNeed("--sequence-parallel", lambda new, old: new["tp"] > 1, lambda new, old: "TP 1"),
+    _SizeNeed("--sequence-parallel", lambda new, old: new["tp"] > 1, lambda new, old: "TP 1"),
     # Megatron refuses these without EP overlap, which needs EP > 1 (transformer_config.py).
     *(
-        SizeNeed(flag, lambda new, old: new["ep"] > 1 or new["ep"] == old["ep"], _ep_overlap_why)
+        _SizeNeed(flag, lambda new, old: new["ep"] > 1 or new["ep"] == old["ep"], _ep_overlap_why)
         for flag in (
             "--overlap-moe-expert-parallel-comm",
             "--delay-wgrad-compute",
@@ -337,7 +348,7 @@ SIZE_NEEDS: tuple[SizeNeed, ...] = (
     ),
     # Written for the case's CP size: a hierarchy of CP groups, a communication type per layer or a2a+p2p.
     *(
-        SizeNeed(flag, lambda new, old: new["cp"] == old["cp"], lambda new, old: f"CP {old['cp']} -> {new['cp']}")
+        _SizeNeed(flag, lambda new, old: new["cp"] == old["cp"], lambda new, old: f"CP {old['cp']} -> {new['cp']}")
         for flag in ("--hierarchical-context-parallel-sizes", "--cp-comm-type")
     ),
 )
@@ -365,7 +376,7 @@ def _fit_dispatcher(args: dict[str, Any], sizes: Mapping[str, int]) -> list[str]
         "--moe-token-dispatcher-type flex -> alltoall (TP x EP 1: Megatron's DeepEP and NCCL EP dispatchers "
         "need TP x EP > 1)"
     ]
-    for flag in FLEX_DISPATCHER_FLAGS:
+    for flag in _FLEX_DISPATCHER_FLAGS:
         if args.get(flag) not in (None, False):
             changes.append(f"{flag} {args.pop(flag)!r} dropped (the flex dispatcher's)")
     return changes
@@ -382,8 +393,8 @@ def fit_gpus(
     if gpus < 1:
         raise CaseError(f"--fit-gpus {gpus} must be >= 1.")
     args = dict(model_args)
-    sizes = {name: _size(args, flag) for name, flag in PARALLEL_FLAGS.items()}
-    if "etp" not in {name for name, flag in PARALLEL_FLAGS.items() if flag in args}:
+    sizes = {name: _size(args, flag) for name, flag in _PARALLEL_FLAGS.items()}
+    if "etp" not in {name for name, flag in _PARALLEL_FLAGS.items() if flag in args}:
         sizes["etp"] = sizes["tp"]  # Megatron defaults the expert TP size to TP
     before = dict(sizes)
     # Pipeline stages go first (their layout flags go with them), then CP, then TP; EP before ETP.
@@ -391,7 +402,7 @@ def fit_gpus(
     sizes["etp"] = min(sizes["etp"], sizes["tp"])
     _shrink(sizes, ("ep", "etp"), lambda: gpus % (sizes["ep"] * sizes["etp"] * sizes["pp"]) == 0)
     changes = []
-    for name, flag in PARALLEL_FLAGS.items():
+    for name, flag in _PARALLEL_FLAGS.items():
         if sizes[name] != before[name] or (flag in args and int(args[flag]) != sizes[name]):
             changes.append(f"{flag} {before[name]} -> {sizes[name]}")
             args[flag] = sizes[name]

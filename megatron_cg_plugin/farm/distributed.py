@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "RankFailure",
+    "run_probe",
     "MultiRankError",
     "LaunchResult",
     "launch",

@@ -19,18 +19,18 @@ from pathlib import Path
 
 __all__ = ["PortAllocator", "ephemeral_start", "port_is_free"]
 
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LINUX_EPHEMERAL_START = 32768  # the kernel's default, where the file cannot be read
-FIRST_PORT = 20000
-BLOCK = 64  # ports per process block
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LINUX_EPHEMERAL_START = 32768  # the kernel's default, where the file cannot be read
+_FIRST_PORT = 20000
+_BLOCK = 64  # ports per process block
 
 
-def ephemeral_start(path: Path = EPHEMERAL_RANGE) -> int:
+def ephemeral_start(path: Path = _EPHEMERAL_RANGE) -> int:
     """The lowest port the kernel picks for bind(0) and outgoing connections."""
     try:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return LINUX_EPHEMERAL_START
+        return _LINUX_EPHEMERAL_START
 
 
 def port_is_free(port: int) -> bool:
@@ -51,7 +51,7 @@ class PortAllocator:
     def __init__(
         self,
         *,
-        first: int = FIRST_PORT,
+        first: int = _FIRST_PORT,
         stop: int | None = None,
         start: int | None = None,
         is_free: Callable[[int], bool] = port_is_free,
@@ -59,8 +59,8 @@ class PortAllocator:
         stop = ephemeral_start() if stop is None else stop
         if not 0 < first < stop:
             raise ValueError(f"ports [{first}, {stop}): the range is empty or below the ephemeral range's start.")
-        blocks = max(1, (stop - first) // BLOCK)
-        start = first + (os.getpid() % blocks) * BLOCK if start is None else start
+        blocks = max(1, (stop - first) // _BLOCK)
+        start = first + (os.getpid() % blocks) * _BLOCK if start is None else start
         if not first <= start < stop:
             raise ValueError(f"start {start} is outside [{first}, {stop}).")
         self.first, self.stop = first, stop

@@ -60,15 +60,15 @@ __all__ = [
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
 CASES_DIR = REPO / "tests" / "functional" / "test_cases"  # <model>/<case>/model_config.yaml beside its golden file
-GOLDEN_FILE = "golden_values_dev_dgx_h200.json"  # Megatron's golden_values_{dev,lts}_dgx_<gpu>.json naming
-USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
+_GOLDEN_FILE = "golden_values_dev_dgx_h200.json"  # Megatron's golden_values_{dev,lts}_dgx_<gpu>.json naming
+_USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
 # A case's script in a Megatron-LM checkout (its top-level pretrain_gpt.py, ...), found where MEGATRON_LM_DIR says.
 MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
-GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
-TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
-DETERMINISTIC_METRICS = ("lm loss", "mtp_1 loss", "num-zeros")  # Megatron's DeterministicTest metrics (pretraining)
-SFT_IMPORTS = ("transformers", "datasets")  # SFTTokenizer's and SFTDataset's (megatron.training.datasets.sft_dataset)
+_GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
+_TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
+_DETERMINISTIC_METRICS = ("lm loss", "mtp_1 loss", "num-zeros")  # Megatron's DeterministicTest metrics (pretraining)
+_SFT_IMPORTS = ("transformers", "datasets")  # SFTTokenizer's and SFTDataset's (megatron.training.datasets.sft_dataset)
 
 
 def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
@@ -176,7 +176,7 @@ class FarmCase:
         if script is not None and not script.is_file():
             return f"{self.name}: no script at {script}"
         missing = [
-            name for name in (SFT_IMPORTS if self.data == "sft" else ()) if importlib.util.find_spec(name) is None
+            name for name in (_SFT_IMPORTS if self.data == "sft" else ()) if importlib.util.find_spec(name) is None
         ]
         return (
             f"{self.name}: Megatron's --sft path imports {' and '.join(missing)}, not installed here"
@@ -216,7 +216,7 @@ class FarmCase:
         )
         data = data_flags(self.data, out_dir)
         if flag_value(self.flags, "--split") is not None:  # the case's own split (argparse would take the farm's)
-            data = without_flags(data, switches=(), options=("--split",))
+            data = _without_flags(data, switches=(), options=("--split",))
         return [
             *flags,
             *data,
@@ -241,16 +241,16 @@ class FarmCase:
     @property
     def golden_path(self) -> Path:
         folder = self.folder if self.golden_case is None else case_folder(self.golden_case, self.folder.parents[1])
-        return folder / GOLDEN_FILE
+        return folder / _GOLDEN_FILE
 
     @property
     def compared_metrics(self) -> tuple[str, ...]:
-        return self.golden_metrics or GOLDEN_METRICS
+        return self.golden_metrics or _GOLDEN_METRICS
 
 
 # Megatron 0.19.2's fine-grained offload flags: switches, and options with their values.
-OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--delay-offload-until-cuda-graph")
-OFFLOAD_OPTIONS = (
+_OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--delay-offload-until-cuda-graph")
+_OFFLOAD_OPTIONS = (
     "--offload-modules",
     "--activation-offload-fraction",
     "--min-offloaded-tensor-size",
@@ -260,11 +260,11 @@ OFFLOAD_OPTIONS = (
 
 
 # The plugin's flags that shape TE graphs only (config.PLUGIN_FLAGS' graphs_only).
-GRAPH_ONLY_SWITCHES = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and flag.switch)
-GRAPH_ONLY_OPTIONS = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and not flag.switch)
+_GRAPH_ONLY_SWITCHES = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and flag.switch)
+_GRAPH_ONLY_OPTIONS = tuple(flag.flag for flag in PLUGIN_FLAGS if flag.graphs_only and not flag.switch)
 
 
-def without_flags(flags: Sequence[str], *, switches: Sequence[str], options: Sequence[str]) -> tuple[str, ...]:
+def _without_flags(flags: Sequence[str], *, switches: Sequence[str], options: Sequence[str]) -> tuple[str, ...]:
     """``flags`` without ``switches`` and ``options`` (an option takes its values along, also written
     ``--option=value``)."""
     kept: list[str] = []
@@ -283,12 +283,12 @@ def without_flags(flags: Sequence[str], *, switches: Sequence[str], options: Seq
 
 def without_offload_flags(flags: Sequence[str]) -> tuple[str, ...]:
     """``flags`` without Megatron's fine-grained offload flags."""
-    return without_flags(flags, switches=OFFLOAD_SWITCHES, options=OFFLOAD_OPTIONS)
+    return _without_flags(flags, switches=_OFFLOAD_SWITCHES, options=_OFFLOAD_OPTIONS)
 
 
 def without_graph_only_flags(flags: Sequence[str]) -> tuple[str, ...]:
     """``flags`` without the ``--cg-*`` flags that only graphs use, for the eager reference run."""
-    return without_flags(flags, switches=GRAPH_ONLY_SWITCHES, options=GRAPH_ONLY_OPTIONS)
+    return _without_flags(flags, switches=_GRAPH_ONLY_SWITCHES, options=_GRAPH_ONLY_OPTIONS)
 
 
 def _before_capture(case: FarmCase, first_step: int) -> str:
@@ -308,7 +308,7 @@ def _before_capture(case: FarmCase, first_step: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Refusal:
+class _Refusal:
     """A case whose flags Megatron or a rule refuses: it cannot run as written, which is no failure of
     the plugin. ``violations`` are (rule, message) pairs, ``megatron`` for Megatron's own checks."""
 
@@ -322,7 +322,7 @@ class Refusal:
         ]
 
 
-def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
+def refusal_of(case: FarmCase, out_dir: Path) -> _Refusal | None:
     """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
     on the case's ranks and environment, for the GPU host); None when both would start."""
     env = dict(case.env)
@@ -334,11 +334,11 @@ def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
                     case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**os.environ, **env}
                 )
         except rules.RuleViolation as violation:
-            return Refusal(mode, tuple(violation.violations))
+            return _Refusal(mode, tuple(violation.violations))
         except dry_run.CheckError as error:
-            return Refusal(mode, tuple(error.violations))
+            return _Refusal(mode, tuple(error.violations))
         except SystemExit:  # Megatron's parser: a flag this megatron-core does not know, a bad value
-            return Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
+            return _Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
     return None
 
 
@@ -440,7 +440,7 @@ def prepare_case(
         eager_offload=case.farm.eager_offload,
         megatron_lm_dir=megatron_lm_dir,
         pool_prediction_tolerance=case.farm.pool_prediction_tolerance,
-        equal_metrics=("lm loss", *(m for m in case.metrics or () if m in DETERMINISTIC_METRICS and m != "lm loss")),
+        equal_metrics=("lm loss", *(m for m in case.metrics or () if m in _DETERMINISTIC_METRICS and m != "lm loss")),
     )
     return farm_case, notes
 
@@ -463,7 +463,7 @@ class CaseResult:
         times = which.metrics.get("iteration-time")
         if times is None:
             return None
-        low, high = TIMING_WINDOW
+        low, high = _TIMING_WINDOW
         window = [value for step, value in times.values.items() if low <= step <= high]
         return 1e3 * statistics.median(window) if window else None
 
@@ -588,7 +588,7 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
             )
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
-    problems += pool_prediction_problems(case, result.report)
+    problems += _pool_prediction_problems(case, result.report)
     if case.expect_capture_failure:
         if summary["graphs"] or summary["replays"]:
             problems.append(f"graphs survived a failed capture: {summary}")
@@ -634,7 +634,7 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     return problems
 
 
-def pool_prediction_problems(case: FarmCase, report: dict[str, Any]) -> list[str]:
+def _pool_prediction_problems(case: FarmCase, report: dict[str, Any]) -> list[str]:
     """The planner against the graphed run (``pool_prediction_tolerance``): each pool the report
     measured (TE's graph pool; with --cg-slot-capture also the GPU arenas) within the tolerance of
     the prediction the run itself made from its flags."""

@@ -53,7 +53,7 @@ def scoped_environ(**values: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def process_state_kept() -> Iterator[None]:
+def _process_state_kept() -> Iterator[None]:
     """Megatron's ``validate_args`` sets the process up for a run (``--deterministic-mode`` sets
     ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` and ``CUBLAS_WORKSPACE_CONFIG`` and turns torch's deterministic
     algorithms on); a dry run puts the environment and those switches back, so the runs a farm starts
@@ -121,7 +121,7 @@ def validated_args(
     script builds its own data)."""
     from megatron.training.arguments import validate_args
 
-    with process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
+    with _process_state_kept(), scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
         missing = _required_flags_missing(flags, args)
         if missing is not None:

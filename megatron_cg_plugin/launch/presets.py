@@ -83,7 +83,7 @@ def find_preset(argv: Sequence[str]) -> str | None:
 
 
 # Megatron's data-source flags: any of them replaces the preset's mock data (Megatron refuses two sources).
-DATA_SOURCE_FLAGS = (
+_DATA_SOURCE_FLAGS = (
     "--data-path",
     "--train-data-path",
     "--valid-data-path",
@@ -96,16 +96,19 @@ DATA_SOURCE_FLAGS = (
 # A preset flag (with its values) that a user's flag of these replaces rather than follows: a later flag
 # could not unset --mock-data (Megatron refuses two data sources), and Megatron refuses the deprecated
 # --cuda-graph-scope beside --cuda-graph-modules.
-REPLACED_BY = {"--mock-data": DATA_SOURCE_FLAGS, "--cuda-graph-modules": ("--cuda-graph-modules", "--cuda-graph-scope")}
+_REPLACED_BY = {
+    "--mock-data": _DATA_SOURCE_FLAGS,
+    "--cuda-graph-modules": ("--cuda-graph-modules", "--cuda-graph-scope"),
+}
 
 
-def names_any(argv: Sequence[str], flags: Sequence[str]) -> bool:
+def _names_any(argv: Sequence[str], flags: Sequence[str]) -> bool:
     return any(token.split("=", 1)[0] in flags for token in argv)
 
 
 def expand_preset(argv: Sequence[str]) -> list[str]:
     """``argv`` with the preset's flags in front (the user's flags, coming later, override them),
-    less the preset's flags that the user's replace (``REPLACED_BY``)."""
+    less the preset's flags that the user's replace (``_REPLACED_BY``)."""
     preset = find_preset(argv)
     if not preset:
         return list(argv)
@@ -113,7 +116,7 @@ def expand_preset(argv: Sequence[str]) -> list[str]:
     dropping = False
     for token in PRESET_FLAGS[preset]:
         if token.startswith("--"):
-            dropping = token in REPLACED_BY and names_any(argv, REPLACED_BY[token])
+            dropping = token in _REPLACED_BY and _names_any(argv, _REPLACED_BY[token])
         if not dropping:
             flags.append(token)
     return flags + list(argv)

@@ -33,7 +33,7 @@ from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
 __all__ = ["ARGS_DEFAULTS", "main", "parse_megatron_args", "run"]
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
@@ -54,7 +54,7 @@ def parse_megatron_args(argv: Sequence[str], *, validate: bool = True) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchSpec:
+class _BatchSpec:
     """The parsed flags the data path needs, read once at start-up (not per step)."""
 
     micro_batch_size: int
@@ -68,7 +68,7 @@ class BatchSpec:
     packed: bool = False  # --dataloader-inter-document-masking without hybrid CP: THD microbatches
 
 
-def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict[str, Any]:
+def _get_batch(data_iterator: Any, spec: _BatchSpec, vp_stage: int | None) -> dict[str, Any]:
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import (
         flatten_batch_for_packed_sequences,
@@ -78,7 +78,7 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return dict.fromkeys(BATCH_KEYS)
+        return dict.fromkeys(_BATCH_KEYS)
     batch: dict[str, Any] = {}
     tp_rank = mpu.get_tensor_model_parallel_rank()
     if tp_rank == 0:
@@ -110,7 +110,7 @@ def get_batch(data_iterator: Any, spec: BatchSpec, vp_stage: int | None) -> dict
     )
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of token losses and the token count: Megatron reduces both over DP and divides."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
@@ -119,7 +119,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
+def _forward_step(data_iterator: Any, model: Any, *, spec: _BatchSpec):
     from megatron.core.utils import get_attr_wrapped_model
 
     if spec.hybrid_context_parallel:
@@ -135,8 +135,8 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
             loss_mask=batch["loss_mask"],
             packed_seq_params=packed,
         )
-        return output, functools.partial(loss_func, batch["loss_mask"])
-    batch = get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
+        return output, functools.partial(_loss_func, batch["loss_mask"])
+    batch = _get_batch(data_iterator, spec, get_attr_wrapped_model(model, "vp_stage"))
     packed = packed_batch_params(batch, tokens_per_sample=spec.seq_length) if spec.packed else None
     output = model(
         batch["tokens"],
@@ -146,17 +146,17 @@ def forward_step(data_iterator: Any, model: Any, *, spec: BatchSpec):
         loss_mask=batch["loss_mask"],
         packed_seq_params=packed,
     )
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-USAGE = (
+_USAGE = (
     "usage: python -m megatron_cg_plugin.pretrain_gpt [--cg-preset NAME] <Megatron flags> <--cg-* flags>\n\n"
     "Trains a GPT or MoE through Megatron's own pretrain() with the plugin installed; megatron-cg check "
     "validates the same flags on CPU."
 )
 
 
-def launcher_help() -> str:
+def _launcher_help() -> str:
     """The launcher's ``--help``: the plugin's flags first, then Megatron's (megatron-core 0.19.2's own
     ``--help`` fails on one help string, escaped here: ``parse_errors.printable_help``)."""
     from megatron.training.arguments import add_megatron_arguments
@@ -164,7 +164,7 @@ def launcher_help() -> str:
     megatron = argparse.ArgumentParser(prog="pretrain_gpt", usage=argparse.SUPPRESS, add_help=False)
     megatron_flags = printable_help(add_megatron_arguments(megatron)).format_help().strip()
     return (
-        f"{USAGE}\n\n{helptext.plugin_flags_help()}\n\nMegatron's flags (megatron-core's parser; its own --help "
+        f"{_USAGE}\n\n{helptext.plugin_flags_help()}\n\nMegatron's flags (megatron-core's parser; its own --help "
         f"fails on a bare '%' in one help string in 0.19.2, escaped here):\n\n{megatron_flags}"
     )
 
@@ -172,7 +172,7 @@ def launcher_help() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(flag in ("-h", "--help") for flag in argv):
-        print(launcher_help())
+        print(_launcher_help())
         return 0
     with single_process_rendezvous():
         session = installation.install(launcher=True)
@@ -190,7 +190,7 @@ def run(args: Any, session: Any) -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    spec = BatchSpec(
+    spec = _BatchSpec(
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
         context_parallel_size=args.context_parallel_size,
@@ -215,6 +215,6 @@ def run(args: Any, session: Any) -> None:
         pretrain_cfg_container_from_args(args, model_config),
         provider,
         ModelType.encoder_or_decoder,
-        functools.partial(forward_step, spec=spec),
+        functools.partial(_forward_step, spec=spec),
     )
     installation.finish()  # already done when train() ran; a run that skipped training still reports

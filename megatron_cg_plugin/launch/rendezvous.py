@@ -19,7 +19,7 @@ __all__ = ["RENDEZVOUS_VARS", "argv_as", "single_process_rendezvous", "single_pr
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -36,7 +36,7 @@ def single_process_values(environ: MutableMapping[str, str], *, port: int | None
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port() if port is None else port),
+        "MASTER_PORT": str(_free_port() if port is None else port),
     }
     return {key: value for key, value in values.items() if key not in environ}
 

@@ -27,7 +27,7 @@ from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezv
 __all__ = ["EXIT_BAD_INPUT", "expand_preset", "main", "parser", "run_in_process"]
 
 EXIT_BAD_INPUT = console.EXIT_BAD_INPUT
-RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
+_RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def script_search_path(script: Path) -> Iterator[None]:
+def _script_search_path(script: Path) -> Iterator[None]:
     """``sys.path[0]`` is the script's folder, as ``python SCRIPT`` makes it (its sibling modules,
     such as Megatron-LM's ``gpt_builders``, import from there)."""
     saved = list(sys.path)
@@ -58,7 +58,7 @@ def script_search_path(script: Path) -> Iterator[None]:
         sys.path[:] = saved
 
 
-def exit_code(error: SystemExit) -> int:
+def _exit_code(error: SystemExit) -> int:
     if error.code is None:
         return 0
     if isinstance(error.code, int):
@@ -69,7 +69,7 @@ def exit_code(error: SystemExit) -> int:
 
 def run_in_process(script: Path, args: Sequence[str]) -> int:
     """Runs ``script`` in this process with the plugin installed; returns its exit code."""
-    with single_process_rendezvous(), argv_as([str(script), *args]), script_search_path(script):
+    with single_process_rendezvous(), argv_as([str(script), *args]), _script_search_path(script):
         try:
             installation.install()
         except (compat.UnsupportedVersionError, compat.SignatureMismatchError) as error:
@@ -78,20 +78,20 @@ def run_in_process(script: Path, args: Sequence[str]) -> int:
         try:
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as error:
-            return exit_code(error)
+            return _exit_code(error)
         finally:
             installation.uninstall()
     return 0
 
 
-def launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
+def _launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
     """``nproc`` local ranks through ``torch.distributed.run``, each running this command once."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in every multi-GPU run
     launch_args = torchrun.get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", RANK_ENTRY, str(script), *args]
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", _RANK_ENTRY, str(script), *args]
     )
     try:
         torchrun.run(launch_args)
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if options.nproc_per_node == 1:  # each rank expands --cg-preset, as the launcher does
         return run_in_process(script, expand_preset(options.args))
-    return launch_ranks(options.nproc_per_node, script, options.args)
+    return _launch_ranks(options.nproc_per_node, script, options.args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ correctness runs (the table's "plugin / stock" column).
     megatron-cg matrix bench CELLS.json --out DIR [--only NAME ...] [--parallel N] [--timeout-s S]
                              [-- --bench-rounds R --bench-steps S ...]
 
-The bench's arms are the cell's own capture (``PLUGIN_ARMS``) and ``stock``, Megatron's
+The bench's arms are the cell's own capture (``_PLUGIN_ARMS``) and ``stock``, Megatron's
 ``TECudaGraphHelper`` on the same flags (with Megatron's own offload in a slot-offload cell). A cell
 the rules refuse is not launched; nor is one whose stock arm they refuse (the cell's flags without
 the plugin's graph-only ``--cg-*`` flags, checked on CPU as ``megatron-cg check`` would), recorded
@@ -53,24 +53,24 @@ __all__ = [
 # the bench's session has the run's config; ``slot`` is slot-shared capture offloading nothing (the cell
 # offloads nothing), ``slot-offload`` follows Megatron's offload flags with in-graph copies and the run's
 # --cg-offload-window, what the run's helper does with the default --cg-offload-copies.
-PLUGIN_ARMS = {"te": "plugin", "slot": "slot", "slot-offload": "slot-offload"}
-STOCK_ARM = "stock"
+_PLUGIN_ARMS = {"te": "plugin", "slot": "slot", "slot-offload": "slot-offload"}
+_STOCK_ARM = "stock"
 RESULTS_FILE = "matrix-bench.json"
-OWN_BENCH_OPTIONS = ("--bench-arms", "--bench-out")  # set per cell here
-USAGE = (
+_OWN_BENCH_OPTIONS = ("--bench-arms", "--bench-out")  # set per cell here
+_USAGE = (
     "megatron-cg matrix bench CELLS.json --out DIR [--only NAME ...] [--parallel N] [--timeout-s S] "
     "[-- --bench-rounds R --bench-steps S ...]"
 )
 TIMED_OUT = 124  # as timeout(1) says it
 STOPPED = -int(signal.SIGTERM)  # not started: the driver was stopped
-LOG_TAIL = 1500
+_LOG_TAIL = 1500
 
 
-def plugin_arm(cell: Mapping[str, str]) -> str:
-    return PLUGIN_ARMS[cell["capture"]]
+def _plugin_arm(cell: Mapping[str, str]) -> str:
+    return _PLUGIN_ARMS[cell["capture"]]
 
 
-def stock_flags(cell: Mapping[str, str]) -> tuple[str, ...]:
+def _stock_flags(cell: Mapping[str, str]) -> tuple[str, ...]:
     """What the stock arm's graphs capture with: the cell's flags less the plugin's graph-only ones."""
     return without_graph_only_flags(cell_flags(cell))
 
@@ -90,7 +90,7 @@ def check_bench_flags(flags: Sequence[str]) -> None:
             "--bench-interleave: matrix bench reads the block schedule's rounds and ratios (and most "
             "cells are slot or FP8 captures, which the step schedule refuses); drop it."
         )
-    own = [flag for flag in flags if flag.split("=", 1)[0] in OWN_BENCH_OPTIONS]
+    own = [flag for flag in flags if flag.split("=", 1)[0] in _OWN_BENCH_OPTIONS]
     if own:
         raise ValueError(
             f"{own[0]}: matrix bench sets it per cell (the arms: the cell's capture and stock; "
@@ -99,7 +99,7 @@ def check_bench_flags(flags: Sequence[str]) -> None:
 
 
 @dataclass(frozen=True)
-class BenchLaunch:
+class _BenchLaunch:
     """One cell's ``megatron-cg bench``: ``python argv`` in ``env``, writing into ``folder``."""
 
     cell: Cell
@@ -110,7 +110,7 @@ class BenchLaunch:
 
     @property
     def arms(self) -> tuple[str, str]:
-        return plugin_arm(self.cell.factors), STOCK_ARM
+        return _plugin_arm(self.cell.factors), _STOCK_ARM
 
     @property
     def log(self) -> Path:
@@ -123,7 +123,7 @@ class BenchLaunch:
 
 def bench_launch(
     cell: Cell, out_dir: Path, *, script: Path, bench_flags: Sequence[str], port: int, environ: Mapping[str, str]
-) -> BenchLaunch:
+) -> _BenchLaunch:
     """The cell's bench command and environment; builds its dataset under ``out_dir/<cell>``."""
     folder = out_dir / cell.name
     argv = (
@@ -131,7 +131,7 @@ def bench_launch(
         "megatron_cg_plugin.cli",
         "bench",
         "--bench-arms",
-        ",".join((plugin_arm(cell.factors), STOCK_ARM)),
+        ",".join((_plugin_arm(cell.factors), _STOCK_ARM)),
         "--bench-out",
         str(folder),
         "--bench-no-plot",
@@ -150,11 +150,11 @@ def bench_launch(
         "NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off in every run of this project
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH")) if p),
     }
-    return BenchLaunch(cell, argv, env, folder, port)
+    return _BenchLaunch(cell, argv, env, folder, port)
 
 
 class BenchProcesses:
-    """Runs benches as ``python argv`` (a ``Launcher``), each leading its own process group, and
+    """Runs benches as ``python argv`` (a ``_Launcher``), each leading its own process group, and
     keeps the running ones, so a driver that is stopped (Ctrl-C, timeout(1)'s SIGTERM, which would
     not reach another group) stops them too, and none starts after."""
 
@@ -206,12 +206,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _tail(path: Path) -> str:
     try:
-        return path.read_text(errors="replace")[-LOG_TAIL:]
+        return path.read_text(errors="replace")[-_LOG_TAIL:]
     except OSError:
         return ""
 
 
-def bench_row(launch: BenchLaunch, returncode: int, *, parallel: int) -> dict[str, Any]:
+def _bench_row(launch: _BenchLaunch, returncode: int, *, parallel: int) -> dict[str, Any]:
     """The cell's row from its bench's exit code and ``bench.json``: the plugin / stock ratio's
     median, spread and pairs of rounds, its 95% half-width, and the settings it ran with."""
     arm, stock = launch.arms
@@ -251,7 +251,7 @@ def bench_row(launch: BenchLaunch, returncode: int, *, parallel: int) -> dict[st
     }
 
 
-Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
+_Launcher = Callable[[Sequence[str], Mapping[str, str], Path, float], int]
 
 
 def run_benches(
@@ -262,7 +262,7 @@ def run_benches(
     bench_flags: Sequence[str] = (),
     parallel: int = 1,
     timeout_s: float = 600,
-    launcher: Launcher | None = None,
+    launcher: _Launcher | None = None,
     ports: Callable[[], int] | None = None,
     environ: Mapping[str, str] | None = None,
     progress: Callable[[str], None] = print,
@@ -297,7 +297,7 @@ def run_benches(
         if cell.refused_by:
             record({**row, "result": "refused", "refused_by": list(cell.refused_by)})
             continue
-        flags = stock_flags(cell.factors)
+        flags = _stock_flags(cell.factors)
         # A TE-graphs cell's flags are the stock arm's, and matrix plan checked them.
         refused_by, refusal = (
             ((), "")
@@ -323,7 +323,7 @@ def run_benches(
     try:
         futures = {pool.submit(launcher, launch.argv, launch.env, launch.log, timeout_s): launch for launch in launches}
         for future in concurrent.futures.as_completed(futures):
-            record(bench_row(futures[future], future.result(), parallel=parallel))
+            record(_bench_row(futures[future], future.result(), parallel=parallel))
     except BaseException:  # stopped (Ctrl-C, SIGTERM): no bench outlives the driver, none starts after
         pool.shutdown(wait=False, cancel_futures=True)
         if isinstance(launcher, BenchProcesses):
@@ -359,7 +359,7 @@ def main(argv: Sequence[str]) -> int:
     own, bench_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
         prog="megatron-cg matrix bench",
-        usage=USAGE,
+        usage=_USAGE,
         epilog="The flags after -- go to every megatron-cg bench "
         "(megatron-cg bench --help lists them): e.g. -- --bench-rounds 4 --bench-steps 8.",
         description="Each cell's step time with the plugin's graphs over Megatron's own (megatron-cg bench through "

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 __all__ = ["all_pairs", "combinations", "pairs_of", "uncovered_pairs"]
 
-Combination = tuple[tuple[str, str], ...]  # ((factor, value), ...) in factor order
-Pair = tuple[tuple[str, str], tuple[str, str]]
+_Combination = tuple[tuple[str, str], ...]  # ((factor, value), ...) in factor order
+_Pair = tuple[tuple[str, str], tuple[str, str]]
 
 
-def combinations(factors: Mapping[str, Sequence[str]]) -> list[Combination]:
+def combinations(factors: Mapping[str, Sequence[str]]) -> list[_Combination]:
     """Every full combination, in factor and value order."""
     names = list(factors)
     for name in names:
@@ -31,7 +31,7 @@ def combinations(factors: Mapping[str, Sequence[str]]) -> list[Combination]:
     return [tuple(zip(names, values)) for values in itertools.product(*(factors[n] for n in names))]
 
 
-def pairs_of(combination: Combination) -> set[Pair]:
+def pairs_of(combination: _Combination) -> set[_Pair]:
     return set(itertools.combinations(combination, 2))
 
 
@@ -46,14 +46,14 @@ def all_pairs(
     candidates = [c for c in combinations(factors) if allowed(dict(c))]
     if not candidates:
         raise ValueError("no combination of the factors is allowed.")
-    chosen: list[Combination] = []
+    chosen: list[_Combination] = []
     for stage in ([c for c in candidates if preferred(dict(c))], candidates):
         uncovered = set().union(*(pairs_of(c) for c in stage)) - set().union(set(), *(pairs_of(c) for c in chosen))
         chosen += _greedy_cover(stage, uncovered)
     return [dict(c) for c in chosen]
 
 
-def _greedy_cover(candidates: Sequence[Combination], uncovered: set[Pair]) -> list[Combination]:
+def _greedy_cover(candidates: Sequence[_Combination], uncovered: set[_Pair]) -> list[_Combination]:
     chosen = []
     while uncovered:
         best = max(candidates, key=lambda c: len(pairs_of(c) & uncovered))  # the first of the best on ties
@@ -67,7 +67,7 @@ def uncovered_pairs(
     factors: Mapping[str, Sequence[str]],
     *,
     allowed: Callable[[dict[str, str]], bool] = lambda _: True,
-) -> set[Pair]:
+) -> set[_Pair]:
     """The pairs some allowed combination holds that no combination of ``design`` holds (empty for a
     covering design): the check a regenerated matrix is held to."""
     needed = set().union(set(), *(pairs_of(c) for c in combinations(factors) if allowed(dict(c))))

@@ -62,11 +62,11 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "mbs": ("1", "2"),
 }
 MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
-MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
-SEQ = 2048
+_MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
+_SEQ = 2048
 
 _SIZES = (
-    f"--seq-length {SEQ} --max-position-embeddings {SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
+    f"--seq-length {_SEQ} --max-position-embeddings {_SEQ} --num-layers 4 --hidden-size 2048 --num-attention-heads 16"
 )
 _TRAINING = (
     "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0 "
@@ -83,28 +83,28 @@ _MOE = (
 )
 # GPT-3's layer as Megatron-LM's script defaults it (learned positions, GELU, LayerNorm, biases, dropout 0.1);
 # Llama's (GQA, SwiGLU, RMSNorm, RoPE, untied, no biases, no dropout); a 16-expert top-2 MoE on Llama's attention.
-MODEL_FLAGS = {
+_MODEL_FLAGS = {
     "gpt": "--ffn-hidden-size 8192",
     "llama": f"{_LLAMA} --ffn-hidden-size 5632",
     "moe-droppad": f"{_MOE} --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity",
     "moe-dropless": _MOE,
 }
-PRECISION_FLAGS = {
+_PRECISION_FLAGS = {
     "bf16": "",
     "fp8-delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max",
     "fp8-tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
     "fp8-blockwise": "--fp8-format e4m3 --fp8-recipe blockwise",
 }
-CAPTURE_FLAGS = {
+_CAPTURE_FLAGS = {
     "te": "",
     "slot": "--cg-slot-capture",
     # Attention's saves to pinned host memory inside the graphs (Megatron's flags name the groups).
     "slot-offload": "--cg-slot-capture --fine-grained-activation-offloading --offload-modules core_attn attn_proj",
 }
-OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
+_OFFLOAD_ENV = (("NVTE_CPU_OFFLOAD_V1", "1"),)
 
 
-def scope_flags(cell: Mapping[str, str]) -> str:
+def _scope_flags(cell: Mapping[str, str]) -> str:
     if cell["scope"] == "layer":
         return ""
     if cell["scope"] == "attn":
@@ -132,11 +132,11 @@ def cell_flags(cell: Mapping[str, str]) -> list[str]:
         (
             _SIZES,
             _TRAINING,
-            MODEL_FLAGS[cell["model"]],
-            scope_flags(cell),
-            PRECISION_FLAGS[cell["precision"]],
-            CAPTURE_FLAGS[cell["capture"]],
-            f"--micro-batch-size {mbs} --global-batch-size {MICROBATCHES * mbs}",
+            _MODEL_FLAGS[cell["model"]],
+            _scope_flags(cell),
+            _PRECISION_FLAGS[cell["precision"]],
+            _CAPTURE_FLAGS[cell["capture"]],
+            f"--micro-batch-size {mbs} --global-batch-size {_MICROBATCHES * mbs}",
         )
     )
     return text.split()
@@ -179,7 +179,7 @@ def select_cells(cells: Sequence[Cell], only: Sequence[str] | None, source: Path
 
 def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
     """The environment a cell's runs get beyond the host's (Megatron's offload needs TE's v1 offload)."""
-    return dict(OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
+    return dict(_OFFLOAD_ENV) if cell["capture"] == "slot-offload" else {}
 
 
 def refusal_of(
@@ -257,11 +257,11 @@ def run_cell(
         "problems": problems,
         "first_differing_step": min(differing, default=None),
         "summary": result.summary(),
-        **memory_figures(result.report),
+        **_memory_figures(result.report),
     }
 
 
-def memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
+def _memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
     scopes = report.get("scopes", [])
 
     def total(key: str) -> int | None:
@@ -327,7 +327,7 @@ def _ratio(predicted: int | None, measured: int | None) -> str:
     return f"{_mib(predicted)} / {_mib(measured)} ({predicted / measured:.2f})"
 
 
-RESULT_WORDS = {
+_RESULT_WORDS = {
     "exact": "exact",
     "differs": "**differs**",
     "failed": "**failed**",
@@ -336,7 +336,7 @@ RESULT_WORDS = {
 }
 
 
-BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
+_BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
 
 
 def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -345,8 +345,8 @@ def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> d
     cell from the design (the rules refuse it on CPU); any other cell without a row is "not run".
     Matrix benches' JSON among ``runs`` merge the same way, by cell name, into each row's ``bench``
     (a refused cell has none)."""
-    benches = [run for run in runs if BENCH_KEY in run]
-    runs = [run for run in runs if BENCH_KEY not in run]
+    benches = [run for run in runs if _BENCH_KEY in run]
+    runs = [run for run in runs if _BENCH_KEY not in run]
     if not runs or len({run["steps"] for run in runs}) != 1:
         raise ValueError(
             "give one or more matrix.json files, all run with the same --steps (and any matrix-bench.json beside them)."
@@ -359,13 +359,13 @@ def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> d
             rows.append({**cell.to_json(), "result": "refused"})
             continue
         row = latest.get(cell.name, {**cell.to_json(), "result": "not-run"})
-        rows.append({**row, BENCH_KEY: benched[cell.name]} if cell.name in benched else row)
+        rows.append({**row, _BENCH_KEY: benched[cell.name]} if cell.name in benched else row)
     return {"factors": FACTORS, "steps": runs[0]["steps"], "rows": rows}
 
 
 def _bench_cell(row: Mapping[str, Any]) -> str:
     """The plugin / stock ratio of a cell's bench: median [lowest, highest] +-95% (n pairs of rounds)."""
-    bench = row.get(BENCH_KEY)
+    bench = row.get(_BENCH_KEY)
     if row["result"] == "refused" or bench is None or bench["result"] == "refused":
         return "-"
     if bench["result"] == "stock-refused":
@@ -382,7 +382,7 @@ def _bench_cell(row: Mapping[str, Any]) -> str:
 
 def _bench_note(rows: Sequence[Mapping[str, Any]]) -> str:
     """How the plugin / stock column was measured, from the benches' own rows."""
-    benches = [row[BENCH_KEY] for row in rows if row.get(BENCH_KEY) and row["result"] != "refused"]
+    benches = [row[_BENCH_KEY] for row in rows if row.get(_BENCH_KEY) and row["result"] != "refused"]
     benched = [bench for bench in benches if bench["result"] == "benched"]
     if not benched:
         return "plugin / stock: not benched (`megatron-cg matrix bench`); `-` in every cell."
@@ -432,7 +432,7 @@ def render(results: Mapping[str, Any]) -> str:
     ]
     for row in rows:
         f = row["factors"]
-        result = RESULT_WORDS[row["result"]]
+        result = _RESULT_WORDS[row["result"]]
         if row["result"] == "refused":
             result += " " + ", ".join(f"`{rule}`" for rule in row["refused_by"])
         elif row.get("first_differing_step") is not None:
@@ -447,6 +447,6 @@ def render(results: Mapping[str, Any]) -> str:
             f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
             f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |"
         )
-    counts = {word: sum(row["result"] == word for row in rows) for word in RESULT_WORDS}
+    counts = {word: sum(row["result"] == word for row in rows) for word in _RESULT_WORDS}
     lines += ["", ", ".join(f"{n} {word.replace('-', ' ')}" for word, n in counts.items() if n) + "."]
     return "\n".join(lines) + "\n"

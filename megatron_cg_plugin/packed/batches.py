@@ -12,13 +12,13 @@ from typing import Any
 __all__ = ["packed_batch_params", "with_packed_keys"]
 
 # What Megatron's get_batch_on_this_tp_rank reads of a packed batch besides the tokens (None where absent).
-PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 def with_packed_keys(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """``batch`` with every key of ``PACKED_KEYS`` (None where the dataset gives none: its
+    """``batch`` with every key of ``_PACKED_KEYS`` (None where the dataset gives none: its
     ``cu_seqlens_padded``, which Megatron's broadcast reads under CP)."""
-    return {**dict.fromkeys(PACKED_KEYS), **batch}
+    return {**dict.fromkeys(_PACKED_KEYS), **batch}
 
 
 def packed_batch_params(batch: Mapping[str, Any], *, tokens_per_sample: int) -> Any:

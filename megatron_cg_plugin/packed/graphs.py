@@ -201,7 +201,7 @@ def capture_params(offsets: torch.Tensor, layout: PackedLayout) -> Any:
     )
 
 
-def packed_rope_table(chunks: Sequence[Any], layout: PackedLayout) -> torch.Tensor | None:
+def _packed_rope_table(chunks: Sequence[Any], layout: PackedLayout) -> torch.Tensor | None:
     """The RoPE table GPTModel passes for a fixed-layout microbatch (its cached object: the same
     call), from the first model chunk with RoPE; None without RoPE."""
     for chunk in chunks:
@@ -266,7 +266,7 @@ def helper_sample_inputs(helper: Any, sample_args: Sequence[tuple], sample_kwarg
         sample_kwargs,
         layout,
         micro_batch_size=helper.micro_batch_size,
-        rope=packed_rope_table(helper.chunks_with_decoder, layout),
+        rope=_packed_rope_table(helper.chunks_with_decoder, layout),
     )
 
 

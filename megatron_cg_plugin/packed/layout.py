@@ -122,7 +122,7 @@ class PackedLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class ThdLayout:
+class _ThdLayout:
     cp_size: int
     tokens: int  # global tokens in the pack: cp_size * tokens_per_rank
     cu_seqlens: tuple[int, ...]
@@ -140,7 +140,7 @@ def padded_length(length: int, cp_size: int) -> int:
     return (length + multiple - 1) // multiple * multiple
 
 
-def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank: int, max_seqs: int) -> ThdLayout:
+def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank: int, max_seqs: int) -> _ThdLayout:
     """The fixed-capacity layout of a pack of sequences with these actual ``lengths``.
 
     Raises ``ThdCapacityError`` naming what to raise when the pack has more sequences than
@@ -171,7 +171,7 @@ def fixed_capacity_layout(lengths: Sequence[int], cp_size: int, tokens_per_rank:
         cu_padded.append(cu_padded[-1] + pad)
     cu.append(cu[-1])  # the dummy: no actual tokens ...
     cu_padded.append(tokens)  # ... covering the rest of the buffer
-    return ThdLayout(
+    return _ThdLayout(
         cp_size, tokens, padded_offsets(cu, max_seqs + 2), padded_offsets(cu_padded, max_seqs + 2), len(lengths)
     )
 

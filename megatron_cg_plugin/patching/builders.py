@@ -118,7 +118,7 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     return validate_args
 
 
-SCHEDULE = "forward_backward_func"  # train_step's argument: Megatron's schedule, one step's microbatches
+_SCHEDULE = "forward_backward_func"  # train_step's argument: Megatron's schedule, one step's microbatches
 
 
 def build_train_step_timer(original: Callable, session: Any) -> Callable:
@@ -127,15 +127,15 @@ def build_train_step_timer(original: Callable, session: Any) -> Callable:
     plugin-recording arm wraps its steps the same way)."""
     names = list(inspect.signature(original).parameters)
     # Where the schedule comes (train() passes it positionally; found once, not bound per call)
-    position = names.index(SCHEDULE) if SCHEDULE in names else None
+    position = names.index(_SCHEDULE) if _SCHEDULE in names else None
 
     @functools.wraps(original)
     def train_step(*args: Any, **kwargs: Any) -> Any:
         session.mark_iteration_start()
         if position is not None and len(args) > position and callable(args[position]):
             args = (*args[:position], marked_schedule(args[position], session.step_marks), *args[position + 1 :])
-        elif callable(kwargs.get(SCHEDULE)):
-            kwargs = {**kwargs, SCHEDULE: marked_schedule(kwargs[SCHEDULE], session.step_marks)}
+        elif callable(kwargs.get(_SCHEDULE)):
+            kwargs = {**kwargs, _SCHEDULE: marked_schedule(kwargs[_SCHEDULE], session.step_marks)}
         return original(*args, **kwargs)
 
     return train_step

@@ -43,7 +43,7 @@ __all__ = [
     "markdown",
 ]
 
-Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
+_Builder = Callable[[Any, Any], Any]  # (the original attribute, the run's session) -> its replacement
 
 HELPER_METHODS = (
     "create_cudagraphs",
@@ -67,7 +67,7 @@ class Patch:
     module: str
     attribute: str
     reason: str
-    build: Builder = dataclasses.field(kw_only=True)
+    build: _Builder = dataclasses.field(kw_only=True)
     expected_params: tuple[str, ...] = ()
     expected_methods: tuple[str, ...] = ()
     needs_te: bool = False  # skipped where Transformer Engine is not installed
@@ -593,11 +593,11 @@ def markdown() -> str:
             f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where} | {entry.reason} |"
             for entry in entries
         ]
-    return "\n".join(lines) + "\n\n" + OTHER_STATE
+    return "\n".join(lines) + "\n\n" + _OTHER_STATE
 
 
 # Changes no entry above lists: objects that live for one call, hooks for one capture, and the rest.
-OTHER_STATE = """\
+_OTHER_STATE = """\
 | A tensor hook (`Tensor.register_hook`) on each output of a graphed layer's capture call that takes a gradient | \
 names that layer's backward when autograd reaches it (TE captures every forward first, then the backwards in reverse \
 order, so the last forward is not where a backward failed); does nothing else, and is removed with the \

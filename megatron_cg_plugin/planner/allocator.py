@@ -19,25 +19,25 @@ import dataclasses
 
 __all__ = ["LARGE_SEGMENT", "PoolModel", "SMALL_REQUEST", "SMALL_SEGMENT", "round_request", "segment_size"]
 
-MIN_BLOCK = 512
+_MIN_BLOCK = 512
 SMALL_REQUEST = 1 << 20  # kSmallSize: the largest request the small pool serves
 SMALL_SEGMENT = 2 << 20  # kSmallBuffer
 LARGE_SEGMENT = 20 << 20  # kLargeBuffer
-MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from here on, segments are the request rounded to 2 MiB
-ROUND_LARGE = 2 << 20
+_MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from here on, segments are the request rounded to 2 MiB
+_ROUND_LARGE = 2 << 20
 
 
 def round_request(size: int) -> int:
-    return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
+    return max(_MIN_BLOCK, -(-size // _MIN_BLOCK) * _MIN_BLOCK)
 
 
 def segment_size(request: int) -> int:
     """The segment a request that no free block fits makes the allocator reserve."""
     if request <= SMALL_REQUEST:
         return SMALL_SEGMENT
-    if request < MIN_LARGE_ALLOC:
+    if request < _MIN_LARGE_ALLOC:
         return LARGE_SEGMENT
-    return -(-request // ROUND_LARGE) * ROUND_LARGE
+    return -(-request // _ROUND_LARGE) * _ROUND_LARGE
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,7 +84,7 @@ class PoolModel:
             self._segments += 1
             self.reserved += total
         remaining = block.size - request
-        if remaining >= MIN_BLOCK if small else remaining > SMALL_REQUEST:
+        if remaining >= _MIN_BLOCK if small else remaining > SMALL_REQUEST:
             rest = _Block(block.segment, block.offset + request, remaining, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest

@@ -65,8 +65,8 @@ __all__ = [
     "thd_buffer_bytes",
 ]
 
-BF16 = 2
-FP32 = INT32 = 4
+_BF16 = 2
+_FP32 = _INT32 = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +121,7 @@ class LayerShape:
     def tokens(self) -> int:
         return self.seq * self.micro_batch
 
-    def act(self, width: int, itemsize: int = BF16) -> int:
+    def act(self, width: int, itemsize: int = _BF16) -> int:
         """Bytes of a [tokens, width] activation."""
         return self.tokens * width * itemsize
 
@@ -163,9 +163,9 @@ def _norm_forward(p: _Program, s: LayerShape, name: str, *, feeds_fp8_gemm: bool
     """A norm, fused into the linear after it (TE's LayerNormLinear); into an FP8 GEMM the fused
     kernel writes the output quantized (current scaling also writes a bf16 copy for its amax, freed
     at once)."""
-    p.alloc(f"{name}.rsigma", s.tokens * FP32)
+    p.alloc(f"{name}.rsigma", s.tokens * _FP32)
     if not s.rmsnorm:
-        p.alloc(f"{name}.mu", s.tokens * FP32)
+        p.alloc(f"{name}.mu", s.tokens * _FP32)
     if feeds_fp8_gemm and s.fp8_recipe is not None:
         _quantized(p, s, f"{name}.out", s.hidden)
         if s.fp8_recipe != "delayed":
@@ -178,9 +178,9 @@ def _norm_forward(p: _Program, s: LayerShape, name: str, *, feeds_fp8_gemm: bool
 def _norm_backward(p: _Program, s: LayerShape, name: str, grad: str) -> str:
     """TE's fused norm + linear backward: the input gradient, the norm's weight (and bias) grads."""
     p.alloc(f"{name}.dx", s.act(s.hidden))
-    p.alloc(f"{name}.dgamma", s.hidden * BF16)
+    p.alloc(f"{name}.dgamma", s.hidden * _BF16)
     if not s.rmsnorm:
-        p.alloc(f"{name}.dbeta", s.hidden * BF16)
+        p.alloc(f"{name}.dbeta", s.hidden * _BF16)
     p.temp(f"{name}.scratch", s.act(s.hidden))
     p.free(grad, f"{name}.rsigma", *(() if s.rmsnorm else (f"{name}.mu",)))
     return f"{name}.dx"
@@ -198,7 +198,7 @@ def _bda_backward(p: _Program, s: LayerShape, out: str) -> str:
     p.alloc(f"{out}.grad", s.act(s.hidden))
     p.temp(f"{out}.partial", 4096)
     if s.bias:
-        p.alloc(f"{out}.dbias", s.hidden * BF16)
+        p.alloc(f"{out}.dbias", s.hidden * _BF16)
     if s.hidden_dropout:
         p.free(f"{out}.mask")
     return f"{out}.grad"
@@ -225,7 +225,7 @@ def _attention_forward(p: _Program, s: LayerShape) -> None:
         p.alloc("o", q)
     p.alloc("rng", 16)
     p.temp("fa.scratch", 256)
-    p.alloc("softmax_stats", s.micro_batch * s.heads * s.seq * FP32)
+    p.alloc("softmax_stats", s.micro_batch * s.heads * s.seq * _FP32)
     if s.fp8_recipe is not None:  # current scaling keeps the bf16 output for the projection's backward instead
         _quantized(p, s, "o.in", q_width, keep_columnwise=s.fp8_recipe == "delayed")
     p.alloc("proj", s.act(s.hidden))
@@ -245,11 +245,11 @@ def attention_workspace(s: LayerShape) -> int:
     graph pools at 4096 tokens and 16 heads held 16 GiB at 32 sequences and 32 GiB at 48 (so did
     stock Megatron's eager steps at 18 and 43 documents), and predicted so they are within 0.2%. Fitted
     at micro-batch 1 and 4096 tokens only: the ``tokens^2`` factor is untested elsewhere."""
-    nbytes = s.micro_batch * s.heads * s.seq * FP32 + 256
+    nbytes = s.micro_batch * s.heads * s.seq * _FP32 + 256
     if s.deterministic and s.thd_sequences is not None:
-        nbytes += (1 << (s.thd_sequences - 1).bit_length()) * s.heads * s.tokens * s.tokens * BF16
+        nbytes += (1 << (s.thd_sequences - 1).bit_length()) * s.heads * s.tokens * s.tokens * _BF16
     elif s.deterministic:
-        nbytes += s.micro_batch * s.heads * s.seq * s.seq * BF16
+        nbytes += s.micro_batch * s.heads * s.seq * s.seq * _BF16
     if s.query_groups < s.heads:
         nbytes += 2 * s.act(s.heads * s.head_dim)
     return nbytes
@@ -263,7 +263,7 @@ def _attention_backward(p: _Program, s: LayerShape, grad_in: str) -> str:
         if s.fp8_recipe != "delayed":
             p.alloc("o.in.col", s.tokens * s.heads * s.head_dim)
     p.alloc("proj.dgrad", s.act(s.hidden))
-    p.alloc("proj.wgrad", s.hidden * s.heads * s.head_dim * BF16)
+    p.alloc("proj.wgrad", s.hidden * s.heads * s.head_dim * _BF16)
     p.free(grad, "o.in.col", "proj.g.row", "proj.g.col")
     p.alloc("dq", q)
     p.alloc("dk", kv)
@@ -316,18 +316,18 @@ def _mlp_backward(p: _Program, s: LayerShape, ffn: int, name: str, grad: str, we
     if fp8:
         _quantized(p, s, f"{name}.fc2.g", s.hidden)
     p.alloc(f"{name}.fc2.dgrad", s.act(ffn))
-    p.alloc(f"{name}.fc2.wgrad", weights * s.hidden * ffn * BF16)
+    p.alloc(f"{name}.fc2.wgrad", weights * s.hidden * ffn * _BF16)
     p.free(grad, f"{name}.act.in.col", f"{name}.fc2.g.row", f"{name}.fc2.g.col")
     p.alloc(f"{name}.act.dgrad", s.act(fc1))
     if s.bias and not s.gated:  # Megatron's fused bias-GELU: autograd sums the bias gradient from act.dgrad
         p.temp(f"{name}.bias.column_sum", column_sum_workspace(s.tokens, ffn))
     p.free(f"{name}.fc2.dgrad", f"{name}.act", f"{name}.fc1")
     if s.bias:
-        p.alloc(f"{name}.fc1.dbias", fc1 * BF16)
+        p.alloc(f"{name}.fc1.dbias", fc1 * _BF16)
     if fp8:
         _quantized(p, s, f"{name}.fc1.g", fc1)
     p.alloc(f"{name}.fc1.dgrad", s.act(s.hidden))
-    p.alloc(f"{name}.fc1.wgrad", weights * fc1 * s.hidden * BF16)
+    p.alloc(f"{name}.fc1.wgrad", weights * fc1 * s.hidden * _BF16)
     p.free(f"{name}.act.dgrad", f"{name}.fc1.g.row", f"{name}.fc1.g.col")
     return f"{name}.fc1.dgrad"
 
@@ -341,14 +341,14 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, parts: frozenset[str
     router, then with ``preprocess`` the dispatcher's permuted tokens and probabilities (outputs of a
     router graph, live until its backward), then through the experts, whose second GEMM's output
     stays until backward (the deterministic unpermute's index_add reads it through a temporary)."""
-    router = FP32 if moe.router_fp32 else BF16
+    router = _FP32 if moe.router_fp32 else _BF16
     p.alloc("router.logits", s.tokens * moe.experts * router)
-    p.alloc("router.probs", s.tokens * moe.experts * FP32)
+    p.alloc("router.probs", s.tokens * moe.experts * _FP32)
     p.alloc("router.map", s.tokens * moe.experts)
     if not parts & {"moe", "preprocess"}:  # the graph ends after the router
         return
-    p.alloc("permuted", moe.rows * s.hidden * BF16)
-    p.alloc("permuted.probs", moe.rows * FP32)
+    p.alloc("permuted", moe.rows * s.hidden * _BF16)
+    p.alloc("permuted.probs", moe.rows * _FP32)
     if "moe" not in parts:  # the graph ends after the dispatcher's preprocess
         return
     rows = _bf16(dataclasses.replace(s, seq=moe.rows, micro_batch=1))  # FP8 experts: not modelled
@@ -373,20 +373,20 @@ def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, parts: f
             p.free(shared_grad)
         grad = "permuted.grad"
     elif "preprocess" in parts:  # the permuted tokens' gradient comes in; the unpermuted one goes to the norm
-        p.alloc("permuted.grad_output", moe.rows * s.hidden * BF16)
+        p.alloc("permuted.grad_output", moe.rows * s.hidden * _BF16)
         p.alloc("permuted.grad", s.act(s.hidden))
         p.free("permuted.grad_output", "permuted", "permuted.probs")
         grad = "permuted.grad"
-    p.alloc("router.dlogits", s.tokens * moe.experts * FP32)
+    p.alloc("router.dlogits", s.tokens * moe.experts * _FP32)
     p.free("router.logits", "router.probs", "router.map", "router.dlogits")
     p.alloc("ln2.dgrad", s.act(s.hidden))
     p.free(grad, "ln2.out")
     return "ln2.dgrad"
 
 
-FP8_MODELLED_RECIPES = ("delayed", "tensorwise")  # the recipes whose quantize buffers the programs write
-MOE_OFFLOAD_GROUPS = frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"})  # saves of the MoE block
-SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "preprocess"}
+_FP8_MODELLED_RECIPES = ("delayed", "tensorwise")  # the recipes whose quantize buffers the programs write
+_MOE_OFFLOAD_GROUPS = frozenset({"mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp"})  # saves of the MoE block
+_SCOPE_PARTS = {"attn": "attn", "mlp": "mlp", "moe": "moe", "moe_router": "router", "moe_preprocess": "preprocess"}
 
 
 def _graph(shape: LayerShape, parts: frozenset[str], prefix: str) -> tuple[_Program, _Program]:
@@ -426,12 +426,12 @@ def scope_parts(modules: Sequence[str]) -> frozenset[str]:
     """Megatron's ``--cuda-graph-modules`` as the parts of a layer one graph holds."""
     if not modules:
         return frozenset({"attn", "mlp", "moe"})
-    unknown = [m for m in modules if m not in SCOPE_PARTS]
+    unknown = [m for m in modules if m not in _SCOPE_PARTS]
     if unknown:
         raise ValueError(
-            f"--cuda-graph-modules {' '.join(unknown)}: the memory planner knows only {', '.join(SCOPE_PARTS)}."
+            f"--cuda-graph-modules {' '.join(unknown)}: the memory planner knows only {', '.join(_SCOPE_PARTS)}."
         )
-    return frozenset(SCOPE_PARTS[m] for m in modules)
+    return frozenset(_SCOPE_PARTS[m] for m in modules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,7 +570,7 @@ def _parameter_gradient_bytes(layers: Sequence[LayerShape], parts: frozenset[str
     most: collections.Counter = collections.Counter()
     for shape in layers:
         most |= _parameter_layouts(shape, parts)
-    return BF16 * sum(math.prod(layout) * count for layout, count in most.items())
+    return _BF16 * sum(math.prod(layout) * count for layout, count in most.items())
 
 
 def _rotary_dim(s: LayerShape) -> int:
@@ -653,9 +653,9 @@ def plan_slot_memory(
         kept = _with_fp8_saves(kept, shape, parts, fwd.prefix)
         kept["input"] = shape.act(shape.hidden)
         if "attn" in parts:  # TE's fused attention saves the full cu_seqlens it makes for an unpacked batch
-            kept["cu_seqlens"] = (shape.micro_batch + 1) * INT32
+            kept["cu_seqlens"] = (shape.micro_batch + 1) * _INT32
         if "attn" in parts and shape.rope:
-            kept["rope.freqs"] = shape.seq * _rotary_dim(shape) * FP32
+            kept["rope.freqs"] = shape.seq * _rotary_dim(shape) * _FP32
         offloaded = 0 if stack is None else _offloaded_bytes(shape, parts, stack, index)
         arenas += sum(arena_aligned(nbytes) for nbytes in kept.values()) - offloaded
         host += offloaded
@@ -675,7 +675,7 @@ def plan_slot_memory(
     )
 
 
-def attention_saves(s: LayerShape) -> list[Save]:
+def _attention_saves(s: LayerShape) -> list[Save]:
     """What a graphed attention block of Megatron 0.19.2's TE layer spec saves for backward, in
     forward order, with Megatron's offload group of each save. The input norm is fused into the QKV
     linear (``input_layernorm`` is an IdentityOp), so ``attn_norm`` saves nothing and the linear
@@ -687,29 +687,29 @@ def attention_saves(s: LayerShape) -> list[Save]:
     norm is fused into the first MLP linear the same way: no offload group holds MLP saves."""
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
 
-    def save(storage: str, width: int, group: str, itemsize: int = BF16, tokens: int | None = None) -> Save:
+    def save(storage: str, width: int, group: str, itemsize: int = _BF16, tokens: int | None = None) -> Save:
         rows = s.tokens if tokens is None else tokens
         return Save(storage, rows * width * itemsize, rows * width, group)
 
     def gemm_input(storage: str, width: int, group: str) -> list[Save]:
         if storage not in quantized:
             return [save(storage, width, group)]
-        return [save(f"{storage}.fp8", width, group, itemsize=1), Save(f"{storage}.scale_inv", FP32, 1, group)]
+        return [save(f"{storage}.fp8", width, group, itemsize=1), Save(f"{storage}.scale_inv", _FP32, 1, group)]
 
     quantized = fp8_quantized_saves(s, frozenset({"attn"}))
     saves = [
         save("input", s.hidden, "qkv_linear"),
         *gemm_input("ln1.out", s.hidden, "qkv_linear"),
-        save("ln1.rsigma", 1, "qkv_linear", FP32),
+        save("ln1.rsigma", 1, "qkv_linear", _FP32),
     ]
     if not s.rmsnorm:
-        saves.append(save("ln1.mu", 1, "qkv_linear", FP32))
+        saves.append(save("ln1.mu", 1, "qkv_linear", _FP32))
     if s.fp8_attention:  # q, k and v quantized together: three views of one FP8 storage, one scale inverse
         saves += [
             dataclasses.replace(save("qkv.fp8", q + 2 * kv, "core_attn", itemsize=1), numel=s.tokens * width)
             for width in (q, kv, kv)
         ]
-        saves += [Save("qkv.scale_inv", FP32, 1, "core_attn")] * 3
+        saves += [Save("qkv.scale_inv", _FP32, 1, "core_attn")] * 3
     elif s.rope:
         saves += [save("q", q, "core_attn"), save("k", kv, "core_attn"), save("v", kv, "core_attn")]
     else:  # three views of one storage
@@ -718,14 +718,14 @@ def attention_saves(s: LayerShape) -> list[Save]:
         ]
     stats = s.micro_batch * s.heads * s.seq
     output = (
-        [save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", FP32, 1, "core_attn")]
+        [save("o.fp8", q, "core_attn", itemsize=1), Save("o.scale_inv", _FP32, 1, "core_attn")]
         if s.fp8_attention
         else [save("o", q, "core_attn")]
     )
     return [
         *saves,
         *output,
-        Save("softmax_stats", stats * FP32, stats, "core_attn"),
+        Save("softmax_stats", stats * _FP32, stats, "core_attn"),
         Save("rng", 16, 2, "core_attn"),
         *(gemm_input("proj.input", q, "attn_proj") if "proj.input" in quantized else [save("o", q, "attn_proj")]),
     ]
@@ -759,7 +759,7 @@ def _with_fp8_saves(kept: dict[str, int], s: LayerShape, parts: frozenset[str], 
     for name, width in fp8_quantized_saves(s, parts).items():
         kept.pop(prefix + name, None)
         kept[prefix + name + ".fp8"] = s.tokens * width
-        kept[prefix + name + ".scale_inv"] = FP32
+        kept[prefix + name + ".scale_inv"] = _FP32
     if s.fp8_attention and "attn" in parts:
         for name in ("q", "k", "v", "qkv", "o"):
             kept.pop(prefix + name, None)
@@ -776,10 +776,10 @@ def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
     q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
     return {
         "attn.qkv.fp8": s.tokens * (q + 2 * kv),
-        "attn.qkv.scale_inv": FP32,
+        "attn.qkv.scale_inv": _FP32,
         "attn.o.fp8": s.tokens * q,
-        "attn.o.scale_inv": FP32,
-        "attn.s_scale": FP32,
+        "attn.o.scale_inv": _FP32,
+        "attn.s_scale": _FP32,
     }
 
 
@@ -787,7 +787,7 @@ def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], stack: OffloadSta
     """What in-graph offload moves out of layer ``index``'s arena: the attention storages every save
     of which Megatron's offload groups hold, in the groups Megatron offloads at that layer
     (``plan.offload.OffloadStack``)."""
-    return stack.plan(attention_saves(shape), index).host_bytes if "attn" in parts else 0
+    return stack.plan(_attention_saves(shape), index).host_bytes if "attn" in parts else 0
 
 
 def _fp8_layer(settings: RunSettings, number: int) -> bool:
@@ -802,7 +802,7 @@ def _fp8_layer(settings: RunSettings, number: int) -> bool:
     )
 
 
-def offload_policy(settings: RunSettings) -> OffloadPolicy | None:
+def _offload_policy(settings: RunSettings) -> OffloadPolicy | None:
     """The policy of Megatron's offload flags (``OffloadPolicy.from_flags``), or None when they offload nothing."""
     if not settings.activation_offloading or not settings.offload_modules:
         return None
@@ -822,7 +822,7 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
     overrides). ``settings.deterministic``: cuDNN's deterministic attention backward."""
     s = settings
     capture = plan_capture(s)
-    policy = offload_policy(s) if s.slot_capture else None
+    policy = _offload_policy(s) if s.slot_capture else None
     unpredicted = [
         what
         for what, present in (
@@ -830,7 +830,7 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
             ("graph banks (their arenas are in the capture report)", bool(capture.banks)),
             (
                 f"FP8 recipe {s.fp8_recipe!r} (modelled as tensorwise)",
-                s.fp8 and s.fp8_recipe not in FP8_MODELLED_RECIPES,
+                s.fp8 and s.fp8_recipe not in _FP8_MODELLED_RECIPES,
             ),
             (
                 "FP8 MoE experts, routed and shared (modelled as bf16 in TE's graph pool)",
@@ -866,7 +866,7 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
             (
                 "in-graph offload of the MoE block's saves (the plan offloads attention's only)",
                 s.slot_capture
-                and bool(policy and policy.modules & MOE_OFFLOAD_GROUPS)
+                and bool(policy and policy.modules & _MOE_OFFLOAD_GROUPS)
                 and "moe" in scope_parts(s.modules)
                 and s.has_moe_layers,
             ),
@@ -943,4 +943,4 @@ def thd_buffer_bytes(facts: RunSettings, graphs: int) -> int | None:
     attention (None where the run has no packed graphs)."""
     if not facts.packed_graphs or facts.thd_max_seqs is None:  # packed_graphs implies --cg-thd-max-seqs
         return None
-    return graphs * (facts.thd_max_seqs + 1) * INT32 if facts.attention_graphed else 0
+    return graphs * (facts.thd_max_seqs + 1) * _INT32 if facts.attention_graphed else 0

@@ -24,7 +24,7 @@ _log = logging.getLogger(__name__)
 # TransformerConfig fields that change the prediction and that megatron-core 0.19.2 has no flag for
 # (a user's script sets them on the model config after the flags are parsed), with their defaults;
 # each is a field of ``RunSettings`` of the same name.
-MODEL_CONFIG_ONLY_FIELDS = {"fp8_dot_product_attention": False}
+_MODEL_CONFIG_ONLY_FIELDS = {"fp8_dot_product_attention": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +55,18 @@ def model_config_adds(settings: RunSettings, model_config: Any) -> bool:
     """The built model's ``TransformerConfig`` differs from the flags in a field the prediction reads."""
     return any(
         hasattr(model_config, name) and getattr(model_config, name) != getattr(settings, name, default)
-        for name, default in MODEL_CONFIG_ONLY_FIELDS.items()
+        for name, default in _MODEL_CONFIG_ONLY_FIELDS.items()
     )
 
 
 def repredict_graph_memory(settings: RunSettings, config: PluginConfig, model_config: Any) -> GraphMemoryPlan | None:
-    """``predict_graph_memory`` with the ``MODEL_CONFIG_ONLY_FIELDS`` the built model's
+    """``predict_graph_memory`` with the ``_MODEL_CONFIG_ONLY_FIELDS`` the built model's
     ``TransformerConfig`` holds in place of the flags' (None: not predicted, as there)."""
-    seen = {name: getattr(model_config, name) for name in MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
+    seen = {name: getattr(model_config, name) for name in _MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
     return predict_graph_memory(dataclasses.replace(settings, **seen), config)
 
 
-def predict_moe_capacity(settings: RunSettings) -> MoeCapacityPlan | None:
+def _predict_moe_capacity(settings: RunSettings) -> MoeCapacityPlan | None:
     """``moe.capacity``'s plan for the run, or None (a dense or dropless model, or flags Megatron's own
     checks refuse first: logged)."""
     try:
@@ -78,7 +78,7 @@ def predict_moe_capacity(settings: RunSettings) -> MoeCapacityPlan | None:
 
 def predict_run(settings: RunSettings, config: PluginConfig) -> RunPrediction:
     """Both predictions for an installed run, and how to redo the first for the built model's
-    ``TransformerConfig`` (only where it differs from the flags in a ``MODEL_CONFIG_ONLY_FIELDS`` field)."""
+    ``TransformerConfig`` (only where it differs from the flags in a ``_MODEL_CONFIG_ONLY_FIELDS`` field)."""
     graph_memory = predict_graph_memory(settings, config)
 
     def repredict(model_config: Any) -> GraphMemoryPlan | None:
@@ -86,4 +86,4 @@ def predict_run(settings: RunSettings, config: PluginConfig) -> RunPrediction:
             return graph_memory  # as the flags predicted it
         return repredict_graph_memory(settings, config, model_config)
 
-    return RunPrediction(graph_memory=graph_memory, moe_capacity=predict_moe_capacity(settings), repredict=repredict)
+    return RunPrediction(graph_memory=graph_memory, moe_capacity=_predict_moe_capacity(settings), repredict=repredict)

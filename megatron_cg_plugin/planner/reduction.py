@@ -17,11 +17,11 @@ from __future__ import annotations
 
 __all__ = ["column_sum_workspace"]
 
-H200_MULTIPROCESSORS = 132  # the verified GPU; the buffer's size depends on the SM count
-MAX_THREADS_PER_MULTIPROCESSOR = 2048  # sm_90
-MAX_REDUCE_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS for every real type
-WARP = 32
-ACCUMULATOR_BYTES = 4  # a bf16 sum accumulates in fp32
+_H200_MULTIPROCESSORS = 132  # the verified GPU; the buffer's size depends on the SM count
+_MAX_THREADS_PER_MULTIPROCESSOR = 2048  # sm_90
+_MAX_REDUCE_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS for every real type
+_WARP = 32
+_ACCUMULATOR_BYTES = 4  # a bf16 sum accumulates in fp32
 MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD = 16, 256
 
 
@@ -33,28 +33,28 @@ def _last_pow2(n: int) -> int:
     return max(1, 1 << (n.bit_length() - 1))
 
 
-def column_sum_workspace(rows: int, cols: int, *, multiprocessors: int = H200_MULTIPROCESSORS) -> int:
+def column_sum_workspace(rows: int, cols: int, *, multiprocessors: int = _H200_MULTIPROCESSORS) -> int:
     """Bytes of the staging buffer a sum over the ``rows`` of a contiguous ``[rows, cols]`` tensor
     allocates (0 where one block per column suffices)."""
     vec = 4  # outputs vectorized along the contiguous columns, as far as the column count allows
     while cols % vec:
         vec //= 2
-    threads_cap = MAX_REDUCE_THREADS // vec
+    threads_cap = _MAX_REDUCE_THREADS // vec
     dim0, dim1 = cols // vec, rows
     dim0_pow2 = _last_pow2(dim0) if dim0 < threads_cap else threads_cap
     dim1_pow2 = _last_pow2(dim1) if dim1 < threads_cap else threads_cap
-    width = min(dim0_pow2, WARP)
+    width = min(dim0_pow2, _WARP)
     height = min(dim1_pow2, threads_cap // width)
     width = min(dim0_pow2, threads_cap // height)
     if rows < min(height * MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD):
         return 0  # each warp takes columns of its own: no split of the rows across warps, nor blocks
     values_per_thread = _div_up(rows, height)
     grid = _div_up(dim0, width)
-    target_grid = multiprocessors * (MAX_THREADS_PER_MULTIPROCESSOR // (width * height))
+    target_grid = multiprocessors * (_MAX_THREADS_PER_MULTIPROCESSOR // (width * height))
     if values_per_thread < MAX_VALUES_PER_THREAD or grid > target_grid:
         return 0
     ctas = max(
         min(_div_up(target_grid, grid), _div_up(values_per_thread, MIN_VALUES_PER_THREAD)),
         _div_up(values_per_thread, MAX_VALUES_PER_THREAD),
     )
-    return ACCUMULATOR_BYTES * cols * ctas * width * vec if ctas > 1 else 0
+    return _ACCUMULATOR_BYTES * cols * ctas * width * vec if ctas > 1 else 0

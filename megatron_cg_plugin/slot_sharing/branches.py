@@ -30,19 +30,19 @@ class BranchMismatchError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorLayout:
+class _TensorLayout:
     spec: TensorSpec
     nbytes: int
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorLayout:
+    def of(cls, tensor: torch.Tensor) -> _TensorLayout:
         return cls(TensorSpec.of(tensor), tensor.untyped_storage().nbytes())
 
 
 @dataclasses.dataclass(frozen=True)
 class BranchSignature:
-    outputs: tuple[TensorLayout, ...]
-    grads: tuple[TensorLayout, ...]
+    outputs: tuple[_TensorLayout, ...]
+    grads: tuple[_TensorLayout, ...]
     alias: tuple
     arenas: tuple[int, ...]
 
@@ -56,8 +56,8 @@ class BranchSignature:
         arenas: Sequence[int] = (),
     ) -> BranchSignature:
         return cls(
-            tuple(TensorLayout.of(t) for t in outputs),
-            tuple(TensorLayout.of(t) for t in grads),
+            tuple(_TensorLayout.of(t) for t in outputs),
+            tuple(_TensorLayout.of(t) for t in grads),
             alias_topology(outputs, state),
             tuple(arenas),
         )

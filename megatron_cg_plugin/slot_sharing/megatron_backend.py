@@ -52,7 +52,7 @@ __all__ = [
     "check_slot_capture_call",
 ]
 
-VARIANT = "layer"
+_VARIANT = "layer"
 # Keyword arguments Megatron's replay path passes that are no graph inputs: FP8 weight caching's
 # first-microbatch switch (it fills TE's weight-update flag instead) and Megatron's offload streams
 # (the plugin's copies have streams of their own).
@@ -122,7 +122,7 @@ class SlotLayerGraph:
         fp8_weight_caching: bool = True,
     ) -> None:
         self._graphs = graphs
-        self._replay = graphs.callable(VARIANT, 0)
+        self._replay = graphs.callable(_VARIANT, 0)
         self.label, self.arg_count, self.input_names = label, arg_count, input_names
         self._flush_watch = flush_watch
         self._fp8_weight_caching = fp8_weight_caching  # False: every replay quantizes the weights anew
@@ -229,7 +229,7 @@ def _layer_variant(layer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Var
     def forward(*tensors: Any) -> Any:
         return call(*tensors[:arg_count], **dict(zip(names, tensors[arg_count:])))
 
-    return Variant(VARIANT, forward, (*args, *(kwargs[name] for name in names))), names
+    return Variant(_VARIANT, forward, (*args, *(kwargs[name] for name in names))), names
 
 
 class SlotBackend(TEBackend):
@@ -279,7 +279,7 @@ class SlotBackend(TEBackend):
                     fp8 = _layer_fp8(kwargs, fp8_enabled[index], layer) if any(fp8_enabled) else None
                     slotted = capture_slotted(
                         [variant],
-                        exclusive_plan([VARIANT]),
+                        exclusive_plan([_VARIANT]),
                         layer.parameters(),
                         pool=pool,
                         stream=stream,

@@ -205,7 +205,7 @@ class _Offloaded:
     version: int
 
 
-class PlannedArenaHooks(ArenaHooks):
+class _PlannedArenaHooks(ArenaHooks):
     """``ArenaHooks`` for one frame that follows an offload ``plan``: storages are numbered as
     ``ArenaSizer`` numbered them at warmup; the kept ones go to the GPU arena, the offloaded ones to
     ``_offload`` (subclasses: in-graph copies to the host, or a staging buffer)."""
@@ -266,7 +266,7 @@ class PlannedArenaHooks(ArenaHooks):
         return self.unpack(packed)
 
 
-class StagedArenaHooks(PlannedArenaHooks):
+class StagedArenaHooks(_PlannedArenaHooks):
     """Offload between replays (``memory.staging``): the offloaded storages go, inside the forward
     graph, to ``staging`` (the frame's staging buffer), on the compute stream like the arena copies;
     backward reads them there once the ring has brought them back."""
@@ -292,7 +292,7 @@ class StagedArenaHooks(PlannedArenaHooks):
         return saved_view(self.staging.buffer, self._staged_at[packed.storage] // element, packed)
 
 
-class OffloadingArenaHooks(PlannedArenaHooks):
+class OffloadingArenaHooks(_PlannedArenaHooks):
     """In-graph offload: the frame's offloaded storages go to ``host`` through ``transfers``
     inside the forward graph, and come back inside the backward graph (module docstring)."""
 

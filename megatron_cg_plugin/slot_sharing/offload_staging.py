@@ -19,7 +19,7 @@ The layers take buffers round-robin (``depth`` buffers, 2 by default: one being 
 next is written): each ``advance`` moves to the next buffer, and the frames claimed until the next
 ``advance`` (the mutually exclusive variants of one layer, such as its graph banks) share it. A
 frame larger than its buffer gets a buffer of its own. Copies go through a
-``CopyEngine``: ``CudaCopies`` (a copy stream and events) on the GPU; the unit tests' CPU double
+``_CopyEngine``: ``_CudaCopies`` (a copy stream and events) on the GPU; the unit tests' CPU double
 (plain copies and a log) lives under tests/unit/_doubles.
 """
 
@@ -38,7 +38,7 @@ __all__ = ["StagedFrame", "StagingRing"]
 logger = logging.getLogger(__name__)
 
 
-class CopyEngine(Protocol):
+class _CopyEngine(Protocol):
     def compute_point(self) -> Any: ...  # a token for everything the compute stream has queued
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, after: Any, kind: str) -> Any: ...  # -> its token
@@ -48,7 +48,7 @@ class CopyEngine(Protocol):
     def drain(self) -> None: ...  # the compute stream waits for every copy issued
 
 
-class CudaCopies:
+class _CudaCopies:
     """Copies on one copy stream (FIFO: a reload never overtakes the offload of the same data)."""
 
     def __init__(self) -> None:
@@ -75,7 +75,7 @@ class CudaCopies:
         torch.cuda.current_stream().wait_stream(self.stream)
 
 
-class StagingBuffer:
+class _StagingBuffer:
     """One GPU staging buffer: the frame whose data it holds (``resident``), the token after which
     it holds it (a reload in flight), and its last copy (what a writer must wait for)."""
 
@@ -89,14 +89,14 @@ class StagingBuffer:
 class StagingRing:
     """The staging buffers and copy engine shared by every frame of a capture (all layers)."""
 
-    def __init__(self, device: torch.device | str | int, *, depth: int = 2, copies: CopyEngine | None = None) -> None:
+    def __init__(self, device: torch.device | str | int, *, depth: int = 2, copies: _CopyEngine | None = None) -> None:
         if depth < 1:
             raise ValueError(f"staging ring depth {depth}: use 1 or more buffers.")
         self.device, self.depth = torch.device(device), depth
-        self.copies = copies if copies is not None else CudaCopies()
-        self.buffers: dict[int, StagingBuffer] = {}  # ring position -> its buffer, made at its first claim
+        self.copies = copies if copies is not None else _CudaCopies()
+        self.buffers: dict[int, _StagingBuffer] = {}  # ring position -> its buffer, made at its first claim
         self._position = -1
-        self._own: list[StagingBuffer] = []  # buffers of frames larger than their ring buffer
+        self._own: list[_StagingBuffer] = []  # buffers of frames larger than their ring buffer
         self.waiting: list[StagedFrame] = []  # forwarded frames whose backward has not run, in forward order
         self.reloads = 0  # copies back to the GPU issued before a backward needed them, or at it
         self.reloads_on_demand = 0  # of them, issued at the backward (no prefetch possible)
@@ -114,7 +114,7 @@ class StagingRing:
         first claim, sized by it; a larger frame gets a buffer of its own)."""
         index = max(self._position, 0)
         if index not in self.buffers:  # a position whose layers offloaded nothing so far has none yet
-            self.buffers[index] = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer {index}"))
+            self.buffers[index] = _StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer {index}"))
         buffer = self.buffers[index]
         if buffer.arena.capacity < nbytes:  # a larger layer than the ring was sized by: no sharing
             logger.warning(
@@ -124,7 +124,7 @@ class StagingRing:
                 nbytes,
                 buffer.arena.capacity,
             )
-            buffer = StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer of {name}"))
+            buffer = _StagingBuffer(Arena(nbytes, self.device, name=f"staging buffer of {name}"))
             self._own.append(buffer)
         return StagedFrame(self, buffer, host, nbytes, name)
 
@@ -141,7 +141,7 @@ class StagedFrame:
     """One graphed frame's offloaded bytes: a region of its staging buffer and of its pinned host
     arena. The graphs' replays call the four hooks around themselves."""
 
-    def __init__(self, ring: StagingRing, buffer: StagingBuffer, host: HostArena, nbytes: int, name: str) -> None:
+    def __init__(self, ring: StagingRing, buffer: _StagingBuffer, host: HostArena, nbytes: int, name: str) -> None:
         self.ring, self.buffer, self.host, self.nbytes, self.name = ring, buffer, host, nbytes, name
 
     @property

@@ -26,7 +26,7 @@ __all__ = [
     "plan_slots",
 ]
 
-DEFAULT_VARIANT = "default"
+_DEFAULT_VARIANT = "default"
 ARENA_ALIGNMENT = 256  # bytes; every storage copied into an arena starts aligned for vectorized kernels
 
 
@@ -39,7 +39,7 @@ class OrderError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Frame:
+class _Frame:
     index: int  # forward number, in order
     chunk: int  # 1-based model chunk
     microbatch: int  # per-chunk forward count, from 0
@@ -48,13 +48,13 @@ class Frame:
     backward_at: int  # position of its backward
     slot: int
 
-    def overlaps(self, other: Frame) -> bool:
+    def overlaps(self, other: _Frame) -> bool:
         return self.forward_at <= other.backward_at and other.forward_at <= self.backward_at
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotPlan:
-    frames: tuple[Frame, ...]
+    frames: tuple[_Frame, ...]
     ring_size: int
     slot_sizes: tuple[int, ...]  # bytes per slot: the largest frame that uses it (0 without sizes)
 
@@ -165,13 +165,13 @@ def plan_slots(
     entries = _entries(order)
     forwards = sum(1 for e in entries if e > 0)
     if variants is None:
-        variants = [DEFAULT_VARIANT] * forwards
+        variants = [_DEFAULT_VARIANT] * forwards
     if len(variants) != forwards:
         raise OrderError(f"{len(variants)} variants given for {forwards} forwards; give one per forward.")
     spans = _spans(entries, variants)
     assigned, slot_sizes = _assign_slots(spans, sizes or {})
     frames = tuple(
-        Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3], backward_at=s[4], slot=assigned[i])
+        _Frame(index=i, chunk=s[0], microbatch=s[1], variant=s[2], forward_at=s[3], backward_at=s[4], slot=assigned[i])
         for i, s in enumerate(spans)
     )
     return SlotPlan(frames=frames, ring_size=len(slot_sizes), slot_sizes=tuple(slot_sizes))
