@@ -324,6 +324,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "replays through a ring of staging buffers shared by the layers (between-replays).",
         {"choices": OFFLOAD_COPIES, "default": "in-graph"},
         graphs_only=True,
+        doc="docs/offload.md",
     ),
     _PluginFlag(
         "--cg-offload-window",
@@ -332,6 +333,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "N + 1 staging buffers between replays; more overlap, more GPU memory.",
         {"type": int, "default": 1, "metavar": "N"},
         graphs_only=True,
+        doc="docs/offload.md",
     ),
     _PluginFlag(
         "--cg-graph-banks",
@@ -340,7 +342,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "attn, mlp or attn moe scope; fused RoPE), all in one slot-shared pool; each packed microbatch replays "
         "the bank of its CP size through Megatron's replay path.",
         {"action": "store_true"},
-        doc="docs/variants.md",
+        doc="docs/graph-banks.md",
         graphs_only=True,
     ),
     _PluginFlag(
@@ -358,7 +360,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "are then laid out at this capacity, eager and graphed alike; hybrid CP's packs take 8 when it is not "
         "given. A microbatch with more is refused.",
         {"type": int, "default": None, "metavar": "N"},
-        doc="docs/variants.md",
+        doc="docs/packed-sequences.md",
     ),
     _PluginFlag(
         "--cg-thd-max-seqlen",
@@ -369,7 +371,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "Hopper only while N x heads per rank x L^2 < 2^30 (with --sft a sample's end padding belongs to its last "
         "conversation). A microbatch with a longer document is refused.",
         {"type": int, "default": None, "metavar": "L"},
-        doc="docs/variants.md",
+        doc="docs/packed-sequences.md",
     ),
     _PluginFlag(
         "--cg-metrics-out",
@@ -399,6 +401,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "routers, counted on the device, inside graphs too); the report sets the fraction beside the capacity "
         "plan, and the farm turns it on for its MoE cases.",
         {"action": "store_true"},
+        doc="docs/moe-capacity.md",
     ),
     _PluginFlag(
         "--cg-inject-capture-failure",

@@ -17,7 +17,7 @@ _ENVIRONMENT = (
     f"{SLOT_DEBUG_ENV}=1: slot-shared graphs check, at every replay, that no live frame owns the slot "
     "about to be reused."
 )
-_DOCS = "README.md, docs/troubleshooting.md (every error and rule), docs/farm.md, docs/variants.md"
+_DOCS = "README.md, docs/troubleshooting.md (every error and rule), docs/flags.md, docs/architecture.md"
 # Where Megatron's own flags are described, since megatron-core 0.19.2's --help cannot print them.
 _MEGATRON_FLAGS_DOC = (
     "megatron/training/arguments.py in megatron-core (python -c 'import megatron.training.arguments "
