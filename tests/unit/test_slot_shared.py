@@ -161,18 +161,11 @@ class FakeGraph:
         self.replays += 1
 
 
-def _slotted_graphs(contract_check=ContractCheck.FULL):
-    """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
-    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
+def _one_entry_stats(boundary):
+    """The stats of one variant's one slot, its two graphs and nothing else in the pool."""
+    from megatron_cg_plugin.slot_sharing.capture import SlottedStats
 
-    sample = torch.zeros(4, 6, requires_grad=True)
-    variant = Variant("v", lambda x: x * 2, (sample,))
-    boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
-    param = torch.nn.Parameter(torch.ones(3))
-    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check)
-    entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
-    entry.output_requires_grad = (False,)
-    stats = SlottedStats(
+    return SlottedStats(
         ring_size=1,
         variants=1,
         graphs=2,
@@ -186,6 +179,20 @@ def _slotted_graphs(contract_check=ContractCheck.FULL):
         retained_bytes=0,
         uncovered_bytes=0,
     )
+
+
+def _slotted_graphs(contract_check=ContractCheck.FULL):
+    """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, _Boundary, _Entry
+
+    sample = torch.zeros(4, 6, requires_grad=True)
+    variant = Variant("v", lambda x: x * 2, (sample,))
+    boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
+    param = torch.nn.Parameter(torch.ones(3))
+    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check)
+    entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
+    entry.output_requires_grad = (False,)
+    stats = _one_entry_stats(boundary)
     return SlottedGraphs({("v", 0): entry}, stats, [boundary]), entry, param
 
 
@@ -250,7 +257,7 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     import weakref
 
     from megatron_cg_plugin.capture_lifecycle import _slot_layer_stats
-    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, SlottedStats, _Boundary, _Entry
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, _Boundary, _Entry
     from megatron_cg_plugin.slot_sharing.megatron_backend import SlotLayerGraph
 
     hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
@@ -260,20 +267,7 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     flag = torch.zeros(1, dtype=torch.bool)
     entry.fp8 = types.SimpleNamespace(flag=flag)
-    stats = SlottedStats(
-        ring_size=1,
-        variants=1,
-        graphs=2,
-        capture_seconds=0.0,
-        pool_bytes=0,
-        arena_bytes=0,
-        slot_arena_bytes=(),
-        boundary_bytes=boundary.nbytes,
-        saved_bytes={},
-        ctx_tensors={},
-        retained_bytes=0,
-        uncovered_bytes=0,
-    )
+    stats = _one_entry_stats(boundary)
     layer_graph = SlotLayerGraph(SlottedGraphs({("layer", 0): entry}, stats, [boundary]), "layer 1", 1, ("mask",))
     read_stats = _slot_layer_stats([layer_graph])  # what the report keeps
     gone = [weakref.ref(t) for t in (hidden, mask, flag, boundary.outputs[0].buffer)]
