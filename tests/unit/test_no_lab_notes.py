@@ -48,7 +48,10 @@ def _files(area: str) -> list[Path]:
     if area == "benchmarks":
         return sorted(p for p in (ROOT / "benchmarks").rglob("*") if p.is_file() and p.suffix != ".json")
     if area == "tests":
-        return sorted((ROOT / "tests").rglob("*.py"))
+        # The farm's case files too (their comments are product text); not tests/unit/_cases/, which copies
+        # Megatron-LM's own case files verbatim, nor the golden values (.json).
+        cases = (ROOT / "tests/functional/test_cases").rglob("*")
+        return sorted([*(ROOT / "tests").rglob("*.py"), *(p for p in cases if p.is_file() and p.suffix != ".json")])
     return sorted((ROOT / "megatron_cg_plugin").rglob("*.py"))
 
 
