@@ -94,6 +94,9 @@ class PluginConfig:
             ``max_seqlen`` packed data without hybrid CP is laid out and captured with (None:
             ``--seq-length``). Under deterministic mode TE 2.20.2 on Hopper keeps THD attention in
             cuDNN only while ``thd_max_seqs x heads per rank x max_seqlen^2 < 2^30`` (rules).
+        log_to_tensorboard: write the run report's figures (graphs, replays, pool bytes, capture time, step
+            times, evaluations' eager layer calls) to Megatron's TensorBoard writer (``--tensorboard-dir``) when
+            training ends, under ``cuda-graphs/``.
         moe_drop_stats: count, in the run, the token-to-expert assignments MoE routers drop at a
             fixed capacity (forward hooks on the routers; the report gives the fraction).
         slot_capture: capture every graphed layer of a plain run (PP=1) through slot-shared capture
@@ -129,6 +132,7 @@ class PluginConfig:
     thd_max_seqs: int | None = None
     thd_max_seqlen: int | None = None
     moe_drop_stats: bool = False
+    log_to_tensorboard: bool = False
     slot_capture: bool = False
     offload_copies: str = "in-graph"
     offload_window: int = 1
@@ -402,6 +406,15 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "plan, and the farm turns it on for its MoE cases.",
         {"action": "store_true"},
         doc="docs/moe-capacity.md",
+    ),
+    _PluginFlag(
+        "--cg-log-to-tensorboard",
+        "outputs and report",
+        "Write the run report's figures (graphs, replays, refused replays, pool bytes, capture time, step times, "
+        "the evaluations' eager layer calls) to Megatron's TensorBoard writer under cuda-graphs/ when training "
+        "ends; needs --tensorboard-dir.",
+        {"action": "store_true"},
+        doc="docs/report.md",
     ),
     _PluginFlag(
         "--cg-inject-capture-failure",

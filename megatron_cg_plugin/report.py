@@ -56,6 +56,9 @@ class RunReport:
     moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: assignments the routers dropped
     moe_planned_capacity: int | None = None  # slots per expert per source rank (plan.moe)
     moe_uniform_dropped_fraction: float | None = None  # what the plan expects a uniform router to drop
+    evaluations: int = 0  # Megatron's evaluations during training (--eval-interval)
+    evaluation_eager_layer_calls: int = 0  # calls of graphed layers inside them: eager (eval mode), not replays
+    evaluation_replays: int = 0  # graph replays inside them (none: a graph trains, it never evaluates)
 
     @property
     def measured_pool_bytes(self) -> int:
@@ -72,6 +75,23 @@ class RunReport:
         data = dataclasses.asdict(self)
         data["step_time_reduction"] = self.step_time_reduction
         return data
+
+    def scalars(self) -> dict[str, float]:
+        """The report's figures as TensorBoard scalars (``--cg-log-to-tensorboard``), under ``cuda-graphs/``;
+        figures the run has none of are left out."""
+        figures = {
+            "graphs-captured": sum(scope.graphs_captured for scope in self.scopes),
+            "replays": sum(scope.replays for scope in self.scopes),
+            "replays-refused": sum(scope.rejected for scope in self.scopes),
+            "capture-seconds": sum(scope.capture_seconds for scope in self.scopes),
+            "pool-bytes": self.measured_pool_bytes,
+            "predicted-pool-bytes": self.predicted_pool_bytes,
+            "eager-step-ms": self.eager_step_ms,
+            "graphed-step-ms": self.graphed_step_ms,
+            "evaluation-eager-layer-calls": self.evaluation_eager_layer_calls,
+            "evaluation-replays": self.evaluation_replays,
+        }
+        return {f"cuda-graphs/{name}": float(value) for name, value in figures.items() if value is not None}
 
     def save(self, path: Path) -> None:
         path = Path(path)
@@ -169,6 +189,11 @@ class RunReport:
             lines.append(
                 f"  MoE routers dropped {100 * self.moe_dropped_fraction:.2f}% of token-to-expert assignments "
                 f"at their capacity{plan}"
+            )
+        if self.evaluations:
+            lines.append(
+                f"  evaluations: {self.evaluations}, graphed layers ran {self.evaluation_eager_layer_calls} times "
+                f"eagerly in them ({self.evaluation_replays} replays)"
             )
         reduction = self.step_time_reduction
         lines.append(

@@ -462,6 +462,13 @@ RULES: tuple[_Rule, ...] = (
         "RerunDataIterator).",
     ),
     _Rule(
+        "tensorboard-needs-dir",
+        "plugin",
+        lambda f: f.log_to_tensorboard and not f.tensorboard_dir,
+        "--cg-log-to-tensorboard writes into Megatron's TensorBoard writer, which exists only with "
+        "--tensorboard-dir: add --tensorboard-dir DIR, or drop --cg-log-to-tensorboard.",
+    ),
+    _Rule(
         "hybrid-cp-document-masking",
         "megatron",
         lambda f: f.hybrid_context_parallel and not (f.inter_document_masking or f.sft),

@@ -15,9 +15,10 @@ report, and nothing at all with none of them (``keeps_values``, ``times_steps``)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from megatron_cg_plugin.capture import accounting
@@ -158,6 +159,12 @@ class RunSession:
         self.settings: RunSettings | None = None  # the run's settings, once the rules passed them (take_settings)
         self.prediction = RunPrediction()  # until the rules' check makes one (predict)
         self.moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: rank 0's routers over the run
+        # Megatron's evaluations during training: their losses by the iteration they followed (device values until
+        # read, like the training ones), and what the graphed layers did inside them.
+        self._validations: list[tuple[int, dict[str, Any]]] = []
+        self.evaluations = 0
+        self.evaluation_eager_layer_calls = 0
+        self.evaluation_replays = 0
 
     def take_settings(self, settings: RunSettings) -> None:
         """The rules passed the run's ``settings``: kept, and the planners predict the run under the
@@ -208,9 +215,14 @@ class RunSession:
     @property
     def times_steps(self) -> bool:
         """Iterations are timed (one host clock read at each start) where the metrics, the report
-        file or the printed report will show them; with none of these the hooks do nothing."""
+        file, the printed report or TensorBoard will show them; with none of these the hooks do nothing."""
         config = self.config
-        return config.metrics_out is not None or config.report_out is not None or config.print_report
+        return (
+            config.metrics_out is not None
+            or config.report_out is not None
+            or config.print_report
+            or config.log_to_tensorboard
+        )
 
     # -- hooks -------------------------------------------------------------------------------
     def attach_helper(self, helper: Any) -> None:
@@ -273,11 +285,60 @@ class RunSession:
         if self.keeps_values:
             self._pending_mtp.update({name: _kept(value) for name, value in losses.items()})
 
+    @contextlib.contextmanager
+    def evaluating(self, model_chunks: Iterable[Any]) -> Iterator[None]:
+        """Around one Megatron evaluation: counts the calls of graphed layers (those holding graphs) inside it,
+        which run eagerly (Megatron replays only in training mode), and the replays, which must stay none. The
+        hooks live for the evaluation only: training steps pay nothing."""
+        graphed = [
+            module
+            for chunk in model_chunks
+            for module in chunk.modules()
+            if getattr(module, "cuda_graphs", None)  # Megatron's TE graph path: a layer's captured graphs
+        ]
+        calls = [0]
+
+        def count(module: Any, args: Any) -> None:
+            calls[0] += 1
+
+        handles = [layer.register_forward_pre_hook(count) for layer in graphed]
+        replays_before = self._replays()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.evaluations += 1
+            self.evaluation_eager_layer_calls += calls[0]
+            self.evaluation_replays += self._replays() - replays_before
+
+    def _replays(self) -> int:
+        stats = [getattr(helper, "capture_stats", None) for helper in self.helpers]
+        return sum(stat.replays.total for stat in stats if stat is not None)
+
+    def on_evaluation(self, loss_dict: Mapping[str, Any]) -> None:
+        """An evaluation's losses (Megatron's ``evaluate`` result), recorded as ``<name> validation`` (its
+        TensorBoard tag) at the iteration the evaluation followed, a further validation set of that iteration
+        (``--multiple-validation-sets``) as ``<name> validation-<k>``; kept only with ``--cg-metrics-out``."""
+        if self.keeps_values and loss_dict:
+            iteration = self.last_iteration
+            earlier = sum(step == iteration for step, _ in self._validations)
+            suffix = f"-{earlier}" if earlier else ""
+            self._validations.append(
+                (iteration, {f"{name} validation{suffix}": _kept(value) for name, value in loss_dict.items()})
+            )
+
+    @property
+    def last_iteration(self) -> int:
+        """The last iteration logged (0 before the first)."""
+        return self._logged[-1].iteration if self._logged else 0
+
     def _read(self) -> None:
         """Reads every kept device value to the host (each read waits for the device)."""
         for logged in self._logged[self._read_upto :]:
             logged.values = {name: _as_float(value) for name, value in logged.values.items()}
         self._read_upto = len(self._logged)
+        self._validations = [(step, {n: _as_float(v) for n, v in values.items()}) for step, values in self._validations]
 
     # -- results -----------------------------------------------------------------------------
     @property
@@ -296,6 +357,8 @@ class RunSession:
             recorder.record(
                 logged.iteration, logged.values if seconds is None else {**logged.values, "iteration-time": seconds}
             )
+        for iteration, values in self._validations:
+            recorder.record(iteration, values)
         return recorder.golden()
 
     def report(self) -> RunReport:
@@ -343,6 +406,9 @@ class RunSession:
             moe_dropped_fraction=self.moe_dropped_fraction,
             moe_planned_capacity=None if moe is None else moe.capacity,
             moe_uniform_dropped_fraction=None if moe is None else moe.dropped_fraction(uniform_load(moe.num_experts)),
+            evaluations=self.evaluations,
+            evaluation_eager_layer_calls=self.evaluation_eager_layer_calls,
+            evaluation_replays=self.evaluation_replays,
         )
 
     def finish(self, *, print_fn: Callable[[str], None] = print) -> RunReport:

@@ -102,6 +102,8 @@ class RunSettings:
     sequence_parallel: bool = False
     launcher: bool = False  # the plugin's launcher, whose own data path has needs of its own
     rerun_mode: str = "disabled"
+    log_to_tensorboard: bool = False  # --cg-log-to-tensorboard
+    tensorboard_dir: str | None = None  # --tensorboard-dir
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
     thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
     thd_max_seqlen: int | None = None  # --cg-thd-max-seqlen (None: not given, --seq-length)
@@ -334,6 +336,8 @@ def read_settings(
         hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
         graph_banks=bool(plugin.get("graph_banks", False)),
         slot_capture=bool(plugin.get("slot_capture", False)),
+        log_to_tensorboard=bool(plugin.get("log_to_tensorboard", False)),
+        tensorboard_dir=getattr(args, "tensorboard_dir", None),
         bank_min_cp=plugin.get("bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),

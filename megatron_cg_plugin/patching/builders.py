@@ -29,6 +29,7 @@ __all__ = [
     "build_plugin_args",
     "build_prebuilt_dataset_helpers",
     "build_strided_weak_ref",
+    "build_evaluation_tap",
     "build_train_end_report",
     "build_train_step_timer",
     "build_training_log_tap",
@@ -58,6 +59,23 @@ def build_training_log_tap(original: Callable, session: Any) -> Callable:
         return result
 
     return training_log
+
+
+def build_evaluation_tap(original: Callable, session: Any) -> Callable:
+    """Megatron's ``evaluate`` inside the session's ``evaluating`` (graphed layers' calls counted, for this
+    evaluation only), its losses handed to the session; Megatron's result returned unchanged."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        with session.evaluating(signature.bind(*args, **kwargs).arguments["model"]):
+            result = original(*args, **kwargs)
+        total_loss_dict = result[0] if isinstance(result, tuple) and result else None
+        if total_loss_dict:  # None where Megatron's time limit ended the evaluation
+            session.on_evaluation(total_loss_dict)
+        return result
+
+    return evaluate
 
 
 def build_mtp_loss_tap(original: type[Any], session: Any) -> type:
@@ -164,7 +182,9 @@ def build_train_end_report(original: Callable, session: Any) -> Callable:
         def finish() -> None:
             if tap is not None:
                 session.record_moe_drops(tap.dropped_fraction())
-            session.finish()
+            report = session.finish()
+            if session.config.log_to_tensorboard:
+                _log_to_tensorboard(report.scalars(), session.last_iteration)
 
         try:
             try:
@@ -179,6 +199,19 @@ def build_train_end_report(original: Callable, session: Any) -> Callable:
                 tap.remove()
 
     return train
+
+
+def _log_to_tensorboard(scalars: dict[str, float], iteration: int) -> None:
+    """The report's figures into Megatron's TensorBoard writer, which exists on the rank that logs
+    (``--tensorboard-dir``; the last rank): at the run's last iteration, flushed before the process ends."""
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    writer = get_tensorboard_writer()
+    if writer is None:
+        return
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, iteration)
+    writer.flush()
 
 
 def build_prebuilt_dataset_helpers(original: Callable, session: Any) -> Callable:

@@ -164,6 +164,18 @@ PATCHES: tuple[Patch, ...] = (
         expected_params=("loss_dict", "iteration", "num_zeros_in_grad"),
     ),
     Patch(
+        name="evaluation-tap",
+        build=builders.build_evaluation_tap,
+        module="megatron.training.training",
+        attribute="evaluate",
+        reason="evaluate_and_print_results() calls this module global (training.py l.4402) for every evaluation "
+        "during training (--eval-interval), and its result holds the validation losses it only prints and "
+        "writes to TensorBoard; the tap records them for golden values (as 'lm loss validation', Megatron's "
+        "TensorBoard tag) and counts, for this evaluation only, the graphed layers' calls (eager: Megatron "
+        "replays a layer's graphs only in training mode) and any replay, for the run report.",
+        expected_params=("forward_step_func", "data_iterator", "model"),
+    ),
+    Patch(
         name="mtp-loss-tap",
         build=builders.build_mtp_loss_tap,
         module="megatron.training.training",

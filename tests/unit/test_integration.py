@@ -228,6 +228,7 @@ def test_real_patches_match_installed_megatron():
         "train-end-report",
         "helper-swap",
         "training-log-tap",
+        "evaluation-tap",
         "mtp-loss-tap",
         "prebuilt-dataset-helpers",
         "strided-weak-ref",

@@ -22,6 +22,7 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 VIOLATING: dict[str, tuple[RunSettings, str]] = {
     "num-layers": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
     "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
+    "tensorboard-needs-dir": (RunSettings(log_to_tensorboard=True), "--tensorboard-dir"),
     "cg-flags-need-te-graphs": (
         RunSettings(graph_only_flags=("--cg-slot-capture",)),
         "--cuda-graph-impl transformer_engine",
@@ -338,6 +339,7 @@ ALWAYS_ON = {
     "hybrid-cp-seqlen-per-rank",
     "hybrid-cp-launcher-tp",
     "cg-flags",
+    "tensorboard-needs-dir",
     "data-files",
     "moe-capacity-over-tokens",
     "moe-tp-needs-sequence-parallel",
