@@ -16,15 +16,16 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 REQUIRED = ("name", "command", "commit", "device", "figures")
 SPEED_MODELS = ("gpt_4layer", "llama_like", "tiny_moe", "dense_1b", "moe_droppad", "moe_dropless")
-BLOCK = re.compile(r"(<!-- generated: benchmarks/render\.py (?P<table>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)",
-                   re.S)
+BLOCK = re.compile(
+    r"(<!-- generated: benchmarks/render\.py (?P<table>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S
+)
 
 
 def load_results(root: Path = HERE) -> dict[str, dict]:
@@ -58,31 +59,58 @@ def speed(results: dict[str, dict]) -> str:
         result = results[name]
         figures = result["figures"]
         capture = figures.get("capture_plugin_over_stock")
-        rows.append([result["model"], _interval(figures["plugin_over_stock"]), str(figures["cycles"]),
-                     _interval(capture, 3) + f" ({capture['pairs']} pairs)" if capture else "-", _source(result)])
-    return _table(["model", "step time plugin / stock [95% interval]", "cycles", "capture plugin / stock", "source"],
-                  rows)
+        rows.append(
+            [
+                result["model"],
+                _interval(figures["plugin_over_stock"]),
+                str(figures["cycles"]),
+                _interval(capture, 3) + f" ({capture['pairs']} pairs)" if capture else "-",
+                _source(result),
+            ]
+        )
+    return _table(
+        ["model", "step time plugin / stock [95% interval]", "cycles", "capture plugin / stock", "source"], rows
+    )
 
 
 def capture(results: dict[str, dict]) -> str:
     result = results["capture_time"]
-    rows = [[row["model"], _interval(row, 3), str(row["pairs"])]
-            for row in result["figures"]["capture_plugin_over_stock"]]
+    rows = [
+        [row["model"], _interval(row, 3), str(row["pairs"])] for row in result["figures"]["capture_plugin_over_stock"]
+    ]
     return _table(["model", "capture time plugin / stock, median [lowest, highest] pair", "pairs of rounds"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}.")
+        f"\n\nSource: {_source(result)}, {result['device']}."
+    )
 
 
 def packed(results: dict[str, dict]) -> str:
     result = results["packed_sequences"]
     figures = result["figures"]
     step, peak = figures["step_ms"], figures["peak_allocated_plus_pool_mib"]
-    rows = [["eager", str(step["eager"]), "-", f"{peak['eager']:,}", "-"],
-            ["plugin", str(step["plugin"]), _interval(figures["plugin_over_eager"], 3), f"{peak['plugin']:,}",
-             f"{figures['graph_pool_mib']:,}"]]
-    table = _table(["arm", "step ms", "over eager, median [lowest, highest] pair", "peak allocated + graph pool MiB",
-                    "graph pool MiB"], rows)
-    return (f"{table}\n\nModel: {result['model']}. Stock Megatron: {figures['stock']}. "
-            f"Source: {_source(result)}, {result['device']}.")
+    rows = [
+        ["eager", str(step["eager"]), "-", f"{peak['eager']:,}", "-"],
+        [
+            "plugin",
+            str(step["plugin"]),
+            _interval(figures["plugin_over_eager"], 3),
+            f"{peak['plugin']:,}",
+            f"{figures['graph_pool_mib']:,}",
+        ],
+    ]
+    table = _table(
+        [
+            "arm",
+            "step ms",
+            "over eager, median [lowest, highest] pair",
+            "peak allocated + graph pool MiB",
+            "graph pool MiB",
+        ],
+        rows,
+    )
+    return (
+        f"{table}\n\nModel: {result['model']}. Stock Megatron: {figures['stock']}. "
+        f"Source: {_source(result)}, {result['device']}."
+    )
 
 
 def offload(results: dict[str, dict]) -> str:
@@ -93,24 +121,40 @@ def offload(results: dict[str, dict]) -> str:
         step = arm["step_ms"]
         step_text = f"{step[0]} [{step[1]}, {step[2]}]" if len(step) == 3 else str(step[0])
         over = arm.get("over_slot")
-        over_text = "1" if over is None else (f"{over[0]:.2f} [{over[1]:.2f}, {over[2]:.2f}]" if len(over) == 3
-                                              else f"{over[0]:.2f}")
+        over_text = (
+            "1"
+            if over is None
+            else (f"{over[0]:.2f} [{over[1]:.2f}, {over[2]:.2f}]" if len(over) == 3 else f"{over[0]:.2f}")
+        )
         less = arm.get("less_than_slot_pct")
-        rows.append([arm["arm"], step_text, over_text, f"{arm['graph_memory_mib']:,}",
-                     "-" if less is None else f"{less}%"])
-    table = _table(["arm", "step ms [spread]", "step / slot", "graph memory (pool + arenas) MiB", "less than slot"],
-                   rows)
+        rows.append(
+            [arm["arm"], step_text, over_text, f"{arm['graph_memory_mib']:,}", "-" if less is None else f"{less}%"]
+        )
+    table = _table(
+        ["arm", "step ms [spread]", "step / slot", "graph memory (pool + arenas) MiB", "less than slot"], rows
+    )
     staged = figures["staged_over_stock"]
-    return (f"{table}\n\nCopies between replays over Megatron's offload: {_interval(staged, 3)} "
-            f"({staged['pairs']} pairs). Model: {result['model']}. Source: {_source(result)}, {result['device']}.")
+    return (
+        f"{table}\n\nCopies between replays over Megatron's offload: {_interval(staged, 3)} "
+        f"({staged['pairs']} pairs). Model: {result['model']}. Source: {_source(result)}, {result['device']}."
+    )
 
 
 def _predicted(results: dict[str, dict], name: str) -> str:
     result = results[name]
-    rows = [[row["set"], row["case"], str(row["predicted_mib"]), str(row["measured_mib"]),
-             f"{row['predicted_mib'] / row['measured_mib']:.2f}"] for row in result["figures"]["rows"]]
+    rows = [
+        [
+            row["set"],
+            row["case"],
+            str(row["predicted_mib"]),
+            str(row["measured_mib"]),
+            f"{row['predicted_mib'] / row['measured_mib']:.2f}",
+        ]
+        for row in result["figures"]["rows"]
+    ]
     return _table(["set", "case", "predicted MiB", "measured MiB", "predicted / measured"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}.")
+        f"\n\nSource: {_source(result)}, {result['device']}."
+    )
 
 
 def _pair(predicted, measured, exact: bool = True) -> str:
@@ -124,32 +168,49 @@ def _pair(predicted, measured, exact: bool = True) -> str:
 
 def slot(results: dict[str, dict]) -> str:
     result = results["planner_slot"]
-    rows = [[row["run"], _pair(row["pool_predicted_mib"], row["pool_measured_mib"], exact=False),
-             _pair(row["arenas_predicted_mib"], row["arenas_measured_mib"]),
-             _pair(row["host_predicted_mib"], row["host_measured_mib"])] for row in result["figures"]["rows"]]
+    rows = [
+        [
+            row["run"],
+            _pair(row["pool_predicted_mib"], row["pool_measured_mib"], exact=False),
+            _pair(row["arenas_predicted_mib"], row["arenas_measured_mib"]),
+            _pair(row["host_predicted_mib"], row["host_measured_mib"]),
+        ]
+        for row in result["figures"]["rows"]
+    ]
     return _table(["run", "pool MiB predicted / measured", "GPU arenas MiB", "pinned host arenas MiB"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}.")
+        f"\n\nSource: {_source(result)}, {result['device']}."
+    )
 
 
 def moe_drops(results: dict[str, dict]) -> str:
     result = results["moe_drops"]
-    rows = [[row["case"], f"{row['planned_uniform_pct']:.2f}%", f"{row['measured_pct']:.2f}%"]
-            for row in result["figures"]["rows"]]
+    rows = [
+        [row["case"], f"{row['planned_uniform_pct']:.2f}%", f"{row['measured_pct']:.2f}%"]
+        for row in result["figures"]["rows"]
+    ]
     return _table(["case", "dropped, planned (uniform router)", "dropped, measured"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}.")
+        f"\n\nSource: {_source(result)}, {result['device']}."
+    )
 
 
 def index(results: dict[str, dict]) -> str:
-    rows = [[f"[`{name}`]({name}/)", result.get("title", name), result["commit"], result["device"]]
-            for name, result in results.items()]
+    rows = [
+        [f"[`{name}`]({name}/)", result.get("title", name), result["commit"], result["device"]]
+        for name, result in results.items()
+    ]
     return _table(["folder", "what it measures", "commit", "device"], rows)
 
 
 TABLES: dict[str, Callable[[dict[str, dict]], str]] = {
-    "speed": speed, "capture": capture, "packed": packed, "offload": offload,
+    "speed": speed,
+    "capture": capture,
+    "packed": packed,
+    "offload": offload,
     "planner-pool": lambda results: _predicted(results, "planner_pool"),
     "planner-fp8": lambda results: _predicted(results, "planner_fp8"),
-    "planner-slot": slot, "moe-drops": moe_drops, "index": index,
+    "planner-slot": slot,
+    "moe-drops": moe_drops,
+    "index": index,
 }
 
 

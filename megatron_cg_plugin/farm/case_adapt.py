@@ -2,8 +2,10 @@
 not have (checkpoints, TensorBoard, W&B, the CI's data mounts) are mapped to what is at hand or
 dropped, each with the reason, before ``--fit-gpus`` scales the parallel sizes (pure Python).
 
-- Checkpoint flags are dropped: the farm keeps no checkpoint (a ``ckpt-resume`` case runs its
-  regular half, ``cases.FIRST_HALF_TEST_TYPES``).
+- Checkpoint flags: a ``ckpt-resume`` case keeps its format and options, but its folders and
+  ``--save-interval`` are the farm's (each run saves into its own folder, at the step the second half
+  resumes from), and what starts from another checkpoint (``--pretrained-checkpoint``,
+  ``--finetune``, a conversion) goes; any other case keeps no checkpoint, so they all go.
 - TensorBoard and W&B flags are dropped: the farm's metrics come from the plugin's
   ``--cg-metrics-out``, in the golden-values schema Megatron's CI reads from TensorBoard.
 - Data: with ``data_path`` every ``${DATA_PATH}`` resolves to it (the files must exist: the
@@ -50,6 +52,9 @@ _CHECKPOINT_FLAGS = (
     "--ckpt-convert-format",
     "--non-persistent-save-interval",
 )
+# What a resume case still drops: the farm's own folders and save step, and what starts from elsewhere.
+_FARM_CHECKPOINT_FLAGS = ("--save", "--load", "--save-interval")
+_FOREIGN_CHECKPOINT_FLAGS = ("--pretrained-checkpoint", "--finetune", "--ckpt-convert-save", "--ckpt-convert-format")
 _LOGGER_FLAGS = (
     "--tensorboard-dir",
     "--tensorboard-log-interval",
@@ -99,15 +104,23 @@ def _is_logger_flag(flag: str) -> bool:
 
 
 def adapt_case_args(
-    model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path, apex_wgrad: bool
+    model_args: Mapping[str, Any], *, data_path: str | None, out_dir: Path, apex_wgrad: bool, resumes: bool = False
 ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """The case's ``MODEL_ARGS`` for a farm run; returns them, the placeholders the farm resolves,
     and one line per flag changed or dropped. ``apex_wgrad``: APEX's fused weight-gradient kernel
-    is installed where the case runs."""
+    is installed where the case runs; ``resumes``: a ckpt-resume case, whose checkpoint options stay."""
     args: dict[str, Any] = {}
     changes: list[str] = []
+    checkpoint_reasons = (
+        [
+            (lambda flag: flag in _FARM_CHECKPOINT_FLAGS, "the farm gives each run its folders and save step"),
+            (lambda flag: flag in _FOREIGN_CHECKPOINT_FLAGS, "the farm starts from no other checkpoint"),
+        ]
+        if resumes
+        else [(lambda flag: flag in _CHECKPOINT_FLAGS, "the farm keeps no checkpoint")]
+    )
     reasons = [
-        (lambda flag: flag in _CHECKPOINT_FLAGS, "the farm keeps no checkpoint"),
+        *checkpoint_reasons,
         (_is_logger_flag, "metrics come from --cg-metrics-out, not TensorBoard or W&B"),
         (lambda flag: flag in _FARM_OWNED_FLAGS, "the farm sets the steps and runs eager and graphed"),
         (

@@ -50,12 +50,9 @@ _NEVER_RUN = {
     "AFTER_SCRIPT": "the farm runs no script from a case file",
 }
 _SUPPORTED_MODES = ("pretraining",)
-_SUPPORTED_TEST_TYPES = ("regular", "release")
-# Test types whose first half is a regular run: the farm runs that half and says so.
-_FIRST_HALF_TEST_TYPES = {
-    "ckpt-resume": "runs as a regular training run: the resume half needs the checkpoint "
-    "the first half saves, which the farm does not keep"
-}
+# ckpt-resume as Megatron's CI runs it: a first half that saves, and a second that resumes in a new process.
+RESUME_TEST_TYPE = "ckpt-resume"
+_SUPPORTED_TEST_TYPES = ("regular", "release", RESUME_TEST_TYPE)
 _FARM_KEYS = frozenset(
     {
         "nproc",
@@ -70,6 +67,7 @@ _FARM_KEYS = frozenset(
         "deterministic_mode",
         "eager_offload",
         "pool_prediction_tolerance",
+        "resume_from_exit",
     }
 )
 _FARM_DATA = ("synthetic", "sentencepiece", "sft")
@@ -93,7 +91,9 @@ class FarmSettings:
     the golden file with Megatron's non-deterministic tolerances), and whether the eager run keeps
     Megatron's fine-grained offload flags (false: the eager reference trains without offload, which
     moves saves but changes no value; for models where Megatron's eager offload is not reproducible
-    run to run)."""
+    run to run). ``resume_from_exit`` (ckpt-resume cases): the first half ends at the middle step by
+    --exit-interval, saving on that graceful exit, instead of training every step and saving by
+    --save-interval (Megatron's convention)."""
 
     nproc: int = 1
     compare: str = "golden"
@@ -107,6 +107,7 @@ class FarmSettings:
     deterministic_mode: bool = True
     eager_offload: bool = True
     pool_prediction_tolerance: float | None = None  # the report's pool prediction held to the measured pool
+    resume_from_exit: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +118,12 @@ class _Case:
     model_args: dict[str, Any]
     metrics: tuple[str, ...] | None
     farm: FarmSettings
-    notes: tuple[str, ...] = ()  # what the farm runs differently from Megatron's CI, and why
     plugin_case: bool = True  # has a CG_FARM block (written for this farm), not one of Megatron's own
+    test_type: str = "regular"
+
+    @property
+    def resumes(self) -> bool:
+        return self.test_type == RESUME_TEST_TYPE
 
     def flags(self, placeholders: Mapping[str, str]) -> list[str]:
         """``MODEL_ARGS`` as a command line, placeholders resolved from ``placeholders``."""
@@ -157,15 +162,12 @@ def load_case(folder: str | Path) -> _Case:
     if mode not in _SUPPORTED_MODES:
         raise _refuse(path, f"MODE {mode!r} is not run by the farm (it runs {', '.join(_SUPPORTED_MODES)}).")
     test_type = str(data.get("TEST_TYPE", "regular")).strip()
-    if test_type not in _SUPPORTED_TEST_TYPES and test_type not in _FIRST_HALF_TEST_TYPES:
+    if test_type not in _SUPPORTED_TEST_TYPES:
         raise _refuse(
             path,
             f"TEST_TYPE {test_type!r} needs a checkpoint from an earlier run, which the farm does "
-            f"not keep; use TEST_TYPE regular (the farm runs {', '.join(_SUPPORTED_TEST_TYPES)}).",
+            f"not keep; use one of {', '.join(_SUPPORTED_TEST_TYPES)}.",
         )
-    notes = (
-        (f"TEST_TYPE {test_type} {_FIRST_HALF_TEST_TYPES[test_type]}",) if test_type in _FIRST_HALF_TEST_TYPES else ()
-    )
     model_args = data.get("MODEL_ARGS")
     if not isinstance(model_args, dict) or not model_args:
         raise _refuse(path, "MODEL_ARGS must map Megatron flags (--num-layers: 2, ...) to their values.")
@@ -185,8 +187,8 @@ def load_case(folder: str | Path) -> _Case:
         model_args=dict(model_args),
         metrics=None if metrics is None else tuple(metrics),
         farm=_farm_settings(path, data.get("CG_FARM") or {}),
-        notes=notes,
         plugin_case="CG_FARM" in data,
+        test_type=test_type,
     )
 
 
@@ -216,7 +218,7 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
             f"CG_FARM data {data!r} is unknown; use one of {', '.join(_FARM_DATA)} (or --data-path "
             "in MODEL_ARGS for a dataset of your own).",
         )
-    for key in ("expect_capture_failure", "deterministic_mode", "eager_offload"):
+    for key in ("expect_capture_failure", "deterministic_mode", "eager_offload", "resume_from_exit"):
         if not isinstance(block.get(key, False), bool):
             raise _refuse(path, f"CG_FARM {key} must be true or false.")
     tolerance = block.get("pool_prediction_tolerance")
@@ -240,6 +242,7 @@ def _farm_settings(path: Path, block: Any) -> FarmSettings:
         deterministic_mode=block.get("deterministic_mode", True),
         eager_offload=block.get("eager_offload", True),
         pool_prediction_tolerance=None if tolerance is None else float(tolerance),
+        resume_from_exit=block.get("resume_from_exit", False),
     )
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "LaunchResult",
     "launch",
     "gpus_available",
+    "gpu_name",
     "gpu_stack_missing",
     "require_gpus",
 ]
@@ -266,6 +267,15 @@ def gpus_available() -> int:
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - CPU-only build, missing driver, broken NVML
         return 0
+
+
+def gpu_name() -> str | None:
+    """The first CUDA GPU's name (``NVIDIA H100 80GB HBM3``), or None without one."""
+    if not gpus_available():
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def gpu_stack_missing(n: int) -> str | None:

@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "CASES",
     "CASES_DIR",
     "CaseResult",
+    "DEFAULT_PLATFORM",
     "FARM_STEPS",
     "FarmCase",
     "FarmRunError",
@@ -46,9 +48,11 @@ __all__ = [
     "data_flags",
     "differing_steps",
     "format_summary",
+    "golden_file",
     "golden_mismatches",
     "golden_rewrite_refusal",
     "load_cases",
+    "platform_of",
     "prepare_case",
     "problems_of",
     "refusal_of",
@@ -60,7 +64,9 @@ __all__ = [
 FARM_STEPS = 24  # >= 20 steps, capture after Megatron's 3 warmup steps
 REPO = Path(__file__).resolve().parents[2]
 CASES_DIR = REPO / "tests" / "functional" / "test_cases"  # <model>/<case>/model_config.yaml beside its golden file
-_GOLDEN_FILE = "golden_values_dev_dgx_h200.json"  # Megatron's golden_values_{dev,lts}_dgx_<gpu>.json naming
+# Megatron keeps golden values per GPU (golden_values_{dev,lts}_dgx_<gpu>.json): kernels, and so the last bits of
+# a loss, differ between GPUs. A run is held to its own GPU's file; this one where the GPU is not known.
+DEFAULT_PLATFORM = "h200"
 _USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
 # A case's script in a Megatron-LM checkout (its top-level pretrain_gpt.py, ...), found where MEGATRON_LM_DIR says.
 MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
@@ -68,7 +74,20 @@ MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
 _GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 _TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
 _DETERMINISTIC_METRICS = ("lm loss", "mtp_1 loss", "num-zeros")  # Megatron's DeterministicTest metrics (pretraining)
+_VALIDATION_METRIC = "lm loss validation"  # the evaluations' lm loss, under Megatron's TensorBoard tag
 _SFT_IMPORTS = ("transformers", "datasets")  # SFTTokenizer's and SFTDataset's (megatron.training.datasets.sft_dataset)
+
+
+def golden_file(platform: str) -> str:
+    return f"golden_values_dev_dgx_{platform}.json"
+
+
+def platform_of(device_name: str) -> str:
+    """The GPU in Megatron's golden-file naming (``NVIDIA H100 80GB HBM3`` -> ``h100``): the first word
+    holding a digit after the vendor, lowercased (``GB200``, ``A100``, ``L40S``)."""
+    words = [word for word in device_name.replace("-", " ").split() if word.upper() != "NVIDIA"]
+    named = next((word for word in words if any(ch.isdigit() for ch in word)), words[0] if words else "gpu")
+    return "".join(ch for ch in named.lower() if ch.isalnum())
 
 
 def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
@@ -150,6 +169,9 @@ class FarmCase:
     megatron_lm_dir: str | None = None  # the Megatron-LM checkout a ${MEGATRON_LM_DIR}/ script is in
     # The graphed run's pool predicted within this fraction of the measured one (None: not checked).
     pool_prediction_tolerance: float | None = None
+    resumes: bool = False  # TEST_TYPE ckpt-resume: a first half that saves, a second that resumes from it
+    resume_from_exit: bool = False  # the first half ends at the middle step by --exit-interval, saving on exit
+    platform: str = DEFAULT_PLATFORM  # the GPU whose golden file the runs are held to
 
     @property
     def script_file(self) -> Path | None:
@@ -184,24 +206,67 @@ class FarmCase:
             else None
         )
 
-    def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None) -> list[str]:
+    def run_name(self, *, graphed: bool, resumed: bool = False) -> str:
+        """What a run's files are named after: ``<case>.<eager|graphed>[.resumed]``."""
+        return f"{self.name}.{'graphed' if graphed else 'eager'}{'.resumed' if resumed else ''}"
+
+    def checkpoint(self, out_dir: Path, *, graphed: bool) -> Path:
+        """The folder the first half of a resume case saves into (and its second half loads from)."""
+        return out_dir / f"{self.run_name(graphed=graphed)}.checkpoints"
+
+    def resume_step(self, steps: int | None = None) -> int:
+        """The step a resume case's second half resumes from: the middle one, as in Megatron's CI."""
+        return (self.steps if steps is None else steps) // 2
+
+    def argv(self, *, graphed: bool, out_dir: Path, steps: int | None = None, resumed: bool = False) -> list[str]:
+        """One run's command line. A resume case's first half saves into its own folder (at the middle
+        step, by --save-interval or on the graceful exit there), and its second half (``resumed``) loads the
+        other run's save: the eager one the graphed checkpoint, the graphed one the eager checkpoint."""
         steps = self.steps if steps is None else steps
-        mode = "graphed" if graphed else "eager"
+        run = self.run_name(graphed=graphed, resumed=resumed)
         entry = (
             ["-m", "megatron_cg_plugin.cli", "run", str(self.script_file)]
             if self.script
             else ["-m", "megatron_cg_plugin.pretrain_gpt"]
         )
+        checkpoints: list[str] = []
+        if self.resumes and resumed:
+            checkpoints = ["--load", str(self.checkpoint(out_dir, graphed=not graphed))]
+        elif self.resumes:
+            own = str(self.checkpoint(out_dir, graphed=graphed))
+            at = str(self.resume_step(steps))
+            checkpoints = ["--save", own, "--load", own, "--save-interval", at]
+            checkpoints += ["--exit-interval", at] if self.resume_from_exit else []
         return [
             *entry,
             *self.run_flags(graphed=graphed, out_dir=out_dir),
+            *checkpoints,
+            # Each run its own TensorBoard folder where the case writes one (the last --tensorboard-dir wins).
+            *(["--tensorboard-dir", str(out_dir / f"{run}.tensorboard")] if self.writes_tensorboard else []),
             "--train-iters",
             str(steps),
             "--cg-metrics-out",
-            str(out_dir / f"{self.name}.{mode}.metrics.json"),
+            str(out_dir / f"{run}.metrics.json"),
             "--cg-report-out",
-            str(out_dir / f"{self.name}.{mode}.report.json"),
+            str(out_dir / f"{run}.report.json"),
         ]
+
+    @property
+    def writes_tensorboard(self) -> bool:
+        return flag_value(self.flags, "--tensorboard-dir") is not None
+
+    @property
+    def eval_interval(self) -> int | None:
+        """Megatron evaluates after every step this divides (None: the case does not evaluate)."""
+        iters, interval = flag_value(self.flags, "--eval-iters"), flag_value(self.flags, "--eval-interval")
+        if iters is None or int(iters) < 1 or interval is None:  # Megatron's defaults never evaluate in a farm run
+            return None
+        return int(interval)
+
+    def evaluations(self, first: int, last: int) -> list[int]:
+        """The steps from ``first`` to ``last`` after which Megatron evaluates."""
+        interval = self.eval_interval
+        return [] if interval is None else [step for step in range(first, last + 1) if step % interval == 0]
 
     def run_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
         """The Megatron and ``--cg-*`` flags of the case's run (``megatron-cg plan`` takes them), without
@@ -239,13 +304,16 @@ class FarmCase:
         return "--num-experts" in expand_preset(list(self.flags))
 
     @property
+    def golden_folder(self) -> Path:
+        return self.folder if self.golden_case is None else case_folder(self.golden_case, self.folder.parents[1])
+
+    @property
     def golden_path(self) -> Path:
-        folder = self.folder if self.golden_case is None else case_folder(self.golden_case, self.folder.parents[1])
-        return folder / _GOLDEN_FILE
+        return self.golden_folder / golden_file(self.platform)
 
     @property
     def compared_metrics(self) -> tuple[str, ...]:
-        return self.golden_metrics or _GOLDEN_METRICS
+        return self.golden_metrics or (*_GOLDEN_METRICS, *((_VALIDATION_METRIC,) if self.eval_interval else ()))
 
 
 # Megatron 0.19.2's fine-grained offload flags: switches, and options with their values.
@@ -354,10 +422,13 @@ def case_folder(name: str, root: Path = CASES_DIR) -> Path:
     return found[0]
 
 
-def load_cases(root: Path = CASES_DIR, *, megatron_lm_dir: str | None = None) -> tuple[FarmCase, ...]:
-    """The farm's own cases (their runs write nothing the folder's location matters for)."""
+def load_cases(
+    root: Path = CASES_DIR, *, megatron_lm_dir: str | None = None, platform: str = DEFAULT_PLATFORM
+) -> tuple[FarmCase, ...]:
+    """The farm's own cases (their runs write nothing the folder's location matters for), held to
+    ``platform``'s golden files."""
     return tuple(
-        prepare_case(folder, out_dir=Path("farm-out"), megatron_lm_dir=megatron_lm_dir)[0]
+        prepare_case(folder, out_dir=Path("farm-out"), megatron_lm_dir=megatron_lm_dir, platform=platform)[0]
         for folder in case_folders(root)
     )
 
@@ -370,6 +441,7 @@ def prepare_case(
     data_path: str | None = None,
     steps: int | None = None,
     megatron_lm_dir: str | None = None,
+    platform: str = DEFAULT_PLATFORM,
 ) -> tuple[FarmCase, list[str]]:
     """Any case folder (the farm's, a user's, one of Megatron-LM's own) as a farm run: infrastructure
     flags mapped (``case_adapt``), parallel sizes fitted to ``gpus``; returns the case and one line
@@ -385,8 +457,10 @@ def prepare_case(
             "Megatron's case files, or leave --data-path out for mock data."
         )
     case = load_case(folder)
-    notes = list(case.notes)
+    notes: list[str] = []
     args, env = dict(case.model_args), dict(case.env)
+    if case.plugin_case and case.resumes:
+        _refuse_farm_checkpoint_flags(case.folder, args)
     placeholders: dict[str, str] = {}
     if not case.plugin_case:  # Megatron's own: written for its CI's mounts and an 8-GPU node
         if gpus is None:
@@ -395,12 +469,19 @@ def prepare_case(
                 "to scale its parallel sizes to the GPUs you have."
             )
         args, placeholders, changes = adapt_case_args(
-            args, data_path=data_path, out_dir=out_dir, apex_wgrad=compat.apex_fused_wgrad_available()
+            args,
+            data_path=data_path,
+            out_dir=out_dir,
+            apex_wgrad=compat.apex_fused_wgrad_available(),
+            resumes=case.resumes,
         )
         env, env_changes = adapt_case_env(env)
         notes += changes + env_changes
-    elif data_path is not None:
-        notes.append(f"--data-path {data_path} not used: this farm case names its own data")
+    else:
+        # A plugin case's TensorBoard folder is the farm's: each run writes its own (FarmCase.argv).
+        placeholders = {"TENSORBOARD_PATH": str(out_dir / f"{case.name}.tensorboard")}
+        if data_path is not None:
+            notes.append(f"--data-path {data_path} not used: this farm case names its own data")
     fitted: list[str] = []
     if gpus is not None:
         written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
@@ -441,11 +522,45 @@ def prepare_case(
         megatron_lm_dir=megatron_lm_dir,
         pool_prediction_tolerance=case.farm.pool_prediction_tolerance,
         equal_metrics=("lm loss", *(m for m in case.metrics or () if m in _DETERMINISTIC_METRICS and m != "lm loss")),
+        resumes=case.resumes,
+        resume_from_exit=case.farm.resume_from_exit,
+        platform=platform,
     )
+    if farm_case.eval_interval:
+        farm_case = dataclasses.replace(farm_case, equal_metrics=(*farm_case.equal_metrics, _VALIDATION_METRIC))
+    if farm_case.resumes and farm_case.resume_step() < 1:
+        raise CaseError(f"{case.folder}: a ckpt-resume case needs 2 or more steps (it resumes from the middle one).")
+    if case.farm.resume_from_exit and not case.resumes:
+        raise CaseError(f"{case.folder}: CG_FARM resume_from_exit needs TEST_TYPE ckpt-resume.")
     return farm_case, notes
 
 
+# A resume case's checkpoint folders and save step are the farm's (FarmCase.argv), and so is where its first half
+# stops; a plugin case that names them would be overridden silently.
+_RESUME_FLAGS_OF_THE_FARM = ("--save", "--load", "--save-interval", "--exit-interval")
+
+
+def _refuse_farm_checkpoint_flags(folder: Path, args: dict[str, Any]) -> None:
+    named = [flag for flag in _RESUME_FLAGS_OF_THE_FARM if flag in args]
+    if named:
+        raise CaseError(
+            f"{folder}: a ckpt-resume case leaves {', '.join(named)} to the farm (each run saves into its own "
+            "folder at the middle step, and the second half loads the other run's save): drop them, and set "
+            "CG_FARM resume_from_exit: true for a first half that ends on --exit-interval."
+        )
+
+
 CASES: tuple[FarmCase, ...] = load_cases()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resumed:
+    """A resume case's second half: the eager run from the graphed checkpoint, the graphed one from the eager
+    checkpoint, and the graphed run's report."""
+
+    eager: GoldenValues
+    graphed: GoldenValues
+    report: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,6 +570,25 @@ class CaseResult:
     graphed: GoldenValues
     report: dict[str, Any]
     log_tail: str
+    resumed: _Resumed | None = None
+    resume_step: int | None = None  # the step the second half resumed from
+    tensorboard_tags: tuple[str, ...] = ()  # the scalars the graphed run wrote to TensorBoard (--tensorboard-dir)
+
+    def golden_run(self) -> GoldenValues:
+        """What the case's golden file holds: the graphed run; for a resume case the values a resumed job
+        logs, the first half's up to the resume step and the resumed half's after it."""
+        if self.resumed is None or self.resume_step is None:
+            return self.graphed
+        at = self.resume_step
+        metrics = {}
+        for name in dict.fromkeys([*self.graphed.metrics, *self.resumed.graphed.metrics]):
+            first, second = self.graphed.metrics.get(name), self.resumed.graphed.metrics.get(name)
+            values = {step: v for step, v in (first.values.items() if first else ()) if step <= at}
+            values.update({step: v for step, v in (second.values.items() if second else ()) if step > at})
+            if values:
+                interval = (first or second).step_interval  # type: ignore[union-attr]
+                metrics[name] = golden.MetricSeries(values, interval)
+        return GoldenValues(metrics)
 
     def losses(self, which: GoldenValues) -> dict[int, float]:
         return dict(which.metrics["lm loss"].values)
@@ -470,11 +604,18 @@ class CaseResult:
     def summary(self) -> dict[str, Any]:
         eager_ms, graphed_ms = self.window_median_ms(self.eager), self.window_median_ms(self.graphed)
         scopes = self.report.get("scopes", [])
+        resumed = self.resumed
         return {
             "case": self.case.name,
             "nproc": self.case.nproc,
             "steps": len(self.losses(self.graphed)),
             "losses_equal": self.losses(self.eager) == self.losses(self.graphed),
+            # The second half of a resume case: steps, and eager == graphed from the other's checkpoint.
+            "resumed_steps": None if resumed is None else len(self.losses(resumed.graphed)),
+            "resumed_losses_equal": None
+            if resumed is None
+            else self.losses(resumed.eager) == self.losses(resumed.graphed),
+            "evaluations": self.report.get("evaluations", 0),
             "eager_ms": eager_ms,
             "graphed_ms": graphed_ms,
             "reduction": None if not eager_ms or graphed_ms is None else 1 - graphed_ms / eager_ms,
@@ -526,12 +667,13 @@ def run_case(
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     tails = []
-    for graphed in (False, True):
-        mode = "graphed" if graphed else "eager"
-        log_dir = out_dir / f"{case.name}.{mode}.logs"
+
+    def run(graphed: bool, resumed: bool = False) -> tuple[GoldenValues, dict[str, Any]]:
+        name = case.run_name(graphed=graphed, resumed=resumed)
+        log_dir = out_dir / f"{name}.logs"
         try:
             result = launch(
-                case.argv(graphed=graphed, out_dir=out_dir, steps=steps),
+                case.argv(graphed=graphed, out_dir=out_dir, steps=steps, resumed=resumed),
                 nproc=case.nproc,
                 env=env or None,
                 timeout_s=timeout_s,
@@ -539,15 +681,68 @@ def run_case(
                 master_port=None if ports is None else ports(),
             )
         except MultiRankError as error:
-            raise FarmRunError(mode, log_dir, error) from error
+            raise FarmRunError(name.split(".", 1)[1].replace(".", " "), log_dir, error) from error
         tails.append(result.stdout.get(0, "")[-4000:])
+        report = json.loads((out_dir / f"{name}.report.json").read_text())
+        return GoldenValues.load(out_dir / f"{name}.metrics.json"), report
+
+    if case.resumes:
+        for graphed in (False, True):  # no checkpoint of an earlier farm run may be resumed from
+            shutil.rmtree(case.checkpoint(out_dir, graphed=graphed), ignore_errors=True)
+    eager_values, _ = run(False)
+    graphed_values, report = run(True)
+    tags = _tensorboard_tags(out_dir / f"{case.run_name(graphed=True)}.tensorboard") if case.writes_tensorboard else ()
+    resumed, resume_step = None, None
+    if case.resumes:
+        resume_step = case.resume_step(steps)
+        for graphed in (False, True):
+            _rewind(case.checkpoint(out_dir, graphed=graphed), resume_step, case.steps if steps is None else steps)
+        eager_resumed, _ = run(False, resumed=True)
+        graphed_resumed, resumed_report = run(True, resumed=True)
+        resumed = _Resumed(eager_resumed, graphed_resumed, resumed_report)
+        for graphed in (False, True):  # a realistic model's checkpoints are gigabytes each
+            shutil.rmtree(case.checkpoint(out_dir, graphed=graphed), ignore_errors=True)
     return CaseResult(
         case=case,
-        eager=GoldenValues.load(out_dir / f"{case.name}.eager.metrics.json"),
-        graphed=GoldenValues.load(out_dir / f"{case.name}.graphed.metrics.json"),
-        report=json.loads((out_dir / f"{case.name}.graphed.report.json").read_text()),
+        eager=eager_values,
+        graphed=graphed_values,
+        report=report,
         log_tail=tails[-1],
+        resumed=resumed,
+        resume_step=resume_step,
+        tensorboard_tags=tags,
     )
+
+
+def _tensorboard_tags(folder: Path) -> tuple[str, ...]:
+    """The scalar tags of the event files under ``folder`` (TensorBoard's own reader, which Megatron's
+    writer needs installed anyway)."""
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-not-found]
+        EventAccumulator,
+    )
+
+    tags: set[str] = set()
+    for events in sorted(folder.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags.update(accumulator.Tags().get("scalars", []))
+    return tuple(sorted(tags))
+
+
+_LATEST = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the iteration --load resumes from
+
+
+def _rewind(folder: Path, step: int, last: int) -> None:
+    """A first half's checkpoint folder made to resume from ``step``, as Megatron's CI does for ckpt-resume:
+    the last step's save removed, the tracker pointing at ``step``. Raises ``FarmRunError``'s base
+    ``ValueError`` where the first half saved nothing at ``step``."""
+    saved = folder / f"iter_{step:07d}"
+    if not saved.is_dir():
+        found = sorted(path.name for path in folder.glob("iter_*")) or ["nothing"]
+        raise ValueError(f"{folder}: the first half saved no checkpoint at step {step} (found {', '.join(found)}).")
+    if last != step:
+        shutil.rmtree(folder / f"iter_{last:07d}", ignore_errors=True)
+    (folder / _LATEST).write_text(f"{step}\n")
 
 
 def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
@@ -555,7 +750,7 @@ def golden_mismatches(case: FarmCase, result: CaseResult) -> list[Any]:
     --deterministic-mode is held to Megatron's non-deterministic tolerances."""
     return golden.compare(
         golden.GoldenValues.load(case.golden_path),
-        result.graphed,
+        result.golden_run(),
         deterministic=case.deterministic_mode,
         metrics=case.compared_metrics,
     )
@@ -571,21 +766,29 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
     capture and replay figures of the report, and (``with_golden``) the golden file where the case
     keeps one."""
     summary = result.summary()
-    eager, graphed = result.losses(result.eager), result.losses(result.graphed)
-    problems = []
-    if not len(graphed) == len(eager) == case.steps:  # every step asked for (--steps), in both runs
-        problems.append(f"expected {case.steps} logged steps, got {len(eager)} eager / {len(graphed)} graphed")
-    for metric in case.equal_metrics:
-        eager_series, graphed_series = (run.metrics.get(metric) for run in (result.eager, result.graphed))
-        if eager_series is None or graphed_series is None:
-            problems.append(f"{metric} was not recorded by the {'eager' if eager_series is None else 'graphed'} run")
-            continue
-        differing = differing_steps(dict(eager_series.values), dict(graphed_series.values))
-        if differing:
-            problems.append(
-                f"{metric} differs eager vs graphed (step: eager, graphed): {differing}"
-                + _before_capture(case, min(differing))
-            )
+    steps = case.steps
+    first_half_end = result.resume_step if case.resume_from_exit and result.resume_step else steps
+    problems = _pair_problems(case, result.eager, result.graphed, range(1, first_half_end + 1), "")
+    problems += _evaluation_problems(case, result.report, 1, first_half_end, "")
+    if result.resumed is not None and result.resume_step is not None:
+        at, resumed = result.resume_step, result.resumed
+        where = f" (resumed from step {at}: eager from the graphed checkpoint, graphed from the eager one)"
+        problems += _pair_problems(case, resumed.eager, resumed.graphed, range(at + 1, steps + 1), where)
+        problems += _evaluation_problems(case, resumed.report, at + 1, steps, where)
+        resumed_scopes = resumed.report.get("scopes", [])
+        if not any(scope["graphs_captured"] and scope["replays"] for scope in resumed_scopes):
+            problems.append(f"nothing captured or replayed after the resume{where}")
+        problems += [
+            f"{scope['rejected']} replays refused by their contract{where}"
+            for scope in resumed_scopes
+            if scope.get("rejected")
+        ]
+        problems += [f"capture failed{where}: {scope['failure']}" for scope in resumed_scopes if scope.get("failure")]
+    if "--cg-log-to-tensorboard" in case.flags and "cuda-graphs/graphs-captured" not in result.tensorboard_tags:
+        problems.append(
+            "--cg-log-to-tensorboard: the graphed run's TensorBoard holds no cuda-graphs/ figures, only "
+            f"{list(result.tensorboard_tags)}"
+        )
     if summary["rejected"]:
         problems.append(f"{summary['rejected']} replays refused by their contract")
     problems += _pool_prediction_problems(case, result.report)
@@ -623,14 +826,60 @@ def problems_of(case: FarmCase, result: CaseResult, *, with_golden: bool = True)
                 )
     if case.check_golden and with_golden:
         if not case.golden_path.exists():
+            others = sorted(path.name for path in case.golden_folder.glob(golden_file("*")))
             problems.append(
-                f"no golden file {case.golden_path}: write it from a real GPU run with "
+                f"no golden file {case.golden_path} for this GPU ({case.platform}"
+                + (f"; there are {', '.join(others)}" if others else "")
+                + "): write it from a real run on this GPU with "
                 "MEGATRON_CG_UPDATE_GOLDEN=1 bash ci/run_gpu_functional.sh"
             )
         else:
             mismatches = golden_mismatches(case, result)
             if mismatches:
                 problems.append(golden.format_report(mismatches))
+    return problems
+
+
+def _pair_problems(case: FarmCase, eager: GoldenValues, graphed: GoldenValues, steps: range, where: str) -> list[str]:
+    """One eager and one graphed run: every step of ``steps`` logged in both, and each compared metric equal
+    bit for bit at every step."""
+    problems = []
+    logged = [set(run.metrics["lm loss"].values) if "lm loss" in run.metrics else set() for run in (eager, graphed)]
+    if not logged[0] == logged[1] == set(steps):  # every step asked for (--steps), in both runs
+        problems.append(
+            f"expected steps {steps.start}-{steps.stop - 1} logged{where}, got {len(logged[0])} eager / "
+            f"{len(logged[1])} graphed"
+        )
+    for metric in case.equal_metrics:
+        eager_series, graphed_series = (run.metrics.get(metric) for run in (eager, graphed))
+        if eager_series is None or graphed_series is None:
+            if metric != _VALIDATION_METRIC or case.evaluations(steps.start, steps.stop - 1):
+                missing = "eager" if eager_series is None else "graphed"
+                problems.append(f"{metric} was not recorded by the {missing} run{where}")
+            continue
+        differing = differing_steps(dict(eager_series.values), dict(graphed_series.values))
+        if differing:
+            problems.append(
+                f"{metric} differs eager vs graphed{where} (step: eager, graphed): {differing}"
+                + ("" if where else _before_capture(case, min(differing)))
+            )
+    return problems
+
+
+def _evaluation_problems(case: FarmCase, report: dict[str, Any], first: int, last: int, where: str) -> list[str]:
+    """The graphed run evaluated after each step Megatron evaluates after, and no graph replayed inside an
+    evaluation (a layer in eval mode runs eagerly); graphed layers ran eagerly there once graphs existed."""
+    expected = case.evaluations(first, last)
+    if not expected:
+        return []
+    problems = []
+    if report.get("evaluations") != len(expected):
+        problems.append(f"expected {len(expected)} evaluations{where}, the report has {report.get('evaluations')}")
+    if report.get("evaluation_replays"):
+        problems.append(f"{report['evaluation_replays']} graph replays inside evaluations{where}")
+    captured_at = first - 1 + case.eager_steps  # Megatron captures after this step
+    if any(step > captured_at for step in expected) and not report.get("evaluation_eager_layer_calls"):
+        problems.append(f"no graphed layer ran in the evaluations after capture{where}")
     return problems
 
 
@@ -686,15 +935,24 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
+    def equal(value: bool | None) -> str:
+        return "-" if value is None else "yes" if value else "NO"
+
     lines = [
-        "| case | ranks | steps | eager == graphed loss | eager ms | graphed ms | step time | graphs "
-        "| replays | pool MiB | capture s | MoE dropped (plan: capacity, uniform router) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | ranks | steps | eager == graphed loss | resumed: steps, equal | evaluations | eager ms | graphed ms "
+        "| step time | graphs | replays | pool MiB | capture s | MoE dropped (plan: capacity, uniform router) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"
+        resumed = (
+            "-"
+            if row.get("resumed_steps") is None
+            else f"{row['resumed_steps']}, {equal(row['resumed_losses_equal'])}"
+        )
         lines.append(
-            f"| {row['case']} | {row['nproc']} | {row['steps']} | {'yes' if row['losses_equal'] else 'NO'} | "
+            f"| {row['case']} | {row['nproc']} | {row['steps']} | {equal(row['losses_equal'])} | {resumed} | "
+            f"{row.get('evaluations') or '-'} | "
             f"{num(row['eager_ms'], '.2f')} | {num(row['graphed_ms'], '.2f')} | {reduction} | {row['graphs']} | "
             f"{row['replays']} | {num(row['pool_mib'], '.1f')} | {num(row['capture_s'], '.2f')} | {_moe_cell(row)} |"
         )

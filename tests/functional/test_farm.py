@@ -17,19 +17,25 @@ from pathlib import Path
 import pytest
 
 from megatron_cg_plugin import golden
-from megatron_cg_plugin.farm.distributed import gpu_stack_missing, gpus_available
+from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing, gpus_available
 from megatron_cg_plugin.farm.runner import (
+    DEFAULT_PLATFORM,
     FarmCase,
     golden_mismatches,
     golden_rewrite_refusal,
     load_cases,
+    platform_of,
     problems_of,
     run_case,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
-# Cases running Megatron-LM's own scripts find them in the checkout MEGATRON_LM_DIR names (skipped without one).
-CASES = load_cases(megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"))
+# Cases running Megatron-LM's own scripts find them in the checkout MEGATRON_LM_DIR names (skipped without one);
+# each is held to the golden file of the GPU it runs on (Megatron's golden_values_dev_dgx_<gpu>.json).
+_GPU = gpu_name()
+CASES = load_cases(
+    megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"), platform=DEFAULT_PLATFORM if _GPU is None else platform_of(_GPU)
+)
 
 
 def _devices_for(case: FarmCase) -> str | None:
@@ -62,6 +68,6 @@ def test_graphed_matches_eager_and_golden(case: FarmCase, farm_out: Path) -> Non
     problems = problems_of(case, result, with_golden=False)
     assert not problems, "\n".join(problems)
     if updating:  # only a run whose graphed losses equal its eager ones writes golden values
-        golden.update(case.golden_path, result.graphed)
+        golden.update(case.golden_path, result.golden_run())
     problems = problems_of(case, result)
     assert not problems, "\n".join(problems)

@@ -148,10 +148,7 @@ def test_megatron_lms_own_graph_case_loads(tmp_path):
         check=True,
     ).stdout
     loaded = load_case(case(tmp_path, text, name))
-    assert loaded.notes == (
-        "TEST_TYPE ckpt-resume runs as a regular training run: the resume half needs the "
-        "checkpoint the first half saves, which the farm does not keep",
-    )
+    assert loaded.resumes  # a ckpt-resume case: the farm runs both halves
     flags = loaded.flags(
         {
             "DATA_PATH": "/data",

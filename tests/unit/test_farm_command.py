@@ -119,10 +119,15 @@ def test_a_megatron_case_is_fitted_mapped_and_compared_eager_vs_graphed_only(tmp
     assert "--pipeline-model-parallel-layout" not in flags and "--sequence-parallel" not in flags
     assert flags[flags.index("--global-batch-size") + 1] == "8"  # 2 DP ranks -> 1, microbatches kept
     assert "--mock-data" in flags and case.nproc == 1 and not case.check_golden
-    assert any(note.startswith("TEST_TYPE ckpt-resume runs as a regular training run") for note in notes)
     assert any("golden_values_dev_dgx_h100.json" in note and "eager vs graphed only" in note for note in notes)
     argv = case.argv(graphed=False, out_dir=tmp_path)
     assert argv[argv.index("--cuda-graph-impl") + 1] == "none"  # the farm's, not the case's
+    # ckpt-resume: both halves run; the case's own folders and save step give way to the farm's.
+    assert case.resumes and "--load" not in flags and "--save-interval" not in flags
+    assert any(note.startswith("--save dropped: the farm gives each run its folders") for note in notes)
+    own = str(case.checkpoint(tmp_path, graphed=False))
+    assert argv[argv.index("--save") + 1] == own == argv[argv.index("--load") + 1]
+    assert argv[argv.index("--save-interval") + 1] == str(case.steps // 2)
 
 
 def test_cli_dry_run_prints_every_change_and_the_command(tmp_path, capsys):
@@ -268,7 +273,7 @@ def test_metrics_megatron_checks_deterministically_are_compared_eager_vs_graphed
     assert problems_of(offloaded, off) == problems_of(case, off)  # step 9: graphed, no note
     assert dataclasses.replace(case, flags=(*case.flags, "--cuda-graph-warmup-steps=5")).eager_steps == 5
     short, _ = prepare_case(write_case(tmp_path / "short", text), out_dir=tmp_path / "out", gpus=1, steps=12)
-    assert problems_of(short, same) == ["expected 12 logged steps, got 24 eager / 24 graphed"]
+    assert problems_of(short, same) == ["expected steps 1-12 logged, got 24 eager / 24 graphed"]
 
 
 def test_moe_cases_measure_their_routers_drops_and_the_summary_sets_them_beside_the_plan(tmp_path):
