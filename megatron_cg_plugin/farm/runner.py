@@ -235,7 +235,10 @@ class FarmCase:
         elif self.resumes:
             own = str(self.checkpoint(out_dir, graphed=graphed))
             at = str(self.resume_step(steps))
-            checkpoints = ["--save", own, "--load", own, "--save-interval", at]
+            # Ending on --exit-interval, the save there is the exit's own: the interval (which --save needs) is
+            # set past the run's end.
+            every = str(steps + 1) if self.resume_from_exit else at
+            checkpoints = ["--save", own, "--load", own, "--save-interval", every]
             checkpoints += ["--exit-interval", at] if self.resume_from_exit else []
         return [
             *entry,
