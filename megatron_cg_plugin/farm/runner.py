@@ -699,7 +699,12 @@ def run_case(
     if case.resumes:
         resume_step = case.resume_step(steps)
         for graphed in (False, True):
-            _rewind(case.checkpoint(out_dir, graphed=graphed), resume_step, case.steps if steps is None else steps)
+            try:
+                _rewind(case.checkpoint(out_dir, graphed=graphed), resume_step, case.steps if steps is None else steps)
+            except ValueError as error:  # that first half ended well but left nothing to resume from: its failure
+                name = case.run_name(graphed=graphed)
+                mode, log_dir = name.split(".", 1)[1], out_dir / f"{name}.logs"
+                raise FarmRunError(mode, log_dir, MultiRankError(str(error))) from error
         eager_resumed, _ = run(False, resumed=True)
         graphed_resumed, resumed_report = run(True, resumed=True)
         resumed = _Resumed(eager_resumed, graphed_resumed, resumed_report)
@@ -737,8 +742,8 @@ _LATEST = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the it
 
 def _rewind(folder: Path, step: int, last: int) -> None:
     """A first half's checkpoint folder made to resume from ``step``, as Megatron's CI does for ckpt-resume:
-    the last step's save removed, the tracker pointing at ``step``. Raises ``FarmRunError``'s base
-    ``ValueError`` where the first half saved nothing at ``step``."""
+    the last step's save removed, the tracker pointing at ``step``. Raises ``ValueError`` where the first half
+    saved nothing at ``step`` (``run_case`` reports it as that run's ``FarmRunError``)."""
     saved = folder / f"iter_{step:07d}"
     if not saved.is_dir():
         found = sorted(path.name for path in folder.glob("iter_*")) or ["nothing"]
