@@ -11,6 +11,7 @@ a run would refuse.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -462,6 +463,24 @@ RULES: tuple[_Rule, ...] = (
         "RerunDataIterator).",
     ),
     _Rule(
+        "rerun-mode-report-stats",
+        "megatron",
+        lambda f: f.rerun_mode == "report_stats",
+        "--rerun-mode report_stats cannot start on megatron-core 0.19.2: the flag's value is not one of its "
+        "RerunMode's (which names the mode report_determinism_stats), so initialization fails with \"ValueError: "
+        "'report_stats' is not a valid RerunMode\": use --rerun-mode validate_results (the default) or disabled.",
+    ),
+    _Rule(
+        "fp8-delayed-resume-pickle",
+        "megatron",
+        lambda f: f.fp8 and f.fp8_recipe == "delayed" and f.resumes_checkpoint and not f.unsafe_pickle_allowed,
+        "resuming FP8 delayed scaling from a checkpoint: TE 2.20 stores its scaling metadata there as a pickle and "
+        'refuses to load it ("Refusing to load pickled Transformer Engine extra state") unless the environment '
+        "says the checkpoint is trusted: export NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 for a checkpoint you wrote, "
+        "or start without --load.",
+        detail=lambda f: f"(--load {f.load})",
+    ),
+    _Rule(
         "tensorboard-needs-dir",
         "plugin",
         lambda f: f.log_to_tensorboard and not f.tensorboard_dir,
@@ -747,6 +766,13 @@ def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[
         return []
 
 
+def _resumes_checkpoint(args: Any) -> bool:
+    """--load names a folder holding Megatron's tracker file (``latest_checkpointed_iteration.txt``): the run
+    loads a checkpoint from it (without one Megatron starts from scratch)."""
+    load = getattr(args, "load", None)
+    return load is not None and os.path.isfile(os.path.join(str(load), "latest_checkpointed_iteration.txt"))
+
+
 def check_run(
     args: Any,
     *,
@@ -768,6 +794,7 @@ def check_run(
         apex_fused_wgrad=compat.apex_fused_wgrad_available(),
         launcher=launcher,
         missing_files=missing_files(args, indexed_data=launcher),
+        resumes_checkpoint=_resumes_checkpoint(args),
         device_capability=compat.device_capability(),
         cuda_version=compat.torch_cuda_version(),
     )

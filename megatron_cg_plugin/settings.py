@@ -141,6 +141,9 @@ class RunSettings:
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
     missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
+    load: str | None = None  # --load
+    resumes_checkpoint: bool = False  # --load holds Megatron's tracker file: the run resumes from a checkpoint
+    unsafe_pickle_allowed: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: TE loads pickled extra state
 
     @property
     def te_graphs(self) -> bool:
@@ -301,13 +304,14 @@ def read_settings(
     apex_fused_wgrad: bool = False,
     launcher: bool = False,
     missing_files: Sequence[str] = (),
+    resumes_checkpoint: bool = False,
     device_capability: tuple[int, int] | None = None,
     cuda_version: tuple[int, int] | None = None,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """Reads the run's settings from a parsed Megatron namespace (before or after ``validate_args``)
     under ``config`` (``plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
-    why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``device_capability`` and
+    why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``resumes_checkpoint``, ``device_capability`` and
     ``cuda_version`` are what the caller probed on this host (``rules.check_run`` probes them)."""
     env = env or {}
     resolved, problems, plugin = plugin_config(args, env=env, config=config)
@@ -413,4 +417,7 @@ def read_settings(
         graph_only_flags=graph_only_flags(resolved) if resolved is not None else (),
         config_problems=problems,
         missing_files=tuple(missing_files),
+        load=getattr(args, "load", None),
+        resumes_checkpoint=resumes_checkpoint,
+        unsafe_pickle_allowed=env.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == "1",
     ), resolved

@@ -954,9 +954,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         reduction = "-" if row["reduction"] is None else f"{-100 * row['reduction']:+.1f}%"
         resumed = (
-            "-"
-            if row.get("resumed_steps") is None
-            else f"{row['resumed_steps']}, {equal(row['resumed_losses_equal'])}"
+            "-" if row.get("resumed_steps") is None else f"{row['resumed_steps']}, {equal(row['resumed_losses_equal'])}"
         )
         lines.append(
             f"| {row['case']} | {row['nproc']} | {row['steps']} | {equal(row['losses_equal'])} | {resumed} | "

@@ -23,6 +23,11 @@ VIOLATING: dict[str, tuple[RunSettings, str]] = {
     "num-layers": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
     "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
     "tensorboard-needs-dir": (RunSettings(log_to_tensorboard=True), "--tensorboard-dir"),
+    "rerun-mode-report-stats": (RunSettings(rerun_mode="report_stats"), "--rerun-mode validate_results"),
+    "fp8-delayed-resume-pickle": (
+        RunSettings(fp8=True, fp8_recipe="delayed", resumes_checkpoint=True, load="/ckpt"),
+        "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1",
+    ),
     "cg-flags-need-te-graphs": (
         RunSettings(graph_only_flags=("--cg-slot-capture",)),
         "--cuda-graph-impl transformer_engine",
@@ -340,6 +345,8 @@ ALWAYS_ON = {
     "hybrid-cp-launcher-tp",
     "cg-flags",
     "tensorboard-needs-dir",
+    "rerun-mode-report-stats",
+    "fp8-delayed-resume-pickle",
     "data-files",
     "moe-capacity-over-tokens",
     "moe-tp-needs-sequence-parallel",
@@ -1053,3 +1060,21 @@ def test_facts_read_the_packed_bound_and_deterministic_mode(parse):
     assert settings_of(
         plain, te_available=True, apex_fused_wgrad=False, env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
     ).deterministic  # what TE reads
+
+
+def _fp8_resume(parse, load: str, recipe: str, env: dict[str, str] | None = None):
+    from megatron_cg_plugin.rules import check_run
+
+    args = parse("--cg-preset", "tiny-gpt", "--fp8-format", "hybrid", "--fp8-recipe", recipe, "--load", load)
+    return check_run(args, env=env or {}, te_present=True)
+
+
+def test_resuming_fp8_delayed_scaling_needs_the_trusted_pickle_setting(parse, tmp_path):
+    """TE 2.20 refuses the pickled delayed-scaling metadata of a checkpoint unless told the checkpoint is trusted:
+    refused where --load holds Megatron's tracker file; a fresh start from an empty --load is not a resume."""
+    _fp8_resume(parse, str(tmp_path), "delayed")  # nothing to resume from yet
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")
+    with pytest.raises(RuleViolation, match=r"\[fp8-delayed-resume-pickle\].*--load " + str(tmp_path)):
+        _fp8_resume(parse, str(tmp_path), "delayed")
+    _fp8_resume(parse, str(tmp_path), "tensorwise")  # no pickle: resumed fine on a GPU
+    _fp8_resume(parse, str(tmp_path), "delayed", env={"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"})
