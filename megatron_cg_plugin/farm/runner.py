@@ -678,7 +678,7 @@ def run_case(
             result = launch(
                 case.argv(graphed=graphed, out_dir=out_dir, steps=steps, resumed=resumed),
                 nproc=case.nproc,
-                env=env or None,
+                env=({**env, **_TRUSTED_CHECKPOINT} if resumed else env) or None,
                 timeout_s=timeout_s,
                 log_dir=log_dir,
                 master_port=None if ports is None else ports(),
@@ -737,6 +737,9 @@ def _tensorboard_tags(folder: Path) -> tuple[str, ...]:
     return tuple(sorted(tags))
 
 
+# A second half loads the checkpoint its case's first half just wrote: trusted, so TE 2.20 may load the pickled
+# FP8 delayed-scaling metadata in it (rule fp8-delayed-resume-pickle).
+_TRUSTED_CHECKPOINT = {"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"}
 _LATEST = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the iteration --load resumes from
 
 

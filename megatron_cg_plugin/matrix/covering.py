@@ -40,17 +40,22 @@ def all_pairs(
     *,
     allowed: Callable[[dict[str, str]], bool] = lambda _: True,
     preferred: Callable[[dict[str, str]], bool] = lambda _: True,
+    covered: Iterable[Mapping[str, str]] = (),
 ) -> list[dict[str, str]]:
     """A pairwise covering design over ``factors`` (name -> values): every pair of values of two
-    factors that some allowed combination holds is held by one of the returned combinations."""
+    factors that some allowed combination holds is held by one of the returned combinations or of
+    ``covered`` (combinations chosen before, which are not returned: a design extended by a factor
+    keeps its cells)."""
     candidates = [c for c in combinations(factors) if allowed(dict(c))]
     if not candidates:
         raise ValueError("no combination of the factors is allowed.")
-    chosen: list[_Combination] = []
+    names = list(factors)
+    chosen: list[_Combination] = [tuple((n, c[n]) for n in names) for c in covered]
+    given = len(chosen)
     for stage in ([c for c in candidates if preferred(dict(c))], candidates):
         uncovered = set().union(*(pairs_of(c) for c in stage)) - set().union(set(), *(pairs_of(c) for c in chosen))
         chosen += _greedy_cover(stage, uncovered)
-    return [dict(c) for c in chosen]
+    return [dict(c) for c in chosen[given:]]
 
 
 def _greedy_cover(candidates: Sequence[_Combination], uncovered: set[_Pair]) -> list[_Combination]:

@@ -60,7 +60,13 @@ FACTORS: dict[str, tuple[str, ...]] = {
     "precision": ("bf16", "fp8-delayed", "fp8-tensorwise", "fp8-blockwise"),
     "capture": ("te", "slot", "slot-offload"),
     "mbs": ("1", "2"),
+    # What the training loop does beside the steps: nothing, or evaluate every 3rd step and resume from the middle
+    # step's checkpoint in a new process (the farm's ckpt-resume: each run's second half from the other's checkpoint).
+    "loop": ("train", "eval-resume"),
 }
+# Factors added to a published design, with the value its earlier cells had: the design keeps those cells (and
+# their names) and adds cells for the new pairs only.
+_EXTENDED = {"loop": "train"}
 MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
 _MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
 _SEQ = 2048
@@ -121,7 +127,14 @@ def allowed(cell: Mapping[str, str]) -> bool:
 
 
 def cell_name(cell: Mapping[str, str]) -> str:
-    return "_".join(cell[factor] for factor in FACTORS).replace("-", "")
+    """The factors' values joined, an added factor's only where it is not what the earlier cells had."""
+    values = (cell[f] for f in FACTORS if f not in _EXTENDED or cell[f] != _EXTENDED[f])
+    return "_".join(values).replace("-", "")
+
+
+# Evaluation every 3rd step (before and after capture in both halves of a 10-step run resumed from step 5) on the
+# dataset's 10% validation split; later flags win over _TRAINING's.
+_LOOP_FLAGS = {"train": "", "eval-resume": "--eval-interval 3 --eval-iters 2 --split 90,10,0"}
 
 
 def cell_flags(cell: Mapping[str, str]) -> list[str]:
@@ -137,6 +150,7 @@ def cell_flags(cell: Mapping[str, str]) -> list[str]:
             _PRECISION_FLAGS[cell["precision"]],
             _CAPTURE_FLAGS[cell["capture"]],
             f"--micro-batch-size {mbs} --global-batch-size {_MICROBATCHES * mbs}",
+            _LOOP_FLAGS[cell["loop"]],
         )
     )
     return text.split()
@@ -207,9 +221,14 @@ def design(refused: Callable[[Mapping[str, str]], tuple[tuple[str, ...], str]]) 
             verdicts[name] = refused(cell)
         return verdicts[name]
 
-    chosen = all_pairs(FACTORS, allowed=allowed, preferred=lambda cell: not verdict(cell)[0])
+    base = {name: values for name, values in FACTORS.items() if name not in _EXTENDED}
+    earlier = [
+        {**cell, **_EXTENDED}
+        for cell in all_pairs(base, allowed=allowed, preferred=lambda cell: not verdict({**cell, **_EXTENDED})[0])
+    ]
+    chosen = earlier + all_pairs(FACTORS, allowed=allowed, preferred=lambda cell: not verdict(cell)[0], covered=earlier)
     assert not uncovered_pairs(chosen, FACTORS, allowed=allowed)
-    return [Cell(cell, *verdict(cell)) for cell in chosen]
+    return [Cell({name: cell[name] for name in FACTORS}, *verdict(cell)) for cell in chosen]
 
 
 def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_STEPS) -> FarmCase:
@@ -228,6 +247,8 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
         env=tuple(cell_env(cell.factors).items()),
         eager_offload=cell.factors["capture"] != "slot-offload",
         megatron_lm_dir=megatron_lm_dir,
+        resumes=cell.factors["loop"] == "eval-resume",
+        equal_metrics=("lm loss", "lm loss validation") if cell.factors["loop"] == "eval-resume" else ("lm loss",),
     )
 
 
@@ -251,11 +272,16 @@ def run_cell(
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
     problems = problems_of(case, result, with_golden=False)
     differing = differing_steps(result.losses(result.eager), result.losses(result.graphed))
+    resumed = result.resumed
+    differing_resumed = (
+        {} if resumed is None else differing_steps(result.losses(resumed.eager), result.losses(resumed.graphed))
+    )
     return {
         **row,
-        "result": "differs" if differing else ("failed" if problems else "exact"),
+        "result": "differs" if differing or differing_resumed else ("failed" if problems else "exact"),
         "problems": problems,
         "first_differing_step": min(differing, default=None),
+        "first_differing_resumed_step": min(differing_resumed, default=None),
         "summary": result.summary(),
         **_memory_figures(result.report),
     }
@@ -358,7 +384,8 @@ def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> d
         if cell.refused_by:
             rows.append({**cell.to_json(), "result": "refused"})
             continue
-        row = latest.get(cell.name, {**cell.to_json(), "result": "not-run"})
+        # A run from before a factor was added lacks it: the design's factors are the cell's.
+        row = {**latest.get(cell.name, {**cell.to_json(), "result": "not-run"}), "factors": cell.factors}
         rows.append({**row, _BENCH_KEY: benched[cell.name]} if cell.name in benched else row)
     return {"factors": FACTORS, "steps": runs[0]["steps"], "rows": rows}
 
@@ -418,7 +445,10 @@ def render(results: Mapping[str, Any]) -> str:
         "Generated by `megatron-cg matrix render` from a run's `matrix.json`; do not edit by hand. Each cell trains "
         f"{results['steps']} steps eagerly and graphed through Megatron-LM's own `pretrain_gpt.py` (`megatron-cg run`) "
         "on a synthetic indexed dataset, deterministic, on one GPU, and compares the lm loss of every step bit for "
-        "bit; a refused cell was stopped by the named rule before any GPU work (`megatron-cg check` says the same).",
+        "bit; a refused cell was stopped by the named rule before any GPU work (`megatron-cg check` says the same). "
+        "An eval-resume cell also evaluates every 3rd step (validation losses compared too) and runs a second half "
+        "from the middle step's checkpoint in a new process, the eager run from the graphed run's checkpoint and "
+        "the graphed run from the eager one's, compared step by step.",
         "",
         f"The {len(rows)} cells are an all-pairs design over "
         f"{', '.join(f'{k} ({len(v)})' for k, v in factors.items())}: "
@@ -426,9 +456,10 @@ def render(results: Mapping[str, Any]) -> str:
         "",
         _bench_note(rows),
         "",
-        "| cell | model | scope | precision | capture | mbs | result | plugin / stock | pool MiB predicted / measured "
-        "| arenas MiB predicted / measured | left after teardown (pool, allocated MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | model | scope | precision | capture | mbs | loop | result | plugin / stock "
+        "| pool MiB predicted / measured | arenas MiB predicted / measured "
+        "| left after teardown (pool, allocated MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         f = row["factors"]
@@ -437,6 +468,8 @@ def render(results: Mapping[str, Any]) -> str:
             result += " " + ", ".join(f"`{rule}`" for rule in row["refused_by"])
         elif row.get("first_differing_step") is not None:
             result += f" from step {row['first_differing_step']}"
+        elif row.get("first_differing_resumed_step") is not None:
+            result += f" after the resume, from step {row['first_differing_resumed_step']}"
         left = (
             "-"
             if row.get("teardown_pool_bytes_left") is None
@@ -444,6 +477,7 @@ def render(results: Mapping[str, Any]) -> str:
         )
         lines.append(
             f"| {row['name']} | {f['model']} | {f['scope']} | {f['precision']} | {f['capture']} | {f['mbs']} | "
+            f"{f['loop']} | "
             f"{result} | {_bench_cell(row)} | {_ratio(row.get('predicted_pool_bytes'), row.get('pool_bytes'))} | "
             f"{_ratio(row.get('predicted_arena_bytes'), row.get('arena_bytes'))} | {left} |"
         )

@@ -10,7 +10,12 @@ from megatron_cg_plugin.farm.cases import CaseError, load_case
 
 # Cases written before their first GPU run: their golden files come from that run (MEGATRON_CG_UPDATE_GOLDEN=1); a
 # case leaves this set with the file it gets.
-AWAITING_FIRST_RUN = {"gpt_4x2048_docmask_cp2_layer_megatron_lm"}  # 2 GPUs: none lent yet
+AWAITING_FIRST_RUN = {"gpt_4x2048_docmask_cp2_layer_megatron_lm", "tiny_gpt_hybrid_cp_banks_eval_resume"}  # 2 GPUs
+
+
+def _golden_files(case: farm.FarmCase) -> list[str]:
+    """The case's golden files, one per GPU it ran on (Megatron's golden_values_dev_dgx_<gpu>.json)."""
+    return sorted(path.name for path in case.golden_folder.glob(farm.golden_file("*")))
 
 
 def test_every_case_folder_is_a_farm_case_with_its_golden_file():
@@ -19,11 +24,18 @@ def test_every_case_folder_is_a_farm_case_with_its_golden_file():
     for case in farm.CASES:
         assert case.nproc >= 1 and case.steps >= 20
         if case.name in AWAITING_FIRST_RUN:
-            assert case.check_golden and not case.golden_path.exists(), (
+            assert case.check_golden and not _golden_files(case), (
                 f"{case.name} has its golden file: drop it from AWAITING_FIRST_RUN"
             )
             continue
-        assert case.golden_path.exists() == case.check_golden, case.name  # eager-only cases keep no file
+        assert bool(_golden_files(case)) == case.check_golden, case.name  # eager-only cases keep no file
+
+
+def test_a_case_is_held_to_the_golden_file_of_its_gpu():
+    (h100,) = [c for c in farm.load_cases(platform="h100") if c.name == "tiny_gpt_layer"]
+    assert h100.golden_path.name == "golden_values_dev_dgx_h100.json" and h100.golden_path.exists()
+    (h200,) = [c for c in farm.load_cases() if c.name == "tiny_gpt_layer"]
+    assert h200.golden_path.name == "golden_values_dev_dgx_h200.json"  # where the GPU is not known
 
 
 def test_a_case_renders_the_launcher_command_line(tmp_path):
@@ -158,5 +170,5 @@ def test_the_tiny_moe_cases_keep_their_own_graph_scope_over_the_presets():
         assert expanded.count("--cuda-graph-modules") == 1, case.name
         assert (
             expanded[expanded.index("--cuda-graph-modules") :][:4] != list(DROPLESS_MOE_SCOPE)
-            or case.name == "tiny_moe_router"
+            or case.name in ("tiny_moe_router", "tiny_moe_router_eval_resume")  # the preset's own scope
         ), case.name

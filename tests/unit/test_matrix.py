@@ -50,14 +50,23 @@ def test_refused_cells_cover_only_pairs_no_running_cell_can():
     "model, modules", [("moe-droppad", ["attn", "moe"]), ("moe-dropless", ["attn", "moe_router", "moe_preprocess"])]
 )
 def test_the_moe_scope_graphs_the_block_whole_or_its_router(model, modules):
-    flags = matrix.cell_flags({"model": model, "scope": "moe", "precision": "bf16", "capture": "te", "mbs": "2"})
+    flags = matrix.cell_flags(
+        {"model": model, "scope": "moe", "precision": "bf16", "capture": "te", "mbs": "2", "loop": "train"}
+    )
     start = flags.index("--cuda-graph-modules") + 1
     assert flags[start : start + len(modules)] == modules
     assert flags[flags.index("--global-batch-size") + 1] == "8"  # four micro-batches of 2
 
 
 def test_an_offload_cell_offloads_inside_the_graphs_and_trains_its_reference_without():
-    factors = {"model": "gpt", "scope": "attn", "precision": "bf16", "capture": "slot-offload", "mbs": "1"}
+    factors = {
+        "model": "gpt",
+        "scope": "attn",
+        "precision": "bf16",
+        "capture": "slot-offload",
+        "mbs": "1",
+        "loop": "train",
+    }
     case = matrix.farm_case(matrix.Cell(factors), megatron_lm_dir="/ml")
     assert "--fine-grained-activation-offloading" in case.flags and dict(case.env) == {"NVTE_CPU_OFFLOAD_V1": "1"}
     assert not case.eager_offload and case.script_file == Path("/ml/pretrain_gpt.py") and case.data == "synthetic"
@@ -74,7 +83,14 @@ def test_the_committed_design_is_what_plan_writes_today(tmp_path):
 def test_a_refused_cell_is_recorded_without_running(monkeypatch, tmp_path):
     monkeypatch.setattr(matrix, "run_case", lambda *a, **k: pytest.fail("a refused cell ran"))
     cell = matrix.Cell(
-        {"model": "gpt", "scope": "layer", "precision": "fp8-blockwise", "capture": "slot", "mbs": "1"},
+        {
+            "model": "gpt",
+            "scope": "layer",
+            "precision": "fp8-blockwise",
+            "capture": "slot",
+            "mbs": "1",
+            "loop": "train",
+        },
         ("slot-capture-fp8",),
         "refused",
     )
@@ -97,7 +113,7 @@ def test_the_table_names_each_result_its_rules_and_the_pools():
     rows = [
         {
             "name": "a",
-            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "bf16", "te", "1"))),
+            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "bf16", "te", "1", "train"))),
             "result": "exact",
             "refused_by": [],
             "pool_bytes": 100 * 2**20,
@@ -107,20 +123,20 @@ def test_the_table_names_each_result_its_rules_and_the_pools():
         },
         {
             "name": "b",
-            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "fp8-blockwise", "slot", "1"))),
+            "factors": dict(zip(matrix.FACTORS, ("gpt", "layer", "fp8-blockwise", "slot", "1", "train"))),
             "result": "refused",
             "refused_by": ["slot-capture-fp8"],
         },
         {
             "name": "c",
-            "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2"))),
+            "factors": dict(zip(matrix.FACTORS, ("llama", "attn", "bf16", "slot", "2", "train"))),
             "result": "differs",
             "first_differing_step": 4,
             "refused_by": [],
         },
     ]
     text = matrix.render({"factors": matrix.FACTORS, "steps": 10, "rows": rows})
-    assert "| a | gpt | layer | bf16 | te | 1 | exact | - | 110 / 100 (1.10) |" in text  # not benched
+    assert "| a | gpt | layer | bf16 | te | 1 | train | exact | - | 110 / 100 (1.10) |" in text  # not benched
     assert "refused `slot-capture-fp8`" in text and "**differs** from step 4" in text
     assert "1 exact, 1 differs, 1 refused." in text
 
@@ -158,6 +174,7 @@ def test_the_support_matrix_page_is_the_render_of_its_runs():
 def test_a_cell_whose_graphed_losses_move_differs_from_the_first_step_that_moved(monkeypatch, tmp_path):
     class Result:
         eager, graphed, report = {1: 7.0, 2: 6.5, 3: 6.1, 4: 5.9}, {1: 7.0, 2: 6.5, 3: 6.1, 4: 5.8}, {"scopes": []}
+        resumed = None
 
         def losses(self, which):
             return which
