@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_cg_plugin.matrix.covering import all_pairs, combinations, pairs_of, uncovered_pairs
@@ -73,3 +73,16 @@ def test_pairs_of_a_combination_are_every_two_of_its_values():
 def test_bad_factors_are_refused(factors, message):
     with pytest.raises(ValueError, match=message):
         all_pairs(factors)
+
+
+@settings(max_examples=40, deadline=None)
+@given(factor_spaces)
+def test_a_design_extended_by_a_factor_keeps_its_combinations_and_adds_only_what_the_new_pairs_need(factors):
+    assume(len(factors) >= 3)  # a single factor has no pairs: its design is empty
+    base = dict(list(factors.items())[:-1])
+    added, values = list(factors.items())[-1]
+    earlier = [{**cell, added: values[0]} for cell in all_pairs(base)]
+    more = all_pairs(factors, covered=earlier)
+    assert not uncovered_pairs(earlier + more, factors)
+    assert all(cell[added] != values[0] for cell in more)  # the earlier cells hold every pair of the first value
+    assert len(more) <= len(combinations(factors)) - len(earlier)
