@@ -312,6 +312,8 @@ def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, d
 
     if options.dry_run:
         print("   python " + shlex.join(case.argv(graphed=True, out_dir=options.out)))
+        if case.resumes:  # the second half, from the eager run's checkpoint
+            print("   then python " + shlex.join(case.argv(graphed=True, out_dir=options.out, resumed=True)))
     refusal = farm.refusal_of(case, options.out)
     if refusal is not None:
         print("\n".join(f"   {line}" for line in refusal.lines()))
@@ -353,7 +355,7 @@ def _run_failure(error: farm.FarmRunError) -> str:
 
 def _matrix(argv: Sequence[str]) -> int:
     """plan [--out FILE] | run CELLS.json [--out DIR --jobs N --steps N --only CELL...] | bench ... | render CELLS.json RUN.json...
-    the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size), each cell checked by
+    the support matrix: an all-pairs design (model, scope, precision, capture, micro-batch size, loop), each cell checked by
     the rules, run eager vs graphed through Megatron-LM's pretrain_gpt.py (MEGATRON_LM_DIR), rendered as markdown;
     bench CELLS.json --out DIR [--parallel N --only CELL...] [-- BENCH FLAGS]: each cell's plugin / stock step time"""  # noqa: E501 - its first line is the synopsis `megatron-cg --help` prints whole
     import json

@@ -138,6 +138,9 @@ def test_cli_dry_run_prints_every_change_and_the_command(tmp_path, capsys):
     assert "--tensor-model-parallel-size 2 -> 1" in out and "--save dropped" in out
     assert "python -m megatron_cg_plugin.pretrain_gpt --num-layers 4" in out
     assert "   check: OK (Megatron's validation and every rule, eager and graphed)" in out
+    # ckpt-resume: the second half's command too, loading the eager run's checkpoint
+    (second,) = [line for line in out.splitlines() if line.startswith("   then python ")]
+    assert f"--load {tmp_path / 'o' / 'gpt3_style_case.eager.checkpoints'}" in second
 
 
 def test_cli_refuses_a_megatron_case_without_fit_gpus(tmp_path, capsys):
