@@ -21,9 +21,16 @@ from megatron_cg_plugin.farm.ports import ephemeral_start
 from megatron_cg_plugin.matrix import bench as matrix_bench
 from megatron_cg_plugin.matrix import runner as matrix
 
-GPT_TE = {"model": "gpt", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1"}
-LLAMA_SLOT = {"model": "llama", "scope": "attn", "precision": "bf16", "capture": "slot", "mbs": "2"}
-MOE_OFFLOAD = {"model": "moe-droppad", "scope": "attn", "precision": "bf16", "capture": "slot-offload", "mbs": "1"}
+GPT_TE = {"model": "gpt", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1", "loop": "train"}
+LLAMA_SLOT = {"model": "llama", "scope": "attn", "precision": "bf16", "capture": "slot", "mbs": "2", "loop": "train"}
+MOE_OFFLOAD = {
+    "model": "moe-droppad",
+    "scope": "attn",
+    "precision": "bf16",
+    "capture": "slot-offload",
+    "mbs": "1",
+    "loop": "train",
+}
 # Megatron's TE graphs cannot capture a whole layer whose saves its offload moves (whole-layer-offload-unjoined).
 LLAMA_LAYER_OFFLOAD = {**LLAMA_SLOT, "scope": "layer", "capture": "slot-offload", "precision": "fp8-delayed"}
 REFUSED = matrix.Cell({**GPT_TE, "precision": "fp8-blockwise", "capture": "slot"}, ("slot-capture-fp8",), "refused")
