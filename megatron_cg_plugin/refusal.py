@@ -25,14 +25,15 @@ __all__ = [
     "enforce_for_session",
     "megatron_rejection",
     "missing_required_flags",
+    "refuse",
     "refuse_megatron",
     "transformer_config_backstop",
 ]
 
 _EXIT_REFUSED = 2
-# What Megatron raises for flags it refuses: bare asserts, and ValueError/TypeError/RuntimeError
-# from validate_args and TransformerConfig.__post_init__.
-MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError)
+# What Megatron raises for flags it refuses: bare asserts, ValueError/TypeError/RuntimeError from validate_args
+# and TransformerConfig.__post_init__, and arithmetic on a size that makes no sense (a division by zero).
+MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError, ArithmeticError)
 MEGATRON_HEADING = "Megatron rejects these flags:"
 # Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
 _REQUIRED_FLAGS = (

@@ -32,6 +32,7 @@ __all__ = [
     "RuleViolation",
     "check_run",
     "markdown_rows",
+    "size_violations",
     "unvalidated_plugin_violations",
     "validate",
     "violations",
@@ -89,14 +90,54 @@ def _fitting_seqlen(f: RunSettings) -> str:
     )
 
 
+# Sizes Megatron takes as whole numbers of 1 or more, each with a bound no model reaches: a typo is refused before
+# Megatron builds anything from it (a head count of 0 divides by zero in its validation, a layer count of 1e20
+# exhausts the memory, a hidden size of 0 builds empty weights).
+_SIZE_LIMITS = (
+    ("num_layers", "--num-layers", 10_000),
+    ("hidden_size", "--hidden-size", 1 << 20),
+    ("ffn_hidden_size", "--ffn-hidden-size", 1 << 22),
+    ("num_attention_heads", "--num-attention-heads", 1 << 16),
+    ("num_query_groups", "--num-query-groups", 1 << 16),
+    ("kv_channels", "--kv-channels", 1 << 16),
+    ("seq_length", "--seq-length", 1 << 24),
+    ("max_position_embeddings", "--max-position-embeddings", 1 << 24),
+    ("micro_batch_size", "--micro-batch-size", 1 << 16),
+    ("global_batch_size", "--global-batch-size", 1 << 30),
+    ("num_experts", "--num-experts", 1 << 16),
+    ("moe_topk", "--moe-router-topk", 1 << 16),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", 1 << 22),
+    ("vocab_size", "--vocab-size", 1 << 28),
+)
+
+
+def _bad_sizes(f: RunSettings) -> list[str]:
+    return [
+        f"{flag} {value} (1 to {most})"
+        for field, flag, most in _SIZE_LIMITS
+        if (value := getattr(f, field)) is not None
+        and not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most)
+    ]
+
+
+_MODEL_SIZES = _Rule(
+    "model-sizes",
+    "megatron",
+    lambda f: bool(_bad_sizes(f)),
+    "a size is 0, negative or beyond any model (Megatron would divide by zero, build empty weights or run out of "
+    "memory on it): give a whole number in the range shown:",
+    detail=lambda f: ", ".join(_bad_sizes(f)),
+)
+
 RULES: tuple[_Rule, ...] = (
+    _MODEL_SIZES,
     _Rule(
-        "num-layers",
+        "moe-topk-over-experts",
         "megatron",
-        lambda f: f.num_layers is not None and f.num_layers < 1,
-        "--num-layers must be >= 1 (Megatron's weight initialization divides by its square root, a 'math domain "
-        "error' otherwise): give the number of transformer layers.",
-        detail=lambda f: f"(--num-layers {f.num_layers})",
+        lambda f: f.num_experts is not None and f.moe_topk > f.num_experts,
+        "--moe-router-topk exceeds --num-experts: each token is routed to top-k distinct experts, and the router's "
+        "torch.topk fails in the first forward: give a top-k of at most the expert count.",
+        detail=lambda f: f"(--moe-router-topk {f.moe_topk}, --num-experts {f.num_experts})",
     ),
     _Rule(
         "cg-flags-need-te-graphs",
@@ -746,6 +787,16 @@ def validate(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> None:
 
 
 _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
+
+
+def size_violations(args: Any) -> list[tuple[str, str]]:
+    """Rule ``model-sizes`` on flags as parsed, before Megatron's ``validate_args`` computes anything from
+    the sizes (where a 0 divides by zero and a huge count runs out of memory): the run stops here instead."""
+    try:
+        settings, _config = read_settings(args, env={}, te_available=True, apex_fused_wgrad=True)
+    except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
+        return []
+    return violations(settings, (_MODEL_SIZES,))
 
 
 def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -108,6 +108,8 @@ class RunSettings:
     thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
     thd_max_seqlen: int | None = None  # --cg-thd-max-seqlen (None: not given, --seq-length)
     seq_length: int | None = None  # --seq-length
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None  # --vocab-size (None: the tokenizer's)
     num_attention_heads: int | None = None
     # --deterministic-mode, or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (which TE reads): deterministic attention backward
     deterministic: bool = False
@@ -375,7 +377,7 @@ def read_settings(
         device_capability=device_capability,
         cuda_version=cuda_version,
         sft=bool(getattr(args, "sft", False)),
-        moe_topk=getattr(args, "moe_router_topk", 2) or 2,
+        moe_topk=2 if getattr(args, "moe_router_topk", None) is None else args.moe_router_topk,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         launcher=launcher,
         rerun_mode=getattr(args, "rerun_mode", "disabled") or "disabled",
@@ -383,6 +385,8 @@ def read_settings(
         thd_max_seqs=plugin.get("thd_max_seqs"),
         thd_max_seqlen=plugin.get("thd_max_seqlen"),
         seq_length=getattr(args, "seq_length", None),
+        max_position_embeddings=getattr(args, "max_position_embeddings", None),
+        vocab_size=getattr(args, "vocab_size", None),
         num_attention_heads=getattr(args, "num_attention_heads", None),
         deterministic=bool(getattr(args, "deterministic_mode", False))
         or env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",

@@ -126,6 +126,9 @@ def validated_args(
         missing = _required_flags_missing(flags, args)
         if missing is not None:
             raise missing
+        sizes = rules.size_violations(args)  # before validate_args computes from them
+        if sizes:
+            raise rules.RuleViolation(sizes)
         early = rules.unvalidated_plugin_violations(args, env=env)  # before validate_args changes args
         with contextlib.redirect_stdout(io.StringIO()), gpu_host_stand_ins(capability=capability):
             try:

@@ -123,6 +123,9 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
         parsed = copy.deepcopy(args)  # the flags as given: Megatron's checks change args (lists too) before one fails
+        sizes = rules.size_violations(parsed)  # before Megatron computes from them (a 0 divides, 1e20 exhausts memory)
+        if sizes:
+            raise refusal.refuse(sizes, rules.RuleViolation.HEADING, environ=os.environ)
         try:
             result = original(args, *rest, **kwargs)
         except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback

@@ -7,12 +7,13 @@ Mirrors how Megatron's ``TECudaGraphHelper`` picks layers (``_layer_is_graphable
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from megatron_cg_plugin.banks.sizes import bank_sizes
 from megatron_cg_plugin.scopes import MOE_SCOPES
 from megatron_cg_plugin.settings import RunSettings
 
-__all__ = ["CapturePlan", "layer_is_graphed", "plan_capture", "required_setting"]
+__all__ = ["CapturePlan", "layer_is_graphed", "number_ranges", "plan_capture", "required_setting"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class CapturePlan:
     def describe(self) -> str:
         if self.impl != "transformer_engine":
             return f"--cuda-graph-impl {self.impl}: the plugin captures nothing (eager run)."
-        layers = ", ".join(str(n) for n in self.graphed_layers) or "none"
+        layers = number_ranges(self.graphed_layers) or "none"
         return "\n".join(
             [
                 f"scope: {self.scope}",
@@ -72,6 +73,20 @@ class CapturePlan:
                 f"capture after {self.warmup_steps} eager warmup step(s), before step {self.warmup_steps + 1}",
             ]
         )
+
+
+def number_ranges(numbers: Sequence[int]) -> str:
+    """``1, 2, 3, 5, 7, 8`` as ``1-3, 5, 7, 8`` (three or more in a row as a range): a list of thousands of
+    layers stays one short line."""
+    runs: list[list[int]] = []
+    for number in sorted(numbers):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(
+        f"{low}-{high}" if high - low > 1 else ", ".join(map(str, range(low, high + 1))) for low, high in runs
+    )
 
 
 def required_setting(value: int | None, flag: str) -> int:

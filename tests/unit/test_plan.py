@@ -173,7 +173,7 @@ def test_describe_te_plan():
     text = plan.describe()
     assert "eager run" not in text
     assert "scope: attn+moe_router" in text
-    assert "graphed layers (global numbers): 1, 2, 3, 4" in text
+    assert "graphed layers (global numbers): 1-4" in text
     assert "layers per pipeline stage: 2 in 1 model chunk(s)" in text
     assert "microbatches per step: 4; captured per layer: 4" in text
     assert "graphs per rank on the first pipeline stage: 8" in text
@@ -334,3 +334,14 @@ def test_banks_without_attention_in_the_scope_share_one_graph_per_layer(modules,
     plan = plan_capture(facts)
     assert plan.banks == (1, 2) and plan.graphs_on_first_stage == 3 * per_layer
     assert ("one graph per layer serves every bank" in plan.describe()) == (per_layer == 1)
+
+
+@pytest.mark.parametrize(
+    "numbers, text",
+    [([], ""), ([4], "4"), ([1, 2], "1, 2"), ([1, 2, 3, 5, 7, 8], "1-3, 5, 7, 8"), ([9, 1, 3, 2], "1-3, 9")],
+)
+def test_layer_lists_print_three_or_more_in_a_row_as_a_range(numbers, text):
+    from megatron_cg_plugin.planner.capture_plan import number_ranges
+
+    assert number_ranges(numbers) == text
+    assert number_ranges(range(1, 100_001)) == "1-100000"  # one short line, not 100,000 numbers

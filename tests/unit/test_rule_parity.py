@@ -180,7 +180,16 @@ ROWS = (
     ),
     Row("slot-capture-without-te-graphs", (*GPT, "--cg-slot-capture"), frozenset({"cg-flags-need-te-graphs"})),
     Row("hybrid-cp-on-one-rank", HYBRID_CP, frozenset({"hybrid-cp-ranks"})),
-    Row("num-layers-below-one", (*GPT, "--num-layers", "-2"), frozenset({"num-layers"})),
+    Row("num-layers-below-one", (*GPT, "--num-layers", "-2"), frozenset({"model-sizes"})),
+    # Sizes are refused before Megatron computes from them: a 0 divides by zero, 1e20 layers exhaust the memory.
+    Row("no-attention-heads", (*GPT, "--num-attention-heads", "0"), frozenset({"model-sizes"})),
+    Row("absurd-layer-count", (*GPT, "--num-layers", "99999999999999999999"), frozenset({"model-sizes"})),
+    Row("zero-hidden-size", (*GPT, "--hidden-size", "0"), frozenset({"model-sizes"})),
+    Row(
+        "topk-over-experts",
+        (*GPT, "--num-experts", "4", "--moe-router-topk", "5", "--moe-token-dispatcher-type", "alltoall"),
+        frozenset({"moe-topk-over-experts"}),
+    ),
     Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
     Row("megatron-assertion-with-message", (*GPT, "--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
     # Megatron stops first (world size 1 < PP 2), and the plugin's rule is named beside it in both.

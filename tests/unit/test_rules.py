@@ -20,7 +20,8 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 
 # rule name -> (facts that break exactly that rule, a flag/env the message must tell the user to change)
 VIOLATING: dict[str, tuple[RunSettings, str]] = {
-    "num-layers": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers"),
+    "model-sizes": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers -2 (1 to 10000)"),
+    "moe-topk-over-experts": (RunSettings(num_experts=4, moe_topk=5), "--moe-router-topk 5, --num-experts 4"),
     "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
     "tensorboard-needs-dir": (RunSettings(log_to_tensorboard=True), "--tensorboard-dir"),
     "rerun-mode-report-stats": (RunSettings(rerun_mode="report_stats"), "--rerun-mode validate_results"),
@@ -350,7 +351,8 @@ ALWAYS_ON = {
     "data-files",
     "moe-capacity-over-tokens",
     "moe-tp-needs-sequence-parallel",
-    "num-layers",
+    "model-sizes",
+    "moe-topk-over-experts",
     "cg-flags-need-te-graphs",
     "hybrid-cp-ranks",
     "offload-learned-positions",
@@ -566,9 +568,10 @@ def test_the_launcher_tp_rule_is_the_launchers_own():
 @pytest.mark.parametrize("num_experts, is_moe", [(None, False), (0, False), (1, False), (2, True), (8, True)])
 def test_moe_scope_needs_more_than_one_expert(num_experts, is_moe):
     # mirrors TransformerConfig: "moe cuda graph is only supported for MoE" when num_moe_experts <= 1
-    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=num_experts)
+    facts = RunSettings(cuda_graph_impl=TE, modules=("attn", "moe_router"), num_experts=num_experts, moe_topk=1)
     assert facts.moe is is_moe
-    assert names(facts) == ([] if is_moe else ["moe-scope-needs-moe"])
+    expected = [] if is_moe else ["moe-scope-needs-moe"]
+    assert [name for name in names(facts) if name not in ("model-sizes", "moe-topk-over-experts")] == expected
 
 
 def test_drop_and_pad_needs_both_flags():
@@ -792,8 +795,8 @@ def test_validate_raises_iff_violations(facts):
         validate(facts)
     if facts.te_graphs and {"moe", "moe_router"} <= set(facts.modules):
         assert "moe-xor-router" in [n for n, _ in broken]
-    if not facts.te_graphs:  # of the always-on rules, only the capacity one is in this strategy's reach
-        assert {name for name, _ in broken} <= {"moe-capacity-over-tokens"}, broken
+    if not facts.te_graphs:  # of the always-on rules, only the MoE size ones are in this strategy's reach
+        assert {name for name, _ in broken} <= {"moe-capacity-over-tokens", "moe-topk-over-experts"}, broken
 
 
 @pytest.mark.parametrize(
