@@ -11,6 +11,7 @@ import io
 import os
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
@@ -463,7 +464,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] not in ("run", "bench"):  # a run's other warnings are the script's own business
         # Nor do Megatron's other warnings (deprecations, overridden defaults) change a check or a comparison.
         warnings.filterwarnings("ignore", category=UserWarning)
-    return commands[argv[0]](argv[1:])
+    if argv[0] == "run":  # what fails inside the user's script is the script's: its traceback is its own
+        return commands["run"](argv[1:])
+    return _front_door(argv[0], commands[argv[0]], argv[1:])
+
+
+def _front_door(name: str, command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+    """One way out of every command: input the plugin refuses (its ``ValueError`` family, a file it cannot read)
+    in one line naming what to change, exit 2; anything else is a bug of the plugin's: its traceback, and a line
+    saying so, exit 3."""
+    try:
+        return command(argv)
+    except (ValueError, OSError) as error:
+        print(f"megatron-cg {name}: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception:  # noqa: BLE001 - the last resort: reported as the plugin's bug, not the user's input
+        traceback.print_exc()
+        print(
+            f"megatron-cg {name}: the traceback above is a bug of megatron-cg-plugin, not of your input: please "
+            "report it with the command line.",
+            file=sys.stderr,
+        )
+        return console.EXIT_BUG
 
 
 if __name__ == "__main__":

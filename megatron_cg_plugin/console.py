@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "EXIT_BAD_INPUT",
+    "EXIT_BUG",
     "EXIT_MISMATCH",
     "EXIT_OK",
     "failure_cause",
@@ -36,8 +37,9 @@ __all__ = [
 _OPTIONAL_PACKAGE_WARNING = r".*(is not installed|are not installed|Falling back to|your version is 0\.0\.0)"
 _NO_CUDA_RUNTIME = "No CUDA runtime is found"  # torch.utils.cpp_extension on a host without a GPU
 _PLUGIN_PREFIX = "megatron-cg-plugin:"
-# The entry points' exit codes: done, a mismatch or failure found, input refused (the flag named).
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+# The entry points' exit codes: done, a mismatch or failure found, input refused (the flag named), a bug of the
+# plugin's own (its traceback shown, and said to be one).
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_BUG = 0, 1, 2, 3
 
 
 def group_label(group: object) -> str:

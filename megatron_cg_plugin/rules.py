@@ -120,6 +120,31 @@ def _bad_sizes(f: RunSettings) -> list[str]:
     ]
 
 
+# What Megatron's tokenizers are built from (megatron-core 0.19.2 tokenizers/utils/build_tokenizer.py): the flag
+# each type reads its files from; without it the run fails while building the tokenizer, after the model flags
+# passed.
+_TOKENIZER_NEEDS = {
+    **dict.fromkeys(
+        (
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "TikTokenizer",
+            "HuggingFaceTokenizer",
+            "SFTTokenizer",
+        ),
+        ("--tokenizer-model",),
+    ),
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    **dict.fromkeys(("BertWordPieceLowerCase", "BertWordPieceCase"), ("--vocab-file",)),
+}
+
+
+def _missing_tokenizer_flags(f: RunSettings) -> list[str]:
+    given = {"--tokenizer-model": f.tokenizer_model, "--vocab-file": f.vocab_file, "--merge-file": f.merge_file}
+    return [flag for flag in _TOKENIZER_NEEDS.get(f.tokenizer_type or "", ()) if not given[flag]]
+
+
 _MODEL_SIZES = _Rule(
     "model-sizes",
     "megatron",
@@ -131,6 +156,14 @@ _MODEL_SIZES = _Rule(
 
 RULES: tuple[_Rule, ...] = (
     _MODEL_SIZES,
+    _Rule(
+        "tokenizer-files",
+        "megatron",
+        lambda f: bool(_missing_tokenizer_flags(f)),
+        "--tokenizer-type names a tokenizer built from files the flags do not give, so the run would fail building "
+        "it: add",
+        detail=lambda f: f"{' and '.join(_missing_tokenizer_flags(f))} (--tokenizer-type {f.tokenizer_type}).",
+    ),
     _Rule(
         "moe-topk-over-experts",
         "megatron",

@@ -110,6 +110,11 @@ class RunSettings:
     seq_length: int | None = None  # --seq-length
     max_position_embeddings: int | None = None
     vocab_size: int | None = None  # --vocab-size (None: the tokenizer's)
+    tokenizer_type: str | None = None
+    # The tokenizer's files the flags give: --tokenizer-model, --vocab-file, --merge-file (None: not given)
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
     num_attention_heads: int | None = None
     # --deterministic-mode, or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (which TE reads): deterministic attention backward
     deterministic: bool = False
@@ -387,6 +392,10 @@ def read_settings(
         seq_length=getattr(args, "seq_length", None),
         max_position_embeddings=getattr(args, "max_position_embeddings", None),
         vocab_size=getattr(args, "vocab_size", None),
+        tokenizer_type=getattr(args, "tokenizer_type", None),
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_file=getattr(args, "vocab_file", None),
+        merge_file=getattr(args, "merge_file", None),
         num_attention_heads=getattr(args, "num_attention_heads", None),
         deterministic=bool(getattr(args, "deterministic_mode", False))
         or env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -66,6 +67,7 @@ from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
+from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
@@ -239,6 +241,20 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-capture-rounds", type=int, default=BenchOptions.capture_rounds)
     parser.add_argument("--bench-seconds", type=float, default=BenchOptions.seconds)
     known, flags = parser.parse_known_args(list(argv))
+    # A --bench-* flag argparse did not know is a typo of the bench's (Megatron has none), not a flag to pass on.
+    typos = [flag.split("=", 1)[0] for flag in flags if flag.startswith("--bench-")]
+    if typos:
+        known_flags = [action.option_strings[0] for action in parser._actions]
+        close = difflib.get_close_matches(typos[0], known_flags, n=1)
+        raise BenchError(
+            f"unknown bench flag {typos[0]}"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + f"; the bench's flags: {', '.join(known_flags)}."
+        )
+    try:
+        find_preset(flags)  # a misspelt preset, named before anything is imported or built
+    except ValueError as error:
+        raise BenchError(str(error)) from None
     stepwise = known.bench_interleave == "steps"
     unused = (
         [f"--bench-{name}" for name in ("rounds", "steps") if getattr(known, f"bench_{name}") is not None]
@@ -1197,8 +1213,6 @@ def main(argv: Sequence[str]) -> int:
     from megatron.training import training
 
     options, flags = parse_bench_argv(argv)
-    if options.plot:
-        bench_output.plot_available()
     script = user_script(flags)
     if script is not None:
         flags = flags[1:]
@@ -1226,6 +1240,8 @@ def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, 
         try:
             args = pretrain_gpt.parse_megatron_args(flags)
             refuse_unbenchable(args, session.config, options)  # the config the flags resolved
+            if options.plot:  # asked for once the flags passed, before any GPU work
+                bench_output.plot_available()
             driver = bench_train_step(options, flags, training.train_step, results)
             with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
                 pretrain_gpt.run(args, session)
@@ -1245,6 +1261,8 @@ def _bench_script(
         if session is None:
             raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg bench.")
         refuse_unbenchable(get_args(), session.config, options)
+        if options.plot:  # asked for once the flags passed, before the first block
+            bench_output.plot_available()
 
     driver = bench_train_step(options, flags, training.train_step, results, before=refuse)
     with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):

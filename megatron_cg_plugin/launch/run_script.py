@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from megatron_cg_plugin import compat, console, installation
-from megatron_cg_plugin.launch.presets import expand_preset
+from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 
 __all__ = ["EXIT_BAD_INPUT", "expand_preset", "main", "parser", "run_in_process"]
@@ -110,6 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if options.nproc_per_node < 1:
         print("megatron-cg run: --nproc-per-node must be >= 1.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        find_preset(options.args)  # a misspelt preset, named before any rank starts
+    except ValueError as error:
+        print(f"megatron-cg run: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if options.nproc_per_node == 1:  # each rank expands --cg-preset, as the launcher does
         return run_in_process(script, expand_preset(options.args))

@@ -22,6 +22,7 @@ HYBRID = dict(hybrid_context_parallel=True, inter_document_masking=True, max_seq
 VIOLATING: dict[str, tuple[RunSettings, str]] = {
     "model-sizes": (RunSettings(cuda_graph_impl=TE, num_layers=-2), "--num-layers -2 (1 to 10000)"),
     "moe-topk-over-experts": (RunSettings(num_experts=4, moe_topk=5), "--moe-router-topk 5, --num-experts 4"),
+    "tokenizer-files": (RunSettings(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
     "hybrid-cp-ranks": (RunSettings(**HYBRID), "--nproc-per-node 2"),
     "tensorboard-needs-dir": (RunSettings(log_to_tensorboard=True), "--tensorboard-dir"),
     "rerun-mode-report-stats": (RunSettings(rerun_mode="report_stats"), "--rerun-mode validate_results"),
@@ -353,6 +354,7 @@ ALWAYS_ON = {
     "moe-tp-needs-sequence-parallel",
     "model-sizes",
     "moe-topk-over-experts",
+    "tokenizer-files",
     "cg-flags-need-te-graphs",
     "hybrid-cp-ranks",
     "offload-learned-positions",
@@ -1081,3 +1083,22 @@ def test_resuming_fp8_delayed_scaling_needs_the_trusted_pickle_setting(parse, tm
         _fp8_resume(parse, str(tmp_path), "delayed")
     _fp8_resume(parse, str(tmp_path), "tensorwise")  # no pickle: resumed fine on a GPU
     _fp8_resume(parse, str(tmp_path), "delayed", env={"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"})
+
+
+@pytest.mark.parametrize(
+    "tokenizer, given, missing",
+    [
+        ("GPT2BPETokenizer", {"vocab_file": "v.json"}, "--merge-file"),
+        ("GPT2BPETokenizer", {}, "--vocab-file and --merge-file"),
+        ("BertWordPieceCase", {}, "--vocab-file"),
+        ("HuggingFaceTokenizer", {}, "--tokenizer-model"),
+        ("NullTokenizer", {}, None),
+        ("SentencePieceTokenizer", {"tokenizer_model": "spm.model"}, None),
+    ],
+)
+def test_a_tokenizer_needs_the_files_its_type_is_built_from(tokenizer, given, missing):
+    broken = dict(violations(RunSettings(tokenizer_type=tokenizer, **given)))
+    if missing is None:
+        assert "tokenizer-files" not in broken
+    else:
+        assert broken["tokenizer-files"].endswith(f"add {missing} (--tokenizer-type {tokenizer}).")

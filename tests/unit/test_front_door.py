@@ -1,0 +1,59 @@
+"""Every subcommand's front door: bad input ends in one first line naming the flag to change, exit 2 and no
+traceback, before any optional extra (matplotlib, a GPU, Megatron-LM's checkout) is asked for; anything else a
+command raises is reported as the plugin's own bug, with its traceback and exit 3."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_cg_plugin import cli, console
+
+SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs in these tests
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["run", SCRIPT, "--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
+        (["bench", "--bench-no-plot", "--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
+        (["bench", "--bench-arms-typo", "x", "--cg-preset", "tiny-gpt"], "unknown bench flag --bench-arms-typo"),
+        (["bench", "missing.py", "--cg-preset", "tiny-gpt"], "no such script missing.py"),
+        (["check", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0 (1 to 65536)"),
+        (
+            ["check", "--cg-preset", "tiny-gpt", "--num-layers", "99999999999999999999"],
+            "--num-layers 99999999999999999999",
+        ),
+        (["check", "--cg-preset", "tiny-gpt", "--hidden-size", "0"], "--hidden-size 0"),
+        (["check", "--cg-preset", "tiny-moe", "--moe-router-topk", "5"], "--moe-router-topk 5, --num-experts 4"),
+        (["check", "--cg-preset", "tiny-gpt", "--tokenizer-type", "SentencePieceTokenizer"], "add --tokenizer-model"),
+        (["plan", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
+    ],
+)
+def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, argv, named):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == console.EXIT_BAD_INPUT, (out, err)
+    assert named in err and "Traceback" not in err + out
+    assert "matplotlib" not in err  # an optional extra is never asked for before the input's own error
+
+
+def test_input_the_plugin_refuses_inside_a_command_is_one_line(monkeypatch, capsys):
+    def refuses(argv):
+        raise ValueError("--thing 3 is not a thing: give 2.")
+
+    monkeypatch.setattr(cli, "_golden", refuses)
+    assert cli.main(["golden", "compare", "a", "b"]) == console.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == "megatron-cg golden: --thing 3 is not a thing: give 2.\n"
+
+
+def test_anything_else_is_the_plugins_bug_with_its_traceback(monkeypatch, capsys):
+    def breaks(argv):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "_golden", breaks)
+    assert cli.main(["golden", "compare", "a", "b"]) == console.EXIT_BUG
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err
+    assert err.rstrip().endswith(
+        "is a bug of megatron-cg-plugin, not of your input: please report it with the command line."
+    )
