@@ -3,8 +3,9 @@
 A preset's flags come first and the user's flags after, so anything the user passes wins
 (argparse keeps the last value). Presets only describe the model and the run; they never turn
 graphs on: that stays the user's ``--cuda-graph-impl transformer_engine`` (a preset may say which
-modules the graphs would cover, as ``tiny-moe`` does). Each passes ``megatron-cg check`` as given,
-graphs on, on the ranks its description names.
+modules the graphs would cover, as ``tiny-moe`` does). With graphs on, ``tiny-gpt`` and ``tiny-moe`` pass
+``megatron-cg check`` as given on one rank; ``tiny-gpt-hybrid-cp`` needs 2 or more ranks and
+``--cg-graph-banks`` (a test holds each to it).
 """
 
 from __future__ import annotations

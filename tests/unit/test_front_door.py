@@ -4,9 +4,13 @@ command raises is reported as the plugin's own bug, with its traceback and exit 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_cg_plugin import cli, console
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs in these tests
 
@@ -57,3 +61,21 @@ def test_anything_else_is_the_plugins_bug_with_its_traceback(monkeypatch, capsys
     assert err.rstrip().endswith(
         "is a bug of megatron-cg-plugin, not of your input: please report it with the command line."
     )
+
+
+@pytest.mark.parametrize(
+    "preset, extra",
+    [("tiny-gpt", []), ("tiny-moe", []), ("tiny-gpt-hybrid-cp", ["--nproc", "2", "--cg-graph-banks"])],
+)
+def test_each_preset_passes_check_on_the_ranks_and_flags_the_readme_names(capsys, preset, extra):
+    """The README's presets line: what each preset needs beyond itself to pass check with graphs on."""
+    nproc = extra[:2]
+    code = cli.main(["check", *nproc, "--cg-preset", preset, "--cuda-graph-impl", "transformer_engine", *extra[2:]])
+    assert code == console.EXIT_OK, capsys.readouterr().err
+    assert f"`{preset}`" in README
+
+
+def test_the_hybrid_cp_preset_alone_is_refused_on_one_rank_as_the_readme_says(capsys):
+    code = cli.main(["check", "--cg-preset", "tiny-gpt-hybrid-cp", "--cuda-graph-impl", "transformer_engine"])
+    assert code == console.EXIT_BAD_INPUT and "[hybrid-cp-ranks]" in capsys.readouterr().err
+    assert "`tiny-gpt-hybrid-cp` needs 2 or more ranks" in README
