@@ -269,6 +269,9 @@ def _farm(argv: Sequence[str]) -> int:
         help="print what would run and check each case's flags as megatron-cg check does (on CPU), run nothing",
     )
     options = parser.parse_args(argv)
+    from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing
+
+    device = gpu_name()
     try:
         prepared = [
             farm.prepare_case(
@@ -278,12 +281,16 @@ def _farm(argv: Sequence[str]) -> int:
                 data_path=options.data_path,
                 steps=options.steps,
                 megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+                platform=farm.DEFAULT_PLATFORM if device is None else farm.platform_of(device),
             )
             for folder in options.cases
         ]
         unmet = next((reason for case, _ in prepared if (reason := case.unmet())), None)
         if unmet:  # a Megatron-LM script the host has no checkout of
             raise CaseError(unmet)
+        missing = None if options.dry_run else gpu_stack_missing(max(case.nproc for case, _ in prepared))
+        if missing:  # said before any rank starts
+            raise CaseError(f"this host cannot run the cases: it {missing}; --dry-run checks their flags on CPU.")
     except CaseError as error:
         print(f"megatron-cg farm: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -409,6 +416,7 @@ def _matrix(argv: Sequence[str]) -> int:
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
+        _matrix_host_ready()
         rows = matrix.run_matrix(
             matrix.select_cells(cells, options.only, options.cells),
             options.out,
@@ -420,6 +428,22 @@ def _matrix(argv: Sequence[str]) -> int:
         print(f"megatron-cg matrix: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_MISMATCH if any(row["result"] in ("differs", "failed") for row in rows) else EXIT_OK
+
+
+def _matrix_host_ready() -> None:
+    """What every cell's runs need, said once before any cell starts: Megatron-LM's pretrain_gpt.py where
+    MEGATRON_LM_DIR says, and a GPU with Transformer Engine."""
+    from megatron_cg_plugin.farm.distributed import gpu_stack_missing
+
+    checkout = os.environ.get("MEGATRON_LM_DIR")
+    if not checkout or not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
+        raise ValueError(
+            f"MEGATRON_LM_DIR={checkout or '(unset)'} holds no pretrain_gpt.py: every cell runs Megatron-LM's own "
+            "script; set MEGATRON_LM_DIR to a Megatron-LM core_r0.19.0 checkout."
+        )
+    missing = gpu_stack_missing(1)
+    if missing:
+        raise ValueError(f"this host cannot run the cells: it {missing}; matrix plan checks them on CPU.")
 
 
 def _run(argv: Sequence[str]) -> int:

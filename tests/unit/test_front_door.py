@@ -31,10 +31,15 @@ SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs 
         (["check", "--cg-preset", "tiny-moe", "--moe-router-topk", "5"], "--moe-router-topk 5, --num-experts 4"),
         (["check", "--cg-preset", "tiny-gpt", "--tokenizer-type", "SentencePieceTokenizer"], "add --tokenizer-model"),
         (["plan", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
+        # What a command's work needs of the host is said once, first, before any rank or cell starts.
+        (["farm", "tests/functional/test_cases/gpt/tiny_gpt_layer"], "needs 1 CUDA GPU(s), found 0"),
+        (["matrix", "run", "benchmarks/support_matrix/cells.json", "--out", "{tmp}"], "MEGATRON_LM_DIR=(unset)"),
     ],
 )
-def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, argv, named):
-    code = cli.main(argv)
+def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, monkeypatch, tmp_path, argv, named):
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpus_available", lambda: 0)  # as on a CPU host
+    code = cli.main([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
     out, err = capsys.readouterr()
     assert code == console.EXIT_BAD_INPUT, (out, err)
     assert named in err and "Traceback" not in err + out
