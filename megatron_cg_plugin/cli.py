@@ -150,7 +150,10 @@ def _dry_run_command(
     except ValueError as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(text)
+    from megatron_cg_plugin.launch.presets import preset_note
+
+    note = preset_note(flags)
+    print(text if note is None else f"{text}\n{note}")
     return EXIT_OK
 
 

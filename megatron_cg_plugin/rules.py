@@ -157,6 +157,14 @@ _MODEL_SIZES = _Rule(
 RULES: tuple[_Rule, ...] = (
     _MODEL_SIZES,
     _Rule(
+        "cuda-graph-modules-twice",
+        "plugin",
+        lambda f: len(set(f.modules)) < len(f.modules),
+        "--cuda-graph-modules names a module more than once, and each is one graphed part of the layer: name each "
+        "once.",
+        detail=lambda f: f"(--cuda-graph-modules {' '.join(f.modules)})",
+    ),
+    _Rule(
         "tokenizer-files",
         "megatron",
         lambda f: bool(_missing_tokenizer_flags(f)),

@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 from megatron_cg_plugin.config import PRESETS
 
-__all__ = ["DROPLESS_MOE_SCOPE", "MOE_FLAGS", "PRESET_FLAGS", "expand_preset", "find_preset", "flag_value"]
+__all__ = [
+    "DROPLESS_MOE_SCOPE",
+    "MOE_FLAGS",
+    "PRESET_FLAGS",
+    "expand_preset",
+    "find_preset",
+    "flag_value",
+    "preset_note",
+]
 
 _COMMON = (
     "--num-layers 2 --hidden-size 256 --ffn-hidden-size 1024 --num-attention-heads 4 "
@@ -81,6 +89,19 @@ def find_preset(argv: Sequence[str]) -> str | None:
     if found is not None and found not in PRESET_FLAGS:
         raise ValueError(f"--cg-preset {found!r} is unknown; use one of {', '.join(PRESETS)}.")
     return found
+
+
+def preset_note(argv: Sequence[str]) -> str | None:
+    """A note where ``--cg-preset`` names two presets: the last applies (argparse takes the last value), the
+    others' flags do not; None otherwise."""
+    given = [
+        token.split("=", 1)[1] if "=" in token else argv[index + 1]
+        for index, token in enumerate(argv)
+        if (token == "--cg-preset" and index + 1 < len(argv)) or token.startswith("--cg-preset=")
+    ]
+    if len(set(given)) < 2:
+        return None
+    return f"note: --cg-preset is given {len(given)} times ({', '.join(given)}); only the last, {given[-1]}, applies."
 
 
 # Megatron's data-source flags: any of them replaces the preset's mock data (Megatron refuses two sources).

@@ -31,6 +31,12 @@ SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs 
         (["check", "--cg-preset", "tiny-moe", "--moe-router-topk", "5"], "--moe-router-topk 5, --num-experts 4"),
         (["check", "--cg-preset", "tiny-gpt", "--tokenizer-type", "SentencePieceTokenizer"], "add --tokenizer-model"),
         (["plan", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
+        (
+            ["check", "--cg-preset", "tiny-moe", "--cuda-graph-modules", "attn", "attn"],
+            "--cuda-graph-modules attn attn",
+        ),
+        (["check", "--cg-preset", "tiny-gpt", "--cg-report-out", ""], "--cg-report-out is empty"),
+        (["check", "--cg-preset", "tiny-gpt", "--cg-metrics-out", "README.md/m.json"], "lies under README.md"),
         # What a command's work needs of the host is said once, first, before any rank or cell starts.
         (["farm", "tests/functional/test_cases/gpt/tiny_gpt_layer"], "needs 1 CUDA GPU(s), found 0"),
         (["matrix", "run", "benchmarks/support_matrix/cells.json", "--out", "{tmp}"], "MEGATRON_LM_DIR=(unset)"),
@@ -84,3 +90,11 @@ def test_the_hybrid_cp_preset_alone_is_refused_on_one_rank_as_the_readme_says(ca
     code = cli.main(["check", "--cg-preset", "tiny-gpt-hybrid-cp", "--cuda-graph-impl", "transformer_engine"])
     assert code == console.EXIT_BAD_INPUT and "[hybrid-cp-ranks]" in capsys.readouterr().err
     assert "`tiny-gpt-hybrid-cp` needs 2 or more ranks" in README
+
+
+def test_two_presets_get_a_note_naming_the_one_that_applies(capsys):
+    assert cli.main(["check", "--cg-preset", "tiny-gpt", "--cg-preset=tiny-moe"]) == console.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("flags OK") and out.rstrip().endswith(
+        "note: --cg-preset is given 2 times (tiny-gpt, tiny-moe); only the last, tiny-moe, applies."
+    )
