@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from megatron_cg_plugin import console, golden, helptext
 from megatron_cg_plugin.bench.output import BenchOutputError
 from megatron_cg_plugin.farm.cases import CaseError
+from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing
+from megatron_cg_plugin.launch.presets import preset_note
 from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.planner.prediction import predict_graph_memory
@@ -150,8 +152,6 @@ def _dry_run_command(
     except ValueError as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from megatron_cg_plugin.launch.presets import preset_note
-
     note = preset_note(flags)
     print(text if note is None else f"{text}\n{note}")
     return EXIT_OK
@@ -272,8 +272,6 @@ def _farm(argv: Sequence[str]) -> int:
         help="print what would run and check each case's flags as megatron-cg check does (on CPU), run nothing",
     )
     options = parser.parse_args(argv)
-    from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing
-
     device = gpu_name()
     try:
         prepared = [
@@ -436,8 +434,6 @@ def _matrix(argv: Sequence[str]) -> int:
 def _matrix_host_ready() -> None:
     """What every cell's runs need, said once before any cell starts: Megatron-LM's pretrain_gpt.py where
     MEGATRON_LM_DIR says, and a GPU with Transformer Engine."""
-    from megatron_cg_plugin.farm.distributed import gpu_stack_missing
-
     checkout = os.environ.get("MEGATRON_LM_DIR")
     if not checkout or not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
         raise ValueError(

@@ -143,7 +143,7 @@ def test_a_failed_farm_run_prints_its_cause_first_and_last(tmp_path):
 
 
 @pytest.mark.skipif(compat.te_available(), reason="on a host with TE the case trains instead of failing")
-def test_a_farm_case_that_fails_on_cpu_prints_the_cause_first_and_last(tmp_path):
+def test_a_farm_on_a_host_without_a_gpu_says_so_first_and_starts_no_rank(tmp_path):
     result = run(
         "-m",
         "megatron_cg_plugin.cli",
@@ -153,13 +153,12 @@ def test_a_farm_case_that_fails_on_cpu_prints_the_cause_first_and_last(tmp_path)
         str(tmp_path / "out"),
         tmp_path=tmp_path,
     )
-    assert result.returncode == 1
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith("== tiny_gpt_layer")
-    assert lines[1].startswith("   FAIL: the eager run failed: rank 0 (exit code 2): megatron-cg-plugin:")
-    fails = [line for line in lines if line.startswith("   FAIL: ")]
-    assert fails == [lines[1], lines[1]] and lines[-1] == "farm: 1 failed"  # the cause first and last
-    assert "arguments ----" not in result.stdout and len(lines) < 20, result.stdout
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1] == (
+        "megatron-cg farm: this host cannot run the cases: it needs 1 CUDA GPU(s), found 0; --dry-run checks "
+        "their flags on CPU."
+    )
+    assert not list((tmp_path / "out").glob("*.logs"))  # no rank was started
 
 
 def test_a_failing_block_prints_its_stderr_and_names_the_log(capsys, monkeypatch, tmp_path):

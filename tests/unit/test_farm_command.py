@@ -522,7 +522,7 @@ def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, c
     from megatron_cg_plugin.farm import runner as farm
 
     monkeypatch.setattr(farm, "run_case", lambda *a, **k: pytest.fail("a refused case must not launch"))
-    monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpu_stack_missing", lambda n: None)  # a GPU host
+    monkeypatch.setattr(cli, "gpu_stack_missing", lambda n: None)  # a GPU host
     assert cli.main(["farm", str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -541,7 +541,7 @@ def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsy
     from megatron_cg_plugin.farm import runner as farm
     from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
-    monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpu_stack_missing", lambda n: None)  # a GPU host
+    monkeypatch.setattr(cli, "gpu_stack_missing", lambda n: None)  # a GPU host
 
     def passing_run(case, out_dir):
         run = GoldenValues({"lm loss": MetricSeries(dict.fromkeys(range(1, case.steps + 1), 1.0))})
