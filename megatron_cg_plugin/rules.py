@@ -157,6 +157,14 @@ _MODEL_SIZES = _Rule(
 RULES: tuple[_Rule, ...] = (
     _MODEL_SIZES,
     _Rule(
+        "environment-switches",
+        "plugin",
+        lambda f: bool(f.unreadable_switches),
+        "an environment switch read as 0 or 1 has another value, which TE and the plugin do not take: export it "
+        "as 0 or 1:",
+        detail=lambda f: ", ".join(f.unreadable_switches),
+    ),
+    _Rule(
         "cuda-graph-modules-twice",
         "plugin",
         lambda f: len(set(f.modules)) < len(f.modules),

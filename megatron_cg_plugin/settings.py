@@ -34,6 +34,15 @@ _OFFLOAD_INSIDE_SCOPE = {
 # sm90 once batch (cu_seqlens entries - 1) x heads per rank x max_seqlen_q x max_seqlen_kv reaches this.
 DETERMINISTIC_THD_LIMIT = 1 << 30
 
+# Environment switches read as 0 or 1 where a run is set up (TE parses them as integers, so another value fails
+# late, or reads as off): the plugin's rules, the farm and the planner read them too.
+_ZERO_OR_ONE_SWITCHES = (
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE",
+    "NVTE_CPU_OFFLOAD_V1",
+    "NCCL_GRAPH_REGISTER",
+)
+
 _WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 _MOE_BLOCK_OFFLOADS = _OFFLOAD_INSIDE_SCOPE["moe"]
 
@@ -147,6 +156,8 @@ class RunSettings:
     activation_offload_fraction: float = 1.0
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
+    # Switches of the environment the plugin, Megatron or TE read as 0 or 1, set to anything else (NAME=value)
+    unreadable_switches: tuple[str, ...] = ()
     missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
     load: str | None = None  # --load
     resumes_checkpoint: bool = False  # --load holds Megatron's tracker file: the run resumes from a checkpoint
@@ -429,6 +440,9 @@ def read_settings(
         activation_offload_fraction=getattr(args, "activation_offload_fraction", 1.0),
         graph_only_flags=graph_only_flags(resolved) if resolved is not None else (),
         config_problems=problems,
+        unreadable_switches=tuple(
+            f"{name}={env[name]}" for name in _ZERO_OR_ONE_SWITCHES if env.get(name, "0") not in ("0", "1")
+        ),
         missing_files=tuple(missing_files),
         load=getattr(args, "load", None),
         resumes_checkpoint=resumes_checkpoint,

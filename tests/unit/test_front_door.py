@@ -52,6 +52,16 @@ def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, mon
     assert "matplotlib" not in err  # an optional extra is never asked for before the input's own error
 
 
+@pytest.mark.parametrize(
+    "name", ["NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "NCCL_GRAPH_REGISTER"]
+)
+def test_an_environment_switch_with_a_value_other_than_0_or_1_is_named(capsys, monkeypatch, name):
+    monkeypatch.setenv(name, "maybe")
+    assert cli.main(["check", "--cg-preset", "tiny-gpt"]) == console.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "[environment-switches]" in err and f"{name}=maybe" in err and "Traceback" not in err
+
+
 def test_input_the_plugin_refuses_inside_a_command_is_one_line(monkeypatch, capsys):
     def refuses(argv):
         raise ValueError("--thing 3 is not a thing: give 2.")
