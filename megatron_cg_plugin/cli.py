@@ -55,6 +55,11 @@ def _moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str
             f"MoE: layers {layers} are dropless (no --moe-expert-capacity-factor): expert shapes change per "
             "step, so the MoE block cannot be graphed whole; graph attn moe_router [moe_preprocess], or add "
             "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity for a fixed capacity."
+            + (
+                f"\nnote: --router-load {router_load} is not used: a dropless router drops no token, whatever its load."
+                if router_load != "uniform"
+                else ""
+            )
         )
     plan = capacity_plan(settings)
     ffn = settings.moe_ffn_hidden_size or settings.ffn_hidden_size

@@ -324,7 +324,12 @@ def run_matrix(
 
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
-        progress(f"{row['name']}: {row['result']}" + (f" {row['refused_by']}" if row.get("refused_by") else ""))
+        cause = (row.get("problems") or [""])[0].strip().splitlines()[-1:] if row["result"] == "failed" else []
+        progress(
+            f"{row['name']}: {row['result']}"
+            + (f" {row['refused_by']}" if row.get("refused_by") else "")
+            + (f": {cause[0]}" if cause else "")  # the cause on screen, not only in matrix.json
+        )
         (out_dir / "matrix.json").write_text(
             json.dumps(
                 {"factors": FACTORS, "steps": steps, "rows": [rows[c.name] for c in cells if c.name in rows]}, indent=1

@@ -108,3 +108,8 @@ def test_two_presets_get_a_note_naming_the_one_that_applies(capsys):
     assert out.startswith("flags OK") and out.rstrip().endswith(
         "note: --cg-preset is given 2 times (tiny-gpt, tiny-moe); only the last, tiny-moe, applies."
     )
+
+
+def test_a_router_load_a_dropless_model_ignores_gets_a_note(capsys):
+    assert cli.main(["plan", "--cg-preset", "tiny-moe", "--router-load", "zipf:1.2"]) == console.EXIT_OK
+    assert "note: --router-load zipf:1.2 is not used: a dropless router drops no token" in capsys.readouterr().out

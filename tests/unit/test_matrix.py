@@ -104,8 +104,11 @@ def test_a_cell_whose_run_dies_is_a_failure_and_the_others_go_on(monkeypatch, tm
 
     monkeypatch.setattr(matrix, "run_case", dies)
     cells = matrix.design(no_refusal)[:3]
-    rows = matrix.run_matrix(cells, tmp_path, megatron_lm_dir="/ml", jobs=2, progress=lambda _line: None)
+    shown: list[str] = []
+    rows = matrix.run_matrix(cells, tmp_path, megatron_lm_dir="/ml", jobs=2, progress=shown.append)
     assert [r["result"] for r in rows] == ["failed"] * 3 and "rank 0 exited 1" in rows[0]["problems"][0]
+    # each failure's cause on screen, not only in matrix.json
+    assert sorted(shown) == sorted(f"{c.name}: failed: MultiRankError: {c.name}: rank 0 exited 1" for c in cells)
     assert [r["name"] for r in json.loads((tmp_path / "matrix.json").read_text())["rows"]] == [c.name for c in cells]
 
 
