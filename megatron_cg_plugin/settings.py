@@ -284,7 +284,7 @@ class RunSettings:
 
 
 # The plugin's own settings the rules read, with the values they take when the run has no config.
-_PLUGIN_FIELDS = ("graph_banks", "slot_capture", "bank_min_cp", "thd_max_seqs", "thd_max_seqlen")
+_PLUGIN_FIELDS = ("graph_banks", "slot_capture", "bank_min_cp", "thd_max_seqs", "thd_max_seqlen", "log_to_tensorboard")
 
 
 def plugin_config(

@@ -25,7 +25,7 @@ from megatron_cg_plugin import console, helptext, installation
 from megatron_cg_plugin.banks.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
 from megatron_cg_plugin.data.sources import build_datasets
-from megatron_cg_plugin.launch.presets import expand_preset
+from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
@@ -174,6 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(flag in ("-h", "--help") for flag in argv):
         print(_launcher_help())
         return 0
+    try:
+        find_preset(argv)  # a misspelt preset, named before Megatron starts
+    except ValueError as error:
+        print(f"megatron_cg_plugin.pretrain_gpt: {error}", file=sys.stderr)
+        return 2
     with single_process_rendezvous():
         session = installation.install(launcher=True)
         try:

@@ -113,3 +113,20 @@ def test_two_presets_get_a_note_naming_the_one_that_applies(capsys):
 def test_a_router_load_a_dropless_model_ignores_gets_a_note(capsys):
     assert cli.main(["plan", "--cg-preset", "tiny-moe", "--router-load", "zipf:1.2"]) == console.EXIT_OK
     assert "note: --router-load zipf:1.2 is not used: a dropless router drops no token" in capsys.readouterr().out
+
+
+def test_tensorboard_logging_without_a_tensorboard_dir_is_refused_from_the_flags(capsys):
+    """The rule reads the flag as parsed: it once read a setting the flags never reached, and never fired."""
+    assert cli.main(["check", "--cg-preset", "tiny-gpt", "--cg-log-to-tensorboard"]) == console.EXIT_BAD_INPUT
+    assert "[tensorboard-needs-dir]" in capsys.readouterr().err
+    assert cli.main(["check", "--cg-preset", "tiny-gpt", "--cg-log-to-tensorboard", "--tensorboard-dir", "tb"]) == 0
+
+
+def test_the_launcher_names_a_misspelt_preset_without_a_traceback(capsys):
+    from megatron_cg_plugin.launch import pretrain_gpt
+
+    assert pretrain_gpt.main(["--cg-preset", "tiny-gtp"]) == console.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("megatron_cg_plugin.pretrain_gpt: --cg-preset 'tiny-gtp' is unknown") and "Traceback" not in err
+    )
