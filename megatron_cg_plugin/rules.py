@@ -841,11 +841,7 @@ _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 def size_violations(args: Any) -> list[tuple[str, str]]:
     """Rule ``model-sizes`` on flags as parsed, before Megatron's ``validate_args`` computes anything from
     the sizes (where a 0 divides by zero and a huge count runs out of memory): the run stops here instead."""
-    try:
-        settings, _config = read_settings(args, env={}, te_available=True, apex_fused_wgrad=True)
-    except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
-        return []
-    return violations(settings, (_MODEL_SIZES,))
+    return _unvalidated_violations(args, {}, (_MODEL_SIZES,))
 
 
 def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -859,10 +855,16 @@ def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[
         slot_debug_from_environment(env)
     except ValueError:  # the run's own check reports it
         return []
+    return _unvalidated_violations(args, env, _PLUGIN_RULES)
+
+
+def _unvalidated_violations(args: Any, env: Mapping[str, str], rules: tuple[_Rule, ...]) -> list[tuple[str, str]]:
+    """``rules`` on flags as parsed, before ``validate_args`` (TE assumed present, as on the GPU host); none
+    where a value only ``validate_args`` would have normalized makes the flags unreadable."""
     try:
         settings, _config = read_settings(args, env=env, te_available=True, apex_fused_wgrad=True)
-        return violations(settings, _PLUGIN_RULES)
-    except (TypeError, ValueError, AttributeError):  # a value only validate_args would have normalized
+        return violations(settings, rules)
+    except (TypeError, ValueError, AttributeError):
         return []
 
 
