@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,9 @@ def design(refused: Callable[[Mapping[str, str]], tuple[tuple[str, ...], str]]) 
 def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_STEPS) -> FarmCase:
     """A cell as a farm run of Megatron-LM's pretrain_gpt.py on the farm's synthetic indexed dataset.
     The eager reference of an offload cell trains without Megatron's offload (it moves saves and
-    changes no value; Megatron's eager offload is not reproducible run to run, docs/farm.md)."""
+    changes no value; Megatron's eager offload is not reproducible run to run, docs/farm.md). An
+    eval-resume cell's first half ends on --exit-interval at the middle step, so each run writes one
+    checkpoint (a 2048-hidden MoE's is about 9 GB with its optimizer)."""
     return FarmCase(
         name=cell.name,
         nproc=1,
@@ -248,6 +251,7 @@ def farm_case(cell: Cell, *, megatron_lm_dir: str | None, steps: int = MATRIX_ST
         eager_offload=cell.factors["capture"] != "slot-offload",
         megatron_lm_dir=megatron_lm_dir,
         resumes=cell.factors["loop"] == "eval-resume",
+        resume_from_exit=cell.factors["loop"] == "eval-resume",
         equal_metrics=("lm loss", "lm loss validation") if cell.factors["loop"] == "eval-resume" else ("lm loss",),
     )
 
@@ -270,6 +274,9 @@ def run_cell(
         result = run_case(case, out_dir, timeout_s=timeout_s, ports=ports)
     except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
         return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
+    finally:  # a cell's checkpoints only carry its run to its resumed half: cells side by side would fill the disk
+        for graphed in (False, True):
+            shutil.rmtree(case.checkpoint(out_dir, graphed=graphed), ignore_errors=True)
     problems = problems_of(case, result, with_golden=False)
     differing = differing_steps(result.losses(result.eager), result.losses(result.graphed))
     resumed = result.resumed

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The support matrix is a published result: its design and runs live beside the script that reruns them.
 MATRIX = REPO / "benchmarks" / "support_matrix"
 CELLS = MATRIX / "cells.json"
-RUNS = ("1-correctness.json", "2-correctness.json", "3-correctness.json", "4-bench.json")
+RUNS = ("1-correctness.json", "2-correctness.json", "3-correctness.json", "5-correctness.json", "4-bench.json")
 
 
 def no_refusal(_cell):
@@ -190,3 +190,21 @@ def test_a_cell_whose_graphed_losses_move_differs_from_the_first_step_that_moved
     cell = matrix.design(no_refusal)[0]
     row = matrix.run_cell(cell, tmp_path, megatron_lm_dir="/ml", steps=4, timeout_s=1)
     assert row["result"] == "differs" and row["first_differing_step"] == 4
+
+
+def test_an_eval_resume_cell_saves_once_per_run_and_leaves_no_checkpoint(monkeypatch, tmp_path):
+    """Cells run side by side on one GPU host: each first half ends on --exit-interval (one save, not two) and a
+    cell's checkpoints go when it is done, whatever its result (a 2048-hidden MoE's is about 9 GB)."""
+    cell = next(c for c in matrix.design(no_refusal) if c.factors["loop"] == "eval-resume")
+    case = matrix.farm_case(cell, megatron_lm_dir="/ml")
+    assert case.resumes and case.resume_from_exit
+
+    def dies_after_saving(case, out_dir, **_):
+        for graphed in (False, True):
+            (case.checkpoint(out_dir, graphed=graphed) / "iter_0000005").mkdir(parents=True)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(matrix, "run_case", dies_after_saving)
+    row = matrix.run_cell(cell, tmp_path, megatron_lm_dir="/ml", steps=10, timeout_s=1)
+    assert row["result"] == "failed" and "No space left" in row["problems"][0]
+    assert not list(tmp_path.glob("*.checkpoints"))
