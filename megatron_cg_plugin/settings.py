@@ -151,6 +151,7 @@ class RunSettings:
     expert_tensor_parallel: int | None = None  # --expert-tensor-parallel-size
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False  # the shared experts run in the dispatcher, not before the router
     moe_router_dtype: str | None = None
     min_offloaded_tensor_size: int | None = None  # None: Megatron's default (slot_sharing.offload_plan)
     activation_offload_fraction: float = 1.0
@@ -435,6 +436,7 @@ def read_settings(
         expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
         moe_router_dtype=getattr(args, "moe_router_dtype", None),
         min_offloaded_tensor_size=getattr(args, "min_offloaded_tensor_size", None),
         activation_offload_fraction=getattr(args, "activation_offload_fraction", 1.0),

@@ -9,7 +9,7 @@ with sizes from the shapes, and replays the program through the caching allocato
 
 What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
-drop-and-pad or the router/preprocess scope, bf16 or FP8 with delayed or tensorwise scaling (the
+drop-and-pad or the router/preprocess scope (whose graph holds the shared experts, computed before routing), bf16 or FP8 with delayed or tensorwise scaling (the
 dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from allocator
 traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredicted``.
 
@@ -76,6 +76,9 @@ class MoeShape:
     ffn: int  # --moe-ffn-hidden-size
     rows: int  # token rows the experts see: E x capacity with drop-and-pad, tokens x top-k dropless
     shared_ffn: int = 0  # --moe-shared-expert-intermediate-size
+    # Megatron computes the shared experts before routing (MoELayer.shared_experts_compute), so a router graph
+    # holds them too, their output one of its outputs; with --moe-shared-expert-overlap the dispatcher runs them.
+    shared_overlap: bool = False
     router_fp32: bool = False
     router_experts: int | None = None  # the router's output width, every expert (EP splits only the experts)
 
@@ -341,6 +344,8 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, parts: frozenset[str
     router, then with ``preprocess`` the dispatcher's permuted tokens and probabilities (outputs of a
     router graph, live until its backward), then through the experts, whose second GEMM's output
     stays until backward (the deterministic unpermute's index_add reads it through a temporary)."""
+    if _shared_in_router_graph(moe, parts):
+        _mlp_forward(p, _bf16(s), moe.shared_ffn, "shared")  # its fc2 output leaves the graph: live until backward
     router = _FP32 if moe.router_fp32 else _BF16
     p.alloc("router.logits", s.tokens * moe.experts * router)
     p.alloc("router.probs", s.tokens * moe.experts * _FP32)
@@ -358,6 +363,11 @@ def _moe_forward(p: _Program, s: LayerShape, moe: MoeShape, parts: frozenset[str
     if moe.shared_ffn:
         _mlp_forward(p, _bf16(s), moe.shared_ffn, "shared")
         p.free("shared.fc2")
+
+
+def _shared_in_router_graph(moe: MoeShape, parts: frozenset[str]) -> bool:
+    """A graph of the router (and preprocess) without the experts holds the shared experts, computed first."""
+    return bool(moe.shared_ffn) and not moe.shared_overlap and "moe" not in parts
 
 
 def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, parts: frozenset[str]) -> str:
@@ -379,6 +389,11 @@ def _moe_backward(p: _Program, s: LayerShape, moe: MoeShape, grad: str, parts: f
         grad = "permuted.grad"
     p.alloc("router.dlogits", s.tokens * moe.experts * _FP32)
     p.free("router.logits", "router.probs", "router.map", "router.dlogits")
+    if _shared_in_router_graph(moe, parts):  # the shared output's gradient comes in with the graph's others
+        p.alloc("shared.grad_output", s.act(s.hidden))
+        p.free("shared.fc2")
+        shared = _bf16(dataclasses.replace(s, bias=False))
+        p.free(_mlp_backward(p, shared, moe.shared_ffn, "shared", "shared.grad_output"))
     p.alloc("ln2.dgrad", s.act(s.hidden))
     p.free(grad, "ln2.out")
     return "ln2.dgrad"
@@ -908,6 +923,7 @@ def plan_for_run(settings: RunSettings, *, config: PluginConfig) -> GraphMemoryP
             ffn=s.moe_ffn_hidden_size or ffn_hidden,
             rows=rows,
             shared_ffn=s.moe_shared_expert_intermediate_size or 0,
+            shared_overlap=s.moe_shared_expert_overlap,
             router_fp32=s.moe_router_dtype == "fp32",
             router_experts=s.num_experts,
         )
