@@ -40,6 +40,8 @@ from megatron_cg_plugin.capture.transaction import (
 )
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.packed import graphs as packed_graphs
+from megatron_cg_plugin.planner import memory_guard
+from megatron_cg_plugin.planner.prediction import with_model_config
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
@@ -47,10 +49,12 @@ from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 
 __all__ = [
     "CaptureFailedError",
+    "CaptureWontFitError",
     "InjectedCaptureFailure",
     "PluginHelperMixin",
     "bind_helper_class",
     "parameters_stay_within_a_step",
+    "read_free_memory",
     "scope_label",
 ]
 
@@ -61,6 +65,11 @@ class CaptureFailedError(RuntimeError):
     """Capture failed; everything it changed was rolled back before this was raised."""
 
 
+class CaptureWontFitError(CaptureFailedError):
+    """The planner predicts that the capture would not fit in the memory free when it would start:
+    refused before anything was captured (``planner.memory_guard``)."""
+
+
 class InjectedCaptureFailure(RuntimeError):
     """Raised inside a capture by ``--cg-inject-capture-failure`` (testing the rollback)."""
 
@@ -68,6 +77,16 @@ class InjectedCaptureFailure(RuntimeError):
 def scope_label(modules: Iterable[Any]) -> str:
     """``[attn, moe_router]`` -> ``'attn+moe_router'``; an empty list means the whole layer."""
     return "+".join(module_names(modules)) or "layer"
+
+
+def read_free_memory(budget_gib: float | None) -> memory_guard.FreeMemory:
+    """What capture may take now: ``budget_gib`` (``--cg-memory-budget-gib``) or what this rank's GPU
+    has free, and the host memory available to the ranks of this host (``capture.accounting``)."""
+    host, ranks = accounting.host_available_bytes(), accounting.ranks_on_this_host()
+    if budget_gib is not None:
+        budget = int(budget_gib * memory_guard.GIB)
+        return memory_guard.FreeMemory(budget, host, ranks, device_source=f"--cg-memory-budget-gib {budget_gib:g}")
+    return memory_guard.FreeMemory(accounting.device_free_bytes(), host, ranks)
 
 
 def _layer_label(layer: Any, index: int) -> str:
@@ -237,6 +256,7 @@ class PluginHelperMixin(_MegatronHelper):
         self.teardown_stats: accounting.TeardownStats | None = None
         self._banks: Any = None  # capture.graph_banks.BankedLayers while graph banks are installed
         self._baseline: accounting.MemoryState | None = None
+        self._warned_close_to_memory_limit = False
         self.session.attach_helper(self)
 
     # -- capture ------------------------------------------------------------------------------
@@ -290,6 +310,8 @@ class PluginHelperMixin(_MegatronHelper):
                 allowed = self._stale_graphs_allow_capture(attempt)
             if not allowed:
                 return
+        if not self._memory_allows_capture(attempt):
+            return
         # The default check costs nothing on success: it lists the heap only after a failed, rolled-back
         # capture. Garbage needs no check: Megatron's _start_capturing collects it first (0.19.2 l.2662).
         try:
@@ -432,6 +454,31 @@ class PluginHelperMixin(_MegatronHelper):
             )
         return True
 
+    def _memory_allows_capture(self, attempt: _Attempt) -> bool:
+        """The memory guard, before capture changes anything: the planner's prediction of the capture
+        (``RunSession.prediction``, for the built model's config) against what is free now
+        (``read_free_memory``). A capture that would not fit is refused (``_refuse``) naming the setups
+        that would; one close to the limit is logged once, on rank 0. Runs the planner did not predict
+        (no settings seen, a layout it does not model, graph banks) capture unguarded."""
+        settings, plan = self.session.settings, self.session.prediction.graph_memory
+        if settings is None or plan is None:
+            return True
+        config = self.session.config
+        verdict = memory_guard.check_capture_memory(
+            plan,
+            read_free_memory(config.memory_budget_gib),
+            settings=with_model_config(settings, self.config),
+            config=config,
+        )
+        if verdict.fit is memory_guard.Fit.DOES_NOT_FIT:
+            self._refuse(CaptureWontFitError(verdict.message(attempt.what)), attempt, "refused before capture")
+            return False
+        if verdict.fit is memory_guard.Fit.CLOSE and not self._warned_close_to_memory_limit:
+            self._warned_close_to_memory_limit = True
+            if self.session.probe.is_rank0():
+                logger.warning("%s", verdict.message(attempt.what))
+        return True
+
     def _stale_graphs_refuse_after_failure(self, error: Exception, attempt: _Attempt) -> bool:
         """After a failed, rolled-back capture: True when it was refused for live eager graphs
         reaching the graphed parameters (named, in place of the bare CUDA error). A refusal raised
@@ -469,11 +516,12 @@ class PluginHelperMixin(_MegatronHelper):
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
 
-    def _refuse(self, refusal: stale_graphs.StaleAutogradGraphError, attempt: _Attempt, when: str) -> None:
-        """A stale-graph refusal: nothing is left captured. With ``raise`` the phase stays open, so
-        capture may run again once the holder lets go (before a capture the helper is exactly as it
-        was; after a failed one, rolled back and reset by Megatron's post-capture reset). With
-        ``eager`` the phase is marked done, the report says why, and training goes on eagerly."""
+    def _refuse(self, refusal: RuntimeError, attempt: _Attempt, when: str) -> None:
+        """A refusal (live eager graphs, a capture that would not fit in memory): nothing is left
+        captured. With ``raise`` the phase stays open, so capture may run again once the cause is
+        gone (before a capture the helper is exactly as it was; after a failed one, rolled back and
+        reset by Megatron's post-capture reset). With ``eager`` the phase is marked done, the report
+        says why, and training goes on eagerly."""
         if self.session.config.on_capture_error == "raise":
             raise refusal
         self._record_failure(attempt, f"{when}: {refusal}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,6 +79,10 @@ class PluginConfig:
             capture failed and was rolled back with CUDA's symptoms of such graphs, and naming their
             holders in place of CUDA's error; ``before``: look before every capture (~0.2 s in a
             Megatron process); ``off``. Graph banks look before each layer's capture whatever is set.
+        memory_budget_gib: the GPU memory (GiB) the memory guard lets capture take, in place of what the
+            device has free when capture would start (``torch.cuda.mem_get_info``); None: what is free.
+            The guard compares the planner's prediction of the capture with it and stops a capture that
+            would not fit before it starts (``planner.memory_guard``).
         inject_capture_failure: test hook: fail capture inside the capture of the N-th graphed
             layer (1-based), to exercise the rollback.
         bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank
@@ -126,6 +131,7 @@ class PluginConfig:
     on_capture_error: str = "raise"
     contract_check: ContractCheck = ContractCheck.FULL
     stale_graph_check: str = "refuse"
+    memory_budget_gib: float | None = None
     inject_capture_failure: int | None = None
     bank_min_cp: int = 1
     graph_banks: bool = False
@@ -173,6 +179,11 @@ def _config_problems(config: PluginConfig) -> list[str]:
     ):
         if value not in allowed:
             problems.append(f"{flag} {value!r} is unknown; use one of {', '.join(allowed)}.")
+    if config.memory_budget_gib is not None and not 0 < config.memory_budget_gib < math.inf:
+        problems.append(
+            f"--cg-memory-budget-gib {config.memory_budget_gib} must be a number of GiB above 0 (the GPU memory "
+            "capture may take), e.g. 40 or 12.5; leave it out to use what the GPU has free."
+        )
     if config.inject_capture_failure is not None and config.inject_capture_failure < 1:
         problems.append("--cg-inject-capture-failure counts graphed layers from 1; give N >= 1.")
     if config.thd_max_seqs is not None and config.thd_max_seqs < 1:
@@ -322,6 +333,17 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "holders: looked for after a failed capture (refuse, no cost when capture succeeds) or before every "
         "capture (before, about 0.2 s).",
         {"choices": _STALE_GRAPH_CHECKS, "default": "refuse"},
+        graphs_only=True,
+    ),
+    _PluginFlag(
+        "--cg-memory-budget-gib",
+        "capture",
+        "The GPU memory capture may take, in GiB, in place of what the GPU has free when capture would start: "
+        "before it, the planner's prediction of the capture (graph pool, slot arenas, static buffers) is "
+        "compared with it, and a capture that would not fit stops with the setups that would (or, with "
+        "--cg-on-capture-error eager, training goes on without graphs).",
+        {"type": float, "default": None, "metavar": "GIB"},
+        doc="docs/planner.md",
         graphs_only=True,
     ),
     _PluginFlag(

@@ -8,6 +8,7 @@ The pure functions take snapshot segments as plain dicts (the format of
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,10 +21,14 @@ __all__ = [
     "TeardownStats",
     "allocator_segments",
     "blocks_of_new_pools",
+    "device_free_bytes",
+    "host_available_bytes",
     "live_blocks",
+    "meminfo_available_bytes",
     "memory_state",
     "new_pool_bytes",
     "pool_bytes_by_id",
+    "ranks_on_this_host",
     "steady_median",
     "teardown_stats",
 ]
@@ -122,6 +127,66 @@ def memory_state() -> MemoryState:
         pools=pool_bytes_by_id(allocator_segments()),
         pinned_host=pinned,
     )
+
+
+def device_free_bytes() -> int | None:
+    """Bytes free on this process's GPU once the caching allocator has given back the blocks it holds
+    unused (as Megatron's capture start does: a graph's private pool cannot reuse them); None without
+    CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def meminfo_available_bytes(meminfo: str) -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo``'s text, in bytes (None where it has none)."""
+    for line in meminfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "MemAvailable":
+            number, _, unit = value.strip().partition(" ")
+            return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    return None
+
+
+def host_available_bytes(meminfo_path: str = "/proc/meminfo") -> int | None:
+    """Host memory a new pinned allocation can take: the kernel's ``MemAvailable`` (where there is no
+    ``/proc/meminfo``, the free pages ``os.sysconf`` counts), plus the pinned blocks torch's host
+    allocator holds cached and free (it reuses them before pinning more). None where neither is known."""
+    try:
+        with open(meminfo_path) as meminfo:
+            available = meminfo_available_bytes(meminfo.read())
+    except OSError:
+        available = None
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # no such sysconf name on this platform
+            return None
+    return available + _pinned_cached_free()
+
+
+def _pinned_cached_free() -> int:
+    """Bytes of pinned blocks torch's host allocator holds but has handed out to nobody (0 without CUDA)."""
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats_as_nested_dict()
+    except (RuntimeError, AttributeError):  # builds without host allocator stats
+        return 0
+    held = stats.get("allocated_bytes", {}).get("current", 0)
+    active = stats.get("active_bytes", {}).get("current", held)
+    return max(0, int(held) - int(active))
+
+
+def ranks_on_this_host(environ: Mapping[str, str] | None = None) -> int:
+    """The ranks that share this host's memory: ``LOCAL_WORLD_SIZE`` as torchrun (and ``megatron-cg run``)
+    set it; 1 where it is not set or not a positive number."""
+    value = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) >= 1 else 1
 
 
 def steady_median(seconds: Sequence[float], skip_first: int = 1) -> float | None:

@@ -17,7 +17,14 @@ from megatron_cg_plugin.moe.capacity import MoeCapacityPlan, capacity_plan
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan, plan_for_run
 from megatron_cg_plugin.settings import RunSettings
 
-__all__ = ["RunPrediction", "model_config_adds", "predict_graph_memory", "predict_run", "repredict_graph_memory"]
+__all__ = [
+    "RunPrediction",
+    "model_config_adds",
+    "predict_graph_memory",
+    "predict_run",
+    "repredict_graph_memory",
+    "with_model_config",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -59,11 +66,16 @@ def model_config_adds(settings: RunSettings, model_config: Any) -> bool:
     )
 
 
-def repredict_graph_memory(settings: RunSettings, config: PluginConfig, model_config: Any) -> GraphMemoryPlan | None:
-    """``predict_graph_memory`` with the ``_MODEL_CONFIG_ONLY_FIELDS`` the built model's
-    ``TransformerConfig`` holds in place of the flags' (None: not predicted, as there)."""
+def with_model_config(settings: RunSettings, model_config: Any) -> RunSettings:
+    """``settings`` with the ``_MODEL_CONFIG_ONLY_FIELDS`` the built model's ``TransformerConfig`` holds
+    in place of the flags'."""
     seen = {name: getattr(model_config, name) for name in _MODEL_CONFIG_ONLY_FIELDS if hasattr(model_config, name)}
-    return predict_graph_memory(dataclasses.replace(settings, **seen), config)
+    return dataclasses.replace(settings, **seen)
+
+
+def repredict_graph_memory(settings: RunSettings, config: PluginConfig, model_config: Any) -> GraphMemoryPlan | None:
+    """``predict_graph_memory`` for the settings ``with_model_config`` (None: not predicted, as there)."""
+    return predict_graph_memory(with_model_config(settings, model_config), config)
 
 
 def _predict_moe_capacity(settings: RunSettings) -> MoeCapacityPlan | None:

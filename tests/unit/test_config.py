@@ -137,6 +137,14 @@ def test_the_packed_max_seqlen_flag():
             config_from_args(parse(["--cg-thd-max-seqlen", str(bad)]))
 
 
+def test_the_memory_budget_flag():
+    assert config_from_args(parse([])).memory_budget_gib is None  # what the GPU has free
+    assert config_from_args(parse(["--cg-memory-budget-gib", "12.5"])).memory_budget_gib == 12.5
+    for bad in ("0", "-4", "nan", "inf"):
+        with pytest.raises(ValueError, match=r"--cg-memory-budget-gib \S+ must be a number of GiB above 0"):
+            config_from_args(parse(["--cg-memory-budget-gib", bad]))
+
+
 def test_flag_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
         parse(["--cg-preset", "huge"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import logging
 import re
 import time
 import types
@@ -30,7 +31,9 @@ from megatron_cg_plugin.capture_lifecycle import (
     scope_label,
 )
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.planner import memory_guard
 from megatron_cg_plugin.session import RunPrediction, RunSession
+from megatron_cg_plugin.settings import RunSettings
 
 MiB = 2**20
 MISSING = object()
@@ -1617,3 +1620,155 @@ def test_a_model_that_keeps_its_parameters_has_them_read_once_a_step(probe, memo
         _refused(layer.cuda_graphs[0], hidden(), attention_mask=mask(), is_first_microbatch=False).field
         == "parameter storage"
     )
+
+
+# ====================================================================== memory guard before capture
+
+# A dense GPT the rules accept, whose whole-layer graphs the planner predicts at several GiB.
+GUARDED = RunSettings(
+    cuda_graph_impl="transformer_engine",
+    num_layers=8,
+    hidden_size=2048,
+    ffn_hidden_size=8192,
+    num_attention_heads=16,
+    seq_length=2048,
+    max_position_embeddings=2048,
+    micro_batch_size=4,
+    position_embedding_type="rope",
+)
+
+
+def guarded_build(probe, monkeypatch, *, free_device, **config):
+    """``build`` for a run whose settings the rules passed (the planner predicts its capture), with
+    ``read_free_memory`` faked: ``free_device`` bytes free on the GPU; the budgets it was asked with are
+    recorded."""
+    session, backend, model, helper = build(probe, **config)
+    session.take_settings(GUARDED)
+    asked = []
+
+    def read_free_memory(budget_gib):
+        asked.append(budget_gib)
+        return memory_guard.FreeMemory(device=free_device, host=None)
+
+    monkeypatch.setattr(helper_module, "read_free_memory", read_free_memory)
+    return session, backend, model, helper, asked
+
+
+def _predicted(session) -> memory_guard.CaptureNeed:
+    return memory_guard.CaptureNeed.of(session.prediction.graph_memory)
+
+
+GUARD_LOG = "megatron_cg_plugin.capture_lifecycle"
+
+
+def test_a_capture_that_would_not_fit_is_refused_before_anything_is_captured(probe, memory, monkeypatch):
+    session, backend, model, helper, asked = guarded_build(probe, monkeypatch, free_device=3 * 2**30)
+    need = _predicted(session)
+    free = memory_guard.FreeMemory(device=3 * 2**30)
+    assert memory_guard.judge(need, free) is memory_guard.Fit.DOES_NOT_FIT
+    fitting = memory_guard.fitting_setups(GUARDED, session.config, free)
+    assert fitting  # a smaller scope fits in 3 GiB
+    with pytest.raises(helper_module.CaptureWontFitError) as info:
+        helper.create_cudagraphs()
+    assert isinstance(info.value, CaptureFailedError) and asked == [None]
+    message = str(info.value)
+    assert message.startswith(
+        f"CUDA graph capture (layer) would not fit in memory, so nothing was captured: the planner predicts "
+        f"{memory_guard.gib(need.device_bytes)} on the GPU (graph pool {memory_guard.gib(need.graph_pool)}) "
+        "against 3.00 GiB free"
+    )
+    assert "  --cuda-graph-modules attn  (" in message
+    assert all(f"  {setup.command_line}  (" in message for setup in fitting)
+    # Nothing ran: no capture, not even Megatron's capture start; the phase stays open for another try.
+    assert backend.calls == [] and helper.events == [] and memory.calls == 0
+    assert all(layer.capture_calls == 0 for layer in all_layers(model))
+    assert not helper.graphs_created() and not helper.capture_finished()
+
+
+def test_with_eager_fallback_a_capture_that_would_not_fit_trains_on_without_graphs(probe, memory, monkeypatch, caplog):
+    session, backend, model, helper, _ = guarded_build(
+        probe, monkeypatch, free_device=3 * 2**30, on_capture_error="eager"
+    )
+    with caplog.at_level(logging.WARNING, logger=GUARD_LOG):
+        helper.create_cudagraphs()  # nothing raised
+    assert backend.calls == [] and not helper.graphs_created() and helper.capture_finished()  # eager from now on
+    (record,) = [r for r in caplog.records if r.name == GUARD_LOG]
+    assert "would not fit in memory" in record.getMessage() and "--cuda-graph-modules attn  (" in record.getMessage()
+    assert record.getMessage().endswith("training continues eagerly (--cg-on-capture-error eager).")
+    failure = helper.capture_stats.failure
+    assert failure.startswith("refused before capture: CUDA graph capture (layer) would not fit in memory")
+    assert failure.removeprefix("refused before capture: ") in record.getMessage()  # the same message
+    (scope,) = session.report().scopes
+    assert scope.failure == failure and scope.graphs_captured == 0
+    assert "capture failed and was rolled back: refused before capture: CUDA graph capture (layer) would not fit" in (
+        session.report().format_table()
+    )
+    layer = all_layers(model)[0]
+    assert torch.equal(layer(hidden(requires_grad=False)), hidden(requires_grad=False) * layer.weight)  # eager
+
+
+@pytest.mark.parametrize("rank0", [True, False])
+def test_a_capture_close_to_the_limit_warns_once_on_rank_0_and_captures(
+    probe, memory, monkeypatch, caplog, cuda_sync, rank0
+):
+    probe.rank0 = rank0
+    session, backend, model, helper, _ = guarded_build(probe, monkeypatch, free_device=0)
+    need = _predicted(session)
+    monkeypatch.setattr(
+        helper_module, "read_free_memory", lambda budget: memory_guard.FreeMemory(device=need.device_bytes + 2**29)
+    )
+    with caplog.at_level(logging.WARNING, logger=GUARD_LOG):
+        helper.create_cudagraphs()
+        helper.delete_cuda_graphs()
+        helper.create_cudagraphs()  # a second capture: no second warning
+    assert helper.graphs_created() and len(backend.calls) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == GUARD_LOG]
+    assert len(warnings) == (1 if rank0 else 0)
+    if rank0:
+        assert "CUDA graph capture (layer) is close to the memory limit" in warnings[0]
+
+
+def test_a_capture_that_fits_captures_without_a_word(probe, memory, monkeypatch, caplog):
+    _, backend, _, helper, _ = guarded_build(probe, monkeypatch, free_device=200 * 2**30)
+    with caplog.at_level(logging.WARNING, logger=GUARD_LOG):
+        helper.create_cudagraphs()
+    assert helper.graphs_created() and backend.calls
+    assert [r for r in caplog.records if r.name == GUARD_LOG] == []
+
+
+def test_the_budget_flag_replaces_the_free_memory(probe, memory, monkeypatch):
+    # The real reading: with a budget the GPU is not read (this host has none), the host is.
+    session, backend, _, helper = build(probe, memory_budget_gib=0.5)
+    session.take_settings(GUARDED)
+    with pytest.raises(
+        helper_module.CaptureWontFitError, match=r"against 0\.50 GiB free \(--cg-memory-budget-gib 0\.5\)"
+    ):
+        helper.create_cudagraphs()
+    assert backend.calls == []
+    _, _, _, helper, asked = guarded_build(probe, monkeypatch, free_device=200 * 2**30, memory_budget_gib=150.0)
+    helper.create_cudagraphs()
+    assert asked == [150.0] and helper.graphs_created()
+
+
+def test_without_a_reading_of_the_gpu_the_capture_is_not_guarded(probe, memory):
+    # This host has no CUDA: the GPU's free memory is unknown, and a capture goes ahead.
+    session, backend, _, helper = build(probe)
+    session.take_settings(GUARDED)
+    assert helper_module.read_free_memory(None).device is None
+    helper.create_cudagraphs()
+    assert helper.graphs_created() and backend.calls
+
+
+def _reading_refused(budget):
+    raise AssertionError("free memory was read for a run the planner did not predict")
+
+
+@pytest.mark.parametrize("predicted", [False, True])
+def test_a_run_without_a_prediction_is_not_guarded(probe, memory, monkeypatch, predicted):
+    session, backend, _, helper = build(probe)
+    if predicted:  # the rules saw the run, but the planner does not model it
+        session.take_settings(GUARDED)
+        session.predict(RunPrediction())
+    monkeypatch.setattr(helper_module, "read_free_memory", _reading_refused)
+    helper.create_cudagraphs()
+    assert helper.graphs_created()
