@@ -278,6 +278,8 @@ def main(argv: Sequence[str]) -> int:
         "none" if timing.budget_bytes is None else f"{timing.budget_bytes / 2**20:.0f} MiB ({timing.budget_source})"
     )
     lines = report(plan, timing.rows, budget=budget, stopped=timing.stopped)
+    if not timing.results:
+        lines.append("nothing was timed: every graphed setup is refused, over the budget or not in this process")
     print("\n".join(lines))
     if options.out is not None:
         extra = {

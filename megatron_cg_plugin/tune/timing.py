@@ -272,14 +272,18 @@ def _time_blocks(
         reason = stop_reason(
             _group_rows(rows, alive, result.summary(), "pairs"), elapsed=clock() - start, seconds=seconds
         )
-        if reason is not None:  # one pair gives no interval, so it cannot separate
+        if reason is not None and pair >= 1:  # one pair gives no interval: two pairs at least
             stopped = reason
             break
     else:
         stopped = f"the cap of {options.max_pairs} pairs of rounds"
-    busy = {}
-    for arm in alive:
-        helper, _, _ = capture_arm(trainer, arm, clock)
+    busy: dict[str, float | None] = {}
+    for arm in alive if profile is not None else ():
+        try:
+            helper, _, _ = capture_arm(trainer, arm, clock)
+        except Exception as error:  # noqa: BLE001 - timed already; only its GPU-busy fraction is missing
+            progress(f"capture of {arm} to profile it failed ({type(error).__name__}: {error}); no GPU-busy fraction")
+            continue
         try:
             busy[arm] = _busy(profile, trainer, options, arm, result)
         finally:

@@ -488,13 +488,22 @@ def test_a_failed_capture_marks_its_setup_and_the_others_go_on():
 def test_slot_setups_are_timed_in_blocks_pair_by_pair_until_separated():
     slot = GraphSetup(graphed=True, modules=("attn",), slot=True)
     rows = [EAGER_ROW, row(slot, schedule="blocks")]
-    result, trainer, _ = timed(rows, {EAGER: 0.30, "attn, slot": 0.10})
+    result, trainer, _ = timed(rows, {EAGER: 0.30, "attn, slot": 0.10}, profile=lambda step, n, arm: None)
     assert result.stopped == {"blocks": "separated"}
     blocks = result.results["blocks"].blocks
     assert len({record.round for record in blocks}) == 4  # two pairs: the first with an interval
     assert trainer.events.count("capture attn, slot") == 4 + 1  # a capture per block, one more to profile
+    assert trainer.alive == set()
     ratio = {r.label: r for r in result.rows}["attn, slot"].measured.ratio
     assert "normal approximation" in ratio.method and ratio.high < 1
+
+
+def test_the_block_schedule_runs_two_pairs_before_time_can_stop_it_so_each_ratio_has_an_interval():
+    slot = GraphSetup(graphed=True, modules=("attn",), slot=True)
+    result, _, _ = timed([EAGER_ROW, row(slot, schedule="blocks")], {EAGER: 0.30, "attn, slot": 0.30}, seconds=0.1)
+    assert result.stopped == {"blocks": "out of time"}
+    assert len({record.round for record in result.results["blocks"].blocks}) == 4
+    assert {r.label: r for r in result.rows}["attn, slot"].measured.ratio is not None
 
 
 def test_the_default_budget_comes_from_eagers_measured_peak_and_drops_what_exceeds_it():
