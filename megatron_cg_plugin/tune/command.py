@@ -223,6 +223,7 @@ def report(plan: TunePlan, rows: Sequence[Row], *, budget: str, stopped: dict[st
         lines.append("refused by the rules (docs/troubleshooting.md):")
         lines += [f"  {row.label}: [{name}] {message}" for row in refused for name, message in row.refused]
     noted = [row for row in rows if (row.why and not row.refused) or row.notes or row.prediction_leaves_out]
+    lines += ["notes:"] if noted else []
     for row in noted:
         words = [f"{'timed in blocks' if row.schedule == 'blocks' else 'not timed'}: {row.why}"] if row.why else []
         words += [f"timed with {note}" for note in row.notes]
