@@ -243,6 +243,30 @@ def _bench(argv: Sequence[str]) -> int:
         return EXIT_BAD_INPUT
 
 
+def _tune(argv: Sequence[str]) -> int:
+    """[--tune-memory-gib X --tune-seconds S --tune-out DIR --tune-dry-run] [SCRIPT.py] <flags>
+    which CUDA-graph setup to train with: the setups the rules allow, predicted, then timed against eager on a GPU"""
+    if any(flag in ("-h", "--help") for flag in argv):
+        print(
+            "usage: megatron-cg tune [--tune-memory-gib X] [--tune-seconds 300] [--tune-out DIR] [--tune-no-plot] "
+            "[--tune-dry-run] [SCRIPT.py] <launcher or script flags>\n\n"
+            "Lists the CUDA-graph setups that fit the model (eager; attn, attn mlp, the whole layer; attn "
+            "moe_router moe_preprocess for MoE, attn moe with a capacity factor; each under TE's graphs and "
+            "--cg-slot-capture, with and without your offload flags), checks each as megatron-cg check does (a "
+            "refused one names its rules), predicts its graph memory as megatron-cg plan does, drops those over "
+            "the budget (--tune-memory-gib, or on the GPU the device's memory less eager's peak and 5%), and "
+            "times the rest against eager in one process on a GPU until the best is separated from the next or "
+            "--tune-seconds ends. Prints the table and the winning flags; --tune-out DIR writes tune.json, tune.md "
+            "and the timing's bench files (the plot needs pip install 'megatron-cg-plugin[bench]', or "
+            "--tune-no-plot). --tune-dry-run lists and predicts on CPU (docs/tune.md).\n\n"
+            + helptext.plugin_flags_help()
+        )
+        return EXIT_OK
+    from megatron_cg_plugin.tune import command as tune  # deferred: torch (seconds); --help and golden start without it
+
+    return tune.main(argv)
+
+
 def _farm(argv: Sequence[str]) -> int:
     """CASE_DIR... [--fit-gpus N] [--data-path DIR] [--out DIR] [--steps N] [--dry-run]
     eager vs graphed on case folders in Megatron's model_config.yaml format (the farm's or Megatron-LM's)"""
@@ -477,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "matrix": _matrix,
         "plan": _plan,
         "run": _run,
+        "tune": _tune,
     }
     if not argv or argv[0] in ("-h", "--help"):
         print(helptext.usage(commands))

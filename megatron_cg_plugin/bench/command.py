@@ -78,12 +78,19 @@ from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 __all__ = [
     "BenchError",
     "BenchOptions",
+    "BenchTrainer",
     "METHOD",
     "MegatronTrainer",
     "STEPS_METHOD",
+    "StepCycles",
+    "arena_bytes",
     "bench_train_step",
+    "capture_arm",
+    "captured_arms",
     "contract_check_cost",
     "cycled_microbatches",
+    "device_time_per_step",
+    "first_train_step",
     "logged_values",
     "main",
     "parse_bench_argv",
@@ -92,6 +99,9 @@ __all__ = [
     "recording_cost",
     "refuse_unbenchable",
     "run_bench",
+    "run_in_first_train_step",
+    "run_step_cycles",
+    "timed_step",
     "user_script",
 ]
 
@@ -215,6 +225,10 @@ class BenchOptions:
             )
 
     @property
+    def step_cycles(self) -> StepCycles:
+        return StepCycles(self.arms, self.cycles, self.skip_steps, self.seconds)
+
+    @property
     def total_steps(self) -> int:
         if self.interleave == "steps":
             timed = self.cycles * 2 * len(self.arms)
@@ -293,7 +307,7 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     return options, flags
 
 
-class _Trainer(Protocol):
+class BenchTrainer(Protocol):
     """What the bench needs of training: a step, a capture per graphed arm (the arm is active after
     it), its teardown (of the active arm), and for the step schedule the switch between captured arms."""
 
@@ -316,7 +330,7 @@ class _Trainer(Protocol):
 
 def run_bench(
     options: BenchOptions,
-    trainer: _Trainer,
+    trainer: BenchTrainer,
     *,
     flags: Sequence[str] = (),
     clock: Callable[[], float] = time.perf_counter,
@@ -329,7 +343,7 @@ def run_bench(
     ``profile`` (device time per step: the GPU-busy fraction, host copies and their overlap), on a
     plugin capture ``contract_cost``, and on the plugin-recording arm's ``recording_cost``."""
     for _ in range(options.warmup_steps):
-        _timed_step(trainer, clock)
+        timed_step(trainer, clock)
     run = _bench_steps if options.interleave == "steps" else _bench_blocks
     return run(
         options,
@@ -351,7 +365,7 @@ def run_bench(
 
 def _bench_steps(
     options: BenchOptions,
-    trainer: _Trainer,
+    trainer: BenchTrainer,
     flags: tuple[str, ...],
     clock: Callable[[], float],
     progress: Callable[[str], None],
@@ -360,8 +374,8 @@ def _bench_steps(
     """The step schedule: the capture rounds (if any), every arm captured once, then single steps in
     mirrored cycles, then each arm profiled with its graphs in place, then the teardown."""
     capture_rounds = _capture_rounds(options, trainer, clock, progress)
-    with _captured_arms(options.arms, trainer, clock, progress) as captured:
-        steps, peaks = _run_step_schedule(options, trainer, clock, progress)
+    with captured_arms(options.arms, trainer, clock, progress) as captured:
+        steps, peaks = run_step_cycles(options.step_cycles, trainer, clock, progress)
         records = tuple(
             BlockRecord(0, arm, (), peaks[arm], seconds, pool) for arm, (_, seconds, pool) in captured.items()
         )
@@ -390,7 +404,7 @@ def _bench_steps(
 
 def _bench_blocks(
     options: BenchOptions,
-    trainer: _Trainer,
+    trainer: BenchTrainer,
     flags: tuple[str, ...],
     clock: Callable[[], float],
     progress: Callable[[str], None],
@@ -401,10 +415,10 @@ def _bench_blocks(
     records: list[BlockRecord] = []
 
     def run_block(block: Block) -> list[float]:
-        helper, capture_seconds, pool_bytes = _capture(trainer, block.arm, clock)
+        helper, capture_seconds, pool_bytes = capture_arm(trainer, block.arm, clock)
         trainer.peak_allocated(reset=True)
         try:
-            steps = [_timed_step(trainer, clock) for _ in range(options.steps)]
+            steps = [timed_step(trainer, clock) for _ in range(options.steps)]
         finally:
             trainer.release(helper)
         records.append(
@@ -415,7 +429,7 @@ def _bench_blocks(
                 trainer.peak_allocated(),
                 capture_seconds,
                 pool_bytes,
-                *_arena_bytes(helper),
+                *arena_bytes(helper),
             )
         )
         return steps
@@ -424,7 +438,7 @@ def _bench_blocks(
 
     @contextlib.contextmanager
     def recaptured(arm: str) -> Iterator[Any]:
-        helper, _, _ = _capture(trainer, arm, clock)
+        helper, _, _ = capture_arm(trainer, arm, clock)
         try:
             yield helper
         finally:
@@ -460,7 +474,7 @@ def _method(options: BenchOptions, cycles_run: int | None = None) -> str:
     return method
 
 
-def _timed_step(trainer: _Trainer, clock: Callable[[], float]) -> float:
+def timed_step(trainer: BenchTrainer, clock: Callable[[], float]) -> float:
     """One step's seconds, the device idle at both ends."""
     trainer.synchronize()
     start = clock()
@@ -470,14 +484,14 @@ def _timed_step(trainer: _Trainer, clock: Callable[[], float]) -> float:
 
 
 def _capture_rounds(
-    options: BenchOptions, trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+    options: BenchOptions, trainer: BenchTrainer, clock: Callable[[], float], progress: Callable[[str], None]
 ) -> tuple[CaptureRecord, ...]:
     """``--bench-capture-rounds``: each graphed arm captured from eager layers and released at once,
     round by round in mirrored order (``BenchResult.capture_summary`` pairs the rounds)."""
     graphed = [arm for arm in options.arms if arm != "eager"]
     records = []
     for block in interleaved_blocks(graphed, options.capture_rounds) if options.capture_rounds else ():
-        helper, seconds, _ = _capture(trainer, block.arm, clock)  # a failed capture leaves nothing captured
+        helper, seconds, _ = capture_arm(trainer, block.arm, clock)  # a failed capture leaves nothing captured
         if seconds is None:  # only the eager arm is not captured, and it has no capture rounds
             raise TypeError(f"arm {block.arm} was not captured")
         try:  # the arm is in place until released, whatever stops the bench here
@@ -489,13 +503,19 @@ def _capture_rounds(
 
 
 @contextlib.contextmanager
-def _captured_arms(
-    arms: Sequence[str], trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+def captured_arms(
+    arms: Sequence[str],
+    trainer: BenchTrainer,
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+    *,
+    failed: Callable[[str, Exception], None] | None = None,
 ) -> Iterator[dict[str, tuple[Any, float | None, int | None]]]:
     """Every arm captured once, in order, each from eager layers (a capture that found another arm's
     graphs on a layer would replay them instead of capturing); all stay alive until the block
     ends, then each is torn down while active, the last captured first (each teardown then finds
-    only its own pools new)."""
+    only its own pools new). With ``failed``, an arm whose capture fails (the trainer's capture leaves
+    nothing of it behind) is handed to it and left out, and the others go on."""
     captured: dict[str, tuple[Any, float | None, int | None]] = {}
 
     def tear_down() -> None:
@@ -506,7 +526,13 @@ def _captured_arms(
     try:
         for arm in arms:
             trainer.deactivate()
-            captured[arm] = _capture(trainer, arm, clock)
+            try:
+                captured[arm] = capture_arm(trainer, arm, clock)
+            except Exception as error:
+                if failed is None:
+                    raise
+                failed(arm, error)
+                continue
             _, seconds, pool = captured[arm]
             if seconds is not None:
                 progress(f"captured {arm}: {seconds:.2f} s, graph pools {(pool or 0) / 2**20:.0f} MiB")
@@ -520,41 +546,56 @@ def _captured_arms(
     tear_down()
 
 
-def _run_step_schedule(
-    options: BenchOptions, trainer: _Trainer, clock: Callable[[], float], progress: Callable[[str], None]
+@dataclasses.dataclass(frozen=True)
+class StepCycles:
+    """The step schedule's size: ``cycles`` mirrored cycles of ``arms``, the first ``skip_cycles`` dropped,
+    ending early past ``seconds`` of cycles (0: no limit)."""
+
+    arms: tuple[str, ...]
+    cycles: int
+    skip_cycles: int
+    seconds: float = 0.0
+    seconds_flag: str = "--bench-seconds"  # the flag that set ``seconds``, for the progress line
+
+
+def run_step_cycles(
+    plan: StepCycles,
+    trainer: BenchTrainer,
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+    *,
+    stop: Callable[[Sequence[StepRecord]], str | None] | None = None,
 ) -> tuple[list[StepRecord], dict[str, int]]:
     """The step schedule over the captured arms: each step timed alone, the arm switched before its
-    sync; per arm the peak allocated over its steps. With ``--bench-seconds``, fewer cycles."""
+    sync; per arm the peak allocated over its steps. With ``plan.seconds``, fewer cycles; with ``stop``,
+    fewer too once it gives a reason, asked at the same places (the steps so far)."""
     steps: list[StepRecord] = []
     peaks: dict[str, int] = {}
-    per_cycle = 2 * len(options.arms)
+    per_cycle = 2 * len(plan.arms)
     fewest = fewest_for_interval()
     start = clock()
-    for index, step in enumerate(interleaved_steps(options.arms, options.cycles)):
+    for index, step in enumerate(interleaved_steps(plan.arms, plan.cycles)):
         trainer.activate(step.arm)
         trainer.peak_allocated(reset=True)
-        steps.append(StepRecord(step.cycle, step.arm, _timed_step(trainer, clock)))
+        steps.append(StepRecord(step.cycle, step.arm, timed_step(trainer, clock)))
         peaks[step.arm] = max(peaks.get(step.arm, 0), trainer.peak_allocated())
         if (index + 1) % per_cycle == 0:
             cycle = steps[-per_cycle:]
             line = ", ".join(
-                f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms" for arm in options.arms
+                f"{arm} {sum(r.seconds for r in cycle if r.arm == arm) / 2 * 1e3:.2f} ms" for arm in plan.arms
             )
-            progress(f"cycle {step.cycle + 1}/{options.cycles}: {line}")
+            progress(f"cycle {step.cycle + 1}/{plan.cycles}: {line}")
             done = step.cycle + 1
-            kept = (
-                done - options.skip_steps
-            )  # stopped with pairs of kept cycles (each arm outer as often), enough of them
-            if (
-                options.seconds
-                and clock() - start >= options.seconds
-                and kept % 2 == 0
-                and kept >= fewest
-                and done < options.cycles
-            ):
-                progress(
-                    f"--bench-seconds {options.seconds:g} reached: the cycles stop after {done} of {options.cycles}"
-                )
+            kept = done - plan.skip_cycles
+            # stopped with pairs of kept cycles (each arm outer as often), enough of them
+            if not (kept % 2 == 0 and kept >= fewest and done < plan.cycles):
+                continue
+            if plan.seconds and clock() - start >= plan.seconds:
+                progress(f"{plan.seconds_flag} {plan.seconds:g} reached: the cycles stop after {done} of {plan.cycles}")
+                break
+            reason = None if stop is None else stop(steps)
+            if reason is not None:
+                progress(f"{reason}: the cycles stop after {done} of {plan.cycles}")
                 break
     return steps, peaks
 
@@ -563,7 +604,7 @@ def _profiled(
     options: BenchOptions,
     result: BenchResult,
     *,
-    trainer: _Trainer,
+    trainer: BenchTrainer,
     with_arm: Callable[[str], contextlib.AbstractContextManager[Any]],
     profile: Callable[[Callable[[], None], int, str], DeviceTime | None] | None,
     contract_cost: Callable[[Any], tuple[dict[str, float], int]] | None,
@@ -600,7 +641,7 @@ def _profiled(
     )
 
 
-def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
+def arena_bytes(helper: Any) -> tuple[int | None, int | None]:
     """A slot arm's GPU and pinned host arenas (outside the graph pools); None for other arms."""
     live = getattr(getattr(helper, "capture_stats", None), "slot_layers", None)
     if live is None:
@@ -609,7 +650,7 @@ def _arena_bytes(helper: Any) -> tuple[int | None, int | None]:
     return sum(layer.arena_bytes for layer in layers), sum(layer.host_arena_bytes for layer in layers)
 
 
-def _capture(trainer: _Trainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
+def capture_arm(trainer: BenchTrainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:
     if arm == "eager":
         return None, None, None
     before = trainer.pool_bytes()
@@ -887,7 +928,7 @@ def cycled_microbatches(data_iterator: Any, count: int) -> Any:
     return RerunDataIterator(itertools.cycle(cached))
 
 
-def _device_time_per_step(
+def device_time_per_step(
     step: Callable[[], None], steps: int, arm: str, *, table_dir: Path | None = None
 ) -> DeviceTime | None:
     """Device time of one step under torch's profiler, over ``steps`` steps: GPU-busy seconds (the
@@ -1050,16 +1091,15 @@ def recording_cost(
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def bench_train_step(
-    options: BenchOptions,
-    flags: Sequence[str],
+def first_train_step(
     train_step: Callable[..., Any],
-    sink: list[BenchResult],
+    sink: list[Any],
+    run: Callable[[tuple, dict], tuple[Any, Any]],
     before: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
-    """Stands in for Megatron's ``train_step``: its first call runs ``before`` (if any), then the
-    bench through the real ``train_step``, and returns the last step's result; ``train()``'s loop
-    then ends."""
+    """Stands in for Megatron's ``train_step``: its first call runs ``before`` (if any), then ``run`` on
+    the step's arguments (it returns its result, kept in ``sink``, and the trainer it stepped), and returns
+    the trainer's last step result; ``train()``'s loop then ends."""
 
     @functools.wraps(train_step)  # install()'s signature check, run after this patch for a script, looks through it
     def step(*args: Any, **kwargs: Any) -> Any:
@@ -1070,13 +1110,31 @@ def bench_train_step(
             )
         if before is not None:
             before()
+        result, trainer = run(args, kwargs)
+        sink.append(result)
+        trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
+        return trainer.last
+
+    return step
+
+
+def bench_train_step(
+    options: BenchOptions,
+    flags: Sequence[str],
+    train_step: Callable[..., Any],
+    sink: list[BenchResult],
+    before: Callable[[], None] | None = None,
+) -> Callable[..., Any]:
+    """``first_train_step`` running the bench through the real ``train_step``."""
+
+    def run(args: tuple, kwargs: dict) -> tuple[BenchResult, MegatronTrainer]:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         trainer = MegatronTrainer(
             train_step, args, kwargs, cached_microbatches=options.cached_batches * get_num_microbatches()
         )
         cost = functools.partial(contract_check_cost, microbatches=get_num_microbatches())
-        profile = functools.partial(_device_time_per_step, table_dir=options.profile_dir)
+        profile = functools.partial(device_time_per_step, table_dir=options.profile_dir)
 
         def recording_arm_cost() -> float:
             session = trainer.recording
@@ -1086,20 +1144,17 @@ def bench_train_step(
 
         # timed while that arm is in place (its session, the last step's values)
         recorded = recording_arm_cost if RECORDING_ARM in options.arms else None
-        sink.append(
-            run_bench(
-                options,
-                trainer,
-                flags=flags,
-                profile=profile,
-                contract_cost=cost if "plugin" in options.arms else None,
-                recording_cost=recorded,
-            )
+        result = run_bench(
+            options,
+            trainer,
+            flags=flags,
+            profile=profile,
+            contract_cost=cost if "plugin" in options.arms else None,
+            recording_cost=recorded,
         )
-        trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
-        return trainer.last
+        return result, trainer
 
-    return step
+    return first_train_step(train_step, sink, run, before)
 
 
 def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
@@ -1219,10 +1274,21 @@ def main(argv: Sequence[str]) -> int:
     # Enough iterations for every block, and no validation pass after them (the bench's values win).
     flags = [*flags, "--train-iters", str(options.total_steps), "--eval-iters", "0"]
     results: list[BenchResult] = []
-    if script is None:
-        _bench_launcher(options, flags, training, results)
-    else:
-        _bench_script(script, options, flags, training, results)
+
+    def check(args: Any, config: PluginConfig) -> None:
+        refuse_unbenchable(args, config, options)  # the config the flags resolved
+        if options.plot:  # asked for once the flags passed, before any GPU work
+            bench_output.plot_available()
+
+    code = run_in_first_train_step(
+        script,
+        flags,
+        training,
+        check,
+        lambda before: bench_train_step(options, flags, training.train_step, results, before=before),
+    )
+    if code and not results:
+        raise BenchError(f"{script} exited with code {code} before the bench ran; its output is above.")
     if not results:
         raise BenchError(
             "Megatron's pretrain() returned without training (are --train-iters and --do-train set? see the log above)."
@@ -1233,42 +1299,43 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, results: list[BenchResult]) -> None:
-    """The launcher's model and data: its flags are parsed (and refused) before any GPU work."""
-    with single_process_rendezvous():
-        session = installation.install(launcher=True)
-        try:
-            args = pretrain_gpt.parse_megatron_args(flags)
-            refuse_unbenchable(args, session.config, options)  # the config the flags resolved
-            if options.plot:  # asked for once the flags passed, before any GPU work
-                bench_output.plot_available()
-            driver = bench_train_step(options, flags, training.train_step, results)
-            with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
-                pretrain_gpt.run(args, session)
-        finally:
-            installation.uninstall()
-
-
-def _bench_script(
-    script: Path, options: BenchOptions, flags: Sequence[str], training: Any, results: list[BenchResult]
-) -> None:
-    """A user's own script, run as ``megatron-cg run`` runs it: the script parses its flags and
-    builds its model and data, so the bench's refusals come at its first train_step, before any block."""
+def run_in_first_train_step(
+    script: Path | None,
+    flags: Sequence[str],
+    training: Any,
+    check: Callable[[Any, PluginConfig], None],
+    make_driver: Callable[[Callable[[], None] | None], Callable[..., Any]],
+    *,
+    command: str = "bench",
+) -> int:
+    """Builds the model of ``flags`` with the plugin installed and hands Megatron's first ``train_step`` to
+    ``make_driver``'s stand-in (``first_train_step``): the launcher's model and data (``script`` None), its
+    flags parsed and ``check``ed (Megatron's args, the plugin config they resolved) before any GPU work; or a
+    user's own script, run as ``megatron-cg run`` runs it, which parses its flags and builds its model and
+    data, so ``check`` comes at its first train_step (the stand-in is made with it to run first). Returns
+    the script's exit code (0 for the launcher)."""
+    if script is None:
+        with single_process_rendezvous():
+            session = installation.install(launcher=True)
+            try:
+                args = pretrain_gpt.parse_megatron_args(flags)
+                check(args, session.config)
+                driver = make_driver(None)
+                with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
+                    pretrain_gpt.run(args, session)
+            finally:
+                installation.uninstall()
+        return 0
     from megatron.training import get_args
 
-    def refuse() -> None:
+    def before() -> None:
         session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper
         if session is None:
-            raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg bench.")
-        refuse_unbenchable(get_args(), session.config, options)
-        if options.plot:  # asked for once the flags passed, before the first block
-            bench_output.plot_available()
+            raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg {command}.")
+        check(get_args(), session.config)
 
-    driver = bench_train_step(options, flags, training.train_step, results, before=refuse)
-    with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
-        code = run_script.run_in_process(script, run_script.expand_preset(flags))
-    if code and not results:
-        raise BenchError(f"{script} exited with code {code} before the bench ran; its output is above.")
+    with foreign_state.setting(training, "train_step", make_driver(before), change="bench-train-step"):
+        return run_script.run_in_process(script, run_script.expand_preset(flags))
 
 
 if __name__ == "__main__":

@@ -643,7 +643,7 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     frozen_by_capture: list[int] = []
     with (
         pytest.raises(RuntimeError, match="stock capture failed at layer 2"),
-        bench._captured_arms(("plugin", "stock"), trainer, Clock(), progress.append),
+        bench.captured_arms(("plugin", "stock"), trainer, Clock(), progress.append),
     ):
         pass
     # the plugin arm's two graphs torn down, and the failed capture's one graph reset

@@ -1,0 +1,662 @@
+"""megatron-cg tune on CPU: the setups each kind of model gets and the flags each runs with, the rules'
+refusals carried with their names, the memory budget, the stopping rule, the ranking and verdicts, the
+timing through the bench's trainer seam on a fake trainer, the scope switch of the Megatron-side
+trainer, and the command's dry run and refusals of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import types
+
+import pytest
+
+from megatron_cg_plugin import cli, console, rules
+from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench.output import StepRecord
+from megatron_cg_plugin.bench.schedule import DeviceTime
+from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.tune import ranking
+from megatron_cg_plugin.tune.candidates import (
+    EAGER,
+    GraphSetup,
+    ModelKind,
+    build_time_notes,
+    built_setup,
+    dispatcher_dtoh_point,
+    enumerate_setups,
+    given_modules,
+    given_setup,
+    placement,
+    setup_flags,
+    strip_flags,
+)
+from megatron_cg_plugin.tune.ranking import Measured, RatioInterval, Row
+from megatron_cg_plugin.tune.timing import TimingOptions, steps_needed, time_setups
+
+TE = "transformer_engine"
+MIB = 2**20
+
+
+def labels(kind: ModelKind) -> list[str]:
+    return [setup.label for setup in enumerate_setups(kind)]
+
+
+# -- which setups a model gets -------------------------------------------------------------------
+
+
+def test_a_dense_model_gets_attn_attn_mlp_and_the_whole_layer_under_te_graphs_and_slot_capture():
+    assert labels(ModelKind()) == [
+        "eager",
+        "attn",
+        "attn, slot",
+        "attn mlp",
+        "attn mlp, slot",
+        "whole layer",
+        "whole layer, slot",
+    ]
+
+
+def test_a_dropless_moe_gets_the_router_and_preprocess_scope_and_no_mlp_or_moe_block():
+    found = labels(ModelKind(moe=True, dense_layers=False))
+    assert "attn moe_router moe_preprocess" in found and "attn moe_router moe_preprocess, slot" in found
+    assert not any("mlp" in label.split() or "moe" in label.split() for label in found)
+    assert "whole layer" in found  # kept: the rules refuse it with their reason (whole-layer-moe-needs-drop-and-pad)
+
+
+def test_a_moe_with_a_capacity_factor_also_gets_the_moe_block_whole():
+    found = labels(ModelKind(moe=True, dense_layers=False, capacity_factor=1.5))
+    assert "attn moe" in found and "attn moe, slot" in found
+    assert "attn moe_router moe_preprocess" in found
+
+
+def test_a_moe_with_dense_layers_graphs_their_mlp_beside_the_moe_scopes():
+    found = labels(ModelKind(moe=True, dense_layers=True, capacity_factor=1.0))
+    assert {"attn mlp", "attn mlp moe_router moe_preprocess", "attn mlp moe"} <= set(found)
+
+
+def test_offload_flags_double_every_graphed_setup_and_eager_stays_the_users_run():
+    with_offload = enumerate_setups(ModelKind(offload=True))
+    without = enumerate_setups(ModelKind())
+    assert len(with_offload) - 1 == 2 * (len(without) - 1)
+    assert [setup for setup in with_offload if not setup.graphed] == [GraphSetup(graphed=False)]
+    assert {"attn, offload", "attn", "attn, slot, offload", "attn, slot"} <= {setup.label for setup in with_offload}
+
+
+def test_the_model_kind_is_read_from_the_settings():
+    dense = ModelKind.of(RunSettings(num_layers=4))
+    assert dense == ModelKind()
+    moe = ModelKind.of(
+        RunSettings(num_layers=4, num_experts=8, moe_layer_freq=2, capacity_factor=1.25, activation_offloading=True)
+    )
+    assert moe.moe and moe.dense_layers and moe.capacity_factor == 1.25 and not moe.offload  # no --offload-modules
+    all_moe = ModelKind.of(RunSettings(num_layers=2, num_experts=4, activation_offloading=True, offload_modules=("x",)))
+    assert not all_moe.dense_layers and all_moe.offload and all_moe.capacity_factor is None
+    assert all_moe.describe() == "MoE, dropless, with activation offload flags"
+
+
+# -- each setup's flags --------------------------------------------------------------------------
+
+USER = [
+    "--num-layers", "2",
+    "--cuda-graph-impl", TE,
+    "--cuda-graph-modules", "attn", "moe_router",
+    "--cg-contract-check=off",
+    "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+    "--cg-offload-window", "2",
+    "--bf16",
+]  # fmt: skip
+
+
+def test_strip_flags_takes_each_flags_values_with_it():
+    assert strip_flags(["--a", "1", "--b", "x", "y", "--c", "--d=4", "--e"], {"--a": 1, "--b": None, "--d": 1}) == [
+        "--c",
+        "--e",
+    ]
+    assert strip_flags(["--b", "--c"], {"--b": None}) == ["--c"]  # an empty list
+
+
+def test_a_graphed_setup_replaces_the_users_graph_flags_and_keeps_the_rest():
+    flags = setup_flags(USER, GraphSetup(graphed=True, modules=("attn", "mlp"), slot=True, offload=True))
+    assert flags == [
+        "--num-layers", "2",
+        "--cg-contract-check=off",
+        "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+        "--cg-offload-window", "2",
+        "--bf16",
+        "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "mlp", "--cg-slot-capture",
+    ]  # fmt: skip
+
+
+def test_without_offload_megatrons_offload_flags_and_the_slot_knobs_go():
+    flags = setup_flags(USER, GraphSetup(graphed=True))
+    assert flags == ["--num-layers", "2", "--cg-contract-check=off", "--bf16", "--cuda-graph-impl", TE]
+
+
+def test_te_graphs_with_offload_keep_megatrons_offload_but_not_the_slot_only_knobs():
+    flags = setup_flags(USER, GraphSetup(graphed=True, modules=("attn",), offload=True))
+    assert "--offload-modules" in flags and "--cg-offload-window" not in flags
+    banks = setup_flags([*USER, "--cg-graph-banks"], GraphSetup(graphed=True, modules=("attn",), offload=True))
+    assert "--cg-offload-window" in banks  # graph banks take them
+
+
+def test_eager_drops_the_plugins_graph_only_flags_and_keeps_the_users_offload():
+    flags = setup_flags(USER, GraphSetup(graphed=False))
+    assert flags == [
+        "--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+        "--bf16",
+    ]  # fmt: skip
+
+
+def test_the_users_own_setup_and_scope_are_read_from_their_flags():
+    kind = ModelKind(offload=True)
+    assert given_setup(USER, kind) == GraphSetup(graphed=True, modules=("attn", "moe_router"), offload=True)
+    assert given_setup(["--cuda-graph-modules", "attn"], kind) == GraphSetup(graphed=False)
+    assert given_modules(["--cuda-graph-modules", "attn", "--bf16"]) == ("attn",)
+    assert given_modules(["--bf16"]) is None
+
+
+# -- where each setup is timed -------------------------------------------------------------------
+
+
+def settings_of(setup: GraphSetup, **more) -> RunSettings:
+    return RunSettings(
+        cuda_graph_impl=TE if setup.graphed else "none", modules=setup.modules, slot_capture=setup.slot, **more
+    )
+
+
+@pytest.mark.parametrize(
+    "setup, more, kind, schedule",
+    [
+        (GraphSetup(graphed=False), {}, ModelKind(), "steps"),
+        (GraphSetup(graphed=True, modules=("attn",)), {}, ModelKind(), "steps"),
+        (GraphSetup(graphed=True, slot=True), {}, ModelKind(), "blocks"),
+        (GraphSetup(graphed=True, modules=("attn",)), {"fp8": True}, ModelKind(), "blocks"),
+        (
+            GraphSetup(graphed=True, modules=("attn",), offload=True),
+            {"activation_offloading": True},
+            ModelKind(offload=True),
+            "blocks",
+        ),
+        # TE graphs without the offload the model is built with: another build, another process
+        (GraphSetup(graphed=True, modules=("attn",)), {}, ModelKind(offload=True), None),
+        (GraphSetup(graphed=True, slot=True), {}, ModelKind(offload=True), "blocks"),  # slot keeps the hooks out
+    ],
+)
+def test_placement(setup, more, kind, schedule):
+    found = placement(setup, settings_of(setup, **more), kind)
+    assert found.schedule == schedule
+    assert bool(found.why) == (schedule != "steps")
+
+
+def test_the_timing_process_is_built_with_the_users_scope_under_te_graphs_where_it_is_timed():
+    attn, router = GraphSetup(graphed=True, modules=("attn",)), GraphSetup(graphed=True, modules=("attn", "moe_router"))
+    slot = GraphSetup(graphed=True, modules=("attn", "moe_router"), slot=True)
+    assert built_setup([slot, attn, router], ModelKind(), ("attn", "moe_router")) == router
+    assert built_setup([slot, attn], ModelKind(), ("attn", "moe_router")) == attn  # TE's graphs first
+    assert built_setup([slot], ModelKind(), None) == slot
+    assert built_setup([GraphSetup(graphed=False)], ModelKind(), None) is None
+
+
+def test_the_dispatchers_copy_point_follows_each_arms_scope_as_megatrons_build_does():
+    assert dispatcher_dtoh_point(GraphSetup(graphed=True, modules=("attn", "moe_router", "moe_preprocess"))) == (
+        "before_ep_alltoall"
+    )
+    assert dispatcher_dtoh_point(GraphSetup(graphed=True)) == "before_ep_alltoall"  # the whole layer
+    assert dispatcher_dtoh_point(GraphSetup(graphed=True, modules=("attn",))) == "before_permutation_1"
+    assert dispatcher_dtoh_point(GraphSetup(graphed=False)) == "before_permutation_1"  # no graphs
+
+
+def test_what_the_build_fixes_and_an_arm_cannot_set_is_noted():
+    router = GraphSetup(graphed=True, modules=("attn", "moe_router"))
+    attn = GraphSetup(graphed=True, modules=("attn",))
+    assert build_time_notes(router, attn, ModelKind(moe=True, recompute_norms=True))
+    assert build_time_notes(router, attn, ModelKind(moe=True)) == ()
+    assert build_time_notes(attn, attn, ModelKind(moe=True, recompute_norms=True)) == ()
+
+
+# -- the plan: the rules' refusals, the predictions ----------------------------------------------
+
+
+def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkeypatch):
+    from megatron_cg_plugin.tune import command as tune
+
+    seen: list[list[str]] = []
+
+    def validate(flags):
+        seen.append(list(flags))
+        settings = RunSettings(
+            cuda_graph_impl=TE if TE in flags else "none",
+            modules=tuple(given_modules(flags) or ()),
+            slot_capture="--cg-slot-capture" in flags,
+            num_layers=2,
+            num_experts=4,
+        )
+        if settings.te_graphs and not settings.modules:
+            raise rules.RuleViolation([("whole-layer-moe-needs-drop-and-pad", "add a capacity"), ("other", "x")])
+        return settings, PluginConfig()
+
+    monkeypatch.setattr(
+        tune, "predict_graph_memory", lambda settings, config: types.SimpleNamespace(
+            pool_bytes=10 * MIB, arena_bytes=2 * MIB if settings.slot_capture else None, boundary_bytes=None,
+            thd_buffer_bytes=None, unpredicted=("tp",),
+        ) if settings.te_graphs else None
+    )  # fmt: skip
+    plan = tune.plan_setups(["--num-layers", "2"], validate)
+    rows = {row.label: row for row in plan.rows}
+    assert rows["whole layer"].refused == (("whole-layer-moe-needs-drop-and-pad", "add a capacity"), ("other", "x"))
+    assert ranking.verdicts(plan.rows)["whole layer"] == "refused [whole-layer-moe-needs-drop-and-pad, other]"
+    assert rows["attn"].predicted_bytes == 10 * MIB and rows["attn, slot"].predicted_bytes == 12 * MIB
+    assert rows["attn"].prediction_leaves_out == ("tp",) and rows["eager"].predicted_bytes is None
+    assert rows["eager"].yours  # the user's flags have no graphs
+    assert plan.built == GraphSetup(graphed=True, modules=("attn",))
+    assert len(seen) == len(plan.rows)  # eager checked once, first, as the model's own check
+
+
+def test_a_model_whose_own_flags_are_refused_is_not_tuned():
+    from megatron_cg_plugin.tune import command as tune
+
+    def validate(flags):
+        raise rules.RuleViolation([("model-sizes", "--hidden-size 0")])
+
+    with pytest.raises(rules.RuleViolation, match="--hidden-size 0"):
+        tune.plan_setups(["--hidden-size", "0"], validate)
+
+
+# -- budget, stopping rule, ranking, verdicts -----------------------------------------------------
+
+
+def row(label_setup: GraphSetup, *, ratio=None, predicted=None, schedule="steps", **more) -> Row:
+    measured = None if ratio is None else Measured("steps", 0.1 * ratio[0], RatioInterval(*ratio, 10, "95% over 10"))
+    return Row(label_setup, (), predicted_bytes=predicted, schedule=schedule, measured=measured, **more)
+
+
+EAGER_ROW = Row(GraphSetup(graphed=False), (), schedule="steps")
+ATTN = GraphSetup(graphed=True, modules=("attn",))
+MLP = GraphSetup(graphed=True, modules=("attn", "mlp"))
+WHOLE = GraphSetup(graphed=True)
+
+
+def test_the_default_budget_is_the_device_less_eagers_peak_and_the_margin():
+    assert ranking.default_budget(80 * 2**30, 30 * 2**30) == 80 * 2**30 - 30 * 2**30 - 4 * 2**30
+    assert ranking.default_budget(10 * 2**30, 20 * 2**30) == 0
+
+
+def test_setups_over_the_budget_are_dropped_with_the_figures():
+    rows = [EAGER_ROW, row(ATTN, predicted=100 * MIB), row(WHOLE, predicted=900 * MIB), row(MLP, predicted=None)]
+    found = {r.label: r for r in ranking.apply_budget(rows, 500 * MIB, source="--tune-memory-gib")}
+    assert found["whole layer"].over_budget == "over budget: predicted 900 MiB > 500 MiB (--tune-memory-gib)"
+    assert not found["whole layer"].timable
+    assert not found["attn"].over_budget and not found["attn mlp"].over_budget  # not predicted: passes
+    assert ranking.apply_budget(rows, None, source="x") == rows
+    assert ranking.verdicts(list(found.values()))["whole layer"].startswith("over budget: predicted 900 MiB")
+
+
+def test_step_arms_that_would_not_fit_alive_together_are_captured_alone():
+    rows = [EAGER_ROW, row(ATTN, predicted=300 * MIB), row(MLP, predicted=300 * MIB), row(WHOLE, predicted=None)]
+    found = {r.label: r for r in ranking.fit_together(rows, 500 * MIB)}
+    assert found["attn"].schedule == "steps"
+    assert found["attn mlp"].schedule == "blocks" and "300 MiB would pass the budget" in found["attn mlp"].why
+    assert found["whole layer"].schedule == "blocks" and "not predicted" in found["whole layer"].why
+    assert ranking.fit_together(rows, None) == rows
+
+
+@pytest.mark.parametrize(
+    "attn, mlp, elapsed, reason",
+    [
+        ((0.80, 0.78, 0.82), (0.90, 0.88, 0.92), 1.0, "separated"),
+        ((0.80, 0.78, 0.91), (0.90, 0.88, 0.92), 1.0, None),  # overlapping: time left
+        ((0.80, 0.78, 0.91), (0.90, 0.88, 0.92), 60.0, "out of time"),
+        ((1.05, 1.02, 1.08), (1.10, 1.09, 1.12), 1.0, "separated"),  # eager best, separated from the next
+        ((1.05, 0.98, 1.08), (1.10, 1.09, 1.12), 1.0, None),
+    ],
+)
+def test_timing_stops_once_the_best_is_separated_from_the_next_or_out_of_time(attn, mlp, elapsed, reason):
+    rows = [EAGER_ROW, row(ATTN, ratio=attn), row(MLP, ratio=mlp)]
+    assert ranking.stop_reason(rows, elapsed=elapsed, seconds=60.0) == reason
+
+
+def test_a_timed_setup_without_an_interval_yet_keeps_timing():
+    pending = dataclasses.replace(row(MLP), measured=Measured("steps", 0.1, None))
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.5, 0.4, 0.6)), pending]
+    assert ranking.stop_reason(rows, elapsed=0.0, seconds=1.0) is None
+
+
+def test_the_winner_beats_eager_beyond_its_interval_and_its_flags_are_given():
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.80, 0.78, 0.82)), row(MLP, ratio=(0.70, 0.69, 0.71), yours=True)]
+    assert [r.label for r in ranking.rank(rows)] == ["attn mlp", "attn", "eager"]
+    found = ranking.verdicts(rows)
+    assert found == {"attn mlp": "best", "attn": "slower than the best", "eager": "baseline; slower than the best"}
+    lines = ranking.winner_lines(rows, base_has_offload=False)
+    assert lines[0].startswith("best setup: attn mlp (0.700 [0.690, 0.710]")
+    assert lines[1] == f"  its graph flags: --cuda-graph-impl {TE} --cuda-graph-modules attn mlp"
+    assert ranking.graphs_do_not_pay(rows) is None
+    table = ranking.table(rows)
+    assert table.splitlines()[2].startswith("| attn mlp (yours) |") and "| best |" in table.splitlines()[2]
+
+
+def test_a_winner_not_separated_from_another_names_it_and_a_dropped_offload_is_said():
+    offload = GraphSetup(graphed=True, modules=("attn",), offload=True)
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.80, 0.76, 0.84)), row(offload, ratio=(0.82, 0.79, 0.85))]
+    found = ranking.verdicts(rows)
+    assert found["attn"] == "best (not separated from attn, offload)"
+    assert found["attn, offload"] == "within the best's interval"
+    lines = "\n".join(ranking.winner_lines(rows, base_has_offload=True))
+    assert "without your activation offload flags" in lines and "not told apart from attn, offload" in lines
+
+
+def test_graphs_do_not_pay_when_no_setup_beats_eager_beyond_its_interval():
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.99, 0.97, 1.01)), row(MLP, ratio=(1.10, 1.08, 1.12))]
+    assert ranking.winner(rows) is None
+    sentence = ranking.graphs_do_not_pay(rows)
+    assert sentence is not None and sentence.startswith("Graphs do not pay for this model")
+    assert "attn" in sentence and "train it eagerly" in sentence
+    assert ranking.winner_lines(rows, base_has_offload=False) == [sentence]
+    assert ranking.graphs_do_not_pay([EAGER_ROW, row(ATTN)]) is None  # nothing timed yet: no verdict
+
+
+def test_the_json_has_every_setup_its_verdict_and_the_winner():
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.8, 0.78, 0.82)), Row(WHOLE, ("--x",), refused=(("rule-a", "fix"),))]
+    data = json.loads(json.dumps(ranking.to_json(rows, model="dense")))
+    assert data["model"] == "dense" and data["winner"]["setup"] == "attn"
+    by_label = {entry["setup"]: entry for entry in data["setups"]}
+    assert by_label["whole layer"]["refused"] == [{"rule": "rule-a", "message": "fix"}]
+    assert by_label["attn"]["measured"]["ratio"]["median"] == 0.8
+
+
+def test_a_ratio_interval_is_distribution_free_from_six_values_and_approximate_below():
+    six = ratio_of([0.9, 0.91, 0.92, 0.93, 0.94, 0.95], "cycles")
+    assert six.method == "95% over 6 cycles" and six.low == 0.9 and six.high == 0.95
+    three = ratio_of([0.9, 0.92, 0.94], "pairs")
+    assert "normal approximation" in three.method and three.low < 0.92 < three.high
+    assert ranking.ratio_interval([0.9], unit="pairs") is None
+
+
+def ratio_of(values, unit):
+    found = ranking.ratio_interval(values, unit=unit)
+    assert found is not None
+    return found
+
+
+# -- timing through the bench's trainer seam ----------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTrainer:
+    """Steps at its arm's speed with 1% jitter; captures add a pool; an arm in ``failing`` fails to capture."""
+
+    def __init__(self, clock: Clock, speeds: dict[str, float], failing=(), seed=0) -> None:
+        self.clock, self.speeds, self.failing = clock, speeds, set(failing)
+        self.rng = random.Random(seed)
+        self.arm, self.alive, self.pools, self.events = EAGER, set(), {}, []
+
+    def step(self) -> None:
+        self.clock.now += self.speeds[self.arm] * self.rng.lognormvariate(0.0, 0.01)
+
+    def capture(self, arm):
+        assert self.arm == EAGER, f"captured {arm} over {self.arm}"
+        if arm in self.failing:
+            raise RuntimeError(f"{arm} capture failed")
+        self.events.append(f"capture {arm}")
+        self.pools[(len(self.pools), 0)] = 32 * MIB
+        self.arm = arm
+        self.alive.add(arm)
+        return arm
+
+    def activate(self, arm):
+        assert arm == EAGER or arm in self.alive
+        self.arm = arm
+
+    def deactivate(self):
+        self.arm = EAGER
+
+    def release(self, helper):
+        self.events.append(f"release {helper}")
+        self.alive.discard(helper)
+        self.arm = EAGER
+
+    def synchronize(self):
+        pass
+
+    def peak_allocated(self, reset=False):
+        return 1 << 30
+
+    def pool_bytes(self):
+        return dict(self.pools)
+
+
+def timed(rows, speeds, *, seconds=1000.0, failing=(), budget=None, device=None, profile=None):
+    clock = Clock()
+    trainer = FakeTrainer(clock, speeds, failing)
+    lines: list[str] = []
+    result = time_setups(
+        rows,
+        trainer,
+        options=TimingOptions(seconds=seconds, max_cycles=80, max_pairs=8, block_steps=4),
+        budget_bytes=budget,
+        device_bytes=device,
+        clock=clock,
+        progress=lines.append,
+        profile=profile,
+    )
+    return result, trainer, lines
+
+
+def test_clearly_different_setups_stop_as_soon_as_the_best_is_separated():
+    rows = [EAGER_ROW, row(ATTN, predicted=MIB), row(MLP, predicted=MIB)]
+    result, trainer, lines = timed(rows, {EAGER: 0.30, "attn": 0.20, "attn mlp": 0.15})
+    assert result.stopped == {"steps": "separated"}
+    kept = len(result.results["steps"].steps) // 6 - 2
+    assert kept == 6  # the fewest kept cycles with an interval
+    found = {r.label: r for r in result.rows}
+    assert ranking.winner(result.rows) is found["attn mlp"]
+    assert found["attn mlp"].measured.ratio.high < found["attn"].measured.ratio.low
+    assert found["attn"].measured.graph_bytes == 32 * MIB and found["attn"].measured.capture_seconds == 0.0
+    assert found[EAGER].measured.peak_bytes == 1 << 30
+    assert trainer.alive == set()  # every arm torn down
+
+
+def test_setups_within_noise_of_each_other_run_until_out_of_time():
+    rows = [EAGER_ROW, row(ATTN), row(MLP)]
+    result, _, lines = timed(rows, {EAGER: 0.30, "attn": 0.20, "attn mlp": 0.20}, seconds=20.0)
+    assert result.stopped == {"steps": "out of time"}
+    assert any("--tune-seconds 20 reached" in line for line in lines)
+    assert "not separated" in ranking.verdicts(result.rows)[ranking.rank(result.rows)[0].label]
+
+
+def test_a_failed_capture_marks_its_setup_and_the_others_go_on():
+    rows = [EAGER_ROW, row(ATTN), row(MLP), row(GraphSetup(graphed=True, slot=True), schedule="blocks")]
+    result, trainer, lines = timed(
+        rows, {EAGER: 0.30, "attn": 0.20, "attn mlp": 0.15, "whole layer, slot": 0.1}, failing={"attn"}
+    )
+    found = {r.label: r for r in result.rows}
+    assert found["attn"].failed == "RuntimeError: attn capture failed" and found["attn"].measured is None
+    assert ranking.verdicts(result.rows)["attn"] == "failed: RuntimeError: attn capture failed"
+    assert found["attn mlp"].measured is not None and found["whole layer, slot"].measured.schedule == "blocks"
+    assert any("capture of attn failed" in line for line in lines)
+
+
+def test_slot_setups_are_timed_in_blocks_pair_by_pair_until_separated():
+    slot = GraphSetup(graphed=True, modules=("attn",), slot=True)
+    rows = [EAGER_ROW, row(slot, schedule="blocks")]
+    result, trainer, _ = timed(rows, {EAGER: 0.30, "attn, slot": 0.10}, profile=lambda step, n, arm: None)
+    assert result.stopped == {"blocks": "separated"}
+    blocks = result.results["blocks"].blocks
+    assert len({record.round for record in blocks}) == 4  # two pairs: the first with an interval
+    assert trainer.events.count("capture attn, slot") == 4 + 1  # a capture per block, one more to profile
+    assert trainer.alive == set()
+    ratio = {r.label: r for r in result.rows}["attn, slot"].measured.ratio
+    assert "normal approximation" in ratio.method and ratio.high < 1
+
+
+def test_the_block_schedule_runs_two_pairs_before_time_can_stop_it_so_each_ratio_has_an_interval():
+    slot = GraphSetup(graphed=True, modules=("attn",), slot=True)
+    result, _, _ = timed([EAGER_ROW, row(slot, schedule="blocks")], {EAGER: 0.30, "attn, slot": 0.30}, seconds=0.1)
+    assert result.stopped == {"blocks": "out of time"}
+    assert len({record.round for record in result.results["blocks"].blocks}) == 4
+    assert {r.label: r for r in result.rows}["attn, slot"].measured.ratio is not None
+
+
+def test_the_default_budget_comes_from_eagers_measured_peak_and_drops_what_exceeds_it():
+    rows = [EAGER_ROW, row(ATTN, predicted=100 * MIB), row(MLP, predicted=3 * 2**30)]
+    result, trainer, lines = timed(rows, {EAGER: 0.3, "attn": 0.2}, device=4 * 2**30)
+    assert result.eager_peak_bytes == 1 << 30 and result.budget_bytes == ranking.default_budget(4 * 2**30, 1 << 30)
+    found = {r.label: r for r in result.rows}
+    assert found["attn mlp"].over_budget.startswith("over budget: predicted 3072 MiB >")
+    assert "capture attn mlp" not in trainer.events
+
+
+def test_each_arm_is_profiled_with_its_graphs_in_place_for_the_gpu_busy_fraction():
+    in_place: list[str] = []
+
+    def profile(step, steps, arm):
+        in_place.append(arm)
+        return DeviceTime(busy_seconds=0.1)
+
+    rows = [EAGER_ROW, row(ATTN)]
+    result, _, _ = timed(rows, {EAGER: 0.30, "attn": 0.20}, profile=profile)
+    assert in_place == [EAGER, "attn"]
+    found = {r.label: r for r in result.rows}
+    assert found["attn"].measured.busy_fraction == pytest.approx(0.1 / found["attn"].measured.step_seconds)
+
+
+def test_the_train_iters_cover_every_step_the_timing_can_take():
+    options = TimingOptions(seconds=1.0, max_cycles=10, max_pairs=2, block_steps=5)
+    assert steps_needed(options, 3) >= options.warmup_steps + options.peak_steps + 2 * 10 * 4 + 2 * 2 * 4 * 5
+
+
+def test_the_bench_step_loop_stops_when_asked_at_a_kept_even_cycle():
+    clock = Clock()
+    trainer = FakeTrainer(clock, {EAGER: 0.3, "attn": 0.2})
+    trainer.alive.add("attn")
+    asked: list[int] = []
+
+    def stop(steps: list[StepRecord]) -> str | None:
+        asked.append(len(steps))
+        return "enough" if len(asked) == 2 else None
+
+    lines: list[str] = []
+    steps, peaks = bench.run_step_cycles(
+        bench.StepCycles((EAGER, "attn"), 40, 2), trainer, clock, lines.append, stop=stop
+    )
+    assert asked == [8 * 4, 10 * 4]  # 6 and 8 kept cycles, 4 steps a cycle
+    assert len(steps) == 40 and lines[-1] == "enough: the cycles stop after 10 of 40"
+
+
+# -- the Megatron-side trainer's scope switch ----------------------------------------------------
+
+
+def test_the_tune_trainer_sets_every_config_and_dispatcher_to_the_arms_scope():
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    from megatron_cg_plugin.tune.trainer import TuneTrainer
+
+    trainer = TuneTrainer.__new__(TuneTrainer)  # its Megatron half needs a built model: only the switch here
+    configs = [types.SimpleNamespace(cuda_graph_modules=[]) for _ in range(2)]
+    dispatcher = types.SimpleNamespace(cuda_dtoh_point="before_permutation_1")
+    trainer._configs, trainer._dispatchers = configs, [dispatcher]
+    trainer._built_scope = [CudaGraphModule.attn]
+    moe = GraphSetup(graphed=True, modules=("attn", "moe_router", "moe_preprocess"))
+    trainer.setups = {moe.label: (moe, PluginConfig())}
+    trainer._scope(moe.label)
+    expected = [CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]
+    assert all(config.cuda_graph_modules == expected for config in configs)
+    assert dispatcher.cuda_dtoh_point == "before_ep_alltoall"
+    trainer._scope(EAGER)
+    assert all(config.cuda_graph_modules == [CudaGraphModule.attn] for config in configs)
+    assert dispatcher.cuda_dtoh_point == "before_permutation_1"
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "preset, expected, refused",
+    [
+        ("tiny-gpt", ["attn", "attn mlp", "whole layer", "attn, slot"], {}),
+        (
+            "tiny-moe",
+            ["attn", "attn moe_router moe_preprocess", "attn, slot"],
+            {
+                "whole layer": "refused [whole-layer-moe-needs-drop-and-pad]",
+                "attn moe_router moe_preprocess, slot": "refused [slot-capture-scope]",
+            },
+        ),
+    ],
+)
+def test_the_dry_run_on_a_preset_prints_the_table_with_refusals_and_predictions(
+    capsys, tmp_path, preset, expected, refused
+):
+    code = cli.main(["tune", "--tune-dry-run", "--tune-out", str(tmp_path), "--cg-preset", preset])
+    out, err = capsys.readouterr()
+    assert code == console.EXIT_OK, err
+    assert "| setup | predicted graph MiB |" in out and "dry run: nothing timed" in out
+    table = {
+        line.split(" | ")[0].strip("| ").removesuffix(" (yours)"): line
+        for line in out.splitlines()
+        if line.startswith("| ")
+    }
+    for label in expected:
+        assert "to time" in table[label], table[label]
+        assert table[label].split(" | ")[1].isdigit()  # its predicted graph MiB
+    for label, verdict in refused.items():
+        assert table[label].endswith(f"| {verdict} |")
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert {entry["setup"] for entry in data["setups"]} == set(table) - {"setup", "---"}
+    assert not list(tmp_path.glob("*.png"))  # nothing timed, nothing plotted
+
+
+def test_the_dry_run_drops_setups_over_the_given_budget(capsys):
+    code = cli.main(["tune", "--tune-dry-run", "--tune-memory-gib", "0.008", "--cg-preset", "tiny-gpt"])
+    out = capsys.readouterr().out
+    assert code == console.EXIT_OK
+    over = [line for line in out.splitlines() if "over budget: predicted" in line]
+    assert over and all("> 8 MiB (--tune-memory-gib)" in line for line in over)
+    assert "| attn | 6 |" in out and "to time (step schedule)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--tune-seconds", "0"], "--tune-seconds 0"),
+        (["--tune-seconds", "inf"], "--tune-seconds inf"),
+        (["--tune-memory-gib", "-1"], "--tune-memory-gib -1"),
+        (["--tune-memory-gib", "lots"], "--tune-memory-gib 'lots': give a number"),
+        (["--tune-secs", "5"], "unknown tune flag --tune-secs (did you mean --tune-seconds?)"),
+        (["--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
+        (["missing.py", "--num-layers", "2"], "no such script missing.py"),
+        (["--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_flag_before_the_host_is_asked_for_a_gpu(capsys, monkeypatch, argv, named):
+    monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpus_available", lambda: 0)
+    code = cli.main(["tune", *argv])
+    out, err = capsys.readouterr()
+    assert code == console.EXIT_BAD_INPUT, (out, err)
+    assert named in err and "Traceback" not in err + out
+    assert "GPU" not in err and "matplotlib" not in err
+
+
+def test_timing_on_a_host_without_a_gpu_says_what_needs_one(capsys, monkeypatch):
+    monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpus_available", lambda: 0)
+    code = cli.main(["tune", "--cg-preset", "tiny-gpt"])
+    err = capsys.readouterr().err
+    assert code == console.EXIT_BAD_INPUT
+    assert "megatron-cg tune times the setups on a GPU" in err and "needs 1 CUDA GPU(s), found 0" in err
+    assert "--tune-dry-run" in err
+
+
+def test_help_names_the_tune_flags(capsys):
+    assert cli.main(["tune", "--help"]) == console.EXIT_OK
+    out = capsys.readouterr().out
+    for flag in ("--tune-memory-gib", "--tune-seconds", "--tune-out", "--tune-dry-run", "--tune-no-plot"):
+        assert flag in out
