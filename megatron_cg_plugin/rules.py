@@ -170,8 +170,9 @@ def _unusable_folders(f: RunSettings) -> list[str]:
 
 
 def _graphed_layers_per_rank(f: RunSettings) -> int:
-    """The layers a first-stage rank graphs (what --cg-inject-capture-failure counts)."""
-    plan = plan_capture(f)
+    """The layers a first-stage rank graphs (what --cg-inject-capture-failure counts). Graph banks change how
+    often a layer is captured, not which layers are: left out, so their own rules report their sizes."""
+    plan = plan_capture(dataclasses.replace(f, graph_banks=False))
     first = set(plan.first_stage_layers)
     return sum(1 for layer in plan.graphed_layers if layer in first)
 
