@@ -16,11 +16,11 @@ import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from megatron_cg_plugin import console, golden, helptext
+from megatron_cg_plugin import console, golden, helptext, inputs
 from megatron_cg_plugin.bench.output import BenchOutputError
 from megatron_cg_plugin.farm.cases import CaseError
 from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing
-from megatron_cg_plugin.launch.presets import preset_note
+from megatron_cg_plugin.launch.presets import repeated_flags_note
 from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.planner.prediction import predict_graph_memory
@@ -109,12 +109,17 @@ def _golden(argv: Sequence[str]) -> int:
     update.add_argument("golden")
     options = parser.parse_args(argv)
     try:
-        actual = golden.GoldenValues.load(options.actual)
-        if options.action == "update":
+        # In the order the command line names them, each file named by its place there.
+        expected = (
+            None
+            if options.action == "update"
+            else golden.GoldenValues.load(options.expected, role="EXPECTED", needs_metrics=True)
+        )
+        actual = golden.GoldenValues.load(options.actual, role="ACTUAL", needs_metrics=True)
+        if expected is None:
             golden.update(options.golden, actual)
             print(f"wrote {options.golden} from {options.actual}")
             return EXIT_OK
-        expected = golden.GoldenValues.load(options.expected)
     except (OSError, ValueError) as error:
         print(f"megatron-cg golden: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -157,7 +162,7 @@ def _dry_run_command(
     except ValueError as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    note = preset_note(flags)
+    note = repeated_flags_note(flags)
     print(text if note is None else f"{text}\n{note}")
     return EXIT_OK
 
@@ -301,6 +306,8 @@ def _farm(argv: Sequence[str]) -> int:
         help="print what would run and check each case's flags as megatron-cg check does (on CPU), run nothing",
     )
     options = parser.parse_args(argv)
+    inputs.require_output_folder("--out", options.out)
+    checkout = farm.megatron_lm_dir_from_environment()
     device = gpu_name()
     try:
         prepared = [
@@ -310,7 +317,7 @@ def _farm(argv: Sequence[str]) -> int:
                 gpus=options.fit_gpus,
                 data_path=options.data_path,
                 steps=options.steps,
-                megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+                megatron_lm_dir=checkout,
                 platform=farm.DEFAULT_PLATFORM if device is None else farm.platform_of(device),
             )
             for folder in options.cases
@@ -433,24 +440,27 @@ def _matrix(argv: Sequence[str]) -> int:
     options = parser.parse_args(argv)
     try:
         if options.action == "plan":
+            inputs.require_output_file("--out", options.out)  # before the design's minute of checks
             with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as data:
                 cells = matrix.design(lambda cell: matrix.refusal_of(cell, Path(data)))  # quiet: Megatron's printout
+            options.out.parent.mkdir(parents=True, exist_ok=True)
             options.out.write_text(json.dumps([cell.to_json() for cell in cells], indent=1) + "\n")
             refused = sum(bool(cell.refused_by) for cell in cells)
             print(f"{len(cells)} cells ({refused} refused by a rule) -> {options.out}")
             return EXIT_OK
         cells = matrix.load_cells(options.cells)
         if options.action == "render":
-            runs = [json.loads(path.read_text()) for path in options.results]
+            runs = [matrix.load_results(path) for path in options.results]
             print(matrix.render(matrix.merge_results(cells, runs)), end="")
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
-        _matrix_host_ready()
+        inputs.require_output_folder("--out", options.out)
+        checkout = _matrix_host_ready()
         rows = matrix.run_matrix(
             matrix.select_cells(cells, options.only, options.cells),
             options.out,
-            megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+            megatron_lm_dir=checkout,
             jobs=options.jobs,
             steps=options.steps,
         )
@@ -460,11 +470,13 @@ def _matrix(argv: Sequence[str]) -> int:
     return EXIT_MISMATCH if any(row["result"] in ("differs", "failed") for row in rows) else EXIT_OK
 
 
-def _matrix_host_ready() -> None:
+def _matrix_host_ready() -> str:
     """What every cell's runs need, said once before any cell starts: Megatron-LM's pretrain_gpt.py where
-    MEGATRON_LM_DIR says, and a GPU with Transformer Engine."""
-    checkout = os.environ.get("MEGATRON_LM_DIR")
-    if not checkout or not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
+    MEGATRON_LM_DIR says (returned), and a GPU with Transformer Engine."""
+    from megatron_cg_plugin.farm.runner import megatron_lm_dir_from_environment  # deferred: torch, as in _matrix
+
+    checkout = megatron_lm_dir_from_environment()
+    if checkout is None or not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
         raise ValueError(
             f"MEGATRON_LM_DIR={checkout or '(unset)'} holds no pretrain_gpt.py: every cell runs Megatron-LM's own "
             "script; set MEGATRON_LM_DIR to a Megatron-LM core_r0.19.0 checkout."
@@ -472,6 +484,7 @@ def _matrix_host_ready() -> None:
     missing = gpu_stack_missing(1)
     if missing:
         raise ValueError(f"this host cannot run the cells: it {missing}; matrix plan checks them on CPU.")
+    return checkout
 
 
 def _run(argv: Sequence[str]) -> int:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_cg_plugin.inputs import output_file_problem
+
 __all__ = [
     "ConfigError",
     "ContractCheck",
@@ -196,7 +198,8 @@ def _config_problems(config: PluginConfig) -> list[str]:
     if not is_power_of_two(config.bank_min_cp):
         problems.append(f"--cg-bank-min-cp {config.bank_min_cp} must be a power of two (1, 2, 4, ...).")
     for flag, path in (("--cg-metrics-out", config.metrics_out), ("--cg-report-out", config.report_out)):
-        problems += _output_file_problems(flag, path)
+        problem = output_file_problem(flag, path)
+        problems += [] if problem is None else [problem]
     if config.offload_window < 0:
         problems.append(f"--cg-offload-window {config.offload_window} must be >= 0 (offload groups copied ahead).")
     for flag, given, default in (
@@ -220,21 +223,6 @@ def _config_problems(config: PluginConfig) -> list[str]:
     ):
         problems.append("--cg-metrics-out and --cg-report-out name the same file; give them different paths.")
     return problems
-
-
-def _output_file_problems(flag: str, path: Path | str | None) -> list[str]:
-    """What keeps the run from writing ``path`` when training ends, said before it starts."""
-    if path is None:
-        return []
-    if str(path).strip() in ("", "."):
-        return [f"{flag} is empty; give a file path such as out.json."]
-    path = Path(path)
-    if path.is_dir():
-        return [f"{flag} {path} is a directory; give a file path such as {path / 'out.json'}."]
-    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
-    if blocking is not None:
-        return [f"{flag} {path} lies under {blocking}, which is a file; give a path in a folder."]
-    return []
 
 
 def _validate_config(config: PluginConfig) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from megatron_cg_plugin.inputs import InputError, read_json, require_output_file
+
 __all__ = [
     "GoldenFormatError",
     "MetricSeries",
@@ -34,6 +36,10 @@ __all__ = [
     "update",
 ]
 
+_GOLDEN_FILE = (
+    "a golden-values JSON file in Megatron's schema ({metric: {start_step, end_step, step_interval, values}}), "
+    "such as a run's --cg-metrics-out"
+)
 # Non-finite values as spelled in Megatron files (strict JSON has no NaN/Infinity literals).
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -148,12 +154,23 @@ class GoldenValues:
         return cls({str(k): MetricSeries.from_json(v, str(k)) for k, v in d.items()})
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> GoldenValues:
+    def load(
+        cls, path: str | os.PathLike[str], *, role: str = "golden values", needs_metrics: bool = False
+    ) -> GoldenValues:
+        """The file at ``path``; ``GoldenFormatError`` naming it (as ``role``, e.g. the command's EXPECTED) and
+        the metric and field where it is missing, empty, not JSON or not Megatron's schema, or (with
+        ``needs_metrics``) where it holds no metric to compare or keep."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise GoldenFormatError(f"golden values: {path}: not valid JSON: {e}") from e
-        return cls.from_json(data)
+            data = read_json(path, what=role, give=_GOLDEN_FILE)
+        except InputError as error:
+            raise GoldenFormatError(str(error)) from None
+        try:
+            values = cls.from_json(data)
+        except GoldenFormatError as error:
+            raise GoldenFormatError(f"{role} {path}: {error}; give {_GOLDEN_FILE}.") from None
+        if needs_metrics and not values.metrics:
+            raise GoldenFormatError(f"{role} {path} holds no metrics; give {_GOLDEN_FILE}.")
+        return values
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + os.replace) so a crash never leaves a half-written golden."""
@@ -347,6 +364,7 @@ def format_report(mismatches: Iterable[Mismatch]) -> str:
     return "\n".join([f"{len(items)} golden value {noun}:", *(f"  {m}" for m in items)])
 
 
-def update(path: str | os.PathLike[str], actual: GoldenValues) -> None:
-    """Core of ``golden update``: replace the golden file at ``path`` with ``actual``."""
+def update(path: str | os.PathLike[str], actual: GoldenValues, *, role: str = "GOLDEN") -> None:
+    """Core of ``golden update``: replace the golden file at ``path`` (the command's ``role``) with ``actual``."""
+    require_output_file(role, path)
     actual.save(path)

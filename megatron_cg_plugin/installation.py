@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin import compat, foreign_state
+from megatron_cg_plugin import compat, foreign_state, rules
 from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
-from megatron_cg_plugin.refusal import enforce_for_session
+from megatron_cg_plugin.refusal import enforce_for_session, refuse
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import plugin_config
 
@@ -85,6 +85,10 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
                 "megatron_cg_plugin.uninstall() first."
             )
         return _installed.session
+    # Megatron's parser reads WORLD_SIZE and RANK with int() before any rule runs: the environment's rules first.
+    broken_environment = rules.environment_violations(os.environ)
+    if broken_environment:
+        raise refuse(broken_environment, rules.RuleViolation.HEADING, environ=os.environ)
     versions = compat.installed_versions()
     compat.check_versions(versions, require_te=False)
     with_te = versions.transformer_engine is not None

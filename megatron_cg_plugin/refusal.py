@@ -88,8 +88,10 @@ def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[
     """Prints the refusal on rank 0 and on each node's first rank (every rank stops) and returns
     the exception to raise."""
     refusal = RunRefused(violations, heading)
-    # Once per node: files and environment differ between hosts, so another node's verdict may too.
-    if environ.get("RANK", "0") == "0" or environ.get("LOCAL_RANK", "0") == "0":
+    # Once per node: files and environment differ between hosts, so another node's verdict may too. A rank
+    # that is no number (rule environment-values refuses it) cannot tell whether it is the first: it prints.
+    ranks = [environ.get(name, "0").strip() for name in ("RANK", "LOCAL_RANK")]
+    if any(rank == "0" or not rank.isdigit() for rank in ranks):
         print(f"megatron-cg-plugin: {refusal.text}", file=sys.stderr, flush=True)
     return refusal
 

@@ -24,13 +24,16 @@ from megatron_cg_plugin.config import (
     slot_debug_from_environment,
 )
 from megatron_cg_plugin.data.sources import missing_files
+from megatron_cg_plugin.inputs import output_folder_problem
+from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES
-from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, read_settings
+from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, environment_settings, read_settings
 
 __all__ = [
     "RULES",
     "RuleViolation",
     "check_run",
+    "environment_violations",
     "markdown_rows",
     "size_violations",
     "unvalidated_plugin_violations",
@@ -145,6 +148,35 @@ def _missing_tokenizer_flags(f: RunSettings) -> list[str]:
     return [flag for flag in _TOKENIZER_NEEDS.get(f.tokenizer_type or "", ()) if not given[flag]]
 
 
+def _unusable_folders(f: RunSettings) -> list[str]:
+    """The folders the flags name that the run cannot use (``inputs.output_folder_problem``): Megatron writes
+    checkpoints, TensorBoard events and dataset caches there only once training runs, and an empty one it
+    reads as no folder at all; an empty --load it reads as the current folder."""
+    problems = [
+        problem
+        for flag, path in (
+            ("--save", f.save),
+            ("--tensorboard-dir", f.tensorboard_dir),
+            ("--data-cache-path", f.data_cache_path),
+        )
+        if (problem := output_folder_problem(flag, path)) is not None
+    ]
+    if f.load is not None and not str(f.load).strip():
+        problems.append(
+            "--load is empty, which Megatron reads as the current folder (it loads a checkpoint found there); "
+            "give the checkpoint folder, or drop --load."
+        )
+    return problems
+
+
+def _graphed_layers_per_rank(f: RunSettings) -> int:
+    """The layers a first-stage rank graphs (what --cg-inject-capture-failure counts). Graph banks change how
+    often a layer is captured, not which layers are: left out, so their own rules report their sizes."""
+    plan = plan_capture(dataclasses.replace(f, graph_banks=False))
+    first = set(plan.first_stage_layers)
+    return sum(1 for layer in plan.graphed_layers if layer in first)
+
+
 _MODEL_SIZES = _Rule(
     "model-sizes",
     "megatron",
@@ -163,6 +195,23 @@ RULES: tuple[_Rule, ...] = (
         "an environment switch read as 0 or 1 has another value, which TE and the plugin do not take: export it "
         "as 0 or 1:",
         detail=lambda f: ", ".join(f.unreadable_switches),
+    ),
+    _Rule(
+        "environment-values",
+        "plugin",
+        lambda f: bool(f.unusable_environment),
+        "an environment variable torch, NCCL, CUDA or Megatron reads where the run starts has a value they refuse "
+        "(the first CUDA allocation stops at a bad PYTORCH_CUDA_ALLOC_CONF) or misread: export what each "
+        "says, or unset it:",
+        detail=lambda f: "; ".join(f.unusable_environment),
+    ),
+    _Rule(
+        "run-folders",
+        "plugin",
+        lambda f: bool(_unusable_folders(f)),
+        "a folder the flags name cannot be used, and the run would find out only when it first writes there, "
+        "after its model and data are built (or, given empty, would write nothing):",
+        detail=lambda f: " ".join(_unusable_folders(f)),
     ),
     _Rule(
         "cuda-graph-modules-twice",
@@ -808,6 +857,23 @@ RULES: tuple[_Rule, ...] = (
         "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which corrupts memory under CUDA "
         "graphs unless NCCL_GRAPH_REGISTER=0: export NCCL_GRAPH_REGISTER=0.",
     ),
+    _Rule(
+        "inject-capture-failure-layer",
+        "plugin",
+        _graphs(
+            lambda f: (
+                f.inject_capture_failure is not None
+                and f.num_layers is not None
+                and f.inject_capture_failure > _graphed_layers_per_rank(f)
+            )
+        ),
+        "--cg-inject-capture-failure N fails the capture of a rank's N-th graphed layer, and no rank graphs that "
+        "many, so nothing would fail: give N from 1 to the graphed layers of a rank.",
+        detail=lambda f: (
+            f"(--cg-inject-capture-failure {f.inject_capture_failure}; a first-stage rank graphs "
+            f"{_graphed_layers_per_rank(f)} layer(s))"
+        ),
+    ),
     _Rule("warmup-steps", "plugin", _graphs(lambda f: f.warmup_steps < 0), "--cuda-graph-warmup-steps must be >= 0."),
     _Rule(
         "parallel-sizes",
@@ -866,6 +932,16 @@ def _unvalidated_violations(args: Any, env: Mapping[str, str], rules: tuple[_Rul
         return violations(settings, rules)
     except (TypeError, ValueError, AttributeError):
         return []
+
+
+_ENVIRONMENT_RULES = tuple(rule for rule in RULES if rule.name in ("environment-switches", "environment-values"))
+
+
+def environment_violations(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The rules on the environment alone (``environment-switches``, ``environment-values``): ``install()``
+    runs them before Megatron's parser, which reads WORLD_SIZE and RANK with int() and fails with a
+    traceback on a bad one."""
+    return violations(environment_settings(env), _ENVIRONMENT_RULES)
 
 
 def _resumes_checkpoint(args: Any) -> bool:

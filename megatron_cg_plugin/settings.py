@@ -18,9 +18,10 @@ from megatron_cg_plugin.config import (
     graph_only_flags,
     has_plugin_flags,
 )
+from megatron_cg_plugin.inputs import environment_problems, expandable_segments
 from megatron_cg_plugin.scopes import module_names
 
-__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "plugin_config", "read_settings"]
+__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "environment_settings", "plugin_config", "read_settings"]
 
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 _OFFLOAD_INSIDE_SCOPE = {
@@ -113,6 +114,9 @@ class RunSettings:
     rerun_mode: str = "disabled"
     log_to_tensorboard: bool = False  # --cg-log-to-tensorboard
     tensorboard_dir: str | None = None  # --tensorboard-dir
+    save: str | None = None  # --save
+    data_cache_path: str | None = None  # --data-cache-path
+    inject_capture_failure: int | None = None  # --cg-inject-capture-failure
     inter_document_masking: bool = False  # --dataloader-inter-document-masking
     thd_max_seqs: int | None = None  # --cg-thd-max-seqs (None: not given)
     thd_max_seqlen: int | None = None  # --cg-thd-max-seqlen (None: not given, --seq-length)
@@ -159,6 +163,9 @@ class RunSettings:
     config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
     # Switches of the environment the plugin, Megatron or TE read as 0 or 1, set to anything else (NAME=value)
     unreadable_switches: tuple[str, ...] = ()
+    # Variables torch, NCCL, CUDA or Megatron read where a run starts, with values they refuse or misread
+    # (inputs.environment_problems): NAME=value and what to give
+    unusable_environment: tuple[str, ...] = ()
     missing_files: tuple[str, ...] = ()  # dataset and tokenizer files the flags name but that do not exist
     load: str | None = None  # --load
     resumes_checkpoint: bool = False  # --load holds Megatron's tracker file: the run resumes from a checkpoint
@@ -285,7 +292,15 @@ class RunSettings:
 
 
 # The plugin's own settings the rules read, with the values they take when the run has no config.
-_PLUGIN_FIELDS = ("graph_banks", "slot_capture", "bank_min_cp", "thd_max_seqs", "thd_max_seqlen", "log_to_tensorboard")
+_PLUGIN_FIELDS = (
+    "graph_banks",
+    "slot_capture",
+    "bank_min_cp",
+    "thd_max_seqs",
+    "thd_max_seqlen",
+    "log_to_tensorboard",
+    "inject_capture_failure",
+)
 
 
 def plugin_config(
@@ -314,6 +329,17 @@ def _value(option: Any) -> Any:
     return getattr(option, "value", option)
 
 
+def environment_settings(env: Mapping[str, str]) -> RunSettings:
+    """The settings the environment alone decides (a run's defaults otherwise): what the rules on the
+    environment read, which ``install()`` runs before Megatron's parser reads the same variables."""
+    return RunSettings(
+        unreadable_switches=tuple(
+            f"{name}={env[name]}" for name in _ZERO_OR_ONE_SWITCHES if env.get(name, "0") not in ("0", "1")
+        ),
+        unusable_environment=environment_problems(env),
+    )
+
+
 def read_settings(
     args: Any,
     *,
@@ -334,6 +360,7 @@ def read_settings(
     ``cuda_version`` are what the caller probed on this host (``rules.check_run`` probes them)."""
     env = env or {}
     resolved, problems, plugin = plugin_config(args, env=env, config=config)
+    environment = environment_settings(env)
     freq = getattr(args, "moe_layer_freq", 1)
     mla_unfused = bool(
         getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False)
@@ -361,6 +388,9 @@ def read_settings(
         slot_capture=bool(plugin.get("slot_capture", False)),
         log_to_tensorboard=bool(plugin.get("log_to_tensorboard", False)),
         tensorboard_dir=getattr(args, "tensorboard_dir", None),
+        save=getattr(args, "save", None),
+        data_cache_path=getattr(args, "data_cache_path", None),
+        inject_capture_failure=plugin.get("inject_capture_failure"),
         bank_min_cp=plugin.get("bank_min_cp", 1) or 1,
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
@@ -377,7 +407,7 @@ def read_settings(
         micro_batch_size=args.micro_batch_size,
         global_batch_size=getattr(args, "global_batch_size", None),
         te_available=te_available,
-        expandable_segments="expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        expandable_segments=expandable_segments(env),
         nccl_graph_register_off=env.get("NCCL_GRAPH_REGISTER", "") == "0",
         fp8=getattr(args, "fp8", None) is not None,
         fp8_recipe=str(_value(getattr(args, "fp8_recipe", None)) or "delayed"),
@@ -442,9 +472,8 @@ def read_settings(
         activation_offload_fraction=getattr(args, "activation_offload_fraction", 1.0),
         graph_only_flags=graph_only_flags(resolved) if resolved is not None else (),
         config_problems=problems,
-        unreadable_switches=tuple(
-            f"{name}={env[name]}" for name in _ZERO_OR_ONE_SWITCHES if env.get(name, "0") not in ("0", "1")
-        ),
+        unreadable_switches=environment.unreadable_switches,
+        unusable_environment=environment.unusable_environment,
         missing_files=tuple(missing_files),
         load=getattr(args, "load", None),
         resumes_checkpoint=resumes_checkpoint,

@@ -66,6 +66,7 @@ from megatron_cg_plugin.capture.contracts import StaticInput
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
+from megatron_cg_plugin.inputs import output_folder_problem
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
@@ -157,6 +158,14 @@ class BenchOptions:
                 f"{','.join(ALL_ARMS)} (and slot-offload-w<N>, slot-offload-staged-w<N>: --cg-offload-window N; "
                 "-f<P> after either, P from 0 to 100: --activation-offload-fraction P/100)."
             )
+        for problem in (
+            output_folder_problem("--bench-out", self.out),
+            output_folder_problem("--bench-profile-dir", self.profile_dir),
+        ):
+            if problem is not None:  # said before the model is built, not when the figures are written
+                raise BenchError(problem)
+        if self.skip_steps < 0:
+            raise BenchError(f"--bench-skip-steps {self.skip_steps}: give the steps left out of each block, 0 or more.")
         if self.cached_batches < 0:
             raise BenchError(
                 f"--bench-cached-batches {self.cached_batches}: use 0 (the live loader) or a count of "

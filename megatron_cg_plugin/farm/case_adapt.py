@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_cg_plugin.inputs import expandable_segments
+
 __all__ = ["DETERMINISTIC_ENV", "NONDETERMINISTIC_FLAGS", "adapt_case_args", "adapt_case_env"]
 
 _CHECKPOINT_FLAGS = (
@@ -164,7 +166,7 @@ def adapt_case_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         if name in env and env[name] not in accepted:
             changes.append(f"{name}={env[name]} -> {accepted[0]}: --deterministic-mode refuses it")
             env[name] = accepted[0]
-    if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", "") and env.get("NCCL_GRAPH_REGISTER") != "0":
+    if expandable_segments(env) and env.get("NCCL_GRAPH_REGISTER") != "0":
         env["NCCL_GRAPH_REGISTER"] = "0"
         changes.append(
             "NCCL_GRAPH_REGISTER=0 added: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which "

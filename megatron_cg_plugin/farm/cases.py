@@ -359,8 +359,14 @@ MEGATRON_CI_GPUS = 8  # Megatron's functional cases run on one 8-GPU node unless
 
 
 def _size(model_args: Mapping[str, Any], flag: str) -> int:
+    """A size flag of ``MODEL_ARGS`` as a whole number (1 where it is not given)."""
     value = model_args.get(flag, 1)
-    return int(value) if value not in (None, False) else 1
+    if value in (None, False):
+        return 1
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CaseError(f"MODEL_ARGS {flag} {value!r} is not a whole number; give one, e.g. {flag}: 2.") from None
 
 
 def _shrink(sizes: dict[str, int], order: tuple[str, ...], fits: Any) -> None:
@@ -406,7 +412,7 @@ def fit_gpus(
     _shrink(sizes, ("ep", "etp"), lambda: gpus % (sizes["ep"] * sizes["etp"] * sizes["pp"]) == 0)
     changes = []
     for name, flag in _PARALLEL_FLAGS.items():
-        if sizes[name] != before[name] or (flag in args and int(args[flag]) != sizes[name]):
+        if sizes[name] != before[name] or (flag in args and _size(args, flag) != sizes[name]):
             changes.append(f"{flag} {before[name]} -> {sizes[name]}")
             args[flag] = sizes[name]
     for need in SIZE_NEEDS:
@@ -418,7 +424,7 @@ def fit_gpus(
     old_dp = max(1, from_gpus // (before["tp"] * before["pp"] * before["cp"]))
     new_dp = gpus // (sizes["tp"] * sizes["pp"] * sizes["cp"])
     if "--global-batch-size" in args and old_dp != new_dp:
-        old_gbs = int(args["--global-batch-size"])
+        old_gbs = _size(args, "--global-batch-size")
         new_gbs = max(_size(args, "--micro-batch-size") * new_dp, old_gbs * new_dp // old_dp)
         if new_gbs != old_gbs:
             args["--global-batch-size"] = new_gbs

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from megatron_cg_plugin.farm.case_adapt import adapt_case_args, adapt_case_env
 from megatron_cg_plugin.farm.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, fit_gpus, load_case, render_flags
 from megatron_cg_plugin.farm.distributed import MultiRankError, launch
 from megatron_cg_plugin.golden import GoldenValues, format_report
+from megatron_cg_plugin.inputs import PROCESS_VARIABLES, checkout_from_environment
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 
@@ -52,6 +53,7 @@ __all__ = [
     "golden_mismatches",
     "golden_rewrite_refusal",
     "load_cases",
+    "megatron_lm_dir_from_environment",
     "platform_of",
     "prepare_case",
     "problems_of",
@@ -70,6 +72,16 @@ DEFAULT_PLATFORM = "h200"
 _USER_SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # knows nothing of the plugin
 # A case's script in a Megatron-LM checkout (its top-level pretrain_gpt.py, ...), found where MEGATRON_LM_DIR says.
 MEGATRON_LM_SCRIPT = "${MEGATRON_LM_DIR}/"
+
+
+def megatron_lm_dir_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """MEGATRON_LM_DIR, the Megatron-LM checkout whose scripts the cases run (None: unset); set but empty it
+    is refused (a script path joined to it would be one in the current folder)."""
+    return checkout_from_environment(
+        "MEGATRON_LM_DIR", os.environ if environ is None else environ, what="a Megatron-LM core_r0.19.0 checkout"
+    )
+
+
 # Step times are measured and recorded, never asserted; the golden comparison covers the rest.
 _GOLDEN_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes")
 _TIMING_WINDOW = (5, 20)  # Megatron's iteration-time window
@@ -261,10 +273,22 @@ class FarmCase:
     @property
     def eval_interval(self) -> int | None:
         """Megatron evaluates after every step this divides (None: the case does not evaluate)."""
-        iters, interval = flag_value(self.flags, "--eval-iters"), flag_value(self.flags, "--eval-interval")
-        if iters is None or int(iters) < 1 or interval is None:  # Megatron's defaults never evaluate in a farm run
+        iters, interval = self._whole_flag("--eval-iters"), self._whole_flag("--eval-interval")
+        if iters is None or iters < 1 or interval is None:  # Megatron's defaults never evaluate in a farm run
             return None
-        return int(interval)
+        return interval
+
+    def _whole_flag(self, flag: str) -> int | None:
+        """The whole number ``flag`` gives in the case's flags (None: not given)."""
+        value = flag_value(self.flags, flag)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise CaseError(
+                f"{self.folder / CASE_FILE}: MODEL_ARGS {flag} {value!r} is not a whole number; give one."
+            ) from None
 
     def evaluations(self, first: int, last: int) -> list[int]:
         """The steps from ``first`` to ``last`` after which Megatron evaluates."""
@@ -300,7 +324,8 @@ class FarmCase:
     def eager_steps(self) -> int:
         """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
         so a loss that differs by then began outside the graphs."""
-        return int(flag_value(self.flags, "--cuda-graph-warmup-steps") or 3)
+        warmup = self._whole_flag("--cuda-graph-warmup-steps")
+        return 3 if warmup is None else warmup
 
     @property
     def is_moe(self) -> bool:
@@ -397,12 +422,14 @@ def refusal_of(case: FarmCase, out_dir: Path) -> _Refusal | None:
     """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
     on the case's ranks and environment, for the GPU host); None when both would start."""
     env = dict(case.env)
+    # The farm's launcher sets each rank's rendezvous variables: this shell's are none of the runs'.
+    host = {name: value for name, value in os.environ.items() if name not in PROCESS_VARIABLES}
     for graphed in (True, False):
         mode, parse_errors = "graphed" if graphed else "eager", io.StringIO()
         try:
             with dry_run.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
                 dry_run.validated_args(
-                    case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**os.environ, **env}
+                    case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**host, **env}
                 )
         except rules.RuleViolation as violation:
             return _Refusal(mode, tuple(violation.violations))
@@ -454,6 +481,8 @@ def prepare_case(
             f"--steps {steps} must be >= 1 (training steps per run; default: the case's CG_FARM steps, "
             f"else {FARM_STEPS})."
         )
+    if gpus is not None and gpus < 1:
+        raise CaseError(f"--fit-gpus {gpus} must be >= 1 (the GPUs to scale the case's parallel sizes to).")
     if data_path is not None and not Path(data_path).is_dir():
         raise CaseError(
             f"--data-path {data_path} does not exist: give the folder that ${{DATA_PATH}} stands for in "
@@ -488,7 +517,10 @@ def prepare_case(
     fitted: list[str] = []
     if gpus is not None:
         written_for = case.farm.nproc if case.plugin_case else MEGATRON_CI_GPUS
-        args, fitted = fit_gpus(args, gpus, from_gpus=written_for)
+        try:
+            args, fitted = fit_gpus(args, gpus, from_gpus=written_for)
+        except CaseError as error:  # a size MODEL_ARGS gives that is no number
+            raise CaseError(f"{case.folder / CASE_FILE}: {error}") from None
         if gpus != written_for:
             fitted.insert(0, f"ranks {written_for} -> {gpus}")
         notes += fitted

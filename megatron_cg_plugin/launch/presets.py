@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_cg_plugin.config import PRESETS
+from megatron_cg_plugin.config import PLUGIN_FLAGS, PRESETS
 
 __all__ = [
     "DROPLESS_MOE_SCOPE",
@@ -21,7 +21,7 @@ __all__ = [
     "expand_preset",
     "find_preset",
     "flag_value",
-    "preset_note",
+    "repeated_flags_note",
 ]
 
 _COMMON = (
@@ -91,17 +91,22 @@ def find_preset(argv: Sequence[str]) -> str | None:
     return found
 
 
-def preset_note(argv: Sequence[str]) -> str | None:
-    """A note where ``--cg-preset`` names two presets: the last applies (argparse takes the last value), the
-    others' flags do not; None otherwise."""
-    given = [
-        token.split("=", 1)[1] if "=" in token else argv[index + 1]
-        for index, token in enumerate(argv)
-        if (token == "--cg-preset" and index + 1 < len(argv)) or token.startswith("--cg-preset=")
-    ]
-    if len(set(given)) < 2:
-        return None
-    return f"note: --cg-preset is given {len(given)} times ({', '.join(given)}); only the last, {given[-1]}, applies."
+def repeated_flags_note(argv: Sequence[str]) -> str | None:
+    """A note per ``--cg-*`` flag that ``argv`` gives more than once with different values: only the last
+    applies (argparse takes the last value; of two presets, the others' flags do not apply either); None
+    when there is none."""
+    notes = []
+    for flag in (flag.flag for flag in PLUGIN_FLAGS if not flag.switch):
+        given = [
+            token.split("=", 1)[1] if "=" in token else argv[index + 1]
+            for index, token in enumerate(argv)
+            if (token == flag and index + 1 < len(argv)) or token.startswith(f"{flag}=")
+        ]
+        if len(set(given)) > 1:
+            notes.append(
+                f"note: {flag} is given {len(given)} times ({', '.join(given)}); only the last, {given[-1]}, applies."
+            )
+    return "\n".join(notes) or None
 
 
 # Megatron's data-source flags: any of them replaces the preset's mock data (Megatron refuses two sources).

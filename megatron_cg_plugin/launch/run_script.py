@@ -75,6 +75,8 @@ def run_in_process(script: Path, args: Sequence[str]) -> int:
         except (compat.UnsupportedVersionError, compat.SignatureMismatchError) as error:
             print(f"megatron-cg run: {error}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        except SystemExit as refused:  # the environment's rules, printed already
+            return _exit_code(refused)
         try:
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as error:

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_cg_plugin.bench.command import BenchError, parse_bench_argv
 from megatron_cg_plugin.console import EXIT_BAD_INPUT, EXIT_MISMATCH, EXIT_OK
 from megatron_cg_plugin.farm.ports import PortAllocator
-from megatron_cg_plugin.farm.runner import REPO, data_flags, without_graph_only_flags
+from megatron_cg_plugin.farm.runner import REPO, data_flags, megatron_lm_dir_from_environment, without_graph_only_flags
+from megatron_cg_plugin.inputs import positive, require_output_folder
 from megatron_cg_plugin.launch.rendezvous import single_process_values
 from megatron_cg_plugin.matrix.runner import Cell, cell_env, cell_flags, farm_case, load_cells, refusal_of, select_cells
 
@@ -75,9 +77,10 @@ def _stock_flags(cell: Mapping[str, str]) -> tuple[str, ...]:
     return without_graph_only_flags(cell_flags(cell))
 
 
-def check_bench_flags(flags: Sequence[str]) -> None:
-    """The flags after ``--`` are ``megatron-cg bench``'s own options, placed before the script; any
-    of them it does not know yet is its to refuse."""
+def check_bench_flags(flags: Sequence[str], *, out_dir: Path = Path(".")) -> None:
+    """The flags after ``--`` are ``megatron-cg bench``'s own options, placed before the script, read by
+    its own parser here as each cell's bench will read them (with the arms and the output folder this
+    command sets), so that a typo or a bad value stops the matrix before any cell starts."""
     if any(flag.startswith("--") and not flag.startswith("--bench-") for flag in flags) or (
         flags and not flags[0].startswith("--bench-")
     ):
@@ -96,6 +99,10 @@ def check_bench_flags(flags: Sequence[str]) -> None:
             f"{own[0]}: matrix bench sets it per cell (the arms: the cell's capture and stock; "
             "the output: DIR/<cell>); drop it."
         )
+    try:
+        parse_bench_argv(["--bench-arms", f"{_PLUGIN_ARMS['te']},{_STOCK_ARM}", "--bench-out", str(out_dir), *flags])
+    except BenchError as error:
+        raise ValueError(f"the flags after --: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -269,9 +276,11 @@ def run_benches(
 ) -> list[dict[str, Any]]:
     """Benches every cell that can run (``parallel`` at a time) and writes ``out_dir/RESULTS_FILE``
     as rows finish: a row per cell, ``benched``, ``failed``, ``refused`` or ``stock-refused``."""
-    check_bench_flags(bench_flags)
+    require_output_folder("--out", out_dir)
+    check_bench_flags(bench_flags, out_dir=out_dir)
     if parallel < 1:
         raise ValueError(f"--parallel {parallel}: give the number of benches side by side on the GPU, >= 1.")
+    positive("--timeout-s", timeout_s, "seconds a bench may run")
     out_dir.mkdir(parents=True, exist_ok=True)
     ports = PortAllocator() if ports is None else ports
     environ = dict(os.environ) if environ is None else environ
@@ -380,11 +389,12 @@ def main(argv: Sequence[str]) -> int:
     options = parser.parse_args(own)
     previous = signal.signal(signal.SIGTERM, _stop)  # timeout(1): through run_benches' cleanup, as Ctrl-C
     try:
+        checkout = megatron_lm_dir_from_environment()
         cells = select_cells(load_cells(options.cells), options.only, options.cells)
         rows = run_benches(
             cells,
             options.out,
-            megatron_lm_dir=os.environ.get("MEGATRON_LM_DIR"),
+            megatron_lm_dir=checkout,
             bench_flags=bench_flags,
             parallel=options.parallel,
             timeout_s=options.timeout_s,

@@ -34,6 +34,7 @@ from megatron_cg_plugin.farm.distributed import MultiRankError
 from megatron_cg_plugin.farm.ports import PortAllocator
 from megatron_cg_plugin.farm.runner import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
 from megatron_cg_plugin.farm.runner import refusal_of as farm_refusal_of
+from megatron_cg_plugin.inputs import InputError, read_json, require_fields
 from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "design",
     "farm_case",
     "load_cells",
+    "load_results",
     "merge_results",
     "refusal_of",
     "render",
@@ -177,9 +179,30 @@ class Cell:
         }
 
 
+_CELLS_FILE = "the file `megatron-cg matrix plan --out CELLS.json` wrote"
+
+
 def load_cells(path: Path) -> list[Cell]:
-    """The design ``matrix plan`` wrote."""
-    return [Cell(row["factors"], tuple(row["refused_by"]), row["refusal"]) for row in json.loads(path.read_text())]
+    """The design ``matrix plan`` wrote; a file that is none is refused naming it, the cell and the field."""
+    rows = read_json(path, what="the cells file", give=_CELLS_FILE)
+    if not isinstance(rows, list) or not rows:
+        held = "no cells" if rows == [] else f"a {type(rows).__name__}, not a list of cells"
+        raise InputError(f"the cells file {path} holds {held}; give {_CELLS_FILE}.")
+    cells = []
+    for number, row in enumerate(rows, start=1):
+        where = f"the cells file {path}, cell {number}"
+        require_fields(row, {"factors": dict, "refused_by": list, "refusal": str}, where=where, give=_CELLS_FILE)
+        factors = require_fields(
+            row["factors"], dict.fromkeys(FACTORS, str), where=f"{where} factors", give=_CELLS_FILE
+        )
+        unknown = next((name for name in FACTORS if factors[name] not in FACTORS[name]), None)
+        if unknown is not None:
+            raise InputError(
+                f"{where}: factor {unknown!r} is {factors[unknown]!r}, not one of {', '.join(FACTORS[unknown])}; "
+                f"give {_CELLS_FILE}."
+            )
+        cells.append(Cell({name: factors[name] for name in FACTORS}, tuple(row["refused_by"]), row["refusal"]))
+    return cells
 
 
 def select_cells(cells: Sequence[Cell], only: Sequence[str] | None, source: Path) -> list[Cell]:
@@ -375,6 +398,43 @@ _RESULT_WORDS = {
 
 
 _BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
+
+
+_RESULTS_FILE = "a matrix.json `megatron-cg matrix run` wrote, or a matrix-bench.json of `matrix bench`"
+# The fields ``render`` reads of a row, by its result; a bench row's by the bench's result.
+_ROW_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {"refused": {"refused_by": list}}
+_BENCH_ROW_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "benched": {"ratio": dict, "parallel": int, "rounds": int, "steps_per_block": int, "skip_steps": int},
+    "stock-refused": {"stock_refused_by": list},
+}
+_RATIO_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "median": (int, float),
+    "low": (int, float),
+    "high": (int, float),
+    "n": int,
+}
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """A run's ``matrix.json`` or a bench's ``matrix-bench.json``, checked for what ``render`` reads of it; a
+    file that is neither is refused naming it, the row and the field."""
+    data = read_json(path, what="the results file", give=_RESULTS_FILE)
+    bench = isinstance(data, Mapping) and _BENCH_KEY in data
+    fields: dict[str, type | tuple[type, ...]] = {"rows": list, **({_BENCH_KEY: dict} if bench else {"steps": int})}
+    require_fields(data, fields, where=f"the results file {path}", give=_RESULTS_FILE)
+    for number, row in enumerate(data["rows"], start=1):
+        where = f"the results file {path}, row {number}"
+        require_fields(row, {"name": str, "result": str}, where=where, give=_RESULTS_FILE)
+        known = ("benched", "failed", "refused", "stock-refused") if bench else tuple(_RESULT_WORDS)
+        if row["result"] not in known:
+            raise InputError(
+                f"{where}: result {row['result']!r} is not one of {', '.join(known)}; give {_RESULTS_FILE}."
+            )
+        needs = (_BENCH_ROW_FIELDS if bench else _ROW_FIELDS).get(row["result"], {})
+        require_fields(row, needs, where=where, give=_RESULTS_FILE)
+        if bench and row["result"] == "benched":
+            require_fields(row["ratio"], _RATIO_FIELDS, where=f"{where} ratio", give=_RESULTS_FILE)
+    return data
 
 
 def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

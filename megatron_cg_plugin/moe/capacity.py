@@ -154,7 +154,10 @@ def parse_load(text: str, num_experts: int) -> list[float]:
         return uniform_load(num_experts)
     if text.startswith("zipf:"):
         try:
-            return zipf_load(num_experts, float(text.split(":", 1)[1]))
+            exponent = float(text.split(":", 1)[1])
+            if not math.isfinite(exponent):
+                raise ValueError(f"the Zipf exponent {exponent} is not a finite number")
+            return zipf_load(num_experts, exponent)
         except ValueError as error:
             raise ValueError(f"--router-load {text!r}: {error}; write zipf:S with S >= 0, e.g. zipf:1.0.") from None
     try:
@@ -164,6 +167,19 @@ def parse_load(text: str, num_experts: int) -> list[float]:
             f"--router-load {text!r} is not understood: use uniform, zipf:S, or one share per "
             "expert separated by commas."
         ) from None
+    bad = [
+        part for part, share in zip(text.split(","), shares, strict=True) if not (math.isfinite(share) and share >= 0)
+    ]
+    if bad or not any(shares):
+        raise ValueError(
+            f"--router-load {text!r}: "
+            + (
+                f"{', '.join(bad)} is no share (a finite number >= 0)"
+                if bad
+                else "every share is 0, so no token is routed"
+            )
+            + "; give one share >= 0 per expert, not all 0, e.g. 4,2,1,1."
+        )
     if len(shares) != num_experts:
         raise ValueError(f"--router-load lists {len(shares)} shares for {num_experts} experts.")
     return shares
