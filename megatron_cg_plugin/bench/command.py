@@ -23,7 +23,6 @@ helper and graph pool, all alive together, and then alternates single steps in m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -36,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from megatron_cg_plugin import foreign_state, installation, rules
+from megatron_cg_plugin import console, foreign_state, installation, rules
 from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.bench.output import (
     ALL_ARMS,
@@ -69,6 +68,7 @@ from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
+from megatron_cg_plugin.parse_errors import OneLineErrors
 from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import read_settings
@@ -226,7 +226,7 @@ class BenchOptions:
 
 def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     """The bench's own ``--bench-*`` options, and the launcher flags left."""
-    parser = argparse.ArgumentParser(prog="megatron-cg bench", add_help=False)
+    parser = OneLineErrors(prog="megatron-cg bench", add_help=False)
     # Sizes without a default here: a size the chosen schedule does not use is refused, not ignored.
     parser.add_argument("--bench-rounds", type=int)
     parser.add_argument("--bench-steps", type=int)
@@ -1238,9 +1238,11 @@ def _bench_launcher(options: BenchOptions, flags: Sequence[str], training: Any, 
     with single_process_rendezvous():
         session = installation.install(launcher=True)
         try:
-            args = pretrain_gpt.parse_megatron_args(flags)
-            refuse_unbenchable(args, session.config, options)  # the config the flags resolved
-            if options.plot:  # asked for once the flags passed, before any GPU work
+            with console.megatron_printout_held():  # Megatron's printout, until the bench's own checks pass too
+                args = pretrain_gpt.parse_megatron_args(flags)
+                refuse_unbenchable(args, session.config, options)  # the config the flags resolved
+                pretrain_gpt.refuse_host_needs(session)
+            if options.plot:  # asked for once the flags and the host passed, before any GPU work
                 bench_output.plot_available()
             driver = bench_train_step(options, flags, training.train_step, results)
             with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
