@@ -16,12 +16,13 @@ import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from megatron_cg_plugin import console, golden, helptext, inputs
+from megatron_cg_plugin import console, golden, helptext, inputs, rules
 from megatron_cg_plugin.bench.output import BenchOutputError
 from megatron_cg_plugin.farm.cases import CaseError
 from megatron_cg_plugin.farm.distributed import gpu_name, gpu_stack_missing
 from megatron_cg_plugin.launch.presets import repeated_flags_note
 from megatron_cg_plugin.moe.capacity import capacity_plan, parse_load
+from megatron_cg_plugin.parse_errors import OneLineErrors, reported_as
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.planner.prediction import predict_graph_memory
 from megatron_cg_plugin.settings import RunSettings
@@ -95,7 +96,7 @@ def _moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str
 def _golden(argv: Sequence[str]) -> int:
     """compare EXPECTED ACTUAL [--deterministic] [--metrics M ...] | update ACTUAL GOLDEN
     compare a run's metrics with a golden file (Megatron's thresholds), or write one from a real run"""
-    parser = argparse.ArgumentParser(prog="megatron-cg golden")
+    parser = OneLineErrors(prog="megatron-cg golden")
     sub = parser.add_subparsers(dest="action", required=True)
     compare = sub.add_parser("compare", help="compare a run's metrics with a golden file")
     compare.add_argument("expected")
@@ -142,7 +143,7 @@ def _dry_run_command(
 ) -> int:
     """``check`` and ``plan``: their own options (``--nproc``, ``extra_options`` as (flag, default)),
     the launcher flags after them, ``produce``'s text on success, one line and exit 2 on bad input."""
-    parser = argparse.ArgumentParser(prog=prog, add_help=False)
+    parser = OneLineErrors(prog=prog, add_help=False)
     parser.add_argument(
         "--nproc", type=int, default=1, help="number of ranks the run would use (sets the data-parallel size)"
     )
@@ -158,7 +159,8 @@ def _dry_run_command(
         print(f"{prog}: --nproc must be >= 1", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        text = produce(options, flags)
+        with reported_as(prog):  # Megatron's parser reads the flags for this command
+            text = produce(options, flags)
     except ValueError as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -242,7 +244,8 @@ def _bench(argv: Sequence[str]) -> int:
     )
 
     try:
-        return bench.main(argv)
+        with reported_as("megatron-cg bench"):  # Megatron's parser reads the flags for this command
+            return bench.main(argv)
     except (bench.BenchError, BenchOutputError) as error:
         print(f"megatron-cg bench: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -279,7 +282,7 @@ def _farm(argv: Sequence[str]) -> int:
 
     from megatron_cg_plugin.farm import runner as farm  # deferred: torch (seconds); --help and golden start without it
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="megatron-cg farm",
         description=(
             "Runs each case folder (Megatron's model_config.yaml, the farm's own or one of Megatron-LM's "
@@ -326,12 +329,14 @@ def _farm(argv: Sequence[str]) -> int:
         if unmet:  # a Megatron-LM script the host has no checkout of
             raise CaseError(unmet)
         missing = None if options.dry_run else gpu_stack_missing(max(case.nproc for case, _ in prepared))
-        if missing:  # said before any rank starts
+        if missing:  # said before any rank starts, after what the cases' own flags break
+            for case, _ in prepared:
+                _print_refusal(case, farm.refusal_of(case, options.out))
             raise CaseError(f"this host cannot run the cases: it {missing}; --dry-run checks their flags on CPU.")
     except CaseError as error:
         print(f"megatron-cg farm: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    outcomes, rows = [], []
+    outcomes, rows, refusals = [], [], []
     for case, notes in prepared:
         print(
             f"== {case.name}: {case.nproc} rank(s), {case.steps} steps, "
@@ -339,20 +344,32 @@ def _farm(argv: Sequence[str]) -> int:
         )
         for note in notes:
             print(f"   {note}")
-        outcome, row = _farm_case(case, options)
+        outcome, row, refusal = _farm_case(case, options)
         outcomes.append(outcome)
         rows += [row] if row else []
+        refusals += [(case, refusal)] if refusal else []
     if rows:
         print(farm.format_summary(rows))
     print(_farm_tally(outcomes))
     if "failed" in outcomes:
         return EXIT_MISMATCH
-    return EXIT_BAD_INPUT if set(outcomes) == {"refused"} else EXIT_OK  # nothing could run as written
+    if set(outcomes) == {"refused"}:  # nothing could run as written: the first case's cause, where errors go
+        _print_refusal(*refusals[0])
+        return EXIT_BAD_INPUT
+    return EXIT_OK
 
 
-def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None]:
+def _print_refusal(case: farm.FarmCase, refusal: farm.Refusal | None) -> None:
+    """A refused case on stderr, its cause (the first broken rule) on the first line."""
+    if refusal is not None:
+        lines = rules.refusal_lines(refusal.violations)
+        run = "" if refusal.mode == "graphed" else f" (the {refusal.mode} run)"
+        print(f"megatron-cg farm: {case.name}{run}: " + "\n".join(lines), file=sys.stderr)
+
+
+def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, dict | None, farm.Refusal | None]:
     """One case: checked as megatron-cg check checks (a refused case never launches), then run unless
-    ``--dry-run``; returns its outcome (passed, failed, refused, checked) and its summary row."""
+    ``--dry-run``; returns its outcome (passed, failed, refused, checked), its summary row and its refusal."""
     from megatron_cg_plugin.farm import runner as farm  # deferred: imports torch, as in _farm
 
     if options.dry_run:
@@ -362,18 +379,18 @@ def _farm_case(case: farm.FarmCase, options: argparse.Namespace) -> tuple[str, d
     refusal = farm.refusal_of(case, options.out)
     if refusal is not None:
         print("\n".join(f"   {line}" for line in refusal.lines()))
-        return "refused", None
+        return "refused", None, refusal
     if options.dry_run:
         print("   check: OK (Megatron's validation and every rule, eager and graphed)")
-        return "checked", None
+        return "checked", None, None
     try:
         result = farm.run_case(case, options.out)
     except farm.FarmRunError as error:  # the next cases still run
         print(_run_failure(error))
-        return "failed", None
+        return "failed", None, None
     problems = farm.problems_of(case, result)
     print("   " + ("PASS" if not problems else "FAIL\n   " + "\n   ".join(problems)))
-    return ("failed" if problems else "passed"), result.summary()
+    return ("failed" if problems else "passed"), result.summary(), None
 
 
 def _farm_tally(outcomes: Sequence[str]) -> str:
@@ -415,7 +432,7 @@ def _matrix(argv: Sequence[str]) -> int:
         from megatron_cg_plugin.matrix import bench as matrix_bench  # deferred: torch, as matrix above
 
         return matrix_bench.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="megatron-cg matrix", description=matrix.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser(
         "bench",
@@ -455,10 +472,11 @@ def _matrix(argv: Sequence[str]) -> int:
             return EXIT_OK
         if options.jobs < 1 or options.steps < 4:
             raise ValueError("--jobs must be >= 1 and --steps >= 4 (3 eager warmup steps, then graphed ones).")
+        selected = matrix.select_cells(cells, options.only, options.cells)  # a misspelt cell before the host
         inputs.require_output_folder("--out", options.out)
         checkout = _matrix_host_ready()
         rows = matrix.run_matrix(
-            matrix.select_cells(cells, options.only, options.cells),
+            selected,
             options.out,
             megatron_lm_dir=checkout,
             jobs=options.jobs,

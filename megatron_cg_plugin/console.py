@@ -79,11 +79,20 @@ def megatron_printout_held() -> Iterator[None]:
     """Holds back what the block prints (Megatron's argument printout) and warns: all of it comes out
     as it would have when the block succeeds. When it fails (a refusal, a parse error), stdout and the
     warnings go to a log file instead, and the block's stderr (the cause) is printed, then one line
-    naming the log."""
+    naming the log; an exception the caller reports (not a ``SystemExit``) carries that line as a note
+    instead, so that its own message stays the first line. Nested blocks hold nothing of their own: the
+    outermost decides (the launcher holds its own checks after Megatron's validation, which the plugin's
+    validate-args hook holds in any script)."""
+    global _holding
+    if _holding:
+        yield
+        return
+    _holding = True
     out, err = io.StringIO(), io.StringIO()
     caught: list[warnings.WarningMessage] = []
     try:
         with (
+            _root_log_streams_held(out, err),
             warnings.catch_warnings(record=True) as caught,
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
@@ -91,11 +100,33 @@ def megatron_printout_held() -> Iterator[None]:
             yield
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (None, 0)):
-            _report_failure(out.getvalue(), err.getvalue(), caught)
+            _report_failure(out.getvalue(), err.getvalue(), caught, error)
             raise
         _release(out.getvalue(), err.getvalue(), caught)
         raise
+    finally:
+        _holding = False
     _release(out.getvalue(), err.getvalue(), caught)
+
+
+_holding = False  # a megatron_printout_held block is open
+
+
+@contextlib.contextmanager
+def _root_log_streams_held(out: io.StringIO, err: io.StringIO) -> Iterator[None]:
+    """The root logger's console handlers write to ``out`` / ``err`` inside the block (Megatron's training
+    module logs its set-up to the stdout it found at import, which ``redirect_stdout`` does not reach)."""
+    held = {sys.stdout: out, sys.__stdout__: out, sys.stderr: err, sys.__stderr__: err}
+    saved = []
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and stream in held:
+            saved.append((handler, handler.setStream(held[stream])))
+    try:
+        yield
+    finally:
+        for handler, stream in saved:
+            handler.setStream(stream)
 
 
 def _release(out: str, err: str, caught: list[warnings.WarningMessage]) -> None:
@@ -106,16 +137,17 @@ def _release(out: str, err: str, caught: list[warnings.WarningMessage]) -> None:
     sys.stderr.write(err)
 
 
-def _report_failure(out: str, err: str, caught: list[warnings.WarningMessage]) -> None:
+def _report_failure(out: str, err: str, caught: list[warnings.WarningMessage], error: BaseException) -> None:
     notes = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
     log = _keep_log(out + notes)
     sys.stderr.write(err)
-    if log is not None:
-        print(
-            f"{_PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}",
-            file=sys.stderr,
-            flush=True,
-        )
+    if log is None:
+        return
+    line = f"{_PLUGIN_PREFIX} Megatron's printout of the arguments and its warnings: {log}"
+    if isinstance(error, SystemExit):  # the refusal is printed above (err): the log comes after it
+        print(line, file=sys.stderr, flush=True)
+    else:
+        error.add_note(line)
 
 
 def failure_cause(text: str) -> str | None:

@@ -7,25 +7,20 @@ that sets Megatron's globals for a run or a check (every change listed in ``patc
 (``ledger.PRIVATE_API``), applies every patch in ``ledger.PATCHES`` (all or nothing), saves the
 attributes the run may lend (``ledger.LENT``) and creates the run's ``RunSession``; ``uninstall()``
 restores each patched and lent attribute to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
-lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``).
+lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``, and a run's own validation
+on a host without a GPU); it lives in ``refusal``, beside the validation that uses it, and is named here too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import os
-import types
-from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from megatron_cg_plugin import compat, foreign_state, rules
 from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
-from megatron_cg_plugin.refusal import enforce_for_session, refuse
+from megatron_cg_plugin.refusal import TE_KERNELS, enforce_for_session, gpu_host_stand_ins, refuse
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import plugin_config
 
@@ -88,7 +83,7 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     # Megatron's parser reads WORLD_SIZE and RANK with int() before any rule runs: the environment's rules first.
     broken_environment = rules.environment_violations(os.environ)
     if broken_environment:
-        raise refuse(broken_environment, rules.RuleViolation.HEADING, environ=os.environ)
+        raise refuse(broken_environment, environ=os.environ)
     versions = compat.installed_versions()
     compat.check_versions(versions, require_te=False)
     with_te = versions.transformer_engine is not None
@@ -109,7 +104,8 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
 
 
 def _enforce_on_parsed_args(session: RunSession) -> None:
-    """A script that parsed its arguments before ``install()``: its flags get the rules now."""
+    """A script that parsed its arguments before ``install()``: its flags get the rules now, the host's too (no
+    validation follows that would ask them)."""
     from megatron.training.global_vars import get_args
 
     try:
@@ -117,7 +113,7 @@ def _enforce_on_parsed_args(session: RunSession) -> None:
     except AssertionError:  # Megatron asserts when its args were never parsed
         return
     if args is not None:
-        enforce_for_session(args, session, environ=os.environ)
+        enforce_for_session(args, session, environ=os.environ, host_rules=True)
 
 
 def uninstall() -> None:
@@ -140,64 +136,3 @@ def finish(print_fn: Any = print) -> Any:
     if _installed is None:
         return None
     return _installed.session.finish(print_fn=print_fn)
-
-
-def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
-    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
-
-
-# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
-TE_KERNELS = (
-    (
-        "megatron.core.models.common.embeddings.rope_utils",
-        ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"),
-    ),  # --apply-rope-fusion
-    (
-        "megatron.core.transformer.moe.moe_utils",
-        (
-            "fused_permute",
-            "fused_permute_with_probs",
-            "fused_sort_chunks_by_index",
-            "fused_sort_chunks_by_index_with_probs",
-            "fused_unpermute",
-        ),
-    ),  # --moe-permute-fusion
-)
-
-
-@contextlib.contextmanager
-def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
-    differ, all restored on exit (``ledger.SCOPED``): when there is no GPU here,
-    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
-    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
-    not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
-    RoPE and permutation fusion) are stand-ins that are never called, and Megatron's cached TE
-    version is the lowest release the plugin supports (its config checks gate features on it;
-    unset, they would read 0.0.0)."""
-    from megatron.core import utils as megatron_utils
-
-    with foreign_state.Changes() as changes:
-        if not torch.cuda.is_available():
-            properties = types.SimpleNamespace(
-                major=capability[0],
-                minor=capability[1],
-                name=f"stand-in sm_{capability[0]}{capability[1]}",
-                total_memory=0,
-                multi_processor_count=0,
-            )
-            changes.set(
-                torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins"
-            )
-            changes.set(
-                torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins"
-            )
-        for module_name, names in TE_KERNELS:
-            module = importlib.import_module(module_name)
-            for name in names:
-                if getattr(module, name, None) is None:  # TE's kernel did not import here
-                    changes.set(module, name, _te_kernel_stand_in, change="te-kernel-stand-ins")
-        if not compat.te_available():
-            lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
-            changes.set(megatron_utils, "_te_version", lowest, change="te-version-stand-in")
-        yield

@@ -1,24 +1,36 @@
-"""Megatron's command-line parser, made to fail in one line.
+"""Megatron's command-line parser, and the plugin's own, made to fail in one line.
 
 Megatron's parser prints its whole usage (about 700 lines) before the line that matters, and a
 bad ``--cuda-graph-modules`` value escapes argparse as a ``KeyError`` traceback (its type function
 indexes an enum). ``shorten`` fixes both on one parser object: an unknown flag gets one line naming
 it and the closest valid flags, a bad value one line listing the valid ones. Nothing global changes:
-the parser lives for one ``parse_args`` call.
+the parser lives for one ``parse_args`` call. ``reported_as`` names the plugin's command in those lines,
+and the plugin's own parsers (``OneLineErrors``) put the error first as well, not their usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import difflib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, cast
 
 from megatron_cg_plugin.config import add_plugin_args
 
-__all__ = ["GRAPH_MODULE_FLAGS", "plugin_args_provider", "printable_help", "short_message", "shorten", "suggestions"]
+__all__ = [
+    "GRAPH_MODULE_FLAGS",
+    "OneLineErrors",
+    "plugin_args_provider",
+    "printable_help",
+    "reported_as",
+    "short_message",
+    "shorten",
+    "suggestions",
+]
 
 GRAPH_MODULE_FLAGS = frozenset({"--cuda-graph-modules", "--cuda-graph-scope"})
 
@@ -36,23 +48,50 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def short_message(parser: argparse.ArgumentParser, message: str) -> str:
-    """One line for an argparse error: unknown flags with their closest valid spellings."""
+def short_message(parser: argparse.ArgumentParser, message: str, *, prog: str | None = None) -> str:
+    """One line for an argparse error: unknown flags with their closest valid spellings; ``prog`` (default
+    the parser's) names the command whose flags they are."""
+    prog = prog or parser.prog
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
-        return f"{parser.prog}: error: {message}"
+        return f"{prog}: error: {message}"
     options = [option for option in parser._option_string_actions if option.startswith("--")]
     unknown = [token for token in message[len(prefix) :].split() if token.startswith("-") and not _is_number(token)]
     parts = []
     for flag in unknown or message[len(prefix) :].split():
         close = suggestions(flag, options)
         parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
-    return f"{parser.prog}: error: unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+    return f"{prog}: error: unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+
+
+# The command a user typed, where Megatron's parser (whose prog is the script's name, ``pretrain_gpt`` for the
+# plugin's dry run) reads flags for it: ``megatron-cg check``, ``megatron-cg run``.
+_REPORTED_AS: contextvars.ContextVar[str | None] = contextvars.ContextVar("reported_as", default=None)
+
+
+@contextlib.contextmanager
+def reported_as(command: str) -> Iterator[None]:
+    """Inside the block, Megatron's parser errors (``shorten``) name ``command``, not the script's name."""
+    token = _REPORTED_AS.set(command)
+    try:
+        yield
+    finally:
+        _REPORTED_AS.reset(token)
 
 
 def _error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    print(short_message(parser, message), file=sys.stderr)
+    print(short_message(parser, message, prog=_REPORTED_AS.get()), file=sys.stderr)
     parser.exit(2)
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """The plugin's own command parsers: an error is one line naming the argument (``short_message``), then
+    where the command's help is, instead of argparse's usage block before the error. Its subparsers are of
+    this class too (argparse makes them of the parser's own class)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{short_message(self, message)}\n  ({self.prog} --help lists its arguments)", file=sys.stderr)
+        self.exit(2)
 
 
 def _graph_module_type(parse: Callable[[str], Any], valid: list[str]) -> Callable[[str], Any]:

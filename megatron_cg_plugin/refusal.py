@@ -1,31 +1,44 @@
-"""How a run whose flags break a rule stops: before any GPU work, with one line per broken rule
-(printed by rank 0 and each node's first rank), exit code 2 and no traceback.
+"""How a run whose flags break a rule stops: before any GPU work, with one line per broken rule, the
+first broken rule on the first line (``rules.refusal_lines``, printed by rank 0 and each node's first
+rank), exit code 2 and no traceback.
 
 ``enforce(args, ...)`` runs the shared rule list (``rules.check_run``) on Megatron's parsed
 arguments; ``install()`` calls it from Megatron's ``validate_args`` in any training script, the
-launcher through the same hook. Megatron's own argument assertions are shortened the same way.
+launcher through the same hook. Megatron's own argument assertions are shortened the same way. The
+flags come before the host: on a host without a GPU the validation runs as on the GPU host
+(``host_validation``, with ``gpu_host_stand_ins``, which ``megatron-cg check`` uses too), and what
+the host lacks is asked once the flags passed (``refuse_host``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
 import sys
+import time
 import traceback
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from megatron_cg_plugin import rules
+from megatron_cg_plugin import compat, foreign_state, rules
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.settings import RunSettings
 
 __all__ = [
-    "MEGATRON_HEADING",
     "MEGATRON_REJECTIONS",
+    "SILENT_RANK_GRACE_S",
+    "TE_KERNELS",
     "RunRefused",
     "enforce_for_session",
+    "gpu_host_stand_ins",
+    "gpu_missing",
+    "host_validation",
     "megatron_rejection",
     "missing_required_flags",
     "refuse",
+    "refuse_host",
     "refuse_megatron",
     "transformer_config_backstop",
 ]
@@ -34,7 +47,6 @@ _EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, ValueError/TypeError/RuntimeError from validate_args
 # and TransformerConfig.__post_init__, and arithmetic on a size that makes no sense (a division by zero).
 MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError, ArithmeticError)
-MEGATRON_HEADING = "Megatron rejects these flags:"
 # Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
 _REQUIRED_FLAGS = (
     "--micro-batch-size",
@@ -45,24 +57,29 @@ _REQUIRED_FLAGS = (
 )
 # How those asserts read: "assert args.micro_batch_size is not None", "hidden_size argument is None".
 _NOT_GIVEN = re.compile(r"args\.(\w+) is not None|^(\w+) argument is None")
+# megatron-core 0.19.2's batch check (arguments.py), on the eval sizes, which default to --global-batch-size and
+# --micro-batch-size: the first batch check a run meets.
+_EVAL_BATCH = re.compile(
+    r"^eval_global_batch_size \((\d+)\) must be divisible by eval_micro_batch_size \((\d+)\) \* "
+    r"data_parallel_size \((\d+)\)"
+)
+# How long a rank that does not print a refusal waits before it stops (``_announced``).
+SILENT_RANK_GRACE_S = 10.0
 
 
 class RunRefused(SystemExit):
     """The run stops before any GPU work; ``violations`` are the (rule, message) pairs, ``megatron``
-    standing for Megatron's own checks, listed after the plugin's rules under a heading of their own."""
+    standing for Megatron's own checks, printed cause first (``rules.refusal_lines``). ``host`` instead
+    says what this host lacks for flags that pass every check."""
 
-    def __init__(self, violations: list[tuple[str, str]], heading: str) -> None:
+    def __init__(self, violations: list[tuple[str, str]], host: str | None = None) -> None:
         super().__init__(_EXIT_REFUSED)
         self.violations = violations
-        self.heading = heading
+        self.host = host
 
     @property
     def text(self) -> str:
-        plugin = [f"  [{name}] {message}" for name, message in self.violations if name != "megatron"]
-        megatron = [f"  [{name}] {message}" for name, message in self.violations if name == "megatron"]
-        if plugin and megatron:
-            return "\n".join([self.heading, *plugin, MEGATRON_HEADING, *megatron])
-        return "\n".join([self.heading, *plugin, *megatron])
+        return self.host if self.host is not None else "\n".join(rules.refusal_lines(self.violations))
 
 
 def megatron_rejection(error: BaseException) -> str:
@@ -73,6 +90,14 @@ def megatron_rejection(error: BaseException) -> str:
         return message
     frame = frames[-1]
     text = f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
+    batch = _EVAL_BATCH.search(message)
+    if batch is not None:  # the eval batch defaults to the training one: name the flags a user gave
+        global_batch, micro_batch, data_parallel = batch.groups()
+        return (
+            f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro_batch} x the "
+            f"data-parallel size {data_parallel} (ranks / (TP x PP x CP)): change either (or "
+            f"--eval-global-batch-size / --eval-micro-batch-size, where given): {text}"
+        )
     match = _NOT_GIVEN.search(message) or _NOT_GIVEN.search(frame.line or "")
     if match is None:
         return text
@@ -84,15 +109,45 @@ def missing_required_flags(args: Any) -> list[str]:
     return [flag for flag in _REQUIRED_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is None]
 
 
-def refuse(violations: list[tuple[str, str]], heading: str, *, environ: Mapping[str, str]) -> RunRefused:
+def refuse(violations: list[tuple[str, str]], *, environ: Mapping[str, str]) -> RunRefused:
     """Prints the refusal on rank 0 and on each node's first rank (every rank stops) and returns
     the exception to raise."""
-    refusal = RunRefused(violations, heading)
+    return _announced(RunRefused(violations), environ)
+
+
+def refuse_host(settings: RunSettings | None, *, environ: Mapping[str, str]) -> RunRefused | None:
+    """What this host lacks for flags that passed every other check (which ran as on the GPU host,
+    ``host_validation``), as the refusal to raise: the host's rules (``rules.HOST_RULES``: TE, APEX, the
+    GPU's recipes) on the run's ``settings``, then a GPU. None where the host has all it needs."""
+    broken = [] if settings is None else rules.violations(settings, rules.HOST_RULES)
+    if broken:
+        return refuse(broken, environ=environ)
+    if not gpu_missing():
+        return None
+    return _announced(
+        RunRefused(
+            [],
+            host="this host has no CUDA GPU, which training needs (the flags pass Megatron's checks and the "
+            "plugin's rules; megatron-cg check validates flags on a machine without one).",
+        ),
+        environ,
+    )
+
+
+def gpu_missing() -> bool:
+    return compat.device_capability() is None
+
+
+def _announced(refusal: RunRefused, environ: Mapping[str, str]) -> RunRefused:
     # Once per node: files and environment differ between hosts, so another node's verdict may too. A rank
     # that is no number (rule environment-values refuses it) cannot tell whether it is the first: it prints.
     ranks = [environ.get(name, "0").strip() for name in ("RANK", "LOCAL_RANK")]
     if any(rank == "0" or not rank.isdigit() for rank in ranks):
         print(f"megatron-cg-plugin: {refusal.text}", file=sys.stderr, flush=True)
+    elif environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        # A launcher (torchrun) stops every rank when the first one exits: a silent rank waits, so that the
+        # rank saying why is not stopped before it has.
+        time.sleep(SILENT_RANK_GRACE_S)
     return refusal
 
 
@@ -102,10 +157,81 @@ def refuse_megatron(
     """Megatron's refusal, after the plugin's rules the flags break too (``plugin``, from
     ``rules.unvalidated_plugin_violations``: Megatron stops at its first assertion, often the world
     size, before the rules run, and a rule names the flag to change)."""
-    megatron = ("megatron", megatron_rejection(error))
-    if plugin:
-        return refuse([*plugin, megatron], rules.RuleViolation.HEADING, environ=environ)
-    return refuse([megatron], MEGATRON_HEADING, environ=environ)
+    return refuse([*plugin, ("megatron", megatron_rejection(error))], environ=environ)
+
+
+@contextlib.contextmanager
+def host_validation() -> Iterator[bool]:
+    """Megatron's validation and the rules as they run on the GPU host: on a host without a GPU, under
+    ``gpu_host_stand_ins``, so the flags' own problems are named before the host's (``refuse_host``, asked
+    after the block: inside it a stand-in GPU answers). Yields whether this host has a GPU."""
+    if not gpu_missing():
+        yield True
+        return
+    with gpu_host_stand_ins():
+        yield False
+
+
+def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
+
+
+# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
+TE_KERNELS = (
+    (
+        "megatron.core.models.common.embeddings.rope_utils",
+        ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"),
+    ),  # --apply-rope-fusion
+    (
+        "megatron.core.transformer.moe.moe_utils",
+        (
+            "fused_permute",
+            "fused_permute_with_probs",
+            "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs",
+            "fused_unpermute",
+        ),
+    ),  # --moe-permute-fusion
+)
+
+
+@contextlib.contextmanager
+def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
+    differ, all restored on exit (``ledger.SCOPED``): when there is no GPU here,
+    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
+    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
+    not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
+    RoPE and permutation fusion) are stand-ins that are never called, and Megatron's cached TE
+    version is the lowest release the plugin supports (its config checks gate features on it;
+    unset, they would read 0.0.0)."""
+    import torch
+    from megatron.core import utils as megatron_utils
+
+    with foreign_state.Changes() as changes:
+        if not torch.cuda.is_available():
+            properties = types.SimpleNamespace(
+                major=capability[0],
+                minor=capability[1],
+                name=f"stand-in sm_{capability[0]}{capability[1]}",
+                total_memory=0,
+                multi_processor_count=0,
+            )
+            changes.set(
+                torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins"
+            )
+            changes.set(
+                torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins"
+            )
+        for module_name, names in TE_KERNELS:
+            module = importlib.import_module(module_name)
+            for name in names:
+                if getattr(module, name, None) is None:  # TE's kernel did not import here
+                    changes.set(module, name, _te_kernel_stand_in, change="te-kernel-stand-ins")
+        if not compat.te_available():
+            lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
+            changes.set(megatron_utils, "_te_version", lowest, change="te-version-stand-in")
+        yield
 
 
 def transformer_config_backstop(args: Any) -> None:
@@ -127,12 +253,12 @@ def enforce(
 
 
 def _enforce(
-    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None
+    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None, host_rules: bool = True
 ) -> tuple[RunSettings, PluginConfig | None]:
     try:
-        settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config)
+        settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config, host_rules=host_rules)
     except rules.RuleViolation as violation:
-        raise refuse(violation.violations, rules.RuleViolation.HEADING, environ=environ) from None
+        raise refuse(violation.violations, environ=environ) from None
     if launcher:
         try:
             transformer_config_backstop(args)
@@ -141,10 +267,13 @@ def _enforce(
     return settings, resolved
 
 
-def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str]) -> None:
-    """``enforce`` for an installed run: the session's explicit config wins, else the flags' resolves
-    it, and the session takes the run's settings (``RunSession.take_settings``, which has the planners
+def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str], host_rules: bool = False) -> None:
+    """``enforce`` for an installed run, without the host's rules unless ``host_rules`` (the validate-args hook
+    asks them once the flags passed, ``refuse_host``): the session's explicit config wins, else the flags'
+    resolves it, and the session takes the run's settings (``RunSession.take_settings``, which has the planners
     predict the run for the report)."""
-    settings, resolved = _enforce(args, environ=environ, launcher=session.launcher, config=session.explicit_config)
+    settings, resolved = _enforce(
+        args, environ=environ, launcher=session.launcher, config=session.explicit_config, host_rules=host_rules
+    )
     session.resolve_config(resolved)
     session.take_settings(settings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_cg_plugin import compat
@@ -30,11 +30,13 @@ from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES
 from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, environment_settings, read_settings
 
 __all__ = [
+    "HOST_RULES",
     "RULES",
     "RuleViolation",
     "check_run",
     "environment_violations",
     "markdown_rows",
+    "refusal_lines",
     "size_violations",
     "unvalidated_plugin_violations",
     "validate",
@@ -42,17 +44,25 @@ __all__ = [
 ]
 
 _SLOT_FP8_RECIPES = ("delayed", "tensorwise")  # --fp8-recipe values slot-shared capture takes
+DOCS = "see docs/troubleshooting.md"  # where every rule is explained, named at the end of each refusal
+
+
+def refusal_lines(violations: Sequence[tuple[str, str]]) -> list[str]:
+    """A refusal as printed: its cause first (the first broken rule, ``[name] message``, ``megatron`` for
+    Megatron's own checks), the other broken rules indented a line each, then one line pointing to the rules'
+    docs. Each entry point puts its name before the first line."""
+    first, *others = [f"[{name}] {message}" for name, message in violations]
+    count = len(violations)
+    return [first, *(f"  {line}" for line in others), f"  ({count} rule{'s' if count > 1 else ''} broken: {DOCS})"]
 
 
 class RuleViolation(ValueError):
-    """Flags a run cannot train with; the message lists each broken rule and its fix, a line each."""
-
-    HEADING = "these flags break the plugin's rules (docs/troubleshooting.md):"
+    """Flags a run cannot train with; the message is ``refusal_lines``: the first broken rule and its fix
+    first, the others a line each."""
 
     def __init__(self, violations: list[tuple[str, str]]) -> None:
         self.violations = violations
-        lines = [f"  [{name}] {message}" for name, message in violations]
-        super().__init__(self.HEADING + "\n" + "\n".join(lines))
+        super().__init__("\n".join(refusal_lines(violations)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -890,8 +900,17 @@ def markdown_rows(rules: tuple[_Rule, ...] = RULES) -> str:
     return "\n".join(f"| `{rule.name}` | {rule.source} | {rule.fix} |" for rule in rules)
 
 
+# Rules about what this host lacks (Transformer Engine, APEX, a GPU able to run the recipe) rather than what the
+# flags say: a run asks them once the flags' own rules passed (``check_run(host_rules=False)``, then ``HOST_RULES``),
+# and a refusal lists them last, so its first line is a flag to change where there is one.
+_HOST_RULE_NAMES = frozenset({"te-installed", "gradient-accumulation-fusion", "fp8-recipe-device", "fp4-device"})
+HOST_RULES = tuple(rule for rule in RULES if rule.name in _HOST_RULE_NAMES)
+_FLAG_RULES = tuple(rule for rule in RULES if rule.name not in _HOST_RULE_NAMES)
+
+
 def violations(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> list[tuple[str, str]]:
-    return [(rule.name, rule.message(facts)) for rule in rules if rule.violated(facts)]
+    broken = [rule for rule in rules if rule.violated(facts)]
+    return [(rule.name, rule.message(facts)) for rule in sorted(broken, key=lambda rule: rule.name in _HOST_RULE_NAMES)]
 
 
 def validate(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> None:
@@ -958,12 +977,14 @@ def check_run(
     launcher: bool = False,
     config: PluginConfig | None = None,
     te_present: bool | None = None,
+    host_rules: bool = True,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
     ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
-    the files the flags name, then every rule. Raises ``RuleViolation`` listing each broken rule;
-    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides
-    the probe (the CPU dry run checks flags for a GPU host it is not running on)."""
+    the files the flags name, then every rule (without ``HOST_RULES`` unless ``host_rules``). Raises
+    ``RuleViolation`` listing each broken rule; returns the run's settings (``settings.RunSettings``)
+    and the config. ``te_present`` overrides the probe (the CPU dry run checks flags for a GPU host it
+    is not running on)."""
     settings, config = read_settings(
         args,
         env=env,
@@ -976,5 +997,5 @@ def check_run(
         device_capability=compat.device_capability(),
         cuda_version=compat.torch_cuda_version(),
     )
-    validate(settings)
+    validate(settings, RULES if host_rules else _FLAG_RULES)
     return settings, config

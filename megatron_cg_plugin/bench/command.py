@@ -23,7 +23,6 @@ helper and graph pool, all alive together, and then alternates single steps in m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -36,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from megatron_cg_plugin import foreign_state, installation, rules
+from megatron_cg_plugin import console, foreign_state, installation, rules
 from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.bench.output import (
     ALL_ARMS,
@@ -70,6 +69,7 @@ from megatron_cg_plugin.inputs import output_folder_problem
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
+from megatron_cg_plugin.parse_errors import OneLineErrors
 from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import read_settings
@@ -249,7 +249,7 @@ class BenchOptions:
 
 def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     """The bench's own ``--bench-*`` options, and the launcher flags left."""
-    parser = argparse.ArgumentParser(prog="megatron-cg bench", add_help=False)
+    parser = OneLineErrors(prog="megatron-cg bench", add_help=False)
     # Sizes without a default here: a size the chosen schedule does not use is refused, not ignored.
     parser.add_argument("--bench-rounds", type=int)
     parser.add_argument("--bench-steps", type=int)
@@ -1284,17 +1284,14 @@ def main(argv: Sequence[str]) -> int:
     flags = [*flags, "--train-iters", str(options.total_steps), "--eval-iters", "0"]
     results: list[BenchResult] = []
 
-    def check(args: Any, config: PluginConfig) -> None:
-        refuse_unbenchable(args, config, options)  # the config the flags resolved
-        if options.plot:  # asked for once the flags passed, before any GPU work
-            bench_output.plot_available()
-
     code = run_in_first_train_step(
         script,
         flags,
         training,
-        check,
+        lambda args, config: refuse_unbenchable(args, config, options),  # the config the flags resolved
         lambda before: bench_train_step(options, flags, training.train_step, results, before=before),
+        # asked for once the flags and the host passed, before any GPU work
+        host_ready=bench_output.plot_available if options.plot else lambda: None,
     )
     if code and not results:
         raise BenchError(f"{script} exited with code {code} before the bench ran; its output is above.")
@@ -1316,19 +1313,24 @@ def run_in_first_train_step(
     make_driver: Callable[[Callable[[], None] | None], Callable[..., Any]],
     *,
     command: str = "bench",
+    host_ready: Callable[[], None] = lambda: None,
 ) -> int:
     """Builds the model of ``flags`` with the plugin installed and hands Megatron's first ``train_step`` to
     ``make_driver``'s stand-in (``first_train_step``): the launcher's model and data (``script`` None), its
-    flags parsed and ``check``ed (Megatron's args, the plugin config they resolved) before any GPU work; or a
-    user's own script, run as ``megatron-cg run`` runs it, which parses its flags and builds its model and
-    data, so ``check`` comes at its first train_step (the stand-in is made with it to run first). Returns
-    the script's exit code (0 for the launcher)."""
+    flags parsed and ``check``ed (Megatron's args, the plugin config they resolved), then the host's needs,
+    then ``host_ready`` (an optional extra the command asks for), all before any GPU work; or a user's own
+    script, run as ``megatron-cg run`` runs it, which parses its flags and builds its model and data, so
+    ``check`` comes at its first train_step (the stand-in is made with it to run first). Returns the
+    script's exit code (0 for the launcher)."""
     if script is None:
         with single_process_rendezvous():
             session = installation.install(launcher=True)
             try:
-                args = pretrain_gpt.parse_megatron_args(flags)
-                check(args, session.config)
+                with console.megatron_printout_held():  # Megatron's printout, until the command's checks pass
+                    args = pretrain_gpt.parse_megatron_args(flags)
+                    check(args, session.config)
+                    pretrain_gpt.refuse_host_needs(session)
+                host_ready()
                 driver = make_driver(None)
                 with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
                     pretrain_gpt.run(args, session)
@@ -1342,6 +1344,7 @@ def run_in_first_train_step(
         if session is None:
             raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg {command}.")
         check(get_args(), session.config)
+        host_ready()
 
     with foreign_state.setting(training, "train_step", make_driver(before), change="bench-train-step"):
         return run_script.run_in_process(script, run_script.expand_preset(flags))

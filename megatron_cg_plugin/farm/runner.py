@@ -57,6 +57,7 @@ __all__ = [
     "platform_of",
     "prepare_case",
     "problems_of",
+    "Refusal",
     "refusal_of",
     "run_case",
     "without_graph_only_flags",
@@ -404,7 +405,7 @@ def _before_capture(case: FarmCase, first_step: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refusal:
+class Refusal:
     """A case whose flags Megatron or a rule refuses: it cannot run as written, which is no failure of
     the plugin. ``violations`` are (rule, message) pairs, ``megatron`` for Megatron's own checks."""
 
@@ -418,7 +419,7 @@ class _Refusal:
         ]
 
 
-def refusal_of(case: FarmCase, out_dir: Path) -> _Refusal | None:
+def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
     """Checks both runs' flags as ``megatron-cg check`` does (Megatron's validation, then every rule,
     on the case's ranks and environment, for the GPU host); None when both would start."""
     env = dict(case.env)
@@ -432,11 +433,11 @@ def refusal_of(case: FarmCase, out_dir: Path) -> _Refusal | None:
                     case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**host, **env}
                 )
         except rules.RuleViolation as violation:
-            return _Refusal(mode, tuple(violation.violations))
+            return Refusal(mode, tuple(violation.violations))
         except dry_run.CheckError as error:
-            return _Refusal(mode, tuple(error.violations))
+            return Refusal(mode, tuple(error.violations))
         except SystemExit:  # Megatron's parser: a flag this megatron-core does not know, a bad value
-            return _Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
+            return Refusal(mode, (("megatron", parse_errors.getvalue().strip() or "its parser refused the flags"),))
     return None
 
 
@@ -669,8 +670,8 @@ class CaseResult:
 
 class FarmRunError(MultiRankError):
     """One of a case's two runs failed: ``cause`` is the line worth reading (the plugin's refusal, the
-    last exception line of the first failing rank), ``details`` the failing ranks' output tails and
-    ``log_dir`` where every rank's whole output is."""
+    last exception line of the first failing rank: ``found``, None where there is neither), ``details`` the
+    failing ranks' output tails and ``log_dir`` where every rank's whole output is."""
 
     def __init__(self, mode: str, log_dir: Path, error: MultiRankError) -> None:
         roots = [failure for failure in error.failures if not failure.terminated]
@@ -678,7 +679,7 @@ class FarmRunError(MultiRankError):
             (cause for cause in (failure_cause(f.stderr_tail + "\n" + f.stdout_tail) for f in roots) if cause), None
         )
         head = f"rank {roots[0].rank} (exit code {roots[0].exitcode})" if roots else str(error).splitlines()[0]
-        self.mode, self.log_dir = mode, log_dir
+        self.mode, self.log_dir, self.found = mode, log_dir, found
         self.cause = f"the {mode} run failed: {head}" + (f": {found}" if found else "")
         self.details = "".join(str(failure) for failure in roots) or str(error)
         super().__init__(self.cause, error.failures, error.timed_out)

@@ -14,12 +14,11 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_cg_plugin import compat, rules
-from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.refusal import (
-    MEGATRON_HEADING,
     MEGATRON_REJECTIONS,
+    gpu_host_stand_ins,
     megatron_rejection,
     missing_required_flags,
     transformer_config_backstop,
@@ -71,11 +70,8 @@ def _process_state_kept() -> Iterator[None]:
 
 def _megatron_rejects(error: BaseException, plugin: Sequence[tuple[str, str]] = ()) -> CheckError:
     """Megatron's refusal, after the plugin's own rules that the flags break too (``plugin``)."""
-    rejection = megatron_rejection(error)
-    megatron = f"{MEGATRON_HEADING} {rejection}"
-    return CheckError(
-        f"{rules.RuleViolation(list(plugin))}\n{megatron}" if plugin else megatron, [*plugin, ("megatron", rejection)]
-    )
+    violations = [*plugin, ("megatron", megatron_rejection(error))]
+    return CheckError("\n".join(rules.refusal_lines(violations)), violations)
 
 
 def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:

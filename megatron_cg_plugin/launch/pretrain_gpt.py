@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from megatron_cg_plugin import console, helptext, installation
+from megatron_cg_plugin import console, helptext, installation, parse_errors
 from megatron_cg_plugin.banks.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
 from megatron_cg_plugin.data.sources import build_datasets
@@ -29,8 +30,9 @@ from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 from megatron_cg_plugin.packed.batches import packed_batch_params, with_packed_keys
 from megatron_cg_plugin.parse_errors import plugin_args_provider, printable_help
+from megatron_cg_plugin.refusal import refuse_host
 
-__all__ = ["ARGS_DEFAULTS", "main", "parse_megatron_args", "run"]
+__all__ = ["ARGS_DEFAULTS", "main", "parse_megatron_args", "refuse_host_needs", "run"]
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -179,13 +181,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"megatron_cg_plugin.pretrain_gpt: {error}", file=sys.stderr)
         return 2
-    with single_process_rendezvous():
+    with single_process_rendezvous(), parse_errors.reported_as("megatron_cg_plugin.pretrain_gpt"):
         session = installation.install(launcher=True)
         try:
-            run(parse_megatron_args(argv), session)  # validate_args ran every rule: the flags can train
+            with console.megatron_printout_held():
+                args = parse_megatron_args(argv)  # validate_args ran every rule: the flags can train
+                refuse_host_needs(session)
+            run(args, session)
         finally:
             installation.uninstall()
     return 0
+
+
+def refuse_host_needs(session: Any) -> None:
+    """What the host lacks (``refusal.refuse_host``), asked once the flags passed every check (the validate-args
+    hook checked them as on the GPU host): the launcher asks it after Megatron's validation, the bench after its
+    own checks of the flags too."""
+    refusal = refuse_host(session.settings, environ=os.environ)
+    if refusal is not None:
+        raise refusal
 
 
 def run(args: Any, session: Any) -> None:

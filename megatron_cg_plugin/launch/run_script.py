@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_cg_plugin import compat, console, installation
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
+from megatron_cg_plugin.parse_errors import OneLineErrors, reported_as
 
 __all__ = ["EXIT_BAD_INPUT", "expand_preset", "main", "parser", "run_in_process"]
 
@@ -31,7 +32,7 @@ _RANK_ENTRY = "megatron_cg_plugin.launch.run_script"
 
 
 def parser() -> argparse.ArgumentParser:
-    result = argparse.ArgumentParser(
+    result = OneLineErrors(
         prog="megatron-cg run", description="Run a Megatron training script with megatron-cg-plugin installed."
     )
     result.add_argument(
@@ -92,20 +93,31 @@ def _launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in every multi-GPU run
+    # torchrun's own default, set here so that its banner about it does not come before a refusal's cause.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch_args = torchrun.get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", _RANK_ENTRY, str(script), *args]
     )
     try:
         torchrun.run(launch_args)
     except ChildFailedError as failure:
-        ranks = ", ".join(f"rank {rank} (exit code {info.exitcode})" for rank, info in sorted(failure.failures.items()))
+        codes = {rank: info.exitcode for rank, info in sorted(failure.failures.items())}
+        ranks = ", ".join(f"rank {rank} (exit code {code})" for rank, code in codes.items())
+        if EXIT_BAD_INPUT in codes.values():  # a rank refused the flags (or the host), and said why above
+            print(f"megatron-cg run: {script} was refused on {ranks}; the cause is above.", file=sys.stderr)
+            return EXIT_BAD_INPUT
         print(f"megatron-cg run: {script} failed on {ranks}; its output is above.", file=sys.stderr)
         return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    with reported_as("megatron-cg run"):  # the script's parser reads its flags for this command
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    options = parser().parse_args(argv)
     script = Path(options.script)
     if not script.is_file():
         print(f"megatron-cg run: no such script {script}; give the path of a Python training script.", file=sys.stderr)

@@ -19,7 +19,6 @@ go to every ``megatron-cg bench`` as given (its ``--bench-*`` options). The benc
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -39,6 +38,7 @@ from megatron_cg_plugin.farm.runner import REPO, data_flags, megatron_lm_dir_fro
 from megatron_cg_plugin.inputs import positive, require_output_folder
 from megatron_cg_plugin.launch.rendezvous import single_process_values
 from megatron_cg_plugin.matrix.runner import Cell, cell_env, cell_flags, farm_case, load_cells, refusal_of, select_cells
+from megatron_cg_plugin.parse_errors import OneLineErrors
 
 __all__ = [
     "BenchProcesses",
@@ -366,7 +366,7 @@ def main(argv: Sequence[str]) -> int:
     """``megatron-cg matrix bench``; what follows ``--`` goes to every ``megatron-cg bench``."""
     argv = list(argv)
     own, bench_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="megatron-cg matrix bench",
         usage=_USAGE,
         epilog="The flags after -- go to every megatron-cg bench "

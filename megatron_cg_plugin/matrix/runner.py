@@ -32,7 +32,14 @@ from typing import Any
 
 from megatron_cg_plugin.farm.distributed import MultiRankError
 from megatron_cg_plugin.farm.ports import PortAllocator
-from megatron_cg_plugin.farm.runner import MEGATRON_LM_SCRIPT, FarmCase, differing_steps, problems_of, run_case
+from megatron_cg_plugin.farm.runner import (
+    MEGATRON_LM_SCRIPT,
+    FarmCase,
+    FarmRunError,
+    differing_steps,
+    problems_of,
+    run_case,
+)
 from megatron_cg_plugin.farm.runner import refusal_of as farm_refusal_of
 from megatron_cg_plugin.inputs import InputError, read_json, require_fields
 from megatron_cg_plugin.matrix.covering import all_pairs, uncovered_pairs
@@ -71,6 +78,7 @@ FACTORS: dict[str, tuple[str, ...]] = {
 # their names) and adds cells for the new pairs only.
 _EXTENDED = {"loop": "train"}
 MATRIX_STEPS = 10  # 3 eager warmup steps, then 7 graphed ones
+_TAIL_LINES = 5  # of a failed cell's error on screen, under its first line
 _MICROBATCHES = 4  # per step: the global batch is 4 micro-batches on one rank
 _SEQ = 2048
 
@@ -296,7 +304,7 @@ def run_cell(
     try:
         result = run_case(case, out_dir, timeout_s=timeout_s, ports=ports)
     except (MultiRankError, OSError, ValueError) as error:  # a run that died: the cell is a failure, the rest go on
-        return {**row, "result": "failed", "problems": [f"{type(error).__name__}: {str(error)[-1500:]}"]}
+        return {**row, "result": "failed", "problems": [_failure(error)]}
     finally:  # a cell's checkpoints only carry its run to its resumed half: cells side by side would fill the disk
         for graphed in (False, True):
             shutil.rmtree(case.checkpoint(out_dir, graphed=graphed), ignore_errors=True)
@@ -315,6 +323,17 @@ def run_cell(
         "summary": result.summary(),
         **_memory_figures(result.report),
     }
+
+
+def _failure(error: Exception) -> str:
+    """A run that died, for its row: the cause a farm run found in the failing rank's output (a refusal whole,
+    else the last exception line), or that rank's last lines where it found none; else the error's message."""
+    if isinstance(error, FarmRunError):
+        tail = error.details.rstrip().splitlines()[-_TAIL_LINES:]
+        text = error.cause if error.found else "\n".join([error.cause, *tail])
+    else:
+        text = str(error)[-1500:]
+    return f"{type(error).__name__}: {text}"
 
 
 def _memory_figures(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -354,11 +373,13 @@ def run_matrix(
 
     def record(row: dict[str, Any]) -> None:
         rows[row["name"]] = row
-        cause = (row.get("problems") or [""])[0].strip().splitlines()[-1:] if row["result"] == "failed" else []
+        # The cause on screen, not only in matrix.json: the failure's first line, and its last ones under it.
+        failure = (row.get("problems") or [""])[0].strip().splitlines() if row["result"] == "failed" else []
         progress(
             f"{row['name']}: {row['result']}"
             + (f" {row['refused_by']}" if row.get("refused_by") else "")
-            + (f": {cause[0]}" if cause else "")  # the cause on screen, not only in matrix.json
+            + (f": {failure[0]}" if failure else "")
+            + "".join(f"\n   {line.strip()}" for line in failure[1:][-_TAIL_LINES:])
         )
         (out_dir / "matrix.json").write_text(
             json.dumps(

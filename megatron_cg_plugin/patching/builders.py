@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin import compat, refusal, rules
+from megatron_cg_plugin import compat, console, refusal, rules
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.moe.drop_stats import RouterDropTap
@@ -125,15 +125,23 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
         parsed = copy.deepcopy(args)  # the flags as given: Megatron's checks change args (lists too) before one fails
         sizes = rules.size_violations(parsed)  # before Megatron computes from them (a 0 divides, 1e20 exhausts memory)
         if sizes:
-            raise refusal.refuse(sizes, rules.RuleViolation.HEADING, environ=os.environ)
-        try:
-            result = original(args, *rest, **kwargs)
-        except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
-            # The plugin's rules the flags break too, first (as megatron-cg check lists them).
-            raise refusal.refuse_megatron(
-                error, environ=os.environ, plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)
-            ) from None
-        refusal.enforce_for_session(args, session, environ=os.environ)
+            raise refusal.refuse(sizes, environ=os.environ)
+        # Megatron prints every argument (about 850 lines) as it validates: held back until the rules pass too, so
+        # a refusal is what the terminal shows. The flags are checked as on the GPU host, before the host itself.
+        with console.megatron_printout_held():
+            with refusal.host_validation():
+                try:
+                    result = original(args, *rest, **kwargs)
+                except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
+                    # The plugin's rules the flags break too, first (as megatron-cg check lists them).
+                    raise refusal.refuse_megatron(
+                        error, environ=os.environ, plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)
+                    ) from None
+                refusal.enforce_for_session(args, session, environ=os.environ)
+            # The launcher and the bench ask it themselves, once their own flags passed too.
+            host = None if session.launcher else refusal.refuse_host(session.settings, environ=os.environ)
+            if host is not None:
+                raise host
         return result
 
     return validate_args

@@ -437,15 +437,17 @@ SCOPED: tuple[ForeignState, ...] = (
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
         "connection rules).",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where no GPU is present)",
+        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "without a GPU; only where no GPU is present)",
     ),
     ForeignState(
         "te-kernel-stand-ins",
         "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
         "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
         "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
-        "fused permute/unpermute/sort-chunks symbols (installation.TE_KERNELS) are stand-ins that are never called.",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE did not import)",
+        "fused permute/unpermute/sort-chunks symbols (refusal.TE_KERNELS) are stand-ins that are never called.",
+        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "without a GPU; only where TE did not import)",
     ),
     ForeignState(
         "te-version-stand-in",
@@ -453,7 +455,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
         "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
         "TE release the plugin supports, the one the GPU host will have at least.",
-        "installation.gpu_host_stand_ins (foreign_state.setting around the dry run; only where TE is not installed)",
+        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "without a GPU; only where TE is not installed)",
     ),
 )
 

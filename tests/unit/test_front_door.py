@@ -4,6 +4,8 @@ command raises is reported as the plugin's own bug, with its traceback and exit 
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +17,39 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs in these tests
 
 
+def refused_first(capsys, argv: list[str]) -> list[str]:
+    """``megatron-cg ARGV`` as a user types it: exit code 2 (a parser's SystemExit counts), no traceback, and
+    stderr's lines, whose first must name the cause (no usage block, heading or host complaint before it)."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:  # argparse's exit, as the console script would see it
+        code = stop.code
+    out, err = capsys.readouterr()
+    assert code == console.EXIT_BAD_INPUT, (code, out, err)
+    assert "Traceback" not in err + out
+    lines = err.splitlines()
+    assert lines, out
+    assert not lines[0].startswith("usage:") and "usage:" not in lines[0]
+    return lines
+
+
 @pytest.mark.parametrize(
-    "argv, named",
+    "argv, first",
     [
-        (["run", SCRIPT, "--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
-        (["bench", "--bench-no-plot", "--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
-        (["bench", "--bench-arms-typo", "x", "--cg-preset", "tiny-gpt"], "unknown bench flag --bench-arms-typo"),
-        (["bench", "missing.py", "--cg-preset", "tiny-gpt"], "no such script missing.py"),
-        (["check", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0 (1 to 65536)"),
+        (["run", SCRIPT, "--cg-preset", "tiny-gtp"], "megatron-cg run: --cg-preset 'tiny-gtp' is unknown"),
+        (
+            ["bench", "--bench-no-plot", "--cg-preset", "tiny-gtp"],
+            "megatron-cg bench: --cg-preset 'tiny-gtp' is unknown",
+        ),
+        (
+            ["bench", "--bench-arms-typo", "x", "--cg-preset", "tiny-gpt"],
+            "megatron-cg bench: unknown bench flag --bench-arms-typo",
+        ),
+        (["bench", "missing.py", "--cg-preset", "tiny-gpt"], "megatron-cg bench: no such script missing.py"),
+        (
+            ["check", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"],
+            "megatron-cg check: [model-sizes] a size is 0",
+        ),
         (
             ["check", "--cg-preset", "tiny-gpt", "--num-layers", "99999999999999999999"],
             "--num-layers 99999999999999999999",
@@ -30,26 +57,156 @@ SCRIPT = "tests/functional/_scripts/user_pretrain_gpt.py"  # exists; never runs 
         (["check", "--cg-preset", "tiny-gpt", "--hidden-size", "0"], "--hidden-size 0"),
         (["check", "--cg-preset", "tiny-moe", "--moe-router-topk", "5"], "--moe-router-topk 5, --num-experts 4"),
         (["check", "--cg-preset", "tiny-gpt", "--tokenizer-type", "SentencePieceTokenizer"], "add --tokenizer-model"),
-        (["plan", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
+        (["plan", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "megatron-cg plan: [model-sizes]"),
         (
             ["check", "--cg-preset", "tiny-moe", "--cuda-graph-modules", "attn", "attn"],
             "--cuda-graph-modules attn attn",
         ),
         (["check", "--cg-preset", "tiny-gpt", "--cg-report-out", ""], "--cg-report-out is empty"),
         (["check", "--cg-preset", "tiny-gpt", "--cg-metrics-out", "README.md/m.json"], "lies under README.md"),
-        # What a command's work needs of the host is said once, first, before any rank or cell starts.
+        # Megatron's refusals: "[megatron] <its message>" first, the batch sizes named by their flags.
+        (
+            ["check", "--nproc", "3", "--cg-preset", "tiny-gpt", "--tensor-model-parallel-size", "2"],
+            "megatron-cg check: [megatron] world size (3) is not divisible",
+        ),
+        (
+            ["check", "--cg-preset", "tiny-gpt", "--global-batch-size", "3", "--micro-batch-size", "2"],
+            "megatron-cg check: [megatron] --global-batch-size 3 is not a multiple of --micro-batch-size 2",
+        ),
+        # Parse errors: the command and the flag first, Megatron's parser's included (not "pretrain_gpt").
+        (["check", "--cg-preset", "tiny-gpt", "--cg-bogus", "3"], "megatron-cg check: error: unknown flag --cg-bogus"),
+        (["plan", "--cg-preset", "tiny-gpt", "--cuda-graph-modules", "atn"], "megatron-cg plan: error: argument"),
+        (["check", "--nproc", "x"], "megatron-cg check: error: argument --nproc: invalid int value: 'x'"),
+        (["plan", "--router-load"], "megatron-cg plan: error: argument --router-load: expected one argument"),
+        (["golden", "compare"], "megatron-cg golden compare: error: the following arguments are required"),
+        (["golden", "bogus"], "megatron-cg golden: error: argument action: invalid choice: 'bogus'"),
+        (["farm"], "megatron-cg farm: error: the following arguments are required: cases"),
+        (["farm", "--steps", "x", "c"], "megatron-cg farm: error: argument --steps: invalid int value: 'x'"),
+        (["matrix", "bogus"], "megatron-cg matrix: error: argument action: invalid choice: 'bogus'"),
+        (["matrix", "run"], "megatron-cg matrix run: error: the following arguments are required: cells"),
+        (["matrix", "bench", "c.json"], "megatron-cg matrix bench: error: the following arguments are required: --out"),
+        (["run"], "megatron-cg run: error: the following arguments are required: script"),
+        (["run", "--nproc-per-node", "x", SCRIPT], "megatron-cg run: error: argument --nproc-per-node"),
+        (["run", SCRIPT, "--cg-preset", "tiny-gpt", "--cg-bogus"], "megatron-cg run: error: unknown flag --cg-bogus"),
+        (["bench", "--bench-rounds", "x"], "megatron-cg bench: error: argument --bench-rounds: invalid int value"),
+        # The runtime refusal (install()'s validate-args hook) in run and bench: the rule first, no GPU asked for.
+        (["run", SCRIPT, "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "megatron-cg-plugin: [model-sizes]"),
+        (
+            [
+                "run",
+                SCRIPT,
+                "--cg-preset",
+                "tiny-moe",
+                "--cuda-graph-impl",
+                "transformer_engine",
+                "--cg-thd-max-seqlen",
+                "5",
+            ],
+            "megatron-cg-plugin: [thd-max-seqlen-without-packed-graphs]",
+        ),
+        (
+            [
+                "bench",
+                "--bench-no-plot",
+                "--cg-preset",
+                "tiny-gpt",
+                "--global-batch-size",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+            "megatron-cg-plugin: [megatron] --global-batch-size 3 is not a multiple of --micro-batch-size 2",
+        ),
+        # The bench's own checks of the flags, before the host (no GPU here, or no TE) is asked for.
+        (
+            [
+                "bench",
+                "--cg-preset",
+                "tiny-gpt",
+                "--cuda-graph-impl",
+                "transformer_engine",
+                "--cuda-graph-warmup-steps",
+                "0",
+            ],
+            "megatron-cg bench: --cuda-graph-warmup-steps 0",
+        ),
+        # A farm case's own flags before the host's GPU; then the host, once a case's flags pass.
+        (["farm", "{tmp}/cases/gpt/bad", "--out", "{tmp}/out"], "megatron-cg farm: bad: [model-sizes]"),
         (["farm", "tests/functional/test_cases/gpt/tiny_gpt_layer"], "needs 1 CUDA GPU(s), found 0"),
         (["matrix", "run", "benchmarks/support_matrix/cells.json", "--out", "{tmp}"], "MEGATRON_LM_DIR=(unset)"),
+        (
+            ["matrix", "run", "benchmarks/support_matrix/cells.json", "--only", "nope", "--out", "{tmp}"],
+            "megatron-cg matrix: --only names cells not in",
+        ),
     ],
 )
-def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, monkeypatch, tmp_path, argv, named):
+def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, monkeypatch, tmp_path, argv, first):
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
     monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpus_available", lambda: 0)  # as on a CPU host
-    code = cli.main([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
-    out, err = capsys.readouterr()
-    assert code == console.EXIT_BAD_INPUT, (out, err)
-    assert named in err and "Traceback" not in err + out
-    assert "matplotlib" not in err  # an optional extra is never asked for before the input's own error
+    monkeypatch.setattr("megatron_cg_plugin.refusal.gpu_missing", lambda: True)
+    bad_case = tmp_path / "cases" / "gpt" / "bad"
+    bad_case.mkdir(parents=True)
+    (bad_case / "model_config.yaml").write_text(
+        "ENV_VARS: {}\nMODEL_ARGS:\n  --cg-preset: tiny-gpt\n  --num-attention-heads: 0\nCG_FARM:\n  nproc: 1\n"
+    )
+    lines = refused_first(capsys, [arg.replace("{tmp}", str(tmp_path)) for arg in argv])
+    assert first in lines[0], lines
+    assert len(lines) <= 4, lines  # the cause, the other rules, a pointer: a few lines, not a usage block
+    assert "matplotlib" not in "\n".join(lines)  # an optional extra is never asked for before the input's own error
+
+
+def test_several_broken_rules_the_first_first_then_one_a_line_then_a_pointer(capsys):
+    lines = refused_first(
+        capsys,
+        [
+            "check",
+            "--cg-preset",
+            "tiny-gpt",
+            "--cuda-graph-impl",
+            "transformer_engine",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--cg-graph-banks",
+        ],
+    )
+    assert lines[0].startswith("megatron-cg check: [full-recompute] --recompute-granularity full ")
+    assert lines[1].startswith("  [banks-need-hybrid-cp] --cg-graph-banks ")
+    assert lines[2:] == ["  (2 rules broken: see docs/troubleshooting.md)"]
+
+
+def test_a_farm_whose_every_case_is_refused_names_the_first_cause_on_stderr(capsys, tmp_path):
+    case = tmp_path / "gpt" / "bad"
+    case.mkdir(parents=True)
+    (case / "model_config.yaml").write_text(
+        "ENV_VARS: {}\nMODEL_ARGS:\n  --cg-preset: tiny-gpt\n  --num-attention-heads: 0\nCG_FARM:\n  nproc: 1\n"
+    )
+    lines = refused_first(capsys, ["farm", str(case), "--out", str(tmp_path / "out"), "--dry-run"])
+    assert lines[0].startswith("megatron-cg farm: bad: [model-sizes] ") and "--num-attention-heads 0" in lines[0]
+
+
+def test_a_refused_multi_rank_run_exits_2_and_its_cause_comes_first(monkeypatch, capsys):
+    """torchrun reports a refusing rank's exit code 2 as a failure: the run says refused, exit 2."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megatron_cg_plugin.launch import run_script
+
+    def refuses(_args):
+        print("megatron-cg-plugin: [model-sizes] ...", file=sys.stderr)
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file="")
+        raise ChildFailedError("user_pretrain_gpt.py", {1: failure})
+
+    monkeypatch.setattr(torchrun, "run", refuses)
+    for name in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE"):  # run sets them for its ranks: put back after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    lines = refused_first(capsys, ["run", "--nproc-per-node", "2", SCRIPT, "--cg-preset", "tiny-gpt"])
+    assert lines[0] == "megatron-cg-plugin: [model-sizes] ..."
+    assert lines[-1] == f"megatron-cg run: {SCRIPT} was refused on rank 1 (exit code 2); the cause is above."
+    assert os.environ["OMP_NUM_THREADS"] == "1"  # torchrun's banner about it would come first
+    assert run_script.EXIT_BAD_INPUT == console.EXIT_BAD_INPUT
 
 
 @pytest.mark.parametrize(

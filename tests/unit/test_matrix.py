@@ -112,6 +112,39 @@ def test_a_cell_whose_run_dies_is_a_failure_and_the_others_go_on(monkeypatch, tm
     assert [r["name"] for r in json.loads((tmp_path / "matrix.json").read_text())["rows"]] == [c.name for c in cells]
 
 
+@pytest.mark.parametrize(
+    "stderr, shown",
+    [
+        (  # a refusal: its first line, then its other lines (not only its pointer to the docs)
+            "noise\nmegatron-cg-plugin: [full-recompute] use selective\n"
+            "  (1 rule broken: see docs/troubleshooting.md)\n",
+            [
+                "FarmRunError: the graphed run failed: rank 0 (exit code 2): megatron-cg-plugin: [full-recompute] use "
+                "selective",
+                "   (1 rule broken: see docs/troubleshooting.md)",
+            ],
+        ),
+        (  # no exception line found (a killed rank): the rank's last lines under the first
+            "loading\nstep 1\nstep 2\n",
+            ["FarmRunError: the graphed run failed: rank 0 (exit code -9)", "   step 1", "   step 2"],
+        ),
+    ],
+)
+def test_a_failed_cells_cause_is_on_screen_whole(monkeypatch, tmp_path, stderr, shown):
+    from megatron_cg_plugin.farm.distributed import RankFailure
+    from megatron_cg_plugin.farm.runner import FarmRunError
+
+    def fails(case, out_dir, **_k):
+        failure = RankFailure(0, 2 if "plugin" in stderr else -9, stderr, "")
+        raise FarmRunError("graphed", out_dir / "x.logs", MultiRankError("1 of 1 ranks failed", [failure]))
+
+    monkeypatch.setattr(matrix, "run_case", fails)
+    printed: list[str] = []
+    matrix.run_matrix(matrix.design(no_refusal)[:1], tmp_path, megatron_lm_dir="/ml", progress=printed.append)
+    lines = printed[0].split(": failed: ", 1)[1].splitlines()
+    assert [lines[0], *lines[len(lines) + 1 - len(shown) :]] == shown
+
+
 def test_the_table_names_each_result_its_rules_and_the_pools():
     rows = [
         {

@@ -135,6 +135,30 @@ def test_shorten_returns_the_same_parser_and_leaves_others_alone(capsys):
     assert "unrecognized arguments" in err
 
 
+def test_a_shortened_parser_names_the_command_it_reads_flags_for(capsys):
+    """Megatron's parser is named after the script (``pretrain_gpt`` in the dry run): the line names the command
+    typed, and only inside the block."""
+    parser = shorten(toy_parser())
+    with parse_errors.reported_as("megatron-cg check"):
+        _, err = parse_failure(parser, ["--num-layer", "3"], capsys)
+    assert err == "megatron-cg check: error: unknown flag --num-layer (did you mean --num-layers?)\n"
+    assert parse_failure(parser, ["--num-layer", "3"], capsys)[1].startswith("toy: error: ")
+
+
+def test_the_plugins_own_parsers_put_the_error_first_their_subcommands_too(capsys):
+    parser = parse_errors.OneLineErrors(prog="megatron-cg golden")
+    compare = parser.add_subparsers(dest="action", required=True).add_parser("compare")
+    compare.add_argument("expected")
+    code, err = parse_failure(parser, ["compare"], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        "megatron-cg golden compare: error: the following arguments are required: expected",
+        "  (megatron-cg golden compare --help lists its arguments)",
+    ]
+    _, err = parse_failure(parser, ["compare", "x", "--expectd"], capsys)  # argparse says it at the top level
+    assert err.startswith("megatron-cg golden: error: unknown flag --expectd")
+
+
 # -- shorten on Megatron's real parser -------------------------------------------------------------
 
 

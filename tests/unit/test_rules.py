@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.rules import RULES, RuleViolation, validate, violations
+from megatron_cg_plugin.rules import HOST_RULES, RULES, RuleViolation, validate, violations
 from megatron_cg_plugin.settings import RunSettings, read_settings
 
 TE = "transformer_engine"
@@ -553,10 +553,29 @@ def test_all_broken_rules_reported_at_once():
         "parallel-sizes",
         "moe-tp-needs-sequence-parallel",
     }
-    # reported in RULES order, one line each
+    # reported in RULES order, the host's own rules (here APEX's) after the flags' ones, one line each: the first
+    # broken rule is the message's first line, and one line pointing to the docs ends it
     order = [r.name for r in RULES]
-    assert reported == sorted(reported, key=order.index)
-    assert str(info.value).count("\n  [") == len(reported)
+    flags = [name for name in reported if name != "gradient-accumulation-fusion"]
+    assert reported == [*sorted(flags, key=order.index), "gradient-accumulation-fusion"]
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"[{reported[0]}] ")
+    assert [line.split("]")[0] for line in lines[1:-1]] == [f"  [{name}" for name in reported[1:]]
+    assert lines[-1] == f"  ({len(reported)} rules broken: see docs/troubleshooting.md)"
+
+
+def test_the_host_rules_are_rules_and_come_after_the_flags_ones():
+    """What the host lacks is asked once the flags' own rules passed: each host rule is a rule (a misspelt name
+    would silently leave it among the flags' rules)."""
+    assert {rule.name for rule in HOST_RULES} == {
+        "te-installed",
+        "gradient-accumulation-fusion",
+        "fp8-recipe-device",
+        "fp4-device",
+    }
+    facts = RunSettings(cuda_graph_impl=TE, te_available=False, recompute_granularity="full")
+    assert [name for name, _ in violations(facts)] == ["full-recompute", "te-installed"]
+    assert [rule.name for rule in RULES].index("te-installed") < [rule.name for rule in RULES].index("full-recompute")
 
 
 def test_validate_accepts_a_custom_rule_set():

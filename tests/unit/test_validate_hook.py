@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_cg_plugin import compat, installation, rules
+from megatron_cg_plugin import compat, installation
 from megatron_cg_plugin import refusal as enforce
 from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
@@ -21,8 +21,7 @@ microbatches = importlib.import_module("megatron.core.num_microbatches_calculato
 TINY_GPT = list(PRESET_FLAGS["tiny-gpt"])  # spelled out: Megatron's parser does not expand --cg-preset
 TE = ["--cuda-graph-impl", "transformer_engine"]
 WITH_FUSION = [flag for flag in TINY_GPT if flag != "--no-gradient-accumulation-fusion"]
-PLUGIN_HEADING = f"megatron-cg-plugin: {rules.RuleViolation.HEADING}"
-MEGATRON_HEADING = "megatron-cg-plugin: Megatron rejects these flags:"
+PREFIX = "megatron-cg-plugin: "
 
 
 def reset_megatron_globals() -> None:
@@ -61,40 +60,80 @@ def parse_and_validate(monkeypatch, flags):
 def refused(monkeypatch, capsys, flags) -> tuple[enforce.RunRefused, str]:
     with pytest.raises(enforce.RunRefused) as info:
         parse_and_validate(monkeypatch, flags)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == ""  # Megatron's printout of every argument is held back (in a log) when the run stops here
     assert isinstance(info.value, SystemExit)
     assert info.value.code == 2
     assert "Traceback" not in err
     return info.value, err
 
 
-def plugin_block(err: str, heading: str) -> list[str]:
-    """The refusal the plugin printed: its heading and the lines under it."""
+def plugin_block(err: str) -> list[str]:
+    """The refusal the plugin printed, first: its cause (the first broken rule) on the plugin's line, the other
+    rules indented under it, then one line pointing to the docs."""
     lines = err.splitlines()
-    assert lines.count(heading) == 1, err
-    start = lines.index(heading)
-    return lines[start:]
+    assert lines and lines[0].startswith(f"{PREFIX}["), err
+    block = lines[:1]
+    for line in lines[1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    assert block[-1] == f"  ({len(block) - 1} rule{'s' if len(block) > 2 else ''} broken: see docs/troubleshooting.md)"
+    return block
 
 
-def test_rule_violation_stops_validation_with_one_line_per_rule(plugin, monkeypatch, capsys):
+def test_rule_violation_stops_validation_with_one_line_per_rule(monkeypatch, capsys):
     refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
     assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
-    assert refusal.heading == rules.RuleViolation.HEADING
-    block = plugin_block(err, PLUGIN_HEADING)
+    block = plugin_block(err)
     assert len(block) == 2, err
-    assert block[1].startswith("  [gradient-accumulation-fusion] ")
-    assert "--no-gradient-accumulation-fusion" in block[1]
-    assert not plugin.config_resolved  # a refused run does not get a config
+    assert block[0].startswith(f"{PREFIX}[gradient-accumulation-fusion] ")
+    assert "--no-gradient-accumulation-fusion" in block[0]
 
 
-def test_several_broken_rules_each_get_a_line(monkeypatch, capsys):
+TINY_MOE = list(PRESET_FLAGS["tiny-moe"])
+
+
+def validated_on_this_host(monkeypatch, flags):
+    """Megatron's parse_and_validate_args as a script calls it, on a host without a GPU (this one, or any:
+    ``gpu_missing`` says so), with no stand-ins around it."""
+    monkeypatch.setattr(enforce, "gpu_missing", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+    return arguments.parse_and_validate_args()
+
+
+def test_without_a_gpu_the_flags_are_checked_as_on_the_gpu_host_first(monkeypatch, capsys):
+    """Megatron asks the device about an MoE model's grouped GEMM: without a GPU that read as Megatron
+    refusing the flags ("Found no NVIDIA driver"), before the rule the flags break."""
+    with pytest.raises(enforce.RunRefused):
+        validated_on_this_host(monkeypatch, [*TINY_MOE, *TE, "--cg-thd-max-seqlen", "5"])
+    out, err = capsys.readouterr()
+    assert out == "" and "NVIDIA driver" not in err
+    assert plugin_block(err)[0].startswith(f"{PREFIX}[thd-max-seqlen-without-packed-graphs] ")
+
+
+def test_without_a_gpu_flags_that_pass_are_refused_naming_the_host(monkeypatch, capsys):
+    with pytest.raises(enforce.RunRefused) as info:
+        validated_on_this_host(monkeypatch, TINY_MOE)
+    assert info.value.code == 2 and info.value.violations == []
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines()[0] == (
+        f"{PREFIX}this host has no CUDA GPU, which training needs (the flags pass Megatron's checks and the "
+        "plugin's rules; megatron-cg check validates flags on a machine without one)."
+    )
+
+
+def test_several_broken_rules_each_get_a_line_and_the_hosts_come_once_the_flags_pass(plugin, monkeypatch, capsys):
     flags = [*WITH_FUSION, *TE, "--recompute-granularity", "full", "--recompute-method", "uniform", "--cg-graph-banks"]
     refusal, err = refused(monkeypatch, capsys, flags)
     names = [name for name, _ in refusal.violations]
-    assert sorted(names) == ["banks-need-hybrid-cp", "full-recompute", "gradient-accumulation-fusion"]
-    block = plugin_block(err, PLUGIN_HEADING)
+    # APEX (gradient-accumulation-fusion) is what this host lacks: asked once the flags' own rules pass
+    assert names == ["full-recompute", "banks-need-hybrid-cp"]
+    block = plugin_block(err)
     assert len(block) == 1 + len(names)
-    assert [line.split("]")[0] for line in block[1:]] == [f"  [{name}" for name in names]
+    assert [line.split("]")[0] for line in block[:-1]] == [f"{PREFIX}[{names[0]}", *(f"  [{n}" for n in names[1:])]
+    assert not plugin.config_resolved  # flags a rule refuses do not get a config
 
 
 def test_without_te_the_te_rule_fires_too(monkeypatch, capsys):
@@ -114,9 +153,13 @@ def test_ranks_other_than_zero(monkeypatch, capsys, local_rank, printed):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", local_rank)
+    waits: list[float] = []
+    monkeypatch.setattr(enforce.time, "sleep", waits.append)
     refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
     assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
     assert ("[gradient-accumulation-fusion]" in err) is printed
+    # torchrun stops every rank when the first exits: a silent rank waits for the one saying why
+    assert waits == ([] if printed else [enforce.SILENT_RANK_GRACE_S])
     if not printed:
         assert err.strip() == ""
 
@@ -125,18 +168,16 @@ def test_bad_cg_value_is_the_cg_flags_rule(monkeypatch, capsys):
     refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cg-thd-max-seqs", "0"])
     assert [name for name, _ in refusal.violations] == ["cg-flags"]
     assert "--cg-thd-max-seqs 0 must be >= 1" in refusal.violations[0][1]
-    assert len(plugin_block(err, PLUGIN_HEADING)) == 2
+    assert len(plugin_block(err)) == 2
 
 
 def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
     refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--data-path", "x"])  # with the preset's --mock-data
-    assert refusal.heading == "Megatron rejects these flags:"
     assert [name for name, _ in refusal.violations] == ["megatron"]
     message = refusal.violations[0][1]
     assert message.startswith("A single data source must be provided")
     assert "megatron/training/arguments.py:" in message  # the failing check's line
-    block = plugin_block(err, MEGATRON_HEADING)
-    assert block == [MEGATRON_HEADING, f"  [megatron] {message}"]
+    assert plugin_block(err)[0] == f"{PREFIX}[megatron] {message}"
 
 
 def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkeypatch, capsys):
@@ -145,10 +186,10 @@ def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkey
         monkeypatch, capsys, [*TINY_GPT, *TE, "--cg-slot-capture", "--pipeline-model-parallel-size", "2"]
     )
     assert [name for name, _ in refusal.violations] == ["slot-capture-pipeline", "megatron"]
-    block = plugin_block(err, PLUGIN_HEADING)
-    assert len(block) == 4 and block[1].startswith("  [slot-capture-pipeline] ")
-    assert block[2:] == ["Megatron rejects these flags:", f"  [megatron] {refusal.violations[1][1]}"]
-    assert "world size (1)" in block[3]
+    block = plugin_block(err)
+    assert len(block) == 3 and block[0].startswith(f"{PREFIX}[slot-capture-pipeline] ")
+    assert block[1] == f"  [megatron] {refusal.violations[1][1]}"
+    assert "world size (1)" in block[1]
 
 
 def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsys):
@@ -169,7 +210,7 @@ def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsy
 def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
     refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *flags])
     assert [name for name, _ in refusal.violations] == ["megatron"]
-    assert len(plugin_block(err, MEGATRON_HEADING)) == 2
+    assert len(plugin_block(err)) == 2
 
 
 def test_valid_flags_pass_and_resolve_the_config_from_cg_flags(plugin, monkeypatch, capsys, tmp_path):
@@ -227,8 +268,8 @@ def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
     index = flags.index("--micro-batch-size")
     del flags[index : index + 2]
     refusal, err = refused(monkeypatch, capsys, flags)
-    assert refusal.heading == enforce.MEGATRON_HEADING
-    assert "--micro-batch-size is not given, and Megatron needs it" in err
+    assert [name for name, _ in refusal.violations] == ["megatron"]
+    assert plugin_block(err)[0].startswith(f"{PREFIX}[megatron] --micro-batch-size is not given, and Megatron needs it")
 
 
 OFFLOAD = [
