@@ -270,7 +270,7 @@ def test_a_refusal_is_printed_by_a_rank_that_is_no_number(capsys):
         ({"RANK": "0", "LOCAL_RANK": "0"}, True),
         ({"RANK": "3", "LOCAL_RANK": "1"}, False),
     ):
-        refusal.refuse([("environment-values", "RANK='abc'")], "heading", environ=environ)
+        refusal.refuse([("environment-values", "RANK='abc'")], environ=environ)
         assert ("RANK='abc'" in capsys.readouterr().err) == printed, environ
 
 
