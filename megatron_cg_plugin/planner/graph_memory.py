@@ -9,9 +9,10 @@ with sizes from the shapes, and replays the program through the caching allocato
 
 What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
-drop-and-pad or the router/preprocess scope (whose graph holds the shared experts, computed before routing), bf16 or FP8 with delayed or tensorwise scaling (the
-dense layers' quantized GEMM inputs and gradients, FP8 dot-product attention; read from allocator
-traces of TE's capture). What it leaves out is said by ``GraphMemoryPlan.unpredicted``.
+drop-and-pad or the router/preprocess scope (whose graph holds the shared experts, computed before
+routing), bf16 or FP8 with delayed or tensorwise scaling (the dense layers' quantized GEMM inputs and
+gradients, FP8 dot-product attention; read from allocator traces of TE's capture). What it leaves out
+is said by ``GraphMemoryPlan.unpredicted``.
 
 Which term comes from which measurement: cuDNN's attention workspace (``attention_workspace``) and the
 dense programs from allocator traces of dense models at hidden 1024 and 2048; the FP8 quantize buffers
