@@ -446,6 +446,15 @@ RULES: tuple[_Rule, ...] = (
         "offload inside themselves.",
         detail=lambda f: f"(--offload-modules {' '.join(sorted(f.unjoined_whole_layer_offloads))})",
     ),
+    _Rule(
+        "offload-moe-scope",
+        "megatron",
+        _graphs(lambda f: f.activation_offloading and "moe" in f.modules),
+        "Megatron 0.19.2's TransformerConfig refuses fine-grained activation offload with the MoE block graphed "
+        "whole ('Token-drop MoE is temporarily not supported with activation offloading'): graph attn "
+        "moe_router moe_preprocess (or attn) in place of --cuda-graph-modules ... moe, or drop "
+        "--fine-grained-activation-offloading.",
+    ),
     # Megatron-LM's MoE fine-grained-offloading case, attention graphed, trained differently from the
     # first step after a graphed backward; without the offload, or without the recompute, it was exact.
     _Rule(

@@ -1,12 +1,10 @@
-"""The setups ``megatron-cg tune`` weighs for one model, and the flags each one runs with (pure: no
-torch, no Megatron).
+"""The tune's side of the setups it weighs for one model (pure: no torch, no Megatron): the flags each
+one runs with, and where one process can time it.
 
-A setup is the part of a run's flags that chooses its CUDA graphs: the graphed scope
-(``--cuda-graph-modules``, none for the whole layer), TE's graphs or slot-shared capture
-(``--cg-slot-capture``), and whether the run's own offload flags are kept. ``enumerate_setups``
-lists the setups that fit a model's kind (``ModelKind``); ``setup_flags`` writes a setup over the
-user's flags, replacing their graph flags. The rules then judge each setup's flags as
-``megatron-cg check`` does (``tune.command``); nothing here decides what the rules allow.
+The setups themselves, and what each is, come from ``planner.setups`` (the list the memory guard reads
+too). ``setup_flags`` writes a setup over the user's flags, replacing their graph flags; the rules then
+judge each setup's flags as ``megatron-cg check`` does (``tune.command``); nothing here decides what the
+rules allow.
 
 ``placement`` says how one process can time a setup beside the others (``bench.command``): with
 every graphed arm alive and single steps alternating (the bench's step schedule), one capture at a
@@ -20,27 +18,20 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from megatron_cg_plugin.config import PLUGIN_FLAGS
+from megatron_cg_plugin.planner.setups import TE_IMPL, GraphSetup, ModelKind, setup_offload_modules
 from megatron_cg_plugin.settings import RunSettings
 
 __all__ = [
-    "EAGER",
-    "GraphSetup",
-    "ModelKind",
     "Placement",
     "build_time_notes",
     "built_setup",
     "dispatcher_dtoh_point",
-    "enumerate_setups",
     "given_modules",
     "given_setup",
     "placement",
     "setup_flags",
     "strip_flags",
 ]
-
-EAGER = "eager"
-TE_IMPL = "transformer_engine"
-_MOE_PARTIAL = ("moe_router", "moe_preprocess")  # the dropless MoE scope beside attn (Megatron's static part)
 
 # Flags that choose the graphs, with the values each takes (None: a list, up to the next flag).
 _GRAPH_FLAGS: dict[str, int | None] = {
@@ -61,6 +52,8 @@ _OFFLOAD_FLAGS: dict[str, int | None] = {
     "--fine-grained-offloading-max-inflight-offloads": 1,
     "--delta-offload-bytes-across-pp-ranks": 1,
 }
+# The offload flags a setup that offloads attention's saves writes anew.
+_OFFLOAD_SWITCHES = ("--fine-grained-activation-offloading", "--offload-modules")
 # The plugin's slot-shared offload knobs: only slot-shared capture (or graph banks) takes them.
 _SLOT_OFFLOAD_FLAGS: dict[str, int | None] = {"--cg-offload-copies": 1, "--cg-offload-window": 1}
 # The plugin's flags that shape TE graphs only, which a run without graphs refuses (rule graph-only-flags).
@@ -69,102 +62,7 @@ _GRAPH_ONLY_PLUGIN_FLAGS: dict[str, int | None] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class GraphSetup:
-    """One way to graph the model: ``graphed`` False is eager (the user's flags without graphs);
-    ``modules`` the ``--cuda-graph-modules`` (empty: the whole layer); ``slot`` slot-shared capture;
-    ``offload`` the user's offload flags kept (eager always keeps them: it is the user's own run)."""
-
-    graphed: bool
-    modules: tuple[str, ...] = ()
-    slot: bool = False
-    offload: bool = False
-
-    @property
-    def label(self) -> str:
-        if not self.graphed:
-            return EAGER
-        parts = [" ".join(self.modules) or "whole layer"]
-        parts += ["slot"] if self.slot else []
-        parts += ["offload"] if self.offload else []
-        return ", ".join(parts)
-
-    @property
-    def graph_flags(self) -> tuple[str, ...]:
-        """What the setup adds to the user's flags once their graph flags are gone."""
-        if not self.graphed:
-            return ()
-        return (
-            "--cuda-graph-impl",
-            TE_IMPL,
-            *(("--cuda-graph-modules", *self.modules) if self.modules else ()),
-            *(("--cg-slot-capture",) if self.slot else ()),
-        )
-
-
 _EAGER_SETUP = GraphSetup(graphed=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelKind:
-    """What of a model decides which setups fit it, read from its settings (``RunSettings``)."""
-
-    moe: bool = False  # MoE layers (more than one expert)
-    dense_layers: bool = True  # some layers have a dense MLP
-    capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: dropless)
-    offload: bool = False  # --fine-grained-activation-offloading with --offload-modules
-    recompute_norms: bool = False  # selective recompute of the layernorms
-
-    @classmethod
-    def of(cls, settings: RunSettings) -> ModelKind:
-        layers = settings.num_layers or 0
-        return cls(
-            moe=settings.moe,
-            dense_layers=not settings.has_moe_layers or not all(settings.is_moe_layer(i) for i in range(layers)),
-            capacity_factor=settings.capacity_factor if settings.moe else None,
-            offload=settings.activation_offloading and bool(settings.offload_modules),
-            recompute_norms=settings.recompute_granularity == "selective" and "layernorm" in settings.recompute_modules,
-        )
-
-    def describe(self) -> str:
-        model = "dense"
-        if self.moe:
-            model = (
-                "MoE, dropless" if self.capacity_factor is None else f"MoE, capacity factor {self.capacity_factor:g}"
-            )
-            model += "" if not self.dense_layers else " (with dense layers)"
-        return model + (", with activation offload flags" if self.offload else "")
-
-
-def _scopes(kind: ModelKind) -> list[tuple[str, ...]]:
-    """The graphed scopes that fit ``kind``, smallest first; the whole layer last."""
-    dense = ("mlp",) if kind.dense_layers else ()
-    scopes: list[tuple[str, ...]] = [("attn",)]
-    if kind.dense_layers:
-        scopes.append(("attn", "mlp"))
-    if kind.moe:
-        scopes.append(("attn", *dense, *_MOE_PARTIAL))
-        if kind.capacity_factor is not None:  # the MoE block whole needs the capacity the user chose
-            scopes.append(("attn", *dense, "moe"))
-    scopes.append(())
-    return scopes
-
-
-def enumerate_setups(kind: ModelKind) -> tuple[GraphSetup, ...]:
-    """Eager first, then every scope that fits ``kind`` under TE's graphs and under slot-shared capture,
-    each with and without the user's offload where the user gave offload flags. A setup the rules refuse
-    (the whole layer of a dropless MoE, slot capture of a partial MoE block) stays in the list: the tune
-    reports it with the rule."""
-    offloads = (True, False) if kind.offload else (False,)
-    return (
-        _EAGER_SETUP,
-        *(
-            GraphSetup(graphed=True, modules=scope, slot=slot, offload=offload)
-            for scope in _scopes(kind)
-            for slot in (False, True)
-            for offload in offloads
-        ),
-    )
 
 
 def strip_flags(argv: Sequence[str], flags: Mapping[str, int | None]) -> list[str]:
@@ -223,14 +121,20 @@ def given_setup(base: Sequence[str], kind: ModelKind) -> GraphSetup:
 
 def setup_flags(base: Sequence[str], setup: GraphSetup) -> list[str]:
     """The user's flags (``base``, preset expanded) as ``setup`` runs them: their graph flags replaced by
-    the setup's; without offload, Megatron's offload flags gone; the plugin's slot offload knobs kept only
-    where slot-shared capture (or graph banks) takes them; eager, the plugin's graph-only flags gone."""
+    the setup's; without offload, Megatron's offload flags gone; with attention's saves offloaded, their
+    ``--offload-modules`` with attention's groups added (``setups.setup_offload_modules``); the plugin's slot
+    offload knobs kept only where slot-shared capture (or graph banks) offloads; eager, the plugin's
+    graph-only flags gone."""
     flags = strip_flags(base, _GRAPH_FLAGS)
     if setup.graphed and not setup.offload:
         flags = strip_flags(flags, _OFFLOAD_FLAGS)
+    if setup.attention_offload:
+        modules = setup_offload_modules(tuple(_last_values(flags, "--offload-modules") or ()), setup)
+        flags = strip_flags(flags, {flag: _OFFLOAD_FLAGS[flag] for flag in _OFFLOAD_SWITCHES})
+        flags += ["--fine-grained-activation-offloading", "--offload-modules", *modules]
     if not setup.graphed:
         flags = strip_flags(flags, _GRAPH_ONLY_PLUGIN_FLAGS)
-    elif not setup.offload or not (setup.slot or _graph_banks(base)):
+    elif not setup.offloads or not (setup.slot or _graph_banks(base)):
         flags = strip_flags(flags, _SLOT_OFFLOAD_FLAGS)
     return [*flags, *setup.graph_flags]
 
@@ -245,18 +149,21 @@ class Placement:
     why: str = ""
 
 
-def placement(setup: GraphSetup, settings: RunSettings, kind: ModelKind) -> Placement:
-    """Where ``setup`` (whose validated ``settings`` these are) is timed in a process built with the user's
-    offload flags (``kind.offload``). The step schedule switches the layers' graph lists between steps, so
-    what a capture keeps elsewhere cannot take it (the bench refuses the same, ``_refuse_unswitchable``)."""
+def placement(setup: GraphSetup, settings: RunSettings, kind: ModelKind, environment: Sequence[str] = ()) -> Placement:
+    """Where ``setup`` (whose validated ``settings`` these are, and which needs ``environment`` beyond the
+    user's) is timed in a process built with the user's offload flags (``kind.offload``). The step schedule
+    switches the layers' graph lists between steps, so what a capture keeps elsewhere cannot take it (the
+    bench refuses the same, ``_refuse_unswitchable``)."""
     if not setup.graphed:
         return Placement("steps")
-    if not setup.slot and setup.offload != kind.offload:
-        # Megatron sets its offload up when it builds the layers; slot capture keeps its hooks out, TE's cannot.
+    # Megatron sets its offload up when it builds the layers; slot capture keeps its hooks out, TE's cannot.
+    if setup.attention_offload or (not setup.slot and setup.offload != kind.offload):
+        with_env = f" and {' '.join(environment)}" if environment else ""
         return Placement(
             None,
-            "without the offload flags the model is built otherwise (Megatron sets its offload hooks up in the "
-            "layers): run megatron-cg tune with these flags to time it",
+            f"{'with attention offloaded' if setup.attention_offload else 'without the offload flags'} the model is "
+            f"built otherwise (Megatron sets its offload hooks up in the layers): run megatron-cg tune with these "
+            f"flags{with_env} to time it",
         )
     reasons = [
         why

@@ -1,11 +1,12 @@
 """``megatron-cg tune [SCRIPT.py] <flags>``: which CUDA-graph setup to train a model with.
 
-From the model's flags it lists the setups that fit the model (``tune.candidates``), checks each one's
-flags as ``megatron-cg check`` does (Megatron's validation and the one rule list, ``rules.check_run``:
-a refused setup keeps its rules), predicts each one's graph memory as the run's report does
-(``planner.prediction.predict_graph_memory``), drops those over the memory budget, and times the rest
-in one process on the GPU (``tune.timing``, the bench's schedules) until the best is separated from
-the next or ``--tune-seconds`` ends. ``--tune-dry-run`` stops before the timing, on CPU.
+From the model's flags it lists the setups that fit the model (``planner.setups``, the list the memory
+guard reads too), checks each one's flags (``tune.candidates.setup_flags``) as ``megatron-cg check`` does
+(Megatron's validation and the one rule list, ``rules.check_run``: a refused setup keeps its rules),
+predicts each one's graph memory as the run's report does (``planner.prediction.predict_graph_memory``),
+drops those over the memory budget, and times the rest in one process on the GPU (``tune.timing``, the
+bench's schedules) until the best is separated from the next or ``--tune-seconds`` ends.
+``--tune-dry-run`` stops before the timing, on CPU.
 """
 
 from __future__ import annotations
@@ -36,16 +37,12 @@ from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.farm.distributed import gpu_stack_missing
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
-from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
-from megatron_cg_plugin.planner.prediction import predict_graph_memory
+from megatron_cg_plugin.planner.setups import GraphSetup, ModelKind, enumerate_setups, graph_bytes
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
-    GraphSetup,
-    ModelKind,
     build_time_notes,
     built_setup,
-    enumerate_setups,
     given_modules,
     given_setup,
     placement,
@@ -55,7 +52,7 @@ from megatron_cg_plugin.tune.candidates import (
 from megatron_cg_plugin.tune.ranking import Row
 from megatron_cg_plugin.tune.timing import TimingOptions, TimingResult, steps_needed, time_setups
 
-__all__ = ["TuneError", "TuneOptions", "TunePlan", "graph_bytes", "main", "parse_tune_argv", "plan_setups", "report"]
+__all__ = ["TuneError", "TuneOptions", "TunePlan", "main", "parse_tune_argv", "plan_setups", "report"]
 
 
 class TuneError(ValueError):
@@ -126,15 +123,9 @@ def parse_tune_argv(argv: Sequence[str]) -> tuple[TuneOptions, list[str]]:
     return options, flags
 
 
-def graph_bytes(plan: GraphMemoryPlan | None) -> int | None:
-    """What a setup's graphs take on the GPU beside an eager step: the pool, and under slot-shared capture
-    the arenas and boundary buffers outside it, and packed graphs' offsets (None: not predicted)."""
-    if plan is None:
-        return None
-    return plan.pool_bytes + sum(value or 0 for value in (plan.arena_bytes, plan.boundary_bytes, plan.thd_buffer_bytes))
-
-
-Validate = Callable[[Sequence[str]], tuple[RunSettings, PluginConfig | None]]
+# Checks a setup's flags with the environment it needs beyond the user's (NAME=value); raises the rules'
+# RuleViolation or the dry run's CheckError.
+Validate = Callable[[Sequence[str], tuple[str, ...]], tuple[RunSettings, PluginConfig | None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,37 +151,43 @@ def _expanded(flags: Sequence[str]) -> list[str]:
 
 
 def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
-    """Every setup of the model ``flags`` describe, each checked by ``validate`` (raises the rules'
-    ``RuleViolation`` or the dry run's ``CheckError``), predicted and placed. The eager setup's check comes
-    first and is the model's own: its refusal is raised (the flags describe no model to tune)."""
+    """Every setup of the model ``flags`` describe: eager, then ``planner.setups``' list, each setup built
+    from its own flags (``setup_flags``) through ``validate`` (a refusal keeps its rules), checked,
+    predicted and placed. The eager setup's check comes first and is the model's own: its refusal is raised
+    (the flags describe no model to tune)."""
     base = _expanded(flags)
     eager = GraphSetup(graphed=False)
-    eager_settings, eager_config = validate(setup_flags(base, eager))
+    eager_settings, eager_config = validate(setup_flags(base, eager), ())
     kind = ModelKind.of(eager_settings)
     yours = given_setup(base, kind)
-    rows: list[Row] = []
-    configs: dict[str, PluginConfig] = {}
-    for setup in enumerate_setups(kind):
-        flags_of = setup_flags(base, setup)
-        if setup.graphed:
-            try:
-                settings, config = validate(flags_of)
-            except (rules.RuleViolation, dry_run.CheckError) as refusal:
-                rows.append(Row(setup, tuple(flags_of), yours=setup == yours, refused=tuple(refusal.violations)))
-                continue
-        else:
-            settings, config = eager_settings, eager_config
-        config = config or PluginConfig()
-        configs[setup.label] = config
-        prediction = predict_graph_memory(settings, config)
-        where = placement(setup, settings, kind)
+    kind = dataclasses.replace(kind, modules=yours.modules if yours.graphed else None)  # the user's scope is weighed
+
+    def build(setup: GraphSetup, environment: tuple[str, ...]) -> tuple[RunSettings, PluginConfig | None]:
+        try:
+            return validate(setup_flags(base, setup), environment)
+        except dry_run.CheckError as refusal:
+            raise rules.RuleViolation(refusal.violations) from refusal
+
+    rows = [Row(eager, tuple(setup_flags(base, eager)), yours=eager == yours, schedule="steps")]
+    configs = {eager.label: eager_config or PluginConfig()}
+    for setup in enumerate_setups(eager_settings, configs[eager.label], kind=kind, build=build):
+        graph, flags_of = setup.graph, tuple(setup_flags(base, setup.graph))
+        if setup.refused:
+            rows.append(
+                Row(graph, flags_of, yours=graph == yours, environment=setup.environment, refused=setup.refused)
+            )
+            continue
+        assert setup.settings is not None and setup.config is not None  # built: enumerate_setups read them
+        configs[graph.label] = setup.config
+        where = placement(graph, setup.settings, kind, setup.environment)
         rows.append(
             Row(
-                setup,
-                tuple(flags_of),
-                yours=setup == yours,
-                predicted_bytes=graph_bytes(prediction),
-                prediction_leaves_out=() if prediction is None else prediction.unpredicted,
+                graph,
+                flags_of,
+                yours=graph == yours,
+                environment=setup.environment,
+                predicted_bytes=graph_bytes(setup.plan),
+                prediction_leaves_out=() if setup.plan is None else setup.plan.unpredicted,
                 schedule=where.schedule,
                 why=where.why,
             )
@@ -207,8 +204,10 @@ def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
 def _validator(*, launcher: bool) -> Validate:
     env = dict(os.environ)
 
-    def validate(flags: Sequence[str]) -> tuple[RunSettings, PluginConfig | None]:
-        _args, settings, config = dry_run.validated_args(flags, nproc=1, env=env, launcher=launcher)
+    def validate(flags: Sequence[str], environment: tuple[str, ...]) -> tuple[RunSettings, PluginConfig | None]:
+        extra = dict(item.split("=", 1) for item in environment)
+        with dry_run.scoped_environ(**extra):  # Megatron's validation reads os.environ, the rules ``env``
+            _args, settings, config = dry_run.validated_args(flags, nproc=1, env=env | extra, launcher=launcher)
         return settings, config
 
     return validate

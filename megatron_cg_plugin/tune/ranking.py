@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_cg_plugin.bench.schedule import median_interval, median_precision
-from megatron_cg_plugin.tune.candidates import GraphSetup
+from megatron_cg_plugin.planner.setups import GraphSetup
 
 __all__ = [
     "DEFAULT_MARGIN_FRACTION",
@@ -107,6 +107,7 @@ class Row:
     setup: GraphSetup
     flags: tuple[str, ...]
     yours: bool = False  # the user's own flags describe this setup
+    environment: tuple[str, ...] = ()  # NAME=value it needs beyond the user's environment
     refused: tuple[tuple[str, str], ...] = ()  # (rule, message): the rules' check refused the flags
     predicted_bytes: int | None = None  # graph pool and arenas (planner); None: nothing predicted
     prediction_leaves_out: tuple[str, ...] = ()
@@ -330,6 +331,7 @@ def to_json(rows: Sequence[Row], **extra: Any) -> dict[str, Any]:
                 "yours": row.yours,
                 "graph_flags": list(row.setup.graph_flags),
                 "flags": list(row.flags),
+                "environment": list(row.environment),
                 "refused": [{"rule": name, "message": message} for name, message in row.refused],
                 "predicted_graph_bytes": row.predicted_bytes,
                 "prediction_leaves_out": list(row.prediction_leaves_out),

@@ -20,10 +20,11 @@ from typing import Any
 from megatron_cg_plugin.bench.command import MegatronTrainer
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.planner.setups import EAGER, GraphSetup
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
 from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
-from megatron_cg_plugin.tune.candidates import EAGER, GraphSetup, dispatcher_dtoh_point
+from megatron_cg_plugin.tune.candidates import dispatcher_dtoh_point
 
 __all__ = ["TuneTrainer"]
 
@@ -63,7 +64,7 @@ class TuneTrainer(MegatronTrainer):
         if arm not in self.helpers:
             setup, config = self.setups[arm]
             session = RunSession(config)
-            backend = SlotBackend(offload=setup.offload, copies=OffloadCopies.of(config)) if setup.slot else None
+            backend = SlotBackend(offload=setup.offloads, copies=OffloadCopies.of(config)) if setup.slot else None
             self.helpers[arm] = bind_helper_class(self._te_helper, session, backend)
         return self.helpers[arm]
 

@@ -1,6 +1,7 @@
 """Tests for megatron_cg_plugin.planner.memory_guard (the guard's pure decision: does the predicted
 capture fit what is free, and which other setups would) and for the readings of free memory in
-megatron_cg_plugin.capture.accounting. The guard in the capture lifecycle is tested in test_helper.py."""
+megatron_cg_plugin.capture.accounting. The guard in the capture lifecycle is tested in test_helper.py;
+the setups it filters, in test_setups.py."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from megatron_cg_plugin.planner.memory_guard import (
     FreeMemory,
     alternative_setups,
     check_capture_memory,
+    device_parts,
     fitting_setups,
     gib,
     judge,
 )
+from megatron_cg_plugin.planner.setups import GraphSetup, enumerate_setups
 from megatron_cg_plugin.settings import RunSettings
 
 DEFAULTS = PluginConfig()
@@ -81,8 +84,8 @@ def test_every_gpu_part_counts():
     need = CaptureNeed(graph_pool=GIB, gpu_arenas=GIB, static_buffers=GIB, pinned_host=100 * GIB)
     assert need.device_bytes == 3 * GIB
     assert judge(need, FreeMemory(device=3 * GIB - 1)) is Fit.DOES_NOT_FIT  # the host is not known: unchecked
-    assert need.device_parts() == "graph pool 1.00 GiB, GPU arenas 1.00 GiB, static buffers 1.00 GiB"
-    assert CaptureNeed(graph_pool=0).device_parts() == "graph pool 0.00 GiB"
+    assert device_parts(need) == "graph pool 1.00 GiB, GPU arenas 1.00 GiB, static buffers 1.00 GiB"
+    assert device_parts(CaptureNeed(graph_pool=0)) == "graph pool 0.00 GiB"
 
 
 def test_pinned_arenas_count_once_per_rank_of_the_host():
@@ -170,17 +173,18 @@ def test_a_negative_reading_is_an_invariant_broken():
 # ====================================================================== alternative setups
 
 
-def test_a_dense_whole_layer_run_gets_slot_capture_offload_and_smaller_scopes():
+def test_a_dense_whole_layer_run_gets_slot_capture_offload_and_the_other_scopes_most_graphed_first():
     setups = alternative_setups(dense(), DEFAULTS)
     offload = "--fine-grained-activation-offloading --offload-modules core_attn attn_proj"
     assert [setup.command_line for setup in setups] == [
         "--cg-slot-capture",
         f"--cg-slot-capture {offload}",
+        "--cuda-graph-modules attn mlp",
+        "--cuda-graph-modules attn mlp --cg-slot-capture",
+        f"--cuda-graph-modules attn mlp --cg-slot-capture {offload}",
         "--cuda-graph-modules attn",
         "--cuda-graph-modules attn --cg-slot-capture",
         f"--cuda-graph-modules attn --cg-slot-capture {offload}",
-        "--cuda-graph-modules mlp",
-        "--cuda-graph-modules mlp --cg-slot-capture",
     ]
     offloading = [setup for setup in setups if setup.settings.activation_offloading]
     assert offloading and all(setup.environment == ("NVTE_CPU_OFFLOAD_V1=1",) for setup in offloading)
@@ -195,8 +199,20 @@ def test_each_setup_is_the_planners_prediction_of_flags_the_rules_accept(run):
         assert rules.violations(setup.settings) == []
         assert setup.config.slot_capture == setup.settings.slot_capture
         assert setup.need == need_of(setup.settings, setup.config)
-        assert setup.settings != run  # never the run itself
-        assert setup.settings.slot_capture >= run.slot_capture  # never a step back
+        assert setup.settings != run and setup.graph != GraphSetup.of(run)  # never the run itself
+    # the filter of the one enumeration: every other setup the rules pass, none they refuse
+    every = enumerate_setups(run, DEFAULTS)
+    assert set(setups) == {setup for setup in every if not setup.refused and setup.graph != GraphSetup.of(run)}
+
+
+def test_a_slot_capture_run_is_offered_tes_graphs_where_they_take_less():
+    # Slot capture's arenas and static buffers can take more of the GPU than TE's pool of the same scope.
+    run = dense(modules=("attn",), slot_capture=True)
+    by_flags = {setup.command_line: setup for setup in alternative_setups(run, DEFAULTS)}
+    te = by_flags["without --cg-slot-capture"]
+    assert not te.settings.slot_capture and te.settings.modules == ("attn",)
+    assert te.need.device_bytes < need_of(run, dataclasses.replace(DEFAULTS, slot_capture=True)).device_bytes
+    assert by_flags["without --cuda-graph-modules"].settings.modules == ()  # the whole layer, slot-shared
 
 
 def test_offload_moves_attentions_saves_to_the_host():
@@ -210,19 +226,35 @@ def test_offload_moves_attentions_saves_to_the_host():
     assert offloaded.gpu_arenas == slot.gpu_arenas - offloaded.pinned_host
 
 
-def test_an_moe_run_narrows_to_attention_with_the_router_and_preprocess():
+def test_an_moe_run_narrows_to_the_moe_block_the_router_and_preprocess_and_attention():
     commands = [setup.command_line for setup in alternative_setups(moe(), DEFAULTS)]
-    assert commands[2:4] == ["--cuda-graph-modules attn moe_router moe_preprocess", "--cuda-graph-modules attn"]
+    assert commands[:2] == [
+        "--cg-slot-capture",
+        "--cg-slot-capture --fine-grained-activation-offloading --offload-modules core_attn attn_proj",
+    ]  # the run's own scope first
+    scopes = [command.split(" --")[0] for command in commands[2:]]
+    assert list(dict.fromkeys(scopes)) == [
+        "--cuda-graph-modules attn moe",
+        "--cuda-graph-modules attn moe_router moe_preprocess",
+        "--cuda-graph-modules attn",
+    ]  # then the others, most graphed first
     assert not any("mlp" in command for command in commands)
     # Slot capture refuses partial MoE scopes (rule slot-capture-partial-moe): not offered there.
     assert "--cuda-graph-modules attn moe_router moe_preprocess --cg-slot-capture" not in commands
 
 
 def test_the_moe_scope_is_never_offered_with_offload():
-    # Megatron's TransformerConfig refuses fine-grained offload with --cuda-graph-modules ... moe.
-    commands = [setup.command_line for setup in alternative_setups(moe(modules=("attn", "moe")), DEFAULTS)]
-    assert "--cg-slot-capture" in commands
-    assert not any("offload" in command for command in commands if "--cuda-graph-modules" not in command)
+    # Megatron's TransformerConfig refuses fine-grained offload with --cuda-graph-modules ... moe
+    # (rule offload-moe-scope).
+    run = moe(modules=("attn", "moe"))
+    setups = alternative_setups(run, DEFAULTS)
+    assert "--cg-slot-capture" in [setup.command_line for setup in setups]
+    assert any(setup.settings.activation_offloading for setup in setups)  # other scopes offload
+    assert not any(setup.settings.activation_offloading and "moe" in setup.settings.modules for setup in setups)
+    offloading = moe(modules=("attn",), slot_capture=True, activation_offloading=True, offload_modules=("core_attn",))
+    assert rules.violations(offloading) == []
+    moe_block = [setup for setup in alternative_setups(offloading, DEFAULTS) if "moe" in setup.settings.modules]
+    assert moe_block and not any(setup.settings.activation_offloading for setup in moe_block)  # only without it
 
 
 def test_setups_the_rules_refuse_are_left_out():
@@ -230,8 +262,8 @@ def test_setups_the_rules_refuse_are_left_out():
     pipelined = dense(pipeline_parallel=2, world_size=2)
     assert rules.violations(pipelined) == []
     assert [setup.command_line for setup in alternative_setups(pipelined, DEFAULTS)] == [
+        "--cuda-graph-modules attn mlp",
         "--cuda-graph-modules attn",
-        "--cuda-graph-modules mlp",
     ]
     learned = dense(position_embedding_type="learned_absolute")
     assert not any(setup.settings.activation_offloading for setup in alternative_setups(learned, DEFAULTS))
@@ -241,11 +273,15 @@ def test_setups_the_rules_refuse_are_left_out():
 def test_a_run_that_offloads_already_keeps_its_modules_and_needs_no_environment_note():
     run = dense(modules=("attn",), slot_capture=True, activation_offloading=True, offload_modules=("qkv_linear",))
     setups = alternative_setups(run, DEFAULTS)
-    offloading = [setup for setup in setups if setup.settings.offload_modules != run.offload_modules]
+    offloading = [setup for setup in setups if setup.graph.attention_offload]
     assert offloading
     for setup in offloading:
         assert setup.settings.offload_modules == ("qkv_linear", "core_attn", "attn_proj")
         assert "--fine-grained-activation-offloading" not in setup.command_line and setup.environment == ()
+    without = [setup for setup in setups if not setup.settings.activation_offloading]
+    assert without and all(
+        setup.command_line.endswith("--fine-grained-activation-offloading --offload-modules") for setup in without
+    )
 
 
 def test_no_setups_without_te_graphs_or_with_graph_banks():
@@ -312,7 +348,10 @@ def test_host_shortfall_is_said_with_the_ranks_of_the_host():
     text = verdict.message("CUDA graph capture (attn (slot-shared))")
     assert f"pinned host arenas {gib(need.pinned_host)} x 4 ranks on this host = {gib(4 * need.pinned_host)}" in text
     assert f"against {gib(3 * need.pinned_host)} available" in text
-    assert "  --cuda-graph-modules attn  (" not in text  # the scope is kept, slot capture too: no step back
+    # The GPU has room: what fits pins no more than the host has, the run's scope without its offload first.
+    assert all(judge(setup.need, free) < Fit.DOES_NOT_FIT for setup in verdict.setups)
+    assert "  without --cg-slot-capture  (" in text  # TE's graphs keep Megatron's offload out of pinned arenas
+    assert "  without --fine-grained-activation-offloading --offload-modules  (" in text
 
 
 IN_GRAPH = ("core_attn", "attn_proj")

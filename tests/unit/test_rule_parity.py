@@ -105,6 +105,22 @@ ROWS = (
         nproc=4,
         environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     ),
+    Row(
+        "offload-with-the-moe-block-graphed",
+        MOE_LAYERS
+        + TE
+        + ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity")
+        + (
+            "--cuda-graph-modules",
+            "attn",
+            "moe",
+            "--fine-grained-activation-offloading",
+            "--offload-modules",
+            "core_attn",
+        ),
+        frozenset({"offload-moe-scope"}),
+        environ=(("NVTE_CPU_OFFLOAD_V1", "1"),),
+    ),
     Row("thd-max-seqs-0", (*GPT, "--cg-thd-max-seqs", "0"), frozenset({"cg-flags"})),
     Row("packed-graphed-without-capacity", GPT + TE + DOCUMENTS, frozenset({"packed-sequences-te-graphs"})),
     Row("packed-graphed", GPT + TE + DOCUMENTS + ("--cg-thd-max-seqs", "16"), frozenset()),

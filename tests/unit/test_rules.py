@@ -165,6 +165,17 @@ VIOLATING: dict[str, tuple[RunSettings, str]] = {
         ),
         "--cuda-graph-modules attn mlp",
     ),
+    "offload-moe-scope": (
+        RunSettings(
+            cuda_graph_impl=TE,
+            modules=("attn", "moe"),
+            **MOE_DROP_PAD,
+            activation_offloading=True,
+            offload_modules=("core_attn",),
+            position_embedding_type="rope",
+        ),
+        "drop --fine-grained-activation-offloading",
+    ),
     "offload-recompute-in-graphs": (
         RunSettings(
             cuda_graph_impl=TE,
@@ -491,10 +502,10 @@ def test_baseline_passes():
             position_embedding_type="rope",
             offload_modules=("qkv_linear", "core_attn", "attn_proj", "mlp_norm"),
         ),
+        # The MoE block graphed (whole layer: Megatron refuses offload with the moe scope, rule offload-moe-scope).
         RunSettings(
             cuda_graph_impl=TE,
             slot_capture=True,
-            modules=("attn", "moe"),
             activation_offloading=True,
             position_embedding_type="rope",
             offload_modules=("core_attn", "expert_fc1"),

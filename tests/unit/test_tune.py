@@ -1,7 +1,8 @@
-"""megatron-cg tune on CPU: the setups each kind of model gets and the flags each runs with, the rules'
-refusals carried with their names, the memory budget, the stopping rule, the ranking and verdicts, the
-timing through the bench's trainer seam on a fake trainer, the scope switch of the Megatron-side
-trainer, and the command's dry run and refusals of bad input."""
+"""megatron-cg tune on CPU: the flags each setup runs with (the setups each kind of model gets are
+planner.setups', tested in test_setups.py), the rules' refusals carried with their names, the memory
+budget, the stopping rule, the ranking and verdicts, the timing through the bench's trainer seam on a
+fake trainer, the scope switch of the Megatron-side trainer, and the command's dry run and refusals of
+bad input."""
 
 from __future__ import annotations
 
@@ -17,16 +18,15 @@ from megatron_cg_plugin.bench import command as bench
 from megatron_cg_plugin.bench.output import StepRecord
 from megatron_cg_plugin.bench.schedule import DeviceTime
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.launch import dry_run
+from megatron_cg_plugin.planner import setups
+from megatron_cg_plugin.planner.setups import EAGER, GraphSetup, ModelKind
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
-    EAGER,
-    GraphSetup,
-    ModelKind,
     build_time_notes,
     built_setup,
     dispatcher_dtoh_point,
-    enumerate_setups,
     given_modules,
     given_setup,
     placement,
@@ -38,63 +38,6 @@ from megatron_cg_plugin.tune.timing import TimingOptions, steps_needed, time_set
 
 TE = "transformer_engine"
 MIB = 2**20
-
-
-def labels(kind: ModelKind) -> list[str]:
-    return [setup.label for setup in enumerate_setups(kind)]
-
-
-# -- which setups a model gets -------------------------------------------------------------------
-
-
-def test_a_dense_model_gets_attn_attn_mlp_and_the_whole_layer_under_te_graphs_and_slot_capture():
-    assert labels(ModelKind()) == [
-        "eager",
-        "attn",
-        "attn, slot",
-        "attn mlp",
-        "attn mlp, slot",
-        "whole layer",
-        "whole layer, slot",
-    ]
-
-
-def test_a_dropless_moe_gets_the_router_and_preprocess_scope_and_no_mlp_or_moe_block():
-    found = labels(ModelKind(moe=True, dense_layers=False))
-    assert "attn moe_router moe_preprocess" in found and "attn moe_router moe_preprocess, slot" in found
-    assert not any("mlp" in label.split() or "moe" in label.split() for label in found)
-    assert "whole layer" in found  # kept: the rules refuse it with their reason (whole-layer-moe-needs-drop-and-pad)
-
-
-def test_a_moe_with_a_capacity_factor_also_gets_the_moe_block_whole():
-    found = labels(ModelKind(moe=True, dense_layers=False, capacity_factor=1.5))
-    assert "attn moe" in found and "attn moe, slot" in found
-    assert "attn moe_router moe_preprocess" in found
-
-
-def test_a_moe_with_dense_layers_graphs_their_mlp_beside_the_moe_scopes():
-    found = labels(ModelKind(moe=True, dense_layers=True, capacity_factor=1.0))
-    assert {"attn mlp", "attn mlp moe_router moe_preprocess", "attn mlp moe"} <= set(found)
-
-
-def test_offload_flags_double_every_graphed_setup_and_eager_stays_the_users_run():
-    with_offload = enumerate_setups(ModelKind(offload=True))
-    without = enumerate_setups(ModelKind())
-    assert len(with_offload) - 1 == 2 * (len(without) - 1)
-    assert [setup for setup in with_offload if not setup.graphed] == [GraphSetup(graphed=False)]
-    assert {"attn, offload", "attn", "attn, slot, offload", "attn, slot"} <= {setup.label for setup in with_offload}
-
-
-def test_the_model_kind_is_read_from_the_settings():
-    dense = ModelKind.of(RunSettings(num_layers=4))
-    assert dense == ModelKind()
-    moe = ModelKind.of(
-        RunSettings(num_layers=4, num_experts=8, moe_layer_freq=2, capacity_factor=1.25, activation_offloading=True)
-    )
-    assert moe.moe and moe.dense_layers and moe.capacity_factor == 1.25 and not moe.offload  # no --offload-modules
-    all_moe = ModelKind.of(RunSettings(num_layers=2, num_experts=4, activation_offloading=True, offload_modules=("x",)))
-    assert not all_moe.dense_layers and all_moe.offload and all_moe.capacity_factor is None
-    assert all_moe.describe() == "MoE, dropless, with activation offload flags"
 
 
 # -- each setup's flags --------------------------------------------------------------------------
@@ -150,6 +93,21 @@ def test_eager_drops_the_plugins_graph_only_flags_and_keeps_the_users_offload():
     ]  # fmt: skip
 
 
+def test_attention_offload_adds_attentions_groups_to_the_users_offload_modules():
+    qkv = [token if token != "core_attn" else "qkv_linear" for token in USER if token != "attn_proj"]
+    kept = GraphSetup(graphed=True, modules=("attn",), slot=True, offload=True, attention_offload=True)
+    flags = setup_flags(qkv, kept)
+    assert flags.count("--fine-grained-activation-offloading") == 1 and flags.count("--offload-modules") == 1
+    at = flags.index("--offload-modules")
+    assert flags[at + 1 : at + 4] == ["qkv_linear", "core_attn", "attn_proj"]
+    assert "--cg-offload-window" in flags  # slot-shared capture offloads: its knobs stay
+    alone = setup_flags(["--num-layers", "2"], dataclasses.replace(kept, offload=False))
+    assert alone == [
+        "--num-layers", "2", "--fine-grained-activation-offloading", "--offload-modules", "core_attn", "attn_proj",
+        "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "--cg-slot-capture",
+    ]  # fmt: skip
+
+
 def test_the_users_own_setup_and_scope_are_read_from_their_flags():
     kind = ModelKind(offload=True)
     assert given_setup(USER, kind) == GraphSetup(graphed=True, modules=("attn", "moe_router"), offload=True)
@@ -191,6 +149,13 @@ def test_placement(setup, more, kind, schedule):
     assert bool(found.why) == (schedule != "steps")
 
 
+def test_a_setup_offloading_attention_is_not_timed_in_a_process_built_without_it():
+    setup = GraphSetup(graphed=True, modules=("attn",), slot=True, attention_offload=True)
+    found = placement(setup, settings_of(setup, activation_offloading=True), ModelKind(), ("NVTE_CPU_OFFLOAD_V1=1",))
+    assert found.schedule is None
+    assert "with attention offloaded" in found.why and "these flags and NVTE_CPU_OFFLOAD_V1=1 to time it" in found.why
+
+
 def test_the_timing_process_is_built_with_the_users_scope_under_te_graphs_where_it_is_timed():
     attn, router = GraphSetup(graphed=True, modules=("attn",)), GraphSetup(graphed=True, modules=("attn", "moe_router"))
     slot = GraphSetup(graphed=True, modules=("attn", "moe_router"), slot=True)
@@ -225,8 +190,9 @@ def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkey
 
     seen: list[list[str]] = []
 
-    def validate(flags):
+    def validate(flags, environment):
         seen.append(list(flags))
+        assert environment == (("NVTE_CPU_OFFLOAD_V1=1",) if "--fine-grained-activation-offloading" in flags else ())
         settings = RunSettings(
             cuda_graph_impl=TE if TE in flags else "none",
             modules=tuple(given_modules(flags) or ()),
@@ -239,9 +205,9 @@ def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkey
         return settings, PluginConfig()
 
     monkeypatch.setattr(
-        tune, "predict_graph_memory", lambda settings, config: types.SimpleNamespace(
+        setups, "predict_graph_memory", lambda settings, config: types.SimpleNamespace(
             pool_bytes=10 * MIB, arena_bytes=2 * MIB if settings.slot_capture else None, boundary_bytes=None,
-            thd_buffer_bytes=None, unpredicted=("tp",),
+            thd_buffer_bytes=None, host_arena_bytes=None, unpredicted=("tp",),
         ) if settings.te_graphs else None
     )  # fmt: skip
     plan = tune.plan_setups(["--num-layers", "2"], validate)
@@ -253,12 +219,48 @@ def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkey
     assert rows["eager"].yours  # the user's flags have no graphs
     assert plan.built == GraphSetup(graphed=True, modules=("attn",))
     assert len(seen) == len(plan.rows)  # eager checked once, first, as the model's own check
+    assert [row.setup for row in plan.rows] == [GraphSetup(graphed=False), *setups.graph_setups(plan.kind)]
+
+
+OFFLOADING_RUN = (
+    "--cg-preset", "tiny-gpt", "--cuda-graph-impl", TE, "--cuda-graph-modules", "attn", "--cg-slot-capture",
+    "--fine-grained-activation-offloading", "--offload-modules", "qkv_linear", "--min-offloaded-tensor-size", "4096",
+    "--cg-offload-window", "2", "--cg-contract-check", "shapes",
+)  # fmt: skip
+
+
+def test_a_setups_flags_read_by_megatron_give_the_settings_the_guard_builds_for_it():
+    """The tune builds each setup from its flags through Megatron's validation, the memory guard from the run's
+    settings (setups.setup_settings): both give the same settings, plugin config and refusals."""
+    from megatron_cg_plugin.tune import command as tune
+
+    def validated(flags, environment=()):
+        extra = dict(item.split("=", 1) for item in ("NVTE_CPU_OFFLOAD_V1=1", *environment))
+        with dry_run.scoped_environ(**extra):
+            _args, settings, config = dry_run.validated_args(flags, nproc=1, env=extra)
+        return settings, config or PluginConfig()
+
+    base = tune._expanded(OFFLOADING_RUN)
+    run, config = validated(base)
+    assert run.activation_offloading and run.slot_capture and config.offload_window == 2
+    built = {setup.graph: setup for setup in setups.enumerate_setups(run, config)}
+    assert len(built) > 6
+    for graph, setup in built.items():
+        try:
+            settings, flags_config = validated(setup_flags(base, graph), setup.environment)
+        except (rules.RuleViolation, dry_run.CheckError) as refusal:
+            assert {name for name, _ in refusal.violations} == {name for name, _ in setup.refused}, graph.label
+            continue
+        assert not setup.refused, graph.label
+        ignored = {"graph_only_flags": ()}  # which --cg-* graph-only flags were typed: not a setting of the run
+        assert dataclasses.replace(settings, **ignored) == dataclasses.replace(setup.settings, **ignored), graph.label
+        assert flags_config == setup.config, graph.label
 
 
 def test_a_model_whose_own_flags_are_refused_is_not_tuned():
     from megatron_cg_plugin.tune import command as tune
 
-    def validate(flags):
+    def validate(flags, environment):
         raise rules.RuleViolation([("model-sizes", "--hidden-size 0")])
 
     with pytest.raises(rules.RuleViolation, match="--hidden-size 0"):
