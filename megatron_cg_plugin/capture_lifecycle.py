@@ -40,10 +40,10 @@ from megatron_cg_plugin.capture.transaction import (
 )
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.packed import graphs as packed_graphs
-from megatron_cg_plugin.planner import memory_guard
 from megatron_cg_plugin.planner.prediction import with_model_config
 from megatron_cg_plugin.scopes import module_names
 from megatron_cg_plugin.session import CaptureStats, RunSession
+from megatron_cg_plugin.setups import memory_guard
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend, SlotLayerGraph
 from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 
@@ -67,7 +67,7 @@ class CaptureFailedError(RuntimeError):
 
 class CaptureWontFitError(CaptureFailedError):
     """The planner predicts that the capture would not fit in the memory free when it would start:
-    refused before anything was captured (``planner.memory_guard``)."""
+    refused before anything was captured (``setups.memory_guard``)."""
 
 
 class InjectedCaptureFailure(RuntimeError):

@@ -84,7 +84,7 @@ class PluginConfig:
         memory_budget_gib: the GPU memory (GiB) the memory guard lets capture take, in place of what the
             device has free when capture would start (``torch.cuda.mem_get_info``); None: what is free.
             The guard compares the planner's prediction of the capture with it and stops a capture that
-            would not fit before it starts (``planner.memory_guard``).
+            would not fit before it starts (``setups.memory_guard``).
         inject_capture_failure: test hook: fail capture inside the capture of the N-th graphed
             layer (1-based), to exercise the rollback.
         bank_min_cp: under hybrid context parallelism, the smallest CP size that gets a graph bank

@@ -1,7 +1,7 @@
 """The tune's side of the setups it weighs for one model (pure: no torch, no Megatron): the flags each
 one runs with, and where one process can time it.
 
-The setups themselves, and what each is, come from ``planner.setups`` (the list the memory guard reads
+The setups themselves, and what each is, come from ``setups.graph_setups`` (the list the memory guard reads
 too). ``setup_flags`` writes a setup over the user's flags, replacing their graph flags; the rules then
 judge each setup's flags as ``megatron-cg check`` does (``tune.command``); nothing here decides what the
 rules allow.
@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from megatron_cg_plugin.config import PLUGIN_FLAGS
-from megatron_cg_plugin.planner.setups import TE_IMPL, GraphSetup, ModelKind, setup_offload_modules
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups.graph_setups import TE_IMPL, GraphSetup, ModelKind, setup_offload_modules
 
 __all__ = [
     "Placement",

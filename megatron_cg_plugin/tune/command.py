@@ -1,6 +1,6 @@
 """``megatron-cg tune [SCRIPT.py] <flags>``: which CUDA-graph setup to train a model with.
 
-From the model's flags it lists the setups that fit the model (``planner.setups``, the list the memory
+From the model's flags it lists the setups that fit the model (``setups.graph_setups``, the list the memory
 guard reads too), checks each one's flags (``tune.candidates.setup_flags``) as ``megatron-cg check`` does
 (Megatron's validation and the one rule list, ``rules.check_run``: a refused setup keeps its rules),
 predicts each one's graph memory as the run's report does (``planner.prediction.predict_graph_memory``),
@@ -37,8 +37,8 @@ from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.farm.distributed import gpu_stack_missing
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
-from megatron_cg_plugin.planner.setups import GraphSetup, ModelKind, enumerate_setups, graph_bytes
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups.graph_setups import GraphSetup, ModelKind, enumerate_setups, graph_bytes
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
     build_time_notes,
@@ -151,7 +151,7 @@ def _expanded(flags: Sequence[str]) -> list[str]:
 
 
 def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
-    """Every setup of the model ``flags`` describe: eager, then ``planner.setups``' list, each setup built
+    """Every setup of the model ``flags`` describe: eager, then ``setups.graph_setups``' list, each setup built
     from its own flags (``setup_flags``) through ``validate`` (a refusal keeps its rules), checked,
     predicted and placed. The eager setup's check comes first and is the model's own: its refusal is raised
     (the flags describe no model to tune)."""

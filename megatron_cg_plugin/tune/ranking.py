@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_cg_plugin.bench.schedule import median_interval, median_precision
-from megatron_cg_plugin.planner.setups import GraphSetup
+from megatron_cg_plugin.setups.graph_setups import GraphSetup
 
 __all__ = [
     "DEFAULT_MARGIN_FRACTION",

@@ -30,7 +30,7 @@ from megatron_cg_plugin.bench.command import (
 )
 from megatron_cg_plugin.bench.output import BenchResult, BlockRecord, StepRecord
 from megatron_cg_plugin.bench.schedule import BenchSummary, DeviceTime, interleaved_blocks, summarize_steps
-from megatron_cg_plugin.planner.setups import EAGER
+from megatron_cg_plugin.setups.graph_setups import EAGER
 from megatron_cg_plugin.tune.ranking import (
     Measured,
     Row,

@@ -20,8 +20,8 @@ from typing import Any
 from megatron_cg_plugin.bench.command import MegatronTrainer
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.planner.setups import EAGER, GraphSetup
 from megatron_cg_plugin.session import RunSession
+from megatron_cg_plugin.setups.graph_setups import EAGER, GraphSetup
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
 from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 from megatron_cg_plugin.tune.candidates import dispatcher_dtoh_point

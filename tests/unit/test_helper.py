@@ -31,9 +31,9 @@ from megatron_cg_plugin.capture_lifecycle import (
     scope_label,
 )
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.planner import memory_guard
 from megatron_cg_plugin.session import RunPrediction, RunSession
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups import memory_guard
 
 MiB = 2**20
 MISSING = object()

@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.planner.memory_guard (the guard's pure decision: does the predicted
+"""Tests for megatron_cg_plugin.setups.memory_guard (the guard's pure decision: does the predicted
 capture fit what is free, and which other setups would) and for the readings of free memory in
 megatron_cg_plugin.capture.accounting. The guard in the capture lifecycle is tested in test_helper.py;
 the setups it filters, in test_setups.py."""
@@ -16,7 +16,9 @@ from megatron_cg_plugin import rules
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan, plan_for_run
-from megatron_cg_plugin.planner.memory_guard import (
+from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups.graph_setups import GraphSetup, enumerate_setups
+from megatron_cg_plugin.setups.memory_guard import (
     CLOSE_HEADROOM_BYTES,
     GIB,
     CaptureNeed,
@@ -29,8 +31,6 @@ from megatron_cg_plugin.planner.memory_guard import (
     gib,
     judge,
 )
-from megatron_cg_plugin.planner.setups import GraphSetup, enumerate_setups
-from megatron_cg_plugin.settings import RunSettings
 
 DEFAULTS = PluginConfig()
 

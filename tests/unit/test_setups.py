@@ -1,4 +1,4 @@
-"""Tests for megatron_cg_plugin.planner.setups: the one list of a model's graph setups that the memory
+"""Tests for megatron_cg_plugin.setups.graph_setups: the one list of a model's graph setups that the memory
 guard (test_memory_guard.py) and megatron-cg tune (test_tune.py) read. Which setups each kind of model
 gets, the settings and flags each is built with, the rules' refusals each carries, and its prediction."""
 
@@ -12,7 +12,8 @@ from test_memory_guard import DEFAULTS, dense  # the guard's model, graphed whol
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan, plan_for_run
-from megatron_cg_plugin.planner.setups import (
+from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups.graph_setups import (
     OFFLOAD_ENVIRONMENT,
     CaptureNeed,
     GraphSetup,
@@ -23,7 +24,6 @@ from megatron_cg_plugin.planner.setups import (
     scopes,
     setup_settings,
 )
-from megatron_cg_plugin.settings import RunSettings
 
 TE = "transformer_engine"
 ATTENTION = "core_attn attn_proj"

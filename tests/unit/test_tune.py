@@ -1,5 +1,5 @@
 """megatron-cg tune on CPU: the flags each setup runs with (the setups each kind of model gets are
-planner.setups', tested in test_setups.py), the rules' refusals carried with their names, the memory
+setups.graph_setups', tested in test_setups.py), the rules' refusals carried with their names, the memory
 budget, the stopping rule, the ranking and verdicts, the timing through the bench's trainer seam on a
 fake trainer, the scope switch of the Megatron-side trainer, and the command's dry run and refusals of
 bad input."""
@@ -19,9 +19,9 @@ from megatron_cg_plugin.bench.output import StepRecord
 from megatron_cg_plugin.bench.schedule import DeviceTime
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import dry_run
-from megatron_cg_plugin.planner import setups
-from megatron_cg_plugin.planner.setups import EAGER, GraphSetup, ModelKind
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups import graph_setups as setups
+from megatron_cg_plugin.setups.graph_setups import EAGER, GraphSetup, ModelKind
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
     build_time_notes,

@@ -7,7 +7,7 @@ pinned host arenas of in-graph offload) with what the device and the host have f
 (``FreeMemory``, read by ``capture_lifecycle.read_free_memory``, or the GPU's share given by
 ``--cg-memory-budget-gib``). ``judge`` says whether it fits, fits close to the limit (``CLOSE_FRACTION``,
 ``CLOSE_HEADROOM_BYTES``) or does not fit; ``check_capture_memory`` adds, for a capture that does not
-fit, the setups that would (``fitting_setups``): of the run's setups (``planner.setups``, the list
+fit, the setups that would (``fitting_setups``): of the run's setups (``setups.graph_setups``, the list
 ``megatron-cg tune`` weighs too), each re-predicted by the same planner and passed by the same rules as
 the run's own flags, those that differ from the run's and fit.
 """
@@ -19,8 +19,8 @@ import enum
 
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.planner.graph_memory import GraphMemoryPlan
-from megatron_cg_plugin.planner.setups import CaptureNeed, GraphSetup, ModelKind, Setup, enumerate_setups, scopes
 from megatron_cg_plugin.settings import RunSettings
+from megatron_cg_plugin.setups.graph_setups import CaptureNeed, GraphSetup, ModelKind, Setup, enumerate_setups, scopes
 
 __all__ = [
     "CLOSE_FRACTION",
