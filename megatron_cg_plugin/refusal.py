@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_cg_plugin import rules
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.megatron_builds import failure_text
 from megatron_cg_plugin.settings import RunSettings
 
 __all__ = [
@@ -68,12 +69,10 @@ class RunRefused(SystemExit):
 def megatron_rejection(error: BaseException) -> str:
     """Megatron's assert messages are sometimes empty: name the failing check's line too."""
     frames = traceback.extract_tb(error.__traceback__)
-    message = str(error).strip() or "(no message)"
+    text = failure_text(error)
     if not frames:
-        return message
-    frame = frames[-1]
-    text = f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
-    match = _NOT_GIVEN.search(message) or _NOT_GIVEN.search(frame.line or "")
+        return text
+    match = _NOT_GIVEN.search(str(error).strip()) or _NOT_GIVEN.search(frames[-1].line or "")
     if match is None:
         return text
     return f"--{(match.group(1) or match.group(2)).replace('_', '-')} is not given, and Megatron needs it: {text}"
