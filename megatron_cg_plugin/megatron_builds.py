@@ -24,6 +24,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_cg_plugin.data.sources import is_explicitly_local
+
 __all__ = ["dataset_problem", "failure_text", "optimizer_problem", "tokenizer_note", "tokenizer_problem"]
 
 # The library each tokenizer type Megatron builds offline needs (None: none). The others are left to the run: the
@@ -119,15 +121,14 @@ def _tokenizer_verdict(args: Any) -> _TokenizerVerdict:
     path = getattr(args, "tokenizer_model", None)
     if not path:
         return _TokenizerVerdict(False)  # rule tokenizer-files
-    if not os.path.exists(path):  # missing: rule data-files, unless a hub name
-        hub = kind == "HuggingFaceTokenizer" and not os.path.isabs(path) and not path.startswith(("./", "../"))
-        return _TokenizerVerdict(
-            False,
-            note=f"--tokenizer-model {path} is no local path: the run loads it from the HuggingFace hub "
-            "(or its cache), so check does not build it"
-            if hub
-            else None,
-        )
+    if not os.path.exists(path):
+        if kind == "HuggingFaceTokenizer" and not is_explicitly_local(path):
+            return _TokenizerVerdict(
+                False,
+                note=f"--tokenizer-model {path} is no local path: the run loads it from the HuggingFace hub (or its "
+                "cache), so check does not build it",
+            )
+        return _TokenizerVerdict(False)  # rule data-files names the missing file
     if kind == "HuggingFaceTokenizer" and getattr(args, "trust_remote_code", False):
         return _TokenizerVerdict(
             False, note="with --trust-remote-code building the tokenizer runs its own code, so check does not build it"
@@ -285,12 +286,15 @@ def dataset_problem(args: Any) -> str | None:
             )
     except Exception as error:  # noqa: BLE001 - whatever the config refuses stops the run when it builds datasets
         return failure_text(error)
-    if blend is None:
-        return None  # per-split blends take no --split
+    trains = bool(args.train_iters or args.train_samples) and not args.skip_train
+    if blend is None:  # per-split blends, which take no --split
+        if trains and (blend_per_split is None or blend_per_split[0] is None):
+            return "the per-split data names no training data (--train-data-path), so the run would train nothing"
+        return None
     with _quiet():
         shares = parse_and_normalize_split(args.split)
     if not all(math.isfinite(share) for share in shares):
         return f"--split {args.split} gives every split a weight of 0, so no split has a share of the data"
-    if shares[0] == 0 and (args.train_iters or args.train_samples) and not args.skip_train:
+    if shares[0] == 0 and trains:
         return f"--split {args.split} gives training no share of the data, so the run would train nothing"
     return None

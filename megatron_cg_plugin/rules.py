@@ -170,25 +170,25 @@ def _model_parallel(f: RunSettings) -> int | None:
     return math.prod(sizes) if all(_whole(size) for size in sizes) else None
 
 
+def _data_parallel(f: RunSettings) -> int | None:
+    """The run's data-parallel size: its ranks over TP x PP x CP; None where those do not divide the world size
+    (rule parallel-sizes) or a size is not a whole number (rule model-sizes)."""
+    replica = _model_parallel(f)
+    return None if replica is None or f.world_size % replica else f.world_size // replica
+
+
 def _global_batch_problem(f: RunSettings) -> str | None:
     """Megatron splits each global batch into micro-batches of --micro-batch-size on each of the run's
     data-parallel ranks (num_microbatches_calculator; validate_args asserts it first, worded for its evaluation
     batch): the global batch must be a multiple of micro-batch x data-parallel size."""
-    replica = _model_parallel(f)
-    if (
-        f.global_batch_size is None
-        or f.batch_size_varies
-        or replica is None
-        or f.world_size % replica
-        or not (_whole(f.micro_batch_size) and _whole(f.global_batch_size))
-    ):
-        return None  # Megatron sets it, ramps it, or other rules name the sizes
-    data_parallel = f.world_size // replica
+    data_parallel = _data_parallel(f)
+    if f.batch_size_varies or data_parallel is None or not (_whole(f.micro_batch_size) and _whole(f.global_batch_size)):
+        return None  # Megatron sets it (not given), ramps it, or other rules name the sizes
     if f.global_batch_size % (f.micro_batch_size * data_parallel) == 0:
         return None
     return (
         f"(--global-batch-size {f.global_batch_size}, --micro-batch-size {f.micro_batch_size}, data-parallel size "
-        f"{data_parallel} = {f.world_size} ranks / (TP x PP x CP {replica}): give a multiple of "
+        f"{data_parallel} = {f.world_size} ranks / (TP x PP x CP {_model_parallel(f)}): give a multiple of "
         f"{f.micro_batch_size * data_parallel})"
     )
 
@@ -220,6 +220,34 @@ def _interval_problems(f: RunSettings) -> list[str]:
     return problems
 
 
+# More samples than any run trains on: Megatron's GPT dataset indexes each one (some 32 bytes of index a sample)
+# before the first step, over 500 GB here.
+_MOST_SAMPLES = 1 << 34
+
+
+def _sample_counts(f: RunSettings) -> list[str]:
+    """The train, validation and test samples Megatron's datasets are built to hold
+    (training.get_train_valid_test_num_samples) that are beyond any run."""
+    batch = f.global_batch_size
+    if not _whole(batch):
+        return []  # Megatron sets it from the micro-batch (or rule model-sizes names it)
+    counts = []
+    iterations = f.train_iters if _whole(f.train_iters) else None
+    train = f.train_samples if _whole(f.train_samples) else (iterations * batch if iterations else None)
+    counts.append(("--train-iters x --global-batch-size (or --train-samples)", train))
+    if _whole(f.eval_iters):
+        if iterations and _whole(f.eval_interval) and not (f.skip_train or f.full_validation):
+            evaluations = iterations // f.eval_interval + 1
+            counts.append(
+                (
+                    "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",
+                    evaluations * f.eval_iters * batch,
+                )
+            )
+        counts.append(("--eval-iters x --global-batch-size (the test split)", f.eval_iters * batch))
+    return [f"{what} = {count}" for what, count in counts if count is not None and count > _MOST_SAMPLES]
+
+
 _SEEDS = 1 << 32  # numpy's random seeds are 0 to 2^32 - 1
 
 
@@ -230,7 +258,8 @@ def _seed_problem(f: RunSettings) -> str | None:
     if not _whole(f.seed):
         return f'(Megatron: "Seed ({f.seed}) should be a positive integer.")'
     stages = f.pipeline_parallel if _whole(f.pipeline_parallel) else 1
-    largest = f.seed + 100 * (stages - 1) + (10 * (f.data_parallel - 1) if f.data_parallel_random_init else 0)
+    replicas = (_data_parallel(f) or 1) if f.data_parallel_random_init else 1
+    largest = f.seed + 100 * (stages - 1) + 10 * (replicas - 1)
     if largest < _SEEDS:
         return None
     return f"(--seed {f.seed}: the last rank's seed is {largest}, and numpy takes seeds below 2^32 = {_SEEDS})"
@@ -319,6 +348,15 @@ _GLOBAL_BATCH = _Rule(
     detail=lambda f: _global_batch_problem(f) or "",
 )
 
+_SAMPLE_COUNTS = _Rule(
+    "sample-counts",
+    "megatron",
+    lambda f: bool(_sample_counts(f)),
+    "the flags ask for more samples than any run trains on (over 2^34), and Megatron's datasets index every one "
+    "before the first step, which would not fit in memory: lower --train-iters (or --train-samples) or --eval-iters:",
+    detail=lambda f: "; ".join(_sample_counts(f)),
+)
+
 _LOOP_INTERVALS = _Rule(
     "loop-intervals",
     "megatron",
@@ -343,6 +381,7 @@ RULES: tuple[_Rule, ...] = (
     _HEADS_DIVIDE_HIDDEN,
     _GLOBAL_BATCH,
     _LOOP_INTERVALS,
+    _SAMPLE_COUNTS,
     _Rule(
         "environment-switches",
         "plugin",
@@ -416,8 +455,7 @@ RULES: tuple[_Rule, ...] = (
         "megatron",
         lambda f: (
             f.has_moe_layers
-            and (replica := _model_parallel(f)) is not None
-            and f.world_size % replica == 0  # else rule parallel-sizes names the world size
+            and _data_parallel(f) is not None  # else rule parallel-sizes names the world size
             and (grid := _expert_grid(f)) is not None
             and f.world_size % grid != 0
         ),
@@ -440,9 +478,9 @@ RULES: tuple[_Rule, ...] = (
         "megatron",
         lambda f: f.optimizer_problem is not None,
         "Megatron's optimizer setup (setup_model_and_optimizer, before the first step) fails on the flags here "
-        "(Megatron's error follows): give --train-iters N (or --train-samples), --lr with --min-lr <= --lr, and a "
+        "(Megatron's error follows): give --train-iters N (or --train-samples), --lr with --min-lr <= --lr, a "
         "warmup shorter than the decay (--lr-warmup-iters or --lr-warmup-fraction against --lr-decay-iters, "
-        "default --train-iters):",
+        "default --train-iters), and --lr-wsd-decay-iters with --lr-decay-style WSD:",
         detail=lambda f: f.optimizer_problem or "",
     ),
     _Rule(
@@ -1122,7 +1160,7 @@ _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 
 # The rules on sizes and intervals that validate_args computes from or asserts without naming a flag: checked on the
 # flags as parsed, before it runs.
-_EARLY_RULES = (_MODEL_SIZES, _HEADS_DIVIDE_HIDDEN, _GLOBAL_BATCH, _LOOP_INTERVALS)
+_EARLY_RULES = (_MODEL_SIZES, _HEADS_DIVIDE_HIDDEN, _GLOBAL_BATCH, _LOOP_INTERVALS, _SAMPLE_COUNTS)
 
 
 def early_violations(args: Any) -> list[tuple[str, str]]:

@@ -179,6 +179,8 @@ class RunSettings:
     # The global batch changes during the run (--rampup-batch-size, --step-batch-size-schedule) or is rounded
     # down to fit (--decrease-batch-size-if-needed)
     batch_size_varies: bool = False
+    train_iters: int | None = None
+    train_samples: int | None = None
     log_interval: int = 100
     tensorboard_log_interval: int = 1
     eval_interval: int | None = 1000
@@ -493,6 +495,8 @@ def read_settings(
             or getattr(args, "step_batch_size_schedule", None)
             or getattr(args, "decrease_batch_size_if_needed", False)
         ),
+        train_iters=getattr(args, "train_iters", None),
+        train_samples=getattr(args, "train_samples", None),
         log_interval=getattr(args, "log_interval", 100),
         tensorboard_log_interval=getattr(args, "tensorboard_log_interval", 1),
         eval_interval=getattr(args, "eval_interval", 1000),

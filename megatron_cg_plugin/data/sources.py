@@ -13,10 +13,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_datasets", "dataset_config", "missing_files"]
+__all__ = ["build_datasets", "dataset_config", "is_explicitly_local", "missing_files"]
 
 # Megatron's tokenizers that load a model file named by --tokenizer-model (HuggingFace takes hub
-# names there too, so only a path that can only be local is checked: _is_explicitly_local).
+# names there too, so only a path that can only be local is checked: is_explicitly_local).
 _TOKENIZER_MODEL_FILES = frozenset(
     {"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer"}
 )
@@ -26,7 +26,7 @@ def _is_local(path: str) -> bool:
     return "://" not in path  # msc:// and other object-store prefixes are not files here
 
 
-def _is_explicitly_local(path: str) -> bool:
+def is_explicitly_local(path: str) -> bool:
     """A path no hub name looks like (absolute, or from . or ..): a HuggingFace tokenizer loads it from disk."""
     return os.path.isabs(path) or path.startswith(("./", "../"))
 
@@ -69,7 +69,7 @@ def missing_files(args: Any, *, indexed_data: bool) -> list[str]:
     tokenizer_files = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
     tokenizer_type, tokenizer_model = getattr(args, "tokenizer_type", None), getattr(args, "tokenizer_model", None)
     if tokenizer_type in _TOKENIZER_MODEL_FILES or (
-        tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model and _is_explicitly_local(tokenizer_model)
+        tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model and is_explicitly_local(tokenizer_model)
     ):
         tokenizer_files.append(tokenizer_model)
     missing += [path for path in tokenizer_files if path and _is_local(path) and not os.path.exists(path)]

@@ -46,9 +46,14 @@ class Bad:
     id: str
     flags: tuple[str, ...]  # "{tmp}" is the test's tmp_path (files made by the `files` fixture)
     rule: str
-    named: str  # the flag (or value) stderr must name
+    named: str  # what stderr must say: the flag with its value, or Megatron's words
     nproc: int = 1
     environ: tuple[tuple[str, str], ...] = ()
+    flag: str | None = None  # the flag to change, where ``named`` does not start with it
+
+    @property
+    def to_change(self) -> str:
+        return self.flag or self.named
 
 
 BAD = (
@@ -69,25 +74,60 @@ BAD = (
     ),
     Bad("save-interval-0", (*GPT, "--save", "{tmp}/ckpt", "--save-interval", "0"), "loop-intervals", "--save-interval"),
     Bad("save-without-interval", (*GPT, "--save", "{tmp}/ckpt"), "loop-intervals", "--save-interval None"),
-    Bad("train-iters-0", (*GPT, "--train-iters", "0"), "optimizer-setup", "either train-iters or train-samples"),
-    Bad("train-iters-negative", (*GPT, "--train-iters", "-1"), "optimizer-setup", "decay -8"),
+    Bad(
+        "train-iters-0",
+        (*GPT, "--train-iters", "0"),
+        "optimizer-setup",
+        "either train-iters or train-samples",
+        flag="--train-iters",
+    ),
+    Bad("train-iters-negative", (*GPT, "--train-iters", "-1"), "optimizer-setup", "decay -8", flag="--train-iters"),
     Bad(
         "no-train-iters",
         (*MODEL, "--lr", "1e-4", "--mock-data", "--vocab-size", "128"),
         "optimizer-setup",
         "either train-iters or train-samples should be provided",
+        flag="--train-iters",
     ),
     Bad("no-lr", (*MODEL, "--train-iters", "5", "--mock-data", "--vocab-size", "128"), "optimizer-setup", "--lr None"),
-    Bad("warmup-as-long-as-training", (*GPT, "--lr-warmup-iters", "30"), "optimizer-setup", "warmup 240, decay 240"),
+    Bad(
+        "warmup-as-long-as-training",
+        (*GPT, "--lr-warmup-iters", "30"),
+        "optimizer-setup",
+        "warmup 240, decay 240",
+        flag="--lr-warmup-iters",
+    ),
     Bad(
         "warmup-fraction-1",
         (*GPT, "--lr-warmup-iters", "0", "--lr-warmup-fraction", "1.0"),
         "optimizer-setup",
         "assert self.lr_warmup_steps < self.lr_decay_steps",
+        flag="--lr-warmup-fraction",
     ),
-    Bad("wsd-without-decay-iters", (*GPT, "--lr-decay-style", "WSD"), "optimizer-setup", "wsd_decay_steps"),
+    Bad(
+        "wsd-without-decay-iters",
+        (*GPT, "--lr-decay-style", "WSD"),
+        "optimizer-setup",
+        "wsd_decay_steps",
+        flag="--lr-wsd-decay-iters",
+    ),
+    # Megatron's datasets index every sample the flags ask for before the first step: beyond any run, nothing holds it.
+    Bad(
+        "train-iters-beyond-any-run",
+        (*GPT, "--train-iters", str(10**30)),
+        "sample-counts",
+        "--train-iters x --global-batch-size (or --train-samples) = 8" + "0" * 30,
+        flag="--train-iters",
+    ),
+    Bad(
+        "eval-iters-beyond-any-run",
+        (*GPT, "--eval-interval", "10", "--eval-iters", str(10**18)),
+        "sample-counts",
+        "--eval-iters x --global-batch-size (the test split)",
+        flag="--eval-iters",
+    ),
     Bad("num-workers-negative", (*GPT, "--num-workers", "-1"), "loop-intervals", "--num-workers -1"),
-    Bad("seed-0", (*GPT, "--seed", "0"), "random-seed", "Seed (0) should be a positive integer."),
+    Bad("seed-0", (*GPT, "--seed", "0"), "random-seed", "Seed (0) should be a positive integer.", flag="--seed"),
     Bad(
         "seed-past-numpys-range-on-the-last-stage",
         (*GPT, "--seed", "4294967290", "--pipeline-model-parallel-size", "2"),
@@ -120,12 +160,14 @@ BAD = (
         (*GPT, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/folder"),
         "tokenizer-build",
         "Is a directory",
+        flag="--tokenizer-model",
     ),
     Bad(
         "gpt-sentencepiece-model-is-text",
         (*GPT, "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "{tmp}/vocab.json"),
         "tokenizer-build",
         "could not parse ModelProto",
+        flag="--tokenizer-model",
     ),
     Bad(
         "llama2-model-is-a-pipe",
@@ -241,6 +283,7 @@ BAD = (
         "expert-parallel-sizes",
         "world size 2",
         nproc=2,
+        flag="--expert-model-parallel-size",
     ),
     Bad(
         "expert-parallel-0",
@@ -261,7 +304,14 @@ BAD = (
         "global-batch-size",
         "--global-batch-size 7",
     ),
-    Bad("global-batch-not-split-over-the-ranks", GPT, "global-batch-size", "data-parallel size 3", nproc=3),
+    Bad(
+        "global-batch-not-split-over-the-ranks",
+        GPT,
+        "global-batch-size",
+        "data-parallel size 3",
+        nproc=3,
+        flag="--global-batch-size",
+    ),
     # -- the datasets --
     Bad("no-data-source", (*BARE, "--vocab-size", "128"), "data-source", "--mock-data"),
     Bad("split-not-numbers", (*GPT, "--data-path", "{tmp}/a", "--split", "abc"), "data-blend-split", "--split abc"),
@@ -271,25 +321,35 @@ BAD = (
         (*GPT, "--data-path", "{tmp}/a", "--split", "1,2,3,4"),
         "data-blend-split",
         "assert len(split) == len(Split)",
+        flag="--split",
     ),
-    Bad("split-does-not-parse", (*GPT, "--data-path", "{tmp}/a", "--split", "1..2"), "data-blend-split", "'1..2'"),
+    Bad(
+        "split-does-not-parse",
+        (*GPT, "--data-path", "{tmp}/a", "--split", "1..2"),
+        "data-blend-split",
+        "'1..2'",
+        flag="--split",
+    ),
     Bad(
         "split-without-training",
         (*GPT, "--data-path", "{tmp}/a", "--split", "0,1,0"),
         "data-blend-split",
         "gives training no share",
+        flag="--split",
     ),
     Bad(
         "negative-weight",
         (*GPT, "--data-path", "-1", "{tmp}/a", "2", "{tmp}/b"),
         "data-blend-split",
         "dataset weights -1",
+        flag="--data-path",
     ),
     Bad(
         "zero-weights",
         (*GPT, "--data-path", "0", "{tmp}/a", "0", "{tmp}/b"),
         "data-blend-split",
         "dataset weights 0, 0",
+        flag="--data-path",
     ),
     # Weights and prefixes mixed: Megatron's own blend parser asserts (this was a traceback of check's).
     Bad(
@@ -305,10 +365,18 @@ BAD = (
         "--data-path is given without a dataset",
     ),
     Bad(
+        "per-split-data-without-training-data",
+        (*GPT, "--valid-data-path", "{tmp}/a"),
+        "data-blend-split",
+        "names no training data (--train-data-path)",
+        flag="--train-data-path",
+    ),
+    Bad(
         "split-beside-per-split-data",
         (*GPT, "--train-data-path", "{tmp}/a", "--split", "99,1,0"),
         "data-blend-split",
         "split and blend_per_split are incompatible",
+        flag="--split",
     ),
 )
 
@@ -353,6 +421,7 @@ def test_check_refuses_what_megatron_refuses_before_the_first_step(bad, files, m
     assert code == console.EXIT_BAD_INPUT, (out, err)
     assert f"[{bad.rule}]" in err, err
     assert bad.named.replace("{tmp}", str(files)) in err, err
+    assert bad.to_change.replace("{tmp}", str(files)) in err, err
     assert "Traceback" not in err + out
 
 
@@ -371,10 +440,15 @@ def test_the_table_covers_the_class():
         "expert-parallel-sizes",
         "global-batch-size",
         "random-seed",
+        "sample-counts",
         "data-source",
         "data-blend-split",
     } <= covered
     assert len(BAD) >= 40 and len({bad.id for bad in BAD}) == len(BAD)
+    # Each row says what to change: a flag, or the path of a missing file (rule data-files names the path).
+    assert all(bad.to_change.startswith(("--", "{tmp}/", "./")) for bad in BAD), [
+        bad.id for bad in BAD if not bad.to_change.startswith(("--", "{tmp}/", "./"))
+    ]
 
 
 # -- Megatron's own code refuses the same flags --------------------------------------------------------------
@@ -395,7 +469,10 @@ def megatron_validated(flags: list[str], nproc: int = 1):
 
 
 class _NoParameters:
-    param_groups = ({},)
+    """An optimizer without parameters: what Megatron's schedule sets the learning rate of."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{}]
 
 
 def _megatron_tokenizer(args):

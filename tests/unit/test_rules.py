@@ -54,6 +54,10 @@ VIOLATING: dict[str, tuple[RunSettings, str]] = {
     ),
     "optimizer-setup": (RunSettings(optimizer_problem="assert self.lr_decay_steps > 0"), "--train-iters N"),
     "random-seed": (RunSettings(seed=0), 'Megatron: "Seed (0) should be a positive integer."'),
+    "sample-counts": (
+        RunSettings(train_iters=1 << 40, global_batch_size=8, eval_iters=0),
+        f"--train-iters x --global-batch-size (or --train-samples) = {8 << 40}",
+    ),
     "data-source": (RunSettings(launcher=True, data_sources=()), "add --mock-data, or --data-path PREFIX"),
     "data-blend-split": (RunSettings(dataset_problem="--split 0,0,0 gives every split a weight of 0"), "--split 0,0,0"),
     "cuda-graph-modules-twice": (RunSettings(modules=("attn", "attn")), "--cuda-graph-modules attn attn"),
@@ -400,6 +404,7 @@ ALWAYS_ON = {
     "expert-parallel-sizes",
     "optimizer-setup",
     "random-seed",
+    "sample-counts",
     "data-source",
     "data-blend-split",
     "cuda-graph-modules-twice",
