@@ -45,6 +45,7 @@ _HUB_CONFIG_TOKENIZERS = {
     "BertWordPieceLowerCase": "bert-large-uncased",
     "BertWordPieceCase": "bert-large-cased",
 }
+_SHOWN_WEIGHTS = 5  # bad dataset weights named in a refusal; more are counted
 # Larger than any tokenizer model file; a larger one is left to the run rather than read into memory here.
 _LARGEST_TOKENIZER_FILE = 1 << 30
 
@@ -271,9 +272,13 @@ def dataset_problem(args: Any) -> str | None:
         return None  # no data source: rule data-source
     bad_weights = [weight for _prefixes, weights in blends for weight in weights or () if not 0 < weight < math.inf]
     if bad_weights:
+        values = sorted(set(bad_weights), key=str)  # each value once: a blend may list thousands of datasets
+        shown = ", ".join(f"{weight:g}" for weight in values[:_SHOWN_WEIGHTS]) + (
+            ", ..." if len(values) > _SHOWN_WEIGHTS else ""
+        )
         return (
-            f"dataset weights {', '.join(f'{weight:g}' for weight in bad_weights)} are not positive numbers "
-            "(Megatron's BlendedDataset asserts each weight > 0)"
+            f"dataset weights {shown} ({len(bad_weights)} of {sum(len(prefixes) for prefixes, _ in blends)} "
+            "datasets) are not positive numbers (Megatron's BlendedDataset asserts each weight > 0)"
         )
     try:
         with _quiet():

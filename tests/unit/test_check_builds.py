@@ -348,7 +348,15 @@ BAD = (
         "zero-weights",
         (*GPT, "--data-path", "0", "{tmp}/a", "0", "{tmp}/b"),
         "data-blend-split",
-        "dataset weights 0, 0",
+        "dataset weights 0 (2 of 2 datasets)",
+        flag="--data-path",
+    ),
+    # A blend of thousands of datasets is named in one short line.
+    Bad(
+        "a-thousand-zero-weights",
+        (*GPT, "--data-path", *("0", "{tmp}/a") * 1000),
+        "data-blend-split",
+        "dataset weights 0 (1000 of 1000 datasets)",
         flag="--data-path",
     ),
     # Weights and prefixes mixed: Megatron's own blend parser asserts (this was a traceback of check's).
@@ -423,6 +431,7 @@ def test_check_refuses_what_megatron_refuses_before_the_first_step(bad, files, m
     assert bad.named.replace("{tmp}", str(files)) in err, err
     assert bad.to_change.replace("{tmp}", str(files)) in err, err
     assert "Traceback" not in err + out
+    assert len(err) < 2000  # one line per broken rule, however many values the flags hold
 
 
 def test_the_table_covers_the_class():
