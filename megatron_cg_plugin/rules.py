@@ -496,8 +496,8 @@ RULES: tuple[_Rule, ...] = (
         "megatron",
         lambda f: f.dataset_problem is not None,
         "Megatron's dataset config cannot be built from the data flags, or builds datasets the run cannot train "
-        "on: fix --data-path (PREFIX, or WEIGHT PREFIX pairs with positive weights) or --split (three weights, "
-        "train,validation,test, not all 0):",
+        "on: fix --data-path or the per-split paths (or the --data-args-path file: PREFIX, or WEIGHT PREFIX pairs "
+        "with positive weights) or --split (three weights, train,validation,test, not all 0):",
         detail=lambda f: f.dataset_problem or "",
     ),
     _Rule(

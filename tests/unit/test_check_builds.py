@@ -351,6 +351,13 @@ BAD = (
         "dataset weights 0 (2 of 2 datasets)",
         flag="--data-path",
     ),
+    Bad(
+        "blend-file-with-zero-weights",
+        (*GPT, "--data-args-path", "{tmp}/blend.txt"),
+        "data-blend-split",
+        "dataset weights 0 (2 of 2 datasets)",
+        flag="--data-args-path",
+    ),
     # A blend of thousands of datasets is named in one short line.
     Bad(
         "a-thousand-zero-weights",
@@ -391,8 +398,8 @@ BAD = (
 
 @pytest.fixture
 def files(tmp_path):
-    """What the bad inputs name: a folder, a text file, a pipe, and two dataset prefixes (only their names are
-    read by these rules)."""
+    """What the bad inputs name: a folder, a text file, a pipe, two dataset prefixes (only their names are read by
+    these rules) and a blend file."""
     (tmp_path / "folder").mkdir()
     (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
     if hasattr(os, "mkfifo"):
@@ -400,6 +407,7 @@ def files(tmp_path):
     for prefix in ("a", "b"):
         (tmp_path / f"{prefix}.bin").write_bytes(b"")
         (tmp_path / f"{prefix}.idx").write_bytes(b"")
+    (tmp_path / "blend.txt").write_text(f"0 {tmp_path}/a 0 {tmp_path}/b\n")  # --data-args-path: WEIGHT PREFIX pairs
     return tmp_path
 
 
