@@ -24,6 +24,7 @@ from typing import Any
 
 from megatron_cg_plugin import compat, foreign_state, rules
 from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.megatron_builds import failure_text
 from megatron_cg_plugin.settings import RunSettings
 
 __all__ = [
@@ -85,12 +86,10 @@ class RunRefused(SystemExit):
 def megatron_rejection(error: BaseException) -> str:
     """Megatron's assert messages are sometimes empty: name the failing check's line too."""
     frames = traceback.extract_tb(error.__traceback__)
-    message = str(error).strip() or "(no message)"
+    text = failure_text(error)
     if not frames:
-        return message
-    frame = frames[-1]
-    text = f"{message} [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}: {frame.line}]"
-    batch = _EVAL_BATCH.search(message)
+        return text
+    batch = _EVAL_BATCH.search(str(error))
     if batch is not None:  # the eval batch defaults to the training one: name the flags a user gave
         global_batch, micro_batch, data_parallel = batch.groups()
         return (
@@ -98,7 +97,7 @@ def megatron_rejection(error: BaseException) -> str:
             f"data-parallel size {data_parallel} (ranks / (TP x PP x CP)): change either (or "
             f"--eval-global-batch-size / --eval-micro-batch-size, where given): {text}"
         )
-    match = _NOT_GIVEN.search(message) or _NOT_GIVEN.search(frame.line or "")
+    match = _NOT_GIVEN.search(str(error).strip()) or _NOT_GIVEN.search(frames[-1].line or "")
     if match is None:
         return text
     return f"--{(match.group(1) or match.group(2)).replace('_', '-')} is not given, and Megatron needs it: {text}"

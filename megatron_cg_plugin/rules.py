@@ -11,11 +11,12 @@ a run would refuse.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
-from megatron_cg_plugin import compat
+from megatron_cg_plugin import compat, megatron_builds
 from megatron_cg_plugin.config import (
     PluginConfig,
     has_plugin_flags,
@@ -36,8 +37,8 @@ __all__ = [
     "check_run",
     "environment_violations",
     "markdown_rows",
+    "early_violations",
     "refusal_lines",
-    "size_violations",
     "unvalidated_plugin_violations",
     "validate",
     "violations",
@@ -106,8 +107,9 @@ def _fitting_seqlen(f: RunSettings) -> str:
 # Sizes Megatron takes as whole numbers of 1 or more, each with a bound no model reaches: a typo is refused before
 # Megatron builds anything from it (a head count of 0 divides by zero in its validation, a layer count of 1e20
 # exhausts the memory, a hidden size of 0 builds empty weights).
+_MOST_LAYERS = 10_000
 _SIZE_LIMITS = (
-    ("num_layers", "--num-layers", 10_000),
+    ("num_layers", "--num-layers", _MOST_LAYERS),
     ("hidden_size", "--hidden-size", 1 << 20),
     ("ffn_hidden_size", "--ffn-hidden-size", 1 << 22),
     ("num_attention_heads", "--num-attention-heads", 1 << 16),
@@ -121,6 +123,12 @@ _SIZE_LIMITS = (
     ("moe_topk", "--moe-router-topk", 1 << 16),
     ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", 1 << 22),
     ("vocab_size", "--vocab-size", 1 << 28),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by", 1 << 16),
+    ("tensor_parallel", "--tensor-model-parallel-size", 1 << 20),
+    ("pipeline_parallel", "--pipeline-model-parallel-size", 1 << 20),
+    ("context_parallel", "--context-parallel-size", 1 << 20),
+    ("expert_parallel", "--expert-model-parallel-size", 1 << 20),
+    ("expert_tensor_parallel", "--expert-tensor-parallel-size", 1 << 20),
 )
 
 
@@ -150,11 +158,17 @@ _TOKENIZER_NEEDS = {
     ),
     "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
     **dict.fromkeys(("BertWordPieceLowerCase", "BertWordPieceCase"), ("--vocab-file",)),
+    "NullTokenizer": ("--vocab-size",),  # its vocabulary is the size it is given
 }
 
 
 def _missing_tokenizer_flags(f: RunSettings) -> list[str]:
-    given = {"--tokenizer-model": f.tokenizer_model, "--vocab-file": f.vocab_file, "--merge-file": f.merge_file}
+    given = {
+        "--tokenizer-model": f.tokenizer_model,
+        "--vocab-file": f.vocab_file,
+        "--merge-file": f.merge_file,
+        "--vocab-size": f.vocab_size,
+    }
     return [flag for flag in _TOKENIZER_NEEDS.get(f.tokenizer_type or "", ()) if not given[flag]]
 
 
@@ -187,6 +201,214 @@ def _graphed_layers_per_rank(f: RunSettings) -> int:
     return sum(1 for layer in plan.graphed_layers if layer in first)
 
 
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _model_parallel(f: RunSettings) -> int | None:
+    """TP x PP x CP, the ranks one model replica spans; None where a size is not a whole number (rule
+    model-sizes)."""
+    sizes = (f.tensor_parallel, f.pipeline_parallel, f.context_parallel)
+    return math.prod(sizes) if all(_whole(size) for size in sizes) else None
+
+
+def _data_parallel(f: RunSettings) -> int | None:
+    """The run's data-parallel size: its ranks over TP x PP x CP; None where those do not divide the world size
+    (rule parallel-sizes) or a size is not a whole number (rule model-sizes)."""
+    replica = _model_parallel(f)
+    return None if replica is None or f.world_size % replica else f.world_size // replica
+
+
+def _global_batch_problem(f: RunSettings) -> str | None:
+    """Megatron splits each global batch into micro-batches of --micro-batch-size on each of the run's
+    data-parallel ranks (num_microbatches_calculator; validate_args asserts it first, worded for its evaluation
+    batch): the global batch must be a multiple of micro-batch x data-parallel size."""
+    data_parallel = _data_parallel(f)
+    if f.batch_size_varies or data_parallel is None or not (_whole(f.micro_batch_size) and _whole(f.global_batch_size)):
+        return None  # Megatron sets it (not given), ramps it, or other rules name the sizes
+    if f.global_batch_size % (f.micro_batch_size * data_parallel) == 0:
+        return None
+    return (
+        f"(--global-batch-size {f.global_batch_size}, --micro-batch-size {f.micro_batch_size}, data-parallel size "
+        f"{data_parallel} = {f.world_size} ranks / (TP x PP x CP {_model_parallel(f)}): give a multiple of "
+        f"{f.micro_batch_size * data_parallel})"
+    )
+
+
+def _interval_problems(f: RunSettings) -> list[str]:
+    """The training loop's intervals Megatron divides by (iteration % interval, train-iters // eval-interval) or
+    asserts, each with why."""
+    problems = []
+    if not _whole(f.log_interval):
+        problems.append(f"--log-interval {f.log_interval} (the loop logs when iteration % it == 0)")
+    # get_train_valid_test_num_samples divides --train-iters by it unless validation runs whole or training is skipped
+    divides_by_eval_interval = not (f.skip_train or f.full_validation)
+    if (
+        divides_by_eval_interval
+        and f.eval_interval is not None
+        and not _whole(f.eval_interval)
+        and (f.eval_interval == 0 or f.eval_iters > 0)  # a negative one only counts validation samples below 0
+    ):
+        problems.append(
+            f"--eval-interval {f.eval_interval} (the number of validation samples is computed as --train-iters "
+            f"// it x --eval-iters {f.eval_iters})"
+        )
+    if f.tensorboard_dir and not _whole(f.tensorboard_log_interval):
+        problems.append(f"--tensorboard-log-interval {f.tensorboard_log_interval} (with --tensorboard-dir)")
+    if f.save is not None and not _whole(f.save_interval):
+        problems.append(f"--save-interval {f.save_interval} (with --save, validate_args asserts it is > 0)")
+    if not (_whole(f.num_workers) or f.num_workers == 0):
+        problems.append(f"--num-workers {f.num_workers} (torch's DataLoader takes 0 or more worker processes)")
+    return problems
+
+
+# More samples than any run trains on: Megatron's GPT dataset indexes each one (some 32 bytes of index a sample)
+# before the first step, over 500 GB here.
+_MOST_SAMPLES = 1 << 34
+
+
+def _sample_counts(f: RunSettings) -> list[str]:
+    """The train, validation and test samples Megatron's datasets are built to hold
+    (training.get_train_valid_test_num_samples) that are beyond any run."""
+    batch = f.global_batch_size
+    if not _whole(batch):
+        return []  # Megatron sets it from the micro-batch (or rule model-sizes names it)
+    counts = []
+    iterations = f.train_iters if _whole(f.train_iters) else None
+    train = f.train_samples if _whole(f.train_samples) else (iterations * batch if iterations else None)
+    counts.append(("--train-iters x --global-batch-size (or --train-samples)", train))
+    if _whole(f.eval_iters):
+        if iterations and _whole(f.eval_interval) and not (f.skip_train or f.full_validation):
+            evaluations = iterations // f.eval_interval + 1
+            counts.append(
+                (
+                    "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",
+                    evaluations * f.eval_iters * batch,
+                )
+            )
+        counts.append(("--eval-iters x --global-batch-size (the test split)", f.eval_iters * batch))
+    return [f"{what} = {count}" for what, count in counts if count is not None and count > _MOST_SAMPLES]
+
+
+_SEEDS = 1 << 32  # numpy's random seeds are 0 to 2^32 - 1
+
+
+def _seed_problem(f: RunSettings) -> str | None:
+    """Megatron seeds each pipeline stage with --seed + 100 x its rank (+ 10 x the data-parallel rank with
+    --data-parallel-random-init; initialize._set_random_seed), after refusing a seed that is not positive;
+    numpy takes seeds below 2^32."""
+    if not _whole(f.seed):
+        return f'(Megatron: "Seed ({f.seed}) should be a positive integer.")'
+    stages = f.pipeline_parallel if _whole(f.pipeline_parallel) else 1
+    replicas = (_data_parallel(f) or 1) if f.data_parallel_random_init else 1
+    largest = f.seed + 100 * (stages - 1) + 10 * (replicas - 1)
+    if largest < _SEEDS:
+        return None
+    return f"(--seed {f.seed}: the last rank's seed is {largest}, and numpy takes seeds below 2^32 = {_SEEDS})"
+
+
+def _tensor_parallel_splits(f: RunSettings) -> list[str]:
+    """Sizes Megatron splits evenly over the tensor-parallel ranks as it builds the layers (attention heads and
+    groups in Attention, the MLP's columns in its parallel linears; the experts' over --expert-tensor-parallel-size)
+    that do not split."""
+    tp, groups = f.tensor_parallel, f.num_query_groups  # Megatron reads the groups with --group-query-attention
+    expert_tp = f.tensor_parallel if f.expert_tensor_parallel is None else f.expert_tensor_parallel
+    if not (_whole(tp) and _whole(expert_tp)):
+        return []  # rule model-sizes
+    splits = []
+    dense_mlp = not (f.has_moe_layers and _whole(f.num_layers) and f.num_layers <= _MOST_LAYERS and f.all_layers_moe)
+    for size, flag, ranks, over in (
+        (f.num_attention_heads, "--num-attention-heads", tp, "--tensor-model-parallel-size"),
+        (f.ffn_hidden_size if dense_mlp else None, "--ffn-hidden-size", tp, "--tensor-model-parallel-size"),
+        (
+            f.moe_shared_expert_intermediate_size,
+            "--moe-shared-expert-intermediate-size",
+            tp,
+            "--tensor-model-parallel-size",
+        ),
+        (
+            f.moe_ffn_hidden_size if f.has_moe_layers else None,
+            "--moe-ffn-hidden-size",
+            expert_tp,
+            "--expert-tensor-parallel-size (default: TP)",
+        ),
+    ):
+        if _whole(size) and size % ranks:
+            splits.append(f"{flag} {size} over {over} {ranks}")
+    if f.group_query_attention and _whole(groups) and groups % tp and tp % groups:
+        splits.append(
+            f"--num-query-groups {groups}, neither a multiple nor a divisor of --tensor-model-parallel-size {tp}"
+        )
+    return splits
+
+
+def _sequence_parallel_problem(f: RunSettings) -> str | None:
+    """Sequence parallelism scatters each CP rank's --seq-length / --context-parallel-size positions over the
+    tensor-parallel ranks (Megatron's scatter_to_sequence_parallel_region asserts "First dimension of the tensor
+    should be divisible by tensor parallel size"). Packed and hybrid-CP microbatches lay tokens out otherwise."""
+    if not (f.sequence_parallel and _whole(f.tensor_parallel) and f.tensor_parallel > 1 and _whole(f.seq_length)):
+        return None
+    if f.packed or f.hybrid_context_parallel or not _whole(f.context_parallel) or f.seq_length % f.context_parallel:
+        return None
+    positions = f.seq_length // f.context_parallel
+    if positions % f.tensor_parallel == 0:
+        return None
+    return (
+        f"(--seq-length {f.seq_length} / --context-parallel-size {f.context_parallel} = {positions} positions per "
+        f"rank, --tensor-model-parallel-size {f.tensor_parallel})"
+    )
+
+
+def _expert_grid(f: RunSettings) -> int | None:
+    """ETP x EP x PP, the ranks initialize_model_parallel lays the expert layers over."""
+    expert_tp = f.tensor_parallel if f.expert_tensor_parallel is None else f.expert_tensor_parallel
+    sizes = (expert_tp, f.expert_parallel, f.pipeline_parallel)
+    return math.prod(sizes) if all(_whole(size) for size in sizes) else None
+
+
+_HEADS_DIVIDE_HIDDEN = _Rule(
+    "heads-divide-hidden",
+    "megatron",
+    lambda f: (
+        f.kv_channels is None
+        and _whole(f.hidden_size)
+        and _whole(f.num_attention_heads)
+        and f.hidden_size % f.num_attention_heads != 0
+    ),
+    "without --kv-channels each attention head is --hidden-size / --num-attention-heads wide, and validate_args "
+    "asserts that divides evenly: give --hidden-size a multiple of --num-attention-heads, or --kv-channels.",
+    detail=lambda f: f"(--hidden-size {f.hidden_size}, --num-attention-heads {f.num_attention_heads})",
+)
+
+_GLOBAL_BATCH = _Rule(
+    "global-batch-size",
+    "megatron",
+    lambda f: _global_batch_problem(f) is not None,
+    "each global batch is split into micro-batches of --micro-batch-size on every data-parallel rank, and Megatron "
+    "asserts it splits evenly: give --global-batch-size a multiple of --micro-batch-size x the data-parallel size, "
+    "or change --micro-batch-size or the number of ranks.",
+    detail=lambda f: _global_batch_problem(f) or "",
+)
+
+_SAMPLE_COUNTS = _Rule(
+    "sample-counts",
+    "megatron",
+    lambda f: bool(_sample_counts(f)),
+    "the flags ask for more samples than any run trains on (over 2^34), and Megatron's datasets index every one "
+    "before the first step, which would not fit in memory: lower --train-iters (or --train-samples) or --eval-iters:",
+    detail=lambda f: "; ".join(_sample_counts(f)),
+)
+
+_LOOP_INTERVALS = _Rule(
+    "loop-intervals",
+    "megatron",
+    lambda f: bool(_interval_problems(f)),
+    "the training loop divides by these intervals (a 0 ends in ZeroDivisionError after the model is built) or "
+    "Megatron asserts them, and its data loader takes no negative worker count: give each a whole number of 1 or "
+    "more (--num-workers: 0 or more):",
+    detail=lambda f: "; ".join(_interval_problems(f)),
+)
+
 _MODEL_SIZES = _Rule(
     "model-sizes",
     "megatron",
@@ -198,6 +420,10 @@ _MODEL_SIZES = _Rule(
 
 RULES: tuple[_Rule, ...] = (
     _MODEL_SIZES,
+    _HEADS_DIVIDE_HIDDEN,
+    _GLOBAL_BATCH,
+    _LOOP_INTERVALS,
+    _SAMPLE_COUNTS,
     _Rule(
         "environment-switches",
         "plugin",
@@ -235,9 +461,103 @@ RULES: tuple[_Rule, ...] = (
         "tokenizer-files",
         "megatron",
         lambda f: bool(_missing_tokenizer_flags(f)),
-        "--tokenizer-type names a tokenizer built from files the flags do not give, so the run would fail building "
-        "it: add",
+        "--tokenizer-type names a tokenizer built from what the flags do not give (its files, or NullTokenizer's "
+        "vocabulary size), so the run would fail building it: add",
         detail=lambda f: f"{' and '.join(_missing_tokenizer_flags(f))} (--tokenizer-type {f.tokenizer_type}).",
+    ),
+    _Rule(
+        "tokenizer-build",
+        "megatron",
+        lambda f: f.tokenizer_problem is not None,
+        "Megatron's build_tokenizer, which the run calls right after validating the flags, fails on them here "
+        "(Megatron's error follows): give --tokenizer-model the model file (or folder) the --tokenizer-type reads, "
+        "or the --tokenizer-type that file is for:",
+        detail=lambda f: (
+            f"{f.tokenizer_problem} (--tokenizer-type {f.tokenizer_type}"
+            f"{f', --tokenizer-model {f.tokenizer_model}' if f.tokenizer_model else ''})"
+        ),
+    ),
+    _Rule(
+        "query-groups-divide-heads",
+        "megatron",
+        lambda f: (
+            f.group_query_attention
+            and _whole(f.num_query_groups)
+            and _whole(f.num_attention_heads)
+            and f.num_attention_heads % f.num_query_groups != 0
+        ),
+        "with --group-query-attention each of the --num-query-groups groups shares its key and value heads among "
+        "the same number of query heads (Megatron's attention splits the heads by the groups as it builds): give "
+        "--num-attention-heads a multiple of --num-query-groups.",
+        detail=lambda f: f"(--num-attention-heads {f.num_attention_heads}, --num-query-groups {f.num_query_groups})",
+    ),
+    _Rule(
+        "tensor-parallel-split",
+        "megatron",
+        lambda f: bool(_tensor_parallel_splits(f)),
+        "Megatron splits these sizes evenly over the tensor-parallel ranks as it builds the layers (divide() asserts "
+        '"... is not divisible by ..."): change the size or the parallel size named:',
+        detail=lambda f: "; ".join(_tensor_parallel_splits(f)),
+    ),
+    _Rule(
+        "sequence-parallel-seq-length",
+        "megatron",
+        lambda f: _sequence_parallel_problem(f) is not None,
+        "--sequence-parallel splits each context-parallel rank's positions over the tensor-parallel ranks, and "
+        'Megatron asserts they split evenly ("First dimension of the tensor should be divisible by tensor parallel '
+        'size") in the first forward: give --seq-length a multiple of --context-parallel-size x '
+        "--tensor-model-parallel-size, or drop --sequence-parallel.",
+        detail=lambda f: _sequence_parallel_problem(f) or "",
+    ),
+    _Rule(
+        "expert-parallel-sizes",
+        "megatron",
+        lambda f: (
+            f.has_moe_layers
+            and _data_parallel(f) is not None  # else rule parallel-sizes names the world size
+            and (grid := _expert_grid(f)) is not None
+            and f.world_size % grid != 0
+        ),
+        "the expert layers lay out over --expert-tensor-parallel-size x --expert-model-parallel-size x "
+        "--pipeline-model-parallel-size ranks, and initialize_model_parallel raises unless the world size is a "
+        "multiple of that: change those sizes or the number of ranks.",
+        detail=lambda f: f"(world size {f.world_size}, ETP x EP x PP = {_expert_grid(f)})",
+    ),
+    _Rule(
+        "random-seed",
+        "megatron",
+        lambda f: _seed_problem(f) is not None,
+        "Megatron seeds Python, numpy and torch from --seed when it initializes (before the model is built), and "
+        "refuses a seed below 1; numpy refuses one of 2^32 or more, which --seed plus 100 per pipeline stage must "
+        "stay below: give --seed a whole number from 1 up.",
+        detail=lambda f: _seed_problem(f) or "",
+    ),
+    _Rule(
+        "optimizer-setup",
+        "megatron",
+        lambda f: f.optimizer_problem is not None,
+        "Megatron's optimizer setup (setup_model_and_optimizer, before the first step) fails on the flags here "
+        "(Megatron's error follows): give --train-iters N (or --train-samples), --lr with --min-lr <= --lr, a "
+        "warmup shorter than the decay (--lr-warmup-iters or --lr-warmup-fraction against --lr-decay-iters, "
+        "default --train-iters), and --lr-wsd-decay-iters with --lr-decay-style WSD:",
+        detail=lambda f: f.optimizer_problem or "",
+    ),
+    _Rule(
+        "data-source",
+        "plugin",
+        lambda f: f.launcher and not f.data_sources,
+        "the launcher trains on --mock-data or Megatron's indexed datasets, and the flags name neither (Megatron's "
+        'GPTDataset "failed to build as a mock data generator" without one): add --mock-data, or --data-path '
+        "PREFIX (or --train-data-path and friends).",
+    ),
+    _Rule(
+        "data-blend-split",
+        "megatron",
+        lambda f: f.dataset_problem is not None,
+        "Megatron's dataset config cannot be built from the data flags, or builds datasets the run cannot train "
+        "on: fix --data-path or the per-split paths (or the --data-args-path file: PREFIX, or WEIGHT PREFIX pairs "
+        "with positive weights) or --split (three weights, train,validation,test, not all 0):",
+        detail=lambda f: f.dataset_problem or "",
     ),
     _Rule(
         "moe-topk-over-experts",
@@ -932,10 +1252,16 @@ def validate(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> None:
 _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 
 
-def size_violations(args: Any) -> list[tuple[str, str]]:
-    """Rule ``model-sizes`` on flags as parsed, before Megatron's ``validate_args`` computes anything from
-    the sizes (where a 0 divides by zero and a huge count runs out of memory): the run stops here instead."""
-    return _unvalidated_violations(args, {}, (_MODEL_SIZES,))
+# The rules on sizes and intervals that validate_args computes from or asserts without naming a flag: checked on the
+# flags as parsed, before it runs.
+_EARLY_RULES = (_MODEL_SIZES, _HEADS_DIVIDE_HIDDEN, _GLOBAL_BATCH, _LOOP_INTERVALS, _SAMPLE_COUNTS)
+
+
+def early_violations(args: Any) -> list[tuple[str, str]]:
+    """The early rules (``model-sizes`` and the sizes and intervals validate_args asserts bare or words for
+    another flag) on flags as parsed, before Megatron's ``validate_args`` computes anything from them (where a 0
+    divides by zero and a huge count runs out of memory): the run stops here instead, naming the flag."""
+    return _unvalidated_violations(args, {}, _EARLY_RULES)
 
 
 def unvalidated_plugin_violations(args: Any, *, env: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -988,12 +1314,13 @@ def check_run(
     te_present: bool | None = None,
     host_rules: bool = True,
 ) -> tuple[RunSettings, PluginConfig | None]:
-    """The one check of a run's parsed flags, shared by ``megatron-cg check``, the launcher and
+    """The one check of a run's validated flags, shared by ``megatron-cg check``, the launcher and
     ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
-    the files the flags name, then every rule (without ``HOST_RULES`` unless ``host_rules``). Raises
-    ``RuleViolation`` listing each broken rule; returns the run's settings (``settings.RunSettings``)
-    and the config. ``te_present`` overrides the probe (the CPU dry run checks flags for a GPU host it
-    is not running on)."""
+    the files the flags name, what Megatron's own builders make of the flags on CPU (the tokenizer, the
+    optimizer setup and, for the launcher's datasets, the blend and split: ``megatron_builds``), then every
+    rule (without ``HOST_RULES`` unless ``host_rules``). Raises ``RuleViolation`` listing each broken rule;
+    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides the probe
+    (the CPU dry run checks flags for a GPU host it is not running on)."""
     settings, config = read_settings(
         args,
         env=env,
@@ -1005,6 +1332,10 @@ def check_run(
         resumes_checkpoint=_resumes_checkpoint(args),
         device_capability=compat.device_capability(),
         cuda_version=compat.torch_cuda_version(),
+        tokenizer_problem=megatron_builds.tokenizer_problem(args),
+        optimizer_problem=megatron_builds.optimizer_problem(args),
+        # A script's own loader may read other data (as rule data-files reads only the launcher's prefixes)
+        dataset_problem=megatron_builds.dataset_problem(args) if launcher else None,
     )
     validate(settings, RULES if host_rules else _FLAG_RULES)
     return settings, config

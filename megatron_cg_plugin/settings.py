@@ -44,6 +44,17 @@ _ZERO_OR_ONE_SWITCHES = (
     "NCCL_GRAPH_REGISTER",
 )
 
+# Where a run's tokens come from: Megatron's data-source flags, each with its args name.
+_DATA_SOURCE_FLAGS = (
+    ("--mock-data", "mock_data"),
+    ("--data-path", "data_path"),
+    ("--data-args-path", "data_args_path"),
+    ("--train-data-path", "train_data_path"),
+    ("--valid-data-path", "valid_data_path"),
+    ("--test-data-path", "test_data_path"),
+    ("--per-split-data-args-path", "per_split_data_args_path"),
+)
+
 _WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 _MOE_BLOCK_OFFLOADS = _OFFLOAD_INSIDE_SCOPE["moe"]
 
@@ -170,6 +181,30 @@ class RunSettings:
     load: str | None = None  # --load
     resumes_checkpoint: bool = False  # --load holds Megatron's tracker file: the run resumes from a checkpoint
     unsafe_pickle_allowed: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1: TE loads pickled extra state
+    # -- the training loop's counts and intervals (Megatron's defaults) --
+    make_vocab_size_divisible_by: int = 128
+    weight_shards: int | None = None  # --tensor-parallel-num-weight-shards (None: the tensor-parallel size)
+    # The global batch changes during the run (--rampup-batch-size, --step-batch-size-schedule) or is rounded
+    # down to fit (--decrease-batch-size-if-needed)
+    batch_size_varies: bool = False
+    train_iters: int | None = None
+    train_samples: int | None = None
+    log_interval: int = 100
+    tensorboard_log_interval: int = 1
+    eval_interval: int | None = 1000
+    eval_iters: int = 100
+    save_interval: int | None = None
+    num_workers: int = 2  # --num-workers, the data loader's worker processes
+    seed: int = 1234
+    data_parallel_random_init: bool = False  # --data-parallel-random-init: each data-parallel rank offsets the seed
+    skip_train: bool = False
+    full_validation: bool = False
+    # The data flags given (--mock-data, --data-path, ...): the launcher's datasets need one
+    data_sources: tuple[str, ...] = ("--mock-data",)
+    # -- what Megatron's own builders, run on CPU on the validated flags, raise (megatron_builds; None: built) --
+    tokenizer_problem: str | None = None
+    optimizer_problem: str | None = None
+    dataset_problem: str | None = None
 
     @property
     def te_graphs(self) -> bool:
@@ -352,12 +387,16 @@ def read_settings(
     resumes_checkpoint: bool = False,
     device_capability: tuple[int, int] | None = None,
     cuda_version: tuple[int, int] | None = None,
+    tokenizer_problem: str | None = None,
+    optimizer_problem: str | None = None,
+    dataset_problem: str | None = None,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """Reads the run's settings from a parsed Megatron namespace (before or after ``validate_args``)
     under ``config`` (``plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
     why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``resumes_checkpoint``, ``device_capability`` and
-    ``cuda_version`` are what the caller probed on this host (``rules.check_run`` probes them)."""
+    ``cuda_version`` are what the caller probed on this host, and the ``*_problem`` what Megatron's builders raised on
+    the flags (``megatron_builds``); ``rules.check_run`` probes them."""
     env = env or {}
     resolved, problems, plugin = plugin_config(args, env=env, config=config)
     environment = environment_settings(env)
@@ -366,6 +405,7 @@ def read_settings(
         getattr(args, "multi_latent_attention", False) and not getattr(args, "mla_down_proj_fusion", False)
     )
     attention_backend = getattr(args, "attention_backend", None)
+    expert_parallel = getattr(args, "expert_model_parallel_size", None)  # 0 is kept: rule model-sizes refuses it
     return RunSettings(
         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
         modules=module_names(getattr(args, "cuda_graph_modules", None)),
@@ -462,7 +502,7 @@ def read_settings(
         first_last_layers_bf16=bool(getattr(args, "first_last_layers_bf16", False)),
         num_layers_at_start_in_bf16=getattr(args, "num_layers_at_start_in_bf16", 1),
         num_layers_at_end_in_bf16=getattr(args, "num_layers_at_end_in_bf16", 1),
-        expert_parallel=getattr(args, "expert_model_parallel_size", 1) or 1,
+        expert_parallel=1 if expert_parallel is None else expert_parallel,
         expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
@@ -478,4 +518,31 @@ def read_settings(
         load=getattr(args, "load", None),
         resumes_checkpoint=resumes_checkpoint,
         unsafe_pickle_allowed=env.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == "1",
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+        weight_shards=getattr(args, "tensor_parallel_num_weight_shards", None),
+        batch_size_varies=bool(
+            getattr(args, "rampup_batch_size", None)
+            or getattr(args, "step_batch_size_schedule", None)
+            or getattr(args, "decrease_batch_size_if_needed", False)
+        ),
+        train_iters=getattr(args, "train_iters", None),
+        train_samples=getattr(args, "train_samples", None),
+        log_interval=getattr(args, "log_interval", 100),
+        tensorboard_log_interval=getattr(args, "tensorboard_log_interval", 1),
+        eval_interval=getattr(args, "eval_interval", 1000),
+        eval_iters=getattr(args, "eval_iters", 100),
+        save_interval=getattr(args, "save_interval", None),
+        num_workers=getattr(args, "num_workers", 2),
+        seed=getattr(args, "seed", 1234),
+        data_parallel_random_init=bool(getattr(args, "data_parallel_random_init", False)),
+        skip_train=bool(getattr(args, "skip_train", False)),
+        full_validation=bool(getattr(args, "full_validation", False)),
+        data_sources=tuple(
+            flag
+            for flag, name in _DATA_SOURCE_FLAGS
+            if (value := getattr(args, name, None)) is not None and value is not False
+        ),
+        tokenizer_problem=tokenizer_problem,
+        optimizer_problem=optimizer_problem,
+        dataset_problem=dataset_problem,
     ), resolved

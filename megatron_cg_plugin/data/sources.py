@@ -13,10 +13,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_datasets", "dataset_config", "missing_files"]
+__all__ = ["build_datasets", "dataset_config", "is_explicitly_local", "missing_files"]
 
 # Megatron's tokenizers that load a model file named by --tokenizer-model (HuggingFace takes hub
-# names there too, so it is not checked).
+# names there too, so only a path that can only be local is checked: is_explicitly_local).
 _TOKENIZER_MODEL_FILES = frozenset(
     {"SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer"}
 )
@@ -24,6 +24,11 @@ _TOKENIZER_MODEL_FILES = frozenset(
 
 def _is_local(path: str) -> bool:
     return "://" not in path  # msc:// and other object-store prefixes are not files here
+
+
+def is_explicitly_local(path: str) -> bool:
+    """A path no hub name looks like (absolute, or from . or ..): a HuggingFace tokenizer loads it from disk."""
+    return os.path.isabs(path) or path.startswith(("./", "../"))
 
 
 def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
@@ -42,7 +47,9 @@ def _blend_prefixes(args: Any) -> tuple[list[str], list[str]]:
         return [], unreadable
     try:
         blend, blend_per_split = get_blend_and_blend_per_split(args)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # a malformed argument file
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as error:
+        if not argument_files:  # the flags' own blend: rule data-blend-split quotes Megatron's error
+            return [], []
         return [], [
             f"{' '.join(argument_files)} (cannot be read as Megatron's data arguments: {type(error).__name__}: {error})"
         ]
@@ -60,8 +67,11 @@ def missing_files(args: Any, *, indexed_data: bool) -> list[str]:
         if _is_local(prefix):
             missing += [path for path in (f"{prefix}.bin", f"{prefix}.idx") if not os.path.isfile(path)]
     tokenizer_files = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
-    if getattr(args, "tokenizer_type", None) in _TOKENIZER_MODEL_FILES:
-        tokenizer_files.append(getattr(args, "tokenizer_model", None))
+    tokenizer_type, tokenizer_model = getattr(args, "tokenizer_type", None), getattr(args, "tokenizer_model", None)
+    if tokenizer_type in _TOKENIZER_MODEL_FILES or (
+        tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model and is_explicitly_local(tokenizer_model)
+    ):
+        tokenizer_files.append(tokenizer_model)
     missing += [path for path in tokenizer_files if path and _is_local(path) and not os.path.exists(path)]
     return missing
 

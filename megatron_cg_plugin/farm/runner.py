@@ -321,6 +321,11 @@ class FarmCase:
             *(["--deterministic-mode"] if self.deterministic_mode else []),
         ]
 
+    def checked_flags(self, *, graphed: bool, out_dir: Path) -> list[str]:
+        """``run_flags`` with the farm's step count, which the run is given: what ``megatron-cg check``
+        validates for the run (Megatron's optimizer setup needs a training length)."""
+        return [*self.run_flags(graphed=graphed, out_dir=out_dir), "--train-iters", str(self.steps)]
+
     @property
     def eager_steps(self) -> int:
         """Steps both runs train eagerly: Megatron captures after --cuda-graph-warmup-steps (default 3),
@@ -430,7 +435,7 @@ def refusal_of(case: FarmCase, out_dir: Path) -> Refusal | None:
         try:
             with dry_run.scoped_environ(**env), contextlib.redirect_stderr(parse_errors):
                 dry_run.validated_args(
-                    case.run_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**host, **env}
+                    case.checked_flags(graphed=graphed, out_dir=out_dir), nproc=case.nproc, env={**host, **env}
                 )
         except rules.RuleViolation as violation:
             return Refusal(mode, tuple(violation.violations))

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron_cg_plugin import compat, rules
+from megatron_cg_plugin import compat, megatron_builds, rules
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.refusal import (
@@ -96,10 +96,13 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str], capability: 
     such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
     launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
-    _args, settings, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
+    args, settings, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
     plan = plan_capture(settings).describe()
     if settings.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
+    unbuilt = megatron_builds.tokenizer_note(args)
+    if unbuilt is not None:
+        plan += f"\nnote: {unbuilt}."
     return plan
 
 
@@ -122,7 +125,7 @@ def validated_args(
         missing = _required_flags_missing(flags, args)
         if missing is not None:
             raise missing
-        sizes = rules.size_violations(args)  # before validate_args computes from them
+        sizes = rules.early_violations(args)  # before validate_args computes from them
         if sizes:
             raise rules.RuleViolation(sizes)
         early = rules.unvalidated_plugin_violations(args, env=env)  # before validate_args changes args

@@ -121,10 +121,11 @@ _DATA_SOURCE_FLAGS = (
 
 
 # A preset flag (with its values) that a user's flag of these replaces rather than follows: a later flag
-# could not unset --mock-data (Megatron refuses two data sources), and Megatron refuses the deprecated
-# --cuda-graph-scope beside --cuda-graph-modules.
+# could not unset --mock-data (Megatron refuses two data sources) or --split (Megatron's dataset config refuses
+# it beside per-split data), and Megatron refuses the deprecated --cuda-graph-scope beside --cuda-graph-modules.
 _REPLACED_BY = {
     "--mock-data": _DATA_SOURCE_FLAGS,
+    "--split": ("--train-data-path", "--valid-data-path", "--test-data-path", "--per-split-data-args-path"),
     "--cuda-graph-modules": ("--cuda-graph-modules", "--cuda-graph-scope"),
 }
 

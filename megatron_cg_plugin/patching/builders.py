@@ -123,7 +123,7 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
         parsed = copy.deepcopy(args)  # the flags as given: Megatron's checks change args (lists too) before one fails
-        sizes = rules.size_violations(parsed)  # before Megatron computes from them (a 0 divides, 1e20 exhausts memory)
+        sizes = rules.early_violations(parsed)  # before Megatron computes from them (a 0 divides, 1e20 exhausts memory)
         if sizes:
             raise refusal.refuse(sizes, environ=os.environ)
         # Megatron prints every argument (about 850 lines) as it validates: held back until the rules pass too, so

@@ -150,8 +150,8 @@ def test_check_expandable_segments_env(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "flags, detail",
     [
-        (["--num-attention-heads", "3"], ""),  # 256 % 3 != 0; Megatron asserts without a message
-        (["--nproc", "2", "--global-batch-size", "3"], "--global-batch-size 3 is not a multiple of --micro-batch-size"),
+        (["--fp16"], "assert not args.bf16"),  # beside the preset's --bf16; Megatron asserts without a message
+        (["--nproc", "2", "--eval-global-batch-size", "3"], "divisible"),
     ],
 )
 def test_check_megatron_only_violations(capsys, flags, detail):

@@ -33,6 +33,7 @@ MODEL_ARGS:
   --micro-batch-size: 2
   --global-batch-size: 16
   --train-iters: 100
+  --lr: 1.0e-4
   --data-path: ${DATA_PATH}/text/my-gpt3_00_text_document
   --vocab-file: ${DATA_PATH}/text/bpe/vocab.json
   --data-cache-path: ${DATA_CACHE_PATH}

@@ -645,7 +645,7 @@ def test_the_5x2048_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(
 
     case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
-    args, facts, config = dry_run.validated_args(case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
+    args, facts, config = dry_run.validated_args(case.checked_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
     plan = predict_graph_memory(facts, config)
     assert facts.slot_capture and args.fp8_recipe == "tensorwise" and args.hidden_dropout > 0
     assert abs(plan.pool_bytes / (620 * MiB) - 1) <= 0.15, plan.pool_bytes / MiB
@@ -1130,7 +1130,7 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
     case, _ = farm.prepare_case(farm.case_folder(name), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
     args, facts, config = dry_run.validated_args(
-        case.run_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env, launcher=False
+        case.checked_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env, launcher=False
     )  # Megatron-LM's pretrain_gpt.py, as the farm runs it
     plan = predict_graph_memory(facts, config)
     assert facts.packed_graphs and not plan.unpredicted

@@ -206,7 +206,26 @@ ROWS = (
         (*GPT, "--num-experts", "4", "--moe-router-topk", "5", "--moe-token-dispatcher-type", "alltoall"),
         frozenset({"moe-topk-over-experts"}),
     ),
-    Row("megatron-assertion", GPT + TE + ("--num-attention-heads", "3"), frozenset({MEGATRON})),
+    Row("megatron-assertion", GPT + TE + ("--fp16",), frozenset({MEGATRON})),  # the preset's --bf16: a bare assert
+    # Sizes and intervals validate_args asserts bare (or words for its evaluation batch): named before it runs.
+    Row("hidden-not-split-by-heads", GPT + TE + ("--num-attention-heads", "3"), frozenset({"heads-divide-hidden"})),
+    Row("global-batch-over-two-ranks", (*GPT, "--global-batch-size", "6"), frozenset({"global-batch-size"}), nproc=2),
+    Row("log-interval-0", (*GPT, "--log-interval", "0"), frozenset({"loop-intervals"})),
+    # What Megatron builds after validating the flags, built on CPU with its own code in both paths.
+    Row(
+        "sentencepiece-model-is-a-folder",
+        (*GPT, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{tmp}"),
+        frozenset({"tokenizer-build"}),
+    ),
+    Row("warmup-as-long-as-training", (*GPT, "--lr-warmup-iters", "30"), frozenset({"optimizer-setup"})),
+    Row("split-all-zero", (*GPT, "--data-path", "{data}", "--split", "0,0,0"), frozenset({"data-blend-split"})),
+    Row(
+        "ffn-not-split-by-tp",
+        (*GPT, "--ffn-hidden-size", "1023", "--tensor-model-parallel-size", "2"),
+        frozenset({"tensor-parallel-split"}),
+        nproc=2,
+        environ=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    ),
     Row("megatron-assertion-with-message", (*GPT, "--mock-data", "--data-path", "{tmp}/x"), frozenset({MEGATRON})),
     # Megatron stops first (world size 1 < PP 2), and the plugin's rule is named beside it in both.
     Row(

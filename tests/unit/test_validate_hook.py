@@ -193,11 +193,18 @@ def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkey
 
 
 def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsys):
-    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
+    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--fp16"])  # beside the preset's --bf16
     [(name, message)] = refusal.violations
     assert name == "megatron"
     assert message.startswith("(no message) [megatron/training/arguments.py:")
-    assert "num_attention_heads" in message
+    assert "args.bf16" in message
+
+
+def test_a_bare_assertion_the_plugin_names_first_stops_the_run_naming_the_flag(monkeypatch, capsys):
+    """validate_args asserts hidden % heads without a message; the early rule names both flags first."""
+    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
+    [(name, message)] = refusal.violations
+    assert name == "heads-divide-hidden" and "(--hidden-size 256, --num-attention-heads 3)" in message
 
 
 @pytest.mark.parametrize(
