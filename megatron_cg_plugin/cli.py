@@ -13,7 +13,7 @@ import shlex
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_cg_plugin import console, golden, helptext, inputs, rules
@@ -291,7 +291,7 @@ def _farm(argv: Sequence[str]) -> int:
             "that ran passed, 1 when one failed, 2 on bad input or when every case was refused."
         ),
     )
-    parser.add_argument("cases", nargs="+", type=Path, help="case folders holding model_config.yaml")
+    parser.add_argument("cases", nargs="+", help="case folders holding model_config.yaml")
     parser.add_argument("--fit-gpus", type=int, help="scale the parallel sizes and the global batch to N GPUs")
     parser.add_argument("--data-path", help="the folder ${DATA_PATH} stands for (default: mock data)")
     parser.add_argument(
@@ -543,6 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] not in commands:
         print(_unknown_command(argv[0], commands), file=sys.stderr)
         return EXIT_BAD_INPUT
+    allocator = _allocator_setting_problem(os.environ)
+    if allocator:  # before anything imports torch, which parses it then and aborts the process on some values
+        print(f"megatron-cg {argv[0]}: {allocator}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     # Megatron's notes on optional packages it lacks are no cause of anything a command reports.
     console.hide_optional_package_warnings()
     if argv[0] not in ("run", "bench"):  # a run's other warnings are the script's own business
@@ -551,6 +555,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "run":  # what fails inside the user's script is the script's: its traceback is its own
         return commands["run"](argv[1:])
     return _front_door(argv[0], commands[argv[0]], argv[1:])
+
+
+def _allocator_setting_problem(environ: Mapping[str, str]) -> str | None:
+    """The first problem of the caching allocator's settings in ``environ``, naming the variable, or None."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        problems = inputs.allocator_config_problems(environ.get(name))
+        if problems:
+            return (
+                f"{name}={environ[name]!r}: {problems[0]} (torch reads it as it is imported, and stops the process "
+                "on some values it cannot parse): fix it or unset it."
+            )
+    return None
 
 
 def _front_door(name: str, command: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:

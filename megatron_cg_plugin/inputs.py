@@ -26,6 +26,7 @@ __all__ = [
     "checkout_from_environment",
     "environment_problems",
     "expandable_segments",
+    "input_path_problem",
     "output_file_problem",
     "output_folder_problem",
     "positive",
@@ -58,6 +59,23 @@ def _unwritable(path: Path) -> Path | None:
     if existing is None or os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
         return None
     return existing
+
+
+def input_path_problem(what: str, path: _Path, *, folder: bool) -> str | None:
+    """What keeps a command from reading the file (or with ``folder`` the folder) the user named as ``what``
+    (None: nothing): an empty path, which a Path reads as the current folder, a path that does not exist, or
+    one of the other kind."""
+    text = os.fspath(path)
+    if not text.strip():
+        return f"{what} is empty; give its path."
+    path = Path(text)
+    if not path.exists():
+        return f"{what} {path} does not exist; give the path of an existing {'folder' if folder else 'file'}."
+    if folder and not path.is_dir():
+        return f"{what} {path} is a file; give the folder that holds it ({path.parent})."
+    if not folder and not path.is_file():
+        return f"{what} {path} is a folder; give the path of a file in it."
+    return None
 
 
 def output_file_problem(flag: str, path: _Path | None) -> str | None:

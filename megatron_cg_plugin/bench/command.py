@@ -65,7 +65,7 @@ from megatron_cg_plugin.capture.contracts import StaticInput
 from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
-from megatron_cg_plugin.inputs import output_folder_problem
+from megatron_cg_plugin.inputs import input_path_problem, output_folder_problem
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
@@ -1263,13 +1263,13 @@ def user_script(flags: Sequence[str]) -> Path | None:
     """The training script when the bench's first flag names one (``megatron-cg bench [--bench-*]
     SCRIPT.py <its flags>``), else None (the launcher's flags)."""
     if flags and flags[0].endswith(".py"):
-        script = Path(flags[0])
-        if not script.is_file():
+        problem = input_path_problem("the training script", flags[0], folder=False)
+        if problem is not None:
             raise BenchError(
-                f"no such script {script}: give the path of a Megatron training script "
-                "(e.g. Megatron-LM's pretrain_gpt.py), or the launcher's flags alone."
+                f"{problem.rstrip('.')} (a training script such as Megatron-LM's pretrain_gpt.py), or "
+                "give the launcher's flags alone."
             )
-        return script
+        return Path(flags[0])
     return None
 
 

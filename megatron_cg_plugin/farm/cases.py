@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_cg_plugin.inputs import input_path_problem
+
 __all__ = [
     "CASE_FILE",
     "CaseError",
@@ -138,6 +140,9 @@ def load_case(folder: str | Path) -> _Case:
     """Reads and validates ``folder/model_config.yaml``; raises ``CaseError`` naming what to fix."""
     import yaml
 
+    problem = input_path_problem("the case folder", folder, folder=True)
+    if problem is not None:
+        raise CaseError(problem)
     folder = Path(folder)
     path = folder / CASE_FILE
     if not path.is_file():

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from megatron_cg_plugin import compat, console, installation
+from megatron_cg_plugin.inputs import input_path_problem
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
 from megatron_cg_plugin.parse_errors import OneLineErrors, reported_as
@@ -118,10 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     options = parser().parse_args(argv)
-    script = Path(options.script)
-    if not script.is_file():
-        print(f"megatron-cg run: no such script {script}; give the path of a Python training script.", file=sys.stderr)
+    problem = input_path_problem("the training script", options.script, folder=False)
+    if problem is not None:
+        print(f"megatron-cg run: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    script = Path(options.script)
     if options.nproc_per_node < 1:
         print("megatron-cg run: --nproc-per-node must be >= 1.", file=sys.stderr)
         return EXIT_BAD_INPUT

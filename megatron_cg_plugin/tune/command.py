@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_cg_plugin import rules
+from megatron_cg_plugin import inputs, rules
 from megatron_cg_plugin.bench import output as bench_output
 from megatron_cg_plugin.bench.command import (
     BenchOptions,
@@ -75,6 +75,10 @@ class TuneOptions:
             )
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise TuneError(f"--tune-seconds {self.seconds:g}: give the seconds of timing, above 0 (e.g. 300).")
+        if self.out is not None:  # before any setup is checked or timed
+            problem = inputs.output_folder_problem("--tune-out", self.out)
+            if problem is not None:
+                raise TuneError(problem)
 
     @property
     def budget_bytes(self) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +16,17 @@ def temp_files_in_tmp_path(tmp_path):
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp_path)
     yield
     tempfile.tempdir = saved
+
+
+@pytest.fixture(autouse=True)
+def no_megatron_args_left_behind():
+    """A test that runs a script in this process (``megatron-cg run``, the launcher) leaves Megatron's parsed
+    arguments set, and ``install()`` enforces the rules on parsed arguments it finds: a later test must not
+    inherit another's flags."""
+    yield
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is not None and getattr(global_vars, "_GLOBAL_ARGS", None) is not None:
+        global_vars.unset_global_variables()
 
 
 class FakeProbe:

@@ -76,11 +76,18 @@ ROWS = [
     row(f"check {G}", "RANK='-1'", env={"RANK": "-1"}, rule="environment-values"),
     row(f"check {G}", "LOCAL_RANK='x'", env={"LOCAL_RANK": "x"}, rule="environment-values"),
     row(f"check {G}", "MASTER_PORT='70000'", env={"MASTER_PORT": "70000"}, rule="environment-values"),
-    row(f"check {G}", "expandable_segments takes True or False", env=ALLOC_YES, rule="environment-values"),
+    row(f"check {G}", "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:yes': expandable_segments takes", env=ALLOC_YES),
     row(f"check {G}", "CUDA_DEVICE_MAX_CONNECTIONS='one'", env=CONNECTIONS_ONE, rule="environment-values"),
     row(f"check {G}", "NCCL_GRAPH_REGISTER=yes", env={"NCCL_GRAPH_REGISTER": "yes"}, rule="environment-switches"),
     row(f"check {G} {TE} --cg-inject-capture-failure 3", "graphs 2 layer(s)", rule="inject-capture-failure-layer"),
     row(f"check {G} {TE} --cuda-graph-modules attn attn", "--cuda-graph-modules attn", rule="cuda-graph-modules-twice"),
+    # -- every command: the allocator's settings, before anything imports torch (which aborts on some)
+    row(
+        f"check {G}",
+        "PYTORCH_CUDA_ALLOC_CONF='garbage': 'garbage' is not a key",
+        env={"PYTORCH_CUDA_ALLOC_CONF": "garbage"},
+    ),
+    row("golden compare golden.json golden.json", "PYTORCH_ALLOC_CONF='x:1'", env={"PYTORCH_ALLOC_CONF": "x:1"}),
     # -- plan: the router load
     row(f"plan {M} --router-load nan", "--router-load 'nan': nan is no share"),
     row(f"plan {M} --router-load 1,-1,1,1", "--router-load '1,-1,1,1': -1 is no share"),
@@ -89,7 +96,10 @@ ROWS = [
     # -- run: the environment before Megatron's parser reads it, and a run's folders in a script's own validation
     row("run noop.py", "WORLD_SIZE='abc'", env={"WORLD_SIZE": "abc"}, rule="environment-values"),
     row(f"run validating.py {G} --save a_file --save-interval 5", "--save a_file is a file", rule="run-folders"),
+    row("run ''", "megatron-cg run: the training script is empty"),
+    row("run a_folder", "megatron-cg run: the training script a_folder is a folder"),
     # -- bench: its folders and numbers when parsed; the environment when the plugin installs
+    row(f"bench missing.py {G}", "megatron-cg bench: the training script missing.py does not exist"),
     row(f"bench --bench-out a_file {G}", "megatron-cg bench: --bench-out a_file is a file"),
     row(f"bench --bench-profile-dir a_file/p {G}", "--bench-profile-dir a_file/p lies under a_file"),
     row(f"bench --bench-skip-steps -1 {G}", "--bench-skip-steps -1"),
@@ -98,6 +108,11 @@ ROWS = [
     row("farm good_case --dry-run --out a_file", "megatron-cg farm: --out a_file is a file"),
     row("farm good_case --dry-run", "MEGATRON_LM_DIR is set but empty", env={"MEGATRON_LM_DIR": ""}),
     row("farm bad_size_case --fit-gpus 1 --dry-run", "bad_size_case/model_config.yaml: MODEL_ARGS --tensor-model-pa"),
+    row("farm no_such_case --dry-run", "megatron-cg farm: the case folder no_such_case does not exist"),
+    row("farm a_file --dry-run", "megatron-cg farm: the case folder a_file is a file"),
+    row("farm '' --dry-run", "megatron-cg farm: the case folder is empty"),
+    # -- tune: where it writes, before any setup is checked
+    row(f"tune --tune-dry-run --tune-out a_file/t {G}", "megatron-cg tune: --tune-out a_file/t lies under a_file"),
     # -- matrix plan: where it writes, before the design's minute of checks
     row("matrix plan --out a_file/cells.json", "--out a_file/cells.json lies under a_file"),
     row("matrix plan --out a_folder", "--out a_folder is a directory"),

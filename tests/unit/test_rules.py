@@ -63,7 +63,7 @@ VIOLATING: dict[str, tuple[RunSettings, str]] = {
     "cuda-graph-modules-twice": (RunSettings(modules=("attn", "attn")), "--cuda-graph-modules attn attn"),
     "environment-switches": (RunSettings(unreadable_switches=("NCCL_GRAPH_REGISTER=yes",)), "NCCL_GRAPH_REGISTER=yes"),
     "environment-values": (RunSettings(unusable_environment=("WORLD_SIZE='abc' (give ...)",)), "WORLD_SIZE='abc'"),
-    "run-folders": (RunSettings(save=""), "--save is empty"),
+    "run-folders": (RunSettings(save="", save_interval=100), "--save is empty"),
     "inject-capture-failure-layer": (
         RunSettings(cuda_graph_impl=TE, inject_capture_failure=3),
         "--cg-inject-capture-failure 3; a first-stage rank graphs 2 layer(s)",
