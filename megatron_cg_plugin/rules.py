@@ -366,6 +366,30 @@ def _expert_grid(f: RunSettings) -> int | None:
     return math.prod(sizes) if all(_whole(size) for size in sizes) else None
 
 
+_QUERY_GROUPS_DIVIDE_HEADS = _Rule(
+    "query-groups-divide-heads",
+    "megatron",
+    lambda f: (
+        f.group_query_attention
+        and _whole(f.num_query_groups)
+        and _whole(f.num_attention_heads)
+        and f.num_attention_heads % f.num_query_groups != 0
+    ),
+    "with --group-query-attention each of the --num-query-groups groups shares its key and value heads among "
+    "the same number of query heads (Megatron's attention splits the heads by the groups as it builds): give "
+    "--num-attention-heads a multiple of --num-query-groups.",
+    detail=lambda f: f"(--num-attention-heads {f.num_attention_heads}, --num-query-groups {f.num_query_groups})",
+)
+
+_TENSOR_PARALLEL_SPLIT = _Rule(
+    "tensor-parallel-split",
+    "megatron",
+    lambda f: bool(_tensor_parallel_splits(f)),
+    "Megatron splits these sizes evenly over the tensor-parallel ranks as it builds the layers (divide() asserts "
+    '"... is not divisible by ..."): change the size or the parallel size named:',
+    detail=lambda f: "; ".join(_tensor_parallel_splits(f)),
+)
+
 _HEADS_DIVIDE_HIDDEN = _Rule(
     "heads-divide-hidden",
     "megatron",
@@ -477,28 +501,8 @@ RULES: tuple[_Rule, ...] = (
             f"{f', --tokenizer-model {f.tokenizer_model}' if f.tokenizer_model else ''})"
         ),
     ),
-    _Rule(
-        "query-groups-divide-heads",
-        "megatron",
-        lambda f: (
-            f.group_query_attention
-            and _whole(f.num_query_groups)
-            and _whole(f.num_attention_heads)
-            and f.num_attention_heads % f.num_query_groups != 0
-        ),
-        "with --group-query-attention each of the --num-query-groups groups shares its key and value heads among "
-        "the same number of query heads (Megatron's attention splits the heads by the groups as it builds): give "
-        "--num-attention-heads a multiple of --num-query-groups.",
-        detail=lambda f: f"(--num-attention-heads {f.num_attention_heads}, --num-query-groups {f.num_query_groups})",
-    ),
-    _Rule(
-        "tensor-parallel-split",
-        "megatron",
-        lambda f: bool(_tensor_parallel_splits(f)),
-        "Megatron splits these sizes evenly over the tensor-parallel ranks as it builds the layers (divide() asserts "
-        '"... is not divisible by ..."): change the size or the parallel size named:',
-        detail=lambda f: "; ".join(_tensor_parallel_splits(f)),
-    ),
+    _QUERY_GROUPS_DIVIDE_HEADS,
+    _TENSOR_PARALLEL_SPLIT,
     _Rule(
         "sequence-parallel-seq-length",
         "megatron",
@@ -1254,7 +1258,16 @@ _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 
 # The rules on sizes and intervals that validate_args computes from or asserts without naming a flag: checked on the
 # flags as parsed, before it runs.
-_EARLY_RULES = (_MODEL_SIZES, _HEADS_DIVIDE_HIDDEN, _GLOBAL_BATCH, _LOOP_INTERVALS, _SAMPLE_COUNTS)
+# Rules that read the flags as given (no value validate_args derives), before its first assertion can hide them.
+_EARLY_RULES = (
+    _MODEL_SIZES,
+    _HEADS_DIVIDE_HIDDEN,
+    _QUERY_GROUPS_DIVIDE_HEADS,
+    _TENSOR_PARALLEL_SPLIT,
+    _GLOBAL_BATCH,
+    _LOOP_INTERVALS,
+    _SAMPLE_COUNTS,
+)
 
 
 def early_violations(args: Any) -> list[tuple[str, str]]:

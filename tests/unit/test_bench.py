@@ -895,7 +895,10 @@ def test_a_script_as_first_flag_is_benched_through_the_script_and_a_missing_one_
     script.write_text("")
     assert bench.user_script([str(script), "--num-layers", "2"]) == script
     assert bench.user_script(["--cg-preset", "tiny-gpt"]) is None  # the launcher's flags
-    with pytest.raises(BenchError, match=r"no such script .*missing\.py: give the path of a Megatron training script"):
+    with pytest.raises(
+        BenchError,
+        match=r"the training script .*missing\.py does not exist; give the path of an existing file",
+    ):
         bench.user_script([str(tmp_path / "missing.py")])
 
 

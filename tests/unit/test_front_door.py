@@ -45,7 +45,10 @@ def refused_first(capsys, argv: list[str]) -> list[str]:
             ["bench", "--bench-arms-typo", "x", "--cg-preset", "tiny-gpt"],
             "megatron-cg bench: unknown bench flag --bench-arms-typo",
         ),
-        (["bench", "missing.py", "--cg-preset", "tiny-gpt"], "megatron-cg bench: no such script missing.py"),
+        (
+            ["bench", "missing.py", "--cg-preset", "tiny-gpt"],
+            "megatron-cg bench: the training script missing.py does not exist",
+        ),
         (
             ["check", "--cg-preset", "tiny-gpt", "--num-attention-heads", "0"],
             "megatron-cg check: [model-sizes] a size is 0",
@@ -287,3 +290,13 @@ def test_the_launcher_names_a_misspelt_preset_without_a_traceback(capsys):
     assert (
         err.startswith("megatron_cg_plugin.pretrain_gpt: --cg-preset 'tiny-gtp' is unknown") and "Traceback" not in err
     )
+
+
+def test_a_size_that_does_not_split_over_tp_is_named_before_megatrons_environment_assertion(capsys, monkeypatch):
+    """validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP > 1 before it looks at the sizes: the sizes are
+    the flags' own mistake, named first whatever the shell that runs check exports."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    argv = ["check", "--nproc", "3", "--cg-preset", "tiny-gpt", "--tensor-model-parallel-size", "3"]
+    lines = refused_first(capsys, argv)
+    assert lines[0].startswith("megatron-cg check: [tensor-parallel-split]")
+    assert "--num-attention-heads 4 over --tensor-model-parallel-size 3" in lines[0]

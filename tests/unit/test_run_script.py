@@ -223,13 +223,13 @@ def test_missing_script_is_bad_input_naming_it(tmp_path, capsys):
     missing = tmp_path / "no_such_script.py"
     assert run_script.main([str(missing), "--out", "x"]) == run_script.EXIT_BAD_INPUT == 2
     err = capsys.readouterr().err
-    assert str(missing) in err and "no such script" in err
+    assert str(missing) in err and "does not exist" in err
     assert integration.active_session() is None
 
 
 def test_directory_is_not_a_script(tmp_path, capsys):
     assert run_script.main([str(tmp_path)]) == 2
-    assert "no such script" in capsys.readouterr().err
+    assert "is a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("nproc", ["0", "-2"])

@@ -635,7 +635,7 @@ def test_the_dry_run_drops_setups_over_the_given_budget(capsys):
         (["--tune-memory-gib", "lots"], "--tune-memory-gib 'lots': give a number"),
         (["--tune-secs", "5"], "unknown tune flag --tune-secs (did you mean --tune-seconds?)"),
         (["--cg-preset", "tiny-gtp"], "--cg-preset 'tiny-gtp' is unknown"),
-        (["missing.py", "--num-layers", "2"], "no such script missing.py"),
+        (["missing.py", "--num-layers", "2"], "the training script missing.py does not exist"),
         (["--cg-preset", "tiny-gpt", "--num-attention-heads", "0"], "--num-attention-heads 0"),
     ],
 )
