@@ -16,7 +16,7 @@ import contextvars
 import difflib
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, cast
 
 from megatron_cg_plugin.config import add_plugin_args
@@ -30,6 +30,7 @@ __all__ = [
     "short_message",
     "shorten",
     "suggestions",
+    "unknown_own_flag",
 ]
 
 GRAPH_MODULE_FLAGS = frozenset({"--cuda-graph-modules", "--cuda-graph-scope"})
@@ -145,3 +146,19 @@ def shorten(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             # Megatron's --cuda-graph-modules type is a parsing function (argparse also allows a FileType or a name)
             action.type = _graph_module_type(cast(Callable[[str], Any], action.type), _graph_module_names())
     return parser
+
+
+def unknown_own_flag(parser: argparse.ArgumentParser, rest: Sequence[str], prefix: str, what: str) -> str | None:
+    """A flag of ``rest`` (what ``parser.parse_known_args`` left) that starts with the command's own ``prefix``
+    (``--bench-``, ``--tune-``), which Megatron has none of: a typo of one of ``parser``'s, not a flag to pass on.
+    Its message names the closest of them, or None where there is none."""
+    typos = [flag.split("=", 1)[0] for flag in rest if flag.startswith(prefix)]
+    if not typos:
+        return None
+    known = [action.option_strings[0] for action in parser._actions]
+    close = difflib.get_close_matches(typos[0], known, n=1)
+    return (
+        f"unknown {what} flag {typos[0]}"
+        + (f" (did you mean {close[0]}?)" if close else "")
+        + f"; the {what}'s flags: {', '.join(known)}."
+    )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
@@ -69,7 +68,7 @@ from megatron_cg_plugin.inputs import input_path_problem, output_folder_problem
 from megatron_cg_plugin.launch import pretrain_gpt, run_script
 from megatron_cg_plugin.launch.presets import find_preset
 from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
-from megatron_cg_plugin.parse_errors import OneLineErrors
+from megatron_cg_plugin.parse_errors import OneLineErrors, unknown_own_flag
 from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
 from megatron_cg_plugin.settings import read_settings
@@ -264,16 +263,9 @@ def parse_bench_argv(argv: Sequence[str]) -> tuple[BenchOptions, list[str]]:
     parser.add_argument("--bench-capture-rounds", type=int, default=BenchOptions.capture_rounds)
     parser.add_argument("--bench-seconds", type=float, default=BenchOptions.seconds)
     known, flags = parser.parse_known_args(list(argv))
-    # A --bench-* flag argparse did not know is a typo of the bench's (Megatron has none), not a flag to pass on.
-    typos = [flag.split("=", 1)[0] for flag in flags if flag.startswith("--bench-")]
-    if typos:
-        known_flags = [action.option_strings[0] for action in parser._actions]
-        close = difflib.get_close_matches(typos[0], known_flags, n=1)
-        raise BenchError(
-            f"unknown bench flag {typos[0]}"
-            + (f" (did you mean {close[0]}?)" if close else "")
-            + f"; the bench's flags: {', '.join(known_flags)}."
-        )
+    typo = unknown_own_flag(parser, flags, "--bench-", "bench")
+    if typo is not None:
+        raise BenchError(typo)
     try:
         find_preset(flags)  # a misspelt preset, named before anything is imported or built
     except ValueError as error:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import json
 import math
@@ -37,6 +36,7 @@ from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.farm.distributed import gpu_stack_missing
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
+from megatron_cg_plugin.parse_errors import unknown_own_flag
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.setups.graph_setups import GraphSetup, ModelKind, enumerate_setups, graph_bytes
 from megatron_cg_plugin.tune import ranking
@@ -104,15 +104,9 @@ def parse_tune_argv(argv: Sequence[str]) -> tuple[TuneOptions, list[str]]:
     parser.add_argument("--tune-no-plot", action="store_true")
     parser.add_argument("--tune-dry-run", action="store_true")
     known, flags = parser.parse_known_args(list(argv))
-    typos = [flag.split("=", 1)[0] for flag in flags if flag.startswith("--tune-")]
-    if typos:
-        known_flags = [action.option_strings[0] for action in parser._actions]
-        close = difflib.get_close_matches(typos[0], known_flags, n=1)
-        raise TuneError(
-            f"unknown tune flag {typos[0]}"
-            + (f" (did you mean {close[0]}?)" if close else "")
-            + f"; the tune's flags: {', '.join(known_flags)}."
-        )
+    typo = unknown_own_flag(parser, flags, "--tune-", "tune")
+    if typo is not None:
+        raise TuneError(typo)
     try:
         find_preset(flags)  # a misspelt preset, named before anything is built
     except ValueError as error:
