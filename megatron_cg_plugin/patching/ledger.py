@@ -326,6 +326,16 @@ SCOPED: tuple[ForeignState, ...] = (
         "bench.command.main (foreign_state.setting around the launcher's pretrain())",
     ),
     ForeignState(
+        "tune-scope",
+        "megatron.core.transformer.transformer_config:TransformerConfig",
+        "Instance attributes cuda_graph_modules of the model's TransformerConfig objects and cuda_dtoh_point of its "
+        "MoE alltoall dispatchers: megatron-cg tune captures setups of different scopes on one model, and Megatron "
+        "reads the scope from each layer's config at every capture and replay (the dispatcher's copy point is fixed "
+        "when it is built), so each arm sets them as its own build would, and the built model's come back when no "
+        "arm is active.",
+        "tune.trainer.TuneTrainer._scope (foreign_state.save when the trainer is made, put per arm, restore after)",
+    ),
+    ForeignState(
         "megatron-capture-call",
         "megatron.core.transformer.cuda_graphs:make_graphed_callables",
         "Megatron's own create_cudagraphs runs the capture and hands graph i to its layer and microbatch (the "

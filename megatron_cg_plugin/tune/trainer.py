@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.bench.command import MegatronTrainer
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import PluginConfig
@@ -51,13 +52,16 @@ class TuneTrainer(MegatronTrainer):
                 if config is not None and hasattr(config, "cuda_graph_modules"):
                     configs.setdefault(id(config), config)
         self._configs = list(configs.values())
-        self._built_scope = list(self.config.cuda_graph_modules or [])
         # MoE layers' alltoall dispatchers (plain objects beside the modules), each with its copy point
         self._dispatchers: list[Any] = [
             dispatcher
             for chunk in self.model
             for module in chunk.modules()
             if hasattr(dispatcher := getattr(module, "token_dispatcher", None), "cuda_dtoh_point")
+        ]
+        # The built model's scope, put back when no arm is active (ledger: tune-scope)
+        self._built = [
+            foreign_state.save(config, "cuda_graph_modules", change="tune-scope") for config in self._configs
         ]
 
     def helper_class(self, arm: str) -> Any:
@@ -74,11 +78,11 @@ class TuneTrainer(MegatronTrainer):
         from megatron.core.transformer.enums import CudaGraphModule
 
         setup = GraphSetup(graphed=False) if arm == EAGER else self.setups[arm][0]
-        modules = list(self._built_scope) if arm == EAGER else [CudaGraphModule[name] for name in setup.modules]
-        for config in self._configs:
-            config.cuda_graph_modules = list(modules)
+        for config, built in zip(self._configs, self._built, strict=True):
+            modules = built.value if arm == EAGER else [CudaGraphModule[name] for name in setup.modules]
+            foreign_state.put(config, "cuda_graph_modules", modules)
         for dispatcher in self._dispatchers:
-            dispatcher.cuda_dtoh_point = dispatcher_dtoh_point(setup)
+            foreign_state.put(dispatcher, "cuda_dtoh_point", dispatcher_dtoh_point(setup))
 
     def capture(self, arm: str) -> Any:
         self._scope(arm)

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from megatron_cg_plugin import cli, console, rules
+from megatron_cg_plugin import cli, console, foreign_state, rules
 from megatron_cg_plugin.bench import command as bench
 from megatron_cg_plugin.bench.output import StepRecord
 from megatron_cg_plugin.bench.schedule import DeviceTime
@@ -563,10 +563,10 @@ def test_the_tune_trainer_sets_every_config_and_dispatcher_to_the_arms_scope():
     from megatron_cg_plugin.tune.trainer import TuneTrainer
 
     trainer = TuneTrainer.__new__(TuneTrainer)  # its Megatron half needs a built model: only the switch here
-    configs = [types.SimpleNamespace(cuda_graph_modules=[]) for _ in range(2)]
+    configs = [types.SimpleNamespace(cuda_graph_modules=[CudaGraphModule.attn]) for _ in range(2)]
     dispatcher = types.SimpleNamespace(cuda_dtoh_point="before_permutation_1")
     trainer._configs, trainer._dispatchers = configs, [dispatcher]
-    trainer._built_scope = [CudaGraphModule.attn]
+    trainer._built = [foreign_state.save(config, "cuda_graph_modules", change="tune-scope") for config in configs]
     moe = GraphSetup(graphed=True, modules=("attn", "moe_router", "moe_preprocess"))
     trainer.setups = {moe.label: (moe, PluginConfig())}
     trainer._scope(moe.label)
