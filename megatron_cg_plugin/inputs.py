@@ -88,13 +88,7 @@ def output_file_problem(flag: str, path: _Path | None) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path} is a directory; give a file path such as {path / 'out.json'}."
-    blocking = _blocking_file(path)
-    if blocking is not None:
-        return f"{flag} {path} lies under {blocking}, which is a file; give a path in a folder."
-    unwritable = _unwritable(path)
-    if unwritable is not None:
-        return f"{flag} {path}: {unwritable} is not writable; give a path in a folder you can write."
-    return None
+    return _place_problem(flag, path, "a path in a folder you can write")
 
 
 def output_folder_problem(flag: str, path: _Path | None) -> str | None:
@@ -107,12 +101,17 @@ def output_folder_problem(flag: str, path: _Path | None) -> str | None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         return f"{flag} {path} is a file; give a folder path (a new folder, or an existing one)."
+    return _place_problem(flag, path, "a folder you can write")
+
+
+def _place_problem(flag: str, path: Path, writable: str) -> str | None:
+    """Where ``path`` cannot be made: under a file, or in a folder it cannot write (``writable``: what to give)."""
     blocking = _blocking_file(path)
     if blocking is not None:
         return f"{flag} {path} lies under {blocking}, which is a file; give a path in a folder."
     unwritable = _unwritable(path)
     if unwritable is not None:
-        return f"{flag} {path}: {unwritable} is not writable; give a folder you can write."
+        return f"{flag} {path}: {unwritable} is not writable; give {writable}."
     return None
 
 
