@@ -209,9 +209,11 @@ def stop_reason(rows: Sequence[Row], *, elapsed: float, seconds: float) -> str |
 
 def verdicts(rows: Sequence[Row]) -> dict[str, str]:
     """Each row's verdict: refused (with the rules), over budget, not timed (why), failed, or against the
-    best timed row: best, within its interval, slower."""
+    best row: best, within its interval, slower. The best is the ``winner``, or eager where graphs do not
+    pay: a setup whose median is lower but whose interval reaches eager's step time is not the best."""
     ranked = rank([row for row in rows if row.measured is not None or not row.setup.graphed])
-    best = ranked[0] if ranked and any(row.measured is not None for row in rows) else None
+    timed = any(row.measured is not None for row in rows)
+    best = (winner(rows) or next((row for row in ranked if not row.setup.graphed), None)) if timed else None
     found: dict[str, str] = {}
     for row in rows:
         if row.refused:
@@ -229,7 +231,9 @@ def verdicts(rows: Sequence[Row]) -> dict[str, str]:
                 else "timed, no interval (too few values)"
             )
         elif row is best:
-            found[row.label] = "best" + ("" if _separated(ranked) else f" (not separated from {ranked[1].label})")
+            assert best.ratio is not None  # rank keeps rows with a ratio
+            close = [other.label for other in ranked if other is not best and other.ratio.overlaps(best.ratio)]  # type: ignore[union-attr]
+            found[row.label] = "best" + (f" (not separated from {close[0]})" if close else "")
         else:
             assert best.ratio is not None and row.ratio is not None  # rank keeps rows with a ratio
             found[row.label] = (

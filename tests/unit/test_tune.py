@@ -349,6 +349,15 @@ def test_a_winner_not_separated_from_another_names_it_and_a_dropped_offload_is_s
     assert "without your activation offload flags" in lines and "not told apart from attn, offload" in lines
 
 
+def test_a_lower_median_whose_interval_reaches_eager_is_not_the_best():
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.79, 0.77, 0.83)), row(MLP, ratio=(0.74, 0.26, 2.07))]
+    assert ranking.rank(rows)[0].label == "attn mlp" and ranking.winner(rows).label == "attn"
+    found = ranking.verdicts(rows)
+    assert found["attn"] == "best (not separated from attn mlp)"
+    assert found["attn mlp"] == "within the best's interval"
+    assert found["eager"] == "baseline; slower than the best"
+
+
 def test_graphs_do_not_pay_when_no_setup_beats_eager_beyond_its_interval():
     rows = [EAGER_ROW, row(ATTN, ratio=(0.99, 0.97, 1.01)), row(MLP, ratio=(1.10, 1.08, 1.12))]
     assert ranking.winner(rows) is None
@@ -356,6 +365,12 @@ def test_graphs_do_not_pay_when_no_setup_beats_eager_beyond_its_interval():
     assert sentence is not None and sentence.startswith("Graphs do not pay for this model")
     assert "attn" in sentence and "train it eagerly" in sentence
     assert ranking.winner_lines(rows, base_has_offload=False) == [sentence]
+    found = ranking.verdicts(rows)  # eager is the best, and the table says so
+    assert found == {
+        "eager": "baseline; best (not separated from attn)",
+        "attn": "within the best's interval",
+        "attn mlp": "slower than the best",
+    }
     assert ranking.graphs_do_not_pay([EAGER_ROW, row(ATTN)]) is None  # nothing timed yet: no verdict
 
 
