@@ -50,7 +50,9 @@ tune_then_bench() {
   done
   local device commit
   device="1x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), one process, alone on the GPU"
-  commit=$(git -C "$(dirname "$check")" rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:?set COMMIT outside a git checkout}")
-  python "$check" summary "$OUT" "$name" "$title" "$model" "${tune[*]//$OUT/OUT}" "$commit" "$device" > "$OUT/result.json"
+  commit=${COMMIT:-$(git -C "$(dirname "$check")" rev-parse --short HEAD)}  # COMMIT: the code's, outside a checkout
+  local command="${tune[*]//$OUT/OUT}"
+  [ -z "${MEGATRON_LM_DIR:-}" ] || command=${command//$MEGATRON_LM_DIR/\$MEGATRON_LM_DIR}
+  python "$check" summary "$OUT" "$name" "$title" "$model" "$command" "$commit" "$device" > "$OUT/result.json"
   echo "summary: $OUT/tune/tune.md (the tune's table); $OUT/result.json (with the two benches)"
 }

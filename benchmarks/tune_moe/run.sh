@@ -6,5 +6,5 @@ source "$(dirname "$0")/../common.sh"
 DATA=$(synthetic_data 4000)
 tune_then_bench tune_moe "megatron-cg tune: realistic MoE, dropless, through pretrain_gpt.py" \
   "MoE 8 x 2048, 16 experts top 2, dropless, alltoall, seq 2048, Megatron-LM's pretrain_gpt.py" \
-  "$MEGATRON_LM_DIR/pretrain_gpt.py" $MOE_MODEL $DATA --cuda-graph-impl transformer_engine \
+  "$MEGATRON_LM_DIR/pretrain_gpt.py" $MOE_MODEL $DATA --train-iters 1000 --cuda-graph-impl transformer_engine \
   --cuda-graph-modules attn moe_router moe_preprocess

@@ -83,7 +83,7 @@ __all__ = [
     "MegatronTrainer",
     "STEPS_METHOD",
     "StepCycles",
-    "arena_bytes",
+    "slot_bytes",
     "bench_train_step",
     "capture_arm",
     "captured_arms",
@@ -430,7 +430,7 @@ def _bench_blocks(
                 trainer.peak_allocated(),
                 capture_seconds,
                 pool_bytes,
-                *arena_bytes(helper),
+                *slot_bytes(helper),
             )
         )
         return steps
@@ -642,13 +642,17 @@ def _profiled(
     )
 
 
-def arena_bytes(helper: Any) -> tuple[int | None, int | None]:
-    """A slot arm's GPU and pinned host arenas (outside the graph pools); None for other arms."""
+def slot_bytes(helper: Any) -> tuple[int | None, int | None, int | None]:
+    """A slot arm's memory outside the graph pools: GPU arenas, pinned host arenas, boundary buffers; None
+    for other arms."""
     live = getattr(getattr(helper, "capture_stats", None), "slot_layers", None)
     if live is None:
-        return None, None
+        return None, None, None
     layers = live()
-    return sum(layer.arena_bytes for layer in layers), sum(layer.host_arena_bytes for layer in layers)
+    return tuple(sum(getattr(layer, part) for layer in layers) for part in _SLOT_PARTS)  # type: ignore[return-value]
+
+
+_SLOT_PARTS = ("arena_bytes", "host_arena_bytes", "boundary_bytes")
 
 
 def capture_arm(trainer: BenchTrainer, arm: str, clock: Callable[[], float]) -> tuple[Any, float | None, int | None]:

@@ -99,6 +99,7 @@ class BlockRecord:
     pool_bytes: int | None = None  # graph private pools the block's capture created
     arena_bytes: int | None = None  # slot arms: the layers' GPU saved-tensor arenas (outside the pools)
     host_arena_bytes: int | None = None  # slot arms: their pinned host arenas
+    boundary_bytes: int | None = None  # slot arms: graph outputs, gradients, copied inputs (outside the pools)
 
     @property
     def block(self) -> Block:
@@ -225,6 +226,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         },
         "arena_bytes": {arm: spread(v) for arm, v in result.per_arm("arena_bytes").items()},
         "host_arena_bytes": {arm: spread(v) for arm, v in result.per_arm("host_arena_bytes").items()},
+        "boundary_bytes": {arm: spread(v) for arm, v in result.per_arm("boundary_bytes").items()},
         "ratio_intervals": {
             f"{a}/{b}": {
                 **dataclasses.asdict(found),

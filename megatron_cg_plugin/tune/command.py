@@ -50,7 +50,7 @@ from megatron_cg_plugin.tune.candidates import (
     strip_flags,
 )
 from megatron_cg_plugin.tune.ranking import Row
-from megatron_cg_plugin.tune.timing import TimingOptions, TimingResult, steps_needed, time_setups
+from megatron_cg_plugin.tune.timing import TimingOptions, TimingResult, length_flags, time_setups
 
 __all__ = ["TuneError", "TuneOptions", "TunePlan", "main", "parse_tune_argv", "plan_setups", "report"]
 
@@ -240,7 +240,8 @@ def main(argv: Sequence[str]) -> int:
     script = user_script(flags)
     if script is not None:
         flags = flags[1:]
-    plan = plan_setups(flags, _validator(launcher=script is None))
+    # Checked as the timing runs them: the run's length is the tune's, whatever the flags give (or not)
+    plan = plan_setups([*flags, *length_flags(TimingOptions(options.seconds), 1)], _validator(launcher=script is None))
     if options.dry_run:
         rows = ranking.apply_budget(plan.rows, options.budget_bytes, source="--tune-memory-gib")
         budget = (
@@ -296,13 +297,7 @@ def _time(plan: TunePlan, options: TuneOptions, script: Path | None) -> TimingRe
     from megatron.training import training
 
     timing_options = TimingOptions(seconds=options.seconds)
-    flags = [
-        *plan.built_flags,
-        "--train-iters",
-        str(steps_needed(timing_options, len(plan.rows))),
-        "--eval-iters",
-        "0",
-    ]
+    flags = [*plan.built_flags, *length_flags(timing_options, len(plan.rows))]
     arms = {row.label: (row.setup, plan.configs[row.label]) for row in plan.rows if row.timable and row.setup.graphed}
     sink: list[TimingResult] = []
 

@@ -7,9 +7,9 @@ Setups the step schedule can hold together (``candidates.placement``, ``ranking.
 captured once, alive beside each other, and timed in mirrored cycles of single steps until the best
 is separated from the next (``ranking.stop_reason``) or their share of ``--tune-seconds`` is spent;
 the others are timed as the bench times slot arms: in mirrored rounds of blocks, each block a
-capture, its steps and its release, pair of rounds by pair of rounds under the same rule. Each arm
-is then profiled for its GPU-busy fraction. A capture that fails marks its setup failed and the
-others go on.
+capture, its steps and its release, pair of rounds by pair of rounds under the same rule. The blocks
+run first and every arm is profiled for its GPU-busy fraction only once all are timed (``time_setups``
+says why). A capture that fails marks its setup failed and the others go on.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 from megatron_cg_plugin.bench.command import (
     BenchTrainer,
     StepCycles,
-    arena_bytes,
     capture_arm,
     captured_arms,
     run_step_cycles,
+    slot_bytes,
     timed_step,
 )
 from megatron_cg_plugin.bench.output import BenchResult, BlockRecord, StepRecord
@@ -41,7 +41,7 @@ from megatron_cg_plugin.tune.ranking import (
     stop_reason,
 )
 
-__all__ = ["TimingOptions", "TimingResult", "steps_needed", "time_setups"]
+__all__ = ["TimingOptions", "TimingResult", "length_flags", "steps_needed", "time_setups"]
 
 STEPS_METHOD = (
     "megatron-cg tune: one model and optimizer, every arm a setup's capture of the same layers with its own scope, "
@@ -74,6 +74,13 @@ def steps_needed(options: TimingOptions, rows: int) -> int:
     block = 2 * options.max_pairs * arms * options.block_steps
     cycles = 2 * options.max_cycles * arms
     return options.warmup_steps + options.peak_steps + block + cycles + arms * options.profile_steps
+
+
+def length_flags(options: TimingOptions, rows: int) -> list[str]:
+    """The flags that size the timing process's run, after the user's (the last of a flag wins): the steps
+    ``rows`` setups can take (``steps_needed``), no evaluation. With ``rows=1``, the shortest timing run, they
+    let the setups' checks build Megatron's schedule for flags that give no length of their own."""
+    return ["--train-iters", str(steps_needed(options, rows)), "--eval-iters", "0"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +138,15 @@ def time_setups(
         failed[arm] = f"{type(error).__name__}: {error}"
         progress(f"capture of {arm} failed ({failed[arm]}); the other setups go on")
 
+    # Every step is timed before the first is profiled: after torch's profiler has run, eager steps
+    # (thousands of kernel launches) ran 10% slower in the same process and graphed ones 1%, which
+    # would favour whatever was timed after it. So the blocks are timed first, then the step schedule,
+    # which profiles its arms while they are alive, then the block arms are captured again to be profiled.
+    if arms["blocks"]:
+        seconds = options.seconds * len(arms["blocks"]) / total
+        results["blocks"], stopped["blocks"] = _time_blocks(
+            arms["blocks"], trainer, options, seconds, flags, clock, progress, record_failure, placed
+        )
     if arms["steps"]:
         seconds = options.seconds * len(arms["steps"]) / total
         results["steps"], stopped["steps"] = _time_steps(
@@ -138,10 +154,7 @@ def time_setups(
         )
         measured.update(_measures(results["steps"], "cycles"))
     if arms["blocks"]:
-        seconds = options.seconds * len(arms["blocks"]) / total
-        results["blocks"], stopped["blocks"] = _time_blocks(
-            arms["blocks"], trainer, options, seconds, flags, clock, progress, profile, record_failure, placed
-        )
+        results["blocks"] = _profile_blocks(results["blocks"], trainer, options, clock, progress, profile)
         for arm, found in _measures(results["blocks"], "pairs").items():
             if arm != EAGER or EAGER not in measured:  # eager's figures from the step schedule, where it ran
                 measured[arm] = found
@@ -227,12 +240,11 @@ def _time_blocks(
     flags: Sequence[str],
     clock: Callable[[], float],
     progress: Callable[[str], None],
-    profile: Profile | None,
     failed: Callable[[str, Exception], None],
     rows: Sequence[Row],
 ) -> tuple[BenchResult, str]:
     """Pairs of mirrored rounds of blocks (as ``bench.schedule.interleaved_blocks``), until separated, out
-    of time or at the cap; then each arm captured again to be profiled."""
+    of time or at the cap."""
     alive = [EAGER, *arms]
     records: list[BlockRecord] = []
     start, stopped = clock(), ""
@@ -261,7 +273,7 @@ def _time_blocks(
                     trainer.peak_allocated(),
                     capture_seconds,
                     pool,
-                    *arena_bytes(helper),
+                    *slot_bytes(helper),
                 )
             )
             progress(f"block round {round_} {block.arm}: median {sorted(steps)[len(steps) // 2] * 1e3:.2f} ms")
@@ -277,8 +289,21 @@ def _time_blocks(
             break
     else:
         stopped = f"the cap of {options.max_pairs} pairs of rounds"
+    return result, stopped
+
+
+def _profile_blocks(
+    result: BenchResult,
+    trainer: BenchTrainer,
+    options: TimingOptions,
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+    profile: Profile | None,
+) -> BenchResult:
+    """``result`` with each of its arms' GPU-busy fraction: every arm that was timed captured again, profiled
+    and released."""
     busy: dict[str, float | None] = {}
-    for arm in alive if profile is not None else ():
+    for arm in dict.fromkeys(record.arm for record in result.blocks) if profile is not None else ():
         try:
             helper, _, _ = capture_arm(trainer, arm, clock)
         except Exception as error:  # noqa: BLE001 - timed already; only its GPU-busy fraction is missing
@@ -288,7 +313,7 @@ def _time_blocks(
             busy[arm] = _busy(profile, trainer, options, arm, result)
         finally:
             trainer.release(helper)
-    return dataclasses.replace(result, busy_fraction=busy), stopped
+    return dataclasses.replace(result, busy_fraction=busy)
 
 
 def _busy(profile: Profile | None, trainer: Any, options: TimingOptions, arm: str, result: BenchResult) -> float | None:
@@ -303,13 +328,18 @@ def _busy(profile: Profile | None, trainer: Any, options: TimingOptions, arm: st
 def _measures(result: BenchResult, unit: str) -> dict[str, Measured]:
     """Per arm of ``result``, what it measured (the arms whose capture failed have none)."""
     summary = result.summary()
-    capture, pools, arenas, peaks = (
-        result.per_arm(name) for name in ("capture_seconds", "pool_bytes", "arena_bytes", "peak_with_pools_bytes")
-    )
+    capture, peaks = result.per_arm("capture_seconds"), result.per_arm("peak_with_pools_bytes")
+    # What the prediction covers (setups.graph_setups.graph_bytes): the pools and, under slot-shared
+    # capture, the arenas and boundary buffers outside them
+    pools, *outside = (result.per_arm(name) for name in ("pool_bytes", "arena_bytes", "boundary_bytes"))
     found = {}
     for arm, spread in summary.arms.items():
         ratio = summary.ratios.get((arm, EAGER))
-        graph = None if arm not in pools else int(pools[arm].median + (arenas[arm].median if arm in arenas else 0))
+        graph = (
+            None
+            if arm not in pools
+            else int(pools[arm].median + sum(part[arm].median for part in outside if arm in part))
+        )
         found[arm] = Measured(
             schedule=result.schedule,
             step_seconds=spread.median,

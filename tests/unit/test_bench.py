@@ -343,7 +343,11 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monke
         def capture(self, arm):
             super().capture(arm)
             layers = (
-                types.SimpleNamespace(arena_bytes=3 << 20, host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0),
+                types.SimpleNamespace(
+                    arena_bytes=3 << 20,
+                    host_arena_bytes=(5 << 20) if arm == "slot-offload" else 0,
+                    boundary_bytes=1 << 20,
+                ),
             ) * 2
             stats = types.SimpleNamespace(slot_layers=lambda: layers) if arm.startswith("slot") else None
             return types.SimpleNamespace(arm=arm, capture_stats=stats)
@@ -373,8 +377,12 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monke
         progress=lambda _: None,
         profile=profile,
     )
-    arenas = {r.arm: (r.arena_bytes, r.host_arena_bytes) for r in result.blocks}
-    assert arenas == {"stock": (None, None), "slot": (6 << 20, 0), "slot-offload": (6 << 20, 10 << 20)}
+    arenas = {r.arm: (r.arena_bytes, r.host_arena_bytes, r.boundary_bytes) for r in result.blocks}
+    assert arenas == {
+        "stock": (None, None, None),
+        "slot": (6 << 20, 0, 2 << 20),
+        "slot-offload": (6 << 20, 10 << 20, 2 << 20),
+    }
     table = bench_output.markdown(result)
     copies_table = table.split("| arm | D2H ms per step")[1].split("\n\n")[0]
     assert "| slot-offload | 2.00 | 2.00 | 75% |" in copies_table

@@ -13,8 +13,6 @@ from megatron_cg_plugin.farm.cases import CaseError, load_case
 AWAITING_FIRST_RUN = {
     "gpt_4x2048_docmask_cp2_layer_megatron_lm",  # 2 GPUs
     "tiny_gpt_hybrid_cp_banks_eval_resume",  # 2 GPUs
-    "moe_4x2048_finegrained_shared_megatron_lm",  # the planner's shared expert in a router graph, not run yet
-    "moe_4x2048_finegrained_bias_top4_megatron_lm",
 }
 
 

@@ -27,7 +27,7 @@ def test_each_result_says_how_to_reproduce_it(name):
     result = RESULTS[name]
     assert not render.missing_fields(result), f"benchmarks/{name}/result.json lacks {render.missing_fields(result)}"
     assert result["name"] == name, f"benchmarks/{name}/result.json is named {result['name']!r}"
-    assert re.search(r"\bmegatron-cg (bench|farm|matrix)\b", result["command"]), result["command"]
+    assert re.search(r"\bmegatron-cg (bench|farm|matrix|tune)\b", result["command"]), result["command"]
     assert re.fullmatch(r"[0-9a-f]{7,40}", result["commit"]), result["commit"]
     assert (ROOT / "benchmarks" / name / "run.sh").is_file(), f"benchmarks/{name}/ has no run.sh"
 

@@ -19,6 +19,7 @@ from megatron_cg_plugin.bench.output import StepRecord
 from megatron_cg_plugin.bench.schedule import DeviceTime
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import dry_run
+from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.setups import graph_setups as setups
 from megatron_cg_plugin.setups.graph_setups import EAGER, GraphSetup, ModelKind
@@ -408,8 +409,19 @@ class Clock:
         return self.now
 
 
+class SlotHelper(str):
+    """A slot-shared arm's helper: its label, and two layers' arenas and boundary buffers outside the pool."""
+
+    def __new__(cls, arm: str) -> SlotHelper:
+        helper = super().__new__(cls, arm)
+        layers = [types.SimpleNamespace(arena_bytes=2 * MIB, host_arena_bytes=0, boundary_bytes=MIB)] * 2
+        helper.capture_stats = types.SimpleNamespace(slot_layers=lambda: layers)
+        return helper
+
+
 class FakeTrainer:
-    """Steps at its arm's speed with 1% jitter; captures add a pool; an arm in ``failing`` fails to capture."""
+    """Steps at its arm's speed with 1% jitter; captures add a pool (slot-shared ones arenas and boundaries
+    beside it); an arm in ``failing`` fails to capture."""
 
     def __init__(self, clock: Clock, speeds: dict[str, float], failing=(), seed=0) -> None:
         self.clock, self.speeds, self.failing = clock, speeds, set(failing)
@@ -427,7 +439,7 @@ class FakeTrainer:
         self.pools[(len(self.pools), 0)] = 32 * MIB
         self.arm = arm
         self.alive.add(arm)
-        return arm
+        return SlotHelper(arm) if ", slot" in arm else arm
 
     def activate(self, arm):
         assert arm == EAGER or arm in self.alive
@@ -511,8 +523,9 @@ def test_slot_setups_are_timed_in_blocks_pair_by_pair_until_separated():
     assert len({record.round for record in blocks}) == 4  # two pairs: the first with an interval
     assert trainer.events.count("capture attn, slot") == 4 + 1  # a capture per block, one more to profile
     assert trainer.alive == set()
-    ratio = {r.label: r for r in result.rows}["attn, slot"].measured.ratio
-    assert "normal approximation" in ratio.method and ratio.high < 1
+    measured = {r.label: r for r in result.rows}["attn, slot"].measured
+    assert "normal approximation" in measured.ratio.method and measured.ratio.high < 1
+    assert measured.graph_bytes == 32 * MIB + 2 * (2 * MIB + MIB)  # as predicted: pool, arenas, boundaries
 
 
 def test_the_block_schedule_runs_two_pairs_before_time_can_stop_it_so_each_ratio_has_an_interval():
@@ -521,6 +534,49 @@ def test_the_block_schedule_runs_two_pairs_before_time_can_stop_it_so_each_ratio
     assert result.stopped == {"blocks": "out of time"}
     assert len({record.round for record in result.results["blocks"].blocks}) == 4
     assert {r.label: r for r in result.rows}["attn, slot"].measured.ratio is not None
+
+
+def test_every_step_is_timed_before_the_first_is_profiled():
+    """The profiler slows the eager steps timed after it more than graphed ones: no schedule is timed after
+    any arm was profiled (without the order, the step schedule's profiling precedes the blocks)."""
+    slot = GraphSetup(graphed=True, modules=("attn",), slot=True)
+    rows = [EAGER_ROW, row(ATTN), row(slot, schedule="blocks")]
+    clock = Clock()
+    trainer = FakeTrainer(clock, {EAGER: 0.30, "attn": 0.20, "attn, slot": 0.25})
+    profiled: list[str] = []
+    timed_after_profiling = []
+    step = trainer.step
+
+    def watched_step() -> None:
+        if profiled and not profiling:
+            timed_after_profiling.append(trainer.arm)
+        step()
+
+    trainer.step = watched_step
+    profiling = False
+
+    def profile(run, count, arm):
+        nonlocal profiling
+        profiling = True
+        for _ in range(count):
+            run()
+        profiling = False
+        profiled.append(arm)
+        return DeviceTime(0.1)
+
+    result = time_setups(
+        rows,
+        trainer,
+        options=TimingOptions(seconds=1000.0, max_cycles=80, max_pairs=8, block_steps=4),
+        budget_bytes=None,
+        device_bytes=None,
+        clock=clock,
+        progress=lambda _: None,
+        profile=profile,
+    )
+    assert set(result.results) == {"steps", "blocks"} and timed_after_profiling == []
+    assert sorted(profiled) == sorted([EAGER, "attn", EAGER, "attn, slot"])  # each schedule's arms, eager in both
+    assert all(r.measured.busy_fraction is not None for r in result.rows if r.measured is not None)
 
 
 def test_the_default_budget_comes_from_eagers_measured_peak_and_drops_what_exceeds_it():
@@ -639,6 +695,17 @@ def test_the_dry_run_drops_setups_over_the_given_budget(capsys):
     over = [line for line in out.splitlines() if "over budget: predicted" in line]
     assert over and all("> 8 MiB (--tune-memory-gib)" in line for line in over)
     assert "| attn | 6 |" in out and "to time (step schedule)" in out
+
+
+def test_flags_without_a_run_length_are_checked_with_the_timings_own(capsys):
+    """As the bench does, the tune sets --train-iters to what its timing takes: flags that give no length
+    (a bench's, a script's) pass the optimizer's check and are listed."""
+    preset = list(PRESET_FLAGS["tiny-gpt"])
+    del preset[preset.index("--train-iters") : preset.index("--train-iters") + 2]
+    code = cli.main(["tune", "--tune-dry-run", *preset])
+    out, err = capsys.readouterr()
+    assert code == console.EXIT_OK, err
+    assert "optimizer-setup" not in out + err and "| attn |" in out
 
 
 @pytest.mark.parametrize(
