@@ -193,6 +193,48 @@ def moe_drops(results: dict[str, dict]) -> str:
     )
 
 
+TUNE_MODELS = ("tune_dense_1b", "tune_llama_like", "tune_moe")  # those published so far are rendered
+
+
+def _ratio(ratio: dict | None) -> str:
+    return "-" if ratio is None else _interval(ratio, 3)
+
+
+def tune(results: dict[str, dict]) -> str:
+    """Per model ``megatron-cg tune`` ran on: its table (setup, graph memory, step, ratio, verdict), its
+    winner, and the separate benches of its top two setups."""
+    parts = []
+    for name in (name for name in TUNE_MODELS if name in results):
+        result = results[name]
+        figures = result["figures"]
+        rows = [
+            [
+                row["setup"],
+                "-" if row["predicted_mib"] is None else f"{row['predicted_mib']:,}",
+                "-" if row["measured_mib"] is None else f"{row['measured_mib']:,}",
+                "-" if row["step_ms"] is None else f"{row['step_ms']:.1f}",
+                _ratio(row["over_eager"]) if row["over_eager"] else ("1" if row["setup"] == "eager" else "-"),
+                row["verdict"].split(": ")[0] if row["verdict"].startswith("not timed") else row["verdict"],
+            ]
+            for row in figures["setups"]
+        ]
+        table = _table(
+            ["setup", "predicted graph MiB", "measured graph MiB", "step ms", "vs eager [95%]", "verdict"], rows
+        )
+        benches = "; ".join(
+            f"{bench['setup']} {_ratio(bench['over_eager'])} ({bench['schedule']})" for bench in figures["benches"]
+        )
+        winner = figures["winner"] or "none: graphs do not pay"
+        agreement = {"agrees": "agrees with the tune's order", "tie": "a tie", "disagrees": "disagrees"}
+        parts.append(
+            f"**{result['model']}** (`benchmarks/{name}/`)\n\n{table}\n\nWinner: {winner}. Each of the top two against "
+            f"eager in a bench of its own: {benches}; {agreement.get(figures['bench_agrees'], 'not run')}."
+            + "".join(f" {note[0].upper()}{note[1:]}." for note in figures.get("notes", ()))
+            + f" Source: {_source(result)}."
+        )
+    return "\n\n".join(parts)
+
+
 def index(results: dict[str, dict]) -> str:
     rows = [
         [f"[`{name}`]({name}/)", result.get("title", name), result["commit"], result["device"]]
@@ -210,6 +252,7 @@ TABLES: dict[str, Callable[[dict[str, dict]], str]] = {
     "planner-fp8": lambda results: _predicted(results, "planner_fp8"),
     "planner-slot": slot,
     "moe-drops": moe_drops,
+    "tune": tune,
     "index": index,
 }
 

@@ -649,7 +649,7 @@ def slot_bytes(helper: Any) -> tuple[int | None, int | None, int | None]:
     if live is None:
         return None, None, None
     layers = live()
-    return tuple(sum(getattr(layer, part) for layer in layers) for part in _SLOT_PARTS)  # type: ignore[return-value]
+    return tuple(sum(getattr(layer, part) for layer in layers) for part in _SLOT_PARTS)
 
 
 _SLOT_PARTS = ("arena_bytes", "host_arena_bytes", "boundary_bytes")

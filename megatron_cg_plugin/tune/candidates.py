@@ -29,6 +29,7 @@ __all__ = [
     "given_modules",
     "given_setup",
     "placement",
+    "same_graphs",
     "setup_flags",
     "strip_flags",
 ]
@@ -178,6 +179,18 @@ def placement(setup: GraphSetup, settings: RunSettings, kind: ModelKind, environ
     if reasons:
         return Placement("blocks", "; ".join(reasons))
     return Placement("steps")
+
+
+_ATTN_MLP = ("attn", "mlp")
+
+
+def same_graphs(setup: GraphSetup, kind: ModelKind) -> GraphSetup | None:
+    """The ``attn mlp`` setup that captures what ``setup``, the whole layer of a model without MoE layers,
+    captures: Megatron 0.19.2 graphs a dense layer's attention and MLP in one graph for either scope
+    (``TransformerLayer._te_cuda_graph_capture``), so one of the two is timed. None for other setups."""
+    if not setup.graphed or setup.modules or kind.moe:
+        return None
+    return dataclasses.replace(setup, modules=_ATTN_MLP)
 
 
 def built_setup(timed: Sequence[GraphSetup], kind: ModelKind, modules: tuple[str, ...] | None) -> GraphSetup | None:

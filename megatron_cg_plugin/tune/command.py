@@ -46,6 +46,7 @@ from megatron_cg_plugin.tune.candidates import (
     given_modules,
     given_setup,
     placement,
+    same_graphs,
     setup_flags,
     strip_flags,
 )
@@ -190,6 +191,7 @@ def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
                 why=where.why,
             )
         )
+    rows = _timed_once(rows, kind)
     built = built_setup([row.setup for row in rows if row.timable], kind, given_modules(base))
     if built is not None:
         rows = [
@@ -197,6 +199,23 @@ def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
             for row in rows
         ]
     return TunePlan(kind, tuple(base), tuple(rows), configs, built)
+
+
+def _timed_once(rows: Sequence[Row], kind: ModelKind) -> list[Row]:
+    """``rows`` with each whole-layer setup that captures the same graphs as a timed ``attn mlp`` one
+    (``candidates.same_graphs``) left out of the timing, which would only find them tied."""
+    timable = {row.setup: row for row in rows if row.timable}
+    found = []
+    for row in rows:
+        twin = timable.get(same_graphs(row.setup, kind)) if row.timable else None  # type: ignore[arg-type]
+        if twin is not None:
+            why = (
+                f"the same graphs as {twin.label} on layers without MoE (Megatron captures a dense layer's "
+                f"attention and MLP in one graph for either scope): timed once, as {twin.label}"
+            )
+            row = dataclasses.replace(row, schedule=None, why=why)
+        found.append(row)
+    return found
 
 
 def _validator(*, launcher: bool) -> Validate:

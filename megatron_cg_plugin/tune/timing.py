@@ -138,10 +138,11 @@ def time_setups(
         failed[arm] = f"{type(error).__name__}: {error}"
         progress(f"capture of {arm} failed ({failed[arm]}); the other setups go on")
 
-    # Every step is timed before the first is profiled: after torch's profiler has run, eager steps
-    # (thousands of kernel launches) ran 10% slower in the same process and graphed ones 1%, which
-    # would favour whatever was timed after it. So the blocks are timed first, then the step schedule,
-    # which profiles its arms while they are alive, then the block arms are captured again to be profiled.
+    # Every step is timed before the first is profiled: torch's profiler leaves CUPTI attached once it
+    # is done (pytorch/pytorch#144455), and eager steps timed after it (thousands of kernel launches)
+    # ran 10% slower and graphed ones 1%, which favoured whatever was timed after it. So the blocks are
+    # timed first, then the step schedule, which profiles its arms while they are alive, then the block
+    # arms are captured again to be profiled.
     if arms["blocks"]:
         seconds = options.seconds * len(arms["blocks"]) / total
         results["blocks"], stopped["blocks"] = _time_blocks(

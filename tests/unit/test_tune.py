@@ -282,6 +282,21 @@ MLP = GraphSetup(graphed=True, modules=("attn", "mlp"))
 WHOLE = GraphSetup(graphed=True)
 
 
+def test_a_dense_whole_layer_is_timed_once_as_attn_mlp_where_attn_mlp_is_timed():
+    from megatron_cg_plugin.tune.command import _timed_once
+
+    slot_whole, slot_mlp = (dataclasses.replace(s, slot=True) for s in (WHOLE, MLP))
+    rows = [EAGER_ROW, row(MLP), row(WHOLE), row(slot_mlp, schedule="blocks"), row(slot_whole, schedule="blocks")]
+    found = {r.label: r for r in _timed_once(rows, ModelKind())}
+    assert [label for label, r in found.items() if r.timable] == ["eager", "attn mlp", "attn mlp, slot"]
+    assert found["whole layer, slot"].why.startswith("the same graphs as attn mlp, slot")
+    # MoE layers: the whole layer graphs the MoE block, attn mlp does not
+    assert all(r.timable for r in _timed_once(rows, ModelKind(moe=True, dense_layers=True)))
+    # attn mlp refused or not placed: the whole layer is timed
+    refused = [EAGER_ROW, row(MLP, refused=(("rule", "why"),)), row(WHOLE)]
+    assert [r.timable for r in _timed_once(refused, ModelKind())] == [True, False, True]
+
+
 def test_the_default_budget_is_the_device_less_eagers_peak_and_the_margin():
     assert ranking.default_budget(80 * 2**30, 30 * 2**30) == 80 * 2**30 - 30 * 2**30 - 4 * 2**30
     assert ranking.default_budget(10 * 2**30, 20 * 2**30) == 0
@@ -655,7 +670,11 @@ def test_the_tune_trainer_sets_every_config_and_dispatcher_to_the_arms_scope():
 @pytest.mark.parametrize(
     "preset, expected, refused",
     [
-        ("tiny-gpt", ["attn", "attn mlp", "whole layer", "attn, slot"], {}),
+        (
+            "tiny-gpt",
+            ["attn", "attn mlp", "attn, slot"],
+            {"whole layer": "not timed: the same graphs as attn mlp on layers without MoE"},
+        ),
         (
             "tiny-moe",
             ["attn", "attn moe_router moe_preprocess", "attn, slot"],
@@ -682,7 +701,7 @@ def test_the_dry_run_on_a_preset_prints_the_table_with_refusals_and_predictions(
         assert "to time" in table[label], table[label]
         assert table[label].split(" | ")[1].isdigit()  # its predicted graph MiB
     for label, verdict in refused.items():
-        assert table[label].endswith(f"| {verdict} |")
+        assert f"| {verdict}" in table[label], table[label]
     data = json.loads((tmp_path / "tune.json").read_text())
     assert {entry["setup"] for entry in data["setups"]} == set(table) - {"setup", "---"}
     assert not list(tmp_path.glob("*.png"))  # nothing timed, nothing plotted
