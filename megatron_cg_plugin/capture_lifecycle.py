@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +40,7 @@ from megatron_cg_plugin.capture.transaction import (
     tensor_grads,
 )
 from megatron_cg_plugin.config import ContractCheck
+from megatron_cg_plugin.console import EXIT_BAD_INPUT
 from megatron_cg_plugin.packed import graphs as packed_graphs
 from megatron_cg_plugin.planner.prediction import with_model_config
 from megatron_cg_plugin.scopes import module_names
@@ -55,6 +57,7 @@ __all__ = [
     "bind_helper_class",
     "parameters_stay_within_a_step",
     "read_free_memory",
+    "refusals_reported",
     "scope_label",
 ]
 
@@ -68,6 +71,19 @@ class CaptureFailedError(RuntimeError):
 class CaptureWontFitError(CaptureFailedError):
     """The planner predicts that the capture would not fit in the memory free when it would start:
     refused before anything was captured (``setups.memory_guard``)."""
+
+
+@contextlib.contextmanager
+def refusals_reported(command: str) -> Iterator[None]:
+    """A refusal raised in training that names what to change (a capture the memory guard stopped, live
+    eager graphs reaching the graphed parameters) printed as ``command``'s one message and exit code 2
+    (``SystemExit``), in place of a traceback through Megatron's loop. Nothing was captured: the run
+    stops as a refusal before training would."""
+    try:
+        yield
+    except (CaptureWontFitError, stale_graphs.StaleAutogradGraphError) as refusal:
+        print(f"{command}: {refusal}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
 
 
 class InjectedCaptureFailure(RuntimeError):

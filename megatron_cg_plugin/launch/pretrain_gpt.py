@@ -25,6 +25,7 @@ import torch
 from megatron_cg_plugin import console, helptext, installation, parse_errors
 from megatron_cg_plugin.banks.dynamic_cp import hybrid_cp_layer_spec
 from megatron_cg_plugin.banks.hybrid_cp_batch import get_hybrid_cp_batch
+from megatron_cg_plugin.capture_lifecycle import refusals_reported
 from megatron_cg_plugin.data.sources import build_datasets
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
@@ -187,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with console.megatron_printout_held():
                 args = parse_megatron_args(argv)  # validate_args ran every rule: the flags can train
                 refuse_host_needs(session)
-            run(args, session)
+            with refusals_reported("megatron_cg_plugin.pretrain_gpt"):
+                run(args, session)
         finally:
             installation.uninstall()
     return 0

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from megatron_cg_plugin import compat, console, installation
+from megatron_cg_plugin.capture_lifecycle import refusals_reported
 from megatron_cg_plugin.inputs import input_path_problem
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.launch.rendezvous import argv_as, single_process_rendezvous
@@ -80,7 +81,8 @@ def run_in_process(script: Path, args: Sequence[str]) -> int:
         except SystemExit as refused:  # the environment's rules, printed already
             return _exit_code(refused)
         try:
-            runpy.run_path(str(script), run_name="__main__")
+            with refusals_reported("megatron-cg run"):
+                runpy.run_path(str(script), run_name="__main__")
         except SystemExit as error:
             return _exit_code(error)
         finally:

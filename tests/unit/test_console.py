@@ -83,6 +83,21 @@ def test_megatron_cg_run_and_the_datasets_module_print_no_megatron_import_notes(
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+def test_a_refusal_in_training_is_the_commands_message_and_exit_code_2_without_a_traceback(tmp_path):
+    """The memory guard's refusal comes from Megatron's loop: megatron-cg run prints it as its own message."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from megatron_cg_plugin.capture_lifecycle import CaptureWontFitError\n"
+        "raise CaptureWontFitError('capture would not fit in memory\\n  --cuda-graph-modules attn  (0.41 GiB)')\n"
+    )
+    result = run("-m", "megatron_cg_plugin.cli", "run", str(script), tmp_path=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [
+        "megatron-cg run: capture would not fit in memory",
+        "  --cuda-graph-modules attn  (0.41 GiB)",
+    ]
+
+
 def test_only_optional_package_notes_are_hidden():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
