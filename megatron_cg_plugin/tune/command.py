@@ -38,7 +38,7 @@ from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import expand_preset, find_preset
 from megatron_cg_plugin.parse_errors import unknown_own_flag
 from megatron_cg_plugin.settings import RunSettings
-from megatron_cg_plugin.setups.graph_setups import GraphSetup, ModelKind, enumerate_setups, graph_bytes
+from megatron_cg_plugin.setups.graph_setups import EAGER, GraphSetup, ModelKind, enumerate_setups, graph_bytes
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
     build_time_notes,
@@ -230,9 +230,17 @@ def _validator(*, launcher: bool) -> Validate:
     return validate
 
 
-def report(plan: TunePlan, rows: Sequence[Row], *, budget: str, stopped: dict[str, str] | None = None) -> list[str]:
+def report(
+    plan: TunePlan,
+    rows: Sequence[Row],
+    *,
+    budget: str,
+    stopped: dict[str, str] | None = None,
+    eager_seconds: dict[str, float] | None = None,
+) -> list[str]:
     """What the tune prints: the model, the table, the refusals' and the notes' words, the budget, how timing
-    stopped, and the winning flags (or why graphs do not pay)."""
+    stopped, eager's step in each schedule (``eager_seconds``), and the winning flags (or why graphs do not
+    pay)."""
     lines = [f"megatron-cg tune: {plan.kind.describe()}; {len(rows)} setups", "", ranking.table(rows), ""]
     refused = [row for row in rows if row.refused]
     if refused:
@@ -250,6 +258,9 @@ def report(plan: TunePlan, rows: Sequence[Row], *, budget: str, stopped: dict[st
         lines.append(f"the timing process builds the model with {plan.built.label}'s flags; each arm sets its scope")
     if stopped:
         lines.append("timing stopped: " + ", ".join(f"{schedule} schedule {why}" for schedule, why in stopped.items()))
+    if eager_seconds and len(eager_seconds) > 1:  # each schedule's ratios are to its own eager steps
+        each = [f"{seconds * 1e3:.1f} ms in the {schedule} schedule" for schedule, seconds in eager_seconds.items()]
+        lines.append(f"eager's median step: {', '.join(each)} (the schedules' ratios compare as far as these agree)")
     lines += ranking.winner_lines(rows, plan.kind.offload)
     return lines
 
@@ -295,7 +306,12 @@ def main(argv: Sequence[str]) -> int:
     budget = (
         "none" if timing.budget_bytes is None else f"{timing.budget_bytes / 2**20:.0f} MiB ({timing.budget_source})"
     )
-    lines = report(plan, timing.rows, budget=budget, stopped=timing.stopped)
+    eager = {
+        schedule: result.summary().arms[EAGER].median
+        for schedule, result in timing.results.items()
+        if EAGER in result.summary().arms
+    }
+    lines = report(plan, timing.rows, budget=budget, stopped=timing.stopped, eager_seconds=eager)
     if not timing.results:
         lines.append("nothing was timed: every graphed setup is refused, over the budget or not in this process")
     print("\n".join(lines))

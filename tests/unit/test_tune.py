@@ -297,6 +297,16 @@ def test_a_dense_whole_layer_is_timed_once_as_attn_mlp_where_attn_mlp_is_timed()
     assert [r.timable for r in _timed_once(refused, ModelKind())] == [True, False, True]
 
 
+def test_the_report_gives_eagers_step_in_each_schedule_where_both_ran():
+    from megatron_cg_plugin.tune.command import TunePlan, report
+
+    plan = TunePlan(ModelKind(), (), (EAGER_ROW,), {}, None)
+    both = report(plan, [EAGER_ROW], budget="-", eager_seconds={"blocks": 0.3205, "steps": 0.2902})
+    assert "eager's median step: 320.5 ms in the blocks schedule, 290.2 ms in the steps schedule" in "\n".join(both)
+    one = report(plan, [EAGER_ROW], budget="-", eager_seconds={"steps": 0.2902})
+    assert not any(line.startswith("eager's median step") for line in one)
+
+
 def test_the_default_budget_is_the_device_less_eagers_peak_and_the_margin():
     assert ranking.default_budget(80 * 2**30, 30 * 2**30) == 80 * 2**30 - 30 * 2**30 - 4 * 2**30
     assert ranking.default_budget(10 * 2**30, 20 * 2**30) == 0
