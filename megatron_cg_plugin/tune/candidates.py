@@ -64,6 +64,7 @@ _GRAPH_ONLY_PLUGIN_FLAGS: dict[str, int | None] = {
 
 
 _EAGER_SETUP = GraphSetup(graphed=False)
+_ATTN_MLP = ("attn", "mlp")
 
 
 def strip_flags(argv: Sequence[str], flags: Mapping[str, int | None]) -> list[str]:
@@ -179,9 +180,6 @@ def placement(setup: GraphSetup, settings: RunSettings, kind: ModelKind, environ
     if reasons:
         return Placement("blocks", "; ".join(reasons))
     return Placement("steps")
-
-
-_ATTN_MLP = ("attn", "mlp")
 
 
 def same_graphs(setup: GraphSetup, kind: ModelKind) -> GraphSetup | None:
