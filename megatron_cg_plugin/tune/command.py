@@ -207,7 +207,8 @@ def _timed_once(rows: Sequence[Row], kind: ModelKind) -> list[Row]:
     timable = {row.setup: row for row in rows if row.timable}
     found = []
     for row in rows:
-        twin = timable.get(same_graphs(row.setup, kind)) if row.timable else None  # type: ignore[arg-type]
+        twin_setup = same_graphs(row.setup, kind) if row.timable else None
+        twin = None if twin_setup is None else timable.get(twin_setup)
         if twin is not None:
             why = (
                 f"the same graphs as {twin.label} on layers without MoE (Megatron captures a dense layer's "
@@ -306,11 +307,8 @@ def main(argv: Sequence[str]) -> int:
     budget = (
         "none" if timing.budget_bytes is None else f"{timing.budget_bytes / 2**20:.0f} MiB ({timing.budget_source})"
     )
-    eager = {
-        schedule: result.summary().arms[EAGER].median
-        for schedule, result in timing.results.items()
-        if EAGER in result.summary().arms
-    }
+    summaries = {schedule: result.summary() for schedule, result in timing.results.items()}
+    eager = {schedule: summary.arms[EAGER].median for schedule, summary in summaries.items() if EAGER in summary.arms}
     lines = report(plan, timing.rows, budget=budget, stopped=timing.stopped, eager_seconds=eager)
     if not timing.results:
         lines.append("nothing was timed: every graphed setup is refused, over the budget or not in this process")
