@@ -194,10 +194,19 @@ def moe_drops(results: dict[str, dict]) -> str:
 
 
 TUNE_MODELS = ("tune_dense_1b", "tune_llama_like", "tune_moe")  # those published so far are rendered
+TIMED_ONCE_AS = re.compile(r"timed once, as (.+)$")  # megatron-cg tune's verdict on a dense whole layer
 
 
 def _ratio(ratio: dict | None) -> str:
     return "-" if ratio is None else _interval(ratio, 3)
+
+
+def _tune_verdict(verdict: str) -> str:
+    """A row's verdict for the table: a row not timed says only that, or which row timed its graphs."""
+    if not verdict.startswith("not timed"):
+        return verdict
+    twin = TIMED_ONCE_AS.search(verdict)
+    return f"the same graphs as {twin.group(1)}" if twin else "not timed"
 
 
 def tune(results: dict[str, dict]) -> str:
@@ -214,7 +223,7 @@ def tune(results: dict[str, dict]) -> str:
                 "-" if row["measured_mib"] is None else f"{row['measured_mib']:,}",
                 "-" if row["step_ms"] is None else f"{row['step_ms']:.1f}",
                 _ratio(row["over_eager"]) if row["over_eager"] else ("1" if row["setup"] == "eager" else "-"),
-                row["verdict"].split(": ")[0] if row["verdict"].startswith("not timed") else row["verdict"],
+                _tune_verdict(row["verdict"]),
             ]
             for row in figures["setups"]
         ]

@@ -69,6 +69,15 @@ def test_a_changed_figure_fails():
     assert render.rewrite(text, RESULTS) == text
 
 
+def test_a_row_timed_as_another_names_it_and_one_not_timed_says_so():
+    dense = render.render("tune", {"tune_dense_1b": RESULTS["tune_dense_1b"]})
+    assert "| whole layer | 2,586 | - | - | - | the same graphs as attn mlp |" in dense
+    assert "| whole layer, slot | 2,987 | - | - | - | the same graphs as attn mlp, slot |" in dense
+    offloaded = "not timed: with attention offloaded the model is built otherwise: run megatron-cg tune again"
+    assert render._tune_verdict(offloaded) == "not timed"
+    assert render._tune_verdict("slower than the best") == "slower than the best"
+
+
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
