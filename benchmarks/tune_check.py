@@ -10,15 +10,17 @@
         setup as the tune measured it, the benches' ratios, and whether they agree with the tune's order
         where the benches' intervals separate the two (a tie where they overlap).
 
-Pure Python, no dependencies; the shell scripts run it wherever they run ``megatron-cg``.
+Pure Python; it reads the tune's interval rule from the plugin, which is installed wherever the shell
+scripts run ``megatron-cg``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
+
+from megatron_cg_plugin.tune.ranking import few_values_interval
 
 STEP_BENCH = ("--bench-interleave", "steps", "--bench-skip-steps", "4", "--bench-cycles", "9000")
 BLOCK_BENCH = ("--bench-rounds", "8", "--bench-steps", "8")
@@ -42,20 +44,14 @@ def bench_args(row: dict, bench_seconds: str) -> list[str]:
 
 def bench_ratio(bench: dict) -> dict:
     """The graphed arm's step time over eager's, with its interval: distribution-free where the bench has
-    one, else its normal approximation (the block schedule's few pairs)."""
+    one, else the tune's interval over a few values (the block schedule's pairs)."""
     (key,) = [key for key in bench["ratios"] if key.endswith("/eager")]
     found = bench["ratio_intervals"].get(key)
     if found:
         return {"median": found["median"], "low": found["low"], "high": found["high"], "n": found["n"], "method": "95%"}
     median, precision = bench["ratios"][key]["median"], bench["ratio_precision"][key]
-    spread = math.exp(precision["half_width"])
-    return {
-        "median": median,
-        "low": median / spread,
-        "high": median * spread,
-        "n": precision["pairs"],
-        "method": "~95% (normal approximation)",
-    }
+    few = few_values_interval(median, precision["half_width"], precision["pairs"], unit="pairs")
+    return {"median": few.median, "low": few.low, "high": few.high, "n": few.n, "method": few.method}
 
 
 def agreement(first: dict, second: dict) -> str:

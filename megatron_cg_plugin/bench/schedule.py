@@ -35,6 +35,7 @@ __all__ = [
     "MedianInterval",
     "Spread",
     "Step",
+    "Z95",
     "busy_seconds",
     "fewest_for_interval",
     "interleaved_blocks",
@@ -119,7 +120,7 @@ def summarize(block_steps: Mapping[Block, Sequence[float]], *, skip_steps: int =
     return BenchSummary(per_arm, ratios)
 
 
-_Z95 = 1.959964  # the normal distribution's two-sided 95% quantile
+Z95 = 1.959964  # the normal distribution's two-sided 95% quantile
 _MEDIAN_SE = math.sqrt(math.pi / 2)  # the median's standard error over the mean's, for normal values
 _MAD_TO_SIGMA = 1.4826  # a normal sample's deviation over its median absolute deviation
 
@@ -168,7 +169,7 @@ def median_precision(ratios: Sequence[float], width: float = 0.02) -> _MedianPre
     # Ties at the median: a deviation of rounding size (1e-16 or so) is a tie too, or a constant factor
     # on every ratio, which moves no dispersion, would switch between the two estimates.
     sigma = _MAD_TO_SIGMA * mad if mad > _TIE_TOLERANCE else statistics.stdev(logs)
-    scale = _Z95 * _MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
+    scale = Z95 * _MEDIAN_SE * sigma  # the interval's half-width times sqrt(pairs)
     half_target = width / 2
     needed = max(2, math.ceil((scale / half_target) ** 2))
     # The closed form can be one off in floating point: settle it on the half-width as reported.

@@ -65,6 +65,10 @@ _GRAPH_ONLY_PLUGIN_FLAGS: dict[str, int | None] = {
 
 _EAGER_SETUP = GraphSetup(graphed=False)
 _ATTN_MLP = ("attn", "mlp")
+# Megatron 0.19.2's --cuda-graph-modules choices, in its order: the setups write their scopes in it.
+_MODULE_ORDER = {
+    name: index for index, name in enumerate(("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"))
+}
 
 
 def strip_flags(argv: Sequence[str], flags: Mapping[str, int | None]) -> list[str]:
@@ -109,8 +113,11 @@ def _last_values(argv: Sequence[str], flag: str) -> list[str] | None:
 
 
 def given_setup(base: Sequence[str], kind: ModelKind) -> GraphSetup:
-    """The setup the user's own flags (preset expanded) describe (TE's graphs or none)."""
+    """The setup the user's own flags (preset expanded) describe (TE's graphs or none), Megatron's deprecated
+    spellings read as Megatron reads them."""
     impl = _last_values(base, "--cuda-graph-impl")
+    if impl is None and "--external-cuda-graph" in base:
+        impl = [TE_IMPL]
     if not impl or impl[0] != TE_IMPL:
         return _EAGER_SETUP
     return GraphSetup(
@@ -202,9 +209,14 @@ def built_setup(timed: Sequence[GraphSetup], kind: ModelKind, modules: tuple[str
 
 
 def given_modules(base: Sequence[str]) -> tuple[str, ...] | None:
-    """The user's own ``--cuda-graph-modules`` (preset expanded), None where not given."""
+    """The user's own ``--cuda-graph-modules`` (or ``--cuda-graph-scope``, its deprecated spelling; preset
+    expanded) in the order of Megatron's choices, as the setups name their scopes; None where not given."""
     found = _last_values(base, "--cuda-graph-modules")
-    return None if found is None else tuple(found)
+    if found is None:
+        found = _last_values(base, "--cuda-graph-scope")
+    if found is None:
+        return None
+    return tuple(sorted(dict.fromkeys(found), key=lambda name: _MODULE_ORDER.get(name, len(_MODULE_ORDER))))
 
 
 def dispatcher_dtoh_point(setup: GraphSetup) -> str:

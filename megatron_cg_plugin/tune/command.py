@@ -43,7 +43,6 @@ from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
     build_time_notes,
     built_setup,
-    given_modules,
     given_setup,
     placement,
     same_graphs,
@@ -192,7 +191,7 @@ def plan_setups(flags: Sequence[str], validate: Validate) -> TunePlan:
             )
         )
     rows = _timed_once(rows, kind)
-    built = built_setup([row.setup for row in rows if row.timable], kind, given_modules(base))
+    built = built_setup([row.setup for row in rows if row.timable], kind, kind.modules)
     if built is not None:
         rows = [
             dataclasses.replace(row, notes=build_time_notes(row.setup, built, kind)) if row.timable else row
@@ -274,20 +273,7 @@ def main(argv: Sequence[str]) -> int:
     # Checked as the timing runs them: the run's length is the tune's, whatever the flags give (or not)
     plan = plan_setups([*flags, *length_flags(TimingOptions(options.seconds), 1)], _validator(launcher=script is None))
     if options.dry_run:
-        rows = ranking.apply_budget(plan.rows, options.budget_bytes, source="--tune-memory-gib")
-        budget = (
-            "none given (on the GPU: the device's memory less eager's peak and 5%)"
-            if options.memory_gib is None
-            else f"{options.memory_gib:g} GiB (--tune-memory-gib)"
-        )
-        lines = [
-            *report(plan, rows, budget=budget),
-            "dry run: nothing timed (drop --tune-dry-run to time them on a GPU)",
-        ]
-        print("\n".join(lines))
-        if options.out is not None:
-            _write(options.out, plan, rows, lines, {"dry_run": True, "budget_bytes": options.budget_bytes})
-        return 0
+        return _untimed(plan, options, "dry run: nothing timed (drop --tune-dry-run to time them on a GPU)")
     missing = gpu_stack_missing(1)
     if missing:
         raise TuneError(
@@ -300,9 +286,11 @@ def main(argv: Sequence[str]) -> int:
         except bench_output.BenchOutputError as error:
             raise TuneError(str(error).replace("--bench-no-plot", "--tune-no-plot")) from None
     if plan.built is None:
-        print("\n".join(report(plan, plan.rows, budget="-")))
-        print("no graphed setup is left to time: every one is refused or cannot run in this process (above).")
-        return 0
+        return _untimed(
+            plan,
+            options,
+            "no graphed setup is left to time: every one is refused or cannot run in this process (above).",
+        )
     timing = _time(plan, options, script)
     budget = (
         "none" if timing.budget_bytes is None else f"{timing.budget_bytes / 2**20:.0f} MiB ({timing.budget_source})"
@@ -322,6 +310,22 @@ def main(argv: Sequence[str]) -> int:
             "stopped": timing.stopped,
         }
         _write(options.out, plan, timing.rows, lines, extra, timing.results, plot=options.plot)
+    return 0
+
+
+def _untimed(plan: TunePlan, options: TuneOptions, why: str) -> int:
+    """The table and the files of a tune that times nothing (a dry run, or nothing left to time): each setup's
+    rules, prediction and budget (``--tune-memory-gib`` where given), and ``why``."""
+    rows = ranking.apply_budget(plan.rows, options.budget_bytes, source="--tune-memory-gib")
+    budget = (
+        "none given (on the GPU: the device's memory less eager's peak and 5%)"
+        if options.memory_gib is None
+        else f"{options.memory_gib:g} GiB (--tune-memory-gib)"
+    )
+    lines = [*report(plan, rows, budget=budget), why]
+    print("\n".join(lines))
+    if options.out is not None:
+        _write(options.out, plan, rows, lines, {"dry_run": options.dry_run, "budget_bytes": options.budget_bytes})
     return 0
 
 

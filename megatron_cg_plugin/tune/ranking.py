@@ -6,7 +6,8 @@ verdicts, the winning flags and the table (no torch, no Megatron; ``tune.command
 A timed setup's figure is its step time over eager's in the same process, with an interval for its
 median: the step schedule's per-cycle ratios (or the block schedule's per-pair ratios) give the
 distribution-free 95% interval of ``bench.schedule.median_interval`` from 6 values on; with 2 to 5
-pairs of blocks, a normal approximation (``bench.schedule.median_precision``). Eager is 1.0 exactly.
+(pairs of blocks, mostly), the median's standard error (``bench.schedule.median_precision``) with Student's t
+quantile in place of the normal one, which over so few values reads far too narrow. Eager is 1.0 exactly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_cg_plugin.bench.schedule import median_interval, median_precision
+from megatron_cg_plugin.bench.schedule import Z95, median_interval, median_precision
 from megatron_cg_plugin.setups.graph_setups import GraphSetup
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Row",
     "apply_budget",
     "default_budget",
+    "few_values_interval",
     "fit_together",
     "graphs_do_not_pay",
     "rank",
@@ -44,6 +46,8 @@ __all__ = [
 # the allocator's fragmentation, NCCL's and cuBLAS's workspaces, what the planner does not model.
 DEFAULT_MARGIN_FRACTION = 0.05
 _MIB = 2**20
+# Student's t two-sided 95% quantiles by degrees of freedom: the interval over 2 to 5 values (sign test from 6).
+_T95_FEW = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +75,22 @@ EAGER_RATIO = RatioInterval(1.0, 1.0, 1.0, 0, "the reference")
 
 def ratio_interval(values: Sequence[float], *, unit: str) -> RatioInterval | None:
     """The interval of a ratio's median from its per-``unit`` values (``cycles`` or ``pairs``): the
-    sign test's 95% interval where there are enough values, else (2 or more) a normal approximation;
-    None for fewer."""
+    sign test's 95% interval where there are enough values, else (2 or more) the median's standard error
+    times Student's t quantile for ``n - 1`` degrees of freedom; None for fewer."""
     found = median_interval(values)
     if found is not None:
         return RatioInterval(found.median, found.low, found.high, found.n, f"95% over {found.n} {unit}")
     precision = median_precision(values)
     if precision is None:
         return None
-    center = statistics.median(values)
-    spread = math.exp(precision.half_width)
-    return RatioInterval(
-        center, center / spread, center * spread, len(values), f"~95% over {len(values)} {unit} (normal approximation)"
-    )
+    return few_values_interval(statistics.median(values), precision.half_width, len(values), unit=unit)
+
+
+def few_values_interval(median: float, normal_half_width: float, n: int, *, unit: str) -> RatioInterval:
+    """The ~95% interval of a median over ``n`` (2 to 5) values from the normal half-width of its standard
+    error (``bench.schedule.median_precision``, in log ratio), widened to Student's t quantile."""
+    spread = math.exp(normal_half_width * _T95_FEW[n - 1] / Z95)
+    return RatioInterval(median, median / spread, median * spread, n, f"~95% over {n} {unit} (Student's t)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,24 +189,30 @@ def fit_together(rows: Sequence[Row], budget_bytes: int | None) -> list[Row]:
     return placed
 
 
+def _compared(rows: Sequence[Row]) -> list[Row]:
+    """The rows timing compares: eager and each setup measured without failing (a setup that failed after
+    some timed rounds keeps their figures, but is no candidate)."""
+    return [row for row in rows if not row.setup.graphed or (row.measured is not None and not row.failed)]
+
+
 def rank(rows: Sequence[Row]) -> list[Row]:
-    """The rows with a ratio (eager included), fastest first."""
-    return sorted((row for row in rows if row.ratio is not None), key=lambda row: row.ratio.median)  # type: ignore[union-attr]
+    """The compared rows with a ratio (eager included), fastest first."""
+    return sorted((row for row in _compared(rows) if row.ratio is not None), key=lambda row: row.ratio.median)  # type: ignore[union-attr]
 
 
 def _separated(ranked: Sequence[Row]) -> bool:
-    """The best row's interval lies wholly below the next one's."""
+    """The best row's interval lies wholly below every other one's (a slower median may have a wider interval)."""
     if len(ranked) < 2:
         return True
-    best, following = (row.ratio for row in ranked[:2])
-    assert best is not None and following is not None  # rank keeps rows with a ratio
-    return best.high < following.low
+    best = ranked[0].ratio
+    assert best is not None and all(row.ratio is not None for row in ranked)  # rank keeps rows with a ratio
+    return all(best.high < row.ratio.low for row in ranked[1:])  # type: ignore[union-attr]
 
 
 def stop_reason(rows: Sequence[Row], *, elapsed: float, seconds: float) -> str | None:
-    """Why timing may stop now: ``separated`` once every timed row has an interval and the best one's
-    lies below the next one's, ``out of time`` once ``elapsed`` reaches ``seconds``; None: go on."""
-    timed = [row for row in rows if row.measured is not None or not row.setup.graphed]
+    """Why timing may stop now: ``separated`` once every compared row has an interval and the best one's
+    lies below every other one's, ``out of time`` once ``elapsed`` reaches ``seconds``; None: go on."""
+    timed = _compared(rows)
     if all(row.ratio is not None for row in timed) and _separated(rank(timed)):
         return "separated"
     if elapsed >= seconds:
@@ -211,7 +224,7 @@ def verdicts(rows: Sequence[Row]) -> dict[str, str]:
     """Each row's verdict: refused (with the rules), over budget, not timed (why), failed, or against the
     best row: best, within its interval, slower. The best is the ``winner``, or eager where graphs do not
     pay: a setup whose median is lower but whose interval reaches eager's step time is not the best."""
-    ranked = rank([row for row in rows if row.measured is not None or not row.setup.graphed])
+    ranked = rank(rows)
     timed = any(row.measured is not None for row in rows)
     best = (winner(rows) or next((row for row in ranked if not row.setup.graphed), None)) if timed else None
     found: dict[str, str] = {}
@@ -258,9 +271,13 @@ def graphs_do_not_pay(rows: Sequence[Row]) -> str | None:
         return None
     fastest = timed[0]
     assert fastest.ratio is not None  # rank keeps rows with a ratio
+    # A lower median whose interval reaches eager's is not shown to pay, nor shown not to: more time may tell.
+    undecided = (
+        f" A longer --tune-seconds may yet separate {fastest.label} from eager." if fastest.ratio.median < 1 else ""
+    )
     return (
         f"Graphs do not pay for this model: no setup beat eager beyond its interval (the fastest, {fastest.label}, "
-        f"took {fastest.ratio.format()} of eager's step time); train it eagerly."
+        f"took {fastest.ratio.format()} of eager's step time); train it eagerly.{undecided}"
     )
 
 
@@ -299,7 +316,7 @@ def _mib(value: int | None) -> str:
 def table(rows: Sequence[Row]) -> str:
     """The markdown table: one row per setup, timed ones first, fastest first."""
     found = verdicts(rows)
-    ranked = rank([row for row in rows if row.measured is not None or not row.setup.graphed])
+    ranked = rank(rows)
     ordered = ranked + [row for row in rows if row not in ranked]
     lines = [
         "| setup | predicted graph MiB | measured graph MiB | peak MiB | step ms | vs eager [interval] | GPU busy "

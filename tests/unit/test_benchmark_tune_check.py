@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -76,17 +77,16 @@ def test_the_benches_agree_disagree_or_tie_by_their_intervals(first, second, ver
     assert tune_check.agreement(ratio(first), ratio(second)) == verdict
 
 
-def test_a_block_bench_without_a_distribution_free_interval_gives_its_normal_approximation():
+def test_a_block_bench_without_a_distribution_free_interval_gives_the_tunes_interval_over_few_values():
     bench = {
         "ratios": {"slot/eager": {"median": 0.5}, "eager/slot": {"median": 2.0}},
         "ratio_intervals": {},
         "ratio_precision": {"slot/eager": {"pairs": 4, "half_width": 0.02}},
     }
     found = tune_check.bench_ratio(bench)
-    assert found["n"] == 4 and "normal approximation" in found["method"]
-    assert found["low"] == pytest.approx(0.5 / 1.0202, rel=1e-3) and found["high"] == pytest.approx(
-        0.5 * 1.0202, rel=1e-3
-    )
+    assert found["n"] == 4 and found["method"] == "~95% over 4 pairs (Student's t)"
+    spread = math.exp(0.02 * 3.1824 / 1.959964)  # Student's t over 3 degrees of freedom, not the normal 1.96
+    assert found["low"] == pytest.approx(0.5 / spread, rel=1e-9) and found["high"] == pytest.approx(0.5 * spread)
 
 
 def test_the_summary_reads_the_tune_and_both_benches(tmp_path):

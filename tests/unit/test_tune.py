@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import types
 
@@ -115,6 +116,20 @@ def test_the_users_own_setup_and_scope_are_read_from_their_flags():
     assert given_setup(["--cuda-graph-modules", "attn"], kind) == GraphSetup(graphed=False)
     assert given_modules(["--cuda-graph-modules", "attn", "--bf16"]) == ("attn",)
     assert given_modules(["--bf16"]) is None
+
+
+def test_the_users_setup_is_read_from_megatrons_deprecated_spellings_and_in_any_order():
+    kind = ModelKind()
+    assert given_modules(["--cuda-graph-scope", "attn"]) == ("attn",)
+    assert given_modules(["--cuda-graph-modules", "moe_preprocess", "attn", "moe_router", "attn"]) == (
+        "attn",
+        "moe_router",
+        "moe_preprocess",
+    )
+    assert given_setup(["--external-cuda-graph", "--cuda-graph-scope", "mlp", "attn"], kind) == GraphSetup(
+        graphed=True, modules=("attn", "mlp")
+    )
+    assert given_setup(["--external-cuda-graph", "--cuda-graph-impl", "local"], kind) == GraphSetup(graphed=False)
 
 
 # -- where each setup is timed -------------------------------------------------------------------
@@ -390,6 +405,9 @@ def test_graphs_do_not_pay_when_no_setup_beats_eager_beyond_its_interval():
     sentence = ranking.graphs_do_not_pay(rows)
     assert sentence is not None and sentence.startswith("Graphs do not pay for this model")
     assert "attn" in sentence and "train it eagerly" in sentence
+    assert sentence.endswith("A longer --tune-seconds may yet separate attn from eager.")  # its median is below 1
+    slower = ranking.graphs_do_not_pay([EAGER_ROW, row(ATTN, ratio=(1.02, 1.01, 1.03))])
+    assert slower is not None and slower.endswith("train it eagerly.")
     assert ranking.winner_lines(rows, base_has_offload=False) == [sentence]
     found = ranking.verdicts(rows)  # eager is the best, and the table says so
     assert found == {
@@ -413,7 +431,39 @@ def test_a_ratio_interval_is_distribution_free_from_six_values_and_approximate_b
     six = ratio_of([0.9, 0.91, 0.92, 0.93, 0.94, 0.95], "cycles")
     assert six.method == "95% over 6 cycles" and six.low == 0.9 and six.high == 0.95
     three = ratio_of([0.9, 0.92, 0.94], "pairs")
-    assert "normal approximation" in three.method and three.low < 0.92 < three.high
+    assert three.method == "~95% over 3 pairs (Student's t)" and three.low < 0.92 < three.high
+
+
+@pytest.mark.parametrize(
+    "values, quantile", [([0.9, 0.95], 12.7062), ([0.9, 0.92, 0.95], 4.3027), ([0.9] * 4 + [0.95], 2.7764)]
+)
+def test_an_interval_over_a_few_values_takes_students_t_quantile_not_the_normal_one(values, quantile):
+    from megatron_cg_plugin.bench.schedule import median_precision
+
+    found = ratio_of(values, "pairs")
+    normal_half_width = median_precision(values).half_width
+    assert math.log(found.high / found.median) == pytest.approx(normal_half_width * quantile / 1.959964, rel=1e-9)
+    assert math.log(found.median / found.low) == pytest.approx(normal_half_width * quantile / 1.959964, rel=1e-9)
+
+
+def test_timing_goes_on_while_a_slower_median_with_a_wider_interval_still_overlaps_the_best():
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.52, 0.50, 0.55)), row(MLP, ratio=(0.72, 0.56, 0.90))]
+    assert ranking.stop_reason(rows, elapsed=1.0, seconds=60.0) == "separated"
+    rows.append(row(WHOLE, ratio=(0.73, 0.54, 0.95)))
+    assert ranking.stop_reason(rows, elapsed=1.0, seconds=60.0) is None
+    assert ranking.verdicts(rows)["attn"] == "best (not separated from whole layer)"
+
+
+def test_a_setup_that_failed_after_timed_rounds_is_no_candidate():
+    failed = dataclasses.replace(row(MLP, ratio=(0.50, 0.48, 0.52)), failed="RuntimeError: capture failed")
+    rows = [EAGER_ROW, row(ATTN, ratio=(0.80, 0.78, 0.82)), failed]
+    assert [r.label for r in ranking.rank(rows)] == ["attn", "eager"]
+    assert ranking.winner(rows).label == "attn"
+    found = ranking.verdicts(rows)
+    assert found["attn"] == "best" and found["attn mlp"] == "failed: RuntimeError: capture failed"
+    assert ranking.stop_reason(rows, elapsed=1.0, seconds=60.0) == "separated"
+    assert ranking.to_json(rows)["winner"]["setup"] == "attn"
+    assert "not told apart" not in "\n".join(ranking.winner_lines(rows, base_has_offload=False))
     assert ranking.ratio_interval([0.9], unit="pairs") is None
 
 
@@ -549,7 +599,7 @@ def test_slot_setups_are_timed_in_blocks_pair_by_pair_until_separated():
     assert trainer.events.count("capture attn, slot") == 4 + 1  # a capture per block, one more to profile
     assert trainer.alive == set()
     measured = {r.label: r for r in result.rows}["attn, slot"].measured
-    assert "normal approximation" in measured.ratio.method and measured.ratio.high < 1
+    assert "Student's t" in measured.ratio.method and measured.ratio.high < 1
     assert measured.graph_bytes == 32 * MIB + 2 * (2 * MIB + MIB)  # as predicted: pool, arenas, boundaries
 
 
@@ -724,6 +774,32 @@ def test_the_dry_run_drops_setups_over_the_given_budget(capsys):
     over = [line for line in out.splitlines() if "over budget: predicted" in line]
     assert over and all("> 8 MiB (--tune-memory-gib)" in line for line in over)
     assert "| attn | 6 |" in out and "to time (step schedule)" in out
+
+
+def test_a_tune_with_nothing_left_to_time_still_writes_its_table_under_the_given_budget(capsys, monkeypatch, tmp_path):
+    from megatron_cg_plugin.tune import candidates
+    from megatron_cg_plugin.tune import command as tune_command
+
+    monkeypatch.setattr(tune_command, "gpu_stack_missing", lambda _count: "")  # as on a GPU host
+    monkeypatch.setattr(tune_command, "placement", lambda *_: candidates.Placement(None, "built otherwise"))
+    argv = [
+        "tune",
+        "--tune-no-plot",
+        "--tune-memory-gib",
+        "0.008",
+        "--tune-out",
+        str(tmp_path),
+        "--cg-preset",
+        "tiny-gpt",
+    ]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    assert code == console.EXIT_OK and "no graphed setup is left to time" in out
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert data["budget_bytes"] == int(0.008 * 2**30) and data["dry_run"] is False
+    verdicts = [entry["verdict"] for entry in data["setups"]]
+    assert any(verdict.startswith("over budget: predicted") for verdict in verdicts)
+    assert "no graphed setup is left to time" in (tmp_path / "tune.md").read_text()
 
 
 def test_flags_without_a_run_length_are_checked_with_the_timings_own(capsys):
