@@ -1256,9 +1256,8 @@ def validate(facts: RunSettings, rules: tuple[_Rule, ...] = RULES) -> None:
 _PLUGIN_RULES = tuple(rule for rule in RULES if rule.source == "plugin")
 
 
-# The rules on sizes and intervals that validate_args computes from or asserts without naming a flag: checked on the
-# flags as parsed, before it runs.
-# Rules that read the flags as given (no value validate_args derives), before its first assertion can hide them.
+# The rules on sizes and intervals that validate_args computes from or asserts without naming a flag: they read the
+# flags as parsed (no value validate_args derives) and are checked before it runs, so no assertion of its hides them.
 _EARLY_RULES = (
     _MODEL_SIZES,
     _HEADS_DIVIDE_HIDDEN,
