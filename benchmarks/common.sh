@@ -56,3 +56,16 @@ tune_then_bench() {
   python "$check" summary "$OUT" "$name" "$title" "$model" "$command" "$commit" "$device" > "$OUT/result.json"
   echo "summary: $OUT/tune/tune.md (the tune's table); $OUT/result.json (with the two benches)"
 }
+
+# graphed_report NAME [SCRIPT.py] FLAGS...: a short graphed run of the flags (5 steps: Megatron's warmup steps,
+# the capture, replays) through the launcher, or through megatron-cg run with a training script, whose run
+# report $OUT/runs/NAME.report.json holds the planner's prediction beside the measured graph pool and, with
+# --cg-slot-capture, the GPU and pinned host arenas (docs/report.md). Its output goes to $OUT/runs/NAME.log.
+graphed_report() {
+  local name=$1 run=(python -m megatron_cg_plugin.pretrain_gpt)
+  shift
+  if [[ ${1:-} == *.py ]]; then run=(megatron-cg run "$1"); shift; fi
+  mkdir -p "$OUT/runs"
+  "${run[@]}" "$@" --train-iters 5 --cg-report-out "$OUT/runs/$name.report.json" > "$OUT/runs/$name.log" 2>&1 ||
+    { echo "$name failed: $OUT/runs/$name.log" >&2; return 1; }
+}

@@ -48,8 +48,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _source(result: dict) -> str:
-    device = result["device"].split(",")[0]  # "1x NVIDIA H200 (141 GB), one process, ..." -> the GPU
+def _source(result: dict, whole_device: bool = False) -> str:
+    """Where a table's figures come from: the folder, the commit and the device (the GPU alone, or with
+    ``whole_device`` the device field as written: "1x NVIDIA H200 (141 GB), one process, ...")."""
+    device = result["device"] if whole_device else result["device"].split(",")[0]
     return f"`benchmarks/{result['name']}/` at {result['commit']}, {device}"
 
 
@@ -79,7 +81,7 @@ def capture(results: dict[str, dict]) -> str:
         [row["model"], _interval(row, 3), str(row["pairs"])] for row in result["figures"]["capture_plugin_over_stock"]
     ]
     return _table(["model", "capture time plugin / stock, median [lowest, highest] pair", "pairs of rounds"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}."
+        f"\n\nSource: {_source(result, whole_device=True)}."
     )
 
 
@@ -109,7 +111,7 @@ def packed(results: dict[str, dict]) -> str:
     )
     return (
         f"{table}\n\nModel: {result['model']}. Stock Megatron: {figures['stock']}. "
-        f"Source: {_source(result)}, {result['device']}."
+        f"Source: {_source(result, whole_device=True)}."
     )
 
 
@@ -136,7 +138,7 @@ def offload(results: dict[str, dict]) -> str:
     staged = figures["staged_over_stock"]
     return (
         f"{table}\n\nCopies between replays over Megatron's offload: {_interval(staged, 3)} "
-        f"({staged['pairs']} pairs). Model: {result['model']}. Source: {_source(result)}, {result['device']}."
+        f"({staged['pairs']} pairs). Model: {result['model']}. Source: {_source(result, whole_device=True)}."
     )
 
 
@@ -153,7 +155,7 @@ def _predicted(results: dict[str, dict], name: str) -> str:
         for row in result["figures"]["rows"]
     ]
     return _table(["set", "case", "predicted MiB", "measured MiB", "predicted / measured"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}."
+        f"\n\nSource: {_source(result, whole_device=True)}."
     )
 
 
@@ -178,7 +180,7 @@ def slot(results: dict[str, dict]) -> str:
         for row in result["figures"]["rows"]
     ]
     return _table(["run", "pool MiB predicted / measured", "GPU arenas MiB", "pinned host arenas MiB"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}."
+        f"\n\nSource: {_source(result, whole_device=True)}."
     )
 
 
@@ -189,7 +191,7 @@ def moe_drops(results: dict[str, dict]) -> str:
         for row in result["figures"]["rows"]
     ]
     return _table(["case", "dropped, planned (uniform router)", "dropped, measured"], rows) + (
-        f"\n\nSource: {_source(result)}, {result['device']}."
+        f"\n\nSource: {_source(result, whole_device=True)}."
     )
 
 

@@ -1,4 +1,4 @@
-"""The support matrix (testing.matrix): the all-pairs design over the factors, each cell's flags,
+"""The support matrix (matrix.runner): the all-pairs design over the factors, each cell's flags,
 refusals from the one rule check, a cell's run as a farm run, and the table rendered from a run's JSON."""
 
 from __future__ import annotations
@@ -205,6 +205,29 @@ def test_the_support_matrix_page_is_the_render_of_its_runs():
     runs = [json.loads((MATRIX / "runs" / run).read_text()) for run in RUNS]
     cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
     assert (REPO / "docs" / "support-matrix.md").read_text() == matrix.render(matrix.merge_results(cells, runs))
+
+
+def test_the_published_summary_is_what_its_inputs_say():
+    """benchmarks/support_matrix/result.json names the inputs the page renders, in that order, and its figures
+    are those the inputs give: cells, results, the pairs the design covers, the cells benched."""
+    summary = json.loads((MATRIX / "result.json").read_text())
+    assert summary["inputs"] == ["cells.json", *(f"runs/{run}" for run in RUNS)]
+    cells = [matrix.Cell(r["factors"], tuple(r["refused_by"]), r["refusal"]) for r in json.loads(CELLS.read_text())]
+    merged = matrix.merge_results(cells, [json.loads((MATRIX / "runs" / run).read_text()) for run in RUNS])
+    rows = merged["rows"]
+    can_meet = uncovered_pairs([], matrix.FACTORS, allowed=matrix.allowed)
+    left = uncovered_pairs([c.factors for c in cells], matrix.FACTORS, allowed=matrix.allowed)
+    figures = {
+        "cells": len(rows),
+        "exact": sum(row["result"] == "exact" for row in rows),
+        "refused": sum(row["result"] == "refused" for row in rows),
+        "benched": sum(
+            row["result"] != "refused" and (row.get("bench") or {}).get("result") == "benched" for row in rows
+        ),
+        "pairs_covered": len(can_meet - left),
+        "steps_per_cell": merged["steps"],
+    }
+    assert summary["figures"] == figures, "benchmarks/support_matrix/result.json's figures differ from its inputs"
 
 
 def test_a_cell_whose_graphed_losses_move_differs_from_the_first_step_that_moved(monkeypatch, tmp_path):

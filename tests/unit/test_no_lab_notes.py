@@ -1,7 +1,8 @@
 """The product names no lab notes: no run id, work session, dated results folder, issue number of this
 project or remark about which machines were available, in the README, docs/, benchmarks/ (text), the
 package's code or the tests. Figures live in benchmarks/*/result.json; upstream references (Megatron-LM #5619,
-TE #3353, TransformerEngine #2543, Megatron-Bridge #3500) stay allowed."""
+TE #3353, TransformerEngine #2543, Megatron-Bridge #3500) stay allowed. Committed JSON under benchmarks/ and
+tests/ holds no raw run output either: no host path, Python traceback or log timestamp."""
 
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ PATTERNS = {
 # (Megatron-LM #5619, Megatron-LM issue 5619) makes it upstream.
 ISSUE = re.compile(r"\b[Ii]ssues?[ -]#?\d+\b|(?<![\w&/])(?<!forward )(?<!backward )(?<!frame )(?<!step )#\d{1,3}\b")
 UPSTREAM_BEFORE = re.compile(rf"\b{UPSTREAM}(?: [Ii]ssues?)? $")
+
+
+# Raw run output in committed JSON (the published results, the support matrix's runs, the farm's golden values):
+# a host's paths, a Python traceback, a log line's timestamp. A published file keeps what its renderer reads;
+# a run's logs stay in the folder it wrote them to.
+RAW_OUTPUT = {
+    "host path": re.compile(r"(?<![\w.~$-])/(?:root|tmp|opt|home)/"),
+    # the header, or a frame (File "...", line N) of a traceback cut to its tail; in JSON the quotes are escaped
+    "traceback": re.compile(r'Traceback \(most recent call last\)|\bFile \\?"[^"\n]+?\\?", line \d+'),
+    "log timestamp": re.compile(r"\b20\d\d-\d\d-\d\d[ T]\d\d:\d\d:\d\d"),
+}
+
+
+def raw_output(text: str) -> list[tuple[str, str]]:
+    """(kind, an excerpt) for every piece of raw run output in text."""
+    return [
+        (kind, text[max(match.start() - 40, 0) : match.end() + 40].replace("\n", " "))
+        for kind, pattern in RAW_OUTPUT.items()
+        for match in pattern.finditer(text)
+    ]
+
+
+def _json_files() -> list[Path]:
+    return sorted(path for area in ("benchmarks", "tests") for path in (ROOT / area).rglob("*.json") if path.is_file())
 
 
 def _our_issue(line: str) -> bool:
@@ -77,6 +102,49 @@ def test_no_lab_notes(area):
         for number, kind, line in lab_notes(path.read_text(errors="replace"))
     ]
     assert not hits, "lab notes in the product (figures go to benchmarks/*/result.json):\n" + "\n".join(hits)
+
+
+def test_no_raw_run_output_in_committed_json():
+    hits = [
+        f"{path.relative_to(ROOT)}: {kind}: ...{excerpt}..."
+        for path in _json_files()
+        for kind, excerpt in raw_output(path.read_text(errors="replace"))
+    ]
+    assert not hits, "raw run output (a log, a traceback, a host's path) in committed JSON:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '"log": "/root/out/f/bench/gpt_layer_bf16_te_1/bench.log"',
+        '  File \\"/opt/torch/.venv/lib/python3.12/site-packages/torch/distributed/launcher/api.py\\", line 284',
+        "/home/user/Megatron-LM/pretrain_gpt.py",
+        "--data-path /tmp/data/synthetic_text_document",
+        "Traceback (most recent call last):\\n  File",
+        'File "train.py", line 12, in <module>',
+        '\\n  File \\"<string>\\", line 5, in <module>',
+        "[after dataloaders are built] datetime: 2026-12-02 17:34:52.832377",
+        "2026-12-02T17:34:52Z starting",
+    ],
+)
+def test_the_raw_output_patterns_catch_logs(text):
+    assert raw_output(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '"command": "megatron-cg farm tests/functional/test_cases/gpt/tiny_gpt_attn --out OUT/farm"',
+        "--data-path $OUT/data/synthetic_text_document",
+        "https://github.com/NVIDIA/Megatron-LM/blob/core_r0.19.0/megatron/core/transformer/transformer_config.py",
+        "megatron/core/transformer/transformer_config.py:2627",
+        "docs/troubleshooting.md",
+        "the eager run from the graphed run's checkpoint",
+        "released 2026-12-02",
+    ],
+)
+def test_the_raw_output_patterns_leave_results_alone(text):
+    assert not raw_output(text)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,41 @@ def test_each_result_says_how_to_reproduce_it(name):
     assert (ROOT / "benchmarks" / name / "run.sh").is_file(), f"benchmarks/{name}/ has no run.sh"
 
 
+@pytest.mark.parametrize("name", sorted(RESULTS))
+def test_a_command_is_a_real_one(name):
+    """No placeholder (<model flags>, <case>) in a result's command: the flags are the run.sh's."""
+    assert "<" not in RESULTS[name]["command"], f"benchmarks/{name}/result.json's command has a placeholder"
+
+
+PLANNER = sorted(name for name in RESULTS if name.startswith("planner_"))
+
+
+@pytest.mark.parametrize("name", PLANNER)
+def test_each_planner_row_comes_from_a_report_its_run_sh_writes(name):
+    """A planner row names the run reports under the output folder that hold its figures; run.sh writes each:
+    farm/CASE.graphed.report.json for a case it hands megatron-cg farm, runs/NAME.report.json for a
+    graphed_report NAME it runs (benchmarks/common.sh)."""
+    script = (ROOT / "benchmarks" / name / "run.sh").read_text()
+    farmed = set(re.findall(r"\$C/\w+/(\w+)", script))
+    reported = set(re.findall(r"^\s*(?:\w+=\S+ )*graphed_report (\w+)", script, re.M))
+    for row in RESULTS[name]["figures"]["rows"]:
+        assert row.get("reports"), f"benchmarks/{name}/result.json: a row names no report: {row}"
+        for report in row["reports"]:
+            kind, _, file = report.partition("/")
+            written = (kind == "farm" and file.removesuffix(".graphed.report.json") in farmed) or (
+                kind == "runs" and file.removesuffix(".report.json") in reported
+            )
+            assert written, f"benchmarks/{name}/run.sh writes no {report}"
+
+
+def test_a_source_names_its_device_once():
+    for table in render.TABLES:
+        text = render.render(table, RESULTS)
+        for result in RESULTS.values():
+            device = result["device"].split(",")[0]
+            assert f"{device}, {device}" not in text, f"table {table!r} names {device} twice"
+
+
 def test_a_result_without_its_fields_is_refused():
     assert render.missing_fields({"name": "x", "command": "", "figures": {}}) == [
         "command",
