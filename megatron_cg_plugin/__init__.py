@@ -13,13 +13,13 @@ __all__ = ["__version__", "PluginConfig", "add_plugin_args", "install", "uninsta
 
 def install(config=None):
     """Hook the plugin into Megatron's training loop. See ``megatron_cg_plugin.installation``."""
-    from megatron_cg_plugin import installation as integration  # deferred: imports torch; the package must not
+    from megatron_cg_plugin import installation  # deferred: imports torch; the package must not
 
-    return integration.install(config)
+    return installation.install(config)
 
 
 def uninstall():
     """Undo ``install()``: every patched Megatron global is restored by identity."""
-    from megatron_cg_plugin import installation as integration  # deferred: imports torch; the package must not
+    from megatron_cg_plugin import installation  # deferred: imports torch; the package must not
 
-    integration.uninstall()
+    installation.uninstall()

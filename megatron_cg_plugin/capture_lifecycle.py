@@ -3,7 +3,7 @@ fail-closed, replays checked against their contracts and counted, and teardown m
 
 ``create_cudagraphs`` runs Megatron's own (start, input data, one ``make_graphed_callables`` call,
 graph i handed to its layer and microbatch, finish) inside a ``CaptureTransaction``, with the
-plugin's capture call standing in for TE's (``capture.backend``): on any error every graph created
+plugin's capture call standing in for TE's (``capture.te_backend``): on any error every graph created
 so far is reset and everything the capture changed is restored before the error is raised
 (``--cg-on-capture-error raise``) or training continues without graphs (``eager``). The graphs
 Megatron handed out are then wrapped with their replay contracts.
@@ -29,6 +29,7 @@ from megatron_cg_plugin.banks.sizes import bank_sizes
 from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction,
@@ -270,7 +271,7 @@ class PluginHelperMixin(_MegatronHelper):
         super().__init__(*args, **kwargs)
         self.capture_stats: CaptureStats | None = None
         self.teardown_stats: accounting.TeardownStats | None = None
-        self._banks: Any = None  # capture.graph_banks.BankedLayers while graph banks are installed
+        self._banks: Any = None  # banks.capture.BankedLayers while graph banks are installed
         self._baseline: accounting.MemoryState | None = None
         self._warned_close_to_memory_limit = False
         self.session.attach_helper(self)
@@ -293,7 +294,7 @@ class PluginHelperMixin(_MegatronHelper):
 
     def _get_sample_arguments(self, order: Any, chunk_id_list: Any = None) -> tuple:
         """Megatron's sample arguments per layer and microbatch, as a packed microbatch brings them
-        where the run lays packed data out (``--cg-thd-max-seqs``: ``packed_graphs``)."""
+        where the run lays packed data out (``--cg-thd-max-seqs``: ``packed.graphs``)."""
         sample_args, sample_kwargs = super()._get_sample_arguments(order, chunk_id_list)
         return packed_graphs.helper_sample_inputs(self, sample_args, sample_kwargs)
 
@@ -383,7 +384,7 @@ class PluginHelperMixin(_MegatronHelper):
 
     def _create_banks(self) -> None:
         """Hybrid CP: one bank per power-of-two CP size for every layer, in one pool
-        (``capture.graph_banks``); ``capture_banks`` leaves no layer banked if it fails."""
+        (``banks.capture``); ``capture_banks`` leaves no layer banked if it fails."""
         from megatron.core import parallel_state
 
         config = self.session.config
@@ -427,6 +428,7 @@ class PluginHelperMixin(_MegatronHelper):
                     rope_tables=graph_banks.bank_rope_tables(self.model[0], groups, capacity),
                     debug=config.slot_debug,
                     contract_check=config.contract_check,
+                    step_marks=self._contract_step_marks(),
                     offload_copies=OffloadCopies.of(config),
                 )
         except Exception as error:  # noqa: BLE001 - rolled back and nothing left banked; raise or go on eagerly
@@ -585,8 +587,7 @@ class PluginHelperMixin(_MegatronHelper):
             )
         index_of = {id(graph): index for index, graph in enumerate(capture.graphs)}
         counter = accounting.ReplayCounter(len(self.flattened_callables))
-        # Megatron's DDP keeps parameters in place within a step: the contracts may read them once a step
-        step_marks = self.session.step_marks if parameters_stay_within_a_step(self.model) else None
+        step_marks = self._contract_step_marks()
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
             for microbatch, graph in enumerate(layer.cuda_graphs):
@@ -611,6 +612,11 @@ class PluginHelperMixin(_MegatronHelper):
                 wrapped.append(CheckedGraph(graph, contract, mode, counter, slot))
             layer.cuda_graphs = wrapped
         return counter
+
+    def _contract_step_marks(self) -> StepMarks | None:
+        """The run's step marks where Megatron's DDP keeps parameters in place within a step, so the
+        replay contracts may read them once a step; None (read on every replay) elsewhere."""
+        return self.session.step_marks if parameters_stay_within_a_step(self.model) else None
 
     def _release_failed_capture(self) -> None:
         """After the transaction rolled back: Megatron's own post-capture reset. Garbage is

@@ -1,5 +1,5 @@
 """``megatron-cg``: the plugin's command line. ``megatron-cg --help`` lists the commands (the synopsis
-and summary of each is its function's docstring, ``helptext.command_lines``) and every ``--cg-*`` flag.
+and summary of each is its function's docstring, ``helptext._command_lines``) and every ``--cg-*`` flag.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = console.EXIT_OK, console.EXIT_MISMATCH,
 
 def _moe_plan_text(settings: RunSettings, router_load: str | None = None) -> str:
     """``megatron-cg plan``'s MoE part: per MoE layer the fixed capacity, the padded expert GEMMs
-    and the fraction of tokens ``router_load`` (default uniform) would drop (``plan.moe``). A router
+    and the fraction of tokens ``router_load`` (default uniform) would drop (``moe.capacity``). A router
     load is checked whatever the model; a dense model, which has no router, refuses one."""
     if not settings.num_experts:
         if router_load is not None:

@@ -124,7 +124,7 @@ def te_available() -> bool:
 
 def device_capability() -> tuple[int, int] | None:
     """The current GPU's compute capability; None where there is none (``megatron-cg check`` on CPU
-    describes the sm_90 host it checks for through ``integration.gpu_host_stand_ins``)."""
+    describes the sm_90 host it checks for through ``host_stand_ins.gpu_host_stand_ins``)."""
     import torch
 
     try:

@@ -96,7 +96,7 @@ class PluginConfig:
             ``cu_seqlens`` buffers at capture. Hybrid CP's packs (graph banks) take
             ``_DEFAULT_THD_MAX_SEQS`` when it is not given (``thd_capacity``); packed data without
             hybrid CP (``--dataloader-inter-document-masking``, ``--sft``) is laid out at this capacity,
-            eager and graphed alike, only when it is given (``packed_graphs``).
+            eager and graphed alike, only when it is given (``packed.graphs``).
         thd_max_seqlen: the longest packed sequence (document) such a microbatch may hold: the
             ``max_seqlen`` packed data without hybrid CP is laid out and captured with (None:
             ``--seq-length``). Under deterministic mode TE 2.20.2 on Hopper keeps THD attention in
@@ -342,7 +342,7 @@ PLUGIN_FLAGS: tuple[_PluginFlag, ...] = (
         "--fine-grained-activation-offloading --offload-modules ..., the offloaded modules inside the graphed "
         "scope go to pinned host arenas inside the graphs.",
         {"action": "store_true"},
-        doc="docs/variants.md",
+        doc="docs/slot-shared-capture.md",
         graphs_only=True,
     ),
     _PluginFlag(

@@ -8,7 +8,7 @@ that sets Megatron's globals for a run or a check (every change listed in ``patc
 attributes the run may lend (``ledger.LENT``) and creates the run's ``RunSession``; ``uninstall()``
 restores each patched and lent attribute to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
 lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``, and a run's own validation
-on a host without a GPU); it lives in ``refusal``, beside the validation that uses it, and is named here too.
+on a host without a GPU); it lives in ``host_stand_ins`` and is named here too.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import os
 from typing import Any
 
 from megatron_cg_plugin import compat, foreign_state, rules
-from megatron_cg_plugin.config import ConfigError, PluginConfig
+from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.host_stand_ins import TE_KERNELS, gpu_host_stand_ins
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
-from megatron_cg_plugin.refusal import TE_KERNELS, enforce_for_session, gpu_host_stand_ins, refuse
+from megatron_cg_plugin.refusal import refuse
 from megatron_cg_plugin.session import RunSession
-from megatron_cg_plugin.settings import plugin_config
 
 __all__ = ["TE_KERNELS", "active_session", "finish", "gpu_host_stand_ins", "install", "uninstall"]
 
@@ -40,20 +40,25 @@ class _Installed:
 _installed: _Installed | None = None
 
 
-def _config_from_megatron_args() -> PluginConfig:
-    """The ``--cg-*`` flags Megatron parsed, or defaults when the script did not add them."""
+def _parsed_megatron_args() -> Any:
+    """Megatron's parsed args, or None before its parser ran."""
     from megatron.training.global_vars import get_args
 
     try:
-        args = get_args()
+        return get_args()
     except AssertionError:  # Megatron asserts when its args were never parsed
-        return PluginConfig()
+        return None
+
+
+def _config_from_parsed_args(session: RunSession) -> PluginConfig:
+    """The deferred config of a session used before Megatron validated its flags: the rules run on the
+    args parsed so far, as validation would run them (the one path that reads them), which resolves
+    the config; defaults before any parse."""
+    args = _parsed_megatron_args()
     if args is None:
         return PluginConfig()
-    config, problems, _given = plugin_config(args, env=os.environ)
-    if config is None:
-        raise ConfigError(list(problems))
-    return config
+    session.check_flags(args, environ=os.environ)
+    return session.config
 
 
 def install(config: PluginConfig | None = None, *, launcher: bool = False) -> RunSession:
@@ -88,7 +93,8 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     compat.check_versions(versions, require_te=False)
     with_te = versions.transformer_engine is not None
     check_private_api(with_te=with_te)
-    session = RunSession(config if config is not None else _config_from_megatron_args, launcher=launcher)
+    # A deferred config reads the session it resolves (bound below, before any use).
+    session = RunSession(config if config is not None else lambda: _config_from_parsed_args(session), launcher=launcher)
     patch_set = PatchSet(PATCHES)
     patch_set.apply_all(session, with_te=with_te)
     lent = foreign_state.Changes()
@@ -106,14 +112,9 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
 def _enforce_on_parsed_args(session: RunSession) -> None:
     """A script that parsed its arguments before ``install()``: its flags get the rules now, the host's too (no
     validation follows that would ask them)."""
-    from megatron.training.global_vars import get_args
-
-    try:
-        args = get_args()
-    except AssertionError:  # Megatron asserts when its args were never parsed
-        return
+    args = _parsed_megatron_args()
     if args is not None:
-        enforce_for_session(args, session, environ=os.environ, host_rules=True)
+        session.check_flags(args, environ=os.environ, host_rules=True)
 
 
 def uninstall() -> None:

@@ -3,26 +3,23 @@ first broken rule on the first line (``rules.refusal_lines``, printed by rank 0 
 rank), exit code 2 and no traceback.
 
 ``enforce(args, ...)`` runs the shared rule list (``rules.check_run``) on Megatron's parsed
-arguments; ``install()`` calls it from Megatron's ``validate_args`` in any training script, the
-launcher through the same hook. Megatron's own argument assertions are shortened the same way. The
-flags come before the host: on a host without a GPU the validation runs as on the GPU host
-(``host_validation``, with ``gpu_host_stand_ins``, which ``megatron-cg check`` uses too), and what
-the host lacks is asked once the flags passed (``refuse_host``).
+arguments and returns the run's settings, which the session takes (``RunSession.check_flags``);
+``install()`` has it run from Megatron's ``validate_args`` in any training script, the launcher
+through the same hook. Megatron's own argument assertions are shortened the same way. The flags
+come before the host: on a host without a GPU the validation runs as on the GPU host
+(``host_stand_ins``), and what the host lacks is asked once the flags passed (``refuse_host``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import re
 import sys
 import time
 import traceback
-import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_cg_plugin import compat, foreign_state, rules
+from megatron_cg_plugin import host_stand_ins, rules
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.megatron_builds import failure_text
 from megatron_cg_plugin.settings import RunSettings
@@ -30,12 +27,8 @@ from megatron_cg_plugin.settings import RunSettings
 __all__ = [
     "MEGATRON_REJECTIONS",
     "SILENT_RANK_GRACE_S",
-    "TE_KERNELS",
     "RunRefused",
-    "enforce_for_session",
-    "gpu_host_stand_ins",
-    "gpu_missing",
-    "host_validation",
+    "enforce",
     "megatron_rejection",
     "missing_required_flags",
     "refuse",
@@ -121,7 +114,7 @@ def refuse_host(settings: RunSettings | None, *, environ: Mapping[str, str]) -> 
     broken = [] if settings is None else rules.violations(settings, rules.HOST_RULES)
     if broken:
         return refuse(broken, environ=environ)
-    if not gpu_missing():
+    if not host_stand_ins.gpu_missing():
         return None
     return _announced(
         RunRefused(
@@ -131,10 +124,6 @@ def refuse_host(settings: RunSettings | None, *, environ: Mapping[str, str]) -> 
         ),
         environ,
     )
-
-
-def gpu_missing() -> bool:
-    return compat.device_capability() is None
 
 
 def _announced(refusal: RunRefused, environ: Mapping[str, str]) -> RunRefused:
@@ -159,80 +148,6 @@ def refuse_megatron(
     return refuse([*plugin, ("megatron", megatron_rejection(error))], environ=environ)
 
 
-@contextlib.contextmanager
-def host_validation() -> Iterator[bool]:
-    """Megatron's validation and the rules as they run on the GPU host: on a host without a GPU, under
-    ``gpu_host_stand_ins``, so the flags' own problems are named before the host's (``refuse_host``, asked
-    after the block: inside it a stand-in GPU answers). Yields whether this host has a GPU."""
-    if not gpu_missing():
-        yield True
-        return
-    with gpu_host_stand_ins():
-        yield False
-
-
-def _te_kernel_stand_in(*_args: Any, **_kwargs: Any) -> Any:
-    raise RuntimeError("a stand-in for a TE kernel, for megatron-cg check on a machine without TE")
-
-
-# TE kernels Megatron imports as None where TE is missing, and whose absence TransformerConfig refuses.
-TE_KERNELS = (
-    (
-        "megatron.core.models.common.embeddings.rope_utils",
-        ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"),
-    ),  # --apply-rope-fusion
-    (
-        "megatron.core.transformer.moe.moe_utils",
-        (
-            "fused_permute",
-            "fused_permute_with_probs",
-            "fused_sort_chunks_by_index",
-            "fused_sort_chunks_by_index_with_probs",
-            "fused_unpermute",
-        ),
-    ),  # --moe-permute-fusion
-)
-
-
-@contextlib.contextmanager
-def gpu_host_stand_ins(*, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
-    """Lets Megatron's validation run on a CPU machine as it would on the GPU host. Only these
-    differ, all restored on exit (``ledger.SCOPED``): when there is no GPU here,
-    ``torch.cuda.get_device_capability`` and ``get_device_properties`` describe a device of
-    ``capability`` (Megatron asks for grouped GEMM and for the TP/CP connection rules); when TE is
-    not installed here, the TE kernels of ``TE_KERNELS`` (which ``TransformerConfig`` requires for
-    RoPE and permutation fusion) are stand-ins that are never called, and Megatron's cached TE
-    version is the lowest release the plugin supports (its config checks gate features on it;
-    unset, they would read 0.0.0)."""
-    import torch
-    from megatron.core import utils as megatron_utils
-
-    with foreign_state.Changes() as changes:
-        if not torch.cuda.is_available():
-            properties = types.SimpleNamespace(
-                major=capability[0],
-                minor=capability[1],
-                name=f"stand-in sm_{capability[0]}{capability[1]}",
-                total_memory=0,
-                multi_processor_count=0,
-            )
-            changes.set(
-                torch.cuda, "get_device_capability", lambda *_a, **_k: capability, change="cpu-device-stand-ins"
-            )
-            changes.set(
-                torch.cuda, "get_device_properties", lambda *_a, **_k: properties, change="cpu-device-stand-ins"
-            )
-        for module_name, names in TE_KERNELS:
-            module = importlib.import_module(module_name)
-            for name in names:
-                if getattr(module, name, None) is None:  # TE's kernel did not import here
-                    changes.set(module, name, _te_kernel_stand_in, change="te-kernel-stand-ins")
-        if not compat.te_available():
-            lowest = megatron_utils.PkgVersion(".".join(map(str, compat.SUPPORTED_TRANSFORMER_ENGINE[0])))
-            changes.set(megatron_utils, "_te_version", lowest, change="te-version-stand-in")
-        yield
-
-
 def transformer_config_backstop(args: Any) -> None:
     """``TransformerConfig``'s own checks, as the launcher's model build will run them
     (``gpt_config_from_args``): raises what Megatron raises."""
@@ -242,18 +157,18 @@ def transformer_config_backstop(args: Any) -> None:
 
 
 def enforce(
-    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None = None
-) -> PluginConfig | None:
-    """Runs every rule on ``args``; raises ``RunRefused`` listing the broken ones, else returns the
-    plugin config the flags describe (``config`` itself when given). For the plugin's launcher,
-    whose model config is Megatron's ``TransformerConfig`` of these flags, that config's checks run
-    too, as ``megatron-cg check`` runs them (a user's script builds its own config)."""
-    return _enforce(args, environ=environ, launcher=launcher, config=config)[1]
-
-
-def _enforce(
-    args: Any, *, environ: Mapping[str, str], launcher: bool, config: PluginConfig | None, host_rules: bool = True
+    args: Any,
+    *,
+    environ: Mapping[str, str],
+    launcher: bool,
+    config: PluginConfig | None = None,
+    host_rules: bool = True,
 ) -> tuple[RunSettings, PluginConfig | None]:
+    """Runs every rule on ``args`` (the host's too unless ``host_rules`` is off: the validate-args hook
+    asks them once the flags passed, ``refuse_host``); raises ``RunRefused`` listing the broken ones,
+    else returns the run's settings and the plugin config in force (``config`` itself when given). For
+    the plugin's launcher, whose model config is Megatron's ``TransformerConfig`` of these flags, that
+    config's checks run too, as ``megatron-cg check`` runs them (a user's script builds its own config)."""
     try:
         settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config, host_rules=host_rules)
     except rules.RuleViolation as violation:
@@ -264,15 +179,3 @@ def _enforce(
         except MEGATRON_REJECTIONS as error:
             raise refuse_megatron(error, environ=environ) from None
     return settings, resolved
-
-
-def enforce_for_session(args: Any, session: Any, *, environ: Mapping[str, str], host_rules: bool = False) -> None:
-    """``enforce`` for an installed run, without the host's rules unless ``host_rules`` (the validate-args hook
-    asks them once the flags passed, ``refuse_host``): the session's explicit config wins, else the flags'
-    resolves it, and the session takes the run's settings (``RunSession.take_settings``, which has the planners
-    predict the run for the report)."""
-    settings, resolved = _enforce(
-        args, environ=environ, launcher=session.launcher, config=session.explicit_config, host_rules=host_rules
-    )
-    session.resolve_config(resolved)
-    session.take_settings(settings)

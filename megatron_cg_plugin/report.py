@@ -54,7 +54,7 @@ class RunReport:
     predicted_arena_bytes: int | None = None  # --cg-slot-capture: megatron-cg plan's GPU arenas
     predicted_boundary_bytes: int | None = None  # --cg-slot-capture: megatron-cg plan's boundary buffers
     moe_dropped_fraction: float | None = None  # --cg-moe-drop-stats: assignments the routers dropped
-    moe_planned_capacity: int | None = None  # slots per expert per source rank (plan.moe)
+    moe_planned_capacity: int | None = None  # slots per expert per source rank (moe.capacity)
     moe_uniform_dropped_fraction: float | None = None  # what the plan expects a uniform router to drop
     evaluations: int = 0  # Megatron's evaluations during training (--eval-interval)
     evaluation_eager_layer_calls: int = 0  # calls of graphed layers inside them: eager (eval mode), not replays

@@ -843,10 +843,10 @@ RULES: tuple[_Rule, ...] = (
         ),
         "--cg-slot-capture takes FP8 with --fp8-recipe delayed or tensorwise, and FP8 dot-product attention "
         "(TransformerConfig fp8_dot_product_attention) with delayed scaling only, without "
-        "fp8_multi_head_attention: under current scaling TE 2.20.2 finds no FP8 attention backend on the "
-        "verified H200 (cuDNN 9.14), so slot-shared replays of it are not verified. Use one of those recipes, "
-        "--fp8-recipe delayed for FP8 attention, leave fp8_multi_head_attention off, or drop --cg-slot-capture "
-        "(TE's graphs take every FP8 recipe).",
+        "fp8_multi_head_attention: under current scaling TE 2.20.2 with cuDNN 9.14 finds no FP8 attention backend "
+        "on sm_90, the stack slot capture is verified on, so slot-shared replays of it are not verified. Use one "
+        "of those recipes, --fp8-recipe delayed for FP8 attention, leave fp8_multi_head_attention off, or drop "
+        "--cg-slot-capture (TE's graphs take every FP8 recipe).",
         detail=lambda f: (
             "(--fp4-format)"
             if f.fp4

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
+from megatron_cg_plugin import refusal
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.config import PluginConfig
@@ -165,6 +166,16 @@ class RunSession:
         self.evaluations = 0
         self.evaluation_eager_layer_calls = 0
         self.evaluation_replays = 0
+
+    def check_flags(self, args: Any, *, environ: Mapping[str, str], host_rules: bool = False) -> None:
+        """Megatron's parsed ``args`` through the rules (``refusal.enforce``: a broken one stops the run
+        here); the session's explicit config wins, else the flags' resolves it, and the session takes
+        the run's settings."""
+        settings, resolved = refusal.enforce(
+            args, environ=environ, launcher=self.launcher, config=self._explicit, host_rules=host_rules
+        )
+        self.resolve_config(resolved)
+        self.take_settings(settings)
 
     def take_settings(self, settings: RunSettings) -> None:
         """The rules passed the run's ``settings``: kept, and the planners predict the run under the

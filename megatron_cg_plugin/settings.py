@@ -1,7 +1,10 @@
 """The run's settings, read once: ``read_settings`` turns Megatron's parsed args, the plugin's config
-and the environment into one frozen ``RunSettings`` that the rules, the planners, the refusal and the
-session take. No other module reads Megatron's args for a setting (the ``--cg-*`` values only through
-``config.config_from_args``, which ``read_settings`` alone calls).
+and the environment into one frozen ``RunSettings`` that the rules, the planners, the refusal, the
+session and the bench take. No other module reads Megatron's args for a setting (the ``--cg-*`` values
+only through ``config.config_from_args``, which ``read_settings`` alone calls). The validate-args hook
+also reads the flags as parsed, through the same function, for the early rules only (sizes Megatron
+would divide by or allocate from before its own checks name them); the run keeps the settings read
+once Megatron validated the flags.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from megatron_cg_plugin.config import (
 from megatron_cg_plugin.inputs import environment_problems, expandable_segments
 from megatron_cg_plugin.scopes import module_names
 
-__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "environment_settings", "plugin_config", "read_settings"]
+__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "environment_settings", "read_settings"]
 
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 _OFFLOAD_INSIDE_SCOPE = {
@@ -89,6 +92,7 @@ class RunSettings:
     position_embedding_type: str = "learned_absolute"
     apply_rope_fusion: bool = True  # --no-rope-fusion clears it
     overlap_param_gather: bool = False
+    distributed_optimizer: bool = False  # --use-distributed-optimizer
     activation_offloading: bool = False  # --fine-grained-activation-offloading
     offload_modules: tuple[str, ...] = ()
     delay_wgrad_compute: bool = False
@@ -107,7 +111,7 @@ class RunSettings:
     fp8_recipe: str = "delayed"  # --fp8-recipe
     # TransformerConfig's fp8_dot_product_attention / fp8_multi_head_attention (0.19.2 has no flag for
     # them): seen here only where a script sets them on args; one that sets them on the model config is
-    # refused at capture (capture.slot_backend.check_slot_capture_call) by the same rule
+    # refused at capture (slot_sharing.megatron_backend.check_slot_capture_call) by the same rule
     fp8_attention: bool = False  # either of them
     fp8_multi_head_attention: bool = False
     te_op_fuser: bool = False  # --use-transformer-engine-op-fuser: the layers' MLP as te.ops fused operations
@@ -171,7 +175,7 @@ class RunSettings:
     min_offloaded_tensor_size: int | None = None  # None: Megatron's default (slot_sharing.offload_plan)
     activation_offload_fraction: float = 1.0
     graph_only_flags: tuple[str, ...] = ()  # --cg-* flags set that shape TE graphs only (config.graph_only_flags)
-    config_problems: tuple[str, ...] = ()  # bad --cg-* values (config.config_problems)
+    config_problems: tuple[str, ...] = ()  # bad --cg-* values (config._config_problems)
     # Switches of the environment the plugin, Megatron or TE read as 0 or 1, set to anything else (NAME=value)
     unreadable_switches: tuple[str, ...] = ()
     # Variables torch, NCCL, CUDA or Megatron read where a run starts, with values they refuse or misread
@@ -217,7 +221,7 @@ class RunSettings:
 
     @property
     def packed_graphs(self) -> bool:
-        """Packed microbatches laid out at a fixed capacity for TE graphs (``packed_graphs``)."""
+        """Packed microbatches laid out at a fixed capacity for TE graphs (``packed.graphs``)."""
         return self.te_graphs and self.packed and self.thd_max_seqs is not None
 
     @property
@@ -338,7 +342,7 @@ _PLUGIN_FIELDS = (
 )
 
 
-def plugin_config(
+def _plugin_config(
     args: Any, *, env: Mapping[str, str], config: PluginConfig | None = None
 ) -> tuple[PluginConfig | None, tuple[str, ...], Mapping[str, Any]]:
     """The plugin config in force: ``config`` when given (``install(config)``), defaults for a parser
@@ -392,13 +396,13 @@ def read_settings(
     dataset_problem: str | None = None,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """Reads the run's settings from a parsed Megatron namespace (before or after ``validate_args``)
-    under ``config`` (``plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
+    under ``config`` (``_plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
     why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``resumes_checkpoint``, ``device_capability`` and
     ``cuda_version`` are what the caller probed on this host, and the ``*_problem`` what Megatron's builders raised on
     the flags (``megatron_builds``); ``rules.check_run`` probes them."""
     env = env or {}
-    resolved, problems, plugin = plugin_config(args, env=env, config=config)
+    resolved, problems, plugin = _plugin_config(args, env=env, config=config)
     environment = environment_settings(env)
     freq = getattr(args, "moe_layer_freq", 1)
     mla_unfused = bool(
@@ -435,6 +439,7 @@ def read_settings(
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         apply_rope_fusion=bool(getattr(args, "apply_rope_fusion", True)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         activation_offloading=bool(getattr(args, "fine_grained_activation_offloading", False)),
         offload_modules=tuple(getattr(args, "offload_modules", None) or ()),
         delay_wgrad_compute=bool(getattr(args, "delay_wgrad_compute", False)),

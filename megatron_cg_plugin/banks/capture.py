@@ -4,13 +4,13 @@ Under hybrid context parallelism each packed (THD) microbatch runs with its own 
 and the process group of that size. ``capture_banks`` captures, for every graphed layer, Megatron's
 own capture callable (``TransformerLayer._te_cuda_graph_capture``, which honours
 ``--cuda-graph-modules``) into one memory pool through the slot-shared capture
-(``capture.slot_shared``): the banks are mutually exclusive variants of the layer, so they share arenas
+(``slot_sharing.capture``): the banks are mutually exclusive variants of the layer, so they share arenas
 and boundary storage sized by the largest instead of adding up.
 
 - Scopes with attention (the whole layer, ``attn``, ``attn mlp``): one graph per CP size, captured
   with the real group of that size; graph inputs are the hidden states and the two ``cu_seqlens``
   buffers of the fixed-capacity layout; ``max_seqlen`` and the RoPE table are bound per CP size at
-  capture (the eager run uses the same bound, ``plan.thd``).
+  capture (the eager run uses the same bound, ``packed.layout``).
 - Scopes without attention (``mlp``): the graphed part never sees the CP layout (tokens per rank
   are fixed), so one graph serves every CP size; attention runs eagerly with the microbatch's group.
 - A graphed MoE block (``moe``, drop-and-pad): the token dispatcher keeps per-forward state on its
@@ -31,13 +31,13 @@ and boundary storage sized by the largest instead of adding up.
 
 The layer class comes from ``banked_layer_class`` (injected through the layer spec, no class is
 patched): a training call with packed sequences picks the bank from ``PackedSeqParams.local_cp_size``,
-requires the very group object the bank was captured with (``bank_router.BankRouter``, fail closed), checks
+requires the very group object the bank was captured with (``banks.router.BankRouter``, fail closed), checks
 the THD layout against the captured capacity and hands the bank's graph to Megatron's own replay
 path (``_te_cuda_graph_replay``): its scope-specific post-processing and the delayed offload flush
 (``--delay-offload-until-cuda-graph``) run after each bank replay as after any TE graph replay.
 Other calls run eagerly. With Megatron's fine-grained offload flags, the offloaded modules inside the
 graphed scope are offloaded inside the bank graphs, to pinned host arenas keyed like the GPU arenas
-(``capture.offload_groups.MegatronOffload``); Megatron's own offload keeps the modules outside.
+(``slot_sharing.offload_groups.MegatronOffload``); Megatron's own offload keeps the modules outside.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from megatron_cg_plugin.banks.cp_packs import ensure_dynamic_cp_stream, packed_s
 from megatron_cg_plugin.banks.router import BankRouter, GraphBank
 from megatron_cg_plugin.capture.accounting import ReplayTotals
 from megatron_cg_plugin.capture.scratch import clear, clearing, ends_inside_moe_block, moe_dispatcher_scratch
+from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.compat import check_parameters
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout
@@ -167,7 +168,8 @@ class BankGraph:
             raise ThdCapacityError(
                 f"rotary table {tuple(rope.shape)} {rope.dtype} but the bank was captured with "
                 f"{tuple(table.shape)} {table.dtype}: the pack's max_seqlen must be its bound, "
-                "CP size x --max-seqlen-per-dp-cp-rank (plan.thd.fixed_capacity_layout), in eager and graphed runs."
+                "CP size x --max-seqlen-per-dp-cp-rank (packed.layout.fixed_capacity_layout), "
+                "in eager and graphed runs."
             )
         table.copy_(rope)
 
@@ -199,16 +201,14 @@ class LayerBanks:
             graph = bank.payload.bind(params, None)  # Megatron runs attention eagerly with kwargs
         bank.payload.restore_dispatcher(layer)
         # Megatron's replay path calls ``self.cuda_graphs[i]``: for this call it holds the bank's graph.
-        previous = layer.cuda_graphs
-        layer.cuda_graphs = [graph]
         try:
-            waiting = delayed_offload_groups(layer.config)
-            output = base._te_cuda_graph_replay(layer, hidden_states, **kwargs)
+            with foreign_state.setting(layer, "cuda_graphs", [graph], change="bank-replay-cuda-graphs"):
+                waiting = delayed_offload_groups(layer.config)
+                output = base._te_cuda_graph_replay(layer, hidden_states, **kwargs)
             _check_flushed(layer, waiting)
             bank.offload_groups_flushed += len(waiting)
             return output
         finally:
-            layer.cuda_graphs = previous
             # A graph that ends inside the MoE block hands its outputs to the eager rest through this store,
             # which Megatron empties only after a rest that did not raise; a full store would feed later
             # forwards stale tensors.
@@ -262,7 +262,7 @@ def _check_layout(capacity: ThdCapacity, cp_size: int, params: Any) -> None:
             raise ThdCapacityError(
                 f"{name} has shape {None if tensor is None else tuple(tensor.shape)} but the banks were "
                 f"captured for ({capacity.cu_length},): {capacity.max_seqs} sequences + the padding dummy. "
-                "Build packs with plan.thd.fixed_capacity_layout, and raise --cg-thd-max-seqs if more "
+                "Build packs with packed.layout.fixed_capacity_layout, and raise --cg-thd-max-seqs if more "
                 "sequences must fit."
             )
     if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
@@ -344,6 +344,7 @@ def capture_banks(
     debug: bool = False,
     warmup_iterations: int = 2,
     contract_check: ContractCheck = ContractCheck.FULL,
+    step_marks: StepMarks | None = None,
     offload: bool = True,
     offload_copies: OffloadCopies | str = OffloadCopies(),
 ) -> BankedLayers:
@@ -353,9 +354,9 @@ def capture_banks(
     ``rope_tables``: per CP size, the RoPE table the model passes for a pack of that size (its
     ``rotary_pos_emb`` of the pack's ``max_seqlen``); None without RoPE. Every rank of a CP group
     must call this with the same layers and sizes (the captures of a bank communicate). ``debug``,
-    ``warmup_iterations`` and ``contract_check`` go to ``capture_slotted``. With ``offload`` the
+    ``warmup_iterations``, ``contract_check`` and ``step_marks`` go to ``capture_slotted``. With ``offload`` the
     modules Megatron's fine-grained offload flags name inside the graphed scope go to pinned host
-    arenas (``capture.offload_groups.MegatronOffload``), copied between replays through one staging
+    arenas (``slot_sharing.offload_groups.MegatronOffload``), copied between replays through one staging
     ring for all layers or inside the graphs (``offload_copies``). On failure every
     graph captured so far is reset and no layer is left banked."""
     layers = list(layers)
@@ -387,6 +388,7 @@ def capture_banks(
                     debug=debug,
                     warmup_iterations=warmup_iterations,
                     contract_check=contract_check,
+                    step_marks=step_marks,
                     offload=None
                     if megatron_offload is None
                     else megatron_offload.slot_offload(layer, ring, offload_copies.window),

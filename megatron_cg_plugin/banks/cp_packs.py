@@ -1,6 +1,6 @@
 """What one packed microbatch of hybrid (dynamic) context parallelism hands Megatron's layers:
 the ``PackedSeqParams`` of its fixed-capacity THD pack and, for TE's CP attention, the CP side
-stream. Both the eager run (``data.hybrid_cp``) and the graph banks' capture (``capture.graph_banks``)
+stream. Both the eager run (``banks.hybrid_cp_batch``) and the graph banks' capture (``banks.capture``)
 build packs this way; the layer-spec adaptation above them is ``dynamic_cp``.
 """
 

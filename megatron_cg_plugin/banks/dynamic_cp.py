@@ -8,7 +8,7 @@ positions, in eager and graphed runs alike. ``dynamic_cp_attention_class`` gives
 microbatch's group for the duration of one call; ``hybrid_cp_layer_spec`` injects it (and, with
 graph banks, the banked layer class) through the layer spec, so no Megatron class is patched. What
 a pack hands Megatron's layers (its ``PackedSeqParams``, TE attention's CP stream) is in
-``packed_cp``, below the banks that capture with it.
+``cp_packs``, below the banks that capture with it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.banks.capture import banked_layer_class
 from megatron_cg_plugin.compat import check_parameters
 
@@ -64,11 +65,8 @@ def dynamic_cp_attention_class(base: type[Any]) -> type:
             return base.forward(self, *args, **kwargs)
         per_call = copy.copy(static)
         per_call.cp = group
-        self.pg_collection = per_call
-        try:
+        with foreign_state.setting(self, "pg_collection", per_call, change="dynamic-cp-pg-collection"):
             return base.forward(self, *args, **kwargs)
-        finally:
-            self.pg_collection = static
 
     return type(
         f"DynamicCp{base.__name__}",

@@ -5,7 +5,7 @@ Megatron's hybrid-CP loader (``HybridCPDataLoaderWrapper``) hands each microbatc
 1-D ``tokens``, ``labels``, ``loss_mask`` and ``position_ids``, with ``local_cp_size``, the CP size
 its scheduler picked. Megatron 0.19.2's own ``get_batch_on_this_tp_rank`` fails on these (it reads
 a second dimension the 1-D sample lacks). Here the document is padded to the pack of ``cp x
-tokens_per_rank`` tokens (``plan.thd``: one layout for graphed and eager runs), split per sequence
+tokens_per_rank`` tokens (``packed.layout``: one layout for graphed and eager runs), split per sequence
 across its CP group as TE splits THD inputs, and described by a ``PackedSeqParams`` carrying that
 group. In your own script::
 
@@ -61,7 +61,7 @@ def pack_hybrid_cp_sample(
 
     ``group`` is the sample's CP group (``rank`` this rank's place in it); both matter only when
     ``sample["local_cp_size"] > 1``. Returns the batch (``[1, tokens / cp]`` tensors, no attention
-    mask) and its ``PackedSeqParams``. Raises ``plan.thd.ThdCapacityError`` naming the flag to
+    mask) and its ``PackedSeqParams``. Raises ``packed.layout.ThdCapacityError`` naming the flag to
     raise when the document does not fit."""
     size = _cp_size_of(sample)
     length = int(sample["tokens"].numel())

@@ -1,6 +1,6 @@
 """The graph banks' router: one bank of graphs per power-of-two context-parallel size
-(``GraphBank``; which sizes: ``plan.bank_sizes``) and ``BankRouter``, which picks a microbatch's
-bank at replay (the banks are captured and replayed by ``capture.graph_banks``).
+(``GraphBank``; which sizes: ``banks.sizes``) and ``BankRouter``, which picks a microbatch's
+bank at replay (the banks are captured and replayed by ``banks.capture``).
 
 Under Megatron's hybrid context parallelism each microbatch chooses its CP size
 (``PackedSeqParams.local_cp_size``, a power of two) and the process group of that size

@@ -1,5 +1,5 @@
 """``megatron-cg bench <launcher flags>``: eager, Megatron's own graphs and the plugin's graphs,
-measured in one process, in interleaved blocks (``plan.bench_schedule``).
+measured in one process, in interleaved blocks (``bench.schedule``).
 
 The launcher builds Megatron's model, optimizer and data from the flags and enters Megatron's own
 ``train()``, which sets up the step (loss scaling, gradient sync hooks) as for training. Its first
@@ -17,7 +17,7 @@ steps and tears down, so the next graphed block captures again. Every step is a 
 
 ``--bench-interleave steps`` captures every graphed arm once up front instead, each with its own
 helper and graph pool, all alive together, and then alternates single steps in mirrored cycles
-(``plan.bench_schedule.interleaved_steps``), switching the layers to an arm's graphs between steps
+(``bench.schedule.interleaved_steps``), switching the layers to an arm's graphs between steps
 (``MegatronTrainer.activate``).
 """
 
@@ -60,8 +60,20 @@ from megatron_cg_plugin.bench.schedule import (
     run_schedule,
 )
 from megatron_cg_plugin.capture import accounting
-from megatron_cg_plugin.capture.contracts import StaticInput
-from megatron_cg_plugin.capture.transaction import CaptureTransaction, attribute, gc_freeze, gc_state
+from megatron_cg_plugin.capture.contracts import (
+    FIRST_MICROBATCH,
+    CheckedGraph,
+    ReplayContract,
+    StaticInput,
+    flatten_call,
+)
+from megatron_cg_plugin.capture.transaction import (
+    CaptureTransaction,
+    attribute,
+    gc_freeze,
+    gc_state,
+    restorables_for,
+)
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
 from megatron_cg_plugin.inputs import input_path_problem, output_folder_problem
@@ -71,7 +83,7 @@ from megatron_cg_plugin.launch.rendezvous import single_process_rendezvous
 from megatron_cg_plugin.parse_errors import OneLineErrors, unknown_own_flag
 from megatron_cg_plugin.patching import builders as patch_builders
 from megatron_cg_plugin.session import RunSession
-from megatron_cg_plugin.settings import read_settings
+from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.slot_sharing.megatron_backend import SlotBackend
 from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
 
@@ -680,13 +692,16 @@ class _ArmState:
     plugin's graphs sit in those same lists, each wrapped with its helper's contract check and replay
     counter; its capture wrappers are gone once it returns. The plugin-recording arm also steps
     through its own session (``recording``, ``recorded_step``). Parked, the layers' lists are kept
-    here and the layers hold empty ones (eager)."""
+    here, saved through ``foreign_state``, and the layers hold empty ones (eager)."""
 
     arm: str
     helper: Any
     recording: RunSession | None = None
     recorded_step: Callable[..., Any] | None = None
-    parked: list[tuple[Any, list, list]] = dataclasses.field(default_factory=list)  # (layer, graphs, hooks)
+    parked: list[foreign_state.Saved] = dataclasses.field(default_factory=list)  # each layer's _ARM_LISTS
+
+
+_ARM_LISTS = ("cuda_graphs", "cuda_graph_manual_hooks")  # what a layer replays of an arm (_ArmState)
 
 
 class MegatronTrainer:
@@ -754,21 +769,18 @@ class MegatronTrainer:
         if arm not in self.helpers:
             assert is_slot_arm(arm), arm  # BenchOptions refused the others
             offloaded = OFFLOAD_ARM.fullmatch(arm)
-            base, window, percent = offloaded.groups() if offloaded else (arm, None, None)
+            base, window, _percent = offloaded.groups() if offloaded else (arm, None, None)  # -f<P>: at capture
             copies = OffloadCopies(
                 "between-replays" if base.endswith("staged") else "in-graph",
                 self._session.config.offload_window if window is None else int(window),
             )
-            fraction = None if percent is None else int(percent) / 100
             self.helpers[arm] = bind_helper_class(
-                self._te_helper,
-                self._session,
-                SlotBackend(offload=arm != "slot", copies=copies, offload_fraction=fraction),
+                self._te_helper, self._session, SlotBackend(offload=arm != "slot", copies=copies)
             )
         return self.helpers[arm]
 
     def step(self) -> None:
-        self.args.curr_iteration = self.iteration
+        foreign_state.put(self.args, "curr_iteration", self.iteration)  # as train() does (_LOOP_ARGS: held)
         state = self._active
         if state is None or state.recording is None or state.recorded_step is None:  # both set, or neither
             self.last = self.train_step(*self.step_args, iteration=self.iteration, **self.step_kwargs)
@@ -791,22 +803,30 @@ class MegatronTrainer:
             helper_class, recording, recorded_step = self._recording_block()
         else:
             helper_class = self.helper_class(arm)
+        settings = _run_settings(self._session)
         helper = helper_class(
             model=self.model,
             config=self.config,
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
+            seq_length=settings.seq_length,
+            micro_batch_size=settings.micro_batch_size,
             optimizers=[self.optimizer],
         )
         from megatron.core.transformer import cuda_graphs
 
         # Megatron's own capture is not transactional: a failure leaves its capture flag set, GC frozen and
         # some layers holding graphs, onto which the arms captured before would be restored for teardown.
+        layers = self.graphable_layers()
         with CaptureTransaction(
-            [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"), gc_state(), gc_freeze()]
+            [
+                attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
+                gc_state(),
+                gc_freeze(),
+                *restorables_for((layer, name) for layer in layers for name in _ARM_LISTS),  # eager again
+            ]
         ):
             try:
-                helper.create_cudagraphs()
+                with self._offload_fraction(arm):
+                    helper.create_cudagraphs()
                 if not helper.graphs_created():
                     raise BenchError(
                         f"the {arm} arm captured no graphs (is --cuda-graph-impl transformer_engine set, "
@@ -819,8 +839,8 @@ class MegatronTrainer:
         return helper
 
     def _discard(self) -> None:
-        """A failed capture's graphs reset and taken off the layers (Megatron's delete_cuda_graphs asserts
-        a finished capture, so it cannot)."""
+        """A failed capture's graphs reset (Megatron's delete_cuda_graphs asserts a finished capture, so
+        it cannot); the capture's transaction then gives the layers back their eager lists."""
         for layer in self.graphable_layers():
             for graph in layer.cuda_graphs:
                 try:
@@ -830,7 +850,29 @@ class MegatronTrainer:
                         f"megatron-cg bench: resetting a graph of the failed capture failed too: {error!r}",
                         file=sys.stderr,
                     )
-            layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
+
+    @contextlib.contextmanager
+    def _offload_fraction(self, arm: str) -> Iterator[None]:
+        """A ``-f<P>`` arm captures as ``--activation-offload-fraction P/100`` would: the layers'
+        TransformerConfig holds it, where Megatron's flag lands and slot-shared capture reads it
+        (``MegatronOffload.from_config``), while the arm captures; the run's value is back after."""
+        found = OFFLOAD_ARM.fullmatch(arm)
+        percent = None if found is None else found.group(3)
+        if percent is None:
+            yield
+            return
+        configs = list({id(layer.config): layer.config for layer in self.graphable_layers()}.values())
+        saved = [
+            foreign_state.save(config, "activation_offload_fraction", change="bench-offload-fraction")
+            for config in configs
+        ]
+        try:
+            for config in configs:
+                foreign_state.put(config, "activation_offload_fraction", int(percent) / 100)
+            yield
+        finally:
+            for item in reversed(saved):
+                item.restore()
 
     def deactivate(self) -> None:
         """The active arm's graphs and hooks set aside, the layers eager (as Megatron's teardown
@@ -838,9 +880,13 @@ class MegatronTrainer:
         state, self._active = self._active, None
         if state is None:
             return
-        state.parked = [(layer, layer.cuda_graphs, layer.cuda_graph_manual_hooks) for layer in self.graphable_layers()]
-        for layer in self.graphable_layers():
-            layer.cuda_graphs, layer.cuda_graph_manual_hooks = [], []
+        layers = self.graphable_layers()
+        state.parked = [
+            foreign_state.save(layer, name, change="bench-arm-graphs") for layer in layers for name in _ARM_LISTS
+        ]
+        for layer in layers:
+            for name in _ARM_LISTS:
+                foreign_state.put(layer, name, [])
         self._parked[state.arm] = state
 
     def activate(self, arm: str) -> None:
@@ -852,9 +898,11 @@ class MegatronTrainer:
         if arm == "eager":
             return
         state = self._parked.pop(arm)
-        for layer, graphs, hooks in state.parked:
-            assert not layer.cuda_graphs, "a parked arm is restored onto eager layers only"
-            layer.cuda_graphs, layer.cuda_graph_manual_hooks = graphs, hooks
+        assert not any(layer.cuda_graphs for layer in self.graphable_layers()), (
+            "a parked arm is restored onto eager layers only"
+        )
+        for saved in state.parked:
+            saved.restore()
         state.parked = []
         self._active = state
 
@@ -1035,25 +1083,14 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     groups: the dearest replay (inside a step a contract reads them at its first replay only)."""
     import torch
 
-    contract = getattr(helper.flattened_callables[0].cuda_graphs[0], "contract", None)
-    if contract is None or contract.flat_call is None:
+    graph = helper.flattened_callables[0].cuda_graphs[0]
+    contract = graph.contract if isinstance(graph, CheckedGraph) else None
+    if contract is None or (call := _fresh_call(contract, torch.empty_strided)) is None:
         raise BenchError(
             "the plugin arm's first graph holds no contract of one-leaf arguments to time: run the "
             "bench with --cg-contract-check full on a Megatron layer."
         )
-    positional, keys = contract.flat_call
-
-    def fresh(expected: Any) -> Any:  # a new tensor as a step hands it in, needing a gradient where the sample did
-        if not isinstance(expected, StaticInput):
-            return expected
-        spec = expected.spec
-        return torch.empty_strided(
-            spec.shape, spec.stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
-        )
-
-    leaves = [fresh(expected) for _, expected in contract.inputs]
-    args = tuple(leaves[:positional])
-    kwargs = {**dict(zip(keys, leaves[positional:])), "is_first_microbatch": False}
+    args, kwargs = call[0], {**call[1], FIRST_MICROBATCH: False}
     costs = {}
     for mode in ContractCheck:
         start = time.perf_counter()
@@ -1061,6 +1098,32 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
             contract.check(args, kwargs, mode)
         costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
     return costs, len(helper.flattened_callables) * microbatches
+
+
+def _fresh_call(contract: ReplayContract, empty_strided: Callable[..., Any]) -> tuple[tuple, dict] | None:
+    """A call as a step makes it of the arguments ``contract`` was recorded with: a new tensor for each captured
+    tensor (``empty_strided``, needing a gradient where the sample did), each other value as captured; the
+    leaves' names (``flatten_call``: ``arg0`` ..., then ``key=``) say where each goes. None where an argument
+    is not one leaf (a leaf named by a place inside it, ``arg0[1]``, ``mask=['k']``)."""
+
+    def fresh(expected: Any) -> Any:
+        if not isinstance(expected, StaticInput):
+            return expected
+        spec = expected.spec
+        return empty_strided(
+            spec.shape, spec.stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
+        )
+
+    names = [name for name, _ in contract.inputs]
+    positional = 0
+    while positional < len(names) and names[positional] == f"arg{positional}":
+        positional += 1
+    leaves = [fresh(expected) for _, expected in contract.inputs]
+    args = tuple(leaves[:positional])
+    kwargs = dict(zip((name.removesuffix("=") for name in names[positional:]), leaves[positional:]))
+    if [name for name, _ in flatten_call(args, kwargs)] != names:  # the call names its leaves as captured
+        return None
+    return args, kwargs
 
 
 def recording_cost(
@@ -1117,7 +1180,9 @@ def first_train_step(
             before()
         result, trainer = run(args, kwargs)
         sink.append(result)
-        trainer.args.train_iters = trainer.args.iteration = (kwargs.get("iteration") or 0) + 1  # the loop's last
+        last = (kwargs.get("iteration") or 0) + 1  # the loop's last: run_in_first_train_step puts them back after it
+        foreign_state.put(trainer.args, "train_iters", last)
+        foreign_state.put(trainer.args, "iteration", last)
         return trainer.last
 
     return step
@@ -1162,31 +1227,29 @@ def bench_train_step(
     return first_train_step(train_step, sink, run, before)
 
 
-def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
-    """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work; ``config``
-    is the plugin's config in force (the plugin arm's)."""
+def refuse_unbenchable(settings: RunSettings, config: PluginConfig, options: BenchOptions) -> None:
+    """Flags the bench cannot measure faithfully, refused (``BenchError``) before any GPU work: ``settings``
+    are the run's (``RunSession.settings``, read once Megatron validated the flags), ``config`` the
+    plugin's config in force (the plugin arm's)."""
     if options.interleave == "steps":
-        _refuse_unswitchable(args, config, options)
+        _refuse_unswitchable(settings, config, options)
     graphed = [arm for arm in options.arms if arm != "eager"]
-    if graphed and args.cuda_graph_impl != "transformer_engine":
+    if graphed and not settings.te_graphs:
         raise BenchError(
             f"the {'/'.join(graphed)} arm(s) capture TE graphs: pass --cuda-graph-impl transformer_engine "
             "(or --bench-arms eager)."
         )
-    packed = (getattr(args, "dataloader_inter_document_masking", False) or getattr(args, "sft", False)) and not getattr(
-        args, "hybrid_context_parallel", False
-    )
-    if "stock" in options.arms and packed:
+    if "stock" in options.arms and settings.packed:
         raise BenchError(
             "the stock arm replays Megatron's own graphs, which refuse packed batches (rule "
             "packed-sequences-te-graphs): bench packed data with --bench-arms eager,plugin."
         )
-    if args.cuda_graph_impl == "transformer_engine" and args.cuda_graph_warmup_steps < 1:
+    if settings.te_graphs and settings.warmup_steps < 1:
         raise BenchError(
             "--cuda-graph-warmup-steps 0 would make Megatron capture its own graphs before the bench's "
             "first step; leave it at its default (3) or set it >= 1."
         )
-    if args.use_distributed_optimizer and args.overlap_param_gather:
+    if settings.distributed_optimizer and settings.overlap_param_gather:
         raise BenchError(
             "the bench runs inside Megatron's first train_step, while the forward pre-hooks that "
             "--overlap-param-gather needs are still off: drop --overlap-param-gather for the bench."
@@ -1196,25 +1259,19 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
             f"the {UNCHECKED_ARM} arm measures what --cg-contract-check full costs against the plugin arm: "
             f"leave --cg-contract-check at full (it is {config.contract_check})."
         )
-    if options.cached_batches and (
-        args.pipeline_model_parallel_size > 1 or getattr(args, "virtual_pipeline_model_parallel_size", None)
-    ):
+    if options.cached_batches and (settings.pipeline_parallel > 1 or settings.virtual_pipeline):
         raise BenchError(
             "--bench-cached-batches caches the batches of a PP = 1 run (each stage of a pipeline reads "
             "its own part): drop --bench-cached-batches, or run the bench with "
             "--pipeline-model-parallel-size 1."
         )
-    if args.save:
+    if settings.save:
         raise BenchError("--save would checkpoint the weights the bench's blocks trained: drop --save for the bench.")
     if any(is_slot_arm(arm) for arm in options.arms):  # the rules --cg-slot-capture itself would get
-        slot_settings, _config = read_settings(
-            args, te_available=True, apex_fused_wgrad=True, config=PluginConfig(slot_capture=True)
-        )
+        slot_settings = dataclasses.replace(settings, slot_capture=True)
         broken = [message for name, message in rules.violations(slot_settings) if name.startswith("slot-capture")]
         offloading = [arm for arm in options.arms if arm.startswith("slot-offload")]
-        if offloading and not (
-            getattr(args, "fine_grained_activation_offloading", False) and getattr(args, "offload_modules", None)
-        ):
+        if offloading and not (settings.activation_offloading and settings.offload_modules):
             broken.append(
                 f"the {'/'.join(offloading)} arm(s) offload what Megatron's flags select, and these offload "
                 "nothing: add --fine-grained-activation-offloading --offload-modules ..."
@@ -1226,7 +1283,7 @@ def refuse_unbenchable(args: Any, config: PluginConfig, options: BenchOptions) -
             )
 
 
-def _refuse_unswitchable(args: Any, config: PluginConfig, options: BenchOptions) -> None:
+def _refuse_unswitchable(settings: RunSettings, config: PluginConfig, options: BenchOptions) -> None:
     """The step schedule keeps every arm's captures alive at once and switches the layers' graph
     lists between steps (``_ArmState``); state kept elsewhere per capture is not switched, so these
     are refused (fail closed) rather than measured wrong."""
@@ -1238,12 +1295,12 @@ def _refuse_unswitchable(args: Any, config: PluginConfig, options: BenchOptions)
             f"{'/'.join(plugin_arms)} arm(s) would capture slot-shared graphs, whose arenas, saved-tensor "
             "hooks and banked layers live outside the layers' graph lists"
         )
-    if getattr(args, "fine_grained_activation_offloading", False):
+    if settings.activation_offloading:
         broken.append(
             "--fine-grained-activation-offloading: Megatron's offload manager keeps one capture's state "
             "(reset after each capture, cuda_graphs.py _finish_capturing)"
         )
-    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+    if settings.fp8 or settings.fp4:
         broken.append(
             "--fp8-format/--fp4-format: TE's graphs keep FP8 weight caches and scaling state per capture, not "
             "verified with several captures alive"
@@ -1284,7 +1341,7 @@ def main(argv: Sequence[str]) -> int:
         script,
         flags,
         training,
-        lambda args, config: refuse_unbenchable(args, config, options),  # the config the flags resolved
+        lambda settings, config: refuse_unbenchable(settings, config, options),  # the config the flags resolved
         lambda before: bench_train_step(options, flags, training.train_step, results, before=before),
         # asked for once the flags and the host passed, before any GPU work
         host_ready=bench_output.plot_available if options.plot else lambda: None,
@@ -1305,7 +1362,7 @@ def run_in_first_train_step(
     script: Path | None,
     flags: Sequence[str],
     training: Any,
-    check: Callable[[Any, PluginConfig], None],
+    check: Callable[[RunSettings, PluginConfig], None],
     make_driver: Callable[[Callable[[], None] | None], Callable[..., Any]],
     *,
     command: str = "bench",
@@ -1313,37 +1370,64 @@ def run_in_first_train_step(
 ) -> int:
     """Builds the model of ``flags`` with the plugin installed and hands Megatron's first ``train_step`` to
     ``make_driver``'s stand-in (``first_train_step``): the launcher's model and data (``script`` None), its
-    flags parsed and ``check``ed (Megatron's args, the plugin config they resolved), then the host's needs,
+    flags parsed and ``check``ed (the run's settings, the plugin config they resolved), then the host's needs,
     then ``host_ready`` (an optional extra the command asks for), all before any GPU work; or a user's own
     script, run as ``megatron-cg run`` runs it, which parses its flags and builds its model and data, so
-    ``check`` comes at its first train_step (the stand-in is made with it to run first). Returns the
-    script's exit code (0 for the launcher)."""
+    ``check`` comes at its first train_step (the stand-in is made with it to run first). Megatron's
+    ``train_step``, and the args its loop reads of the stand-in (``_LOOP_ARGS``, held from its first call on),
+    are back as they were when the run returns, whatever happens. Returns the script's exit code (0 for the
+    launcher)."""
     if script is None:
         with single_process_rendezvous():
             session = installation.install(launcher=True)
             try:
                 with console.megatron_printout_held():  # Megatron's printout, until the command's checks pass
                     args = pretrain_gpt.parse_megatron_args(flags)
-                    check(args, session.config)
+                    check(_run_settings(session, command), session.config)
                     pretrain_gpt.refuse_host_needs(session)
                 host_ready()
-                driver = make_driver(None)
-                with foreign_state.setting(training, "train_step", driver, change="bench-train-step"):
+                with foreign_state.Changes() as changes:
+                    driver = make_driver(functools.partial(_hold_loop_args, changes, args))
+                    changes.set(training, "train_step", driver, change="bench-train-step")
                     pretrain_gpt.run(args, session)
             finally:
                 installation.uninstall()
         return 0
     from megatron.training import get_args
 
-    def before() -> None:
-        session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper
-        if session is None:
-            raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg {command}.")
-        check(get_args(), session.config)
-        host_ready()
+    with foreign_state.Changes() as changes:
 
-    with foreign_state.setting(training, "train_step", make_driver(before), change="bench-train-step"):
+        def before() -> None:
+            session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper
+            if session is None:
+                raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg {command}.")
+            check(_run_settings(session, command), session.config)
+            _hold_loop_args(changes, get_args())
+            host_ready()
+
+        changes.set(training, "train_step", make_driver(before), change="bench-train-step")
         return run_script.run_in_process(script, run_script.expand_preset(flags))
+
+
+# Megatron's args that train()'s loop reads of the stand-in's first step: curr_iteration, set before each
+# step as the loop sets it (MegatronTrainer.step), and iteration and train_iters, set so that the loop ends
+# after it (first_train_step).
+_LOOP_ARGS = ("curr_iteration", "iteration", "train_iters")
+
+
+def _hold_loop_args(changes: foreign_state.Changes, args: Any) -> None:
+    for name in _LOOP_ARGS:
+        changes.hold(args, name, change="bench-train-step")
+
+
+def _run_settings(session: RunSession, command: str = "bench") -> RunSettings:
+    """The run's settings, which the plugin's rules read once Megatron validated the flags."""
+    if session.settings is None:
+        raise BenchError(
+            f"the run's flags were not validated with the plugin installed (Megatron's validate_args did not "
+            f"run under it); run it through megatron-cg {command}."
+        )
+    return session.settings
 
 
 if __name__ == "__main__":

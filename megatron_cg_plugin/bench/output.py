@@ -161,7 +161,7 @@ class BenchResult:
 
     def ratio_intervals(self) -> dict[tuple[str, str], MedianInterval]:
         """Per ratio, its median's 95% interval over the pairs of rounds or the cycles (where there
-        are enough of them: ``plan.bench_schedule.fewest_for_interval``)."""
+        are enough of them: ``bench.schedule.fewest_for_interval``)."""
         return {
             pair: found
             for pair, spread in self.summary().ratios.items()

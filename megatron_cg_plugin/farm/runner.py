@@ -24,7 +24,7 @@ from typing import Any
 from megatron_cg_plugin import compat, golden, rules
 from megatron_cg_plugin.config import PLUGIN_FLAGS
 from megatron_cg_plugin.console import failure_cause
-from megatron_cg_plugin.data import synthetic as datasets
+from megatron_cg_plugin.data import synthetic as synthetic_data
 from megatron_cg_plugin.farm.case_adapt import adapt_case_args, adapt_case_env
 from megatron_cg_plugin.farm.cases import CASE_FILE, MEGATRON_CI_GPUS, CaseError, fit_gpus, load_case, render_flags
 from megatron_cg_plugin.farm.distributed import MultiRankError, launch
@@ -107,15 +107,15 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     """Builds the case's real indexed dataset under ``out_dir`` (once) and returns its flags.
     ``synthetic``: seeded pre-tokenized documents (NullTokenizer, the same bytes everywhere);
     ``sentencepiece``: text tokenized by a SentencePiece model trained on it here; ``sft``: packed
-    conversations and a word-level tokenizer for Megatron's ``--sft`` path (``datasets.write_sft_dataset``)."""
+    conversations and a word-level tokenizer for Megatron's ``--sft`` path (``synthetic_data.write_sft_dataset``)."""
     if data is None:
         return ()
     root = out_dir / "data"
     if data == "synthetic":
         prefix = root / "synthetic_text_document"
         if not prefix.with_suffix(".idx").exists():
-            datasets.write_indexed_dataset(
-                prefix, datasets.synthetic_documents(400, vocab_size=1024, seed=1234), eod=1023
+            synthetic_data.write_indexed_dataset(
+                prefix, synthetic_data.synthetic_documents(400, vocab_size=1024, seed=1234), eod=1023
             )
         return (
             "--data-path",
@@ -130,10 +130,10 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     if data == "sentencepiece":
         prefix, model = root / "spm_text_document", root / "spm.model"
         if not prefix.with_suffix(".idx").exists():
-            corpus = datasets.synthetic_corpus(400, seed=1234)
-            datasets.train_sentencepiece(corpus, root / "spm")
-            documents, eod = datasets.tokenize_corpus(corpus, model)
-            datasets.write_indexed_dataset(prefix, documents, eod=eod)
+            corpus = synthetic_data.synthetic_corpus(400, seed=1234)
+            synthetic_data.train_sentencepiece(corpus, root / "spm")
+            documents, eod = synthetic_data.tokenize_corpus(corpus, model)
+            synthetic_data.write_indexed_dataset(prefix, documents, eod=eod)
         return (
             "--data-path",
             str(prefix),
@@ -147,14 +147,14 @@ def data_flags(data: str | None, out_dir: Path) -> tuple[str, ...]:
     if data == "sft":
         dataset, tokenizer = root / "sft.jsonl", root / "sft_tokenizer"
         if not dataset.exists():
-            dataset, tokenizer = datasets.write_sft_dataset(root, samples=400, seed=1234)
-        return (*datasets.sft_flags(dataset, tokenizer), "--split", "98,2,0")
+            dataset, tokenizer = synthetic_data.write_sft_dataset(root, samples=400, seed=1234)
+        return (*synthetic_data.sft_flags(dataset, tokenizer), "--split", "98,2,0")
     raise ValueError(f"unknown farm data {data!r}: use synthetic, sentencepiece or sft")
 
 
 @dataclasses.dataclass(frozen=True)
 class FarmCase:
-    """One farm case, read from its folder (``testing.cases``: Megatron's ``model_config.yaml`` with
+    """One farm case, read from its folder (``farm.cases``: Megatron's ``model_config.yaml`` with
     a ``CG_FARM`` block). ``expect_capture_failure``: the graphed run injects a capture failure and
     must fall back to eager training (graphs 0, the failure in its report). ``golden_case`` names the
     case whose golden file this one is compared with (default: its own), on ``golden_metrics``;

@@ -1,7 +1,7 @@
 """``megatron-cg check``'s dry run: the launcher's flags parsed and validated on CPU as the launcher
 would on the GPU host (Megatron's ``validate_args``, then every rule of ``rules.check_run``, then
 ``TransformerConfig``'s own checks), with the process as it was afterwards. ``megatron-cg plan`` and
-the farm's refusals (``testing.farm.refusal_of``) run the same.
+the farm's refusals (``farm.runner.refusal_of``) run the same.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_cg_plugin import compat, megatron_builds, rules
+from megatron_cg_plugin.host_stand_ins import gpu_host_stand_ins
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.refusal import (
     MEGATRON_REJECTIONS,
-    gpu_host_stand_ins,
     megatron_rejection,
     missing_required_flags,
     transformer_config_backstop,

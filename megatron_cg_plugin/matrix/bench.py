@@ -10,7 +10,7 @@ The bench's arms are the cell's own capture (``_PLUGIN_ARMS``) and ``stock``, Me
 ``TECudaGraphHelper`` on the same flags (with Megatron's own offload in a slot-offload cell). A cell
 the rules refuse is not launched; nor is one whose stock arm they refuse (the cell's flags without
 the plugin's graph-only ``--cg-*`` flags, checked on CPU as ``megatron-cg check`` would), recorded
-with that rule. Each bench is one rank with its own rendezvous port (``testing.ports``) and its own
+with that rule. Each bench is one rank with its own rendezvous port (``farm.ports``) and its own
 copy of the farm's synthetic indexed dataset, so ``--parallel`` benches side by side share only the
 GPU; their figures are then shared-GPU ones, which the rendered table says. The flags after ``--``
 go to every ``megatron-cg bench`` as given (its ``--bench-*`` options). The benches train without

@@ -3,12 +3,12 @@ Megatron-LM's own ``pretrain_gpt.py`` (``megatron-cg run``) at the sizes users t
 ``docs/support-matrix.md`` generated from the run's JSON.
 
 The factors (model, graphed scope, precision, capture path, micro-batch size) are crossed in an
-all-pairs covering design (``plan.covering``): every pair of values meets in some cell. Before any
-GPU work both runs of each cell go through the plugin's one rule check (``farm.refusal_of``, what
+all-pairs covering design (``matrix.covering``): every pair of values meets in some cell. Before any
+GPU work both runs of each cell go through the plugin's one rule check (``farm.runner.refusal_of``, what
 ``megatron-cg check`` runs); a refused cell is recorded with its rules and not run. The design
 prefers cells that run, so refusals cover only pairs no running cell can. Every other cell trains
 the same steps eagerly and graphed on a real indexed dataset (the farm's synthetic one) and is
-compared bit for bit per step (``testing.farm``), with the pools the run measured beside the
+compared bit for bit per step (``farm.runner``), with the pools the run measured beside the
 prediction it made, and what teardown left.
 
     megatron-cg matrix plan [--out cells.json]        the design, with each cell's refusal (CPU)
@@ -16,7 +16,7 @@ prediction it made, and what teardown left.
     megatron-cg matrix bench CELLS.json --out DIR [--parallel N] [-- BENCH FLAGS]   plugin / stock step time
     megatron-cg matrix render CELLS.json RESULTS.json...   docs/support-matrix.md's text
 
-The bench (``testing.matrix_bench``) times each cell's capture against Megatron's own graphs with
+The bench (``matrix.bench``) times each cell's capture against Megatron's own graphs with
 ``megatron-cg bench``; its JSON renders beside the runs' as the "plugin / stock" column.
 """
 
@@ -231,7 +231,7 @@ def cell_env(cell: Mapping[str, str]) -> dict[str, str]:
 def refusal_of(
     cell: Mapping[str, str], out_dir: Path, *, flags: Sequence[str] | None = None
 ) -> tuple[tuple[str, ...], str]:
-    """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.refusal_of``, its
+    """The rules that refuse the cell's runs as ``megatron-cg check`` would (``farm.runner.refusal_of``, its
     dataset built under ``out_dir``), on ``flags`` in place of the cell's where given; ``((), "")``
     when both would start."""
     case = farm_case(Cell(dict(cell)), megatron_lm_dir=None)
@@ -418,7 +418,7 @@ _RESULT_WORDS = {
 }
 
 
-_BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix_bench.RESULTS_FILE) from a run's matrix.json
+_BENCH_KEY = "bench"  # what tells a matrix bench's JSON (matrix.bench.RESULTS_FILE) from a run's matrix.json
 
 
 _RESULTS_FILE = "a matrix.json `megatron-cg matrix run` wrote, or a matrix-bench.json of `matrix bench`"

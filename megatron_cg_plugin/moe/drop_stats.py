@@ -1,5 +1,5 @@
 """The fraction of token-to-expert assignments Megatron's router drops at a fixed capacity, measured
-in the run (``--cg-moe-drop-stats``), to set beside the capacity plan (``plan.moe``).
+in the run (``--cg-moe-drop-stats``), to set beside the capacity plan (``moe.capacity``).
 
 Forward hooks on the run's ``TopKRouter`` modules count, on the device and without a host sync,
 the assignments each router call keeps (the slots of its final routing map, after capacity

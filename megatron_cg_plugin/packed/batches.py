@@ -1,7 +1,7 @@
 """The launcher's packed batches (``--dataloader-inter-document-masking`` without hybrid CP): the
 batch keys Megatron's packed path reads, and the ``PackedSeqParams`` of a flattened microbatch, as
 Megatron-LM's own ``pretrain_gpt.py`` makes them (``get_batch``, ``forward_step``), so the plugin's
-layout (``packed_graphs``) meets the same params from either entry point.
+layout (``packed.graphs``) meets the same params from either entry point.
 """
 
 from __future__ import annotations

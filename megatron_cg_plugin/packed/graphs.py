@@ -1,12 +1,12 @@
 """Packed (THD) microbatches under TE graphs without hybrid CP: ``--dataloader-inter-document-masking``
-and ``--sft`` through Megatron's own batch path (docs/variants.md, "Packed sequences under TE graphs").
+and ``--sft`` through Megatron's own batch path (docs/packed-sequences.md).
 
 Megatron hands the model a ``PackedSeqParams`` whose ``cu_seqlens`` length and ``max_seqlen`` change
 from batch to batch; a graph replays fixed shapes and takes tensors only. With ``--cg-thd-max-seqs N``:
 
 - ``fixed_params`` (patch ``packed-thd-layout``, at ``GPTModel.forward``, in training, eager and
   graphed steps alike): the offsets copied on the device into a new int32 tensor of ``N + 1``
-  entries, the rest repeating the last offset (zero-length sequences, ``plan.thd.padded_offsets``),
+  entries, the rest repeating the last offset (zero-length sequences, ``packed.layout.padded_offsets``),
   ``max_seqlen`` the bound ``--cg-thd-max-seqlen L`` (default ``--seq-length``); a batch of more than
   N documents, or with a document longer than L, is refused (``ThdCapacityError``, naming the flag);
 - ``sample_inputs`` (the helper's ``_get_sample_arguments``): Megatron's sample arguments as a packed
@@ -54,19 +54,11 @@ class PackedFormError(ValueError):
     """A packed microbatch the fixed layout cannot carry; the message names what to change."""
 
 
-def megatron_seq_length() -> int:
-    """``--seq-length`` of the running Megatron job (its global args)."""
-    from megatron.training import get_args
-
-    return int(get_args().seq_length)
-
-
-def layout_of(config: Any, seq_length: int | None = None) -> PackedLayout | None:
+def layout_of(config: Any, seq_length: int) -> PackedLayout | None:
     """The fixed layout ``config`` asks for (None without ``--cg-thd-max-seqs``): its ``max_seqlen``
-    ``--cg-thd-max-seqlen``, else ``seq_length``, which defaults to the running job's."""
+    ``--cg-thd-max-seqlen``, else ``seq_length`` (the job's ``--seq-length``)."""
     if config.thd_max_seqs is None:
         return None
-    seq_length = megatron_seq_length() if seq_length is None else seq_length
     max_seqlen = seq_length if config.thd_max_seqlen is None else config.thd_max_seqlen
     return PackedLayout(config.thd_max_seqs, max_seqlen, seq_length=seq_length)
 
@@ -183,7 +175,7 @@ def graph_input(params: Any, layout: PackedLayout, where: str) -> torch.Tensor:
             f"{where}: a packed microbatch reached the graph outside the fixed layout it was captured for "
             f"({'; '.join(wrong)}). The plugin lays packed batches out at GPTModel's entry (patch packed-thd-layout); "
             "a model other than GPTModel, or a call outside its forward, must pass "
-            "packed_graphs.fixed_params(params, layout) itself, or train with --cuda-graph-impl none."
+            "packed.graphs.fixed_params(params, layout) itself, or train with --cuda-graph-impl none."
         )
     return offsets
 
@@ -275,18 +267,28 @@ def helper_sample_inputs(helper: Any, sample_args: Sequence[tuple], sample_kwarg
 
 def _config_layout(session: Any) -> Callable[[], PackedLayout | None]:
     """The session's layout, made once its config is resolved and kept while that config holds; its
-    ``--seq-length`` from the run's settings (``session.settings``, once the rules passed them)."""
+    ``--seq-length`` from the run's settings (``session.settings``: resolving the config runs the rules)."""
     held: dict[int, PackedLayout | None] = {}
 
     def layout() -> PackedLayout | None:
         config = session.config
         if id(config) not in held:
             held.clear()
-            settings = session.settings  # None before the rules' check (a session of its own): the job's args
-            held[id(config)] = layout_of(config, seq_length=None if settings is None else settings.seq_length)
+            held[id(config)] = None if config.thd_max_seqs is None else layout_of(config, _seq_length(session))
         return held[id(config)]
 
     return layout
+
+
+def _seq_length(session: Any) -> int:
+    settings = session.settings
+    if settings is None or settings.seq_length is None:
+        raise RuntimeError(
+            "--cg-thd-max-seqs lays packed sequences out from --seq-length, but this run's settings were never "
+            "read: call megatron_cg_plugin.install() before Megatron validates its arguments (or after it parsed "
+            "them), as megatron-cg run does."
+        )
+    return int(settings.seq_length)
 
 
 def _carried(params: Any) -> bool:

@@ -15,7 +15,7 @@ of size ``cp``, TE splits every sequence into ``2 * cp`` chunks (rank r keeps ch
 
 The same layout feeds the eager run, so graphed and eager runs compute on identical shapes.
 
-Without hybrid CP (``--dataloader-inter-document-masking``, ``--sft``: ``packed_graphs``) Megatron's
+Without hybrid CP (``--dataloader-inter-document-masking``, ``--sft``: ``packed.graphs``) Megatron's
 batch already covers every token, so its offsets need no dummy: ``PackedLayout`` holds them in
 ``max_seqs + 1`` entries, padded by the same rule (``padded_offsets``), with ``max_seqlen`` bound to
 ``--cg-thd-max-seqlen`` (default ``--seq-length``).

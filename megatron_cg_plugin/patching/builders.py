@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_cg_plugin import compat, console, refusal, rules
+from megatron_cg_plugin import compat, console, host_stand_ins, refusal, rules
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.moe.drop_stats import RouterDropTap
@@ -129,7 +129,7 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
         # Megatron prints every argument (about 850 lines) as it validates: held back until the rules pass too, so
         # a refusal is what the terminal shows. The flags are checked as on the GPU host, before the host itself.
         with console.megatron_printout_held():
-            with refusal.host_validation():
+            with host_stand_ins.host_validation():
                 try:
                     result = original(args, *rest, **kwargs)
                 except refusal.MEGATRON_REJECTIONS as error:  # Megatron's own checks: one line, not a traceback
@@ -137,7 +137,7 @@ def build_validate_args_rules(original: Callable, session: Any) -> Callable:
                     raise refusal.refuse_megatron(
                         error, environ=os.environ, plugin=rules.unvalidated_plugin_violations(parsed, env=os.environ)
                     ) from None
-                refusal.enforce_for_session(args, session, environ=os.environ)
+                session.check_flags(args, environ=os.environ)
             # The launcher and the bench ask it themselves, once their own flags passed too.
             host = None if session.launcher else refusal.refuse_host(session.settings, environ=os.environ)
             if host is not None:

@@ -7,9 +7,10 @@ each exists; ``docs/patches.md`` is rendered from them (``markdown()``).
   replacing anything, and is reverted by restoring the very object it replaced. ``PatchSet.apply_all``
   is all-or-nothing: if one patch fails, the ones already applied are reverted before the error
   propagates.
-- ``LENT``: attributes the plugin sets at run time; ``install()`` saves each one (``hold_lent``) and
-  ``uninstall()`` restores it, by identity, with the patches.
-- ``SCOPED``: state set only inside a ``with`` block, back on exit whatever happens.
+- ``LENT``: attributes the plugin sets at run time; ``install()`` saves each one marked ``held``
+  (``hold_lent``) and ``uninstall()`` restores it, by identity, with the patches.
+- ``SCOPED``: state set only inside a ``with`` block (or for one call, put back in its ``finally``),
+  back on exit whatever happens.
 - ``PRIVATE_API``: private Megatron, TE and torch functions the plugin calls, checked at
   ``install()`` (present, with the parameters relied on) so a changed release is refused up front.
 
@@ -269,6 +270,9 @@ class ForeignState:
     needs_te: bool = False
     calls: tuple[str, ...] = ()  # PRIVATE_API: module globals the function must still call by name
     held: bool = False  # LENT: install() saves the attribute and uninstall() restores it
+    # How the change is made where not through foreign_state under this entry's name (change=<name>):
+    # a foreign API's own setter or context manager, hooks, or plain writes of per-forward state.
+    made_with: str = ""
 
     def locate(self) -> tuple[Any, str]:
         """The object that holds the attribute ``target`` names, and the attribute's name there."""
@@ -305,6 +309,21 @@ LENT: tuple[ForeignState, ...] = (
         "and sets them before each of its replays, as the preprocess it replays would; every eager forward sets "
         "them anew.",
         "banks.capture.LayerBanks.replay (BankGraph.restore_dispatcher)",
+        made_with="plain writes before each bank replay, as the replayed preprocess would make them",
+    ),
+    ForeignState(
+        "moe-dispatcher-scratch",
+        "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
+        "Instance attributes an MoE layer's token dispatcher lists in cudagraph_attrs (its per-forward state, which "
+        "every forward sets anew before reading it) are set to None: before a capture and after the graphs are "
+        "deleted, so neither the last eager step's tensors (with that step's autograd graph) nor the last graph's (in "
+        "its pool) outlive their step; and, where a slot-shared or bank graph holds the MoE block, as each captured "
+        "forward returns, so they are temporaries of the graph, not blocks left alive in the shared pool "
+        "(SlotCoverageError).",
+        "capture.scratch.clear: capture_lifecycle.PluginHelperMixin._clear_moe_scratch (before capture, after "
+        "delete_cuda_graphs); banks.capture (before the banks' capture, and in each bank's capture call); "
+        "slot_sharing.megatron_backend (each slot-shared capture call of a whole MoE block)",
+        made_with="plain writes of None, as Megatron's own reset of them",
     ),
 )
 
@@ -317,13 +336,34 @@ SCOPED: tuple[ForeignState, ...] = (
         "off, so it is off for those profiled steps (the timed steps keep it on) and back on after them.",
         "bench.command.python_calls_per_step (the with block of torch.autograd.set_multithreading_enabled(False) "
         "around the profiled steps)",
+        made_with="torch's own context manager",
     ),
     ForeignState(
         "bench-train-step",
         "megatron.training.training:train_step",
         "megatron-cg bench measures inside Megatron's own train(), which sets the step up as for training: its "
-        "first train_step call runs every block of the bench through the real train_step, then ends the loop.",
-        "bench.command.main (foreign_state.setting around the launcher's pretrain())",
+        "first train_step call runs every block of the bench through the real train_step, then ends the loop: it "
+        "sets Megatron's args curr_iteration per step and iteration and train_iters to end the loop, all held from "
+        "that first call and back as they were when the run returns.",
+        "bench.command.run_in_first_train_step (foreign_state.Changes around the launcher's pretrain() or the "
+        "user's script)",
+    ),
+    ForeignState(
+        "bench-arm-graphs",
+        "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "Instance attributes cuda_graphs and cuda_graph_manual_hooks of each graphed layer: megatron-cg bench "
+        "--bench-interleave steps keeps every arm's graphs captured at once and switches the layers between them "
+        "per step; an arm set aside leaves the layers empty lists (eager), and a failed capture gives them back.",
+        "bench.command.MegatronTrainer.deactivate / activate (foreign_state.save and restore) and its capture "
+        "transaction",
+    ),
+    ForeignState(
+        "bench-offload-fraction",
+        "megatron.core.transformer.transformer_config:TransformerConfig",
+        "Instance attribute activation_offload_fraction of the layers' TransformerConfig: a bench arm named -f<P> "
+        "captures as --activation-offload-fraction P/100 would, for its own capture only; the run's value is back "
+        "after it, whatever happens.",
+        "bench.command.MegatronTrainer._offload_fraction (foreign_state.save, put, restore around the arm's capture)",
     ),
     ForeignState(
         "tune-scope",
@@ -334,6 +374,24 @@ SCOPED: tuple[ForeignState, ...] = (
         "when it is built), so each arm sets them as its own build would, and the built model's come back when no "
         "arm is active.",
         "tune.trainer.TuneTrainer._scope (foreign_state.save when the trainer is made, put per arm, restore after)",
+    ),
+    ForeignState(
+        "bank-replay-cuda-graphs",
+        "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "Instance attribute cuda_graphs of a banked layer (the plugin's subclass, injected through the layer spec), "
+        "for one bank replay: Megatron's _te_cuda_graph_replay calls self.cuda_graphs[i]; lending it the bank's graph "
+        "runs Megatron's own scope post-processing and its delayed offload flush after the bank replay.",
+        "banks.capture.LayerBanks.replay (foreign_state.setting around Megatron's _te_cuda_graph_replay)",
+    ),
+    ForeignState(
+        "dynamic-cp-pg-collection",
+        "megatron.core.transformer.attention:Attention",
+        "Instance attribute pg_collection of a dynamic-CP attention (the plugin's subclass of the layer spec's "
+        "attention class), for one forward: Megatron's attention applies THD RoPE with self.pg_collection.cp (the "
+        "static group); the module holds a copy with the microbatch's CP group instead, so the shared collection is "
+        "never edited.",
+        "banks.dynamic_cp.dynamic_cp_attention_class (foreign_state.setting around its forward, only where the "
+        "microbatch's CP group is not the static one)",
     ),
     ForeignState(
         "megatron-capture-call",
@@ -391,6 +449,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "hook on each of the run's TopKRouter modules adds its kept and asked assignments to a device counter "
         "(captured along with the graphs that hold the router).",
         "moe.drop_stats.RouterDropTap (forward hooks for the length of train(), removed after it; train-end-report)",
+        made_with="torch's module forward hooks",
     ),
     ForeignState(
         "megatron-capture-flag",
@@ -419,6 +478,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "after capture moved and graphed training differed from eager.",
         "capture.te_backend.generators_preserved (with block around slot-shared warmup and capture in capture_slotted)",
         needs_te=True,
+        made_with="the generators' own get_state and set_state",
     ),
     ForeignState(
         "slot-fp8-weight-update-flag",
@@ -431,6 +491,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "slot_sharing.fp8_state.Fp8Capture.enter / exit (around warmup and capture in capture_slotted; "
         "Fp8Replay.before_forward fills it)",
         needs_te=True,
+        made_with="TE's FP8GlobalStateManager setter (foreign_state.put back after a failed capture)",
     ),
     ForeignState(
         "slot-fp8-replay-amax-group",
@@ -440,6 +501,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "global amax buffer, as TE's graphed callables do (graph.py new_fwd); it is per-autocast state TE resets.",
         "slot_sharing.fp8_state.Fp8Replay.before_forward (each FP8 replay under an active autocast)",
         needs_te=True,
+        made_with="writes into TE's per-autocast fp8_meta, as TE's graphed callables make them",
     ),
     ForeignState(
         "cpu-device-stand-ins",
@@ -447,7 +509,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "megatron-cg check runs Megatron's validation on a CPU machine as on the GPU host: get_device_capability "
         "and get_device_properties describe an sm_90 device there (Megatron asks for grouped GEMM and the TP/CP "
         "connection rules).",
-        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "host_stand_ins.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
         "without a GPU; only where no GPU is present)",
     ),
     ForeignState(
@@ -455,8 +517,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
         "TransformerConfig refuses RoPE and permutation fusion when TE's kernels did not import, as on a CPU "
         "machine; the dry run checks flags for a GPU host that has them, so the fused RoPE and the moe_utils "
-        "fused permute/unpermute/sort-chunks symbols (refusal.TE_KERNELS) are stand-ins that are never called.",
-        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "fused permute/unpermute/sort-chunks symbols (host_stand_ins.TE_KERNELS) are stand-ins that are never called.",
+        "host_stand_ins.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
         "without a GPU; only where TE did not import)",
     ),
     ForeignState(
@@ -465,7 +527,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "Megatron's config checks gate features on the TE version (moe_act recompute under FP8 needs >= 2.6); "
         "where TE is not installed it reads 0.0.0, so the dry run sets Megatron's cached version to the lowest "
         "TE release the plugin supports, the one the GPU host will have at least.",
-        "refusal.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
+        "host_stand_ins.gpu_host_stand_ins (foreign_state.setting around the dry run, and a run's validation on a host "
         "without a GPU; only where TE is not installed)",
     ),
 )
@@ -574,9 +636,10 @@ def markdown() -> str:
         "",
         "Generated from `megatron_cg_plugin/patching/ledger.py` (`python -c 'from megatron_cg_plugin.patching.ledger "
         'import markdown; print(markdown(), end="")\' > docs/patches.md`); edit the ledger, not this page.',
-        "Every change below is made and undone through one primitive, `megatron_cg_plugin/foreign_state.py`:",
-        "what is saved is what the object itself holds, and an attribute it did not hold itself (absent, or only",
-        "inherited from its class) is restored by deleting it, so nothing is left behind.",
+        "Every patch and held attribute, and each change below not marked *made with*, is made and undone",
+        "through one primitive, `megatron_cg_plugin/foreign_state.py`, under its entry's name: what is saved is",
+        "what the object itself holds, and an attribute it did not hold itself (absent, or only inherited from its",
+        "class) is restored by deleting it, so nothing is left behind. A unit test holds the code to it.",
         "",
         "## Replaced by `install()` (`PATCHES`)",
         "",
@@ -596,12 +659,16 @@ def markdown() -> str:
     ]
     sections = (
         (
-            "Attributes set at run time, restored by `uninstall()` (`LENT`)",
+            "Attributes set at run time (`LENT`)",
             "`install()` saves each attribute marked held as it is then; `uninstall()` puts it back by identity, with "
-            "the patches.",
+            "the patches. The others are per-forward state of Megatron's objects, which the next forward sets anew.",
             "set by",
         ),
-        ("State set inside a `with` block (`SCOPED`)", "Back on exit, whatever happens.", "block"),
+        (
+            "State set inside a `with` block or for one call (`SCOPED`)",
+            "Back on exit (of the `with` block, or in the call's `finally`), whatever happens.",
+            "block",
+        ),
         (
             "Private functions relied on, checked at `install()` (`PRIVATE_API`)",
             "`install()` refuses (`SignatureMismatchError`, nothing patched) where one is missing, lacks the "
@@ -615,54 +682,20 @@ def markdown() -> str:
     for (title, text, where), entries in zip(sections, (LENT, SCOPED, PRIVATE_API), strict=True):
         lines += ["", f"## {title}", "", text, "", f"| name | attribute | {where} | why |", "| --- | --- | --- | --- |"]
         lines += [
-            f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where} | {entry.reason} |"
+            f"| `{entry.name}` | `{entry.target.replace(':', '.')}` | {entry.where}"
+            f"{' (held: `uninstall()` restores it)' if entry.held else ''}"
+            f"{f'; *made with* {entry.made_with}' if entry.made_with else ''} | {entry.reason} |"
             for entry in entries
         ]
-    return "\n".join(lines) + "\n\n" + _OTHER_STATE
+    return "\n".join(lines) + "\n\n## Relied on, not changed\n\n" + _RELIED_ON
 
 
-# Changes no entry above lists: objects that live for one call, hooks for one capture, and the rest.
-_OTHER_STATE = """\
-| A tensor hook (`Tensor.register_hook`) on each output of a graphed layer's capture call that takes a gradient | \
-names that layer's backward when autograd reaches it (TE captures every forward first, then the backwards in reverse \
-order, so the last forward is not where a backward failed); does nothing else, and is removed with the \
-`layer-capture-tracker` wrappers, after success and failure alike, so none stays on TE's static outputs. |
-
-## Instance attributes lent for one call (hybrid CP)
-
-Set on the plugin's own subclasses' instances (injected through the layer spec), restored in a
-`finally` when the call returns or raises; no class and no shared object changes:
-
-| what | why |
-| --- | --- |
-| `cuda_graphs` of a banked layer (`banks/capture.py`), for one bank replay | Megatron's \
-`TransformerLayer._te_cuda_graph_replay` calls `self.cuda_graphs[i]`; lending it the bank's graph runs Megatron's own \
-scope post-processing and its delayed offload flush after the bank replay. |
-| `pg_collection` of a dynamic-CP attention (`banks/dynamic_cp.py`), for one forward | Megatron's attention \
-applies THD RoPE with `self.pg_collection.cp` (the static group); the module holds a copy with the microbatch's \
-CP group instead, so the shared collection is never edited. |
-
-One more Megatron instance state is written, not lent: graph banks that graph an MoE block set the
-token dispatcher's per-forward attributes to None before capture and as each captured forward
-returns (`capture/scratch.py`). Those are the attributes Megatron lists in the dispatcher's
-`cudagraph_attrs`, which every forward sets again before reading them. Left in place, they would
-keep a graph's temporaries alive in the shared pool (`SlotCoverageError`), and the last eager step's
-autograd graph alive at capture.
-
-Megatron internals these rely on are checked before use. `TransformerLayer._forward_attention`
-must take `attention_mask`, `rotary_pos_emb` and `packed_seq_params`, and the attention's `forward`
-must take `packed_seq_params` and `rotary_pos_emb`; otherwise `SignatureMismatchError`. The run
-report also reads Megatron's delayed offload queue (`PipelineOffloadManager._delayed_offload_groups`,
-read only) to count the groups flushed after bank replays.
-
-`strided-weak-ref` is the only TE attribute patched. Slot-shared capture (`slot_sharing/capture.py`)
-captures with torch's graphs directly; it sets TE's capture flag inside a `with` block
-(`te-capture-flag` above).
-
-`megatron-cg check` (a CPU dry run) additionally lets Megatron's `validate_args` run as on the GPU
-host: for the duration of the check only, `torch.cuda.get_device_capability` answers the target's
-capability (9.0) when there is no GPU, and RoPE fusion (a TE kernel) is turned off when TE is not
-installed. Both are restored when the check returns.
+# What the plugin reads or checks of Megatron without changing it, beyond PRIVATE_API (each change is an entry above).
+_RELIED_ON = """\
+A dynamic-CP attention class checks, as the layer spec is adapted, that Megatron's attention `forward` takes
+`packed_seq_params` and `rotary_pos_emb` (`SignatureMismatchError` otherwise). Bank replays read Megatron's
+delayed offload queue (`PipelineOffloadManager._delayed_offload_groups`, read only) to check and count the
+groups flushed after them (`slot_sharing.offload_groups.delayed_offload_groups`).
 """
 
 

@@ -5,7 +5,7 @@ its outputs, and the backward's gradients and workspaces, all in the graph pool.
 each graphed scope down as the program of allocations and frees that Megatron 0.19.2's TE layers
 make under capture (read from allocator traces of real captures on an H200: ``docs/performance.md``),
 with sizes from the shapes, and replays the program through the caching allocator's rules
-(``plan.allocator``): the pool reserves its segments, so rounding and fragmentation are counted.
+(``planner.allocator``): the pool reserves its segments, so rounding and fragmentation are counted.
 
 What it covers: PP = 1 with one graph per layer (Megatron's TE path), dense layers (LayerNorm or
 RMSNorm, GELU or SwiGLU, with or without bias, RoPE, GQA, hidden dropout) and MoE layers with the
@@ -22,11 +22,11 @@ gradients' column sums (``planner.reduction``) from ATen's reduce-kernel arithme
 
 ``--cg-slot-capture`` (``plan_slot_memory``) runs the same programs another way: everything a
 forward leaves for its backward is copied into the layer's arena, and every graph boundary and
-parameter gradient lives in buffers outside the pool (``capture.slot_shared``), so each graph's pool
+parameter gradient lives in buffers outside the pool (``slot_sharing.capture``), so each graph's pool
 blocks are free again when its capture ends and the pool is sized by the largest graph. The arena
 is what the forward program keeps alive past its end, less the graph's output, plus the graph's
 input (the first norm saves it), attention's cu_seqlens and RoPE's frequencies, each storage
-aligned as the arenas align them (``plan.slot_plan.arena_aligned``); the saves in-graph offload moves
+aligned as the arenas align them (``slot_sharing.plan.arena_aligned``); the saves in-graph offload moves
 go to the host instead.
 """
 
@@ -594,7 +594,7 @@ def _rotary_dim(s: LayerShape) -> int:
 
 
 def staging_ring_bytes(offloaded: Sequence[int], depth: int) -> int:
-    """The GPU staging buffers of ``--cg-offload-copies between-replays`` (``memory.staging``): the
+    """The GPU staging buffers of ``--cg-offload-copies between-replays`` (``slot_sharing.offload_staging``): the
     layers, in capture order, take the ``depth`` ring positions round-robin; a position's buffer is
     sized by the first layer that offloads at it, and a later, larger layer there gets a buffer of
     its own. ``offloaded``: each layer's offloaded bytes."""
@@ -620,7 +620,7 @@ def plan_slot_memory(
     """``--cg-slot-capture`` with one slot per layer (PP = 1): the pool, the GPU arenas (less the
     saves ``policy`` offloads, which ``host_arena_bytes`` counts) and the boundary buffers: each
     graph's output and the gradients of its output and input, and the parameter-gradient buffers
-    of the parameters the graphs reach (shared by layout: ``memory.param_grads``). The slot backend
+    of the parameters the graphs reach (shared by layout: ``slot_sharing.param_grads``). The slot backend
     captures each layer's forward, then its backward, into one pool; each capture frees its blocks
     when it ends, except the forward's output, which lives until its backward is captured. With
     ``staging_depth`` (copies between replays), the GPU arenas include the staging ring."""
@@ -678,7 +678,7 @@ def plan_slot_memory(
         offloaded_per_layer.append(offloaded)
     if staging_depth is not None:
         arenas += staging_ring_bytes(offloaded_per_layer, staging_depth)
-    # Megatron's sample arguments are the static inputs (capture.slot_shared adopts them), so the boundary
+    # Megatron's sample arguments are the static inputs (slot_sharing.capture adopts them), so the boundary
     # buffers are each graph's output, its gradient and the input's gradient.
     boundary = sum(3 * shape.act(shape.hidden) for shape in layers) + _parameter_gradient_bytes(layers, parts)
     return GraphMemoryPlan(
@@ -802,7 +802,7 @@ def fp8_attention_saves(s: LayerShape) -> dict[str, int]:
 def _offloaded_bytes(shape: LayerShape, parts: frozenset[str], stack: OffloadStack, index: int) -> int:
     """What in-graph offload moves out of layer ``index``'s arena: the attention storages every save
     of which Megatron's offload groups hold, in the groups Megatron offloads at that layer
-    (``plan.offload.OffloadStack``)."""
+    (``slot_sharing.offload_plan.OffloadStack``)."""
     return stack.plan(_attention_saves(shape), index).host_bytes if "attn" in parts else 0
 
 

@@ -107,7 +107,7 @@ def device_parts(need: CaptureNeed) -> str:
 
 
 def alternative_setups(settings: RunSettings, config: PluginConfig) -> tuple[Setup, ...]:
-    """Every other way to graph the run (``setups.enumerate_setups``, built from the run's settings) that
+    """Every other way to graph the run (``graph_setups.enumerate_setups``, built from the run's settings) that
     the rules accept and the planner predicts: the run's scope first, then the others most graphed first,
     each in the enumeration's order (TE's graphs, slot-shared, slot-shared with attention's saves offloaded
     inside the graphs). None for runs without TE graphs, or with graph banks (not predicted)."""

@@ -3,9 +3,9 @@
 TE 2.20.2's ``make_graphed_callables`` keeps a forward's backward state in pool blocks that the
 allocator hands to the next capture sharing the pool once that backward is captured, so replays of
 two variants that interleave (A.fwd, B.fwd, A.bwd) corrupt each other. Here each variant is
-captured once per slot of a slot ring (``plan.slot_plan``), all into one pool, and everything the
+captured once per slot of a slot ring (``slot_sharing.plan``), all into one pool, and everything the
 forward leaves for its backward is copied, inside the forward graph, into the slot's arena
-(``memory.saved_tensors``): tensors saved through ``save_for_backward`` and tensors kept on ``ctx``.
+(``slot_sharing.saved_tensors``): tensors saved through ``save_for_backward`` and tensors kept on ``ctx``.
 Arenas and every graph boundary (inputs, outputs, incoming and returned gradients) live outside the
 pool, allocated before capture; the pool then only holds each graph's temporaries, which the
 captures may share freely because graphs replay one at a time on one stream. After each forward
@@ -15,10 +15,10 @@ handed to another capture.
 
 Sizes: one arena per slot, sized by the largest variant measured at warmup; boundary storage per
 (slot, I/O branch): variants with identical boundary layouts share it (as do variants naming the
-same ``io_branch``, which must then have identical layouts: ``capture.branches``); parameter
+same ``io_branch``, which must then have identical layouts: ``slot_sharing.branches``); parameter
 gradients go through one buffer shared by every graph and are cloned after each backward replay
 (autograd may keep a returned gradient as ``.grad``), and captures that replay one at a time may
-share those buffers too (``memory.param_grads``); parameters no warmup gave a gradient get none.
+share those buffers too (``slot_sharing.param_grads``); parameters no warmup gave a gradient get none.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 
 from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture import te_backend as te_seam
-from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation, ReplayContract
+from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
+from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.slot_sharing import fp8_state
@@ -98,23 +99,23 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class SlotOffload:
-    """Activation offload for slot-shared capture (``memory.offload``): ``policy`` selects saves by
+    """Activation offload for slot-shared capture (``slot_sharing.offload_arenas``): ``policy`` selects saves by
     Megatron's offload group, ``group`` names the group running now (for Megatron's layers:
-    ``capture.offload_groups.OffloadGroupTracker.current``). The copies run inside the graphs
+    ``slot_sharing.offload_groups.OffloadGroupTracker.current``). The copies run inside the graphs
     through the engine ``transfers`` makes, or, with ``staging``, between replays through that
-    ring of staging buffers (``memory.staging``)."""
+    ring of staging buffers (``slot_sharing.offload_staging``)."""
 
     policy: OffloadPolicy
     group: Callable[[], str | None]
     transfers: Callable[[], Transfers] = CudaTransfers
     # Given: the copies run between replays through this ring of staging buffers, shared by every
-    # capture that passes it (memory.staging); None: inside the graphs, through ``transfers``.
+    # capture that passes it (slot_sharing.offload_staging); None: inside the graphs, through ``transfers``.
     staging: StagingRing | None = None
     # In-graph copies: offload groups whose copies may run beside the one being staged or unpacked
-    # (more overlap, more staging and reload buffers alive in the pool; memory.offload).
+    # (more overlap, more staging and reload buffers alive in the pool; slot_sharing.offload_arenas).
     window: int = 1
     # The variants are layer ``layer_index`` of ``stack``: Megatron's choice across the layers
-    # (plan.offload); None: the frames are planned alone.
+    # (slot_sharing.offload_plan); None: the frames are planned alone.
     stack: OffloadStack | None = None
     layer_index: int = 0
 
@@ -233,7 +234,7 @@ class _Measure:
     outputs: tuple[torch.Tensor, ...]  # warmup outputs, as layout templates
     input_grads: tuple[torch.Tensor | None, ...]
     params_used: tuple[bool, ...]
-    saves: tuple = ()  # plan.offload.Save of every save, when an offload group source is given
+    saves: tuple = ()  # offload_plan.Save of every save, when an offload group source is given
 
 
 def _warmup(
@@ -343,6 +344,7 @@ class _Entry:
         param_grads: Sequence[torch.Tensor | None],
         guard: SlotGuard | None,
         contract_check: ContractCheck = ContractCheck.FULL,
+        step_marks: StepMarks | None = None,
     ) -> None:
         self.variant, self.slot = variant, slot
         self.boundary: _Boundary | None = boundary  # None once released
@@ -354,9 +356,12 @@ class _Entry:
         self.output_requires_grad: tuple[bool, ...] = ()
         self.input_count = len(variant.sample_args)
         # The same contract as TE's graphs: the boundary inputs are the static buffers (an input at
-        # their address is read in place, any other copied in), the parameters are read in place.
+        # their address is read in place, any other copied in), the parameters are read in place
+        # (once a step with ``step_marks``, as for TE's graphs).
         self.contract_check = contract_check
-        self.contract = ReplayContract.record(self.name, boundary.inputs, {}, params=self._named_params())
+        self.contract = ReplayContract.record(
+            self.name, boundary.inputs, {}, params=self._named_params(), step_marks=step_marks
+        )
         self.frames = 0
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
@@ -402,13 +407,8 @@ class _Entry:
 
     def replay_forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         boundary = self._check_live()
-        if len(args) != self.input_count:  # whatever the mode: the inputs and parameters are told apart by count
-            raise ContractViolation(
-                self.name,
-                "arguments",
-                [name for name, _ in self.contract.inputs],
-                [f"arg{index}" for index in range(len(args))],
-            )
+        if len(args) != self.input_count:  # a wrong call, as for any function; the contract checks the rest
+            raise TypeError(f"the graphs of {self.name} take {self.input_count} tensors, got {len(args)}")
         for arg, static in zip(args, boundary.inputs, strict=True):
             if arg.data_ptr() != static.data_ptr():
                 static.detach().copy_(arg)
@@ -535,8 +535,9 @@ def capture_slotted(
     fp8: SlotFp8 | None = None,
     check_stale: bool = True,
     param_grads: ParamGradBuffers | None = None,
+    step_marks: StepMarks | None = None,
 ) -> SlottedGraphs:
-    """Captures each variant once per slot that ``plan`` (``plan.slot_plan.plan_slots``) gives it, all
+    """Captures each variant once per slot that ``plan`` (``slot_sharing.plan.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
     ``parameters`` are the layers' parameters (shared by all variants). ``protect=False`` captures
@@ -551,11 +552,12 @@ def capture_slotted(
     freed pool block only to allocations on the stream it came from. ``fp8`` runs the variants'
     warmup and capture under TE's graph autocast (``SlotFp8``); replays then belong inside the
     caller's own FP8 autocast with the same recipe, as TE's graphed callables do. ``check_stale``
-    refuses capture while eager autograd graphs reach the parameters (``hygiene``; ~0.2 s);
+    refuses capture while eager autograd graphs reach the parameters (``capture.stale_graphs``; ~0.2 s);
     ``False`` where the caller checks (the plugin's helper, once per capture phase).
     ``param_grads`` shares the parameter-gradient buffers with other captures whose backward
-    replays never overlap with these (``memory.param_grads``); the stats then count only the
-    buffers this capture added.
+    replays never overlap with these (``slot_sharing.param_grads``); the stats then count only the
+    buffers this capture added. ``step_marks``: the run's, where the model keeps its parameters in
+    place within a step, so each contract reads them once a step (``ReplayContract``).
     """
     params = [p for p in parameters if p.requires_grad]
     slots_of = _validate(variants, plan, warmup_iterations, fp8)
@@ -570,7 +572,9 @@ def capture_slotted(
     if offload is not None and not protect:
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
     sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
-    options = _CaptureOptions(protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing)
+    options = _CaptureOptions(
+        protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing, step_marks
+    )
     # Warmup and capture draw random numbers that eager training never draws: the generators go back after.
     with (
         te_seam.te_capture_flag(),
@@ -617,6 +621,7 @@ class _CaptureOptions:
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
     # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
     sharing: Callable[[], _Sharing] = _Sharing
+    step_marks: StepMarks | None = None  # the run's, where parameters stay in place within a step
 
 
 @dataclasses.dataclass
@@ -730,7 +735,14 @@ def _capture_all(
     guard = SlotGuard(ring_size) if options.debug else None
     entries = {
         (v.name, slot): _Entry(
-            v, slot, boundaries[slot, branch_of[v.name]], params, param_grads, guard, options.contract_check
+            v,
+            slot,
+            boundaries[slot, branch_of[v.name]],
+            params,
+            param_grads,
+            guard,
+            options.contract_check,
+            options.step_marks,
         )
         for v, slot in placed
     }
@@ -804,7 +816,7 @@ def _validate(
     if not isinstance(plan, SlotPlan):
         raise TypeError(
             f"plan is a {type(plan).__name__}; pass the SlotPlan of plan_slots(order, variants) "
-            "(plan.slot_plan), or plan.slot_plan.exclusive_plan(names) for variants that never overlap."
+            "(slot_sharing.plan), or slot_sharing.plan.exclusive_plan(names) for variants that never overlap."
         )
     if warmup_iterations < 1:
         raise ValueError("warmup_iterations must be >= 1: arenas are sized from a warmup run.")

@@ -210,7 +210,7 @@ def _te_modules(modules: Sequence[Any]) -> list[Any]:
 
 
 def per_call_quantizers(modules: Sequence[Any]) -> Callable[[Any], tuple[str, ...]]:
-    """For the arenas' ctx protection (``memory.saved_tensors._Packer.entering``): TE's per-call
+    """For the arenas' ctx protection (``slot_sharing.saved_tensors._Packer.entering``): TE's per-call
     quantizer copies keep a scale snapshot the backward reads. FusedAttnFunc copies S with its
     scale cloned inside the graph (backends.py 1856-1858), a pool block another variant's replay
     may overwrite. The CP functions keep QKV/O/S copies whose scale is cloned only under delayed

@@ -13,9 +13,9 @@ share the pool, and what a layer's forward leaves for its backward goes to that 
 With Megatron's fine-grained offload flags (``--fine-grained-activation-offloading
 --offload-modules ...``), the saves of the offloaded modules inside the graphed scope go to a
 pinned host arena per layer, copied inside the graphs or between replays (``--cg-offload-copies``:
-``memory.offload``, ``memory.staging``); Megatron's own offload keeps the modules outside the
+``slot_sharing.offload_arenas``, ``slot_sharing.offload_staging``); Megatron's own offload keeps the modules outside the
 scope. During warmup and capture Megatron's offload interface only names its groups
-(``capture.offload_groups``), and the layers' ``offload_module_in_cuda_graph`` is off, so the
+(``slot_sharing.offload_groups``), and the layers' ``offload_module_in_cuda_graph`` is off, so the
 capture callable does not join Megatron's offload streams (the plugin's copies bring their own).
 """
 
@@ -183,7 +183,7 @@ def check_slot_capture_call(callables: Sequence[Any], sample_args: Sequence, kwa
                 f"--cg-slot-capture: {refusal} Or drop --cg-slot-capture (TE's graphs take every FP8 recipe)."
             )
     # One graph per layer, so the layers' backward replays never overlap: they share parameter-gradient
-    # buffers (memory.param_grads), which this refusal keeps safe.
+    # buffers (slot_sharing.param_grads), which this refusal keeps safe.
     if len(sample_args) != len(callables):
         raise SlotCaptureError(
             f"Megatron asks for {len(sample_args)} graphs of {len(callables)} layers (one per microbatch in flight: "
@@ -241,12 +241,10 @@ class SlotBackend(TEBackend):
         *,
         offload: bool = True,
         copies: OffloadCopies | str = OffloadCopies(),
-        offload_fraction: float | None = None,
         debug: bool = False,
     ) -> None:
         self.offload = offload  # follow Megatron's offload flags inside the graphs (else all saves stay on the GPU)
         self.copies = OffloadCopies.given(copies)
-        self.offload_fraction = offload_fraction  # the bench's frontier arms; None: --activation-offload-fraction
         self.debug = debug
 
     def restorables(self, callables: Sequence[Any], capture_kwargs: dict[str, Any]) -> list[Restorable]:
@@ -257,9 +255,7 @@ class SlotBackend(TEBackend):
 
         check_slot_capture_call(callables, sample_args, kwargs)
         sample_kwargs = kwargs.get("sample_kwargs") or [{}] * len(sample_args)
-        offload = MegatronOffload.from_config(
-            callables[0].config, callables, offload=self.offload, fraction=self.offload_fraction
-        )
+        offload = MegatronOffload.from_config(callables[0].config, callables, offload=self.offload)
         fp8_enabled = _fp8_enabled(kwargs, len(callables))
         # FP8: the weight workspaces are made in the first warmup iteration, frames measured in the last.
         warmup = max(2 if any(fp8_enabled) else 1, int(kwargs.get("num_warmup_iters", 2)))

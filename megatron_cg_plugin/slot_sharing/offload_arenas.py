@@ -1,5 +1,5 @@
 """Activation offload inside slot-shared graphs: the saved-tensor hook that keeps most of a frame's
-saves in its GPU arena and moves those the offload plan selects (``plan.offload``) to the slot's
+saves in its GPU arena and moves those the offload plan selects (``slot_sharing.offload_plan``) to the slot's
 pinned host arena, and back for backward.
 
 Forward: a selected storage is first copied, on the compute stream, into a staging buffer (a later
@@ -267,7 +267,7 @@ class _PlannedArenaHooks(ArenaHooks):
 
 
 class StagedArenaHooks(_PlannedArenaHooks):
-    """Offload between replays (``memory.staging``): the offloaded storages go, inside the forward
+    """Offload between replays (``slot_sharing.offload_staging``): the offloaded storages go, inside the forward
     graph, to ``staging`` (the frame's staging buffer), on the compute stream like the arena copies;
     backward reads them there once the ring has brought them back."""
 

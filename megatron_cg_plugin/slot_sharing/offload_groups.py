@@ -7,11 +7,11 @@ slot arenas' hook (the innermost hooks win). Inside ``OffloadGroupTracker.scoped
 only names the group: ``__enter__`` pushes the name (when the module is one the user offloads) and
 returns the tensor, ``__exit__`` pops it, and ``group_offload`` returns its tensor unchanged (the
 plugin's hook copies the group's saves itself). ``current`` is the group running now, which the
-warmup records beside every save (``memory.saved_tensors.ArenaSizer``).
+warmup records beside every save (``slot_sharing.saved_tensors.ArenaSizer``).
 
 ``MegatronOffload`` is what slot-shared capture of Megatron's layers (``--cg-slot-capture``, graph
 banks) takes from Megatron's offload flags: the policy, the tracker, the stack the layers form
-(``plan.offload.OffloadStack``: which groups Megatron would offload at each layer), and the capture
+(``slot_sharing.offload_plan.OffloadStack``: which groups Megatron would offload at each layer), and the capture
 scope, in which the layers' ``offload_module_in_cuda_graph`` is off too, so their capture callable
 does not join Megatron's offload streams (the plugin's copies bring their own).
 """
@@ -118,21 +118,13 @@ class MegatronOffload:
         self.stack = None if policy is None else OffloadStack(policy, len(self.layers))  # Megatron's choice across them
 
     @classmethod
-    def from_config(
-        cls, config: Any, layers: Sequence[Any], *, offload: bool = True, fraction: float | None = None
-    ) -> MegatronOffload | None:
+    def from_config(cls, config: Any, layers: Sequence[Any], *, offload: bool = True) -> MegatronOffload | None:
         """From Megatron's TransformerConfig (its offload fields); None without
         ``--fine-grained-activation-offloading``. Its policy is None (every save stays in the GPU
-        arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``.
-        ``fraction`` stands in for ``--activation-offload-fraction`` (the bench's ``-f<P>`` arms)."""
+        arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``."""
         if not getattr(config, "fine_grained_activation_offloading", False):
             return None
-        policy = OffloadPolicy.from_args(config) if offload else None
-        if policy is not None and fraction is not None:
-            policy = OffloadPolicy.from_flags(
-                sorted(policy.modules), min_tensor_elements=policy.min_tensor_elements, fraction=fraction
-            )
-        return cls(policy, layers)
+        return cls(OffloadPolicy.from_args(config) if offload else None, layers)
 
     def slot_offload(self, layer: Any, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
         """The offload of ``layer``'s capture (one of ``layers``, captured in their order): copies

@@ -1,6 +1,6 @@
 """Activation offload between graph replays: a ring of GPU staging buffers shared by the layers.
 
-In-graph copies (``memory.offload.OffloadingArenaHooks``) must be joined before the forward graph
+In-graph copies (``slot_sharing.offload_arenas.OffloadingArenaHooks``) must be joined before the forward graph
 ends, so a layer's D2H copies overlap only that layer's compute. Here the graphs copy nothing to the
 host: a frame's offloaded saves go, inside its forward graph, into a staging buffer (as the kept
 saves go into its arena), and the copies run between replays on a copy stream, one contiguous copy

@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from megatron_cg_plugin.capture.autograd_graph import reachable_nodes
 from megatron_cg_plugin.slot_sharing.offload_plan import Save
 
-# One alignment (plan.slot_plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
+# One alignment (slot_sharing.plan.ARENA_ALIGNMENT) for the planner's sizes and the arenas themselves.
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned as _aligned
 
 __all__ = [
@@ -200,7 +200,7 @@ class ArenaSizer(_Packer):
     kept as they are (warmup runs its backward normally); nothing is copied.
 
     With ``group`` (a callable naming the offload group running now, Megatron's ``attn_norm``,
-    ``core_attn`` ...), every save is also recorded as a ``plan.offload.Save``: its storage by the
+    ``core_attn`` ...), every save is also recorded as a ``slot_sharing.offload_plan.Save``: its storage by the
     order the frame first saved it in (the same at capture, where addresses differ), its size and
     group, and whether it is marked not to be offloaded. ``slot_sharing.offload_plan.plan_offload`` makes the
     frame's offload plan from ``saves``."""

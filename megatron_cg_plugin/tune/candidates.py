@@ -131,9 +131,9 @@ def given_setup(base: Sequence[str], kind: ModelKind) -> GraphSetup:
 def setup_flags(base: Sequence[str], setup: GraphSetup) -> list[str]:
     """The user's flags (``base``, preset expanded) as ``setup`` runs them: their graph flags replaced by
     the setup's; without offload, Megatron's offload flags gone; with attention's saves offloaded, their
-    ``--offload-modules`` with attention's groups added (``setups.setup_offload_modules``); the plugin's slot
-    offload knobs kept only where slot-shared capture (or graph banks) offloads; eager, the plugin's
-    graph-only flags gone."""
+    ``--offload-modules`` with attention's groups added (``graph_setups.setup_offload_modules``); the
+    plugin's slot offload knobs kept only where slot-shared capture (or graph banks) offloads; eager, the
+    plugin's graph-only flags gone."""
     flags = strip_flags(base, _GRAPH_FLAGS)
     if setup.graphed and not setup.offload:
         flags = strip_flags(flags, _OFFLOAD_FLAGS)

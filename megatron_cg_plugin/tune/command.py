@@ -338,8 +338,8 @@ def _time(plan: TunePlan, options: TuneOptions, script: Path | None) -> TimingRe
     arms = {row.label: (row.setup, plan.configs[row.label]) for row in plan.rows if row.timable and row.setup.graphed}
     sink: list[TimingResult] = []
 
-    def check(args: Any, config: PluginConfig) -> None:
-        refuse_unbenchable(args, config, BenchOptions(arms=("eager", "plugin")))
+    def check(settings: RunSettings, config: PluginConfig) -> None:
+        refuse_unbenchable(settings, config, BenchOptions(arms=("eager", "plugin")))
 
     def make_driver(before: Callable[[], None] | None) -> Callable[..., Any]:
         train_step = training.train_step

@@ -139,8 +139,8 @@ def time_setups(
         progress(f"capture of {arm} failed ({failed[arm]}); the other setups go on")
 
     # Every step is timed before the first is profiled: torch's profiler leaves CUPTI attached once it
-    # is done (pytorch/pytorch#144455), and eager steps timed after it (thousands of kernel launches)
-    # ran 10% slower and graphed ones 1%, which favoured whatever was timed after it. So the blocks are
+    # is done (pytorch/pytorch#144455), and steps timed after it run slower, eager ones (thousands of
+    # kernel launches) far more than graphed ones, which favoured whatever was timed after it. So the blocks are
     # timed first, then the step schedule, which profiles its arms while they are alive, then the block
     # arms are captured again to be profiled.
     if arms["blocks"]:

@@ -96,7 +96,7 @@ def test_a_save_written_later_in_the_forward_reaches_backward_as_saved_through_t
 def test_a_capture_that_raises_after_an_offloaded_save_leaves_random_ops_and_the_next_capture_working(
     probe: dict,
 ) -> None:
-    """The copy streams are joined before the failed capture ends (capture.slot_shared._copies_joined);
+    """The copy streams are joined before the failed capture ends (slot_sharing.capture._copies_joined);
     without it the capture's end fails on unjoined work and every later random op of the process raises."""
     case = probe["offload-edges/failed-capture"]
     assert case["raised"] and "injected failure" in case["raised"], case

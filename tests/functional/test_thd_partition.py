@@ -1,7 +1,7 @@
 """The host-side THD split of the plugin's hybrid-CP batch function against TE's own kernel.
 
-``plan.thd.partitioned_indices`` replaces ``transformer_engine_torch.thd_get_partitioned_indices``
-in ``data.hybrid_cp`` (the layout is on the host already, so no kernel and no copy back are
+``packed.layout.partitioned_indices`` replaces ``transformer_engine_torch.thd_get_partitioned_indices``
+in ``banks.hybrid_cp_batch`` (the layout is on the host already, so no kernel and no copy back are
 needed); both must pick the same tokens for every rank, or a CP-2 microbatch trains on other
 tokens. One GPU is enough: the kernel only computes indices.
 """

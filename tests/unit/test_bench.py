@@ -234,6 +234,15 @@ ARGS = dict(
 DEFAULTS = PluginConfig()  # the plugin's config in force when no --cg-* flag is given
 
 
+def run_settings(**flags):
+    """The run's settings of Megatron's flags ``ARGS | flags``, read as validation reads them."""
+    import types
+
+    from megatron_cg_plugin.settings import read_settings
+
+    return read_settings(types.SimpleNamespace(**({"num_layers": 2, "micro_batch_size": 1} | ARGS | flags)))[0]
+
+
 @pytest.mark.parametrize(
     "changed, message",
     [
@@ -244,27 +253,23 @@ DEFAULTS = PluginConfig()  # the plugin's config in force when no --cg-* flag is
     ],
 )
 def test_flags_the_bench_cannot_measure_are_refused_after_parsing(changed, message):
-    import types
-
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), DEFAULTS, BenchOptions())  # the benchable run
+    bench.refuse_unbenchable(run_settings(), DEFAULTS, BenchOptions())  # the benchable run
     with pytest.raises(BenchError, match=message):
-        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), DEFAULTS, BenchOptions())
+        bench.refuse_unbenchable(run_settings(**changed), DEFAULTS, BenchOptions())
     if "cuda_graph_impl" in changed:  # an eager-only bench needs no graphs
-        bench.refuse_unbenchable(types.SimpleNamespace(**(ARGS | changed)), DEFAULTS, BenchOptions(arms=("eager",)))
+        bench.refuse_unbenchable(run_settings(**changed), DEFAULTS, BenchOptions(arms=("eager",)))
 
 
 @pytest.mark.parametrize("packed", [dict(dataloader_inter_document_masking=True), dict(sft=True)])
 def test_the_stock_arm_is_refused_on_packed_data(packed):
     """Megatron's own graphs assert on packed batches at their first replay (Megatron-LM #5619): eager and
     plugin arms only."""
-    import types
-
-    args = types.SimpleNamespace(**ARGS, **packed)
+    settings = run_settings(**packed)
     with pytest.raises(BenchError, match="bench packed data with --bench-arms eager,plugin"):
-        bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())
-    bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "plugin")))
+        bench.refuse_unbenchable(settings, DEFAULTS, BenchOptions())
+    bench.refuse_unbenchable(settings, DEFAULTS, BenchOptions(arms=("eager", "plugin")))
     bench.refuse_unbenchable(
-        types.SimpleNamespace(**ARGS, **packed, hybrid_context_parallel=True), DEFAULTS, BenchOptions()
+        run_settings(**packed, hybrid_context_parallel=True), DEFAULTS, BenchOptions()
     )  # hybrid CP: the launcher's packs, graph banks
 
 
@@ -336,6 +341,25 @@ def test_contract_cost_needs_the_plugin_arms_contracts():
         bench.contract_check_cost(types.SimpleNamespace(flattened_callables=[layer]), microbatches=1)
 
 
+@pytest.mark.parametrize(
+    "sample",
+    [
+        ((torch.zeros(2), [torch.zeros(2), 3]), {}),  # a leaf inside a positional argument
+        ((torch.zeros(2),), {"extra": {"k": torch.zeros(2)}}),  # and inside a keyword's
+    ],
+)
+def test_contract_cost_times_only_calls_of_one_leaf_arguments(sample):
+    import types
+
+    from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
+    from megatron_cg_plugin.config import ContractCheck
+
+    contract = ReplayContract.record("layer 0", *sample)
+    layer = types.SimpleNamespace(cuda_graphs=[CheckedGraph(lambda *a, **k: None, contract, ContractCheck.FULL)])
+    with pytest.raises(bench.BenchError, match="no contract of one-leaf arguments"):
+        bench.contract_check_cost(types.SimpleNamespace(flattened_callables=[layer]), microbatches=1)
+
+
 def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monkeypatch):
     import types
 
@@ -391,18 +415,14 @@ def test_slot_arms_record_their_arenas_and_copies_and_the_table_shows_them(monke
 
 
 def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
-    import types
-
     offload = dict(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
-    args = types.SimpleNamespace(
-        **ARGS, **offload, num_layers=2, micro_batch_size=1, pipeline_model_parallel_size=2, world_size=2
-    )
+    args = run_settings(**offload, pipeline_model_parallel_size=2, world_size=2)
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("eager", "stock")))  # TE's graphs serve PP 2
     with pytest.raises(
         BenchError, match=r"slot-offload arm\(s\) capture with --cg-slot-capture.*--pipeline-model-parallel-size 1"
     ):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(arms=("stock", "slot-offload")))
-    plain = types.SimpleNamespace(**ARGS, num_layers=2, micro_batch_size=1)
+    plain = run_settings()
     bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("stock", "slot")))
     with pytest.raises(BenchError, match=r"slot-offload-staged arm\(s\) offload .* add --fine-grained"):
         bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("slot", "slot-offload-staged")))
@@ -444,9 +464,7 @@ def test_the_unchecked_arm_runs_interleaved_and_shows_what_the_check_costs(tmp_p
 
 @pytest.mark.parametrize("mode", ["shapes", "off"])
 def test_the_unchecked_arm_needs_the_full_check_on_the_plugin_arm(mode):
-    import types
-
-    args, config = types.SimpleNamespace(**ARGS), PluginConfig(contract_check=mode)
+    args, config = run_settings(), PluginConfig(contract_check=mode)
     with pytest.raises(BenchError, match=f"leave --cg-contract-check at full \\(it is {mode}\\)"):
         bench.refuse_unbenchable(args, config, BenchOptions(arms=("plugin", "plugin-no-check")))
     bench.refuse_unbenchable(args, config, BenchOptions(arms=("stock", "plugin")))
@@ -489,15 +507,11 @@ def test_a_rank_without_a_data_iterator_keeps_none():
     ],
 )
 def test_cached_batches_are_refused_for_pipelines_before_any_gpu_work(pipeline):
-    import types
-
-    args = types.SimpleNamespace(**ARGS, **pipeline)
+    args = run_settings(**pipeline)
     with pytest.raises(BenchError, match="--bench-cached-batches caches the batches of a PP = 1 run"):
         bench.refuse_unbenchable(args, DEFAULTS, BenchOptions(cached_batches=2))
     bench.refuse_unbenchable(args, DEFAULTS, BenchOptions())  # the live loader serves pipelines
-    bench.refuse_unbenchable(
-        types.SimpleNamespace(**ARGS, pipeline_model_parallel_size=1), DEFAULTS, BenchOptions(cached_batches=2)
-    )
+    bench.refuse_unbenchable(run_settings(pipeline_model_parallel_size=1), DEFAULTS, BenchOptions(cached_batches=2))
 
 
 def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
@@ -657,17 +671,16 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     }
     assert trainer.helper_class("slot").backend.offload is False
     assert trainer.helper_class("slot-offload-w0") is trainer.helper_class("slot-offload-w0")  # bound once
-    # The frontier over the fraction: -f<P> sets it in place of --activation-offload-fraction.
+    # The frontier over the fraction: -f<P> arms copy as their base arm (the fraction is set at capture).
     BenchOptions(arms=("slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100"))
     fractions = {
-        arm: (trainer.helper_class(arm).backend.offload_fraction, trainer.helper_class(arm).backend.copies)
-        for arm in ("slot-offload", "slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100")
+        arm: (trainer.helper_class(arm).backend.offload, trainer.helper_class(arm).backend.copies)
+        for arm in ("slot-offload-f0", "slot-offload-w1-f50", "slot-offload-staged-f100")
     }
     assert fractions == {
-        "slot-offload": (None, OffloadCopies("in-graph", 2)),
-        "slot-offload-f0": (0.0, OffloadCopies("in-graph", 2)),
-        "slot-offload-w1-f50": (0.5, OffloadCopies("in-graph", 1)),
-        "slot-offload-staged-f100": (1.0, OffloadCopies("between-replays", 2)),
+        "slot-offload-f0": (True, OffloadCopies("in-graph", 2)),
+        "slot-offload-w1-f50": (True, OffloadCopies("in-graph", 1)),
+        "slot-offload-staged-f100": (True, OffloadCopies("between-replays", 2)),
     }
 
 
@@ -834,10 +847,13 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
             calls.append((self, "log", kwargs["iteration"], kwargs["num_zeros_in_grad"]))
             super().on_training_log(**kwargs)
 
+    from megatron_cg_plugin.settings import RunSettings
+
     run_session = Watched(PluginConfig(metrics_out=tmp_path / "metrics.json"))
     monkeypatch.setattr(bench, "RunSession", Watched)
     monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(_FakeMegatronHelper, run_session))
-    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)
+    run_session.settings = RunSettings(seq_length=8, micro_batch_size=1)  # as validate_args leaves it
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", _FakeMegatronHelper)  # the stock arm's
     losses = []
 
@@ -933,10 +949,10 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
         def step(*args, **kwargs):
             before()
             sink.append("result")
+            loop_args.train_iters = loop_args.curr_iteration = 1  # as the bench's first step leaves them
 
         return step
 
-    refused = {"ok": dict(ARGS), "bad": ARGS | dict(save="/ckpt")}
     monkeypatch.setattr(run_script, "run_in_process", run_in_process)
     monkeypatch.setattr(bench, "bench_train_step", driver)
     monkeypatch.setattr(bench_output, "write", lambda result, out, with_plot: [])
@@ -945,13 +961,12 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
 
     from megatron_cg_plugin.config import PluginConfig
 
+    session = types.SimpleNamespace(config=PluginConfig(), settings=run_settings())  # the flags validated
     monkeypatch.setattr(
-        training,
-        "TECudaGraphHelper",
-        types.SimpleNamespace(session=types.SimpleNamespace(config=PluginConfig())),
-        raising=False,
+        training, "TECudaGraphHelper", types.SimpleNamespace(session=session), raising=False
     )  # what install() swaps in
-    monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["ok"]))
+    loop_args = types.SimpleNamespace(train_iters=7)
+    monkeypatch.setattr(megatron.training, "get_args", lambda: loop_args)
     assert (
         bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script), "--num-layers", "2"])
         == 0
@@ -961,7 +976,8 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
         "--train-iters",
         str(BenchOptions(rounds=2, steps=3).total_steps),
     ]
-    monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**refused["bad"]))
+    assert vars(loop_args) == {"train_iters": 7}  # Megatron's loop args back as they were before the bench
+    session.settings = run_settings(save="/ckpt")
     with pytest.raises(BenchError, match="drop --save for the bench"):
         bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script)])
     assert training.train_step is real_step  # put back after a refusal too

@@ -420,6 +420,13 @@ ARGS = dict(
 STEPS = BenchOptions(arms=("stock", "plugin"), interleave="steps")
 
 
+def run_settings(**flags):
+    """The run's settings of Megatron's flags ``ARGS | flags``, read as validation reads them."""
+    from megatron_cg_plugin.settings import read_settings
+
+    return read_settings(types.SimpleNamespace(**({"num_layers": 2, "micro_batch_size": 1} | ARGS | flags)))[0]
+
+
 @pytest.mark.parametrize(
     "args, config, message",
     [
@@ -435,16 +442,12 @@ def test_what_keeps_state_per_capture_outside_the_layers_is_refused_with_steps(a
         match=f"--bench-interleave steps keeps every arm's graphs alive.*{message}.*"
         "Run this bench with --bench-interleave blocks",
     ):
-        bench.refuse_unbenchable(types.SimpleNamespace(**ARGS, **args), config, STEPS)
-    bench.refuse_unbenchable(types.SimpleNamespace(**ARGS), PluginConfig(), STEPS)  # the plain run is benchable
+        bench.refuse_unbenchable(run_settings(**args), config, STEPS)
+    bench.refuse_unbenchable(run_settings(), PluginConfig(), STEPS)  # the plain run is benchable
     # The block schedule captures one arm at a time: it takes them all.
-    bench.refuse_unbenchable(
-        types.SimpleNamespace(**ARGS, **args), config, dataclasses.replace(STEPS, interleave="blocks")
-    )
+    bench.refuse_unbenchable(run_settings(**args), config, dataclasses.replace(STEPS, interleave="blocks"))
     if not args:  # stock alone captures TE's graphs whatever the plugin's config
-        bench.refuse_unbenchable(
-            types.SimpleNamespace(**ARGS), config, dataclasses.replace(STEPS, arms=("eager", "stock"))
-        )
+        bench.refuse_unbenchable(run_settings(), config, dataclasses.replace(STEPS, arms=("eager", "stock")))
 
 
 # ---------------------------------------------------------------- switching Megatron's layers
@@ -496,6 +499,14 @@ class FakeMegatronHelper:
         self._created = False
 
 
+def validated(session):
+    """``session`` as Megatron's validate_args leaves it: with the run's settings (the helpers' shapes)."""
+    from megatron_cg_plugin.settings import RunSettings
+
+    session.settings = RunSettings(seq_length=8, micro_batch_size=1)
+    return session
+
+
 def graphable_model():
     from megatron.core.transformer.module import GraphableMegatronModule
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -538,9 +549,11 @@ def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkey
     layers = [m for m in model[0].modules() if hasattr(m, "cuda_graphs")]
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
     monkeypatch.setattr(bench, "RunSession", Recording)  # the recording arm's own session
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, Tagged(PluginConfig())))
+    monkeypatch.setattr(
+        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(Tagged(PluginConfig())))
+    )
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeMegatronHelper)  # the stock arm's
-    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     served = []
 
     def train_step(*args, iteration):  # a forward through Megatron's layers, and 0.19.2's eight values
@@ -587,10 +600,10 @@ def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypa
     from megatron_cg_plugin.session import RunSession
 
     monkeypatch.setattr(
-        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig()))
+        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(RunSession(PluginConfig())))
     )
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeMegatronHelper)
-    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     trainer = bench.MegatronTrainer(
         lambda *a, **k: None, (None, None, graphable_model(), "optimizer", None, "config", None), {}
     )
@@ -629,10 +642,10 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
 
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
     monkeypatch.setattr(
-        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, RunSession(PluginConfig()))
+        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(RunSession(PluginConfig())))
     )
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", HalfCapture)
-    monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace(seq_length=8, micro_batch_size=1))
+    monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     model = graphable_model()
     layers = [m for m in model[0].modules() if hasattr(m, "cuda_graphs")]
     trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, model, "optimizer", None, "config", None), {})
@@ -651,3 +664,42 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     assert all(layer.cuda_graphs == [] and layer.cuda_graph_manual_hooks == [] for layer in layers)
     assert not cuda_graphs.is_graph_capturing() and gc.get_freeze_count() < frozen_by_capture[0]
     assert not any("also failed" in line for line in progress) and "failed too" not in capsys.readouterr().err
+
+
+def test_a_fraction_arm_captures_as_megatrons_offload_fraction_flag_would_and_puts_the_runs_back(monkeypatch):
+    """``slot-offload-f<P>`` captures with ``--activation-offload-fraction P/100`` where the flag lands, the
+    layers' TransformerConfig (slot-shared capture reads it there); the run's value is back after the capture,
+    whether it succeeds or fails."""
+    import megatron.core.transformer.cuda_graphs as cuda_graphs
+    import megatron.training as megatron_training
+    from megatron.training import training
+
+    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
+    from megatron_cg_plugin.session import RunSession
+
+    seen = []
+
+    class Seeing(FakeMegatronHelper):
+        fail = False
+
+        def create_cudagraphs(self) -> None:
+            seen.append({layer.config.activation_offload_fraction for layer in self.layers})
+            if Seeing.fail:
+                raise RuntimeError("capture failed")
+            super().create_cudagraphs()
+
+    monkeypatch.setattr(FakeMegatronHelper, "handed", [])
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", Seeing)  # every arm's base helper
+    session = validated(RunSession(PluginConfig(slot_capture=True)))
+    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Seeing, session))
+    monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)
+    model = graphable_model()
+    config = next(m for m in model[0].modules() if hasattr(m, "cuda_graphs")).config
+    trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, model, "optimizer", None, "config", None), {})
+    for arm in ("slot-offload-w1-f50", "slot-offload", "slot-offload-staged-f0"):
+        trainer.release(trainer.capture(arm))
+        assert config.activation_offload_fraction == 1.0  # the run's
+    Seeing.fail = True
+    with pytest.raises(RuntimeError, match="capture failed"):
+        trainer.capture("slot-offload-f25")
+    assert seen == [{0.5}, {1.0}, {0.0}, {0.25}] and config.activation_offload_fraction == 1.0

@@ -1,4 +1,4 @@
-"""All-pairs covering designs (plan.covering): every pair of values that can meet does, the design is
+"""All-pairs covering designs (matrix.covering): every pair of values that can meet does, the design is
 the same on every run, and preferred combinations cover their pairs before the others."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tests for the data path on CPU: real indexed datasets written with megatron-core
-(``testing.datasets``), the files a run's flags name (``data.sources.missing_files``), Megatron's
+(``data.synthetic``), the files a run's flags name (``data.sources.missing_files``), Megatron's
 ``GPTDataset`` with inter-document masking, its documents unpacked as Megatron's hybrid-CP loader
-does and packed per CP rank (``data.hybrid_cp``), and the host-side THD split
-(``plan.thd.partitioned_indices``)."""
+does and packed per CP rank (``banks.hybrid_cp_batch``), and the host-side THD split
+(``packed.layout.partitioned_indices``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cg_plugin import cli, installation
-from megatron_cg_plugin.banks import hybrid_cp_batch as hybrid_cp
+from megatron_cg_plugin.banks import hybrid_cp_batch
 from megatron_cg_plugin.data import sources
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
@@ -58,7 +58,7 @@ def parsed(*flags: str):
     return parse_megatron_args(list(flags), validate=False)
 
 
-# -- testing.datasets ------------------------------------------------------------------------------
+# -- data.synthetic --------------------------------------------------------------------------------
 
 
 def test_written_dataset_reads_back_with_megatrons_indexed_dataset(prefix, documents):
@@ -336,7 +336,7 @@ def padded_pack(values: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 def te_share(pack: torch.Tensor, cu_padded: list[int], cp: int, rank: int) -> torch.Tensor:
-    """TE's THD split of ``pack`` (written independently of plan.thd): each sequence in 2 x cp
+    """TE's THD split of ``pack`` (written independently of packed.layout): each sequence in 2 x cp
     equal chunks, this rank keeps chunks ``rank`` and ``2 cp - 1 - rank``."""
     pieces = []
     for start, end in itertools.pairwise(cu_padded):
@@ -367,7 +367,7 @@ def test_documents_pack_whole_on_cp_1(gpt_dataset):
     assert len(short) >= 3
     for document in short:
         length = document["tokens"].numel()
-        batch, packed = hybrid_cp.pack_hybrid_cp_sample(
+        batch, packed = hybrid_cp_batch.pack_hybrid_cp_sample(
             {**document, "local_cp_size": 1},
             tokens_per_rank=TOKENS_PER_RANK,
             max_seqs=MAX_SEQS,
@@ -376,7 +376,7 @@ def test_documents_pack_whole_on_cp_1(gpt_dataset):
             device="cpu",
         )
         assert batch["attention_mask"] is None
-        for key in hybrid_cp.SAMPLE_KEYS:
+        for key in hybrid_cp_batch.SAMPLE_KEYS:
             assert batch[key].shape == (1, TOKENS_PER_RANK)
             assert batch[key].dtype == document[key].dtype
             assert torch.equal(batch[key][0], padded_pack(document[key], TOKENS_PER_RANK)), key
@@ -393,7 +393,7 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
         probe = {**document, "tokens": torch.arange(1, length + 1), "local_cp_size": cp}  # token = position + 1
         shares, probes = [], []
         for rank in range(cp):
-            batch, packed = hybrid_cp.pack_hybrid_cp_sample(
+            batch, packed = hybrid_cp_batch.pack_hybrid_cp_sample(
                 {**document, "local_cp_size": cp},
                 tokens_per_rank=TOKENS_PER_RANK,
                 max_seqs=MAX_SEQS,
@@ -403,12 +403,12 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
             )
             check_packed_seq_params(packed, length, cp, group)
             cu_padded = packed.cu_seqlens_q_padded.tolist()
-            for key in hybrid_cp.SAMPLE_KEYS:
+            for key in hybrid_cp_batch.SAMPLE_KEYS:
                 assert batch[key].shape == (1, TOKENS_PER_RANK)
                 expected = te_share(padded_pack(document[key], cp * TOKENS_PER_RANK), cu_padded, cp, rank)
                 assert torch.equal(batch[key][0], expected), (key, rank)
             shares.append(batch["tokens"][0])
-            probe_batch, _ = hybrid_cp.pack_hybrid_cp_sample(
+            probe_batch, _ = hybrid_cp_batch.pack_hybrid_cp_sample(
                 probe, tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS, group=group, rank=rank, device="cpu"
             )
             probes.append(probe_batch["tokens"][0])
@@ -429,30 +429,30 @@ def test_documents_split_over_two_cp_ranks(gpt_dataset):
 def test_a_document_too_long_for_its_cp_size_names_the_flag(gpt_dataset):
     long = next(document for document in hybrid_documents(gpt_dataset) if document["tokens"].numel() > TOKENS_PER_RANK)
     with pytest.raises(ThdCapacityError, match="--max-seqlen-per-dp-cp-rank"):
-        hybrid_cp.pack_hybrid_cp_sample(
+        hybrid_cp_batch.pack_hybrid_cp_sample(
             {**long, "local_cp_size": 1}, tokens_per_rank=TOKENS_PER_RANK, max_seqs=MAX_SEQS, device="cpu"
         )
 
 
 def test_a_sample_without_local_cp_size_names_what_is_missing():
-    sample = {key: torch.zeros(4, dtype=torch.long) for key in hybrid_cp.SAMPLE_KEYS}
+    sample = {key: torch.zeros(4, dtype=torch.long) for key in hybrid_cp_batch.SAMPLE_KEYS}
     with pytest.raises(KeyError, match="local_cp_size") as info:
-        hybrid_cp.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2, device="cpu")
+        hybrid_cp_batch.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2, device="cpu")
     assert "--dataloader-inter-document-masking" in str(info.value)
     del sample["labels"]
     with pytest.raises(KeyError, match="'labels', 'local_cp_size'"):
-        hybrid_cp.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2, device="cpu")
+        hybrid_cp_batch.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2, device="cpu")
 
 
 def test_pack_keeps_the_samples_device_when_none_is_given():
-    sample = {key: torch.arange(1, 6) for key in hybrid_cp.SAMPLE_KEYS} | {"local_cp_size": torch.tensor(1)}
-    batch, packed = hybrid_cp.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2)
+    sample = {key: torch.arange(1, 6) for key in hybrid_cp_batch.SAMPLE_KEYS} | {"local_cp_size": torch.tensor(1)}
+    batch, packed = hybrid_cp_batch.pack_hybrid_cp_sample(sample, tokens_per_rank=8, max_seqs=2)
     assert batch["tokens"].device.type == "cpu"
     assert batch["tokens"][0].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
     assert packed.local_cp_size == 1
 
 
-# -- plan.thd.partitioned_indices ------------------------------------------------------------------
+# -- packed.layout.partitioned_indices -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -567,7 +567,7 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     import json
 
     from megatron_cg_plugin.data import synthetic
-    from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.farm import runner
 
     dataset, tokenizer = synthetic.write_sft_dataset(
         tmp_path / "a", samples=5, seed=3, min_conversations=4, max_conversations=6
@@ -586,7 +586,7 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     assert {token["content"] for token in model["added_tokens"]} == set(synthetic.SFT_SPECIAL)
     assert {"<SPECIAL_10>", "<SPECIAL_11>", "System", "User", "Assistant"} <= set(model["model"]["vocab"])
     assert (config["eos_token"], config["pad_token"]) == ("<eos>", "<SPECIAL_233>")
-    flags = farm.data_flags("sft", tmp_path / "farm")
+    flags = runner.data_flags("sft", tmp_path / "farm")
     assert flags[flags.index("--tokenizer-type") + 1] == "SFTTokenizer"
     assert flags[flags.index("--sft-tokenizer-prompt-format") + 1] == synthetic.SFT_PROMPT_FORMAT
-    assert farm.data_flags("sft", tmp_path / "farm") == flags  # built once
+    assert runner.data_flags("sft", tmp_path / "farm") == flags  # built once

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_cg_plugin.capture import accounting as diagnostics
+from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.capture.accounting import ReplayCounter, new_pool_bytes, pool_bytes_by_id, steady_median
 from megatron_cg_plugin.capture.contracts import CheckedGraph
 from megatron_cg_plugin.config import ContractCheck
@@ -115,7 +115,7 @@ def test_allocator_segments_empty_without_cuda():
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         pytest.skip("CUDA is initialized here; the CPU-only path is what this test checks")
-    assert diagnostics.allocator_segments() == []
+    assert accounting.allocator_segments() == []
 
 
 # ---------------------------------------------------------------- replay counters
@@ -248,7 +248,7 @@ def test_memory_state_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only path")
-    state = diagnostics.memory_state()
+    state = accounting.memory_state()
     assert state.allocated == 0 and state.pools == {}
     assert state.pinned_host is None or isinstance(state.pinned_host, int)
 

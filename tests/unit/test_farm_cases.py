@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_cg_plugin.farm import runner as farm
+from megatron_cg_plugin.farm import runner
 from megatron_cg_plugin.farm.cases import CaseError, load_case
 
 # Cases written before their first GPU run: their golden files come from that run (MEGATRON_CG_UPDATE_GOLDEN=1); a
@@ -16,15 +16,15 @@ AWAITING_FIRST_RUN = {
 }
 
 
-def _golden_files(case: farm.FarmCase) -> list[str]:
+def _golden_files(case: runner.FarmCase) -> list[str]:
     """The case's golden files, one per GPU it ran on (Megatron's golden_values_dev_dgx_<gpu>.json)."""
-    return sorted(path.name for path in case.golden_folder.glob(farm.golden_file("*")))
+    return sorted(path.name for path in case.golden_folder.glob(runner.golden_file("*")))
 
 
 def test_every_case_folder_is_a_farm_case_with_its_golden_file():
-    names = [case.name for case in farm.CASES]
-    assert len(names) == len(set(names)) and len(names) == len(farm.case_folders())
-    for case in farm.CASES:
+    names = [case.name for case in runner.CASES]
+    assert len(names) == len(set(names)) and len(names) == len(runner.case_folders())
+    for case in runner.CASES:
         assert case.nproc >= 1 and case.steps >= 20
         if case.name in AWAITING_FIRST_RUN:
             assert case.check_golden and not _golden_files(case), (
@@ -35,14 +35,14 @@ def test_every_case_folder_is_a_farm_case_with_its_golden_file():
 
 
 def test_a_case_is_held_to_the_golden_file_of_its_gpu():
-    (h100,) = [c for c in farm.load_cases(platform="h100") if c.name == "tiny_gpt_layer"]
+    (h100,) = [c for c in runner.load_cases(platform="h100") if c.name == "tiny_gpt_layer"]
     assert h100.golden_path.name == "golden_values_dev_dgx_h100.json" and h100.golden_path.exists()
-    (h200,) = [c for c in farm.load_cases() if c.name == "tiny_gpt_layer"]
+    (h200,) = [c for c in runner.load_cases() if c.name == "tiny_gpt_layer"]
     assert h200.golden_path.name == "golden_values_dev_dgx_h200.json"  # where the GPU is not known
 
 
 def test_a_case_renders_the_launcher_command_line(tmp_path):
-    (case,) = [c for c in farm.CASES if c.name == "tiny_moe_droppad"]
+    (case,) = [c for c in runner.CASES if c.name == "tiny_moe_droppad"]
     assert case.argv(graphed=True, out_dir=tmp_path) == [
         "-m",
         "megatron_cg_plugin.pretrain_gpt",
@@ -72,7 +72,7 @@ def test_a_case_renders_the_launcher_command_line(tmp_path):
 
 
 def test_farm_settings_reach_the_case(tmp_path):
-    by_name = {case.name: case for case in farm.CASES}
+    by_name = {case.name: case for case in runner.CASES}
     failure = by_name["tiny_gpt_layer_capture_failure"]
     assert failure.expect_capture_failure and failure.compared_metrics == ("lm loss",)
     assert failure.golden_path == by_name["tiny_gpt_layer"].golden_path  # held to another case's file
@@ -97,7 +97,7 @@ def test_farm_settings_reach_the_case(tmp_path):
     eager, graphed = (staged.argv(graphed=g, out_dir=tmp_path) for g in (False, True))
     assert "--fine-grained-activation-offloading" in graphed and "--offload-modules" in graphed
     assert not {"--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "mlp_norm"} & set(eager)
-    assert [f for f in farm.without_graph_only_flags(graphed) if f not in eager][:7] == [
+    assert [f for f in runner.without_graph_only_flags(graphed) if f not in eager][:7] == [
         "--fine-grained-activation-offloading",
         "--offload-modules",
         "attn_norm",
@@ -156,7 +156,7 @@ def test_a_golden_case_must_name_exactly_one_case(tmp_path):
         folder = tmp_path / "gpt" / name
         folder.mkdir(parents=True)
         (folder / "model_config.yaml").write_text("MODEL_ARGS:\n  --num-layers: 2\nCG_FARM:\n  golden_case: missing\n")
-    (case, _) = farm.load_cases(tmp_path)
+    (case, _) = runner.load_cases(tmp_path)
     with pytest.raises(CaseError, match="golden_case 'missing' names 0 case folders"):
         _ = case.golden_path
 
@@ -166,7 +166,7 @@ def test_the_tiny_moe_cases_keep_their_own_graph_scope_over_the_presets():
     replaces the preset's (presets.REPLACED_BY), so what they train is unchanged."""
     from megatron_cg_plugin.launch.presets import DROPLESS_MOE_SCOPE, expand_preset
 
-    moe = [case for case in farm.CASES if "tiny-moe" in case.flags]
+    moe = [case for case in runner.CASES if "tiny-moe" in case.flags]
     assert len(moe) >= 5
     for case in moe:
         expanded = expand_preset(list(case.flags))

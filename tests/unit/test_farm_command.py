@@ -520,9 +520,9 @@ def test_fit_gpus_turns_the_flex_dispatcher_into_alltoall_without_tp_or_ep():
 
 
 def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, capsys, monkeypatch):
-    from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.farm import runner
 
-    monkeypatch.setattr(farm, "run_case", lambda *a, **k: pytest.fail("a refused case must not launch"))
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: pytest.fail("a refused case must not launch"))
     monkeypatch.setattr(cli, "gpu_stack_missing", lambda n: None)  # a GPU host
     assert cli.main(["farm", str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path)]) == cli.EXIT_BAD_INPUT
     out = capsys.readouterr().out
@@ -539,7 +539,7 @@ def test_a_refused_case_is_reported_with_its_rule_and_never_launched(tmp_path, c
 
 
 def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsys, monkeypatch):
-    from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.farm import runner
     from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
     monkeypatch.setattr(cli, "gpu_stack_missing", lambda n: None)  # a GPU host
@@ -547,9 +547,9 @@ def test_refused_cases_do_not_fail_a_farm_whose_other_cases_pass(tmp_path, capsy
     def passing_run(case, out_dir):
         run = GoldenValues({"lm loss": MetricSeries(dict.fromkeys(range(1, case.steps + 1), 1.0))})
         report = {"scopes": [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0}]}
-        return farm.CaseResult(case, run, run, report, "")
+        return runner.CaseResult(case, run, run, report, "")
 
-    monkeypatch.setattr(farm, "run_case", passing_run)
+    monkeypatch.setattr(runner, "run_case", passing_run)
     passing = write_case(tmp_path, MEGATRON_STYLE)
     code = cli.main(["farm", str(passing), str(FULL_RECOMPUTE), "--fit-gpus", "1", "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_cg_plugin.farm import runner as farm
+from megatron_cg_plugin.farm import runner
 from megatron_cg_plugin.launch.presets import expand_preset, flag_value
 
 INDEXED = ("synthetic", "sentencepiece")  # the data kinds written as Megatron indexed datasets
-CASES = [case for case in farm.CASES if case.data in INDEXED]
+CASES = [case for case in runner.CASES if case.data in INDEXED]
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin.farm import runner as farm
+from megatron_cg_plugin.farm import runner
 from megatron_cg_plugin.farm.case_adapt import adapt_case_args
 from megatron_cg_plugin.farm.cases import CaseError
 from megatron_cg_plugin.farm.distributed import LaunchResult, MultiRankError
 from megatron_cg_plugin.golden import GoldenValues, MetricSeries
 
 VALIDATION = "lm loss validation"
-AT = farm.FARM_STEPS // 2  # where a case of the farm's 24 steps resumes
+AT = runner.FARM_STEPS // 2  # where a case of the farm's 24 steps resumes
 WHERE = f" (resumed from step {AT}: eager from the graphed checkpoint, graphed from the eager one)"
 TRACKER = "latest_checkpointed_iteration.txt"
 EVALUATES = ("--eval-iters: 2", "--eval-interval: 5")  # after steps 5, 10, 15 and 20
@@ -33,15 +33,15 @@ def case_folder(tmp_path: Path, *model_args: str, farm_block: str = "", test_typ
     return folder
 
 
-def resume_case(tmp_path: Path, *model_args: str, platform: str = farm.DEFAULT_PLATFORM, **block) -> farm.FarmCase:
+def resume_case(tmp_path: Path, *model_args: str, platform: str = runner.DEFAULT_PLATFORM, **block) -> runner.FarmCase:
     farm_block = "\n".join(f"{key}: {json.dumps(value)}" for key, value in block.items())
-    case, _ = farm.prepare_case(
+    case, _ = runner.prepare_case(
         case_folder(tmp_path, *model_args, farm_block=farm_block), out_dir=tmp_path / "out", platform=platform
     )
     return case
 
 
-def values(case: farm.FarmCase, first: int, last: int) -> GoldenValues:
+def values(case: runner.FarmCase, first: int, last: int) -> GoldenValues:
     """One run's metrics over steps ``first``-``last``: its losses, and its validation losses where it evaluated."""
     metrics = {"lm loss": MetricSeries({step: 2.0 + step / 64 for step in range(first, last + 1)})}
     evaluated = case.evaluations(first, last)
@@ -50,23 +50,23 @@ def values(case: farm.FarmCase, first: int, last: int) -> GoldenValues:
     return GoldenValues(metrics)
 
 
-def report(case: farm.FarmCase | None = None, first: int = 1, last: int = 0, **scope) -> dict:
+def report(case: runner.FarmCase | None = None, first: int = 1, last: int = 0, **scope) -> dict:
     """A graphed run's report: one scope that captured and replayed, and the evaluations of ``first``-``last``."""
     scopes = [{"graphs_captured": 2, "replays": 40, "pool_bytes": 0, "capture_seconds": 1.0, **scope}]
     evaluated = [] if case is None else case.evaluations(first, last)
     return {"scopes": scopes, "evaluations": len(evaluated), "evaluation_eager_layer_calls": 8 * len(evaluated)}
 
 
-def passing(case: farm.FarmCase) -> farm.CaseResult:
+def passing(case: runner.FarmCase) -> runner.CaseResult:
     """A resume case's four runs, each as it should be: every step logged, eager equal to graphed."""
     at, last = case.resume_step(), case.steps
     first_end = at if case.resume_from_exit else last
-    second = farm._Resumed(values(case, at + 1, last), values(case, at + 1, last), report(case, at + 1, last))
+    second = runner._Resumed(values(case, at + 1, last), values(case, at + 1, last), report(case, at + 1, last))
     first = values(case, 1, first_end)
-    return farm.CaseResult(case, first, first, report(case, 1, first_end), "", resumed=second, resume_step=at)
+    return runner.CaseResult(case, first, first, report(case, 1, first_end), "", resumed=second, resume_step=at)
 
 
-def with_resumed(result: farm.CaseResult, **changes) -> farm.CaseResult:
+def with_resumed(result: runner.CaseResult, **changes) -> runner.CaseResult:
     return dataclasses.replace(result, resumed=dataclasses.replace(result.resumed, **changes))
 
 
@@ -133,7 +133,7 @@ def test_each_second_half_loads_the_other_runs_checkpoint_and_saves_nothing(tmp_
 
 
 def test_a_regular_case_names_no_checkpoint(tmp_path):
-    case, _ = farm.prepare_case(case_folder(tmp_path, test_type="regular"), out_dir=tmp_path)
+    case, _ = runner.prepare_case(case_folder(tmp_path, test_type="regular"), out_dir=tmp_path)
     assert not case.resumes
     assert checkpoint_flags(case.argv(graphed=True, out_dir=tmp_path)) == {}
 
@@ -160,14 +160,14 @@ def saved(folder: Path, *steps: int) -> Path:
 
 def test_the_rewind_removes_the_last_save_and_points_the_tracker_at_the_resume_step(tmp_path):
     folder = saved(tmp_path / "ckpt", 12, 24)
-    farm._rewind(folder, 12, 24)
+    runner._rewind(folder, 12, 24)
     assert sorted(path.name for path in folder.iterdir()) == ["iter_0000012", TRACKER]
     assert (folder / TRACKER).read_text() == "12\n"
 
 
 def test_the_rewind_keeps_the_save_it_resumes_from_when_it_is_the_last(tmp_path):
     folder = saved(tmp_path / "ckpt", 12)
-    farm._rewind(folder, 12, 12)
+    runner._rewind(folder, 12, 12)
     assert (folder / "iter_0000012").is_dir() and (folder / TRACKER).read_text() == "12\n"
 
 
@@ -175,7 +175,7 @@ def test_the_rewind_keeps_the_save_it_resumes_from_when_it_is_the_last(tmp_path)
 def test_the_rewind_refuses_a_first_half_that_saved_nothing_at_the_step_naming_what_it_found(tmp_path, steps, found):
     folder = saved(tmp_path / "ckpt", *steps)
     with pytest.raises(ValueError, match=rf"saved no checkpoint at step 12 \(found {found}\)"):
-        farm._rewind(folder, 12, 24)
+        runner._rewind(folder, 12, 24)
     assert not (folder / TRACKER).exists()
 
 
@@ -197,7 +197,7 @@ class FakeLaunch:
     report, and (``--save``) an ``iter_*`` folder at each save step; ``fail`` names a run that raises,
     ``saves_nothing`` one that ignores --save (a user's script without checkpoints)."""
 
-    def __init__(self, case: farm.FarmCase, fail: str | None = None, saves_nothing: str | None = None) -> None:
+    def __init__(self, case: runner.FarmCase, fail: str | None = None, saves_nothing: str | None = None) -> None:
         self.case, self.fail, self.saves_nothing, self.runs = case, fail, saves_nothing, []
 
     def __call__(self, argv, *, nproc, env, timeout_s, log_dir, master_port) -> LaunchResult:
@@ -232,9 +232,9 @@ class FakeLaunch:
         return LaunchResult(nproc=nproc, stdout={0: f"log of {run}"}, stderr={}, wall_s=0.0)
 
 
-def fake_launch(monkeypatch, case: farm.FarmCase, **fake) -> FakeLaunch:
+def fake_launch(monkeypatch, case: runner.FarmCase, **fake) -> FakeLaunch:
     launch = FakeLaunch(case, **fake)
-    monkeypatch.setattr(farm, "launch", launch)
+    monkeypatch.setattr(runner, "launch", launch)
     return launch
 
 
@@ -248,7 +248,7 @@ def test_a_resume_case_runs_both_halves_each_second_half_from_the_other_runs_che
     for stale in (eager_ckpt, graphed_ckpt):  # an earlier farm run's, never resumed from
         saved(stale, 12)
     launch = fake_launch(monkeypatch, case)
-    result = farm.run_case(case, out)
+    result = runner.run_case(case, out)
     assert [run.run for run in launch.runs] == [
         "tiny_resume.eager",
         "tiny_resume.graphed",
@@ -268,17 +268,17 @@ def test_a_resume_case_runs_both_halves_each_second_half_from_the_other_runs_che
     assert list(result.resumed.eager.metrics["lm loss"].values) == list(range(AT + 1, 25))
     assert result.resumed.report["run"] == "tiny_resume.graphed.resumed"
     assert result.log_tail == "log of tiny_resume.graphed.resumed"
-    assert farm.problems_of(case, result, with_golden=False) == []
+    assert runner.problems_of(case, result, with_golden=False) == []
 
 
 def test_a_regular_case_runs_eager_then_graphed_and_reads_the_graphed_runs_tensorboard(tmp_path, monkeypatch):
-    case, _ = farm.prepare_case(
+    case, _ = runner.prepare_case(
         case_folder(tmp_path, "--tensorboard-dir: ${TENSORBOARD_PATH}", test_type="regular"), out_dir=tmp_path
     )
     read = []
-    monkeypatch.setattr(farm, "_tensorboard_tags", lambda folder: read.append(folder) or ("cuda-graphs/replays",))
+    monkeypatch.setattr(runner, "_tensorboard_tags", lambda folder: read.append(folder) or ("cuda-graphs/replays",))
     launch = fake_launch(monkeypatch, case)
-    result = farm.run_case(case, tmp_path / "out")
+    result = runner.run_case(case, tmp_path / "out")
     assert [run.run for run in launch.runs] == ["tiny_resume.eager", "tiny_resume.graphed"]
     assert all(run.checkpoints == {} for run in launch.runs)
     assert result.resumed is None and result.resume_step is None
@@ -297,8 +297,8 @@ def test_a_regular_case_runs_eager_then_graphed_and_reads_the_graphed_runs_tenso
 def test_a_failed_half_is_a_farm_run_failure_naming_the_half(tmp_path, monkeypatch, fake, mode, cause):
     case = resume_case(tmp_path)
     launch = fake_launch(monkeypatch, case, **fake)
-    with pytest.raises(farm.FarmRunError) as error:
-        farm.run_case(case, tmp_path / "out")
+    with pytest.raises(runner.FarmRunError) as error:
+        runner.run_case(case, tmp_path / "out")
     run = f"tiny_resume.{mode.replace(' ', '.')}"
     assert error.value.mode == mode and error.value.log_dir == tmp_path / "out" / f"{run}.logs"
     assert error.value.cause.startswith(f"the {mode} run failed: ") and cause in error.value.cause
@@ -347,7 +347,7 @@ def test_the_golden_run_is_the_first_half_up_to_the_resume_step_and_the_resumed_
 @pytest.mark.parametrize("from_exit", [False, True])
 def test_a_resume_case_whose_halves_agree_passes(tmp_path, model_args, from_exit):
     case = resume_case(tmp_path, *model_args, resume_from_exit=from_exit)
-    assert farm.problems_of(case, passing(case), with_golden=False) == []
+    assert runner.problems_of(case, passing(case), with_golden=False) == []
 
 
 def resumed_report(**fields):
@@ -393,7 +393,7 @@ def first_report(**fields):
 )
 def test_what_goes_wrong_after_the_resume_is_reported_as_the_resumed_halfs(tmp_path, change, problems):
     case = resume_case(tmp_path)
-    assert farm.problems_of(case, change(passing(case)), with_golden=False) == problems
+    assert runner.problems_of(case, change(passing(case)), with_golden=False) == problems
 
 
 @pytest.mark.parametrize(
@@ -403,7 +403,7 @@ def test_a_first_half_that_exits_at_the_middle_step_logs_only_its_steps(tmp_path
     case = resume_case(tmp_path, resume_from_exit=from_exit)
     half = values(case, 1, AT)
     result = dataclasses.replace(passing(case), eager=half, graphed=half)
-    assert farm.problems_of(case, result, with_golden=False) == problems
+    assert runner.problems_of(case, result, with_golden=False) == problems
 
 
 # -- evaluations -----------------------------------------------------------------------------------------------
@@ -447,14 +447,14 @@ def test_only_a_case_that_evaluates_compares_its_validation_losses(tmp_path, mod
 )
 def test_what_goes_wrong_in_an_evaluation_is_reported_with_its_half(tmp_path, change, problems):
     case = resume_case(tmp_path, *EVALUATES)
-    assert farm.problems_of(case, change(passing(case)), with_golden=False) == problems
+    assert runner.problems_of(case, change(passing(case)), with_golden=False) == problems
 
 
 def test_a_case_that_does_not_evaluate_needs_no_evaluation_figures_in_its_reports(tmp_path):
     case = resume_case(tmp_path)
     bare = {"scopes": report()["scopes"]}  # no evaluation fields at all
     result = with_resumed(dataclasses.replace(passing(case), report=bare), report=bare)
-    assert farm.problems_of(case, result, with_golden=False) == []
+    assert runner.problems_of(case, result, with_golden=False) == []
 
 
 @pytest.mark.parametrize(
@@ -468,16 +468,16 @@ def test_a_case_that_does_not_evaluate_needs_no_evaluation_figures_in_its_report
 def test_graphed_layers_must_run_in_evaluations_only_once_their_half_captured(tmp_path, change, problems):
     # Both halves evaluate after step 15 alone; the second half captures after its own 3 warmup steps (15).
     case = resume_case(tmp_path, "--eval-iters: 1", "--eval-interval: 15")
-    assert farm.problems_of(case, change(passing(case)), with_golden=False) == problems
+    assert runner.problems_of(case, change(passing(case)), with_golden=False) == problems
 
 
 def test_a_validation_loss_is_missed_only_in_a_half_that_evaluated(tmp_path):
     case = resume_case(tmp_path, "--eval-iters: 1", "--eval-interval: 20", resume_from_exit=True)
     result = passing(case)
     assert VALIDATION not in result.graphed.metrics  # the first half stops at step 12, before any evaluation
-    assert farm.problems_of(case, result, with_golden=False) == []
+    assert runner.problems_of(case, result, with_golden=False) == []
     missing = with_resumed(result, graphed=without_metric(result.resumed.graphed, VALIDATION))
-    assert farm.problems_of(case, missing, with_golden=False) == [
+    assert runner.problems_of(case, missing, with_golden=False) == [
         f"{VALIDATION} was not recorded by the graphed run{WHERE}"
     ]
 
@@ -496,8 +496,8 @@ def test_a_validation_loss_is_missed_only_in_a_half_that_evaluated(tmp_path):
     ],
 )
 def test_a_gpus_name_gives_megatrons_golden_file_name(device, platform):
-    assert farm.platform_of(device) == platform
-    assert farm.golden_file(platform) == f"golden_values_dev_dgx_{platform}.json"
+    assert runner.platform_of(device) == platform
+    assert runner.golden_file(platform) == f"golden_values_dev_dgx_{platform}.json"
 
 
 @pytest.mark.parametrize(
@@ -529,17 +529,17 @@ def test_a_run_is_held_to_its_own_gpus_golden_file_of_what_a_resumed_job_logs(tm
     later = shifted(values(case, AT + 1, 24), "lm loss", 20)
     result = with_resumed(passing(case), eager=later, graphed=later)
     for gpu in recorded:
-        result.golden_run().save(case.folder / farm.golden_file(gpu))
+        result.golden_run().save(case.folder / runner.golden_file(gpu))
     expected = [problem.format(folder=case.folder) for problem in problems]
-    assert farm.problems_of(case, result) == expected
+    assert runner.problems_of(case, result) == expected
 
 
 def test_load_cases_holds_every_case_to_the_named_gpus_files(tmp_path):
     case_folder(tmp_path)
-    (case,) = farm.load_cases(tmp_path / "cases", platform="h100")
+    (case,) = runner.load_cases(tmp_path / "cases", platform="h100")
     assert case.platform == "h100" and case.golden_path == case.folder / "golden_values_dev_dgx_h100.json"
-    (default,) = farm.load_cases(tmp_path / "cases")
-    assert default.golden_path.name == f"golden_values_dev_dgx_{farm.DEFAULT_PLATFORM}.json"
+    (default,) = runner.load_cases(tmp_path / "cases")
+    assert default.golden_path.name == f"golden_values_dev_dgx_{runner.DEFAULT_PLATFORM}.json"
 
 
 # -- case files: what a resume case leaves to the farm ---------------------------------------------------------
@@ -550,7 +550,7 @@ def test_a_plugin_resume_case_leaves_its_checkpoint_flags_to_the_farm(tmp_path, 
     with pytest.raises(CaseError, match=f"a ckpt-resume case leaves {flag} to the farm"):
         resume_case(tmp_path, f"{flag}: 12")
     regular = case_folder(tmp_path / "regular", f"{flag}: 12", test_type="regular")
-    assert flag in farm.prepare_case(regular, out_dir=tmp_path)[0].flags  # a regular case's flags are its own
+    assert flag in runner.prepare_case(regular, out_dir=tmp_path)[0].flags  # a regular case's flags are its own
 
 
 @pytest.mark.parametrize(
@@ -563,7 +563,7 @@ def test_a_plugin_resume_case_leaves_its_checkpoint_flags_to_the_farm(tmp_path, 
 def test_resume_settings_a_case_cannot_run_are_refused(tmp_path, test_type, farm_block, refusal):
     folder = case_folder(tmp_path, farm_block=farm_block, test_type=test_type)
     with pytest.raises(CaseError, match=refusal):
-        farm.prepare_case(folder, out_dir=tmp_path)
+        runner.prepare_case(folder, out_dir=tmp_path)
 
 
 def test_a_megatron_resume_case_file_keeps_its_checkpoint_format_through_prepare_case(tmp_path):
@@ -573,7 +573,7 @@ def test_a_megatron_resume_case_file_keeps_its_checkpoint_format_through_prepare
         "MODEL_ARGS:\n  --num-layers: 2\n  --save: ${CHECKPOINT_SAVE_PATH}\n  --ckpt-format: torch_dist\n"
         "TEST_TYPE: ckpt-resume\n"
     )
-    case, _ = farm.prepare_case(folder, out_dir=tmp_path, gpus=1)  # one of Megatron's own: no CG_FARM block
+    case, _ = runner.prepare_case(folder, out_dir=tmp_path, gpus=1)  # one of Megatron's own: no CG_FARM block
     assert case.resumes and "--save" not in case.flags
     assert case.flags[case.flags.index("--ckpt-format") + 1] == "torch_dist"
 
@@ -670,4 +670,4 @@ LOGGED = "--cg-log-to-tensorboard: true"
 def test_the_report_logged_to_tensorboard_must_be_found_there(tmp_path, model_args, tags, problems):
     case = resume_case(tmp_path, *model_args)
     result = dataclasses.replace(passing(case), tensorboard_tags=tags)
-    assert farm.problems_of(case, result, with_golden=False) == problems
+    assert runner.problems_of(case, result, with_golden=False) == problems

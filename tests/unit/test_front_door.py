@@ -146,7 +146,7 @@ def refused_first(capsys, argv: list[str]) -> list[str]:
 def test_bad_input_is_named_first_in_one_refusal_without_a_traceback(capsys, monkeypatch, tmp_path, argv, first):
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
     monkeypatch.setattr("megatron_cg_plugin.farm.distributed.gpus_available", lambda: 0)  # as on a CPU host
-    monkeypatch.setattr("megatron_cg_plugin.refusal.gpu_missing", lambda: True)
+    monkeypatch.setattr("megatron_cg_plugin.host_stand_ins.gpu_missing", lambda: True)
     bad_case = tmp_path / "cases" / "gpt" / "bad"
     bad_case.mkdir(parents=True)
     (bad_case / "model_config.yaml").write_text(

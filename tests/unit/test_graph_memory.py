@@ -1,6 +1,6 @@
-"""The graph-pool planner: the caching-allocator model (plan.allocator) and the capture programs of
-TE layers (plan.graph_memory), on CPU. The measured figures here are graph pools and arenas of real captures on an H200
-(benchmarks/planner_pool, planner_slot and planner_fp8 publish them)."""
+"""The graph-pool planner: the caching-allocator model (planner.allocator) and the capture programs of
+TE layers (planner.graph_memory), on CPU. The measured figures here are graph pools and arenas of real
+captures on an H200 (benchmarks/planner_pool, planner_slot and planner_fp8 publish them)."""
 
 from __future__ import annotations
 
@@ -639,11 +639,11 @@ def test_the_5x2048_fp8_slot_case_is_predicted_from_its_flags_within_15_percent(
     """Farm case gpt_5x2048_slot_fp8_tensorwise_megatron_lm (620 MiB measured, and its allocator
     trace): 808 MiB predicted (1.30x) while the bias-GELU column sum
     was ``tokens x ffn x 8`` (256 MiB at 4096 tokens where the kernel staged 132); now 684 (1.10x)."""
-    from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.farm import runner
     from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.planner.prediction import predict_graph_memory
 
-    case, _ = farm.prepare_case(farm.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
+    case, _ = runner.prepare_case(runner.case_folder("gpt_5x2048_slot_fp8_tensorwise_megatron_lm"), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
     args, facts, config = dry_run.validated_args(case.checked_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env)
     plan = predict_graph_memory(facts, config)
@@ -1060,9 +1060,9 @@ def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_cap
 
     facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    monkeypatch.setattr(refusal, "_enforce", lambda *a, **k: (run_settings(args, facts), None))  # the rules passed
+    monkeypatch.setattr(refusal, "enforce", lambda *a, **k: (run_settings(args, facts), None))  # the rules passed
     session = RunSession()
-    refusal.enforce_for_session(args, session, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
+    session.check_flags(args, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
     flags_plan = session.prediction.graph_memory
     session.model_config_seen(types.SimpleNamespace(fp8_dot_product_attention=False))
     assert session.prediction.graph_memory is flags_plan  # nothing beyond the flags
@@ -1123,11 +1123,11 @@ def test_the_packed_cases_pools_are_predicted_from_their_flags_within_2_percent(
     """Deterministic packed graphs' pools (the four packed farm cases on the GPU) are mostly cuDNN's THD
     backward workspace, next_pow2(--cg-thd-max-seqs) x heads x tokens^2 bf16 (16 / 32 GiB). The planner
     predicted 1682 and 888 MiB (the unpacked s x s term) and named nothing it left out."""
-    from megatron_cg_plugin.farm import runner as farm
+    from megatron_cg_plugin.farm import runner
     from megatron_cg_plugin.launch import dry_run
     from megatron_cg_plugin.planner.prediction import predict_graph_memory
 
-    case, _ = farm.prepare_case(farm.case_folder(name), out_dir=tmp_path)
+    case, _ = runner.prepare_case(runner.case_folder(name), out_dir=tmp_path)
     env = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", **dict(case.env)}
     args, facts, config = dry_run.validated_args(
         case.checked_flags(graphed=True, out_dir=tmp_path), nproc=1, env=env, launcher=False

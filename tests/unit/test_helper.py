@@ -16,7 +16,7 @@ import pytest
 import torch
 from megatron.core.transformer import cuda_graphs as mcg
 
-from megatron_cg_plugin import capture_lifecycle as helper_module
+from megatron_cg_plugin import capture_lifecycle
 from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture.accounting import MemoryState, TeardownStats
 from megatron_cg_plugin.capture.contracts import CheckedGraph, ContractViolation
@@ -472,7 +472,7 @@ def params_of(model):
 def collections(monkeypatch):
     """The helper's ``gc.collect()`` calls, counted (a full collection costs ~0.2 s here)."""
     calls = []
-    monkeypatch.setattr(helper_module, "gc", types.SimpleNamespace(collect=lambda: calls.append(1)))
+    monkeypatch.setattr(capture_lifecycle, "gc", types.SimpleNamespace(collect=lambda: calls.append(1)))
     return calls
 
 
@@ -503,7 +503,7 @@ def memory(monkeypatch):
 @pytest.fixture
 def capture_clock(monkeypatch):
     fake = SteppingClock()
-    monkeypatch.setattr(helper_module, "time", types.SimpleNamespace(perf_counter=fake))
+    monkeypatch.setattr(capture_lifecycle, "time", types.SimpleNamespace(perf_counter=fake))
     return fake
 
 
@@ -1476,7 +1476,7 @@ def test_banks_need_the_banked_layer_class(probe, hybrid_groups):
 
 @pytest.mark.parametrize("on_error", ["raise", "eager"])
 def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monkeypatch, on_error):
-    import megatron_cg_plugin.banks.capture as banked
+    from megatron_cg_plugin.banks import capture
 
     seen = {}
 
@@ -1484,7 +1484,7 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
         seen.update(groups=groups, capacity=capacity)
         raise RuntimeError("NCCL went away")
 
-    monkeypatch.setattr(banked, "capture_banks", failing_capture)
+    monkeypatch.setattr(capture, "capture_banks", failing_capture)
     _, _, _, helper = build(
         probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3, on_capture_error=on_error
     )
@@ -1504,11 +1504,33 @@ def test_a_failed_bank_capture_is_raised_or_recorded(probe, hybrid_groups, monke
     assert "NCCL went away" in helper.capture_stats.failure and helper.capture_stats.graphs == 0
 
 
+@pytest.mark.parametrize("stays", [True, False])
+def test_bank_contracts_read_parameters_once_a_step_where_the_model_keeps_them(
+    probe, hybrid_groups, monkeypatch, stays
+):
+    from megatron_cg_plugin.banks import capture
+
+    seen = {}
+
+    def capture_banks(layers, groups, capacity, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop after the call")
+
+    monkeypatch.setattr(capture, "capture_banks", capture_banks)
+    monkeypatch.setattr(capture_lifecycle, "parameters_stay_within_a_step", lambda model: stays)
+    session, _, _, helper = build(
+        probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3, on_capture_error="eager"
+    )
+    helper.config.max_seqlen_per_dp_cp_rank = 256
+    helper.create_cudagraphs()
+    assert seen["step_marks"] is (session.step_marks if stays else None)
+
+
 @pytest.mark.parametrize("on_error", ["raise", "eager"])
 def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups, monkeypatch, collections, on_error):
     # The banks' capture goes through the capture transaction, as TE's does: what it changed before it
     # failed is put back, and the failure ends as every capture's does.
-    import megatron_cg_plugin.banks.capture as banked
+    from megatron_cg_plugin.banks import capture
 
     def capture_banks(layers, groups, capacity, **kwargs):
         mcg._set_capture_start()  # a patched Megatron global left set
@@ -1518,7 +1540,7 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
         vars(layers[0])["_graph_banks"] = "layer 1's banks"  # banked before the failure
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(banked, "capture_banks", capture_banks)
+    monkeypatch.setattr(capture, "capture_banks", capture_banks)
     _, backend, model, helper = build(
         probe, classes=(BankedFakeLayer,), graph_banks=True, thd_max_seqs=3, on_capture_error=on_error
     )
@@ -1541,7 +1563,7 @@ def test_a_bank_capture_that_fails_part_way_is_rolled_back(probe, hybrid_groups,
 
 
 def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, monkeypatch):
-    import megatron_cg_plugin.banks.capture as banked
+    from megatron_cg_plugin.banks import capture
 
     outputs = []
 
@@ -1550,7 +1572,7 @@ def test_a_failed_bank_capture_names_the_layer_and_phase(probe, hybrid_groups, m
             outputs.append(layer._te_cuda_graph_capture(hidden()))
             outputs[-1][0].sum().backward()
 
-    monkeypatch.setattr(banked, "capture_banks", capture_banks)
+    monkeypatch.setattr(capture, "capture_banks", capture_banks)
     _, _, model, helper = build(probe, layout=(3,), classes=(BankedGradFakeLayer,), graph_banks=True, thd_max_seqs=3)
     helper.config.max_seqlen_per_dp_cp_rank = 256
     handle = all_layers(model)[1].weight.register_hook(_failing_grad_hook)
@@ -1590,15 +1612,15 @@ def test_only_megatrons_ddp_counts_as_keeping_parameters_in_place_within_a_step(
     ddp, megatron_fsdp, torch_fsdp2 = (
         cls.__new__(cls) for cls in (DistributedDataParallel, FullyShardedDataParallel, TorchFullyShardedDataParallel)
     )
-    assert helper_module.parameters_stay_within_a_step([ddp, ddp])
-    assert not helper_module.parameters_stay_within_a_step([ddp, megatron_fsdp])
-    assert not helper_module.parameters_stay_within_a_step([torch_fsdp2])
-    assert not helper_module.parameters_stay_within_a_step([torch.nn.Linear(2, 2)])  # unwrapped: not known
+    assert capture_lifecycle.parameters_stay_within_a_step([ddp, ddp])
+    assert not capture_lifecycle.parameters_stay_within_a_step([ddp, megatron_fsdp])
+    assert not capture_lifecycle.parameters_stay_within_a_step([torch_fsdp2])
+    assert not capture_lifecycle.parameters_stay_within_a_step([torch.nn.Linear(2, 2)])  # unwrapped: not known
 
 
 @pytest.mark.parametrize("stays", [True, False])
 def test_a_model_that_keeps_its_parameters_has_them_read_once_a_step(probe, memory, monkeypatch, stays):
-    monkeypatch.setattr(helper_module, "parameters_stay_within_a_step", lambda model: stays)
+    monkeypatch.setattr(capture_lifecycle, "parameters_stay_within_a_step", lambda model: stays)
     session, _, model, _ = _captured(probe)
     layer = all_layers(model)[0]
 
@@ -1650,7 +1672,7 @@ def guarded_build(probe, monkeypatch, *, free_device, **config):
         asked.append(budget_gib)
         return memory_guard.FreeMemory(device=free_device, host=None)
 
-    monkeypatch.setattr(helper_module, "read_free_memory", read_free_memory)
+    monkeypatch.setattr(capture_lifecycle, "read_free_memory", read_free_memory)
     return session, backend, model, helper, asked
 
 
@@ -1668,7 +1690,7 @@ def test_a_capture_that_would_not_fit_is_refused_before_anything_is_captured(pro
     assert memory_guard.judge(need, free) is memory_guard.Fit.DOES_NOT_FIT
     fitting = memory_guard.fitting_setups(GUARDED, session.config, free)
     assert fitting  # a smaller scope fits in 3 GiB
-    with pytest.raises(helper_module.CaptureWontFitError) as info:
+    with pytest.raises(capture_lifecycle.CaptureWontFitError) as info:
         helper.create_cudagraphs()
     assert isinstance(info.value, CaptureFailedError) and asked == [None]
     message = str(info.value)
@@ -1715,7 +1737,7 @@ def test_a_capture_close_to_the_limit_warns_once_on_rank_0_and_captures(
     session, backend, model, helper, _ = guarded_build(probe, monkeypatch, free_device=0)
     need = _predicted(session)
     monkeypatch.setattr(
-        helper_module, "read_free_memory", lambda budget: memory_guard.FreeMemory(device=need.device_bytes + 2**29)
+        capture_lifecycle, "read_free_memory", lambda budget: memory_guard.FreeMemory(device=need.device_bytes + 2**29)
     )
     with caplog.at_level(logging.WARNING, logger=GUARD_LOG):
         helper.create_cudagraphs()
@@ -1741,7 +1763,7 @@ def test_the_budget_flag_replaces_the_free_memory(probe, memory, monkeypatch):
     session, backend, _, helper = build(probe, memory_budget_gib=0.5)
     session.take_settings(GUARDED)
     with pytest.raises(
-        helper_module.CaptureWontFitError, match=r"against 0\.50 GiB free \(--cg-memory-budget-gib 0\.5\)"
+        capture_lifecycle.CaptureWontFitError, match=r"against 0\.50 GiB free \(--cg-memory-budget-gib 0\.5\)"
     ):
         helper.create_cudagraphs()
     assert backend.calls == []
@@ -1754,7 +1776,7 @@ def test_without_a_reading_of_the_gpu_the_capture_is_not_guarded(probe, memory):
     # This host has no CUDA: the GPU's free memory is unknown, and a capture goes ahead.
     session, backend, _, helper = build(probe)
     session.take_settings(GUARDED)
-    assert helper_module.read_free_memory(None).device is None
+    assert capture_lifecycle.read_free_memory(None).device is None
     helper.create_cudagraphs()
     assert helper.graphs_created() and backend.calls
 
@@ -1769,6 +1791,6 @@ def test_a_run_without_a_prediction_is_not_guarded(probe, memory, monkeypatch, p
     if predicted:  # the rules saw the run, but the planner does not model it
         session.take_settings(GUARDED)
         session.predict(RunPrediction())
-    monkeypatch.setattr(helper_module, "read_free_memory", _reading_refused)
+    monkeypatch.setattr(capture_lifecycle, "read_free_memory", _reading_refused)
     helper.create_cudagraphs()
     assert helper.graphs_created()

@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from megatron_cg_plugin.capture import stale_graphs as hygiene
+from megatron_cg_plugin.capture import stale_graphs
 from megatron_cg_plugin.capture.stale_graphs import (
     StaleAutogradGraphError,
     StaleGraph,
@@ -256,10 +256,10 @@ def test_a_failure_without_cudas_symptoms_is_not_put_on_live_graphs(weights):
 def test_the_plugins_own_refusal_is_no_cuda_symptom(weights):
     refusal = StaleAutogradGraphError([StaleGraph(root="SumBackward0", parameters=1, holders=())])
     assert "legacy stream depend on a capturing blocking stream" in str(refusal)  # it quotes CUDA
-    assert not hygiene.shows_stale_graph_symptoms(refusal)
+    assert not stale_graphs.shows_stale_graph_symptoms(refusal)
     wrapped = RuntimeError("capture failed")
     wrapped.__cause__ = refusal
-    assert not hygiene.shows_stale_graph_symptoms(wrapped)
+    assert not stale_graphs.shows_stale_graph_symptoms(wrapped)
 
 
 def test_on_the_invalidated_capture_alone_only_graphs_with_a_python_holder_are_named(weights):
@@ -340,14 +340,14 @@ def test_tensors_in_blocks_and_their_holders_are_named():
     dispatcher.routing_map = torch.zeros(16, dtype=torch.bool)
     elsewhere = torch.zeros(4)
     block = {dispatcher.routing_map.untyped_storage().data_ptr(): 16}
-    found = hygiene.tensors_in(block, objects=[dispatcher.routing_map, elsewhere])
+    found = stale_graphs.tensors_in(block, objects=[dispatcher.routing_map, elsewhere])
     assert len(found) == 1 and found[0] is dispatcher.routing_map
-    holders = hygiene.describe_holders(found[0])
+    holders = stale_graphs.describe_holders(found[0])
     assert "attribute 'routing_map' of Dispatcher" in holders  # held by a local only: nothing above it
     assert "an element of a list of length 1" in holders  # `found` itself
     mask = dispatcher.routing_map
-    assert any("local variable 'mask'" in h for h in hygiene.describe_holders(mask))
-    assert hygiene.tensors_in({}, objects=[elsewhere]) == []
+    assert any("local variable 'mask'" in h for h in stale_graphs.describe_holders(mask))
+    assert stale_graphs.tensors_in({}, objects=[elsewhere]) == []
 
 
 class _StoragelessTensor(torch.Tensor):
@@ -366,7 +366,7 @@ def test_tensors_without_storage_are_passed_over_not_fatal():
     # Seen on GPU: Megatron's gpt3_mcore_te_tp1_pp4_swiglu case died in the teardown measurement.
     held = torch.zeros(8)
     block = {held.untyped_storage().data_ptr(): 32}
-    assert hygiene.tensors_in(block, objects=[_StoragelessTensor((4,)), held]) == [held]
+    assert stale_graphs.tensors_in(block, objects=[_StoragelessTensor((4,)), held]) == [held]
 
 
 def test_holders_are_named_through_slots_and_one_level_up():
@@ -389,5 +389,5 @@ def test_holders_are_named_through_slots_and_one_level_up():
     # Through a slots dataclass (no __dict__), and naming the field the quantizer sits in.
     assert (
         "attribute 'scale' of Quantizer, which is attribute 'S_quantizer' of BackwardArgs"
-        in hygiene.describe_holders(scale)
+        in stale_graphs.describe_holders(scale)
     )

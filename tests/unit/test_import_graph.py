@@ -365,7 +365,7 @@ def test_the_layers_block_names_only_modules_that_exist():
 
 
 def test_the_foreign_state_primitive_imports_nothing_of_the_plugin():
-    # Any layer may make its foreign change through patching.foreign_state: it sits below
+    # Any layer may make its foreign change through foreign_state: it sits below
     # everything and knows none of the modules that use it (the ledger, which owns the builders, sits above).
     imported = {item.imported for item in imports() if item.importer == "megatron_cg_plugin.foreign_state"}
     assert imported == set()

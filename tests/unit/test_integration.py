@@ -21,13 +21,11 @@ import pytest
 import torch
 
 import megatron_cg_plugin
-from megatron_cg_plugin import compat, foreign_state
-from megatron_cg_plugin import installation as integration
+from megatron_cg_plugin import compat, foreign_state, installation
 from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
-from megatron_cg_plugin.config import PluginConfig, add_plugin_args
-from megatron_cg_plugin.patching import builders as patch_builders
-from megatron_cg_plugin.patching import ledger as patches
+from megatron_cg_plugin.config import PluginConfig
+from megatron_cg_plugin.patching import builders, ledger
 from megatron_cg_plugin.patching.ledger import PATCHES, Patch, PatchSet
 from megatron_cg_plugin.session import RunSession
 
@@ -60,25 +58,25 @@ def assert_pristine() -> None:
     assert training.training_log is ORIGINAL_TRAINING_LOG
     assert dataset_utils.compile_helpers is ORIGINAL_COMPILE_HELPERS
     assert {name: _target(PATCH_BY_NAME[name]) for name in ORIGINALS} == ORIGINALS
-    assert integration.active_session() is None
+    assert installation.active_session() is None
 
 
 def test_install_replaces_every_patch_target_and_uninstall_restores_each_by_identity():
-    integration.install()
+    installation.install()
     for name, original in ORIGINALS.items():
         replaced = _target(PATCH_BY_NAME[name])
         assert replaced is not original, name
-    integration.uninstall()
+    installation.uninstall()
     for name, original in ORIGINALS.items():
         assert _target(PATCH_BY_NAME[name]) is original, name
 
 
 @pytest.fixture(autouse=True)
 def clean_install():
-    integration.uninstall()
+    installation.uninstall()
     assert_pristine()
     yield
-    integration.uninstall()
+    installation.uninstall()
     assert_pristine()
 
 
@@ -105,7 +103,7 @@ def test_install_replaces_each_target_and_uninstall_restores_by_identity():
     session = megatron_cg_plugin.install()
 
     assert isinstance(session, RunSession)
-    assert integration.active_session() is session
+    assert installation.active_session() is session
     helper_cls, training_log, compile_helpers = current()
     assert helper_cls is not ORIGINAL_HELPER
     assert issubclass(helper_cls, ORIGINAL_HELPER)
@@ -122,9 +120,9 @@ def test_install_replaces_each_target_and_uninstall_restores_by_identity():
 
 
 def test_install_is_idempotent():
-    session = integration.install()
+    session = installation.install()
     patched = current()
-    assert integration.install() is session
+    assert installation.install() is session
     assert megatron_cg_plugin.install() is session
     assert current() == patched  # not patched twice (a wrapper of a wrapper)
     assert training.training_log.__wrapped__ is ORIGINAL_TRAINING_LOG
@@ -132,61 +130,61 @@ def test_install_is_idempotent():
 
 def test_install_with_equal_config_returns_same_session(tmp_path):
     config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json")
-    session = integration.install(config)
+    session = installation.install(config)
     assert session.config is config
-    assert integration.install(PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json")) is session
-    assert integration.install(None) is session
+    assert installation.install(PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json")) is session
+    assert installation.install(None) is session
 
 
 def test_install_with_different_config_is_refused_and_changes_nothing():
-    session = integration.install(PluginConfig(preset="tiny-gpt"))
+    session = installation.install(PluginConfig(preset="tiny-gpt"))
     patched = current()
     with pytest.raises(RuntimeError, match="different config"):
-        integration.install(PluginConfig(preset="tiny-moe"))
+        installation.install(PluginConfig(preset="tiny-moe"))
     assert current() == patched
-    assert integration.active_session() is session
+    assert installation.active_session() is session
     assert session.config == PluginConfig(preset="tiny-gpt")
     assert training.TECudaGraphHelper.session is session
 
 
 def test_uninstall_twice_and_without_install_is_harmless():
-    integration.uninstall()  # never installed
+    installation.uninstall()  # never installed
     assert_pristine()
-    integration.install()
-    integration.uninstall()
-    integration.uninstall()
+    installation.install()
+    installation.uninstall()
+    installation.uninstall()
     assert_pristine()
 
 
 def test_install_again_after_uninstall():
-    first = integration.install()
-    integration.uninstall()
-    second = integration.install(PluginConfig(preset="tiny-moe"))
+    first = installation.install()
+    installation.uninstall()
+    second = installation.install(PluginConfig(preset="tiny-moe"))
     assert second is not first
     assert training.TECudaGraphHelper.session is second
     assert training.training_log.__wrapped__ is ORIGINAL_TRAINING_LOG
     assert dataset_utils.compile_helpers.__wrapped__ is ORIGINAL_COMPILE_HELPERS
-    integration.uninstall()
+    installation.uninstall()
     assert_pristine()
 
 
 def test_install_refuses_unsupported_megatron_core_and_patches_nothing(monkeypatch):
     monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.18.0", None))
     with pytest.raises(UnsupportedVersionError, match=r">=0\.19\.2,<0\.20\.0"):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
 def test_install_refuses_unsupported_transformer_engine(monkeypatch):
     monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.19.2", "2.19.0"))
     with pytest.raises(UnsupportedVersionError, match="transformer-engine"):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
 def test_install_without_transformer_engine_is_allowed(monkeypatch):
     monkeypatch.setattr(compat, "installed_versions", lambda: Versions(torch.__version__, "0.19.2", None))
-    assert integration.install() is integration.active_session()
+    assert installation.install() is installation.active_session()
 
 
 def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
@@ -195,11 +193,11 @@ def test_install_refuses_changed_megatron_signature_and_reverts(monkeypatch):
 
     monkeypatch.setattr(training, "training_log", training_log)
     with pytest.raises(SignatureMismatchError, match="num_zeros_in_grad"):
-        integration.install()
+        installation.install()
     assert training.TECudaGraphHelper is ORIGINAL_HELPER  # applied first, then reverted
     assert training.training_log is training_log
     assert dataset_utils.compile_helpers is ORIGINAL_COMPILE_HELPERS
-    assert integration.active_session() is None
+    assert installation.active_session() is None
 
 
 def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_module):
@@ -212,12 +210,12 @@ def test_install_is_transactional_when_a_later_patch_fails(monkeypatch, fake_mod
         expected_params=("does_not_exist",),
         build=lambda original, session: original,
     )
-    monkeypatch.setattr(integration, "PatchSet", lambda patches: PatchSet((*patches, failing)))
+    monkeypatch.setattr(installation, "PatchSet", lambda ledger: PatchSet((*ledger, failing)))
     with pytest.raises(SignatureMismatchError, match="does_not_exist"):
-        integration.install()
+        installation.install()
     assert_pristine()
     monkeypatch.undo()
-    assert integration.install() is integration.active_session()  # a later install still works
+    assert installation.install() is installation.active_session()  # a later install still works
 
 
 def test_real_patches_match_installed_megatron():
@@ -259,7 +257,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
             return "Megatron's result"
 
     session = RunSession(PluginConfig(metrics_out=Path("unwritten-metrics.json")), probe=probe)
-    tapped = patch_builders.build_mtp_loss_tap(Helper, session)
+    tapped = builders.build_mtp_loss_tap(Helper, session)
     assert issubclass(tapped, Helper) and tapped.tracker is Helper.tracker
     totals = {"lm loss": 9.0, "mtp_1 loss": 4.0}  # accumulated since the last log line
     Helper.tracker["losses"] = [3.0, 5.0]
@@ -270,7 +268,7 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
     assert values["mtp_1 loss"].values == {7: 1.5} and values["mtp_2 loss"].values == {7: 2.5}
     session.on_training_log(iteration=8, loss_dict={"lm loss": 2.0})  # no MTP this time: nothing carried over
     assert 8 not in session.metrics().metrics["mtp_1 loss"].values
-    patch_builders.build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
+    builders.build_mtp_loss_tap(MTPLossLoggingHelper, session)  # the installed release's signature fits
 
 
 # ---------------------------------------------------------------- deferred config
@@ -279,18 +277,36 @@ def test_mtp_losses_are_recorded_with_the_iterations_other_metrics(probe):
 def test_install_without_config_or_parsed_args_gives_default_config():
     with pytest.raises(AssertionError):
         global_vars.get_args()  # nothing parsed Megatron's arguments in this process
-    session = integration.install()
+    session = installation.install()
     assert session.config == PluginConfig()
 
 
 def test_install_without_config_reads_cg_flags_when_training_starts(monkeypatch, tmp_path):
-    session = integration.install()  # before Megatron parsed anything
-    parser = add_plugin_args(argparse.ArgumentParser())
-    args = parser.parse_args(
-        ["--cg-preset", "tiny-moe", "--cg-metrics-out", str(tmp_path / "m.json"), "--cg-no-report"]
+    session = installation.install()  # before Megatron parsed anything
+    args = megatron_namespace(
+        monkeypatch,
+        "--no-gradient-accumulation-fusion",
+        "--cg-preset",
+        "tiny-moe",
+        "--cg-metrics-out",
+        str(tmp_path / "m.json"),
+        "--cg-no-report",
     )
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
+    # used before Megatron's validation: the rules run on the parsed flags, the one path that reads them
     assert session.config == PluginConfig(preset="tiny-moe", metrics_out=tmp_path / "m.json", print_report=False)
+    assert session.settings is not None and session.settings.num_layers == 2
+
+
+def test_a_deferred_config_is_refused_by_the_rules_as_validation_would(monkeypatch, capsys):
+    from megatron_cg_plugin.refusal import RunRefused
+
+    session = installation.install()
+    args = megatron_namespace(monkeypatch, "--cg-offload-window", "0")
+    monkeypatch.setattr(global_vars, "get_args", lambda: args)
+    with pytest.raises(RunRefused):
+        _ = session.config
+    assert "[cg-flags]" in capsys.readouterr().err and not session.config_resolved
 
 
 def megatron_namespace(monkeypatch, *flags: str) -> argparse.Namespace:
@@ -320,7 +336,7 @@ def test_install_without_config_and_args_lacking_cg_flags(monkeypatch):
     args = megatron_namespace(monkeypatch, "--no-gradient-accumulation-fusion")
     assert not hasattr(args, "cg_preset")
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
-    assert integration.install().config == PluginConfig()
+    assert installation.install().config == PluginConfig()
 
 
 def test_install_after_the_script_parsed_runs_the_rules_at_once(monkeypatch, capsys):
@@ -330,7 +346,7 @@ def test_install_after_the_script_parsed_runs_the_rules_at_once(monkeypatch, cap
     monkeypatch.setattr(global_vars, "get_args", lambda: args)
     monkeypatch.setattr(compat, "te_available", lambda: True)
     with pytest.raises(RunRefused) as info:
-        integration.install()
+        installation.install()
     assert info.value.code == 2
     assert [name for name, _ in info.value.violations] == ["gradient-accumulation-fusion"]
     assert "--no-gradient-accumulation-fusion" in capsys.readouterr().err
@@ -342,17 +358,17 @@ def test_install_after_the_script_parsed_runs_the_rules_at_once(monkeypatch, cap
 
 def test_finish_without_install_returns_none():
     printed = []
-    assert integration.finish(print_fn=printed.append) is None
+    assert installation.finish(print_fn=printed.append) is None
     assert printed == []
 
 
 def test_finish_writes_files_on_rank0(tmp_path, probe):
     config = PluginConfig(preset="tiny-gpt", metrics_out=tmp_path / "m.json", report_out=tmp_path / "r.json")
-    session = integration.install(config)
+    session = installation.install(config)
     session.probe = probe
     session.on_training_log(iteration=1, loss_dict={"lm loss": 2.0})
     printed = []
-    report = integration.finish(print_fn=printed.append)
+    report = installation.finish(print_fn=printed.append)
     assert report.iterations == 1 and report.preset == "tiny-gpt"
     assert config.metrics_out.exists() and config.report_out.exists()
     assert printed == [report.format_table()]
@@ -374,8 +390,8 @@ def _patch(*fields, build=_wrap_build, **named):
     return Patch(*fields, build=build, **named)
 
 
-def _patch_set(*patches):
-    return PatchSet(patches)
+def _patch_set(*ledger):
+    return PatchSet(ledger)
 
 
 def _f(x, y=1):
@@ -488,7 +504,7 @@ def test_class_patch_checks_init_and_methods(fake_module):
         def __init__(self, model, config):
             pass
 
-    for name in patches.HELPER_METHODS:
+    for name in ledger.HELPER_METHODS:
         setattr(Helper, name, lambda self: None)
     target = fake_module(Helper=Helper, OldHelper=OldHelper)
     helper_patch = PATCH_BY_NAME["helper-swap"]
@@ -643,9 +659,7 @@ def test_the_taps_do_nothing_of_their_own_where_the_run_records_nothing(fake_mod
 
     real = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
     assert (
-        patch_builders.build_mtp_loss_tap(Helper, real).track_mtp_metrics(
-            1.0, 1, None, None, Totals({"mtp_1 loss": 1.0})
-        )
+        builders.build_mtp_loss_tap(Helper, real).track_mtp_metrics(1.0, 1, None, None, Totals({"mtp_1 loss": 1.0}))
         == "Megatron's result"
     )
     assert real._pending_mtp == {}
@@ -704,9 +718,9 @@ def test_the_recording_path_never_waits_for_the_device_per_step(tmp_path):
         def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
             total_loss_dict["mtp_1 loss"] = total_loss_dict.get("mtp_1 loss", 0.0) + weight.sum() * loss_scale
 
-    timed = patch_builders.build_train_step_timer(train_step, session)
-    logged = patch_builders.build_training_log_tap(_fake_training_log_factory([]), session)
-    mtp = patch_builders.build_mtp_loss_tap(Helper, session)
+    timed = builders.build_train_step_timer(train_step, session)
+    logged = builders.build_training_log_tap(_fake_training_log_factory([]), session)
+    mtp = builders.build_mtp_loss_tap(Helper, session)
     with device_reads_forbidden() as seen:
         for iteration in range(1, 41):
             loss_dict = timed(None, iteration, None)
@@ -754,12 +768,12 @@ def test_installed_tap_wraps_megatrons_training_log(monkeypatch):
     calls = []
     fake = _fake_training_log_factory(calls)
     monkeypatch.setattr(training, "training_log", fake)
-    session = integration.install()
+    session = installation.install()
     session.probe = types.SimpleNamespace(synchronize=lambda: None, allocated_bytes=lambda: (0, 0))
     assert training.training_log(*POSITIONAL) == "report_memory_flag_out"
     assert len(calls) == 1
     assert [r.iteration for r in session.iterations] == [7]
-    integration.uninstall()
+    installation.uninstall()
     assert training.training_log is fake
 
 
@@ -822,10 +836,10 @@ def test_installed_compile_helpers_does_not_run_make(monkeypatch):
         return subprocess.CompletedProcess(args, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    integration.install()
+    installation.install()
     dataset_utils.compile_helpers()
     assert runs == []
-    integration.uninstall()
+    installation.uninstall()
     dataset_utils.compile_helpers()  # the original, restored: it runs make
     assert len(runs) == 1 and runs[0][0][0] == "make"
 
@@ -853,7 +867,7 @@ def _row_major_weak_ref(x):
 
 
 def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
-    make_weak_ref = patch_builders.build_strided_weak_ref(_row_major_weak_ref, None)
+    make_weak_ref = builders.build_strided_weak_ref(_row_major_weak_ref, None)
     base = torch.arange(24.0).reshape(4, 6)
     views = {"transposed": base.t(), "sliced": base[1:, ::2], "expanded": torch.arange(3.0).reshape(3, 1).expand(3, 5)}
     for name, view in views.items():
@@ -874,7 +888,7 @@ def test_strided_weak_ref_keeps_strides_and_aliases_the_same_memory():
 
 def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
     session = RunSession(PluginConfig(print_report=False), probe=probe)
-    train = patch_builders.build_train_end_report(lambda: "done", session)
+    train = builders.build_train_end_report(lambda: "done", session)
     assert train() == "done" and session._finished is not None
 
     session = RunSession(PluginConfig(print_report=False), probe=probe)
@@ -883,7 +897,7 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
         raise SystemExit(0)
 
     with pytest.raises(SystemExit):
-        patch_builders.build_train_end_report(exits, session)()
+        builders.build_train_end_report(exits, session)()
     assert session._finished is not None
 
     session = RunSession(PluginConfig(print_report=False), probe=probe)
@@ -892,14 +906,14 @@ def test_train_end_report_finishes_on_return_and_on_megatrons_own_exits(probe):
         raise RuntimeError("CUDA error")
 
     with pytest.raises(RuntimeError):
-        patch_builders.build_train_end_report(crashes, session)()
+        builders.build_train_end_report(crashes, session)()
     assert session._finished is None  # a crashed run writes no files that look like a finished one
 
 
 def test_train_step_timer_marks_each_iteration(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     calls = []
-    step = patch_builders.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
+    step = builders.build_train_step_timer(lambda *a, **k: calls.append((a, k)) or "stepped", session)
     assert step(1, data_iterator=2) == "stepped" and calls == [((1,), {"data_iterator": 2})]
     clock.advance(0.5)
     session.on_training_log(iteration=1, loss_dict={})
@@ -925,7 +939,7 @@ def _train_step(
 def test_train_step_timer_marks_only_the_schedule_for_the_replay_contracts(probe, clock):
     session = RunSession(PluginConfig(), probe=probe, clock=clock)
     marks = session.step_marks
-    step = patch_builders.build_train_step_timer(_train_step, session)
+    step = builders.build_train_step_timer(_train_step, session)
     first = step(None, None, marks, None, None, None, marks.step_now, iteration=3)
     second = step(None, None, marks, None, None, None, forward_backward_func=marks.step_now)
     assert first[0] is None and first[2] is None  # before and after the schedule: outside the step
@@ -968,20 +982,20 @@ def test_a_forward_of_a_wrapped_train_step_after_its_schedule_reads_the_held_sta
         weight.data = torch.ones(3)
         replay(False)
 
-    step = patch_builders.build_train_step_timer(users_train_step, session)
+    step = builders.build_train_step_timer(users_train_step, session)
     with pytest.raises(ContractViolation, match="parameter storage"):
         step(None, None, None, None, None, None, schedule)
 
 
 def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
     # megatron-cg run installs with the config deferred; the script's install(config) then wins.
-    first = integration.install()
+    first = installation.install()
     assert not first.config_resolved
     config = PluginConfig(contract_check="shapes")
-    assert integration.install(config) is first
+    assert installation.install(config) is first
     assert first.config == config and first.explicit_config == config
     with pytest.raises(RuntimeError, match="different config"):
-        integration.install(PluginConfig(contract_check="off"))
+        installation.install(PluginConfig(contract_check="off"))
 
 
 # ---------------------------------------------------------------- foreign state beyond PATCHES
@@ -989,7 +1003,7 @@ def test_a_scripts_own_install_config_is_taken_while_the_first_is_deferred():
 
 def test_every_foreign_state_entry_resolves_and_is_documented():
     text = (Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
-    for entry in (*patches.LENT, *patches.SCOPED, *patches.PRIVATE_API):
+    for entry in (*ledger.LENT, *ledger.SCOPED, *ledger.PRIVATE_API):
         assert entry.reason.strip() and entry.where.strip(), entry
         assert f"`{entry.name}`" in text and entry.target.replace(":", ".") in text, entry.name
         if not entry.needs_te:
@@ -1004,19 +1018,19 @@ def lent_owner(monkeypatch, fake_module):
         cp_stream = None
 
     module = fake_module(Owner=Owner)
-    entry = patches.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
-    monkeypatch.setattr(patches, "LENT", (entry,))
+    entry = ledger.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
+    monkeypatch.setattr(ledger, "LENT", (entry,))
     return Owner
 
 
 def test_lent_attributes_are_restored_by_uninstall_by_identity(lent_owner):
     original = lent_owner.cp_stream
-    integration.install()
+    installation.install()
     first, second = object(), object()
     foreign_state.put(lent_owner, "cp_stream", first)
     foreign_state.put(lent_owner, "cp_stream", second)  # lent twice: the first original is kept
     assert lent_owner.cp_stream is second
-    integration.uninstall()
+    installation.uninstall()
     assert lent_owner.cp_stream is original
 
 
@@ -1028,11 +1042,11 @@ def test_a_lent_attribute_the_owner_only_inherited_is_deleted_again(monkeypatch,
         pass
 
     module = fake_module(Owner=Owner)
-    entry = patches.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
-    monkeypatch.setattr(patches, "LENT", (entry,))
-    integration.install()
+    entry = ledger.ForeignState("dynamic-cp-stream", f"{module.__name__}:Owner.cp_stream", "test", "test", held=True)
+    monkeypatch.setattr(ledger, "LENT", (entry,))
+    installation.install()
     foreign_state.put(Owner, "cp_stream", object())
-    integration.uninstall()
+    installation.uninstall()
     assert "cp_stream" not in vars(Owner) and Owner.cp_stream is None
 
 
@@ -1041,7 +1055,7 @@ def test_every_change_the_package_makes_names_a_listed_entry():
     changes are refused here, before any run), and the plugin reaches foreign attributes through it."""
     import ast
 
-    listed = {entry.name for entry in (*patches.PATCHES, *patches.LENT, *patches.SCOPED)}
+    listed = {entry.name for entry in (*ledger.PATCHES, *ledger.LENT, *ledger.SCOPED)}
     named = []
     for path in Path(megatron_cg_plugin.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -1051,6 +1065,9 @@ def test_every_change_the_package_makes_names_a_listed_entry():
                     for keyword in node.keywords
                     if keyword.arg == "change" and isinstance(keyword.value, ast.Constant)
                 ]
+    # and every entry that says it is made through foreign_state is: its name is handed as change=
+    through_the_primitive = {entry.name for entry in (*ledger.LENT, *ledger.SCOPED) if not entry.made_with}
+    assert through_the_primitive - {entry.name for entry in ledger.LENT if entry.held} <= {name for _, name in named}
     assert {name for _, name in named} >= {
         "megatron-capture-call",
         "layer-capture-tracker",
@@ -1066,17 +1083,17 @@ def test_every_change_the_package_makes_names_a_listed_entry():
 def test_a_lend_outside_an_installed_run_is_the_callers_and_stays(lent_owner):
     lent = object()
     foreign_state.put(lent_owner, "cp_stream", lent)  # a probe, no plugin installed
-    integration.install()
-    integration.uninstall()
+    installation.install()
+    installation.uninstall()
     assert lent_owner.cp_stream is lent  # a later install/uninstall does not undo what it never made
 
 
 def test_uninstall_restores_a_lent_attribute_to_what_it_was_at_install(lent_owner):
     original = lent_owner.cp_stream
-    integration.install()
+    installation.install()
     foreign_state.put(lent_owner, "cp_stream", object())
     lent_owner.cp_stream = object()  # set again during the run, by whomever
-    integration.uninstall()
+    installation.uninstall()
     assert lent_owner.cp_stream is original
 
 
@@ -1094,7 +1111,7 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
         moe_utils.fused_unpermute,
         megatron_utils._te_version,
     )
-    with pytest.raises(KeyError), integration.gpu_host_stand_ins():
+    with pytest.raises(KeyError), installation.gpu_host_stand_ins():
         assert torch.cuda.get_device_capability() == (9, 0)
         assert rope_utils.fused_apply_rotary_pos_emb is not None
         assert moe_utils.fused_permute is not None
@@ -1145,7 +1162,7 @@ def test_scoped_megatron_capture_call_is_restored_by_identity(monkeypatch):
 
 
 def test_scoped_te_capture_flag_is_restored(monkeypatch):
-    from megatron_cg_plugin.capture import te_backend as backend
+    from megatron_cg_plugin.capture import te_backend
 
     graph = types.ModuleType("transformer_engine.pytorch.graph")
     graph._IS_GRAPH_CAPTURING = False
@@ -1158,7 +1175,7 @@ def test_scoped_te_capture_flag_is_restored(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.graph", graph)
     sys.modules["transformer_engine.pytorch"].graph = graph
-    with pytest.raises(ValueError), backend.te_capture_flag():
+    with pytest.raises(ValueError), te_backend.te_capture_flag():
         assert graph._IS_GRAPH_CAPTURING is True
         raise ValueError("capture failed")
     assert graph._IS_GRAPH_CAPTURING is False
@@ -1169,7 +1186,7 @@ def test_install_refuses_a_moved_private_megatron_method_and_patches_nothing(mon
 
     monkeypatch.delattr(cuda_graphs.TECudaGraphHelper, "_reset_after_capture")
     with pytest.raises(SignatureMismatchError, match="_reset_after_capture"):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
@@ -1178,7 +1195,7 @@ def test_install_refuses_a_private_method_whose_parameters_changed(monkeypatch):
 
     monkeypatch.setattr(transformer_layer.TransformerLayer, "_forward_attention", lambda self, hidden_states: None)
     with pytest.raises(SignatureMismatchError, match="attention_mask"):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
@@ -1202,7 +1219,7 @@ def test_install_takes_a_private_method_wrapped_with_functools_wraps(monkeypatch
     cls = getattr(importlib.import_module(module), owner)
     method = getattr(cls, name)
     monkeypatch.setattr(cls, name, functools.wraps(method)(_users_patch(method)))
-    assert integration.install() is integration.active_session()  # checked through __wrapped__
+    assert installation.install() is installation.active_session()  # checked through __wrapped__
 
 
 def test_install_names_a_private_method_wrapped_by_a_users_patch(monkeypatch):
@@ -1211,7 +1228,7 @@ def test_install_names_a_private_method_wrapped_by_a_users_patch(monkeypatch):
     method = transformer_layer.TransformerLayer._forward_attention
     monkeypatch.setattr(transformer_layer.TransformerLayer, "_forward_attention", _users_patch(method))
     with pytest.raises(SignatureMismatchError) as info:
-        integration.install()
+        installation.install()
     message = str(info.value)
     assert f"Found {__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped" in message
     assert "build differs" not in message
@@ -1228,7 +1245,7 @@ def test_install_names_a_wrapped_create_cudagraphs_whose_calls_it_cannot_see(mon
         match="no longer calls make_graphed_callables.* Found "
         f"{__name__}._users_patch.<locals>.patched, defined outside megatron-core: it looks wrapped",
     ):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
@@ -1240,7 +1257,7 @@ def test_install_names_a_wrapped_mtp_logging_method(monkeypatch):
 
     monkeypatch.setattr(MTPLossLoggingHelper, "track_mtp_metrics", staticmethod(track_mtp_metrics))
     with pytest.raises(SignatureMismatchError) as info:
-        integration.install()
+        installation.install()
     message = str(info.value)
     assert "track_mtp_metrics no longer takes parameter(s) loss_scale, iteration, total_loss_dict" in message
     assert f"Found {__name__}.{track_mtp_metrics.__qualname__}, defined outside megatron-core" in message
@@ -1255,7 +1272,7 @@ def test_install_refuses_a_create_cudagraphs_that_no_longer_calls_make_graphed_c
 
     monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "create_cudagraphs", create_cudagraphs)
     with pytest.raises(SignatureMismatchError, match="no longer calls make_graphed_callables"):
-        integration.install()
+        installation.install()
     assert_pristine()
 
 
@@ -1323,12 +1340,12 @@ def test_the_packed_graph_patches_reach_megatrons_classes():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     originals = (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay)
-    integration.install()
+    installation.install()
     try:
         patched = (GPTModel.forward, TransformerLayer._te_cuda_graph_capture, TransformerLayer._te_cuda_graph_replay)
         assert all(now is not before and now.__wrapped__ is before for now, before in zip(patched, originals))
     finally:
-        integration.uninstall()
+        installation.uninstall()
     assert (
         GPTModel.forward,
         TransformerLayer._te_cuda_graph_capture,

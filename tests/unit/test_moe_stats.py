@@ -66,7 +66,7 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
     from megatron.core.transformer.moe import router
 
     from megatron_cg_plugin.config import PluginConfig
-    from megatron_cg_plugin.patching import builders as patch_builders
+    from megatron_cg_plugin.patching import builders
     from megatron_cg_plugin.session import RunSession
 
     class Probe:
@@ -85,7 +85,7 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
         return "trained"
 
     session = RunSession(PluginConfig(print_report=False, moe_drop_stats=True), probe=Probe())
-    assert patch_builders.build_train_end_report(train, session)(None, model) == "trained"
+    assert builders.build_train_end_report(train, session)(None, model) == "trained"
     assert session._finished.moe_dropped_fraction == 0.75
     assert "MoE routers dropped 75.00% of token-to-expert assignments" in session._finished.format_table()
     assert not model[0][0]._forward_hooks
@@ -96,10 +96,10 @@ def test_train_reports_the_dropped_fraction_and_leaves_no_hook_even_when_it_cras
 
     session = RunSession(PluginConfig(print_report=False, moe_drop_stats=True), probe=Probe())
     with pytest.raises(RuntimeError):
-        patch_builders.build_train_end_report(crashes, session)(None, model)
+        builders.build_train_end_report(crashes, session)(None, model)
     assert not model[0][0]._forward_hooks
     off = RunSession(PluginConfig(print_report=False), probe=Probe())
-    patch_builders.build_train_end_report(train, off)(None, model)
+    builders.build_train_end_report(train, off)(None, model)
     assert off._finished.moe_dropped_fraction is None  # not asked: no tap
 
 

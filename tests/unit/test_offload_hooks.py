@@ -11,7 +11,7 @@ import pytest
 import torch
 from _doubles.copies import InlineCopies
 
-from megatron_cg_plugin.slot_sharing import offload_arenas as offload
+from megatron_cg_plugin.slot_sharing import offload_arenas
 from megatron_cg_plugin.slot_sharing.offload_arenas import HostArena, HostArenaError, OffloadingArenaHooks
 from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy, plan_offload
 from megatron_cg_plugin.slot_sharing.plan import arena_aligned
@@ -105,7 +105,7 @@ def test_views_of_one_offloaded_storage_come_back_as_views_of_one_buffer():
     assert plan.groups == (("core_attn", (0,)),)
     hooks, arena, host, _ = frame(plan, sizer)
     packed = [hooks.pack(x), hooks.pack(x.t())]
-    assert all(isinstance(p, offload._Offloaded) for p in packed) and arena.used == 0
+    assert all(isinstance(p, offload_arenas._Offloaded) for p in packed) and arena.used == 0
     hooks.join_forward()
     x.zero_()  # the original changes after the forward: the host copy does not
     first, second = (hooks.unpack(p) for p in packed)
@@ -128,7 +128,7 @@ def test_pinned_memory_that_cannot_be_had_is_refused_naming_the_bytes(monkeypatc
             raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
         return real_empty(*args, **kwargs)
 
-    monkeypatch.setattr(offload.torch, "empty", no_pinned)
+    monkeypatch.setattr(offload_arenas.torch, "empty", no_pinned)
     with pytest.raises(HostArenaError, match=f"could not pin {arena_aligned(10 * 2**20)} bytes of host memory"):
         HostArena(10 * 2**20, name="slot 0")
 
@@ -207,10 +207,12 @@ def test_a_ctx_tensor_on_an_offloaded_storage_and_a_changed_save_are_refused():
     plan = plan_offload(sizer.saves, OffloadPolicy.from_flags(["core_attn"], min_tensor_elements=0))
     hooks, _, _, _ = frame(plan, sizer)
     hooks.pack(x)
-    with pytest.raises(offload.OffloadPlanError, match="shares storage 0 with an offloaded save"):
+    with pytest.raises(offload_arenas.OffloadPlanError, match="shares storage 0 with an offloaded save"):
         hooks._protected(x)
     other, _, _, _ = frame(plan, sizer)
-    with pytest.raises(offload.OffloadPlanError, match="storage 0 of the frame holds 32 bytes under capture but 64"):
+    with pytest.raises(
+        offload_arenas.OffloadPlanError, match="storage 0 of the frame holds 32 bytes under capture but 64"
+    ):
         other.pack(torch.rand(8))  # the frame's first storage is not the one warmup saw
 
 
@@ -275,7 +277,7 @@ class RecordingCuda:
 
     def __init__(self, monkeypatch):
         self.log, self.events = [], 0
-        cuda = offload.torch.cuda
+        cuda = offload_arenas.torch.cuda
         recorder = self
 
         class Stream:
@@ -343,7 +345,7 @@ def test_in_graph_d2h_copies_run_window_groups_behind_and_are_all_joined_at_the_
 ):
     cuda = RecordingCuda(monkeypatch)
     sizer, plan = warmup_plan(["attn_norm", "core_attn", "mlp_norm"])
-    transfers = offload.CudaTransfers()
+    transfers = offload_arenas.CudaTransfers()
     hooks, _, _, _ = frame(plan, sizer, window=window, transfers=transfers)
     followed = []
     offload_one = hooks._offload
@@ -375,7 +377,7 @@ def test_each_first_unpack_keeps_window_groups_reloading_ahead(window):
 
     def recorded_unpack(packed):
         result = unpack(packed)
-        if isinstance(packed, offload._Offloaded):
+        if isinstance(packed, offload_arenas._Offloaded):
             seen.setdefault(hooks._group_of[packed.storage], set(hooks._requested))
         return result
 

@@ -1,4 +1,4 @@
-"""Packed (THD) microbatches under TE graphs without hybrid CP (``packed_graphs``): the fixed
+"""Packed (THD) microbatches under TE graphs without hybrid CP (``packed.graphs``): the fixed
 layout's fill, its refusals, the capture's sample inputs and the three patches' wrappers, on CPU
 with Megatron's own ``PackedSeqParams`` and stand-ins for its model and layer."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.packed import graphs as packed_graphs
+from megatron_cg_plugin.packed import graphs
 from megatron_cg_plugin.packed.graphs import THD_KWARG, PackedFormError
 from megatron_cg_plugin.packed.layout import PackedLayout, ThdCapacityError, padded_offsets
 from megatron_cg_plugin.planner.graph_memory import thd_buffer_bytes
@@ -49,7 +49,7 @@ def test_the_device_fill_is_the_host_rule(lengths, spare):
     for length in lengths:
         offsets.append(offsets[-1] + length)
     entries = len(offsets) + spare
-    fixed = packed_graphs.fixed_offsets(torch.tensor(offsets, dtype=torch.int64), entries)
+    fixed = graphs.fixed_offsets(torch.tensor(offsets, dtype=torch.int64), entries)
     assert fixed.dtype == torch.int32 and fixed.device == torch.device("cpu") and fixed.shape == (entries,)
     assert tuple(fixed.tolist()) == padded_offsets(offsets, entries)
     assert fixed.tolist()[len(offsets) :] == [offsets[-1]] * spare  # zero-length sequences
@@ -65,8 +65,8 @@ def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag():
     with pytest.raises(
         ThdCapacityError, match=r"holds 3 sequences .* at most 2; raise --cg-thd-max-seqs to at least 3"
     ):
-        packed_graphs.fixed_offsets(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3)
-    assert packed_graphs.fixed_offsets(torch.tensor([0, 1, 2], dtype=torch.int32), 3).tolist() == [0, 1, 2]  # exact fit
+        graphs.fixed_offsets(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3)
+    assert graphs.fixed_offsets(torch.tensor([0, 1, 2], dtype=torch.int32), 3).tolist() == [0, 1, 2]  # exact fit
     with pytest.raises(ThdCapacityError, match="--cg-thd-max-seqs"):
         PackedLayout(max_seqs=1, max_seqlen=8).sample_offsets(2)  # two samples hold two documents at least
 
@@ -76,7 +76,7 @@ def test_a_batch_beyond_the_capacity_is_refused_naming_the_flag():
 )
 def test_offsets_that_are_no_offsets_are_refused(offsets):
     with pytest.raises(PackedFormError, match="non-empty 1-D integer tensor"):
-        packed_graphs.fixed_offsets(offsets, 4)
+        graphs.fixed_offsets(offsets, 4)
 
 
 # -- the layout at the model's entry ----------------------------------------------------------------
@@ -84,18 +84,18 @@ def test_offsets_that_are_no_offsets_are_refused(offsets):
 
 def test_fixed_params_hold_the_capacity_and_the_bound():
     raw = params_of([0, 5, 9, 16], longest=7, tokens_per_sample=16)
-    fixed = packed_graphs.fixed_params(raw, LAYOUT)
+    fixed = graphs.fixed_params(raw, LAYOUT)
     assert fixed is not raw and raw.cu_seqlens_q.tolist() == [0, 5, 9, 16]  # the caller's params stay as they were
     assert fixed.cu_seqlens_q.tolist() == [0, 5, 9, 16, 16, 16, 16]
     assert fixed.cu_seqlens_kv is fixed.cu_seqlens_q and fixed.cu_seqlens_q_padded is None
     assert (fixed.max_seqlen_q, fixed.max_seqlen_kv, fixed.tokens_per_sample) == (16, 16, 16)
-    again = packed_graphs.fixed_params(raw, LAYOUT)
+    again = graphs.fixed_params(raw, LAYOUT)
     assert (
         again.cu_seqlens_q is not fixed.cu_seqlens_q
     )  # a new tensor per microbatch (a pending backward reads the old)
     same = params_of([0, 5, 16], longest=11)
     same = dataclasses.replace(same, cu_seqlens_q_padded=same.cu_seqlens_q, cu_seqlens_kv_padded=same.cu_seqlens_q)
-    assert packed_graphs.fixed_params(same, LAYOUT).cu_seqlens_q_padded is None  # padded is the offsets: one form
+    assert graphs.fixed_params(same, LAYOUT).cu_seqlens_q_padded is None  # padded is the offsets: one form
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_fixed_params_hold_the_capacity_and_the_bound():
 )
 def test_forms_the_layout_does_not_carry_are_refused(change, match):
     with pytest.raises(PackedFormError, match=match):
-        packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), **change), LAYOUT)
+        graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), **change), LAYOUT)
 
 
 def test_a_document_longer_than_the_bound_is_refused_naming_the_flag():
@@ -117,39 +117,38 @@ def test_a_document_longer_than_the_bound_is_refused_naming_the_flag():
         match="longest sequence holds 17 tokens but graphs were captured for at most "
         "16; raise --cg-thd-max-seqlen to at least 17, or drop it",
     ):
-        packed_graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), max_seqlen_kv=17), LAYOUT)
+        graphs.fixed_params(dataclasses.replace(params_of([0, 5, 16], longest=11), max_seqlen_kv=17), LAYOUT)
     short = PackedLayout(max_seqs=6, max_seqlen=11, seq_length=16)
-    assert packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), short).max_seqlen_q == 11  # exact fit
+    assert graphs.fixed_params(params_of([0, 5, 16], longest=11), short).max_seqlen_q == 11  # exact fit
     with pytest.raises(ThdCapacityError, match="at least 12"):
-        packed_graphs.fixed_params(params_of([0, 4, 16], longest=12), short)
+        graphs.fixed_params(params_of([0, 4, 16], longest=12), short)
 
 
 def test_without_megatrons_bound_the_longest_document_is_read_from_the_offsets():
     """A document longer than the captured max_seqlen would be computed wrongly: no bound is no pass."""
     short = PackedLayout(max_seqs=6, max_seqlen=8, seq_length=16)
     with pytest.raises(ThdCapacityError, match=r"longest sequence holds 9 tokens .* --cg-thd-max-seqlen to at least 9"):
-        packed_graphs.fixed_params(params_of([0, 7, 16]), short)
-    fixed = packed_graphs.fixed_params(params_of([0, 8, 16]), short)
+        graphs.fixed_params(params_of([0, 7, 16]), short)
+    fixed = graphs.fixed_params(params_of([0, 8, 16]), short)
     assert (fixed.max_seqlen_q, fixed.max_seqlen_kv) == (8, 8)
-    assert packed_graphs.longest_sequence(torch.tensor([0, 3, 10, 12])) == 7
-    assert packed_graphs.longest_sequence(torch.tensor([0.0, 4.0])) == 0  # fixed_offsets names what is wrong
+    assert graphs.longest_sequence(torch.tensor([0, 3, 10, 12])) == 7
+    assert graphs.longest_sequence(torch.tensor([0.0, 4.0])) == 0  # fixed_offsets names what is wrong
 
 
-def test_the_layout_takes_the_bound_from_the_flag(monkeypatch):
-    monkeypatch.setattr(packed_graphs, "megatron_seq_length", lambda: 4096)
-    assert packed_graphs.layout_of(PluginConfig(thd_max_seqs=32)) == PackedLayout(32, 4096, seq_length=4096)
-    layout = packed_graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=600))
+def test_the_layout_takes_the_bound_from_the_flag():
+    assert graphs.layout_of(PluginConfig(thd_max_seqs=32), 4096) == PackedLayout(32, 4096, seq_length=4096)
+    layout = graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=600), 4096)
     assert (layout.max_seqs, layout.max_seqlen, layout.sample_tokens) == (32, 600, 4096)
-    assert packed_graphs.layout_of(PluginConfig(thd_max_seqlen=600)) is None  # the rules refuse it alone
+    assert graphs.layout_of(PluginConfig(thd_max_seqlen=600), 4096) is None  # the rules refuse it alone
     with pytest.raises(ValueError, match="--cg-thd-max-seqlen 5000 exceeds --seq-length 4096"):
-        packed_graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=5000))
+        graphs.layout_of(PluginConfig(thd_max_seqs=32, thd_max_seqlen=5000), 4096)
 
 
 def test_the_sample_layout_covers_every_token_in_documents_of_the_bound():
     layout = PackedLayout(max_seqs=8, max_seqlen=6, seq_length=16)
     assert layout.sequences_per_sample() == 3
     assert layout.sample_offsets(2) == (0, 6, 12, 16, 22, 28, 32, 32, 32)  # two samples of 6 + 6 + 4 tokens
-    offsets = packed_graphs.capture_params(torch.tensor(layout.sample_offsets(2), dtype=torch.int32), layout)
+    offsets = graphs.capture_params(torch.tensor(layout.sample_offsets(2), dtype=torch.int32), layout)
     assert offsets.max_seqlen_q == 6
     with pytest.raises(ThdCapacityError, match="raise --cg-thd-max-seqs to at least 9"):
         layout.sample_offsets(3)
@@ -159,20 +158,20 @@ def test_the_sample_layout_covers_every_token_in_documents_of_the_bound():
 
 
 def test_a_replay_takes_only_the_fixed_layout():
-    fixed = packed_graphs.fixed_params(params_of([0, 5, 16], longest=11), LAYOUT)
-    assert packed_graphs.graph_input(fixed, LAYOUT, "layer 1") is fixed.cu_seqlens_q
+    fixed = graphs.fixed_params(params_of([0, 5, 16], longest=11), LAYOUT)
+    assert graphs.graph_input(fixed, LAYOUT, "layer 1") is fixed.cu_seqlens_q
     with pytest.raises(
         PackedFormError,
         match=r"layer 2: .*cu_seqlens_q shape \(3,\) \(captured: \(7,\)\); "
         r"max_seqlen_q 11 \(captured: 16\)",
     ):
-        packed_graphs.graph_input(params_of([0, 5, 16], longest=11), LAYOUT, "layer 2")
+        graphs.graph_input(params_of([0, 5, 16], longest=11), LAYOUT, "layer 2")
 
 
 def test_the_capture_params_are_what_the_layout_makes():
     offsets = torch.tensor(LAYOUT.sample_offsets(1), dtype=torch.int32)
-    params = packed_graphs.capture_params(offsets, LAYOUT)
-    assert packed_graphs.graph_input(params, LAYOUT, "capture") is offsets
+    params = graphs.capture_params(offsets, LAYOUT)
+    assert graphs.graph_input(params, LAYOUT, "capture") is offsets
     assert (params.qkv_format, params.pad_between_seqs, params.local_cp_size) == ("thd", None, None)
 
 
@@ -187,7 +186,7 @@ def _sample(rows=8, mbs=1, attention=True, rope=None):
 def test_sample_inputs_are_a_packed_microbatch():
     rope = torch.arange(16.0).view(16, 1, 1, 1)
     layer1, layer2, mlp_only = _sample(rope=rope), _sample(rope=rope), _sample(attention=False)
-    args, kwargs = packed_graphs.sample_inputs(
+    args, kwargs = graphs.sample_inputs(
         [layer1[0], layer2[0], layer1[0], mlp_only[0]],
         [layer1[1], layer2[1], layer1[1], mlp_only[1]],
         LAYOUT,
@@ -204,7 +203,7 @@ def test_sample_inputs_are_a_packed_microbatch():
 
 
 def test_sample_hidden_states_of_several_samples_are_the_flattened_stream():
-    (args,), _ = packed_graphs.sample_inputs(
+    (args,), _ = graphs.sample_inputs(
         [_sample(rows=8, mbs=2, attention=False)[0]], [{}], LAYOUT, micro_batch_size=2, rope=None
     )
     (hidden,) = args
@@ -216,9 +215,9 @@ def test_the_helper_samples_only_for_a_packed_run():
         session=RunSession(PluginConfig()), seq_length=16, micro_batch_size=1, chunks_with_decoder=[None]
     )
     sample = [_sample()[0]], [_sample()[1]]
-    assert packed_graphs.helper_sample_inputs(helper, *sample) == sample
+    assert graphs.helper_sample_inputs(helper, *sample) == sample
     helper.session = RunSession(PluginConfig(thd_max_seqs=6))
-    _, kwargs = packed_graphs.helper_sample_inputs(helper, *sample)
+    _, kwargs = graphs.helper_sample_inputs(helper, *sample)
     assert kwargs[0][THD_KWARG].shape == (7,)
 
 
@@ -226,9 +225,10 @@ def test_the_helper_samples_only_for_a_packed_run():
 
 
 @pytest.fixture
-def packed_session(monkeypatch):
-    monkeypatch.setattr(packed_graphs, "megatron_seq_length", lambda: 16)  # the job's --seq-length
-    return RunSession(PluginConfig(thd_max_seqs=6))
+def packed_session():
+    session = RunSession(PluginConfig(thd_max_seqs=6))
+    session.settings = RunSettings(seq_length=16)  # as the rules' check leaves them: the job's --seq-length
+    return session
 
 
 class FakeGPT:
@@ -254,7 +254,7 @@ class FakeGPT:
 
 
 def test_the_model_entry_lays_training_microbatches_out(packed_session):
-    forward = packed_graphs.build_thd_layout(FakeGPT.forward, packed_session)
+    forward = graphs.build_thd_layout(FakeGPT.forward, packed_session)
     model, raw = FakeGPT(), params_of([0, 5, 16], longest=11)
     assert forward(model, 1, 2, None, packed_seq_params=raw) == "out"
     assert model.seen.cu_seqlens_q.shape == (7,) and model.seen.max_seqlen_q == 16
@@ -272,14 +272,20 @@ def test_the_model_entry_lays_training_microbatches_out(packed_session):
 
 def test_the_model_entry_takes_the_sequence_length_from_the_runs_settings(packed_session):
     packed_session.take_settings(RunSettings(seq_length=32))  # the rules passed them: not the job's 16
-    forward = packed_graphs.build_thd_layout(FakeGPT.forward, packed_session)
+    forward = graphs.build_thd_layout(FakeGPT.forward, packed_session)
     model = FakeGPT()
     forward(model, 1, 2, None, packed_seq_params=params_of([0, 5, 16], longest=11))
     assert model.seen.max_seqlen_q == 32
 
 
+def test_a_packed_layout_without_the_runs_settings_names_what_to_do():
+    forward = graphs.build_thd_layout(FakeGPT.forward, RunSession(PluginConfig(thd_max_seqs=6)))
+    with pytest.raises(RuntimeError, match=r"--cg-thd-max-seqs .* call megatron_cg_plugin.install\(\) before"):
+        forward(FakeGPT(), 1, 2, None, packed_seq_params=params_of([0, 5, 16], longest=11))
+
+
 def test_the_model_entry_passes_through_without_the_flag(monkeypatch):
-    forward = packed_graphs.build_thd_layout(FakeGPT.forward, RunSession(PluginConfig()))
+    forward = graphs.build_thd_layout(FakeGPT.forward, RunSession(PluginConfig()))
     model, raw = FakeGPT(), params_of([0, 5, 16], longest=11)
     forward(model, 1, 2, None, packed_seq_params=raw)
     assert model.seen is raw
@@ -298,11 +304,9 @@ class FakeLayer:
 
 @pytest.mark.parametrize("modules", [(), ("attn",)])
 def test_a_replay_hands_the_offsets_to_the_graph(packed_session, modules):
-    replay = packed_graphs.build_replay(FakeLayer.replay, packed_session)
+    replay = graphs.build_replay(FakeLayer.replay, packed_session)
     layer = FakeLayer(modules)
-    fixed = packed_graphs.fixed_params(
-        params_of([0, 5, 16], longest=11), packed_graphs.layout_of(packed_session.config)
-    )
+    fixed = graphs.fixed_params(params_of([0, 5, 16], longest=11), graphs.layout_of(packed_session.config, 16))
     assert (
         replay(layer, hidden_states="h", attention_mask=None, packed_seq_params=fixed, rotary_pos_emb="table")
         == "replayed"
@@ -318,7 +322,7 @@ def test_a_replay_hands_the_offsets_to_the_graph(packed_session, modules):
 
 
 def test_replays_the_layout_does_not_serve_are_megatrons(packed_session):
-    replay = packed_graphs.build_replay(FakeLayer.replay, packed_session)
+    replay = graphs.build_replay(FakeLayer.replay, packed_session)
     raw = params_of([0, 5, 16], longest=11)
     mlp = FakeLayer(("mlp",))  # attention runs eagerly with the params in Megatron's replay
     replay(mlp, hidden_states="h", packed_seq_params=raw)
@@ -328,14 +332,14 @@ def test_replays_the_layout_does_not_serve_are_megatrons(packed_session):
     hybrid = dataclasses.replace(raw, local_cp_size=1)
     replay(plain, hidden_states="h", packed_seq_params=hybrid)
     assert [kwargs.get("packed_seq_params") for _, kwargs in plain.calls] == [None, hybrid]
-    unconfigured = packed_graphs.build_replay(FakeLayer.replay, RunSession(PluginConfig()))
+    unconfigured = graphs.build_replay(FakeLayer.replay, RunSession(PluginConfig()))
     unconfigured(plain, hidden_states="h", packed_seq_params=raw)
     assert plain.calls[-1][1]["packed_seq_params"] is raw  # Megatron's own assert explains (the rule refused first)
 
 
 def test_the_capture_turns_the_graph_input_into_params(packed_session):
     captured = []
-    capture = packed_graphs.build_capture(lambda self, *args, **kwargs: captured.append(kwargs), packed_session)
+    capture = graphs.build_capture(lambda self, *args, **kwargs: captured.append(kwargs), packed_session)
     offsets = torch.tensor(LAYOUT.sample_offsets(1), dtype=torch.int32)
     capture(object(), "h", rotary_pos_emb="table", **{THD_KWARG: offsets})
     capture(object(), "h", attention_mask=None)  # an unpacked capture (graph banks pass their own params)
@@ -372,5 +376,5 @@ def test_the_launchers_params_are_megatrons_script_s():
     params = packed_batch_params(batch, tokens_per_sample=16)
     assert params.cu_seqlens_q.tolist() == [0, 5, 12, 16] and params.cu_seqlens_kv is params.cu_seqlens_q
     assert (params.max_seqlen_q, params.cu_seqlens_q_padded, params.tokens_per_sample) == (7, None, 16)
-    assert packed_graphs.fixed_params(params, LAYOUT).cu_seqlens_q.shape == (7,)  # what the layout then makes of it
+    assert graphs.fixed_params(params, LAYOUT).cu_seqlens_q.shape == (7,)  # what the layout then makes of it
     assert packed_batch_params(with_packed_keys({"tokens": torch.zeros(1, 16)}), tokens_per_sample=16) is None

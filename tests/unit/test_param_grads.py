@@ -1,4 +1,4 @@
-"""memory.param_grads: parameter-gradient buffers shared by captures that replay one at a time."""
+"""slot_sharing.param_grads: parameter-gradient buffers shared by captures that replay one at a time."""
 
 from __future__ import annotations
 

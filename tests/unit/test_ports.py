@@ -1,4 +1,4 @@
-"""Rendezvous ports for launches side by side (testing.ports): each handed out once, never from the
+"""Rendezvous ports for launches side by side (farm.ports): each handed out once, never from the
 kernel's ephemeral range (where a neighbour once took a cell's port), a held one skipped."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from megatron_cg_plugin.farm.ports import PortAllocator, ephemeral_start, port_is_free
-from megatron_cg_plugin.matrix import runner as matrix
+from megatron_cg_plugin.matrix import runner
 
 
 def test_ports_handed_out_from_many_threads_are_distinct_and_below_the_ephemeral_range():
@@ -45,7 +45,7 @@ def test_matrix_cells_side_by_side_launch_on_ports_of_their_own(monkeypatch, tmp
         seen.extend([ports(), ports()])  # the eager and the graphed launch
         raise OSError("stop here")
 
-    monkeypatch.setattr(matrix, "run_case", run_case)
-    cells = matrix.design(lambda _cell: ((), ""))[:6]
-    matrix.run_matrix(cells, tmp_path, megatron_lm_dir="/ml", jobs=6, progress=lambda _line: None)
+    monkeypatch.setattr(runner, "run_case", run_case)
+    cells = runner.design(lambda _cell: ((), ""))[:6]
+    runner.run_matrix(cells, tmp_path, megatron_lm_dir="/ml", jobs=6, progress=lambda _line: None)
     assert len(seen) == 12 and len(set(seen)) == 12

@@ -13,8 +13,7 @@ import os
 import pytest
 import torch
 
-from megatron_cg_plugin import compat, installation, rules
-from megatron_cg_plugin import refusal as enforce
+from megatron_cg_plugin import compat, installation, refusal, rules
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch import dry_run, pretrain_gpt
 from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
@@ -297,8 +296,8 @@ def run_verdict(flags: list[str], nproc: int, monkeypatch) -> tuple[frozenset[st
         try:
             with installation.gpu_host_stand_ins():
                 args = pretrain_gpt.parse_megatron_args(flags)
-        except enforce.RunRefused as refusal:
-            return frozenset(name for name, _ in refusal.violations), dict(refusal.violations)
+        except refusal.RunRefused as refused:
+            return frozenset(name for name, _ in refused.violations), dict(refused.violations)
         finally:
             installation.uninstall()
             reset_megatron_globals()

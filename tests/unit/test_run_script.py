@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cg_plugin import cli
-from megatron_cg_plugin import installation as integration
+from megatron_cg_plugin import cli, installation
 from megatron_cg_plugin.launch import run_script
 from megatron_cg_plugin.launch.rendezvous import RENDEZVOUS_VARS
 
@@ -61,9 +60,9 @@ RECORDER = textwrap.dedent("""\
 def clean_process(monkeypatch):
     for key in (*RENDEZVOUS_VARS, "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(key, raising=False)
-    integration.uninstall()
+    installation.uninstall()
     yield
-    integration.uninstall()
+    installation.uninstall()
 
 
 @pytest.fixture
@@ -102,7 +101,7 @@ def test_in_process_runs_the_script_as_main_with_the_plugin(recorder, tmp_path):
     assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
     assert "sum" not in record  # one rank: no collective
     # Afterwards: nothing left behind.
-    assert integration.active_session() is None
+    assert installation.active_session() is None
     assert all(key not in os.environ for key in RENDEZVOUS_VARS)
     assert sys.argv == argv_before and sys.path == path_before
 
@@ -124,7 +123,7 @@ def test_in_process_returns_the_scripts_exit_code(recorder, tmp_path, exit_with,
     out = tmp_path / "record"
     assert run_script.main([str(recorder), "--out", str(out), "--exit", exit_with]) == expected
     assert load(out)["installed"] is True  # it ran to its exit
-    assert integration.active_session() is None
+    assert installation.active_session() is None
     assert all(key not in os.environ for key in RENDEZVOUS_VARS)
 
 
@@ -140,7 +139,7 @@ def test_in_process_exception_propagates_and_uninstalls(tmp_path):
     script.write_text("raise ValueError('boom from the script')\n")
     with pytest.raises(ValueError, match="boom from the script"):
         run_script.main([str(script)])
-    assert integration.active_session() is None
+    assert installation.active_session() is None
     assert all(key not in os.environ for key in RENDEZVOUS_VARS)
 
 
@@ -224,7 +223,7 @@ def test_missing_script_is_bad_input_naming_it(tmp_path, capsys):
     assert run_script.main([str(missing), "--out", "x"]) == run_script.EXIT_BAD_INPUT == 2
     err = capsys.readouterr().err
     assert str(missing) in err and "does not exist" in err
-    assert integration.active_session() is None
+    assert installation.active_session() is None
 
 
 def test_directory_is_not_a_script(tmp_path, capsys):

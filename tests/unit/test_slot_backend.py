@@ -1,7 +1,7 @@
-"""``--cg-slot-capture`` (slot_sharing/megatron_backend.py, capture/offload_groups.MegatronOffload) on CPU: what
+"""``--cg-slot-capture`` (slot_sharing/megatron_backend.py, slot_sharing/offload_groups.MegatronOffload) on CPU: what
 the capture call refuses, how a replay call maps onto the graph's inputs, Megatron's offload
 interface and the layers' in-graph flag during capture, and which backend the helper picks. The
-capture itself needs a GPU: tests/functional/test_slot_capture_megatron.py."""
+capture itself needs a GPU: the farm's slot cases (tests/functional/test_cases/gpt/*slot*)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from megatron_cg_plugin.capture.te_backend import TEBackend
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ConfigError, PluginConfig
 from megatron_cg_plugin.session import RunSession
-from megatron_cg_plugin.slot_sharing import megatron_backend as slot_backend
+from megatron_cg_plugin.slot_sharing import megatron_backend
 from megatron_cg_plugin.slot_sharing.megatron_backend import (
     SlotBackend,
     SlotCaptureError,
@@ -113,7 +113,7 @@ def test_replay_maps_keyword_tensors_in_capture_order_and_ignores_what_is_no_inp
     out = graph(hidden, rotary_pos_emb=rope, attention_mask=mask, is_first_microbatch=True, cuda_graph_stream=object())
     assert isinstance(out, tuple) and torch.equal(out[0], hidden * 2)  # Megatron takes list(...) of it
     assert slotted.calls[0][1] is mask and slotted.calls[0][2] is rope
-    assert graph.stats == slot_backend.LayerSlotStats(
+    assert graph.stats == megatron_backend.LayerSlotStats(
         arena_bytes=10, host_arena_bytes=4, offloaded_bytes=4, boundary_bytes=3
     )
     graph.reset()
@@ -196,11 +196,6 @@ def test_in_graph_offload_follows_megatrons_config_fields():
     # Without in-graph offload, Megatron's hooks are still kept out of the capture; nothing goes to the host.
     kept_out = MegatronOffload.from_config(config, [], offload=False)
     assert kept_out.policy is None and kept_out.slot_offload(None) is None
-    # The bench's frontier arms stand in for the fraction, and keep the rest of Megatron's policy.
-    assert MegatronOffload.from_config(config, [], fraction=0.25).policy == OffloadPolicy(
-        frozenset({"core_attn", "mlp_norm"}), 16, 0.25
-    )
-    assert MegatronOffload.from_config(config, [], offload=False, fraction=0.25).policy is None
 
 
 class Base:
@@ -266,7 +261,7 @@ def capture_calls(monkeypatch):
     """The options of each capture_slotted call SlotBackend makes (the capture itself faked)."""
     calls = []
     monkeypatch.setattr(
-        slot_backend,
+        megatron_backend,
         "capture_slotted",
         lambda variants, plan, parameters, **options: calls.append(options) or FakeSlotted(),
     )
@@ -287,7 +282,7 @@ def megatron_layers(count):
 
 def test_every_layer_captures_with_one_set_of_parameter_gradient_buffers(capture_calls):
     """The layers' backward replays run one at a time (one graph per layer), so they share the
-    buffers their backward graphs write the parameter gradients to (memory.param_grads)."""
+    buffers their backward graphs write the parameter gradients to (slot_sharing.param_grads)."""
     calls = capture_calls
     graphs = SlotBackend(offload=False).make_graphed_callables(megatron_layers(3), [(torch.ones(2),)] * 3)
     assert len(graphs) == 3 and len(calls) == 3

@@ -181,7 +181,7 @@ def _one_entry_stats(boundary):
     )
 
 
-def _slotted_graphs(contract_check=ContractCheck.FULL):
+def _slotted_graphs(contract_check=ContractCheck.FULL, step_marks=None):
     """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
     from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, _Boundary, _Entry
 
@@ -189,7 +189,7 @@ def _slotted_graphs(contract_check=ContractCheck.FULL):
     variant = Variant("v", lambda x: x * 2, (sample,))
     boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
     param = torch.nn.Parameter(torch.ones(3))
-    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check)
+    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check, step_marks)
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     entry.output_requires_grad = (False,)
     stats = _one_entry_stats(boundary)
@@ -229,8 +229,26 @@ def test_shapes_mode_checks_shapes_only_and_off_checks_only_the_count():
     with pytest.raises(ContractViolation, match="shape"):
         graphs.callable("v", 0)(torch.zeros(2, 6))
     graphs, entry, _ = _slotted_graphs(ContractCheck.OFF)
-    with pytest.raises(ContractViolation, match="arguments"):  # inputs and parameters are told apart by count
+    with pytest.raises(TypeError, match="take 1 tensors, got 2"):  # inputs and parameters are told apart by count
         graphs.callable("v", 0)(torch.zeros(4, 6), torch.zeros(4, 6))
+
+
+def test_with_step_marks_slot_replays_read_parameters_once_a_step():
+    """As TE's graphs under Megatron's DDP: within one schedule run the parameters are read at the
+    first replay only; the next run (after the optimizer, an evaluation, a load) reads them again."""
+    from megatron_cg_plugin.capture.step_marks import StepMarks
+
+    marks = StepMarks()
+    graphs, entry, param = _slotted_graphs(step_marks=marks)
+    replay = graphs.callable("v", 0)
+    with marks:
+        replay(torch.zeros(4, 6))
+        param.data = torch.ones(3)  # inside a run nothing moves them: not read again
+        replay(torch.zeros(4, 6))
+    with marks, pytest.raises(ContractViolation, match="parameter storage \\(parameter 0\\)"):
+        replay(torch.zeros(4, 6))
+    with pytest.raises(ContractViolation, match="parameter storage"):  # outside any run: every replay
+        replay(torch.zeros(4, 6))
 
 
 def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
@@ -248,7 +266,7 @@ def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
 
 
 def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_layer_graphs():
-    """The run report reads each layer's slot stats after teardown (helper._slot_layer_stats holds the
+    """The run report reads each layer's slot stats after teardown (capture_lifecycle._slot_layer_stats holds the
     layer graphs, which hold their replay callables and entries): the adopted static inputs (Megatron's
     sample arguments) and TE's FP8 weight-update flag must go with the graphs all the same (GPU runs
     once left 1.5 activations a layer allocated: a layer's hidden states and its attention mask)."""
@@ -319,7 +337,7 @@ def test_coverage_passes_when_only_the_outputs_are_alive_and_measures_when_not_s
 
 
 def test_returned_parameter_gradients_are_copies_of_the_shared_buffer():
-    """Layers share the buffers their backward graphs write (memory.param_grads): what a backward
+    """Layers share the buffers their backward graphs write (slot_sharing.param_grads): what a backward
     replay returns must not change when the next layer's backward writes the same buffer."""
     graphs, entry, param = _slotted_graphs()
     (buffer,) = entry.param_grads

@@ -1,7 +1,7 @@
-"""Offload between replays (slot_sharing/offload_staging.py, memory/offload.StagedArenaHooks) on CPU: the saves a
-plan offloads go to the frame's staging buffer and come back for backward; the ring hands each
-frame's data back to its buffer before its backward (kept, prefetched, or reloaded on demand) in
-Megatron's orders, and a frame larger than the ring's buffers gets its own."""
+"""Offload between replays (slot_sharing/offload_staging.py, slot_sharing/offload_arenas.StagedArenaHooks)
+on CPU: the saves a plan offloads go to the frame's staging buffer and come back for backward; the ring
+hands each frame's data back to its buffer before its backward (kept, prefetched, or reloaded on demand)
+in Megatron's orders, and a frame larger than the ring's buffers gets its own."""
 
 from __future__ import annotations
 

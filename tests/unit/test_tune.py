@@ -15,14 +15,14 @@ import types
 import pytest
 
 from megatron_cg_plugin import cli, console, foreign_state, rules
-from megatron_cg_plugin.bench import command as bench
+from megatron_cg_plugin.bench import command as bench_command
 from megatron_cg_plugin.bench.output import StepRecord
 from megatron_cg_plugin.bench.schedule import DeviceTime
 from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.launch import dry_run
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 from megatron_cg_plugin.settings import RunSettings
-from megatron_cg_plugin.setups import graph_setups as setups
+from megatron_cg_plugin.setups import graph_setups
 from megatron_cg_plugin.setups.graph_setups import EAGER, GraphSetup, ModelKind
 from megatron_cg_plugin.tune import ranking
 from megatron_cg_plugin.tune.candidates import (
@@ -202,7 +202,7 @@ def test_what_the_build_fixes_and_an_arm_cannot_set_is_noted():
 
 
 def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkeypatch):
-    from megatron_cg_plugin.tune import command as tune
+    from megatron_cg_plugin.tune import command as tune_command
 
     seen: list[list[str]] = []
 
@@ -221,12 +221,12 @@ def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkey
         return settings, PluginConfig()
 
     monkeypatch.setattr(
-        setups, "predict_graph_memory", lambda settings, config: types.SimpleNamespace(
+        graph_setups, "predict_graph_memory", lambda settings, config: types.SimpleNamespace(
             pool_bytes=10 * MIB, arena_bytes=2 * MIB if settings.slot_capture else None, boundary_bytes=None,
             thd_buffer_bytes=None, host_arena_bytes=None, unpredicted=("tp",),
         ) if settings.te_graphs else None
     )  # fmt: skip
-    plan = tune.plan_setups(["--num-layers", "2"], validate)
+    plan = tune_command.plan_setups(["--num-layers", "2"], validate)
     rows = {row.label: row for row in plan.rows}
     assert rows["whole layer"].refused == (("whole-layer-moe-needs-drop-and-pad", "add a capacity"), ("other", "x"))
     assert ranking.verdicts(plan.rows)["whole layer"] == "refused [whole-layer-moe-needs-drop-and-pad, other]"
@@ -235,7 +235,7 @@ def test_refused_setups_keep_every_rule_and_allowed_ones_their_prediction(monkey
     assert rows["eager"].yours  # the user's flags have no graphs
     assert plan.built == GraphSetup(graphed=True, modules=("attn",))
     assert len(seen) == len(plan.rows)  # eager checked once, first, as the model's own check
-    assert [row.setup for row in plan.rows] == [GraphSetup(graphed=False), *setups.graph_setups(plan.kind)]
+    assert [row.setup for row in plan.rows] == [GraphSetup(graphed=False), *graph_setups.graph_setups(plan.kind)]
 
 
 OFFLOADING_RUN = (
@@ -248,7 +248,7 @@ OFFLOADING_RUN = (
 def test_a_setups_flags_read_by_megatron_give_the_settings_the_guard_builds_for_it():
     """The tune builds each setup from its flags through Megatron's validation, the memory guard from the run's
     settings (setups.setup_settings): both give the same settings, plugin config and refusals."""
-    from megatron_cg_plugin.tune import command as tune
+    from megatron_cg_plugin.tune import command as tune_command
 
     def validated(flags, environment=()):
         extra = dict(item.split("=", 1) for item in ("NVTE_CPU_OFFLOAD_V1=1", *environment))
@@ -256,10 +256,10 @@ def test_a_setups_flags_read_by_megatron_give_the_settings_the_guard_builds_for_
             _args, settings, config = dry_run.validated_args(flags, nproc=1, env=extra)
         return settings, config or PluginConfig()
 
-    base = tune._expanded(OFFLOADING_RUN)
+    base = tune_command._expanded(OFFLOADING_RUN)
     run, config = validated(base)
     assert run.activation_offloading and run.slot_capture and config.offload_window == 2
-    built = {setup.graph: setup for setup in setups.enumerate_setups(run, config)}
+    built = {setup.graph: setup for setup in graph_setups.enumerate_setups(run, config)}
     assert len(built) > 6
     for graph, setup in built.items():
         try:
@@ -274,13 +274,13 @@ def test_a_setups_flags_read_by_megatron_give_the_settings_the_guard_builds_for_
 
 
 def test_a_model_whose_own_flags_are_refused_is_not_tuned():
-    from megatron_cg_plugin.tune import command as tune
+    from megatron_cg_plugin.tune import command as tune_command
 
     def validate(flags, environment):
         raise rules.RuleViolation([("model-sizes", "--hidden-size 0")])
 
     with pytest.raises(rules.RuleViolation, match="--hidden-size 0"):
-        tune.plan_setups(["--hidden-size", "0"], validate)
+        tune_command.plan_setups(["--hidden-size", "0"], validate)
 
 
 # -- budget, stopping rule, ranking, verdicts -----------------------------------------------------
@@ -693,8 +693,8 @@ def test_the_bench_step_loop_stops_when_asked_at_a_kept_even_cycle():
         return "enough" if len(asked) == 2 else None
 
     lines: list[str] = []
-    steps, peaks = bench.run_step_cycles(
-        bench.StepCycles((EAGER, "attn"), 40, 2), trainer, clock, lines.append, stop=stop
+    steps, peaks = bench_command.run_step_cycles(
+        bench_command.StepCycles((EAGER, "attn"), 40, 2), trainer, clock, lines.append, stop=stop
     )
     assert asked == [8 * 4, 10 * 4]  # 6 and 8 kept cycles, 4 steps a cycle
     assert len(steps) == 40 and lines[-1] == "enough: the cycles stop after 10 of 40"

@@ -1,6 +1,6 @@
 """Tests for the ``validate-args-rules`` patch: with ``install()`` active, Megatron's own
 ``parse_and_validate_args`` (megatron-core 0.19.2, on CPU with ``gpu_host_stand_ins``) runs the
-plugin's rules and stops a broken run with one line per rule (``enforce.RunRefused``)."""
+plugin's rules and stops a broken run with one line per rule (``refusal.RunRefused``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from megatron_cg_plugin import compat, installation
-from megatron_cg_plugin import refusal as enforce
+from megatron_cg_plugin import compat, host_stand_ins, installation, refusal
 from megatron_cg_plugin.installation import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 
@@ -57,8 +56,8 @@ def parse_and_validate(monkeypatch, flags):
         return arguments.parse_and_validate_args()
 
 
-def refused(monkeypatch, capsys, flags) -> tuple[enforce.RunRefused, str]:
-    with pytest.raises(enforce.RunRefused) as info:
+def refused(monkeypatch, capsys, flags) -> tuple[refusal.RunRefused, str]:
+    with pytest.raises(refusal.RunRefused) as info:
         parse_and_validate(monkeypatch, flags)
     out, err = capsys.readouterr()
     assert out == ""  # Megatron's printout of every argument is held back (in a log) when the run stops here
@@ -83,8 +82,8 @@ def plugin_block(err: str) -> list[str]:
 
 
 def test_rule_violation_stops_validation_with_one_line_per_rule(monkeypatch, capsys):
-    refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
-    assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
+    run_refused, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
+    assert [name for name, _ in run_refused.violations] == ["gradient-accumulation-fusion"]
     block = plugin_block(err)
     assert len(block) == 2, err
     assert block[0].startswith(f"{PREFIX}[gradient-accumulation-fusion] ")
@@ -97,7 +96,7 @@ TINY_MOE = list(PRESET_FLAGS["tiny-moe"])
 def validated_on_this_host(monkeypatch, flags):
     """Megatron's parse_and_validate_args as a script calls it, on a host without a GPU (this one, or any:
     ``gpu_missing`` says so), with no stand-ins around it."""
-    monkeypatch.setattr(enforce, "gpu_missing", lambda: True)
+    monkeypatch.setattr(host_stand_ins, "gpu_missing", lambda: True)
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
     return arguments.parse_and_validate_args()
 
@@ -105,7 +104,7 @@ def validated_on_this_host(monkeypatch, flags):
 def test_without_a_gpu_the_flags_are_checked_as_on_the_gpu_host_first(monkeypatch, capsys):
     """Megatron asks the device about an MoE model's grouped GEMM: without a GPU that read as Megatron
     refusing the flags ("Found no NVIDIA driver"), before the rule the flags break."""
-    with pytest.raises(enforce.RunRefused):
+    with pytest.raises(refusal.RunRefused):
         validated_on_this_host(monkeypatch, [*TINY_MOE, *TE, "--cg-thd-max-seqlen", "5"])
     out, err = capsys.readouterr()
     assert out == "" and "NVIDIA driver" not in err
@@ -113,7 +112,7 @@ def test_without_a_gpu_the_flags_are_checked_as_on_the_gpu_host_first(monkeypatc
 
 
 def test_without_a_gpu_flags_that_pass_are_refused_naming_the_host(monkeypatch, capsys):
-    with pytest.raises(enforce.RunRefused) as info:
+    with pytest.raises(refusal.RunRefused) as info:
         validated_on_this_host(monkeypatch, TINY_MOE)
     assert info.value.code == 2 and info.value.violations == []
     out, err = capsys.readouterr()
@@ -126,8 +125,8 @@ def test_without_a_gpu_flags_that_pass_are_refused_naming_the_host(monkeypatch, 
 
 def test_several_broken_rules_each_get_a_line_and_the_hosts_come_once_the_flags_pass(plugin, monkeypatch, capsys):
     flags = [*WITH_FUSION, *TE, "--recompute-granularity", "full", "--recompute-method", "uniform", "--cg-graph-banks"]
-    refusal, err = refused(monkeypatch, capsys, flags)
-    names = [name for name, _ in refusal.violations]
+    run_refused, err = refused(monkeypatch, capsys, flags)
+    names = [name for name, _ in run_refused.violations]
     # APEX (gradient-accumulation-fusion) is what this host lacks: asked once the flags' own rules pass
     assert names == ["full-recompute", "banks-need-hybrid-cp"]
     block = plugin_block(err)
@@ -138,8 +137,8 @@ def test_several_broken_rules_each_get_a_line_and_the_hosts_come_once_the_flags_
 
 def test_without_te_the_te_rule_fires_too(monkeypatch, capsys):
     monkeypatch.setattr(compat, "te_available", lambda: False)
-    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, *TE])
-    assert [name for name, _ in refusal.violations] == ["te-installed"]
+    run_refused, _ = refused(monkeypatch, capsys, [*TINY_GPT, *TE])
+    assert [name for name, _ in run_refused.violations] == ["te-installed"]
 
 
 @pytest.mark.parametrize(
@@ -154,27 +153,27 @@ def test_ranks_other_than_zero(monkeypatch, capsys, local_rank, printed):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     waits: list[float] = []
-    monkeypatch.setattr(enforce.time, "sleep", waits.append)
-    refusal, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
-    assert [name for name, _ in refusal.violations] == ["gradient-accumulation-fusion"]
+    monkeypatch.setattr(refusal.time, "sleep", waits.append)
+    run_refused, err = refused(monkeypatch, capsys, [*WITH_FUSION, *TE])
+    assert [name for name, _ in run_refused.violations] == ["gradient-accumulation-fusion"]
     assert ("[gradient-accumulation-fusion]" in err) is printed
     # torchrun stops every rank when the first exits: a silent rank waits for the one saying why
-    assert waits == ([] if printed else [enforce.SILENT_RANK_GRACE_S])
+    assert waits == ([] if printed else [refusal.SILENT_RANK_GRACE_S])
     if not printed:
         assert err.strip() == ""
 
 
 def test_bad_cg_value_is_the_cg_flags_rule(monkeypatch, capsys):
-    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cg-thd-max-seqs", "0"])
-    assert [name for name, _ in refusal.violations] == ["cg-flags"]
-    assert "--cg-thd-max-seqs 0 must be >= 1" in refusal.violations[0][1]
+    run_refused, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cg-thd-max-seqs", "0"])
+    assert [name for name, _ in run_refused.violations] == ["cg-flags"]
+    assert "--cg-thd-max-seqs 0 must be >= 1" in run_refused.violations[0][1]
     assert len(plugin_block(err)) == 2
 
 
 def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
-    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--data-path", "x"])  # with the preset's --mock-data
-    assert [name for name, _ in refusal.violations] == ["megatron"]
-    message = refusal.violations[0][1]
+    run_refused, err = refused(monkeypatch, capsys, [*TINY_GPT, "--data-path", "x"])  # with the preset's --mock-data
+    assert [name for name, _ in run_refused.violations] == ["megatron"]
+    message = run_refused.violations[0][1]
     assert message.startswith("A single data source must be provided")
     assert "megatron/training/arguments.py:" in message  # the failing check's line
     assert plugin_block(err)[0] == f"{PREFIX}[megatron] {message}"
@@ -182,19 +181,19 @@ def test_megatron_assertion_is_one_line_naming_megatron(monkeypatch, capsys):
 
 def test_the_plugins_rules_come_first_when_megatron_refuses_the_flags_too(monkeypatch, capsys):
     """One rank with PP 2: Megatron's world-size assertion stops validate_args before the rules run."""
-    refusal, err = refused(
+    run_refused, err = refused(
         monkeypatch, capsys, [*TINY_GPT, *TE, "--cg-slot-capture", "--pipeline-model-parallel-size", "2"]
     )
-    assert [name for name, _ in refusal.violations] == ["slot-capture-pipeline", "megatron"]
+    assert [name for name, _ in run_refused.violations] == ["slot-capture-pipeline", "megatron"]
     block = plugin_block(err)
     assert len(block) == 3 and block[0].startswith(f"{PREFIX}[slot-capture-pipeline] ")
-    assert block[1] == f"  [megatron] {refusal.violations[1][1]}"
+    assert block[1] == f"  [megatron] {run_refused.violations[1][1]}"
     assert "world size (1)" in block[1]
 
 
 def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsys):
-    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--fp16"])  # beside the preset's --bf16
-    [(name, message)] = refusal.violations
+    run_refused, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--fp16"])  # beside the preset's --bf16
+    [(name, message)] = run_refused.violations
     assert name == "megatron"
     assert message.startswith("(no message) [megatron/training/arguments.py:")
     assert "args.bf16" in message
@@ -202,8 +201,8 @@ def test_megatron_assertion_without_a_message_names_the_check(monkeypatch, capsy
 
 def test_a_bare_assertion_the_plugin_names_first_stops_the_run_naming_the_flag(monkeypatch, capsys):
     """validate_args asserts hidden % heads without a message; the early rule names both flags first."""
-    refusal, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
-    [(name, message)] = refusal.violations
+    run_refused, _ = refused(monkeypatch, capsys, [*TINY_GPT, "--num-attention-heads", "3"])
+    [(name, message)] = run_refused.violations
     assert name == "heads-divide-hidden" and "(--hidden-size 256, --num-attention-heads 3)" in message
 
 
@@ -215,8 +214,8 @@ def test_a_bare_assertion_the_plugin_names_first_stops_the_run_naming_the_flag(m
     ],
 )
 def test_megatron_value_error_is_one_line_too(monkeypatch, capsys, flags):
-    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, *flags])
-    assert [name for name, _ in refusal.violations] == ["megatron"]
+    run_refused, err = refused(monkeypatch, capsys, [*TINY_GPT, *flags])
+    assert [name for name, _ in run_refused.violations] == ["megatron"]
     assert len(plugin_block(err)) == 2
 
 
@@ -255,8 +254,8 @@ def test_uninstalled_validation_does_not_run_the_rules(monkeypatch):
 @pytest.mark.parametrize("impl", ["none", "local"])
 def test_graph_only_cg_flags_without_te_graphs_stop_the_run(monkeypatch, capsys, impl):
     """A launcher run or any script with install(): --cg-slot-capture would otherwise do nothing."""
-    refusal, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cuda-graph-impl", impl, "--cg-slot-capture"])
-    assert [name for name, _ in refusal.violations] == ["cg-flags-need-te-graphs"]
+    run_refused, err = refused(monkeypatch, capsys, [*TINY_GPT, "--cuda-graph-impl", impl, "--cg-slot-capture"])
+    assert [name for name, _ in run_refused.violations] == ["cg-flags-need-te-graphs"]
     assert "--cg-slot-capture" in err and "add --cuda-graph-impl transformer_engine" in err
 
 
@@ -265,8 +264,8 @@ def test_an_explicit_graph_only_config_without_te_graphs_is_refused_too(monkeypa
 
     installation.uninstall()
     installation.install(PluginConfig(slot_capture=True))
-    refusal, err = refused(monkeypatch, capsys, TINY_GPT)
-    assert [name for name, _ in refusal.violations] == ["cg-flags-need-te-graphs"]
+    run_refused, err = refused(monkeypatch, capsys, TINY_GPT)
+    assert [name for name, _ in run_refused.violations] == ["cg-flags-need-te-graphs"]
     assert "--cg-slot-capture (--cuda-graph-impl none)" in err
 
 
@@ -274,8 +273,8 @@ def test_a_flag_megatron_requires_is_named(monkeypatch, capsys):
     flags = list(TINY_GPT)
     index = flags.index("--micro-batch-size")
     del flags[index : index + 2]
-    refusal, err = refused(monkeypatch, capsys, flags)
-    assert [name for name, _ in refusal.violations] == ["megatron"]
+    run_refused, err = refused(monkeypatch, capsys, flags)
+    assert [name for name, _ in run_refused.violations] == ["megatron"]
     assert plugin_block(err)[0].startswith(f"{PREFIX}[megatron] --micro-batch-size is not given, and Megatron needs it")
 
 

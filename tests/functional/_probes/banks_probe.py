@@ -3,7 +3,7 @@ hybrid context parallelism, banks for CP 1 and 2 in one pool, replayed per micro
 
 Run by tests/functional/test_graph_banks.py through the launcher:
     python banks_probe.py --scenario layers|training|rope|moe|bank-memory --out result.json
-``layers``: every microbatch is a fixed-capacity THD pack (plan.thd) of random sequences; CP-1 microbatches are
+``layers``: every microbatch is a fixed-capacity THD pack (packed.layout) of random sequences; CP-1 microbatches are
 per rank, CP-2 microbatches span both ranks (the DP x CP group). Outputs, input gradients and
 parameter gradients of the graphed run are compared bitwise with an eager run of the same packs.
 ``training``: a tiny megatron-core GPT (learned absolute positions, banked layers) trains 30 steps

@@ -304,12 +304,12 @@ def fp8_failure(result, recipe: str, restore_fp8_meta: bool = True):
     layer 1's capture): the FP8 state is as before, and eager training goes on equal to a run
     that never captured. ``restore_fp8_meta=False`` drops the transaction's FP8 meta restorable
     (the guard under test), which must show as changed state."""
-    from megatron_cg_plugin.capture import te_backend as backend
+    from megatron_cg_plugin.capture import te_backend
     from megatron_cg_plugin.capture.transaction import Restorable
     from megatron_cg_plugin.config import PluginConfig
 
     if not restore_fp8_meta:
-        backend._fp8_meta_tensors = lambda *args: Restorable("nothing", lambda: None, lambda saved: None)
+        te_backend._fp8_meta_tensors = lambda *args: Restorable("nothing", lambda: None, lambda saved: None)
 
     data = list(batches(6))
     _, eager_model = build(graphs=False, fp8=recipe)

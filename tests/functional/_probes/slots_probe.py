@@ -173,7 +173,7 @@ def dropout(result):
     """Dropout inside the graphs (Megatron's default 0.1): frames replayed one after another from the
     generator state an eager run starts from must draw the eager masks. ``unrestored`` captures with
     the generators left where warmup and capture moved them (the fix taken out): it must differ."""
-    from megatron_cg_plugin.capture import te_backend as backend
+    from megatron_cg_plugin.capture import te_backend
     from megatron_cg_plugin.slot_sharing.capture import Variant, capture_slotted
     from megatron_cg_plugin.slot_sharing.plan import exclusive_plan
 
@@ -190,10 +190,10 @@ def dropout(result):
     cuda = torch.cuda.default_generators[torch.cuda.current_device()]
     start = cuda.get_state()
     reference = [run_eager(stack, params, x, g) for x, g in frames]
-    preserved = backend.generators_preserved
+    preserved = te_backend.generators_preserved
     for mode in ("restored", "unrestored"):
         if mode == "unrestored":
-            backend.generators_preserved = lambda generators: contextlib.nullcontext()
+            te_backend.generators_preserved = lambda generators: contextlib.nullcontext()
         try:
             sample = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             variant = Variant(name="cp1", fn=stack, sample_args=(sample,))
@@ -216,7 +216,7 @@ def dropout(result):
                 describe,
             )
         finally:
-            backend.generators_preserved = preserved
+            te_backend.generators_preserved = preserved
 
 
 def record_case(result, key, capture, describe, width=400):

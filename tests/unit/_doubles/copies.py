@@ -1,6 +1,6 @@
 """``InlineCopies``: the CPU stand-in for both copy seams of slot-shared offload, the staging ring's
-``memory.staging.CopyEngine`` (copies between replays) and in-graph offload's
-``memory.offload.Transfers``. Each copy happens at once, in order, and is logged as
+``slot_sharing.offload_staging._CopyEngine`` (copies between replays) and in-graph offload's
+``slot_sharing.offload_arenas.Transfers``. Each copy happens at once, in order, and is logged as
 ``(kind, elements)``, so a test reads what was asked in the order it was asked."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class InlineCopies:
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
 
-    # -- CopyEngine (memory.staging): no streams, so no tokens to wait for
+    # -- _CopyEngine (slot_sharing.offload_staging): no streams, so no tokens to wait for
     def compute_point(self) -> Any:
         return None
 
@@ -31,7 +31,7 @@ class InlineCopies:
     def drain(self) -> None:
         pass
 
-    # -- Transfers (memory.offload)
+    # -- Transfers (slot_sharing.offload_arenas)
     def reset(self) -> None:
         self.log.append(("reset", 0))
 
