@@ -50,17 +50,6 @@ def _parsed_megatron_args() -> Any:
         return None
 
 
-def _config_from_parsed_args(session: RunSession) -> PluginConfig:
-    """The deferred config of a session used before Megatron validated its flags: the rules run on the
-    args parsed so far, as validation would run them (the one path that reads them), which resolves
-    the config; defaults before any parse."""
-    args = _parsed_megatron_args()
-    if args is None:
-        return PluginConfig()
-    session.check_flags(args, environ=os.environ)
-    return session.config
-
-
 def install(config: PluginConfig | None = None, *, launcher: bool = False) -> RunSession:
     """Hooks the plugin into Megatron and returns the run's session.
 
@@ -93,8 +82,9 @@ def install(config: PluginConfig | None = None, *, launcher: bool = False) -> Ru
     compat.check_versions(versions, require_te=False)
     with_te = versions.transformer_engine is not None
     check_private_api(with_te=with_te)
-    # A deferred config reads the session it resolves (bound below, before any use).
-    session = RunSession(config if config is not None else lambda: _config_from_parsed_args(session), launcher=launcher)
+    # Megatron's validate_args hands the session its flags; a run whose validation does not (--yaml-cfg) has the
+    # session take them itself at the first read of its config or settings (RunSession.ensure_checked).
+    session = RunSession(config, launcher=launcher, parsed_args=_parsed_megatron_args)
     patch_set = PatchSet(PATCHES)
     patch_set.apply_all(session, with_te=with_te)
     lent = foreign_state.Changes()

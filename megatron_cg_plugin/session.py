@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
@@ -136,12 +137,16 @@ class RunSession:
         clock: Callable[[], float] = time.perf_counter,
         launcher: bool = False,
         read_every: int = 1000,
+        parsed_args: Callable[[], Any] | None = None,
     ) -> None:
         # A callable defers the config until first use: install() may run before Megatron has
         # parsed the --cg-* flags (Megatron's validate_args then resolves it, see resolve_config).
         self._explicit = config if isinstance(config, PluginConfig) else None
         self._config: PluginConfig | None = self._explicit
         self._config_source: Callable[[], PluginConfig] = config if callable(config) else PluginConfig
+        # Megatron's parsed args (None before its parser ran), for a run whose flags its validate_args never
+        # took (ensure_checked); None once they were, or where nothing is to be checked (a session of its own).
+        self._unchecked_args = parsed_args
         self.launcher = launcher  # the plugin's launcher feeds the data: its own rules apply
         self.probe: _DeviceProbe = probe or CudaProbe()
         self.clock = clock
@@ -171,6 +176,7 @@ class RunSession:
         """Megatron's parsed ``args`` through the rules (``refusal.enforce``: a broken one stops the run
         here); the session's explicit config wins, else the flags' resolves it, and the session takes
         the run's settings."""
+        self._unchecked_args = None  # checked once, whatever the verdict
         settings, resolved = refusal.enforce(
             args, environ=environ, launcher=self.launcher, config=self._explicit, host_rules=host_rules
         )
@@ -211,8 +217,20 @@ class RunSession:
         if self._config is None and config is not None:
             self._config = config
 
+    def ensure_checked(self) -> None:
+        """The run's flags through the rules where Megatron's ``validate_args`` did not take them (a
+        ``--yaml-cfg`` run calls ``validate_yaml`` instead): at the first read of the config or the
+        settings, before any capture; nothing where they were checked or no args were parsed."""
+        if self.settings is not None or self._unchecked_args is None:
+            return
+        args = self._unchecked_args()
+        if args is not None:
+            self.check_flags(args, environ=os.environ, host_rules=True)  # this host runs them: ask it too
+
     @property
     def config(self) -> PluginConfig:
+        if self._config is None:
+            self.ensure_checked()  # resolves it from the flags Megatron parsed
         if self._config is None:
             self._config = self._config_source()
         return self._config
@@ -237,7 +255,8 @@ class RunSession:
 
     # -- hooks -------------------------------------------------------------------------------
     def attach_helper(self, helper: Any) -> None:
-        _ = self.config  # resolve a deferred config now, so bad --cg-* values fail before training
+        self.ensure_checked()  # before any capture, for a run whose flags Megatron's validation did not take
+        _ = self.config
         self.helpers.append(helper)
 
     def model_config_seen(self, model_config: Any) -> None:

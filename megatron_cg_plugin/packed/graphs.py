@@ -281,11 +281,12 @@ def _config_layout(session: Any) -> Callable[[], PackedLayout | None]:
 
 
 def _seq_length(session: Any) -> int:
+    session.ensure_checked()  # a run whose flags Megatron's validate_args did not take: the rules take them now
     settings = session.settings
     if settings is None or settings.seq_length is None:
         raise RuntimeError(
             "--cg-thd-max-seqs lays packed sequences out from --seq-length, but this run's settings were never "
-            "read: call megatron_cg_plugin.install() before Megatron validates its arguments (or after it parsed "
+            "read: call megatron_cg_plugin.install() before Megatron parses its arguments (or after it parsed "
             "them), as megatron-cg run does."
         )
     return int(settings.seq_length)

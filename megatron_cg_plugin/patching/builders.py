@@ -186,6 +186,7 @@ def marked_schedule(schedule: Callable, marks: StepMarks) -> Callable:
 def build_train_end_report(original: Callable, session: Any) -> Callable:
     @functools.wraps(original)
     def train(*args: Any, **kwargs: Any) -> Any:
+        session.ensure_checked()  # a run whose flags Megatron's validate_args did not take (--yaml-cfg)
         tap = RouterDropTap() if session.config.moe_drop_stats else None
         if tap is not None:  # train(forward_step_func, model, ...): the model chunks' routers
             tap.attach(kwargs.get("model", args[1] if len(args) > 1 else ()))

@@ -298,6 +298,39 @@ def test_install_without_config_reads_cg_flags_when_training_starts(monkeypatch,
     assert session.settings is not None and session.settings.num_layers == 2
 
 
+def test_a_run_whose_flags_megatron_never_validated_gets_the_rules_as_training_starts(monkeypatch, capsys):
+    """A --yaml-cfg run calls validate_yaml, not validate_args: the patched train() checks the flags
+    first (the host's rules too), explicit config or not, and once only."""
+    from megatron_cg_plugin.refusal import RunRefused
+
+    parsed = {}
+
+    def get_args():
+        assert "args" in parsed, "not parsed yet"  # as Megatron's get_args before its parser ran
+        return parsed["args"]
+
+    monkeypatch.setattr(global_vars, "get_args", get_args)
+    session = installation.install(PluginConfig())  # before Megatron parsed anything
+    parsed["args"] = megatron_namespace(monkeypatch, "--no-gradient-accumulation-fusion")
+    assert train_under(session) == "trained" and session.settings.num_layers == 2
+    installation.uninstall()
+
+    parsed.clear()
+    session = installation.install(PluginConfig())
+    parsed["args"] = megatron_namespace(monkeypatch, "--cuda-graph-impl", "transformer_engine")  # APEX fusion on
+    monkeypatch.setattr(compat, "te_available", lambda: True)
+    with pytest.raises(RunRefused) as info:
+        train_under(session)
+    assert [name for name, _ in info.value.violations] == ["gradient-accumulation-fusion"]
+    assert "--no-gradient-accumulation-fusion" in capsys.readouterr().err
+    session.ensure_checked()  # checked once: no second refusal
+    assert session.settings is None and not capsys.readouterr().err
+
+
+def train_under(session):
+    return builders.build_train_end_report(lambda *args, **kwargs: "trained", session)()
+
+
 def test_a_deferred_config_is_refused_by_the_rules_as_validation_would(monkeypatch, capsys):
     from megatron_cg_plugin.refusal import RunRefused
 
