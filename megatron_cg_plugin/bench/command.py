@@ -65,7 +65,6 @@ from megatron_cg_plugin.capture.contracts import (
     CheckedGraph,
     ReplayContract,
     StaticInput,
-    flatten_call,
 )
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction,
@@ -1102,9 +1101,8 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
 
 def _fresh_call(contract: ReplayContract, empty_strided: Callable[..., Any]) -> tuple[tuple, dict] | None:
     """A call as a step makes it of the arguments ``contract`` was recorded with: a new tensor for each captured
-    tensor (``empty_strided``, needing a gradient where the sample did), each other value as captured; the
-    leaves' names (``flatten_call``: ``arg0`` ..., then ``key=``) say where each goes. None where an argument
-    is not one leaf (a leaf named by a place inside it, ``arg0[1]``, ``mask=['k']``)."""
+    tensor (``empty_strided``, needing a gradient where the sample did), each other value as captured, placed by
+    the contract's own ``flat_call``. None where an argument is not one leaf (``flat_call`` None)."""
 
     def fresh(expected: Any) -> Any:
         if not isinstance(expected, StaticInput):
@@ -1114,16 +1112,11 @@ def _fresh_call(contract: ReplayContract, empty_strided: Callable[..., Any]) -> 
             spec.shape, spec.stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
         )
 
-    names = [name for name, _ in contract.inputs]
-    positional = 0
-    while positional < len(names) and names[positional] == f"arg{positional}":
-        positional += 1
-    leaves = [fresh(expected) for _, expected in contract.inputs]
-    args = tuple(leaves[:positional])
-    kwargs = dict(zip((name.removesuffix("=") for name in names[positional:]), leaves[positional:]))
-    if [name for name, _ in flatten_call(args, kwargs)] != names:  # the call names its leaves as captured
+    if contract.flat_call is None:
         return None
-    return args, kwargs
+    positional, keys = contract.flat_call
+    leaves = [fresh(expected) for _, expected in contract.inputs]
+    return tuple(leaves[:positional]), dict(zip(keys, leaves[positional:]))
 
 
 def recording_cost(
