@@ -113,8 +113,8 @@ class PluginConfig:
         offload_copies: where slot-shared capture copies offloaded saves: ``in-graph`` (D2H and H2D
             copies captured in each layer's graphs on side streams, joined before each graph ends)
             or ``between-replays`` (the graphs stage them in a ring of GPU buffers shared by the
-            layers, and one copy per layer and direction runs between replays). In-graph measured
-            faster on the host-bound 12x1024 bench, between replays on the GPU-bound 1B.
+            layers, and one copy per layer and direction runs between replays). Which is faster depends
+            on the model: ``megatron-cg bench`` arms ``slot-offload`` and ``slot-offload-staged`` compare them.
         offload_window: how far the offload copies may run beside the compute. In-graph copies:
             how many of Megatron's offload groups' copies may run beside the group being staged
             (forward) or unpacked (backward); up to ``window + 1`` groups' staging and reload buffers

@@ -1,14 +1,12 @@
-"""Install and uninstall the plugin, and stand in for the GPU host in a CPU dry run: the module
-that sets Megatron's globals for a run or a check (every change listed in ``patching.ledger``; a
-``with`` block elsewhere changes only what ``ledger.SCOPED`` lists, through
-``foreign_state``).
+"""Install and uninstall the plugin: the module that sets Megatron's globals for a run (every change
+listed in ``patching.ledger``; a ``with`` block elsewhere changes only what ``ledger.SCOPED`` lists,
+through ``foreign_state``).
 
 ``install()`` checks versions and the private functions the plugin relies on
 (``ledger.PRIVATE_API``), applies every patch in ``ledger.PATCHES`` (all or nothing), saves the
 attributes the run may lend (``ledger.LENT``) and creates the run's ``RunSession``; ``uninstall()``
-restores each patched and lent attribute to the very object it replaced. Both are idempotent. ``gpu_host_stand_ins``
-lets Megatron's validation run on a CPU machine as on the GPU host (``megatron-cg check``, and a run's own validation
-on a host without a GPU); it lives in ``host_stand_ins`` and is named here too.
+restores each patched and lent attribute to the very object it replaced. Both are idempotent. A CPU
+dry run stands in for the GPU host through ``host_stand_ins``.
 """
 
 from __future__ import annotations
@@ -19,12 +17,11 @@ from typing import Any
 
 from megatron_cg_plugin import compat, foreign_state, rules
 from megatron_cg_plugin.config import PluginConfig
-from megatron_cg_plugin.host_stand_ins import TE_KERNELS, gpu_host_stand_ins
 from megatron_cg_plugin.patching.ledger import PATCHES, PatchSet, check_private_api, hold_lent
 from megatron_cg_plugin.refusal import refuse
 from megatron_cg_plugin.session import RunSession
 
-__all__ = ["TE_KERNELS", "active_session", "finish", "gpu_host_stand_ins", "install", "uninstall"]
+__all__ = ["active_session", "finish", "install", "uninstall"]
 
 
 @dataclasses.dataclass

@@ -216,8 +216,8 @@ def launch(
         "log_dir": root,
         "result": os.path.join(root, f"{launch_id}.json"),
     }
-    # The ranks inherit the child's environment. NVLink multicast stays off in
-    # every run of this project, whatever the caller passes.
+    # The ranks inherit the child's environment. NVLink multicast stays off whatever the caller passes:
+    # the golden values are recorded without it, and NCCL's NVLS algorithms reduce in another order.
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "NCCL_NVLS_ENABLE": "0", _MARKER: launch_id}
     # Let the child import this very checkout even when the package is not installed.
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -204,6 +204,23 @@ def refuse_host_needs(session: Any) -> None:
         raise refusal
 
 
+def _batch_spec(args: Any, session: Any) -> _BatchSpec:
+    """What the launcher's data path needs, from the run's settings (read once Megatron validated the flags,
+    ``validate-args-rules``) and Megatron's own dataloader flag."""
+    settings = session.settings
+    return _BatchSpec(
+        micro_batch_size=settings.micro_batch_size,
+        seq_length=settings.seq_length,
+        context_parallel_size=settings.context_parallel,
+        pipeline_model_parallel_size=settings.pipeline_parallel,
+        create_attention_mask=args.create_attention_mask_in_dataloader,  # Megatron's dataloader's own flag
+        hybrid_context_parallel=settings.hybrid_context_parallel,
+        tokens_per_rank=settings.max_seqlen_per_dp_cp_rank,
+        thd_max_seqs=session.config.thd_capacity,
+        packed=settings.inter_document_masking and not settings.hybrid_context_parallel,
+    )
+
+
 def run(args: Any, session: Any) -> None:
     """Megatron's ``pretrain()`` with this launcher's forward step and datasets; the plugin's
     report and files come when training ends (the ``train-end-report`` patch)."""
@@ -211,26 +228,15 @@ def run(args: Any, session: Any) -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    spec = _BatchSpec(
-        micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length,
-        context_parallel_size=args.context_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        hybrid_context_parallel=bool(getattr(args, "hybrid_context_parallel", False)),
-        tokens_per_rank=getattr(args, "max_seqlen_per_dp_cp_rank", None),
-        thd_max_seqs=session.config.thd_capacity,
-        packed=bool(getattr(args, "dataloader_inter_document_masking", False))
-        and not getattr(args, "hybrid_context_parallel", False),
-    )
+    settings = session.settings
+    spec = _batch_spec(args, session)
     provider: Any = functools.partial(build_datasets, args=args)  # Megatron reads an attribute of it
     provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)
     model_config = gpt_config_from_args(args)
     if spec.hybrid_context_parallel:
         # Eager and graphed runs alike: RoPE with each microbatch's CP group; banks when graphed.
         model_config.transformer_layer_spec = hybrid_cp_layer_spec(
-            rope=args.position_embedding_type == "rope",
-            banks=session.config.graph_banks and args.cuda_graph_impl == "transformer_engine",
+            rope=settings.position_embedding_type == "rope", banks=session.config.graph_banks and settings.te_graphs
         )
     pretrain(
         pretrain_cfg_container_from_args(args, model_config),

@@ -95,7 +95,7 @@ def _launch_ranks(nproc: int, script: Path, args: Sequence[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off in every multi-GPU run
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off unless the user's environment turns it on
     # torchrun's own default, set here so that its banner about it does not come before a refusal's cause.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch_args = torchrun.get_args_parser().parse_args(

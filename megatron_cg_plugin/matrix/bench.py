@@ -154,7 +154,7 @@ def bench_launch(
         "OMP_NUM_THREADS": "1",
         **cell_env(cell.factors),
         **single_process_values({}, port=port),
-        "NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off in every run of this project
+        "NCCL_NVLS_ENABLE": "0",  # as in the matrix's correctness runs (farm.distributed): one NCCL algorithm set
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH")) if p),
     }
     return _BenchLaunch(cell, argv, env, folder, port)

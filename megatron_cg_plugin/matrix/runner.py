@@ -459,8 +459,8 @@ def load_results(path: Path) -> dict[str, Any]:
 
 
 def merge_results(cells: Sequence[Cell], runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One matrix over the design ``cells`` from several runs' ``matrix.json`` (a matrix split over
-    GPU sessions, or a cell run again): each cell's row from the last run that has it; a refused
+    """One matrix over the design ``cells`` from several runs' ``matrix.json`` (a matrix run in parts,
+    or a cell run again): each cell's row from the last run that has it; a refused
     cell from the design (the rules refuse it on CPU); any other cell without a row is "not run".
     Matrix benches' JSON among ``runs`` merge the same way, by cell name, into each row's ``bench``
     (a refused cell has none)."""

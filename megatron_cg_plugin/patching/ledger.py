@@ -300,6 +300,16 @@ LENT: tuple[ForeignState, ...] = (
         held=True,
     ),
     ForeignState(
+        "checked-graphs",
+        "megatron.core.transformer.transformer_layer:TransformerLayer",
+        "Instance attribute cuda_graphs of each graphed layer: once Megatron's create_cudagraphs has handed each layer "
+        "its graphs, the list holds the same graphs, each wrapped in CheckedGraph (its replay contract and replay "
+        "counter; every other attribute is the graph's). Megatron's replay path calls them, and its "
+        "delete_cuda_graphs empties the list as it does its own.",
+        "capture_lifecycle.PluginHelperMixin._hold_to_contracts",
+        made_with="a plain write, as Megatron's create_cudagraphs makes its own",
+    ),
+    ForeignState(
         "bank-dispatcher-shapes",
         "megatron.core.transformer.moe.token_dispatcher:MoETokenDispatcher",
         "Instance attributes hidden_shape and hidden_shape_before_permute of an MoE layer's token dispatcher: its "
@@ -371,9 +381,11 @@ SCOPED: tuple[ForeignState, ...] = (
         "Instance attributes cuda_graph_modules of the model's TransformerConfig objects and cuda_dtoh_point of its "
         "MoE alltoall dispatchers: megatron-cg tune captures setups of different scopes on one model, and Megatron "
         "reads the scope from each layer's config at every capture and replay (the dispatcher's copy point is fixed "
-        "when it is built), so each arm sets them as its own build would, and the built model's come back when no "
-        "arm is active.",
-        "tune.trainer.TuneTrainer._scope (foreign_state.save when the trainer is made, put per arm, restore after)",
+        "when it is built), so each arm sets them as its own build would. When no arm is active (the eager steps) the "
+        "configs hold the built model's scope again and the dispatchers an eager build's copy point; the timing "
+        "process ends with the tune.",
+        "tune.trainer.TuneTrainer._scope (the built scope saved through foreign_state when the trainer is made, put "
+        "per arm)",
     ),
     ForeignState(
         "bank-replay-cuda-graphs",

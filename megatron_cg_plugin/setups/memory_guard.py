@@ -40,7 +40,7 @@ __all__ = [
 
 GIB = 2**30
 # A capture is close to the limit where it would leave less than 10% of the free memory, or less than
-# 1 GiB, unused: the planner's pools were within 8% of the measured ones (docs/planner.md), and the
+# 1 GiB, unused: the planner's pools were within 8% of the measured ones (benchmarks/planner_pool), and the
 # eager parts of each step (embedding, output layer, loss) allocate beside the graphs after capture.
 CLOSE_FRACTION = 0.10
 CLOSE_HEADROOM_BYTES = GIB

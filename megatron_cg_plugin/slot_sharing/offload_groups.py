@@ -124,7 +124,7 @@ class MegatronOffload:
         arenas, Megatron's hooks still kept out) with ``offload=False`` or no ``--offload-modules``."""
         if not getattr(config, "fine_grained_activation_offloading", False):
             return None
-        return cls(OffloadPolicy.from_args(config) if offload else None, layers)
+        return cls(OffloadPolicy.from_config(config) if offload else None, layers)
 
     def slot_offload(self, layer: Any, staging: StagingRing | None = None, window: int = 1) -> SlotOffload | None:
         """The offload of ``layer``'s capture (one of ``layers``, captured in their order): copies

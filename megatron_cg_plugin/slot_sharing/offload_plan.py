@@ -96,17 +96,18 @@ class OffloadPolicy:
         return cls(frozenset(offload_modules), min_tensor_elements, fraction)
 
     @classmethod
-    def from_args(cls, args) -> OffloadPolicy | None:
-        """The policy of Megatron's parsed flags (``--fine-grained-activation-offloading
-        --offload-modules ... --min-offloaded-tensor-size N --activation-offload-fraction F``), or
-        None when they offload nothing. Attributes only: megatron-core 0.19.2's names."""
-        modules = tuple(getattr(args, "offload_modules", None) or ())
-        if not getattr(args, "fine_grained_activation_offloading", False) or not modules:
+    def from_config(cls, config) -> OffloadPolicy | None:
+        """The policy of a model's ``TransformerConfig``, where Megatron's flags
+        (``--fine-grained-activation-offloading --offload-modules ... --min-offloaded-tensor-size N
+        --activation-offload-fraction F``) land, or None when it offloads nothing. Attributes only:
+        megatron-core 0.19.2's names."""
+        modules = tuple(getattr(config, "offload_modules", None) or ())
+        if not getattr(config, "fine_grained_activation_offloading", False) or not modules:
             return None
         return cls.from_flags(
             modules,
-            min_tensor_elements=getattr(args, "min_offloaded_tensor_size", MEGATRON_MIN_OFFLOADED_TENSOR_SIZE),
-            fraction=getattr(args, "activation_offload_fraction", 1.0),
+            min_tensor_elements=getattr(config, "min_offloaded_tensor_size", MEGATRON_MIN_OFFLOADED_TENSOR_SIZE),
+            fraction=getattr(config, "activation_offload_fraction", 1.0),
         )
 
     def qualifies(self, save: Save) -> bool:

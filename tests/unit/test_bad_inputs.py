@@ -37,7 +37,7 @@ VARIABLES = (
 GOOD_CELL = {"model": "gpt", "scope": "layer", "precision": "bf16", "capture": "te", "mbs": "1", "loop": "train"}
 VALIDATING_SCRIPT = """\
 from megatron.training.arguments import parse_and_validate_args
-from megatron_cg_plugin.installation import gpu_host_stand_ins
+from megatron_cg_plugin.host_stand_ins import gpu_host_stand_ins
 
 with gpu_host_stand_ins():
     parse_and_validate_args()

@@ -1,5 +1,5 @@
 """megatron-cg bench --bench-interleave steps on CPU: every arm captured once, single steps in
-mirrored cycles on a host whose speed shifts as a shared H200 host's did, the arms' switching on a
+mirrored cycles on a host whose speed shifts as a GPU shared with other jobs does, the arms' switching on a
 trainer with Megatron's real graphable layers, and the refusals of what cannot be switched."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Clock:
 
 
 class ShiftingHost:
-    """The host's speed as a realistic MoE's blocks showed it on a shared H200 host: steps of one arm at
+    """The host's speed as a realistic MoE's blocks showed it on a GPU shared with other jobs: steps of one arm at
     ~0.123 s or ~0.139 s, the regime switching every few steps (here with probability 0.2 a step: five on
     average), a slow drift of +1% per 100 steps, and 1% jitter per step. Seeded: every run of a test is the same."""
 

@@ -22,7 +22,7 @@ import os
 
 import pytest
 
-from megatron_cg_plugin import cli, console, installation
+from megatron_cg_plugin import cli, console, host_stand_ins, installation
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch import dry_run, pretrain_gpt
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
@@ -477,7 +477,7 @@ def megatron_validated(flags: list[str], nproc: int = 1):
 
     with (
         dry_run.scoped_environ(WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0"),
-        installation.gpu_host_stand_ins(),
+        host_stand_ins.gpu_host_stand_ins(),
         contextlib.redirect_stdout(io.StringIO()),
     ):
         args = pretrain_gpt.parse_megatron_args(flags, validate=False)
@@ -722,7 +722,7 @@ def test_what_check_accepts_megatron_builds_on_cpu(row, accepted_files, monkeypa
 
     with contextlib.redirect_stdout(io.StringIO()):  # what parse_and_validate_args does after validate_args
         global_vars.set_global_variables(args, build_tokenizer=not row.downloads_tokenizer)
-    with installation.gpu_host_stand_ins():  # TransformerConfig asks for TE's kernels, which the GPU host has
+    with host_stand_ins.gpu_host_stand_ins():  # TransformerConfig asks for TE's kernels, which the GPU host has
         model_config = gpt_config_from_args(args)  # the launcher's, with the TransformerConfig's own checks
     pretrain_cfg_container_from_args(args, model_config)
     if not row.downloads_tokenizer:

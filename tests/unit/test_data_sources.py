@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cg_plugin import cli, installation
+from megatron_cg_plugin import cli, host_stand_ins
 from megatron_cg_plugin.banks import hybrid_cp_batch
 from megatron_cg_plugin.data import sources
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
@@ -270,7 +270,7 @@ def gpt_dataset(prefix, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with installation.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
+    with host_stand_ins.gpu_host_stand_ins():  # validate_args asks for the device; sets Megatron's global tokenizer
         args = parse_megatron_args(
             [
                 *GPT,
@@ -590,3 +590,31 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     assert flags[flags.index("--tokenizer-type") + 1] == "SFTTokenizer"
     assert flags[flags.index("--sft-tokenizer-prompt-format") + 1] == synthetic.SFT_PROMPT_FORMAT
     assert runner.data_flags("sft", tmp_path / "farm") == flags  # built once
+
+
+@pytest.mark.parametrize("sft", [False, True])
+def test_the_launchers_batch_spec_comes_from_the_runs_settings(sft):
+    """The launcher's data path reads the settings the rules passed, not Megatron's args again: only
+    --dataloader-inter-document-masking packs its microbatches (SFT batches are Megatron's own)."""
+    import types
+
+    from megatron_cg_plugin.config import PluginConfig
+    from megatron_cg_plugin.launch import pretrain_gpt
+    from megatron_cg_plugin.session import RunSession
+    from megatron_cg_plugin.settings import RunSettings
+
+    session = RunSession(PluginConfig(thd_max_seqs=5))
+    session.settings = RunSettings(
+        micro_batch_size=2,
+        seq_length=4096,
+        context_parallel=2,
+        pipeline_parallel=4,
+        max_seqlen_per_dp_cp_rank=1024,
+        inter_document_masking=not sft,
+        sft=sft,
+    )
+    args = types.SimpleNamespace(create_attention_mask_in_dataloader=True)  # the only flag read from the args
+    spec = pretrain_gpt._batch_spec(args, session)
+    assert (spec.micro_batch_size, spec.seq_length, spec.context_parallel_size) == (2, 4096, 2)
+    assert (spec.pipeline_model_parallel_size, spec.tokens_per_rank, spec.thd_max_seqs) == (4, 1024, 5)
+    assert spec.create_attention_mask and not spec.hybrid_context_parallel and spec.packed is not sft

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megatron_cg_plugin
-from megatron_cg_plugin import compat, foreign_state, installation
+from megatron_cg_plugin import compat, foreign_state, host_stand_ins, installation
 from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
 from megatron_cg_plugin.compat import SignatureMismatchError, UnsupportedVersionError, Versions
 from megatron_cg_plugin.config import PluginConfig
@@ -1144,7 +1144,7 @@ def test_scoped_cpu_stand_ins_are_restored_by_identity():
         moe_utils.fused_unpermute,
         megatron_utils._te_version,
     )
-    with pytest.raises(KeyError), installation.gpu_host_stand_ins():
+    with pytest.raises(KeyError), host_stand_ins.gpu_host_stand_ins():
         assert torch.cuda.get_device_capability() == (9, 0)
         assert rope_utils.fused_apply_rotary_pos_emb is not None
         assert moe_utils.fused_permute is not None

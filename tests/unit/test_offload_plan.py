@@ -201,24 +201,26 @@ def test_the_policy_comes_from_megatrons_own_flags():
         min_offloaded_tensor_size=4096,
         activation_offload_fraction=0.5,
     )
-    policy = OffloadPolicy.from_args(args)
+    policy = OffloadPolicy.from_config(args)
     assert (policy.modules, policy.min_tensor_elements, policy.fraction) == (
         frozenset({"core_attn", "attn_proj"}),
         4096,
         0.5,
     )
     assert (
-        OffloadPolicy.from_args(
+        OffloadPolicy.from_config(
             types.SimpleNamespace(fine_grained_activation_offloading=False, offload_modules=["core_attn"])
         )
         is None
     )
     assert (
-        OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=[]))
+        OffloadPolicy.from_config(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=[]))
         is None
     )
     with pytest.raises(ValueError, match="--offload-modules mlp: Megatron offloads only"):
-        OffloadPolicy.from_args(types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["mlp"]))
+        OffloadPolicy.from_config(
+            types.SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["mlp"])
+        )
 
 
 def test_a_storage_saved_in_two_groups_reloads_with_the_later_one():

@@ -104,14 +104,11 @@ def imported_modules(tree: ast.AST) -> set[str]:
 
 
 def test_capture_code_needs_nothing_of_the_rules():
-    """Capture code (capture/, slot_sharing/, banks/, offload/, packed/) reads scope names from
-    ``scopes``; the rules are the run's check, a layer above it (``planner.capture_plan`` and
-    ``refusal`` use them)."""
-    capture = sorted(
-        path
-        for folder in ("capture", "slot_sharing", "banks", "offload", "packed")
-        for path in (PACKAGE / folder).glob("*.py")
-    )
+    """Capture code (capture/, slot_sharing/, banks/, packed/) reads scope names from ``scopes``; the
+    rules are the run's check, a layer above it (``planner.capture_plan`` and ``refusal`` use them)."""
+    folders = ("capture", "slot_sharing", "banks", "packed")
+    assert all((PACKAGE / folder).is_dir() for folder in folders), "a capture folder moved: name it here"
+    capture = sorted(path for folder in folders for path in (PACKAGE / folder).glob("*.py"))
     importers = [
         str(path.relative_to(PACKAGE))
         for path in capture

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megatron_cg_plugin import compat, installation, refusal, rules
+from megatron_cg_plugin import compat, host_stand_ins, installation, refusal, rules
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch import dry_run, pretrain_gpt
 from megatron_cg_plugin.launch.presets import MOE_FLAGS, PRESET_FLAGS
@@ -294,7 +294,7 @@ def run_verdict(flags: list[str], nproc: int, monkeypatch) -> tuple[frozenset[st
         patch.setattr(compat, "te_available", lambda: True)  # check assumes TE on the GPU host
         installation.install(launcher=True)
         try:
-            with installation.gpu_host_stand_ins():
+            with host_stand_ins.gpu_host_stand_ins():
                 args = pretrain_gpt.parse_megatron_args(flags)
         except refusal.RunRefused as refused:
             return frozenset(name for name, _ in refused.violations), dict(refused.violations)

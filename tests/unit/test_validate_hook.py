@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_cg_plugin import compat, host_stand_ins, installation, refusal
-from megatron_cg_plugin.installation import gpu_host_stand_ins
+from megatron_cg_plugin.host_stand_ins import gpu_host_stand_ins
 from megatron_cg_plugin.launch.presets import PRESET_FLAGS
 
 arguments = importlib.import_module("megatron.training.arguments")
