@@ -140,3 +140,18 @@ def test_the_package_imports_no_test_extra_at_module_level():
         & {name.split(".")[0] for name in imported_modules(module_level_imports(ast.parse(path.read_text())))}
     ]
     assert importers == []
+
+
+def test_megatrons_global_args_are_fetched_only_to_be_checked_or_to_drive_its_loop():
+    """Settings come from the one read (``settings.read_settings``, fed by the validate-args hook or
+    ``RunSession.ensure_checked``): ``get_args()`` is called only where the args are handed to the
+    rules (``installation``) and where the bench drives Megatron's loop counters (``bench.command``).
+    A docstring's example of a user's own script does not count."""
+    allowed = {"installation.py", "bench/command.py"}
+    callers = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_args":
+                callers.add(str(path.relative_to(PACKAGE)))
+    assert callers, "the scan found no call at all: it no longer reads the package"
+    assert callers <= allowed, f"read settings from session.settings, not Megatron's args: {sorted(callers - allowed)}"
