@@ -697,7 +697,7 @@ class _ArmState:
     helper: Any
     recording: RunSession | None = None
     recorded_step: Callable[..., Any] | None = None
-    parked: list[foreign_state.Saved] = dataclasses.field(default_factory=list)  # each layer's _ARM_LISTS
+    parked: foreign_state.Changes = dataclasses.field(default_factory=foreign_state.Changes)  # layers' _ARM_LISTS
 
 
 _ARM_LISTS = ("cuda_graphs", "cuda_graph_manual_hooks")  # what a layer replays of an arm (_ArmState)
@@ -860,18 +860,12 @@ class MegatronTrainer:
         if percent is None:
             yield
             return
-        configs = list({id(layer.config): layer.config for layer in self.graphable_layers()}.values())
-        saved = [
-            foreign_state.save(config, "activation_offload_fraction", change="bench-offload-fraction")
-            for config in configs
-        ]
-        try:
-            for config in configs:
-                foreign_state.put(config, "activation_offload_fraction", int(percent) / 100)
+        with foreign_state.Changes() as changes:
+            for layer in self.graphable_layers():  # a config shared by layers is saved once (Changes.set)
+                changes.set(
+                    layer.config, "activation_offload_fraction", int(percent) / 100, change="bench-offload-fraction"
+                )
             yield
-        finally:
-            for item in reversed(saved):
-                item.restore()
 
     def deactivate(self) -> None:
         """The active arm's graphs and hooks set aside, the layers eager (as Megatron's teardown
@@ -879,13 +873,9 @@ class MegatronTrainer:
         state, self._active = self._active, None
         if state is None:
             return
-        layers = self.graphable_layers()
-        state.parked = [
-            foreign_state.save(layer, name, change="bench-arm-graphs") for layer in layers for name in _ARM_LISTS
-        ]
-        for layer in layers:
+        for layer in self.graphable_layers():
             for name in _ARM_LISTS:
-                foreign_state.put(layer, name, [])
+                state.parked.set(layer, name, [], change="bench-arm-graphs")
         self._parked[state.arm] = state
 
     def activate(self, arm: str) -> None:
@@ -900,9 +890,7 @@ class MegatronTrainer:
         assert not any(layer.cuda_graphs for layer in self.graphable_layers()), (
             "a parked arm is restored onto eager layers only"
         )
-        for saved in state.parked:
-            saved.restore()
-        state.parked = []
+        state.parked.restore()
         self._active = state
 
     # A run with --cg-metrics-out and --cg-report-out records every value: the recording arm's session
@@ -1414,7 +1402,9 @@ def _hold_loop_args(changes: foreign_state.Changes, args: Any) -> None:
 
 
 def _run_settings(session: RunSession, command: str = "bench") -> RunSettings:
-    """The run's settings, which the plugin's rules read once Megatron validated the flags."""
+    """The run's settings, which the plugin's rules read once Megatron validated the flags (or as training
+    starts where its validation did not take them: ``RunSession.ensure_checked``)."""
+    session.ensure_checked()
     if session.settings is None:
         raise BenchError(
             f"the run's flags were not validated with the plugin installed (Megatron's validate_args did not "

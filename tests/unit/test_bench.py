@@ -961,7 +961,9 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
 
     from megatron_cg_plugin.config import PluginConfig
 
-    session = types.SimpleNamespace(config=PluginConfig(), settings=run_settings())  # the flags validated
+    session = types.SimpleNamespace(  # the flags validated: nothing left for ensure_checked
+        config=PluginConfig(), settings=run_settings(), ensure_checked=lambda: None
+    )
     monkeypatch.setattr(
         training, "TECudaGraphHelper", types.SimpleNamespace(session=session), raising=False
     )  # what install() swaps in
@@ -981,3 +983,12 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
     with pytest.raises(BenchError, match="drop --save for the bench"):
         bench.main(["--bench-no-plot", "--bench-rounds", "2", "--bench-steps", "3", str(script)])
     assert training.train_step is real_step  # put back after a refusal too
+
+
+def test_a_run_whose_flags_were_never_checked_is_refused_by_the_bench():
+    """Nothing parsed for the session to check itself (RunSession.ensure_checked): the bench names the way in."""
+    from megatron_cg_plugin.session import RunSession
+
+    session = RunSession(PluginConfig(), parsed_args=lambda: None)
+    with pytest.raises(BenchError, match=r"not validated with the plugin installed.*megatron-cg tune"):
+        bench._run_settings(session, "tune")
