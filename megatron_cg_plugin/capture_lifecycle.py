@@ -27,7 +27,7 @@ from megatron_cg_plugin import foreign_state
 from megatron_cg_plugin.banks import capture as graph_banks
 from megatron_cg_plugin.banks.sizes import bank_sizes
 from megatron_cg_plugin.capture import accounting, stale_graphs
-from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
+from megatron_cg_plugin.capture.contracts import CheckedGraph, HeldState, ReplayContract
 from megatron_cg_plugin.capture.scratch import clear, moe_dispatcher_scratch
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture.te_backend import GraphBackend, TEBackend
@@ -579,7 +579,8 @@ class PluginHelperMixin(_MegatronHelper):
     def _hold_to_contracts(self, capture: _CaptureCall, mode: ContractCheck) -> accounting.ReplayCounter:
         """Wraps each graph Megatron handed to a layer with its replay contract (recorded from that
         graph's own sample arguments, found by identity; none with ``--cg-contract-check off``) and
-        its replay counter."""
+        its replay counter. A layer's contracts, one per microbatch, share one held state, so its
+        parameters and groups are read once a run for all of them (``HeldState``)."""
         if capture.graphs is None:
             raise CaptureFailedError(
                 "Megatron's create_cudagraphs returned without calling make_graphed_callables: this megatron-core "
@@ -590,6 +591,7 @@ class PluginHelperMixin(_MegatronHelper):
         step_marks = self._contract_step_marks()
         for slot, layer in enumerate(self.flattened_callables):
             wrapped = []
+            held = None if mode is ContractCheck.OFF else HeldState.of(layer, step_marks=step_marks)
             for microbatch, graph in enumerate(layer.cuda_graphs):
                 index = index_of.get(id(graph))
                 if index is None:
@@ -605,8 +607,7 @@ class PluginHelperMixin(_MegatronHelper):
                         f"{_layer_label(layer, slot)} microbatch {microbatch}",
                         capture.sample_args[index],
                         capture.sample_kwargs[index] or {},
-                        module=layer,
-                        step_marks=step_marks,
+                        held=held,
                     )
                 )
                 wrapped.append(CheckedGraph(graph, contract, mode, counter, slot))
@@ -718,7 +719,7 @@ def _slot_layer_stats(graphs: Any) -> Callable[[], tuple] | None:
 def parameters_stay_within_a_step(model: Iterable[Any]) -> bool:
     """Whether every model chunk is wrapped in Megatron's ``DistributedDataParallel``, which leaves
     parameters where they are within a step (what re-points them, a checkpoint load, does so between
-    steps), so a replay's contract may read them once a step (``ReplayContract``). Megatron-FSDP and torch
+    steps), so a layer's contracts may read them once a step (``HeldState``). Megatron-FSDP and torch
     FSDP2 wrap chunks in other classes and regather parameters around each forward; any wrapper not
     known to keep them counts as moving them."""
     try:

@@ -547,7 +547,7 @@ def _capture_layer_banks(
         else [Variant("any-cp", bank_capture_call(layer, scratch, states[None]), (hidden,))]
     )
     graphs = result.graphs[id(layer)] = capture_slotted(
-        variants, exclusive_plan([v.name for v in variants]), layer.parameters(), pool=pool, **capture_options
+        variants, exclusive_plan([v.name for v in variants]), layer, pool=pool, **capture_options
     )
 
     def payload(size: int) -> BankGraph:

@@ -17,11 +17,12 @@ So a contract compares only what changes a replay's result or safety:
 - non-tensor arguments by value, parameters by storage, process groups by identity (``full``);
   both are looked up again where they live (the owner's ``_parameters``, the layer's
   ``pg_collection``), not by walking the module on every replay; a layer's groups are read from
-  its collection once per check. What a training step cannot change between its microbatches
-  (parameters and groups, under Megatron's DDP) is read once per run of Megatron's schedule, at
-  the contract's first replay in it, and on every replay outside one (``ReplayContract``).
-  Megatron-FSDP frees and regathers parameters around each forward, so there they are read on
-  every replay.
+  its collection once per check. This held state is the layer's (``HeldState``), shared by the
+  contracts of its graphs, one per microbatch. What a training step cannot change between its
+  microbatches (parameters and groups, under Megatron's DDP) is read once per layer per run of
+  Megatron's schedule, at the layer's first replay in it, and on every replay outside one; each
+  replay checks its call. Megatron-FSDP frees and regathers parameters around each forward, so
+  there they are read on every replay.
 Arguments are flattened with ``torch.utils._pytree``, so a tensor in a list or dict is checked
 like any other; a call whose arguments are each one tensor or value (a Megatron layer's) is read as
 it comes, without flattening. A violation names the graph, the field, the captured and the actual
@@ -49,6 +50,7 @@ __all__ = [
     "CheckedGraph",
     "ContractViolation",
     "FIRST_MICROBATCH",
+    "HeldState",
     "REPLAY_ONLY_KWARGS",
     "ReplayContract",
     "StaticInput",
@@ -272,44 +274,93 @@ def _reader(lookups: list[Callable[[], Any]]) -> Callable[[], Iterable[Any]]:
     return lambda: map(operator.call, calls)
 
 
-class ReplayContract:
-    """What one graph was captured for, and ``check``, the one test of a replay against it.
+class HeldState:
+    """What a layer's graphs read in place besides their calls: its ``parameters`` (by storage) and
+    ``process_groups`` (by identity), looked up again where they live. One instance serves every
+    contract of the layer (Megatron gives it one graph per microbatch), so ``check`` reads them once
+    for all of them: on every check, but for one case. With ``step_marks`` given (the caller does so
+    for a model wrapped in Megatron's DDP, which keeps parameters in place within a step), a check
+    inside a run of Megatron's schedule reads them at the layer's first replay in that run only.
+    Inside one run only the microbatches' forwards and backwards run; whatever moves parameters or
+    groups (the optimizer, an evaluation, a checkpoint load, a ``train_step`` of one's own) runs
+    outside it, and each run has a count of its own (``step_marks.py``), so the first replay after
+    any of those reads them again; a replay outside any run (a training-mode forward of one's own)
+    reads them every time."""
 
-    Each call is compared as a whole (``check``: its arguments, tensors and control values). The held
-    state (parameters, process groups) is read on every check in full mode, but for one case: with
-    ``step_marks`` given (the caller does so for a model wrapped in Megatron's DDP, which keeps
-    parameters in place within a step), a check inside a run of Megatron's schedule reads it on the
-    contract's first replay in that run only. Inside one run only the microbatches' forwards and
-    backwards run; whatever moves parameters or groups (the optimizer, an evaluation, a checkpoint
-    load, a ``train_step`` of one's own) runs outside it, and each run has a count of its own
-    (``step_marks.py``), so the first replay after any of those reads it again; a replay outside any
-    run (a training-mode forward of one's own) reads it every time."""
-
-    __slots__ = (
-        "graph",
-        "inputs",
-        "parameters",
-        "process_groups",
-        "static_by_storage",
-        "flat_call",
-        "_tensor_at",
-        "_step_marks",
-        "_held_at",
-        "_parameters_now",
-        "__weakref__",
-    )
+    __slots__ = ("parameters", "process_groups", "step_marks", "_read_in", "_parameters_now")
 
     def __init__(
         self,
-        graph: str,
-        inputs: tuple[tuple[str, Any], ...],
         parameters: tuple[_Held, ...] = (),
         process_groups: tuple[_Held, ...] = (),
         *,
         step_marks: StepMarks | None = None,
     ) -> None:
-        self.graph, self.inputs = graph, inputs
         self.parameters, self.process_groups = parameters, process_groups
+        self.step_marks = step_marks
+        self._read_in: int | None = None  # the schedule run in which this state was last found as captured
+        self._parameters_now = _reader([held.lookup for held in parameters])
+
+    @classmethod
+    def of(
+        cls,
+        module: Any = None,
+        *,
+        params: Iterable[tuple[str, torch.Tensor]] = (),
+        groups: bool = True,
+        step_marks: StepMarks | None = None,
+    ) -> HeldState:
+        """The held state of ``module`` (a Megatron layer): its parameters, looked up in their
+        owners' ``_parameters``, and (``groups``) the process groups of its ``pg_collection``; and
+        ``params`` (name, parameter) held as they are. ``step_marks``: the run's, where the model
+        keeps its parameters in place within a step."""
+        held = tuple(_Held(name, _data_ptr(p), _returning(p)) for name, p in params)
+        return cls(
+            held + (_parameters_of(module) if module is not None else ()),
+            _groups_of(module) if module is not None and groups else (),
+            step_marks=step_marks,
+        )
+
+    def check(self, graph: str) -> None:
+        """Raises ``ContractViolation`` (naming ``graph``, the replay that found it) where a
+        parameter or process group differs from its capture; inside a run of the schedule, only
+        the first check in that run reads them (where it found them as captured)."""
+        marks = self.step_marks
+        run = None if marks is None else marks.step_now()
+        if run is None or run != self._read_in:
+            self._read_in = None
+            self._read(graph)
+            self._read_in = run
+
+    def _read(self, graph: str) -> None:
+        for held, now in zip(self.parameters, self._parameters_now()):
+            ptr = None if now is None else _data_ptr(now)
+            if ptr != held.captured:
+                raise ContractViolation(
+                    graph, "parameter storage", hex(held.captured), "gone" if ptr is None else hex(ptr), held.name
+                )
+        source: Callable[[], Any] | None = None
+        groups: Mapping[str, Any] = {}
+        for held in self.process_groups:
+            if held.lookup is not source:  # a layer's groups share one lookup: its collection, read once
+                source, groups = held.lookup, held.lookup()
+            now = groups.get(held.name)
+            if now is not held.captured:
+                raise ContractViolation(graph, "process group", group_label(held.captured), group_label(now), held.name)
+
+
+class ReplayContract:
+    """What one graph was captured for, and ``check``, the one test of a replay against it.
+
+    Each call is compared as a whole (``check``: its arguments, tensors and control values). In full
+    mode the held state (parameters, process groups: ``HeldState``) is checked too; a layer's
+    contracts, one per microbatch, share one, so under ``step_marks`` it is read once per layer per
+    run of Megatron's schedule (at the layer's first replay in it), not once per microbatch."""
+
+    __slots__ = ("graph", "inputs", "held", "static_by_storage", "flat_call", "_tensor_at", "__weakref__")
+
+    def __init__(self, graph: str, inputs: tuple[tuple[str, Any], ...], held: HeldState | None = None) -> None:
+        self.graph, self.inputs, self.held = graph, inputs, held
         # Storage address -> the static inputs there: what a copied-in input must not alias (alive ones).
         by_storage: dict[int, tuple[StaticInput, ...]] = {}
         for _, value in inputs:
@@ -319,9 +370,6 @@ class ReplayContract:
         # (positional count, keywords) where every argument is one leaf: such a call is read without flattening
         self.flat_call = _flat_call(inputs)
         self._tensor_at = tuple(isinstance(value, StaticInput) for _, value in inputs)
-        self._step_marks = step_marks
-        self._held_at: int | None = None  # the schedule run whose held state this contract read last
-        self._parameters_now = _reader([held.lookup for held in parameters])
 
     @classmethod
     def record(
@@ -333,25 +381,20 @@ class ReplayContract:
         module: Any = None,
         params: Iterable[tuple[str, torch.Tensor]] = (),
         step_marks: StepMarks | None = None,
+        held: HeldState | None = None,
     ) -> ReplayContract:
-        """The contract of a graph captured with ``args``/``kwargs``: ``module``'s parameters and
-        process groups (a Megatron layer), or ``params`` held as they are (slot-shared capture).
-        ``step_marks``: the run's, where the model keeps its parameters in place within a step."""
+        """The contract of a graph captured with ``args``/``kwargs``. Its held state is ``held``,
+        shared with the other contracts of the same layer, or, where none is given, one of its own:
+        ``module``'s parameters and process groups (a Megatron layer) and ``params`` held as they
+        are, read once a run under ``step_marks`` (``HeldState.of``)."""
         inputs = tuple(
             (name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v) for name, v in flatten_call(args, kwargs)
         )
-        held = tuple(_Held(name, _data_ptr(p), _returning(p)) for name, p in params)
-        return cls(
-            graph,
-            inputs,
-            held + (_parameters_of(module) if module is not None else ()),
-            _groups_of(module) if module is not None else (),
-            step_marks=step_marks,
-        )
-
-    def static_storages(self) -> frozenset[int]:
-        """The storages of the static buffers still alive."""
-        return frozenset(ptr for ptr, values in self.static_by_storage.items() if any(v.alive for v in values))
+        if held is None:
+            held = HeldState.of(module, params=params, step_marks=step_marks)
+        else:
+            assert module is None and step_marks is None, "a shared held state is made with its module and marks"
+        return cls(graph, inputs, held)
 
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], mode: ContractCheck = ContractCheck.FULL) -> None:
         """Raises ``ContractViolation`` on the first difference. ``SHAPES`` checks the arguments and
@@ -401,13 +444,9 @@ class ReplayContract:
                 sharing = by_storage.get(storage)
                 if sharing and any(static.alive for static in sharing):
                     raise ContractViolation(self.graph, "alias", "separate memory", "a static buffer's memory", name)
-        if full and (self.parameters or self.process_groups):
-            marks = self._step_marks
-            run = None if marks is None else marks.step_now()
-            if run is None or run != self._held_at:
-                self._held_at = None
-                self._check_held()
-                self._held_at = run
+        held = self.held
+        if full and held is not None:
+            held.check(self.graph)
 
     def _leaves(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Sequence[Any]:
         """The call's leaves in the contract's order; ``ContractViolation`` (arguments) where their
@@ -451,24 +490,6 @@ class ReplayContract:
             if isinstance(value, _CONTAINERS):
                 return None
         return values
-
-    def _check_held(self) -> None:
-        for held, now in zip(self.parameters, self._parameters_now()):
-            ptr = None if now is None else _data_ptr(now)
-            if ptr != held.captured:
-                raise ContractViolation(
-                    self.graph, "parameter storage", hex(held.captured), "gone" if ptr is None else hex(ptr), held.name
-                )
-        source: Callable[[], Any] | None = None
-        groups: Mapping[str, Any] = {}
-        for held in self.process_groups:
-            if held.lookup is not source:  # a layer's groups share one lookup: its collection, read once
-                source, groups = held.lookup, held.lookup()
-            now = groups.get(held.name)
-            if now is not held.captured:
-                raise ContractViolation(
-                    self.graph, "process group", group_label(held.captured), group_label(now), held.name
-                )
 
 
 class CheckedGraph:

@@ -1,8 +1,8 @@
 """Where each run of Megatron's schedule (``forward_backward_func``: a step's microbatches) begins
 and ends, as the plugin's ``train_step`` wrapper hands it the schedule.
 
-A replay contract reads parameters and process groups once per run, at its first replay in it
-(``capture/contracts.py``, ``ReplayContract``). That holds only inside one run: before and after
+A layer's replay contracts read its parameters and process groups once per run, at the first replay
+of any of its graphs in it (``capture/contracts.py``, ``HeldState``). That holds only inside one run: before and after
 it (the optimizer, an evaluation, a checkpoint load, anything a train_step of one's own does)
 anything may move them. ``StepMarks`` tells a replay whether it runs inside a schedule run
 (``depth``) and which one (``count``: it changes as any run begins or ends). Where nothing marks

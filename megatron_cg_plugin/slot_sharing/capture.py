@@ -33,7 +33,7 @@ import torch
 
 from megatron_cg_plugin.capture import accounting, stale_graphs
 from megatron_cg_plugin.capture import te_backend as te_seam
-from megatron_cg_plugin.capture.contracts import CheckedGraph, ReplayContract
+from megatron_cg_plugin.capture.contracts import CheckedGraph, HeldState, ReplayContract
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.capture.transaction import CaptureTransaction
 from megatron_cg_plugin.config import ContractCheck
@@ -172,10 +172,6 @@ class SlottedStats:
     offloaded_bytes: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # per variant, to the host
     host_arena_bytes: tuple[int, ...] = ()  # pinned: per slot (in-graph copies) or per graph (between replays)
     staging_bytes: int = 0  # GPU staging buffers this capture added to the ring (between replays)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.pool_bytes + self.arena_bytes + self.boundary_bytes
 
 
 # ---------------------------------------------------------------------------------------------- storage
@@ -344,7 +340,7 @@ class _Entry:
         param_grads: Sequence[torch.Tensor | None],
         guard: SlotGuard | None,
         contract_check: ContractCheck = ContractCheck.FULL,
-        step_marks: StepMarks | None = None,
+        held: HeldState | None = None,
     ) -> None:
         self.variant, self.slot = variant, slot
         self.boundary: _Boundary | None = boundary  # None once released
@@ -356,20 +352,18 @@ class _Entry:
         self.output_requires_grad: tuple[bool, ...] = ()
         self.input_count = len(variant.sample_args)
         # The same contract as TE's graphs: the boundary inputs are the static buffers (an input at
-        # their address is read in place, any other copied in), the parameters are read in place
-        # (once a step with ``step_marks``, as for TE's graphs).
+        # their address is read in place, any other copied in), the parameters are read in place:
+        # ``held``, shared by the capture's entries (once a run under step marks, as for TE's
+        # graphs), or else ``params`` held as given.
         self.contract_check = contract_check
-        self.contract = ReplayContract.record(
-            self.name, boundary.inputs, {}, params=self._named_params(), step_marks=step_marks
-        )
+        if held is None:
+            held = HeldState.of(params=_numbered(params))
+        self.contract = ReplayContract.record(self.name, boundary.inputs, {}, held=held)
         self.frames = 0
         self.frame: str | None = None
         self.uncovered_bytes = 0  # pool bytes left alive by the forward capture besides the outputs
         self.staged: StagedFrame | None = None  # offload between replays: the copies around them
         self.fp8: fp8_state.Fp8Replay | None = None  # captured under FP8: TE's state around each replay
-
-    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(f"parameter {index}", param) for index, param in enumerate(self.params)]
 
     @property
     def name(self) -> str:
@@ -522,7 +516,7 @@ class SlottedGraphs:
 def capture_slotted(
     variants: Sequence[Variant],
     plan: SlotPlan,
-    parameters: Iterable[torch.nn.Parameter],
+    parameters: torch.nn.Module | Iterable[torch.nn.Parameter],
     *,
     protect: bool = True,
     pool: Any = None,
@@ -540,7 +534,10 @@ def capture_slotted(
     """Captures each variant once per slot that ``plan`` (``slot_sharing.plan.plan_slots``) gives it, all
     into one graph pool; each slot's arena is sized by the largest of its own variants.
 
-    ``parameters`` are the layers' parameters (shared by all variants). ``protect=False`` captures
+    ``parameters``: the layer the variants run, or its parameters (shared by all variants); those
+    needing a gradient get one. Every replay's contract reads them in place (``HeldState``, one for
+    all the variants): a layer's looked up where they live, so a parameter its module was given anew
+    is refused; parameters given one by one, as they are. ``protect=False`` captures
     the same graphs without arenas (shared pool, nothing protected: the corruption this module
     exists to prevent; for tests and measurements). ``debug`` turns on the host-side slot guard
     (``MEGATRON_CG_SLOT_DEBUG``). ``strict`` raises ``SlotCoverageError`` if a forward capture
@@ -557,9 +554,9 @@ def capture_slotted(
     ``param_grads`` shares the parameter-gradient buffers with other captures whose backward
     replays never overlap with these (``slot_sharing.param_grads``); the stats then count only the
     buffers this capture added. ``step_marks``: the run's, where the model keeps its parameters in
-    place within a step, so each contract reads them once a step (``ReplayContract``).
+    place within a step, so the held state is read once a run of the schedule (``HeldState``).
     """
-    params = [p for p in parameters if p.requires_grad]
+    params, held = _trained_and_held(parameters, step_marks)
     slots_of = _validate(variants, plan, warmup_iterations, fp8)
     fp8_capture = None
     if fp8 is not None:
@@ -573,7 +570,7 @@ def capture_slotted(
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
     sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
     options = _CaptureOptions(
-        protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing, step_marks
+        protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing, held
     )
     # Warmup and capture draw random numbers that eager training never draws: the generators go back after.
     with (
@@ -610,6 +607,24 @@ def capture_slotted(
     return SlottedGraphs(entries, stats, [arenas, boundaries, param_grads, pool, offloading])
 
 
+def _trained_and_held(
+    parameters: torch.nn.Module | Iterable[torch.nn.Parameter], step_marks: StepMarks | None
+) -> tuple[list[torch.nn.Parameter], HeldState]:
+    """The parameters the variants train (those needing a gradient) and the held state their
+    contracts share: a module's parameters looked up in their owners, as a TE graph's contract
+    does (its process groups are not held: a graph bank's CP group is its router's to check), or
+    the parameters given, held as they are."""
+    if isinstance(parameters, torch.nn.Module):
+        trained = [p for p in parameters.parameters() if p.requires_grad]
+        return trained, HeldState.of(parameters, groups=False, step_marks=step_marks)
+    trained = [p for p in parameters if p.requires_grad]
+    return trained, HeldState.of(params=_numbered(trained), step_marks=step_marks)
+
+
+def _numbered(params: Iterable[torch.nn.Parameter]) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(f"parameter {index}", param) for index, param in enumerate(params)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _CaptureOptions:
     protect: bool
@@ -621,7 +636,7 @@ class _CaptureOptions:
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
     # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
     sharing: Callable[[], _Sharing] = _Sharing
-    step_marks: StepMarks | None = None  # the run's, where parameters stay in place within a step
+    held: HeldState | None = None  # the parameters every entry's contract reads (one state for all)
 
 
 @dataclasses.dataclass
@@ -742,7 +757,7 @@ def _capture_all(
             param_grads,
             guard,
             options.contract_check,
-            options.step_marks,
+            options.held,
         )
         for v, slot in placed
     }

@@ -276,7 +276,7 @@ class SlotBackend(TEBackend):
                     slotted = capture_slotted(
                         [variant],
                         exclusive_plan([_VARIANT]),
-                        layer.parameters(),
+                        layer,
                         pool=pool,
                         stream=stream,
                         warmup_iterations=warmup,

@@ -58,20 +58,6 @@ class SlotPlan:
     ring_size: int
     slot_sizes: tuple[int, ...]  # bytes per slot: the largest frame that uses it (0 without sizes)
 
-    @property
-    def max_live(self) -> int:
-        """The most frames alive at one position of the order."""
-        events = sorted([(f.forward_at, 1) for f in self.frames] + [(f.backward_at + 1, -1) for f in self.frames])
-        live = peak = 0
-        for _, delta in events:
-            live += delta
-            peak = max(peak, live)
-        return peak
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.slot_sizes)
-
     def branches(self, slot: int) -> frozenset[Hashable]:
         """Variants that use ``slot`` (mutually exclusive in time: they share its arena)."""
         return frozenset(f.variant for f in self.frames if f.slot == slot)

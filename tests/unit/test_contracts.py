@@ -21,6 +21,7 @@ from megatron_cg_plugin.capture.contracts import (
     REPLAY_ONLY_KWARGS,
     CheckedGraph,
     ContractViolation,
+    HeldState,
     ReplayContract,
     StaticInput,
     TensorSpec,
@@ -97,7 +98,7 @@ def test_record_specs_and_flattening():
     assert contract.inputs[0][1].data_ptr == a.data_ptr()
     assert contract.inputs[1] == ("arg1", 3)
     assert contract.inputs[2] == ("flag=", "causal")
-    assert contract.parameters == () and contract.process_groups == ()
+    assert contract.held.parameters == () and contract.held.process_groups == ()
 
 
 def test_nested_arguments_are_flattened_and_named_by_place():
@@ -271,7 +272,12 @@ def test_parameter_storage():
 def test_a_layers_parameters_are_found_again_where_they_live():
     layer = Layer()
     contract = record(module=layer)
-    assert [held.name for held in contract.parameters] == ["linear.weight", "linear.bias", "norm.weight", "norm.bias"]
+    assert [held.name for held in contract.held.parameters] == [
+        "linear.weight",
+        "linear.bias",
+        "norm.weight",
+        "norm.bias",
+    ]
     contract.check((x(),), {}, mode=FULL)
     old = hex(layer.norm.bias.data_ptr())
     layer.norm.bias = torch.nn.Parameter(torch.zeros(3))  # replaced by a new parameter object
@@ -285,7 +291,7 @@ def test_held_state_is_checked_on_every_replay_whichever_microbatch_it_is():
     # moved. The default (held_every_replay) is what every model but one wrapped in Megatron's DDP gets.
     layer = Layer(tp=process_group())
     contract = record(module=layer)
-    groups_only = ReplayContract(GRAPH, contract.inputs, (), contract.process_groups)
+    groups_only = ReplayContract(GRAPH, contract.inputs, HeldState((), contract.held.process_groups))
     old = hex(layer.norm.bias.data_ptr())
     layer.norm.bias = torch.nn.Parameter(torch.zeros(3))
     layer.pg_collection.tp = process_group()
@@ -315,7 +321,7 @@ def test_a_layers_process_groups_are_read_from_its_collection_once_per_check():
     for _ in range(2):
         reads.clear()
         contract.check((x(),), {}, mode=FULL)
-        assert reads == ["__dict__"] and len(contract.process_groups) == 2
+        assert reads == ["__dict__"] and len(contract.held.process_groups) == 2
     layer.pg_collection.dp = process_group()
     assert violation(contract, (x(),)).field == "process group"
 
@@ -324,7 +330,7 @@ def test_process_groups_by_identity():
     tp, dp = process_group(), process_group()
     layer = Layer(dp=dp, tp=tp, sizes=[1, 2])
     contract = record(module=layer)
-    assert [held.name for held in contract.process_groups] == ["dp", "tp"]
+    assert [held.name for held in contract.held.process_groups] == ["dp", "tp"]
     contract.check((x(),), {}, mode=FULL)
     layer.pg_collection.tp = lookalike = process_group()  # a re-created communicator
     error = violation(contract, (x(),))
@@ -445,7 +451,7 @@ def test_two_static_inputs_in_one_storage_guard_it_while_either_is_alive():
     live_first = StaticInput.of(first)
     dead_second = StaticInput(TensorSpec.of(second), second.data_ptr(), storage.untyped_storage().data_ptr(), dead)
     contract = ReplayContract(GRAPH, (("arg0", live_first), ("arg1", dead_second)))
-    assert contract.static_storages() == {storage.untyped_storage().data_ptr()}
+    assert static_storages(contract) == {storage.untyped_storage().data_ptr()}
     inside = storage.view(-1)[1:25].view(4, 2, 3)  # neither buffer's address, but their memory
     assert violation(contract, (x(), inside)).field == "alias"
 
@@ -592,6 +598,11 @@ def refusal(contract, args, kwargs, mode=FULL) -> str | None:
     return None
 
 
+def static_storages(contract) -> set[int]:
+    """The storages of the contract's static buffers still alive."""
+    return {value.storage_ptr for _, value in contract.inputs if isinstance(value, StaticInput) and value.alive}
+
+
 def reference_refusal(contract, args, kwargs, *, full=True, read_held=True) -> str | None:
     """What the check must refuse, written out field by field the plain way (every call flattened,
     every storage read through its type's ``untyped_storage``)."""
@@ -625,14 +636,14 @@ def reference_refusal(contract, args, kwargs, *, full=True, read_held=True) -> s
                 spec.shape, spec.stride
             ):
                 return "stride"
-        elif value.numel() and type(value).untyped_storage(value).data_ptr() in contract.static_storages():
+        elif value.numel() and type(value).untyped_storage(value).data_ptr() in static_storages(contract):
             return "alias"
     if full and read_held:
-        for held in contract.parameters:
+        for held in contract.held.parameters:
             now = held.lookup()
             if now is None or type(now).data_ptr(now) != held.captured:
                 return "parameter storage"
-        for held in contract.process_groups:
+        for held in contract.held.process_groups:
             if held.lookup().get(held.name) is not held.captured:
                 return "process group"
     return None
@@ -676,7 +687,7 @@ def test_a_freed_static_buffers_address_is_copied_in_like_any_other():
     call = MegatronCall()
     (name, static), *rest = call.contract.inputs
     dead = StaticInput(static.spec, static.data_ptr, static.storage_ptr, lambda: None)
-    contract = ReplayContract(GRAPH, ((name, dead), *rest), call.contract.parameters, call.contract.process_groups)
+    contract = ReplayContract(GRAPH, ((name, dead), *rest), call.contract.held)
     relaid = call.hidden.detach().as_strided((4, 2, 3), (1, 4, 8)).requires_grad_()
     contract.check((relaid,), call.fresh()[1], mode=FULL)  # at its address, another layout: copied in
 
@@ -1157,15 +1168,15 @@ def test_keywords_in_another_order_are_matched_by_name_not_by_place():
 
 
 class SteppedCall(MegatronCall):
-    """A layer replayed step by step: ``steps`` are the run's marks (None: none given)."""
+    """A layer replayed step by step: ``steps`` are the run's marks (None: none given); ``held``, a
+    held state shared with other contracts of the layer (else one of its own)."""
 
-    def __init__(self, steps: StepMarks | None, layer: Layer | None = None) -> None:
+    def __init__(self, steps: StepMarks | None, layer: Layer | None = None, held: HeldState | None = None) -> None:
         self.layer = layer or Layer(tp=process_group(), dp=process_group())
         self.hidden, self.rope = x(requires_grad=True), x(4, 1, 1, 2)
         STATIC_BUFFERS.append((self.hidden, self.rope))
-        self.contract = ReplayContract.record(
-            GRAPH, (self.hidden,), self.kwargs(self.rope), module=self.layer, step_marks=steps
-        )
+        own = {"module": self.layer, "step_marks": steps} if held is None else {"held": held}
+        self.contract = ReplayContract.record(GRAPH, (self.hidden,), self.kwargs(self.rope), **own)
 
     def replay(self, first=False):
         self.contract.check(*self.fresh(is_first_microbatch=first), mode=FULL)
@@ -1221,16 +1232,102 @@ def test_without_step_marks_held_state_is_read_on_every_replay():
     assert call.refused(False) == "parameter storage"
 
 
-def test_each_graph_reads_the_held_state_at_its_own_first_replay_in_a_step():
-    # Under pipelining each microbatch has a graph (and contract) of its own on the same layer.
+@pytest.mark.parametrize("shared", [True, False])
+def test_contracts_read_the_held_state_at_its_first_replay_in_a_step_whichever_contract_replays(shared):
+    # Each microbatch has a graph (and contract) of its own on the same layer; the helper gives them the
+    # layer's one held state. Contracts recorded apart hold a state each, read at each one's first replay.
     steps = StepMarks()
     first_graph = SteppedCall(steps)
-    later_graph = SteppedCall(steps, layer=first_graph.layer)
+    later_graph = SteppedCall(steps, first_graph.layer, first_graph.contract.held if shared else None)
     with steps:
         first_graph.replay(True)
-        _moved_parameter(first_graph)
+        _moved_parameter(first_graph)  # no run moves them: shows which replay reads them
         first_graph.replay(False)
-        assert later_graph.refused(False) == "parameter storage"
+        assert later_graph.refused(False) == (None if shared else "parameter storage")
+
+
+class CountedPointer(torch.nn.Parameter):
+    """A parameter counting the reads of its address: each read of the held state reads it once."""
+
+    reads = 0
+
+    def data_ptr(self) -> int:
+        self.reads += 1
+        return super().data_ptr()
+
+
+MICROBATCHES = 3
+
+
+def layer_call(first=None):
+    """A call of a Megatron layer as captured and replayed (``is_first_microbatch``: added at replay)."""
+    return (x(requires_grad=True),), MegatronCall.kwargs(x(4, 1, 1, 2), is_first_microbatch=first)
+
+
+def graphed_layer(steps: StepMarks) -> tuple[Layer, CountedPointer]:
+    """A layer the plugin's helper held to its contracts after a capture: one graph per microbatch
+    (Megatron replays graph ``microbatch % MICROBATCHES``); its weight counts the reads of it."""
+    from megatron_cg_plugin.capture_lifecycle import PluginHelperMixin
+
+    layer = Layer(tp=process_group(), dp=process_group())
+    layer.layer_number = 7
+    weight = layer.linear.weight = CountedPointer(torch.zeros(3, 2))
+    graphs = [lambda *args, **kwargs: "replayed" for _ in range(MICROBATCHES)]
+    layer.cuda_graphs = list(graphs)
+    samples = [layer_call(False) for _ in graphs]
+    STATIC_BUFFERS.append(samples)
+    capture = types.SimpleNamespace(
+        graphs=graphs, sample_args=[args for args, _ in samples], sample_kwargs=[kwargs for _, kwargs in samples]
+    )
+    helper = types.SimpleNamespace(flattened_callables=[layer], _contract_step_marks=lambda: steps)
+    PluginHelperMixin._hold_to_contracts(helper, capture, FULL)
+    return layer, weight
+
+
+def replay_microbatch(layer: Layer, microbatch: int) -> ContractViolation | None:
+    """Replays the layer's graph of ``microbatch``: the refusal, None where the graph ran."""
+    args, kwargs = layer_call(microbatch == 0)
+    try:
+        assert layer.cuda_graphs[microbatch](*args, **kwargs) == "replayed"
+    except ContractViolation as error:
+        return error
+    return None
+
+
+def test_a_layers_microbatch_graphs_read_its_held_state_once_a_run_not_once_a_microbatch():
+    steps = StepMarks()
+    layer, weight = graphed_layer(steps)
+    for _ in range(3):  # runs of the schedule, each replaying every microbatch's graph
+        weight.reads = 0
+        with steps:
+            for microbatch in range(MICROBATCHES):
+                assert replay_microbatch(layer, microbatch) is None
+        assert weight.reads == 1
+    weight.reads = 0
+    assert replay_microbatch(layer, 1) is None and replay_microbatch(layer, 2) is None  # outside any run
+    assert weight.reads == 2
+
+
+MOVED_BETWEEN_RUNS = {  # what a checkpoint load may do to a layer's parameters
+    "reallocated": lambda layer: setattr(layer.linear.weight, "data", torch.ones(3, 2)),
+    "replaced": lambda layer: layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True),
+}
+
+
+@pytest.mark.parametrize("first", range(MICROBATCHES))
+@pytest.mark.parametrize("move", sorted(MOVED_BETWEEN_RUNS))
+def test_a_parameter_moved_between_runs_is_refused_at_the_next_runs_first_replay_of_any_microbatch(first, move):
+    steps = StepMarks()
+    layer, _ = graphed_layer(steps)
+    with steps:
+        for microbatch in range(MICROBATCHES):
+            assert replay_microbatch(layer, microbatch) is None
+    MOVED_BETWEEN_RUNS[move](layer)
+    with steps:
+        error = replay_microbatch(layer, first)  # whichever graph replays first in the run
+        assert error is not None and (error.field, error.graph) == ("parameter storage", f"layer 7 microbatch {first}")
+        for microbatch in range(MICROBATCHES):  # found moved: every later replay reads it again
+            assert getattr(replay_microbatch(layer, microbatch), "field", None) == "parameter storage"
 
 
 def test_a_check_in_shapes_mode_reads_no_held_state_for_a_later_full_one():

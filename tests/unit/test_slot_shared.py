@@ -4,6 +4,8 @@ tests/functional/test_slot_memory.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -181,15 +183,19 @@ def _one_entry_stats(boundary):
     )
 
 
-def _slotted_graphs(contract_check=ContractCheck.FULL, step_marks=None):
-    """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real."""
-    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, _Boundary, _Entry
+def _slotted_graphs(contract_check=ContractCheck.FULL, step_marks=None, parameters=None):
+    """One captured-looking entry on the CPU: its graphs are fakes, its boundary and contract real,
+    its parameters held as capture_slotted holds them: ``parameters``, a layer or its parameters;
+    by default one parameter (returned)."""
+    from megatron_cg_plugin.slot_sharing.capture import SlottedGraphs, _Boundary, _Entry, _trained_and_held
 
     sample = torch.zeros(4, 6, requires_grad=True)
     variant = Variant("v", lambda x: x * 2, (sample,))
     boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE,)))
     param = torch.nn.Parameter(torch.ones(3))
-    entry = _Entry(variant, 0, boundary, [param], [torch.zeros(3)], None, contract_check, step_marks)
+    params, held = _trained_and_held([param] if parameters is None else parameters, step_marks)
+    grads = [torch.zeros_like(p) for p in params]
+    entry = _Entry(variant, 0, boundary, params, grads, None, contract_check, held)
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     entry.output_requires_grad = (False,)
     stats = _one_entry_stats(boundary)
@@ -249,6 +255,41 @@ def test_with_step_marks_slot_replays_read_parameters_once_a_step():
         replay(torch.zeros(4, 6))
     with pytest.raises(ContractViolation, match="parameter storage"):  # outside any run: every replay
         replay(torch.zeros(4, 6))
+
+
+REPLACED = {  # a parameter given anew to its module, in new memory: (how, the first parameter found moved)
+    "assigned": (lambda layer: setattr(layer[1], "bias", torch.nn.Parameter(torch.zeros(3))), "1.bias"),
+    "loaded with assign=True": (
+        lambda layer: layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True),
+        "0.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("replaced", sorted(REPLACED))
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_parameter_its_layer_was_given_anew_is_refused_at_the_next_replay(replaced, stepped):
+    """Given the layer (as the graph banks and SlotBackend give it), the contracts look its
+    parameters up where they live, as a TE graph's contract does: a parameter replaced in its
+    module by a new one (a checkpoint loaded with ``assign=True``) is refused, not replayed
+    against the memory the graph reads (with step marks: at the next run's first replay)."""
+    from megatron_cg_plugin.capture.step_marks import StepMarks
+
+    marks = StepMarks()
+    layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    layer[1].weight.requires_grad_(False)  # read in place too, though not trained
+    graphs, entry, _ = _slotted_graphs(step_marks=marks if stepped else None, parameters=layer)
+    assert len(entry.params) == 3  # those needing a gradient get one
+    replay = graphs.callable("v", 0)
+    with marks if stepped else contextlib.nullcontext():
+        replay(torch.zeros(4, 6))
+    replace, name = REPLACED[replaced]
+    old = hex(dict(layer.named_parameters())[name].data_ptr())
+    replace(layer)
+    refused = rf"parameter storage \({name}\) was '{old}' at capture"
+    with marks if stepped else contextlib.nullcontext(), pytest.raises(ContractViolation, match=refused):
+        replay(torch.zeros(4, 6))
+    assert entry.forward_graph.replays == 1  # nothing refused was replayed
 
 
 def test_reset_frees_graphs_and_buffers_even_while_callables_are_held():
