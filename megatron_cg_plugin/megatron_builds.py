@@ -3,11 +3,13 @@ with Megatron's own code: the tokenizer (``build_tokenizer``, which ``set_global
 after ``validate_args``), the optimizer's configs and learning-rate schedule (``setup_model_and_optimizer``)
 and the datasets' blend and split (``BlendedMegatronDatasetConfig``, which the dataset provider builds).
 
-Each probe takes Megatron's validated args and returns the builder's error as one line (``failure_text``),
-or None where the build succeeds or where building here would prove nothing: a library or file only the
-GPU host may have, a tokenizer the hub must send, something another rule already names (a missing file,
-a flag not given). ``rules.check_run`` runs them for the rules ``tokenizer-build``, ``optimizer-setup``
-and ``data-blend-split``. Nothing here reads a file without bounding it or changes the args it is given.
+Each probe takes the run's settings (``settings.RunSettings``), read from Megatron's validated args, and the
+args themselves, which it hands whole to Megatron's builders that take them (it reads no flag off them), and
+returns the builder's error as one line (``failure_text``), or None where the build succeeds or where building
+here would prove nothing: a library or file only the GPU host may have, a tokenizer the hub must send,
+something another rule already names (a missing file, a flag not given). ``settings.read_run_settings`` runs
+them for the rules ``tokenizer-build``, ``optimizer-setup`` and ``data-blend-split``. Nothing here reads a file
+without bounding it or changes the args it is given.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import os
 import traceback
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_cg_plugin.data.sources import is_explicitly_local
+
+if TYPE_CHECKING:
+    from megatron_cg_plugin.settings import RunSettings
 
 __all__ = ["dataset_problem", "failure_text", "optimizer_problem", "tokenizer_note", "tokenizer_problem"]
 
@@ -48,12 +53,6 @@ _HUB_CONFIG_TOKENIZERS = {
 _SHOWN_WEIGHTS = 5  # bad dataset weights named in a refusal; more are counted
 # Larger than any tokenizer model file; a larger one is left to the run rather than read into memory here.
 _LARGEST_TOKENIZER_FILE = 1 << 30
-
-
-def _validated(args: Any) -> bool:
-    """Megatron's ``validate_args`` has filled in what its builders read (it sets the data-parallel size); on
-    flags it has not validated there is nothing to build from yet."""
-    return hasattr(args, "data_parallel_size")
 
 
 def failure_text(error: BaseException) -> str:
@@ -99,8 +98,8 @@ class _TokenizerVerdict:
     note: str | None = None
 
 
-def _tokenizer_verdict(args: Any) -> _TokenizerVerdict:
-    kind = getattr(args, "tokenizer_type", None)
+def _tokenizer_verdict(settings: RunSettings) -> _TokenizerVerdict:
+    kind = settings.tokenizer_type
     if kind in _HUB_CONFIG_TOKENIZERS:
         return _TokenizerVerdict(
             False,
@@ -114,12 +113,12 @@ def _tokenizer_verdict(args: Any) -> _TokenizerVerdict:
         return _TokenizerVerdict(
             False, note=f"{kind} needs the {library} package, which is not installed here, so check does not build it"
         )
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", 1)
+    divisible_by = settings.make_vocab_size_divisible_by
     if not isinstance(divisible_by, int) or divisible_by < 1:
         return _TokenizerVerdict(False)  # rule model-sizes names it
     if kind == "NullTokenizer":
-        return _TokenizerVerdict(bool(getattr(args, "vocab_size", None)))  # without: rule tokenizer-files
-    path = getattr(args, "tokenizer_model", None)
+        return _TokenizerVerdict(bool(settings.vocab_size))  # without: rule tokenizer-files
+    path = settings.tokenizer_model
     if not path:
         return _TokenizerVerdict(False)  # rule tokenizer-files
     if not os.path.exists(path):
@@ -130,7 +129,7 @@ def _tokenizer_verdict(args: Any) -> _TokenizerVerdict:
                 "cache), so check does not build it",
             )
         return _TokenizerVerdict(False)  # rule data-files names the missing file
-    if kind == "HuggingFaceTokenizer" and getattr(args, "trust_remote_code", False):
+    if kind == "HuggingFaceTokenizer" and settings.trust_remote_code:
         return _TokenizerVerdict(
             False, note="with --trust-remote-code building the tokenizer runs its own code, so check does not build it"
         )
@@ -142,12 +141,14 @@ def _tokenizer_verdict(args: Any) -> _TokenizerVerdict:
     return _TokenizerVerdict(True)
 
 
-def tokenizer_problem(args: Any) -> str | None:
+def tokenizer_problem(settings: RunSettings, args: Any) -> str | None:
     """Megatron's ``build_tokenizer`` on a copy of ``args`` (it sets ``padded_vocab_size``), where it builds
-    offline: the null tokenizer, and the ones loaded from a local file or folder whose library is installed."""
-    if not _validated(args):
+    offline: the null tokenizer, and the ones loaded from a local file or folder whose library is installed.
+    On flags Megatron's ``validate_args`` has not filled in (``settings.validated``) there is nothing to build
+    from yet; the same holds for each probe."""
+    if not settings.validated:
         return None
-    verdict = _tokenizer_verdict(args)
+    verdict = _tokenizer_verdict(settings)
     if not verdict.build:
         return verdict.problem
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
@@ -160,9 +161,9 @@ def tokenizer_problem(args: Any) -> str | None:
     return None
 
 
-def tokenizer_note(args: Any) -> str | None:
+def tokenizer_note(settings: RunSettings) -> str | None:
     """Why check could not build the run's tokenizer (the run may still fail building it), for its output."""
-    return _tokenizer_verdict(args).note if _validated(args) else None
+    return _tokenizer_verdict(settings).note if settings.validated else None
 
 
 class _NoParameters:
@@ -173,46 +174,48 @@ class _NoParameters:
         self.param_groups: list[dict[str, Any]] = [{}]
 
 
-def _schedule_steps(args: Any) -> tuple[Any, Any, Any, Any] | None:
+def _schedule_steps(settings: RunSettings) -> tuple[Any, Any, Any, Any] | None:
     """(warmup, decay, weight-decay increment, WSD decay) steps, in samples, as Megatron's
     ``get_optimizer_param_scheduler`` (training.py) derives them; None where it raises "either train-iters or
     train-samples should be provided"."""
-    fraction = args.lr_warmup_fraction
-    if args.train_iters:
-        batch = args.global_batch_size
-        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * batch
-        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * batch
-        warmup = fraction * decay if fraction is not None else args.lr_warmup_iters * batch
-        return warmup, decay, args.train_iters * batch, wsd
-    if args.train_samples:
-        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = fraction * decay if fraction is not None else args.lr_warmup_samples
-        return warmup, decay, args.train_samples, args.lr_wsd_decay_samples
+    schedule = settings.lr_schedule
+    fraction = schedule.lr_warmup_fraction
+    if settings.train_iters:
+        batch: Any = settings.global_batch_size  # validate_args sets it
+        decay = (schedule.lr_decay_iters if schedule.lr_decay_iters is not None else settings.train_iters) * batch
+        wsd = None if schedule.lr_wsd_decay_iters is None else schedule.lr_wsd_decay_iters * batch
+        warmup = fraction * decay if fraction is not None else schedule.lr_warmup_iters * batch
+        return warmup, decay, settings.train_iters * batch, wsd
+    if settings.train_samples:
+        decay = schedule.lr_decay_samples if schedule.lr_decay_samples is not None else settings.train_samples
+        warmup = fraction * decay if fraction is not None else schedule.lr_warmup_samples
+        return warmup, decay, settings.train_samples, schedule.lr_wsd_decay_samples
     return None
 
 
-def optimizer_problem(args: Any) -> str | None:
+def optimizer_problem(settings: RunSettings, args: Any) -> str | None:
     """Megatron's optimizer and DDP configs (its own ``get_megatron_optimizer_config`` and
-    ``get_megatron_ddp_config``) and its learning-rate schedule (``OptimizerParamScheduler`` with the steps
-    ``get_optimizer_param_scheduler`` derives, stepped to the run's end), as ``setup_model_and_optimizer``
-    builds them for a run that trains."""
-    if not _validated(args):
+    ``get_megatron_ddp_config`` on ``args``) and its learning-rate schedule (``OptimizerParamScheduler`` with
+    the steps ``get_optimizer_param_scheduler`` derives, stepped to the run's end), as
+    ``setup_model_and_optimizer`` builds them for a run that trains."""
+    if not settings.validated:
         return None
-    if args.skip_train and not (getattr(args, "perform_rl_step", False) and not args.no_load_optim):
+    if settings.skip_train and not (settings.perform_rl_step and not settings.no_load_optim):
         return None  # no optimizer is built
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
 
-    steps = _schedule_steps(args)
+    steps = _schedule_steps(settings)
     if steps is None:
         return (
             "either train-iters or train-samples should be provided [megatron/training/training.py: "
             "get_optimizer_param_scheduler]"
         )
     warmup, decay, weight_decay_steps, wsd = steps
+    schedule = settings.lr_schedule
     values = (
-        f"(schedule in samples: warmup {warmup:g}, decay {decay:g}; --lr {args.lr}, --min-lr {args.min_lr}, "
-        f"--lr-warmup-init {args.lr_warmup_init}, --global-batch-size {args.global_batch_size})"
+        f"(schedule in samples: warmup {warmup:g}, decay {decay:g}; --lr {schedule.lr}, --min-lr {schedule.min_lr}, "
+        f"--lr-warmup-init {schedule.lr_warmup_init}, --global-batch-size {settings.global_batch_size})"
     )
     try:
         with _quiet():
@@ -220,20 +223,20 @@ def optimizer_problem(args: Any) -> str | None:
             get_megatron_ddp_config(args)
             scheduler = OptimizerParamScheduler(
                 _NoParameters(),
-                init_lr=args.lr_warmup_init,
-                max_lr=args.lr,
-                min_lr=args.min_lr,
+                init_lr=schedule.lr_warmup_init,
+                max_lr=schedule.lr,
+                min_lr=schedule.min_lr,
                 lr_warmup_steps=warmup,
                 lr_decay_steps=decay,
-                lr_decay_style=args.lr_decay_style,
-                start_wd=args.start_weight_decay,
-                end_wd=args.end_weight_decay,
+                lr_decay_style=schedule.lr_decay_style,
+                start_wd=schedule.start_weight_decay,
+                end_wd=schedule.end_weight_decay,
                 wd_incr_steps=weight_decay_steps,
-                wd_incr_style=args.weight_decay_incr_style,
-                use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-                override_opt_param_scheduler=args.override_opt_param_scheduler,
+                wd_incr_style=schedule.weight_decay_incr_style,
+                use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
+                override_opt_param_scheduler=schedule.override_opt_param_scheduler,
                 wsd_decay_steps=wsd,
-                lr_wsd_decay_style=args.lr_wsd_decay_style,
+                lr_wsd_decay_style=schedule.lr_wsd_decay_style,
             )
             scheduler.step(weight_decay_steps)  # the learning rate and weight decay of the run's last step
     except Exception as error:  # noqa: BLE001 - whatever the builders raise stops the run before its first step
@@ -241,21 +244,21 @@ def optimizer_problem(args: Any) -> str | None:
     return None
 
 
-def _argument_files(args: Any) -> list[str]:
-    return [path for name in ("data_args_path", "per_split_data_args_path") if (path := getattr(args, name, None))]
+def _argument_files(settings: RunSettings) -> list[str]:
+    return [path for path in (settings.data_args_path, settings.per_split_data_args_path) if path]
 
 
-def dataset_problem(args: Any) -> str | None:
+def dataset_problem(settings: RunSettings, args: Any) -> str | None:
     """The datasets' blend (Megatron's ``get_blend_and_blend_per_split``) and Megatron's
     ``BlendedMegatronDatasetConfig`` of it, which parses ``--split``; then what those accept but the build
     refuses later: a weight that is not positive (``BlendedDataset`` asserts each is), a split whose weights
     sum to 0 (its shares are NaN), and training with no share of the split (the run would train nothing).
     Mock data takes no blend or split; an argument file that cannot be read is rule data-files'."""
-    if not _validated(args):
+    if not settings.validated:
         return None
-    if getattr(args, "mock_data", False):
+    if settings.mock_data:
         return None
-    if getattr(args, "data_path", None) == []:
+    if settings.data_path == ():
         return "--data-path is given without a dataset: give PREFIX, or WEIGHT PREFIX pairs"
     from megatron.core.datasets.blended_megatron_dataset_config import (
         BlendedMegatronDatasetConfig,
@@ -266,7 +269,7 @@ def dataset_problem(args: Any) -> str | None:
     try:
         blend, blend_per_split = get_blend_and_blend_per_split(args)
     except Exception as error:  # noqa: BLE001 - the blend the flags give cannot be read, and the run reads it so
-        return None if _argument_files(args) else failure_text(error)
+        return None if _argument_files(settings) else failure_text(error)
     blends = [blend] if blend is not None else [split for split in blend_per_split or () if split is not None]
     if not blends:
         return None  # no data source: rule data-source
@@ -283,23 +286,23 @@ def dataset_problem(args: Any) -> str | None:
     try:
         with _quiet():
             BlendedMegatronDatasetConfig(
-                random_seed=args.seed,
-                sequence_length=args.seq_length,
+                random_seed=settings.seed,
+                sequence_length=settings.seq_length,
                 blend=blend,
                 blend_per_split=blend_per_split,
-                split=args.split,
+                split=settings.split,
             )
     except Exception as error:  # noqa: BLE001 - whatever the config refuses stops the run when it builds datasets
         return failure_text(error)
-    trains = bool(args.train_iters or args.train_samples) and not args.skip_train
+    trains = bool(settings.train_iters or settings.train_samples) and not settings.skip_train
     if blend is None:  # per-split blends, which take no --split
         if trains and (blend_per_split is None or blend_per_split[0] is None):
             return "the per-split data names no training data (--train-data-path), so the run would train nothing"
         return None
     with _quiet():
-        shares = parse_and_normalize_split(args.split)
+        shares = parse_and_normalize_split(settings.split)
     if not all(math.isfinite(share) for share in shares):
-        return f"--split {args.split} gives every split a weight of 0, so no split has a share of the data"
+        return f"--split {settings.split} gives every split a weight of 0, so no split has a share of the data"
     if shares[0] == 0 and trains:
-        return f"--split {args.split} gives training no share of the data, so the run would train nothing"
+        return f"--split {settings.split} gives training no share of the data, so the run would train nothing"
     return None

@@ -2,12 +2,13 @@
 first broken rule on the first line (``rules.refusal_lines``, printed by rank 0 and each node's first
 rank), exit code 2 and no traceback.
 
-``enforce(args, ...)`` runs the shared rule list (``rules.check_run``) on Megatron's parsed
-arguments and returns the run's settings, which the session takes (``RunSession.check_flags``);
-``install()`` has it run from Megatron's ``validate_args`` in any training script, the launcher
-through the same hook. Megatron's own argument assertions are shortened the same way. The flags
-come before the host: on a host without a GPU the validation runs as on the GPU host
-(``host_stand_ins``), and what the host lacks is asked once the flags passed (``refuse_host``).
+This module only enforces: it reads no settings. The session checks Megatron's parsed arguments
+against the shared rule list (``rules.check_run``, in ``RunSession.check_flags``) and has ``refuse``
+turn the rules it broke into the refusal; ``install()`` has that run from Megatron's ``validate_args``
+in any training script, the launcher through the same hook. Megatron's own argument assertions are
+shortened the same way (``refuse_megatron``, ``enforce_model_config``). The flags come before the host:
+on a host without a GPU the validation runs as on the GPU host (``host_stand_ins``), and what the host
+lacks is asked once the flags passed (``refuse_host``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_cg_plugin import host_stand_ins, rules
-from megatron_cg_plugin.config import PluginConfig
 from megatron_cg_plugin.megatron_builds import failure_text
 from megatron_cg_plugin.settings import RunSettings
 
@@ -28,9 +28,8 @@ __all__ = [
     "MEGATRON_REJECTIONS",
     "SILENT_RANK_GRACE_S",
     "RunRefused",
-    "enforce",
+    "enforce_model_config",
     "megatron_rejection",
-    "missing_required_flags",
     "refuse",
     "refuse_host",
     "refuse_megatron",
@@ -41,15 +40,8 @@ _EXIT_REFUSED = 2
 # What Megatron raises for flags it refuses: bare asserts, ValueError/TypeError/RuntimeError from validate_args
 # and TransformerConfig.__post_init__, and arithmetic on a size that makes no sense (a division by zero).
 MEGATRON_REJECTIONS = (AssertionError, ValueError, TypeError, RuntimeError, ArithmeticError)
-# Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message).
-_REQUIRED_FLAGS = (
-    "--micro-batch-size",
-    "--num-layers",
-    "--hidden-size",
-    "--num-attention-heads",
-    "--max-position-embeddings",
-)
-# How those asserts read: "assert args.micro_batch_size is not None", "hidden_size argument is None".
+# How megatron-core 0.19.2's validate_args asserts a flag it needs is given (RunSettings.missing_required_flags
+# lists them): "assert args.micro_batch_size is not None", "hidden_size argument is None".
 _NOT_GIVEN = re.compile(r"args\.(\w+) is not None|^(\w+) argument is None")
 # megatron-core 0.19.2's batch check (arguments.py), on the eval sizes, which default to --global-batch-size and
 # --micro-batch-size: the first batch check a run meets.
@@ -94,11 +86,6 @@ def megatron_rejection(error: BaseException) -> str:
     if match is None:
         return text
     return f"--{(match.group(1) or match.group(2)).replace('_', '-')} is not given, and Megatron needs it: {text}"
-
-
-def missing_required_flags(args: Any) -> list[str]:
-    """The ``_REQUIRED_FLAGS`` that parsed ``args`` lack (all of them at once, where Megatron names one)."""
-    return [flag for flag in _REQUIRED_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is None]
 
 
 def refuse(violations: list[tuple[str, str]], *, environ: Mapping[str, str]) -> RunRefused:
@@ -156,26 +143,11 @@ def transformer_config_backstop(args: Any) -> None:
     core_transformer_config_from_args(args)
 
 
-def enforce(
-    args: Any,
-    *,
-    environ: Mapping[str, str],
-    launcher: bool,
-    config: PluginConfig | None = None,
-    host_rules: bool = True,
-) -> tuple[RunSettings, PluginConfig | None]:
-    """Runs every rule on ``args`` (the host's too unless ``host_rules`` is off: the validate-args hook
-    asks them once the flags passed, ``refuse_host``); raises ``RunRefused`` listing the broken ones,
-    else returns the run's settings and the plugin config in force (``config`` itself when given). For
-    the plugin's launcher, whose model config is Megatron's ``TransformerConfig`` of these flags, that
-    config's checks run too, as ``megatron-cg check`` runs them (a user's script builds its own config)."""
+def enforce_model_config(args: Any, *, environ: Mapping[str, str]) -> None:
+    """For the plugin's launcher, whose model config is Megatron's ``TransformerConfig`` of these flags, that
+    config's checks, as ``megatron-cg check`` runs them (a user's script builds its own config): raises
+    ``RunRefused`` with Megatron's refusal where they fail."""
     try:
-        settings, resolved = rules.check_run(args, env=environ, launcher=launcher, config=config, host_rules=host_rules)
-    except rules.RuleViolation as violation:
-        raise refuse(violation.violations, environ=environ) from None
-    if launcher:
-        try:
-            transformer_config_backstop(args)
-        except MEGATRON_REJECTIONS as error:
-            raise refuse_megatron(error, environ=environ) from None
-    return settings, resolved
+        transformer_config_backstop(args)
+    except MEGATRON_REJECTIONS as error:
+        raise refuse_megatron(error, environ=environ) from None

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard
 
-from megatron_cg_plugin import compat, megatron_builds
 from megatron_cg_plugin.config import (
     PluginConfig,
     has_plugin_flags,
@@ -24,11 +22,16 @@ from megatron_cg_plugin.config import (
     missing_plugin_flags,
     slot_debug_from_environment,
 )
-from megatron_cg_plugin.data.sources import missing_files
 from megatron_cg_plugin.inputs import output_folder_problem
 from megatron_cg_plugin.planner.capture_plan import plan_capture
 from megatron_cg_plugin.scopes import MOE_SCOPES, PARTIAL_MOE_SCOPES
-from megatron_cg_plugin.settings import DETERMINISTIC_THD_LIMIT, RunSettings, environment_settings, read_settings
+from megatron_cg_plugin.settings import (
+    DETERMINISTIC_THD_LIMIT,
+    RunSettings,
+    environment_settings,
+    read_run_settings,
+    read_settings,
+)
 
 __all__ = [
     "HOST_RULES",
@@ -1310,13 +1313,6 @@ def environment_violations(env: Mapping[str, str]) -> list[tuple[str, str]]:
     return violations(environment_settings(env), _ENVIRONMENT_RULES)
 
 
-def _resumes_checkpoint(args: Any) -> bool:
-    """--load names a folder holding Megatron's tracker file (``latest_checkpointed_iteration.txt``): the run
-    loads a checkpoint from it (without one Megatron starts from scratch)."""
-    load = getattr(args, "load", None)
-    return load is not None and os.path.isfile(os.path.join(str(load), "latest_checkpointed_iteration.txt"))
-
-
 def check_run(
     args: Any,
     *,
@@ -1327,27 +1323,12 @@ def check_run(
     host_rules: bool = True,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """The one check of a run's validated flags, shared by ``megatron-cg check``, the launcher and
-    ``install()``: the plugin's config from its ``--cg-*`` flags (unless ``config`` is given),
-    the files the flags name, what Megatron's own builders make of the flags on CPU (the tokenizer, the
-    optimizer setup and, for the launcher's datasets, the blend and split: ``megatron_builds``), then every
-    rule (without ``HOST_RULES`` unless ``host_rules``). Raises ``RuleViolation`` listing each broken rule;
-    returns the run's settings (``settings.RunSettings``) and the config. ``te_present`` overrides the probe
-    (the CPU dry run checks flags for a GPU host it is not running on)."""
-    settings, config = read_settings(
-        args,
-        env=env,
-        config=config,
-        te_available=compat.te_available() if te_present is None else te_present,
-        apex_fused_wgrad=compat.apex_fused_wgrad_available(),
-        launcher=launcher,
-        missing_files=missing_files(args, indexed_data=launcher),
-        resumes_checkpoint=_resumes_checkpoint(args),
-        device_capability=compat.device_capability(),
-        cuda_version=compat.torch_cuda_version(),
-        tokenizer_problem=megatron_builds.tokenizer_problem(args),
-        optimizer_problem=megatron_builds.optimizer_problem(args),
-        # A script's own loader may read other data (as rule data-files reads only the launcher's prefixes)
-        dataset_problem=megatron_builds.dataset_problem(args) if launcher else None,
-    )
+    ``install()``: the run's settings as ``settings.read_run_settings`` reads them (the plugin's config from
+    its ``--cg-*`` flags unless ``config`` is given, the files the flags name, what this host has and what
+    Megatron's own builders make of the flags on CPU), then every rule on them (without ``HOST_RULES``
+    unless ``host_rules``). Raises ``RuleViolation`` listing each broken rule; returns the run's settings
+    (``settings.RunSettings``) and the config. ``te_present`` overrides the probe (the CPU dry run checks
+    flags for a GPU host it is not running on)."""
+    settings, config = read_run_settings(args, env=env, launcher=launcher, config=config, te_present=te_present)
     validate(settings, RULES if host_rules else _FLAG_RULES)
     return settings, config

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from megatron_cg_plugin import refusal
+from megatron_cg_plugin import refusal, rules
 from megatron_cg_plugin.capture import accounting
 from megatron_cg_plugin.capture.step_marks import StepMarks
 from megatron_cg_plugin.config import PluginConfig
@@ -173,13 +173,21 @@ class RunSession:
         self.evaluation_replays = 0
 
     def check_flags(self, args: Any, *, environ: Mapping[str, str], host_rules: bool = False) -> None:
-        """Megatron's parsed ``args`` through the rules (``refusal.enforce``: a broken one stops the run
-        here); the session's explicit config wins, else the flags' resolves it, and the session takes
-        the run's settings."""
+        """Megatron's parsed ``args`` through the rules: the run's settings read from them and every rule on
+        those (``rules.check_run``; the host's too unless ``host_rules`` is off: the validate-args hook asks
+        them once the flags passed, ``refusal.refuse_host``), a broken one turned into the refusal that stops
+        the run here (``refusal.refuse``); for the launcher, its model config's own checks too
+        (``refusal.enforce_model_config``). The session's explicit config wins, else the flags' resolves it,
+        and the session takes the run's settings."""
         self._unchecked_args = None  # checked once, whatever the verdict
-        settings, resolved = refusal.enforce(
-            args, environ=environ, launcher=self.launcher, config=self._explicit, host_rules=host_rules
-        )
+        try:
+            settings, resolved = rules.check_run(
+                args, env=environ, launcher=self.launcher, config=self._explicit, host_rules=host_rules
+            )
+        except rules.RuleViolation as violation:
+            raise refusal.refuse(violation.violations, environ=environ) from None
+        if self.launcher:
+            refusal.enforce_model_config(args, environ=environ)
         self.resolve_config(resolved)
         self.take_settings(settings)
 
@@ -200,11 +208,6 @@ class RunSession:
     @property
     def config_resolved(self) -> bool:
         return self._config is not None
-
-    @property
-    def explicit_config(self) -> PluginConfig | None:
-        """The config given to ``install()``, which wins over the ``--cg-*`` flags."""
-        return self._explicit
 
     def adopt_config(self, config: PluginConfig) -> None:
         """A config given explicitly before the deferred one was used: it wins from now on."""

@@ -1,19 +1,29 @@
 """The run's settings, read once: ``read_settings`` turns Megatron's parsed args, the plugin's config
 and the environment into one frozen ``RunSettings`` that the rules, the planners, the refusal, the
-session and the bench take. No other module reads Megatron's args for a setting (the ``--cg-*`` values
-only through ``config.config_from_args``, which ``read_settings`` alone calls). The validate-args hook
-also reads the flags as parsed, through the same function, for the early rules only (sizes Megatron
-would divide by or allocate from before its own checks name them); the run keeps the settings read
-once Megatron validated the flags.
+session, the launcher's data path and the bench take; ``read_run_settings`` adds what this host and
+Megatron's own builders make of the flags (``megatron_builds``, ``data.sources.missing_files``), the
+settings ``rules.check_run`` evaluates the rules on.
+
+No other module reads a value off Megatron's args (``tests/unit/test_purity.py`` scans for one): the
+``--cg-*`` values only through ``config.config_from_args``, which ``read_settings`` alone calls. Other
+modules hold the args only to pass them on, to ``read_settings`` (the session, through
+``rules.check_run``) or whole to Megatron's own functions that take them (its tokenizer, optimizer and
+blend readers in ``megatron_builds`` and ``data.sources``, its model config in the launcher and
+``refusal``), and the bench sets Megatron's loop counters on them. The validate-args hook also reads
+the flags as parsed, through the same function, for the early rules only (sizes Megatron would divide
+by or allocate from before its own checks name them); the run keeps the settings read once Megatron
+validated the flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megatron_cg_plugin import compat, megatron_builds
 from megatron_cg_plugin.config import (
     ConfigError,
     PluginConfig,
@@ -21,10 +31,18 @@ from megatron_cg_plugin.config import (
     graph_only_flags,
     has_plugin_flags,
 )
+from megatron_cg_plugin.data.sources import missing_files as missing_data_files
 from megatron_cg_plugin.inputs import environment_problems, expandable_segments
 from megatron_cg_plugin.scopes import module_names
 
-__all__ = ["DETERMINISTIC_THD_LIMIT", "RunSettings", "environment_settings", "read_settings"]
+__all__ = [
+    "DETERMINISTIC_THD_LIMIT",
+    "LearningRateSchedule",
+    "RunSettings",
+    "environment_settings",
+    "read_run_settings",
+    "read_settings",
+]
 
 # Which --offload-modules run inside which --cuda-graph-modules scope (Megatron's layer layout).
 _OFFLOAD_INSIDE_SCOPE = {
@@ -58,8 +76,42 @@ _DATA_SOURCE_FLAGS = (
     ("--per-split-data-args-path", "per_split_data_args_path"),
 )
 
+# Flags megatron-core 0.19.2's validate_args asserts are given (one at a time, some without a message), each a
+# RunSettings field under its args name.
+_REQUIRED_FLAGS = (
+    "--micro-batch-size",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--max-position-embeddings",
+)
+
 _WHOLE_LAYER_OFFLOADS = frozenset({"qkv_linear", "core_attn", "attn_proj"})
 _MOE_BLOCK_OFFLOADS = _OFFLOAD_INSIDE_SCOPE["moe"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearningRateSchedule:
+    """Megatron's learning-rate and weight-decay schedule flags, under their args names and with their
+    defaults: what ``megatron_builds.optimizer_problem`` builds Megatron's ``OptimizerParamScheduler`` from."""
+
+    lr: float | None = None
+    min_lr: float = 0.0
+    lr_warmup_init: float = 0.0
+    lr_warmup_fraction: float | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    lr_decay_style: str = "linear"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    lr_wsd_decay_style: str = "exponential"
+    start_weight_decay: float | None = None  # validate_args sets both from --weight-decay where not given
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    use_checkpoint_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +119,7 @@ class RunSettings:
     """One run's settings as plain values: Megatron's flags, the plugin's (from the ``PluginConfig`` in
     force, or the ``--cg-*`` values as given when that config was refused), and the environment and
     host facts. ``read_settings`` builds it from Megatron's parsed args, the one place that reads them;
-    the rules, the planners, the refusal and the session take it."""
+    the rules, the planners, the refusal, the session and the launcher's data path take it."""
 
     cuda_graph_impl: str = "none"
     modules: tuple[str, ...] = ()  # empty = whole layer
@@ -143,6 +195,7 @@ class RunSettings:
     tokenizer_model: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
+    trust_remote_code: bool = False  # --trust-remote-code: building a HuggingFace tokenizer runs its own code
     num_attention_heads: int | None = None
     # --deterministic-mode, or NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (which TE reads): deterministic attention backward
     deterministic: bool = False
@@ -205,6 +258,23 @@ class RunSettings:
     full_validation: bool = False
     # The data flags given (--mock-data, --data-path, ...): the launcher's datasets need one
     data_sources: tuple[str, ...] = ("--mock-data",)
+    # -- the datasets' flags, as Megatron's dataset configs take them (data.sources, megatron_builds) --
+    data_path: tuple[str, ...] | None = None  # --data-path (None: not given; empty: given without a dataset)
+    data_args_path: str | None = None  # --data-args-path
+    per_split_data_args_path: str | None = None  # --per-split-data-args-path
+    split: str | None = None  # --split (validate_args fills it in)
+    mmap_bin_files: bool = True  # --no-mmap-bin-files clears it
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask_in_dataloader: bool = True  # --no-create-attention-mask-in-dataloader clears it
+    mid_level_dataset_surplus: float = 0.005
+    # -- the optimizer Megatron builds (megatron_builds.optimizer_problem) --
+    perform_rl_step: bool = False  # --perform-rl-step
+    no_load_optim: bool = False  # --no-load-optim
+    lr_schedule: LearningRateSchedule = LearningRateSchedule()
+    # Megatron's validate_args ran on the flags read (it sets the data-parallel size): its builders can run on them
+    validated: bool = False
     # -- what Megatron's own builders, run on CPU on the validated flags, raise (megatron_builds; None: built) --
     tokenizer_problem: str | None = None
     optimizer_problem: str | None = None
@@ -213,6 +283,16 @@ class RunSettings:
     @property
     def te_graphs(self) -> bool:
         return self.cuda_graph_impl == "transformer_engine"
+
+    @property
+    def mock_data(self) -> bool:
+        return "--mock-data" in self.data_sources
+
+    @property
+    def missing_required_flags(self) -> list[str]:
+        """The flags Megatron's ``validate_args`` asserts are given that these settings lack (all of them at
+        once, where Megatron names one); each is the field of its args name."""
+        return [flag for flag in _REQUIRED_FLAGS if getattr(self, flag[2:].replace("-", "_")) is None]
 
     @property
     def packed(self) -> bool:
@@ -368,6 +448,14 @@ def _value(option: Any) -> Any:
     return getattr(option, "value", option)
 
 
+def _learning_rate_schedule(args: Any) -> LearningRateSchedule:
+    """The schedule's flags, each under its args name (its default where the args lack it)."""
+    given: dict[str, Any] = {
+        field.name: getattr(args, field.name, field.default) for field in dataclasses.fields(LearningRateSchedule)
+    }
+    return LearningRateSchedule(**given)
+
+
 def environment_settings(env: Mapping[str, str]) -> RunSettings:
     """The settings the environment alone decides (a run's defaults otherwise): what the rules on the
     environment read, which ``install()`` runs before Megatron's parser reads the same variables."""
@@ -400,7 +488,7 @@ def read_settings(
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
     why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``resumes_checkpoint``, ``device_capability`` and
     ``cuda_version`` are what the caller probed on this host, and the ``*_problem`` what Megatron's builders raised on
-    the flags (``megatron_builds``); ``rules.check_run`` probes them."""
+    the flags (``megatron_builds``); ``read_run_settings`` probes them."""
     env = env or {}
     resolved, problems, plugin = _plugin_config(args, env=env, config=config)
     environment = environment_settings(env)
@@ -410,6 +498,7 @@ def read_settings(
     )
     attention_backend = getattr(args, "attention_backend", None)
     expert_parallel = getattr(args, "expert_model_parallel_size", None)  # 0 is kept: rule model-sizes refuses it
+    data_path = getattr(args, "data_path", None)
     return RunSettings(
         cuda_graph_impl=getattr(args, "cuda_graph_impl", "none") or "none",
         modules=module_names(getattr(args, "cuda_graph_modules", None)),
@@ -483,6 +572,7 @@ def read_settings(
         tokenizer_model=getattr(args, "tokenizer_model", None),
         vocab_file=getattr(args, "vocab_file", None),
         merge_file=getattr(args, "merge_file", None),
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
         num_attention_heads=getattr(args, "num_attention_heads", None),
         deterministic=bool(getattr(args, "deterministic_mode", False))
         or env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
@@ -547,7 +637,62 @@ def read_settings(
             for flag, name in _DATA_SOURCE_FLAGS
             if (value := getattr(args, name, None)) is not None and value is not False
         ),
+        data_path=None if data_path is None else tuple(data_path),
+        data_args_path=getattr(args, "data_args_path", None),
+        per_split_data_args_path=getattr(args, "per_split_data_args_path", None),
+        split=getattr(args, "split", None),
+        mmap_bin_files=bool(getattr(args, "mmap_bin_files", True)),
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        create_attention_mask_in_dataloader=bool(getattr(args, "create_attention_mask_in_dataloader", True)),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        perform_rl_step=bool(getattr(args, "perform_rl_step", False)),
+        no_load_optim=bool(getattr(args, "no_load_optim", False)),
+        lr_schedule=_learning_rate_schedule(args),
+        validated=hasattr(args, "data_parallel_size"),
         tokenizer_problem=tokenizer_problem,
         optimizer_problem=optimizer_problem,
         dataset_problem=dataset_problem,
+    ), resolved
+
+
+def _resumes_checkpoint(load: str | None) -> bool:
+    """--load names a folder holding Megatron's tracker file (``latest_checkpointed_iteration.txt``): the run
+    loads a checkpoint from it (without one Megatron starts from scratch)."""
+    return load is not None and os.path.isfile(os.path.join(str(load), "latest_checkpointed_iteration.txt"))
+
+
+def read_run_settings(
+    args: Any,
+    *,
+    env: Mapping[str, str],
+    launcher: bool = False,
+    config: PluginConfig | None = None,
+    te_present: bool | None = None,
+) -> tuple[RunSettings, PluginConfig | None]:
+    """The settings a run's validated flags are checked on (``rules.check_run``): ``read_settings`` with what
+    this host has (TE, APEX's fused wgrad, the GPU, torch's CUDA), whether ``--load`` resumes a checkpoint, the
+    files the flags name that do not exist (``data.sources.missing_files``) and what Megatron's own builders
+    make of the flags on CPU (the tokenizer, the optimizer setup and, for the launcher's datasets, the blend
+    and split: ``megatron_builds``). ``te_present`` overrides the probe (the CPU dry run checks flags for a GPU
+    host it is not running on)."""
+    settings, resolved = read_settings(
+        args,
+        env=env,
+        config=config,
+        te_available=compat.te_available() if te_present is None else te_present,
+        apex_fused_wgrad=compat.apex_fused_wgrad_available(),
+        launcher=launcher,
+        device_capability=compat.device_capability(),
+        cuda_version=compat.torch_cuda_version(),
+    )
+    return dataclasses.replace(
+        settings,
+        missing_files=tuple(missing_data_files(settings, args, indexed_data=launcher)),
+        resumes_checkpoint=_resumes_checkpoint(settings.load),
+        tokenizer_problem=megatron_builds.tokenizer_problem(settings, args),
+        optimizer_problem=megatron_builds.optimizer_problem(settings, args),
+        # A script's own loader may read other data (as rule data-files reads only the launcher's prefixes)
+        dataset_problem=megatron_builds.dataset_problem(settings, args) if launcher else None,
     ), resolved

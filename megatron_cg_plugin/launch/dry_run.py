@@ -17,12 +17,8 @@ from megatron_cg_plugin import compat, megatron_builds, rules
 from megatron_cg_plugin.host_stand_ins import gpu_host_stand_ins
 from megatron_cg_plugin.launch import pretrain_gpt
 from megatron_cg_plugin.planner.capture_plan import plan_capture
-from megatron_cg_plugin.refusal import (
-    MEGATRON_REJECTIONS,
-    megatron_rejection,
-    missing_required_flags,
-    transformer_config_backstop,
-)
+from megatron_cg_plugin.refusal import MEGATRON_REJECTIONS, megatron_rejection, transformer_config_backstop
+from megatron_cg_plugin.settings import read_settings
 
 __all__ = ["CheckError", "check", "scoped_environ", "validated_args"]
 
@@ -80,7 +76,10 @@ def _required_flags_missing(flags: Sequence[str], args) -> CheckError | None:
         return CheckError(
             f"no flags given: it checks the launcher's flags (Megatron's and --cg-*); start from {start}."
         )
-    missing = missing_required_flags(args)
+    try:
+        missing = read_settings(args)[0].missing_required_flags  # the flags as parsed, before validate_args
+    except (TypeError, ValueError, AttributeError):  # unreadable before validate_args: Megatron's check names them
+        missing = []
     if missing:
         return CheckError(
             f"Megatron needs {', '.join(missing)}, which the flags do not give; add "
@@ -96,11 +95,11 @@ def check(flags: Sequence[str], *, nproc: int, env: dict[str, str], capability: 
     such as the virtual pipeline), then the plugin's rules on the normalized flags (the list the
     launcher and ``install()`` run), then ``TransformerConfig``'s own checks as a backstop.
     """
-    args, settings, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
+    _args, settings, _config = validated_args(flags, nproc=nproc, env=env, capability=capability)
     plan = plan_capture(settings).describe()
     if settings.te_graphs and not compat.te_available():
         plan += "\nnote: Transformer Engine is not installed here; the GPU host running this needs it."
-    unbuilt = megatron_builds.tokenizer_note(args)
+    unbuilt = megatron_builds.tokenizer_note(settings)
     if unbuilt is not None:
         plan += f"\nnote: {unbuilt}."
     return plan

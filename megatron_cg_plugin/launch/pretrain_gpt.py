@@ -204,20 +204,20 @@ def refuse_host_needs(session: Any) -> None:
         raise refusal
 
 
-def _batch_spec(args: Any, session: Any) -> _BatchSpec:
+def _batch_spec(session: Any) -> _BatchSpec:
     """What the launcher's data path needs, from the run's settings (read once Megatron validated the flags,
-    ``validate-args-rules``) and Megatron's own dataloader flag."""
+    ``validate-args-rules``) and the plugin's config."""
     settings = session.settings
     return _BatchSpec(
         micro_batch_size=settings.micro_batch_size,
         seq_length=settings.seq_length,
         context_parallel_size=settings.context_parallel,
         pipeline_model_parallel_size=settings.pipeline_parallel,
-        create_attention_mask=args.create_attention_mask_in_dataloader,  # Megatron's dataloader's own flag
+        create_attention_mask=settings.create_attention_mask_in_dataloader,  # Megatron's dataloader's own flag
         hybrid_context_parallel=settings.hybrid_context_parallel,
         tokens_per_rank=settings.max_seqlen_per_dp_cp_rank,
         thd_max_seqs=session.config.thd_capacity,
-        packed=settings.inter_document_masking and not settings.hybrid_context_parallel,
+        packed=settings.packed,  # with --sft too, which the launcher refuses (rule packed-launcher-sft)
     )
 
 
@@ -229,8 +229,9 @@ def run(args: Any, session: Any) -> None:
     from megatron.training.training import pretrain
 
     settings = session.settings
-    spec = _batch_spec(args, session)
-    provider: Any = functools.partial(build_datasets, args=args)  # Megatron reads an attribute of it
+    spec = _batch_spec(session)
+    # Megatron reads an attribute of the provider; the args go whole to its blend parser
+    provider: Any = functools.partial(build_datasets, settings=settings, args=args)
     provider.is_distributed = True  # every rank builds (Megatron's own pretrain_gpt does the same)
     model_config = gpt_config_from_args(args)
     if spec.hybrid_context_parallel:

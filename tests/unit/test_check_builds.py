@@ -717,7 +717,7 @@ def test_what_check_accepts_megatron_builds_on_cpu(row, accepted_files, monkeypa
     ]
     assert cli.main(["check", "--nproc", str(row.nproc), *flags]) == console.EXIT_OK, capsys.readouterr().err
     capsys.readouterr()
-    args, _settings, _config = dry_run.validated_args(flags, nproc=row.nproc, env=dict(os.environ))
+    args, settings, _config = dry_run.validated_args(flags, nproc=row.nproc, env=dict(os.environ))
     from megatron.training.training import get_optimizer_param_scheduler
 
     with contextlib.redirect_stdout(io.StringIO()):  # what parse_and_validate_args does after validate_args
@@ -726,7 +726,7 @@ def test_what_check_accepts_megatron_builds_on_cpu(row, accepted_files, monkeypa
         model_config = gpt_config_from_args(args)  # the launcher's, with the TransformerConfig's own checks
     pretrain_cfg_container_from_args(args, model_config)
     if not row.downloads_tokenizer:
-        dataset_config(args)  # the launcher's GPTDatasetConfig, with the tokenizer just built
+        dataset_config(settings, args)  # the launcher's GPTDatasetConfig, with the tokenizer just built
         assert args.padded_vocab_size % (args.make_vocab_size_divisible_by * args.tensor_model_parallel_size) == 0
     scheduler = get_optimizer_param_scheduler(_NoParameters())  # sets --train-iters of a sample-based run
     scheduler.step(args.train_iters * args.global_batch_size)
@@ -742,9 +742,9 @@ def test_megatrons_schedule_agrees_with_the_probe_on_the_accepted_rows(accepted_
             continue
         for key, value in row.environ:
             monkeypatch.setenv(key, value)
-        args, _settings, _config = dry_run.validated_args(list(row.flags), nproc=row.nproc, env=dict(os.environ))
+        args, settings, _config = dry_run.validated_args(list(row.flags), nproc=row.nproc, env=dict(os.environ))
         megatron = _megatron_schedule(args)
-        assert _schedule_steps(args) == (
+        assert _schedule_steps(settings) == (
             megatron.lr_warmup_steps,
             megatron.lr_decay_steps,
             megatron.wd_incr_steps,

@@ -24,6 +24,7 @@ from megatron_cg_plugin.data import sources
 from megatron_cg_plugin.data.synthetic import synthetic_documents, write_indexed_dataset
 from megatron_cg_plugin.launch.pretrain_gpt import parse_megatron_args
 from megatron_cg_plugin.packed.layout import ThdCapacityError, fixed_capacity_layout, partitioned_indices
+from megatron_cg_plugin.settings import read_settings
 
 IndexedDataset = importlib.import_module("megatron.core.datasets.indexed_dataset").IndexedDataset
 global_vars = importlib.import_module("megatron.training.global_vars")
@@ -56,6 +57,11 @@ def prefix(tmp_path_factory, documents) -> str:
 
 def parsed(*flags: str):
     return parse_megatron_args(list(flags), validate=False)
+
+
+def missing_files(args, *, indexed_data: bool) -> list[str]:
+    """``sources.missing_files`` on the settings read from ``args`` (the args for Megatron's blend parser)."""
+    return sources.missing_files(read_settings(args)[0], args, indexed_data=indexed_data)
 
 
 # -- data.synthetic --------------------------------------------------------------------------------
@@ -100,18 +106,18 @@ def test_synthetic_documents_are_seeded_and_leave_the_eod_id_out():
 def test_mock_data_names_no_files():
     args = parsed(*GPT)
     assert args.mock_data
-    assert sources.missing_files(args, indexed_data=True) == []
+    assert missing_files(args, indexed_data=True) == []
 
 
 def test_existing_prefix_is_not_missing(prefix):
     args = parsed(*GPT, "--data-path", prefix)
     assert not args.mock_data  # the user's data replaces the preset's mock data
-    assert sources.missing_files(args, indexed_data=True) == []
+    assert missing_files(args, indexed_data=True) == []
 
 
 def test_missing_prefix_names_both_files(tmp_path):
     missing = tmp_path / "gone"
-    assert sources.missing_files(parsed(*GPT, "--data-path", str(missing)), indexed_data=True) == [
+    assert missing_files(parsed(*GPT, "--data-path", str(missing)), indexed_data=True) == [
         f"{missing}.bin",
         f"{missing}.idx",
     ]
@@ -120,38 +126,38 @@ def test_missing_prefix_names_both_files(tmp_path):
 def test_blend_with_weights_names_only_the_missing_prefix(prefix, tmp_path):
     missing = str(tmp_path / "B")
     args = parsed(*GPT, "--data-path", "0.5", prefix, "0.5", missing)
-    assert sources.missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
+    assert missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
 def test_half_written_dataset_names_the_missing_half(prefix, tmp_path):
     half = tmp_path / "half"
     (tmp_path / "half.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
-    assert sources.missing_files(parsed(*GPT, "--data-path", str(half)), indexed_data=True) == [f"{half}.idx"]
+    assert missing_files(parsed(*GPT, "--data-path", str(half)), indexed_data=True) == [f"{half}.idx"]
 
 
 def test_per_split_paths_are_each_checked(prefix, tmp_path):
     valid, test = str(tmp_path / "valid"), str(tmp_path / "test")
     args = parsed(*GPT, "--train-data-path", prefix, "--valid-data-path", valid, "--test-data-path", test)
     assert not args.mock_data
-    assert sources.missing_files(args, indexed_data=True) == [
+    assert missing_files(args, indexed_data=True) == [
         f"{valid}.bin",
         f"{valid}.idx",
         f"{test}.bin",
         f"{test}.idx",
     ]
-    assert sources.missing_files(parsed(*GPT, "--train-data-path", prefix), indexed_data=True) == []
+    assert missing_files(parsed(*GPT, "--train-data-path", prefix), indexed_data=True) == []
 
 
 def test_data_args_file_missing_is_named(tmp_path):
     args_file = str(tmp_path / "data_args.txt")
-    assert sources.missing_files(parsed(*GPT, "--data-args-path", args_file), indexed_data=True) == [args_file]
+    assert missing_files(parsed(*GPT, "--data-args-path", args_file), indexed_data=True) == [args_file]
 
 
 def test_data_args_file_is_read_for_its_prefixes(prefix, tmp_path):
     args_file = tmp_path / "data_args.txt"
     missing = str(tmp_path / "elsewhere")
     args_file.write_text(f"0.7 {prefix}\n0.3 {missing}\n")
-    assert sources.missing_files(parsed(*GPT, "--data-args-path", str(args_file)), indexed_data=True) == [
+    assert missing_files(parsed(*GPT, "--data-args-path", str(args_file)), indexed_data=True) == [
         f"{missing}.bin",
         f"{missing}.idx",
     ]
@@ -161,20 +167,20 @@ def test_per_split_data_args_file(prefix, tmp_path):
     args_file = tmp_path / "splits.json"
     missing = str(tmp_path / "valid_gone")
     args_file.write_text(json.dumps({"train": prefix, "valid": f"1.0 {missing}", "test": prefix}))
-    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file)), indexed_data=True) == [
+    assert missing_files(parsed(*GPT, "--per-split-data-args-path", str(args_file)), indexed_data=True) == [
         f"{missing}.bin",
         f"{missing}.idx",
     ]
     absent = str(tmp_path / "no_splits.json")
-    assert sources.missing_files(parsed(*GPT, "--per-split-data-args-path", absent), indexed_data=True) == [absent]
+    assert missing_files(parsed(*GPT, "--per-split-data-args-path", absent), indexed_data=True) == [absent]
 
 
 def test_sentencepiece_model_missing_is_named(prefix, tmp_path):
     model = str(tmp_path / "spm.model")
     args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model)
-    assert sources.missing_files(args, indexed_data=True) == [model]
+    assert missing_files(args, indexed_data=True) == [model]
     open(model, "wb").close()
-    assert sources.missing_files(args, indexed_data=True) == []
+    assert missing_files(args, indexed_data=True) == []
 
 
 def test_vocab_and_merge_files_missing_are_named(prefix, tmp_path):
@@ -190,12 +196,12 @@ def test_vocab_and_merge_files_missing_are_named(prefix, tmp_path):
         "--merge-file",
         merges,
     )
-    assert sources.missing_files(args, indexed_data=True) == [vocab, merges]
+    assert missing_files(args, indexed_data=True) == [vocab, merges]
 
 
 def test_huggingface_hub_name_is_not_a_file(prefix):
     args = parsed(*GPT, "--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2")
-    assert sources.missing_files(args, indexed_data=True) == []
+    assert missing_files(args, indexed_data=True) == []
 
 
 def test_object_store_prefixes_are_skipped(tmp_path):
@@ -212,19 +218,19 @@ def test_object_store_prefixes_are_skipped(tmp_path):
         "--tokenizer-model",
         "msc://bucket/spm.model",
     )
-    assert sources.missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
+    assert missing_files(args, indexed_data=True) == [f"{missing}.bin", f"{missing}.idx"]
 
 
 @pytest.mark.parametrize("flag", ["--data-args-path", "--per-split-data-args-path"])
 def test_object_store_argument_files_are_skipped(flag):
-    assert sources.missing_files(parsed(*GPT, flag, "msc://bucket/args.txt"), indexed_data=True) == []
+    assert missing_files(parsed(*GPT, flag, "msc://bucket/args.txt"), indexed_data=True) == []
 
 
 def test_mock_data_still_checks_the_tokenizer_model(tmp_path):
     model = str(tmp_path / "spm.model")
     args = parsed(*GPT, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model)
     assert args.mock_data
-    assert sources.missing_files(args, indexed_data=True) == [model]
+    assert missing_files(args, indexed_data=True) == [model]
 
 
 def test_check_with_a_real_prefix_passes(prefix, capsys):
@@ -285,7 +291,7 @@ def gpt_dataset(prefix, monkeypatch):
                 os.path.join(os.path.dirname(prefix), "cache"),
             ]
         )
-    config = sources.dataset_config(args)
+    config = sources.dataset_config(read_settings(args)[0], args)
     assert config.inter_document_masking and config.sequence_length == SEQ
     assert config.tokenizer.eod == EOD
     train, _valid, _test = BlendedMegatronDatasetBuilder(GPTDataset, [12, 0, 0], lambda: True, config).build()
@@ -547,8 +553,8 @@ def test_a_scripts_own_data_path_is_not_held_to_indexed_files(tmp_path):
         "--tokenizer-model",
         str(tmp_path / "no.model"),
     )
-    assert sources.missing_files(args, indexed_data=False) == [str(tmp_path / "no.model")]
-    assert sources.missing_files(args, indexed_data=True)[:2] == [
+    assert missing_files(args, indexed_data=False) == [str(tmp_path / "no.model")]
+    assert missing_files(args, indexed_data=True)[:2] == [
         f"{tmp_path / 'train.jsonl'}.bin",
         f"{tmp_path / 'train.jsonl'}.idx",
     ]
@@ -557,7 +563,7 @@ def test_a_scripts_own_data_path_is_not_held_to_indexed_files(tmp_path):
 def test_malformed_data_arguments_are_named_not_raised(tmp_path):
     split_file = tmp_path / "split.json"
     split_file.write_text('{"train": "a", "valid": "b"}')  # no "test"
-    (problem,) = sources.missing_files(parsed(*GPT, "--per-split-data-args-path", str(split_file)), indexed_data=True)
+    (problem,) = missing_files(parsed(*GPT, "--per-split-data-args-path", str(split_file)), indexed_data=True)
     assert str(split_file) in problem and "KeyError" in problem
 
 
@@ -592,14 +598,14 @@ def test_the_sft_dataset_is_what_megatrons_sft_path_reads(tmp_path):
     assert runner.data_flags("sft", tmp_path / "farm") == flags  # built once
 
 
-@pytest.mark.parametrize("sft", [False, True])
-def test_the_launchers_batch_spec_comes_from_the_runs_settings(sft):
-    """The launcher's data path reads the settings the rules passed, not Megatron's args again: only
-    --dataloader-inter-document-masking packs its microbatches (SFT batches are Megatron's own)."""
-    import types
-
+@pytest.mark.parametrize("masking", [False, True])
+def test_the_launchers_batch_spec_comes_from_the_runs_settings(masking):
+    """The launcher's data path reads the settings the rules passed, not Megatron's args again:
+    --dataloader-inter-document-masking packs its microbatches (RunSettings.packed; --sft, which packs
+    too, the launcher refuses: rule packed-launcher-sft)."""
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.launch import pretrain_gpt
+    from megatron_cg_plugin.rules import RULES
     from megatron_cg_plugin.session import RunSession
     from megatron_cg_plugin.settings import RunSettings
 
@@ -610,11 +616,13 @@ def test_the_launchers_batch_spec_comes_from_the_runs_settings(sft):
         context_parallel=2,
         pipeline_parallel=4,
         max_seqlen_per_dp_cp_rank=1024,
-        inter_document_masking=not sft,
-        sft=sft,
+        inter_document_masking=masking,
+        create_attention_mask_in_dataloader=not masking,
     )
-    args = types.SimpleNamespace(create_attention_mask_in_dataloader=True)  # the only flag read from the args
-    spec = pretrain_gpt._batch_spec(args, session)
+    spec = pretrain_gpt._batch_spec(session)
     assert (spec.micro_batch_size, spec.seq_length, spec.context_parallel_size) == (2, 4096, 2)
     assert (spec.pipeline_model_parallel_size, spec.tokens_per_rank, spec.thd_max_seqs) == (4, 1024, 5)
-    assert spec.create_attention_mask and not spec.hybrid_context_parallel and spec.packed is not sft
+    assert spec.create_attention_mask is not masking and not spec.hybrid_context_parallel
+    assert spec.packed is masking
+    (sft_rule,) = [rule for rule in RULES if rule.name == "packed-launcher-sft"]
+    assert sft_rule.violated(RunSettings(launcher=True, sft=True))  # the one other way to pack never gets here

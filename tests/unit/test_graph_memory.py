@@ -1055,12 +1055,12 @@ def test_fp8_attention_from_the_flags_or_from_the_model_config_a_script_set_it_o
 
 
 def test_an_installed_run_redoes_its_prediction_from_the_model_config_before_capture(monkeypatch):
-    from megatron_cg_plugin import refusal
+    from megatron_cg_plugin import rules
     from megatron_cg_plugin.session import RunSession
 
     facts = RunSettings(cuda_graph_impl="transformer_engine", num_layers=2, modules=(), slot_capture=True, fp8=True)
     args = megatron_args(num_layers=2, fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=False)
-    monkeypatch.setattr(refusal, "enforce", lambda *a, **k: (run_settings(args, facts), None))  # the rules passed
+    monkeypatch.setattr(rules, "check_run", lambda *a, **k: (run_settings(args, facts), None))  # the rules passed
     session = RunSession()
     session.check_flags(args, environ={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"})
     flags_plan = session.prediction.graph_memory

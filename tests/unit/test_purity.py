@@ -1,7 +1,7 @@
 """The pure modules (plans, rules, banks' router, golden values) run without torch: they are
 imported here in a fresh interpreter and torch must not come along. And the package's sources,
-scanned: only config.py reads the plugin's --cg-* flags from Megatron's args, capture code imports
-nothing of the rules, and no module imports a test extra when it is imported."""
+scanned: only settings.py reads Megatron's args (config.py the plugin's --cg-* flags among them, for
+it), capture code imports nothing of the rules, and no module imports a test extra when it is imported."""
 
 import ast
 import subprocess
@@ -52,23 +52,10 @@ def _named_args(node: ast.AST) -> bool:
 
 
 def cg_flag_reads(tree: ast.AST) -> list[tuple[int, str]]:
-    """Where ``tree`` reads a ``cg_`` attribute of an object named ``args``: ``args.cg_x``, or
+    """Where ``tree`` reads or sets a ``cg_`` attribute of an object named ``args``: ``args.cg_x``, or
     ``getattr``/``hasattr``/``setattr``/``delattr`` of ``args`` with a literal ``"cg_..."`` name."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("cg_") and _named_args(node.value):
-            found.append((node.lineno, f"args.{node.attr}"))
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
-            and len(node.args) >= 2
-            and _named_args(node.args[0])
-            and isinstance(node.args[1], ast.Constant)
-            and str(node.args[1].value).startswith("cg_")
-        ):
-            found.append((node.lineno, f"{node.func.id}(args, {node.args[1].value!r})"))
-    return found
+    uses = _args_uses(tree, ("getattr", "hasattr", "setattr", "delattr"), loads_only=False)
+    return [(line, what) for line, what, name in uses if name.startswith("cg_")]
 
 
 def test_the_scan_finds_each_way_of_reading_a_cg_flag():
@@ -87,6 +74,65 @@ def test_only_config_reads_the_cg_flags_from_args():
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.name != "config.py" or path.parent != PACKAGE
         if (reads := cg_flag_reads(ast.parse(path.read_text(), filename=str(path))))
+    }
+    assert readers == {}
+
+
+# Called on an object named args, these read a dict (the farm's flag dicts), not Megatron's namespace, which has none.
+_DICT_METHODS = frozenset({"get", "pop", "update", "items", "keys", "values", "setdefault", "copy"})
+
+
+def _args_uses(tree: ast.AST, functions: tuple[str, ...], *, loads_only: bool) -> list[tuple[int, str, str]]:
+    """(line, what, name) for each attribute of an object named ``args`` (``_named_args``; loaded only with
+    ``loads_only``; a dict's methods called on it left out) and each call of ``functions`` on one (name: its
+    literal attribute name, else empty)."""
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _named_args(node.value):
+            loaded = isinstance(node.ctx, ast.Load)
+            if (loaded or not loads_only) and not (node.attr in _DICT_METHODS and id(node) in called):
+                found.append((node.lineno, f"args.{node.attr}", node.attr))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in functions
+            and len(node.args) >= 2
+            and _named_args(node.args[0])
+        ):
+            name = node.args[1]
+            literal = str(name.value) if isinstance(name, ast.Constant) else ""
+            found.append((node.lineno, f"{node.func.id}(args, {ast.unparse(name)})", literal))
+    return found
+
+
+def args_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where ``tree`` reads a value off an object named ``args``: ``args.x`` or ``self.args.x`` loaded, or
+    ``getattr``/``hasattr`` of it, by any name. Writes, and a dict's methods called on it, are not reads of
+    Megatron's flags."""
+    return [(line, what) for line, what, _ in _args_uses(tree, ("getattr", "hasattr"), loads_only=True)]
+
+
+def test_the_scan_finds_each_way_of_reading_megatrons_args():
+    code = (
+        "getattr(args, 'load', None)\nargs.create_attention_mask_in_dataloader\nhasattr(args, 'data_parallel_size')\n"
+        "self.args.seq_length\ngetattr(args, name)\nargs.get('--mock-data')\nargs[0]\nargs.num_layers = 2\n"
+        "settings.load\nbuild_tokenizer(args)\n"
+    )
+    assert [line for line, _ in args_reads(ast.parse(code))] == [1, 2, 3, 4, 5]
+
+
+def test_only_settings_reads_megatrons_args():
+    """``settings.read_settings`` is the one read of Megatron's args (``config.config_from_args``, which it
+    calls, parses the ``--cg-*`` flags): every other module takes the ``RunSettings`` it builds and holds the
+    args only to hand them whole to Megatron's own functions. A second reader would act on a flag the rules
+    never saw in the settings."""
+    allowed = {"settings.py", "config.py"}
+    readers = {
+        str(path.relative_to(PACKAGE)): reads
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(PACKAGE)) not in allowed
+        if (reads := args_reads(ast.parse(path.read_text(), filename=str(path))))
     }
     assert readers == {}
 

@@ -583,14 +583,14 @@ def test_finish_runs_once_per_run(probe, clock, tmp_path):
 
 def test_resolve_config_takes_the_flags_unless_a_config_was_given(probe, clock):
     deferred = RunSession(lambda: PluginConfig(contract_check="off"), probe=probe, clock=clock)
-    assert not deferred.config_resolved and deferred.explicit_config is None
+    assert not deferred.config_resolved
     deferred.resolve_config(PluginConfig(contract_check="shapes"))
     assert deferred.config.contract_check == "shapes"
     deferred.resolve_config(PluginConfig(contract_check="full"))  # resolved once: kept
     assert deferred.config.contract_check == "shapes"
     explicit = RunSession(PluginConfig(print_report=False), probe=probe, clock=clock)
     explicit.resolve_config(PluginConfig())
-    assert explicit.config == PluginConfig(print_report=False) == explicit.explicit_config
+    assert explicit.config == PluginConfig(print_report=False)
 
 
 def test_the_model_config_a_script_changed_redoes_the_prediction_the_report_prints(probe, clock):
