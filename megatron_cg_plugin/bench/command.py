@@ -69,9 +69,7 @@ from megatron_cg_plugin.capture.contracts import (
 from megatron_cg_plugin.capture.transaction import (
     CaptureTransaction,
     attribute,
-    gc_freeze,
-    gc_state,
-    restorables_for,
+    megatron_capture_state,
 )
 from megatron_cg_plugin.capture_lifecycle import bind_helper_class
 from megatron_cg_plugin.config import ContractCheck, PluginConfig
@@ -715,6 +713,9 @@ class MegatronTrainer:
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
         from megatron.training import get_args, training
 
+        session = installation.active_session()
+        if session is None:
+            raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
         self.torch, self.training, self.args = torch, training, get_args()
         self.train_step, self.step_args, self.step_kwargs = train_step, step_args, dict(step_kwargs)
         _, data_iterator, self.model, self.optimizer, _, self.config, schedule = step_args
@@ -722,12 +723,10 @@ class MegatronTrainer:
             self.step_args = (step_args[0], cycled_microbatches(data_iterator, cached_microbatches), *step_args[2:])
         self.iteration = self.step_kwargs.pop("iteration", None) or 0
         self.last: Any = None
-        plugin = training.TECudaGraphHelper  # swapped by install() (patch helper-swap)
-        if getattr(plugin, "session", None) is None:
-            raise BenchError("the plugin is not installed in this process; run the bench through megatron-cg bench.")
+        plugin = training.TECudaGraphHelper  # the plugin's helper, swapped in by install() (patch helper-swap)
         # The same helper without replay checks, reporting to a session of its own (the bench's figures only).
-        unchecked = RunSession(dataclasses.replace(plugin.session.config, contract_check=ContractCheck.OFF))
-        self._te_helper, self._session = TECudaGraphHelper, plugin.session
+        unchecked = RunSession(dataclasses.replace(session.config, contract_check=ContractCheck.OFF))
+        self._te_helper, self._session = TECudaGraphHelper, session
         if callable(schedule):  # the run's step marks, as the train-step-timer patch enters them: a script's
             # bench holds the bare train_step (the patch wraps the bench's own stand-in)
             self.step_args = (
@@ -810,17 +809,13 @@ class MegatronTrainer:
             micro_batch_size=settings.micro_batch_size,
             optimizers=[self.optimizer],
         )
-        from megatron.core.transformer import cuda_graphs
-
         # Megatron's own capture is not transactional: a failure leaves its capture flag set, GC frozen and
         # some layers holding graphs, onto which the arms captured before would be restored for teardown.
         layers = self.graphable_layers()
         with CaptureTransaction(
             [
-                attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"),
-                gc_state(),
-                gc_freeze(),
-                *restorables_for((layer, name) for layer in layers for name in _ARM_LISTS),  # eager again
+                *megatron_capture_state(),
+                *(attribute(layer, name) for layer in layers for name in _ARM_LISTS),  # eager again
             ]
         ):
             try:
@@ -908,7 +903,10 @@ class MegatronTrainer:
         written. (In the launcher's bench every arm's step also passes the installed timer of the
         run's own session, whose mark is a no-op after the bench's first step: no training_log runs
         inside the bench to end that iteration. A script's bench holds the bare train_step.)"""
-        recording = RunSession(dataclasses.replace(self._session.config, **self.RECORDED_OUTPUTS))
+        outputs = self.RECORDED_OUTPUTS
+        recording = RunSession(
+            dataclasses.replace(self._session.config, metrics_out=outputs["metrics_out"], report_out=outputs["report_out"])
+        )
         recorded_step = patch_builders.build_train_step_timer(self.train_step, recording)
         return bind_helper_class(self._te_helper, recording), recording, recorded_step
 
@@ -1067,7 +1065,7 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
     graphed layer's first graph, checking fresh tensors of its captured inputs and the
     ``is_first_microbatch`` keyword Megatron adds at replay), and layer replays per step (every
     graphed layer once per microbatch). Timed outside any step, so each check reads parameters and
-    groups: the dearest replay (inside a step a contract reads them at its first replay only)."""
+    groups: the dearest replay (inside a step only a layer's first replay reads them)."""
     import torch
 
     graph = helper.flattened_callables[0].cuda_graphs[0]
@@ -1379,7 +1377,7 @@ def run_in_first_train_step(
     with foreign_state.Changes() as changes:
 
         def before() -> None:
-            session = getattr(training.TECudaGraphHelper, "session", None)  # install() swapped the helper
+            session = installation.active_session()
             if session is None:
                 raise BenchError(f"{script} ran without the plugin installed; run it through megatron-cg {command}.")
             check(_run_settings(session, command), session.config)

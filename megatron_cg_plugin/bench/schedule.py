@@ -137,10 +137,6 @@ class _MedianPrecision:
     pairs_needed: int
 
     @property
-    def more_pairs(self) -> int:
-        return max(0, self.pairs_needed - self.pairs)
-
-    @property
     def rounds_needed(self) -> int:
         """``--bench-rounds`` for ``width``: two rounds a pair."""
         return 2 * max(self.pairs, self.pairs_needed)

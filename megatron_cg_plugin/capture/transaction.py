@@ -23,7 +23,7 @@ __all__ = [
     "attribute",
     "gc_freeze",
     "gc_state",
-    "restorables_for",
+    "megatron_capture_state",
     "rng_state",
     "tensor_grads",
 ]
@@ -132,16 +132,12 @@ class CaptureTransaction:
                 self.rollback_errors.append(f"restore of {item.name}: {error}")
 
 
-def restorables_for(objects: Iterable[tuple[Any, str]]) -> list[Restorable]:
-    """``attribute`` restorables for (owner, name) pairs, each owner/name once."""
-    seen: set[tuple[int, str]] = set()
-    result = []
-    for owner, name in objects:
-        key = (id(owner), name)
-        if key not in seen:
-            seen.add(key)
-            result.append(attribute(owner, name))
-    return result
+def megatron_capture_state() -> list[Restorable]:
+    """What Megatron's own capture sets and, when it fails, leaves set: its capture flag, and Python's
+    garbage collector (disabled, objects frozen)."""
+    from megatron.core.transformer import cuda_graphs
+
+    return [attribute(cuda_graphs, "_IS_GRAPH_CAPTURING", label="Megatron capture flag"), gc_state(), gc_freeze()]
 
 
 def rng_state() -> Restorable:

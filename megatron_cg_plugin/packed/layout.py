@@ -106,16 +106,11 @@ class PackedLayout:
     def sample_tokens(self) -> int:
         return self.max_seqlen if self.seq_length is None else self.seq_length
 
-    def sequences_per_sample(self) -> int:
-        """The fewest documents a sample holds: Megatron's offsets cover every token of it (the
-        padding folded into the last document), each document at most ``max_seqlen`` tokens."""
-        return -(-self.sample_tokens // self.max_seqlen)
-
     def sample_offsets(self, micro_batch_size: int) -> tuple[int, ...]:
         """A valid layout of the captured shapes: each of the microbatch's samples cut into sequences
         of ``max_seqlen`` tokens (the last one shorter), covering every token of the flattened stream
         as Megatron's offsets do. Raises ``ThdCapacityError`` when ``max_seqs`` is below the
-        ``micro_batch_size x sequences_per_sample()`` that takes."""
+        ``micro_batch_size x ceil(sample_tokens / max_seqlen)`` sequences that takes."""
         starts = range(0, self.sample_tokens, self.max_seqlen)
         offsets = [sample * self.sample_tokens + start for sample in range(micro_batch_size) for start in starts]
         return padded_offsets((*offsets, micro_batch_size * self.sample_tokens), self.entries)

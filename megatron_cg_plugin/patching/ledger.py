@@ -129,7 +129,7 @@ PATCHES: tuple[Patch, ...] = (
         "to the next one's, as Megatron's interval timer does, for the metrics and the report; and handing "
         "train_step its forward_backward_func entering the session's step marks around each call, so a replay "
         "contract knows the microbatches of one schedule run (under Megatron's DDP it reads parameters and "
-        "groups at its first replay in each run only).",
+        "groups at the layer's first replay in each run only).",
         expected_params=("forward_step_func", "data_iterator", "model", "forward_backward_func"),
     ),
     Patch(
@@ -364,8 +364,8 @@ SCOPED: tuple[ForeignState, ...] = (
         "Instance attributes cuda_graphs and cuda_graph_manual_hooks of each graphed layer: megatron-cg bench "
         "--bench-interleave steps keeps every arm's graphs captured at once and switches the layers between them "
         "per step; an arm set aside leaves the layers empty lists (eager), and a failed capture gives them back.",
-        "bench.command.MegatronTrainer.deactivate / activate (foreign_state.save and restore) and its capture "
-        "transaction",
+        "bench.command.MegatronTrainer.deactivate / activate (foreign_state.Changes.set to park an arm, restore to "
+        "bring it back) and its capture transaction",
     ),
     ForeignState(
         "bench-offload-fraction",
@@ -373,7 +373,7 @@ SCOPED: tuple[ForeignState, ...] = (
         "Instance attribute activation_offload_fraction of the layers' TransformerConfig: a bench arm named -f<P> "
         "captures as --activation-offload-fraction P/100 would, for its own capture only; the run's value is back "
         "after it, whatever happens.",
-        "bench.command.MegatronTrainer._offload_fraction (foreign_state.save, put, restore around the arm's capture)",
+        "bench.command.MegatronTrainer._offload_fraction (foreign_state.Changes around the arm's capture)",
     ),
     ForeignState(
         "tune-scope",
@@ -757,11 +757,6 @@ class PatchSet:
             raise ValueError(f"each patch needs a builder: none for {unbuilt}.")
         self._patches = tuple(patches)
         self._changes = foreign_state.Changes()
-        self._originals: dict[str, Any] = {}  # each applied patch's original, as its builder got it
-
-    @property
-    def applied(self) -> bool:
-        return bool(self._changes)
 
     def apply_all(self, session: Any, *, with_te: bool = True) -> None:
         assert not self._changes, "patches already applied"
@@ -774,14 +769,9 @@ class PatchSet:
                 patch.check(original)
                 replacement = patch.build(original, session)
                 self._changes.set(owner, name, replacement, change=patch.name)
-                self._originals[patch.name] = original
         except BaseException:
             self.revert_all()
             raise
 
     def revert_all(self) -> None:
-        self._originals.clear()
         self._changes.restore()
-
-    def original(self, name: str) -> Any:
-        return self._originals[name]

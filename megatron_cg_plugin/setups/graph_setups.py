@@ -30,7 +30,6 @@ from megatron_cg_plugin.slot_sharing.offload_plan import MEGATRON_MIN_OFFLOADED_
 
 __all__ = [
     "EAGER",
-    "IN_GRAPH_OFFLOAD_MODULES",
     "OFFLOAD_ENVIRONMENT",
     "TE_IMPL",
     "Build",
@@ -42,7 +41,6 @@ __all__ = [
     "graph_bytes",
     "graph_setups",
     "scopes",
-    "setup_environment",
     "setup_offload_modules",
     "setup_settings",
 ]
@@ -51,7 +49,7 @@ EAGER = "eager"
 TE_IMPL = "transformer_engine"
 # Megatron's offload groups of attention, which the planner's in-graph offload moves to pinned host arenas
 # (docs/offload.md offloads them inside the graphs).
-IN_GRAPH_OFFLOAD_MODULES = ("core_attn", "attn_proj")
+_IN_GRAPH_OFFLOAD_MODULES = ("core_attn", "attn_proj")
 # Megatron's validate_args asserts it for fine-grained offload under TE >= 2.10.
 OFFLOAD_ENVIRONMENT = "NVTE_CPU_OFFLOAD_V1=1"
 _MOE_PARTIAL = ("moe_router", "moe_preprocess")  # the dropless MoE scope beside attn (Megatron's static part)
@@ -99,7 +97,7 @@ class GraphSetup:
     """One way to graph the model: ``graphed`` False is eager (the run's flags without graphs);
     ``modules`` the ``--cuda-graph-modules`` (empty: the whole layer); ``slot`` slot-shared capture;
     ``offload`` the run's own offload flags kept (eager always keeps them: it is the run's own);
-    ``attention_offload`` attention's groups (``IN_GRAPH_OFFLOAD_MODULES``) offloaded too, inside the
+    ``attention_offload`` attention's groups (``_IN_GRAPH_OFFLOAD_MODULES``) offloaded too, inside the
     slot-shared graphs."""
 
     graphed: bool
@@ -204,7 +202,7 @@ def graph_setups(kind: ModelKind) -> tuple[GraphSetup, ...]:
     rules allow: a setup they refuse (the whole layer of a dropless MoE, slot capture of a partial MoE
     block, offload with the ``moe`` scope) is listed, and ``enumerate_setups`` carries their refusal."""
     offloads = (True, False) if kind.offload else (False,)
-    adds_attention = not set(IN_GRAPH_OFFLOAD_MODULES) <= set(kind.offload_modules)
+    adds_attention = not set(_IN_GRAPH_OFFLOAD_MODULES) <= set(kind.offload_modules)
     found = []
     for scope in scopes(kind):
         for slot in (False, True):
@@ -220,10 +218,10 @@ def setup_offload_modules(run_modules: tuple[str, ...], setup: GraphSetup) -> tu
     kept = run_modules if setup.offload else ()
     if not setup.attention_offload:
         return kept
-    return (*kept, *(module for module in IN_GRAPH_OFFLOAD_MODULES if module not in kept))
+    return (*kept, *(module for module in _IN_GRAPH_OFFLOAD_MODULES if module not in kept))
 
 
-def setup_environment(run: RunSettings, setup: GraphSetup) -> tuple[str, ...]:
+def _setup_environment(run: RunSettings, setup: GraphSetup) -> tuple[str, ...]:
     """The ``NAME=value`` ``setup`` needs in the environment beyond the run's: Megatron's offload switch
     where it offloads and the run did not (a run that offloads has it already)."""
     return (OFFLOAD_ENVIRONMENT,) if setup.attention_offload and not run.activation_offloading else ()
@@ -318,7 +316,7 @@ class Setup:
 
 
 # Builds a setup's settings and plugin config (the plugin's defaults where None) from its ``GraphSetup`` and the
-# environment it needs beyond the run's (``setup_environment``); raises ``rules.RuleViolation`` where they are
+# environment it needs beyond the run's (``_setup_environment``); raises ``rules.RuleViolation`` where they are
 # refused before its settings are read.
 Build = Callable[[GraphSetup, tuple[str, ...]], tuple[RunSettings, PluginConfig | None]]
 
@@ -332,7 +330,7 @@ def enumerate_setups(
     kind = ModelKind.of(settings) if kind is None else kind
     found = []
     for graph in graph_setups(kind):
-        environment = setup_environment(settings, graph)
+        environment = _setup_environment(settings, graph)
         flags, dropped = _changes(settings, graph)
         try:
             built, built_config = (

@@ -5,7 +5,7 @@ Before the first capture the run compares what the planner predicts the capture 
 (``CaptureNeed``: TE's graph pool, slot capture's GPU arenas, the static buffers outside the pool, the
 pinned host arenas of in-graph offload) with what the device and the host have free
 (``FreeMemory``, read by ``capture_lifecycle.read_free_memory``, or the GPU's share given by
-``--cg-memory-budget-gib``). ``judge`` says whether it fits, fits close to the limit (``CLOSE_FRACTION``,
+``--cg-memory-budget-gib``). ``judge`` says whether it fits, fits close to the limit (``_CLOSE_FRACTION``,
 ``CLOSE_HEADROOM_BYTES``) or does not fit; ``check_capture_memory`` adds, for a capture that does not
 fit, the setups that would (``fitting_setups``): of the run's setups (``setups.graph_setups``, the list
 ``megatron-cg tune`` weighs too), each re-predicted by the same planner and passed by the same rules as
@@ -23,7 +23,6 @@ from megatron_cg_plugin.settings import RunSettings
 from megatron_cg_plugin.setups.graph_setups import CaptureNeed, GraphSetup, ModelKind, Setup, enumerate_setups, scopes
 
 __all__ = [
-    "CLOSE_FRACTION",
     "CLOSE_HEADROOM_BYTES",
     "GIB",
     "CaptureNeed",
@@ -42,7 +41,7 @@ GIB = 2**30
 # A capture is close to the limit where it would leave less than 10% of the free memory, or less than
 # 1 GiB, unused: the planner's pools were within 8% of the measured ones (benchmarks/planner_pool), and the
 # eager parts of each step (embedding, output layer, loss) allocate beside the graphs after capture.
-CLOSE_FRACTION = 0.10
+_CLOSE_FRACTION = 0.10
 CLOSE_HEADROOM_BYTES = GIB
 
 
@@ -73,7 +72,7 @@ class Fit(enum.IntEnum):
     """How a capture fits; a larger value is worse (``max`` of two is the verdict of both)."""
 
     FITS = 0
-    CLOSE = 1  # fits, within CLOSE_FRACTION or CLOSE_HEADROOM_BYTES of the limit
+    CLOSE = 1  # fits, within _CLOSE_FRACTION or CLOSE_HEADROOM_BYTES of the limit
     DOES_NOT_FIT = 2
 
 
@@ -82,7 +81,7 @@ def _judge_bytes(need: int, free: int | None) -> Fit:
         return Fit.FITS
     if need > free:
         return Fit.DOES_NOT_FIT
-    if need > free * (1 - CLOSE_FRACTION) or free - need < CLOSE_HEADROOM_BYTES:
+    if need > free * (1 - _CLOSE_FRACTION) or free - need < CLOSE_HEADROOM_BYTES:
         return Fit.CLOSE
     return Fit.FITS
 
@@ -180,7 +179,7 @@ class MemoryVerdict:
         if self.fit is Fit.CLOSE:
             return (
                 f"{what} is close to the memory limit: the planner predicts {self._comparison()}, less than "
-                f"{CLOSE_FRACTION:.0%} or {gib(CLOSE_HEADROOM_BYTES)} to spare; capture goes ahead, but the eager "
+                f"{_CLOSE_FRACTION:.0%} or {gib(CLOSE_HEADROOM_BYTES)} to spare; capture goes ahead, but the eager "
                 f"parts of each step allocate beside the graphs.{left_out}"
             )
         assert self.fit is Fit.DOES_NOT_FIT, self.fit

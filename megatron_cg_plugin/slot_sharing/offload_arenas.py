@@ -18,9 +18,9 @@ Views of one storage come back as views of one reloaded buffer (the plan offload
 every view of it qualifies). ``join_backward`` joins whatever was reloaded but never unpacked.
 
 The copies go through ``Transfers``: ``CudaTransfers`` on the GPU (side streams, captured with the
-graphs), ``SerialTransfers`` (the same copies on the compute stream: no overlap, the reference the
-side streams must match); the unit tests' CPU double (plain copies, a log of what was asked) lives
-under tests/unit/_doubles.
+graphs). Test doubles live with the tests: the unit tests' CPU double (plain copies, a log of what
+was asked) under tests/unit/_doubles, and the GPU probe's serial reference (the same copies on the
+compute stream) in tests/functional/_probes/slots_probe.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ __all__ = [
     "HostArenaError",
     "OffloadPlanError",
     "OffloadingArenaHooks",
-    "SerialTransfers",
     "StagedArenaHooks",
     "Transfers",
     "torch",
@@ -163,34 +162,6 @@ class CudaTransfers:
             torch.cuda.current_stream().wait_stream(self.h2d)
         self._loaded.clear()
         self._h2d_forked = False
-
-
-class SerialTransfers:
-    """Every copy on the compute stream, in order with the forward and backward: nothing overlaps,
-    nothing needs joining (the synchronous reference for ``CudaTransfers``)."""
-
-    def reset(self) -> None:
-        pass
-
-    def stage(self, source: torch.Tensor) -> torch.Tensor:
-        return source  # the copy below runs before any later write on the same stream
-
-    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
-        host.copy_(staged, non_blocking=True)
-
-    def join_forward(self, keep: int = 0) -> None:
-        pass
-
-    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        buffer = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        buffer.copy_(host, non_blocking=True)
-        return buffer
-
-    def wait(self, buffer: torch.Tensor) -> None:
-        pass
-
-    def join_backward(self) -> None:
-        pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,7 @@ from megatron_cg_plugin.tune.candidates import (
 from megatron_cg_plugin.tune.ranking import Row
 from megatron_cg_plugin.tune.timing import TimingOptions, TimingResult, length_flags, time_setups
 
-__all__ = ["TuneError", "TuneOptions", "TunePlan", "main", "parse_tune_argv", "plan_setups", "report"]
+__all__ = ["TuneError", "TunePlan", "main", "plan_setups", "report"]
 
 
 class TuneError(ValueError):
@@ -60,7 +60,7 @@ class TuneError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TuneOptions:
+class _TuneOptions:
     memory_gib: float | None = None  # the graphs' memory budget (None: on the GPU, the device's less eager's peak)
     seconds: float = 300.0  # timing, both schedules together
     out: Path | None = None
@@ -95,11 +95,11 @@ def _number(flag: str, text: str | None) -> float | None:
         raise TuneError(f"{flag} {text!r}: give a number.") from None
 
 
-def parse_tune_argv(argv: Sequence[str]) -> tuple[TuneOptions, list[str]]:
+def _parse_tune_argv(argv: Sequence[str]) -> tuple[_TuneOptions, list[str]]:
     """The tune's own ``--tune-*`` options, and the flags left (a script first, if any)."""
     parser = argparse.ArgumentParser(prog="megatron-cg tune", add_help=False)
     parser.add_argument("--tune-memory-gib")
-    parser.add_argument("--tune-seconds", default=str(TuneOptions.seconds))
+    parser.add_argument("--tune-seconds", default=str(_TuneOptions.seconds))
     parser.add_argument("--tune-out", type=Path)
     parser.add_argument("--tune-no-plot", action="store_true")
     parser.add_argument("--tune-dry-run", action="store_true")
@@ -111,7 +111,7 @@ def parse_tune_argv(argv: Sequence[str]) -> tuple[TuneOptions, list[str]]:
         find_preset(flags)  # a misspelt preset, named before anything is built
     except ValueError as error:
         raise TuneError(str(error)) from None
-    options = TuneOptions(
+    options = _TuneOptions(
         memory_gib=_number("--tune-memory-gib", known.tune_memory_gib),
         seconds=_number("--tune-seconds", known.tune_seconds) or 0.0,
         out=known.tune_out,
@@ -266,7 +266,7 @@ def report(
 
 
 def main(argv: Sequence[str]) -> int:
-    options, flags = parse_tune_argv(argv)
+    options, flags = _parse_tune_argv(argv)
     script = user_script(flags)
     if script is not None:
         flags = flags[1:]
@@ -313,7 +313,7 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _untimed(plan: TunePlan, options: TuneOptions, why: str) -> int:
+def _untimed(plan: TunePlan, options: _TuneOptions, why: str) -> int:
     """The table and the files of a tune that times nothing (a dry run, or nothing left to time): each setup's
     rules, prediction and budget (``--tune-memory-gib`` where given), and ``why``."""
     rows = ranking.apply_budget(plan.rows, options.budget_bytes, source="--tune-memory-gib")
@@ -329,7 +329,7 @@ def _untimed(plan: TunePlan, options: TuneOptions, why: str) -> int:
     return 0
 
 
-def _time(plan: TunePlan, options: TuneOptions, script: Path | None) -> TimingResult:
+def _time(plan: TunePlan, options: _TuneOptions, script: Path | None) -> TimingResult:
     """The timing process: the model built with ``plan.built``'s flags, the setups timed in its first train_step."""
     from megatron.training import training
 

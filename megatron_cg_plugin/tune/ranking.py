@@ -23,7 +23,6 @@ from megatron_cg_plugin.bench.schedule import Z95, median_interval, median_preci
 from megatron_cg_plugin.setups.graph_setups import GraphSetup
 
 __all__ = [
-    "DEFAULT_MARGIN_FRACTION",
     "Measured",
     "RatioInterval",
     "Row",
@@ -44,7 +43,7 @@ __all__ = [
 
 # The default budget leaves this share of the device's memory free beside eager's peak and the graphs:
 # the allocator's fragmentation, NCCL's and cuBLAS's workspaces, what the planner does not model.
-DEFAULT_MARGIN_FRACTION = 0.05
+_DEFAULT_MARGIN_FRACTION = 0.05
 _MIB = 2**20
 # Student's t two-sided 95% quantiles by degrees of freedom: the interval over 2 to 5 values (sign test from 6).
 _T95_FEW = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764}
@@ -141,7 +140,7 @@ class Row:
         return None if self.measured is None else self.measured.ratio
 
 
-def default_budget(device_bytes: int, eager_peak_bytes: int, margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> int:
+def default_budget(device_bytes: int, eager_peak_bytes: int, margin_fraction: float = _DEFAULT_MARGIN_FRACTION) -> int:
     """What the graphs may take: the device's memory less eager's measured peak and a margin (never below 0)."""
     return max(0, device_bytes - eager_peak_bytes - int(device_bytes * margin_fraction))
 

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from _doubles.installed import plugin_installed
 
 from megatron_cg_plugin import cli
 from megatron_cg_plugin.bench import command as bench
@@ -428,13 +429,19 @@ def test_slot_arms_are_refused_for_flags_slot_capture_cannot_serve():
         bench.refuse_unbenchable(plain, DEFAULTS, BenchOptions(arms=("slot", "slot-offload-staged")))
 
 
+def test_the_trainer_refuses_a_process_the_plugin_is_not_installed_in(monkeypatch):
+    from megatron_cg_plugin import installation
+
+    monkeypatch.setattr(installation, "active_session", lambda: None)
+    with pytest.raises(BenchError, match="the plugin is not installed in this process; run the bench through"):
+        bench.MegatronTrainer(lambda *a, **k: None, (None, None, "model", "optimizer", None, "config", None), {})
+
+
 def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypatch):
     import types
 
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
@@ -442,7 +449,7 @@ def test_the_unchecked_arm_is_the_plugins_helper_with_replay_checks_off(monkeypa
         pass
 
     session = RunSession(PluginConfig(contract_check="full"))
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Base, session))
+    plugin_installed(monkeypatch, Base, session)
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     step_args = (None, None, "model", "optimizer", None, "config", None)
     trainer = bench.MegatronTrainer(lambda *a, **k: None, step_args, {})
@@ -518,13 +525,11 @@ def test_the_trainer_steps_on_the_cached_batches(monkeypatch):
     import types
 
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, RunSession(PluginConfig())))
+    plugin_installed(monkeypatch, object, RunSession(PluginConfig()))
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     seen = []
 
@@ -544,14 +549,12 @@ def test_the_bench_runs_each_schedule_inside_the_runs_step_marks(monkeypatch):
     import types
 
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
     session = RunSession(PluginConfig())
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(object, session))
+    plugin_installed(monkeypatch, object, session)
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     seen = []
 
@@ -644,9 +647,7 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
     import types
 
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
     from megatron_cg_plugin.slot_sharing.offload_groups import OffloadCopies
@@ -655,7 +656,7 @@ def test_window_arms_capture_with_their_own_offload_window(monkeypatch):
         pass
 
     session = RunSession(PluginConfig(slot_capture=True, offload_window=2))
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Base, session))
+    plugin_installed(monkeypatch, Base, session)
     monkeypatch.setattr(megatron_training, "get_args", lambda: types.SimpleNamespace())
     trainer = bench.MegatronTrainer(lambda *a, **k: None, (None, None, "model", "optimizer", None, "config", None), {})
     BenchOptions(arms=("slot", "slot-offload", "slot-offload-w0", "slot-offload-staged-w3"))  # all known
@@ -830,9 +831,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
 
     import megatron.core.transformer.cuda_graphs as cuda_graphs
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.config import PluginConfig
     from megatron_cg_plugin.session import RunSession
 
@@ -851,7 +850,7 @@ def test_only_the_recording_arm_records_each_step_in_a_session_of_its_own(monkey
 
     run_session = Watched(PluginConfig(metrics_out=tmp_path / "metrics.json"))
     monkeypatch.setattr(bench, "RunSession", Watched)
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(_FakeMegatronHelper, run_session))
+    plugin_installed(monkeypatch, _FakeMegatronHelper, run_session)
     monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)
     run_session.settings = RunSettings(seq_length=8, micro_batch_size=1)  # as validate_args leaves it
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", _FakeMegatronHelper)  # the stock arm's
@@ -959,14 +958,13 @@ def test_a_users_script_runs_with_the_bench_in_its_train_step_and_refusals_befor
     monkeypatch.setattr(bench_output, "markdown", lambda result: "")
     import megatron.training
 
+    from megatron_cg_plugin import installation
     from megatron_cg_plugin.config import PluginConfig
 
     session = types.SimpleNamespace(  # the flags validated: nothing left for ensure_checked
         config=PluginConfig(), settings=run_settings(), ensure_checked=lambda: None
     )
-    monkeypatch.setattr(
-        training, "TECudaGraphHelper", types.SimpleNamespace(session=session), raising=False
-    )  # what install() swaps in
+    monkeypatch.setattr(installation, "active_session", lambda: session)  # what install() leaves
     loop_args = types.SimpleNamespace(train_iters=7)
     monkeypatch.setattr(megatron.training, "get_args", lambda: loop_args)
     assert (

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from _doubles.installed import plugin_installed
 
 from megatron_cg_plugin.bench import command as bench
 from megatron_cg_plugin.bench import output as bench_output
@@ -529,9 +530,7 @@ def graphable_model():
 def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkeypatch):
     import megatron.core.transformer.cuda_graphs as cuda_graphs
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class Tagged(RunSession):  # which arm's session a plugin helper reports to
@@ -549,9 +548,7 @@ def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkey
     layers = [m for m in model[0].modules() if hasattr(m, "cuda_graphs")]
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
     monkeypatch.setattr(bench, "RunSession", Recording)  # the recording arm's own session
-    monkeypatch.setattr(
-        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(Tagged(PluginConfig())))
-    )
+    plugin_installed(monkeypatch, FakeMegatronHelper, validated(Tagged(PluginConfig())))
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeMegatronHelper)  # the stock arm's
     monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     served = []
@@ -594,14 +591,10 @@ def test_switching_puts_each_arms_own_graphs_hooks_and_recording_in_place(monkey
 def test_releasing_another_arms_helper_than_the_active_ones_is_an_error(monkeypatch):
     import megatron.core.transformer.cuda_graphs as cuda_graphs
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
-    monkeypatch.setattr(
-        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(RunSession(PluginConfig())))
-    )
+    plugin_installed(monkeypatch, FakeMegatronHelper, validated(RunSession(PluginConfig())))
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", FakeMegatronHelper)
     monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     trainer = bench.MegatronTrainer(
@@ -622,9 +615,7 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
     the restore's assert replaced the capture's error."""
     import megatron.core.transformer.cuda_graphs as cuda_graphs
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     class HalfCapture(FakeMegatronHelper):
@@ -641,9 +632,7 @@ def test_a_capture_failing_half_way_is_raised_as_itself_and_every_earlier_arm_to
             super().delete_cuda_graphs()
 
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
-    monkeypatch.setattr(
-        training, "TECudaGraphHelper", bind_helper_class(FakeMegatronHelper, validated(RunSession(PluginConfig())))
-    )
+    plugin_installed(monkeypatch, FakeMegatronHelper, validated(RunSession(PluginConfig())))
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", HalfCapture)
     monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)  # what the steps set, as train() does
     model = graphable_model()
@@ -672,9 +661,7 @@ def test_a_fraction_arm_captures_as_megatrons_offload_fraction_flag_would_and_pu
     whether it succeeds or fails."""
     import megatron.core.transformer.cuda_graphs as cuda_graphs
     import megatron.training as megatron_training
-    from megatron.training import training
 
-    from megatron_cg_plugin.capture_lifecycle import bind_helper_class
     from megatron_cg_plugin.session import RunSession
 
     seen = []
@@ -691,7 +678,7 @@ def test_a_fraction_arm_captures_as_megatrons_offload_fraction_flag_would_and_pu
     monkeypatch.setattr(FakeMegatronHelper, "handed", [])
     monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", Seeing)  # every arm's base helper
     session = validated(RunSession(PluginConfig(slot_capture=True)))
-    monkeypatch.setattr(training, "TECudaGraphHelper", bind_helper_class(Seeing, session))
+    plugin_installed(monkeypatch, Seeing, session)
     monkeypatch.setattr(megatron_training, "get_args", types.SimpleNamespace)
     model = graphable_model()
     config = next(m for m in model[0].modules() if hasattr(m, "cuda_graphs")).config

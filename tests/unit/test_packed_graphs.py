@@ -146,7 +146,6 @@ def test_the_layout_takes_the_bound_from_the_flag():
 
 def test_the_sample_layout_covers_every_token_in_documents_of_the_bound():
     layout = PackedLayout(max_seqs=8, max_seqlen=6, seq_length=16)
-    assert layout.sequences_per_sample() == 3
     assert layout.sample_offsets(2) == (0, 6, 12, 16, 22, 28, 32, 32, 32)  # two samples of 6 + 6 + 4 tokens
     offsets = graphs.capture_params(torch.tensor(layout.sample_offsets(2), dtype=torch.int32), layout)
     assert offsets.max_seqlen_q == 6

@@ -17,7 +17,7 @@ from megatron_cg_plugin.capture.transaction import (
     attribute,
     gc_freeze,
     gc_state,
-    restorables_for,
+    megatron_capture_state,
     tensor_grads,
 )
 
@@ -133,10 +133,17 @@ def test_attribute_labels():
     assert attribute(Plain(), "x", label="a flag").name == "a flag"
 
 
-def test_restorables_for_dedupes_owner_and_name():
-    a, b = Plain(), Plain()
-    items = restorables_for([(a, "x"), (b, "x"), (a, "x"), (a, "y")])
-    assert [item.name for item in items] == ["Plain.x", "Plain.x", "Plain.y"]
+def test_megatron_capture_state_is_back_after_a_failed_capture(unfrozen):
+    from megatron.core.transformer import cuda_graphs
+
+    gc.unfreeze()  # the import may have frozen objects
+    flag, enabled = cuda_graphs._IS_GRAPH_CAPTURING, gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"), CaptureTransaction(megatron_capture_state()):
+        cuda_graphs._IS_GRAPH_CAPTURING = not flag  # what a capture failing part-way leaves set
+        gc.disable()
+        gc.freeze()
+        raise RuntimeError("capture failed")
+    assert cuda_graphs._IS_GRAPH_CAPTURING is flag and gc.isenabled() == enabled and gc.get_freeze_count() == 0
 
 
 # ====================================================================== gc

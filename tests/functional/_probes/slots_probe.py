@@ -351,13 +351,41 @@ def grouped(layers):
     return stack
 
 
+class SerialTransfers:
+    """Every copy on the compute stream, in order with the forward and backward: nothing overlaps,
+    nothing needs joining (the synchronous reference for ``CudaTransfers``)."""
+
+    def reset(self) -> None:
+        pass
+
+    def stage(self, source: torch.Tensor) -> torch.Tensor:
+        return source  # the copy below runs before any later write on the same stream
+
+    def to_host(self, host: torch.Tensor, staged: torch.Tensor) -> None:
+        host.copy_(staged, non_blocking=True)
+
+    def join_forward(self, keep: int = 0) -> None:
+        pass
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        buffer.copy_(host, non_blocking=True)
+        return buffer
+
+    def wait(self, buffer: torch.Tensor) -> None:
+        pass
+
+    def join_backward(self) -> None:
+        pass
+
+
 def offload(result):
     """In-graph activation offload: the wrap-ring2 order with 2 variants, offloading
     layer 0's saves or both layers', with the copies on side streams (async) or on the compute
     stream (serial), against the same capture without offload; bitwise eager, GPU arena and host
     arena bytes, and the replay time of a forward + backward with and without."""
     from megatron_cg_plugin.slot_sharing.capture import SlotOffload, capture_slotted
-    from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers, SerialTransfers
+    from megatron_cg_plugin.slot_sharing.offload_arenas import CudaTransfers
     from megatron_cg_plugin.slot_sharing.offload_plan import OffloadPolicy
     from megatron_cg_plugin.slot_sharing.offload_staging import StagingRing
     from megatron_cg_plugin.slot_sharing.plan import plan_slots
