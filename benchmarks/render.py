@@ -71,7 +71,7 @@ def speed(results: dict[str, dict]) -> str:
             ]
         )
     return _table(
-        ["model", "step time plugin / stock [95% interval]", "cycles", "capture plugin / stock", "source"], rows
+        ["model", "step time plugin / stock [95% interval]", "cycles kept", "capture plugin / stock", "source"], rows
     )
 
 

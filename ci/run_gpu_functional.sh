@@ -2,7 +2,8 @@
 # Runs the GPU functional farm on a host with CUDA GPUs, TE and megatron-core importable
 # (PYTHONPATH or an installed venv), and writes the summary table.
 #   bash ci/run_gpu_functional.sh [OUT_DIR] [extra pytest args]
-# MEGATRON_CG_UPDATE_GOLDEN=1 rewrites each case's golden_values_dev_dgx_h200.json (tests/functional/test_cases/) from this run.
+# MEGATRON_CG_UPDATE_GOLDEN=1 rewrites each case's golden_values_dev_dgx_<gpu>.json (tests/functional/test_cases/), the
+# file of the GPU this run is on (h100, h200), from this run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/megatron-cg-farm}}
