@@ -905,7 +905,9 @@ class MegatronTrainer:
         inside the bench to end that iteration. A script's bench holds the bare train_step.)"""
         outputs = self.RECORDED_OUTPUTS
         recording = RunSession(
-            dataclasses.replace(self._session.config, metrics_out=outputs["metrics_out"], report_out=outputs["report_out"])
+            dataclasses.replace(
+                self._session.config, metrics_out=outputs["metrics_out"], report_out=outputs["report_out"]
+            )
         )
         recorded_step = patch_builders.build_train_step_timer(self.train_step, recording)
         return bind_helper_class(self._te_helper, recording), recording, recorded_step
@@ -1061,11 +1063,13 @@ def python_calls_per_step(
 
 
 def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) -> tuple[dict[str, float], int]:
-    """Host microseconds of one layer replay's contract check per mode (the contract of the first
-    graphed layer's first graph, checking fresh tensors of its captured inputs and the
-    ``is_first_microbatch`` keyword Megatron adds at replay), and layer replays per step (every
-    graphed layer once per microbatch). Timed outside any step, so each check reads parameters and
-    groups: the dearest replay (inside a step only a layer's first replay reads them)."""
+    """Host microseconds of a layer replay's contract check per mode, averaged over a step's replays of
+    the layer (the contract of the first graphed layer's first graph, checking fresh tensors of its
+    captured inputs and the ``is_first_microbatch`` keyword Megatron adds at replay, ``microbatches``
+    times inside one schedule run, about ``repeats`` checks in all), and layer replays per step (every
+    graphed layer once per microbatch). Where the contract holds the run's step marks (under Megatron's
+    DDP), the layer's first replay in a run reads its parameters and groups and the others check only
+    their call; without them every replay reads them."""
     import torch
 
     graph = helper.flattened_callables[0].cuda_graphs[0]
@@ -1076,12 +1080,16 @@ def contract_check_cost(helper: Any, *, microbatches: int, repeats: int = 2000) 
             "bench with --cg-contract-check full on a Megatron layer."
         )
     args, kwargs = call[0], {**call[1], FIRST_MICROBATCH: False}
+    marks = None if contract.held is None else contract.held.step_marks
+    runs = max(1, repeats // microbatches)
     costs = {}
     for mode in ContractCheck:
         start = time.perf_counter()
-        for _ in range(repeats):
-            contract.check(args, kwargs, mode)
-        costs[mode.value] = (time.perf_counter() - start) / repeats * 1e6
+        for _ in range(runs):
+            with contextlib.nullcontext() if marks is None else marks:  # one schedule run, as a step enters it
+                for _ in range(microbatches):
+                    contract.check(args, kwargs, mode)
+        costs[mode.value] = (time.perf_counter() - start) / (runs * microbatches) * 1e6
     return costs, len(helper.flattened_callables) * microbatches
 
 

@@ -390,10 +390,11 @@ class ReplayContract:
         inputs = tuple(
             (name, StaticInput.of(v) if isinstance(v, torch.Tensor) else v) for name, v in flatten_call(args, kwargs)
         )
+        params = tuple(params)
         if held is None:
             held = HeldState.of(module, params=params, step_marks=step_marks)
-        else:
-            assert module is None and step_marks is None, "a shared held state is made with its module and marks"
+        elif module is not None or params or step_marks is not None:
+            raise ValueError("give held, or the module, params and step_marks to make one: not both")
         return cls(graph, inputs, held)
 
     def check(self, args: Sequence[Any], kwargs: Mapping[str, Any], mode: ContractCheck = ContractCheck.FULL) -> None:

@@ -331,6 +331,31 @@ def test_contract_cost_times_every_mode_on_the_first_captured_layers_own_contrac
     assert kwargs["window"] == 3 and kwargs["is_first_microbatch"] is False
 
 
+@pytest.mark.parametrize("marked, reads", [(True, 10), (False, 40)])
+def test_contract_cost_averages_a_steps_replays_of_the_layer(monkeypatch, marked, reads):
+    """Under the run's step marks only a layer's first replay in a step reads its parameters: the cost
+    per replay is the mean over a step's, as the per-step figure multiplies it."""
+    import types
+
+    from megatron_cg_plugin.capture.contracts import CheckedGraph, HeldState, ReplayContract
+    from megatron_cg_plugin.capture.step_marks import StepMarks
+    from megatron_cg_plugin.config import ContractCheck
+
+    layer = torch.nn.Linear(4, 4)
+    marks = StepMarks() if marked else None
+    contract = ReplayContract.record("layer 0", (torch.zeros(2, 4),), {}, module=layer, step_marks=marks)
+    layer.cuda_graphs = [CheckedGraph(lambda *args, **kwargs: None, contract, ContractCheck.FULL)]
+    read = []
+    original = HeldState._read
+    monkeypatch.setattr(HeldState, "_read", lambda self, graph: read.append(graph) or original(self, graph))
+    monkeypatch.setattr(bench, "ContractCheck", [ContractCheck.FULL])
+    costs, replays = bench.contract_check_cost(
+        types.SimpleNamespace(flattened_callables=[layer]), microbatches=4, repeats=40
+    )
+    assert set(costs) == {"full"} and replays == 4
+    assert len(read) == reads  # 10 steps of 4 replays: one read a step under the marks, else one a replay
+
+
 def test_contract_cost_needs_the_plugin_arms_contracts():
     import types
 

@@ -1476,3 +1476,17 @@ def test_a_contract_whose_layer_is_gone_refuses_it_as_groups_gone():
     del layer
     gc.collect()
     assert violation(contract, (x(),)).field == "process group"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"module": torch.nn.Linear(2, 2)},
+        {"params": [("w", torch.nn.Parameter(torch.zeros(2)))]},
+        {"step_marks": StepMarks()},
+    ],
+)
+def test_a_shared_held_state_is_not_mixed_with_the_makings_of_another(extra):
+    held = HeldState.of(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="give held, or the module, params and step_marks to make one"):
+        ReplayContract.record(GRAPH, (torch.zeros(2),), {}, held=held, **extra)
