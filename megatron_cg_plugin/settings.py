@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from megatron_cg_plugin import compat, megatron_builds
@@ -475,20 +475,15 @@ def read_settings(
     te_available: bool = True,
     apex_fused_wgrad: bool = False,
     launcher: bool = False,
-    missing_files: Sequence[str] = (),
-    resumes_checkpoint: bool = False,
     device_capability: tuple[int, int] | None = None,
     cuda_version: tuple[int, int] | None = None,
-    tokenizer_problem: str | None = None,
-    optimizer_problem: str | None = None,
-    dataset_problem: str | None = None,
 ) -> tuple[RunSettings, PluginConfig | None]:
     """Reads the run's settings from a parsed Megatron namespace (before or after ``validate_args``)
     under ``config`` (``_plugin_config``: an explicit config wins over the ``--cg-*`` flags); returns
     them and the plugin config in force (None: the flags were refused, and ``config_problems`` says
-    why). ``te_available``, ``apex_fused_wgrad``, ``missing_files``, ``resumes_checkpoint``, ``device_capability`` and
-    ``cuda_version`` are what the caller probed on this host, and the ``*_problem`` what Megatron's builders raised on
-    the flags (``megatron_builds``); ``read_run_settings`` probes them."""
+    why). ``te_available``, ``apex_fused_wgrad``, ``device_capability`` and ``cuda_version`` are what the caller
+    probed on this host; ``read_run_settings`` probes them and adds the files, the checkpoint and what Megatron's
+    builders make of the flags."""
     env = env or {}
     resolved, problems, plugin = _plugin_config(args, env=env, config=config)
     environment = environment_settings(env)
@@ -609,9 +604,7 @@ def read_settings(
         config_problems=problems,
         unreadable_switches=environment.unreadable_switches,
         unusable_environment=environment.unusable_environment,
-        missing_files=tuple(missing_files),
         load=getattr(args, "load", None),
-        resumes_checkpoint=resumes_checkpoint,
         unsafe_pickle_allowed=env.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") == "1",
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
         weight_shards=getattr(args, "tensor_parallel_num_weight_shards", None),
@@ -651,9 +644,6 @@ def read_settings(
         no_load_optim=bool(getattr(args, "no_load_optim", False)),
         lr_schedule=_learning_rate_schedule(args),
         validated=hasattr(args, "data_parallel_size"),
-        tokenizer_problem=tokenizer_problem,
-        optimizer_problem=optimizer_problem,
-        dataset_problem=dataset_problem,
     ), resolved
 
 
