@@ -339,8 +339,8 @@ class _Entry:
         params: Sequence[torch.nn.Parameter],
         param_grads: Sequence[torch.Tensor | None],
         guard: SlotGuard | None,
-        contract_check: ContractCheck = ContractCheck.FULL,
-        held: HeldState | None = None,
+        contract_check: ContractCheck,
+        held: HeldState,
     ) -> None:
         self.variant, self.slot = variant, slot
         self.boundary: _Boundary | None = boundary  # None once released
@@ -353,11 +353,8 @@ class _Entry:
         self.input_count = len(variant.sample_args)
         # The same contract as TE's graphs: the boundary inputs are the static buffers (an input at
         # their address is read in place, any other copied in), the parameters are read in place:
-        # ``held``, shared by the capture's entries (once a run under step marks, as for TE's
-        # graphs), or else ``params`` held as given.
+        # ``held``, shared by the capture's entries (once a run under step marks, as for TE's graphs).
         self.contract_check = contract_check
-        if held is None:
-            held = HeldState.of(params=_numbered(params))
         self.contract = ReplayContract.record(self.name, boundary.inputs, {}, held=held)
         self.frames = 0
         self.frame: str | None = None
@@ -570,7 +567,7 @@ def capture_slotted(
         raise ValueError("offload needs the arenas (protect=True): offloaded saves come back through them.")
     sharing = (lambda: _fp8_sharing(fp8)) if fp8 is not None else _Sharing
     options = _CaptureOptions(
-        protect, warmup_iterations, debug, strict, contract_check, offload, param_grads, sharing, held
+        protect, warmup_iterations, debug, strict, contract_check, held, offload, param_grads, sharing
     )
     # Warmup and capture draw random numbers that eager training never draws: the generators go back after.
     with (
@@ -632,11 +629,11 @@ class _CaptureOptions:
     debug: bool
     strict: bool
     contract_check: ContractCheck
+    held: HeldState  # the parameters every entry's contract reads (one state for all)
     offload: SlotOffload | None = None
     param_grads: ParamGradBuffers | None = None  # shared with other captures; None: this capture's own
     # What frames share and what ctx objects belong to one call, read when a frame's hooks are made.
     sharing: Callable[[], _Sharing] = _Sharing
-    held: HeldState | None = None  # the parameters every entry's contract reads (one state for all)
 
 
 @dataclasses.dataclass

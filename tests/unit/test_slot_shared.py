@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron_cg_plugin.capture.contracts import ContractViolation
+from megatron_cg_plugin.capture.contracts import ContractViolation, HeldState
 from megatron_cg_plugin.config import ContractCheck
 from megatron_cg_plugin.slot_sharing.branches import BranchMismatchError
 from megatron_cg_plugin.slot_sharing.capture import (
@@ -322,7 +322,7 @@ def test_teardown_leaves_no_tensor_of_the_capture_to_the_report_that_keeps_the_l
     hidden, mask = torch.zeros(4, 6, requires_grad=True), torch.ones(1, 6, dtype=torch.bool)
     variant = Variant("layer", lambda x, m: x * m, (hidden, mask))
     boundary = _Boundary(variant, _measure(BASE, input_grads=(BASE, None)), adopt_inputs=True)
-    entry = _Entry(variant, 0, boundary, [], [], None, "off")
+    entry = _Entry(variant, 0, boundary, [], [], None, "off", HeldState())
     entry.forward_graph, entry.backward_graph = FakeGraph(), FakeGraph()
     flag = torch.zeros(1, dtype=torch.bool)
     entry.fp8 = types.SimpleNamespace(flag=flag)
@@ -402,7 +402,7 @@ def test_an_adopted_boundary_reads_the_samples_in_place_and_counts_only_what_it_
     input_bytes = (24 + 6) * 4
     assert copied.nbytes - adopted.nbytes == input_bytes  # the caller's samples are not this boundary's bytes
     # A replay copies in whatever is not at the static input's address, so a shared sample serves each graph.
-    entry = _Entry(variant, 0, adopted, [], [], None, "off")
+    entry = _Entry(variant, 0, adopted, [], [], None, "off", HeldState())
     entry.forward_graph = FakeGraph()
     other = torch.ones(6)
     entry.replay_forward(torch.ones(4, 6), other)
