@@ -246,6 +246,18 @@ def tune(results: dict[str, dict]) -> str:
     return "\n\n".join(parts)
 
 
+def contract_check(results: dict[str, dict]) -> str:
+    """The replay check's host cost per layer replay in each ``--cg-contract-check`` mode, from the results that
+    timed it (the bench times it on the plugin arm after its schedule)."""
+    timed = {name: result for name, result in results.items() if "contract_check_us" in result["figures"]}
+    modes = ["full", "shapes", "off"]
+    rows = [
+        [result["model"], *(f"{result['figures']['contract_check_us'][mode]:.1f}" for mode in modes), _source(result)]
+        for result in timed.values()
+    ]
+    return _table(["model", *(f"{mode}: us per layer replay" for mode in modes), "source"], rows)
+
+
 def index(results: dict[str, dict]) -> str:
     rows = [
         [f"[`{name}`]({name}/)", result.get("title", name), result["commit"], result["device"]]
@@ -257,6 +269,7 @@ def index(results: dict[str, dict]) -> str:
 TABLES: dict[str, Callable[[dict[str, dict]], str]] = {
     "speed": speed,
     "capture": capture,
+    "contract-check": contract_check,
     "packed": packed,
     "offload": offload,
     "planner-pool": lambda results: _predicted(results, "planner_pool"),
