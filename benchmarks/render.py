@@ -249,11 +249,11 @@ def tune(results: dict[str, dict]) -> str:
 def contract_check(results: dict[str, dict]) -> str:
     """The replay check's host cost per layer replay in each ``--cg-contract-check`` mode, from the results that
     timed it (the bench times it on the plugin arm after its schedule)."""
-    timed = {name: result for name, result in results.items() if "contract_check_us" in result["figures"]}
     modes = ["full", "shapes", "off"]
     rows = [
         [result["model"], *(f"{result['figures']['contract_check_us'][mode]:.1f}" for mode in modes), _source(result)]
-        for result in timed.values()
+        for result in results.values()
+        if "contract_check_us" in result["figures"]
     ]
     return _table(["model", *(f"{mode}: us per layer replay" for mode in modes), "source"], rows)
 
